@@ -1,0 +1,57 @@
+// Planning speed: one PlanStep of a pretrain batch, per policy and scale.
+//   sb-planner-bench --benchmark_filter='sparsebalance'
+// README "Planning speed" lists the figures measured on the 2-core development machine.
+#include <cstdint>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "planner/planner.h"
+#include "planner/traces.h"
+
+namespace sparsebalance {
+namespace {
+
+// `samples` documents from the pretrain trace over `ranks` ranks with 4 micro-batches of
+// 131072 tokens each (the bars: 512 over 64 and 65,536 over 4,096).
+void BM_PlanStep(benchmark::State& state, Policy policy) {
+  const int samples = static_cast<int>(state.range(0));
+  const int ranks = static_cast<int>(state.range(1));
+  PlannerConfig config;
+  config.ranks = ranks;
+  config.micro_batches = 4;
+  config.micro_batch_capacity = 131072;
+  config.policy = policy;
+  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", 7);
+  std::vector<Sample> batch;
+  for (int i = 0; i < samples; ++i) batch.push_back(gen->Next());
+  const CostCoefficients prior{1.7e-5, 1e-4, 2e-3, 0.05};
+  LatencyModel model(config.shape, ranks, prior);
+  for (auto _ : state) {
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+    if (!plan.ok()) {
+      state.SkipWithError(std::string(plan.status().message()).c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(plan->makespan_seconds);
+  }
+  state.counters["samples/s"] =
+      benchmark::Counter(static_cast<double>(samples), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+#define SB_PLAN_BENCH(name, policy)                                                       \
+  BENCHMARK_CAPTURE(BM_PlanStep, name, policy)                                            \
+      ->Args({512, 64})                                                                   \
+      ->Args({8192, 512})                                                                 \
+      ->Args({65536, 4096})                                                               \
+      ->Unit(benchmark::kMillisecond)
+
+SB_PLAN_BENCH(sequential, Policy::kSequential);
+SB_PLAN_BENCH(flops, Policy::kFlops);
+SB_PLAN_BENCH(sab, Policy::kSab);
+SB_PLAN_BENCH(dst, Policy::kDst);
+SB_PLAN_BENCH(sparsebalance, Policy::kSparseBalance);
+
+}  // namespace
+}  // namespace sparsebalance
+
+BENCHMARK_MAIN();

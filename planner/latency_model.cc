@@ -1,0 +1,185 @@
+#include "planner/latency_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "planner/block_math.h"
+
+namespace sparsebalance {
+namespace {
+
+// Feature order: active blocks, tokens, documents, micro-batch (constant 1).
+constexpr int kFeatures = 4;
+// Prior uncertainty of each weight (relative): the profile may be off by about 100%.
+constexpr double kPriorVariance = 1.0;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoefficients& prior,
+                           const LatencyModelOptions& options)
+    : shape_(shape), options_(options) {
+  // Scales make the fit well conditioned: each feature's weight is about 1. A term whose prior
+  // is zero (the micro-batch overhead; the profile cannot see it) gets a scale of 2% of a
+  // reference micro-batch (one 8K document at density 0.3), so it can be learned.
+  const Sample reference{0, 8192, 0.0, 0, {}};
+  const double blocks = static_cast<double>(
+      ActiveBlocks(reference.length, 0.3, shape.block_size, shape.local_blocks));
+  const double reference_seconds = prior.per_block * blocks + prior.per_token * 8192.0 +
+                                    prior.per_sample + prior.per_micro_batch;
+  const std::array<double, kFeatures> prior_coef = {prior.per_block, prior.per_token,
+                                                    prior.per_sample, prior.per_micro_batch};
+  const std::array<double, kFeatures> reference_x = {blocks, 8192.0, 1.0, 1.0};
+  for (int i = 0; i < kFeatures; ++i) {
+    const double fallback = 0.02 * reference_seconds / reference_x[i];
+    scale_[i] = prior_coef[i] > 0 ? prior_coef[i] : (fallback > 0 ? fallback : 1e-6);
+    state_.weights[i] = prior_coef[i] > 0 ? 1.0 : 0.0;
+    state_.covariance[i * kFeatures + i] = kPriorVariance;
+  }
+  state_.speed_factors.assign(std::max(ranks, 1), 1.0);
+}
+
+CostCoefficients LatencyModel::coefficients() const {
+  return {scale_[0] * state_.weights[0], scale_[1] * state_.weights[1],
+          scale_[2] * state_.weights[2], scale_[3] * state_.weights[3]};
+}
+
+MicroBatchFeatures LatencyModel::SampleFeatures(const Sample& sample, double density) const {
+  MicroBatchFeatures f;
+  f.tokens = static_cast<double>(sample.length);
+  if (sample.segments.empty()) {
+    f.active_blocks = static_cast<double>(
+        ActiveBlocks(sample.length, density, shape_.block_size, shape_.local_blocks));
+    f.documents = 1.0;
+  } else {
+    for (int64_t segment : sample.segments) {
+      f.active_blocks += static_cast<double>(
+          ActiveBlocks(segment, density, shape_.block_size, shape_.local_blocks));
+    }
+    f.documents = static_cast<double>(sample.segments.size());
+  }
+  return f;
+}
+
+std::array<double, 4> LatencyModel::Scaled(const MicroBatchFeatures& f) const {
+  const double non_empty = f.tokens > 0 ? 1.0 : 0.0;
+  return {f.active_blocks * scale_[0], f.tokens * scale_[1], f.documents * scale_[2],
+          non_empty * scale_[3]};
+}
+
+double LatencyModel::SampleSeconds(const Sample& sample, double density) const {
+  const MicroBatchFeatures f = SampleFeatures(sample, density);
+  return f.active_blocks * scale_[0] * state_.weights[0] +
+         f.tokens * scale_[1] * state_.weights[1] + f.documents * scale_[2] * state_.weights[2];
+}
+
+double LatencyModel::Seconds(const MicroBatchFeatures& features) const {
+  const std::array<double, 4> z = Scaled(features);
+  double t = 0;
+  for (int i = 0; i < kFeatures; ++i) t += z[i] * state_.weights[i];
+  return t;
+}
+
+absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
+  for (size_t i = 0; i < observations.size(); ++i) {
+    const Observation& o = observations[i];
+    const std::string where = absl::StrCat("observation ", i, " (rank ", o.rank,
+                                           ", micro_batch ", o.micro_batch, ")");
+    if (!std::isfinite(o.measured_seconds) || o.measured_seconds <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": measured_seconds ", o.measured_seconds,
+                       " is not a positive finite number; the step was not folded in"));
+    }
+    if (o.rank < 0 || o.rank >= ranks()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": rank is outside [0, ", ranks(), ")"));
+    }
+    const MicroBatchFeatures& f = o.features;
+    if (!(f.active_blocks >= 0) || !(f.tokens > 0) || !(f.documents >= 1) ||
+        !std::isfinite(f.active_blocks) || !std::isfinite(f.tokens)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": features need active_blocks >= 0, tokens > 0 and documents >= 1"));
+    }
+  }
+  if (observations.empty()) return absl::OkStatus();
+  std::sort(observations.begin(), observations.end(),
+            [](const Observation& a, const Observation& b) {
+              return a.rank != b.rank ? a.rank < b.rank : a.micro_batch < b.micro_batch;
+            });
+
+  // 1. Coefficients: RLS on y = t / h_r, with the step's forgetting applied once.
+  std::array<double, 16>& p = state_.covariance;
+  for (double& v : p) v /= options_.forgetting;
+  std::array<double, 4>& w = state_.weights;
+  for (const Observation& o : observations) {
+    const std::array<double, 4> z = Scaled(o.features);
+    const double y = o.measured_seconds / state_.speed_factors[o.rank];
+    // Relative-error weighting: divide the row by its target so long and short micro-batches
+    // count alike.
+    std::array<double, 4> x;
+    for (int i = 0; i < kFeatures; ++i) x[i] = z[i] / y;
+    std::array<double, 4> px{};
+    for (int i = 0; i < kFeatures; ++i) {
+      for (int j = 0; j < kFeatures; ++j) px[i] += p[i * kFeatures + j] * x[j];
+    }
+    double denom = 1.0;
+    double pred = 0.0;
+    for (int i = 0; i < kFeatures; ++i) {
+      denom += x[i] * px[i];
+      pred += x[i] * w[i];
+    }
+    const double err = 1.0 - pred;
+    for (int i = 0; i < kFeatures; ++i) w[i] += px[i] / denom * err;
+    for (int i = 0; i < kFeatures; ++i) {
+      for (int j = 0; j < kFeatures; ++j) p[i * kFeatures + j] -= px[i] * px[j] / denom;
+    }
+    for (int i = 0; i < kFeatures; ++i) w[i] = std::max(w[i], 0.0);
+  }
+  // Keep P bounded so that forgetting cannot blow it up when the inputs do not excite a
+  // direction (e.g. every micro-batch has one document).
+  for (int i = 0; i < kFeatures; ++i) {
+    double& d = p[i * kFeatures + i];
+    if (d > kPriorVariance) {
+      const double f = std::sqrt(kPriorVariance / d);
+      for (int j = 0; j < kFeatures; ++j) {
+        p[i * kFeatures + j] *= f;
+        p[j * kFeatures + i] *= f;
+      }
+    }
+  }
+
+  // 2. Speed factors: EWMA of measured / predicted rank time, bounded.
+  std::vector<double> measured(ranks(), 0.0);
+  std::vector<double> predicted(ranks(), 0.0);
+  for (const Observation& o : observations) {
+    measured[o.rank] += o.measured_seconds;
+    predicted[o.rank] += Seconds(o.features);
+  }
+  for (int r = 0; r < ranks(); ++r) {
+    if (measured[r] <= 0 || predicted[r] <= 0) continue;
+    double& h = state_.speed_factors[r];
+    h = (1.0 - options_.speed_ewma) * h + options_.speed_ewma * (measured[r] / predicted[r]);
+    h = std::clamp(h, options_.speed_min, options_.speed_max);
+  }
+  // 3. Normalise: the median rank has factor 1; the weights absorb the common scale, so
+  // predictions do not change.
+  const double median = Median(state_.speed_factors);
+  if (median > 0) {
+    for (double& h : state_.speed_factors) {
+      h = std::clamp(h / median, options_.speed_min, options_.speed_max);
+    }
+    for (double& v : w) v *= median;
+    for (double& v : p) v *= median * median;
+  }
+  ++state_.steps_observed;
+  return absl::OkStatus();
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,98 @@
+// Predicts micro-batch times and learns from measured ones (DESIGN.md section 4):
+//
+//   t(rank r, micro-batch S) = h_r * ( sum_{s in S} [ per_block * A(L_s, rho_s)
+//                                      + per_token * L_s + per_sample * docs_s ] + per_mb )
+//
+// The coefficients start from a prior (a fitted profile table) and are refined online by
+// recursive least squares with forgetting, projected onto non-negative values; h_r is a
+// bounded EWMA of measured / predicted time per rank, normalised so the median rank is 1.
+//
+//   LatencyModel model(shape, /*ranks=*/32, prior);
+//   double t = model.PredictSeconds(rank, model.Features(samples, densities));
+//   absl::Status s = model.ObserveStep(observations);  // after every step
+#ifndef SPARSEBALANCE_PLANNER_LATENCY_MODEL_H_
+#define SPARSEBALANCE_PLANNER_LATENCY_MODEL_H_
+
+#include <array>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "planner/profile_table.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+
+// What the model sees of a micro-batch.
+struct MicroBatchFeatures {
+  double active_blocks = 0.0;  // sum over documents of A(L, rho)
+  double tokens = 0.0;
+  double documents = 0.0;  // segments of pre-packed samples count separately
+  bool operator==(const MicroBatchFeatures& o) const {
+    return active_blocks == o.active_blocks && tokens == o.tokens && documents == o.documents;
+  }
+};
+
+// One measured micro-batch of one rank.
+struct Observation {
+  int rank = 0;
+  int micro_batch = 0;
+  MicroBatchFeatures features;
+  double measured_seconds = 0.0;  // compute time of the micro-batch
+};
+
+struct LatencyModelOptions {
+  double forgetting = 0.85;  // per step: older steps weigh forgetting^age in the fit
+  double speed_ewma = 0.3;   // weight of the newest step in the speed factor EWMA
+  double speed_min = 0.25;   // bounds of a speed factor
+  double speed_max = 4.0;
+};
+
+// The model's learned state, plain so that the service can snapshot it.
+struct LatencyModelState {
+  std::array<double, 4> weights{};       // multipliers of the feature scales (RLS estimate)
+  std::array<double, 16> covariance{};   // RLS P matrix, row-major 4x4
+  std::vector<double> speed_factors;     // h_r
+  int64_t steps_observed = 0;
+};
+
+class LatencyModel {
+ public:
+  LatencyModel(const ModelShape& shape, int ranks, const CostCoefficients& prior,
+               const LatencyModelOptions& options = {});
+
+  const ModelShape& shape() const { return shape_; }
+  int ranks() const { return static_cast<int>(state_.speed_factors.size()); }
+  CostCoefficients coefficients() const;
+  double speed_factor(int rank) const { return state_.speed_factors[rank]; }
+  const std::vector<double>& speed_factors() const { return state_.speed_factors; }
+  const LatencyModelState& state() const { return state_; }
+  void set_state(const LatencyModelState& state) { state_ = state; }
+
+  // Features of one sample at `density` (its documents at the same density).
+  MicroBatchFeatures SampleFeatures(const Sample& sample, double density) const;
+  // Seconds of one sample at `density` without the speed factor and micro-batch overhead.
+  double SampleSeconds(const Sample& sample, double density) const;
+  // Seconds of a micro-batch without the speed factor (0 for an empty one).
+  double Seconds(const MicroBatchFeatures& features) const;
+  double PredictSeconds(int rank, const MicroBatchFeatures& features) const {
+    return speed_factor(rank) * Seconds(features);
+  }
+
+  // Folds one step's measurements in. The whole step is refused, naming the offending entry,
+  // if a time is NaN, infinite, zero or negative, a rank is out of range, or features are
+  // negative; nothing is folded in then. Observations are applied in (rank, micro_batch)
+  // order whatever order they arrive in, so every replica learns the same model.
+  absl::Status ObserveStep(std::vector<Observation> observations);
+
+ private:
+  std::array<double, 4> Scaled(const MicroBatchFeatures& f) const;
+
+  ModelShape shape_;
+  LatencyModelOptions options_;
+  std::array<double, 4> scale_{};  // seconds per unit of each feature at weight 1
+  LatencyModelState state_;
+};
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PLANNER_LATENCY_MODEL_H_

@@ -1,0 +1,277 @@
+#include "planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "planner/recall_model.h"
+#include "planner/sparsity_tuner.h"
+
+namespace sparsebalance {
+namespace {
+
+// Densities in plans may sit this far outside their bounds (rounding in the tuner).
+constexpr double kDensitySlack = 1e-9;
+
+absl::Status SampleError(size_t i, absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("samples[", i, "].", field, ": ", what));
+}
+
+}  // namespace
+
+double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities) {
+  double weighted = 0.0;
+  double tokens = 0.0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const double w = static_cast<double>(batch[i].length);
+    weighted += w * PredictedRecall(batch[i].sensitivity, densities[i]);
+    tokens += w;
+  }
+  return tokens > 0 ? weighted / tokens : 0.0;
+}
+
+absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config) {
+  if (batch.empty()) {
+    return absl::InvalidArgumentError("samples: the batch is empty; submit at least one sample");
+  }
+  absl::flat_hash_set<uint64_t> ids;
+  ids.reserve(batch.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Sample& s = batch[i];
+    if (!ids.insert(s.id).second) {
+      return SampleError(i, "id", absl::StrCat(s.id, " appears more than once in the batch"));
+    }
+    if (s.length < 1) {
+      return SampleError(i, "length", absl::StrCat(s.length, " tokens; need at least 1"));
+    }
+    if (s.length > config.micro_batch_capacity) {
+      return SampleError(i, "length",
+                         absl::StrCat(s.length, " tokens (id ", s.id,
+                                      ") exceeds micro_batch_capacity ",
+                                      config.micro_batch_capacity,
+                                      "; split the document or raise the capacity"));
+    }
+    if (!(s.sensitivity >= 0.0 && s.sensitivity <= 1.0)) {
+      return SampleError(i, "sensitivity", absl::StrCat(s.sensitivity, " is outside [0, 1]"));
+    }
+    if (!s.segments.empty()) {
+      int64_t sum = 0;
+      for (size_t k = 0; k < s.segments.size(); ++k) {
+        if (s.segments[k] < 1) {
+          return SampleError(i, absl::StrCat("segments[", k, "]"),
+                             absl::StrCat(s.segments[k], " tokens; need at least 1"));
+        }
+        sum += s.segments[k];
+      }
+      if (sum != s.length) {
+        return SampleError(i, "segments",
+                           absl::StrCat("sum to ", sum, " tokens but length is ", s.length));
+      }
+    }
+    total += s.length;
+  }
+  const int64_t capacity =
+      static_cast<int64_t>(config.ranks) * config.micro_batches * config.micro_batch_capacity;
+  if (config.overflow == OverflowPolicy::kError && total > capacity) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "samples: the batch has ", total, " tokens but ranks x micro_batches x "
+        "micro_batch_capacity = ", config.ranks, " x ", config.micro_batches, " x ",
+        config.micro_batch_capacity, " = ", capacity,
+        " tokens; raise micro_batches or micro_batch_capacity, or use overflow policy defer"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                  const LatencyModel& model) {
+  absl::Status status = ValidateConfig(config);
+  if (!status.ok()) return status;
+  if (model.ranks() != config.ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("the latency model has ", model.ranks(),
+                                                   " ranks but config.ranks is ", config.ranks));
+  }
+  status = ValidateBatch(batch, config);
+  if (!status.ok()) return status;
+  std::vector<double> densities(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    densities[i] = BaseDensity(batch[i].sensitivity, config);
+  }
+  // The recall every tuned plan keeps (but in kMin): that of the default densities.
+  const double default_recall = TokenWeightedRecall(batch, densities);
+  if (config.policy == Policy::kSparseBalance) {
+    densities = AllocateDensities(batch, config, model, densities);
+  }
+  absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities);
+  if (!assignment.ok()) return assignment.status();
+  if (config.policy == Policy::kDst || config.policy == Policy::kSparseBalance) {
+    densities = TuneDensities(batch, *assignment, config, model, densities, default_recall);
+  }
+  return BuildPlan(batch, config, model, *assignment, densities);
+}
+
+StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                   const LatencyModel& model, const Assignment& assignment,
+                   const std::vector<double>& densities) {
+  StepPlan plan;
+  plan.policy = config.policy;
+  plan.ranks.resize(assignment.ranks.size());
+  double total_raw = 0.0;       // seconds, speed excluded
+  double largest_sample = 0.0;  // seconds, speed excluded, alone in a micro-batch
+  double weighted_density = 0.0;
+  double weighted_recall = 0.0;
+  double tokens = 0.0;
+  for (size_t r = 0; r < assignment.ranks.size(); ++r) {
+    RankPlan& rank = plan.ranks[r];
+    for (const std::vector<int>& members : assignment.ranks[r]) {
+      MicroBatchPlan mb;
+      mb.default_density = config.density_default;
+      MicroBatchFeatures features;
+      for (int i : members) {
+        const Sample& s = batch[i];
+        mb.sample_ids.push_back(s.id);
+        mb.densities.push_back(densities[i]);
+        mb.tokens += s.length;
+        const MicroBatchFeatures f = model.SampleFeatures(s, densities[i]);
+        features.active_blocks += f.active_blocks;
+        features.tokens += f.tokens;
+        features.documents += f.documents;
+        largest_sample = std::max(largest_sample,
+                                  model.Seconds(f) /* includes the micro-batch term */);
+        const double w = static_cast<double>(s.length);
+        weighted_density += w * densities[i];
+        weighted_recall += w * PredictedRecall(s.sensitivity, densities[i]);
+        tokens += w;
+      }
+      const double raw = model.Seconds(features);
+      total_raw += raw;
+      mb.predicted_seconds = model.speed_factor(static_cast<int>(r)) * raw;
+      rank.predicted_seconds += mb.predicted_seconds;
+      rank.micro_batches.push_back(std::move(mb));
+    }
+  }
+  for (int i : assignment.deferred) plan.deferred_ids.push_back(batch[i].id);
+  double sum = 0.0;
+  for (const RankPlan& rank : plan.ranks) {
+    plan.makespan_seconds = std::max(plan.makespan_seconds, rank.predicted_seconds);
+    sum += rank.predicted_seconds;
+  }
+  const double n = static_cast<double>(plan.ranks.size());
+  double inverse_speed = 0.0;
+  double min_speed = 0.0;
+  for (int r = 0; r < static_cast<int>(plan.ranks.size()); ++r) {
+    inverse_speed += 1.0 / model.speed_factor(r);
+    min_speed = r == 0 ? model.speed_factor(r) : std::min(min_speed, model.speed_factor(r));
+  }
+  plan.lower_bound_seconds =
+      std::max(inverse_speed > 0 ? total_raw / inverse_speed : 0.0, largest_sample * min_speed);
+  plan.gap = plan.lower_bound_seconds > 0 ? plan.makespan_seconds / plan.lower_bound_seconds - 1.0
+                                          : 0.0;
+  const double mean = n > 0 ? sum / n : 0.0;
+  plan.imbalance_ratio = mean > 0 ? plan.makespan_seconds / mean : 1.0;
+  plan.bubble_ratio = plan.makespan_seconds > 0 ? 1.0 - mean / plan.makespan_seconds : 0.0;
+  plan.mean_density = tokens > 0 ? weighted_density / tokens : 0.0;
+  plan.predicted_recall = tokens > 0 ? weighted_recall / tokens : 0.0;
+  return plan;
+}
+
+absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
+                       const PlannerConfig& config) {
+  auto fail = [](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat("plan check: ", parts...));
+  };
+  std::map<uint64_t, size_t> index_of;
+  for (size_t i = 0; i < batch.size(); ++i) index_of[batch[i].id] = i;
+  std::vector<int> seen(batch.size(), 0);
+  std::map<uint64_t, int> rank_of_group;
+  if (static_cast<int>(plan.ranks.size()) != config.ranks) {
+    return fail("plan has ", plan.ranks.size(), " ranks, config has ", config.ranks);
+  }
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    const RankPlan& rank = plan.ranks[r];
+    if (static_cast<int>(rank.micro_batches.size()) != config.micro_batches) {
+      return fail("rank ", r, " has ", rank.micro_batches.size(), " micro-batches, want ",
+                  config.micro_batches);
+    }
+    for (size_t m = 0; m < rank.micro_batches.size(); ++m) {
+      const MicroBatchPlan& mb = rank.micro_batches[m];
+      if (mb.sample_ids.size() != mb.densities.size()) {
+        return fail("rank ", r, " micro-batch ", m, " has ", mb.sample_ids.size(), " ids but ",
+                    mb.densities.size(), " densities");
+      }
+      int64_t tokens = 0;
+      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
+        auto it = index_of.find(mb.sample_ids[k]);
+        if (it == index_of.end()) {
+          return fail("rank ", r, " micro-batch ", m, " holds id ", mb.sample_ids[k],
+                      " that is not in the batch");
+        }
+        const Sample& s = batch[it->second];
+        ++seen[it->second];
+        tokens += s.length;
+        const double rho = mb.densities[k];
+        const double floor = DensityFloor(s.sensitivity, config);
+        if (!(rho >= floor - kDensitySlack && rho <= config.density_max + kDensitySlack)) {
+          return fail("sample id ", s.id, " has density ", rho, " outside [floor ", floor,
+                      ", density_max ", config.density_max, "]");
+        }
+        if (s.group != 0) {
+          auto [g, inserted] = rank_of_group.emplace(s.group, static_cast<int>(r));
+          if (!inserted && g->second != static_cast<int>(r)) {
+            return fail("group ", s.group, " is split over ranks ", g->second, " and ", r);
+          }
+        }
+      }
+      if (tokens != mb.tokens) {
+        return fail("rank ", r, " micro-batch ", m, " says ", mb.tokens, " tokens, holds ",
+                    tokens);
+      }
+      if (tokens > config.micro_batch_capacity) {
+        return fail("rank ", r, " micro-batch ", m, " holds ", tokens,
+                    " tokens, above capacity ", config.micro_batch_capacity);
+      }
+    }
+  }
+  for (uint64_t id : plan.deferred_ids) {
+    auto it = index_of.find(id);
+    if (it == index_of.end()) return fail("deferred id ", id, " is not in the batch");
+    ++seen[it->second];
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (seen[i] != 1) {
+      return fail("sample id ", batch[i].id, " appears ", seen[i], " times (want exactly once)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string CanonicalPlanText(const StepPlan& plan) {
+  std::string out = absl::StrCat("policy ", PolicyName(plan.policy), "\n");
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    absl::StrAppend(&out, "rank ", r, absl::StrFormat(" %a\n", plan.ranks[r].predicted_seconds));
+    for (const MicroBatchPlan& mb : plan.ranks[r].micro_batches) {
+      absl::StrAppend(&out, " mb", absl::StrFormat(" %d %a %a:", mb.tokens, mb.predicted_seconds,
+                                                   mb.default_density));
+      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
+        absl::StrAppend(&out, absl::StrFormat(" %d@%a", mb.sample_ids[k], mb.densities[k]));
+      }
+      out += "\n";
+    }
+  }
+  out += "deferred";
+  for (uint64_t id : plan.deferred_ids) absl::StrAppend(&out, " ", id);
+  absl::StrAppend(&out, absl::StrFormat("\nfigures %a %a %a %a %a %a %a\n", plan.makespan_seconds,
+                                        plan.lower_bound_seconds, plan.gap, plan.imbalance_ratio,
+                                        plan.bubble_ratio, plan.mean_density,
+                                        plan.predicted_recall));
+  return out;
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,52 @@
+// One step of planning: validation, placement (sample_assigner.h), density tuning
+// (sparsity_tuner.h) and the plan's predicted figures. Pure and deterministic: the same batch,
+// config and model give a byte-identical plan on every machine, which is what lets every
+// rank recompute the planner's answer locally when the planner is unreachable.
+//
+//   LatencyModel model(config.shape, config.ranks, prior);
+//   absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+//   if (!plan.ok()) ...;  // INVALID_ARGUMENT naming the field and index
+#ifndef SPARSEBALANCE_PLANNER_PLANNER_H_
+#define SPARSEBALANCE_PLANNER_PLANNER_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/latency_model.h"
+#include "planner/sample_assigner.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+
+// Checks the batch against the config: non-empty, unique ids, lengths in
+// [1, micro_batch_capacity], sensitivity in [0, 1], segments positive and summing to the
+// length; with kError also that the total fits ranks x micro_batches x capacity. Errors are
+// INVALID_ARGUMENT and name `samples[i]` and the field.
+absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config);
+
+// Plans one step with `config.policy`. The model must have `config.ranks` ranks.
+absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                  const LatencyModel& model);
+
+// Turns an assignment and densities into a plan with its predicted figures.
+StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                   const LatencyModel& model, const Assignment& assignment,
+                   const std::vector<double>& densities);
+
+// Verifies a plan's invariants against its batch: every sample exactly once (placed or
+// deferred), config.micro_batches per rank, micro-batch capacity, groups on one rank,
+// densities in [floor, density_max], token counts; FAILED_PRECONDITION naming what is wrong.
+absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
+                       const PlannerConfig& config);
+
+// Token-weighted predicted recall (recall_model.h) of the batch at one density per sample.
+double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities);
+
+// A canonical text of the plan (every id, density and figure, doubles in hex) for comparing
+// plans byte for byte.
+std::string CanonicalPlanText(const StepPlan& plan);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PLANNER_PLANNER_H_

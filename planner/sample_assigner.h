@@ -1,0 +1,40 @@
+// Places a step's samples on ranks and into micro-batches (DESIGN.md section 5): the
+// sparsity-aware batching (SAB) and the baselines it is compared with.
+//
+//   absl::StatusOr<Assignment> a = AssignSamples(batch, config, model, densities);
+//   // a->ranks[r][m] lists indices into `batch`
+#ifndef SPARSEBALANCE_PLANNER_SAMPLE_ASSIGNER_H_
+#define SPARSEBALANCE_PLANNER_SAMPLE_ASSIGNER_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/latency_model.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+
+struct Assignment {
+  // ranks[r][m]: indices into the batch of the samples in micro-batch m of rank r, in
+  // placement order.
+  std::vector<std::vector<std::vector<int>>> ranks;
+  std::vector<int> deferred;  // indices of samples left for the next step (kDefer), ascending
+};
+
+// Places every sample (or defers what does not fit under kDefer) by `config.policy`:
+//  - sequential (and dst): contiguous chunks in arrival order, micro-batches filled in order;
+//  - tokens: balance token counts; flops: balance dense cost (the model at density 1);
+//    both ignore rank speed, as those packers do;
+//  - sab (and sparsebalance): balance predicted time at `densities` (one per sample),
+//    speed factors included.
+// Balancing policies place the largest first on the rank that minimises its resulting time
+// within token capacity, keep groups on one rank, break near-ties towards the rank with the
+// least untunable (sensitive) work, then improve by moves and swaps between the most and the
+// least loaded rank. The batch and config must be valid (ValidateBatch, ValidateConfig).
+absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
+                                         const PlannerConfig& config, const LatencyModel& model,
+                                         const std::vector<double>& densities);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PLANNER_SAMPLE_ASSIGNER_H_

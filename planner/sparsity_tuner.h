@@ -1,0 +1,43 @@
+// Dynamic sparsity tuning (DST, DESIGN.md section 5): with the assignment fixed, choose the
+// step's target makespan T by mode, then per rank choose per-sample densities that bring the
+// rank to T: stragglers are lowered (never below their floors), the other ranks are raised
+// (up to density_max) so that their idle time buys attention recall.
+//
+//   std::vector<double> rho = TuneDensities(batch, assignment, config, model, base, recall);
+#ifndef SPARSEBALANCE_PLANNER_SPARSITY_TUNER_H_
+#define SPARSEBALANCE_PLANNER_SPARSITY_TUNER_H_
+
+#include <vector>
+
+#include "planner/latency_model.h"
+#include "planner/sample_assigner.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+
+// The step-level half of DST, run before placement by the sparsebalance policy so that SAB
+// places samples by the cost they will have: the per-sample densities, each in
+// [floor, density_max], with the least predicted attention time whose token-weighted
+// predicted recall is at least that of `base` (one multiplier over the whole batch: long,
+// insensitive documents go down, short or sensitive ones go up). Returns `base` when no
+// such densities exist.
+std::vector<double> AllocateDensities(const std::vector<Sample>& batch,
+                                      const PlannerConfig& config, const LatencyModel& model,
+                                      const std::vector<double>& base);
+
+// The per-rank half of DST: a density per batch sample (deferred samples keep `base`).
+//
+// Within a rank the densities maximise the predicted token-weighted recall for the rank's
+// time budget: the marginal recall per second is equalised across samples (a water-filling
+// over one multiplier), so cuts fall first on long, insensitive documents and raises first on
+// short or sensitive ones. Stragglers only lower and the others only raise, each sample
+// staying in [floor, base] or [base, density_max]. In every mode but kMin the predicted
+// token-weighted recall of the result is at least min(min_recall, recall at `base`): if the
+// target would lose more, the target is raised until it does not.
+std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
+                                  const PlannerConfig& config, const LatencyModel& model,
+                                  const std::vector<double>& base, double min_recall);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PLANNER_SPARSITY_TUNER_H_

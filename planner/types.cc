@@ -1,0 +1,132 @@
+#include "planner/types.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace sparsebalance {
+namespace {
+
+bool InUnitInterval(double x) { return std::isfinite(x) && x > 0.0 && x <= 1.0; }
+
+}  // namespace
+
+absl::Status ValidateConfig(const PlannerConfig& c) {
+  auto bad = [](absl::string_view field, auto value, absl::string_view want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.", field, " = ", value, " is invalid: ", want));
+  };
+  if (c.ranks < 1) return bad("ranks", c.ranks, "need at least one rank");
+  if (c.micro_batches < 1) return bad("micro_batches", c.micro_batches, "need at least 1");
+  if (c.micro_batch_capacity < 1) {
+    return bad("micro_batch_capacity", c.micro_batch_capacity, "need a positive token count");
+  }
+  const ModelShape& s = c.shape;
+  if (s.layers < 1) return bad("shape.layers", s.layers, "need at least 1");
+  if (s.heads < 1) return bad("shape.heads", s.heads, "need at least 1");
+  if (s.head_dim < 1) return bad("shape.head_dim", s.head_dim, "need at least 1");
+  if (s.block_size != 64 && s.block_size != 128) {
+    return bad("shape.block_size", s.block_size, "supported block sizes are 64 and 128");
+  }
+  if (s.local_blocks < 0) return bad("shape.local_blocks", s.local_blocks, "need >= 0");
+  if (!InUnitInterval(c.density_min)) return bad("density_min", c.density_min, "need (0, 1]");
+  if (!InUnitInterval(c.density_max)) return bad("density_max", c.density_max, "need (0, 1]");
+  if (!InUnitInterval(c.density_default)) {
+    return bad("density_default", c.density_default, "need (0, 1]");
+  }
+  if (c.density_min > c.density_max) {
+    return bad("density_min", c.density_min, absl::StrCat("above density_max ", c.density_max));
+  }
+  if (c.density_default < c.density_min || c.density_default > c.density_max) {
+    return bad("density_default", c.density_default,
+               absl::StrCat("need density_min ", c.density_min, " <= density_default <= ",
+                            "density_max ", c.density_max));
+  }
+  if (!(c.dst_quantile >= 0.0 && c.dst_quantile <= 1.0)) {
+    return bad("dst_quantile", c.dst_quantile, "need [0, 1]");
+  }
+  return absl::OkStatus();
+}
+
+absl::string_view PolicyName(Policy policy) {
+  switch (policy) {
+    case Policy::kSequential:
+      return "sequential";
+    case Policy::kTokens:
+      return "tokens";
+    case Policy::kFlops:
+      return "flops";
+    case Policy::kSab:
+      return "sab";
+    case Policy::kDst:
+      return "dst";
+    case Policy::kSparseBalance:
+      return "sparsebalance";
+  }
+  return "unknown";
+}
+
+const std::vector<Policy>& AllPolicies() {
+  static const auto* const kAll =
+      new std::vector<Policy>{Policy::kSequential, Policy::kTokens, Policy::kFlops,
+                              Policy::kSab,        Policy::kDst,    Policy::kSparseBalance};
+  return *kAll;
+}
+
+absl::StatusOr<Policy> ParsePolicy(absl::string_view name) {
+  std::vector<std::string> names;
+  for (Policy p : AllPolicies()) {
+    if (PolicyName(p) == name) return p;
+    names.emplace_back(PolicyName(p));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown policy \"", name,
+                                                 "\"; choose one of: ", absl::StrJoin(names, ", ")));
+}
+
+absl::string_view DstModeName(DstMode mode) {
+  switch (mode) {
+    case DstMode::kMin:
+      return "min";
+    case DstMode::kMean:
+      return "mean";
+    case DstMode::kMax:
+      return "max";
+    case DstMode::kQuantile:
+      return "quantile";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<DstMode> ParseDstMode(absl::string_view text, double* quantile) {
+  if (text == "min") return DstMode::kMin;
+  if (text == "mean") return DstMode::kMean;
+  if (text == "max") return DstMode::kMax;
+  constexpr absl::string_view kPrefix = "quantile:";
+  if (text.substr(0, kPrefix.size()) == kPrefix) {
+    double q = 0;
+    if (!absl::SimpleAtod(text.substr(kPrefix.size()), &q) || !(q >= 0.0 && q <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DST mode \"", text, "\": the quantile must be a number in [0, 1]"));
+    }
+    if (quantile != nullptr) *quantile = q;
+    return DstMode::kQuantile;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown DST mode \"", text, "\"; choose one of: min, mean, max, quantile:Q"));
+}
+
+absl::string_view OverflowPolicyName(OverflowPolicy policy) {
+  return policy == OverflowPolicy::kDefer ? "defer" : "error";
+}
+
+absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name) {
+  if (name == "error") return OverflowPolicy::kError;
+  if (name == "defer") return OverflowPolicy::kDefer;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown overflow policy \"", name, "\"; choose error or defer"));
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,120 @@
+// Value types shared by the planner, the service, the client's local fallback and the simulator.
+//
+// A step's global batch is a list of `Sample`s; `PlanStep` (planner.h) turns it into a
+// `StepPlan`: for every rank its micro-batches, the samples in each, and a density per sample.
+//
+//   PlannerConfig config;  config.ranks = 32;  config.micro_batches = 4;
+//   absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+#ifndef SPARSEBALANCE_PLANNER_TYPES_H_
+#define SPARSEBALANCE_PLANNER_TYPES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace sparsebalance {
+
+// A document, or a pre-packed sequence made of several documents (`segments`).
+struct Sample {
+  uint64_t id = 0;           // index into the dataset shared by all ranks; unique in a batch
+  int64_t length = 0;        // tokens
+  double sensitivity = 0.0;  // [0,1]: 0 tolerates sparsity, 1 needs dense attention
+  uint64_t group = 0;        // samples with the same non-zero group land on one rank
+  // Document lengths (tokens) inside a pre-packed sample; they sum to `length`. Empty means
+  // one document. Attention never crosses documents, so cost is computed per segment.
+  std::vector<int64_t> segments;
+};
+
+// The attention shape that the cost model and the kernels share.
+struct ModelShape {
+  int layers = 32;
+  int heads = 32;
+  int head_dim = 128;
+  int block_size = 64;    // tokens per attention block (64 or 128)
+  int local_blocks = 1;   // key blocks before the diagonal that are always kept
+};
+
+// How documents are placed on ranks and whether densities are tuned (DESIGN.md section 5).
+enum class Policy {
+  kSequential,     // contiguous chunks in arrival order, fixed density
+  kTokens,         // balance token counts (verl balance_batch), fixed density
+  kFlops,          // balance dense cost L^2 + c*L (WLB-LLM style), fixed density
+  kSab,            // sparsity-aware batching, fixed density
+  kDst,            // sequential placement + dynamic sparsity tuning
+  kSparseBalance,  // SAB + DST
+};
+
+// How DST chooses the step's target makespan.
+enum class DstMode {
+  kMin,       // fastest: stragglers cut to their floors
+  kMean,      // stragglers cut towards the mean rank time (default)
+  kMax,       // no cut, only raise: pure accuracy
+  kQuantile,  // cut towards the `dst_quantile` of rank times
+};
+
+// What happens when the batch does not fit in ranks x micro-batches x capacity.
+enum class OverflowPolicy {
+  kError,  // INVALID_ARGUMENT naming the capacity
+  kDefer,  // plan what fits; `StepPlan::deferred_ids` go to the next step
+};
+
+struct PlannerConfig {
+  int ranks = 1;                          // data-parallel world size
+  int micro_batches = 1;                  // per rank and step
+  int64_t micro_batch_capacity = 131072;  // tokens per micro-batch
+  ModelShape shape;
+  double density_min = 0.05;      // lowest density DST may give an insensitive sample
+  double density_max = 1.0;      // highest density DST may raise a sample to
+  double density_default = 0.3;  // density every sample gets without DST
+  Policy policy = Policy::kSparseBalance;
+  DstMode dst_mode = DstMode::kMean;
+  double dst_quantile = 0.5;  // used by DstMode::kQuantile, in [0,1]
+  OverflowPolicy overflow = OverflowPolicy::kError;
+};
+
+// Validates every field; the message names the field and what to do.
+absl::Status ValidateConfig(const PlannerConfig& config);
+
+struct MicroBatchPlan {
+  std::vector<uint64_t> sample_ids;
+  std::vector<double> densities;  // per sample, same order as sample_ids
+  double default_density = 0.0;   // the job's default density at planning time
+  int64_t tokens = 0;
+  double predicted_seconds = 0.0;  // including the rank's speed factor
+};
+
+struct RankPlan {
+  std::vector<MicroBatchPlan> micro_batches;  // exactly config.micro_batches (some may be empty)
+  double predicted_seconds = 0.0;             // sum over micro-batches
+};
+
+struct StepPlan {
+  Policy policy = Policy::kSparseBalance;
+  std::vector<RankPlan> ranks;
+  std::vector<uint64_t> deferred_ids;  // OverflowPolicy::kDefer: samples left for the next step
+  double makespan_seconds = 0.0;       // predicted step time: the slowest rank
+  double lower_bound_seconds = 0.0;    // perfect balance at the plan's densities (DESIGN.md 4)
+  double gap = 0.0;                    // makespan / lower bound - 1
+  double imbalance_ratio = 1.0;        // max / mean predicted rank time
+  double bubble_ratio = 0.0;           // idle share of ranks x makespan
+  double mean_density = 0.0;           // token-weighted
+  double predicted_recall = 0.0;       // token-weighted, planner's recall model (recall_model.h)
+};
+
+absl::string_view PolicyName(Policy policy);
+absl::StatusOr<Policy> ParsePolicy(absl::string_view name);
+absl::string_view DstModeName(DstMode mode);
+// Accepts "min", "mean", "max" and "quantile:Q" (Q in [0,1]); sets `quantile` for the last.
+absl::StatusOr<DstMode> ParseDstMode(absl::string_view text, double* quantile);
+absl::string_view OverflowPolicyName(OverflowPolicy policy);
+absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name);
+
+// All policies, in the order reports list them.
+const std::vector<Policy>& AllPolicies();
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PLANNER_TYPES_H_

@@ -1,0 +1,220 @@
+#include "planner/block_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "gtest/gtest.h"
+#include "planner/random.h"
+
+namespace sparsebalance {
+namespace {
+
+constexpr int kBlockSizes[] = {64, 128};
+
+// A length that is often not a multiple of the block size and sometimes tiny.
+int64_t RandomLength(Rng& rng) {
+  switch (rng.NextU64() % 4) {
+    case 0:
+      return 1 + static_cast<int64_t>(rng.NextU64() % 300);  // one to a few blocks
+    case 1:
+      return 64 * (1 + static_cast<int64_t>(rng.NextU64() % 64)) +
+             static_cast<int64_t>(rng.NextU64() % 3) - 1;  // around a block boundary
+    default:
+      return 1 + static_cast<int64_t>(std::exp(rng.Uniform() * std::log(340000.0)));
+  }
+}
+
+double RandomDensity(Rng& rng) {
+  switch (rng.NextU64() % 4) {
+    case 0:
+      return static_cast<double>(1 + rng.NextU64() % kDensityQuantum) / kDensityQuantum;
+    case 1:
+      return std::exp(rng.Uniform() * std::log(1e-6));  // very sparse, anchors dominate
+    default:
+      return rng.Uniform() + 1e-12;
+  }
+}
+
+TEST(QuantizeDensityTest, StaysWithinOneAndTheQuantum) {
+  EXPECT_EQ(QuantizeDensity(1.0), kDensityQuantum);
+  EXPECT_EQ(QuantizeDensity(0.5), kDensityQuantum / 2);
+  EXPECT_EQ(QuantizeDensity(0.0), 1);
+  EXPECT_EQ(QuantizeDensity(-0.5), 1);
+  EXPECT_EQ(QuantizeDensity(1e-12), 1);
+  EXPECT_EQ(QuantizeDensity(std::numeric_limits<double>::quiet_NaN()), 1);
+  EXPECT_EQ(QuantizeDensity(2.0), kDensityQuantum);
+  EXPECT_EQ(QuantizeDensity(1e300), kDensityQuantum);
+  EXPECT_EQ(QuantizeDensity(std::numeric_limits<double>::infinity()), kDensityQuantum);
+  Rng rng(1);
+  int64_t previous = 0;
+  double previous_density = 0.0;
+  for (int i = 0; i < 20000; ++i) {
+    const double density = previous_density + rng.Uniform() * 1e-4;
+    if (density > 1.0) break;
+    const int64_t q = QuantizeDensity(density);
+    ASSERT_GE(q, 1);
+    ASSERT_LE(q, kDensityQuantum);
+    ASSERT_GE(q, previous) << "not monotone at " << density;
+    if (density >= 1.0 / kDensityQuantum) {
+      // Round to nearest: within half a quantum of the density.
+      ASSERT_LE(std::fabs(static_cast<double>(q) / kDensityQuantum - density),
+                0.5 / kDensityQuantum + 1e-15)
+          << density;
+    }
+    previous = q;
+    previous_density = density;
+  }
+}
+
+TEST(QueryBlocksTest, IsTheCeilingOfLengthOverBlockSize) {
+  EXPECT_EQ(QueryBlocks(0, 64), 0);
+  EXPECT_EQ(QueryBlocks(-5, 64), 0);
+  EXPECT_EQ(QueryBlocks(1, 64), 1);
+  EXPECT_EQ(QueryBlocks(64, 64), 1);
+  EXPECT_EQ(QueryBlocks(65, 64), 2);
+  EXPECT_EQ(QueryBlocks(128, 128), 1);
+  EXPECT_EQ(QueryBlocks(131072, 64), 2048);
+  EXPECT_EQ(QueryBlocks(131073, 128), 1025);
+}
+
+TEST(KeptBlocksTest, RespectsAnchorsAndCausality) {
+  Rng rng(2);
+  for (int c = 0; c < 20000; ++c) {
+    const int64_t i = static_cast<int64_t>(rng.NextU64() % 5000);
+    const int local = static_cast<int>(rng.NextU64() % 4);
+    const int64_t q = QuantizeDensity(RandomDensity(rng));
+    const int64_t kept = KeptBlocks(i, q, local);
+    const int64_t anchors = AnchorBlocks(i, local);
+    ASSERT_EQ(anchors, std::min<int64_t>(i + 1, local + 2));
+    ASSERT_GE(kept, anchors) << "i=" << i << " q=" << q << " local=" << local;
+    ASSERT_LE(kept, i + 1) << "i=" << i << " q=" << q << " local=" << local;
+    // The definition: clamp(ceil(rho * (i+1)), anchors, i+1) with rho = q / Q.
+    const int64_t by_density = (q * (i + 1) + kDensityQuantum - 1) / kDensityQuantum;
+    ASSERT_EQ(kept, std::clamp(by_density, anchors, i + 1));
+  }
+  EXPECT_EQ(KeptBlocks(0, 1, 0), 1);  // the first row keeps its only block
+  EXPECT_EQ(KeptBlocks(9, kDensityQuantum, 1), 10);
+  EXPECT_EQ(KeptBlocks(9, 1, 1), 3);  // sink, one local block, diagonal
+}
+
+TEST(FloorSumTest, MatchesBruteForce) {
+  Rng rng(3);
+  for (int c = 0; c < 3000; ++c) {
+    const int64_t n = 1 + static_cast<int64_t>(rng.NextU64() % 2000);
+    const int64_t m = 1 + static_cast<int64_t>(rng.NextU64() % (c % 2 == 0 ? 100 : 70000));
+    const int64_t a = static_cast<int64_t>(rng.NextU64() % 140000);
+    const int64_t b = static_cast<int64_t>(rng.NextU64() % 140000);
+    int64_t want = 0;
+    for (int64_t i = 0; i < n; ++i) want += (a * i + b) / m;
+    ASSERT_EQ(FloorSum(n, m, a, b), want) << "n=" << n << " m=" << m << " a=" << a << " b=" << b;
+  }
+  EXPECT_EQ(FloorSum(1, 1, 0, 0), 0);
+  EXPECT_EQ(FloorSum(5, 1, 0, 3), 15);
+  EXPECT_EQ(FloorSum(4, 10, 6, 3), 0 + 0 + 1 + 2);
+}
+
+TEST(ActiveBlocksTest, ClosedFormMatchesDirectSummation) {
+  Rng rng(4);
+  for (int c = 0; c < 4000; ++c) {
+    const int64_t length = RandomLength(rng);
+    const double density = RandomDensity(rng);
+    const int block = kBlockSizes[rng.NextU64() % 2];
+    const int local = static_cast<int>(rng.NextU64() % 4);
+    ASSERT_EQ(ActiveBlocks(length, density, block, local),
+              ActiveBlocksBySum(length, density, block, local))
+        << "length=" << length << " density=" << density << " block=" << block
+        << " local=" << local;
+  }
+}
+
+TEST(ActiveBlocksTest, ClosedFormMatchesDirectSummationForMillionTokenDocuments) {
+  Rng rng(7);
+  for (int c = 0; c < 40; ++c) {
+    const int64_t length = 1000000 + static_cast<int64_t>(rng.NextU64() % 15000000);
+    const double density = RandomDensity(rng);
+    const int block = kBlockSizes[rng.NextU64() % 2];
+    const int local = static_cast<int>(rng.NextU64() % 4);
+    ASSERT_EQ(ActiveBlocks(length, density, block, local),
+              ActiveBlocksBySum(length, density, block, local))
+        << "length=" << length << " density=" << density;
+  }
+}
+
+TEST(ActiveBlocksTest, ExhaustiveOverSmallDocumentsAndQuantizedDensities) {
+  for (int block : kBlockSizes) {
+    for (int local = 0; local <= 3; ++local) {
+      for (int64_t length : {1, 2, 63, 64, 65, 127, 128, 129, 191, 200, 500, 1000, 4097}) {
+        for (int64_t q = 1; q <= kDensityQuantum; q += 257) {
+          const double density = static_cast<double>(q) / kDensityQuantum;
+          ASSERT_EQ(ActiveBlocks(length, density, block, local),
+                    ActiveBlocksBySum(length, density, block, local))
+              << "length=" << length << " q=" << q << " block=" << block << " local=" << local;
+        }
+      }
+    }
+  }
+}
+
+TEST(ActiveBlocksTest, DenseAttentionKeepsTheWholeCausalTriangle) {
+  Rng rng(5);
+  for (int c = 0; c < 2000; ++c) {
+    const int64_t length = RandomLength(rng);
+    const int block = kBlockSizes[rng.NextU64() % 2];
+    const int local = static_cast<int>(rng.NextU64() % 4);
+    const int64_t n = QueryBlocks(length, block);
+    ASSERT_EQ(ActiveBlocks(length, 1.0, block, local), n * (n + 1) / 2) << "length=" << length;
+  }
+  EXPECT_EQ(ActiveBlocks(1, 1.0, 64, 1), 1);
+  EXPECT_EQ(ActiveBlocks(131072, 1.0, 64, 1), int64_t{2048} * 2049 / 2);
+}
+
+TEST(ActiveBlocksTest, TinyDocumentsAreFullyKeptAtAnyDensity) {
+  for (int block : kBlockSizes) {
+    for (int local = 0; local <= 3; ++local) {
+      for (double density : {1e-9, 0.01, 0.3, 1.0}) {
+        EXPECT_EQ(ActiveBlocks(0, density, block, local), 0);
+        EXPECT_EQ(ActiveBlocks(1, density, block, local), 1);
+        EXPECT_EQ(ActiveBlocks(block, density, block, local), 1);
+        EXPECT_EQ(ActiveBlocks(block + 1, density, block, local), 3);  // rows 1 and 2: 1 + 2
+        // Up to local + 2 rows everything is an anchor.
+        const int64_t rows = local + 2;
+        EXPECT_EQ(ActiveBlocks(rows * block, density, block, local), rows * (rows + 1) / 2);
+      }
+    }
+  }
+}
+
+TEST(ActiveBlocksTest, NonDecreasingInDensityAndBoundedByAnchorsAndTriangle) {
+  Rng rng(6);
+  for (int c = 0; c < 300; ++c) {
+    const int64_t length = RandomLength(rng);
+    const int block = kBlockSizes[rng.NextU64() % 2];
+    const int local = static_cast<int>(rng.NextU64() % 4);
+    const int64_t n = QueryBlocks(length, block);
+    int64_t anchored = 0;  // every row at its anchors only
+    for (int64_t i = 0; i < n; ++i) anchored += AnchorBlocks(i, local);
+    int64_t previous = 0;
+    for (int64_t q = 1; q <= kDensityQuantum; q += 1 + static_cast<int64_t>(rng.NextU64() % 2000)) {
+      const int64_t a = ActiveBlocks(length, static_cast<double>(q) / kDensityQuantum, block, local);
+      ASSERT_GE(a, previous) << "length=" << length << " q=" << q;
+      ASSERT_GE(a, anchored);
+      ASSERT_LE(a, n * (n + 1) / 2);
+      previous = a;
+    }
+    EXPECT_EQ(ActiveBlocks(length, 1e-9, block, local), anchored);
+  }
+}
+
+TEST(ActiveBlocksTest, ApproximatelyProportionalToDensityForLongDocuments) {
+  // With n rows, sum ceil(rho * k) over k <= n is rho n^2 / 2 + O(n).
+  const int64_t n = 2048;
+  for (double density : {0.05, 0.1, 0.3, 0.5, 0.9}) {
+    const double a = static_cast<double>(ActiveBlocks(n * 64, density, 64, 1));
+    EXPECT_NEAR(a / (density * n * n / 2.0), 1.0, 0.02) << density;
+  }
+}
+
+}  // namespace
+}  // namespace sparsebalance

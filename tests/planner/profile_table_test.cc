@@ -1,0 +1,407 @@
+#include "planner/profile_table.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/block_math.h"
+#include "planner/random.h"
+
+namespace sparsebalance {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr char kHeader[] =
+    "sparsebalance-profile 1\n"
+    "device test\n"
+    "shape heads=32 head_dim=128 block_size=64 local_blocks=1\n";
+
+ProfileTable SampleTable() {
+  ProfileTable table;
+  table.device = "NVIDIA H100 80GB HBM3";
+  table.shape.heads = 16;
+  table.shape.head_dim = 64;
+  table.shape.block_size = 128;
+  table.shape.local_blocks = 2;
+  table.rows = {{4096, 1.0, 0.0123}, {4096, 0.3, 0.0071},       {65536, 0.125, 0.25},
+                {1, 0.5, 1.5e-6},    {131072, 0.05, 3.14159265}, {8191, 0.999, 0.000123456789}};
+  return table;
+}
+
+// A table measured on `shape` whose times follow t = a*A + b*L + c exactly (one layer).
+ProfileTable LinearTable(const ModelShape& shape, double a, double b, double c) {
+  ProfileTable table;
+  table.device = "synthetic";
+  table.shape = shape;
+  for (int64_t length : {2048, 4096, 16384, 65536, 131072}) {
+    for (double density : {1.0, 0.5, 0.3, 0.1, 0.05}) {
+      const double blocks = static_cast<double>(
+          ActiveBlocks(length, density, shape.block_size, shape.local_blocks));
+      table.rows.push_back({length, density, a * blocks + b * static_cast<double>(length) + c});
+    }
+  }
+  return table;
+}
+
+void ExpectRelativeNear(double got, double want, double tolerance, const std::string& what) {
+  EXPECT_NEAR(got, want, tolerance * std::fabs(want)) << what;
+}
+
+std::string ParseError(absl::string_view text) {
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(text);
+  EXPECT_FALSE(table.ok()) << text;
+  if (table.ok()) return "";
+  EXPECT_EQ(table.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(table.status().message());
+}
+
+TEST(ProfileTableFormatTest, FormatThenParseRoundTrips) {
+  const ProfileTable table = SampleTable();
+  const std::string text = FormatProfileTable(table);
+  absl::StatusOr<ProfileTable> parsed = ParseProfileTable(text);
+  ASSERT_TRUE(parsed.ok()) << parsed.status() << "\n" << text;
+  EXPECT_EQ(parsed->device, table.device);
+  EXPECT_EQ(parsed->shape.heads, table.shape.heads);
+  EXPECT_EQ(parsed->shape.head_dim, table.shape.head_dim);
+  EXPECT_EQ(parsed->shape.block_size, table.shape.block_size);
+  EXPECT_EQ(parsed->shape.local_blocks, table.shape.local_blocks);
+  ASSERT_EQ(parsed->rows.size(), table.rows.size());
+  for (size_t i = 0; i < table.rows.size(); ++i) {
+    EXPECT_EQ(parsed->rows[i].length, table.rows[i].length) << i;
+    EXPECT_EQ(parsed->rows[i].density, table.rows[i].density) << i;
+    EXPECT_EQ(parsed->rows[i].seconds, table.rows[i].seconds) << i;
+  }
+  // And the text is a fixed point.
+  EXPECT_EQ(FormatProfileTable(*parsed), text);
+}
+
+TEST(ProfileTableFormatTest, RoundTripKeepsNineSignificantDigitsOfRandomTimes) {
+  Rng rng(1);
+  ProfileTable table = SampleTable();
+  table.rows.clear();
+  for (int i = 0; i < 200; ++i) {
+    const int64_t length = 1 + static_cast<int64_t>(rng.NextU64() % 400000);
+    const double density = static_cast<double>(1 + rng.NextU64() % 1000) / 1000.0;
+    const double seconds = std::exp(rng.Uniform() * 20.0 - 15.0);
+    table.rows.push_back({length, density, seconds});
+  }
+  absl::StatusOr<ProfileTable> parsed = ParseProfileTable(FormatProfileTable(table));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_EQ(parsed->rows.size(), table.rows.size());
+  for (size_t i = 0; i < table.rows.size(); ++i) {
+    EXPECT_EQ(parsed->rows[i].length, table.rows[i].length);
+    EXPECT_EQ(parsed->rows[i].density, table.rows[i].density);
+    EXPECT_NEAR(parsed->rows[i].seconds, table.rows[i].seconds, 1e-8 * table.rows[i].seconds);
+  }
+}
+
+TEST(ProfileTableParseTest, SkipsCommentsBlankLinesAndWhitespace) {
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(
+      "# written by sb-profile\n"
+      "\n"
+      "  sparsebalance-profile   1  \n"
+      "device  NVIDIA H200  \n"
+      "\t# comment\n"
+      "shape heads=8 head_dim=64 block_size=128 local_blocks=0\n"
+      "8192\t0.3   0.5\n"
+      "16384 1 2\r\n");
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->device, "NVIDIA H200");
+  EXPECT_EQ(table->shape.heads, 8);
+  EXPECT_EQ(table->shape.head_dim, 64);
+  EXPECT_EQ(table->shape.block_size, 128);
+  EXPECT_EQ(table->shape.local_blocks, 0);
+  ASSERT_EQ(table->rows.size(), 2u);
+  EXPECT_EQ(table->rows[0].length, 8192);
+  EXPECT_EQ(table->rows[0].density, 0.3);
+  EXPECT_EQ(table->rows[0].seconds, 0.5);
+  EXPECT_EQ(table->rows[1].length, 16384);
+}
+
+TEST(ProfileTableParseTest, ErrorsNameTheLine) {
+  EXPECT_THAT(ParseError("hello 1\n"),
+              AllOf(HasSubstr("profile line 1"), HasSubstr("sparsebalance-profile 1")));
+  EXPECT_THAT(ParseError("# comment\n\nsparsebalance-profile\n"),
+              AllOf(HasSubstr("profile line 3"), HasSubstr("header")));
+  EXPECT_THAT(ParseError("# comment\n\nsparsebalance-profile 2\n"),
+              AllOf(HasSubstr("profile line 3"), HasSubstr("version 2")));
+  const std::string head = kHeader;  // lines 1-3
+  EXPECT_THAT(ParseError(head + "8192 0.3 0.1\n8192 1.5 0.2\n"),
+              AllOf(HasSubstr("profile line 5"), HasSubstr("density \"1.5\"")));
+  EXPECT_THAT(ParseError(head + "8192 0 0.1\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("density \"0\"")));
+  EXPECT_THAT(ParseError(head + "8192 nan 0.1\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("density \"nan\"")));
+  EXPECT_THAT(ParseError(head + "8192 dense 0.1\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("density \"dense\"")));
+  EXPECT_THAT(ParseError(head + "\n# c\n8192 0.3\n"),
+              AllOf(HasSubstr("profile line 6"), HasSubstr("three fields")));
+  EXPECT_THAT(ParseError(head + "8192 0.3 0.1 7\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("three fields")));
+  EXPECT_THAT(ParseError(head + "0 0.3 0.1\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("length \"0\"")));
+  EXPECT_THAT(ParseError(head + "8k 0.3 0.1\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("length \"8k\"")));
+  EXPECT_THAT(ParseError(head + "8192 0.3 0\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("seconds \"0\"")));
+  EXPECT_THAT(ParseError(head + "8192 0.3 inf\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("seconds \"inf\"")));
+  EXPECT_THAT(ParseError(head + "8192 0.3 -1\n"),
+              AllOf(HasSubstr("profile line 4"), HasSubstr("seconds \"-1\"")));
+  EXPECT_THAT(ParseError("sparsebalance-profile 1\nshape heads=32 rows=3\n"),
+              AllOf(HasSubstr("profile line 2"), HasSubstr("\"rows\"")));
+  EXPECT_THAT(ParseError("sparsebalance-profile 1\nshape heads=x\n"),
+              AllOf(HasSubstr("profile line 2"), HasSubstr("heads=x")));
+  EXPECT_THAT(ParseError("sparsebalance-profile 1\n\nshape block_size=32\n"),
+              AllOf(HasSubstr("profile line 3"), HasSubstr("block_size")));
+}
+
+TEST(ProfileTableParseTest, MissingPartsAreNamed) {
+  EXPECT_THAT(ParseError(""), HasSubstr("no header"));
+  EXPECT_THAT(ParseError("# only comments\n\n"), HasSubstr("no header"));
+  EXPECT_THAT(ParseError("sparsebalance-profile 1\ndevice x\n8192 0.3 0.1\n"),
+              HasSubstr("no \"shape"));
+  EXPECT_THAT(ParseError(kHeader), HasSubstr("no data rows"));
+}
+
+TEST(FitProfileTest, RecoversKnownPerLayerCoefficientsScaledByLayers) {
+  ModelShape shape;  // 32 heads x 128, block 64, local 1
+  shape.layers = 1;
+  const double a = 2.5e-7;
+  const double b = 3e-6;
+  const double c = 4e-4;
+  const ProfileTable table = LinearTable(shape, a, b, c);
+  for (int layers : {1, 24, 80}) {
+    ModelShape target = shape;
+    target.layers = layers;
+    absl::StatusOr<CostCoefficients> fit = FitProfile(table, target);
+    ASSERT_TRUE(fit.ok()) << fit.status();
+    ExpectRelativeNear(fit->per_block, a * layers, 1e-6, absl::StrCat("per_block x", layers));
+    ExpectRelativeNear(fit->per_token, b * layers, 1e-6, absl::StrCat("per_token x", layers));
+    ExpectRelativeNear(fit->per_sample, c * layers, 1e-6, absl::StrCat("per_sample x", layers));
+    EXPECT_EQ(fit->per_micro_batch, 0.0);
+  }
+}
+
+TEST(FitProfileTest, ScalesToAnotherShape) {
+  ModelShape profiled;
+  profiled.heads = 16;
+  profiled.head_dim = 64;
+  profiled.block_size = 64;
+  profiled.local_blocks = 0;
+  const double a = 1e-7;
+  const double b = 2e-6;
+  const double c = 1e-4;
+  const ProfileTable table = LinearTable(profiled, a, b, c);
+  ModelShape target;
+  target.layers = 40;
+  target.heads = 32;      // 2x heads
+  target.head_dim = 128;  // 2x head_dim
+  target.block_size = 128;
+  // Block work B^2 * head_dim * heads: 4 * 2 * 2 = 16x; width^2: (2 * 2)^2 = 16x.
+  absl::StatusOr<CostCoefficients> fit = FitProfile(table, target);
+  ASSERT_TRUE(fit.ok()) << fit.status();
+  ExpectRelativeNear(fit->per_block, a * 40 * 16, 1e-6, "per_block");
+  ExpectRelativeNear(fit->per_token, b * 40 * 16, 1e-6, "per_token");
+  ExpectRelativeNear(fit->per_sample, c * 40, 1e-6, "per_sample");
+}
+
+TEST(FitProfileTest, RecoversCoefficientsOverRandomShapes) {
+  Rng rng(2);
+  for (int i = 0; i < 50; ++i) {
+    ModelShape shape;
+    shape.layers = 1;
+    shape.heads = 1 + static_cast<int>(rng.NextU64() % 64);
+    shape.head_dim = 32 * (1 + static_cast<int>(rng.NextU64() % 8));
+    shape.block_size = rng.NextU64() % 2 == 0 ? 64 : 128;
+    shape.local_blocks = static_cast<int>(rng.NextU64() % 4);
+    const double a = std::exp(rng.Uniform() * 6.0 - 20.0);
+    const double b = std::exp(rng.Uniform() * 6.0 - 16.0);
+    const double c = i % 5 == 0 ? 0.0 : std::exp(rng.Uniform() * 6.0 - 12.0);
+    absl::StatusOr<CostCoefficients> fit = FitProfile(LinearTable(shape, a, b, c), shape);
+    ASSERT_TRUE(fit.ok()) << fit.status();
+    ExpectRelativeNear(fit->per_block, a, 1e-6, absl::StrCat("case ", i, " per_block"));
+    ExpectRelativeNear(fit->per_token, b, 1e-6, absl::StrCat("case ", i, " per_token"));
+    EXPECT_NEAR(fit->per_sample, c, 1e-6 * c + 1e-12) << "case " << i;
+  }
+}
+
+TEST(FitProfileTest, RejectsTooFewRowsOrLengths) {
+  ProfileTable table;
+  table.rows = {{8192, 1.0, 0.1}, {8192, 0.3, 0.05}};
+  absl::StatusOr<CostCoefficients> fit = FitProfile(table, ModelShape());
+  ASSERT_FALSE(fit.ok());
+  EXPECT_EQ(fit.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(fit.status().message()), HasSubstr("at least 3 rows"));
+  table.rows.push_back({8192, 0.1, 0.03});  // three rows, one length
+  fit = FitProfile(table, ModelShape());
+  ASSERT_FALSE(fit.ok());
+  EXPECT_THAT(std::string(fit.status().message()), HasSubstr("2 distinct lengths"));
+}
+
+TEST(FitProfileTest, RejectsATableWithoutAttentionTime) {
+  // Time depends on length only: per_block fits to zero.
+  ProfileTable table;
+  for (int64_t length : {4096, 16384, 65536}) {
+    for (double density : {1.0, 0.3}) {
+      table.rows.push_back({length, density, 1e-5 * static_cast<double>(length)});
+    }
+  }
+  absl::StatusOr<CostCoefficients> fit = FitProfile(table, ModelShape());
+  ASSERT_FALSE(fit.ok());
+  EXPECT_EQ(fit.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(fit.status().message()), HasSubstr("degenerate"));
+}
+
+// Weighted least squares without constraints by modified Gram-Schmidt on the scaled rows
+// (independent of the implementation's normal equations).
+std::vector<double> UnconstrainedLeastSquares(const std::vector<std::vector<double>>& rows,
+                                              const std::vector<double>& y,
+                                              const std::vector<double>& w) {
+  const size_t n = rows.size();
+  const size_t k = rows[0].size();
+  std::vector<std::vector<double>> q(k, std::vector<double>(n));
+  std::vector<double> target(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double s = std::sqrt(w[i]);
+    for (size_t c = 0; c < k; ++c) q[c][i] = rows[i][c] * s;
+    target[i] = y[i] * s;
+  }
+  std::vector<std::vector<double>> r(k, std::vector<double>(k, 0.0));
+  for (size_t c = 0; c < k; ++c) {
+    for (size_t p = 0; p < c; ++p) {
+      double dot = 0;
+      for (size_t i = 0; i < n; ++i) dot += q[p][i] * q[c][i];
+      r[p][c] = dot;
+      for (size_t i = 0; i < n; ++i) q[c][i] -= dot * q[p][i];
+    }
+    double norm = 0;
+    for (size_t i = 0; i < n; ++i) norm += q[c][i] * q[c][i];
+    norm = std::sqrt(norm);
+    r[c][c] = norm;
+    for (size_t i = 0; i < n; ++i) q[c][i] /= norm;
+  }
+  std::vector<double> qty(k, 0.0);
+  for (size_t c = 0; c < k; ++c) {
+    for (size_t i = 0; i < n; ++i) qty[c] += q[c][i] * target[i];
+  }
+  std::vector<double> x(k, 0.0);
+  for (size_t c = k; c-- > 0;) {
+    double s = qty[c];
+    for (size_t p = c + 1; p < k; ++p) s -= r[c][p] * x[p];
+    x[c] = s / r[c][c];
+  }
+  return x;
+}
+
+struct LeastSquaresProblem {
+  std::vector<std::vector<double>> rows;
+  std::vector<double> targets;
+  std::vector<double> weights;
+};
+
+// Columns of very different magnitudes (like blocks, tokens, documents, 1), targets from
+// `truth` plus relative noise.
+LeastSquaresProblem RandomProblem(Rng& rng, const std::vector<double>& truth, double noise) {
+  LeastSquaresProblem p;
+  const size_t k = truth.size();
+  const int n = 8 + static_cast<int>(rng.NextU64() % 40);
+  for (int i = 0; i < n; ++i) {
+    std::vector<double> x(k);
+    for (size_t c = 0; c < k; ++c) {
+      x[c] = c + 1 == k ? 1.0 : std::exp(rng.Uniform() * 6.0 + 4.0 * static_cast<double>(c));
+    }
+    double y = 0;
+    for (size_t c = 0; c < k; ++c) y += x[c] * truth[c];
+    y += noise * (rng.Uniform() - 0.5) * std::fabs(y) + noise * (rng.Uniform() - 0.5);
+    p.rows.push_back(x);
+    p.targets.push_back(y);
+    p.weights.push_back(0.5 + rng.Uniform());
+  }
+  return p;
+}
+
+// Gradient of 0.5 * sum_i w_i (x_i . c - y_i)^2.
+std::vector<double> Gradient(const LeastSquaresProblem& p, const std::vector<double>& c) {
+  std::vector<double> g(c.size(), 0.0);
+  for (size_t i = 0; i < p.rows.size(); ++i) {
+    double residual = -p.targets[i];
+    for (size_t j = 0; j < c.size(); ++j) residual += p.rows[i][j] * c[j];
+    for (size_t j = 0; j < c.size(); ++j) g[j] += p.weights[i] * residual * p.rows[i][j];
+  }
+  return g;
+}
+
+TEST(NonNegativeLeastSquaresTest, MatchesUnconstrainedSolutionWhenThatIsNonNegative) {
+  Rng rng(3);
+  int compared = 0;
+  for (int t = 0; t < 300; ++t) {
+    const size_t k = 1 + rng.NextU64() % 4;
+    std::vector<double> truth(k);
+    for (size_t c = 0; c < k; ++c) truth[c] = std::exp(rng.Uniform() * 4.0 - 4.0 * c);
+    const LeastSquaresProblem p = RandomProblem(rng, truth, 0.01);
+    const std::vector<double> free = UnconstrainedLeastSquares(p.rows, p.targets, p.weights);
+    bool non_negative = true;
+    for (double v : free) non_negative = non_negative && v >= 0;
+    if (!non_negative) continue;
+    ++compared;
+    const std::vector<double> got = NonNegativeLeastSquares(p.rows, p.targets, p.weights);
+    ASSERT_EQ(got.size(), k);
+    for (size_t c = 0; c < k; ++c) {
+      ASSERT_NEAR(got[c], free[c], 1e-6 * std::fabs(free[c]) + 1e-12)
+          << "problem " << t << " column " << c;
+    }
+  }
+  EXPECT_GT(compared, 200);
+}
+
+TEST(NonNegativeLeastSquaresTest, ReturnsANonNegativeOptimum) {
+  // Truths with negative entries: the answer is the constrained optimum, checked by the KKT
+  // conditions (zero gradient on the free columns, a non-negative one on the clamped ones).
+  Rng rng(4);
+  int clamped_cases = 0;
+  for (int t = 0; t < 300; ++t) {
+    const size_t k = 1 + rng.NextU64() % 4;
+    std::vector<double> truth(k);
+    for (size_t c = 0; c < k; ++c) {
+      truth[c] = std::exp(rng.Uniform() * 4.0 - 4.0 * c) * (rng.Uniform() < 0.4 ? -1.0 : 1.0);
+    }
+    const LeastSquaresProblem p = RandomProblem(rng, truth, 0.05);
+    const std::vector<double> got = NonNegativeLeastSquares(p.rows, p.targets, p.weights);
+    ASSERT_EQ(got.size(), k);
+    const std::vector<double> g = Gradient(p, got);
+    // Scale of the gradient entries: |x_j| |y| summed.
+    for (size_t c = 0; c < k; ++c) {
+      ASSERT_GE(got[c], 0.0) << "problem " << t << " column " << c;
+      double scale = 0;
+      for (size_t i = 0; i < p.rows.size(); ++i) {
+        scale += p.weights[i] * std::fabs(p.rows[i][c] * p.targets[i]);
+      }
+      if (got[c] > 0) {
+        ASSERT_NEAR(g[c], 0.0, 1e-7 * scale) << "problem " << t << " free column " << c;
+      } else {
+        ++clamped_cases;
+        ASSERT_GE(g[c], -1e-7 * scale) << "problem " << t << " clamped column " << c;
+      }
+    }
+  }
+  EXPECT_GT(clamped_cases, 50);
+}
+
+TEST(NonNegativeLeastSquaresTest, AllNegativeCorrelationGivesZero) {
+  const std::vector<std::vector<double>> rows = {{1.0, 1.0}, {2.0, 1.0}, {3.0, 1.0}};
+  const std::vector<double> targets = {-1.0, -2.0, -3.0};
+  const std::vector<double> weights = {1.0, 1.0, 1.0};
+  EXPECT_EQ(NonNegativeLeastSquares(rows, targets, weights), (std::vector<double>{0.0, 0.0}));
+}
+
+}  // namespace
+}  // namespace sparsebalance

@@ -1,0 +1,723 @@
+#include "sim/sim_report.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "gtest/gtest.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+namespace {
+
+// ----------------------------------------------------------------------------------------------
+// A minimal JSON parser (RFC 8259 grammar: objects, arrays, strings with escapes, numbers,
+// true/false/null), so the tests check the output parses and read values back from it.
+
+struct JsonValue {
+  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject };
+  Kind kind = Kind::kNull;
+  bool boolean = false;
+  double number = 0.0;
+  std::string text;  // number literal as written, or the decoded string
+  std::vector<JsonValue> array;
+  std::vector<std::pair<std::string, JsonValue>> object;  // in document order
+
+  const JsonValue* Find(absl::string_view key) const {
+    for (const auto& member : object) {
+      if (member.first == key) return &member.second;
+    }
+    return nullptr;
+  }
+};
+
+class JsonParser {
+ public:
+  explicit JsonParser(absl::string_view text) : text_(text) {}
+
+  // The whole text as one value; false if it is not exactly one valid JSON value.
+  bool Parse(JsonValue* value) {
+    SkipSpace();
+    if (!ParseValue(value, /*depth=*/0)) return false;
+    SkipSpace();
+    return pos_ == text_.size();
+  }
+
+ private:
+  static constexpr int kMaxDepth = 64;
+
+  void SkipSpace() {
+    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
+                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
+      ++pos_;
+    }
+  }
+
+  bool Consume(absl::string_view literal) {
+    if (text_.substr(pos_, literal.size()) != literal) return false;
+    pos_ += literal.size();
+    return true;
+  }
+
+  bool ParseValue(JsonValue* value, int depth) {
+    if (depth > kMaxDepth || pos_ >= text_.size()) return false;
+    const char c = text_[pos_];
+    if (c == '{') return ParseObject(value, depth);
+    if (c == '[') return ParseArray(value, depth);
+    if (c == '"') {
+      value->kind = JsonValue::Kind::kString;
+      return ParseString(&value->text);
+    }
+    if (Consume("true")) {
+      value->kind = JsonValue::Kind::kBool;
+      value->boolean = true;
+      return true;
+    }
+    if (Consume("false")) {
+      value->kind = JsonValue::Kind::kBool;
+      return true;
+    }
+    if (Consume("null")) {
+      value->kind = JsonValue::Kind::kNull;
+      return true;
+    }
+    return ParseNumber(value);
+  }
+
+  bool ParseObject(JsonValue* value, int depth) {
+    value->kind = JsonValue::Kind::kObject;
+    ++pos_;  // '{'
+    SkipSpace();
+    if (Consume("}")) return true;
+    while (true) {
+      SkipSpace();
+      std::string key;
+      if (pos_ >= text_.size() || text_[pos_] != '"' || !ParseString(&key)) return false;
+      SkipSpace();
+      if (!Consume(":")) return false;
+      SkipSpace();
+      JsonValue member;
+      if (!ParseValue(&member, depth + 1)) return false;
+      value->object.emplace_back(std::move(key), std::move(member));
+      SkipSpace();
+      if (Consume("}")) return true;
+      if (!Consume(",")) return false;
+    }
+  }
+
+  bool ParseArray(JsonValue* value, int depth) {
+    value->kind = JsonValue::Kind::kArray;
+    ++pos_;  // '['
+    SkipSpace();
+    if (Consume("]")) return true;
+    while (true) {
+      SkipSpace();
+      JsonValue element;
+      if (!ParseValue(&element, depth + 1)) return false;
+      value->array.push_back(std::move(element));
+      SkipSpace();
+      if (Consume("]")) return true;
+      if (!Consume(",")) return false;
+    }
+  }
+
+  static int HexDigit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  }
+
+  static void AppendUtf8(uint32_t code_point, std::string* out) {
+    if (code_point < 0x80) {
+      *out += static_cast<char>(code_point);
+    } else if (code_point < 0x800) {
+      *out += static_cast<char>(0xC0 | (code_point >> 6));
+      *out += static_cast<char>(0x80 | (code_point & 0x3F));
+    } else {
+      *out += static_cast<char>(0xE0 | (code_point >> 12));
+      *out += static_cast<char>(0x80 | ((code_point >> 6) & 0x3F));
+      *out += static_cast<char>(0x80 | (code_point & 0x3F));
+    }
+  }
+
+  bool ParseString(std::string* out) {
+    ++pos_;  // opening quote
+    while (pos_ < text_.size()) {
+      const unsigned char c = static_cast<unsigned char>(text_[pos_++]);
+      if (c == '"') return true;
+      if (c < 0x20) return false;  // control characters must be escaped
+      if (c != '\\') {
+        *out += static_cast<char>(c);
+        continue;
+      }
+      if (pos_ >= text_.size()) return false;
+      const char escape = text_[pos_++];
+      switch (escape) {
+        case '"':
+        case '\\':
+        case '/':
+          *out += escape;
+          break;
+        case 'b':
+          *out += '\b';
+          break;
+        case 'f':
+          *out += '\f';
+          break;
+        case 'n':
+          *out += '\n';
+          break;
+        case 'r':
+          *out += '\r';
+          break;
+        case 't':
+          *out += '\t';
+          break;
+        case 'u': {
+          if (pos_ + 4 > text_.size()) return false;
+          uint32_t code_point = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int digit = HexDigit(text_[pos_++]);
+            if (digit < 0) return false;
+            code_point = code_point * 16 + digit;
+          }
+          AppendUtf8(code_point, out);
+          break;
+        }
+        default:
+          return false;
+      }
+    }
+    return false;  // unterminated
+  }
+
+  bool ParseNumber(JsonValue* value) {
+    const size_t start = pos_;
+    auto digits = [this]() {
+      const size_t first = pos_;
+      while (pos_ < text_.size() && std::isdigit(static_cast<unsigned char>(text_[pos_]))) ++pos_;
+      return pos_ - first;
+    };
+    Consume("-");
+    if (Consume("0")) {
+      // No leading zeros: "01" is not a number.
+    } else if (digits() == 0) {
+      return false;
+    }
+    if (Consume(".") && digits() == 0) return false;
+    if (pos_ < text_.size() && (text_[pos_] == 'e' || text_[pos_] == 'E')) {
+      ++pos_;
+      if (!Consume("+")) Consume("-");
+      if (digits() == 0) return false;
+    }
+    value->kind = JsonValue::Kind::kNumber;
+    value->text.assign(text_.data() + start, pos_ - start);
+    value->number = std::strtod(value->text.c_str(), nullptr);
+    return true;
+  }
+
+  absl::string_view text_;
+  size_t pos_ = 0;
+};
+
+bool ParseJson(absl::string_view text, JsonValue* value) { return JsonParser(text).Parse(value); }
+
+// ----------------------------------------------------------------------------------------------
+// A minimal XML well-formedness check for what FormatSvg writes: an optional declaration,
+// elements with quoted attributes, comments, text with the five predefined entities or
+// character references. Returns "" when well-formed, else what is wrong; `root` gets the name
+// of the root element.
+
+bool IsNameChar(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == ':' ||
+         c == '.';
+}
+
+// Checks that every '&' in `text` starts an entity XML knows; `text` must not contain '<'.
+std::string CharDataProblem(absl::string_view text) {
+  if (absl::StrContains(text, "<")) return "raw '<' in text or attribute value";
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '&') continue;
+    const size_t end = text.find(';', i);
+    if (end == absl::string_view::npos) return "'&' without ';'";
+    const absl::string_view entity = text.substr(i + 1, end - i - 1);
+    if (entity != "amp" && entity != "lt" && entity != "gt" && entity != "quot" &&
+        entity != "apos" && !(entity.size() > 1 && entity[0] == '#')) {
+      return absl::StrCat("unknown entity &", entity, ";");
+    }
+  }
+  return "";
+}
+
+std::string XmlProblem(absl::string_view xml, std::string* root) {
+  size_t pos = 0;
+  if (absl::StartsWith(xml, "<?xml")) {
+    pos = xml.find("?>");
+    if (pos == absl::string_view::npos) return "unterminated XML declaration";
+    pos += 2;
+  }
+  std::vector<std::string> open;
+  bool root_closed = false;
+  while (pos < xml.size()) {
+    const size_t lt = xml.find('<', pos);
+    const absl::string_view text =
+        xml.substr(pos, lt == absl::string_view::npos ? xml.npos : lt - pos);
+    if (open.empty() && text.find_first_not_of(" \t\r\n") != absl::string_view::npos) {
+      return "text outside the root element";
+    }
+    if (std::string problem = CharDataProblem(text); !problem.empty()) return problem;
+    if (lt == absl::string_view::npos) break;
+    pos = lt;
+    if (absl::StartsWith(xml.substr(pos), "<!--")) {
+      const size_t end = xml.find("-->", pos);
+      if (end == absl::string_view::npos) return "unterminated comment";
+      pos = end + 3;
+      continue;
+    }
+    const bool closing = absl::StartsWith(xml.substr(pos), "</");
+    pos += closing ? 2 : 1;
+    const size_t name_start = pos;
+    while (pos < xml.size() && IsNameChar(xml[pos])) ++pos;
+    const std::string name(xml.substr(name_start, pos - name_start));
+    if (name.empty()) return "tag without a name at " + std::to_string(name_start);
+    if (closing) {
+      if (pos >= xml.size() || xml[pos] != '>') return "bad closing tag </" + name;
+      ++pos;
+      if (open.empty() || open.back() != name) return "mismatched </" + name + ">";
+      open.pop_back();
+      if (open.empty()) root_closed = true;
+      continue;
+    }
+    if (root_closed || (open.empty() && !root->empty())) return "second root element " + name;
+    if (open.empty()) *root = name;
+    // Attributes, then '>' or '/>'.
+    std::map<std::string, bool> seen;
+    while (true) {
+      while (pos < xml.size() && std::isspace(static_cast<unsigned char>(xml[pos]))) ++pos;
+      if (pos >= xml.size()) return "unterminated tag <" + name;
+      if (absl::StartsWith(xml.substr(pos), "/>")) {
+        pos += 2;
+        if (open.empty()) root_closed = true;
+        break;
+      }
+      if (xml[pos] == '>') {
+        ++pos;
+        open.push_back(name);
+        break;
+      }
+      const size_t attr_start = pos;
+      while (pos < xml.size() && IsNameChar(xml[pos])) ++pos;
+      const std::string attr(xml.substr(attr_start, pos - attr_start));
+      if (attr.empty()) return "bad attribute in <" + name;
+      if (seen[attr]) return "duplicate attribute " + attr + " in <" + name;
+      seen[attr] = true;
+      if (pos + 1 >= xml.size() || xml[pos] != '=' ||
+          (xml[pos + 1] != '"' && xml[pos + 1] != '\'')) {
+        return absl::StrCat("attribute ", attr, " without a quoted value in <", name);
+      }
+      const char quote = xml[pos + 1];
+      const size_t end = xml.find(quote, pos + 2);
+      if (end == absl::string_view::npos) return "unterminated attribute " + attr;
+      if (std::string problem = CharDataProblem(xml.substr(pos + 2, end - pos - 2));
+          !problem.empty()) {
+        return problem + " in attribute " + attr;
+      }
+      pos = end + 1;
+    }
+  }
+  if (!open.empty()) return "unclosed <" + open.back() + ">";
+  if (!root_closed) return "no root element";
+  return "";
+}
+
+int CountOf(absl::string_view haystack, absl::string_view needle) {
+  int count = 0;
+  for (size_t pos = haystack.find(needle); pos != absl::string_view::npos;
+       pos = haystack.find(needle, pos + needle.size())) {
+    ++count;
+  }
+  return count;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Fixtures.
+
+// A report with deterministic, distinct numbers: rank r's micro-batch m of policy p takes
+// 0.1 * (1 + r) + 0.01 * m * (p + 1) seconds, so the last rank is the slowest.
+SimReport MakeReport(int ranks, int micro_batches, int steps, const std::vector<Policy>& policies) {
+  SimReport report;
+  SimScenario& s = report.scenario;
+  s.trace = "prolong";
+  s.pack_length = 65536;
+  s.ranks = ranks;
+  s.micro_batches = micro_batches;
+  s.capacity = 131072;
+  s.fill = 0.9;
+  s.steps = steps;
+  s.mode = "quantile:0.75";
+  s.slow_ranks = 2;
+  s.slow_factor = 0.5;
+  s.noise = 0.05;
+  s.seed = 7;
+  s.density_default = 0.3;
+  s.density_min = 0.05;
+  for (int p = 0; p < static_cast<int>(policies.size()); ++p) {
+    PolicyResult r;
+    r.policy = policies[p];
+    for (int step = 0; step < steps; ++step) {
+      r.step_seconds.push_back(10.0 + 0.1 * step - 0.5 * p + 0.2 * (step % 3));
+    }
+    r.mean_step_seconds = 10.0 - 0.5 * p;
+    r.speedup_vs_sequential = 1.0 + 0.1 * p;
+    r.speedup_vs_flops = 0.9 + 0.05 * p;
+    r.imbalance_ratio = 1.5 - 0.05 * p;
+    r.bubble_ratio = 0.2 - 0.02 * p;
+    r.mean_density = 0.3;
+    r.mean_recall = 0.95;
+    r.median_gap = 0.04;
+    r.median_prediction_error = 0.03;
+    r.mean_plan_seconds = 0.0012;
+    for (int rank = 0; rank < ranks; ++rank) {
+      r.learned_speed_factors.push_back(rank < 2 ? 0.5 : 1.0);
+      std::vector<double> row;
+      for (int mb = 0; mb < micro_batches; ++mb) {
+        row.push_back(0.1 * (1 + rank) + 0.01 * mb * (p + 1));
+      }
+      r.timeline.push_back(row);
+    }
+    r.timeline_step_seconds = r.step_seconds.empty() ? 0.0 : r.step_seconds.back();
+    report.results.push_back(r);
+  }
+  return report;
+}
+
+SimReport SmallReport() {
+  return MakeReport(/*ranks=*/4, /*micro_batches=*/3, /*steps=*/5,
+                    {Policy::kSequential, Policy::kFlops, Policy::kSparseBalance});
+}
+
+// The table row of `policy`, split on whitespace.
+std::vector<std::string> TableRow(const std::string& table, Policy policy) {
+  for (absl::string_view line : absl::StrSplit(table, '\n')) {
+    std::vector<std::string> cells = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (!cells.empty() && cells[0] == PolicyName(policy)) return cells;
+  }
+  return {};
+}
+
+// ----------------------------------------------------------------------------------------------
+// The test helpers themselves.
+
+TEST(JsonParserTest, AcceptsValidDocuments) {
+  const char* nested =
+      R"({"a": [1, -2.5E+3, true, false, null, "x\"\\\/\b\f\n\r\t\u00e9"], "b": {"c": []}})";
+  for (const char* text : {"{}", "[]", "0", "-0.5e-3", "\"\"", "null", " true ", nested}) {
+    JsonValue value;
+    EXPECT_TRUE(ParseJson(text, &value)) << text;
+  }
+  JsonValue value;
+  ASSERT_TRUE(ParseJson("{\"s\": \"q\\\"b\\\\n\\u0001\\u00e9\"}", &value));
+  EXPECT_EQ(value.Find("s")->text, "q\"b\\n\x01\xc3\xa9");
+}
+
+TEST(JsonParserTest, RejectsBrokenDocuments) {
+  for (const char* text : {"",
+                           "{",
+                           "[1, 2",
+                           "{\"a\": 1,}",
+                           "[1,]",
+                           "{\"a\" 1}",
+                           "[1 2]",
+                           "{a: 1}",
+                           "{\"a\": NaN}",
+                           "[Infinity]",
+                           "\"unterminated",
+                           "\"bad \\x escape\"",
+                           "\"raw\ncontrol\"",
+                           "\"\\u12g4\"",
+                           "01",
+                           "1.",
+                           "-",
+                           "1e",
+                           ".5",
+                           "tru",
+                           "{\"a\": 1} extra",
+                           "'single'"}) {
+    JsonValue value;
+    EXPECT_FALSE(ParseJson(text, &value)) << text;
+  }
+}
+
+TEST(XmlCheckTest, AcceptsWellFormedAndRejectsBroken) {
+  std::string root;
+  EXPECT_EQ(XmlProblem("<?xml version=\"1.0\"?>\n<a x=\"1&amp;2\"><b/><!-- c --><c>t&lt;</c></a>\n",
+                       &root),
+            "");
+  EXPECT_EQ(root, "a");
+  for (const char* xml :
+       {"<a><b></a></b>", "<a>", "<a x=1/>", "<a x=\"1\" x=\"2\"/>", "<a>x & y</a>", "<a x=\"<\"/>",
+        "<a/><b/>", "text<a/>", "<a>&bogus;</a>"}) {
+    root.clear();
+    EXPECT_NE(XmlProblem(xml, &root), "") << xml;
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// FormatTable.
+
+TEST(FormatTableTest, ListsScenarioAndEveryPolicy) {
+  SimReport report = MakeReport(4, 3, 5, AllPolicies());
+  report.results[2].speedup_vs_sequential = 1.234;
+  const std::string table = FormatTable(report);
+  EXPECT_TRUE(absl::StrContains(table, "prolong")) << table;
+  EXPECT_TRUE(absl::StrContains(table, "quantile:0.75")) << table;
+  EXPECT_TRUE(absl::StrContains(table, "131072")) << table;
+  for (Policy policy : AllPolicies()) {
+    EXPECT_EQ(TableRow(table, policy).size(), 11u) << PolicyName(policy) << "\n" << table;
+  }
+  const std::vector<std::string> flops = TableRow(table, Policy::kFlops);
+  ASSERT_EQ(flops.size(), 11u);
+  EXPECT_EQ(flops[1], "9.000");  // mean step seconds
+  EXPECT_EQ(flops[2], "1.23x");  // vs sequential
+  EXPECT_EQ(flops[5], "16.0%");  // bubble
+  EXPECT_EQ(flops[6], "0.300");  // density
+  EXPECT_EQ(flops[10], "1.20");  // plan ms
+  EXPECT_TRUE(absl::StrContains(table, "imbalance: max/mean rank compute")) << table;
+}
+
+TEST(FormatTableTest, PrintsDashWhenFlopsDidNotRun) {
+  SimReport report = SmallReport();
+  report.results[0].speedup_vs_flops = 0.0;
+  report.results[2].speedup_vs_flops = 1.5;
+  const std::string table = FormatTable(report);
+  EXPECT_EQ(TableRow(table, Policy::kSequential).at(3), "-") << table;
+  EXPECT_EQ(TableRow(table, Policy::kSparseBalance).at(3), "1.50x") << table;
+}
+
+TEST(FormatTableTest, RowsAreAlignedToTheRule) {
+  SimReport report = MakeReport(4, 3, 5, AllPolicies());
+  report.results[0].mean_step_seconds = 1234.5;  // a wide cell must widen its column
+  const std::string table = FormatTable(report);
+  std::vector<absl::string_view> lines = absl::StrSplit(table, '\n');
+  size_t rule = 0;
+  while (rule < lines.size() && !absl::StartsWith(lines[rule], "---")) ++rule;
+  ASSERT_LT(rule, lines.size()) << table;
+  ASSERT_GE(rule, 1u);
+  const size_t width = lines[rule].size();
+  EXPECT_EQ(lines[rule - 1].size(), width) << "header\n" << table;
+  for (Policy policy : AllPolicies()) {
+    bool found = false;
+    for (absl::string_view line : lines) {
+      if (absl::StartsWith(line, absl::StrCat(PolicyName(policy), " "))) {
+        EXPECT_EQ(line.size(), width) << line;
+        found = true;
+      }
+    }
+    EXPECT_TRUE(found) << PolicyName(policy);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// FormatJson.
+
+TEST(FormatJsonTest, ParsesAndHasEveryField) {
+  const SimReport report = SmallReport();
+  JsonValue json;
+  ASSERT_TRUE(ParseJson(FormatJson(report), &json)) << FormatJson(report);
+  ASSERT_EQ(json.kind, JsonValue::Kind::kObject);
+  const JsonValue* scenario = json.Find("scenario");
+  ASSERT_NE(scenario, nullptr);
+  std::vector<std::string> keys;
+  for (const auto& member : scenario->object) keys.push_back(member.first);
+  EXPECT_EQ(keys,
+            (std::vector<std::string>{"trace", "pack_length", "ranks", "micro_batches", "capacity",
+                                      "fill", "steps", "mode", "slow_ranks", "slow_factor", "noise",
+                                      "seed", "density_default", "density_min"}));
+  EXPECT_EQ(scenario->Find("mode")->text, "quantile:0.75");
+  EXPECT_EQ(scenario->Find("capacity")->number, 131072);
+
+  const JsonValue* results = json.Find("results");
+  ASSERT_NE(results, nullptr);
+  ASSERT_EQ(results->array.size(), report.results.size());
+  for (size_t i = 0; i < report.results.size(); ++i) {
+    const JsonValue& result = results->array[i];
+    keys.clear();
+    for (const auto& member : result.object) keys.push_back(member.first);
+    EXPECT_EQ(keys,
+              (std::vector<std::string>{
+                  "policy", "mean_step_seconds", "speedup_vs_sequential", "speedup_vs_flops",
+                  "imbalance_ratio", "bubble_ratio", "mean_density", "mean_recall", "median_gap",
+                  "median_prediction_error", "mean_plan_seconds", "step_seconds",
+                  "learned_speed_factors", "timeline", "timeline_step_seconds"}));
+    EXPECT_EQ(result.Find("policy")->text, PolicyName(report.results[i].policy));
+    EXPECT_EQ(result.Find("step_seconds")->array.size(), 5u);
+    EXPECT_EQ(result.Find("learned_speed_factors")->array.size(), 4u);
+    const JsonValue* timeline = result.Find("timeline");
+    ASSERT_EQ(timeline->array.size(), 4u);
+    for (const JsonValue& rank : timeline->array) EXPECT_EQ(rank.array.size(), 3u);
+    EXPECT_EQ(timeline->array[3].array[2].number, report.results[i].timeline[3][2]);
+  }
+}
+
+TEST(FormatJsonTest, NumbersRoundTrip) {
+  SimReport report = SmallReport();
+  report.scenario.seed = std::numeric_limits<uint64_t>::max();
+  report.results[1].mean_step_seconds = 12.345678901;
+  report.results[1].step_seconds[2] = 0.1 + 0.2;  // needs all 17 digits
+  report.results[1].median_gap = 1e-300;
+  const std::string text = FormatJson(report);
+  EXPECT_TRUE(absl::StrContains(text, "\"mean_step_seconds\": 12.345678901,")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "\"seed\": 18446744073709551615")) << text;
+  JsonValue json;
+  ASSERT_TRUE(ParseJson(text, &json));
+  const JsonValue& result = json.Find("results")->array[1];
+  EXPECT_EQ(result.Find("mean_step_seconds")->number, 12.345678901);
+  EXPECT_EQ(result.Find("step_seconds")->array[2].number, 0.1 + 0.2);
+  EXPECT_EQ(result.Find("median_gap")->number, 1e-300);
+  EXPECT_EQ(json.Find("scenario")->Find("seed")->text, "18446744073709551615");
+}
+
+TEST(FormatJsonTest, EscapesQuotesBackslashesAndControlCharacters) {
+  SimReport report = SmallReport();
+  report.scenario.trace = "C:\\traces\\\"long\" docs\n\t\x01.jsonl";
+  const std::string text = FormatJson(report);
+  EXPECT_TRUE(absl::StrContains(text, R"("C:\\traces\\\"long\" docs\n\t\u0001.jsonl")")) << text;
+  JsonValue json;
+  ASSERT_TRUE(ParseJson(text, &json)) << text;
+  EXPECT_EQ(json.Find("scenario")->Find("trace")->text, report.scenario.trace);
+}
+
+TEST(FormatJsonTest, NonFiniteNumbersBecomeNull) {
+  SimReport report = SmallReport();
+  report.results[0].mean_recall = std::nan("");
+  report.results[0].step_seconds[1] = std::numeric_limits<double>::infinity();
+  report.results[0].timeline[0][0] = -std::numeric_limits<double>::infinity();
+  const std::string text = FormatJson(report);
+  JsonValue json;
+  ASSERT_TRUE(ParseJson(text, &json)) << text;
+  const JsonValue& result = json.Find("results")->array[0];
+  EXPECT_EQ(result.Find("mean_recall")->kind, JsonValue::Kind::kNull);
+  EXPECT_EQ(result.Find("step_seconds")->array[1].kind, JsonValue::Kind::kNull);
+  EXPECT_EQ(result.Find("step_seconds")->array[2].kind, JsonValue::Kind::kNumber);
+  EXPECT_EQ(result.Find("timeline")->array[0].array[0].kind, JsonValue::Kind::kNull);
+}
+
+TEST(FormatJsonTest, EmptyReportIsValid) {
+  JsonValue json;
+  ASSERT_TRUE(ParseJson(FormatJson(SimReport()), &json)) << FormatJson(SimReport());
+  EXPECT_TRUE(json.Find("results")->array.empty());
+}
+
+// ----------------------------------------------------------------------------------------------
+// FormatSvg.
+
+TEST(FormatSvgTest, IsWellFormedStandaloneSvg) {
+  const std::string svg = FormatSvg(SmallReport());
+  absl::string_view rest = svg;
+  if (absl::StartsWith(rest, "<?xml")) rest.remove_prefix(rest.find("?>") + 2);
+  while (!rest.empty() && std::isspace(static_cast<unsigned char>(rest.front()))) {
+    rest.remove_prefix(1);
+  }
+  EXPECT_TRUE(absl::StartsWith(rest, "<svg ")) << svg.substr(0, 200);
+  EXPECT_TRUE(absl::StrContains(svg, "xmlns=\"http://www.w3.org/2000/svg\""));
+  EXPECT_TRUE(absl::StrContains(svg, " width=\""));
+  EXPECT_TRUE(absl::StrContains(svg, " height=\""));
+  EXPECT_TRUE(absl::StrContains(svg, " viewBox=\"0 0 "));
+  EXPECT_EQ(CountOf(svg, "<svg"), 1);
+  EXPECT_EQ(CountOf(svg, "</svg>"), 1);
+  std::string root;
+  EXPECT_EQ(XmlProblem(svg, &root), "");
+  EXPECT_EQ(root, "svg");
+  for (const PolicyResult& result : SmallReport().results) {
+    EXPECT_TRUE(absl::StrContains(svg, PolicyName(result.policy)));
+  }
+}
+
+TEST(FormatSvgTest, OnePolylinePerPolicy) {
+  const SimReport report = MakeReport(4, 3, 20, AllPolicies());
+  const std::string svg = FormatSvg(report);
+  EXPECT_EQ(CountOf(svg, "<polyline"), static_cast<int>(report.results.size()));
+  // The first series has one "x,y" point per step.
+  const size_t first = svg.find("<polyline");
+  const size_t points = svg.find("points=\"", first) + 8;
+  const absl::string_view list(svg.data() + points, svg.find('"', points) - points);
+  EXPECT_EQ(CountOf(list, ","), 20);
+}
+
+TEST(FormatSvgTest, OneBarPerRankAndPolicyAndOneSegmentPerMicroBatch) {
+  const SimReport report = SmallReport();  // 4 ranks x 3 micro-batches x 3 policies
+  const std::string svg = FormatSvg(report);
+  EXPECT_EQ(CountOf(svg, "class=\"bar\""), 4 * 3);
+  EXPECT_EQ(CountOf(svg, "class=\"mb\""), 4 * 3 * 3);
+  EXPECT_FALSE(absl::StrContains(svg, "showing"));
+}
+
+TEST(FormatSvgTest, DrawsOnlyTheSlowest64Ranks) {
+  // Rank r's time grows with r, so ranks 36..99 are the slowest 64.
+  const SimReport report = MakeReport(100, 2, 5, {Policy::kTokens, Policy::kSab});
+  const std::string svg = FormatSvg(report);
+  EXPECT_EQ(CountOf(svg, "showing 64 of 100 ranks"), 2);
+  EXPECT_EQ(CountOf(svg, "class=\"bar\""), 64 * 2);
+  EXPECT_EQ(CountOf(svg, "class=\"mb\""), 64 * 2 * 2);
+  // The first row is always labelled: it must be rank 36, not rank 0.
+  EXPECT_TRUE(absl::StrContains(svg, ">r36</text>"));
+  EXPECT_FALSE(absl::StrContains(svg, ">r0</text>"));
+  std::string root;
+  EXPECT_EQ(XmlProblem(svg, &root), "");
+}
+
+TEST(FormatSvgTest, EscapesXmlSpecialCharacters) {
+  SimReport report = SmallReport();
+  report.scenario.trace = "a<b>&\"c'\x01.jsonl";
+  report.scenario.mode = "<mean>";
+  const std::string svg = FormatSvg(report);
+  EXPECT_TRUE(absl::StrContains(svg, "a&lt;b&gt;&amp;&quot;c&apos;?.jsonl")) << svg;
+  EXPECT_TRUE(absl::StrContains(svg, "&lt;mean&gt;"));
+  EXPECT_FALSE(absl::StrContains(svg, "a<b>"));
+  std::string root;
+  EXPECT_EQ(XmlProblem(svg, &root), "");
+}
+
+TEST(FormatSvgTest, StaysUnderOneMegabyteForALargeRun) {
+  const SimReport report = MakeReport(1024, 4, 5000, AllPolicies());
+  const std::string svg = FormatSvg(report);
+  EXPECT_LT(svg.size(), 1000u * 1000u);
+  EXPECT_EQ(CountOf(svg, "class=\"bar\""), 64 * 6);
+  EXPECT_EQ(CountOf(svg, "<polyline"), 6);
+  std::string root;
+  EXPECT_EQ(XmlProblem(svg, &root), "");
+}
+
+TEST(FormatSvgTest, SurvivesEmptyAndNonFiniteData) {
+  SimReport report = SmallReport();
+  report.results[0].timeline.clear();
+  report.results[0].step_seconds.clear();
+  report.results[1].step_seconds[0] = std::nan("");
+  report.results[1].timeline[1][1] = std::numeric_limits<double>::infinity();
+  report.results[2].timeline_step_seconds = std::nan("");
+  for (const SimReport& r : {report, SimReport()}) {
+    const std::string svg = FormatSvg(r);
+    std::string root;
+    EXPECT_EQ(XmlProblem(svg, &root), "");
+    // No number printed as nan or inf; the style sheet is skipped ("dominant-baseline").
+    const absl::string_view drawing = absl::string_view(svg).substr(svg.find("</defs>"));
+    EXPECT_FALSE(absl::StrContains(drawing, "nan")) << svg;
+    EXPECT_FALSE(absl::StrContains(drawing, "inf")) << svg;
+    EXPECT_EQ(CountOf(svg, "<polyline"), static_cast<int>(r.results.size()));
+  }
+  EXPECT_TRUE(absl::StrContains(FormatSvg(report), "no timeline recorded"));
+}
+
+}  // namespace
+}  // namespace sparsebalance
