@@ -107,7 +107,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const Planne
   // The recall every tuned plan keeps (but in kMin): that of the default densities.
   const double default_recall = TokenWeightedRecall(batch, densities);
   if (config.policy == Policy::kSparseBalance) {
-    densities = AllocateDensities(batch, config, model, densities);
+    densities = AllocateDensities(batch, config, model, densities, default_recall);
   }
   absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities);
   if (!assignment.ok()) return assignment.status();

@@ -21,6 +21,8 @@ constexpr double kAllocationRecallMargin = 1e-3;
 constexpr int kRecallGuardIterations = 8;
 // Relative precision of a rank's time budget in the per-rank solve.
 constexpr double kBudgetTolerance = 1e-6;
+// Absolute precision of the token-weighted recall in the step-level allocation.
+constexpr double kRecallTolerance = 1e-6;
 
 struct Item {
   int index = 0;          // into the batch
@@ -28,6 +30,9 @@ struct Item {
   double floor = 0.0;     // lowest density allowed
   double base = 0.0;      // density without tuning
   double g_minus_1 = 0.0; // recall exponent - 1
+  double inv_g1 = 0.0;    // 1 / (g - 1)
+  double log_floor = 0.0; // log(1 - floor)
+  double log_base = 0.0;  // log(1 - base)
   double offset = 0.0;    // log(per_block * tri / (weight * g)): where the multiplier sits
   int doc_begin = 0;      // documents' query-block counts in `docs`
   int doc_end = 0;
@@ -47,8 +52,9 @@ class Tuner {
   // Densities for the target makespan `target` (seconds).
   std::vector<double> Solve(double target) const;
   // Over all items (of every rank) at once: the densities in [floor, density_max] with the
-  // least predicted attention time whose token-weighted recall is at least `target`.
-  std::vector<double> SolveForRecall(double target) const;
+  // least predicted attention time whose token-weighted recall is at least `target` (or the
+  // most recall there is); the recall reached goes to `achieved`.
+  std::vector<double> SolveForRecall(double target, double* achieved) const;
   double Recall(const std::vector<double>& densities) const;
   // Predicted rank time at each item's base (or floor) density.
   double RankSeconds(const RankWork& rank, bool at_floor) const;
@@ -61,7 +67,6 @@ class Tuner {
   // the plan's figures). Its derivative in rho goes to `slope`.
   double SurrogateBlocks(int64_t rows, double rho, double* slope) const;
   double ItemBlocks(const Item& item, double rho, double* slope) const;
-  double Density(const Item& item, double log_multiplier, double lo, double hi) const;
   // Densities of one rank's items that fit `budget` attention seconds (speed excluded).
   void SolveRank(const RankWork& rank, double budget, bool lower,
                  std::vector<double>* densities) const;
@@ -71,6 +76,7 @@ class Tuner {
   const std::vector<double>& base_;
   double per_block_ = 0.0;
   double anchors_ = 0.0;
+  double log_max_ = 0.0;  // log(1 - density_max)
   std::vector<int64_t> docs_;  // query blocks per document
   std::vector<RankWork> ranks_;
 };
@@ -83,9 +89,13 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
   const int block = config.shape.block_size;
+  log_max_ = DetLog(1.0 - std::min(config.density_max, kAlmostDense));
   ranks_.resize(assignment.ranks.size());
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankWork& rank = ranks_[r];
+    size_t members = 0;
+    for (const std::vector<int>& micro_batch : assignment.ranks[r]) members += micro_batch.size();
+    rank.items.reserve(members);
     rank.speed = r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r))
                                                           : 1.0;
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
@@ -98,6 +108,9 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         item.floor = std::min(DensityFloor(s.sensitivity, config), base[i]);
         item.base = base[i];
         item.g_minus_1 = RecallExponent(s.sensitivity) - 1.0;
+        item.inv_g1 = 1.0 / item.g_minus_1;
+        item.log_floor = DetLog(1.0 - std::min(item.floor, kAlmostDense));
+        item.log_base = DetLog(1.0 - std::min(item.base, kAlmostDense));
         item.doc_begin = static_cast<int>(docs_.size());
         double triangle = 0.0;
         auto add_doc = [&](int64_t length) {
@@ -150,46 +163,49 @@ double Tuner::ItemBlocks(const Item& item, double rho, double* slope) const {
   return blocks;
 }
 
-double Tuner::Density(const Item& item, double log_multiplier, double lo, double hi) const {
-  // Stationarity of weight * recall(rho) - multiplier * price * rho:
-  // (1 - rho)^(g-1) = multiplier * price / (weight * g).
-  const double rho = 1.0 - DetExp((log_multiplier + item.offset) / item.g_minus_1);
-  return std::clamp(rho, lo, hi);
-}
-
 void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
                       std::vector<double>* densities) const {
   const size_t n = rank.items.size();
-  std::vector<double> lo(n);
-  std::vector<double> hi(n);
+  // Per item: its bounds and the multipliers x at which it reaches them (x_hi: at or below,
+  // the upper bound; x_lo: at or above, the lower one), so the search skips exp() there.
+  struct Bounds {
+    double lo, hi, x_hi, x_lo;
+  };
+  std::vector<Bounds> bounds(n);
+  double x_min = 0.0;
+  double x_max = 0.0;
   for (size_t k = 0; k < n; ++k) {
     const Item& item = rank.items[k];
-    lo[k] = lower ? item.floor : item.base;
-    hi[k] = lower ? item.base : std::max(item.base, config_.density_max);
+    Bounds& b = bounds[k];
+    b.lo = lower ? item.floor : item.base;
+    b.hi = lower ? item.base : std::max(item.base, config_.density_max);
+    const double log_lo = lower ? item.log_floor : item.log_base;
+    const double log_hi = lower ? item.log_base : std::min(item.log_base, log_max_);
+    b.x_hi = item.g_minus_1 * log_hi - item.offset;
+    b.x_lo = item.g_minus_1 * log_lo - item.offset;
+    x_min = k == 0 ? b.x_hi : std::min(x_min, b.x_hi);
+    x_max = k == 0 ? b.x_lo : std::max(x_max, b.x_lo);
   }
+  auto density_at = [&](size_t k, double x) {
+    const Bounds& b = bounds[k];
+    if (x <= b.x_hi) return b.hi;
+    if (x >= b.x_lo) return b.lo;
+    const Item& item = rank.items[k];
+    return std::clamp(1.0 - DetExp((x + item.offset) * item.inv_g1), b.lo, b.hi);
+  };
   auto excess = [&](double x, double* derivative) {
     double blocks = 0.0;
     double d = 0.0;
     for (size_t k = 0; k < n; ++k) {
       const Item& item = rank.items[k];
-      const double rho = Density(item, x, lo[k], hi[k]);
+      const double rho = density_at(k, x);
       double slope = 0.0;
       blocks += ItemBlocks(item, rho, &slope);
-      if (rho > lo[k] && rho < hi[k]) d -= slope * (1.0 - rho) / item.g_minus_1;
+      if (rho > bounds[k].lo && rho < bounds[k].hi) d -= slope * (1.0 - rho) * item.inv_g1;
     }
     if (derivative != nullptr) *derivative = per_block_ * d;
     return per_block_ * blocks - budget;
   };
-  // Bracket: below x_min every item sits at hi, above x_max at lo.
-  double x_min = 0.0;
-  double x_max = 0.0;
-  for (size_t k = 0; k < n; ++k) {
-    const Item& item = rank.items[k];
-    const double at_hi = item.g_minus_1 * DetLog(1.0 - std::min(hi[k], kAlmostDense)) - item.offset;
-    const double at_lo = item.g_minus_1 * DetLog(1.0 - std::min(lo[k], kAlmostDense)) - item.offset;
-    x_min = k == 0 ? at_hi : std::min(x_min, at_hi);
-    x_max = k == 0 ? at_lo : std::max(x_max, at_lo);
-  }
   double x = x_min;
   if (n == 0 || excess(x_min, nullptr) <= 0) {
     x = x_min;  // everything at its upper bound fits
@@ -218,9 +234,7 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
     // End on the feasible side so the rank does not overshoot its budget.
     if (excess(x, nullptr) > 0) x = b;
   }
-  for (size_t k = 0; k < n; ++k) {
-    (*densities)[rank.items[k].index] = Density(rank.items[k], x, lo[k], hi[k]);
-  }
+  for (size_t k = 0; k < n; ++k) (*densities)[rank.items[k].index] = density_at(k, x);
 }
 
 double Tuner::RankSeconds(const RankWork& rank, bool at_floor) const {
@@ -246,91 +260,119 @@ std::vector<double> Tuner::Solve(double target) const {
   return densities;
 }
 
-std::vector<double> Tuner::SolveForRecall(double target) const {
-  std::vector<const Item*> items;
-  for (const RankWork& rank : ranks_) {
-    for (const Item& item : rank.items) items.push_back(&item);
-  }
-  std::vector<double> densities = base_;
-  if (items.empty()) return densities;
-  const size_t n = items.size();
+std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const {
+  // What the search reads per item, contiguous: it runs a dozen passes over every sample.
+  struct Term {
+    int index;
+    double weight;      // tokens
+    double offset;      // see Item
+    double inv_g1;      // 1 / (g - 1)
+    double g_over_g1;   // g / (g - 1)
+    double x_at_hi;     // at or below this x the item sits at density_max
+    double x_at_lo;     // at or above, at its floor
+    double recall_lo;   // recall at the floor
+    double recall_hi;   // recall at density_max
+    double scale;       // e^offset
+    double floor;
+  };
   const double hi_density = config_.density_max;
-  // Recall at each item's bounds, and the multiplier range over which items move.
-  std::vector<double> recall_lo(n);
-  std::vector<double> recall_hi(n);
-  std::vector<double> scale(n);  // exp(offset): (1-rho)^g = (1-rho) * exp(x) * scale
+  const double log_hi = log_max_;
+  std::vector<Term> terms;
+  terms.reserve(batch_.size());
   double tokens = 0.0;
+  double x_start = 0.0;  // token-weighted mean of the multipliers at base density
   double x_min = 0.0;
   double x_max = 0.0;
-  for (size_t k = 0; k < n; ++k) {
-    const Item& item = *items[k];
-    const double s = batch_[item.index].sensitivity;
-    recall_lo[k] = PredictedRecall(s, item.floor);
-    recall_hi[k] = PredictedRecall(s, hi_density);
-    scale[k] = DetExp(item.offset);
-    tokens += item.weight;
-    const double at_hi = item.g_minus_1 * DetLog(1.0 - std::min(hi_density, kAlmostDense)) -
-                         item.offset;
-    const double at_lo = item.g_minus_1 * DetLog(1.0 - std::min(item.floor, kAlmostDense)) -
-                         item.offset;
-    x_min = k == 0 ? at_hi : std::min(x_min, at_hi);
-    x_max = k == 0 ? at_lo : std::max(x_max, at_lo);
+  for (const RankWork& rank : ranks_) {
+    for (const Item& item : rank.items) {
+      const double g = item.g_minus_1 + 1.0;
+      const double log_lo = item.log_floor;
+      Term t;
+      t.index = item.index;
+      t.weight = item.weight;
+      t.offset = item.offset;
+      t.inv_g1 = item.inv_g1;
+      t.g_over_g1 = g / item.g_minus_1;
+      t.x_at_hi = item.g_minus_1 * log_hi - item.offset;
+      t.x_at_lo = item.g_minus_1 * log_lo - item.offset;
+      t.recall_lo = 1.0 - DetExp(g * log_lo);
+      t.recall_hi = hi_density >= 1.0 ? 1.0 : 1.0 - DetExp(g * log_hi);
+      t.scale = DetExp(item.offset);
+      t.floor = item.floor;
+      x_start += t.weight * (item.g_minus_1 * item.log_base - item.offset);
+      x_min = terms.empty() ? t.x_at_hi : std::min(x_min, t.x_at_hi);
+      x_max = terms.empty() ? t.x_at_lo : std::max(x_max, t.x_at_lo);
+      tokens += t.weight;
+      terms.push_back(t);
+    }
   }
-  // Token-weighted recall at multiplier e^x (decreasing in x). At the stationary point
-  // (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale: one exp per item.
-  auto recall_at = [&](double x) {
+  std::vector<double> densities = base_;
+  if (terms.empty()) {
+    *achieved = 0.0;
+    return densities;
+  }
+  // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
+  // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
+  // d recall / d rho = g e^x scale: one exp per item that is not at a bound.
+  auto recall_at = [&](double x, double* derivative) {
     const double ex = DetExp(x);
     double weighted = 0.0;
-    for (size_t k = 0; k < n; ++k) {
-      const Item& item = *items[k];
-      const double u = DetExp((x + item.offset) / item.g_minus_1);  // 1 - rho
-      const double rho = 1.0 - u;
-      double r;
-      if (rho <= item.floor) {
-        r = recall_lo[k];
-      } else if (rho >= hi_density) {
-        r = recall_hi[k];
+    double slope = 0.0;
+    for (const Term& t : terms) {
+      if (x <= t.x_at_hi) {
+        weighted += t.weight * t.recall_hi;
+      } else if (x >= t.x_at_lo) {
+        weighted += t.weight * t.recall_lo;
       } else {
-        r = 1.0 - u * ex * scale[k];
+        const double u = DetExp((x + t.offset) * t.inv_g1);  // 1 - rho
+        const double pow_g_minus_1 = ex * t.scale;           // (1-rho)^(g-1)
+        weighted += t.weight * (1.0 - u * pow_g_minus_1);
+        slope -= t.weight * t.g_over_g1 * pow_g_minus_1 * u;  // d rho / dx = -(1-rho)/(g-1)
       }
-      weighted += item.weight * r;
     }
+    if (derivative != nullptr) *derivative = slope / tokens;
     return weighted / tokens;
   };
   double x = x_min;
-  if (recall_at(x_max) >= target) {
+  double recall = recall_at(x_max, nullptr);
+  if (recall >= target) {
     x = x_max;  // every item at its floor already keeps the recall
-  } else if (recall_at(x_min) < target) {
+  } else if (recall = recall_at(x_min, nullptr); recall < target) {
     x = x_min;  // unreachable: everything at density_max is the best there is
   } else {
-    // Illinois false position on the monotone recall; ends on the side that keeps it.
-    double a = x_min;
-    double b = x_max;
-    double fa = recall_at(a) - target;  // >= 0
-    double fb = recall_at(b) - target;  // < 0
-    int side = 0;
-    for (int iter = 0; iter < kMaxSolverIterations && b - a > 1e-9; ++iter) {
-      const double c = fa > fb ? a - fa * (b - a) / (fb - fa) : 0.5 * (a + b);
-      const double m = (c > a && c < b) ? c : 0.5 * (a + b);
-      const double fm = recall_at(m) - target;
-      if (fm >= 0) {
-        a = m;
-        fa = fm;
-        if (side == -1) fb *= 0.5;
-        side = -1;
+    // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
+    // ends on the side that keeps the recall.
+    double a = x_min;  // recall(a) >= target
+    double b = x_max;  // recall(b) < target
+    double recall_a = recall;
+    // Start where the bulk of the tokens would sit at their base densities: the answer keeps
+    // about their recall, so Newton begins close.
+    x = std::clamp(x_start / tokens, a, b);
+    if (x == a || x == b) x = 0.5 * (a + b);
+    for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
+      double derivative = 0.0;
+      const double r = recall_at(x, &derivative);
+      const double f = r - target;
+      if (f >= 0) {
+        a = x;
+        recall_a = r;
+        if (f < kRecallTolerance) break;
       } else {
-        b = m;
-        fb = fm;
-        if (side == 1) fa *= 0.5;
-        side = 1;
+        b = x;
       }
-      if (fa < 1e-9) break;
+      double next = derivative < 0 ? x - f / derivative : 0.5 * (a + b);
+      if (!(next > a && next < b)) next = 0.5 * (a + b);
+      if (b - a <= 1e-12 * std::max(1.0, std::fabs(a))) break;
+      x = next;
     }
     x = a;
+    recall = recall_a;
   }
-  for (size_t k = 0; k < n; ++k) {
-    densities[items[k]->index] = Density(*items[k], x, items[k]->floor, hi_density);
+  for (const Term& t : terms) {
+    densities[t.index] =
+        std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
   }
+  *achieved = recall;
   return densities;
 }
 
@@ -359,18 +401,18 @@ double Quantile(std::vector<double> values, double q) {
 
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch,
                                       const PlannerConfig& config, const LatencyModel& model,
-                                      const std::vector<double>& base) {
+                                      const std::vector<double>& base, double base_recall) {
   Assignment all;
   all.ranks.assign(1, std::vector<std::vector<int>>(1));
   for (int i = 0; i < static_cast<int>(batch.size()); ++i) all.ranks[0][0].push_back(i);
   Tuner tuner(batch, all, config, model, base);
-  const double target = tuner.Recall(base);
   // Aim a little above: the per-rank tuning that follows moves densities away from this
   // optimum, which costs a little recall (it is concave), and should not have to back off.
+  double achieved = 0.0;
   std::vector<double> densities =
-      tuner.SolveForRecall(std::min(target + kAllocationRecallMargin, 1.0));
+      tuner.SolveForRecall(std::min(base_recall + kAllocationRecallMargin, 1.0), &achieved);
   // Never hand back less recall than base (e.g. when even density_max cannot reach it).
-  return tuner.Recall(densities) >= target ? densities : base;
+  return achieved >= base_recall ? densities : base;
 }
 
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
@@ -407,7 +449,8 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   target = std::min(std::max(target, at_floor_max), base_max);
   std::vector<double> densities = tuner.Solve(target);
   if (config.dst_mode == DstMode::kMin) return densities;
-  const double base_recall = std::min(min_recall, tuner.Recall(base));
+  // The slack absorbs summation order (the caller sums in batch order, the tuner by rank).
+  const double base_recall = min_recall - 1e-12;
   if (tuner.Recall(densities) >= base_recall) return densities;
   // Cutting the stragglers lost more recall than raising the others won back: find the
   // lowest target between this one and the base makespan (pure raising, which never loses

@@ -19,11 +19,12 @@ namespace sparsebalance {
 // places samples by the cost they will have: the per-sample densities, each in
 // [floor, density_max], with the least predicted attention time whose token-weighted
 // predicted recall is at least that of `base` (one multiplier over the whole batch: long,
-// insensitive documents go down, short or sensitive ones go up). Returns `base` when no
-// such densities exist.
+// insensitive documents go down, short or sensitive ones go up). `base_recall` is that
+// recall (TokenWeightedRecall of `base`, which the caller has already). Returns `base` when
+// no such densities exist.
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch,
                                       const PlannerConfig& config, const LatencyModel& model,
-                                      const std::vector<double>& base);
+                                      const std::vector<double>& base, double base_recall);
 
 // The per-rank half of DST: a density per batch sample (deferred samples keep `base`).
 //
@@ -32,8 +33,9 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch,
 // over one multiplier), so cuts fall first on long, insensitive documents and raises first on
 // short or sensitive ones. Stragglers only lower and the others only raise, each sample
 // staying in [floor, base] or [base, density_max]. In every mode but kMin the predicted
-// token-weighted recall of the result is at least min(min_recall, recall at `base`): if the
-// target would lose more, the target is raised until it does not.
+// token-weighted recall of the result is at least `min_recall`, which must not exceed the
+// recall at `base` (pure raising, the fallback, never loses recall): if the target would
+// lose more, the target is raised until it does not.
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const std::vector<double>& base, double min_recall);

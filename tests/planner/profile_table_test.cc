@@ -111,7 +111,7 @@ TEST(ProfileTableParseTest, SkipsCommentsBlankLinesAndWhitespace) {
       "device  NVIDIA H200  \n"
       "\t# comment\n"
       "shape heads=8 head_dim=64 block_size=128 local_blocks=0\n"
-      "8192\t0.3   0.5\n"
+      "8192  0.3   0.5\n"
       "16384 1 2\r\n");
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ(table->device, "NVIDIA H200");
