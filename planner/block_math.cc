@@ -4,6 +4,15 @@
 #include <cmath>
 
 namespace sparsebalance {
+namespace {
+
+// log2(kDensityQuantum).
+constexpr int kDensityShift = 16;
+static_assert(int64_t{1} << kDensityShift == kDensityQuantum);
+// Up to this many rows ActiveBlocks sums directly instead of calling FloorSum.
+constexpr int64_t kDirectSumRows = 96;
+
+}  // namespace
 
 int64_t QuantizeDensity(double density) {
   if (!(density > 0.0)) return 1;  // also catches NaN; validation rejects these earlier
@@ -60,9 +69,16 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
   const int64_t last_anchored = std::min(rows, n_free - 1);
   total += (last_anchored - anchors) * anchors;
   if (rows >= n_free) {
-    // sum_{n=n_free}^{rows} ceil(q*n/Q) = sum_{i=0}^{cnt-1} floor((q*i + q*n_free + Q-1) / Q)
+    // sum_{n=n_free}^{rows} ceil(q*n/Q) = sum_{i=0}^{cnt-1} floor((q*i + q*n_free + Q-1) / Q).
+    // Short runs (most documents) are summed directly: Q is a power of two, so each term is a
+    // shift, cheaper than FloorSum's divisions.
     const int64_t count = rows - n_free + 1;
-    total += FloorSum(count, kDensityQuantum, q, q * n_free + kDensityQuantum - 1);
+    if (count <= kDirectSumRows) {
+      int64_t numerator = q * n_free + kDensityQuantum - 1;
+      for (int64_t i = 0; i < count; ++i, numerator += q) total += numerator >> kDensityShift;
+    } else {
+      total += FloorSum(count, kDensityQuantum, q, q * n_free + kDensityQuantum - 1);
+    }
   }
   return total;
 }

@@ -77,6 +77,7 @@ double DetLog(double x) {
 }
 
 double DetPow(double base, double exponent) {
+  if (exponent == 0.0) return 1.0;  // as std::pow, even for 0, inf and NaN bases
   if (base == 0.0) return exponent > 0 ? 0.0 : std::numeric_limits<double>::infinity();
   return DetExp(exponent * DetLog(base));
 }

@@ -14,7 +14,7 @@ namespace sparsebalance {
 double DetExp(double x);
 // Natural logarithm for x > 0; -inf for 0, NaN for negative or NaN input.
 double DetLog(double x);
-// base^exponent for base > 0 (0 for base == 0 and exponent > 0).
+// base^exponent for base > 0 (0 for base == 0 and exponent > 0; 1 for exponent == 0).
 double DetPow(double base, double exponent);
 
 }  // namespace sparsebalance

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,8 @@ namespace {
 constexpr int kFeatures = 4;
 // Prior uncertainty of each weight (relative): the profile may be off by about 100%.
 constexpr double kPriorVariance = 1.0;
+// Upper bound on a weight's variance under forgetting.
+constexpr double kMaxVariance = 1e4;
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -41,10 +44,13 @@ LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoeffic
     const double fallback = 0.02 * reference_seconds / reference_x[i];
     scale_[i] = prior_coef[i] > 0 ? prior_coef[i] : (fallback > 0 ? fallback : 1e-6);
     state_.weights[i] = prior_coef[i] > 0 ? 1.0 : 0.0;
-    state_.covariance[i * kFeatures + i] = kPriorVariance;
+    // A term the prior knows nothing of starts uninformative, so the data decide it.
+    state_.covariance[i * kFeatures + i] = prior_coef[i] > 0 ? kPriorVariance : kMaxVariance;
   }
   state_.speed_factors.assign(std::max(ranks, 1), 1.0);
 }
+
+double LatencyModel::rank_error_sd() const { return std::sqrt(state_.rank_error_variance); }
 
 CostCoefficients LatencyModel::coefficients() const {
   return {scale_[0] * state_.weights[0], scale_[1] * state_.weights[1],
@@ -103,24 +109,63 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
     }
     const MicroBatchFeatures& f = o.features;
     if (!(f.active_blocks >= 0) || !(f.tokens > 0) || !(f.documents >= 1) ||
-        !std::isfinite(f.active_blocks) || !std::isfinite(f.tokens)) {
+        !std::isfinite(f.active_blocks) || !std::isfinite(f.tokens) ||
+        !std::isfinite(f.documents)) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": features need active_blocks >= 0, tokens > 0 and documents >= 1"));
     }
   }
   if (observations.empty()) return absl::OkStatus();
+  // A total order on the values, so that any permutation of the same step (even with
+  // repeated keys) is folded in identically.
   std::sort(observations.begin(), observations.end(),
             [](const Observation& a, const Observation& b) {
-              return a.rank != b.rank ? a.rank < b.rank : a.micro_batch < b.micro_batch;
+              return std::tie(a.rank, a.micro_batch, a.measured_seconds, a.features.active_blocks,
+                              a.features.tokens, a.features.documents) <
+                     std::tie(b.rank, b.micro_batch, b.measured_seconds, b.features.active_blocks,
+                              b.features.tokens, b.features.documents);
             });
+
+  // 0. How wrong the model was on this step, before learning from it; and which ranks run at
+  // a speed outside the factor bounds (their times would drag the shared coefficients, so
+  // only their speed factors learn from them).
+  std::vector<char> out_of_bounds(ranks(), 0);
+  {
+    std::vector<double> measured(ranks(), 0.0);
+    std::vector<double> predicted(ranks(), 0.0);
+    for (const Observation& o : observations) {
+      measured[o.rank] += o.measured_seconds;
+      predicted[o.rank] += PredictSeconds(o.rank, o.features);
+    }
+    double sum = 0.0;
+    int count = 0;
+    for (int r = 0; r < ranks(); ++r) {
+      if (measured[r] <= 0 || predicted[r] <= 0) continue;
+      const double speed = state_.speed_factors[r] * measured[r] / predicted[r];
+      out_of_bounds[r] = speed < options_.speed_min || speed > options_.speed_max;
+      const double e = measured[r] / predicted[r] - 1.0;
+      sum += e * e;
+      ++count;
+    }
+    if (count > 0) {
+      const double variance = sum / count;
+      state_.rank_error_variance =
+          state_.steps_observed == 0
+              ? variance
+              : (1.0 - options_.error_ewma) * state_.rank_error_variance +
+                    options_.error_ewma * variance;
+    }
+  }
 
   // 1. Coefficients: RLS on y = t / h_r, with the step's forgetting applied once.
   std::array<double, 16>& p = state_.covariance;
   for (double& v : p) v /= options_.forgetting;
   std::array<double, 4>& w = state_.weights;
   for (const Observation& o : observations) {
+    if (out_of_bounds[o.rank]) continue;
+    const double h = state_.speed_factors[o.rank];
     const std::array<double, 4> z = Scaled(o.features);
-    const double y = o.measured_seconds / state_.speed_factors[o.rank];
+    const double y = o.measured_seconds / h;
     // Relative-error weighting: divide the row by its target so long and short micro-batches
     // count alike.
     std::array<double, 4> x;
@@ -143,11 +188,12 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
     for (int i = 0; i < kFeatures; ++i) w[i] = std::max(w[i], 0.0);
   }
   // Keep P bounded so that forgetting cannot blow it up when the inputs do not excite a
-  // direction (e.g. every micro-batch has one document).
+  // direction (e.g. every micro-batch has one document). The bound is well above the prior
+  // so that small terms (a per-micro-batch overhead worth 1% of the time) stay learnable.
   for (int i = 0; i < kFeatures; ++i) {
     double& d = p[i * kFeatures + i];
-    if (d > kPriorVariance) {
-      const double f = std::sqrt(kPriorVariance / d);
+    if (d > kMaxVariance) {
+      const double f = std::sqrt(kMaxVariance / d);
       for (int j = 0; j < kFeatures; ++j) {
         p[i * kFeatures + j] *= f;
         p[j * kFeatures + i] *= f;

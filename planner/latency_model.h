@@ -45,6 +45,7 @@ struct LatencyModelOptions {
   double speed_ewma = 0.3;   // weight of the newest step in the speed factor EWMA
   double speed_min = 0.25;   // bounds of a speed factor
   double speed_max = 4.0;
+  double error_ewma = 0.2;  // weight of the newest step in rank_error_variance
 };
 
 // The model's learned state, plain so that the service can snapshot it.
@@ -52,6 +53,9 @@ struct LatencyModelState {
   std::array<double, 4> weights{};       // multipliers of the feature scales (RLS estimate)
   std::array<double, 16> covariance{};   // RLS P matrix, row-major 4x4
   std::vector<double> speed_factors;     // h_r
+  // EWMA of the squared relative error of predicted rank times, measured before each step is
+  // folded in (out of sample); its root is the noise DST leaves room for.
+  double rank_error_variance = 0.0;
   int64_t steps_observed = 0;
 };
 
@@ -65,6 +69,8 @@ class LatencyModel {
   CostCoefficients coefficients() const;
   double speed_factor(int rank) const { return state_.speed_factors[rank]; }
   const std::vector<double>& speed_factors() const { return state_.speed_factors; }
+  // Typical relative error of a predicted rank time (0 before the first observed step).
+  double rank_error_sd() const;
   const LatencyModelState& state() const { return state_; }
   void set_state(const LatencyModelState& state) { state_ = state; }
 

@@ -26,11 +26,12 @@ absl::Status SampleError(size_t i, absl::string_view field, absl::string_view wh
 
 }  // namespace
 
-double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities) {
+double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                           const std::vector<double>& weights) {
   double weighted = 0.0;
   double tokens = 0.0;
   for (size_t i = 0; i < batch.size(); ++i) {
-    const double w = static_cast<double>(batch[i].length);
+    const double w = static_cast<double>(batch[i].length) * (weights.empty() ? 1.0 : weights[i]);
     weighted += w * PredictedRecall(batch[i].sensitivity, densities[i]);
     tokens += w;
   }
@@ -104,15 +105,27 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const Planne
   for (size_t i = 0; i < batch.size(); ++i) {
     densities[i] = BaseDensity(batch[i].sensitivity, config);
   }
-  // The recall every tuned plan keeps (but in kMin): that of the default densities.
-  const double default_recall = TokenWeightedRecall(batch, densities);
+  const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
+  const std::vector<double> defaults = densities;
+  const double default_recall = tuned ? TokenWeightedRecall(batch, defaults) : 0.0;
   if (config.policy == Policy::kSparseBalance) {
-    densities = AllocateDensities(batch, config, model, densities, default_recall);
+    densities = AllocateDensities(batch, config, model, defaults, default_recall);
   }
   absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities);
   if (!assignment.ok()) return assignment.status();
-  if (config.policy == Policy::kDst || config.policy == Policy::kSparseBalance) {
-    densities = TuneDensities(batch, *assignment, config, model, densities, default_recall);
+  if (tuned) {
+    // The recall every tuned plan keeps (but in kMin): that of the samples it places, at the
+    // default densities. Deferred samples do not count: they are planned next step.
+    double keep = default_recall;
+    if (!assignment->deferred.empty()) {
+      std::vector<double> placed(batch.size(), 1.0);
+      for (int i : assignment->deferred) placed[i] = 0.0;
+      keep = TokenWeightedRecall(batch, defaults, placed);
+      // The step-level allocation was made for the whole batch; if deferring left the placed
+      // samples with less recall than their defaults, tune from the defaults instead.
+      if (TokenWeightedRecall(batch, densities, placed) < keep) densities = defaults;
+    }
+    densities = TuneDensities(batch, *assignment, config, model, densities, keep);
   }
   return BuildPlan(batch, config, model, *assignment, densities);
 }

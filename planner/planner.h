@@ -40,8 +40,10 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
 absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
                        const PlannerConfig& config);
 
-// Token-weighted predicted recall (recall_model.h) of the batch at one density per sample.
-double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities);
+// Token-weighted predicted recall (recall_model.h) of the batch at one density per sample;
+// `weights` (one per sample, e.g. 1 placed / 0 deferred) scale each sample's tokens when given.
+double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                           const std::vector<double>& weights = {});
 
 // A canonical text of the plan (every id, density and figure, doubles in hex) for comparing
 // plans byte for byte.

@@ -20,7 +20,8 @@ absl::Status LineError(int line, absl::string_view what) {
 }
 
 absl::Status ParseShape(absl::string_view rest, int line, ModelShape* shape) {
-  for (absl::string_view item : absl::StrSplit(rest, ' ', absl::SkipWhitespace())) {
+  for (absl::string_view item :
+       absl::StrSplit(rest, absl::ByAnyChar(" \t"), absl::SkipWhitespace())) {
     std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, '=');
     int value = 0;
     if (!absl::SimpleAtoi(kv.second, &value) || value < 0) {
@@ -145,7 +146,8 @@ absl::StatusOr<ProfileTable> ParseProfileTable(absl::string_view text) {
     ++line_number;
     absl::string_view line = absl::StripAsciiWhitespace(raw);
     if (line.empty() || line[0] == '#') continue;
-    std::vector<absl::string_view> fields = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    std::vector<absl::string_view> fields =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipWhitespace());
     if (!saw_magic) {
       if (fields.size() != 2 || fields[0] != "sparsebalance-profile") {
         return LineError(line_number, "expected the header \"sparsebalance-profile 1\"");
@@ -158,11 +160,11 @@ absl::StatusOr<ProfileTable> ParseProfileTable(absl::string_view text) {
       continue;
     }
     if (fields[0] == "device") {
-      table.device = std::string(absl::StripAsciiWhitespace(line.substr(6)));
+      table.device = std::string(absl::StripAsciiWhitespace(line.substr(fields[0].size())));
       continue;
     }
     if (fields[0] == "shape") {
-      absl::Status status = ParseShape(line.substr(5), line_number, &table.shape);
+      absl::Status status = ParseShape(line.substr(fields[0].size()), line_number, &table.shape);
       if (!status.ok()) return status;
       saw_shape = true;
       continue;

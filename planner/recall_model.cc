@@ -24,7 +24,8 @@ double RecallSlope(double sensitivity, double density) {
 
 double DensityFloor(double sensitivity, const PlannerConfig& config) {
   const double s = std::clamp(sensitivity, 0.0, 1.0);
-  return config.density_min + s * (config.density_max - config.density_min);
+  // Written as a convex combination so that s = 0 and s = 1 give the bounds exactly.
+  return (1.0 - s) * config.density_min + s * config.density_max;
 }
 
 double BaseDensity(double sensitivity, const PlannerConfig& config) {

@@ -16,9 +16,18 @@ namespace {
 // multiplier that reaches exactly 1 is 0 (log -inf).
 constexpr double kAlmostDense = 1.0 - 1e-9;
 constexpr int kMaxSolverIterations = 60;
-// Recall AllocateDensities keeps above its base (token-weighted, absolute).
+// Ranks whose estimated time is within this share of the largest are recounted exactly.
+constexpr double kNearMaxShare = 0.01;
+// Solves per rank at most, each correcting the continuous estimate by the exact block count.
+constexpr int kExactPasses = 4;
+// Recall AllocateDensities keeps above its base (token-weighted, absolute), and never more
+// than a tenth of the recall still missing (near 1 any margin would force dense attention).
 constexpr double kAllocationRecallMargin = 1e-3;
 constexpr int kRecallGuardIterations = 8;
+// Raised ranks stop kNoiseMarginZ typical model errors below the target, at most
+// kMaxNoiseMargin of it.
+constexpr double kNoiseMarginZ = 1.0;
+constexpr double kMaxNoiseMargin = 0.2;
 // Relative precision of a rank's time budget in the per-rank solve.
 constexpr double kBudgetTolerance = 1e-6;
 // Absolute precision of the token-weighted recall in the step-level allocation.
@@ -49,8 +58,9 @@ class Tuner {
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         const PlannerConfig& config, const LatencyModel& model, const std::vector<double>& base);
 
-  // Densities for the target makespan `target` (seconds).
-  std::vector<double> Solve(double target) const;
+  // Densities for the target makespan `target` (seconds), given each rank's time at base
+  // (`at_base`, blocks counted exactly). With `cut` false no rank is lowered.
+  std::vector<double> Solve(double target, const std::vector<double>& at_base, bool cut) const;
   // Over all items (of every rank) at once: the densities in [floor, density_max] with the
   // least predicted attention time whose token-weighted recall is at least `target` (or the
   // most recall there is); the recall reached goes to `achieved`.
@@ -58,6 +68,8 @@ class Tuner {
   double Recall(const std::vector<double>& densities) const;
   // Predicted rank time at each item's base (or floor) density.
   double RankSeconds(const RankWork& rank, bool at_floor) const;
+  // The same with the blocks counted exactly.
+  double ExactRankSeconds(const RankWork& rank, bool at_floor) const;
 
   const std::vector<RankWork>& ranks() const { return ranks_; }
 
@@ -67,9 +79,14 @@ class Tuner {
   // the plan's figures). Its derivative in rho goes to `slope`.
   double SurrogateBlocks(int64_t rows, double rho, double* slope) const;
   double ItemBlocks(const Item& item, double rho, double* slope) const;
-  // Densities of one rank's items that fit `budget` attention seconds (speed excluded).
+  // Densities of one rank's items whose exact attention time fits `budget` seconds (speed
+  // excluded), when the bounds allow.
   void SolveRank(const RankWork& rank, double budget, bool lower,
                  std::vector<double>* densities) const;
+  void SolveRankOnce(const RankWork& rank, double budget, bool lower,
+                     std::vector<double>* densities) const;
+  // Exact active blocks of a rank's items at `densities` (what the plan will count).
+  double ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const;
 
   const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
@@ -77,6 +94,7 @@ class Tuner {
   double per_block_ = 0.0;
   double anchors_ = 0.0;
   double log_max_ = 0.0;  // log(1 - density_max)
+  double noise_margin_ = 0.0;  // share of the target that raised ranks leave free
   std::vector<int64_t> docs_;  // query blocks per document
   std::vector<RankWork> ranks_;
 };
@@ -90,6 +108,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   anchors_ = config.shape.local_blocks + 2.0;
   const int block = config.shape.block_size;
   log_max_ = DetLog(1.0 - std::min(config.density_max, kAlmostDense));
+  noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankWork& rank = ranks_[r];
@@ -165,6 +184,49 @@ double Tuner::ItemBlocks(const Item& item, double rho, double* slope) const {
 
 void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
                       std::vector<double>* densities) const {
+  // The search works on a continuous estimate of the active blocks; the plan counts them
+  // exactly. Shrink the budget by any exact overshoot and solve again (once or twice at most:
+  // the estimate is within a block per row).
+  double target = budget;
+  for (int pass = 0; pass < kExactPasses; ++pass) {
+    SolveRankOnce(rank, target, lower, densities);
+    const double over = per_block_ * ExactBlocks(rank, *densities) - budget;
+    if (over <= 0) return;
+    // Overshoot a little: the exact count moves in whole blocks.
+    target -= 1.5 * over + kBudgetTolerance * budget;
+  }
+  // Still over (a rounding corner): a raised rank keeps its base densities, which fit.
+  if (!lower) {
+    for (const Item& item : rank.items) (*densities)[item.index] = item.base;
+  }
+}
+
+double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
+  const int block = config_.shape.block_size;
+  double blocks = 0.0;
+  for (const Item& item : rank.items) {
+    for (int d = item.doc_begin; d < item.doc_end; ++d) {
+      blocks += static_cast<double>(ActiveBlocks(docs_[d] * block, at_floor ? item.floor : item.base,
+                                                 block, config_.shape.local_blocks));
+    }
+  }
+  return rank.speed * (rank.fixed + per_block_ * blocks);
+}
+
+double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const {
+  const int block = config_.shape.block_size;
+  double blocks = 0.0;
+  for (const Item& item : rank.items) {
+    for (int d = item.doc_begin; d < item.doc_end; ++d) {
+      blocks += static_cast<double>(ActiveBlocks(docs_[d] * block, densities[item.index], block,
+                                                 config_.shape.local_blocks));
+    }
+  }
+  return blocks;
+}
+
+void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
+                          std::vector<double>* densities) const {
   const size_t n = rank.items.size();
   // Per item: its bounds and the multipliers x at which it reaches them (x_hi: at or below,
   // the upper bound; x_lo: at or above, the lower one), so the search skips exp() there.
@@ -245,16 +307,21 @@ double Tuner::RankSeconds(const RankWork& rank, bool at_floor) const {
   return rank.speed * (rank.fixed + per_block_ * blocks);
 }
 
-std::vector<double> Tuner::Solve(double target) const {
+std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_base,
+                                 bool cut) const {
   std::vector<double> densities = base_;
-  for (const RankWork& rank : ranks_) {
+  // Ranks that are raised stop short of the target by the model's typical error: a rank
+  // raised exactly to T is as likely as not to finish after it, and with many ranks at T
+  // the slowest of them sets a step time well above T.
+  const double raise_to = target * (1.0 - noise_margin_);
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const RankWork& rank = ranks_[r];
     if (rank.items.empty()) continue;
-    const double budget = target / rank.speed - rank.fixed;
-    const double now = RankSeconds(rank, /*at_floor=*/false);
-    if (now > target) {
-      SolveRank(rank, budget, /*lower=*/true, &densities);
-    } else if (now < target) {
-      SolveRank(rank, budget, /*lower=*/false, &densities);
+    const double now = at_base[r];
+    if (now > target && cut) {
+      SolveRank(rank, target / rank.speed - rank.fixed, /*lower=*/true, &densities);
+    } else if (now < raise_to) {
+      SolveRank(rank, raise_to / rank.speed - rank.fixed, /*lower=*/false, &densities);
     }
   }
   return densities;
@@ -409,8 +476,8 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch,
   // Aim a little above: the per-rank tuning that follows moves densities away from this
   // optimum, which costs a little recall (it is concave), and should not have to back off.
   double achieved = 0.0;
-  std::vector<double> densities =
-      tuner.SolveForRecall(std::min(base_recall + kAllocationRecallMargin, 1.0), &achieved);
+  const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - base_recall));
+  std::vector<double> densities = tuner.SolveForRecall(base_recall + margin, &achieved);
   // Never hand back less recall than base (e.g. when even density_max cannot reach it).
   return achieved >= base_recall ? densities : base;
 }
@@ -420,13 +487,24 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
                                   const std::vector<double>& base, double min_recall) {
   Tuner tuner(batch, assignment, config, model, base);
   if (tuner.ranks().empty()) return base;
+  // Rank times at base, blocks counted exactly (as the plan's figures count them: MAX mode
+  // must not exceed the base makespan). The floors only bound the target from below, so
+  // they are estimated and recounted exactly over the ranks near their maximum.
   std::vector<double> at_base;
-  double at_floor_max = 0.0;
+  std::vector<double> at_floor;
   for (const RankWork& rank : tuner.ranks()) {
-    at_base.push_back(tuner.RankSeconds(rank, /*at_floor=*/false));
-    at_floor_max = std::max(at_floor_max, tuner.RankSeconds(rank, /*at_floor=*/true));
+    at_base.push_back(tuner.ExactRankSeconds(rank, /*at_floor=*/false));
+    at_floor.push_back(tuner.RankSeconds(rank, /*at_floor=*/true));
   }
   const double base_max = *std::max_element(at_base.begin(), at_base.end());
+  const double floor_estimate = *std::max_element(at_floor.begin(), at_floor.end());
+  double at_floor_max = 0.0;
+  for (size_t r = 0; r < at_floor.size(); ++r) {
+    if (at_floor[r] >= floor_estimate * (1.0 - kNearMaxShare)) {
+      at_floor_max =
+          std::max(at_floor_max, tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/true));
+    }
+  }
   double target = base_max;
   switch (config.dst_mode) {
     case DstMode::kMin:
@@ -447,7 +525,8 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   }
   // No rank can go below its floors, so the step cannot be faster than the slowest floor.
   target = std::min(std::max(target, at_floor_max), base_max);
-  std::vector<double> densities = tuner.Solve(target);
+  const bool cut = config.dst_mode != DstMode::kMax;
+  std::vector<double> densities = tuner.Solve(target, at_base, cut);
   if (config.dst_mode == DstMode::kMin) return densities;
   // The slack absorbs summation order (the caller sums in batch order, the tuner by rank).
   const double base_recall = min_recall - 1e-12;
@@ -457,10 +536,10 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   // recall) that keeps the recall.
   double lo = target;
   double hi = base_max;
-  std::vector<double> best = tuner.Solve(hi);
+  std::vector<double> best = tuner.Solve(hi, at_base, cut);
   for (int iter = 0; iter < kRecallGuardIterations; ++iter) {
     const double mid = 0.5 * (lo + hi);
-    std::vector<double> candidate = tuner.Solve(mid);
+    std::vector<double> candidate = tuner.Solve(mid, at_base, cut);
     if (tuner.Recall(candidate) >= base_recall) {
       hi = mid;
       best = std::move(candidate);

@@ -18,7 +18,9 @@ namespace sparsebalance {
 // The step-level half of DST, run before placement by the sparsebalance policy so that SAB
 // places samples by the cost they will have: the per-sample densities, each in
 // [floor, density_max], with the least predicted attention time whose token-weighted
-// predicted recall is at least that of `base` (one multiplier over the whole batch: long,
+// predicted recall is at least that of `base` plus a small margin (0.001, or a tenth of the
+// recall still missing if less) that the per-rank tuning may spend (one multiplier over the
+// whole batch: long,
 // insensitive documents go down, short or sensitive ones go up). `base_recall` is that
 // recall (TokenWeightedRecall of `base`, which the caller has already). Returns `base` when
 // no such densities exist.

@@ -197,7 +197,8 @@ TEST(ActiveBlocksTest, NonDecreasingInDensityAndBoundedByAnchorsAndTriangle) {
     for (int64_t i = 0; i < n; ++i) anchored += AnchorBlocks(i, local);
     int64_t previous = 0;
     for (int64_t q = 1; q <= kDensityQuantum; q += 1 + static_cast<int64_t>(rng.NextU64() % 2000)) {
-      const int64_t a = ActiveBlocks(length, static_cast<double>(q) / kDensityQuantum, block, local);
+      const int64_t a =
+          ActiveBlocks(length, static_cast<double>(q) / kDensityQuantum, block, local);
       ASSERT_GE(a, previous) << "length=" << length << " q=" << q;
       ASSERT_GE(a, anchored);
       ASSERT_LE(a, n * (n + 1) / 2);

@@ -129,7 +129,8 @@ TEST(DetPowTest, AgreesWithStdPowOverWideRanges) {
   // the tolerance grows with the size of the result's logarithm.
   Rng rng(6);
   for (int i = 0; i < kCases; ++i) {
-    const double base = std::ldexp(1.0 + rng.Uniform(), static_cast<int>(rng.NextU64() % 200) - 100);
+    const double base =
+        std::ldexp(1.0 + rng.Uniform(), static_cast<int>(rng.NextU64() % 200) - 100);
     const double exponent = 20.0 * rng.Uniform() - 10.0;
     const double want = std::pow(base, exponent);
     const double scale = std::max(1.0, std::fabs(exponent * std::log(base)));

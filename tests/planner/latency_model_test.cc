@@ -121,8 +121,7 @@ TEST(LatencyModelTest, StartsFromThePrior) {
 }
 
 // The worst relative error of the model's predictions over fresh micro-batches on every rank.
-double WorstPredictionError(const LatencyModel& model, const std::vector<double>& speed,
-                            Rng& rng) {
+double WorstPredictionError(const LatencyModel& model, const std::vector<double>& speed, Rng& rng) {
   double worst = 0.0;
   for (int i = 0; i < 50 * kRanks; ++i) {
     const int r = i % kRanks;
@@ -179,7 +178,8 @@ TEST_P(RefusedObservationTest, BadMeasuredSecondsRefuseTheWholeStepAndNameTheEnt
   LatencyModel model(ModelShape(), kRanks, kPrior);
   const std::vector<double> speed = TrueSpeeds();
   Rng rng(4);
-  for (int step = 0; step < 3; ++step) ASSERT_TRUE(model.ObserveStep(MeasuredStep(model, speed, rng)).ok());
+  for (int step = 0; step < 3; ++step)
+    ASSERT_TRUE(model.ObserveStep(MeasuredStep(model, speed, rng)).ok());
   const LatencyModelState before = model.state();
   std::vector<Observation> step = MeasuredStep(model, speed, rng);
   // Entry 9 is rank 2, micro-batch 1; entries before it are valid and must not be folded in.
@@ -188,8 +188,8 @@ TEST_P(RefusedObservationTest, BadMeasuredSecondsRefuseTheWholeStepAndNameTheEnt
   ASSERT_FALSE(status.ok());
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()),
-              AllOf(HasSubstr("measured_seconds"), HasSubstr("observation 9"),
-                    HasSubstr("rank 2"), HasSubstr("micro_batch 1")));
+              AllOf(HasSubstr("measured_seconds"), HasSubstr("observation 9"), HasSubstr("rank 2"),
+                    HasSubstr("micro_batch 1")));
   ExpectSameState(model.state(), before);
 }
 
@@ -215,12 +215,9 @@ TEST(LatencyModelTest, RefusesRanksOutOfRangeAndBadFeaturesWithoutChangingState)
       {"rank -1", [](Observation* o) { o->rank = -1; }, "rank is outside [0, 8)"},
       {"rank 8", [](Observation* o) { o->rank = kRanks; }, "rank is outside [0, 8)"},
       {"negative blocks", [](Observation* o) { o->features.active_blocks = -1; }, "features"},
-      {"NaN blocks",
-       [](Observation* o) { o->features.active_blocks = std::nan(""); }, "features"},
+      {"NaN blocks", [](Observation* o) { o->features.active_blocks = std::nan(""); }, "features"},
       {"infinite blocks",
-       [](Observation* o) {
-         o->features.active_blocks = std::numeric_limits<double>::infinity();
-       },
+       [](Observation* o) { o->features.active_blocks = std::numeric_limits<double>::infinity(); },
        "features"},
       {"zero tokens", [](Observation* o) { o->features.tokens = 0; }, "features"},
       {"infinite tokens",
@@ -324,7 +321,8 @@ TEST(LatencyModelTest, SpeedFactorsStayWithinTheirBounds) {
         ASSERT_LE(model.speed_factor(r), options.speed_max) << "step " << step << " rank " << r;
       }
     }
-    EXPECT_EQ(model.speed_factor(0), options.speed_max);  // 10x slow: pinned at the bound
+    // 10x slow: pinned at the bound (up to the median normalisation of the other ranks).
+    EXPECT_NEAR(model.speed_factor(0), options.speed_max, 0.01 * options.speed_max);
     EXPECT_LT(model.speed_factor(1), 1.0);
   }
 }

@@ -31,7 +31,7 @@ ProfileTable SampleTable() {
   table.shape.head_dim = 64;
   table.shape.block_size = 128;
   table.shape.local_blocks = 2;
-  table.rows = {{4096, 1.0, 0.0123}, {4096, 0.3, 0.0071},       {65536, 0.125, 0.25},
+  table.rows = {{4096, 1.0, 0.0123}, {4096, 0.3, 0.0071},        {65536, 0.125, 0.25},
                 {1, 0.5, 1.5e-6},    {131072, 0.05, 3.14159265}, {8191, 0.999, 0.000123456789}};
   return table;
 }
@@ -43,8 +43,8 @@ ProfileTable LinearTable(const ModelShape& shape, double a, double b, double c) 
   table.shape = shape;
   for (int64_t length : {2048, 4096, 16384, 65536, 131072}) {
     for (double density : {1.0, 0.5, 0.3, 0.1, 0.05}) {
-      const double blocks = static_cast<double>(
-          ActiveBlocks(length, density, shape.block_size, shape.local_blocks));
+      const double blocks =
+          static_cast<double>(ActiveBlocks(length, density, shape.block_size, shape.local_blocks));
       table.rows.push_back({length, density, a * blocks + b * static_cast<double>(length) + c});
     }
   }

@@ -1,0 +1,505 @@
+#include "planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/latency_model.h"
+#include "planner/recall_model.h"
+#include "planner/types.h"
+#include "tests/planner/random_cases.h"
+
+namespace sparsebalance {
+namespace {
+
+using test_util::Describe;
+using test_util::MakeModel;
+using test_util::MakeRandomCase;
+using test_util::RandomCase;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr int kRandomCases = 200;
+// A broken invariant shows in many cases; report the first few, not all of them.
+constexpr int kMaxReportedFailures = 3;
+
+bool Tuned(Policy policy) { return policy == Policy::kDst || policy == Policy::kSparseBalance; }
+
+int64_t TotalTokens(const std::vector<Sample>& batch) {
+  int64_t total = 0;
+  for (const Sample& s : batch) total += s.length;
+  return total;
+}
+
+// Every invariant a plan must keep, beyond (and independently of) CheckPlan.
+void ExpectValidPlan(const StepPlan& plan, const std::vector<Sample>& batch,
+                     const PlannerConfig& config, const std::string& where) {
+  SCOPED_TRACE(where);
+  const absl::Status check = CheckPlan(plan, batch, config);
+  ASSERT_TRUE(check.ok()) << check;
+  EXPECT_EQ(plan.policy, config.policy);
+  std::map<uint64_t, const Sample*> by_id;
+  for (const Sample& s : batch) by_id[s.id] = &s;
+  std::map<uint64_t, int> seen;
+  std::map<uint64_t, int> rank_of_group;
+  ASSERT_EQ(static_cast<int>(plan.ranks.size()), config.ranks);
+  double makespan = 0.0;
+  for (int r = 0; r < config.ranks; ++r) {
+    const RankPlan& rank = plan.ranks[r];
+    ASSERT_EQ(static_cast<int>(rank.micro_batches.size()), config.micro_batches);
+    double rank_seconds = 0.0;
+    for (const MicroBatchPlan& mb : rank.micro_batches) {
+      ASSERT_EQ(mb.sample_ids.size(), mb.densities.size());
+      int64_t tokens = 0;
+      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
+        ASSERT_TRUE(by_id.count(mb.sample_ids[k])) << "unknown id " << mb.sample_ids[k];
+        const Sample& s = *by_id[mb.sample_ids[k]];
+        ++seen[s.id];
+        tokens += s.length;
+        const double rho = mb.densities[k];
+        // 1e-12: DensityFloor(1) can round an ulp above density_max (sparsity_tuner_test).
+        ASSERT_GE(rho, DensityFloor(s.sensitivity, config) - 1e-12) << "id " << s.id;
+        ASSERT_LE(rho, config.density_max) << "id " << s.id;
+        if (!Tuned(config.policy)) {
+          ASSERT_EQ(rho, BaseDensity(s.sensitivity, config)) << "id " << s.id;
+        }
+        if (s.group != 0) {
+          auto [it, inserted] = rank_of_group.emplace(s.group, r);
+          ASSERT_EQ(it->second, r) << "group " << s.group << " split";
+        }
+      }
+      EXPECT_EQ(mb.tokens, tokens);
+      ASSERT_LE(mb.tokens, config.micro_batch_capacity);
+      EXPECT_EQ(mb.default_density, config.density_default);
+      rank_seconds += mb.predicted_seconds;
+    }
+    EXPECT_NEAR(rank.predicted_seconds, rank_seconds, 1e-9 * rank_seconds);
+    makespan = std::max(makespan, rank.predicted_seconds);
+  }
+  for (uint64_t id : plan.deferred_ids) ++seen[id];
+  for (const Sample& s : batch) ASSERT_EQ(seen[s.id], 1) << "id " << s.id;
+  EXPECT_EQ(seen.size(), batch.size());
+  if (config.overflow == OverflowPolicy::kError) {
+    EXPECT_TRUE(plan.deferred_ids.empty());
+  }
+  const int64_t capacity =
+      static_cast<int64_t>(config.ranks) * config.micro_batches * config.micro_batch_capacity;
+  if (TotalTokens(batch) > capacity) {
+    EXPECT_FALSE(plan.deferred_ids.empty());
+  }
+  // Figures.
+  EXPECT_EQ(plan.makespan_seconds, makespan);
+  EXPECT_LE(plan.lower_bound_seconds, plan.makespan_seconds * (1.0 + 1e-12));
+  EXPECT_GE(plan.gap, -1e-12);
+  if (plan.lower_bound_seconds > 0) {
+    EXPECT_NEAR(plan.gap, plan.makespan_seconds / plan.lower_bound_seconds - 1.0, 1e-12);
+  }
+  EXPECT_GE(plan.imbalance_ratio, 1.0 - 1e-12);
+  EXPECT_GE(plan.bubble_ratio, -1e-12);
+  EXPECT_LT(plan.bubble_ratio, 1.0);
+  if (plan.deferred_ids.size() < batch.size()) {
+    EXPECT_GE(plan.mean_density, config.density_min - 1e-12);
+    EXPECT_LE(plan.mean_density, config.density_max + 1e-12);
+    EXPECT_GT(plan.predicted_recall, 0.0);
+    EXPECT_LE(plan.predicted_recall, 1.0);
+  }
+}
+
+TEST(PlanStepTest, RandomCasesGiveValidPlansForEveryPolicy) {
+  int planned = 0;
+  int unplaceable = 0;
+  test_util::FailureBudget budget(kMaxReportedFailures);
+  for (uint64_t seed = 0; seed < kRandomCases; ++seed) {
+    RandomCase c = MakeRandomCase(seed);
+    const LatencyModel model = MakeModel(c.config, c.speed);
+    for (Policy policy : AllPolicies()) {
+      c.config.policy = policy;
+      const std::string where = Describe(c);
+      absl::StatusOr<StepPlan> plan = PlanStep(c.batch, c.config, model);
+      if (!plan.ok()) {
+        // Only bin packing can fail once the batch is valid: a sample (or group) for which no
+        // rank has room left, under kError.
+        ASSERT_EQ(c.config.overflow, OverflowPolicy::kError) << where << "\n" << plan.status();
+        ASSERT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << where;
+        ASSERT_THAT(std::string(plan.status().message()),
+                    AllOf(HasSubstr("does not fit"), HasSubstr("micro_batch_capacity")))
+            << where;
+        ++unplaceable;
+        continue;
+      }
+      ++planned;
+      budget.Run([&] { ExpectValidPlan(*plan, c.batch, c.config, where); });
+    }
+  }
+  budget.Summarize();
+  EXPECT_GT(planned, 20 * unplaceable) << planned << " planned, " << unplaceable << " did not fit";
+}
+
+TEST(PlanStepTest, PlansAreDeterministicAcrossRunsCopiesAndModels) {
+  for (uint64_t seed = 1000; seed < 1040; ++seed) {
+    RandomCase c = MakeRandomCase(seed, /*max_samples=*/400);
+    c.config.overflow = OverflowPolicy::kDefer;
+    const LatencyModel model = MakeModel(c.config, c.speed);
+    for (Policy policy : AllPolicies()) {
+      c.config.policy = policy;
+      absl::StatusOr<StepPlan> first = PlanStep(c.batch, c.config, model);
+      ASSERT_TRUE(first.ok()) << Describe(c) << "\n" << first.status();
+      const std::vector<Sample> copy = c.batch;
+      const LatencyModel other_model = MakeModel(c.config, c.speed);
+      absl::StatusOr<StepPlan> second = PlanStep(copy, c.config, other_model);
+      ASSERT_TRUE(second.ok());
+      ASSERT_EQ(CanonicalPlanText(*first), CanonicalPlanText(*second)) << Describe(c);
+      absl::StatusOr<StepPlan> third = PlanStep(c.batch, c.config, model);
+      ASSERT_TRUE(third.ok());
+      ASSERT_EQ(CanonicalPlanText(*first), CanonicalPlanText(*third)) << Describe(c);
+    }
+  }
+}
+
+TEST(PlanStepTest, CanonicalTextSeesEveryDensity) {
+  RandomCase c = MakeRandomCase(7, 200);
+  c.config.overflow = OverflowPolicy::kDefer;
+  const LatencyModel model = MakeModel(c.config, c.speed);
+  absl::StatusOr<StepPlan> plan = PlanStep(c.batch, c.config, model);
+  ASSERT_TRUE(plan.ok());
+  StepPlan changed = *plan;
+  for (RankPlan& rank : changed.ranks) {
+    for (MicroBatchPlan& mb : rank.micro_batches) {
+      if (mb.densities.empty()) continue;
+      mb.densities.back() = std::nextafter(mb.densities.back(), 2.0);
+      EXPECT_NE(CanonicalPlanText(changed), CanonicalPlanText(*plan));
+      return;
+    }
+  }
+}
+
+// `count` samples of `length` tokens with ids 100, 101, ...
+std::vector<Sample> UniformBatch(int count, int64_t length) {
+  std::vector<Sample> batch(count);
+  for (int i = 0; i < count; ++i) {
+    batch[i].id = 100 + i;
+    batch[i].length = length;
+  }
+  return batch;
+}
+
+TEST(PlanStepTest, DeferReturnsTheLeftoverSamples) {
+  PlannerConfig config;
+  config.ranks = 4;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 8192;
+  config.overflow = OverflowPolicy::kDefer;
+  // 24 samples of 4096 tokens: 16 fit (4 x 2 x 8192 = 65536 tokens), 8 wait.
+  const std::vector<Sample> batch = UniformBatch(24, 4096);
+  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+    ASSERT_TRUE(plan.ok()) << PolicyName(policy) << ": " << plan.status();
+    ExpectValidPlan(*plan, batch, config, std::string(PolicyName(policy)));
+    EXPECT_EQ(plan->deferred_ids.size(), 8u) << PolicyName(policy);
+    for (const RankPlan& rank : plan->ranks) {
+      for (const MicroBatchPlan& mb : rank.micro_batches) {
+        EXPECT_EQ(mb.tokens, 8192) << PolicyName(policy);
+      }
+    }
+  }
+}
+
+TEST(PlanStepTest, DeferOverRandomOverfullBatches) {
+  test_util::FailureBudget budget(kMaxReportedFailures);
+  for (uint64_t seed = 2000; seed < 2060; ++seed) {
+    RandomCase c = MakeRandomCase(seed, 600);
+    c.config.overflow = OverflowPolicy::kDefer;
+    const int64_t capacity = static_cast<int64_t>(c.config.ranks) * c.config.micro_batches *
+                             c.config.micro_batch_capacity;
+    // Top the batch up to 150% of the step's tokens.
+    int64_t total = TotalTokens(c.batch);
+    for (uint64_t i = 0; total <= capacity * 3 / 2; ++i) {
+      Sample s;
+      s.id = (uint64_t{1} << 63) + i;
+      s.length = std::max<int64_t>(1, c.config.micro_batch_capacity / (1 + i % 5));
+      total += s.length;
+      c.batch.push_back(s);
+    }
+    const LatencyModel model = MakeModel(c.config, c.speed);
+    for (Policy policy : AllPolicies()) {
+      c.config.policy = policy;
+      absl::StatusOr<StepPlan> plan = PlanStep(c.batch, c.config, model);
+      ASSERT_TRUE(plan.ok()) << Describe(c) << "\n" << plan.status();
+      budget.Run([&] { ExpectValidPlan(*plan, c.batch, c.config, Describe(c)); });
+      int64_t deferred = 0;
+      std::set<uint64_t> deferred_ids(plan->deferred_ids.begin(), plan->deferred_ids.end());
+      for (const Sample& s : c.batch) {
+        if (deferred_ids.count(s.id)) deferred += s.length;
+      }
+      EXPECT_GE(deferred, total - capacity) << Describe(c);
+    }
+  }
+  budget.Summarize();
+}
+
+TEST(PlanStepTest, DstKeepsTheRecallOfThePlacedSamplesWhenSomeAreDeferred) {
+  // Rank 0 straggles with a 64K tolerant document, rank 1 holds 8K; four 64K documents of
+  // sensitivity 0.25 (lower recall at the default density) do not fit and are deferred. The
+  // plan's recall (over the placed samples) must not fall below the untuned plan's.
+  PlannerConfig config;
+  config.ranks = 2;
+  config.micro_batches = 1;
+  config.micro_batch_capacity = 65536;
+  config.overflow = OverflowPolicy::kDefer;
+  std::vector<Sample> batch = {{1, 65536, 0.0, 0, {}}, {2, 8192, 0.0, 0, {}}};
+  for (uint64_t id = 3; id <= 6; ++id) batch.push_back({id, 65536, 0.25, 0, {}});
+  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  config.policy = Policy::kSequential;
+  absl::StatusOr<StepPlan> untuned = PlanStep(batch, config, model);
+  ASSERT_TRUE(untuned.ok()) << untuned.status();
+  ASSERT_EQ(untuned->deferred_ids, (std::vector<uint64_t>{3, 4, 5, 6}));
+  for (DstMode mode : {DstMode::kMean, DstMode::kMax, DstMode::kQuantile}) {
+    config.policy = Policy::kDst;
+    config.dst_mode = mode;
+    absl::StatusOr<StepPlan> tuned = PlanStep(batch, config, model);
+    ASSERT_TRUE(tuned.ok()) << tuned.status();
+    ExpectValidPlan(*tuned, batch, config, std::string(DstModeName(mode)));
+    EXPECT_GE(tuned->predicted_recall, untuned->predicted_recall - 1e-12) << DstModeName(mode);
+  }
+}
+
+TEST(PlanStepTest, ErrorPolicyRejectsAnOverfullBatchNamingTheCapacity) {
+  PlannerConfig config;
+  config.ranks = 4;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 8192;
+  config.overflow = OverflowPolicy::kError;
+  const std::vector<Sample> batch = UniformBatch(17, 4096);  // 69632 > 65536 tokens
+  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+    ASSERT_FALSE(plan.ok()) << PolicyName(policy);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(plan.status().message()),
+                AllOf(HasSubstr("micro_batch_capacity"), HasSubstr("8192"), HasSubstr("65536"),
+                      HasSubstr("69632"), HasSubstr("defer")));
+  }
+}
+
+// The INVALID_ARGUMENT message PlanStep gives for `batch` under `config`.
+std::string PlanError(const std::vector<Sample>& batch, const PlannerConfig& config) {
+  const LatencyModel model(config.shape, std::max(config.ranks, 1), test_util::kTestPrior);
+  absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+  EXPECT_FALSE(plan.ok());
+  if (plan.ok()) return "";
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(plan.status().message());
+}
+
+TEST(ValidateBatchTest, ErrorsNameTheSampleIndexAndField) {
+  PlannerConfig config;
+  config.ranks = 2;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 8192;
+  const std::vector<Sample> good = UniformBatch(6, 1000);
+  EXPECT_TRUE(ValidateBatch(good, config).ok());
+
+  EXPECT_THAT(PlanError({}, config), AllOf(HasSubstr("samples"), HasSubstr("empty")));
+
+  std::vector<Sample> batch = good;
+  batch[3].id = batch[1].id;
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[3].id"), HasSubstr("101"), HasSubstr("more than once")));
+
+  batch = good;
+  batch[2].length = 8193;
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[2].length"), HasSubstr("8193"),
+                    HasSubstr("micro_batch_capacity"), HasSubstr("8192")));
+
+  batch = good;
+  batch[1].length = 0;
+  EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[1].length"));
+  batch[1].length = -5;
+  EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[1].length"));
+
+  for (double bad : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN(),
+                     std::numeric_limits<double>::infinity()}) {
+    batch = good;
+    batch[4].sensitivity = bad;
+    EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[4].sensitivity")) << bad;
+  }
+
+  batch = good;
+  batch[5].segments = {400, 500};  // 900 != 1000
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[5].segments"), HasSubstr("900"), HasSubstr("1000")));
+  batch[5].segments = {1000, 0};
+  EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[5].segments[1]"));
+  batch[5].segments = {1200, -200};
+  EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[5].segments[1]"));
+  batch[5].segments = {400, 600};
+  EXPECT_TRUE(ValidateBatch(batch, config).ok());
+}
+
+TEST(ValidateConfigTest, ErrorsNameTheField) {
+  const std::vector<Sample> batch = UniformBatch(2, 100);
+  struct Case {
+    const char* field;
+    void (*spoil)(PlannerConfig*);
+  };
+  const Case cases[] = {
+      {"config.ranks", [](PlannerConfig* c) { c->ranks = 0; }},
+      {"config.ranks", [](PlannerConfig* c) { c->ranks = -3; }},
+      {"config.micro_batches", [](PlannerConfig* c) { c->micro_batches = 0; }},
+      {"config.micro_batch_capacity", [](PlannerConfig* c) { c->micro_batch_capacity = 0; }},
+      {"config.shape.layers", [](PlannerConfig* c) { c->shape.layers = 0; }},
+      {"config.shape.heads", [](PlannerConfig* c) { c->shape.heads = 0; }},
+      {"config.shape.head_dim", [](PlannerConfig* c) { c->shape.head_dim = 0; }},
+      {"config.shape.block_size", [](PlannerConfig* c) { c->shape.block_size = 96; }},
+      {"config.shape.local_blocks", [](PlannerConfig* c) { c->shape.local_blocks = -1; }},
+      {"config.density_min", [](PlannerConfig* c) { c->density_min = 0.0; }},
+      {"config.density_min", [](PlannerConfig* c) { c->density_min = std::nan(""); }},
+      {"config.density_max", [](PlannerConfig* c) { c->density_max = 1.5; }},
+      {"config.density_max", [](PlannerConfig* c) { c->density_max = -0.2; }},
+      {"config.density_default", [](PlannerConfig* c) { c->density_default = 0.0; }},
+      {"config.density_default", [](PlannerConfig* c) { c->density_default = 1.01; }},
+      {"config.density_min",
+       [](PlannerConfig* c) {
+         c->density_min = 0.6;
+         c->density_max = 0.5;
+       }},
+      {"config.density_default", [](PlannerConfig* c) { c->density_default = 0.01; }},
+      {"config.dst_quantile", [](PlannerConfig* c) { c->dst_quantile = 1.5; }},
+      {"config.dst_quantile", [](PlannerConfig* c) { c->dst_quantile = std::nan(""); }},
+  };
+  for (const Case& c : cases) {
+    PlannerConfig config;
+    config.ranks = 2;
+    c.spoil(&config);
+    const absl::Status status = ValidateConfig(config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
+    EXPECT_THAT(PlanError(batch, config), HasSubstr(c.field));
+  }
+  PlannerConfig config;
+  EXPECT_TRUE(ValidateConfig(config).ok());
+}
+
+TEST(PlanStepTest, ModelWithOtherRankCountIsRejected) {
+  PlannerConfig config;
+  config.ranks = 4;
+  const LatencyModel model(config.shape, 3, test_util::kTestPrior);
+  absl::StatusOr<StepPlan> plan = PlanStep(UniformBatch(4, 100), config, model);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("config.ranks"));
+}
+
+TEST(CheckPlanTest, CatchesBrokenPlans) {
+  PlannerConfig config;
+  config.ranks = 2;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 4096;
+  const std::vector<Sample> batch = UniformBatch(6, 1000);
+  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(CheckPlan(*plan, batch, config).ok());
+  auto first_nonempty = [](StepPlan* p) -> MicroBatchPlan* {
+    for (RankPlan& rank : p->ranks) {
+      for (MicroBatchPlan& mb : rank.micro_batches) {
+        if (!mb.sample_ids.empty()) return &mb;
+      }
+    }
+    return nullptr;
+  };
+  {
+    StepPlan broken = *plan;
+    MicroBatchPlan* mb = first_nonempty(&broken);
+    broken.deferred_ids.push_back(mb->sample_ids.front());  // placed and deferred
+    EXPECT_EQ(CheckPlan(broken, batch, config).code(), absl::StatusCode::kFailedPrecondition);
+  }
+  {
+    StepPlan broken = *plan;
+    first_nonempty(&broken)->densities.front() = config.density_max + 0.01;
+    EXPECT_THAT(std::string(CheckPlan(broken, batch, config).message()), HasSubstr("density"));
+  }
+  {
+    StepPlan broken = *plan;
+    broken.ranks[0].micro_batches.pop_back();
+    EXPECT_FALSE(CheckPlan(broken, batch, config).ok());
+  }
+  {
+    StepPlan broken = *plan;
+    MicroBatchPlan* mb = first_nonempty(&broken);
+    mb->sample_ids.pop_back();
+    mb->densities.pop_back();
+    EXPECT_THAT(std::string(CheckPlan(broken, batch, config).message()), HasSubstr("tokens"));
+  }
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+PlannerConfig PretrainConfig() {
+  PlannerConfig config;
+  config.ranks = 16;
+  config.micro_batches = 4;
+  config.micro_batch_capacity = 131072;
+  return config;
+}
+
+TEST(SabQualityTest, MedianGapWithinTwoPercentOnPretrainBatches) {
+  PlannerConfig config = PretrainConfig();
+  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  std::vector<double> sab_gaps;
+  std::vector<double> sequential_gaps;
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    const std::vector<Sample> batch = test_util::TraceBatch(config, seed, 0.85);
+    ASSERT_GE(batch.size(), 4u * config.ranks);
+    for (Policy policy : {Policy::kSab, Policy::kSequential}) {
+      config.policy = policy;
+      absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      ASSERT_TRUE(CheckPlan(*plan, batch, config).ok());
+      (policy == Policy::kSab ? sab_gaps : sequential_gaps).push_back(plan->gap);
+    }
+  }
+  EXPECT_LE(Median(sab_gaps), 0.02);
+  EXPECT_LT(Median(sab_gaps), Median(sequential_gaps));
+}
+
+TEST(SabQualityTest, SlowRankGetsHalfTheWork) {
+  PlannerConfig config = PretrainConfig();
+  config.policy = Policy::kSab;
+  LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  LatencyModelState state = model.state();
+  state.speed_factors[0] = 2.0;
+  model.set_state(state);
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    const std::vector<Sample> batch = test_util::TraceBatch(config, seed, 0.7);
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_TRUE(CheckPlan(*plan, batch, config).ok());
+    // Raw work: predicted seconds without the speed factor.
+    const double slow = plan->ranks[0].predicted_seconds / 2.0;
+    double others = 0.0;
+    for (int r = 1; r < config.ranks; ++r) others += plan->ranks[r].predicted_seconds;
+    others /= config.ranks - 1;
+    EXPECT_NEAR(slow / others, 0.5, 0.05) << "seed " << seed;
+  }
+}
+
+}  // namespace
+}  // namespace sparsebalance

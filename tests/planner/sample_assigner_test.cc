@@ -1,0 +1,320 @@
+#include "planner/sample_assigner.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/latency_model.h"
+#include "planner/planner.h"
+#include "planner/random.h"
+#include "planner/types.h"
+#include "tests/planner/random_cases.h"
+
+namespace sparsebalance {
+namespace {
+
+using test_util::BaseDensities;
+using test_util::Describe;
+using test_util::MakeModel;
+using test_util::MakeRandomCase;
+using test_util::RandomCase;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr int kRandomCases = 200;
+constexpr int kMaxReportedFailures = 3;
+// AssignSamples counts placements within this share of the best as ties (sample_assigner.cc).
+constexpr double kTieShare = 0.005;
+
+bool HasGroups(const std::vector<Sample>& batch) {
+  for (const Sample& s : batch) {
+    if (s.group != 0) return true;
+  }
+  return false;
+}
+
+// The structural invariants of an assignment: shape, every index exactly once (placed or
+// deferred), micro-batch capacity, groups on one rank (or deferred whole), deferred ascending.
+void ExpectValidAssignment(const Assignment& a, const std::vector<Sample>& batch,
+                           const PlannerConfig& config, const std::string& where) {
+  SCOPED_TRACE(where);
+  ASSERT_EQ(static_cast<int>(a.ranks.size()), config.ranks);
+  std::vector<int> seen(batch.size(), 0);
+  std::map<uint64_t, int> rank_of_group;  // -1: deferred
+  for (int r = 0; r < config.ranks; ++r) {
+    ASSERT_EQ(static_cast<int>(a.ranks[r].size()), config.micro_batches);
+    for (int m = 0; m < config.micro_batches; ++m) {
+      int64_t tokens = 0;
+      for (int i : a.ranks[r][m]) {
+        ASSERT_GE(i, 0);
+        ASSERT_LT(i, static_cast<int>(batch.size()));
+        ++seen[i];
+        tokens += batch[i].length;
+        if (batch[i].group != 0) {
+          auto [it, inserted] = rank_of_group.emplace(batch[i].group, r);
+          EXPECT_EQ(it->second, r) << "group " << batch[i].group << " is split";
+        }
+      }
+      ASSERT_LE(tokens, config.micro_batch_capacity) << "rank " << r << " micro-batch " << m;
+    }
+  }
+  EXPECT_TRUE(std::is_sorted(a.deferred.begin(), a.deferred.end()));
+  if (config.overflow == OverflowPolicy::kError) {
+    EXPECT_TRUE(a.deferred.empty());
+  }
+  for (int i : a.deferred) {
+    ASSERT_GE(i, 0);
+    ASSERT_LT(i, static_cast<int>(batch.size()));
+    ++seen[i];
+    if (batch[i].group != 0) {
+      auto [it, inserted] = rank_of_group.emplace(batch[i].group, -1);
+      EXPECT_EQ(it->second, -1) << "group " << batch[i].group << " is partly deferred";
+    }
+  }
+  for (size_t i = 0; i < batch.size(); ++i) EXPECT_EQ(seen[i], 1) << "samples[" << i << "]";
+}
+
+void RunRandomCases(bool grouped) {
+  test_util::FailureBudget budget(kMaxReportedFailures);
+  int cases = 0;
+  for (uint64_t seed = 0; cases < kRandomCases; ++seed) {
+    RandomCase c = MakeRandomCase(seed);
+    if (HasGroups(c.batch) != grouped) continue;
+    ++cases;
+    if (!ValidateBatch(c.batch, c.config).ok()) continue;
+    const LatencyModel model = MakeModel(c.config, c.speed);
+    const std::vector<double> densities = BaseDensities(c.batch, c.config);
+    for (Policy policy : AllPolicies()) {
+      c.config.policy = policy;
+      absl::StatusOr<Assignment> a = AssignSamples(c.batch, c.config, model, densities);
+      if (!a.ok()) {
+        EXPECT_EQ(c.config.overflow, OverflowPolicy::kError) << Describe(c);
+        EXPECT_THAT(std::string(a.status().message()), HasSubstr("does not fit"));
+        continue;
+      }
+      budget.Run([&] { ExpectValidAssignment(*a, c.batch, c.config, Describe(c)); });
+    }
+  }
+  budget.Summarize();
+}
+
+TEST(AssignSamplesTest, EveryPolicyPlacesEverySampleOnceWithinCapacity) {
+  RunRandomCases(/*grouped=*/false);
+}
+
+TEST(AssignSamplesTest, EveryPolicyKeepsGroupsTogetherWithinCapacity) {
+  RunRandomCases(/*grouped=*/true);
+}
+
+TEST(AssignSamplesTest, SequentialKeepsAGroupWithinMicroBatchCapacity) {
+  // One rank, two micro-batches of 100 tokens, one group of 10 + 95 + 80 tokens in arrival
+  // order. In order: 10 -> mb 0, 95 -> mb 1, 80 -> mb 0 (90 tokens).
+  PlannerConfig config;
+  config.ranks = 1;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 100;
+  const std::vector<Sample> batch = {{1, 10, 0.0, 7, {}}, {2, 95, 0.0, 7, {}}, {3, 80, 0.0, 7, {}}};
+  const LatencyModel model(config.shape, 1, test_util::kTestPrior);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    absl::StatusOr<Assignment> a =
+        AssignSamples(batch, config, model, BaseDensities(batch, config));
+    ASSERT_TRUE(a.ok()) << PolicyName(policy) << ": " << a.status();
+    ExpectValidAssignment(*a, batch, config, std::string(PolicyName(policy)));
+  }
+}
+
+TEST(AssignSamplesTest, SequentialPlacesContiguousChunksInArrivalOrder) {
+  Rng rng(1);
+  for (int c = 0; c < 50; ++c) {
+    PlannerConfig config;
+    config.ranks = 1 + static_cast<int>(rng.NextU64() % 32);
+    config.micro_batches = 1 + static_cast<int>(rng.NextU64() % 4);
+    config.micro_batch_capacity = 1 << 30;  // everything fits anywhere
+    const int n = 1 + static_cast<int>(rng.NextU64() % 300);
+    std::vector<Sample> batch(n);
+    for (int i = 0; i < n; ++i) {
+      batch[i].id = 1000 + i;
+      batch[i].length = 1 + static_cast<int64_t>(rng.NextU64() % 50000);
+    }
+    const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+    for (Policy policy : {Policy::kSequential, Policy::kDst}) {
+      config.policy = policy;
+      absl::StatusOr<Assignment> a =
+          AssignSamples(batch, config, model, BaseDensities(batch, config));
+      ASSERT_TRUE(a.ok());
+      for (int r = 0; r < config.ranks; ++r) {
+        std::vector<int> on_rank;
+        for (int m = 0; m < config.micro_batches; ++m) {
+          EXPECT_TRUE(std::is_sorted(a->ranks[r][m].begin(), a->ranks[r][m].end()));
+          for (int i : a->ranks[r][m]) {
+            // Sample i belongs to the chunk of rank floor(i * ranks / n).
+            EXPECT_EQ(static_cast<int64_t>(i) * config.ranks / n, r) << "samples[" << i << "]";
+            on_rank.push_back(i);
+          }
+        }
+        std::sort(on_rank.begin(), on_rank.end());
+        for (size_t k = 1; k < on_rank.size(); ++k) EXPECT_EQ(on_rank[k], on_rank[k - 1] + 1);
+      }
+    }
+  }
+}
+
+TEST(AssignSamplesTest, BaselinesIgnoreSpeedFactorsAndSabDoesNot) {
+  int sab_differs = 0;
+  for (uint64_t seed = 300; seed < 360; ++seed) {
+    RandomCase c = MakeRandomCase(seed, 500);
+    c.config.overflow = OverflowPolicy::kDefer;
+    std::vector<double> speed(c.config.ranks, 1.0);
+    for (int r = 0; r < c.config.ranks; r += 3) speed[r] = 2.5;
+    const LatencyModel uniform = MakeModel(c.config, std::vector<double>(c.config.ranks, 1.0));
+    const LatencyModel skewed = MakeModel(c.config, speed);
+    const std::vector<double> densities = BaseDensities(c.batch, c.config);
+    for (Policy policy : AllPolicies()) {
+      c.config.policy = policy;
+      absl::StatusOr<Assignment> a = AssignSamples(c.batch, c.config, uniform, densities);
+      absl::StatusOr<Assignment> b = AssignSamples(c.batch, c.config, skewed, densities);
+      ASSERT_TRUE(a.ok() && b.ok()) << Describe(c);
+      const bool same = a->ranks == b->ranks && a->deferred == b->deferred;
+      if (policy == Policy::kSab || policy == Policy::kSparseBalance) {
+        if (!same && c.config.ranks > 1) ++sab_differs;
+      } else {
+        EXPECT_TRUE(same) << Describe(c);
+      }
+    }
+  }
+  EXPECT_GT(sab_differs, 20);
+}
+
+// The cost each balancing policy balances.
+double PolicyCost(Policy policy, const Sample& s, double density, const LatencyModel& model) {
+  switch (policy) {
+    case Policy::kTokens:
+      return static_cast<double>(s.length);
+    case Policy::kFlops:
+      return model.SampleSeconds(s, 1.0);
+    default:
+      return model.SampleSeconds(s, density);
+  }
+}
+
+TEST(AssignSamplesTest, BalancingPoliciesMeetTheGreedyBoundWhenEverythingFits) {
+  // Largest first onto the least loaded rank: no rank ends above the mean plus the largest
+  // unit (up to the tie share), and the improvement phase only lowers the maximum.
+  for (uint64_t seed = 500; seed < 620; ++seed) {
+    RandomCase c = MakeRandomCase(seed, 800);
+    c.config.micro_batch_capacity = int64_t{1} << 40;  // everything fits anywhere
+    const LatencyModel model = MakeModel(c.config, std::vector<double>(c.config.ranks, 1.0));
+    const std::vector<double> densities = BaseDensities(c.batch, c.config);
+    for (Policy policy : {Policy::kTokens, Policy::kFlops, Policy::kSab, Policy::kSparseBalance}) {
+      c.config.policy = policy;
+      absl::StatusOr<Assignment> a = AssignSamples(c.batch, c.config, model, densities);
+      ASSERT_TRUE(a.ok()) << Describe(c);
+      ASSERT_TRUE(a->deferred.empty());
+      std::map<uint64_t, double> group_cost;
+      double largest_unit = 0.0;
+      double total = 0.0;
+      for (size_t i = 0; i < c.batch.size(); ++i) {
+        const double cost = PolicyCost(policy, c.batch[i], densities[i], model);
+        total += cost;
+        if (c.batch[i].group != 0) {
+          largest_unit = std::max(largest_unit, group_cost[c.batch[i].group] += cost);
+        } else {
+          largest_unit = std::max(largest_unit, cost);
+        }
+      }
+      double max_load = 0.0;
+      for (const auto& rank : a->ranks) {
+        double load = 0.0;
+        for (const auto& mb : rank) {
+          for (int i : mb) load += PolicyCost(policy, c.batch[i], densities[i], model);
+        }
+        max_load = std::max(max_load, load);
+      }
+      const double mean = total / c.config.ranks;
+      EXPECT_LE(max_load, (1.0 + kTieShare) * (mean + largest_unit) * (1.0 + 1e-9))
+          << Describe(c) << " policy " << PolicyName(policy);
+    }
+  }
+}
+
+TEST(AssignSamplesTest, SabGivesASlowRankLessWork) {
+  PlannerConfig config;
+  config.ranks = 8;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 65536;
+  config.policy = Policy::kSab;
+  std::vector<double> speed(config.ranks, 1.0);
+  speed[3] = 2.0;
+  const LatencyModel model = MakeModel(config, speed);
+  const std::vector<Sample> batch = test_util::TraceBatch(config, 5, 0.6);
+  const std::vector<double> densities = BaseDensities(batch, config);
+  absl::StatusOr<Assignment> a = AssignSamples(batch, config, model, densities);
+  ASSERT_TRUE(a.ok());
+  std::vector<double> work(config.ranks, 0.0);  // seconds, speed excluded
+  for (int r = 0; r < config.ranks; ++r) {
+    for (const auto& mb : a->ranks[r]) {
+      for (int i : mb) work[r] += model.SampleSeconds(batch[i], densities[i]);
+    }
+  }
+  double others = 0.0;
+  for (int r = 0; r < config.ranks; ++r) {
+    if (r != 3) others += work[r] / (config.ranks - 1);
+  }
+  EXPECT_NEAR(work[3] / others, 0.5, 0.05);
+}
+
+TEST(AssignSamplesTest, NothingIsDeferredWhenTheBatchFitsInOneMicroBatch) {
+  for (uint64_t seed = 700; seed < 800; ++seed) {
+    RandomCase c = MakeRandomCase(seed, 300);
+    c.config.overflow = OverflowPolicy::kDefer;
+    int64_t total = 0;
+    for (const Sample& s : c.batch) total += s.length;
+    c.config.micro_batch_capacity = std::max(c.config.micro_batch_capacity, total);
+    const LatencyModel model = MakeModel(c.config, c.speed);
+    for (Policy policy : AllPolicies()) {
+      c.config.policy = policy;
+      absl::StatusOr<Assignment> a =
+          AssignSamples(c.batch, c.config, model, BaseDensities(c.batch, c.config));
+      ASSERT_TRUE(a.ok());
+      EXPECT_TRUE(a->deferred.empty()) << Describe(c);
+    }
+  }
+}
+
+TEST(AssignSamplesTest, UnplaceableSampleUnderErrorNamesTheSampleAndCapacity) {
+  // 180 tokens fit in the step's 200, but no two 60-token samples share a 100-token
+  // micro-batch, so the third has nowhere to go.
+  PlannerConfig config;
+  config.ranks = 1;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 100;
+  config.overflow = OverflowPolicy::kError;
+  const std::vector<Sample> batch = {{1, 60, 0.0, 0, {}}, {2, 60, 0.0, 0, {}}, {3, 60, 0.0, 0, {}}};
+  ASSERT_TRUE(ValidateBatch(batch, config).ok());
+  const LatencyModel model(config.shape, 1, test_util::kTestPrior);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    absl::StatusOr<Assignment> a =
+        AssignSamples(batch, config, model, BaseDensities(batch, config));
+    ASSERT_FALSE(a.ok()) << PolicyName(policy);
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(a.status().message()),
+                AllOf(HasSubstr("samples[2]"), HasSubstr("does not fit"),
+                      HasSubstr("micro_batch_capacity"), HasSubstr("defer")));
+    config.overflow = OverflowPolicy::kDefer;
+    a = AssignSamples(batch, config, model, BaseDensities(batch, config));
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(a->deferred, std::vector<int>{2}) << PolicyName(policy);
+    config.overflow = OverflowPolicy::kError;
+  }
+}
+
+}  // namespace
+}  // namespace sparsebalance

@@ -1,0 +1,309 @@
+#include "planner/sparsity_tuner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "planner/latency_model.h"
+#include "planner/planner.h"
+#include "planner/recall_model.h"
+#include "planner/sample_assigner.h"
+#include "planner/types.h"
+#include "tests/planner/random_cases.h"
+
+namespace sparsebalance {
+namespace {
+
+using test_util::AllDstModes;
+using test_util::BaseDensities;
+using test_util::Describe;
+using test_util::MakeModel;
+using test_util::MakeRandomCase;
+using test_util::RandomCase;
+
+constexpr int kRandomCases = 200;
+
+// A random case placed by `policy` at base densities, ready for tuning.
+struct Placed {
+  RandomCase c;
+  std::vector<double> base;
+  Assignment assignment;
+  std::set<int> placed;  // batch indices not deferred
+};
+
+bool Place(uint64_t seed, Policy policy, Placed* out) {
+  out->c = MakeRandomCase(seed, 800);
+  out->c.config.overflow = OverflowPolicy::kDefer;
+  out->c.config.policy = policy;
+  if (!ValidateBatch(out->c.batch, out->c.config).ok()) return false;
+  out->base = BaseDensities(out->c.batch, out->c.config);
+  const LatencyModel model = MakeModel(out->c.config, out->c.speed);
+  absl::StatusOr<Assignment> a = AssignSamples(out->c.batch, out->c.config, model, out->base);
+  if (!a.ok()) return false;
+  out->assignment = *std::move(a);
+  out->placed.clear();
+  for (const auto& rank : out->assignment.ranks) {
+    for (const auto& mb : rank) out->placed.insert(mb.begin(), mb.end());
+  }
+  return true;
+}
+
+std::vector<double> Tune(const Placed& p, DstMode mode, const LatencyModel& model) {
+  PlannerConfig config = p.c.config;
+  config.dst_mode = mode;
+  return TuneDensities(p.c.batch, p.assignment, config, model, p.base,
+                       TokenWeightedRecall(p.c.batch, p.base));
+}
+
+StepPlan Build(const Placed& p, const LatencyModel& model, const std::vector<double>& densities) {
+  return BuildPlan(p.c.batch, p.c.config, model, p.assignment, densities);
+}
+
+std::string Where(const Placed& p, DstMode mode) {
+  return absl::StrCat(Describe(p.c), " mode ", DstModeName(mode));
+}
+
+TEST(TuneDensitiesTest, DensitiesStayWithinFloorAndDensityMax) {
+  for (uint64_t seed = 0; seed < kRandomCases; ++seed) {
+    Placed p;
+    if (!Place(seed, seed % 2 == 0 ? Policy::kSab : Policy::kSequential, &p)) continue;
+    const LatencyModel model = MakeModel(p.c.config, p.c.speed);
+    for (DstMode mode : AllDstModes()) {
+      const std::vector<double> rho = Tune(p, mode, model);
+      ASSERT_EQ(rho.size(), p.c.batch.size());
+      for (size_t i = 0; i < rho.size(); ++i) {
+        const Sample& s = p.c.batch[i];
+        if (!p.placed.count(static_cast<int>(i))) {
+          ASSERT_EQ(rho[i], p.base[i]) << "deferred samples keep their base density";
+          continue;
+        }
+        ASSERT_GE(rho[i], DensityFloor(s.sensitivity, p.c.config)) << Where(p, mode) << " " << i;
+        ASSERT_LE(rho[i], p.c.config.density_max) << Where(p, mode) << " " << i;
+      }
+    }
+  }
+}
+
+TEST(TuneDensitiesTest, RecallIsKeptInEveryModeButMin) {
+  for (uint64_t seed = 0; seed < kRandomCases; ++seed) {
+    Placed p;
+    if (!Place(seed, seed % 2 == 0 ? Policy::kSab : Policy::kSequential, &p)) continue;
+    const LatencyModel model = MakeModel(p.c.config, p.c.speed);
+    const double base_recall = Build(p, model, p.base).predicted_recall;
+    for (DstMode mode : {DstMode::kMean, DstMode::kMax, DstMode::kQuantile}) {
+      const StepPlan tuned = Build(p, model, Tune(p, mode, model));
+      EXPECT_GE(tuned.predicted_recall, base_recall - 1e-12) << Where(p, mode);
+    }
+  }
+}
+
+TEST(TuneDensitiesTest, MaxModeOnlyRaisesAndKeepsTheMakespan) {
+  test_util::FailureBudget budget(3);
+  for (uint64_t seed = 0; seed < kRandomCases; ++seed) {
+    Placed p;
+    if (!Place(seed, seed % 2 == 0 ? Policy::kSab : Policy::kSequential, &p)) continue;
+    const LatencyModel model = MakeModel(p.c.config, p.c.speed);
+    const std::vector<double> rho = Tune(p, DstMode::kMax, model);
+    for (size_t i = 0; i < rho.size(); ++i) {
+      ASSERT_GE(rho[i], p.base[i]) << Where(p, DstMode::kMax) << " sample " << i;
+    }
+    // Raising ranks below the makespan must not lift them above it (the plan's figures count
+    // blocks exactly, as the kernels run them).
+    const double base_makespan = Build(p, model, p.base).makespan_seconds;
+    budget.Run([&] {
+      EXPECT_LE(Build(p, model, rho).makespan_seconds, base_makespan * (1.0 + 1e-9))
+          << Where(p, DstMode::kMax);
+    });
+  }
+  budget.Summarize();
+}
+
+TEST(TuneDensitiesTest, MakespanOrderedMinMeanMax) {
+  for (uint64_t seed = 0; seed < kRandomCases; ++seed) {
+    Placed p;
+    if (!Place(seed, seed % 2 == 0 ? Policy::kSab : Policy::kSequential, &p)) continue;
+    const LatencyModel model = MakeModel(p.c.config, p.c.speed);
+    const double min = Build(p, model, Tune(p, DstMode::kMin, model)).makespan_seconds;
+    const double mean = Build(p, model, Tune(p, DstMode::kMean, model)).makespan_seconds;
+    const double max = Build(p, model, Tune(p, DstMode::kMax, model)).makespan_seconds;
+    EXPECT_LE(min, mean * (1.0 + 1e-6)) << Describe(p.c);
+    EXPECT_LE(mean, max * (1.0 + 1e-6)) << Describe(p.c);
+  }
+}
+
+TEST(TuneDensitiesTest, QuantileOneIsMaxAndQuantileModesAreOrdered) {
+  for (uint64_t seed = 0; seed < 60; ++seed) {
+    Placed p;
+    if (!Place(seed, Policy::kSequential, &p)) continue;
+    const LatencyModel model = MakeModel(p.c.config, p.c.speed);
+    p.c.config.dst_quantile = 1.0;
+    EXPECT_EQ(Tune(p, DstMode::kQuantile, model), Tune(p, DstMode::kMax, model)) << Describe(p.c);
+    double previous = 0.0;
+    for (double q : {0.0, 0.25, 0.5, 0.75, 1.0}) {
+      p.c.config.dst_quantile = q;
+      const double makespan = Build(p, model, Tune(p, DstMode::kQuantile, model)).makespan_seconds;
+      EXPECT_GE(makespan, previous * (1.0 - 1e-6)) << Describe(p.c) << " q " << q;
+      previous = makespan;
+    }
+  }
+}
+
+TEST(TuneDensitiesTest, FullySensitiveSamplesStayAtDensityMax) {
+  for (uint64_t seed = 0; seed < 60; ++seed) {
+    Placed p;
+    if (!Place(seed, seed % 2 == 0 ? Policy::kSab : Policy::kSequential, &p)) continue;
+    p.c.config.density_max = std::max(p.c.config.density_default, 0.9);
+    for (size_t i = 0; i < p.c.batch.size(); i += 3) p.c.batch[i].sensitivity = 1.0;
+    p.base = BaseDensities(p.c.batch, p.c.config);
+    const LatencyModel model = MakeModel(p.c.config, p.c.speed);
+    for (DstMode mode : AllDstModes()) {
+      const std::vector<double> rho = Tune(p, mode, model);
+      for (size_t i = 0; i < p.c.batch.size(); i += 3) {
+        // (Exactly density_max but for the rounding in DensityFloor; see the next test.)
+        ASSERT_NEAR(p.base[i], p.c.config.density_max, 1e-12);
+        ASSERT_NEAR(rho[i], p.c.config.density_max, 1e-12) << Where(p, mode) << " sample " << i;
+      }
+    }
+  }
+}
+
+TEST(TuneDensitiesTest, SensitivityOneFloorIsExactlyDensityMax) {
+  // density_min + 1 * (density_max - density_min) rounds to a neighbour of density_max for
+  // some bounds (0.07 or 0.3 with 0.9), which puts the floor of a fully sensitive sample 1 ulp
+  // above density_max: no density in [floor, density_max] exists for it.
+  for (double density_min : {0.05, 0.07, 0.1, 0.3}) {
+    for (double density_max : {0.9, 0.7, 1.0}) {
+      PlannerConfig config;
+      config.density_min = density_min;
+      config.density_max = density_max;
+      config.density_default = density_min;
+      EXPECT_EQ(DensityFloor(1.0, config), density_max) << density_min << " " << density_max;
+      EXPECT_EQ(BaseDensity(1.0, config), density_max) << density_min << " " << density_max;
+    }
+  }
+}
+
+// Four ranks, one micro-batch each, placed by hand.
+struct Scene {
+  PlannerConfig config;
+  std::vector<Sample> batch;
+  Assignment assignment;
+  std::vector<double> base;
+};
+
+Scene MakeScene(const std::vector<std::vector<Sample>>& per_rank) {
+  Scene s;
+  s.config.ranks = static_cast<int>(per_rank.size());
+  s.config.micro_batches = 1;
+  s.config.micro_batch_capacity = 262144;
+  s.config.policy = Policy::kDst;
+  s.config.dst_mode = DstMode::kMean;
+  s.assignment.ranks.resize(per_rank.size(), std::vector<std::vector<int>>(1));
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    for (const Sample& sample : per_rank[r]) {
+      s.assignment.ranks[r][0].push_back(static_cast<int>(s.batch.size()));
+      s.batch.push_back(sample);
+      s.batch.back().id = s.batch.size();
+    }
+  }
+  s.base = BaseDensities(s.batch, s.config);
+  return s;
+}
+
+Sample Doc(int64_t length, double sensitivity) {
+  Sample s;
+  s.length = length;
+  s.sensitivity = sensitivity;
+  return s;
+}
+
+TEST(TuneDensitiesTest, MeanModeCutsTheStragglerAndRaisesTheOthers) {
+  // Rank 0 holds a 96K-token tolerant document, the others a few short documents.
+  const Scene s = MakeScene({{Doc(98304, 0.0)},
+                             {Doc(8192, 0.1), Doc(8192, 0.3)},
+                             {Doc(16384, 0.2)},
+                             {Doc(4096, 0.0), Doc(4096, 0.5), Doc(4096, 0.05)}});
+  const LatencyModel model(s.config.shape, s.config.ranks, test_util::kTestPrior);
+  const std::vector<double> rho = TuneDensities(s.batch, s.assignment, s.config, model, s.base,
+                                                TokenWeightedRecall(s.batch, s.base));
+  EXPECT_LT(rho[0], s.base[0]);
+  int raised = 0;
+  for (size_t i = 1; i < rho.size(); ++i) {
+    EXPECT_GE(rho[i], s.base[i]) << "sample " << i;
+    if (rho[i] > s.base[i]) ++raised;
+  }
+  EXPECT_GT(raised, 0);
+  const StepPlan base = BuildPlan(s.batch, s.config, model, s.assignment, s.base);
+  const StepPlan tuned = BuildPlan(s.batch, s.config, model, s.assignment, rho);
+  EXPECT_LT(tuned.makespan_seconds, base.makespan_seconds);
+  EXPECT_GE(tuned.predicted_recall, base.predicted_recall - 1e-12);
+}
+
+TEST(TuneDensitiesTest, CutsFallFirstOnLongInsensitiveDocuments) {
+  // The straggler holds one long tolerant document and several short, more sensitive ones
+  // (their floor, 0.24, is still below the default 0.3, so they could be cut too).
+  const Scene s =
+      MakeScene({{Doc(65536, 0.0), Doc(4096, 0.2), Doc(4096, 0.2), Doc(4096, 0.2), Doc(4096, 0.2)},
+                 {Doc(32768, 0.0), Doc(16384, 0.0)},
+                 {Doc(32768, 0.0), Doc(16384, 0.0)},
+                 {Doc(32768, 0.0), Doc(16384, 0.0)}});
+  const LatencyModel model(s.config.shape, s.config.ranks, test_util::kTestPrior);
+  for (DstMode mode : {DstMode::kMean, DstMode::kQuantile}) {
+    PlannerConfig config = s.config;
+    config.dst_mode = mode;
+    const std::vector<double> rho = TuneDensities(s.batch, s.assignment, config, model, s.base,
+                                                  TokenWeightedRecall(s.batch, s.base));
+    const double long_drop = s.base[0] - rho[0];
+    EXPECT_GT(long_drop, 0.0) << DstModeName(mode);
+    for (int i = 1; i <= 4; ++i) {
+      EXPECT_LT(s.base[i] - rho[i], long_drop) << DstModeName(mode) << " sample " << i;
+    }
+  }
+}
+
+TEST(TuneDensitiesTest, TuningIsDeterministic) {
+  for (uint64_t seed = 0; seed < 30; ++seed) {
+    Placed p;
+    if (!Place(seed, Policy::kSab, &p)) continue;
+    const LatencyModel model = MakeModel(p.c.config, p.c.speed);
+    for (DstMode mode : AllDstModes()) {
+      EXPECT_EQ(Tune(p, mode, model), Tune(p, mode, model));
+    }
+  }
+}
+
+TEST(AllocateDensitiesTest, KeepsRecallWithinBoundsAndSavesTime) {
+  for (uint64_t seed = 0; seed < kRandomCases; ++seed) {
+    RandomCase c = MakeRandomCase(seed, 800);
+    c.config.overflow = OverflowPolicy::kDefer;
+    if (!ValidateBatch(c.batch, c.config).ok()) continue;
+    const LatencyModel model = MakeModel(c.config, c.speed);
+    const std::vector<double> base = BaseDensities(c.batch, c.config);
+    const double base_recall = TokenWeightedRecall(c.batch, base);
+    const std::vector<double> rho = AllocateDensities(c.batch, c.config, model, base, base_recall);
+    ASSERT_EQ(rho.size(), c.batch.size());
+    double base_seconds = 0.0;
+    double seconds = 0.0;
+    for (size_t i = 0; i < rho.size(); ++i) {
+      const Sample& s = c.batch[i];
+      ASSERT_GE(rho[i], DensityFloor(s.sensitivity, c.config)) << Describe(c) << " " << i;
+      ASSERT_LE(rho[i], c.config.density_max) << Describe(c) << " " << i;
+      base_seconds += model.SampleSeconds(s, base[i]);
+      seconds += model.SampleSeconds(s, rho[i]);
+    }
+    EXPECT_GE(TokenWeightedRecall(c.batch, rho), base_recall - 1e-12) << Describe(c);
+    // The base densities keep the recall too, so the allocation is no slower (up to the
+    // continuous block count the allocation optimises and the recall margin it adds).
+    EXPECT_LE(seconds, base_seconds * 1.01) << Describe(c);
+  }
+}
+
+}  // namespace
+}  // namespace sparsebalance
