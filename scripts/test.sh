@@ -9,6 +9,14 @@ export BUILD_DIR=${BUILD_DIR:-build-test}
 bash scripts/build.sh -DSB_WERROR=ON
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 
+# The installed package works for a project that uses it the way a trainer would.
+rm -rf "$BUILD_DIR/install" "$BUILD_DIR/consumer"
+cmake --install "$BUILD_DIR" --prefix "$BUILD_DIR/install" >/dev/null
+cmake -S tests/consumer -B "$BUILD_DIR/consumer" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$(cd "$BUILD_DIR/install" && pwd)" >/dev/null
+cmake --build "$BUILD_DIR/consumer" >/dev/null
+"$BUILD_DIR/consumer/consumer"
+
 # The planner benchmark must run (its figures are reported, never asserted).
 "$BUILD_DIR/bench/sb-planner-bench" --benchmark_filter='/512/64' --benchmark_min_time=0.05
 

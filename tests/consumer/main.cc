@@ -1,0 +1,25 @@
+// Plans one step with the installed planner library and checks the plan.
+#include <cstdio>
+#include <vector>
+
+#include "planner/planner.h"
+#include "planner/traces.h"
+
+int main() {
+  using namespace sparsebalance;
+  PlannerConfig config;
+  config.ranks = 8;
+  config.micro_batches = 2;
+  absl::StatusOr<TraceGenerator> trace = TraceGenerator::Builtin("pretrain", 1);
+  if (!trace.ok()) return 1;
+  std::vector<Sample> batch = trace->NextBatch(8 * 2 * 131072 * 8 / 10);
+  LatencyModel model(config.shape, config.ranks, CostCoefficients{1.7e-5, 1e-4, 2e-3, 0.05});
+  absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+  if (!plan.ok() || !CheckPlan(*plan, batch, config).ok()) {
+    std::fprintf(stderr, "consumer: planning failed\n");
+    return 1;
+  }
+  std::printf("consumer: planned %zu samples, makespan %.2f s, gap %.4f\n", batch.size(),
+              plan->makespan_seconds, plan->gap);
+  return 0;
+}
