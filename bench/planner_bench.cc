@@ -34,15 +34,15 @@ void BM_PlanStep(benchmark::State& state, Policy policy) {
     }
     benchmark::DoNotOptimize(plan->makespan_seconds);
   }
-  state.counters["samples/s"] =
-      benchmark::Counter(static_cast<double>(samples), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["samples/s"] = benchmark::Counter(static_cast<double>(samples),
+                                                   benchmark::Counter::kIsIterationInvariantRate);
 }
 
-#define SB_PLAN_BENCH(name, policy)                                                       \
-  BENCHMARK_CAPTURE(BM_PlanStep, name, policy)                                            \
-      ->Args({512, 64})                                                                   \
-      ->Args({8192, 512})                                                                 \
-      ->Args({65536, 4096})                                                               \
+#define SB_PLAN_BENCH(name, policy)            \
+  BENCHMARK_CAPTURE(BM_PlanStep, name, policy) \
+      ->Args({512, 64})                        \
+      ->Args({8192, 512})                      \
+      ->Args({65536, 4096})                    \
       ->Unit(benchmark::kMillisecond)
 
 SB_PLAN_BENCH(sequential, Policy::kSequential);

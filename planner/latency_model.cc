@@ -36,7 +36,7 @@ LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoeffic
   const double blocks = static_cast<double>(
       ActiveBlocks(reference.length, 0.3, shape.block_size, shape.local_blocks));
   const double reference_seconds = prior.per_block * blocks + prior.per_token * 8192.0 +
-                                    prior.per_sample + prior.per_micro_batch;
+                                   prior.per_sample + prior.per_micro_batch;
   const std::array<double, kFeatures> prior_coef = {prior.per_block, prior.per_token,
                                                     prior.per_sample, prior.per_micro_batch};
   const std::array<double, kFeatures> reference_x = {blocks, 8192.0, 1.0, 1.0};
@@ -96,8 +96,8 @@ double LatencyModel::Seconds(const MicroBatchFeatures& features) const {
 absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
   for (size_t i = 0; i < observations.size(); ++i) {
     const Observation& o = observations[i];
-    const std::string where = absl::StrCat("observation ", i, " (rank ", o.rank,
-                                           ", micro_batch ", o.micro_batch, ")");
+    const std::string where =
+        absl::StrCat("observation ", i, " (rank ", o.rank, ", micro_batch ", o.micro_batch, ")");
     if (!std::isfinite(o.measured_seconds) || o.measured_seconds <= 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": measured_seconds ", o.measured_seconds,
@@ -111,8 +111,8 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
     if (!(f.active_blocks >= 0) || !(f.tokens > 0) || !(f.documents >= 1) ||
         !std::isfinite(f.active_blocks) || !std::isfinite(f.tokens) ||
         !std::isfinite(f.documents)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": features need active_blocks >= 0, tokens > 0 and documents >= 1"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": features need active_blocks >= 0, tokens > 0 and documents >= 1"));
     }
   }
   if (observations.empty()) return absl::OkStatus();
@@ -149,11 +149,10 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
     }
     if (count > 0) {
       const double variance = sum / count;
-      state_.rank_error_variance =
-          state_.steps_observed == 0
-              ? variance
-              : (1.0 - options_.error_ewma) * state_.rank_error_variance +
-                    options_.error_ewma * variance;
+      state_.rank_error_variance = state_.steps_observed == 0
+                                       ? variance
+                                       : (1.0 - options_.error_ewma) * state_.rank_error_variance +
+                                             options_.error_ewma * variance;
     }
   }
 

@@ -50,9 +50,9 @@ struct LatencyModelOptions {
 
 // The model's learned state, plain so that the service can snapshot it.
 struct LatencyModelState {
-  std::array<double, 4> weights{};       // multipliers of the feature scales (RLS estimate)
-  std::array<double, 16> covariance{};   // RLS P matrix, row-major 4x4
-  std::vector<double> speed_factors;     // h_r
+  std::array<double, 4> weights{};      // multipliers of the feature scales (RLS estimate)
+  std::array<double, 16> covariance{};  // RLS P matrix, row-major 4x4
+  std::vector<double> speed_factors;    // h_r
   // EWMA of the squared relative error of predicted rank times, measured before each step is
   // folded in (out of sample); its root is the noise DST leaves room for.
   double rank_error_variance = 0.0;

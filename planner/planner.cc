@@ -54,11 +54,10 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
       return SampleError(i, "length", absl::StrCat(s.length, " tokens; need at least 1"));
     }
     if (s.length > config.micro_batch_capacity) {
-      return SampleError(i, "length",
-                         absl::StrCat(s.length, " tokens (id ", s.id,
-                                      ") exceeds micro_batch_capacity ",
-                                      config.micro_batch_capacity,
-                                      "; split the document or raise the capacity"));
+      return SampleError(
+          i, "length",
+          absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds micro_batch_capacity ",
+                       config.micro_batch_capacity, "; split the document or raise the capacity"));
     }
     if (!(s.sensitivity >= 0.0 && s.sensitivity <= 1.0)) {
       return SampleError(i, "sensitivity", absl::StrCat(s.sensitivity, " is outside [0, 1]"));
@@ -83,9 +82,11 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
       static_cast<int64_t>(config.ranks) * config.micro_batches * config.micro_batch_capacity;
   if (config.overflow == OverflowPolicy::kError && total > capacity) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "samples: the batch has ", total, " tokens but ranks x micro_batches x "
-        "micro_batch_capacity = ", config.ranks, " x ", config.micro_batches, " x ",
-        config.micro_batch_capacity, " = ", capacity,
+        "samples: the batch has ", total,
+        " tokens but ranks x micro_batches x "
+        "micro_batch_capacity = ",
+        config.ranks, " x ", config.micro_batches, " x ", config.micro_batch_capacity, " = ",
+        capacity,
         " tokens; raise micro_batches or micro_batch_capacity, or use overflow policy defer"));
   }
   return absl::OkStatus();
@@ -156,8 +157,8 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         features.active_blocks += f.active_blocks;
         features.tokens += f.tokens;
         features.documents += f.documents;
-        largest_sample = std::max(largest_sample,
-                                  model.Seconds(f) /* includes the micro-batch term */);
+        largest_sample =
+            std::max(largest_sample, model.Seconds(f) /* includes the micro-batch term */);
         const double w = static_cast<double>(s.length);
         weighted_density += w * densities[i];
         weighted_recall += w * PredictedRecall(s.sensitivity, densities[i]);
@@ -185,8 +186,8 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
   }
   plan.lower_bound_seconds =
       std::max(inverse_speed > 0 ? total_raw / inverse_speed : 0.0, largest_sample * min_speed);
-  plan.gap = plan.lower_bound_seconds > 0 ? plan.makespan_seconds / plan.lower_bound_seconds - 1.0
-                                          : 0.0;
+  plan.gap =
+      plan.lower_bound_seconds > 0 ? plan.makespan_seconds / plan.lower_bound_seconds - 1.0 : 0.0;
   const double mean = n > 0 ? sum / n : 0.0;
   plan.imbalance_ratio = mean > 0 ? plan.makespan_seconds / mean : 1.0;
   plan.bubble_ratio = plan.makespan_seconds > 0 ? 1.0 - mean / plan.makespan_seconds : 0.0;
@@ -243,12 +244,11 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
         }
       }
       if (tokens != mb.tokens) {
-        return fail("rank ", r, " micro-batch ", m, " says ", mb.tokens, " tokens, holds ",
-                    tokens);
+        return fail("rank ", r, " micro-batch ", m, " says ", mb.tokens, " tokens, holds ", tokens);
       }
       if (tokens > config.micro_batch_capacity) {
-        return fail("rank ", r, " micro-batch ", m, " holds ", tokens,
-                    " tokens, above capacity ", config.micro_batch_capacity);
+        return fail("rank ", r, " micro-batch ", m, " holds ", tokens, " tokens, above capacity ",
+                    config.micro_batch_capacity);
       }
     }
   }
@@ -270,8 +270,9 @@ std::string CanonicalPlanText(const StepPlan& plan) {
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
     absl::StrAppend(&out, "rank ", r, absl::StrFormat(" %a\n", plan.ranks[r].predicted_seconds));
     for (const MicroBatchPlan& mb : plan.ranks[r].micro_batches) {
-      absl::StrAppend(&out, " mb", absl::StrFormat(" %d %a %a:", mb.tokens, mb.predicted_seconds,
-                                                   mb.default_density));
+      absl::StrAppend(
+          &out, " mb",
+          absl::StrFormat(" %d %a %a:", mb.tokens, mb.predicted_seconds, mb.default_density));
       for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
         absl::StrAppend(&out, absl::StrFormat(" %d@%a", mb.sample_ids[k], mb.densities[k]));
       }
@@ -280,10 +281,10 @@ std::string CanonicalPlanText(const StepPlan& plan) {
   }
   out += "deferred";
   for (uint64_t id : plan.deferred_ids) absl::StrAppend(&out, " ", id);
-  absl::StrAppend(&out, absl::StrFormat("\nfigures %a %a %a %a %a %a %a\n", plan.makespan_seconds,
-                                        plan.lower_bound_seconds, plan.gap, plan.imbalance_ratio,
-                                        plan.bubble_ratio, plan.mean_density,
-                                        plan.predicted_recall));
+  absl::StrAppend(&out,
+                  absl::StrFormat("\nfigures %a %a %a %a %a %a %a\n", plan.makespan_seconds,
+                                  plan.lower_bound_seconds, plan.gap, plan.imbalance_ratio,
+                                  plan.bubble_ratio, plan.mean_density, plan.predicted_recall));
   return out;
 }
 

@@ -174,16 +174,16 @@ absl::StatusOr<ProfileTable> ParseProfileTable(absl::string_view text) {
     }
     ProfileRow row;
     if (!absl::SimpleAtoi(fields[0], &row.length) || row.length < 1) {
-      return LineError(line_number, absl::StrCat("length \"", fields[0],
-                                                 "\" is not a positive integer"));
+      return LineError(line_number,
+                       absl::StrCat("length \"", fields[0], "\" is not a positive integer"));
     }
     if (!absl::SimpleAtod(fields[1], &row.density) || !(row.density > 0 && row.density <= 1)) {
       return LineError(line_number, absl::StrCat("density \"", fields[1], "\" is not in (0, 1]"));
     }
     if (!absl::SimpleAtod(fields[2], &row.seconds) || !std::isfinite(row.seconds) ||
         row.seconds <= 0) {
-      return LineError(line_number, absl::StrCat("seconds \"", fields[2],
-                                                 "\" is not a positive finite number"));
+      return LineError(line_number,
+                       absl::StrCat("seconds \"", fields[2], "\" is not a positive finite number"));
     }
     table.rows.push_back(row);
   }
@@ -219,15 +219,15 @@ absl::StatusOr<CostCoefficients> FitProfile(const ProfileTable& table, const Mod
   std::vector<double> w;
   const ModelShape& p = table.shape;
   for (const ProfileRow& row : table.rows) {
-    const double blocks = static_cast<double>(
-        ActiveBlocks(row.length, row.density, p.block_size, p.local_blocks));
+    const double blocks =
+        static_cast<double>(ActiveBlocks(row.length, row.density, p.block_size, p.local_blocks));
     x.push_back({blocks, static_cast<double>(row.length), 1.0});
     y.push_back(row.seconds);
     w.push_back(1.0 / (row.seconds * row.seconds));  // relative error
   }
   const std::vector<double> c = NonNegativeLeastSquares(x, y, w);
-  const double block_work = static_cast<double>(shape.block_size) * shape.block_size *
-                            shape.head_dim * shape.heads;
+  const double block_work =
+      static_cast<double>(shape.block_size) * shape.block_size * shape.head_dim * shape.heads;
   const double profile_block_work =
       static_cast<double>(p.block_size) * p.block_size * p.head_dim * p.heads;
   const double width = static_cast<double>(shape.heads) * shape.head_dim;

@@ -34,16 +34,16 @@ constexpr double kBudgetTolerance = 1e-6;
 constexpr double kRecallTolerance = 1e-6;
 
 struct Item {
-  int index = 0;          // into the batch
-  double weight = 0.0;    // tokens: recall is token-weighted
-  double floor = 0.0;     // lowest density allowed
-  double base = 0.0;      // density without tuning
-  double g_minus_1 = 0.0; // recall exponent - 1
-  double inv_g1 = 0.0;    // 1 / (g - 1)
-  double log_floor = 0.0; // log(1 - floor)
-  double log_base = 0.0;  // log(1 - base)
-  double offset = 0.0;    // log(per_block * tri / (weight * g)): where the multiplier sits
-  int doc_begin = 0;      // documents' query-block counts in `docs`
+  int index = 0;           // into the batch
+  double weight = 0.0;     // tokens: recall is token-weighted
+  double floor = 0.0;      // lowest density allowed
+  double base = 0.0;       // density without tuning
+  double g_minus_1 = 0.0;  // recall exponent - 1
+  double inv_g1 = 0.0;     // 1 / (g - 1)
+  double log_floor = 0.0;  // log(1 - floor)
+  double log_base = 0.0;   // log(1 - base)
+  double offset = 0.0;     // log(per_block * tri / (weight * g)): where the multiplier sits
+  int doc_begin = 0;       // documents' query-block counts in `docs`
   int doc_end = 0;
 };
 
@@ -55,8 +55,8 @@ struct RankWork {
 
 class Tuner {
  public:
-  Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
-        const PlannerConfig& config, const LatencyModel& model, const std::vector<double>& base);
+  Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
+        const LatencyModel& model, const std::vector<double>& base);
 
   // Densities for the target makespan `target` (seconds), given each rank's time at base
   // (`at_base`, blocks counted exactly). With `cut` false no rank is lowered.
@@ -93,7 +93,7 @@ class Tuner {
   const std::vector<double>& base_;
   double per_block_ = 0.0;
   double anchors_ = 0.0;
-  double log_max_ = 0.0;  // log(1 - density_max)
+  double log_max_ = 0.0;       // log(1 - density_max)
   double noise_margin_ = 0.0;  // share of the target that raised ranks leave free
   std::vector<int64_t> docs_;  // query blocks per document
   std::vector<RankWork> ranks_;
@@ -115,8 +115,8 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
     size_t members = 0;
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) members += micro_batch.size();
     rank.items.reserve(members);
-    rank.speed = r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r))
-                                                          : 1.0;
+    rank.speed =
+        r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
       if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
       for (int i : micro_batch) {
@@ -146,8 +146,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         const double docs = static_cast<double>(item.doc_end - item.doc_begin);
         rank.fixed += coef.per_token * item.weight + coef.per_sample * docs;
         const double price = per_block_ * triangle;  // seconds per unit of density, about
-        item.offset = DetLog(std::max(price, 1e-300) /
-                             (item.weight * (item.g_minus_1 + 1.0)));
+        item.offset = DetLog(std::max(price, 1e-300) / (item.weight * (item.g_minus_1 + 1.0)));
         rank.items.push_back(item);
       }
     }
@@ -206,8 +205,8 @@ double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
   double blocks = 0.0;
   for (const Item& item : rank.items) {
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
-      blocks += static_cast<double>(ActiveBlocks(docs_[d] * block, at_floor ? item.floor : item.base,
-                                                 block, config_.shape.local_blocks));
+      blocks += static_cast<double>(ActiveBlocks(
+          docs_[d] * block, at_floor ? item.floor : item.base, block, config_.shape.local_blocks));
     }
   }
   return rank.speed * (rank.fixed + per_block_ * blocks);
@@ -218,8 +217,8 @@ double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densi
   double blocks = 0.0;
   for (const Item& item : rank.items) {
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
-      blocks += static_cast<double>(ActiveBlocks(docs_[d] * block, densities[item.index], block,
-                                                 config_.shape.local_blocks));
+      blocks += static_cast<double>(
+          ActiveBlocks(docs_[d] * block, densities[item.index], block, config_.shape.local_blocks));
     }
   }
   return blocks;
@@ -331,15 +330,15 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   // What the search reads per item, contiguous: it runs a dozen passes over every sample.
   struct Term {
     int index;
-    double weight;      // tokens
-    double offset;      // see Item
-    double inv_g1;      // 1 / (g - 1)
-    double g_over_g1;   // g / (g - 1)
-    double x_at_hi;     // at or below this x the item sits at density_max
-    double x_at_lo;     // at or above, at its floor
-    double recall_lo;   // recall at the floor
-    double recall_hi;   // recall at density_max
-    double scale;       // e^offset
+    double weight;     // tokens
+    double offset;     // see Item
+    double inv_g1;     // 1 / (g - 1)
+    double g_over_g1;  // g / (g - 1)
+    double x_at_hi;    // at or below this x the item sits at density_max
+    double x_at_lo;    // at or above, at its floor
+    double recall_lo;  // recall at the floor
+    double recall_hi;  // recall at density_max
+    double scale;      // e^offset
     double floor;
   };
   const double hi_density = config_.density_max;
@@ -436,8 +435,7 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
     recall = recall_a;
   }
   for (const Term& t : terms) {
-    densities[t.index] =
-        std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
+    densities[t.index] = std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
   }
   *achieved = recall;
   return densities;
@@ -448,8 +446,8 @@ double Tuner::Recall(const std::vector<double>& densities) const {
   double tokens = 0.0;
   for (const RankWork& rank : ranks_) {
     for (const Item& item : rank.items) {
-      weighted += item.weight * PredictedRecall(batch_[item.index].sensitivity,
-                                                densities[item.index]);
+      weighted +=
+          item.weight * PredictedRecall(batch_[item.index].sensitivity, densities[item.index]);
       tokens += item.weight;
     }
   }
@@ -466,9 +464,9 @@ double Quantile(std::vector<double> values, double q) {
 
 }  // namespace
 
-std::vector<double> AllocateDensities(const std::vector<Sample>& batch,
-                                      const PlannerConfig& config, const LatencyModel& model,
-                                      const std::vector<double>& base, double base_recall) {
+std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                      const LatencyModel& model, const std::vector<double>& base,
+                                      double base_recall) {
   Assignment all;
   all.ranks.assign(1, std::vector<std::vector<int>>(1));
   for (int i = 0; i < static_cast<int>(batch.size()); ++i) all.ranks[0][0].push_back(i);

@@ -24,9 +24,9 @@ namespace sparsebalance {
 // insensitive documents go down, short or sensitive ones go up). `base_recall` is that
 // recall (TokenWeightedRecall of `base`, which the caller has already). Returns `base` when
 // no such densities exist.
-std::vector<double> AllocateDensities(const std::vector<Sample>& batch,
-                                      const PlannerConfig& config, const LatencyModel& model,
-                                      const std::vector<double>& base, double base_recall);
+std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                      const LatencyModel& model, const std::vector<double>& base,
+                                      double base_recall);
 
 // The per-rank half of DST: a density per batch sample (deferred samples keep `base`).
 //

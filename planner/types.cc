@@ -42,8 +42,8 @@ absl::Status ValidateConfig(const PlannerConfig& c) {
   }
   if (c.density_default < c.density_min || c.density_default > c.density_max) {
     return bad("density_default", c.density_default,
-               absl::StrCat("need density_min ", c.density_min, " <= density_default <= ",
-                            "density_max ", c.density_max));
+               absl::StrCat("need density_min ", c.density_min,
+                            " <= density_default <= ", "density_max ", c.density_max));
   }
   if (!(c.dst_quantile >= 0.0 && c.dst_quantile <= 1.0)) {
     return bad("dst_quantile", c.dst_quantile, "need [0, 1]");
@@ -82,8 +82,8 @@ absl::StatusOr<Policy> ParsePolicy(absl::string_view name) {
     if (PolicyName(p) == name) return p;
     names.emplace_back(PolicyName(p));
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown policy \"", name,
-                                                 "\"; choose one of: ", absl::StrJoin(names, ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown policy \"", name, "\"; choose one of: ", absl::StrJoin(names, ", ")));
 }
 
 absl::string_view DstModeName(DstMode mode) {
@@ -114,8 +114,8 @@ absl::StatusOr<DstMode> ParseDstMode(absl::string_view text, double* quantile) {
     if (quantile != nullptr) *quantile = q;
     return DstMode::kQuantile;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown DST mode \"", text, "\"; choose one of: min, mean, max, quantile:Q"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown DST mode \"", text, "\"; choose one of: min, mean, max, quantile:Q"));
 }
 
 absl::string_view OverflowPolicyName(OverflowPolicy policy) {

@@ -33,8 +33,8 @@ struct ModelShape {
   int layers = 32;
   int heads = 32;
   int head_dim = 128;
-  int block_size = 64;    // tokens per attention block (64 or 128)
-  int local_blocks = 1;   // key blocks before the diagonal that are always kept
+  int block_size = 64;   // tokens per attention block (64 or 128)
+  int local_blocks = 1;  // key blocks before the diagonal that are always kept
 };
 
 // How documents are placed on ranks and whether densities are tuned (DESIGN.md section 5).
@@ -66,7 +66,7 @@ struct PlannerConfig {
   int micro_batches = 1;                  // per rank and step
   int64_t micro_batch_capacity = 131072;  // tokens per micro-batch
   ModelShape shape;
-  double density_min = 0.05;      // lowest density DST may give an insensitive sample
+  double density_min = 0.05;     // lowest density DST may give an insensitive sample
   double density_max = 1.0;      // highest density DST may raise a sample to
   double density_default = 0.3;  // density every sample gets without DST
   Policy policy = Policy::kSparseBalance;

@@ -17,7 +17,8 @@
 namespace sparsebalance {
 namespace {
 
-constexpr char kUsage[] = R"(sb-sim: run a simulated data-parallel cluster under each batching policy and
+constexpr char kUsage[] =
+    R"(sb-sim: run a simulated data-parallel cluster under each batching policy and
 compare step time and attention recall, side by side.
 
 Usage: sb-sim [--flag=value ...]      (--flag value, and _ for -, work too)
@@ -196,9 +197,10 @@ absl::Status Apply(const std::map<std::string, std::string>& flags, SimOptions* 
   if (!builtin) {
     std::ifstream in(o->trace);
     if (!in) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--trace=", o->trace, ": neither a built-in trace (pretrain, prolong) nor a readable "
-          "file"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--trace=", o->trace,
+                       ": neither a built-in trace (pretrain, prolong) nor a readable "
+                       "file"));
     }
     std::stringstream text;
     text << in.rdbuf();

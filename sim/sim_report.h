@@ -14,17 +14,17 @@ namespace sparsebalance {
 
 // The scenario, echoed into the report so that a figure can be reproduced.
 struct SimScenario {
-  std::string trace;          // "pretrain", "prolong" or a file path
-  int64_t pack_length = 0;    // tokens, 0 = documents are samples
+  std::string trace;        // "pretrain", "prolong" or a file path
+  int64_t pack_length = 0;  // tokens, 0 = documents are samples
   int ranks = 0;
   int micro_batches = 0;
-  int64_t capacity = 0;       // tokens per micro-batch
-  double fill = 0.0;          // share of ranks x micro-batches x capacity filled per step
+  int64_t capacity = 0;  // tokens per micro-batch
+  double fill = 0.0;     // share of ranks x micro-batches x capacity filled per step
   int steps = 0;
-  std::string mode;           // DST mode, e.g. "mean" or "quantile:0.75"
+  std::string mode;  // DST mode, e.g. "mean" or "quantile:0.75"
   int slow_ranks = 0;
-  double slow_factor = 1.0;   // ground-truth speed factor of the slow ranks
-  double noise = 0.0;         // multiplicative noise (standard deviation) per micro-batch
+  double slow_factor = 1.0;  // ground-truth speed factor of the slow ranks
+  double noise = 0.0;        // multiplicative noise (standard deviation) per micro-batch
   uint64_t seed = 0;
   double density_default = 0.0;
   double density_min = 0.0;
@@ -33,18 +33,18 @@ struct SimScenario {
 // Results of one policy, measured by the simulator's hidden ground truth.
 struct PolicyResult {
   Policy policy = Policy::kSequential;
-  std::vector<double> step_seconds;      // measured step time (slowest rank) per step
+  std::vector<double> step_seconds;  // measured step time (slowest rank) per step
   double mean_step_seconds = 0.0;
-  double speedup_vs_sequential = 0.0;    // mean step time of sequential / this
-  double speedup_vs_flops = 0.0;         // 0 when flops did not run
-  double imbalance_ratio = 0.0;          // mean over steps of max/mean rank compute
-  double bubble_ratio = 0.0;             // mean over steps of idle / (ranks x step time)
-  double mean_density = 0.0;             // token-weighted, over all steps
-  double mean_recall = 0.0;              // token-weighted, simulator's recall model
-  double median_gap = 0.0;               // median over steps of planned makespan / bound - 1
-  double median_prediction_error = 0.0;  // median |predicted - measured| / measured rank time,
-                                         // over steps after the warm-up (see sb-sim --help)
-  double mean_plan_seconds = 0.0;        // wall time of the planner per step
+  double speedup_vs_sequential = 0.0;         // mean step time of sequential / this
+  double speedup_vs_flops = 0.0;              // 0 when flops did not run
+  double imbalance_ratio = 0.0;               // mean over steps of max/mean rank compute
+  double bubble_ratio = 0.0;                  // mean over steps of idle / (ranks x step time)
+  double mean_density = 0.0;                  // token-weighted, over all steps
+  double mean_recall = 0.0;                   // token-weighted, simulator's recall model
+  double median_gap = 0.0;                    // median over steps of planned makespan / bound - 1
+  double median_prediction_error = 0.0;       // median |predicted - measured| / measured rank time,
+                                              // over steps after the warm-up (see sb-sim --help)
+  double mean_plan_seconds = 0.0;             // wall time of the planner per step
   std::vector<double> learned_speed_factors;  // per rank, at the end of the run
   // One step's timeline (the last): [rank][micro_batch] measured seconds, run back to back.
   std::vector<std::vector<double>> timeline;

@@ -54,8 +54,8 @@ struct PolicyRun {
 CostCoefficients GroundTruthCoefficients(const SimOptions& o) {
   CostCoefficients truth;
   truth.per_token = o.seconds_per_token;
-  const double dense_blocks = static_cast<double>(
-      ActiveBlocks(131072, 1.0, o.shape.block_size, o.shape.local_blocks));
+  const double dense_blocks =
+      static_cast<double>(ActiveBlocks(131072, 1.0, o.shape.block_size, o.shape.local_blocks));
   truth.per_block = o.attention_ratio * o.seconds_per_token * 131072.0 / dense_blocks;
   truth.per_sample = 2e-3;
   truth.per_micro_batch = 0.05;
@@ -72,9 +72,9 @@ ProfileTable SyntheticProfile(const SimOptions& o) {
     for (double density : {1.0, 0.5, 0.3, 0.1}) {
       const double blocks = static_cast<double>(
           ActiveBlocks(length, density, o.shape.block_size, o.shape.local_blocks));
-      const double seconds = (0.6 * truth.per_block * blocks +
-                              1.4 * truth.per_token * static_cast<double>(length)) /
-                             layers;
+      const double seconds =
+          (0.6 * truth.per_block * blocks + 1.4 * truth.per_token * static_cast<double>(length)) /
+          layers;
       table.rows.push_back({length, density, seconds});
     }
   }
@@ -125,13 +125,13 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   if (!generator.ok()) return generator.status();
   if (o.pack_length > 0) {
     if (o.pack_length > o.capacity) {
-      return absl::InvalidArgumentError(absl::StrCat("--pack ", o.pack_length,
-                                                     " exceeds --capacity ", o.capacity));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--pack ", o.pack_length, " exceeds --capacity ", o.capacity));
     }
     generator->SetPackLength(o.pack_length);
   }
-  const int64_t budget = static_cast<int64_t>(
-      o.fill * static_cast<double>(o.ranks) * o.micro_batches * static_cast<double>(o.capacity));
+  const int64_t budget = static_cast<int64_t>(o.fill * static_cast<double>(o.ranks) *
+                                              o.micro_batches * static_cast<double>(o.capacity));
 
   std::vector<PolicyRun> runs;
   runs.reserve(o.policies.size());

@@ -21,25 +21,25 @@
 namespace sparsebalance {
 
 struct SimOptions {
-  std::string trace = "pretrain";     // built-in name, or a label for `trace_records`
+  std::string trace = "pretrain";          // built-in name, or a label for `trace_records`
   std::vector<TraceRecord> trace_records;  // when non-empty, the trace (from a file)
-  int64_t pack_length = 0;            // tokens; 0 = documents are samples
+  int64_t pack_length = 0;                 // tokens; 0 = documents are samples
   int ranks = 32;
   int micro_batches = 4;
-  int64_t capacity = 131072;          // tokens per micro-batch
-  double fill = 0.85;                 // share of ranks x micro-batches x capacity per step
+  int64_t capacity = 131072;  // tokens per micro-batch
+  double fill = 0.85;         // share of ranks x micro-batches x capacity per step
   int steps = 30;
   std::vector<Policy> policies = AllPolicies();
   DstMode mode = DstMode::kMean;
   double quantile = 0.5;
   int slow_ranks = 0;
-  double slow_factor = 1.5;           // ground-truth speed factor of the slow ranks
-  double noise = 0.05;                // standard deviation of the multiplicative noise
+  double slow_factor = 1.5;  // ground-truth speed factor of the slow ranks
+  double noise = 0.05;       // standard deviation of the multiplicative noise
   uint64_t seed = 1;
   double density_default = 0.3;
   double density_min = 0.05;
   double density_max = 1.0;
-  ModelShape shape;                   // 7B-class: 32 layers, 32 heads x 128, blocks of 64
+  ModelShape shape;  // 7B-class: 32 layers, 32 heads x 128, blocks of 64
   // Ground truth: attention time of a dense 128K-token document over its linear time.
   double attention_ratio = 2.7;
   double seconds_per_token = 1.0e-4;  // ground-truth linear time, all layers, fwd+bwd
