@@ -137,6 +137,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
   StepPlan plan;
   plan.policy = config.policy;
   plan.ranks.resize(assignment.ranks.size());
+  for (RankPlan& rank : plan.ranks) rank.micro_batches.reserve(config.micro_batches);
   double total_raw = 0.0;       // seconds, speed excluded
   double largest_sample = 0.0;  // seconds, speed excluded, alone in a micro-batch
   double weighted_density = 0.0;
@@ -147,6 +148,8 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     for (const std::vector<int>& members : assignment.ranks[r]) {
       MicroBatchPlan mb;
       mb.default_density = config.density_default;
+      mb.sample_ids.reserve(members.size());
+      mb.densities.reserve(members.size());
       MicroBatchFeatures features;
       for (int i : members) {
         const Sample& s = batch[i];

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -21,121 +21,380 @@ constexpr double kTieShare = 0.005;
 
 // Ranks ordered by (time, rank) in an indexed binary heap: O(log R) updates, the first rank in
 // O(1), and ranks in order by a best-first walk from the root, all on contiguous arrays (the
-// planner visits a few of the least loaded ranks per sample, 65,536 times at scale).
+// planner visits a few of the least loaded ranks per sample, 65,536 times at scale). Entries
+// carry their time, so that comparisons do not look it up per rank. Only the order is
+// observable (First, VisitInOrder), never the layout.
 template <bool kLargestFirst>
 class RankHeap {
  public:
-  explicit RankHeap(int ranks) : time_(ranks, 0.0), heap_(ranks), position_(ranks) {
+  // All ranks at time 0. Keeps the arrays' capacity, so that a reused heap does not allocate.
+  void Reset(int ranks) {
+    heap_.resize(ranks);
+    position_.resize(ranks);
     // Equal times: ordered by rank, which this initial layout already satisfies.
     for (int i = 0; i < ranks; ++i) {
-      heap_[i] = kLargestFirst ? ranks - 1 - i : i;
-      position_[heap_[i]] = i;
+      heap_[i] = {0.0, kLargestFirst ? ranks - 1 - i : i};
+      position_[heap_[i].rank] = i;
     }
   }
 
   void Update(int rank, double time) {
-    time_[rank] = time;
-    SiftUp(position_[rank]);
-    SiftDown(position_[rank]);
+    const int i = position_[rank];
+    const Entry entry{time, rank};
+    if (i > 0 && Before(entry, heap_[(i - 1) / 2])) {
+      SiftUp(i, entry);
+    } else {
+      SiftDown(i, entry);
+    }
   }
-  int First() const { return heap_[0]; }
+  int First() const { return heap_[0].rank; }
 
-  // Calls visit(rank) for ranks in heap order until it returns false or all were visited.
+  // Calls visit(rank) for ranks in order until it returns false or all were visited. The
+  // frontier of the walk (the root of each part not yet visited) is a binary heap of its own.
   template <typename Visit>
   void VisitInOrder(Visit visit) {
+    const int n = static_cast<int>(heap_.size());
     frontier_.clear();
-    const auto later = [this](int a, int b) { return Before(heap_[b], heap_[a]); };
-    frontier_.push_back(0);
+    frontier_.push_back({heap_[0], 0});
     while (!frontier_.empty()) {
-      std::pop_heap(frontier_.begin(), frontier_.end(), later);
-      const int at = frontier_.back();
-      frontier_.pop_back();
-      if (!visit(heap_[at])) return;
-      for (int child = 2 * at + 1; child <= 2 * at + 2; ++child) {
-        if (child < static_cast<int>(heap_.size())) {
-          frontier_.push_back(child);
-          std::push_heap(frontier_.begin(), frontier_.end(), later);
-        }
+      const Node node = frontier_.front();
+      if (!visit(node.entry.rank)) return;
+      // The node's children replace it: the first in its place, the second pushed.
+      const int child = 2 * node.at + 1;
+      if (child < n) {
+        SiftFrontierDown({heap_[child], child});
+        if (child + 1 < n) PushFrontier({heap_[child + 1], child + 1});
+      } else {
+        const Node last = frontier_.back();
+        frontier_.pop_back();
+        if (!frontier_.empty()) SiftFrontierDown(last);
       }
     }
   }
 
  private:
-  bool Before(int a, int b) const {
-    if (time_[a] != time_[b]) return kLargestFirst ? time_[a] > time_[b] : time_[a] < time_[b];
-    return kLargestFirst ? a > b : a < b;
+  struct Entry {
+    double time;
+    int rank;
+  };
+  // A heap entry and its index in heap_.
+  struct Node {
+    Entry entry;
+    int at;
+  };
+
+  static bool Before(const Entry& a, const Entry& b) {
+    if (a.time != b.time) return kLargestFirst ? a.time > b.time : a.time < b.time;
+    return kLargestFirst ? a.rank > b.rank : a.rank < b.rank;
   }
-  void Swap(int i, int j) {
-    std::swap(heap_[i], heap_[j]);
-    position_[heap_[i]] = i;
-    position_[heap_[j]] = j;
+  void Put(int i, const Entry& entry) {
+    heap_[i] = entry;
+    position_[entry.rank] = i;
   }
-  void SiftUp(int i) {
-    while (i > 0 && Before(heap_[i], heap_[(i - 1) / 2])) {
-      Swap(i, (i - 1) / 2);
+  // Puts `entry` at index i or above it, moving the entries it passes down.
+  void SiftUp(int i, const Entry& entry) {
+    while (i > 0 && Before(entry, heap_[(i - 1) / 2])) {
+      Put(i, heap_[(i - 1) / 2]);
       i = (i - 1) / 2;
     }
+    Put(i, entry);
   }
-  void SiftDown(int i) {
+  // Puts `entry` at index i or below it, moving the entries it passes up.
+  void SiftDown(int i, const Entry& entry) {
     const int n = static_cast<int>(heap_.size());
-    while (true) {
-      int best = i;
-      for (int child = 2 * i + 1; child <= 2 * i + 2 && child < n; ++child) {
-        if (Before(heap_[child], heap_[best])) best = child;
-      }
-      if (best == i) return;
-      Swap(i, best);
-      i = best;
+    for (int child = 2 * i + 1; child < n; child = 2 * i + 1) {
+      if (child + 1 < n && Before(heap_[child + 1], heap_[child])) ++child;
+      if (!Before(heap_[child], entry)) break;
+      Put(i, heap_[child]);
+      i = child;
     }
+    Put(i, entry);
+  }
+  // The same two on the frontier: `node` goes to its root (replacing it) or below.
+  void SiftFrontierDown(const Node& node) {
+    const int n = static_cast<int>(frontier_.size());
+    int i = 0;
+    for (int child = 1; child < n; child = 2 * i + 1) {
+      if (child + 1 < n && Before(frontier_[child + 1].entry, frontier_[child].entry)) ++child;
+      if (!Before(frontier_[child].entry, node.entry)) break;
+      frontier_[i] = frontier_[child];
+      i = child;
+    }
+    frontier_[i] = node;
+  }
+  void PushFrontier(const Node& node) {
+    int i = static_cast<int>(frontier_.size());
+    frontier_.push_back(node);
+    while (i > 0 && Before(node.entry, frontier_[(i - 1) / 2].entry)) {
+      frontier_[i] = frontier_[(i - 1) / 2];
+      i = (i - 1) / 2;
+    }
+    frontier_[i] = node;
   }
 
-  std::vector<double> time_;   // per rank
-  std::vector<int> heap_;      // ranks in heap layout
-  std::vector<int> position_;  // per rank, its index in heap_
-  std::vector<int> frontier_;  // VisitInOrder's scratch
+  std::vector<Entry> heap_;     // in heap layout
+  std::vector<int> position_;   // per rank, its index in heap_
+  std::vector<Node> frontier_;  // VisitInOrder's, smallest first
 };
 
-// Samples that must stay together: a non-zero group, or a single sample.
+// One sample of a unit. All members sit in one flat array, each with its length and
+// micro-batch, so that placing a unit reads one contiguous range rather than a vector per unit
+// and the samples themselves.
+struct Member {
+  int index = 0;       // into the batch
+  int slot = -1;       // micro-batch while placed, -1 otherwise
+  int64_t length = 0;  // tokens
+};
+
+// Samples that must stay together: a non-zero group, or a single sample. Units are numbered
+// in the order the policy places them, and their members laid out in that order (BuildUnits),
+// so that placement streams through both.
 struct Unit {
-  std::vector<int> members;  // batch indices, longest first
-  double cost = 0.0;         // balancing metric (seconds, tokens, ...), speed excluded
-  double rigid = 0.0;        // part of cost that DST cannot cut (floor at or above density)
-  int first = 0;             // smallest batch index: ties and arrival order
-  int64_t longest = 0;       // tokens of the longest member
+  double cost = 0.0;    // balancing metric (seconds, tokens, ...), speed excluded
+  double rigid = 0.0;   // part of cost that DST cannot cut (floor at or above density)
+  int64_t longest = 0;  // tokens of the longest member
+  int first = 0;        // smallest batch index: arrival order, which breaks ties
+  int begin = 0;        // members are Workspace::members[begin, begin + size), longest first
+  int size = 0;
+  // While placed: the rank, the unit's entry in Workspace::placements, and its neighbours in
+  // the list of the rank's units (-1 at the ends).
+  int rank = -1;
+  int placement = -1;
+  int prev = -1;
+  int next = -1;
+};
+
+// A unit as BuildUnits gathers it, in arrival order.
+struct Tally {
+  double cost = 0.0;
+  double rigid = 0.0;
+  int first = 0;
+  int size = 0;
+  int next_member = 0;  // where its next member goes in Workspace::members
 };
 
 struct RankState {
   double load = 0.0;  // sum of unit costs
   double rigid = 0.0;
-  std::vector<int64_t> free;  // free tokens per micro-batch
-  std::vector<int> units;     // unit indices
+  double speed = 1.0;    // speed factor h_r: time = speed * load
+  int64_t max_free = 0;  // tokens, the most free of one micro-batch
+  // Its units, a doubly linked list through Unit::prev/next.
+  int head = -1;
+  int tail = -1;
+  int units = 0;
 };
+
+// The arrays of one call besides its inputs and result. AssignSamples keeps one per thread
+// (until the thread ends) and reuses it: at 65,536 samples over 4,096 ranks they take about
+// 10 MB, and faulting that much fresh memory in costs more than the whole placement (about
+// 10 us a 4 KiB page on the 2-core development VM). Every call sizes and overwrites what it
+// reads, so no result depends on an earlier call.
+struct Workspace {
+  // BuildUnits.
+  std::vector<int> unit_of;                       // per sample
+  std::vector<std::pair<uint64_t, int>> grouped;  // (group, sample) of grouped samples
+  std::vector<Tally> tallies;                     // units in arrival order
+  std::vector<std::pair<uint64_t, int>> keys;     // LargestFirst's (sort key, unit) and
+  std::vector<std::pair<uint64_t, int>> sorted;   // its second buffer
+  std::vector<int> order;                         // placement order of arrival units
+  // Placer.
+  std::vector<Unit> units;  // in placement order
+  std::vector<Member> members;
+  std::vector<RankState> ranks;
+  std::vector<int64_t> free;  // tokens, [rank * micro_batches + micro-batch]
+  std::vector<int> placed;    // members placed, same layout: Collect reserves exactly
+  // Units in the order they were placed, a unit placed again (moved) listed again: a rank's
+  // samples go out in this order (Collect). An entry is stale unless Unit::placement names it.
+  std::vector<int> placements;
+  RankHeap<false> least_loaded;
+  RankHeap<true> most_loaded;
+};
+
+// Writes to `order` the indices of `tallies` by cost, largest first, ties by index: a stable
+// radix sort of the costs' bits, whose order is that of the costs (none is NaN). At scale
+// (65,536 units) std::sort's comparisons of such keys mispredict at every other step.
+void LargestFirst(const std::vector<Tally>& tallies, Workspace* ws, std::vector<int>* order) {
+  const int n = static_cast<int>(tallies.size());
+  std::vector<std::pair<uint64_t, int>>& keys = ws->keys;
+  std::vector<std::pair<uint64_t, int>>& sorted = ws->sorted;
+  keys.resize(n);
+  sorted.resize(n);
+  for (int i = 0; i < n; ++i) {
+    const double cost = tallies[i].cost == 0.0 ? 0.0 : tallies[i].cost;  // -0.0 as 0.0
+    uint64_t bits;
+    std::memcpy(&bits, &cost, sizeof(bits));
+    // As unsigned numbers in the order of the doubles (negatives reversed, below positives),
+    // then reversed for largest first.
+    bits = (bits >> 63) != 0 ? ~bits : bits | (uint64_t{1} << 63);
+    keys[i] = {~bits, i};
+  }
+  // Least significant digit first; each pass keeps the order of equal digits, so ties stay in
+  // index order. One read counts every digit; a digit that all keys share needs no pass.
+  constexpr int kDigitBits = 11;
+  constexpr int kBuckets = 1 << kDigitBits;
+  constexpr int kDigits = (64 + kDigitBits - 1) / kDigitBits;
+  std::vector<int> start(kDigits * kBuckets, 0);  // [digit * kBuckets + value]
+  for (const auto& key : keys) {
+    for (int d = 0; d < kDigits; ++d) {
+      ++start[d * kBuckets + ((key.first >> (d * kDigitBits)) & (kBuckets - 1))];
+    }
+  }
+  for (int d = 0; d < kDigits && n > 0; ++d) {
+    const int shift = d * kDigitBits;
+    int* bucket = &start[d * kBuckets];
+    if (bucket[(keys[0].first >> shift) & (kBuckets - 1)] == n) continue;
+    int sum = 0;
+    for (int b = 0; b < kBuckets; ++b) sum += std::exchange(bucket[b], sum);
+    for (const auto& key : keys) sorted[bucket[(key.first >> shift) & (kBuckets - 1)]++] = key;
+    keys.swap(sorted);
+  }
+  order->resize(n);
+  for (int i = 0; i < n; ++i) (*order)[i] = keys[i].second;
+}
+
+// Fills ws->units and ws->members with the batch's units in the order they are placed:
+// arrival order (of their first samples), or with `largest_first` by cost, largest first, ties
+// in arrival order. Members are laid out unit by unit in that order, each unit's in arrival
+// order, then stably longest first.
+void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
+                const LatencyModel& model, const std::vector<double>& densities, bool largest_first,
+                Workspace* ws) {
+  const int n = static_cast<int>(batch.size());
+  // Units in arrival order: groups (keyed by group id, ordered by first appearance) and single
+  // samples. unit_of[i] first holds the sample's leader, the first sample of its group (sorted
+  // (group, index) pairs give them), then the sample's unit.
+  std::vector<int>& unit_of = ws->unit_of;
+  std::vector<std::pair<uint64_t, int>>& grouped = ws->grouped;
+  unit_of.resize(n);
+  grouped.clear();
+  for (int i = 0; i < n; ++i) {
+    unit_of[i] = i;
+    if (batch[i].group != 0) grouped.emplace_back(batch[i].group, i);
+  }
+  std::sort(grouped.begin(), grouped.end());
+  for (size_t k = 1; k < grouped.size(); ++k) {
+    if (grouped[k].first == grouped[k - 1].first) {
+      unit_of[grouped[k].second] = unit_of[grouped[k - 1].second];
+    }
+  }
+  std::vector<Tally>& tallies = ws->tallies;
+  tallies.clear();
+  for (int i = 0; i < n; ++i) {
+    const Sample& s = batch[i];
+    if (unit_of[i] == i) {  // a leader opens a unit
+      unit_of[i] = static_cast<int>(tallies.size());
+      tallies.emplace_back();
+      tallies.back().first = i;
+    } else {  // its leader came earlier and already has its unit
+      unit_of[i] = unit_of[unit_of[i]];
+    }
+    Tally& unit = tallies[unit_of[i]];
+    double cost = 0.0;
+    switch (config.policy) {
+      case Policy::kTokens:
+        cost = static_cast<double>(s.length);
+        break;
+      case Policy::kFlops:
+        cost = model.SampleSeconds(s, 1.0);
+        break;
+      default:
+        cost = model.SampleSeconds(s, densities[i]);
+        break;
+    }
+    ++unit.size;
+    unit.cost += cost;
+    if (DensityFloor(s.sensitivity, config) >= densities[i]) unit.rigid += cost;
+  }
+  // Arrival numbers follow first indices, so they break cost ties in arrival order.
+  const int unit_count = static_cast<int>(tallies.size());
+  std::vector<int>& order = ws->order;
+  if (largest_first) {
+    LargestFirst(tallies, ws, &order);
+  } else {
+    order.resize(unit_count);
+    for (int p = 0; p < unit_count; ++p) order[p] = p;
+  }
+  std::vector<Unit>& units = ws->units;
+  units.resize(unit_count);
+  int begin = 0;
+  for (int p = 0; p < unit_count; ++p) {
+    Tally& tally = tallies[order[p]];
+    Unit& unit = units[p];
+    unit = Unit{};
+    unit.cost = tally.cost;
+    unit.rigid = tally.rigid;
+    unit.first = tally.first;
+    unit.begin = begin;
+    unit.size = tally.size;
+    tally.next_member = begin;
+    begin += tally.size;
+  }
+  // Samples in arrival order, so each unit's members are too.
+  std::vector<Member>& members = ws->members;
+  members.resize(n);
+  for (int i = 0; i < n; ++i) {
+    members[tallies[unit_of[i]].next_member++] = Member{i, -1, batch[i].length};
+  }
+  for (Unit& unit : units) {
+    const auto first = members.begin() + unit.begin;
+    if (unit.size > 1) {
+      std::stable_sort(first, first + unit.size,
+                       [](const Member& a, const Member& b) { return a.length > b.length; });
+    }
+    unit.longest = first->length;
+  }
+}
 
 class Placer {
  public:
+  // Places the units of ws (BuildUnits) and keeps its state in ws.
   Placer(const std::vector<Sample>& batch, const PlannerConfig& config,
-         std::vector<Unit> units, std::vector<double> speed)
-      : batch_(batch), config_(config), units_(std::move(units)), speed_(std::move(speed)),
-        ranks_(config.ranks), micro_batch_of_(batch.size(), -1), least_loaded_(config.ranks),
-        most_loaded_(config.ranks), max_free_(config.ranks, config.micro_batch_capacity) {
-    for (RankState& r : ranks_) r.free.assign(config.micro_batches, config.micro_batch_capacity);
+         const std::vector<double>& speed, Workspace* ws)
+      : batch_(batch),
+        config_(config),
+        micro_batches_(config.micro_batches),
+        units_(ws->units),
+        members_(ws->members),
+        ranks_(ws->ranks),
+        free_(ws->free),
+        placed_(ws->placed),
+        placements_(ws->placements),
+        least_loaded_(ws->least_loaded),
+        most_loaded_(ws->most_loaded) {
+    ranks_.assign(config.ranks, RankState{});
+    for (int r = 0; r < config.ranks; ++r) {
+      ranks_[r].speed = speed[r];
+      ranks_[r].max_free = config.micro_batch_capacity;
+    }
+    free_.assign(static_cast<size_t>(config.ranks) * micro_batches_, config.micro_batch_capacity);
+    placed_.assign(free_.size(), 0);
+    placements_.clear();
   }
 
   absl::StatusOr<Assignment> Sequential();
   absl::StatusOr<Assignment> Balanced();
 
  private:
-  double Time(int r) const { return speed_[r] * ranks_[r].load; }
-  // Worst-fit of the unit's members into `free` (the micro-batch with most room first);
-  // writes the chosen micro-batches to `slots` when given. False if a member does not fit.
-  bool FitWorst(const Unit& unit, const std::vector<int64_t>& free, std::vector<int>* slots) const;
-  // Next-fit in arrival order from micro-batch `*cursor`, then first-fit.
-  bool FitInOrder(const Unit& unit, const std::vector<int64_t>& free, int* cursor,
+  double Time(int r) const { return ranks_[r].speed * ranks_[r].load; }
+  // Free tokens of the rank's micro-batches: micro_batches_ entries.
+  int64_t* Free(int r) { return &free_[static_cast<size_t>(r) * micro_batches_]; }
+  const int64_t* Free(int r) const { return &free_[static_cast<size_t>(r) * micro_batches_]; }
+  // Whether a worst-fit of the unit's members into `free` (the micro-batch with most room
+  // first, longest member first) places them all.
+  bool FitsWorst(const Unit& unit, const int64_t* free) const;
+  // Next-fit in arrival order from micro-batch `*cursor`, then first-fit; slots[k] is the
+  // micro-batch of the unit's k-th member (longest first), as Place takes them.
+  bool FitInOrder(const Unit& unit, const int64_t* free, int* cursor,
                   std::vector<int>* slots) const;
+  // Places the unit on rank r by the worst-fit of FitsWorst, which must succeed.
+  void PlaceWorst(int u, int r);
+  // Places the unit's k-th member (longest first) in micro-batch slots[k].
   void Place(int u, int r, const std::vector<int>& slots);
-  // Refreshes the rank's place in the heaps and its largest free micro-batch.
-  void Updated(int r);
+  // Adds the placed unit to the rank's load and list.
+  void Attach(int u, int r);
   void Remove(int u, int r);
+  // Refreshes the rank's place in least_loaded_ and its largest free micro-batch.
+  void Updated(int r);
   absl::Status Overflow(int u, std::vector<int>* deferred) const;
   bool FitsAfterSwap(int u, int v, int r) const;
   void ImproveMaxRank();
@@ -143,130 +402,176 @@ class Placer {
 
   const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
-  std::vector<Unit> units_;
-  std::vector<double> speed_;
-  std::vector<RankState> ranks_;
-  std::vector<int> micro_batch_of_;  // per batch index, -1 while unplaced
-  RankHeap<false> least_loaded_;
-  RankHeap<true> most_loaded_;
-  std::vector<int64_t> max_free_;  // per rank, the most free tokens of one micro-batch
-  mutable std::vector<int64_t> scratch_;      // FitWorst's copy of free tokens for groups
+  const int micro_batches_;
+  // The workspace's arrays (see Workspace).
+  std::vector<Unit>& units_;
+  std::vector<Member>& members_;
+  std::vector<RankState>& ranks_;
+  std::vector<int64_t>& free_;
+  std::vector<int>& placed_;
+  std::vector<int>& placements_;
+  RankHeap<false>& least_loaded_;  // kept while balancing (Sequential never reads it)
+  RankHeap<true>& most_loaded_;    // ImproveMaxRank's, which keeps it up to date itself
+  bool balancing_ = false;
+  // Small scratch reused across calls of the methods below.
+  mutable std::vector<int64_t> fit_free_;   // FitsWorst's and FitInOrder's free tokens
+  mutable std::vector<int64_t> swap_free_;  // FitsAfterSwap's free tokens
+  mutable std::vector<int> arrival_;        // FitInOrder's member places in arrival order
 };
 
-bool Placer::FitWorst(const Unit& unit, const std::vector<int64_t>& free_in,
-                      std::vector<int>* slots) const {
-  if (slots != nullptr) slots->clear();
-  if (unit.members.size() == 1) {  // the common case: no copy
-    const int i = unit.members.front();
-    const int best =
-        static_cast<int>(std::max_element(free_in.begin(), free_in.end()) - free_in.begin());
-    if (free_in[best] < batch_[i].length) return false;
-    if (slots != nullptr) slots->push_back(best);
-    return true;
+bool Placer::FitsWorst(const Unit& unit, const int64_t* free_in) const {
+  const int64_t* end_in = free_in + micro_batches_;
+  if (unit.size == 1) {  // the common case: no copy
+    return *std::max_element(free_in, end_in) >= members_[unit.begin].length;
   }
-  std::vector<int64_t>& free = scratch_;
-  free = free_in;
-  for (int i : unit.members) {
-    const int64_t length = batch_[i].length;
-    const int best = static_cast<int>(std::max_element(free.begin(), free.end()) - free.begin());
-    if (free[best] < length) return false;
-    free[best] -= length;
-    if (slots != nullptr) slots->push_back(best);
+  std::vector<int64_t>& free = fit_free_;
+  free.assign(free_in, end_in);
+  for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
+    const auto best = std::max_element(free.begin(), free.end());
+    if (*best < members_[k].length) return false;
+    *best -= members_[k].length;
   }
   return true;
 }
 
-bool Placer::FitInOrder(const Unit& unit, const std::vector<int64_t>& free_in, int* cursor,
+bool Placer::FitInOrder(const Unit& unit, const int64_t* free_in, int* cursor,
                         std::vector<int>* slots) const {
-  std::vector<int64_t> free = free_in;
-  slots->clear();
-  // Members in arrival order, as a plain sampler would see them.
-  std::vector<int> members = unit.members;
-  std::sort(members.begin(), members.end());
-  for (int i : members) {
-    const int64_t length = batch_[i].length;
+  std::vector<int64_t>& free = fit_free_;
+  free.assign(free_in, free_in + micro_batches_);
+  slots->resize(unit.size);
+  // Members in arrival order, as a plain sampler would see them: their places in the unit.
+  std::vector<int>& order = arrival_;
+  order.resize(unit.size);
+  for (int k = 0; k < unit.size; ++k) order[k] = k;
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    return members_[unit.begin + a].index < members_[unit.begin + b].index;
+  });
+  for (int k : order) {
+    const int64_t length = members_[unit.begin + k].length;
     int m = *cursor;
-    while (m < config_.micro_batches && free[m] < length) ++m;
-    if (m == config_.micro_batches) {
+    while (m < micro_batches_ && free[m] < length) ++m;
+    if (m == micro_batches_) {
       m = 0;
-      while (m < config_.micro_batches && free[m] < length) ++m;
-      if (m == config_.micro_batches) return false;
+      while (m < micro_batches_ && free[m] < length) ++m;
+      if (m == micro_batches_) return false;
     } else {
       *cursor = m;
     }
     free[m] -= length;
-    slots->push_back(m);
+    (*slots)[k] = m;
   }
   return true;
 }
 
-void Placer::Place(int u, int r, const std::vector<int>& slots) {
-  RankState& rank = ranks_[r];
+void Placer::PlaceWorst(int u, int r) {
+  // The same choices as FitsWorst, made on the rank's own free tokens.
   const Unit& unit = units_[u];
-  for (size_t k = 0; k < unit.members.size(); ++k) {
-    const int i = unit.members[k];
-    micro_batch_of_[i] = slots[k];
-    rank.free[slots[k]] -= batch_[i].length;
+  int64_t* free = Free(r);
+  for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
+    Member& member = members_[k];
+    const int m = static_cast<int>(std::max_element(free, free + micro_batches_) - free);
+    member.slot = m;
+    free[m] -= member.length;
+    ++placed_[static_cast<size_t>(r) * micro_batches_ + m];
   }
+  Attach(u, r);
+}
+
+void Placer::Place(int u, int r, const std::vector<int>& slots) {
+  const Unit& unit = units_[u];
+  int64_t* free = Free(r);
+  for (int k = 0; k < unit.size; ++k) {
+    Member& member = members_[unit.begin + k];
+    member.slot = slots[k];
+    free[slots[k]] -= member.length;
+    ++placed_[static_cast<size_t>(r) * micro_batches_ + slots[k]];
+  }
+  Attach(u, r);
+}
+
+void Placer::Attach(int u, int r) {
+  RankState& rank = ranks_[r];
+  Unit& unit = units_[u];
   rank.load += unit.cost;
   rank.rigid += unit.rigid;
-  rank.units.push_back(u);
+  unit.rank = r;
+  unit.placement = static_cast<int>(placements_.size());
+  placements_.push_back(u);
+  unit.prev = rank.tail;
+  unit.next = -1;
+  if (rank.tail >= 0) {
+    units_[rank.tail].next = u;
+  } else {
+    rank.head = u;
+  }
+  rank.tail = u;
+  ++rank.units;
   Updated(r);
 }
 
 void Placer::Remove(int u, int r) {
   RankState& rank = ranks_[r];
-  const Unit& unit = units_[u];
-  for (int i : unit.members) {
-    rank.free[micro_batch_of_[i]] += batch_[i].length;
-    micro_batch_of_[i] = -1;
+  Unit& unit = units_[u];
+  int64_t* free = Free(r);
+  for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
+    Member& member = members_[k];
+    free[member.slot] += member.length;
+    --placed_[static_cast<size_t>(r) * micro_batches_ + member.slot];
+    member.slot = -1;
   }
   rank.load -= unit.cost;
   rank.rigid -= unit.rigid;
-  if (rank.units.size() == 1) rank.load = rank.rigid = 0.0;  // no drift from +/- rounding
-  rank.units.erase(std::find(rank.units.begin(), rank.units.end(), u));
+  if (rank.units == 1) rank.load = rank.rigid = 0.0;  // no drift from +/- rounding
+  (unit.prev >= 0 ? units_[unit.prev].next : rank.head) = unit.next;
+  (unit.next >= 0 ? units_[unit.next].prev : rank.tail) = unit.prev;
+  unit.rank = unit.placement = unit.prev = unit.next = -1;
+  --rank.units;
   Updated(r);
 }
 
 void Placer::Updated(int r) {
-  least_loaded_.Update(r, Time(r));
-  most_loaded_.Update(r, Time(r));
-  max_free_[r] = *std::max_element(ranks_[r].free.begin(), ranks_[r].free.end());
+  if (balancing_) least_loaded_.Update(r, Time(r));
+  const int64_t* free = Free(r);
+  ranks_[r].max_free = *std::max_element(free, free + micro_batches_);
 }
 
 absl::Status Placer::Overflow(int u, std::vector<int>* deferred) const {
+  const Unit& unit = units_[u];
   if (config_.overflow == OverflowPolicy::kDefer) {
-    for (int i : units_[u].members) deferred->push_back(i);
+    for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
+      deferred->push_back(members_[k].index);
+    }
     return absl::OkStatus();
   }
-  const int i = units_[u].members.front();
+  const int i = members_[unit.begin].index;
   int64_t total = 0;
   for (const Sample& s : batch_) total += s.length;
   return absl::InvalidArgumentError(absl::StrCat(
       "samples[", i, "] (id ", batch_[i].id, ", ", batch_[i].length, " tokens",
-      units_[u].members.size() > 1 ? absl::StrCat(", group ", batch_[i].group) : "",
+      unit.size > 1 ? absl::StrCat(", group ", batch_[i].group) : "",
       ") does not fit: ranks x micro_batches x micro_batch_capacity = ", config_.ranks, " x ",
-      config_.micro_batches, " x ", config_.micro_batch_capacity, " tokens for a batch of ",
-      total, " tokens; raise micro_batches or micro_batch_capacity, or use overflow policy "
+      config_.micro_batches, " x ", config_.micro_batch_capacity, " tokens for a batch of ", total,
+      " tokens; raise micro_batches or micro_batch_capacity, or use overflow policy "
       "defer"));
 }
 
 absl::StatusOr<Assignment> Placer::Sequential() {
-  std::vector<int> order(units_.size());
-  for (size_t u = 0; u < units_.size(); ++u) order[u] = static_cast<int>(u);
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return units_[a].first < units_[b].first; });
   std::vector<int> cursor(config_.ranks, 0);
   std::vector<int> deferred;
   std::vector<int> slots;
   const int64_t n = static_cast<int64_t>(batch_.size());
-  for (int u : order) {
+  // Units come in arrival order (BuildUnits).
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
+    const Unit& unit = units_[u];
     // Contiguous chunks of equal sample count: rank of the unit's first sample.
-    const int home = static_cast<int>(static_cast<int64_t>(units_[u].first) * config_.ranks / n);
+    const int home = static_cast<int>(static_cast<int64_t>(unit.first) * config_.ranks / n);
+    // FitInOrder fails without moving the cursor when the first member in arrival order fits
+    // in no micro-batch: skip such ranks cheaply (they are many when the batch overflows).
+    const int64_t first_length = batch_[unit.first].length;
     bool placed = false;
     for (int k = 0; k < config_.ranks && !placed; ++k) {
       const int r = (home + k) % config_.ranks;
-      if (FitInOrder(units_[u], ranks_[r].free, &cursor[r], &slots)) {
+      if (ranks_[r].max_free >= first_length && FitInOrder(unit, Free(r), &cursor[r], &slots)) {
         Place(u, r, slots);
         placed = true;
       }
@@ -276,38 +581,21 @@ absl::StatusOr<Assignment> Placer::Sequential() {
       if (!status.ok()) return status;
     }
   }
+  std::sort(deferred.begin(), deferred.end());
   return Collect(std::move(deferred));
 }
 
 absl::StatusOr<Assignment> Placer::Balanced() {
-  // Largest first; ties in arrival order (first indices are unique, so the order is total).
-  // The keys carry what the candidate search reads, so that it does not chase each unit.
-  struct Key {
-    double cost;
-    int first;
-    int unit;
-    int64_t longest;
-    bool single;
-  };
-  std::vector<Key> keys(units_.size());
-  for (size_t u = 0; u < units_.size(); ++u) {
-    const Unit& unit = units_[u];
-    keys[u] = {unit.cost, unit.first, static_cast<int>(u), unit.longest,
-               unit.members.size() == 1};
-  }
-  std::sort(keys.begin(), keys.end(), [](const Key& a, const Key& b) {
-    return a.cost != b.cost ? a.cost > b.cost : a.first < b.first;
-  });
+  balancing_ = true;
+  least_loaded_.Reset(config_.ranks);
   std::vector<int> deferred;
-  std::vector<int> slots;
   std::vector<int> candidates;
-  for (const Key& key : keys) {
-    const int u = key.unit;
+  // Units come largest first (BuildUnits).
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
     const Unit& unit = units_[u];
     candidates.clear();
     least_loaded_.VisitInOrder([&](int r) {
-      if (max_free_[r] >= key.longest &&
-          (key.single || FitWorst(unit, ranks_[r].free, nullptr))) {
+      if (ranks_[r].max_free >= unit.longest && (unit.size == 1 || FitsWorst(unit, Free(r)))) {
         candidates.push_back(r);
       }
       return static_cast<int>(candidates.size()) < kCandidates;
@@ -319,23 +607,24 @@ absl::StatusOr<Assignment> Placer::Balanced() {
     }
     double best_time = 0.0;
     for (size_t k = 0; k < candidates.size(); ++k) {
-      const int r = candidates[k];
-      const double t = speed_[r] * (ranks_[r].load + key.cost);
+      const RankState& rank = ranks_[candidates[k]];
+      const double t = rank.speed * (rank.load + unit.cost);
       if (k == 0 || t < best_time) best_time = t;
     }
     int chosen = -1;
+    double chosen_time = 0.0;
     for (int r : candidates) {
-      const double t = speed_[r] * (ranks_[r].load + unit.cost);
+      const RankState& rank = ranks_[r];
+      const double t = rank.speed * (rank.load + unit.cost);
       if (t > best_time * (1.0 + kTieShare)) continue;
-      if (chosen < 0 || ranks_[r].rigid < ranks_[chosen].rigid ||
-          (ranks_[r].rigid == ranks_[chosen].rigid &&
-           (t < speed_[chosen] * (ranks_[chosen].load + unit.cost) ||
-            (t == speed_[chosen] * (ranks_[chosen].load + unit.cost) && r < chosen)))) {
+      if (chosen < 0 || rank.rigid < ranks_[chosen].rigid ||
+          (rank.rigid == ranks_[chosen].rigid &&
+           (t < chosen_time || (t == chosen_time && r < chosen)))) {
         chosen = r;
+        chosen_time = t;
       }
     }
-    FitWorst(unit, ranks_[chosen].free, &slots);
-    Place(u, chosen, slots);
+    PlaceWorst(u, chosen);
   }
   ImproveMaxRank();
   std::sort(deferred.begin(), deferred.end());
@@ -346,19 +635,21 @@ bool Placer::FitsAfterSwap(int u, int v, int r) const {
   // Would unit u fit on rank r once unit v has left it?
   const Unit& unit = units_[u];
   const Unit& leaving = units_[v];
-  if (unit.members.size() == 1 && leaving.members.size() == 1) {
-    const int64_t length = batch_[unit.members.front()].length;
-    const int freed = micro_batch_of_[leaving.members.front()];
-    const std::vector<int64_t>& free = ranks_[r].free;
-    for (int m = 0; m < config_.micro_batches; ++m) {
-      const int64_t room = free[m] + (m == freed ? batch_[leaving.members.front()].length : 0);
+  const int64_t* free = Free(r);
+  if (unit.size == 1 && leaving.size == 1) {
+    const int64_t length = members_[unit.begin].length;
+    const Member& freed = members_[leaving.begin];
+    for (int m = 0; m < micro_batches_; ++m) {
+      const int64_t room = free[m] + (m == freed.slot ? freed.length : 0);
       if (room >= length) return true;
     }
     return false;
   }
-  std::vector<int64_t> free = ranks_[r].free;
-  for (int i : leaving.members) free[micro_batch_of_[i]] += batch_[i].length;
-  return FitWorst(unit, free, nullptr);
+  swap_free_.assign(free, free + micro_batches_);
+  for (int k = leaving.begin; k < leaving.begin + leaving.size; ++k) {
+    swap_free_[members_[k].slot] += members_[k].length;
+  }
+  return FitsWorst(unit, swap_free_.data());
 }
 
 void Placer::ImproveMaxRank() {
@@ -367,30 +658,44 @@ void Placer::ImproveMaxRank() {
   double total = 0.0;
   double largest = 0.0;
   double inverse_speed = 0.0;
-  double min_speed = speed_[0];
+  double min_speed = ranks_[0].speed;
   for (const Unit& unit : units_) largest = std::max(largest, unit.cost);
-  for (int r = 0; r < config_.ranks; ++r) {
-    total += ranks_[r].load;
-    inverse_speed += 1.0 / speed_[r];
-    min_speed = std::min(min_speed, speed_[r]);
+  for (const RankState& rank : ranks_) {
+    total += rank.load;
+    inverse_speed += 1.0 / rank.speed;
+    min_speed = std::min(min_speed, rank.speed);
   }
   const double bound = std::max(total / inverse_speed, largest * min_speed);
   const int limit = 4 * config_.ranks + 64;
+  // Only this search reads the most loaded rank: each move below changes hi and lo alone.
+  most_loaded_.Reset(config_.ranks);
+  for (int r = 0; r < config_.ranks; ++r) most_loaded_.Update(r, Time(r));
+  // Ties between candidates, and between units of equal cost, are broken in arrival order
+  // (Unit::first; -1 for no unit), whatever order the units were placed in.
   struct Candidate {
     double time;  // resulting max(time of hi, time of lo)
-    int u;        // unit leaving hi
-    int v;        // unit leaving lo, -1 for a move
+    int u_first;  // arrival order of u and v
+    int v_first;
+    int u;  // unit leaving hi
+    int v;  // unit leaving lo, -1 for a move
+  };
+  struct LoUnit {
+    double cost;
+    int first;
+    int unit;
+  };
+  const auto lo_before = [](const LoUnit& a, const LoUnit& b) {
+    return a.cost != b.cost ? a.cost < b.cost : a.first < b.first;
   };
   std::vector<Candidate> candidates;
-  std::vector<std::pair<double, int>> lo_units;  // (cost, unit) of the idle rank, ascending
-  std::vector<int> slots;
+  std::vector<LoUnit> lo_units;  // the idle rank's, by (cost, first)
   for (int iter = 0; iter < limit; ++iter) {
     const int hi = most_loaded_.First();
     const int lo = least_loaded_.First();
     const double current = Time(hi);
     if (hi == lo || current <= bound * (1.0 + 1e-6)) return;
-    const double h_hi = speed_[hi];
-    const double h_lo = speed_[lo];
+    const double h_hi = ranks_[hi].speed;
+    const double h_lo = ranks_[lo].speed;
     const double load_hi = ranks_[hi].load;
     const double load_lo = ranks_[lo].load;
     // Moving cost d from hi to lo gives max(h_hi (load_hi - d), h_lo (load_lo + d)), lowest
@@ -402,35 +707,40 @@ void Placer::ImproveMaxRank() {
     const double improving = current * (1.0 - 1e-9);
     candidates.clear();
     lo_units.clear();
-    for (int v : ranks_[lo].units) lo_units.push_back({units_[v].cost, v});
-    std::sort(lo_units.begin(), lo_units.end());
-    for (int u : ranks_[hi].units) {
+    for (int v = ranks_[lo].head; v >= 0; v = units_[v].next) {
+      lo_units.push_back({units_[v].cost, units_[v].first, v});
+    }
+    std::sort(lo_units.begin(), lo_units.end(), lo_before);
+    for (int u = ranks_[hi].head; u >= 0; u = units_[u].next) {
       const double c = units_[u].cost;
-      if (const double t = time_after(c); t < improving) candidates.push_back({t, u, -1});
+      const int u_first = units_[u].first;
+      if (const double t = time_after(c); t < improving) {
+        candidates.push_back({t, u_first, -1, u, -1});
+      }
       // Swap partners with cost near c - d*: the neighbours of that point in lo's list.
-      auto it = std::lower_bound(lo_units.begin(), lo_units.end(),
-                                 std::make_pair(c - ideal, -1));
+      auto it =
+          std::lower_bound(lo_units.begin(), lo_units.end(), LoUnit{c - ideal, -1, -1}, lo_before);
       for (int k = 0; k < 2; ++k) {
         if (k == 1) {
           if (it == lo_units.begin()) break;
           --it;
         }
         if (it == lo_units.end()) continue;
-        const double d = c - it->first;
+        const double d = c - it->cost;
         if (d <= 0) continue;
         if (const double t = time_after(d); t < improving) {
-          candidates.push_back({t, u, it->second});
+          candidates.push_back({t, u_first, it->first, u, it->unit});
         }
       }
     }
     std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
       if (a.time != b.time) return a.time < b.time;
-      if (a.u != b.u) return a.u < b.u;
-      return a.v < b.v;
+      if (a.u_first != b.u_first) return a.u_first < b.u_first;
+      return a.v_first < b.v_first;
     });
     const Candidate* chosen = nullptr;
     for (const Candidate& c : candidates) {
-      const bool fits = c.v < 0 ? FitWorst(units_[c.u], ranks_[lo].free, nullptr)
+      const bool fits = c.v < 0 ? FitsWorst(units_[c.u], Free(lo))
                                 : FitsAfterSwap(c.u, c.v, lo) && FitsAfterSwap(c.v, c.u, hi);
       if (fits) {
         chosen = &c;
@@ -443,11 +753,11 @@ void Placer::ImproveMaxRank() {
     Remove(u, hi);
     if (v >= 0) {
       Remove(v, lo);
-      FitWorst(units_[v], ranks_[hi].free, &slots);
-      Place(v, hi, slots);
+      PlaceWorst(v, hi);
     }
-    FitWorst(units_[u], ranks_[lo].free, &slots);
-    Place(u, lo, slots);
+    PlaceWorst(u, lo);
+    most_loaded_.Update(hi, Time(hi));
+    most_loaded_.Update(lo, Time(lo));
   }
 }
 
@@ -455,9 +765,21 @@ Assignment Placer::Collect(std::vector<int> deferred) const {
   Assignment out;
   out.ranks.resize(config_.ranks);
   for (int r = 0; r < config_.ranks; ++r) {
-    out.ranks[r].resize(config_.micro_batches);
-    for (int u : ranks_[r].units) {
-      for (int i : units_[u].members) out.ranks[r][micro_batch_of_[i]].push_back(i);
+    std::vector<std::vector<int>>& rank = out.ranks[r];
+    rank.resize(micro_batches_);
+    for (int m = 0; m < micro_batches_; ++m) {
+      rank[m].reserve(placed_[static_cast<size_t>(r) * micro_batches_ + m]);
+    }
+  }
+  // In placement order, which is each rank's order of its units (a moved unit last on its new
+  // rank): a pass over the placements rather than a walk of each rank's list, whose every
+  // step waits for the previous one.
+  for (int p = 0; p < static_cast<int>(placements_.size()); ++p) {
+    const Unit& unit = units_[placements_[p]];
+    if (unit.placement != p) continue;
+    std::vector<std::vector<int>>& rank = out.ranks[unit.rank];
+    for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
+      rank[members_[k].slot].push_back(members_[k].index);
     }
   }
   out.deferred = std::move(deferred);
@@ -470,47 +792,16 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities) {
   const Policy policy = config.policy;
+  const bool sequential = policy == Policy::kSequential || policy == Policy::kDst;
   std::vector<double> speed(config.ranks, 1.0);
   if (policy == Policy::kSab || policy == Policy::kSparseBalance) {
     for (int r = 0; r < config.ranks && r < model.ranks(); ++r) speed[r] = model.speed_factor(r);
   }
-  // Units: groups (keyed by group id, ordered by first appearance) and single samples.
-  std::vector<Unit> units;
-  std::map<uint64_t, int> unit_of_group;
-  for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
-    const Sample& s = batch[i];
-    int u;
-    if (s.group != 0) {
-      auto [it, inserted] = unit_of_group.emplace(s.group, static_cast<int>(units.size()));
-      if (inserted) units.push_back(Unit{{}, 0.0, 0.0, i, 0});
-      u = it->second;
-    } else {
-      u = static_cast<int>(units.size());
-      units.push_back(Unit{{}, 0.0, 0.0, i, 0});
-    }
-    double cost = 0.0;
-    switch (policy) {
-      case Policy::kTokens:
-        cost = static_cast<double>(s.length);
-        break;
-      case Policy::kFlops:
-        cost = model.SampleSeconds(s, 1.0);
-        break;
-      default:
-        cost = model.SampleSeconds(s, densities[i]);
-        break;
-    }
-    units[u].members.push_back(i);
-    units[u].cost += cost;
-    if (DensityFloor(s.sensitivity, config) >= densities[i]) units[u].rigid += cost;
-  }
-  for (Unit& unit : units) {
-    std::stable_sort(unit.members.begin(), unit.members.end(),
-                     [&](int a, int b) { return batch[a].length > batch[b].length; });
-    unit.longest = batch[unit.members.front()].length;
-  }
-  Placer placer(batch, config, std::move(units), std::move(speed));
-  if (policy == Policy::kSequential || policy == Policy::kDst) return placer.Sequential();
+  // Per thread: no sharing between concurrent calls (see Workspace).
+  thread_local Workspace workspace;
+  BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, &workspace);
+  Placer placer(batch, config, speed, &workspace);
+  if (sequential) return placer.Sequential();
   return placer.Balanced();
 }
 

@@ -47,16 +47,44 @@ struct Item {
   int doc_end = 0;
 };
 
+// A rank's items: a range of the tuner's flat item array.
+class ItemRange {
+ public:
+  ItemRange() = default;
+  ItemRange(const Item* begin, const Item* end) : begin_(begin), end_(end) {}
+  const Item* begin() const { return begin_; }
+  const Item* end() const { return end_; }
+  size_t size() const { return static_cast<size_t>(end_ - begin_); }
+  bool empty() const { return begin_ == end_; }
+  const Item& operator[](size_t k) const { return begin_[k]; }
+
+ private:
+  const Item* begin_ = nullptr;
+  const Item* end_ = nullptr;
+};
+
 struct RankWork {
   double speed = 1.0;
   double fixed = 0.0;  // seconds (speed excluded) that do not depend on density
+  ItemRange items;
+};
+
+// The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
+// tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
+// it uses, so nothing carries over but capacity.
+struct TunerStorage {
   std::vector<Item> items;
+  std::vector<int64_t> docs;  // query blocks per document
+  bool in_use = false;
 };
 
 class Tuner {
  public:
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
         const LatencyModel& model, const std::vector<double>& base);
+  ~Tuner() { storage_->in_use = false; }
+  Tuner(const Tuner&) = delete;
+  Tuner& operator=(const Tuner&) = delete;
 
   // Densities for the target makespan `target` (seconds), given each rank's time at base
   // (`at_base`, blocks counted exactly). With `cut` false no rank is lowered.
@@ -95,14 +123,33 @@ class Tuner {
   double anchors_ = 0.0;
   double log_max_ = 0.0;       // log(1 - density_max)
   double noise_margin_ = 0.0;  // share of the target that raised ranks leave free
-  std::vector<int64_t> docs_;  // query blocks per document
   std::vector<RankWork> ranks_;
+  // Items and documents live in a per-thread TunerStorage when it is free (the usual case),
+  // else in `own_`; `storage_` points at the one in use.
+  TunerStorage own_;
+  TunerStorage* storage_ = nullptr;
+  std::vector<int64_t>& docs_;
 };
+
+TunerStorage& SharedStorage() {
+  thread_local TunerStorage storage;
+  return storage;
+}
 
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
              const PlannerConfig& config, const LatencyModel& model,
              const std::vector<double>& base)
-    : batch_(batch), config_(config), base_(base) {
+    : batch_(batch),
+      config_(config),
+      base_(base),
+      storage_(SharedStorage().in_use ? &own_ : &SharedStorage()),
+      docs_(storage_->docs) {
+  storage_->in_use = true;
+  std::vector<Item>& items = storage_->items;
+  items.clear();
+  docs_.clear();
+  items.reserve(batch.size());
+  docs_.reserve(batch.size());
   const CostCoefficients coef = model.coefficients();
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
@@ -110,11 +157,10 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   log_max_ = DetLog(1.0 - std::min(config.density_max, kAlmostDense));
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
+  std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankWork& rank = ranks_[r];
-    size_t members = 0;
-    for (const std::vector<int>& micro_batch : assignment.ranks[r]) members += micro_batch.size();
-    rank.items.reserve(members);
+    first_item[r] = items.size();
     rank.speed =
         r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
@@ -147,9 +193,13 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         rank.fixed += coef.per_token * item.weight + coef.per_sample * docs;
         const double price = per_block_ * triangle;  // seconds per unit of density, about
         item.offset = DetLog(std::max(price, 1e-300) / (item.weight * (item.g_minus_1 + 1.0)));
-        rank.items.push_back(item);
+        items.push_back(item);
       }
     }
+  }
+  first_item.back() = items.size();
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    ranks_[r].items = ItemRange(items.data() + first_item[r], items.data() + first_item[r + 1]);
   }
 }
 
