@@ -297,6 +297,8 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     x_min = k == 0 ? b.x_hi : std::min(x_min, b.x_hi);
     x_max = k == 0 ? b.x_lo : std::max(x_max, b.x_lo);
   }
+  // The density of item k at multiplier e^x: stationarity of
+  // weight * recall(rho) - e^x * price * rho gives (1 - rho)^(g-1) = e^(x + offset).
   auto density_at = [&](size_t k, double x) {
     const Bounds& b = bounds[k];
     if (x <= b.x_hi) return b.hi;
