@@ -1,0 +1,247 @@
+#include "proto/wire.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "planner/planner.h"
+
+namespace sparsebalance {
+namespace {
+
+absl::Status ConfigError(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("config.", field, ": ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireLimits& limits) {
+  JobSettings out;
+  PlannerConfig& c = out.planner;
+  if (in.world_size() > limits.max_world_size) {
+    return absl::ResourceExhaustedError(absl::StrCat("config.world_size: ", in.world_size(),
+                                                     " ranks is above this planner's limit of ",
+                                                     limits.max_world_size));
+  }
+  if (in.world_size() < 1) {
+    return ConfigError("world_size", absl::StrCat(in.world_size(), "; need at least one rank"));
+  }
+  if (in.micro_batches() < 0) {
+    return ConfigError("micro_batches", absl::StrCat(in.micro_batches(), "; need >= 1 (0: 1)"));
+  }
+  if (in.micro_batch_capacity() < 0) {
+    return ConfigError("micro_batch_capacity",
+                       absl::StrCat(in.micro_batch_capacity(), " tokens; need >= 1 (0: 131072)"));
+  }
+  c.ranks = in.world_size();
+  c.micro_batches = in.micro_batches() == 0 ? 1 : in.micro_batches();
+  c.micro_batch_capacity = in.micro_batch_capacity() == 0 ? 131072 : in.micro_batch_capacity();
+  const v1::ModelShape& s = in.shape();
+  if (s.layers() != 0) c.shape.layers = s.layers();
+  if (s.heads() != 0) c.shape.heads = s.heads();
+  if (s.head_dim() != 0) c.shape.head_dim = s.head_dim();
+  if (s.block_size() != 0) c.shape.block_size = s.block_size();
+  if (in.has_shape()) c.shape.local_blocks = s.local_blocks();
+  if (in.density_min() != 0) c.density_min = in.density_min();
+  if (in.density_max() != 0) c.density_max = in.density_max();
+  if (in.density_default() != 0) c.density_default = in.density_default();
+  switch (in.policy()) {
+    case v1::POLICY_UNSPECIFIED:
+    case v1::POLICY_SPARSEBALANCE:
+      c.policy = Policy::kSparseBalance;
+      break;
+    case v1::POLICY_SEQUENTIAL:
+      c.policy = Policy::kSequential;
+      break;
+    case v1::POLICY_TOKENS:
+      c.policy = Policy::kTokens;
+      break;
+    case v1::POLICY_FLOPS:
+      c.policy = Policy::kFlops;
+      break;
+    case v1::POLICY_SAB:
+      c.policy = Policy::kSab;
+      break;
+    case v1::POLICY_DST:
+      c.policy = Policy::kDst;
+      break;
+    default:
+      return ConfigError("policy", absl::StrCat("unknown value ", in.policy()));
+  }
+  switch (in.dst_mode()) {
+    case v1::DST_MODE_UNSPECIFIED:
+    case v1::DST_MODE_MEAN:
+      c.dst_mode = DstMode::kMean;
+      break;
+    case v1::DST_MODE_MIN:
+      c.dst_mode = DstMode::kMin;
+      break;
+    case v1::DST_MODE_MAX:
+      c.dst_mode = DstMode::kMax;
+      break;
+    case v1::DST_MODE_QUANTILE:
+      c.dst_mode = DstMode::kQuantile;
+      break;
+    default:
+      return ConfigError("dst_mode", absl::StrCat("unknown value ", in.dst_mode()));
+  }
+  c.dst_quantile = in.dst_quantile();
+  switch (in.overflow()) {
+    case v1::OVERFLOW_POLICY_UNSPECIFIED:
+    case v1::OVERFLOW_POLICY_ERROR:
+      c.overflow = OverflowPolicy::kError;
+      break;
+    case v1::OVERFLOW_POLICY_DEFER:
+      c.overflow = OverflowPolicy::kDefer;
+      break;
+    default:
+      return ConfigError("overflow", absl::StrCat("unknown value ", in.overflow()));
+  }
+  if (in.history_steps() < 0 || in.history_steps() > limits.max_history_steps) {
+    return ConfigError("history_steps", absl::StrCat(in.history_steps(), " is outside [0, ",
+                                                     limits.max_history_steps, "]"));
+  }
+  out.history_steps = in.history_steps() == 0 ? kDefaultHistorySteps : in.history_steps();
+  if (absl::Status status = ValidateConfig(c); !status.ok()) return status;
+  return out;
+}
+
+v1::Policy PolicyToProto(Policy policy) {
+  switch (policy) {
+    case Policy::kSequential:
+      return v1::POLICY_SEQUENTIAL;
+    case Policy::kTokens:
+      return v1::POLICY_TOKENS;
+    case Policy::kFlops:
+      return v1::POLICY_FLOPS;
+    case Policy::kSab:
+      return v1::POLICY_SAB;
+    case Policy::kDst:
+      return v1::POLICY_DST;
+    case Policy::kSparseBalance:
+      return v1::POLICY_SPARSEBALANCE;
+  }
+  return v1::POLICY_UNSPECIFIED;
+}
+
+v1::DstMode DstModeToProto(DstMode mode) {
+  switch (mode) {
+    case DstMode::kMin:
+      return v1::DST_MODE_MIN;
+    case DstMode::kMean:
+      return v1::DST_MODE_MEAN;
+    case DstMode::kMax:
+      return v1::DST_MODE_MAX;
+    case DstMode::kQuantile:
+      return v1::DST_MODE_QUANTILE;
+  }
+  return v1::DST_MODE_UNSPECIFIED;
+}
+
+v1::OverflowPolicy OverflowToProto(OverflowPolicy policy) {
+  return policy == OverflowPolicy::kDefer ? v1::OVERFLOW_POLICY_DEFER : v1::OVERFLOW_POLICY_ERROR;
+}
+
+v1::JobConfig ConfigToProto(const JobSettings& settings) {
+  const PlannerConfig& c = settings.planner;
+  v1::JobConfig out;
+  out.set_world_size(c.ranks);
+  out.set_micro_batches(c.micro_batches);
+  out.set_micro_batch_capacity(c.micro_batch_capacity);
+  v1::ModelShape* s = out.mutable_shape();
+  s->set_layers(c.shape.layers);
+  s->set_heads(c.shape.heads);
+  s->set_head_dim(c.shape.head_dim);
+  s->set_block_size(c.shape.block_size);
+  s->set_local_blocks(c.shape.local_blocks);
+  out.set_density_min(c.density_min);
+  out.set_density_max(c.density_max);
+  out.set_density_default(c.density_default);
+  out.set_policy(PolicyToProto(c.policy));
+  out.set_dst_mode(DstModeToProto(c.dst_mode));
+  out.set_dst_quantile(c.dst_quantile);
+  out.set_overflow(OverflowToProto(c.overflow));
+  out.set_history_steps(settings.history_steps);
+  return out;
+}
+
+absl::StatusOr<std::vector<Sample>> SamplesFromProto(
+    const google::protobuf::RepeatedPtrField<v1::Sample>& samples, const PlannerConfig& config,
+    const WireLimits& limits) {
+  if (samples.size() > limits.max_samples) {
+    return absl::ResourceExhaustedError(absl::StrCat("samples: ", samples.size(),
+                                                     " samples is above this planner's limit of ",
+                                                     limits.max_samples, " per batch"));
+  }
+  std::vector<Sample> out;
+  out.reserve(samples.size());
+  for (int i = 0; i < samples.size(); ++i) {
+    const v1::Sample& in = samples[i];
+    if (in.segments_size() > limits.max_segments) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("samples[", i, "].segments: ", in.segments_size(),
+                       " segments is above this planner's limit of ", limits.max_segments));
+    }
+    Sample s;
+    s.id = in.id();
+    s.length = in.length();
+    s.sensitivity = in.has_sensitivity() ? in.sensitivity() : 0.0;
+    s.group = in.group();
+    s.segments.assign(in.segments().begin(), in.segments().end());
+    out.push_back(std::move(s));
+  }
+  if (absl::Status status = ValidateBatch(out, config); !status.ok()) return status;
+  return out;
+}
+
+void SampleToProto(const Sample& sample, v1::Sample* out) {
+  out->set_id(sample.id);
+  out->set_length(sample.length);
+  out->set_sensitivity(sample.sensitivity);
+  out->set_group(sample.group);
+  out->mutable_segments()->Assign(sample.segments.begin(), sample.segments.end());
+}
+
+v1::PlanFigures FiguresToProto(const StepPlan& plan) {
+  v1::PlanFigures out;
+  out.set_makespan_seconds(plan.makespan_seconds);
+  out.set_lower_bound_seconds(plan.lower_bound_seconds);
+  out.set_gap(plan.gap);
+  out.set_imbalance_ratio(plan.imbalance_ratio);
+  out.set_bubble_ratio(plan.bubble_ratio);
+  out.set_mean_density(plan.mean_density);
+  out.set_predicted_recall(plan.predicted_recall);
+  return out;
+}
+
+v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
+  v1::RankPlan out;
+  out.set_step(step);
+  out.set_rank(rank);
+  out.set_policy(PolicyToProto(plan.policy));
+  const RankPlan& r = plan.ranks[rank];
+  for (const MicroBatchPlan& mb : r.micro_batches) {
+    v1::MicroBatch* m = out.add_micro_batches();
+    m->mutable_sample_ids()->Assign(mb.sample_ids.begin(), mb.sample_ids.end());
+    m->mutable_densities()->Assign(mb.densities.begin(), mb.densities.end());
+    m->set_default_density(mb.default_density);
+    m->set_tokens(mb.tokens);
+    m->set_predicted_seconds(mb.predicted_seconds);
+  }
+  out.set_predicted_seconds(r.predicted_seconds);
+  *out.mutable_figures() = FiguresToProto(plan);
+  return out;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbers.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+}  // namespace sparsebalance

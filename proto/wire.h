@@ -1,0 +1,68 @@
+// Translation between the wire contract (planner.proto) and the planner's own types, shared by
+// sb-planner and the client: defaults for zero values, validation whose messages name the
+// field and index, and the one absl::Status -> grpc::Status conversion.
+//
+//   absl::StatusOr<PlannerConfig> config = ConfigFromProto(request.config());
+//   absl::StatusOr<std::vector<Sample>> batch = SamplesFromProto(request.samples(), limits);
+//   *response.mutable_plan() = RankPlanToProto(plan, step, rank);
+#ifndef SPARSEBALANCE_PROTO_WIRE_H_
+#define SPARSEBALANCE_PROTO_WIRE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "grpcpp/support/status.h"
+#include "planner/types.h"
+#include "sparsebalance/planner/v1/planner.pb.h"
+
+namespace sparsebalance {
+
+namespace v1 = ::sparsebalance::planner::v1;
+
+// Defaults for JobConfig fields left at zero.
+inline constexpr int kDefaultHistorySteps = 64;
+
+// Limits on what one request may carry; each has its own RESOURCE_EXHAUSTED message.
+struct WireLimits {
+  int max_samples = 1 << 20;   // samples per SubmitBatch
+  int max_segments = 1 << 16;  // segments per sample
+  int max_world_size = 65536;  // ranks per job
+  int max_history_steps = 4096;
+};
+
+// A job config with its bounded history length (the planner's PlannerConfig has no history).
+struct JobSettings {
+  PlannerConfig planner;
+  int history_steps = kDefaultHistorySteps;
+};
+
+// Fills defaults for zero fields (shape 32x32x128, blocks of 64, 1 local block, densities
+// 0.05/1.0/0.3, sparsebalance, mean, error) and validates; messages name "config.<field>".
+absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& config, const WireLimits& limits);
+v1::JobConfig ConfigToProto(const JobSettings& settings);
+
+// Converts and checks every sample against the config (ValidateBatch): messages name
+// "samples[i].<field>".
+absl::StatusOr<std::vector<Sample>> SamplesFromProto(
+    const google::protobuf::RepeatedPtrField<v1::Sample>& samples, const PlannerConfig& config,
+    const WireLimits& limits);
+void SampleToProto(const Sample& sample, v1::Sample* out);
+
+v1::Policy PolicyToProto(Policy policy);
+v1::DstMode DstModeToProto(DstMode mode);
+v1::OverflowPolicy OverflowToProto(OverflowPolicy policy);
+
+v1::PlanFigures FiguresToProto(const StepPlan& plan);
+// One rank's part of a step plan.
+v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
+
+// The gRPC status for an absl::Status (same code and message); gRPC 1.51 has none.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+// And back, for the client.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PROTO_WIRE_H_
