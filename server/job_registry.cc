@@ -1,0 +1,410 @@
+#include "server/job_registry.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "planner/planner.h"
+#include "planner/profile_table.h"
+
+namespace sparsebalance {
+namespace {
+
+constexpr int kJobIdHexChars = 16;
+constexpr int kTokenHexChars = 64;  // 256 bits
+// The prior of a job created without a profile: a 7B-class model on one H100-class GPU
+// (seconds per active block, token, document and micro-batch for the whole model).
+constexpr CostCoefficients kDefaultPrior{1.7e-5, 1e-4, 2e-3, 0.05};
+
+absl::Status NotFound(const std::string& job_id) {
+  return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" does not exist"));
+}
+
+template <typename T>
+void Append(std::string* out, T value) {
+  char bytes[sizeof(T)];
+  std::memcpy(bytes, &value, sizeof(T));
+  out->append(bytes, sizeof(T));
+}
+
+bool Positive(double x) { return std::isfinite(x) && x > 0.0; }
+
+}  // namespace
+
+std::string BatchFingerprint(const std::vector<Sample>& batch) {
+  std::string out;
+  out.reserve(batch.size() * 40);
+  for (const Sample& s : batch) {
+    Append(&out, s.id);
+    Append(&out, s.length);
+    Append(&out, s.sensitivity);
+    Append(&out, s.group);
+    Append(&out, static_cast<uint64_t>(s.segments.size()));
+    for (int64_t segment : s.segments) Append(&out, segment);
+  }
+  return out;
+}
+
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  // The length of a token is not secret; its bytes are.
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
+  }
+  return diff == 0;
+}
+
+JobRegistry::JobRegistry(Options options, std::function<std::string(int)> random_hex)
+    : options_(std::move(options)), random_hex_(std::move(random_hex)) {}
+
+std::shared_ptr<JobRegistry::Job> JobRegistry::Find(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : it->second;
+}
+
+absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
+                                                  const JobSettings& settings,
+                                                  const std::string& profile) {
+  if (name.size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: ", name.size(), " characters; at most 64"));
+  }
+  if (absl::Status s = ValidateConfig(settings.planner); !s.ok()) return s;
+  CostCoefficients prior = kDefaultPrior;
+  if (!profile.empty()) {
+    absl::StatusOr<ProfileTable> table = ParseProfileTable(profile);
+    if (!table.ok())
+      return absl::InvalidArgumentError(absl::StrCat("profile: ", table.status().message()));
+    absl::StatusOr<CostCoefficients> fitted = FitProfile(*table, settings.planner.shape);
+    if (!fitted.ok())
+      return absl::InvalidArgumentError(absl::StrCat("profile: ", fitted.status().message()));
+    prior = *fitted;
+  }
+  auto job = std::make_shared<Job>(settings, prior);
+  job->name = name;
+  job->token = random_hex_(kTokenHexChars);
+  {
+    absl::MutexLock job_lock(&job->mu);
+    job->joined.assign(settings.planner.ranks, false);
+  }
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this planner holds ", jobs_.size(), " jobs, its limit; delete finished jobs first"));
+  }
+  std::string id;
+  do {
+    id = random_hex_(kJobIdHexChars);
+  } while (jobs_.count(id) > 0);
+  jobs_[id] = job;
+  return CreatedJob{id, job->token, settings};
+}
+
+absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string& token) const {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  if (token.empty()) {
+    return absl::UnauthenticatedError(
+        "no job token: send the token CreateJob returned as \"authorization: Bearer <token>\"");
+  }
+  if (!ConstantTimeEquals(token, job->token)) {
+    return absl::PermissionDeniedError(absl::StrCat("the token is not job ", job_id, "'s"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::string& job_id,
+                                                                     int rank) {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::MutexLock lock(&job->mu);
+  if (rank < 0 || rank >= job->settings.planner.ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank: ", rank, " is outside [0, ", job->settings.planner.ranks, ") of job ", job_id));
+  }
+  job->joined[rank] = true;
+  return std::make_pair(job->settings, job->next_step);
+}
+
+absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id, int64_t step,
+                                                      const std::vector<Sample>& batch) {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::MutexLock lock(&job->mu);
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is negative"));
+  if (step < job->next_step) {
+    auto it = job->history.find(step);
+    if (it == job->history.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", step, " was planned but is older than the ", job->settings.history_steps,
+          " steps kept; the next step is ", job->next_step));
+    }
+    if (it->second.batch_fingerprint != BatchFingerprint(batch)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("step ", step, " was planned with a different batch; submit step ",
+                       job->next_step, " next"));
+    }
+    return SubmitResult{step, it->second.plan.deferred_ids, it->second.plan, true};
+  }
+  if (step > job->next_step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, " is out of order: job ", job_id, " plans step ", job->next_step, " next"));
+  }
+  absl::StatusOr<StepPlan> plan = PlanStep(batch, job->settings.planner, job->model);
+  if (!plan.ok()) return plan.status();
+  StepRecord record;
+  record.batch_fingerprint = BatchFingerprint(batch);
+  record.batch = batch;
+  record.plan = *plan;
+  job->history[step] = std::move(record);
+  ++job->next_step;
+  while (static_cast<int>(job->history.size()) > job->settings.history_steps) {
+    job->history.erase(job->history.begin());
+  }
+  return SubmitResult{step, plan->deferred_ids, *std::move(plan), false};
+}
+
+absl::StatusOr<StepPlan> JobRegistry::GetPlan(const std::string& job_id, int64_t step, int rank,
+                                              bool* ready) const {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::MutexLock lock(&job->mu);
+  if (rank < 0 || rank >= job->settings.planner.ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", rank, " is outside [0, ", job->settings.planner.ranks, ")"));
+  }
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is negative"));
+  *ready = false;
+  if (step >= job->next_step) return StepPlan();
+  auto it = job->history.find(step);
+  if (it == job->history.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, " is older than the steps kept; the next step is ", job->next_step));
+  }
+  *ready = true;
+  return it->second.plan;
+}
+
+absl::StatusOr<bool> JobRegistry::ReportStep(
+    const std::string& job_id, int64_t step, int rank,
+    const std::vector<MicroBatchMeasurement>& micro_batches, double wait_seconds) {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::MutexLock lock(&job->mu);
+  const PlannerConfig& config = job->settings.planner;
+  if (rank < 0 || rank >= config.ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", rank, " is outside [0, ", config.ranks, ")"));
+  }
+  if (!job->joined[rank]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " has not joined job ", job_id, "; call JoinJob first"));
+  }
+  auto it = job->history.find(step);
+  if (it == job->history.end()) {
+    return absl::FailedPreconditionError(
+        step >= job->next_step
+            ? absl::StrCat("step ", step, " has not been planned; the next step is ",
+                           job->next_step)
+            : absl::StrCat("step ", step, " is older than the steps kept"));
+  }
+  StepRecord& record = it->second;
+  if (record.reports.count(rank) > 0) return true;  // a repeat changes nothing
+  if (!std::isfinite(wait_seconds) || wait_seconds < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("wait_seconds: ", wait_seconds, " is not a finite number >= 0"));
+  }
+  const std::vector<MicroBatchPlan>& planned = record.plan.ranks[rank].micro_batches;
+  std::vector<bool> seen(planned.size(), false);
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
+    const MicroBatchMeasurement& m = micro_batches[k];
+    const std::string where = absl::StrCat("micro_batches[", k, "]");
+    if (m.micro_batch < 0 || m.micro_batch >= static_cast<int>(planned.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+                                                     " is outside [0, ", planned.size(), ")"));
+    }
+    if (seen[m.micro_batch]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".micro_batch: ", m.micro_batch, " is reported twice"));
+    }
+    seen[m.micro_batch] = true;
+    if (planned[m.micro_batch].sample_ids.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+                                                     " was planned empty; do not report it"));
+    }
+    if (!Positive(m.compute_seconds)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".compute_seconds: ", m.compute_seconds,
+                                                     " is not a positive finite number"));
+    }
+    if (!std::isfinite(m.attention_seconds) || m.attention_seconds < 0 ||
+        m.attention_seconds > m.compute_seconds) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".attention_seconds: ", m.attention_seconds, " is not in [0, compute_seconds]"));
+    }
+    if (!(m.recall >= 0.0 && m.recall <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".recall: ", m.recall, " is outside [0, 1]"));
+    }
+    if (!(m.achieved_density >= 0.0 && m.achieved_density <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".achieved_density: ", m.achieved_density, " is outside [0, 1]"));
+    }
+    if (m.tokens != planned[m.micro_batch].tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
+    }
+  }
+  record.reports[rank] = micro_batches;
+  if (static_cast<int>(record.reports.size()) == config.ranks && !record.folded) {
+    if (absl::Status s = Fold(*job, record); !s.ok()) return s;
+  }
+  return false;
+}
+
+absl::Status JobRegistry::Fold(Job& job, StepRecord& record) {
+  std::map<uint64_t, const Sample*> by_id;
+  for (const Sample& s : record.batch) by_id[s.id] = &s;
+  std::vector<Observation> observations;
+  for (const auto& [rank, reports] : record.reports) {
+    for (const MicroBatchMeasurement& m : reports) {
+      const MicroBatchPlan& mb = record.plan.ranks[rank].micro_batches[m.micro_batch];
+      Observation o;
+      o.rank = rank;
+      o.micro_batch = m.micro_batch;
+      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
+        const MicroBatchFeatures f =
+            job.model.SampleFeatures(*by_id[mb.sample_ids[k]], mb.densities[k]);
+        o.features.active_blocks += f.active_blocks;
+        o.features.tokens += f.tokens;
+        o.features.documents += f.documents;
+      }
+      o.measured_seconds = m.compute_seconds;
+      observations.push_back(o);
+    }
+  }
+  record.folded = true;
+  return job.model.ObserveStep(std::move(observations));
+}
+
+absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,
+                                                            const std::string& profile) {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(profile);
+  if (!table.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("profile: ", table.status().message()));
+  }
+  absl::MutexLock lock(&job->mu);
+  absl::StatusOr<CostCoefficients> fitted = FitProfile(*table, job->settings.planner.shape);
+  if (!fitted.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("profile: ", fitted.status().message()));
+  }
+  // A new prior restarts learning; the speed factors stay (they are about the ranks).
+  const std::vector<double> speeds = job->model.speed_factors();
+  job->model = LatencyModel(job->settings.planner.shape, job->settings.planner.ranks, *fitted);
+  LatencyModelState state = job->model.state();
+  state.speed_factors = speeds;
+  job->model.set_state(state);
+  return *fitted;
+}
+
+absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_id,
+                                                         const JobSettings& update,
+                                                         const std::vector<std::string>& fields) {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::MutexLock lock(&job->mu);
+  JobSettings next = job->settings;
+  PlannerConfig& c = next.planner;
+  const PlannerConfig& u = update.planner;
+  if (fields.empty()) {
+    return absl::InvalidArgumentError("update_mask: names no field; e.g. \"policy\"");
+  }
+  for (const std::string& field : fields) {
+    if (field == "policy") {
+      c.policy = u.policy;
+    } else if (field == "dst_mode") {
+      c.dst_mode = u.dst_mode;
+    } else if (field == "dst_quantile") {
+      c.dst_quantile = u.dst_quantile;
+    } else if (field == "density_min") {
+      c.density_min = u.density_min;
+    } else if (field == "density_max") {
+      c.density_max = u.density_max;
+    } else if (field == "density_default") {
+      c.density_default = u.density_default;
+    } else if (field == "overflow") {
+      c.overflow = u.overflow;
+    } else if (field == "history_steps") {
+      if (update.history_steps < 1 || update.history_steps > options_.limits.max_history_steps) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config.history_steps: ", update.history_steps, " is outside [1, ",
+                         options_.limits.max_history_steps, "]"));
+      }
+      next.history_steps = update.history_steps;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("update_mask: \"", field,
+                       "\" cannot change at run time; changeable: policy, dst_mode, dst_quantile, "
+                       "density_min, density_max, density_default, overflow, history_steps"));
+    }
+  }
+  if (absl::Status s = ValidateConfig(c); !s.ok()) return s;
+  job->settings = next;
+  while (static_cast<int>(job->history.size()) > job->settings.history_steps) {
+    job->history.erase(job->history.begin());
+  }
+  return next;
+}
+
+JobView JobRegistry::View(const std::string& id, const Job& job) {
+  JobView v;
+  v.job_id = id;
+  v.name = job.name;
+  v.settings = job.settings;
+  v.next_step = job.next_step;
+  v.joined_ranks = static_cast<int>(std::count(job.joined.begin(), job.joined.end(), true));
+  if (!job.history.empty()) {
+    v.has_plan = true;
+    v.last_plan = job.history.rbegin()->second.plan;
+  }
+  v.speed_factors = job.model.speed_factors();
+  v.coefficients = job.model.coefficients();
+  return v;
+}
+
+absl::StatusOr<JobView> JobRegistry::GetJob(const std::string& job_id) const {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::ReaderMutexLock lock(&job->mu);
+  return View(job_id, *job);
+}
+
+std::vector<JobView> JobRegistry::ListJobs(const std::string& after, int limit) const {
+  std::vector<std::pair<std::string, std::shared_ptr<Job>>> page;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = jobs_.upper_bound(after);
+         it != jobs_.end() && static_cast<int>(page.size()) < limit; ++it) {
+      page.emplace_back(it->first, it->second);
+    }
+  }
+  std::vector<JobView> out;
+  for (const auto& [id, job] : page) {
+    absl::ReaderMutexLock lock(&job->mu);
+    out.push_back(View(id, *job));
+  }
+  return out;
+}
+
+absl::Status JobRegistry::DeleteJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  if (jobs_.erase(job_id) == 0) return NotFound(job_id);
+  return absl::OkStatus();
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,151 @@
+// Every job's state and the logic of every PlannerService call, without the network: the gRPC
+// adapters (server/) only translate requests to these methods and statuses back. Unit-tested
+// directly. Thread-safe: a registry lock for the job table and one lock per job.
+//
+//   JobRegistry registry(JobRegistry::Options{}, RandomHex);
+//   absl::StatusOr<CreatedJob> job = registry.CreateJob("demo", settings, /*profile=*/"");
+//   absl::StatusOr<SubmitResult> r = registry.SubmitBatch(job->job_id, 0, batch);
+//
+// Semantics (DESIGN.md section 6): steps are planned in order from 0; repeating the same batch
+// for a planned step returns the stored answer, a different one is ALREADY_EXISTS; a report
+// for a (step, rank) is accepted once and repeats are harmless; a step's reports are folded
+// into the latency model, in rank order, when the last rank has reported, so every replica and
+// every rank's local fallback learn the same model. Plans and reports of the last
+// `history_steps` steps are kept; older ones are dropped.
+#ifndef SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
+#define SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "planner/latency_model.h"
+#include "planner/types.h"
+#include "proto/wire.h"
+
+namespace sparsebalance {
+
+// One micro-batch as a rank measured it (MicroBatchReport on the wire).
+struct MicroBatchMeasurement {
+  int micro_batch = 0;
+  double compute_seconds = 0.0;    // forward + backward
+  double attention_seconds = 0.0;  // part of compute_seconds
+  int64_t tokens = 0;
+  double achieved_density = 0.0;
+  double recall = 0.0;
+};
+
+struct CreatedJob {
+  std::string job_id;
+  std::string job_token;
+  JobSettings settings;
+};
+
+struct SubmitResult {
+  int64_t step = 0;
+  std::vector<uint64_t> deferred_ids;
+  StepPlan plan;          // the whole step's plan
+  bool repeated = false;  // the step had been planned with this batch before
+};
+
+struct JobView {
+  std::string job_id;
+  std::string name;
+  JobSettings settings;
+  int64_t next_step = 0;
+  int joined_ranks = 0;
+  bool has_plan = false;
+  StepPlan last_plan;
+  std::vector<double> speed_factors;
+  CostCoefficients coefficients;
+};
+
+class JobRegistry {
+ public:
+  struct Options {
+    WireLimits limits;
+    int max_jobs = 1024;
+  };
+  // `random_hex(n)` returns n random hexadecimal characters (from a CSPRNG in production):
+  // job ids and tokens are drawn from it.
+  JobRegistry(Options options, std::function<std::string(int)> random_hex);
+
+  absl::StatusOr<CreatedJob> CreateJob(const std::string& name, const JobSettings& settings,
+                                       const std::string& profile);
+  // OK when `token` is the job's token (compared in constant time); UNAUTHENTICATED when it is
+  // empty, PERMISSION_DENIED when it is another; NOT_FOUND for an unknown job.
+  absl::Status Authorize(const std::string& job_id, const std::string& token) const;
+
+  // Marks `rank` joined; returns the settings and the next step to plan.
+  absl::StatusOr<std::pair<JobSettings, int64_t>> JoinJob(const std::string& job_id, int rank);
+  absl::StatusOr<SubmitResult> SubmitBatch(const std::string& job_id, int64_t step,
+                                           const std::vector<Sample>& batch);
+  // The plan of `step` with `*ready` true; for a step not planned yet, OK with `*ready` false
+  // (the service waits and asks again). FAILED_PRECONDITION for a step dropped from history.
+  absl::StatusOr<StepPlan> GetPlan(const std::string& job_id, int64_t step, int rank,
+                                   bool* ready) const;
+  // Accepts one rank's report for a planned step; returns true when it is a repeat (nothing
+  // changed). FAILED_PRECONDITION for a rank that has not joined or a step not planned.
+  absl::StatusOr<bool> ReportStep(const std::string& job_id, int64_t step, int rank,
+                                  const std::vector<MicroBatchMeasurement>& micro_batches,
+                                  double wait_seconds);
+  // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.
+  absl::StatusOr<CostCoefficients> UploadProfile(const std::string& job_id,
+                                                 const std::string& profile);
+  // Applies the fields named in `fields` ("policy", "dst_mode", "dst_quantile",
+  // "density_min", "density_max", "density_default", "overflow", "history_steps") from
+  // `update`; anything else, or an invalid result, is INVALID_ARGUMENT and changes nothing.
+  absl::StatusOr<JobSettings> UpdateJobConfig(const std::string& job_id, const JobSettings& update,
+                                              const std::vector<std::string>& fields);
+  absl::StatusOr<JobView> GetJob(const std::string& job_id) const;
+  // Jobs in id order after `after` (exclusive), at most `limit`.
+  std::vector<JobView> ListJobs(const std::string& after, int limit) const;
+  absl::Status DeleteJob(const std::string& job_id);
+
+ private:
+  struct StepRecord {
+    std::string batch_fingerprint;  // canonical bytes of the submitted batch
+    std::vector<Sample> batch;
+    StepPlan plan;
+    std::map<int, std::vector<MicroBatchMeasurement>> reports;  // by rank
+    bool folded = false;
+  };
+  struct Job {
+    explicit Job(const JobSettings& s, const CostCoefficients& prior)
+        : settings(s), model(s.planner.shape, s.planner.ranks, prior) {}
+    mutable absl::Mutex mu;
+    std::string name;
+    std::string token;
+    JobSettings settings ABSL_GUARDED_BY(mu);
+    LatencyModel model ABSL_GUARDED_BY(mu);
+    std::vector<bool> joined ABSL_GUARDED_BY(mu);
+    int64_t next_step ABSL_GUARDED_BY(mu) = 0;
+    std::map<int64_t, StepRecord> history ABSL_GUARDED_BY(mu);
+  };
+
+  std::shared_ptr<Job> Find(const std::string& job_id) const;
+  static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);
+  // Folds a step whose every rank has reported into the model (in rank order).
+  static absl::Status Fold(Job& job, StepRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+
+  const Options options_;
+  const std::function<std::string(int)> random_hex_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+};
+
+// Canonical bytes of a batch (ids, lengths, sensitivities, groups, segments): equal batches,
+// equal bytes.
+std::string BatchFingerprint(const std::vector<Sample>& batch);
+// Constant-time string comparison (for tokens).
+bool ConstantTimeEquals(const std::string& a, const std::string& b);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_SERVER_JOB_REGISTRY_H_

@@ -1,0 +1,304 @@
+#include "server/job_registry.h"
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+#include "planner/traces.h"
+
+namespace sparsebalance {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Deterministic "random" hex for tests: a counter, padded.
+std::function<std::string(int)> CountingHex() {
+  auto counter = std::make_shared<int>(0);
+  return [counter](int n) {
+    std::string s = absl::StrCat(++*counter);
+    return std::string(n - s.size(), 'a') + s;
+  };
+}
+
+JobSettings Settings(int ranks, int history = 8) {
+  JobSettings s;
+  s.planner.ranks = ranks;
+  s.planner.micro_batches = 2;
+  s.planner.micro_batch_capacity = 65536;
+  s.history_steps = history;
+  return s;
+}
+
+std::vector<Sample> Batch(uint64_t seed, int ranks) {
+  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", seed);
+  std::vector<Sample> batch;
+  int64_t total = 0;
+  while (true) {
+    Sample s = gen->Next();
+    if (s.length > 65536) continue;
+    if (total + s.length > int64_t{ranks} * 2 * 65536 * 7 / 10) break;
+    total += s.length;
+    batch.push_back(s);
+  }
+  return batch;
+}
+
+// Measured times for a rank's planned micro-batches: the plan's prediction times 1.1.
+std::vector<MicroBatchMeasurement> Measure(const StepPlan& plan, int rank) {
+  std::vector<MicroBatchMeasurement> out;
+  const std::vector<MicroBatchPlan>& mbs = plan.ranks[rank].micro_batches;
+  for (size_t m = 0; m < mbs.size(); ++m) {
+    if (mbs[m].sample_ids.empty()) continue;
+    MicroBatchMeasurement x;
+    x.micro_batch = static_cast<int>(m);
+    x.compute_seconds = 1.1 * mbs[m].predicted_seconds;
+    x.attention_seconds = 0.3 * x.compute_seconds;
+    x.tokens = mbs[m].tokens;
+    x.achieved_density = 0.3;
+    x.recall = 0.9;
+    out.push_back(x);
+  }
+  return out;
+}
+
+class JobRegistryTest : public ::testing::Test {
+ protected:
+  JobRegistryTest() : registry_(JobRegistry::Options{}, CountingHex()) {}
+  std::string Create(int ranks, int history = 8) {
+    absl::StatusOr<CreatedJob> job = registry_.CreateJob("test", Settings(ranks, history), "");
+    EXPECT_TRUE(job.ok()) << job.status();
+    tokens_[job->job_id] = job->job_token;
+    return job->job_id;
+  }
+  void JoinAll(const std::string& id, int ranks) {
+    for (int r = 0; r < ranks; ++r) ASSERT_TRUE(registry_.JoinJob(id, r).ok());
+  }
+  JobRegistry registry_;
+  std::map<std::string, std::string> tokens_;
+};
+
+TEST_F(JobRegistryTest, TokensAuthorizeTheirOwnJobOnly) {
+  const std::string a = Create(2);
+  const std::string b = Create(2);
+  EXPECT_TRUE(registry_.Authorize(a, tokens_[a]).ok());
+  EXPECT_EQ(registry_.Authorize(a, tokens_[b]).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry_.Authorize(a, "").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(registry_.Authorize("nope", tokens_[a]).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tokens_[a].size(), 64u);
+  EXPECT_NE(tokens_[a], tokens_[b]);
+}
+
+TEST_F(JobRegistryTest, ConstantTimeEqualsComparesWholeStrings) {
+  EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abd"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abcd"));
+  EXPECT_FALSE(ConstantTimeEquals("", "a"));
+}
+
+TEST_F(JobRegistryTest, StepsArePlannedInOrderAndRepeatsAreIdempotent) {
+  const std::string id = Create(4);
+  const std::vector<Sample> b0 = Batch(1, 4);
+  absl::StatusOr<SubmitResult> first = registry_.SubmitBatch(id, 0, b0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->repeated);
+  ASSERT_TRUE(CheckPlan(first->plan, b0, Settings(4).planner).ok());
+  // The same batch again: the same answer, nothing planned anew.
+  absl::StatusOr<SubmitResult> again = registry_.SubmitBatch(id, 0, b0);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->repeated);
+  EXPECT_EQ(CanonicalPlanText(again->plan), CanonicalPlanText(first->plan));
+  // A different batch for a planned step.
+  std::vector<Sample> other = b0;
+  other.pop_back();
+  EXPECT_EQ(registry_.SubmitBatch(id, 0, other).status().code(), absl::StatusCode::kAlreadyExists);
+  // Out of order, negative.
+  absl::Status skip = registry_.SubmitBatch(id, 2, b0).status();
+  EXPECT_EQ(skip.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(skip.message()), HasSubstr("plans step 1 next"));
+  EXPECT_EQ(registry_.SubmitBatch(id, -1, b0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_.GetJob(id)->next_step, 1);
+}
+
+TEST_F(JobRegistryTest, ARejectedBatchChangesNothing) {
+  const std::string id = Create(2);
+  std::vector<Sample> bad = Batch(2, 2);
+  bad[3].sensitivity = 7.0;
+  absl::Status status = registry_.SubmitBatch(id, 0, bad).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("samples[3].sensitivity"));
+  EXPECT_EQ(registry_.GetJob(id)->next_step, 0);
+  EXPECT_TRUE(registry_.SubmitBatch(id, 0, Batch(2, 2)).ok());
+}
+
+TEST_F(JobRegistryTest, GetPlanWaitsForTheStepAndServesEachRank) {
+  const std::string id = Create(3);
+  bool ready = true;
+  ASSERT_TRUE(registry_.GetPlan(id, 0, 1, &ready).ok());
+  EXPECT_FALSE(ready);
+  const std::vector<Sample> batch = Batch(3, 3);
+  ASSERT_TRUE(registry_.SubmitBatch(id, 0, batch).ok());
+  absl::StatusOr<StepPlan> plan = registry_.GetPlan(id, 0, 1, &ready);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(ready);
+  EXPECT_TRUE(CheckPlan(*plan, batch, Settings(3).planner).ok());
+  EXPECT_EQ(registry_.GetPlan(id, 0, 3, &ready).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(JobRegistryTest, ReportsAreAcceptedOnceAndFoldedWhenEveryRankReported) {
+  const std::string id = Create(3);
+  const std::vector<Sample> batch = Batch(4, 3);
+  absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, batch);
+  ASSERT_TRUE(step.ok());
+  // Not joined yet.
+  EXPECT_EQ(registry_.ReportStep(id, 0, 0, Measure(step->plan, 0), 0.5).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  JoinAll(id, 3);
+  // Not planned.
+  EXPECT_EQ(registry_.ReportStep(id, 1, 0, Measure(step->plan, 0), 0.5).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  const double per_token_before = registry_.GetJob(id)->coefficients.per_token;
+  for (int r = 0; r < 3; ++r) {
+    absl::StatusOr<bool> duplicate = registry_.ReportStep(id, 0, r, Measure(step->plan, r), 0.1);
+    ASSERT_TRUE(duplicate.ok()) << duplicate.status();
+    EXPECT_FALSE(*duplicate);
+    if (r < 2) {  // nothing is folded before the last rank has reported
+      EXPECT_EQ(registry_.GetJob(id)->coefficients.per_token, per_token_before);
+    }
+  }
+  // Folded once, after the last rank: the model saw everything 10% slower than predicted.
+  const JobView view = *registry_.GetJob(id);
+  EXPECT_NE(view.coefficients.per_token, per_token_before);
+  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 0, 1, Measure(step->plan, 1), 0.1);
+  ASSERT_TRUE(repeat.ok());
+  EXPECT_TRUE(*repeat);
+  EXPECT_EQ(registry_.GetJob(id)->coefficients.per_token, view.coefficients.per_token);
+}
+
+TEST_F(JobRegistryTest, BadReportsNameTheFieldAndLeaveTheRankUnreported) {
+  const std::string id = Create(2);
+  JoinAll(id, 2);
+  absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
+  ASSERT_TRUE(step.ok());
+  const std::vector<MicroBatchMeasurement> good = Measure(step->plan, 0);
+  ASSERT_FALSE(good.empty());
+  struct Case {
+    void (*mutate)(std::vector<MicroBatchMeasurement>*);
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* m) { (*m)[0].compute_seconds = 0.0; }, "micro_batches[0].compute_seconds"},
+      {[](auto* m) { (*m)[0].compute_seconds = -1.0; }, "micro_batches[0].compute_seconds"},
+      {[](auto* m) { (*m)[0].compute_seconds = std::nan(""); }, "micro_batches[0].compute_seconds"},
+      {[](auto* m) { (*m)[0].attention_seconds = 1e9; }, "micro_batches[0].attention_seconds"},
+      {[](auto* m) { (*m)[0].recall = 1.5; }, "micro_batches[0].recall"},
+      {[](auto* m) { (*m)[0].achieved_density = -0.1; }, "micro_batches[0].achieved_density"},
+      {[](auto* m) { (*m)[0].micro_batch = 9; }, "micro_batches[0].micro_batch"},
+      {[](auto* m) { (*m)[0].tokens += 1; }, "micro_batches[0].tokens"},
+      {[](auto* m) { m->push_back((*m)[0]); }, ".micro_batch"},
+  };
+  for (const Case& c : cases) {
+    std::vector<MicroBatchMeasurement> bad = good;
+    c.mutate(&bad);
+    absl::Status status = registry_.ReportStep(id, 0, 0, bad, 0.0).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
+  }
+  EXPECT_EQ(registry_.ReportStep(id, 0, 0, good, -1.0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // The rank was not marked reported by any of those.
+  absl::StatusOr<bool> ok = registry_.ReportStep(id, 0, 0, good, 0.0);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_FALSE(*ok);
+}
+
+TEST_F(JobRegistryTest, HistoryIsBounded) {
+  const std::string id = Create(2, /*history=*/3);
+  std::vector<std::vector<Sample>> batches;
+  for (int step = 0; step < 6; ++step) {
+    batches.push_back(Batch(100 + step, 2));
+    ASSERT_TRUE(registry_.SubmitBatch(id, step, batches.back()).ok());
+  }
+  bool ready = false;
+  EXPECT_EQ(registry_.GetPlan(id, 1, 0, &ready).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry_.SubmitBatch(id, 1, batches[1]).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(registry_.GetPlan(id, 3, 0, &ready).ok());
+  EXPECT_TRUE(ready);
+  EXPECT_TRUE(registry_.SubmitBatch(id, 5, batches[5])->repeated);
+}
+
+TEST_F(JobRegistryTest, UpdateJobConfigChangesTunablesOnly) {
+  const std::string id = Create(2);
+  JobSettings update = Settings(2);
+  update.planner.policy = Policy::kTokens;
+  update.planner.ranks = 64;
+  absl::StatusOr<JobSettings> now = registry_.UpdateJobConfig(id, update, {"policy"});
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->planner.policy, Policy::kTokens);
+  EXPECT_EQ(now->planner.ranks, 2);
+  EXPECT_EQ(registry_.SubmitBatch(id, 0, Batch(7, 2))->plan.policy, Policy::kTokens);
+  absl::Status frozen = registry_.UpdateJobConfig(id, update, {"world_size"}).status();
+  EXPECT_EQ(frozen.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(frozen.message()), HasSubstr("world_size"));
+  update.planner.density_min = 0.9;  // above the default: invalid, nothing changes
+  EXPECT_EQ(registry_.UpdateJobConfig(id, update, {"policy", "density_min"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.density_min, Settings(2).planner.density_min);
+}
+
+TEST_F(JobRegistryTest, JobLimitListAndDelete) {
+  JobRegistry::Options options;
+  options.max_jobs = 3;
+  JobRegistry registry(options, CountingHex());
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(registry.CreateJob("j", Settings(1), "")->job_id);
+  EXPECT_EQ(registry.CreateJob("j", Settings(1), "").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  std::vector<JobView> page = registry.ListJobs("", 2);
+  ASSERT_EQ(page.size(), 2u);
+  std::vector<JobView> rest = registry.ListJobs(page.back().job_id, 2);
+  ASSERT_EQ(rest.size(), 1u);
+  EXPECT_LT(page.back().job_id, rest[0].job_id);
+  ASSERT_TRUE(registry.DeleteJob(ids[0]).ok());
+  EXPECT_EQ(registry.GetJob(ids[0]).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.DeleteJob(ids[0]).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.CreateJob("j", Settings(1), "").ok());
+}
+
+TEST_F(JobRegistryTest, ConcurrentReportsAreAllAcceptedAndFoldedOnce) {
+  constexpr int kRanks = 32;
+  const std::string id = Create(kRanks);
+  JoinAll(id, kRanks);
+  absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(9, kRanks));
+  ASSERT_TRUE(step.ok());
+  std::vector<std::thread> threads;
+  std::vector<int> fresh(kRanks, 0);
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        absl::StatusOr<bool> d = registry_.ReportStep(id, 0, r, Measure(step->plan, r), 0.0);
+        if (d.ok() && !*d) ++fresh[r];
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(fresh[r], 1) << r;
+}
+
+TEST_F(JobRegistryTest, ProfilesAreValidated) {
+  EXPECT_EQ(registry_.CreateJob("p", Settings(2), "not a profile").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const std::string id = Create(2);
+  absl::Status bad = registry_.UploadProfile(id, "sparsebalance-profile 1\n").status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("profile"));
+}
+
+}  // namespace
+}  // namespace sparsebalance
