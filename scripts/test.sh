@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: installs what is missing, builds with warnings as errors into $BUILD_DIR
 # (default build-test/, separate from the demo's build/), runs the whole CTest suite (unit,
-# property and simulator-bar tests), then checks the demo command end to end.
+# property, simulator-bar and sb-sim command-line tests), builds a project against the
+# installed package, and runs the planning benchmark once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,9 +21,4 @@ cmake --build "$BUILD_DIR/consumer" >/dev/null
 # The planner benchmark must run (its figures are reported, never asserted).
 "$BUILD_DIR/bench/sb-planner-bench" --benchmark_filter='/512/64' --benchmark_min_time=0.05
 
-# The main job's simulator, short: it must run and print every policy.
-out=$("$BUILD_DIR/sim/sb-sim" --steps=3 --ranks=8)
-for p in sequential tokens flops sab dst sparsebalance; do
-  grep -q "^$p " <<<"$out" || { echo "sb-sim output lacks policy $p" >&2; exit 1; }
-done
 echo "test.sh: all tests passed"
