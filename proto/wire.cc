@@ -45,58 +45,16 @@ absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireL
   if (in.density_min() != 0) c.density_min = in.density_min();
   if (in.density_max() != 0) c.density_max = in.density_max();
   if (in.density_default() != 0) c.density_default = in.density_default();
-  switch (in.policy()) {
-    case v1::POLICY_UNSPECIFIED:
-    case v1::POLICY_SPARSEBALANCE:
-      c.policy = Policy::kSparseBalance;
-      break;
-    case v1::POLICY_SEQUENTIAL:
-      c.policy = Policy::kSequential;
-      break;
-    case v1::POLICY_TOKENS:
-      c.policy = Policy::kTokens;
-      break;
-    case v1::POLICY_FLOPS:
-      c.policy = Policy::kFlops;
-      break;
-    case v1::POLICY_SAB:
-      c.policy = Policy::kSab;
-      break;
-    case v1::POLICY_DST:
-      c.policy = Policy::kDst;
-      break;
-    default:
-      return ConfigError("policy", absl::StrCat("unknown value ", in.policy()));
-  }
-  switch (in.dst_mode()) {
-    case v1::DST_MODE_UNSPECIFIED:
-    case v1::DST_MODE_MEAN:
-      c.dst_mode = DstMode::kMean;
-      break;
-    case v1::DST_MODE_MIN:
-      c.dst_mode = DstMode::kMin;
-      break;
-    case v1::DST_MODE_MAX:
-      c.dst_mode = DstMode::kMax;
-      break;
-    case v1::DST_MODE_QUANTILE:
-      c.dst_mode = DstMode::kQuantile;
-      break;
-    default:
-      return ConfigError("dst_mode", absl::StrCat("unknown value ", in.dst_mode()));
-  }
+  absl::StatusOr<Policy> policy = PolicyFromProto(in.policy(), "config.policy");
+  if (!policy.ok()) return policy.status();
+  c.policy = *policy;
+  absl::StatusOr<DstMode> mode = DstModeFromProto(in.dst_mode(), "config.dst_mode");
+  if (!mode.ok()) return mode.status();
+  c.dst_mode = *mode;
   c.dst_quantile = in.dst_quantile();
-  switch (in.overflow()) {
-    case v1::OVERFLOW_POLICY_UNSPECIFIED:
-    case v1::OVERFLOW_POLICY_ERROR:
-      c.overflow = OverflowPolicy::kError;
-      break;
-    case v1::OVERFLOW_POLICY_DEFER:
-      c.overflow = OverflowPolicy::kDefer;
-      break;
-    default:
-      return ConfigError("overflow", absl::StrCat("unknown value ", in.overflow()));
-  }
+  absl::StatusOr<OverflowPolicy> overflow = OverflowFromProto(in.overflow(), "config.overflow");
+  if (!overflow.ok()) return overflow.status();
+  c.overflow = *overflow;
   if (in.history_steps() < 0 || in.history_steps() > limits.max_history_steps) {
     return ConfigError("history_steps", absl::StrCat(in.history_steps(), " is outside [0, ",
                                                      limits.max_history_steps, "]"));
@@ -104,6 +62,55 @@ absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireL
   out.history_steps = in.history_steps() == 0 ? kDefaultHistorySteps : in.history_steps();
   if (absl::Status status = ValidateConfig(c); !status.ok()) return status;
   return out;
+}
+
+absl::StatusOr<Policy> PolicyFromProto(v1::Policy policy, absl::string_view field) {
+  switch (policy) {
+    case v1::POLICY_UNSPECIFIED:
+    case v1::POLICY_SPARSEBALANCE:
+      return Policy::kSparseBalance;
+    case v1::POLICY_SEQUENTIAL:
+      return Policy::kSequential;
+    case v1::POLICY_TOKENS:
+      return Policy::kTokens;
+    case v1::POLICY_FLOPS:
+      return Policy::kFlops;
+    case v1::POLICY_SAB:
+      return Policy::kSab;
+    case v1::POLICY_DST:
+      return Policy::kDst;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value ", policy));
+  }
+}
+
+absl::StatusOr<DstMode> DstModeFromProto(v1::DstMode mode, absl::string_view field) {
+  switch (mode) {
+    case v1::DST_MODE_UNSPECIFIED:
+    case v1::DST_MODE_MEAN:
+      return DstMode::kMean;
+    case v1::DST_MODE_MIN:
+      return DstMode::kMin;
+    case v1::DST_MODE_MAX:
+      return DstMode::kMax;
+    case v1::DST_MODE_QUANTILE:
+      return DstMode::kQuantile;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value ", mode));
+  }
+}
+
+absl::StatusOr<OverflowPolicy> OverflowFromProto(v1::OverflowPolicy policy,
+                                                 absl::string_view field) {
+  switch (policy) {
+    case v1::OVERFLOW_POLICY_UNSPECIFIED:
+    case v1::OVERFLOW_POLICY_ERROR:
+      return OverflowPolicy::kError;
+    case v1::OVERFLOW_POLICY_DEFER:
+      return OverflowPolicy::kDefer;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value ", policy));
+  }
 }
 
 v1::Policy PolicyToProto(Policy policy) {

@@ -50,6 +50,12 @@ absl::StatusOr<std::vector<Sample>> SamplesFromProto(
     const WireLimits& limits);
 void SampleToProto(const Sample& sample, v1::Sample* out);
 
+// Enum conversions; the UNSPECIFIED values map to the planner's defaults, unknown values are
+// INVALID_ARGUMENT naming `field`.
+absl::StatusOr<Policy> PolicyFromProto(v1::Policy policy, absl::string_view field);
+absl::StatusOr<DstMode> DstModeFromProto(v1::DstMode mode, absl::string_view field);
+absl::StatusOr<OverflowPolicy> OverflowFromProto(v1::OverflowPolicy policy,
+                                                 absl::string_view field);
 v1::Policy PolicyToProto(Policy policy);
 v1::DstMode DstModeToProto(DstMode mode);
 v1::OverflowPolicy OverflowToProto(OverflowPolicy policy);

@@ -1,0 +1,342 @@
+#include "server/planner_service.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "planner/planner.h"
+
+namespace sparsebalance {
+namespace {
+
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void SummaryToProto(const JobView& view, v1::JobSummary* out) {
+  out->set_job_id(view.job_id);
+  out->set_name(view.name);
+  *out->mutable_config() = ConfigToProto(view.settings);
+  out->set_next_step(view.next_step);
+  out->set_joined_ranks(view.joined_ranks);
+  if (view.has_plan) *out->mutable_last_figures() = FiguresToProto(view.last_plan);
+  out->mutable_speed_factors()->Assign(view.speed_factors.begin(), view.speed_factors.end());
+}
+
+}  // namespace
+
+// A GetRankPlan call waiting for its step. Whoever finishes it first (the SubmitBatch that
+// plans the step, or the call's cancellation or deadline) sets `finished` under `mu`, fills
+// the response and calls Finish; everyone after sees `finished` and leaves the reactor alone.
+// The reactor deletes itself in OnDone, which gRPC runs only after Finish, so it is alive
+// whenever `finished` is false.
+struct PlannerServiceImpl::Wait {
+  std::string job_id;
+  int64_t step = 0;
+  int rank = 0;
+  v1::GetRankPlanResponse* response = nullptr;
+  grpc::ServerUnaryReactor* reactor = nullptr;
+  absl::Mutex mu;
+  bool finished ABSL_GUARDED_BY(mu) = false;
+
+  void Complete(const absl::Status& status, const StepPlan* plan) {
+    absl::MutexLock lock(&mu);
+    if (finished) return;
+    finished = true;
+    if (plan != nullptr) *response->mutable_plan() = RankPlanToProto(*plan, step, rank);
+    reactor->Finish(ToGrpcStatus(status));
+  }
+};
+
+namespace {
+
+class WaitingReactor : public grpc::ServerUnaryReactor {
+ public:
+  WaitingReactor(std::shared_ptr<PlannerServiceImpl::Wait> wait, std::function<void()> on_cancel,
+                 std::function<void()> on_done)
+      : wait_(std::move(wait)), on_cancel_(std::move(on_cancel)), on_done_(std::move(on_done)) {}
+  void OnCancel() override {
+    on_cancel_();
+    wait_->Complete(absl::CancelledError("GetRankPlan: cancelled or past its deadline while "
+                                         "waiting for the step's plan"),
+                    nullptr);
+  }
+  void OnDone() override {
+    on_done_();
+    delete this;
+  }
+
+ private:
+  std::shared_ptr<PlannerServiceImpl::Wait> wait_;
+  std::function<void()> on_cancel_;
+  std::function<void()> on_done_;
+};
+
+}  // namespace
+
+std::string BearerToken(const grpc::CallbackServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return "";
+  const absl::string_view value(it->second.data(), it->second.size());
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (!absl::StartsWith(value, kBearer)) return "";
+  return std::string(value.substr(kBearer.size()));
+}
+
+PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
+    : registry_(registry), options_(std::move(options)) {}
+
+PlannerServiceImpl::~PlannerServiceImpl() = default;
+
+absl::Status PlannerServiceImpl::AuthorizeJob(grpc::CallbackServerContext* context,
+                                              const std::string& job_id) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id: empty");
+  return registry_->Authorize(job_id, BearerToken(*context));
+}
+
+absl::Status PlannerServiceImpl::AuthorizeAdmin(grpc::CallbackServerContext* context) const {
+  if (options_.admin_token.empty()) return absl::OkStatus();
+  const std::string token = BearerToken(*context);
+  if (token.empty()) {
+    return absl::UnauthenticatedError(
+        "this planner needs the admin token: send \"authorization: Bearer <admin token>\"");
+  }
+  if (!ConstantTimeEquals(token, options_.admin_token)) {
+    return absl::PermissionDeniedError("the token is not this planner's admin token");
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::CreateJob(grpc::CallbackServerContext* context,
+                                                        const v1::CreateJobRequest* request,
+                                                        v1::CreateJobResponse* response) {
+  if (absl::Status s = AuthorizeAdmin(context); !s.ok()) return Finish(context, s);
+  absl::StatusOr<JobSettings> settings = ConfigFromProto(request->config(), options_.limits);
+  if (!settings.ok()) return Finish(context, settings.status());
+  absl::StatusOr<CreatedJob> job =
+      registry_->CreateJob(request->name(), *settings, request->profile());
+  if (!job.ok()) return Finish(context, job.status());
+  response->set_job_id(job->job_id);
+  response->set_job_token(job->job_token);
+  *response->mutable_config() = ConfigToProto(job->settings);
+  return Finish(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::JoinJob(grpc::CallbackServerContext* context,
+                                                      const v1::JoinJobRequest* request,
+                                                      v1::JoinJobResponse* response) {
+  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+    return Finish(context, s);
+  }
+  auto joined = registry_->JoinJob(request->job_id(), request->rank());
+  if (!joined.ok()) return Finish(context, joined.status());
+  *response->mutable_config() = ConfigToProto(joined->first);
+  response->set_next_step(joined->second);
+  return Finish(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerContext* context,
+                                                          const v1::SubmitBatchRequest* request,
+                                                          v1::SubmitBatchResponse* response) {
+  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+    return Finish(context, s);
+  }
+  absl::StatusOr<JobView> job = registry_->GetJob(request->job_id());
+  if (!job.ok()) return Finish(context, job.status());
+  absl::StatusOr<std::vector<Sample>> batch =
+      SamplesFromProto(request->samples(), job->settings.planner, options_.limits);
+  if (!batch.ok()) return Finish(context, batch.status());
+  absl::StatusOr<SubmitResult> result =
+      registry_->SubmitBatch(request->job_id(), request->step(), *batch);
+  if (!result.ok()) return Finish(context, result.status());
+  response->set_step(result->step);
+  response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
+                                           result->deferred_ids.end());
+  *response->mutable_figures() = FiguresToProto(result->plan);
+  if (!result->repeated) WakeWaiters(request->job_id(), request->step());
+  return Finish(context, absl::OkStatus());
+}
+
+bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait) {
+  bool ready = false;
+  absl::StatusOr<StepPlan> plan = registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready);
+  if (!plan.ok()) {
+    wait->Complete(plan.status(), nullptr);
+    return true;
+  }
+  if (!ready) return false;
+  wait->Complete(absl::OkStatus(), &*plan);
+  return true;
+}
+
+void PlannerServiceImpl::Park(const std::shared_ptr<Wait>& wait) {
+  absl::MutexLock lock(&waiters_mu_);
+  waiters_[{wait->job_id, wait->step}].insert(wait);
+}
+
+void PlannerServiceImpl::Unpark(const std::shared_ptr<Wait>& wait) {
+  absl::MutexLock lock(&waiters_mu_);
+  auto it = waiters_.find({wait->job_id, wait->step});
+  if (it == waiters_.end()) return;
+  it->second.erase(wait);
+  if (it->second.empty()) waiters_.erase(it);
+}
+
+void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
+  std::set<std::shared_ptr<Wait>> woken;
+  {
+    absl::MutexLock lock(&waiters_mu_);
+    auto it = waiters_.find({job_id, step});
+    if (it == waiters_.end()) return;
+    woken = std::move(it->second);
+    waiters_.erase(it);
+  }
+  for (const std::shared_ptr<Wait>& wait : woken) TryComplete(wait);
+}
+
+int PlannerServiceImpl::waiting_calls() const {
+  absl::MutexLock lock(&waiters_mu_);
+  int n = 0;
+  for (const auto& [key, set] : waiters_) n += static_cast<int>(set.size());
+  return n;
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::GetRankPlan(grpc::CallbackServerContext* context,
+                                                          const v1::GetRankPlanRequest* request,
+                                                          v1::GetRankPlanResponse* response) {
+  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+    return Finish(context, s);
+  }
+  auto wait = std::make_shared<Wait>();
+  wait->job_id = request->job_id();
+  wait->step = request->step();
+  wait->rank = request->rank();
+  wait->response = response;
+  auto* reactor = new WaitingReactor(
+      wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
+  wait->reactor = reactor;
+  if (TryComplete(wait)) return reactor;
+  Park(wait);
+  // The step may have been planned between the check and parking: check again.
+  if (TryComplete(wait)) Unpark(wait);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerContext* context,
+                                                         const v1::ReportStepRequest* request,
+                                                         v1::ReportStepResponse* response) {
+  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+    return Finish(context, s);
+  }
+  std::vector<MicroBatchMeasurement> measured;
+  measured.reserve(request->micro_batches_size());
+  for (const v1::MicroBatchReport& m : request->micro_batches()) {
+    measured.push_back({m.micro_batch(), m.compute_seconds(), m.attention_seconds(), m.tokens(),
+                        m.achieved_density(), m.recall()});
+  }
+  absl::StatusOr<bool> duplicate = registry_->ReportStep(
+      request->job_id(), request->step(), request->rank(), measured, request->wait_seconds());
+  if (!duplicate.ok()) return Finish(context, duplicate.status());
+  response->set_duplicate(*duplicate);
+  return Finish(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::UploadProfile(grpc::CallbackServerContext* context,
+                                                            const v1::UploadProfileRequest* request,
+                                                            v1::UploadProfileResponse* response) {
+  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+    return Finish(context, s);
+  }
+  absl::StatusOr<CostCoefficients> fitted =
+      registry_->UploadProfile(request->job_id(), request->profile());
+  if (!fitted.ok()) return Finish(context, fitted.status());
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(request->profile());
+  response->set_device(table.ok() ? table->device : "");
+  response->set_seconds_per_block(fitted->per_block);
+  response->set_seconds_per_token(fitted->per_token);
+  response->set_seconds_per_document(fitted->per_sample);
+  return Finish(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::UpdateJobConfig(
+    grpc::CallbackServerContext* context, const v1::UpdateJobConfigRequest* request,
+    v1::UpdateJobConfigResponse* response) {
+  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+    return Finish(context, s);
+  }
+  const v1::JobConfig& in = request->config();
+  JobSettings update;
+  update.planner.dst_quantile = in.dst_quantile();
+  update.planner.density_min = in.density_min();
+  update.planner.density_max = in.density_max();
+  update.planner.density_default = in.density_default();
+  update.history_steps = in.history_steps();
+  std::vector<std::string> fields(request->update_mask().paths().begin(),
+                                  request->update_mask().paths().end());
+  for (const std::string& field : fields) {
+    absl::Status s;
+    if (field == "policy") {
+      absl::StatusOr<Policy> p = PolicyFromProto(in.policy(), "config.policy");
+      s = p.status();
+      if (p.ok()) update.planner.policy = *p;
+    } else if (field == "dst_mode") {
+      absl::StatusOr<DstMode> m = DstModeFromProto(in.dst_mode(), "config.dst_mode");
+      s = m.status();
+      if (m.ok()) update.planner.dst_mode = *m;
+    } else if (field == "overflow") {
+      absl::StatusOr<OverflowPolicy> o = OverflowFromProto(in.overflow(), "config.overflow");
+      s = o.status();
+      if (o.ok()) update.planner.overflow = *o;
+    }
+    if (!s.ok()) return Finish(context, s);
+  }
+  absl::StatusOr<JobSettings> now = registry_->UpdateJobConfig(request->job_id(), update, fields);
+  if (!now.ok()) return Finish(context, now.status());
+  *response->mutable_config() = ConfigToProto(*now);
+  return Finish(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::GetJob(grpc::CallbackServerContext* context,
+                                                     const v1::GetJobRequest* request,
+                                                     v1::GetJobResponse* response) {
+  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+    return Finish(context, s);
+  }
+  absl::StatusOr<JobView> view = registry_->GetJob(request->job_id());
+  if (!view.ok()) return Finish(context, view.status());
+  SummaryToProto(*view, response->mutable_job());
+  return Finish(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::ListJobs(grpc::CallbackServerContext* context,
+                                                       const v1::ListJobsRequest* request,
+                                                       v1::ListJobsResponse* response) {
+  if (absl::Status s = AuthorizeAdmin(context); !s.ok()) return Finish(context, s);
+  if (request->page_size() < 0) {
+    return Finish(context, absl::InvalidArgumentError(
+                               absl::StrCat("page_size: ", request->page_size(), " is negative")));
+  }
+  const int limit =
+      request->page_size() == 0 ? options_.default_page_size : std::min(request->page_size(), 1000);
+  // The page token is the last job id of the previous page.
+  std::vector<JobView> page = registry_->ListJobs(request->page_token(), limit + 1);
+  const bool more = static_cast<int>(page.size()) > limit;
+  if (more) page.pop_back();
+  for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
+  if (more) response->set_next_page_token(page.back().job_id);
+  return Finish(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::DeleteJob(grpc::CallbackServerContext* context,
+                                                        const v1::DeleteJobRequest* request,
+                                                        v1::DeleteJobResponse* /*response*/) {
+  if (absl::Status s = AuthorizeAdmin(context); !s.ok()) return Finish(context, s);
+  return Finish(context, registry_->DeleteJob(request->job_id()));
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,343 @@
+// PlannerService over a real gRPC server on loopback with a real stub: every RPC, the error
+// codes of DESIGN.md section 6, and GetRankPlan's wait for a step (no thread per waiting call,
+// deadlines honoured).
+#include "server/planner_service.h"
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace sparsebalance {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kAdmin[] = "admin-secret";
+
+std::function<std::string(int)> CountingHex() {
+  auto counter = std::make_shared<std::atomic<int>>(0);
+  return [counter](int n) {
+    std::string s = absl::StrCat(++*counter);
+    return std::string(n - s.size(), 'f') + s;
+  };
+}
+
+class PlannerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    registry_ = std::make_unique<JobRegistry>(JobRegistry::Options{}, CountingHex());
+    PlannerServiceImpl::Options options;
+    options.admin_token = kAdmin;
+    service_ = std::make_unique<PlannerServiceImpl>(registry_.get(), options);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    channel_ =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    stub_ = v1::PlannerService::NewStub(channel_);
+  }
+  void TearDown() override { server_->Shutdown(std::chrono::system_clock::now()); }
+
+  static void Auth(grpc::ClientContext* context, const std::string& token,
+                   int deadline_ms = 10000) {
+    if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
+    context->set_deadline(std::chrono::system_clock::now() +
+                          std::chrono::milliseconds(deadline_ms));
+  }
+
+  v1::CreateJobResponse Create(int ranks) {
+    v1::CreateJobRequest request;
+    request.set_name("test");
+    request.mutable_config()->set_world_size(ranks);
+    request.mutable_config()->set_micro_batches(2);
+    request.mutable_config()->set_micro_batch_capacity(65536);
+    v1::CreateJobResponse response;
+    grpc::ClientContext context;
+    Auth(&context, kAdmin);
+    grpc::Status status = stub_->CreateJob(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response;
+  }
+
+  static v1::SubmitBatchRequest Batch(const std::string& job_id, int64_t step, int samples) {
+    v1::SubmitBatchRequest request;
+    request.set_job_id(job_id);
+    request.set_step(step);
+    for (int i = 0; i < samples; ++i) {
+      v1::Sample* s = request.add_samples();
+      s->set_id(1000 * step + i);
+      s->set_length(512 + 997 * ((i * 7 + step) % 23));
+    }
+    return request;
+  }
+
+  grpc::Status Submit(const v1::SubmitBatchRequest& request, const std::string& token,
+                      v1::SubmitBatchResponse* response = nullptr) {
+    v1::SubmitBatchResponse ignored;
+    grpc::ClientContext context;
+    Auth(&context, token);
+    return stub_->SubmitBatch(&context, request, response ? response : &ignored);
+  }
+
+  grpc::Status GetPlan(const std::string& job, const std::string& token, int64_t step, int rank,
+                       v1::GetRankPlanResponse* response, int deadline_ms = 10000) {
+    v1::GetRankPlanRequest request;
+    request.set_job_id(job);
+    request.set_step(step);
+    request.set_rank(rank);
+    grpc::ClientContext context;
+    Auth(&context, token, deadline_ms);
+    return stub_->GetRankPlan(&context, request, response);
+  }
+
+  std::unique_ptr<JobRegistry> registry_;
+  std::unique_ptr<PlannerServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::PlannerService::Stub> stub_;
+};
+
+TEST_F(PlannerServiceTest, AStepEndToEnd) {
+  const v1::CreateJobResponse job = Create(2);
+  EXPECT_EQ(job.config().world_size(), 2);
+  EXPECT_EQ(job.config().policy(), v1::POLICY_SPARSEBALANCE);  // default filled in
+  for (int r = 0; r < 2; ++r) {
+    v1::JoinJobRequest join;
+    join.set_job_id(job.job_id());
+    join.set_rank(r);
+    v1::JoinJobResponse joined;
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    ASSERT_TRUE(stub_->JoinJob(&context, join, &joined).ok());
+    EXPECT_EQ(joined.next_step(), 0);
+  }
+  v1::SubmitBatchResponse submitted;
+  const grpc::Status status = Submit(Batch(job.job_id(), 0, 12), job.job_token(), &submitted);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(submitted.figures().makespan_seconds(), 0.0);
+  int placed = 0;
+  for (int r = 0; r < 2; ++r) {
+    v1::GetRankPlanResponse plan;
+    ASSERT_TRUE(GetPlan(job.job_id(), job.job_token(), 0, r, &plan).ok());
+    EXPECT_EQ(plan.plan().rank(), r);
+    ASSERT_EQ(plan.plan().micro_batches_size(), 2);
+    v1::ReportStepRequest report;
+    report.set_job_id(job.job_id());
+    report.set_step(0);
+    report.set_rank(r);
+    for (int m = 0; m < 2; ++m) {
+      const v1::MicroBatch& mb = plan.plan().micro_batches(m);
+      placed += mb.sample_ids_size();
+      if (mb.sample_ids_size() == 0) continue;
+      v1::MicroBatchReport* x = report.add_micro_batches();
+      x->set_micro_batch(m);
+      x->set_compute_seconds(mb.predicted_seconds());
+      x->set_attention_seconds(0.2 * mb.predicted_seconds());
+      x->set_tokens(mb.tokens());
+      x->set_achieved_density(0.3);
+      x->set_recall(0.9);
+    }
+    for (bool expect_duplicate : {false, true}) {
+      v1::ReportStepResponse reported;
+      grpc::ClientContext context;
+      Auth(&context, job.job_token());
+      ASSERT_TRUE(stub_->ReportStep(&context, report, &reported).ok());
+      EXPECT_EQ(reported.duplicate(), expect_duplicate);
+    }
+  }
+  EXPECT_EQ(placed, 12);
+  v1::GetJobRequest get;
+  get.set_job_id(job.job_id());
+  v1::GetJobResponse got;
+  grpc::ClientContext context;
+  Auth(&context, job.job_token());
+  ASSERT_TRUE(stub_->GetJob(&context, get, &got).ok());
+  EXPECT_EQ(got.job().next_step(), 1);
+  EXPECT_EQ(got.job().joined_ranks(), 2);
+  EXPECT_EQ(got.job().speed_factors_size(), 2);
+}
+
+TEST_F(PlannerServiceTest, ErrorCodesFollowTheContract) {
+  const v1::CreateJobResponse job = Create(2);
+  const v1::CreateJobResponse other = Create(2);
+  const std::string& token = job.job_token();
+  struct Case {
+    const char* what;
+    grpc::Status status;
+    grpc::StatusCode code;
+    const char* message;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"no token", Submit(Batch(job.job_id(), 0, 4), ""),
+                   grpc::StatusCode::UNAUTHENTICATED, "token"});
+  cases.push_back({"another job's token", Submit(Batch(job.job_id(), 0, 4), other.job_token()),
+                   grpc::StatusCode::PERMISSION_DENIED, "token"});
+  cases.push_back(
+      {"unknown job", Submit(Batch("nope", 0, 4), token), grpc::StatusCode::NOT_FOUND, "nope"});
+  cases.push_back({"step out of order", Submit(Batch(job.job_id(), 3, 4), token),
+                   grpc::StatusCode::FAILED_PRECONDITION, "out of order"});
+  v1::SubmitBatchRequest duplicate_ids = Batch(job.job_id(), 0, 4);
+  duplicate_ids.mutable_samples(2)->set_id(duplicate_ids.samples(0).id());
+  cases.push_back({"duplicate id", Submit(duplicate_ids, token), grpc::StatusCode::INVALID_ARGUMENT,
+                   "samples[2].id"});
+  v1::SubmitBatchRequest nan = Batch(job.job_id(), 0, 4);
+  nan.mutable_samples(1)->set_sensitivity(std::nan(""));
+  cases.push_back({"NaN sensitivity", Submit(nan, token), grpc::StatusCode::INVALID_ARGUMENT,
+                   "samples[1].sensitivity"});
+  v1::SubmitBatchRequest huge = Batch(job.job_id(), 0, 4);
+  huge.mutable_samples(3)->set_length(int64_t{1} << 40);
+  cases.push_back({"huge length", Submit(huge, token), grpc::StatusCode::INVALID_ARGUMENT,
+                   "samples[3].length"});
+  v1::SubmitBatchRequest negative = Batch(job.job_id(), 0, 4);
+  negative.mutable_samples(0)->set_length(-5);
+  cases.push_back({"negative length", Submit(negative, token), grpc::StatusCode::INVALID_ARGUMENT,
+                   "samples[0].length"});
+  cases.push_back({"empty batch", Submit(Batch(job.job_id(), 0, 0), token),
+                   grpc::StatusCode::INVALID_ARGUMENT, "samples"});
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 0, 4), token).ok());
+  cases.push_back(
+      {"same batch again", Submit(Batch(job.job_id(), 0, 4), token), grpc::StatusCode::OK, ""});
+  cases.push_back({"different batch for a planned step", Submit(Batch(job.job_id(), 0, 5), token),
+                   grpc::StatusCode::ALREADY_EXISTS, "different batch"});
+  v1::GetRankPlanResponse plan;
+  cases.push_back({"wrong rank", GetPlan(job.job_id(), token, 0, 7, &plan),
+                   grpc::StatusCode::INVALID_ARGUMENT, "rank"});
+  {
+    v1::ReportStepRequest report;
+    report.set_job_id(job.job_id());
+    report.set_step(0);
+    report.set_rank(1);
+    v1::ReportStepResponse response;
+    grpc::ClientContext context;
+    Auth(&context, token);
+    cases.push_back({"rank not joined", stub_->ReportStep(&context, report, &response),
+                     grpc::StatusCode::FAILED_PRECONDITION, "JoinJob"});
+  }
+  {
+    v1::CreateJobRequest request;
+    request.mutable_config()->set_world_size(2);
+    v1::CreateJobResponse response;
+    grpc::ClientContext context;
+    Auth(&context, "not-admin");
+    cases.push_back({"create without the admin token",
+                     stub_->CreateJob(&context, request, &response),
+                     grpc::StatusCode::PERMISSION_DENIED, "admin"});
+  }
+  {
+    v1::CreateJobRequest request;
+    request.mutable_config()->set_world_size(-2);
+    v1::CreateJobResponse response;
+    grpc::ClientContext context;
+    Auth(&context, kAdmin);
+    cases.push_back({"negative world size", stub_->CreateJob(&context, request, &response),
+                     grpc::StatusCode::INVALID_ARGUMENT, "config.world_size"});
+  }
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.status.error_code(), c.code) << c.what << ": " << c.status.error_message();
+    EXPECT_THAT(c.status.error_message(), HasSubstr(c.message)) << c.what;
+  }
+  // Nothing rejected changed the job: exactly step 0 is planned.
+  EXPECT_EQ(registry_->GetJob(job.job_id())->next_step, 1);
+}
+
+TEST_F(PlannerServiceTest, GetRankPlanWaitsForTheStepWithoutHoldingAThread) {
+  constexpr int kRanks = 64;
+  const v1::CreateJobResponse job = Create(kRanks);
+  std::vector<std::thread> ranks;
+  std::atomic<int> served{0};
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      v1::GetRankPlanResponse plan;
+      grpc::Status status = GetPlan(job.job_id(), job.job_token(), 0, r, &plan);
+      if (status.ok() && plan.plan().rank() == r && plan.plan().step() == 0) ++served;
+    });
+  }
+  // Every call parks (the callback API holds no thread per waiting call).
+  for (int i = 0; i < 500 && service_->waiting_calls() < kRanks; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(service_->waiting_calls(), kRanks);
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 0, 3 * kRanks), job.job_token()).ok());
+  for (std::thread& t : ranks) t.join();
+  EXPECT_EQ(served.load(), kRanks);
+  EXPECT_EQ(service_->waiting_calls(), 0);
+}
+
+TEST_F(PlannerServiceTest, GetRankPlanHonoursTheCallersDeadline) {
+  const v1::CreateJobResponse job = Create(2);
+  v1::GetRankPlanResponse plan;
+  const auto start = std::chrono::steady_clock::now();
+  grpc::Status status = GetPlan(job.job_id(), job.job_token(), 0, 0, &plan, /*deadline_ms=*/200);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  for (int i = 0; i < 100 && service_->waiting_calls() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(service_->waiting_calls(), 0);  // the parked call was removed
+  // The step can still be planned and served afterwards.
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 0, 8), job.job_token()).ok());
+  EXPECT_TRUE(GetPlan(job.job_id(), job.job_token(), 0, 0, &plan).ok());
+}
+
+TEST_F(PlannerServiceTest, UpdateListAndDelete) {
+  const v1::CreateJobResponse job = Create(2);
+  Create(2);
+  Create(2);
+  v1::UpdateJobConfigRequest update;
+  update.set_job_id(job.job_id());
+  update.mutable_config()->set_policy(v1::POLICY_FLOPS);
+  update.mutable_update_mask()->add_paths("policy");
+  v1::UpdateJobConfigResponse updated;
+  {
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    ASSERT_TRUE(stub_->UpdateJobConfig(&context, update, &updated).ok());
+  }
+  EXPECT_EQ(updated.config().policy(), v1::POLICY_FLOPS);
+  update.mutable_update_mask()->add_paths("world_size");
+  {
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    grpc::Status status = stub_->UpdateJobConfig(&context, update, &updated);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  std::vector<std::string> listed;
+  std::string token;
+  do {
+    v1::ListJobsRequest list;
+    list.set_page_size(2);
+    list.set_page_token(token);
+    v1::ListJobsResponse page;
+    grpc::ClientContext context;
+    Auth(&context, kAdmin);
+    ASSERT_TRUE(stub_->ListJobs(&context, list, &page).ok());
+    for (const v1::JobSummary& j : page.jobs()) listed.push_back(j.job_id());
+    token = page.next_page_token();
+  } while (!token.empty());
+  EXPECT_EQ(listed.size(), 3u);
+  v1::DeleteJobRequest del;
+  del.set_job_id(job.job_id());
+  v1::DeleteJobResponse deleted;
+  {
+    grpc::ClientContext context;
+    Auth(&context, kAdmin);
+    ASSERT_TRUE(stub_->DeleteJob(&context, del, &deleted).ok());
+  }
+  EXPECT_EQ(Submit(Batch(job.job_id(), 0, 4), job.job_token()).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+}  // namespace
+}  // namespace sparsebalance
