@@ -1,0 +1,200 @@
+// sb-planner: the SparseBalance planner service. `sb-planner --help` lists the flags; with none
+// it listens on 127.0.0.1:50151 and says so.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/planner_service.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
+          "host:port for gRPC (port 0 picks a free port; the chosen address is printed)");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain: serve TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require and verify client certificates (mutual TLS)");
+ABSL_FLAG(int, max_jobs, 1024, "jobs held at once (RESOURCE_EXHAUSTED above)");
+ABSL_FLAG(int, max_samples, 1 << 20, "samples per SubmitBatch (RESOURCE_EXHAUSTED above)");
+ABSL_FLAG(int, max_world_size, 65536, "ranks per job (RESOURCE_EXHAUSTED above)");
+ABSL_FLAG(int, max_message_bytes, 256 << 20, "largest request accepted, bytes");
+ABSL_FLAG(double, drain_seconds, 10.0,
+          "on SIGTERM/SIGINT: health turns NOT_SERVING and calls in flight get this long");
+
+namespace sparsebalance {
+namespace {
+
+constexpr char kServiceName[] = "sparsebalance.planner.v1.PlannerService";
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read it"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Job ids and tokens come from the kernel's CSPRNG.
+std::string RandomHex(int n) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  std::string bytes((n + 1) / 2, '\0');
+  urandom.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!urandom) {
+    std::cerr << "sb-planner: cannot read /dev/urandom for job tokens\n";
+    std::abort();
+  }
+  std::string out;
+  for (unsigned char b : bytes) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  out.resize(n);
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials() {
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_key);
+  const std::string ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (cert.empty() && key.empty()) {
+    if (!ca.empty()) {
+      return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (cert.empty() || key.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+  }
+  grpc::SslServerCredentialsOptions options(
+      ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                 : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  absl::StatusOr<std::string> cert_pem = ReadFile(cert, "tls_cert");
+  if (!cert_pem.ok()) return cert_pem.status();
+  absl::StatusOr<std::string> key_pem = ReadFile(key, "tls_key");
+  if (!key_pem.ok()) return key_pem.status();
+  options.pem_key_cert_pairs.push_back({*key_pem, *cert_pem});
+  if (!ca.empty()) {
+    absl::StatusOr<std::string> ca_pem = ReadFile(ca, "tls_client_ca");
+    if (!ca_pem.ok()) return ca_pem.status();
+    options.pem_root_certs = *ca_pem;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "the SparseBalance planner service (sparsebalance.planner.v1.PlannerService).\n"
+      "Trainers create a job (CreateJob returns its token), submit each step's global batch,\n"
+      "and every rank gets its plan and reports its timings. Health: grpc.health.v1 for\n"
+      "service \"sparsebalance.planner.v1.PlannerService\"; reflection is on.\n"
+      "State is kept in memory for now: a restart loses the jobs.\n\n"
+      "  sb-planner                                 # 127.0.0.1:50151\n"
+      "  sb-planner --listen=0.0.0.0:50151 --admin_token_file=/run/secrets/admin");
+  // --help lists this file's flags (absl's default looks for a file named like the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::EndsWith(path, "server/main.cc");
+  };
+  usage.normalize_filename = [](absl::string_view path) {
+    return absl::EndsWith(path, "server/main.cc") ? std::string("sb-planner") : std::string(path);
+  };
+  absl::SetFlagsUsageConfig(usage);
+  absl::ParseCommandLine(argc, argv);
+
+  // Stop signals are taken by a waiting thread, not a handler: the drain needs locks.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  std::string admin_token;
+  if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = ReadFile(path, "admin_token_file");
+    if (!token.ok()) {
+      std::cerr << "sb-planner: " << token.status().message() << "\n";
+      return 2;
+    }
+    admin_token = std::string(absl::StripAsciiWhitespace(*token));
+    if (admin_token.empty()) {
+      std::cerr << "sb-planner: --admin_token_file=" << path << " is empty\n";
+      return 2;
+    }
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials();
+  if (!credentials.ok()) {
+    std::cerr << "sb-planner: " << credentials.status().message() << "\n";
+    return 2;
+  }
+
+  JobRegistry::Options registry_options;
+  registry_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  registry_options.limits.max_samples = absl::GetFlag(FLAGS_max_samples);
+  registry_options.limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
+  JobRegistry registry(registry_options, RandomHex);
+  PlannerServiceImpl::Options service_options;
+  service_options.admin_token = admin_token;
+  service_options.limits = registry_options.limits;
+  PlannerServiceImpl service(&registry, service_options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, *credentials, &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  // Keepalive: ping idle clients every 30 s and accept their pings every 10 s, so that dead
+  // trainers' connections are noticed and live ones are not cut by middleboxes.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "sb-planner: cannot listen on --listen=" << listen
+              << " (address in use or not local?)\n";
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  std::cout << "sb-planner: listening on " << host << ":" << port
+            << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)" : " (TLS)")
+            << "; health service " << kServiceName << std::endl;
+
+  int signal = 0;
+  sigwait(&stop_signals, &signal);
+  std::cout << "sb-planner: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT") << ", draining for "
+            << absl::GetFlag(FLAGS_drain_seconds) << " s" << std::endl;
+  server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_drain_seconds) * 1000));
+  server->Shutdown(deadline);
+  server->Wait();
+  std::cout << "sb-planner: stopped" << std::endl;
+  return 0;
+}
+
+}  // namespace
+}  // namespace sparsebalance
+
+int main(int argc, char** argv) { return sparsebalance::Main(argc, argv); }

@@ -1,0 +1,132 @@
+// sb-planner as a process: it prints where it listens, serves PlannerService and the
+// grpc.health.v1 service, and on SIGTERM turns NOT_SERVING, drains and exits 0.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "sparsebalance/planner/v1/planner.grpc.pb.h"
+
+extern char** environ;
+
+namespace sparsebalance {
+namespace {
+
+namespace v1 = ::sparsebalance::planner::v1;
+
+// The planner process with its stdout on a pipe.
+class PlannerProcess {
+ public:
+  PlannerProcess() {
+    int fds[2];
+    EXPECT_EQ(pipe(fds), 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    posix_spawn_file_actions_addclose(&actions, fds[0]);
+    std::string binary = SB_PLANNER_PATH;
+    std::string listen = "--listen=127.0.0.1:0";
+    std::string drain = "--drain_seconds=2";
+    char* argv[] = {binary.data(), listen.data(), drain.data(), nullptr};
+    EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&actions);
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+  }
+  ~PlannerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ != nullptr) fclose(out_);
+  }
+  // The next line the planner prints.
+  std::string ReadLine() {
+    char buffer[1024];
+    if (fgets(buffer, sizeof buffer, out_) == nullptr) return "";
+    return buffer;
+  }
+  int Stop(int signal) {
+    kill(pid_, signal);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+};
+
+// grpc.health.v1.Health/Check by hand: HealthCheckRequest{service} is field 1 (a string),
+// HealthCheckResponse{status} is field 1 (an enum: 1 SERVING, 2 NOT_SERVING).
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
+  grpc::GenericStub stub(channel);
+  std::string request = "\x0a";
+  request.push_back(static_cast<char>(service.size()));
+  request += service;
+  grpc::Slice slice(request);
+  grpc::ByteBuffer send(&slice, 1);
+  grpc::ByteBuffer receive;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &send, &receive,
+                 [&](grpc::Status s) {
+                   std::lock_guard<std::mutex> lock(mu);
+                   status = s;
+                   done = true;
+                   cv.notify_one();
+                 });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  if (!status.ok()) return -static_cast<int>(status.error_code());
+  std::vector<grpc::Slice> slices;
+  receive.Dump(&slices);
+  std::string bytes;
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
+}
+
+TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
+  PlannerProcess planner;
+  const std::string line = planner.ReadLine();
+  ASSERT_NE(line.find("listening on 127.0.0.1:"), std::string::npos) << line;
+  const size_t colon = line.find("127.0.0.1:") + 10;
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(line.substr(colon, line.find(' ', colon) - colon), &port)) << line;
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);  // SERVING
+
+  auto stub = v1::PlannerService::NewStub(channel);
+  v1::CreateJobRequest create;
+  create.mutable_config()->set_world_size(4);
+  v1::CreateJobResponse job;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ASSERT_TRUE(stub->CreateJob(&context, create, &job).ok());
+  EXPECT_EQ(job.job_token().size(), 64u);
+  EXPECT_EQ(job.job_id().size(), 16u);
+
+  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+}
+
+}  // namespace
+}  // namespace sparsebalance
