@@ -31,7 +31,7 @@ double Median(std::vector<double> v) {
 
 LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoefficients& prior,
                            const LatencyModelOptions& options)
-    : shape_(shape), options_(options) {
+    : shape_(shape), prior_(prior), options_(options) {
   // Scales make the fit well conditioned: each feature's weight is about 1. A term whose prior
   // is zero (the micro-batch overhead; the profile cannot see it) gets a scale of 2% of a
   // reference micro-batch (one 8K document at density 0.3), so it can be learned.

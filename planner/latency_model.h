@@ -65,6 +65,8 @@ class LatencyModel {
                const LatencyModelOptions& options = {});
 
   const ModelShape& shape() const { return shape_; }
+  // The coefficients the model started from (with state(), enough to rebuild it).
+  const CostCoefficients& prior() const { return prior_; }
   int ranks() const { return static_cast<int>(state_.speed_factors.size()); }
   CostCoefficients coefficients() const;
   double speed_factor(int rank) const { return state_.speed_factors[rank]; }
@@ -94,6 +96,7 @@ class LatencyModel {
   std::array<double, 4> Scaled(const MicroBatchFeatures& f) const;
 
   ModelShape shape_;
+  CostCoefficients prior_;
   LatencyModelOptions options_;
   std::array<double, 4> scale_{};  // seconds per unit of each feature at weight 1
   LatencyModelState state_;

@@ -31,6 +31,70 @@ void Append(std::string* out, T value) {
 
 bool Positive(double x) { return std::isfinite(x) && x > 0.0; }
 
+state::v1::ModelState ModelToProto(const LatencyModel& model) {
+  state::v1::ModelState out;
+  const LatencyModelState& st = model.state();
+  out.mutable_weights()->Assign(st.weights.begin(), st.weights.end());
+  out.mutable_covariance()->Assign(st.covariance.begin(), st.covariance.end());
+  out.mutable_speed_factors()->Assign(st.speed_factors.begin(), st.speed_factors.end());
+  out.set_rank_error_variance(st.rank_error_variance);
+  out.set_steps_observed(st.steps_observed);
+  const CostCoefficients& p = model.prior();
+  for (double c : {p.per_block, p.per_token, p.per_sample, p.per_micro_batch}) out.add_prior(c);
+  return out;
+}
+
+absl::StatusOr<LatencyModel> ModelFromProto(const state::v1::ModelState& in,
+                                            const PlannerConfig& config) {
+  if (in.weights_size() != 4 || in.covariance_size() != 16 || in.prior_size() != 4 ||
+      in.speed_factors_size() != config.ranks) {
+    return absl::DataLossError("state: a job's model snapshot has the wrong shape");
+  }
+  LatencyModel model(config.shape, config.ranks,
+                     CostCoefficients{in.prior(0), in.prior(1), in.prior(2), in.prior(3)});
+  LatencyModelState st;
+  std::copy(in.weights().begin(), in.weights().end(), st.weights.begin());
+  std::copy(in.covariance().begin(), in.covariance().end(), st.covariance.begin());
+  st.speed_factors.assign(in.speed_factors().begin(), in.speed_factors().end());
+  st.rank_error_variance = in.rank_error_variance();
+  st.steps_observed = in.steps_observed();
+  model.set_state(st);
+  return model;
+}
+
+StepPlan StepPlanFromProto(const state::v1::StepRecord& in) {
+  StepPlan plan;
+  for (const v1::RankPlan& r : in.ranks()) {
+    RankPlan rank;
+    rank.predicted_seconds = r.predicted_seconds();
+    for (const v1::MicroBatch& m : r.micro_batches()) {
+      MicroBatchPlan mb;
+      mb.sample_ids.assign(m.sample_ids().begin(), m.sample_ids().end());
+      mb.densities.assign(m.densities().begin(), m.densities().end());
+      mb.default_density = m.default_density();
+      mb.tokens = m.tokens();
+      mb.predicted_seconds = m.predicted_seconds();
+      rank.micro_batches.push_back(std::move(mb));
+    }
+    plan.ranks.push_back(std::move(rank));
+  }
+  if (in.ranks_size() > 0) {
+    const v1::RankPlan& first = in.ranks(0);
+    absl::StatusOr<Policy> policy = PolicyFromProto(first.policy(), "policy");
+    plan.policy = policy.ok() ? *policy : Policy::kSparseBalance;
+    const v1::PlanFigures& f = first.figures();
+    plan.makespan_seconds = f.makespan_seconds();
+    plan.lower_bound_seconds = f.lower_bound_seconds();
+    plan.gap = f.gap();
+    plan.imbalance_ratio = f.imbalance_ratio();
+    plan.bubble_ratio = f.bubble_ratio();
+    plan.mean_density = f.mean_density();
+    plan.predicted_recall = f.predicted_recall();
+  }
+  plan.deferred_ids.assign(in.deferred_ids().begin(), in.deferred_ids().end());
+  return plan;
+}
+
 }  // namespace
 
 std::string BatchFingerprint(const std::vector<Sample>& batch) {
@@ -64,6 +128,89 @@ std::shared_ptr<JobRegistry::Job> JobRegistry::Find(const std::string& job_id) c
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   return it == jobs_.end() ? nullptr : it->second;
+}
+
+absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job) const {
+  if (options_.store == nullptr) return absl::OkStatus();
+  state::v1::JobSnapshot snapshot;
+  snapshot.set_job_id(id);
+  snapshot.set_name(job.name);
+  snapshot.set_token(job.token);
+  *snapshot.mutable_config() = ConfigToProto(job.settings);
+  *snapshot.mutable_model() = ModelToProto(job.model);
+  snapshot.set_next_step(job.next_step);
+  for (bool joined : job.joined) snapshot.add_joined(joined);
+  return options_.store->SaveJob(snapshot);
+}
+
+absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
+                                   const StepRecord& record) const {
+  if (options_.store == nullptr) return absl::OkStatus();
+  state::v1::StepRecord out;
+  out.set_step(step);
+  for (const Sample& s : record.batch) SampleToProto(s, out.add_batch());
+  for (int r = 0; r < static_cast<int>(record.plan.ranks.size()); ++r) {
+    *out.add_ranks() = RankPlanToProto(record.plan, step, r);
+  }
+  out.mutable_deferred_ids()->Assign(record.plan.deferred_ids.begin(),
+                                     record.plan.deferred_ids.end());
+  out.set_folded(record.folded);
+  return options_.store->SaveStep(id, out);
+}
+
+absl::Status JobRegistry::Restore() {
+  if (options_.store == nullptr) return absl::OkStatus();
+  absl::StatusOr<std::vector<PlanStore::LoadedJob>> loaded = options_.store->LoadAll();
+  if (!loaded.ok()) return loaded.status();
+  WireLimits relaxed = options_.limits;
+  relaxed.max_world_size = std::max(relaxed.max_world_size, 1 << 30);
+  for (PlanStore::LoadedJob& l : *loaded) {
+    const std::string& id = l.job.job_id();
+    absl::StatusOr<JobSettings> settings = ConfigFromProto(l.job.config(), relaxed);
+    if (!settings.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("state: job ", id, ": ", settings.status().message()));
+    }
+    absl::StatusOr<LatencyModel> model = ModelFromProto(l.job.model(), settings->planner);
+    if (!model.ok()) return model.status();
+    auto job = std::make_shared<Job>(*settings, model->prior());
+    absl::MutexLock job_lock(&job->mu);
+    job->model = *model;
+    job->name = l.job.name();
+    job->token = l.job.token();
+    job->joined.assign(settings->planner.ranks, false);
+    for (int r = 0; r < l.job.joined_size() && r < settings->planner.ranks; ++r) {
+      job->joined[r] = l.job.joined(r);
+    }
+    job->next_step = l.job.next_step();
+    for (PlanStore::LoadedStep& step : l.steps) {
+      StepRecord record;
+      for (const v1::Sample& s : step.record.batch()) {
+        record.batch.push_back(Sample{s.id(),
+                                      s.length(),
+                                      s.sensitivity(),
+                                      s.group(),
+                                      {s.segments().begin(), s.segments().end()}});
+      }
+      record.batch_fingerprint = BatchFingerprint(record.batch);
+      record.plan = StepPlanFromProto(step.record);
+      record.folded = step.record.folded();
+      for (const state::v1::ReportRecord& report : step.reports) {
+        std::vector<MicroBatchMeasurement>& measured = record.reports[report.rank()];
+        for (const v1::MicroBatchReport& m : report.micro_batches()) {
+          measured.push_back({m.micro_batch(), m.compute_seconds(), m.attention_seconds(),
+                              m.tokens(), m.achieved_density(), m.recall()});
+        }
+        record.waits[report.rank()] = report.wait_seconds();
+      }
+      // A step record written just before a crash that kept the snapshot from landing.
+      job->next_step = std::max(job->next_step, step.record.step() + 1);
+      job->history[step.record.step()] = std::move(record);
+    }
+    absl::MutexLock lock(&mu_);
+    jobs_[id] = job;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
@@ -100,6 +247,10 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
   do {
     id = random_hex_(kJobIdHexChars);
   } while (jobs_.count(id) > 0);
+  {
+    absl::ReaderMutexLock job_lock(&job->mu);
+    if (absl::Status s = SaveJob(id, *job); !s.ok()) return s;
+  }
   jobs_[id] = job;
   return CreatedJob{id, job->token, settings};
 }
@@ -126,7 +277,13 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
     return absl::InvalidArgumentError(absl::StrCat(
         "rank: ", rank, " is outside [0, ", job->settings.planner.ranks, ") of job ", job_id));
   }
-  job->joined[rank] = true;
+  if (!job->joined[rank]) {
+    job->joined[rank] = true;
+    if (absl::Status s = SaveJob(job_id, *job); !s.ok()) {
+      job->joined[rank] = false;
+      return s;
+    }
+  }
   return std::make_pair(job->settings, job->next_step);
 }
 
@@ -160,11 +317,17 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   record.batch_fingerprint = BatchFingerprint(batch);
   record.batch = batch;
   record.plan = *plan;
+  // Durable before it is acknowledged: the step record first, then the snapshot that counts
+  // it (Restore also counts a step record whose snapshot did not land).
+  if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
   job->history[step] = std::move(record);
   ++job->next_step;
   while (static_cast<int>(job->history.size()) > job->settings.history_steps) {
+    const int64_t dropped = job->history.begin()->first;
     job->history.erase(job->history.begin());
+    if (options_.store != nullptr) options_.store->DropStep(job_id, dropped).IgnoreError();
   }
+  if (absl::Status s = SaveJob(job_id, *job); !s.ok()) return s;
   return SubmitResult{step, plan->deferred_ids, *std::move(plan), false};
 }
 
@@ -258,14 +421,30 @@ absl::StatusOr<bool> JobRegistry::ReportStep(
           where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
     }
   }
+  if (options_.store != nullptr) {
+    state::v1::ReportRecord out;
+    out.set_rank(rank);
+    out.set_wait_seconds(wait_seconds);
+    for (const MicroBatchMeasurement& m : micro_batches) {
+      v1::MicroBatchReport* r = out.add_micro_batches();
+      r->set_micro_batch(m.micro_batch);
+      r->set_compute_seconds(m.compute_seconds);
+      r->set_attention_seconds(m.attention_seconds);
+      r->set_tokens(m.tokens);
+      r->set_achieved_density(m.achieved_density);
+      r->set_recall(m.recall);
+    }
+    if (absl::Status s = options_.store->AppendReport(job_id, step, out); !s.ok()) return s;
+  }
   record.reports[rank] = micro_batches;
+  record.waits[rank] = wait_seconds;
   if (static_cast<int>(record.reports.size()) == config.ranks && !record.folded) {
-    if (absl::Status s = Fold(*job, record); !s.ok()) return s;
+    if (absl::Status s = Fold(job_id, *job, step, record); !s.ok()) return s;
   }
   return false;
 }
 
-absl::Status JobRegistry::Fold(Job& job, StepRecord& record) {
+absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord& record) {
   std::map<uint64_t, const Sample*> by_id;
   for (const Sample& s : record.batch) by_id[s.id] = &s;
   std::vector<Observation> observations;
@@ -287,7 +466,11 @@ absl::Status JobRegistry::Fold(Job& job, StepRecord& record) {
     }
   }
   record.folded = true;
-  return job.model.ObserveStep(std::move(observations));
+  if (absl::Status s = job.model.ObserveStep(std::move(observations)); !s.ok()) return s;
+  // The model and the folded mark land together enough: a crash between the two re-folds
+  // nothing (the snapshot says folded steps are in the model) or folds once more on restart.
+  if (absl::Status s = SaveJob(id, job); !s.ok()) return s;
+  return SaveStep(id, step, record);
 }
 
 absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,
@@ -309,6 +492,7 @@ absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& j
   LatencyModelState state = job->model.state();
   state.speed_factors = speeds;
   job->model.set_state(state);
+  if (absl::Status s = SaveJob(job_id, *job); !s.ok()) return s;
   return *fitted;
 }
 
@@ -354,9 +538,16 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
     }
   }
   if (absl::Status s = ValidateConfig(c); !s.ok()) return s;
+  const JobSettings previous = job->settings;
   job->settings = next;
+  if (absl::Status s = SaveJob(job_id, *job); !s.ok()) {
+    job->settings = previous;
+    return s;
+  }
   while (static_cast<int>(job->history.size()) > job->settings.history_steps) {
+    const int64_t dropped = job->history.begin()->first;
     job->history.erase(job->history.begin());
+    if (options_.store != nullptr) options_.store->DropStep(job_id, dropped).IgnoreError();
   }
   return next;
 }
@@ -403,7 +594,11 @@ std::vector<JobView> JobRegistry::ListJobs(const std::string& after, int limit) 
 
 absl::Status JobRegistry::DeleteJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  if (jobs_.erase(job_id) == 0) return NotFound(job_id);
+  if (jobs_.count(job_id) == 0) return NotFound(job_id);
+  if (options_.store != nullptr) {
+    if (absl::Status s = options_.store->DeleteJob(job_id); !s.ok()) return s;
+  }
+  jobs_.erase(job_id);
   return absl::OkStatus();
 }
 

@@ -28,6 +28,7 @@
 #include "planner/latency_model.h"
 #include "planner/types.h"
 #include "proto/wire.h"
+#include "server/plan_store.h"
 
 namespace sparsebalance {
 
@@ -71,10 +72,17 @@ class JobRegistry {
   struct Options {
     WireLimits limits;
     int max_jobs = 1024;
+    // When set, every change is written here before it is acknowledged (plan_store.h), and
+    // Restore() reloads the jobs. Not owned.
+    PlanStore* store = nullptr;
   };
   // `random_hex(n)` returns n random hexadecimal characters (from a CSPRNG in production):
   // job ids and tokens are drawn from it.
   JobRegistry(Options options, std::function<std::string(int)> random_hex);
+
+  // Reloads every job of options.store (after a restart): the same plans are served, reports
+  // already acknowledged count, and steps continue where they stopped.
+  absl::Status Restore();
 
   absl::StatusOr<CreatedJob> CreateJob(const std::string& name, const JobSettings& settings,
                                        const std::string& profile);
@@ -114,6 +122,7 @@ class JobRegistry {
     std::vector<Sample> batch;
     StepPlan plan;
     std::map<int, std::vector<MicroBatchMeasurement>> reports;  // by rank
+    std::map<int, double> waits;                                // by rank, seconds
     bool folded = false;
   };
   struct Job {
@@ -130,9 +139,14 @@ class JobRegistry {
   };
 
   std::shared_ptr<Job> Find(const std::string& job_id) const;
+  // Writes the job's snapshot to the store (no-op without one).
+  absl::Status SaveJob(const std::string& id, const Job& job) const
+      ABSL_SHARED_LOCKS_REQUIRED(job.mu);
+  absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
   static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   // Folds a step whose every rank has reported into the model (in rank order).
-  static absl::Status Fold(Job& job, StepRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  absl::Status Fold(const std::string& id, Job& job, int64_t step, StepRecord& record)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
 
   const Options options_;
   const std::function<std::string(int)> random_hex_;

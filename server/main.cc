@@ -22,6 +22,12 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
           "host:port for gRPC (port 0 picks a free port; the chosen address is printed)");
+ABSL_FLAG(std::string, state_dir, "sb-planner-state",
+          "directory for jobs, plans and reports (created, mode 0700: it holds job tokens); "
+          "a restarted planner reloads every job from it");
+ABSL_FLAG(bool, fsync_reports, false,
+          "also fsync every report before acknowledging it (survives machine crashes, not just "
+          "planner crashes; costs a disk flush per report)");
 ABSL_FLAG(std::string, admin_token_file, "",
           "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain: serve TLS (with --tls_key)");
@@ -103,8 +109,8 @@ int Main(int argc, char** argv) {
       "the SparseBalance planner service (sparsebalance.planner.v1.PlannerService).\n"
       "Trainers create a job (CreateJob returns its token), submit each step's global batch,\n"
       "and every rank gets its plan and reports its timings. Health: grpc.health.v1 for\n"
-      "service \"sparsebalance.planner.v1.PlannerService\"; reflection is on.\n"
-      "State is kept in memory for now: a restart loses the jobs.\n\n"
+      "service \"sparsebalance.planner.v1.PlannerService\"; reflection is on. Plans are on\n"
+      "disk in --state_dir before SubmitBatch returns; a restarted planner continues every job.\n\n"
       "  sb-planner                                 # 127.0.0.1:50151\n"
       "  sb-planner --listen=0.0.0.0:50151 --admin_token_file=/run/secrets/admin");
   // --help lists this file's flags (absl's default looks for a file named like the binary).
@@ -144,11 +150,26 @@ int Main(int argc, char** argv) {
     return 2;
   }
 
+  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  absl::StatusOr<std::unique_ptr<PlanStore>> store =
+      PlanStore::Open(state_dir, absl::GetFlag(FLAGS_fsync_reports));
+  if (!store.ok()) {
+    std::cerr << "sb-planner: --state_dir=" << state_dir << ": " << store.status().message()
+              << "\n";
+    return 2;
+  }
   JobRegistry::Options registry_options;
+  registry_options.store = store->get();
   registry_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
   registry_options.limits.max_samples = absl::GetFlag(FLAGS_max_samples);
   registry_options.limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   JobRegistry registry(registry_options, RandomHex);
+  if (absl::Status restored = registry.Restore(); !restored.ok()) {
+    std::cerr << "sb-planner: cannot reload --state_dir=" << state_dir << ": " << restored.message()
+              << "\n";
+    return 1;
+  }
+  const size_t jobs = registry.ListJobs("", registry_options.max_jobs + 1).size();
   PlannerServiceImpl::Options service_options;
   service_options.admin_token = admin_token;
   service_options.limits = registry_options.limits;
@@ -178,7 +199,8 @@ int Main(int argc, char** argv) {
   const std::string host = listen.substr(0, listen.rfind(':'));
   std::cout << "sb-planner: listening on " << host << ":" << port
             << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)" : " (TLS)")
-            << "; health service " << kServiceName << std::endl;
+            << "; health service " << kServiceName << "; state in " << state_dir << " (" << jobs
+            << " jobs reloaded)" << std::endl;
 
   int signal = 0;
   sigwait(&stop_signals, &signal);

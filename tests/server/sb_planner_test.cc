@@ -28,7 +28,7 @@ namespace v1 = ::sparsebalance::planner::v1;
 // The planner process with its stdout on a pipe.
 class PlannerProcess {
  public:
-  PlannerProcess() {
+  explicit PlannerProcess(const std::string& state_dir) {
     int fds[2];
     EXPECT_EQ(pipe(fds), 0);
     posix_spawn_file_actions_t actions;
@@ -38,7 +38,8 @@ class PlannerProcess {
     std::string binary = SB_PLANNER_PATH;
     std::string listen = "--listen=127.0.0.1:0";
     std::string drain = "--drain_seconds=2";
-    char* argv[] = {binary.data(), listen.data(), drain.data(), nullptr};
+    std::string state = "--state_dir=" + state_dir;
+    char* argv[] = {binary.data(), listen.data(), drain.data(), state.data(), nullptr};
     EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv, environ), 0);
     posix_spawn_file_actions_destroy(&actions);
     close(fds[1]);
@@ -104,13 +105,24 @@ int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::strin
   return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
 }
 
-TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
-  PlannerProcess planner;
-  const std::string line = planner.ReadLine();
-  ASSERT_NE(line.find("listening on 127.0.0.1:"), std::string::npos) << line;
-  const size_t colon = line.find("127.0.0.1:") + 10;
+int PortOf(const std::string& line) {
+  const size_t at = line.find("listening on 127.0.0.1:");
+  if (at == std::string::npos) return 0;
+  const size_t colon = at + 23;
   int port = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(line.substr(colon, line.find(' ', colon) - colon), &port)) << line;
+  return absl::SimpleAtoi(line.substr(colon, line.find(' ', colon) - colon), &port) ? port : 0;
+}
+
+std::string StateDir() {
+  std::string pattern = ::testing::TempDir() + "sb_planner_XXXXXX";
+  return std::string(mkdtemp(pattern.data())) + "/state";
+}
+
+TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
+  PlannerProcess planner(StateDir());
+  const std::string line = planner.ReadLine();
+  const int port = PortOf(line);
+  ASSERT_GT(port, 0) << line;
   auto channel =
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
   EXPECT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);  // SERVING
@@ -125,6 +137,63 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
   EXPECT_EQ(job.job_token().size(), 64u);
   EXPECT_EQ(job.job_id().size(), 16u);
 
+  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+}
+
+TEST(SbPlannerTest, AKilledPlannerRestartsWithItsJobsAndPlans) {
+  const std::string state_dir = StateDir();
+  v1::CreateJobResponse job;
+  v1::GetRankPlanResponse before;
+  v1::SubmitBatchRequest batch;
+  {
+    PlannerProcess planner(state_dir);
+    const int port = PortOf(planner.ReadLine());
+    ASSERT_GT(port, 0);
+    auto stub = v1::PlannerService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    v1::CreateJobRequest create;
+    create.mutable_config()->set_world_size(2);
+    grpc::ClientContext c1;
+    ASSERT_TRUE(stub->CreateJob(&c1, create, &job).ok());
+    batch.set_job_id(job.job_id());
+    batch.set_step(0);
+    for (int i = 0; i < 10; ++i) {
+      v1::Sample* s = batch.add_samples();
+      s->set_id(i);
+      s->set_length(1000 + 1500 * i);
+    }
+    v1::SubmitBatchResponse submitted;
+    grpc::ClientContext c2;
+    c2.AddMetadata("authorization", "Bearer " + job.job_token());
+    ASSERT_TRUE(stub->SubmitBatch(&c2, batch, &submitted).ok());
+    v1::GetRankPlanRequest get;
+    get.set_job_id(job.job_id());
+    get.set_rank(1);
+    grpc::ClientContext c3;
+    c3.AddMetadata("authorization", "Bearer " + job.job_token());
+    ASSERT_TRUE(stub->GetRankPlan(&c3, get, &before).ok());
+    EXPECT_EQ(planner.Stop(SIGKILL), 128 + SIGKILL);
+  }
+  PlannerProcess planner(state_dir);
+  const std::string line = planner.ReadLine();
+  const int port = PortOf(line);
+  ASSERT_GT(port, 0);
+  EXPECT_NE(line.find("(1 jobs reloaded)"), std::string::npos) << line;
+  auto stub = v1::PlannerService::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  v1::GetRankPlanRequest get;
+  get.set_job_id(job.job_id());
+  get.set_rank(1);
+  v1::GetRankPlanResponse after;
+  grpc::ClientContext c4;
+  c4.AddMetadata("authorization", "Bearer " + job.job_token());
+  ASSERT_TRUE(stub->GetRankPlan(&c4, get, &after).ok());
+  EXPECT_EQ(after.SerializeAsString(), before.SerializeAsString());
+  // Step 1 comes next; resubmitting step 0 gives the same answer.
+  v1::SubmitBatchResponse again;
+  grpc::ClientContext c5;
+  c5.AddMetadata("authorization", "Bearer " + job.job_token());
+  EXPECT_TRUE(stub->SubmitBatch(&c5, batch, &again).ok());
   EXPECT_EQ(planner.Stop(SIGTERM), 0);
 }
 

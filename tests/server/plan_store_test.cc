@@ -1,0 +1,174 @@
+// Durability: a registry restored from its state directory serves the same plans, counts the
+// reports it acknowledged, and continues the job.
+#include "server/plan_store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+#include "planner/traces.h"
+#include "server/job_registry.h"
+
+namespace sparsebalance {
+namespace {
+
+std::string TempDir() {
+  std::string pattern = ::testing::TempDir() + "plan_store_XXXXXX";
+  char* dir = mkdtemp(pattern.data());
+  EXPECT_NE(dir, nullptr);
+  return std::string(dir) + "/state";
+}
+
+std::function<std::string(int)> CountingHex() {
+  auto counter = std::make_shared<int>(0);
+  return [counter](int n) {
+    std::string s = absl::StrCat(++*counter);
+    return std::string(n - s.size(), 'c') + s;
+  };
+}
+
+JobSettings Settings(int ranks, int history) {
+  JobSettings s;
+  s.planner.ranks = ranks;
+  s.planner.micro_batches = 2;
+  s.planner.micro_batch_capacity = 65536;
+  s.history_steps = history;
+  return s;
+}
+
+std::vector<Sample> Batch(uint64_t seed, int ranks) {
+  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", seed);
+  std::vector<Sample> batch;
+  int64_t total = 0;
+  while (true) {
+    Sample s = gen->Next();
+    if (s.length > 65536) continue;
+    if (total + s.length > int64_t{ranks} * 2 * 65536 * 6 / 10) break;
+    total += s.length;
+    batch.push_back(s);
+  }
+  return batch;
+}
+
+std::vector<MicroBatchMeasurement> Measure(const StepPlan& plan, int rank) {
+  std::vector<MicroBatchMeasurement> out;
+  const std::vector<MicroBatchPlan>& mbs = plan.ranks[rank].micro_batches;
+  for (size_t m = 0; m < mbs.size(); ++m) {
+    if (mbs[m].sample_ids.empty()) continue;
+    out.push_back({static_cast<int>(m), 1.2 * mbs[m].predicted_seconds,
+                   0.3 * mbs[m].predicted_seconds, mbs[m].tokens, 0.3, 0.9});
+  }
+  return out;
+}
+
+int CountFiles(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
+  const std::string dir = TempDir();
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobRegistry::Options options;
+  options.store = store->get();
+  constexpr int kRanks = 3;
+  std::string id;
+  std::string token;
+  std::vector<std::string> plans;
+  std::vector<std::vector<Sample>> batches;
+  JobView before;
+  {
+    JobRegistry registry(options, CountingHex());
+    absl::StatusOr<CreatedJob> job = registry.CreateJob("durable", Settings(kRanks, 8), "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    id = job->job_id;
+    token = job->job_token;
+    for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+    for (int step = 0; step < 3; ++step) {
+      batches.push_back(Batch(10 + step, kRanks));
+      absl::StatusOr<SubmitResult> result = registry.SubmitBatch(id, step, batches.back());
+      ASSERT_TRUE(result.ok()) << result.status();
+      plans.push_back(CanonicalPlanText(result->plan));
+      // Steps 0 and 1 fully reported (folded into the model), step 2 by rank 0 only.
+      const int reporters = step < 2 ? kRanks : 1;
+      for (int r = 0; r < reporters; ++r) {
+        ASSERT_TRUE(registry.ReportStep(id, step, r, Measure(result->plan, r), 0.0).ok());
+      }
+    }
+    before = *registry.GetJob(id);
+  }  // the planner "dies"
+
+  JobRegistry restored(options, CountingHex());
+  ASSERT_TRUE(restored.Restore().ok());
+  EXPECT_TRUE(restored.Authorize(id, token).ok());
+  absl::StatusOr<JobView> after = restored.GetJob(id);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->next_step, 3);
+  EXPECT_EQ(after->joined_ranks, kRanks);
+  EXPECT_EQ(after->speed_factors, before.speed_factors);
+  EXPECT_EQ(after->coefficients.per_token, before.coefficients.per_token);
+  for (int step = 0; step < 3; ++step) {
+    bool ready = false;
+    absl::StatusOr<StepPlan> plan = restored.GetPlan(id, step, 0, &ready);
+    ASSERT_TRUE(plan.ok() && ready);
+    EXPECT_EQ(CanonicalPlanText(*plan), plans[step]) << "step " << step;
+    // Resubmitting the same batch is recognised as the planned one.
+    EXPECT_TRUE(restored.SubmitBatch(id, step, batches[step])->repeated);
+  }
+  // Rank 0's acknowledged report of step 2 is still there; the others complete the step.
+  bool ready = false;
+  const StepPlan step2 = *restored.GetPlan(id, 2, 0, &ready);
+  EXPECT_TRUE(*restored.ReportStep(id, 2, 0, Measure(step2, 0), 0.0));  // a repeat
+  for (int r = 1; r < kRanks; ++r) {
+    EXPECT_FALSE(*restored.ReportStep(id, 2, r, Measure(step2, r), 0.0));
+  }
+  EXPECT_NE(restored.GetJob(id)->coefficients.per_token, before.coefficients.per_token);
+  // And the job goes on.
+  EXPECT_TRUE(restored.SubmitBatch(id, 3, Batch(20, kRanks)).ok());
+}
+
+TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
+  const std::string dir = TempDir();
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, true);
+  ASSERT_TRUE(store.ok());
+  JobRegistry::Options options;
+  options.store = store->get();
+  JobRegistry registry(options, CountingHex());
+  const std::string id = registry.CreateJob("torn", Settings(2, 2), "")->job_id;
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+  absl::StatusOr<SubmitResult> s0 = registry.SubmitBatch(id, 0, Batch(1, 2));
+  ASSERT_TRUE(s0.ok());
+  ASSERT_TRUE(registry.ReportStep(id, 0, 0, Measure(s0->plan, 0), 0.0).ok());
+  // A crash in the middle of the next append leaves half a record.
+  const std::string log = dir + "/" + id + "/step-0.reports";
+  const int fd = open(log.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(write(fd, "\x40\x00\x00\x00\x01\x02", 6), 6);
+  close(fd);
+  JobRegistry restored(options, CountingHex());
+  ASSERT_TRUE(restored.Restore().ok());
+  EXPECT_TRUE(*restored.ReportStep(id, 0, 0, Measure(s0->plan, 0), 0.0));   // kept
+  EXPECT_FALSE(*restored.ReportStep(id, 0, 1, Measure(s0->plan, 1), 0.0));  // not torn in
+  // History of 2: step 0's files go when step 2 is planned.
+  ASSERT_TRUE(restored.SubmitBatch(id, 1, Batch(2, 2)).ok());
+  ASSERT_TRUE(restored.SubmitBatch(id, 2, Batch(3, 2)).ok());
+  EXPECT_NE(access((dir + "/" + id + "/step-0.pb").c_str(), F_OK), 0);
+  EXPECT_EQ(access((dir + "/" + id + "/step-2.pb").c_str(), F_OK), 0);
+  ASSERT_TRUE(restored.DeleteJob(id).ok());
+  EXPECT_EQ(CountFiles(dir), 0);
+}
+
+}  // namespace
+}  // namespace sparsebalance
