@@ -467,6 +467,26 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
   }
   record.folded = true;
   if (absl::Status s = job.model.ObserveStep(std::move(observations)); !s.ok()) return s;
+  if (options_.on_step) {
+    StepStats stats;
+    stats.step = step;
+    stats.policy = record.plan.policy;
+    stats.planned_makespan_seconds = record.plan.makespan_seconds;
+    for (const auto& [rank, reports] : record.reports) {
+      double seconds = 0.0;
+      for (const MicroBatchMeasurement& m : reports) {
+        seconds += m.compute_seconds;
+        stats.densities.push_back(m.achieved_density);
+        stats.recalls.push_back(m.recall);
+      }
+      stats.rank_seconds.push_back(seconds);
+      stats.predicted_rank_seconds.push_back(record.plan.ranks[rank].predicted_seconds);
+      auto wait = record.waits.find(rank);
+      stats.wait_seconds.push_back(wait == record.waits.end() ? 0.0 : wait->second);
+    }
+    stats.speed_factors = job.model.speed_factors();
+    options_.on_step(id, stats);
+  }
   // The model and the folded mark land together enough: a crash between the two re-folds
   // nothing (the snapshot says folded steps are in the model) or folds once more on restart.
   if (absl::Status s = SaveJob(id, job); !s.ok()) return s;
@@ -590,6 +610,11 @@ std::vector<JobView> JobRegistry::ListJobs(const std::string& after, int limit) 
     out.push_back(View(id, *job));
   }
   return out;
+}
+
+int JobRegistry::job_count() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(jobs_.size());
 }
 
 absl::Status JobRegistry::DeleteJob(const std::string& job_id) {

@@ -42,6 +42,19 @@ struct MicroBatchMeasurement {
   double recall = 0.0;
 };
 
+// What the ranks measured in a step whose every rank has reported (for metrics).
+struct StepStats {
+  int64_t step = 0;
+  Policy policy = Policy::kSparseBalance;
+  std::vector<double> rank_seconds;            // measured compute per rank
+  std::vector<double> predicted_rank_seconds;  // what the plan predicted per rank
+  std::vector<double> wait_seconds;            // reported idle time per rank
+  std::vector<double> densities;               // achieved, per micro-batch
+  std::vector<double> recalls;                 // per micro-batch
+  std::vector<double> speed_factors;           // the model's, after folding the step
+  double planned_makespan_seconds = 0.0;
+};
+
 struct CreatedJob {
   std::string job_id;
   std::string job_token;
@@ -75,6 +88,8 @@ class JobRegistry {
     // When set, every change is written here before it is acknowledged (plan_store.h), and
     // Restore() reloads the jobs. Not owned.
     PlanStore* store = nullptr;
+    // Called (under the job's lock: keep it short) when a step's last report arrives.
+    std::function<void(const std::string& job_id, const StepStats& stats)> on_step;
   };
   // `random_hex(n)` returns n random hexadecimal characters (from a CSPRNG in production):
   // job ids and tokens are drawn from it.
@@ -115,6 +130,7 @@ class JobRegistry {
   // Jobs in id order after `after` (exclusive), at most `limit`.
   std::vector<JobView> ListJobs(const std::string& after, int limit) const;
   absl::Status DeleteJob(const std::string& job_id);
+  int job_count() const;
 
  private:
   struct StepRecord {

@@ -18,6 +18,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+#include "server/planner_metrics.h"
 #include "server/planner_service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
@@ -28,6 +31,9 @@ ABSL_FLAG(std::string, state_dir, "sb-planner-state",
 ABSL_FLAG(bool, fsync_reports, false,
           "also fsync every report before acknowledging it (survives machine crashes, not just "
           "planner crashes; costs a disk flush per report)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9151",
+          "host:port of the Prometheus endpoint /metrics (port 0 picks a free port)");
+ABSL_FLAG(int, max_rank_series, 64, "jobs of at most this many ranks also export per-rank series");
 ABSL_FLAG(std::string, admin_token_file, "",
           "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain: serve TLS (with --tls_key)");
@@ -158,8 +164,24 @@ int Main(int argc, char** argv) {
               << "\n";
     return 2;
   }
+  auto metrics_registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series));
+  std::unique_ptr<prometheus::Exposer> exposer;
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  try {  // prometheus-cpp reports a busy port by throwing
+    exposer = std::make_unique<prometheus::Exposer>(metrics_listen);
+  } catch (const std::exception& e) {
+    std::cerr << "sb-planner: cannot serve metrics on --metrics_listen=" << metrics_listen << ": "
+              << e.what() << "\n";
+    return 1;
+  }
+  exposer->RegisterCollectable(metrics_registry);
+
   JobRegistry::Options registry_options;
   registry_options.store = store->get();
+  registry_options.on_step = [&metrics](const std::string& job_id, const StepStats& stats) {
+    metrics.ObserveStep(job_id, stats);
+  };
   registry_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
   registry_options.limits.max_samples = absl::GetFlag(FLAGS_max_samples);
   registry_options.limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
@@ -173,6 +195,7 @@ int Main(int argc, char** argv) {
   PlannerServiceImpl::Options service_options;
   service_options.admin_token = admin_token;
   service_options.limits = registry_options.limits;
+  service_options.metrics = &metrics;
   PlannerServiceImpl service(&registry, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -200,7 +223,9 @@ int Main(int argc, char** argv) {
   std::cout << "sb-planner: listening on " << host << ":" << port
             << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)" : " (TLS)")
             << "; health service " << kServiceName << "; state in " << state_dir << " (" << jobs
-            << " jobs reloaded)" << std::endl;
+            << " jobs reloaded); metrics on http://"
+            << metrics_listen.substr(0, metrics_listen.rfind(':')) << ":"
+            << exposer->GetListeningPorts().front() << "/metrics" << std::endl;
 
   int signal = 0;
   sigwait(&stop_signals, &signal);

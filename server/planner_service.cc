@@ -1,5 +1,6 @@
 #include "server/planner_service.h"
 
+#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -11,10 +12,8 @@
 namespace sparsebalance {
 namespace {
 
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void SummaryToProto(const JobView& view, v1::JobSummary* out) {
@@ -35,6 +34,8 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
 // The reactor deletes itself in OnDone, which gRPC runs only after Finish, so it is alive
 // whenever `finished` is false.
 struct PlannerServiceImpl::Wait {
+  const PlannerServiceImpl* service = nullptr;
+  std::chrono::steady_clock::time_point start;
   std::string job_id;
   int64_t step = 0;
   int rank = 0;
@@ -48,6 +49,7 @@ struct PlannerServiceImpl::Wait {
     if (finished) return;
     finished = true;
     if (plan != nullptr) *response->mutable_plan() = RankPlanToProto(*plan, step, rank);
+    service->Record("GetRankPlan", start, status);
     reactor->Finish(ToGrpcStatus(status));
   }
 };
@@ -89,7 +91,30 @@ std::string BearerToken(const grpc::CallbackServerContext& context) {
 }
 
 PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
-    : registry_(registry), options_(std::move(options)) {}
+    : registry_(registry), options_(std::move(options)) {
+  if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::Finish(grpc::CallbackServerContext* context,
+                                                     const char* method, Clock::time_point start,
+                                                     const absl::Status& status) {
+  Record(method, start, status);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void PlannerServiceImpl::Record(const char* method, Clock::time_point start,
+                                const absl::Status& status) const {
+  if (options_.metrics == nullptr) return;
+  options_.metrics->ObserveRpc(method, static_cast<grpc::StatusCode>(status.code()),
+                               SecondsSince(start));
+  // The store reports its failures as UNAVAILABLE "state: ..." (plan_store.cc).
+  if (status.code() == absl::StatusCode::kUnavailable &&
+      absl::StartsWith(status.message(), "state:")) {
+    options_.metrics->ObserveStateWriteFailure();
+  }
+}
 
 PlannerServiceImpl::~PlannerServiceImpl() = default;
 
@@ -115,51 +140,60 @@ absl::Status PlannerServiceImpl::AuthorizeAdmin(grpc::CallbackServerContext* con
 grpc::ServerUnaryReactor* PlannerServiceImpl::CreateJob(grpc::CallbackServerContext* context,
                                                         const v1::CreateJobRequest* request,
                                                         v1::CreateJobResponse* response) {
-  if (absl::Status s = AuthorizeAdmin(context); !s.ok()) return Finish(context, s);
+  const Clock::time_point start = Clock::now();
+  if (absl::Status s = AuthorizeAdmin(context); !s.ok())
+    return Finish(context, "CreateJob", start, s);
   absl::StatusOr<JobSettings> settings = ConfigFromProto(request->config(), options_.limits);
-  if (!settings.ok()) return Finish(context, settings.status());
+  if (!settings.ok()) return Finish(context, "CreateJob", start, settings.status());
   absl::StatusOr<CreatedJob> job =
       registry_->CreateJob(request->name(), *settings, request->profile());
-  if (!job.ok()) return Finish(context, job.status());
+  if (!job.ok()) return Finish(context, "CreateJob", start, job.status());
+  if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
   response->set_job_id(job->job_id);
   response->set_job_token(job->job_token);
   *response->mutable_config() = ConfigToProto(job->settings);
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "CreateJob", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::JoinJob(grpc::CallbackServerContext* context,
                                                       const v1::JoinJobRequest* request,
                                                       v1::JoinJobResponse* response) {
+  const Clock::time_point start = Clock::now();
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "JoinJob", start, s);
   }
   auto joined = registry_->JoinJob(request->job_id(), request->rank());
-  if (!joined.ok()) return Finish(context, joined.status());
+  if (!joined.ok()) return Finish(context, "JoinJob", start, joined.status());
   *response->mutable_config() = ConfigToProto(joined->first);
   response->set_next_step(joined->second);
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "JoinJob", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerContext* context,
                                                           const v1::SubmitBatchRequest* request,
                                                           v1::SubmitBatchResponse* response) {
+  const Clock::time_point start = Clock::now();
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "SubmitBatch", start, s);
   }
   absl::StatusOr<JobView> job = registry_->GetJob(request->job_id());
-  if (!job.ok()) return Finish(context, job.status());
+  if (!job.ok()) return Finish(context, "SubmitBatch", start, job.status());
   absl::StatusOr<std::vector<Sample>> batch =
       SamplesFromProto(request->samples(), job->settings.planner, options_.limits);
-  if (!batch.ok()) return Finish(context, batch.status());
+  if (!batch.ok()) return Finish(context, "SubmitBatch", start, batch.status());
+  const Clock::time_point plan_start = Clock::now();
   absl::StatusOr<SubmitResult> result =
       registry_->SubmitBatch(request->job_id(), request->step(), *batch);
-  if (!result.ok()) return Finish(context, result.status());
+  if (!result.ok()) return Finish(context, "SubmitBatch", start, result.status());
+  if (!result->repeated && options_.metrics != nullptr) {
+    options_.metrics->ObservePlan(request->job_id(), result->plan, SecondsSince(plan_start));
+  }
   response->set_step(result->step);
   response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
                                            result->deferred_ids.end());
   *response->mutable_figures() = FiguresToProto(result->plan);
   if (!result->repeated) WakeWaiters(request->job_id(), request->step());
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "SubmitBatch", start, absl::OkStatus());
 }
 
 bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait) {
@@ -209,10 +243,13 @@ int PlannerServiceImpl::waiting_calls() const {
 grpc::ServerUnaryReactor* PlannerServiceImpl::GetRankPlan(grpc::CallbackServerContext* context,
                                                           const v1::GetRankPlanRequest* request,
                                                           v1::GetRankPlanResponse* response) {
+  const Clock::time_point start = Clock::now();
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "GetRankPlan", start, s);
   }
   auto wait = std::make_shared<Wait>();
+  wait->service = this;
+  wait->start = start;
   wait->job_id = request->job_id();
   wait->step = request->step();
   wait->rank = request->rank();
@@ -230,8 +267,9 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::GetRankPlan(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerContext* context,
                                                          const v1::ReportStepRequest* request,
                                                          v1::ReportStepResponse* response) {
+  const Clock::time_point start = Clock::now();
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "ReportStep", start, s);
   }
   std::vector<MicroBatchMeasurement> measured;
   measured.reserve(request->micro_batches_size());
@@ -241,33 +279,35 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerCon
   }
   absl::StatusOr<bool> duplicate = registry_->ReportStep(
       request->job_id(), request->step(), request->rank(), measured, request->wait_seconds());
-  if (!duplicate.ok()) return Finish(context, duplicate.status());
+  if (!duplicate.ok()) return Finish(context, "ReportStep", start, duplicate.status());
   response->set_duplicate(*duplicate);
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "ReportStep", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::UploadProfile(grpc::CallbackServerContext* context,
                                                             const v1::UploadProfileRequest* request,
                                                             v1::UploadProfileResponse* response) {
+  const Clock::time_point start = Clock::now();
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "UploadProfile", start, s);
   }
   absl::StatusOr<CostCoefficients> fitted =
       registry_->UploadProfile(request->job_id(), request->profile());
-  if (!fitted.ok()) return Finish(context, fitted.status());
+  if (!fitted.ok()) return Finish(context, "UploadProfile", start, fitted.status());
   absl::StatusOr<ProfileTable> table = ParseProfileTable(request->profile());
   response->set_device(table.ok() ? table->device : "");
   response->set_seconds_per_block(fitted->per_block);
   response->set_seconds_per_token(fitted->per_token);
   response->set_seconds_per_document(fitted->per_sample);
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "UploadProfile", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::UpdateJobConfig(
     grpc::CallbackServerContext* context, const v1::UpdateJobConfigRequest* request,
     v1::UpdateJobConfigResponse* response) {
+  const Clock::time_point start = Clock::now();
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "UpdateJobConfig", start, s);
   }
   const v1::JobConfig& in = request->config();
   JobSettings update;
@@ -293,33 +333,37 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::UpdateJobConfig(
       s = o.status();
       if (o.ok()) update.planner.overflow = *o;
     }
-    if (!s.ok()) return Finish(context, s);
+    if (!s.ok()) return Finish(context, "UpdateJobConfig", start, s);
   }
   absl::StatusOr<JobSettings> now = registry_->UpdateJobConfig(request->job_id(), update, fields);
-  if (!now.ok()) return Finish(context, now.status());
+  if (!now.ok()) return Finish(context, "UpdateJobConfig", start, now.status());
   *response->mutable_config() = ConfigToProto(*now);
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "UpdateJobConfig", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::GetJob(grpc::CallbackServerContext* context,
                                                      const v1::GetJobRequest* request,
                                                      v1::GetJobResponse* response) {
+  const Clock::time_point start = Clock::now();
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "GetJob", start, s);
   }
   absl::StatusOr<JobView> view = registry_->GetJob(request->job_id());
-  if (!view.ok()) return Finish(context, view.status());
+  if (!view.ok()) return Finish(context, "GetJob", start, view.status());
   SummaryToProto(*view, response->mutable_job());
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "GetJob", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::ListJobs(grpc::CallbackServerContext* context,
                                                        const v1::ListJobsRequest* request,
                                                        v1::ListJobsResponse* response) {
-  if (absl::Status s = AuthorizeAdmin(context); !s.ok()) return Finish(context, s);
+  const Clock::time_point start = Clock::now();
+  if (absl::Status s = AuthorizeAdmin(context); !s.ok())
+    return Finish(context, "ListJobs", start, s);
   if (request->page_size() < 0) {
-    return Finish(context, absl::InvalidArgumentError(
-                               absl::StrCat("page_size: ", request->page_size(), " is negative")));
+    return Finish(context, "ListJobs", start,
+                  absl::InvalidArgumentError(
+                      absl::StrCat("page_size: ", request->page_size(), " is negative")));
   }
   const int limit =
       request->page_size() == 0 ? options_.default_page_size : std::min(request->page_size(), 1000);
@@ -329,14 +373,21 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ListJobs(grpc::CallbackServerConte
   if (more) page.pop_back();
   for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
   if (more) response->set_next_page_token(page.back().job_id);
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "ListJobs", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::DeleteJob(grpc::CallbackServerContext* context,
                                                         const v1::DeleteJobRequest* request,
                                                         v1::DeleteJobResponse* /*response*/) {
-  if (absl::Status s = AuthorizeAdmin(context); !s.ok()) return Finish(context, s);
-  return Finish(context, registry_->DeleteJob(request->job_id()));
+  const Clock::time_point start = Clock::now();
+  if (absl::Status s = AuthorizeAdmin(context); !s.ok())
+    return Finish(context, "DeleteJob", start, s);
+  const absl::Status deleted = registry_->DeleteJob(request->job_id());
+  if (deleted.ok() && options_.metrics != nullptr) {
+    options_.metrics->ForgetJob(request->job_id());
+    options_.metrics->SetJobs(registry_->job_count());
+  }
+  return Finish(context, "DeleteJob", start, deleted);
 }
 
 }  // namespace sparsebalance

@@ -10,6 +10,7 @@
 #ifndef SPARSEBALANCE_SERVER_PLANNER_SERVICE_H_
 #define SPARSEBALANCE_SERVER_PLANNER_SERVICE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -19,6 +20,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "server/job_registry.h"
+#include "server/planner_metrics.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 
 namespace sparsebalance {
@@ -30,6 +32,7 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
     std::string admin_token;
     WireLimits limits;
     int default_page_size = 100;
+    PlannerMetrics* metrics = nullptr;  // not owned; none when null
   };
 
   PlannerServiceImpl(JobRegistry* registry, Options options);
@@ -73,6 +76,11 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
   struct Wait;
 
  private:
+  using Clock = std::chrono::steady_clock;
+  // Records the call in the metrics and finishes it with `status`.
+  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const char* method,
+                                   Clock::time_point start, const absl::Status& status);
+  void Record(const char* method, Clock::time_point start, const absl::Status& status) const;
   absl::Status AuthorizeJob(grpc::CallbackServerContext* context, const std::string& job_id);
   absl::Status AuthorizeAdmin(grpc::CallbackServerContext* context) const;
   // Finishes every call parked on (job_id, step).

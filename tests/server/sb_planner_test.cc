@@ -1,7 +1,10 @@
 // sb-planner as a process: it prints where it listens, serves PlannerService and the
 // grpc.health.v1 service, and on SIGTERM turns NOT_SERVING, drains and exits 0.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -39,7 +42,9 @@ class PlannerProcess {
     std::string listen = "--listen=127.0.0.1:0";
     std::string drain = "--drain_seconds=2";
     std::string state = "--state_dir=" + state_dir;
-    char* argv[] = {binary.data(), listen.data(), drain.data(), state.data(), nullptr};
+    std::string metrics = "--metrics_listen=127.0.0.1:0";
+    char* argv[] = {binary.data(), listen.data(),  drain.data(),
+                    state.data(),  metrics.data(), nullptr};
     EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv, environ), 0);
     posix_spawn_file_actions_destroy(&actions);
     close(fds[1]);
@@ -113,6 +118,38 @@ int PortOf(const std::string& line) {
   return absl::SimpleAtoi(line.substr(colon, line.find(' ', colon) - colon), &port) ? port : 0;
 }
 
+int MetricsPortOf(const std::string& line) {
+  const size_t at = line.find("metrics on http://127.0.0.1:");
+  if (at == std::string::npos) return 0;
+  const size_t colon = at + 28;
+  int port = 0;
+  return absl::SimpleAtoi(line.substr(colon, line.find('/', colon) - colon), &port) ? port : 0;
+}
+
+// GET /metrics over a plain socket.
+std::string Scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return "";
+  }
+  std::string response;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof buffer)) > 0) response.append(buffer, n);
+  close(fd);
+  return response;
+}
+
 std::string StateDir() {
   std::string pattern = ::testing::TempDir() + "sb_planner_XXXXXX";
   return std::string(mkdtemp(pattern.data())) + "/state";
@@ -136,6 +173,16 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
   ASSERT_TRUE(stub->CreateJob(&context, create, &job).ok());
   EXPECT_EQ(job.job_token().size(), 64u);
   EXPECT_EQ(job.job_id().size(), 16u);
+
+  const int metrics_port = MetricsPortOf(line);
+  ASSERT_GT(metrics_port, 0) << line;
+  const std::string scraped = Scrape(metrics_port);
+  EXPECT_NE(scraped.find("sparsebalance_build_info{version=\"0.1.0\"} 1"), std::string::npos)
+      << scraped;
+  EXPECT_NE(scraped.find("sparsebalance_rpcs_total{code=\"OK\",method=\"CreateJob\"} 1"),
+            std::string::npos)
+      << scraped;
+  EXPECT_NE(scraped.find("sparsebalance_jobs 1"), std::string::npos) << scraped;
 
   EXPECT_EQ(planner.Stop(SIGTERM), 0);
 }

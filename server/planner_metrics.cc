@@ -1,0 +1,284 @@
+#include "server/planner_metrics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace sparsebalance {
+namespace {
+
+// Bucket boundaries, one place for all histograms of a kind.
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {  // seconds
+  static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+  return *kBuckets;
+}
+const prometheus::Histogram::BucketBoundaries& UnitBuckets() {  // ratios in [0, 1]
+  static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
+      0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0};
+  return *kBuckets;
+}
+const prometheus::Histogram::BucketBoundaries& ErrorBuckets() {  // relative errors
+  static const auto* const kBuckets =
+      new prometheus::Histogram::BucketBoundaries{0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0};
+  return *kBuckets;
+}
+
+// A rank is a straggler when it ran this much longer than the planned makespan.
+constexpr double kStragglerShare = 0.10;
+
+}  // namespace
+
+const char* StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "OTHER";
+  }
+}
+
+// A job's series, created on first use and removed with the job.
+struct PlannerMetrics::JobSeries {
+  prometheus::Counter* steps = nullptr;
+  prometheus::Gauge* predicted_makespan = nullptr;
+  prometheus::Gauge* predicted_gap = nullptr;
+  prometheus::Gauge* makespan = nullptr;
+  prometheus::Gauge* imbalance = nullptr;
+  prometheus::Gauge* bubble = nullptr;
+  prometheus::Histogram* prediction_error = nullptr;
+  prometheus::Histogram* density = nullptr;
+  prometheus::Histogram* recall = nullptr;
+  prometheus::Counter* stragglers = nullptr;
+  std::vector<prometheus::Gauge*> rank_seconds;
+  std::vector<prometheus::Gauge*> speed_factors;
+};
+
+PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series)
+    : registry_(std::move(registry)),
+      max_rank_series_(max_rank_series),
+      rpcs_(prometheus::BuildCounter()
+                .Name("sparsebalance_rpcs_total")
+                .Help("PlannerService calls by method and status code")
+                .Register(*registry_)),
+      rpc_seconds_(prometheus::BuildHistogram()
+                       .Name("sparsebalance_rpc_duration_seconds")
+                       .Help("Wall time of PlannerService calls (GetRankPlan includes waiting)")
+                       .Register(*registry_)),
+      plan_seconds_(prometheus::BuildHistogram()
+                        .Name("sparsebalance_plan_duration_seconds")
+                        .Help("Time to plan a step (SAB + DST) and store it, by policy")
+                        .Register(*registry_)),
+      predicted_makespan_(prometheus::BuildGauge()
+                              .Name("sparsebalance_predicted_makespan_seconds")
+                              .Help("Planned step time (slowest rank) of the last step")
+                              .Register(*registry_)),
+      predicted_gap_(prometheus::BuildGauge()
+                         .Name("sparsebalance_plan_gap_ratio")
+                         .Help("Planned makespan over its lower bound, minus 1, last step")
+                         .Register(*registry_)),
+      steps_(prometheus::BuildCounter()
+                 .Name("sparsebalance_planned_steps_total")
+                 .Help("Steps planned")
+                 .Register(*registry_)),
+      makespan_(prometheus::BuildGauge()
+                    .Name("sparsebalance_step_makespan_seconds")
+                    .Help("Measured step time (slowest rank's compute) of the last reported step")
+                    .Register(*registry_)),
+      imbalance_(prometheus::BuildGauge()
+                     .Name("sparsebalance_step_imbalance_ratio")
+                     .Help("Max over mean measured rank compute, last reported step")
+                     .Register(*registry_)),
+      bubble_(prometheus::BuildGauge()
+                  .Name("sparsebalance_step_bubble_ratio")
+                  .Help("Idle share of ranks x step time, last reported step")
+                  .Register(*registry_)),
+      prediction_error_(prometheus::BuildHistogram()
+                            .Name("sparsebalance_prediction_error_ratio")
+                            .Help("|predicted - measured| / measured rank compute, per rank")
+                            .Register(*registry_)),
+      density_(prometheus::BuildHistogram()
+                   .Name("sparsebalance_density_ratio")
+                   .Help("Achieved attention density per micro-batch (token-weighted)")
+                   .Register(*registry_)),
+      recall_(prometheus::BuildHistogram()
+                  .Name("sparsebalance_recall_ratio")
+                  .Help("Attention recall per micro-batch (token-weighted)")
+                  .Register(*registry_)),
+      stragglers_(prometheus::BuildCounter()
+                      .Name("sparsebalance_straggler_events_total")
+                      .Help("Ranks that ran over 10% past the planned makespan")
+                      .Register(*registry_)),
+      rank_seconds_(prometheus::BuildGauge()
+                        .Name("sparsebalance_rank_compute_seconds")
+                        .Help("Measured compute per rank, last reported step (small jobs only)")
+                        .Register(*registry_)),
+      speed_factor_(prometheus::BuildGauge()
+                        .Name("sparsebalance_rank_speed_factor")
+                        .Help("Learned speed factor per rank, median 1 (small jobs only)")
+                        .Register(*registry_)),
+      jobs_(prometheus::BuildGauge()
+                .Name("sparsebalance_jobs")
+                .Help("Jobs this planner holds")
+                .Register(*registry_)
+                .Add({})),
+      state_write_failures_(prometheus::BuildCounter()
+                                .Name("sparsebalance_state_write_failures_total")
+                                .Help("Writes to --state_dir that failed")
+                                .Register(*registry_)
+                                .Add({})) {
+  prometheus::BuildGauge()
+      .Name("sparsebalance_build_info")
+      .Help("Constant 1, labelled with the version")
+      .Register(*registry_)
+      .Add({{"version", "0.1.0"}})
+      .Set(1);
+}
+
+PlannerMetrics::~PlannerMetrics() = default;
+
+void PlannerMetrics::ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds) {
+  absl::MutexLock lock(&mu_);
+  prometheus::Counter*& counter = rpc_counters_[{method, static_cast<int>(code)}];
+  if (counter == nullptr) {
+    counter = &rpcs_.Add({{"method", method}, {"code", StatusCodeName(code)}});
+  }
+  counter->Increment();
+  prometheus::Histogram*& histogram = rpc_histograms_[method];
+  if (histogram == nullptr) histogram = &rpc_seconds_.Add({{"method", method}}, LatencyBuckets());
+  histogram->Observe(seconds);
+}
+
+PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
+  std::unique_ptr<JobSeries>& series = jobs_series_[job_id];
+  if (series == nullptr) {
+    series = std::make_unique<JobSeries>();
+    const prometheus::Labels job{{"job", job_id}};
+    series->steps = &steps_.Add(job);
+    series->predicted_makespan = &predicted_makespan_.Add(job);
+    series->predicted_gap = &predicted_gap_.Add(job);
+    series->makespan = &makespan_.Add(job);
+    series->imbalance = &imbalance_.Add(job);
+    series->bubble = &bubble_.Add(job);
+    series->prediction_error = &prediction_error_.Add(job, ErrorBuckets());
+    series->density = &density_.Add(job, UnitBuckets());
+    series->recall = &recall_.Add(job, UnitBuckets());
+    series->stragglers = &stragglers_.Add(job);
+  }
+  return *series;
+}
+
+void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds) {
+  absl::MutexLock lock(&mu_);
+  const std::string policy(PolicyName(plan.policy));
+  prometheus::Histogram*& histogram = plan_histograms_[policy];
+  if (histogram == nullptr) {
+    histogram = &plan_seconds_.Add({{"policy", policy}}, LatencyBuckets());
+  }
+  histogram->Observe(seconds);
+  JobSeries& series = Series(job_id);
+  series.steps->Increment();
+  series.predicted_makespan->Set(plan.makespan_seconds);
+  series.predicted_gap->Set(plan.gap);
+}
+
+void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& stats) {
+  if (stats.rank_seconds.empty()) return;
+  absl::MutexLock lock(&mu_);
+  JobSeries& series = Series(job_id);
+  const double slowest = *std::max_element(stats.rank_seconds.begin(), stats.rank_seconds.end());
+  double sum = 0.0;
+  for (double t : stats.rank_seconds) sum += t;
+  const double mean = sum / static_cast<double>(stats.rank_seconds.size());
+  series.makespan->Set(slowest);
+  series.imbalance->Set(mean > 0 ? slowest / mean : 1.0);
+  series.bubble->Set(slowest > 0 ? 1.0 - mean / slowest : 0.0);
+  for (size_t r = 0; r < stats.rank_seconds.size(); ++r) {
+    const double measured = stats.rank_seconds[r];
+    if (measured > 0) {
+      series.prediction_error->Observe(std::fabs(stats.predicted_rank_seconds[r] - measured) /
+                                       measured);
+    }
+    if (measured > stats.planned_makespan_seconds * (1.0 + kStragglerShare)) {
+      series.stragglers->Increment();
+    }
+  }
+  for (double d : stats.densities) series.density->Observe(d);
+  for (double r : stats.recalls) series.recall->Observe(r);
+  const int ranks = static_cast<int>(stats.rank_seconds.size());
+  if (ranks <= max_rank_series_) {
+    if (series.rank_seconds.empty()) {
+      for (int r = 0; r < ranks; ++r) {
+        const prometheus::Labels labels{{"job", job_id}, {"rank", absl::StrCat(r)}};
+        series.rank_seconds.push_back(&rank_seconds_.Add(labels));
+        series.speed_factors.push_back(&speed_factor_.Add(labels));
+      }
+    }
+    for (int r = 0; r < ranks; ++r) {
+      series.rank_seconds[r]->Set(stats.rank_seconds[r]);
+      if (r < static_cast<int>(stats.speed_factors.size())) {
+        series.speed_factors[r]->Set(stats.speed_factors[r]);
+      }
+    }
+  }
+}
+
+void PlannerMetrics::ObserveStateWriteFailure() { state_write_failures_.Increment(); }
+
+void PlannerMetrics::SetJobs(int jobs) { jobs_.Set(jobs); }
+
+void PlannerMetrics::ForgetJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_series_.find(job_id);
+  if (it == jobs_series_.end()) return;
+  JobSeries& s = *it->second;
+  steps_.Remove(s.steps);
+  predicted_makespan_.Remove(s.predicted_makespan);
+  predicted_gap_.Remove(s.predicted_gap);
+  makespan_.Remove(s.makespan);
+  imbalance_.Remove(s.imbalance);
+  bubble_.Remove(s.bubble);
+  prediction_error_.Remove(s.prediction_error);
+  density_.Remove(s.density);
+  recall_.Remove(s.recall);
+  stragglers_.Remove(s.stragglers);
+  for (prometheus::Gauge* g : s.rank_seconds) rank_seconds_.Remove(g);
+  for (prometheus::Gauge* g : s.speed_factors) speed_factor_.Remove(g);
+  jobs_series_.erase(it);
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,82 @@
+// sb-planner's Prometheus metrics (DESIGN.md section 8), kept in a prometheus-cpp Registry that
+// main serves on its own port. Labels are bounded: job (at most --max_jobs), method, code,
+// policy; nothing per step, and per-rank series only for jobs of at most `max_rank_series`
+// ranks. The README's metrics table lists every series.
+//
+//   auto registry = std::make_shared<prometheus::Registry>();
+//   PlannerMetrics metrics(registry, /*max_rank_series=*/64);
+//   metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.004);
+#ifndef SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
+#define SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/support/status.h"
+#include "planner/types.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "server/job_registry.h"
+
+namespace sparsebalance {
+
+class PlannerMetrics {
+ public:
+  PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series);
+  ~PlannerMetrics();
+
+  // One RPC: its method, status code and wall time in seconds.
+  void ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds);
+  // A newly planned step: planning wall time (seconds) and the plan's predicted figures.
+  void ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds);
+  // A step whose every rank has reported: what the ranks measured.
+  void ObserveStep(const std::string& job_id, const StepStats& stats);
+  // State writes that failed (the call returned UNAVAILABLE).
+  void ObserveStateWriteFailure();
+  void SetJobs(int jobs);
+  // Drops a deleted job's series.
+  void ForgetJob(const std::string& job_id);
+
+ private:
+  struct JobSeries;
+  JobSeries& Series(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  const int max_rank_series_;
+  prometheus::Family<prometheus::Counter>& rpcs_;
+  prometheus::Family<prometheus::Histogram>& rpc_seconds_;
+  prometheus::Family<prometheus::Histogram>& plan_seconds_;
+  prometheus::Family<prometheus::Gauge>& predicted_makespan_;
+  prometheus::Family<prometheus::Gauge>& predicted_gap_;
+  prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Family<prometheus::Gauge>& makespan_;
+  prometheus::Family<prometheus::Gauge>& imbalance_;
+  prometheus::Family<prometheus::Gauge>& bubble_;
+  prometheus::Family<prometheus::Histogram>& prediction_error_;
+  prometheus::Family<prometheus::Histogram>& density_;
+  prometheus::Family<prometheus::Histogram>& recall_;
+  prometheus::Family<prometheus::Counter>& stragglers_;
+  prometheus::Family<prometheus::Gauge>& rank_seconds_;
+  prometheus::Family<prometheus::Gauge>& speed_factor_;
+  prometheus::Gauge& jobs_;
+  prometheus::Counter& state_write_failures_;
+
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<JobSeries>> jobs_series_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, prometheus::Counter*> rpc_counters_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, prometheus::Histogram*> rpc_histograms_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, prometheus::Histogram*> plan_histograms_ ABSL_GUARDED_BY(mu_);
+};
+
+// "OK", "INVALID_ARGUMENT", ... for the code label.
+const char* StatusCodeName(grpc::StatusCode code);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_SERVER_PLANNER_METRICS_H_

@@ -1,0 +1,96 @@
+#include "server/planner_metrics.h"
+
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "prometheus/text_serializer.h"
+
+namespace sparsebalance {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string Exposition(prometheus::Registry& registry) {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, registry.Collect());
+  return out.str();
+}
+
+StepStats Stats(int ranks) {
+  StepStats s;
+  s.planned_makespan_seconds = 10.0;
+  for (int r = 0; r < ranks; ++r) {
+    s.rank_seconds.push_back(r == 0 ? 12.0 : 8.0);  // rank 0 runs 20% over the plan
+    s.predicted_rank_seconds.push_back(10.0);
+    s.wait_seconds.push_back(r == 0 ? 0.0 : 4.0);
+    s.densities.push_back(0.3);
+    s.recalls.push_back(0.9);
+    s.speed_factors.push_back(r == 0 ? 1.2 : 1.0);
+  }
+  return s;
+}
+
+TEST(PlannerMetricsTest, StepFiguresFollowWhatTheRanksMeasured) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, /*max_rank_series=*/4);
+  metrics.ObserveStep("small", Stats(4));
+  const std::string text = Exposition(*registry);
+  EXPECT_THAT(text, HasSubstr("sparsebalance_step_makespan_seconds{job=\"small\"} 12"));
+  // mean = (12 + 3*8)/4 = 9: imbalance 12/9, bubble 1 - 9/12.
+  EXPECT_THAT(text, HasSubstr("sparsebalance_step_imbalance_ratio{job=\"small\"} 1.333333"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_step_bubble_ratio{job=\"small\"} 0.25"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_straggler_events_total{job=\"small\"} 1"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_recall_ratio_count{job=\"small\"} 4"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_rank_speed_factor{job=\"small\",rank=\"0\"} 1.2"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_build_info{version=\"0.1.0\"} 1"));
+}
+
+TEST(PlannerMetricsTest, LargeJobsExportNoPerRankSeriesAndDeletedJobsNone) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, /*max_rank_series=*/4);
+  metrics.ObserveStep("large", Stats(16));
+  metrics.ObserveStep("small", Stats(2));
+  std::string text = Exposition(*registry);
+  EXPECT_THAT(text, Not(HasSubstr("rank_compute_seconds{job=\"large\"")));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_rank_compute_seconds{job=\"small\",rank=\"1\"} 8"));
+  metrics.ForgetJob("small");
+  text = Exposition(*registry);
+  EXPECT_THAT(text, Not(HasSubstr("job=\"small\"")));
+  EXPECT_THAT(text, HasSubstr("job=\"large\""));
+}
+
+TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.002);
+  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.004);
+  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::ALREADY_EXISTS, 0.001);
+  StepPlan plan;
+  plan.policy = Policy::kSab;
+  plan.makespan_seconds = 5.0;
+  plan.gap = 0.01;
+  metrics.ObservePlan("j", plan, 0.003);
+  metrics.ObserveStateWriteFailure();
+  metrics.SetJobs(3);
+  const std::string text = Exposition(*registry);
+  EXPECT_THAT(text, HasSubstr("sparsebalance_rpcs_total{code=\"OK\",method=\"SubmitBatch\"} 2"));
+  EXPECT_THAT(
+      text,
+      HasSubstr("sparsebalance_rpcs_total{code=\"ALREADY_EXISTS\",method=\"SubmitBatch\"} 1"));
+  EXPECT_THAT(text,
+              HasSubstr("sparsebalance_rpc_duration_seconds_count{method=\"SubmitBatch\"} 3"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_plan_duration_seconds_count{policy=\"sab\"} 1"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_predicted_makespan_seconds{job=\"j\"} 5"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job=\"j\"} 1"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_state_write_failures_total 1"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_jobs 3"));
+}
+
+}  // namespace
+}  // namespace sparsebalance
