@@ -22,6 +22,11 @@
 
 namespace sparsebalance {
 
+// The prior of a job without a profile table: a 7B-class model on one H100-class GPU
+// (seconds per active block, token, document and micro-batch, whole model, fwd+bwd). The
+// planner service and the client's local fallback both start from it.
+inline constexpr CostCoefficients kDefaultCostPrior{1.7e-5, 1e-4, 2e-3, 0.05};
+
 // What the model sees of a micro-batch.
 struct MicroBatchFeatures {
   double active_blocks = 0.0;  // sum over documents of A(L, rho)

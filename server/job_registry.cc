@@ -14,9 +14,6 @@ namespace {
 
 constexpr int kJobIdHexChars = 16;
 constexpr int kTokenHexChars = 64;  // 256 bits
-// The prior of a job created without a profile: a 7B-class model on one H100-class GPU
-// (seconds per active block, token, document and micro-batch for the whole model).
-constexpr CostCoefficients kDefaultPrior{1.7e-5, 1e-4, 2e-3, 0.05};
 
 absl::Status NotFound(const std::string& job_id) {
   return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" does not exist"));
@@ -221,7 +218,7 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
         absl::StrCat("name: ", name.size(), " characters; at most 64"));
   }
   if (absl::Status s = ValidateConfig(settings.planner); !s.ok()) return s;
-  CostCoefficients prior = kDefaultPrior;
+  CostCoefficients prior = kDefaultCostPrior;
   if (!profile.empty()) {
     absl::StatusOr<ProfileTable> table = ParseProfileTable(profile);
     if (!table.ok())

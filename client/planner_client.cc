@@ -1,0 +1,253 @@
+#include "client/planner_client.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "planner/planner.h"
+#include "proto/wire.h"
+#include "sparsebalance/planner/v1/planner.grpc.pb.h"
+
+namespace sparsebalance {
+namespace {
+
+// Retry UNAVAILABLE only, with exponential backoff (gRPC adds jitter), per DESIGN.md 7.
+constexpr char kServiceConfig[] = R"({
+  "methodConfig": [{
+    "name": [{"service": "sparsebalance.planner.v1.PlannerService"}],
+    "retryPolicy": {
+      "maxAttempts": 4,
+      "initialBackoff": "0.1s",
+      "maxBackoff": "1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+})";
+
+}  // namespace
+
+bool IsUnreachable(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable ||
+         status.code() == absl::StatusCode::kDeadlineExceeded;
+}
+
+struct PlannerClient::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::PlannerService::Stub> stub;
+
+  void Prepare(grpc::ClientContext* context, double timeout_seconds, bool admin) const {
+    context->set_deadline(std::chrono::system_clock::now() +
+                          std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+    const std::string& token = admin ? options.admin_token : options.token;
+    if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
+  }
+};
+
+PlannerClient::PlannerClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PlannerClient::~PlannerClient() = default;
+
+const ClientOptions& PlannerClient::options() const { return impl_->options; }
+
+absl::StatusOr<std::unique_ptr<PlannerClient>> PlannerClient::Connect(
+    const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("target: empty; e.g. host:50151");
+  if (!(options.call_timeout_seconds > 0) || !(options.plan_timeout_seconds > 0)) {
+    return absl::InvalidArgumentError("call_timeout_seconds and plan_timeout_seconds must be > 0");
+  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.root_certs_pem.empty()) {
+    if (!options.cert_chain_pem.empty()) {
+      return absl::InvalidArgumentError("cert_chain_pem needs root_certs_pem (TLS)");
+    }
+    credentials = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.root_certs_pem;
+    ssl.pem_cert_chain = options.cert_chain_pem;
+    ssl.pem_private_key = options.private_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  grpc::ChannelArguments args;
+  args.SetServiceConfigJSON(kServiceConfig);
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 1);
+  // Keepalive from the client side too, matching the planner's permitted ping rate.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  args.SetMaxReceiveMessageSize(256 << 20);
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->channel = grpc::CreateCustomChannel(options.target, credentials, args);
+  impl->stub = v1::PlannerService::NewStub(impl->channel);
+  return std::unique_ptr<PlannerClient>(new PlannerClient(std::move(impl)));
+}
+
+absl::StatusOr<JobHandle> PlannerClient::CreateJob(const std::string& name,
+                                                   const PlannerConfig& config, int history_steps) {
+  v1::CreateJobRequest request;
+  request.set_name(name);
+  JobSettings settings;
+  settings.planner = config;
+  settings.history_steps = history_steps;
+  *request.mutable_config() = ConfigToProto(settings);
+  request.mutable_config()->set_history_steps(history_steps);
+  v1::CreateJobResponse response;
+  grpc::ClientContext context;
+  impl_->Prepare(&context, impl_->options.call_timeout_seconds, /*admin=*/true);
+  absl::Status status = FromGrpcStatus(impl_->stub->CreateJob(&context, request, &response));
+  if (!status.ok()) return status;
+  absl::StatusOr<JobSettings> created = ConfigFromProto(response.config(), WireLimits());
+  if (!created.ok()) return created.status();
+  impl_->options.job_id = response.job_id();
+  impl_->options.token = response.job_token();
+  return JobHandle{response.job_id(), response.job_token(), created->planner,
+                   created->history_steps};
+}
+
+absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int rank) {
+  v1::JoinJobRequest request;
+  request.set_job_id(impl_->options.job_id);
+  request.set_rank(rank);
+  v1::JoinJobResponse response;
+  grpc::ClientContext context;
+  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
+  absl::Status status = FromGrpcStatus(impl_->stub->JoinJob(&context, request, &response));
+  if (!status.ok()) return status;
+  absl::StatusOr<JobSettings> settings = ConfigFromProto(response.config(), WireLimits());
+  if (!settings.ok()) return settings.status();
+  return std::make_pair(settings->planner, response.next_step());
+}
+
+absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
+                                                                 const std::vector<Sample>& batch) {
+  v1::SubmitBatchRequest request;
+  request.set_job_id(impl_->options.job_id);
+  request.set_step(step);
+  for (const Sample& s : batch) SampleToProto(s, request.add_samples());
+  v1::SubmitBatchResponse response;
+  grpc::ClientContext context;
+  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
+  absl::Status status = FromGrpcStatus(impl_->stub->SubmitBatch(&context, request, &response));
+  if (!status.ok()) return status;
+  return std::vector<uint64_t>(response.deferred_ids().begin(), response.deferred_ids().end());
+}
+
+absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) {
+  v1::GetRankPlanRequest request;
+  request.set_job_id(impl_->options.job_id);
+  request.set_step(step);
+  request.set_rank(rank);
+  v1::GetRankPlanResponse response;
+  grpc::ClientContext context;
+  impl_->Prepare(&context, impl_->options.plan_timeout_seconds, false);
+  absl::Status status = FromGrpcStatus(impl_->stub->GetRankPlan(&context, request, &response));
+  if (!status.ok()) return status;
+  RankStepPlan out;
+  out.step = response.plan().step();
+  out.rank = response.plan().rank();
+  out.predicted_seconds = response.plan().predicted_seconds();
+  out.predicted_makespan_seconds = response.plan().figures().makespan_seconds();
+  for (const v1::MicroBatch& m : response.plan().micro_batches()) {
+    MicroBatchPlan mb;
+    mb.sample_ids.assign(m.sample_ids().begin(), m.sample_ids().end());
+    mb.densities.assign(m.densities().begin(), m.densities().end());
+    mb.default_density = m.default_density();
+    mb.tokens = m.tokens();
+    mb.predicted_seconds = m.predicted_seconds();
+    out.micro_batches.push_back(std::move(mb));
+  }
+  return out;
+}
+
+absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
+                                               const std::vector<MicroBatchTiming>& micro_batches,
+                                               double wait_seconds) {
+  v1::ReportStepRequest request;
+  request.set_job_id(impl_->options.job_id);
+  request.set_step(step);
+  request.set_rank(rank);
+  request.set_wait_seconds(wait_seconds);
+  for (const MicroBatchTiming& m : micro_batches) {
+    v1::MicroBatchReport* r = request.add_micro_batches();
+    r->set_micro_batch(m.micro_batch);
+    r->set_compute_seconds(m.compute_seconds);
+    r->set_attention_seconds(m.attention_seconds);
+    r->set_tokens(m.tokens);
+    r->set_achieved_density(m.achieved_density);
+    r->set_recall(m.recall);
+  }
+  v1::ReportStepResponse response;
+  grpc::ClientContext context;
+  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
+  absl::Status status = FromGrpcStatus(impl_->stub->ReportStep(&context, request, &response));
+  if (!status.ok()) return status;
+  return response.duplicate();
+}
+
+TrainerSession::TrainerSession(PlannerClient* client, int rank, bool coordinator,
+                               PlannerConfig config)
+    : client_(client),
+      rank_(rank),
+      coordinator_(coordinator),
+      config_(config),
+      local_model_(config.shape, config.ranks, kDefaultCostPrior) {}
+
+absl::StatusOr<RankStepPlan> TrainerSession::LocalPlan(int64_t step,
+                                                       const std::vector<Sample>& batch) const {
+  absl::StatusOr<StepPlan> plan = PlanStep(batch, config_, local_model_);
+  if (!plan.ok()) return plan.status();
+  RankStepPlan out;
+  out.step = step;
+  out.rank = rank_;
+  out.micro_batches = plan->ranks[rank_].micro_batches;
+  out.predicted_seconds = plan->ranks[rank_].predicted_seconds;
+  out.predicted_makespan_seconds = plan->makespan_seconds;
+  out.local_fallback = true;
+  return out;
+}
+
+absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vector<Sample>& batch) {
+  if (coordinator_) {
+    absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, batch);
+    if (!submitted.ok()) {
+      if (IsUnreachable(submitted.status())) return LocalPlan(step, batch);
+      return submitted.status();
+    }
+  }
+  absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
+  if (!plan.ok() && IsUnreachable(plan.status())) return LocalPlan(step, batch);
+  return plan;
+}
+
+absl::Status TrainerSession::Flush() {
+  absl::Status dropped;
+  while (!pending_.empty()) {
+    const PendingReport& r = pending_.front();
+    absl::StatusOr<bool> sent = client_->ReportStep(r.step, rank_, r.micro_batches, r.wait_seconds);
+    if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
+    // Anything else (e.g. the step left the planner's history, or a local-fallback step the
+    // planner never planned) cannot succeed later either: drop it, say so, and go on.
+    if (!sent.ok() && dropped.ok()) {
+      dropped = absl::Status(
+          sent.status().code(),
+          absl::StrCat("report of step ", r.step, " dropped: ", sent.status().message()));
+    }
+    pending_.pop_front();
+  }
+  return dropped;
+}
+
+absl::Status TrainerSession::Report(int64_t step,
+                                    const std::vector<MicroBatchTiming>& micro_batches,
+                                    double wait_seconds) {
+  pending_.push_back({step, micro_batches, wait_seconds});
+  const size_t limit = static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));
+  while (pending_.size() > limit) pending_.pop_front();
+  absl::Status flushed = Flush();
+  // The planner being away is not the trainer's problem: the reports wait for it.
+  return IsUnreachable(flushed) ? absl::OkStatus() : flushed;
+}
+
+}  // namespace sparsebalance

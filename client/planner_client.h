@@ -1,0 +1,146 @@
+// The C++ client of sb-planner for trainers: one PlannerClient per process, a TrainerSession
+// per rank. No gRPC or protobuf types appear here (pimpl), so a trainer links it without
+// seeing them.
+//
+//   ClientOptions options;  options.target = "planner:50151";
+//   options.job_id = id;  options.token = token;
+//   auto client = PlannerClient::Connect(options);
+//   TrainerSession session(client->get(), rank, /*coordinator=*/rank == 0);
+//   absl::StatusOr<RankStepPlan> plan = session.Plan(step, batch);   // never stalls training
+//   ... run plan->micro_batches ...
+//   session.Report(step, measurements, wait_seconds);               // buffered while away
+//
+// Every call has a deadline; UNAVAILABLE (and only it) is retried with exponential backoff
+// and jitter by gRPC's retry policy. When the planner stays unreachable past the deadline,
+// TrainerSession::Plan computes the step locally with planner/ (the same plan on every rank
+// that falls back: same batch, same config, same model) and says so in `local_fallback`.
+// Ranks must agree on which plan they use: a trainer should all-reduce `local_fallback` and,
+// if any rank fell back, every rank uses LocalPlan().
+#ifndef SPARSEBALANCE_CLIENT_PLANNER_CLIENT_H_
+#define SPARSEBALANCE_CLIENT_PLANNER_CLIENT_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/latency_model.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50151";  // host:port of sb-planner
+  std::string job_id;
+  std::string token;                   // the job token (CreateJob's answer)
+  std::string admin_token;             // for CreateJob/ListJobs/DeleteJob when the planner has one
+  double call_timeout_seconds = 10.0;  // deadline of every call but GetRankPlan
+  double plan_timeout_seconds = 60.0;  // how long GetRankPlan waits for the step's plan
+  // TLS: when root_certs_pem is set the channel is TLS; with cert_chain_pem and
+  // private_key_pem it presents a client certificate (mutual TLS).
+  std::string root_certs_pem;
+  std::string cert_chain_pem;
+  std::string private_key_pem;
+  int max_buffered_reports = 4096;  // reports kept while the planner is away
+};
+
+// A job as CreateJob made it.
+struct JobHandle {
+  std::string job_id;
+  std::string token;
+  PlannerConfig config;
+  int history_steps = 0;
+};
+
+// One rank's part of a step plan.
+struct RankStepPlan {
+  int64_t step = 0;
+  int rank = 0;
+  std::vector<MicroBatchPlan> micro_batches;
+  double predicted_seconds = 0.0;
+  double predicted_makespan_seconds = 0.0;
+  bool local_fallback = false;  // computed on this rank, not by the planner
+};
+
+// A rank's measured micro-batch (MicroBatchReport on the wire).
+struct MicroBatchTiming {
+  int micro_batch = 0;
+  double compute_seconds = 0.0;
+  double attention_seconds = 0.0;
+  int64_t tokens = 0;
+  double achieved_density = 0.0;
+  double recall = 0.0;
+};
+
+class PlannerClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<PlannerClient>> Connect(const ClientOptions& options);
+  ~PlannerClient();
+  PlannerClient(const PlannerClient&) = delete;
+  PlannerClient& operator=(const PlannerClient&) = delete;
+
+  // Creates a job; afterwards this client speaks for it (its id and token are set).
+  absl::StatusOr<JobHandle> CreateJob(const std::string& name, const PlannerConfig& config,
+                                      int history_steps = 0);
+  // Announces `rank`; returns the job's config and the next step the planner will plan.
+  absl::StatusOr<std::pair<PlannerConfig, int64_t>> JoinJob(int rank);
+  // Submits a step's global batch (coordinator rank); returns the deferred sample ids.
+  absl::StatusOr<std::vector<uint64_t>> SubmitBatch(int64_t step, const std::vector<Sample>& batch);
+  // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part.
+  absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank);
+  // Returns true when the planner had this (step, rank) already.
+  absl::StatusOr<bool> ReportStep(int64_t step, int rank,
+                                  const std::vector<MicroBatchTiming>& micro_batches,
+                                  double wait_seconds);
+
+  const ClientOptions& options() const;
+
+ private:
+  struct Impl;
+  explicit PlannerClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The per-rank step helper. Not thread-safe: one per rank thread.
+class TrainerSession {
+ public:
+  // `config` is the job's (JoinJob returns it); the local fallback plans with it.
+  TrainerSession(PlannerClient* client, int rank, bool coordinator, PlannerConfig config);
+
+  // This rank's plan for `step`: the coordinator submits `batch` (every rank passes the same
+  // global batch), every rank gets its part. If the planner cannot be reached (UNAVAILABLE or
+  // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
+  // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed.
+  absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
+  // The locally computed plan of `step` (what every falling-back rank uses).
+  absl::StatusOr<RankStepPlan> LocalPlan(int64_t step, const std::vector<Sample>& batch) const;
+  // Reports this rank's timings; while the planner is away reports are kept (bounded: the
+  // oldest go first) and sent, in order, before the next report.
+  absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
+                      double wait_seconds);
+  size_t buffered_reports() const { return pending_.size(); }
+
+ private:
+  struct PendingReport {
+    int64_t step;
+    std::vector<MicroBatchTiming> micro_batches;
+    double wait_seconds;
+  };
+  absl::Status Flush();
+
+  PlannerClient* client_;
+  int rank_;
+  bool coordinator_;
+  PlannerConfig config_;
+  LatencyModel local_model_;  // the fallback's model: the default prior, the same on every rank
+  std::deque<PendingReport> pending_;
+};
+
+// True for the codes that mean "the planner is not reachable now".
+bool IsUnreachable(const absl::Status& status);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_CLIENT_PLANNER_CLIENT_H_

@@ -1,0 +1,210 @@
+// The client against a real sb-planner service on loopback: a training loop of 4 ranks, the
+// local fallback when the planner is down (every rank agrees, every sample placed once), and
+// reports kept while it is away and delivered when it is back.
+#include "client/planner_client.h"
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+#include "planner/traces.h"
+#include "server/job_registry.h"
+#include "server/planner_service.h"
+
+namespace sparsebalance {
+namespace {
+
+std::function<std::string(int)> CountingHex() {
+  auto counter = std::make_shared<std::atomic<int>>(0);
+  return [counter](int n) {
+    std::string s = absl::StrCat(++*counter);
+    return std::string(n - s.size(), 'e') + s;
+  };
+}
+
+// A planner on a fixed loopback port that can be stopped and started again (same registry).
+class Planner {
+ public:
+  Planner() : registry_(JobRegistry::Options{}, CountingHex()), service_(&registry_, {}) {
+    Start(0);
+  }
+  ~Planner() { Stop(); }
+  void Start(int port) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
+                             &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+  }
+  void Stop() {
+    if (server_ != nullptr) {
+      server_->Shutdown(std::chrono::system_clock::now());
+      server_->Wait();
+      server_.reset();
+    }
+  }
+  int port() const { return port_; }
+  JobRegistry& registry() { return registry_; }
+
+ private:
+  JobRegistry registry_;
+  PlannerServiceImpl service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+PlannerConfig Config(int ranks) {
+  PlannerConfig c;
+  c.ranks = ranks;
+  c.micro_batches = 2;
+  c.micro_batch_capacity = 65536;
+  return c;
+}
+
+std::vector<Sample> Batch(uint64_t seed, int ranks) {
+  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", seed);
+  std::vector<Sample> batch;
+  int64_t total = 0;
+  while (true) {
+    Sample s = gen->Next();
+    if (s.length > 65536) continue;
+    if (total + s.length > int64_t{ranks} * 2 * 65536 * 6 / 10) break;
+    total += s.length;
+    batch.push_back(s);
+  }
+  return batch;
+}
+
+std::vector<MicroBatchTiming> Timings(const RankStepPlan& plan) {
+  std::vector<MicroBatchTiming> out;
+  for (size_t m = 0; m < plan.micro_batches.size(); ++m) {
+    const MicroBatchPlan& mb = plan.micro_batches[m];
+    if (mb.sample_ids.empty()) continue;
+    out.push_back({static_cast<int>(m), mb.predicted_seconds, 0.2 * mb.predicted_seconds, mb.tokens,
+                   0.3, 0.9});
+  }
+  return out;
+}
+
+std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
+                                       const std::string& token = "") {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port);
+  options.job_id = job;
+  options.token = token;
+  options.call_timeout_seconds = 2;
+  options.plan_timeout_seconds = 5;
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return std::move(*client);
+}
+
+TEST(PlannerClientTest, FourRanksTrainThroughThePlanner) {
+  constexpr int kRanks = 4;
+  Planner planner;
+  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
+  absl::StatusOr<JobHandle> job = admin->CreateJob("train", Config(kRanks));
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<std::thread> ranks;
+  std::atomic<int> failures{0};
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      std::unique_ptr<PlannerClient> client = Connect(planner.port(), job->job_id, job->token);
+      absl::StatusOr<std::pair<PlannerConfig, int64_t>> joined = client->JoinJob(r);
+      if (!joined.ok()) {
+        ++failures;
+        return;
+      }
+      TrainerSession session(client.get(), r, /*coordinator=*/r == 0, joined->first);
+      for (int64_t step = 0; step < 5; ++step) {
+        absl::StatusOr<RankStepPlan> plan = session.Plan(step, Batch(100 + step, kRanks));
+        if (!plan.ok() || plan->local_fallback || plan->rank != r || plan->step != step) {
+          ++failures;
+          return;
+        }
+        if (!session.Report(step, Timings(*plan), 0.0).ok()) ++failures;
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  absl::StatusOr<JobView> view = planner.registry().GetJob(job->job_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->next_step, 5);
+}
+
+TEST(PlannerClientTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
+  constexpr int kRanks = 4;
+  Planner planner;
+  const int port = planner.port();
+  planner.Stop();
+  const std::vector<Sample> batch = Batch(7, kRanks);
+  std::multiset<uint64_t> placed;
+  for (int r = 0; r < kRanks; ++r) {
+    std::unique_ptr<PlannerClient> client = Connect(port, "job", "token");
+    TrainerSession session(client.get(), r, r == 0, Config(kRanks));
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->local_fallback);
+    for (const MicroBatchPlan& mb : plan->micro_batches) {
+      placed.insert(mb.sample_ids.begin(), mb.sample_ids.end());
+    }
+    // The same as what any other rank computes for this batch.
+    EXPECT_EQ(plan->predicted_makespan_seconds,
+              session.LocalPlan(0, batch)->predicted_makespan_seconds);
+  }
+  ASSERT_EQ(placed.size(), batch.size());
+  for (const Sample& s : batch) EXPECT_EQ(placed.count(s.id), 1u) << s.id;
+}
+
+TEST(PlannerClientTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack) {
+  constexpr int kRanks = 1;
+  Planner planner;
+  const int port = planner.port();
+  std::unique_ptr<PlannerClient> admin = Connect(port);
+  absl::StatusOr<JobHandle> job = admin->CreateJob("away", Config(kRanks));
+  ASSERT_TRUE(job.ok());
+  std::unique_ptr<PlannerClient> client = Connect(port, job->job_id, job->token);
+  ASSERT_TRUE(client->JoinJob(0).ok());
+  TrainerSession session(client.get(), 0, true, Config(kRanks));
+  absl::StatusOr<RankStepPlan> plan = session.Plan(0, Batch(3, kRanks));
+  ASSERT_TRUE(plan.ok());
+  ASSERT_FALSE(plan->local_fallback);
+  planner.Stop();
+  EXPECT_TRUE(session.Report(0, Timings(*plan), 0.0).ok());  // kept, not an error
+  EXPECT_EQ(session.buffered_reports(), 1u);
+  planner.Start(port);
+  ASSERT_EQ(planner.port(), port);
+  // The next report flushes the buffered one first; step 0 is then known to the planner.
+  absl::StatusOr<RankStepPlan> next = session.Plan(1, Batch(4, kRanks));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(session.Report(1, Timings(*next), 0.0).ok());
+  EXPECT_EQ(session.buffered_reports(), 0u);
+  absl::StatusOr<bool> repeat = client->ReportStep(0, 0, Timings(*plan), 0.0);
+  ASSERT_TRUE(repeat.ok());
+  EXPECT_TRUE(*repeat);  // the planner has it
+}
+
+TEST(PlannerClientTest, ABadBatchIsAnErrorNotAFallback) {
+  Planner planner;
+  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
+  absl::StatusOr<JobHandle> job = admin->CreateJob("bad", Config(2));
+  ASSERT_TRUE(job.ok());
+  TrainerSession session(admin.get(), 0, true, Config(2));
+  std::vector<Sample> batch = Batch(5, 2);
+  batch[1].id = batch[0].id;
+  absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("samples[1].id"), absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace sparsebalance
