@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "client/planner_client.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
 
@@ -21,5 +22,20 @@ int main() {
   }
   std::printf("consumer: planned %zu samples, makespan %.2f s, gap %.4f\n", batch.size(),
               plan->makespan_seconds, plan->gap);
+  // The client library: with no planner listening, a trainer still gets its plan locally.
+  ClientOptions options;
+  options.target = "127.0.0.1:1";
+  options.call_timeout_seconds = 0.5;
+  options.plan_timeout_seconds = 0.5;
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  if (!client.ok()) return 1;
+  TrainerSession session(client->get(), /*rank=*/0, /*coordinator=*/true, config);
+  absl::StatusOr<RankStepPlan> local = session.Plan(0, batch);
+  if (!local.ok() || !local->local_fallback) {
+    std::fprintf(stderr, "consumer: the client did not fall back\n");
+    return 1;
+  }
+  std::printf("consumer: planner unreachable, rank 0 planned locally (%zu micro-batches)\n",
+              local->micro_batches.size());
   return 0;
 }
