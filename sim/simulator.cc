@@ -167,8 +167,10 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       for (uint64_t id : plan->deferred_ids) run.carried.push_back(*by_id[id]);
 
       // Execute with the hidden truth, noise per micro-batch from a stream that depends on
-      // the step and policy position only, so runs are reproducible.
-      Rng noise(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 1000), p));
+      // the seed, the step and the policy only (not on which other policies run), so a
+      // policy's figures are the same whatever --policies lists.
+      Rng noise(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 1000),
+                         static_cast<uint64_t>(run.policy)));
       std::vector<Observation> observations;
       std::vector<double> compute(o.ranks, 0.0);
       std::vector<std::vector<double>> timeline(o.ranks);

@@ -116,6 +116,17 @@ TEST(SimulatorTest, SameSeedSameReportOtherSeedOtherReport) {
   EXPECT_NE(a->results[0].step_seconds, c->results[0].step_seconds);
 }
 
+TEST(SimulatorTest, APolicysFiguresDoNotDependOnTheOtherPoliciesListed) {
+  SimOptions all = S1(4);
+  all.steps = 3;
+  SimOptions one = all;
+  one.policies = {Policy::kSparseBalance};
+  absl::StatusOr<SimReport> a = RunSimulation(all);
+  absl::StatusOr<SimReport> b = RunSimulation(one);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(ByPolicy(*a)[Policy::kSparseBalance].step_seconds, b->results[0].step_seconds);
+}
+
 TEST(SimulatorTest, PackedProlongAndManyRanksRun) {
   SimOptions packed = S1(1);
   packed.pack_length = 131072;
