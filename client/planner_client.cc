@@ -169,15 +169,7 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
   request.set_step(step);
   request.set_rank(rank);
   request.set_wait_seconds(wait_seconds);
-  for (const MicroBatchTiming& m : micro_batches) {
-    v1::MicroBatchReport* r = request.add_micro_batches();
-    r->set_micro_batch(m.micro_batch);
-    r->set_compute_seconds(m.compute_seconds);
-    r->set_attention_seconds(m.attention_seconds);
-    r->set_tokens(m.tokens);
-    r->set_achieved_density(m.achieved_density);
-    r->set_recall(m.recall);
-  }
+  for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, request.add_micro_batches());
   v1::ReportStepResponse response;
   grpc::ClientContext context;
   impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);

@@ -64,16 +64,6 @@ struct RankStepPlan {
   bool local_fallback = false;  // computed on this rank, not by the planner
 };
 
-// A rank's measured micro-batch (MicroBatchReport on the wire).
-struct MicroBatchTiming {
-  int micro_batch = 0;
-  double compute_seconds = 0.0;
-  double attention_seconds = 0.0;
-  int64_t tokens = 0;
-  double achieved_density = 0.0;
-  double recall = 0.0;
-};
-
 class PlannerClient {
  public:
   static absl::StatusOr<std::unique_ptr<PlannerClient>> Connect(const ClientOptions& options);

@@ -91,6 +91,16 @@ struct RankPlan {
   double predicted_seconds = 0.0;             // sum over micro-batches
 };
 
+// One micro-batch as a rank measured it (MicroBatchReport on the wire).
+struct MicroBatchTiming {
+  int micro_batch = 0;             // index in the rank's plan
+  double compute_seconds = 0.0;    // forward + backward
+  double attention_seconds = 0.0;  // the attention part of compute_seconds
+  int64_t tokens = 0;
+  double achieved_density = 0.0;  // token-weighted fraction of causal key blocks run
+  double recall = 0.0;            // token-weighted attention recall, [0, 1]
+};
+
 struct StepPlan {
   Policy policy = Policy::kSparseBalance;
   std::vector<RankPlan> ranks;

@@ -209,6 +209,20 @@ void SampleToProto(const Sample& sample, v1::Sample* out) {
   out->mutable_segments()->Assign(sample.segments.begin(), sample.segments.end());
 }
 
+void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out) {
+  out->set_micro_batch(timing.micro_batch);
+  out->set_compute_seconds(timing.compute_seconds);
+  out->set_attention_seconds(timing.attention_seconds);
+  out->set_tokens(timing.tokens);
+  out->set_achieved_density(timing.achieved_density);
+  out->set_recall(timing.recall);
+}
+
+MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report) {
+  return {report.micro_batch(), report.compute_seconds(),  report.attention_seconds(),
+          report.tokens(),      report.achieved_density(), report.recall()};
+}
+
 v1::PlanFigures FiguresToProto(const StepPlan& plan) {
   v1::PlanFigures out;
   out.set_makespan_seconds(plan.makespan_seconds);

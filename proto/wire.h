@@ -60,6 +60,9 @@ v1::Policy PolicyToProto(Policy policy);
 v1::DstMode DstModeToProto(DstMode mode);
 v1::OverflowPolicy OverflowToProto(OverflowPolicy policy);
 
+void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out);
+MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report);
+
 v1::PlanFigures FiguresToProto(const StepPlan& plan);
 // One rank's part of a step plan.
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);

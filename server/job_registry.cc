@@ -193,10 +193,9 @@ absl::Status JobRegistry::Restore() {
       record.plan = StepPlanFromProto(step.record);
       record.folded = step.record.folded();
       for (const state::v1::ReportRecord& report : step.reports) {
-        std::vector<MicroBatchMeasurement>& measured = record.reports[report.rank()];
+        std::vector<MicroBatchTiming>& measured = record.reports[report.rank()];
         for (const v1::MicroBatchReport& m : report.micro_batches()) {
-          measured.push_back({m.micro_batch(), m.compute_seconds(), m.attention_seconds(),
-                              m.tokens(), m.achieved_density(), m.recall()});
+          measured.push_back(TimingFromProto(m));
         }
         record.waits[report.rank()] = report.wait_seconds();
       }
@@ -349,9 +348,9 @@ absl::StatusOr<StepPlan> JobRegistry::GetPlan(const std::string& job_id, int64_t
   return it->second.plan;
 }
 
-absl::StatusOr<bool> JobRegistry::ReportStep(
-    const std::string& job_id, int64_t step, int rank,
-    const std::vector<MicroBatchMeasurement>& micro_batches, double wait_seconds) {
+absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t step, int rank,
+                                             const std::vector<MicroBatchTiming>& micro_batches,
+                                             double wait_seconds) {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
@@ -381,7 +380,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(
   const std::vector<MicroBatchPlan>& planned = record.plan.ranks[rank].micro_batches;
   std::vector<bool> seen(planned.size(), false);
   for (size_t k = 0; k < micro_batches.size(); ++k) {
-    const MicroBatchMeasurement& m = micro_batches[k];
+    const MicroBatchTiming& m = micro_batches[k];
     const std::string where = absl::StrCat("micro_batches[", k, "]");
     if (m.micro_batch < 0 || m.micro_batch >= static_cast<int>(planned.size())) {
       return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
@@ -422,15 +421,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(
     state::v1::ReportRecord out;
     out.set_rank(rank);
     out.set_wait_seconds(wait_seconds);
-    for (const MicroBatchMeasurement& m : micro_batches) {
-      v1::MicroBatchReport* r = out.add_micro_batches();
-      r->set_micro_batch(m.micro_batch);
-      r->set_compute_seconds(m.compute_seconds);
-      r->set_attention_seconds(m.attention_seconds);
-      r->set_tokens(m.tokens);
-      r->set_achieved_density(m.achieved_density);
-      r->set_recall(m.recall);
-    }
+    for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, out.add_micro_batches());
     if (absl::Status s = options_.store->AppendReport(job_id, step, out); !s.ok()) return s;
   }
   record.reports[rank] = micro_batches;
@@ -446,7 +437,7 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
   for (const Sample& s : record.batch) by_id[s.id] = &s;
   std::vector<Observation> observations;
   for (const auto& [rank, reports] : record.reports) {
-    for (const MicroBatchMeasurement& m : reports) {
+    for (const MicroBatchTiming& m : reports) {
       const MicroBatchPlan& mb = record.plan.ranks[rank].micro_batches[m.micro_batch];
       Observation o;
       o.rank = rank;
@@ -471,7 +462,7 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
     stats.planned_makespan_seconds = record.plan.makespan_seconds;
     for (const auto& [rank, reports] : record.reports) {
       double seconds = 0.0;
-      for (const MicroBatchMeasurement& m : reports) {
+      for (const MicroBatchTiming& m : reports) {
         seconds += m.compute_seconds;
         stats.densities.push_back(m.achieved_density);
         stats.recalls.push_back(m.recall);

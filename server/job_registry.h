@@ -32,16 +32,6 @@
 
 namespace sparsebalance {
 
-// One micro-batch as a rank measured it (MicroBatchReport on the wire).
-struct MicroBatchMeasurement {
-  int micro_batch = 0;
-  double compute_seconds = 0.0;    // forward + backward
-  double attention_seconds = 0.0;  // part of compute_seconds
-  int64_t tokens = 0;
-  double achieved_density = 0.0;
-  double recall = 0.0;
-};
-
 // What the ranks measured in a step whose every rank has reported (for metrics).
 struct StepStats {
   int64_t step = 0;
@@ -116,7 +106,7 @@ class JobRegistry {
   // Accepts one rank's report for a planned step; returns true when it is a repeat (nothing
   // changed). FAILED_PRECONDITION for a rank that has not joined or a step not planned.
   absl::StatusOr<bool> ReportStep(const std::string& job_id, int64_t step, int rank,
-                                  const std::vector<MicroBatchMeasurement>& micro_batches,
+                                  const std::vector<MicroBatchTiming>& micro_batches,
                                   double wait_seconds);
   // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.
   absl::StatusOr<CostCoefficients> UploadProfile(const std::string& job_id,
@@ -137,8 +127,8 @@ class JobRegistry {
     std::string batch_fingerprint;  // canonical bytes of the submitted batch
     std::vector<Sample> batch;
     StepPlan plan;
-    std::map<int, std::vector<MicroBatchMeasurement>> reports;  // by rank
-    std::map<int, double> waits;                                // by rank, seconds
+    std::map<int, std::vector<MicroBatchTiming>> reports;  // by rank
+    std::map<int, double> waits;                           // by rank, seconds
     bool folded = false;
   };
   struct Job {

@@ -271,11 +271,10 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerCon
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
     return Finish(context, "ReportStep", start, s);
   }
-  std::vector<MicroBatchMeasurement> measured;
+  std::vector<MicroBatchTiming> measured;
   measured.reserve(request->micro_batches_size());
   for (const v1::MicroBatchReport& m : request->micro_batches()) {
-    measured.push_back({m.micro_batch(), m.compute_seconds(), m.attention_seconds(), m.tokens(),
-                        m.achieved_density(), m.recall()});
+    measured.push_back(TimingFromProto(m));
   }
   absl::StatusOr<bool> duplicate = registry_->ReportStep(
       request->job_id(), request->step(), request->rank(), measured, request->wait_seconds());

@@ -18,16 +18,18 @@
 #include "planner/traces.h"
 #include "server/job_registry.h"
 #include "server/planner_service.h"
+#include "tests/server/test_support.h"
 
 namespace sparsebalance {
 namespace {
 
-std::function<std::string(int)> CountingHex() {
-  auto counter = std::make_shared<std::atomic<int>>(0);
-  return [counter](int n) {
-    std::string s = absl::StrCat(++*counter);
-    return std::string(n - s.size(), 'e') + s;
-  };
+using test_support::CountingHex;
+
+std::vector<Sample> Batch(uint64_t seed, int ranks) {
+  return test_support::PretrainBatch(seed, ranks);
+}
+std::vector<MicroBatchTiming> Timings(const RankStepPlan& plan) {
+  return test_support::TimingsOf(plan.micro_batches);
 }
 
 // A planner on a fixed loopback port that can be stopped and started again (same registry).
@@ -67,31 +69,6 @@ PlannerConfig Config(int ranks) {
   c.micro_batches = 2;
   c.micro_batch_capacity = 65536;
   return c;
-}
-
-std::vector<Sample> Batch(uint64_t seed, int ranks) {
-  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", seed);
-  std::vector<Sample> batch;
-  int64_t total = 0;
-  while (true) {
-    Sample s = gen->Next();
-    if (s.length > 65536) continue;
-    if (total + s.length > int64_t{ranks} * 2 * 65536 * 6 / 10) break;
-    total += s.length;
-    batch.push_back(s);
-  }
-  return batch;
-}
-
-std::vector<MicroBatchTiming> Timings(const RankStepPlan& plan) {
-  std::vector<MicroBatchTiming> out;
-  for (size_t m = 0; m < plan.micro_batches.size(); ++m) {
-    const MicroBatchPlan& mb = plan.micro_batches[m];
-    if (mb.sample_ids.empty()) continue;
-    out.push_back({static_cast<int>(m), mb.predicted_seconds, 0.2 * mb.predicted_seconds, mb.tokens,
-                   0.3, 0.9});
-  }
-  return out;
 }
 
 std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",

@@ -9,20 +9,22 @@
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
+#include "tests/server/test_support.h"
 
 namespace sparsebalance {
 namespace {
 
-using ::testing::HasSubstr;
+using test_support::CountingHex;
 
-// Deterministic "random" hex for tests: a counter, padded.
-std::function<std::string(int)> CountingHex() {
-  auto counter = std::make_shared<int>(0);
-  return [counter](int n) {
-    std::string s = absl::StrCat(++*counter);
-    return std::string(n - s.size(), 'a') + s;
-  };
+std::vector<Sample> Batch(uint64_t seed, int ranks) {
+  return test_support::PretrainBatch(seed, ranks, /*fill=*/0.7);
 }
+// Measured times: the plan's predictions times 1.1.
+std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int rank) {
+  return test_support::TimingsOf(plan.ranks[rank].micro_batches, 1.1);
+}
+
+using ::testing::HasSubstr;
 
 JobSettings Settings(int ranks, int history = 8) {
   JobSettings s;
@@ -31,38 +33,6 @@ JobSettings Settings(int ranks, int history = 8) {
   s.planner.micro_batch_capacity = 65536;
   s.history_steps = history;
   return s;
-}
-
-std::vector<Sample> Batch(uint64_t seed, int ranks) {
-  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", seed);
-  std::vector<Sample> batch;
-  int64_t total = 0;
-  while (true) {
-    Sample s = gen->Next();
-    if (s.length > 65536) continue;
-    if (total + s.length > int64_t{ranks} * 2 * 65536 * 7 / 10) break;
-    total += s.length;
-    batch.push_back(s);
-  }
-  return batch;
-}
-
-// Measured times for a rank's planned micro-batches: the plan's prediction times 1.1.
-std::vector<MicroBatchMeasurement> Measure(const StepPlan& plan, int rank) {
-  std::vector<MicroBatchMeasurement> out;
-  const std::vector<MicroBatchPlan>& mbs = plan.ranks[rank].micro_batches;
-  for (size_t m = 0; m < mbs.size(); ++m) {
-    if (mbs[m].sample_ids.empty()) continue;
-    MicroBatchMeasurement x;
-    x.micro_batch = static_cast<int>(m);
-    x.compute_seconds = 1.1 * mbs[m].predicted_seconds;
-    x.attention_seconds = 0.3 * x.compute_seconds;
-    x.tokens = mbs[m].tokens;
-    x.achieved_density = 0.3;
-    x.recall = 0.9;
-    out.push_back(x);
-  }
-  return out;
 }
 
 class JobRegistryTest : public ::testing::Test {
@@ -184,10 +154,10 @@ TEST_F(JobRegistryTest, BadReportsNameTheFieldAndLeaveTheRankUnreported) {
   JoinAll(id, 2);
   absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
   ASSERT_TRUE(step.ok());
-  const std::vector<MicroBatchMeasurement> good = Measure(step->plan, 0);
+  const std::vector<MicroBatchTiming> good = Measure(step->plan, 0);
   ASSERT_FALSE(good.empty());
   struct Case {
-    void (*mutate)(std::vector<MicroBatchMeasurement>*);
+    void (*mutate)(std::vector<MicroBatchTiming>*);
     const char* field;
   };
   const std::vector<Case> cases = {
@@ -202,7 +172,7 @@ TEST_F(JobRegistryTest, BadReportsNameTheFieldAndLeaveTheRankUnreported) {
       {[](auto* m) { m->push_back((*m)[0]); }, ".micro_batch"},
   };
   for (const Case& c : cases) {
-    std::vector<MicroBatchMeasurement> bad = good;
+    std::vector<MicroBatchTiming> bad = good;
     c.mutate(&bad);
     absl::Status status = registry_.ReportStep(id, 0, 0, bad, 0.0).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;

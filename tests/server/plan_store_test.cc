@@ -15,23 +15,25 @@
 #include "planner/planner.h"
 #include "planner/traces.h"
 #include "server/job_registry.h"
+#include "tests/server/test_support.h"
 
 namespace sparsebalance {
 namespace {
+
+using test_support::CountingHex;
+
+std::vector<Sample> Batch(uint64_t seed, int ranks) {
+  return test_support::PretrainBatch(seed, ranks);
+}
+std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int rank) {
+  return test_support::TimingsOf(plan.ranks[rank].micro_batches, 1.2);
+}
 
 std::string TempDir() {
   std::string pattern = ::testing::TempDir() + "plan_store_XXXXXX";
   char* dir = mkdtemp(pattern.data());
   EXPECT_NE(dir, nullptr);
   return std::string(dir) + "/state";
-}
-
-std::function<std::string(int)> CountingHex() {
-  auto counter = std::make_shared<int>(0);
-  return [counter](int n) {
-    std::string s = absl::StrCat(++*counter);
-    return std::string(n - s.size(), 'c') + s;
-  };
 }
 
 JobSettings Settings(int ranks, int history) {
@@ -41,31 +43,6 @@ JobSettings Settings(int ranks, int history) {
   s.planner.micro_batch_capacity = 65536;
   s.history_steps = history;
   return s;
-}
-
-std::vector<Sample> Batch(uint64_t seed, int ranks) {
-  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", seed);
-  std::vector<Sample> batch;
-  int64_t total = 0;
-  while (true) {
-    Sample s = gen->Next();
-    if (s.length > 65536) continue;
-    if (total + s.length > int64_t{ranks} * 2 * 65536 * 6 / 10) break;
-    total += s.length;
-    batch.push_back(s);
-  }
-  return batch;
-}
-
-std::vector<MicroBatchMeasurement> Measure(const StepPlan& plan, int rank) {
-  std::vector<MicroBatchMeasurement> out;
-  const std::vector<MicroBatchPlan>& mbs = plan.ranks[rank].micro_batches;
-  for (size_t m = 0; m < mbs.size(); ++m) {
-    if (mbs[m].sample_ids.empty()) continue;
-    out.push_back({static_cast<int>(m), 1.2 * mbs[m].predicted_seconds,
-                   0.3 * mbs[m].predicted_seconds, mbs[m].tokens, 0.3, 0.9});
-  }
-  return out;
 }
 
 int CountFiles(const std::string& dir) {

@@ -14,21 +14,16 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/server/test_support.h"
 
 namespace sparsebalance {
 namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kAdmin[] = "admin-secret";
+using test_support::CountingHex;
 
-std::function<std::string(int)> CountingHex() {
-  auto counter = std::make_shared<std::atomic<int>>(0);
-  return [counter](int n) {
-    std::string s = absl::StrCat(++*counter);
-    return std::string(n - s.size(), 'f') + s;
-  };
-}
+constexpr char kAdmin[] = "admin-secret";
 
 class PlannerServiceTest : public ::testing::Test {
  protected:

@@ -1,0 +1,61 @@
+// Helpers shared by the server and client tests: deterministic ids and tokens, batches from
+// the pretrain trace, and timings that follow a plan's predictions.
+#ifndef SPARSEBALANCE_TESTS_SERVER_TEST_SUPPORT_H_
+#define SPARSEBALANCE_TESTS_SERVER_TEST_SUPPORT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "planner/traces.h"
+#include "planner/types.h"
+
+namespace sparsebalance::test_support {
+
+// Stands in for the CSPRNG: "aaa..1", "aaa..2", ... (thread-safe).
+inline std::function<std::string(int)> CountingHex() {
+  auto counter = std::make_shared<std::atomic<int>>(0);
+  return [counter](int n) {
+    std::string s = absl::StrCat(++*counter);
+    return std::string(n - s.size(), 'a') + s;
+  };
+}
+
+// Pretrain documents that fit a micro-batch of `capacity` tokens, filling `fill` of
+// ranks x micro_batches x capacity.
+inline std::vector<Sample> PretrainBatch(uint64_t seed, int ranks, double fill = 0.6,
+                                         int micro_batches = 2, int64_t capacity = 65536) {
+  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", seed);
+  std::vector<Sample> batch;
+  int64_t total = 0;
+  const double budget = fill * ranks * micro_batches * static_cast<double>(capacity);
+  while (true) {
+    Sample s = gen->Next();
+    if (s.length > capacity) continue;
+    if (static_cast<double>(total + s.length) > budget) break;
+    total += s.length;
+    batch.push_back(s);
+  }
+  return batch;
+}
+
+// Timings of a rank's planned micro-batches: `factor` times the predicted seconds.
+inline std::vector<MicroBatchTiming> TimingsOf(const std::vector<MicroBatchPlan>& micro_batches,
+                                               double factor = 1.0) {
+  std::vector<MicroBatchTiming> out;
+  for (size_t m = 0; m < micro_batches.size(); ++m) {
+    const MicroBatchPlan& mb = micro_batches[m];
+    if (mb.sample_ids.empty()) continue;
+    const double seconds = factor * mb.predicted_seconds;
+    out.push_back({static_cast<int>(m), seconds, 0.3 * seconds, mb.tokens, 0.3, 0.9});
+  }
+  return out;
+}
+
+}  // namespace sparsebalance::test_support
+
+#endif  // SPARSEBALANCE_TESTS_SERVER_TEST_SUPPORT_H_
