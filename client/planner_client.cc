@@ -150,13 +150,7 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
   out.predicted_seconds = response.plan().predicted_seconds();
   out.predicted_makespan_seconds = response.plan().figures().makespan_seconds();
   for (const v1::MicroBatch& m : response.plan().micro_batches()) {
-    MicroBatchPlan mb;
-    mb.sample_ids.assign(m.sample_ids().begin(), m.sample_ids().end());
-    mb.densities.assign(m.densities().begin(), m.densities().end());
-    mb.default_density = m.default_density();
-    mb.tokens = m.tokens();
-    mb.predicted_seconds = m.predicted_seconds();
-    out.micro_batches.push_back(std::move(mb));
+    out.micro_batches.push_back(MicroBatchFromProto(m));
   }
   return out;
 }

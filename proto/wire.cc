@@ -254,6 +254,16 @@ v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
   return out;
 }
 
+MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& m) {
+  MicroBatchPlan mb;
+  mb.sample_ids.assign(m.sample_ids().begin(), m.sample_ids().end());
+  mb.densities.assign(m.densities().begin(), m.densities().end());
+  mb.default_density = m.default_density();
+  mb.tokens = m.tokens();
+  mb.predicted_seconds = m.predicted_seconds();
+  return mb;
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl and gRPC share the canonical code numbers.

@@ -66,6 +66,7 @@ MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report);
 v1::PlanFigures FiguresToProto(const StepPlan& plan);
 // One rank's part of a step plan.
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
+MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& micro_batch);
 
 // The gRPC status for an absl::Status (same code and message); gRPC 1.51 has none.
 grpc::Status ToGrpcStatus(const absl::Status& status);

@@ -65,13 +65,7 @@ StepPlan StepPlanFromProto(const state::v1::StepRecord& in) {
     RankPlan rank;
     rank.predicted_seconds = r.predicted_seconds();
     for (const v1::MicroBatch& m : r.micro_batches()) {
-      MicroBatchPlan mb;
-      mb.sample_ids.assign(m.sample_ids().begin(), m.sample_ids().end());
-      mb.densities.assign(m.densities().begin(), m.densities().end());
-      mb.default_density = m.default_density();
-      mb.tokens = m.tokens();
-      mb.predicted_seconds = m.predicted_seconds();
-      rank.micro_batches.push_back(std::move(mb));
+      rank.micro_batches.push_back(MicroBatchFromProto(m));
     }
     plan.ranks.push_back(std::move(rank));
   }
