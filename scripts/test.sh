@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every test: installs what is missing, builds with warnings as errors into $BUILD_DIR
 # (default build-test/, separate from the demo's build/), runs the whole CTest suite (unit,
-# property, simulator-bar and sb-sim command-line tests), builds a project against the
-# installed package, and runs the planning benchmark once.
+# property, simulator-bar, service, client and command-line tests), builds a project against
+# the installed package, fuzzes request validation briefly, and runs the planning benchmark
+# once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,11 @@ cmake -S tests/consumer -B "$BUILD_DIR/consumer" -G Ninja \
   -DCMAKE_PREFIX_PATH="$(cd "$BUILD_DIR/install" && pwd)" >/dev/null
 cmake --build "$BUILD_DIR/consumer" >/dev/null
 "$BUILD_DIR/consumer/consumer"
+
+# Request validation under libFuzzer (clang, AddressSanitizer), briefly: 20 s in CI, 30 s
+# otherwise; FUZZ_SECONDS overrides, scripts/fuzz.sh alone runs it longer.
+if [ "${CI:-}" = "true" ]; then export FUZZ_SECONDS=${FUZZ_SECONDS:-20}; fi
+bash scripts/fuzz.sh | tail -n 3
 
 # The planner benchmark must run (its figures are reported, never asserted).
 "$BUILD_DIR/bench/sb-planner-bench" --benchmark_filter='/512/64' --benchmark_min_time=0.05
