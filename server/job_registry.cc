@@ -567,6 +567,7 @@ JobView JobRegistry::View(const std::string& id, const Job& job) {
   }
   v.speed_factors = job.model.speed_factors();
   v.coefficients = job.model.coefficients();
+  v.steps_folded = job.model.state().steps_observed;
   return v;
 }
 

@@ -68,6 +68,7 @@ struct JobView {
   StepPlan last_plan;
   std::vector<double> speed_factors;
   CostCoefficients coefficients;
+  int64_t steps_folded = 0;  // fully reported steps the latency model has learned from
 };
 
 class JobRegistry {
