@@ -9,7 +9,7 @@ packages=(
   libabsl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 

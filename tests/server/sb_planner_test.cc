@@ -10,12 +10,17 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/planner_client.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -31,7 +36,7 @@ namespace v1 = ::sparsebalance::planner::v1;
 // The planner process with its stdout on a pipe.
 class PlannerProcess {
  public:
-  explicit PlannerProcess(const std::string& state_dir) {
+  explicit PlannerProcess(const std::string& state_dir, std::vector<std::string> extra = {}) {
     int fds[2];
     EXPECT_EQ(pipe(fds), 0);
     posix_spawn_file_actions_t actions;
@@ -43,9 +48,11 @@ class PlannerProcess {
     std::string drain = "--drain_seconds=2";
     std::string state = "--state_dir=" + state_dir;
     std::string metrics = "--metrics_listen=127.0.0.1:0";
-    char* argv[] = {binary.data(), listen.data(),  drain.data(),
-                    state.data(),  metrics.data(), nullptr};
-    EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv, environ), 0);
+    std::vector<char*> argv = {binary.data(), listen.data(), drain.data(), state.data(),
+                               metrics.data()};
+    for (std::string& flag : extra) argv.push_back(flag.data());
+    argv.push_back(nullptr);
+    EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), environ), 0);
     posix_spawn_file_actions_destroy(&actions);
     close(fds[1]);
     out_ = fdopen(fds[0], "r");
@@ -184,6 +191,63 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
       << scraped;
   EXPECT_NE(scraped.find("sparsebalance_jobs 1"), std::string::npos) << scraped;
 
+  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
+  // A throwaway CA, a server certificate for localhost/127.0.0.1 and a client certificate.
+  std::string pattern = ::testing::TempDir() + "sb_tls_XXXXXX";
+  const std::string dir = mkdtemp(pattern.data());
+  const std::string script = absl::StrCat(
+      "cd ", dir, " && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem ",
+      "-days 2 -subj /CN=sb-test-ca && ",
+      "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost",
+      " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > ext.cnf && ",
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem",
+      " -days 2 -extfile ext.cnf && ",
+      "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=rank && ",
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem",
+      " -days 2 2>/dev/null >/dev/null");
+  ASSERT_EQ(std::system((script + " 2>/dev/null").c_str()), 0) << "openssl failed";
+  PlannerProcess planner(StateDir(),
+                         {"--tls_cert=" + dir + "/server.pem", "--tls_key=" + dir + "/server.key",
+                          "--tls_client_ca=" + dir + "/ca.pem"});
+  const std::string line = planner.ReadLine();
+  const int port = PortOf(line);
+  ASSERT_GT(port, 0) << line;
+  EXPECT_NE(line.find("(TLS)"), std::string::npos) << line;
+
+  ClientOptions options;
+  options.target = absl::StrCat("localhost:", port);
+  options.call_timeout_seconds = 5;
+  options.root_certs_pem = ReadText(dir + "/ca.pem");
+  options.cert_chain_pem = ReadText(dir + "/client.pem");
+  options.private_key_pem = ReadText(dir + "/client.key");
+  PlannerConfig config;
+  config.ranks = 2;
+  absl::StatusOr<std::unique_ptr<PlannerClient>> with_cert = PlannerClient::Connect(options);
+  ASSERT_TRUE(with_cert.ok());
+  absl::StatusOr<JobHandle> job = (*with_cert)->CreateJob("tls", config);
+  EXPECT_TRUE(job.ok()) << job.status();
+
+  options.cert_chain_pem.clear();
+  options.private_key_pem.clear();
+  absl::StatusOr<std::unique_ptr<PlannerClient>> without_cert = PlannerClient::Connect(options);
+  ASSERT_TRUE(without_cert.ok());
+  EXPECT_EQ((*without_cert)->CreateJob("tls", config).status().code(),
+            absl::StatusCode::kUnavailable);
+
+  options.root_certs_pem.clear();  // plaintext against a TLS planner
+  absl::StatusOr<std::unique_ptr<PlannerClient>> plaintext = PlannerClient::Connect(options);
+  ASSERT_TRUE(plaintext.ok());
+  EXPECT_EQ((*plaintext)->CreateJob("tls", config).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(planner.Stop(SIGTERM), 0);
 }
 
