@@ -26,20 +26,12 @@ std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int rank) {
 
 using ::testing::HasSubstr;
 
-JobSettings Settings(int ranks, int history = 8) {
-  JobSettings s;
-  s.planner.ranks = ranks;
-  s.planner.micro_batches = 2;
-  s.planner.micro_batch_capacity = 65536;
-  s.history_steps = history;
-  return s;
-}
-
 class JobRegistryTest : public ::testing::Test {
  protected:
   JobRegistryTest() : registry_(JobRegistry::Options{}, CountingHex()) {}
   std::string Create(int ranks, int history = 8) {
-    absl::StatusOr<CreatedJob> job = registry_.CreateJob("test", Settings(ranks, history), "");
+    absl::StatusOr<CreatedJob> job =
+        registry_.CreateJob("test", test_support::SmallJob(ranks, history), "");
     EXPECT_TRUE(job.ok()) << job.status();
     tokens_[job->job_id] = job->job_token;
     return job->job_id;
@@ -75,7 +67,7 @@ TEST_F(JobRegistryTest, StepsArePlannedInOrderAndRepeatsAreIdempotent) {
   absl::StatusOr<SubmitResult> first = registry_.SubmitBatch(id, 0, b0);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_FALSE(first->repeated);
-  ASSERT_TRUE(CheckPlan(first->plan, b0, Settings(4).planner).ok());
+  ASSERT_TRUE(CheckPlan(first->plan, b0, test_support::SmallJob(4).planner).ok());
   // The same batch again: the same answer, nothing planned anew.
   absl::StatusOr<SubmitResult> again = registry_.SubmitBatch(id, 0, b0);
   ASSERT_TRUE(again.ok());
@@ -114,7 +106,7 @@ TEST_F(JobRegistryTest, GetPlanWaitsForTheStepAndServesEachRank) {
   absl::StatusOr<StepPlan> plan = registry_.GetPlan(id, 0, 1, &ready);
   ASSERT_TRUE(plan.ok());
   EXPECT_TRUE(ready);
-  EXPECT_TRUE(CheckPlan(*plan, batch, Settings(3).planner).ok());
+  EXPECT_TRUE(CheckPlan(*plan, batch, test_support::SmallJob(3).planner).ok());
   EXPECT_EQ(registry_.GetPlan(id, 0, 3, &ready).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
@@ -205,7 +197,7 @@ TEST_F(JobRegistryTest, HistoryIsBounded) {
 
 TEST_F(JobRegistryTest, UpdateJobConfigChangesTunablesOnly) {
   const std::string id = Create(2);
-  JobSettings update = Settings(2);
+  JobSettings update = test_support::SmallJob(2);
   update.planner.policy = Policy::kTokens;
   update.planner.ranks = 64;
   absl::StatusOr<JobSettings> now = registry_.UpdateJobConfig(id, update, {"policy"});
@@ -219,7 +211,8 @@ TEST_F(JobRegistryTest, UpdateJobConfigChangesTunablesOnly) {
   update.planner.density_min = 0.9;  // above the default: invalid, nothing changes
   EXPECT_EQ(registry_.UpdateJobConfig(id, update, {"policy", "density_min"}).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry_.GetJob(id)->settings.planner.density_min, Settings(2).planner.density_min);
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.density_min,
+            test_support::SmallJob(2).planner.density_min);
 }
 
 TEST_F(JobRegistryTest, JobLimitListAndDelete) {
@@ -227,8 +220,9 @@ TEST_F(JobRegistryTest, JobLimitListAndDelete) {
   options.max_jobs = 3;
   JobRegistry registry(options, CountingHex());
   std::vector<std::string> ids;
-  for (int i = 0; i < 3; ++i) ids.push_back(registry.CreateJob("j", Settings(1), "")->job_id);
-  EXPECT_EQ(registry.CreateJob("j", Settings(1), "").status().code(),
+  for (int i = 0; i < 3; ++i)
+    ids.push_back(registry.CreateJob("j", test_support::SmallJob(1), "")->job_id);
+  EXPECT_EQ(registry.CreateJob("j", test_support::SmallJob(1), "").status().code(),
             absl::StatusCode::kResourceExhausted);
   std::vector<JobView> page = registry.ListJobs("", 2);
   ASSERT_EQ(page.size(), 2u);
@@ -238,7 +232,7 @@ TEST_F(JobRegistryTest, JobLimitListAndDelete) {
   ASSERT_TRUE(registry.DeleteJob(ids[0]).ok());
   EXPECT_EQ(registry.GetJob(ids[0]).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(registry.DeleteJob(ids[0]).code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(registry.CreateJob("j", Settings(1), "").ok());
+  EXPECT_TRUE(registry.CreateJob("j", test_support::SmallJob(1), "").ok());
 }
 
 TEST_F(JobRegistryTest, ConcurrentReportsAreAllAcceptedAndFoldedOnce) {
@@ -262,7 +256,7 @@ TEST_F(JobRegistryTest, ConcurrentReportsAreAllAcceptedAndFoldedOnce) {
 }
 
 TEST_F(JobRegistryTest, ProfilesAreValidated) {
-  EXPECT_EQ(registry_.CreateJob("p", Settings(2), "not a profile").status().code(),
+  EXPECT_EQ(registry_.CreateJob("p", test_support::SmallJob(2), "not a profile").status().code(),
             absl::StatusCode::kInvalidArgument);
   const std::string id = Create(2);
   absl::Status bad = registry_.UploadProfile(id, "sparsebalance-profile 1\n").status();

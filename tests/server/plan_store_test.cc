@@ -36,15 +36,6 @@ std::string TempDir() {
   return std::string(dir) + "/state";
 }
 
-JobSettings Settings(int ranks, int history) {
-  JobSettings s;
-  s.planner.ranks = ranks;
-  s.planner.micro_batches = 2;
-  s.planner.micro_batch_capacity = 65536;
-  s.history_steps = history;
-  return s;
-}
-
 int CountFiles(const std::string& dir) {
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return -1;
@@ -68,7 +59,8 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
   JobView before;
   {
     JobRegistry registry(options, CountingHex());
-    absl::StatusOr<CreatedJob> job = registry.CreateJob("durable", Settings(kRanks, 8), "");
+    absl::StatusOr<CreatedJob> job =
+        registry.CreateJob("durable", test_support::SmallJob(kRanks, 8), "");
     ASSERT_TRUE(job.ok()) << job.status();
     id = job->job_id;
     token = job->job_token;
@@ -123,7 +115,7 @@ TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   JobRegistry::Options options;
   options.store = store->get();
   JobRegistry registry(options, CountingHex());
-  const std::string id = registry.CreateJob("torn", Settings(2, 2), "")->job_id;
+  const std::string id = registry.CreateJob("torn", test_support::SmallJob(2, 2), "")->job_id;
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
   absl::StatusOr<SubmitResult> s0 = registry.SubmitBatch(id, 0, Batch(1, 2));
   ASSERT_TRUE(s0.ok());

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "planner/traces.h"
 #include "planner/types.h"
+#include "proto/wire.h"
 
 namespace sparsebalance::test_support {
 
@@ -23,6 +24,16 @@ inline std::function<std::string(int)> CountingHex() {
     std::string s = absl::StrCat(++*counter);
     return std::string(n - s.size(), 'a') + s;
   };
+}
+
+// A job of `ranks` ranks with 2 micro-batches of 65536 tokens (the size PretrainBatch fills).
+inline JobSettings SmallJob(int ranks, int history_steps = 8) {
+  JobSettings s;
+  s.planner.ranks = ranks;
+  s.planner.micro_batches = 2;
+  s.planner.micro_batch_capacity = 65536;
+  s.history_steps = history_steps;
+  return s;
 }
 
 // Pretrain documents that fit a micro-batch of `capacity` tokens, filling `fill` of
