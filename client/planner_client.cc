@@ -1,5 +1,6 @@
 #include "client/planner_client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -76,6 +77,11 @@ absl::StatusOr<std::unique_ptr<PlannerClient>> PlannerClient::Connect(
   // Keepalive from the client side too, matching the planner's permitted ping rate.
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  // Reconnect soon after the planner comes back: gRPC's default backoff grows to 120 s, during
+  // which every call fails fast and the trainer would stay on local plans for minutes.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetMaxReceiveMessageSize(256 << 20);
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -121,10 +127,12 @@ absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int ran
 }
 
 absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
-                                                                 const std::vector<Sample>& batch) {
+                                                                 const std::vector<Sample>& batch,
+                                                                 bool planned_locally) {
   v1::SubmitBatchRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_step(step);
+  request.set_planned_locally(planned_locally);
   for (const Sample& s : batch) SampleToProto(s, request.add_samples());
   v1::SubmitBatchResponse response;
   grpc::ClientContext context;
@@ -149,6 +157,7 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
   out.rank = response.plan().rank();
   out.predicted_seconds = response.plan().predicted_seconds();
   out.predicted_makespan_seconds = response.plan().figures().makespan_seconds();
+  out.local_fallback = response.plan().planned_locally();
   for (const v1::MicroBatch& m : response.plan().micro_batches()) {
     out.micro_batches.push_back(MicroBatchFromProto(m));
   }
@@ -157,8 +166,9 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
 
 absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
                                                const std::vector<MicroBatchTiming>& micro_batches,
-                                               double wait_seconds) {
+                                               double wait_seconds, bool planned_locally) {
   v1::ReportStepRequest request;
+  request.set_planned_locally(planned_locally);
   request.set_job_id(impl_->options.job_id);
   request.set_step(step);
   request.set_rank(rank);
@@ -174,16 +184,27 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
 
 TrainerSession::TrainerSession(PlannerClient* client, int rank, bool coordinator,
                                PlannerConfig config)
-    : client_(client),
-      rank_(rank),
-      coordinator_(coordinator),
-      config_(config),
-      local_model_(config.shape, config.ranks, kDefaultCostPrior) {}
+    : client_(client), rank_(rank), coordinator_(coordinator), config_(std::move(config)) {}
+
+size_t TrainerSession::BufferLimit() const {
+  return static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));
+}
 
 absl::StatusOr<RankStepPlan> TrainerSession::LocalPlan(int64_t step,
-                                                       const std::vector<Sample>& batch) const {
-  absl::StatusOr<StepPlan> plan = PlanStep(batch, config_, local_model_);
+                                                       const std::vector<Sample>& batch) {
+  absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, config_);
   if (!plan.ok()) return plan.status();
+  if (rank_ < 0 || rank_ >= static_cast<int>(plan->ranks.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", rank_, " is outside [0, ", plan->ranks.size(), ")"));
+  }
+  if (local_steps_.empty() || local_steps_.back() < step) {
+    local_steps_.push_back(step);
+    if (coordinator_) local_batches_.emplace_back(step, batch);
+  }
+  while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
+  // The newest stays: the planner needs at least one local step to move past the gap.
+  while (local_batches_.size() > BufferLimit()) local_batches_.pop_front();
   RankStepPlan out;
   out.step = step;
   out.rank = rank_;
@@ -194,8 +215,21 @@ absl::StatusOr<RankStepPlan> TrainerSession::LocalPlan(int64_t step,
   return out;
 }
 
+absl::Status TrainerSession::ResubmitLocalSteps() {
+  while (!local_batches_.empty()) {
+    const auto& [step, batch] = local_batches_.front();
+    absl::StatusOr<std::vector<uint64_t>> sent =
+        client_->SubmitBatch(step, batch, /*planned_locally=*/true);
+    if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
+    // Any other answer is final (e.g. the step left the planner's history): go on without it.
+    local_batches_.pop_front();
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vector<Sample>& batch) {
   if (coordinator_) {
+    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return LocalPlan(step, batch);
     absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, batch);
     if (!submitted.ok()) {
       if (IsUnreachable(submitted.status())) return LocalPlan(step, batch);
@@ -204,6 +238,11 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
   }
   absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
   if (!plan.ok() && IsUnreachable(plan.status())) return LocalPlan(step, batch);
+  if (plan.ok()) last_planner_step_ = std::max(last_planner_step_, step);
+  if (plan.ok() && plan->local_fallback) {
+    local_steps_.push_back(step);  // the step was switched to the local plan: report it so
+    while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
+  }
   return plan;
 }
 
@@ -211,14 +250,24 @@ absl::Status TrainerSession::Flush() {
   absl::Status dropped;
   while (!pending_.empty()) {
     const PendingReport& r = pending_.front();
-    absl::StatusOr<bool> sent = client_->ReportStep(r.step, rank_, r.micro_batches, r.wait_seconds);
+    absl::StatusOr<bool> sent = client_->ReportStep(r.step, rank_, r.micro_batches,
+                                                    r.wait_seconds, r.planned_locally);
     if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
-    // Anything else (e.g. the step left the planner's history, or a local-fallback step the
-    // planner never planned) cannot succeed later either: drop it, say so, and go on.
-    if (!sent.ok() && dropped.ok()) {
-      dropped = absl::Status(
-          sent.status().code(),
-          absl::StrCat("report of step ", r.step, " dropped: ", sent.status().message()));
+    // A locally planned step the coordinator has not resubmitted yet: the planner learns of it
+    // before it plans any later step, so wait while this rank has no later planner's plan.
+    if (!sent.ok() && sent.status().code() == absl::StatusCode::kFailedPrecondition &&
+        r.step > last_planner_step_) {
+      return absl::OkStatus();
+    }
+    // Anything else (e.g. the step left the planner's history, or a step the planner skipped)
+    // cannot succeed later either: drop it, say so, and go on.
+    if (!sent.ok()) {
+      ++dropped_reports_;
+      if (dropped.ok()) {
+        dropped = absl::Status(
+            sent.status().code(),
+            absl::StrCat("report of step ", r.step, " dropped: ", sent.status().message()));
+      }
     }
     pending_.pop_front();
   }
@@ -228,9 +277,12 @@ absl::Status TrainerSession::Flush() {
 absl::Status TrainerSession::Report(int64_t step,
                                     const std::vector<MicroBatchTiming>& micro_batches,
                                     double wait_seconds) {
-  pending_.push_back({step, micro_batches, wait_seconds});
-  const size_t limit = static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));
-  while (pending_.size() > limit) pending_.pop_front();
+  const bool local = std::find(local_steps_.begin(), local_steps_.end(), step) != local_steps_.end();
+  pending_.push_back({step, micro_batches, wait_seconds, local});
+  while (pending_.size() > BufferLimit()) {
+    pending_.pop_front();
+    ++dropped_reports_;
+  }
   absl::Status flushed = Flush();
   // The planner being away is not the trainer's problem: the reports wait for it.
   return IsUnreachable(flushed) ? absl::OkStatus() : flushed;

@@ -16,6 +16,12 @@
 // that falls back: same batch, same config, same model) and says so in `local_fallback`.
 // Ranks must agree on which plan they use: a trainer should all-reduce `local_fallback` and,
 // if any rank fell back, every rank uses LocalPlan().
+//
+// Coming back: the coordinator keeps the batches of the steps it ran on local plans (bounded
+// like the reports) and, once the planner answers again, submits them first, marked
+// planned_locally: the planner records the local plans, so the reports buffered meanwhile fit
+// them and reach the latency model, and the job's steps go on in order. Steps whose batches were
+// dropped from that buffer are skipped by the planner (metric sparsebalance_skipped_steps_total).
 #ifndef SPARSEBALANCE_CLIENT_PLANNER_CLIENT_H_
 #define SPARSEBALANCE_CLIENT_PLANNER_CLIENT_H_
 
@@ -23,10 +29,10 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "planner/latency_model.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
@@ -61,7 +67,9 @@ struct RankStepPlan {
   std::vector<MicroBatchPlan> micro_batches;
   double predicted_seconds = 0.0;
   double predicted_makespan_seconds = 0.0;
-  bool local_fallback = false;  // computed on this rank, not by the planner
+  // Computed on this rank (PlanStepLocally), not by the planner; or the planner's record of a
+  // step the trainer ran on its local plan.
+  bool local_fallback = false;
 };
 
 class PlannerClient {
@@ -77,13 +85,15 @@ class PlannerClient {
   // Announces `rank`; returns the job's config and the next step the planner will plan.
   absl::StatusOr<std::pair<PlannerConfig, int64_t>> JoinJob(int rank);
   // Submits a step's global batch (coordinator rank); returns the deferred sample ids.
-  absl::StatusOr<std::vector<uint64_t>> SubmitBatch(int64_t step, const std::vector<Sample>& batch);
+  // `planned_locally`: the trainer ran this step on its local fallback plan (see the proto).
+  absl::StatusOr<std::vector<uint64_t>> SubmitBatch(int64_t step, const std::vector<Sample>& batch,
+                                                    bool planned_locally = false);
   // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part.
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank);
   // Returns true when the planner had this (step, rank) already.
   absl::StatusOr<bool> ReportStep(int64_t step, int rank,
                                   const std::vector<MicroBatchTiming>& micro_batches,
-                                  double wait_seconds);
+                                  double wait_seconds, bool planned_locally = false);
 
   const ClientOptions& options() const;
 
@@ -104,28 +114,41 @@ class TrainerSession {
   // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
   // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
-  // The locally computed plan of `step` (what every falling-back rank uses).
-  absl::StatusOr<RankStepPlan> LocalPlan(int64_t step, const std::vector<Sample>& batch) const;
+  // The locally computed plan of `step` (what every falling-back rank uses). Remembers that this
+  // rank ran `step` locally (its report says so; the coordinator resubmits the batch later).
+  absl::StatusOr<RankStepPlan> LocalPlan(int64_t step, const std::vector<Sample>& batch);
   // Reports this rank's timings; while the planner is away reports are kept (bounded: the
   // oldest go first) and sent, in order, before the next report.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
                       double wait_seconds);
   size_t buffered_reports() const { return pending_.size(); }
+  // Batches of locally planned steps the coordinator has not told the planner about yet.
+  size_t unsent_local_steps() const { return local_batches_.size(); }
+  // Reports given up (the planner refused them for good, or the buffer overflowed).
+  int64_t dropped_reports() const { return dropped_reports_; }
 
  private:
   struct PendingReport {
     int64_t step;
     std::vector<MicroBatchTiming> micro_batches;
     double wait_seconds;
+    bool planned_locally;
   };
   absl::Status Flush();
+  // Coordinator: submits the batches of locally planned steps, oldest first. UNAVAILABLE when
+  // the planner is still away (the rest stay queued).
+  absl::Status ResubmitLocalSteps();
+  size_t BufferLimit() const;
 
   PlannerClient* client_;
   int rank_;
   bool coordinator_;
   PlannerConfig config_;
-  LatencyModel local_model_;  // the fallback's model: the default prior, the same on every rank
   std::deque<PendingReport> pending_;
+  std::deque<std::pair<int64_t, std::vector<Sample>>> local_batches_;  // coordinator only
+  std::deque<int64_t> local_steps_;  // steps this rank ran locally, ascending, bounded
+  int64_t dropped_reports_ = 0;
+  int64_t last_planner_step_ = -1;  // the latest step whose plan came from the planner
 };
 
 // True for the codes that mean "the planner is not reachable now".

@@ -92,6 +92,16 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
   return absl::OkStatus();
 }
 
+absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
+                                         const PlannerConfig& config) {
+  absl::Status status = ValidateConfig(config);
+  if (!status.ok()) return status;
+  const LatencyModel model(config.shape, config.ranks, kDefaultCostPrior);
+  absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+  if (plan.ok()) plan->planned_locally = true;
+  return plan;
+}
+
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
                                   const LatencyModel& model) {
   absl::Status status = ValidateConfig(config);

@@ -25,6 +25,12 @@ namespace sparsebalance {
 // INVALID_ARGUMENT and name `samples[i]` and the field.
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config);
 
+// The plan a trainer computes without the planner (the client's offline fallback): PlanStep
+// with a latency model at the default cost prior, marked planned_locally. Deterministic, so
+// every rank that falls back, and the planner when told afterwards, computes the same plan.
+absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
+                                         const PlannerConfig& config);
+
 // Plans one step with `config.policy`. The model must have `config.ranks` ranks.
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
                                   const LatencyModel& model);

@@ -112,6 +112,9 @@ struct StepPlan {
   double bubble_ratio = 0.0;           // idle share of ranks x makespan
   double mean_density = 0.0;           // token-weighted
   double predicted_recall = 0.0;       // token-weighted, planner's recall model (recall_model.h)
+  // The trainer's fallback plan (PlanStepLocally) rather than one made with the job's learned
+  // model: what the ranks ran while the planner was unreachable.
+  bool planned_locally = false;
 };
 
 absl::string_view PolicyName(Policy policy);

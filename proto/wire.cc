@@ -251,6 +251,7 @@ v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
   }
   out.set_predicted_seconds(r.predicted_seconds);
   *out.mutable_figures() = FiguresToProto(plan);
+  out.set_planned_locally(plan.planned_locally);
   return out;
 }
 

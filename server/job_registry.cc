@@ -81,6 +81,7 @@ StepPlan StepPlanFromProto(const state::v1::StepRecord& in) {
     plan.bubble_ratio = f.bubble_ratio();
     plan.mean_density = f.mean_density();
     plan.predicted_recall = f.predicted_recall();
+    plan.planned_locally = first.planned_locally();
   }
   plan.deferred_ids.assign(in.deferred_ids().begin(), in.deferred_ids().end());
   return plan;
@@ -278,7 +279,8 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
 }
 
 absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id, int64_t step,
-                                                      const std::vector<Sample>& batch) {
+                                                      const std::vector<Sample>& batch,
+                                                      bool planned_locally) {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
@@ -290,19 +292,31 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
           "step ", step, " was planned but is older than the ", job->settings.history_steps,
           " steps kept; the next step is ", job->next_step));
     }
-    if (it->second.batch_fingerprint != BatchFingerprint(batch)) {
+    StepRecord& record = it->second;
+    if (record.batch_fingerprint != BatchFingerprint(batch)) {
       return absl::AlreadyExistsError(
           absl::StrCat("step ", step, " was planned with a different batch; submit step ",
                        job->next_step, " next"));
     }
-    return SubmitResult{step, it->second.plan.deferred_ids, it->second.plan, true};
+    SubmitResult result{step, {}, {}, true};
+    if (planned_locally && !record.plan.planned_locally) {
+      if (absl::Status s = SwitchToLocal(job_id, *job, step, record); !s.ok()) return s;
+      result.switched_to_local = true;
+    }
+    result.deferred_ids = record.plan.deferred_ids;
+    result.plan = record.plan;
+    return result;
   }
-  if (step > job->next_step) {
+  if (step > job->next_step && !planned_locally) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step, " is out of order: job ", job_id, " plans step ", job->next_step, " next"));
+        "step ", step, " is out of order: job ", job_id, " plans step ", job->next_step,
+        " next (a trainer that ran steps on local plans submits with planned_locally)"));
   }
-  absl::StatusOr<StepPlan> plan = PlanStep(batch, job->settings.planner, job->model);
+  absl::StatusOr<StepPlan> plan = planned_locally
+                                      ? PlanStepLocally(batch, job->settings.planner)
+                                      : PlanStep(batch, job->settings.planner, job->model);
   if (!plan.ok()) return plan.status();
+  const int64_t skipped = step - job->next_step;
   StepRecord record;
   record.batch_fingerprint = BatchFingerprint(batch);
   record.batch = batch;
@@ -311,14 +325,32 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   // it (Restore also counts a step record whose snapshot did not land).
   if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
   job->history[step] = std::move(record);
-  ++job->next_step;
+  job->next_step = step + 1;
   while (static_cast<int>(job->history.size()) > job->settings.history_steps) {
     const int64_t dropped = job->history.begin()->first;
     job->history.erase(job->history.begin());
     if (options_.store != nullptr) options_.store->DropStep(job_id, dropped).IgnoreError();
   }
   if (absl::Status s = SaveJob(job_id, *job); !s.ok()) return s;
-  return SubmitResult{step, plan->deferred_ids, *std::move(plan), false};
+  SubmitResult result{step, plan->deferred_ids, *std::move(plan), false};
+  result.skipped_steps = skipped;
+  return result;
+}
+
+absl::Status JobRegistry::SwitchToLocal(const std::string& id, const Job& job, int64_t step,
+                                        StepRecord& record) const {
+  if (!record.reports.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, " already has reports against the planner's plan; its ranks must all "
+        "run one plan"));
+  }
+  absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job.settings.planner);
+  if (!local.ok()) return local.status();
+  StepRecord updated = record;
+  updated.plan = *std::move(local);
+  if (absl::Status s = SaveStep(id, step, updated); !s.ok()) return s;
+  record = std::move(updated);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepPlan> JobRegistry::GetPlan(const std::string& job_id, int64_t step, int rank,
@@ -344,7 +376,7 @@ absl::StatusOr<StepPlan> JobRegistry::GetPlan(const std::string& job_id, int64_t
 
 absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t step, int rank,
                                              const std::vector<MicroBatchTiming>& micro_batches,
-                                             double wait_seconds) {
+                                             double wait_seconds, bool planned_locally) {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
@@ -367,6 +399,15 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   }
   StepRecord& record = it->second;
   if (record.reports.count(rank) > 0) return true;  // a repeat changes nothing
+  if (planned_locally != record.plan.planned_locally) {
+    if (!planned_locally || !record.reports.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "planned_locally: rank ", rank, " ran the ", planned_locally ? "local" : "planner's",
+          " plan of step ", step, " but the step's other ranks ran the ",
+          planned_locally ? "planner's" : "local", " one; all ranks of a step must run one plan"));
+    }
+    if (absl::Status s = SwitchToLocal(job_id, *job, step, record); !s.ok()) return s;
+  }
   if (!std::isfinite(wait_seconds) || wait_seconds < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("wait_seconds: ", wait_seconds, " is not a finite number >= 0"));

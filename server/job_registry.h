@@ -56,6 +56,10 @@ struct SubmitResult {
   std::vector<uint64_t> deferred_ids;
   StepPlan plan;          // the whole step's plan
   bool repeated = false;  // the step had been planned with this batch before
+  // planned_locally submissions: steps jumped over (never planned here), and whether an
+  // existing plan of the step was replaced by the trainer's local one.
+  int64_t skipped_steps = 0;
+  bool switched_to_local = false;
 };
 
 struct JobView {
@@ -98,17 +102,25 @@ class JobRegistry {
 
   // Marks `rank` joined; returns the settings and the next step to plan.
   absl::StatusOr<std::pair<JobSettings, int64_t>> JoinJob(const std::string& job_id, int rank);
+  // Plans `step` (steps in order). With `planned_locally` the step's plan is the trainer's
+  // fallback plan (PlanStepLocally), a step past the next one is accepted (the steps between
+  // are skipped: the trainer ran them alone and no longer has their batches), and a step
+  // already planned with the same batch but not reported yet switches to the local plan.
   absl::StatusOr<SubmitResult> SubmitBatch(const std::string& job_id, int64_t step,
-                                           const std::vector<Sample>& batch);
+                                           const std::vector<Sample>& batch,
+                                           bool planned_locally = false);
   // The plan of `step` with `*ready` true; for a step not planned yet, OK with `*ready` false
   // (the service waits and asks again). FAILED_PRECONDITION for a step dropped from history.
   absl::StatusOr<StepPlan> GetPlan(const std::string& job_id, int64_t step, int rank,
                                    bool* ready) const;
   // Accepts one rank's report for a planned step; returns true when it is a repeat (nothing
   // changed). FAILED_PRECONDITION for a rank that has not joined or a step not planned.
+  // `planned_locally`: the rank ran the step's local fallback plan; a step still holding the
+  // planner's plan and no report switches to the local plan, and a step whose reports are
+  // against the other plan is FAILED_PRECONDITION.
   absl::StatusOr<bool> ReportStep(const std::string& job_id, int64_t step, int rank,
                                   const std::vector<MicroBatchTiming>& micro_batches,
-                                  double wait_seconds);
+                                  double wait_seconds, bool planned_locally = false);
   // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.
   absl::StatusOr<CostCoefficients> UploadProfile(const std::string& job_id,
                                                  const std::string& profile);
@@ -151,6 +163,9 @@ class JobRegistry {
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
   static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);
+  // Replaces a step's plan by the trainer's local fallback plan and saves the step record.
+  absl::Status SwitchToLocal(const std::string& id, const Job& job, int64_t step,
+                             StepRecord& record) const ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   // Folds a step whose every rank has reported into the model (in rank order).
   absl::Status Fold(const std::string& id, Job& job, int64_t step, StepRecord& record)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);

@@ -84,6 +84,8 @@ struct PlannerMetrics::JobSeries {
   prometheus::Histogram* density = nullptr;
   prometheus::Histogram* recall = nullptr;
   prometheus::Counter* stragglers = nullptr;
+  prometheus::Counter* local_plan_steps = nullptr;
+  prometheus::Counter* skipped_steps = nullptr;
   std::vector<prometheus::Gauge*> rank_seconds;
   std::vector<prometheus::Gauge*> speed_factors;
 };
@@ -143,6 +145,16 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                       .Name("sparsebalance_straggler_events_total")
                       .Help("Ranks that ran over 10% past the planned makespan")
                       .Register(*registry_)),
+      local_plan_steps_(prometheus::BuildCounter()
+                            .Name("sparsebalance_local_plan_steps_total")
+                            .Help("Steps the trainer ran on its local fallback plan because "
+                                  "the planner was unreachable")
+                            .Register(*registry_)),
+      skipped_steps_(prometheus::BuildCounter()
+                         .Name("sparsebalance_skipped_steps_total")
+                         .Help("Steps a trainer ran on local plans that the planner never "
+                               "saw (their batches were not resubmitted)")
+                         .Register(*registry_)),
       rank_seconds_(prometheus::BuildGauge()
                         .Name("sparsebalance_rank_compute_seconds")
                         .Help("Measured compute per rank, last reported step (small jobs only)")
@@ -198,6 +210,8 @@ PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
     series->density = &density_.Add(job, UnitBuckets());
     series->recall = &recall_.Add(job, UnitBuckets());
     series->stragglers = &stragglers_.Add(job);
+    series->local_plan_steps = &local_plan_steps_.Add(job);
+    series->skipped_steps = &skipped_steps_.Add(job);
   }
   return *series;
 }
@@ -214,6 +228,13 @@ void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan
   series.steps->Increment();
   series.predicted_makespan->Set(plan.makespan_seconds);
   series.predicted_gap->Set(plan.gap);
+}
+
+void PlannerMetrics::ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps) {
+  absl::MutexLock lock(&mu_);
+  JobSeries& series = Series(job_id);
+  series.local_plan_steps->Increment();
+  if (skipped_steps > 0) series.skipped_steps->Increment(static_cast<double>(skipped_steps));
 }
 
 void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& stats) {
@@ -276,6 +297,8 @@ void PlannerMetrics::ForgetJob(const std::string& job_id) {
   density_.Remove(s.density);
   recall_.Remove(s.recall);
   stragglers_.Remove(s.stragglers);
+  local_plan_steps_.Remove(s.local_plan_steps);
+  skipped_steps_.Remove(s.skipped_steps);
   for (prometheus::Gauge* g : s.rank_seconds) rank_seconds_.Remove(g);
   for (prometheus::Gauge* g : s.speed_factors) speed_factor_.Remove(g);
   jobs_series_.erase(it);

@@ -9,6 +9,7 @@
 #ifndef SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
 #define SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,6 +36,9 @@ class PlannerMetrics {
   void ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds);
   // A newly planned step: planning wall time (seconds) and the plan's predicted figures.
   void ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds);
+  // A step recorded with the trainer's local fallback plan, after `skipped_steps` steps the
+  // planner never saw.
+  void ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps);
   // A step whose every rank has reported: what the ranks measured.
   void ObserveStep(const std::string& job_id, const StepStats& stats);
   // State writes that failed (the call returned UNAVAILABLE).
@@ -62,6 +66,8 @@ class PlannerMetrics {
   prometheus::Family<prometheus::Histogram>& density_;
   prometheus::Family<prometheus::Histogram>& recall_;
   prometheus::Family<prometheus::Counter>& stragglers_;
+  prometheus::Family<prometheus::Counter>& local_plan_steps_;
+  prometheus::Family<prometheus::Counter>& skipped_steps_;
   prometheus::Family<prometheus::Gauge>& rank_seconds_;
   prometheus::Family<prometheus::Gauge>& speed_factor_;
   prometheus::Gauge& jobs_;

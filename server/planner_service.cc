@@ -183,10 +183,16 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerCo
   if (!batch.ok()) return Finish(context, "SubmitBatch", start, batch.status());
   const Clock::time_point plan_start = Clock::now();
   absl::StatusOr<SubmitResult> result =
-      registry_->SubmitBatch(request->job_id(), request->step(), *batch);
+      registry_->SubmitBatch(request->job_id(), request->step(), *batch,
+                             request->planned_locally());
   if (!result.ok()) return Finish(context, "SubmitBatch", start, result.status());
-  if (!result->repeated && options_.metrics != nullptr) {
-    options_.metrics->ObservePlan(request->job_id(), result->plan, SecondsSince(plan_start));
+  if (options_.metrics != nullptr) {
+    if (!result->repeated) {
+      options_.metrics->ObservePlan(request->job_id(), result->plan, SecondsSince(plan_start));
+    }
+    if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
+      options_.metrics->ObserveLocalPlan(request->job_id(), result->skipped_steps);
+    }
   }
   response->set_step(result->step);
   response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
@@ -277,7 +283,8 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerCon
     measured.push_back(TimingFromProto(m));
   }
   absl::StatusOr<bool> duplicate = registry_->ReportStep(
-      request->job_id(), request->step(), request->rank(), measured, request->wait_seconds());
+      request->job_id(), request->step(), request->rank(), measured, request->wait_seconds(),
+      request->planned_locally());
   if (!duplicate.ok()) return Finish(context, "ReportStep", start, duplicate.status());
   response->set_duplicate(*duplicate);
   return Finish(context, "ReportStep", start, absl::OkStatus());

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -231,6 +232,74 @@ TEST(PlannerClientTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack
   absl::StatusOr<bool> repeat = client->ReportStep(0, 0, Timings(*plan), 0.0);
   ASSERT_TRUE(repeat.ok());
   EXPECT_TRUE(*repeat);  // the planner has it
+}
+
+// The planner goes away for three steps and comes back: the ranks run local plans, the
+// coordinator then tells the planner which plans they ran, and every report made meanwhile
+// reaches the planner's model; the job goes on in order.
+TEST(PlannerClientTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) {
+  constexpr int kRanks = 2;
+  Planner planner;
+  const int port = planner.port();
+  std::unique_ptr<PlannerClient> admin = Connect(port);
+  absl::StatusOr<JobHandle> job = admin->CreateJob("resync", Config(kRanks));
+  ASSERT_TRUE(job.ok());
+  std::vector<std::unique_ptr<PlannerClient>> clients;
+  std::vector<std::unique_ptr<TrainerSession>> sessions;
+  for (int r = 0; r < kRanks; ++r) {
+    clients.push_back(Connect(port, job->job_id, job->token));
+    ASSERT_TRUE(clients[r]->JoinJob(r).ok());
+    sessions.push_back(
+        std::make_unique<TrainerSession>(clients[r].get(), r, r == 0, Config(kRanks)));
+  }
+  std::map<int64_t, std::vector<std::vector<uint64_t>>> ran;  // step -> rank -> sample ids
+  // Until the ranks are back on the planner's plans (the channel reconnects within a second).
+  int64_t steps = 0;
+  bool back = false;
+  for (int64_t step = 0; step < 7 || (!back && step < 20); ++step, ++steps) {
+    if (step == 2) planner.Stop();
+    if (step == 5) {
+      planner.Start(port);
+      ASSERT_EQ(planner.port(), port);
+    }
+    const std::vector<Sample> batch = Batch(200 + step, kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      absl::StatusOr<RankStepPlan> plan = sessions[r]->Plan(step, batch);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      if (step < 2 || (step >= 2 && step < 5)) {
+        EXPECT_EQ(plan->local_fallback, step >= 2) << "step " << step;
+      }
+      back = step >= 5 && !plan->local_fallback;
+      std::vector<uint64_t> ids;
+      for (const MicroBatchPlan& mb : plan->micro_batches) {
+        ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+      }
+      ran[step].push_back(ids);
+      absl::Status reported = sessions[r]->Report(step, Timings(*plan), 0.0);
+      ASSERT_TRUE(reported.ok()) << "step " << step << ": " << reported;
+    }
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(sessions[r]->buffered_reports(), 0u);
+    EXPECT_EQ(sessions[r]->dropped_reports(), 0);
+    EXPECT_EQ(sessions[r]->unsent_local_steps(), 0u);
+  }
+  absl::StatusOr<JobView> view = planner.registry().GetJob(job->job_id);
+  ASSERT_TRUE(view.ok());
+  ASSERT_TRUE(back);
+  EXPECT_EQ(view->next_step, steps);
+  EXPECT_EQ(view->steps_folded, steps);  // every step's reports reached the model
+  // The planner's record of a locally planned step is what the ranks ran.
+  for (int r = 0; r < kRanks; ++r) {
+    absl::StatusOr<RankStepPlan> recorded = clients[r]->GetRankPlan(3, r);
+    ASSERT_TRUE(recorded.ok()) << recorded.status();
+    EXPECT_TRUE(recorded->local_fallback);
+    std::vector<uint64_t> ids;
+    for (const MicroBatchPlan& mb : recorded->micro_batches) {
+      ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+    }
+    EXPECT_EQ(ids, ran[3][r]);
+  }
 }
 
 TEST(PlannerClientTest, ABadBatchIsAnErrorNotAFallback) {

@@ -141,6 +141,55 @@ TEST_F(JobRegistryTest, ReportsAreAcceptedOnceAndFoldedWhenEveryRankReported) {
   EXPECT_EQ(registry_.GetJob(id)->coefficients.per_token, view.coefficients.per_token);
 }
 
+// A trainer that ran steps on its local fallback plans while the planner was away: the planner
+// records those plans (identical to what the ranks computed), skips the steps whose batches
+// were lost, and keeps the two kinds of plan apart within a step.
+TEST_F(JobRegistryTest, LocallyPlannedStepsAreRecordedAsTheTrainerRanThem) {
+  const std::string id = Create(2);
+  JoinAll(id, 2);
+  const JobSettings settings = test_support::SmallJob(2);
+  ASSERT_TRUE(registry_.SubmitBatch(id, 0, Batch(1, 2)).ok());
+  // Out of order without the flag; with it, steps 1 and 2 are skipped.
+  EXPECT_EQ(registry_.SubmitBatch(id, 3, Batch(4, 2)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<SubmitResult> local = registry_.SubmitBatch(id, 3, Batch(4, 2), true);
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(local->skipped_steps, 2);
+  EXPECT_TRUE(local->plan.planned_locally);
+  absl::StatusOr<StepPlan> expected = PlanStepLocally(Batch(4, 2), settings.planner);
+  ASSERT_TRUE(expected.ok());
+  EXPECT_EQ(CanonicalPlanText(local->plan), CanonicalPlanText(*expected));
+  EXPECT_EQ(registry_.GetJob(id)->next_step, 4);
+  // Reports against the local plan fit it and are folded; a planner's-plan report does not.
+  EXPECT_EQ(registry_.ReportStep(id, 3, 0, Measure(local->plan, 0), 0.0, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(registry_.ReportStep(id, 3, r, Measure(local->plan, r), 0.0, true).ok());
+  }
+  // Step 4 was planned by the planner, but the ranks ran their local plan: the first local
+  // report switches the record (no report yet), and a later planner's-plan report is refused.
+  absl::StatusOr<SubmitResult> planned = registry_.SubmitBatch(id, 4, Batch(5, 2));
+  ASSERT_TRUE(planned.ok());
+  EXPECT_FALSE(planned->plan.planned_locally);
+  absl::StatusOr<StepPlan> local4 = PlanStepLocally(Batch(5, 2), settings.planner);
+  ASSERT_TRUE(local4.ok());
+  ASSERT_TRUE(registry_.ReportStep(id, 4, 1, Measure(*local4, 1), 0.0, true).ok());
+  bool ready = false;
+  absl::StatusOr<StepPlan> served = registry_.GetPlan(id, 4, 0, &ready);
+  ASSERT_TRUE(served.ok() && ready);
+  EXPECT_EQ(CanonicalPlanText(*served), CanonicalPlanText(*local4));
+  EXPECT_EQ(registry_.ReportStep(id, 4, 0, Measure(planned->plan, 0), 0.0, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(registry_.ReportStep(id, 4, 0, Measure(*local4, 0), 0.0, true).ok());
+  EXPECT_EQ(registry_.GetJob(id)->steps_folded, 2);
+  // A step with reports against one plan cannot be switched by a resubmission.
+  absl::StatusOr<SubmitResult> step5 = registry_.SubmitBatch(id, 5, Batch(6, 2));
+  ASSERT_TRUE(step5.ok());
+  ASSERT_TRUE(registry_.ReportStep(id, 5, 0, Measure(step5->plan, 0), 0.0).ok());
+  EXPECT_EQ(registry_.SubmitBatch(id, 5, Batch(6, 2), true).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(JobRegistryTest, BadReportsNameTheFieldAndLeaveTheRankUnreported) {
   const std::string id = Create(2);
   JoinAll(id, 2);
