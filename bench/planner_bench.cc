@@ -42,6 +42,7 @@ void BM_PlanStep(benchmark::State& state, Policy policy) {
   BENCHMARK_CAPTURE(BM_PlanStep, name, policy) \
       ->Args({512, 64})                        \
       ->Args({8192, 512})                      \
+      ->Args({16384, 1024})                    \
       ->Args({65536, 4096})                    \
       ->Unit(benchmark::kMillisecond)
 

@@ -237,6 +237,12 @@ v1::PlanFigures FiguresToProto(const StepPlan& plan) {
 
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
   v1::RankPlan out;
+  RankPlanToProto(plan, step, rank, &out);
+  return out;
+}
+
+void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out_ptr) {
+  v1::RankPlan& out = *out_ptr;
   out.set_step(step);
   out.set_rank(rank);
   out.set_policy(PolicyToProto(plan.policy));
@@ -252,7 +258,6 @@ v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
   out.set_predicted_seconds(r.predicted_seconds);
   *out.mutable_figures() = FiguresToProto(plan);
   out.set_planned_locally(plan.planned_locally);
-  return out;
 }
 
 MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& m) {

@@ -66,6 +66,8 @@ MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report);
 v1::PlanFigures FiguresToProto(const StepPlan& plan);
 // One rank's part of a step plan.
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
+// The same into `out` (e.g. a message on an arena, or a response being built).
+void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out);
 MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& micro_batch);
 
 // The gRPC status for an absl::Status (same code and message); gRPC 1.51 has none.

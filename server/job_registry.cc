@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/arena.h"
 #include "planner/planner.h"
 #include "planner/profile_table.h"
 
@@ -122,7 +123,7 @@ std::shared_ptr<JobRegistry::Job> JobRegistry::Find(const std::string& job_id) c
   return it == jobs_.end() ? nullptr : it->second;
 }
 
-absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job) const {
+absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sync) const {
   if (options_.store == nullptr) return absl::OkStatus();
   state::v1::JobSnapshot snapshot;
   snapshot.set_job_id(id);
@@ -132,22 +133,27 @@ absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job) const {
   *snapshot.mutable_model() = ModelToProto(job.model);
   snapshot.set_next_step(job.next_step);
   for (bool joined : job.joined) snapshot.add_joined(joined);
-  return options_.store->SaveJob(snapshot);
+  for (const auto& [step, record] : job.history) {
+    if (record.folded) snapshot.add_folded_steps(step);
+  }
+  return options_.store->SaveJob(snapshot, sync);
 }
 
 absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
                                    const StepRecord& record) const {
   if (options_.store == nullptr) return absl::OkStatus();
-  state::v1::StepRecord out;
-  out.set_step(step);
-  for (const Sample& s : record.batch) SampleToProto(s, out.add_batch());
-  for (int r = 0; r < static_cast<int>(record.plan.ranks.size()); ++r) {
-    *out.add_ranks() = RankPlanToProto(record.plan, step, r);
+  // On an arena: a step of 16,384 samples is some 50,000 small messages.
+  google::protobuf::Arena arena;
+  auto* out = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
+  out->set_step(step);
+  for (const Sample& s : record.batch) SampleToProto(s, out->add_batch());
+  for (int r = 0; r < static_cast<int>(record.plan->ranks.size()); ++r) {
+    RankPlanToProto(*record.plan, step, r, out->add_ranks());
   }
-  out.mutable_deferred_ids()->Assign(record.plan.deferred_ids.begin(),
-                                     record.plan.deferred_ids.end());
-  out.set_folded(record.folded);
-  return options_.store->SaveStep(id, out);
+  out->mutable_deferred_ids()->Assign(record.plan->deferred_ids.begin(),
+                                      record.plan->deferred_ids.end());
+  out->set_folded(record.folded);
+  return options_.store->SaveStep(id, *out);
 }
 
 absl::Status JobRegistry::Restore() {
@@ -185,8 +191,10 @@ absl::Status JobRegistry::Restore() {
                                       {s.segments().begin(), s.segments().end()}});
       }
       record.batch_fingerprint = BatchFingerprint(record.batch);
-      record.plan = StepPlanFromProto(step.record);
-      record.folded = step.record.folded();
+      record.plan = std::make_shared<const StepPlan>(StepPlanFromProto(step.record));
+      record.folded =
+          step.record.folded() || std::find(l.job.folded_steps().begin(), l.job.folded_steps().end(),
+                                            step.record.step()) != l.job.folded_steps().end();
       for (const state::v1::ReportRecord& report : step.reports) {
         std::vector<MicroBatchTiming>& measured = record.reports[report.rank()];
         for (const v1::MicroBatchReport& m : report.micro_batches()) {
@@ -197,6 +205,12 @@ absl::Status JobRegistry::Restore() {
       // A step record written just before a crash that kept the snapshot from landing.
       job->next_step = std::max(job->next_step, step.record.step() + 1);
       job->history[step.record.step()] = std::move(record);
+    }
+    // Steps whose last report landed but whose fold's snapshot did not (a crash in between).
+    for (auto& [step, record] : job->history) {
+      if (!record.folded && static_cast<int>(record.reports.size()) == settings->planner.ranks) {
+        if (absl::Status s = Fold(id, *job, step, record); !s.ok()) return s;
+      }
     }
     absl::MutexLock lock(&mu_);
     jobs_[id] = job;
@@ -299,12 +313,12 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
                        job->next_step, " next"));
     }
     SubmitResult result{step, {}, {}, true};
-    if (planned_locally && !record.plan.planned_locally) {
+    if (planned_locally && !record.plan->planned_locally) {
       if (absl::Status s = SwitchToLocal(job_id, *job, step, record); !s.ok()) return s;
       result.switched_to_local = true;
     }
-    result.deferred_ids = record.plan.deferred_ids;
-    result.plan = record.plan;
+    result.deferred_ids = record.plan->deferred_ids;
+    result.plan = *record.plan;
     return result;
   }
   if (step > job->next_step && !planned_locally) {
@@ -320,7 +334,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   StepRecord record;
   record.batch_fingerprint = BatchFingerprint(batch);
   record.batch = batch;
-  record.plan = *plan;
+  record.plan = std::make_shared<const StepPlan>(*plan);
   // Durable before it is acknowledged: the step record first, then the snapshot that counts
   // it (Restore also counts a step record whose snapshot did not land).
   if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
@@ -347,14 +361,15 @@ absl::Status JobRegistry::SwitchToLocal(const std::string& id, const Job& job, i
   absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job.settings.planner);
   if (!local.ok()) return local.status();
   StepRecord updated = record;
-  updated.plan = *std::move(local);
+  updated.plan = std::make_shared<const StepPlan>(*std::move(local));
   if (absl::Status s = SaveStep(id, step, updated); !s.ok()) return s;
   record = std::move(updated);
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepPlan> JobRegistry::GetPlan(const std::string& job_id, int64_t step, int rank,
-                                              bool* ready) const {
+absl::StatusOr<std::shared_ptr<const StepPlan>> JobRegistry::GetPlan(const std::string& job_id,
+                                                                     int64_t step, int rank,
+                                                                     bool* ready) const {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
@@ -364,7 +379,7 @@ absl::StatusOr<StepPlan> JobRegistry::GetPlan(const std::string& job_id, int64_t
   }
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is negative"));
   *ready = false;
-  if (step >= job->next_step) return StepPlan();
+  if (step >= job->next_step) return std::shared_ptr<const StepPlan>();
   auto it = job->history.find(step);
   if (it == job->history.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -399,7 +414,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   }
   StepRecord& record = it->second;
   if (record.reports.count(rank) > 0) return true;  // a repeat changes nothing
-  if (planned_locally != record.plan.planned_locally) {
+  if (planned_locally != record.plan->planned_locally) {
     if (!planned_locally || !record.reports.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "planned_locally: rank ", rank, " ran the ", planned_locally ? "local" : "planner's",
@@ -412,7 +427,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
     return absl::InvalidArgumentError(
         absl::StrCat("wait_seconds: ", wait_seconds, " is not a finite number >= 0"));
   }
-  const std::vector<MicroBatchPlan>& planned = record.plan.ranks[rank].micro_batches;
+  const std::vector<MicroBatchPlan>& planned = record.plan->ranks[rank].micro_batches;
   std::vector<bool> seen(planned.size(), false);
   for (size_t k = 0; k < micro_batches.size(); ++k) {
     const MicroBatchTiming& m = micro_batches[k];
@@ -473,7 +488,7 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
   std::vector<Observation> observations;
   for (const auto& [rank, reports] : record.reports) {
     for (const MicroBatchTiming& m : reports) {
-      const MicroBatchPlan& mb = record.plan.ranks[rank].micro_batches[m.micro_batch];
+      const MicroBatchPlan& mb = record.plan->ranks[rank].micro_batches[m.micro_batch];
       Observation o;
       o.rank = rank;
       o.micro_batch = m.micro_batch;
@@ -493,8 +508,8 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
   if (options_.on_step) {
     StepStats stats;
     stats.step = step;
-    stats.policy = record.plan.policy;
-    stats.planned_makespan_seconds = record.plan.makespan_seconds;
+    stats.policy = record.plan->policy;
+    stats.planned_makespan_seconds = record.plan->makespan_seconds;
     for (const auto& [rank, reports] : record.reports) {
       double seconds = 0.0;
       for (const MicroBatchTiming& m : reports) {
@@ -503,17 +518,16 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
         stats.recalls.push_back(m.recall);
       }
       stats.rank_seconds.push_back(seconds);
-      stats.predicted_rank_seconds.push_back(record.plan.ranks[rank].predicted_seconds);
+      stats.predicted_rank_seconds.push_back(record.plan->ranks[rank].predicted_seconds);
       auto wait = record.waits.find(rank);
       stats.wait_seconds.push_back(wait == record.waits.end() ? 0.0 : wait->second);
     }
     stats.speed_factors = job.model.speed_factors();
     options_.on_step(id, stats);
   }
-  // The model and the folded mark land together enough: a crash between the two re-folds
-  // nothing (the snapshot says folded steps are in the model) or folds once more on restart.
-  if (absl::Status s = SaveJob(id, job); !s.ok()) return s;
-  return SaveStep(id, step, record);
+  // The model and the folded mark land together, in one snapshot. Not synced (unless
+  // --fsync_reports): it holds nothing the appended reports do not.
+  return SaveJob(id, job, /*sync=*/false);
 }
 
 absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,

@@ -69,7 +69,7 @@ struct JobView {
   int64_t next_step = 0;
   int joined_ranks = 0;
   bool has_plan = false;
-  StepPlan last_plan;
+  std::shared_ptr<const StepPlan> last_plan;  // shared with the history: plans are immutable
   std::vector<double> speed_factors;
   CostCoefficients coefficients;
   int64_t steps_folded = 0;  // fully reported steps the latency model has learned from
@@ -111,8 +111,9 @@ class JobRegistry {
                                            bool planned_locally = false);
   // The plan of `step` with `*ready` true; for a step not planned yet, OK with `*ready` false
   // (the service waits and asks again). FAILED_PRECONDITION for a step dropped from history.
-  absl::StatusOr<StepPlan> GetPlan(const std::string& job_id, int64_t step, int rank,
-                                   bool* ready) const;
+  absl::StatusOr<std::shared_ptr<const StepPlan>> GetPlan(const std::string& job_id,
+                                                          int64_t step, int rank,
+                                                          bool* ready) const;
   // Accepts one rank's report for a planned step; returns true when it is a repeat (nothing
   // changed). FAILED_PRECONDITION for a rank that has not joined or a step not planned.
   // `planned_locally`: the rank ran the step's local fallback plan; a step still holding the
@@ -139,7 +140,9 @@ class JobRegistry {
   struct StepRecord {
     std::string batch_fingerprint;  // canonical bytes of the submitted batch
     std::vector<Sample> batch;
-    StepPlan plan;
+    // Immutable once made; shared with waiting GetRankPlan calls instead of copied (a plan of
+    // 16,384 samples copied for each of 1,024 ranks costs more than the planning).
+    std::shared_ptr<const StepPlan> plan;
     std::map<int, std::vector<MicroBatchTiming>> reports;  // by rank
     std::map<int, double> waits;                           // by rank, seconds
     bool folded = false;
@@ -159,7 +162,7 @@ class JobRegistry {
 
   std::shared_ptr<Job> Find(const std::string& job_id) const;
   // Writes the job's snapshot to the store (no-op without one).
-  absl::Status SaveJob(const std::string& id, const Job& job) const
+  absl::Status SaveJob(const std::string& id, const Job& job, bool sync = true) const
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
   static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);

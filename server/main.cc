@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -111,6 +112,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials() {
 }
 
 int Main(int argc, char** argv) {
+  // absl::Mutex's deadlock detection (on in Debian's build) costs a graph update per lock;
+  // the tests keep it, the service does not need it.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
       "the SparseBalance planner service (sparsebalance.planner.v1.PlannerService).\n"
       "Trainers create a job (CreateJob returns its token), submit each step's global batch,\n"

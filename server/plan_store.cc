@@ -48,18 +48,20 @@ absl::Status WriteAll(int fd, const std::string& bytes, const std::string& path)
   return absl::OkStatus();
 }
 
-// Write to a temporary file, fsync, rename over `path`, fsync the folder.
+// Write to a temporary file, fsync, rename over `path`, fsync the folder. Without `sync` only
+// the rename is atomic: a process crash leaves the old or the new file, a machine crash may
+// lose the write.
 absl::Status WriteDurably(const std::string& dir, const std::string& path,
-                          const std::string& bytes) {
+                          const std::string& bytes, bool sync = true) {
   const std::string tmp = path + ".tmp";
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   if (fd < 0) return IoError("cannot create", tmp);
   absl::Status status = WriteAll(fd, bytes, tmp);
-  if (status.ok() && fsync(fd) != 0) status = IoError("cannot fsync", tmp);
+  if (status.ok() && sync && fsync(fd) != 0) status = IoError("cannot fsync", tmp);
   close(fd);
   if (!status.ok()) return status;
   if (rename(tmp.c_str(), path.c_str()) != 0) return IoError("cannot rename to", path);
-  return SyncPath(dir);
+  return sync ? SyncPath(dir) : absl::OkStatus();
 }
 
 absl::StatusOr<std::string> ReadAll(const std::string& path) {
@@ -87,10 +89,11 @@ std::string PlanStore::JobDir(const std::string& job_id) const {
   return absl::StrCat(dir_, "/", job_id);
 }
 
-absl::Status PlanStore::SaveJob(const state::v1::JobSnapshot& job) {
+absl::Status PlanStore::SaveJob(const state::v1::JobSnapshot& job, bool sync) {
   const std::string job_dir = JobDir(job.job_id());
   if (absl::Status s = MakeDir(job_dir); !s.ok()) return s;
-  return WriteDurably(job_dir, job_dir + "/job.pb", job.SerializeAsString());
+  return WriteDurably(job_dir, job_dir + "/job.pb", job.SerializeAsString(),
+                      sync || fsync_reports_);
 }
 
 absl::Status PlanStore::SaveStep(const std::string& job_id, const state::v1::StepRecord& step) {
@@ -106,15 +109,46 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
   const uint32_t size = static_cast<uint32_t>(body.size());
   std::memcpy(record.data(), &size, 4);  // little-endian hosts only (x86-64, arm64)
   record += body;
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-  if (fd < 0) return IoError("cannot open", path);
+  absl::MutexLock lock(&logs_mu_);
+  auto it = report_logs_.find({job_id, step});
+  if (it == report_logs_.end()) {
+    if (report_logs_.size() >= kMaxOpenReportLogs) {
+      for (const auto& [key, fd] : report_logs_) close(fd);
+      report_logs_.clear();
+    }
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (fd < 0) return IoError("cannot open", path);
+    it = report_logs_.emplace(std::make_pair(job_id, step), fd).first;
+  }
+  const int fd = it->second;
   absl::Status status = WriteAll(fd, record, path);
   if (status.ok() && fsync_reports_ && fsync(fd) != 0) status = IoError("cannot fsync", path);
-  close(fd);
+  if (!status.ok()) {  // reopen next time
+    close(fd);
+    report_logs_.erase(it);
+  }
   return status;
 }
 
+PlanStore::~PlanStore() {
+  absl::MutexLock lock(&logs_mu_);
+  for (const auto& [key, fd] : report_logs_) close(fd);
+}
+
+void PlanStore::CloseReportLogs(const std::string& job_id, int64_t step) {
+  absl::MutexLock lock(&logs_mu_);
+  for (auto it = report_logs_.begin(); it != report_logs_.end();) {
+    if (it->first.first == job_id && (step < 0 || it->first.second == step)) {
+      close(it->second);
+      it = report_logs_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
+  CloseReportLogs(job_id, step);
   const std::string job_dir = JobDir(job_id);
   for (absl::string_view suffix : {".pb", ".reports"}) {
     const std::string path = StepPath(job_dir, step, suffix);
@@ -124,6 +158,7 @@ absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
 }
 
 absl::Status PlanStore::DeleteJob(const std::string& job_id) {
+  CloseReportLogs(job_id, -1);
   const std::string job_dir = JobDir(job_id);
   DIR* d = opendir(job_dir.c_str());
   if (d == nullptr) return errno == ENOENT ? absl::OkStatus() : IoError("cannot list", job_dir);

@@ -9,16 +9,19 @@
 // torn one; SubmitBatch returns only after its step record is durable. Reports are appended
 // with write() before the call is acknowledged: they survive the planner process dying
 // (SIGKILL, OOM); `--fsync_reports` also syncs each append, for machine crashes, at a cost per
-// report. A torn last report (a crash mid-append) is dropped on load.
+// report; the snapshot written when a step's reports are folded into the model is synced under
+// the same flag. A torn last report (a crash mid-append) is dropped on load.
 #ifndef SPARSEBALANCE_SERVER_PLAN_STORE_H_
 #define SPARSEBALANCE_SERVER_PLAN_STORE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "sparsebalance/state/v1/state.pb.h"
 
 namespace sparsebalance {
@@ -38,7 +41,9 @@ class PlanStore {
   static absl::StatusOr<std::unique_ptr<PlanStore>> Open(const std::string& dir,
                                                          bool fsync_reports);
 
-  absl::Status SaveJob(const state::v1::JobSnapshot& job);
+  // `sync` false: the snapshot after a fold, which only adds what the appended reports already
+  // hold; synced like them (--fsync_reports), atomically renamed either way.
+  absl::Status SaveJob(const state::v1::JobSnapshot& job, bool sync = true);
   absl::Status SaveStep(const std::string& job_id, const state::v1::StepRecord& step);
   absl::Status AppendReport(const std::string& job_id, int64_t step,
                             const state::v1::ReportRecord& report);
@@ -49,14 +54,22 @@ class PlanStore {
   absl::StatusOr<std::vector<LoadedJob>> LoadAll() const;
 
   const std::string& dir() const { return dir_; }
+  ~PlanStore();
 
  private:
   PlanStore(std::string dir, bool fsync_reports)
       : dir_(std::move(dir)), fsync_reports_(fsync_reports) {}
   std::string JobDir(const std::string& job_id) const;
+  // Closes the report logs held open for `job_id` (all steps, or only `step` when >= 0).
+  void CloseReportLogs(const std::string& job_id, int64_t step) ABSL_LOCKS_EXCLUDED(logs_mu_);
 
   const std::string dir_;
   const bool fsync_reports_;
+  // Report logs kept open between appends (an open and a close per report cost as much as the
+  // rest of ReportStep): by (job, step), at most kMaxOpenReportLogs.
+  static constexpr size_t kMaxOpenReportLogs = 64;
+  absl::Mutex logs_mu_;
+  std::map<std::pair<std::string, int64_t>, int> report_logs_ ABSL_GUARDED_BY(logs_mu_);
 };
 
 }  // namespace sparsebalance

@@ -22,7 +22,7 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
   *out->mutable_config() = ConfigToProto(view.settings);
   out->set_next_step(view.next_step);
   out->set_joined_ranks(view.joined_ranks);
-  if (view.has_plan) *out->mutable_last_figures() = FiguresToProto(view.last_plan);
+  if (view.has_plan) *out->mutable_last_figures() = FiguresToProto(*view.last_plan);
   out->mutable_speed_factors()->Assign(view.speed_factors.begin(), view.speed_factors.end());
 }
 
@@ -48,7 +48,7 @@ struct PlannerServiceImpl::Wait {
     absl::MutexLock lock(&mu);
     if (finished) return;
     finished = true;
-    if (plan != nullptr) *response->mutable_plan() = RankPlanToProto(*plan, step, rank);
+    if (plan != nullptr) RankPlanToProto(*plan, step, rank, response->mutable_plan());
     service->Record("GetRankPlan", start, status);
     reactor->Finish(ToGrpcStatus(status));
   }
@@ -204,13 +204,14 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerCo
 
 bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait) {
   bool ready = false;
-  absl::StatusOr<StepPlan> plan = registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready);
+  absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+      registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready);
   if (!plan.ok()) {
     wait->Complete(plan.status(), nullptr);
     return true;
   }
   if (!ready) return false;
-  wait->Complete(absl::OkStatus(), &*plan);
+  wait->Complete(absl::OkStatus(), plan->get());
   return true;
 }
 

@@ -157,12 +157,13 @@ TEST(PlannerClientTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
         if (plan->local_fallback) ++fallbacks;
         // The plan is the planner's plan of this rank.
         bool ready = false;
-        absl::StatusOr<StepPlan> truth = planner.registry().GetPlan(job->job_id, step, r, &ready);
+        absl::StatusOr<std::shared_ptr<const StepPlan>> truth =
+            planner.registry().GetPlan(job->job_id, step, r, &ready);
         if (!truth.ok() || !ready) {
           ++wrong;
           return;
         }
-        const std::vector<MicroBatchPlan>& want = truth->ranks[r].micro_batches;
+        const std::vector<MicroBatchPlan>& want = (*truth)->ranks[r].micro_batches;
         for (size_t m = 0; m < want.size(); ++m) {
           if (plan->micro_batches[m].sample_ids != want[m].sample_ids ||
               plan->micro_batches[m].densities != want[m].densities) {

@@ -103,10 +103,10 @@ TEST_F(JobRegistryTest, GetPlanWaitsForTheStepAndServesEachRank) {
   EXPECT_FALSE(ready);
   const std::vector<Sample> batch = Batch(3, 3);
   ASSERT_TRUE(registry_.SubmitBatch(id, 0, batch).ok());
-  absl::StatusOr<StepPlan> plan = registry_.GetPlan(id, 0, 1, &ready);
+  absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_.GetPlan(id, 0, 1, &ready);
   ASSERT_TRUE(plan.ok());
   EXPECT_TRUE(ready);
-  EXPECT_TRUE(CheckPlan(*plan, batch, test_support::SmallJob(3).planner).ok());
+  EXPECT_TRUE(CheckPlan(**plan, batch, test_support::SmallJob(3).planner).ok());
   EXPECT_EQ(registry_.GetPlan(id, 0, 3, &ready).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
@@ -175,9 +175,9 @@ TEST_F(JobRegistryTest, LocallyPlannedStepsAreRecordedAsTheTrainerRanThem) {
   ASSERT_TRUE(local4.ok());
   ASSERT_TRUE(registry_.ReportStep(id, 4, 1, Measure(*local4, 1), 0.0, true).ok());
   bool ready = false;
-  absl::StatusOr<StepPlan> served = registry_.GetPlan(id, 4, 0, &ready);
+  absl::StatusOr<std::shared_ptr<const StepPlan>> served = registry_.GetPlan(id, 4, 0, &ready);
   ASSERT_TRUE(served.ok() && ready);
-  EXPECT_EQ(CanonicalPlanText(*served), CanonicalPlanText(*local4));
+  EXPECT_EQ(CanonicalPlanText(**served), CanonicalPlanText(*local4));
   EXPECT_EQ(registry_.ReportStep(id, 4, 0, Measure(planned->plan, 0), 0.0, false).status().code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(registry_.ReportStep(id, 4, 0, Measure(*local4, 0), 0.0, true).ok());

@@ -90,15 +90,15 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
   EXPECT_EQ(after->coefficients.per_token, before.coefficients.per_token);
   for (int step = 0; step < 3; ++step) {
     bool ready = false;
-    absl::StatusOr<StepPlan> plan = restored.GetPlan(id, step, 0, &ready);
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = restored.GetPlan(id, step, 0, &ready);
     ASSERT_TRUE(plan.ok() && ready);
-    EXPECT_EQ(CanonicalPlanText(*plan), plans[step]) << "step " << step;
+    EXPECT_EQ(CanonicalPlanText(**plan), plans[step]) << "step " << step;
     // Resubmitting the same batch is recognised as the planned one.
     EXPECT_TRUE(restored.SubmitBatch(id, step, batches[step])->repeated);
   }
   // Rank 0's acknowledged report of step 2 is still there; the others complete the step.
   bool ready = false;
-  const StepPlan step2 = *restored.GetPlan(id, 2, 0, &ready);
+  const StepPlan step2 = **restored.GetPlan(id, 2, 0, &ready);
   EXPECT_TRUE(*restored.ReportStep(id, 2, 0, Measure(step2, 0), 0.0));  // a repeat
   for (int r = 1; r < kRanks; ++r) {
     EXPECT_FALSE(*restored.ReportStep(id, 2, r, Measure(step2, r), 0.0));

@@ -1,0 +1,629 @@
+// sb-load: a load generator for sb-planner over gRPC. It measures what the issue's service bars
+// are about, against a real planner process (started here unless --planner names one):
+//
+//   reports  ReportStep throughput: --clients connections, one rank each, one call in flight
+//            per client, --reports calls in all (distinct (step, rank) pairs, so every call is
+//            validated, appended to the state directory and folded into the model).
+//   step     One step of a --ranks job: --ranks GetRankPlan calls wait first, then one
+//            SubmitBatch of --samples samples, then every rank reports as soon as its plan
+//            arrives. Time from the SubmitBatch call to the last report's answer, --steps times.
+//   soak     --soak_steps whole steps of a --soak_ranks job; the planner's resident memory is
+//            sampled as it goes (needs the planner's pid: started here, or --planner_pid).
+//
+// Calls use gRPC's callback API directly (not the client library's blocking calls) so that
+// one load process can keep a thousand calls in flight on a 2-core machine.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/grpcpp.h"
+#include "planner/random.h"
+#include "sparsebalance/planner/v1/planner.grpc.pb.h"
+
+extern char** environ;
+
+ABSL_FLAG(std::string, planner, "",
+          "host:port of a running sb-planner; empty: start one (see --sb_planner) on a free "
+          "loopback port with a temporary state directory, and stop it at the end");
+ABSL_FLAG(std::string, sb_planner, "",
+          "the sb-planner binary to start (default: ../server/sb-planner next to sb-load)");
+ABSL_FLAG(int, planner_pid, 0, "pid of the --planner process, for the soak's memory figures");
+ABSL_FLAG(std::string, admin_token_file, "", "file holding the planner's admin token, if any");
+ABSL_FLAG(std::string, scenario, "all", "reports | step | soak | all");
+ABSL_FLAG(int, clients, 64, "reports: concurrent clients (a connection and a rank each)");
+ABSL_FLAG(int, reports, 40000, "reports: ReportStep calls in all");
+ABSL_FLAG(int, ranks, 1024, "step: ranks of the job");
+ABSL_FLAG(int, samples, 16384, "step: samples per SubmitBatch");
+ABSL_FLAG(int, steps, 5, "step: steps measured (the median and the slowest are reported)");
+ABSL_FLAG(int, connections, 64, "step: connections the ranks share");
+ABSL_FLAG(int, soak_steps, 10000, "soak: steps");
+ABSL_FLAG(int, soak_ranks, 8, "soak: ranks of the job");
+ABSL_FLAG(std::string, json, "", "also write the figures to this file as JSON");
+
+namespace sparsebalance {
+namespace {
+
+namespace v1 = ::sparsebalance::planner::v1;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+[[noreturn]] void Die(const std::string& what) {
+  std::cerr << "sb-load: " << what << "\n";
+  std::exit(1);
+}
+
+void Check(const grpc::Status& status, const std::string& what) {
+  if (!status.ok()) {
+    Die(absl::StrCat(what, ": ", status.error_code(), " ", status.error_message()));
+  }
+}
+
+// Resident set size of a process in bytes (VmRSS), or -1.
+int64_t ResidentBytes(int pid) {
+  if (pid <= 0) return -1;
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+// An sb-planner child process on a free loopback port with a temporary state directory.
+class SpawnedPlanner {
+ public:
+  explicit SpawnedPlanner(const std::string& binary) {
+    char dir_template[] = "/tmp/sb-load-XXXXXX";
+    if (mkdtemp(dir_template) == nullptr) Die("cannot create a temporary state directory");
+    state_dir_ = dir_template;
+    int fds[2];
+    if (pipe(fds) != 0) Die("pipe failed");
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    posix_spawn_file_actions_addclose(&actions, fds[0]);
+    std::vector<std::string> args = {binary, "--listen=127.0.0.1:0",
+                                      "--metrics_listen=127.0.0.1:0", "--state_dir=" + state_dir_,
+                                      "--drain_seconds=1"};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), environ) != 0) {
+      Die(absl::StrCat("cannot start ", binary, " (set --sb_planner)"));
+    }
+    posix_spawn_file_actions_destroy(&actions);
+    close(fds[1]);
+    FILE* out = fdopen(fds[0], "r");
+    char buffer[1024];
+    while (fgets(buffer, sizeof buffer, out) != nullptr) {
+      const std::string line = buffer;
+      const size_t at = line.find("listening on ");
+      if (at == std::string::npos) continue;
+      const size_t start = at + 13;
+      address_ = line.substr(start, line.find_first_of(" ;", start) - start);
+      break;
+    }
+    if (address_.empty()) Die(absl::StrCat(binary, " did not say where it listens"));
+    // Keep draining its stdout so that it never blocks on a full pipe.
+    drain_ = std::thread([out] {
+      char sink[1024];
+      while (fgets(sink, sizeof sink, out) != nullptr) {
+      }
+      fclose(out);
+    });
+  }
+  ~SpawnedPlanner() {
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    drain_.join();
+    std::error_code ignored;
+    std::filesystem::remove_all(state_dir_, ignored);
+  }
+  const std::string& address() const { return address_; }
+  int pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = 0;
+  std::string state_dir_;
+  std::string address_;
+  std::thread drain_;
+};
+
+// Connections to the planner, each its own TCP connection (a local subchannel pool).
+class Connections {
+ public:
+  Connections(const std::string& target, int count) {
+    for (int i = 0; i < count; ++i) {
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      args.SetMaxReceiveMessageSize(64 << 20);
+      stubs_.push_back(v1::PlannerService::NewStub(
+          grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args)));
+    }
+  }
+  v1::PlannerService::Stub* operator[](size_t i) { return stubs_[i % stubs_.size()].get(); }
+  size_t size() const { return stubs_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<v1::PlannerService::Stub>> stubs_;
+};
+
+// Counts down callbacks; Wait() returns when every one has come back.
+class Latch {
+ public:
+  explicit Latch(int64_t count) : count_(count) {}
+  void Done() {
+    absl::MutexLock lock(&mu_);
+    --count_;
+  }
+  void Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int64_t* count) { return *count <= 0; }, &count_));
+  }
+
+ private:
+  absl::Mutex mu_;
+  int64_t count_ ABSL_GUARDED_BY(mu_);
+};
+
+// Collects latencies and the first error from many callbacks.
+class Tally {
+ public:
+  void Add(const grpc::Status& status, double seconds) {
+    absl::MutexLock lock(&mu_);
+    if (!status.ok() && error_.empty()) {
+      error_ = absl::StrCat(status.error_code(), " ", status.error_message());
+    }
+    latencies_.push_back(seconds);
+  }
+  void CheckOk(const std::string& what) {
+    absl::MutexLock lock(&mu_);
+    if (!error_.empty()) Die(absl::StrCat(what, ": ", error_));
+  }
+  // The q-quantile of the latencies (seconds).
+  double Quantile(double q) {
+    absl::MutexLock lock(&mu_);
+    if (latencies_.empty()) return 0.0;
+    std::vector<double> sorted = latencies_;
+    std::sort(sorted.begin(), sorted.end());
+    return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))];
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::string error_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> latencies_ ABSL_GUARDED_BY(mu_);
+};
+
+struct Job {
+  std::string id;
+  std::string token;
+};
+
+void Authorize(grpc::ClientContext* context, const std::string& token, double seconds) {
+  if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+}
+
+Job CreateJob(v1::PlannerService::Stub* stub, const std::string& admin_token, int ranks,
+              int micro_batches, int history_steps) {
+  v1::CreateJobRequest request;
+  request.set_name("sb-load");
+  v1::JobConfig* config = request.mutable_config();
+  config->set_world_size(ranks);
+  config->set_micro_batches(micro_batches);
+  config->set_micro_batch_capacity(65536);
+  config->set_history_steps(history_steps);
+  v1::CreateJobResponse response;
+  grpc::ClientContext context;
+  Authorize(&context, admin_token, 30);
+  Check(stub->CreateJob(&context, request, &response), "CreateJob");
+  return {response.job_id(), response.job_token()};
+}
+
+void DeleteJob(v1::PlannerService::Stub* stub, const std::string& admin_token, const Job& job) {
+  v1::DeleteJobRequest request;
+  request.set_job_id(job.id);
+  v1::DeleteJobResponse response;
+  grpc::ClientContext context;
+  Authorize(&context, admin_token, 30);
+  Check(stub->DeleteJob(&context, request, &response), "DeleteJob");
+}
+
+// Runs `calls` async unary calls with at most `in_flight` outstanding; `start(i, done)` issues
+// call i and must invoke done(status) exactly once.
+void RunAsync(int64_t calls, int in_flight, Tally* tally,
+              const std::function<void(int64_t, std::function<void(grpc::Status)>)>& start) {
+  Latch latch(calls);
+  std::atomic<int64_t> next{0};
+  std::function<void()> issue = [&] {
+    const int64_t i = next.fetch_add(1);
+    if (i >= calls) return;
+    const Clock::time_point t0 = Clock::now();
+    start(i, [&, t0](grpc::Status status) {
+      tally->Add(status, Seconds(t0, Clock::now()));
+      issue();  // the next call before this one counts as done, so Wait sees every call
+      latch.Done();
+    });
+  };
+  for (int k = 0; k < in_flight; ++k) issue();
+  latch.Wait();
+}
+
+void Join(Connections& connections, const Job& job, int ranks) {
+  Tally tally;
+  RunAsync(ranks, 64, &tally, [&](int64_t rank, std::function<void(grpc::Status)> done) {
+    struct Call {
+      grpc::ClientContext context;
+      v1::JoinJobRequest request;
+      v1::JoinJobResponse response;
+    };
+    auto call = std::make_shared<Call>();
+    Authorize(&call->context, job.token, 60);
+    call->request.set_job_id(job.id);
+    call->request.set_rank(static_cast<int>(rank));
+    connections[rank]->async()->JoinJob(&call->context, &call->request, &call->response,
+                                        [call, done](grpc::Status s) { done(s); });
+  });
+  tally.CheckOk("JoinJob");
+}
+
+// A batch of `count` documents (ids from `first_id`) of 256..4096 tokens.
+v1::SubmitBatchRequest Batch(const Job& job, int64_t step, int count, uint64_t seed) {
+  v1::SubmitBatchRequest request;
+  request.set_job_id(job.id);
+  request.set_step(step);
+  Rng rng(seed);
+  for (int i = 0; i < count; ++i) {
+    v1::Sample* s = request.add_samples();
+    s->set_id(static_cast<uint64_t>(step) * 1000000 + static_cast<uint64_t>(i));
+    s->set_length(256 + static_cast<int64_t>(rng.Uniform() * 3840));
+  }
+  return request;
+}
+
+v1::SubmitBatchResponse Submit(v1::PlannerService::Stub* stub, const Job& job,
+                               const v1::SubmitBatchRequest& request) {
+  v1::SubmitBatchResponse response;
+  grpc::ClientContext context;
+  Authorize(&context, job.token, 60);
+  Check(stub->SubmitBatch(&context, request, &response), "SubmitBatch");
+  return response;
+}
+
+// The report a rank would send for its plan: 5% slower than predicted.
+v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
+  v1::ReportStepRequest request;
+  request.set_job_id(job.id);
+  request.set_step(plan.step());
+  request.set_rank(plan.rank());
+  request.set_wait_seconds(0.01);
+  for (int m = 0; m < plan.micro_batches_size(); ++m) {
+    const v1::MicroBatch& mb = plan.micro_batches(m);
+    if (mb.sample_ids_size() == 0) continue;
+    v1::MicroBatchReport* r = request.add_micro_batches();
+    r->set_micro_batch(m);
+    r->set_compute_seconds(std::max(1e-3, mb.predicted_seconds() * 1.05));
+    r->set_attention_seconds(r->compute_seconds() * 0.5);
+    r->set_tokens(mb.tokens());
+    r->set_achieved_density(mb.default_density());
+    r->set_recall(0.9);
+  }
+  return request;
+}
+
+struct Figures {
+  std::vector<std::pair<std::string, double>> values;
+  void Add(const std::string& name, double value) { values.emplace_back(name, value); }
+};
+
+void RunReports(const std::string& target, const std::string& admin, Figures* figures) {
+  const int clients = absl::GetFlag(FLAGS_clients);
+  const int steps = std::max<int>(1, (absl::GetFlag(FLAGS_reports) + clients - 1) / clients);
+  if (steps > 4096) Die("--reports / --clients must be at most 4096 (the planner's history)");
+  Connections connections(target, clients);
+  const Job job = CreateJob(connections[0], admin, clients, 1, steps);
+  Join(connections, job, clients);
+  // Set-up, not timed: every step planned, every rank's plan fetched and its report built.
+  std::vector<v1::ReportStepRequest> reports(static_cast<size_t>(steps) * clients);
+  for (int step = 0; step < steps; ++step) {
+    Submit(connections[0], job, Batch(job, step, 2 * clients, 1000 + step));
+  }
+  Tally fetch;
+  RunAsync(static_cast<int64_t>(reports.size()), 64, &fetch,
+           [&](int64_t i, std::function<void(grpc::Status)> done) {
+             struct Call {
+               grpc::ClientContext context;
+               v1::GetRankPlanRequest request;
+               v1::GetRankPlanResponse response;
+             };
+             auto call = std::make_shared<Call>();
+             Authorize(&call->context, job.token, 60);
+             call->request.set_job_id(job.id);
+             call->request.set_step(i / clients);
+             call->request.set_rank(static_cast<int>(i % clients));
+             connections[i % clients]->async()->GetRankPlan(
+                 &call->context, &call->request, &call->response,
+                 [&, call, done, i](grpc::Status s) {
+                   if (s.ok()) reports[i] = ReportFor(job, call->response.plan());
+                   done(s);
+                 });
+           });
+  fetch.CheckOk("GetRankPlan");
+  // Timed: client c sends (step, c) for step 0, 1, ... with one call in flight.
+  Tally tally;
+  Latch latch(static_cast<int64_t>(reports.size()));
+  std::vector<std::function<void(int)>> chains(clients);
+  const Clock::time_point start = Clock::now();
+  for (int c = 0; c < clients; ++c) {
+    chains[c] = [&, c](int step) {
+      if (step >= steps) return;
+      struct Call {
+        grpc::ClientContext context;
+        v1::ReportStepResponse response;
+      };
+      auto call = std::make_shared<Call>();
+      Authorize(&call->context, job.token, 60);
+      const v1::ReportStepRequest* request = &reports[static_cast<size_t>(step) * clients + c];
+      const Clock::time_point t0 = Clock::now();
+      connections[c]->async()->ReportStep(&call->context, request, &call->response,
+                                          [&, call, t0, c, step](grpc::Status s) {
+                                            if (s.ok() && call->response.duplicate()) {
+                                              s = grpc::Status(grpc::StatusCode::INTERNAL,
+                                                               "a fresh report came back as a "
+                                                               "duplicate");
+                                            }
+                                            tally.Add(s, Seconds(t0, Clock::now()));
+                                            chains[c](step + 1);
+                                            latch.Done();
+                                          });
+    };
+  }
+  for (int c = 0; c < clients; ++c) chains[c](0);
+  latch.Wait();
+  const double seconds = Seconds(start, Clock::now());
+  tally.CheckOk("ReportStep");
+  const double rate = static_cast<double>(reports.size()) / seconds;
+  std::cout << absl::StrFormat(
+      "reports: %d ReportStep calls from %d clients in %.2f s: %.0f per second "
+      "(latency p50 %.2f ms, p99 %.2f ms)\n",
+      reports.size(), clients, seconds, rate, tally.Quantile(0.5) * 1e3,
+      tally.Quantile(0.99) * 1e3);
+  figures->Add("reports_per_second", rate);
+  figures->Add("report_p50_ms", tally.Quantile(0.5) * 1e3);
+  figures->Add("report_p99_ms", tally.Quantile(0.99) * 1e3);
+  DeleteJob(connections[0], admin, job);
+}
+
+void RunStep(const std::string& target, const std::string& admin, Figures* figures) {
+  const int ranks = absl::GetFlag(FLAGS_ranks);
+  const int samples = absl::GetFlag(FLAGS_samples);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  Connections connections(target, absl::GetFlag(FLAGS_connections));
+  const Job job = CreateJob(connections[0], admin, ranks, 4, 0);
+  Join(connections, job, ranks);
+  std::vector<double> totals;
+  double submit_sum = 0.0;
+  double plans_sum = 0.0;
+  for (int step = 0; step < steps; ++step) {
+    const v1::SubmitBatchRequest batch = Batch(job, step, samples, 7 + step);
+    Tally plans;
+    Tally reports;
+    Latch waiting(ranks);  // GetRankPlan calls issued
+    Latch done(ranks);     // reports answered
+    absl::Mutex mu;
+    Clock::time_point last_plan;
+    for (int rank = 0; rank < ranks; ++rank) {
+      struct Call {
+        grpc::ClientContext context;
+        v1::GetRankPlanRequest request;
+        v1::GetRankPlanResponse response;
+        grpc::ClientContext report_context;
+        v1::ReportStepRequest report;
+        v1::ReportStepResponse report_response;
+      };
+      auto call = std::make_shared<Call>();
+      Authorize(&call->context, job.token, 60);
+      Authorize(&call->report_context, job.token, 60);
+      call->request.set_job_id(job.id);
+      call->request.set_step(step);
+      call->request.set_rank(rank);
+      v1::PlannerService::Stub* stub = connections[rank];
+      const Clock::time_point t0 = Clock::now();
+      stub->async()->GetRankPlan(
+          &call->context, &call->request, &call->response, [&, call, stub, t0](grpc::Status s) {
+            plans.Add(s, Seconds(t0, Clock::now()));
+            {
+              absl::MutexLock lock(&mu);
+              last_plan = std::max(last_plan, Clock::now());
+            }
+            if (!s.ok()) {
+              done.Done();
+              return;
+            }
+            call->report = ReportFor(job, call->response.plan());
+            const Clock::time_point t1 = Clock::now();
+            stub->async()->ReportStep(&call->report_context, &call->report,
+                                      &call->report_response, [&, call, t1](grpc::Status r) {
+                                        reports.Add(r, Seconds(t1, Clock::now()));
+                                        done.Done();
+                                      });
+          });
+      waiting.Done();
+    }
+    waiting.Wait();
+    // Let the waiting calls reach the planner and park there before the batch arrives.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const Clock::time_point start = Clock::now();
+    Submit(connections[0], job, batch);
+    const Clock::time_point submitted = Clock::now();
+    done.Wait();
+    const Clock::time_point end = Clock::now();
+    plans.CheckOk("GetRankPlan");
+    reports.CheckOk("ReportStep");
+    totals.push_back(Seconds(start, end));
+    submit_sum += Seconds(start, submitted);
+    plans_sum += Seconds(start, last_plan);
+  }
+  std::vector<double> sorted = totals;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  std::cout << absl::StrFormat(
+      "step: %d ranks, %d samples, %d connections: SubmitBatch to last report %.1f ms median, "
+      "%.1f ms slowest of %d (SubmitBatch %.1f ms, last plan served at %.1f ms, mean)\n",
+      ranks, samples, connections.size(), median * 1e3, sorted.back() * 1e3, steps,
+      submit_sum / steps * 1e3, plans_sum / steps * 1e3);
+  figures->Add("step_ms_median", median * 1e3);
+  figures->Add("step_ms_max", sorted.back() * 1e3);
+  figures->Add("step_submit_ms_mean", submit_sum / steps * 1e3);
+  figures->Add("step_last_plan_ms_mean", plans_sum / steps * 1e3);
+  DeleteJob(connections[0], admin, job);
+}
+
+void RunSoak(const std::string& target, const std::string& admin, int pid, Figures* figures) {
+  const int ranks = absl::GetFlag(FLAGS_soak_ranks);
+  const int steps = absl::GetFlag(FLAGS_soak_steps);
+  Connections connections(target, ranks);
+  const Job job = CreateJob(connections[0], admin, ranks, 2, 0);
+  Join(connections, job, ranks);
+  const int samples_every = std::max(1, steps / 10);
+  std::vector<std::pair<int, int64_t>> rss;  // (step, bytes)
+  const Clock::time_point start = Clock::now();
+  for (int step = 0; step < steps; ++step) {
+    Submit(connections[0], job, Batch(job, step, 4 * ranks, 99 + step));
+    Tally tally;
+    RunAsync(ranks, ranks, &tally, [&](int64_t rank, std::function<void(grpc::Status)> done) {
+      struct Call {
+        grpc::ClientContext context;
+        v1::GetRankPlanRequest request;
+        v1::GetRankPlanResponse response;
+        grpc::ClientContext report_context;
+        v1::ReportStepRequest report;
+        v1::ReportStepResponse report_response;
+      };
+      auto call = std::make_shared<Call>();
+      Authorize(&call->context, job.token, 60);
+      Authorize(&call->report_context, job.token, 60);
+      call->request.set_job_id(job.id);
+      call->request.set_step(step);
+      call->request.set_rank(static_cast<int>(rank));
+      v1::PlannerService::Stub* stub = connections[rank];
+      stub->async()->GetRankPlan(&call->context, &call->request, &call->response,
+                                 [&job, call, stub, done](grpc::Status s) {
+                                   if (!s.ok()) return done(s);
+                                   call->report = ReportFor(job, call->response.plan());
+                                   stub->async()->ReportStep(
+                                       &call->report_context, &call->report,
+                                       &call->report_response,
+                                       [call, done](grpc::Status r) { done(r); });
+                                 });
+    });
+    tally.CheckOk(absl::StrCat("step ", step));
+    if ((step + 1) % samples_every == 0) rss.emplace_back(step + 1, ResidentBytes(pid));
+  }
+  const double seconds = Seconds(start, Clock::now());
+  std::cout << absl::StrFormat("soak: %d steps of %d ranks in %.1f s (%.2f ms a step)\n", steps,
+                               ranks, seconds, seconds / steps * 1e3);
+  figures->Add("soak_ms_per_step", seconds / steps * 1e3);
+  if (pid > 0 && rss.size() >= 2) {
+    std::cout << "soak: planner resident memory (MiB) after step";
+    for (const auto& [step, bytes] : rss) {
+      std::cout << absl::StrFormat(" %d: %.1f;", step, bytes / 1048576.0);
+    }
+    // Growth over the second half of the run: after the history has filled, memory is flat.
+    const int64_t middle = rss[rss.size() / 2 - 1].second;
+    const int64_t last = rss.back().second;
+    std::cout << absl::StrFormat("\nsoak: growth from step %d to %d: %+.1f MiB\n",
+                                 rss[rss.size() / 2 - 1].first, rss.back().first,
+                                 (last - middle) / 1048576.0);
+    figures->Add("soak_rss_mib_mid", middle / 1048576.0);
+    figures->Add("soak_rss_mib_end", last / 1048576.0);
+  } else {
+    std::cout << "soak: planner memory not sampled (give --planner_pid)\n";
+  }
+  DeleteJob(connections[0], admin, job);
+}
+
+std::string DefaultPlannerBinary(const char* argv0) {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::canonical("/proc/self/exe", error);
+  if (!error) {
+    const std::filesystem::path sibling = self.parent_path().parent_path() / "server/sb-planner";
+    if (std::filesystem::exists(sibling)) return sibling.string();
+  }
+  return std::filesystem::path(argv0).parent_path() / "../server/sb-planner";
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Load generator for sb-planner: ReportStep throughput, one large step, and a memory "
+      "soak.\n  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all] ...");
+  absl::ParseCommandLine(argc, argv);
+  const std::string scenario = absl::GetFlag(FLAGS_scenario);
+  if (scenario != "reports" && scenario != "step" && scenario != "soak" && scenario != "all") {
+    Die(absl::StrCat("--scenario=", scenario, ": expected reports, step, soak or all"));
+  }
+  std::string admin;
+  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_admin_token_file));
+    if (!std::getline(in, admin)) Die("cannot read --admin_token_file");
+  }
+  std::unique_ptr<SpawnedPlanner> spawned;
+  std::string target = absl::GetFlag(FLAGS_planner);
+  int pid = absl::GetFlag(FLAGS_planner_pid);
+  if (target.empty()) {
+    const std::string binary = absl::GetFlag(FLAGS_sb_planner).empty()
+                                   ? DefaultPlannerBinary(argv[0])
+                                   : absl::GetFlag(FLAGS_sb_planner);
+    spawned = std::make_unique<SpawnedPlanner>(binary);
+    target = spawned->address();
+    pid = spawned->pid();
+    std::cout << "sb-load: started " << binary << " on " << target << "\n";
+  }
+  Figures figures;
+  if (scenario == "reports" || scenario == "all") RunReports(target, admin, &figures);
+  if (scenario == "step" || scenario == "all") RunStep(target, admin, &figures);
+  if (scenario == "soak" || scenario == "all") RunSoak(target, admin, pid, &figures);
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    std::ofstream out(absl::GetFlag(FLAGS_json));
+    out << "{";
+    for (size_t i = 0; i < figures.values.size(); ++i) {
+      out << (i > 0 ? ", " : "") << "\"" << figures.values[i].first
+          << "\": " << absl::StrFormat("%.6g", figures.values[i].second);
+    }
+    out << "}\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace sparsebalance
+
+int main(int argc, char** argv) { return sparsebalance::Main(argc, argv); }
