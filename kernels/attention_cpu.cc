@@ -1,0 +1,210 @@
+#include "kernels/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/attention_cpu_tiles.h"
+#include "kernels/parallel.h"
+
+namespace sparsebalance {
+namespace kernels {
+namespace {
+
+using HeadFn = void (*)(const HeadTask&);
+
+// The widest tile code this CPU runs.
+bool UseAvx2() {
+#if defined(__x86_64__) && defined(SB_KERNELS_HAVE_AVX2_TILES)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2;
+#else
+  return false;
+#endif
+}
+
+HeadFn ForwardFn() {
+#if defined(SB_KERNELS_HAVE_AVX2_TILES)
+  if (UseAvx2()) return &avx2::ForwardHead;
+#endif
+  return &generic::ForwardHead;
+}
+
+HeadFn BackwardFn() {
+#if defined(SB_KERNELS_HAVE_AVX2_TILES)
+  if (UseAvx2()) return &avx2::BackwardHead;
+#endif
+  return &generic::BackwardHead;
+}
+
+// 64-byte aligned float scratch, reused across the heads one worker runs.
+struct Workspace {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> data;
+  int64_t floats = 0;
+  float* Get(int64_t n) {
+    if (n > floats) {
+      const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
+      data.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      floats = n;
+    }
+    return data.get();
+  }
+};
+
+absl::Status ValidateCommon(const BlockIndex& index, int head_dim, const AttentionOptions& options,
+                            size_t* elements) {
+  if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
+  if (absl::Status s = ValidateBlockIndex(index); !s.ok()) return s;
+  if (!(options.softmax_scale >= 0.0f) || !std::isfinite(options.softmax_scale)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softmax_scale=", options.softmax_scale, " must be positive (or 0 for 1/sqrt(head_dim))"));
+  }
+  *elements = static_cast<size_t>(index.total_tokens()) * index.heads * head_dim;
+  return absl::OkStatus();
+}
+
+// Runs `fn` on every (sequence, head), longest sequences first so that the last task to
+// finish is a short one.
+void RunHeads(const BlockIndex& index, int head_dim, const AttentionOptions& options, bool backward,
+              const HeadTask& base, HeadFn fn) {
+  const int heads = index.heads;
+  std::vector<int> order(index.sequences());
+  for (int s = 0; s < index.sequences(); ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return index.length(a) > index.length(b); });
+  const int workers = ResolveThreads(options.threads);
+  std::vector<Workspace> workspaces(workers);
+  const float scale = options.softmax_scale > 0.0f ? options.softmax_scale
+                                                   : 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const int64_t stride = int64_t{heads} * head_dim;
+  ParallelFor(int64_t{index.sequences()} * heads, workers, [&](int worker, int64_t id) {
+    const int s = order[id / heads];
+    const int h = static_cast<int>(id % heads);
+    const int64_t row0 = index.RowId(s, h, 0);
+    const int64_t token0 = index.cu_seqlens[s];
+    const int64_t offset = token0 * stride + int64_t{h} * head_dim;
+    const int64_t lse_offset = int64_t{h} * index.total_tokens() + token0;
+    HeadTask task = base;
+    task.block_size = index.block_size;
+    task.head_dim = head_dim;
+    task.length = index.length(s);
+    task.blocks = index.blocks(s);
+    task.scale = scale;
+    task.token_stride = stride;
+    task.row_ptr = index.row_ptr.data() + row0;
+    task.col_idx = index.col_idx.data();
+    task.flags = index.flags.data();
+    task.col_ptr = index.col_ptr.data() + row0;
+    task.row_idx = index.row_idx.data();
+    task.col_flags = index.col_flags.data();
+    auto shift = [&](auto* p) { return p == nullptr ? p : p + offset; };
+    task.q = shift(base.q);
+    task.k = shift(base.k);
+    task.v = shift(base.v);
+    task.out = shift(base.out);
+    task.dout = shift(base.dout);
+    task.out_w = shift(base.out_w);
+    task.dq = shift(base.dq);
+    task.dk = shift(base.dk);
+    task.dv = shift(base.dv);
+    task.lse_in = base.lse_in == nullptr ? nullptr : base.lse_in + lse_offset;
+    task.lse_w = base.lse_w == nullptr ? nullptr : base.lse_w + lse_offset;
+    task.workspace =
+        workspaces[worker].Get(WorkspaceFloats(index.block_size, head_dim, task.blocks, backward));
+    fn(task);
+  });
+}
+
+}  // namespace
+
+int64_t WorkspaceFloats(int block_size, int head_dim, int32_t blocks, bool backward) {
+  auto align = [](int64_t n) { return (n + 15) / 16 * 16; };
+  const int64_t b = block_size;
+  const int64_t padded = int64_t{blocks} * b;
+  if (!backward) {
+    return 2 * align(padded * head_dim) + 2 * align(b * head_dim) + align(b * b) + 2 * align(b);
+  }
+  return 6 * align(padded * head_dim) + 2 * align(padded) + 2 * align(b * b) +
+         2 * align(b * head_dim);
+}
+
+absl::Status AttentionForward(const BlockIndex& index, int head_dim, absl::Span<const float> q,
+                              absl::Span<const float> k, absl::Span<const float> v,
+                              const AttentionOptions& options, absl::Span<float> out,
+                              absl::Span<float> lse) {
+  size_t elements = 0;
+  if (absl::Status s = ValidateCommon(index, head_dim, options, &elements); !s.ok()) return s;
+  for (auto [name, size] : {std::pair<const char*, size_t>{"q", q.size()},
+                            {"k", k.size()},
+                            {"v", v.size()},
+                            {"out", out.size()}}) {
+    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
+  }
+  if (absl::Status s =
+          CheckSize("lse", lse.size(), static_cast<size_t>(index.total_tokens()) * index.heads);
+      !s.ok()) {
+    return s;
+  }
+  HeadTask base;
+  base.q = q.data();
+  base.k = k.data();
+  base.v = v.data();
+  base.out_w = out.data();
+  base.lse_w = lse.data();
+  RunHeads(index, head_dim, options, /*backward=*/false, base, ForwardFn());
+  return absl::OkStatus();
+}
+
+absl::Status AttentionBackward(const BlockIndex& index, int head_dim, absl::Span<const float> q,
+                               absl::Span<const float> k, absl::Span<const float> v,
+                               absl::Span<const float> out, absl::Span<const float> lse,
+                               absl::Span<const float> dout, const AttentionOptions& options,
+                               absl::Span<float> dq, absl::Span<float> dk, absl::Span<float> dv) {
+  size_t elements = 0;
+  if (absl::Status s = ValidateCommon(index, head_dim, options, &elements); !s.ok()) return s;
+  for (auto [name, size] : {std::pair<const char*, size_t>{"q", q.size()},
+                            {"k", k.size()},
+                            {"v", v.size()},
+                            {"out", out.size()},
+                            {"dout", dout.size()},
+                            {"dq", dq.size()},
+                            {"dk", dk.size()},
+                            {"dv", dv.size()}}) {
+    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
+  }
+  if (absl::Status s =
+          CheckSize("lse", lse.size(), static_cast<size_t>(index.total_tokens()) * index.heads);
+      !s.ok()) {
+    return s;
+  }
+  HeadTask base;
+  base.q = q.data();
+  base.k = k.data();
+  base.v = v.data();
+  base.out = out.data();
+  base.dout = dout.data();
+  base.lse_in = lse.data();
+  base.dq = dq.data();
+  base.dk = dk.data();
+  base.dv = dv.data();
+  RunHeads(index, head_dim, options, /*backward=*/true, base, BackwardFn());
+  return absl::OkStatus();
+}
+
+double ForwardFlopsPerBlock(int block_size, int head_dim) {
+  return 4.0 * block_size * block_size * head_dim;
+}
+
+double BackwardFlopsPerBlock(int block_size, int head_dim) {
+  return 2.5 * ForwardFlopsPerBlock(block_size, head_dim);
+}
+
+}  // namespace kernels
+}  // namespace sparsebalance

@@ -1,0 +1,76 @@
+// Dynamic block selection (DESIGN.md section 9): mean-pooled Q and K per block give a score
+// for every causal (query block, key block) pair; each row keeps its anchors (sink block 0,
+// the diagonal and `local_blocks` before it), then the best-scoring blocks until it holds
+// k_i = KeptBlocks(i, QuantizeDensity(density)) blocks, or, with a mass threshold, until the
+// estimated share of softmax mass kept reaches it. Tensors are fp32 [total_tokens, heads,
+// head_dim]; densities are per sequence.
+//
+//   absl::StatusOr<Selection> sel = SelectBlocks(cu_seqlens, heads, head_dim, q, k,
+//                                                /*densities=*/{0.3, 1.0}, SelectionOptions{});
+//   // sel->index is the CSR/CSC block index, sel->estimated_recall one value per CSR row.
+#ifndef SPARSEBALANCE_KERNELS_BLOCK_SELECTION_H_
+#define SPARSEBALANCE_KERNELS_BLOCK_SELECTION_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/block_index.h"
+
+namespace sparsebalance {
+namespace kernels {
+
+struct SelectionOptions {
+  int block_size = 64;   // tokens per block: 64 or 128
+  int local_blocks = 1;  // key blocks before the diagonal that every row keeps
+  // Stop adding blocks to a row once its estimated kept mass reaches this share, in (0, 1];
+  // 1 keeps exactly k_i blocks per row (the planner's count).
+  double mass_threshold = 1.0;
+  float softmax_scale = 0.0f;  // 0 means 1/sqrt(head_dim)
+  int threads = 0;             // CPU threads; 0 means the hardware concurrency
+};
+
+struct Selection {
+  BlockIndex index;
+  // Per CSR row: the block scores' estimate of the softmax mass the row keeps, in [0, 1]; 1
+  // exactly when the row keeps every causal block.
+  std::vector<float> estimated_recall;
+};
+
+// Every field of `options` and every density in (0, 1]; errors name the field.
+absl::Status ValidateSelectionInputs(absl::Span<const int32_t> cu_seqlens, int heads, int head_dim,
+                                     absl::Span<const double> densities,
+                                     const SelectionOptions& options);
+
+// Selects the kept blocks on the CPU.
+absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int heads,
+                                       int head_dim, absl::Span<const float> q,
+                                       absl::Span<const float> k,
+                                       absl::Span<const double> densities,
+                                       const SelectionOptions& options);
+
+// The rule of SelectBlocks for one row, shared with the CUDA path: `scores[j]` (softmax
+// logits of the pooled blocks) and `pairs[j]` (visible (query, key) token pairs) for every key
+// block j in [0, query_block]. Keeps the anchors, then blocks by descending score (ties: lower
+// j first) until `kept_cap` blocks or the threshold. Block j's estimated mass is
+// pairs[j] * exp(scores[j]). Returns the kept blocks ascending and sets *estimated_recall.
+std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t kept_cap,
+                               double mass_threshold, absl::Span<const float> scores,
+                               absl::Span<const double> pairs, float* estimated_recall);
+
+// Visible (query, key) token pairs of query block i and key block j <= i of a sequence of
+// `length` tokens: the weight of a block score in the estimated mass.
+double VisiblePairs(int32_t length, int block_size, int32_t query_block, int32_t key_block);
+
+// Exact recall per CSR row: for each query token the softmax mass (over all its causal keys in
+// its document) that falls inside the row's kept blocks, averaged over the row's tokens.
+// O(tokens^2 * head_dim) per head: tests and the CPU reference only.
+absl::StatusOr<std::vector<float>> ExactRecall(const BlockIndex& index, int head_dim,
+                                               absl::Span<const float> q, absl::Span<const float> k,
+                                               float softmax_scale = 0.0f, int threads = 0);
+
+}  // namespace kernels
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_KERNELS_BLOCK_SELECTION_H_

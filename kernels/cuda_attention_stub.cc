@@ -1,0 +1,60 @@
+// kernels/cuda_attention.h for builds without CUDA (SB_WITH_CUDA=OFF or no nvcc): no device,
+// and every call says how to get the CUDA kernels.
+#include "kernels/cuda_attention.h"
+
+namespace sparsebalance {
+namespace kernels {
+namespace cuda {
+namespace {
+
+absl::Status NotBuilt() {
+  return absl::FailedPreconditionError(
+      "SparseBalance::kernels was built without CUDA; reconfigure with nvcc on PATH (or "
+      "-DSB_WITH_CUDA=ON) to get the GPU kernels, or use --device=cpu");
+}
+
+}  // namespace
+
+bool Compiled() { return false; }
+
+int DeviceCount(std::string* why) {
+  if (why != nullptr) *why = "built without CUDA";
+  return 0;
+}
+
+absl::StatusOr<std::string> DeviceName() { return NotBuilt(); }
+absl::Status Synchronize() { return NotBuilt(); }
+
+DeviceBuffer::~DeviceBuffer() = default;
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept = default;
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept = default;
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t) { return NotBuilt(); }
+absl::Status DeviceBuffer::CopyFromHost(const void*, size_t) { return NotBuilt(); }
+absl::Status DeviceBuffer::CopyToHost(void*, size_t) const { return NotBuilt(); }
+absl::Status DeviceBuffer::Zero() { return NotBuilt(); }
+
+absl::StatusOr<DeviceBlockIndex> DeviceBlockIndex::Upload(const BlockIndex&) { return NotBuilt(); }
+
+absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t>, int, int, const void*,
+                                       const void*, absl::Span<const double>,
+                                       const SelectionOptions&) {
+  return NotBuilt();
+}
+
+absl::Status Forward(const DeviceBlockIndex&, int, const void*, const void*, const void*, float,
+                     void*, float*) {
+  return NotBuilt();
+}
+
+absl::Status Backward(const DeviceBlockIndex&, int, const void*, const void*, const void*,
+                      const void*, const float*, const void*, float, float*, void*, void*, void*) {
+  return NotBuilt();
+}
+
+absl::Status MatmulBf16(int64_t, int64_t, int64_t, const void*, bool, const void*, bool, void*) {
+  return NotBuilt();
+}
+
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace sparsebalance

@@ -1,0 +1,182 @@
+// Block selection: anchors always kept, k_i blocks per row (the planner's count), rows sorted,
+// the transpose exact, recall 1 at density 1 and never above 1; bad input named.
+#include "kernels/block_selection.h"
+
+#include <cstdint>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/block_count.h"
+#include "planner/block_math.h"
+#include "reference.h"
+
+namespace sparsebalance {
+namespace kernels {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Batch {
+  std::vector<int32_t> cu;
+  int heads;
+  int head_dim;
+  std::vector<float> q, k;
+};
+
+Batch MakeBatch(const std::vector<int32_t>& lengths, int heads, int head_dim, uint32_t seed) {
+  Batch b{testing::CuSeqlens(lengths), heads, head_dim, {}, {}};
+  const size_t n = static_cast<size_t>(b.cu.back()) * heads * head_dim;
+  b.q = testing::RandomTensor(n, seed);
+  b.k = testing::RandomTensor(n, seed + 1);
+  return b;
+}
+
+TEST(BlockSelectionTest, RowsKeepAnchorsAndExactlyThePlannersCount) {
+  const Batch b = MakeBatch({1000, 1, 333, 2048, 129}, 2, 64, 11);
+  const std::vector<double> densities = {0.1, 0.5, 0.3, 0.05, 1.0};
+  for (int block_size : {64, 128}) {
+    for (int local_blocks : {0, 1, 3}) {
+      SelectionOptions options;
+      options.block_size = block_size;
+      options.local_blocks = local_blocks;
+      absl::StatusOr<Selection> sel =
+          SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, densities, options);
+      ASSERT_TRUE(sel.ok()) << sel.status();
+      const BlockIndex& index = sel->index;
+      ASSERT_TRUE(ValidateBlockIndex(index).ok());  // sorted, causal, flags, exact transpose
+      ASSERT_EQ(sel->estimated_recall.size(), static_cast<size_t>(index.rows()));
+      int64_t active = 0;
+      for (int s = 0; s < index.sequences(); ++s) {
+        const int64_t q = QuantizeDensity(densities[s]);
+        for (int h = 0; h < b.heads; ++h) {
+          for (int32_t i = 0; i < index.blocks(s); ++i) {
+            const int64_t r = index.RowId(s, h, i);
+            std::vector<int32_t> row(index.col_idx.begin() + index.row_ptr[r],
+                                     index.col_idx.begin() + index.row_ptr[r + 1]);
+            EXPECT_EQ(static_cast<int64_t>(row.size()), KeptBlocks(i, q, local_blocks));
+            EXPECT_EQ(row.front(), 0);  // sink
+            for (int32_t j = std::max(0, i - local_blocks); j <= i; ++j) {
+              EXPECT_TRUE(std::binary_search(row.begin(), row.end(), j)) << "anchor " << j;
+            }
+            EXPECT_GT(sel->estimated_recall[r], 0.0f);
+            EXPECT_LE(sel->estimated_recall[r], 1.0f);
+            if (densities[s] == 1.0) {
+              EXPECT_EQ(sel->estimated_recall[r], 1.0f);
+            }
+          }
+        }
+        active +=
+            sparsebalance::ActiveBlocks(index.length(s), densities[s], block_size, local_blocks) *
+            b.heads;
+      }
+      EXPECT_EQ(index.active_blocks(), active);  // what the planner's latency model counts
+    }
+  }
+}
+
+TEST(BlockSelectionTest, TheBestScoringBlocksAreKept) {
+  // One head; key block 5 is made to match every query strongly: every row past the anchors
+  // that may keep one more block keeps it.
+  const int head_dim = 64;
+  const int32_t length = 64 * 12;
+  std::vector<float> q(static_cast<size_t>(length) * head_dim, 0.0f);
+  std::vector<float> k = testing::RandomTensor(q.size(), 4, 0.01f);
+  for (int32_t t = 0; t < length; ++t) q[static_cast<size_t>(t) * head_dim] = 1.0f;
+  for (int32_t t = 5 * 64; t < 6 * 64; ++t) k[static_cast<size_t>(t) * head_dim] = 10.0f;
+  SelectionOptions options;
+  options.local_blocks = 0;
+  absl::StatusOr<Selection> sel = SelectBlocks({0, length}, 1, head_dim, q, k, {0.25}, options);
+  ASSERT_TRUE(sel.ok()) << sel.status();
+  for (int32_t i = 8; i < 12; ++i) {  // k_i = 3: the anchors and one more
+    const int64_t r = sel->index.RowId(0, 0, i);
+    std::vector<int32_t> row(sel->index.col_idx.begin() + sel->index.row_ptr[r],
+                             sel->index.col_idx.begin() + sel->index.row_ptr[r + 1]);
+    EXPECT_TRUE(std::binary_search(row.begin(), row.end(), 5)) << "row " << i;
+  }
+}
+
+TEST(BlockSelectionTest, ExactRecallIsOneAtFullDensityAndAtMostOneOtherwise) {
+  const Batch b = MakeBatch({300, 129, 64}, 2, 64, 21);
+  for (double density : {1.0, 0.4, 0.1}) {
+    absl::StatusOr<Selection> sel = SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k,
+                                                 {density, density, density}, SelectionOptions{});
+    ASSERT_TRUE(sel.ok());
+    absl::StatusOr<std::vector<float>> recall = ExactRecall(sel->index, b.head_dim, b.q, b.k);
+    ASSERT_TRUE(recall.ok()) << recall.status();
+    ASSERT_EQ(recall->size(), sel->estimated_recall.size());
+    double mean = 0.0;
+    for (float r : *recall) {
+      EXPECT_LE(r, 1.0f);
+      EXPECT_GT(r, 0.0f);
+      if (density == 1.0) {
+        EXPECT_NEAR(r, 1.0f, 1e-6);
+      }
+      mean += r;
+    }
+    mean /= recall->size();
+    if (density < 1.0) {
+      EXPECT_LT(mean, 1.0);
+    }
+  }
+}
+
+TEST(BlockSelectionTest, AMassThresholdKeepsFewerBlocksAndReachesItsEstimate) {
+  const Batch b = MakeBatch({2048}, 1, 128, 31);
+  SelectionOptions capped;
+  absl::StatusOr<Selection> full = SelectBlocks(b.cu, 1, 128, b.q, b.k, {0.5}, capped);
+  SelectionOptions thresholded = capped;
+  thresholded.mass_threshold = 0.3;
+  absl::StatusOr<Selection> early = SelectBlocks(b.cu, 1, 128, b.q, b.k, {0.5}, thresholded);
+  ASSERT_TRUE(full.ok() && early.ok());
+  EXPECT_LT(early->index.active_blocks(), full->index.active_blocks());
+  for (int64_t r = 0; r < early->index.rows(); ++r) {
+    const int64_t kept = early->index.row_ptr[r + 1] - early->index.row_ptr[r];
+    const int64_t cap = full->index.row_ptr[r + 1] - full->index.row_ptr[r];
+    EXPECT_LE(kept, cap);
+    // Stopped early only once the estimate reached the threshold.
+    if (kept < cap) {
+      EXPECT_GE(early->estimated_recall[r], 0.3f - 1e-6f);
+    }
+  }
+}
+
+TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
+  const Batch b = MakeBatch({100, 50}, 2, 64, 41);
+  SelectionOptions ok;
+  struct Case {
+    std::vector<int32_t> cu;
+    int head_dim;
+    std::vector<double> densities;
+    SelectionOptions options;
+    size_t q_size;
+    const char* message;
+  };
+  SelectionOptions block32 = ok;
+  block32.block_size = 32;
+  SelectionOptions threshold = ok;
+  threshold.mass_threshold = 0.0;
+  SelectionOptions local = ok;
+  local.local_blocks = -1;
+  for (const Case& c : std::vector<Case>{
+           {b.cu, 64, {0.5, 1.5}, ok, b.q.size(), "densities[1]=1.5 is outside (0, 1]"},
+           {b.cu, 64, {0.0, 0.5}, ok, b.q.size(), "densities[0]=0 is outside (0, 1]"},
+           {b.cu, 64, {0.5}, ok, b.q.size(), "densities has 1 entries"},
+           {{0, 100, 90}, 64, {0.5, 0.5}, ok, b.q.size(), "cu_seqlens[2]=90"},
+           {b.cu, 96, {0.5, 0.5}, ok, b.q.size(), "head_dim=96 is not supported"},
+           {b.cu, 64, {0.5, 0.5}, block32, b.q.size(), "block_size=32 is not supported"},
+           {b.cu, 64, {0.5, 0.5}, threshold, b.q.size(), "mass_threshold=0"},
+           {b.cu, 64, {0.5, 0.5}, local, b.q.size(), "local_blocks=-1"},
+           {b.cu, 64, {0.5, 0.5}, ok, b.q.size() - 1, "q has 19199 elements; expected 19200"},
+       }) {
+    std::vector<float> q(c.q_size, 0.0f);
+    absl::StatusOr<Selection> sel =
+        SelectBlocks(c.cu, 2, c.head_dim, q, b.k, c.densities, c.options);
+    EXPECT_EQ(sel.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(sel.status().message(), HasSubstr(c.message));
+  }
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace sparsebalance

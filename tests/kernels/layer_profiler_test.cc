@@ -1,0 +1,100 @@
+// sb-profile writes a table the planner reads and fits: the format is agreed by test.
+#include "kernels/layer_profiler.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/block_math.h"
+#include "planner/profile_table.h"
+
+namespace sparsebalance {
+namespace kernels {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Runs a command; returns its exit status and standard output.
+int RunCommand(const std::string& command, std::string* output) {
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) output->append(buffer, n);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(LayerProfilerTest, FormattedProfileIsWhatThePlannerParses) {
+  Profile profile;
+  profile.device_name = "Test Device 9000";
+  profile.options.heads = 8;
+  profile.options.head_dim = 64;
+  profile.options.block_size = 128;
+  profile.options.local_blocks = 2;
+  profile.points = {{1024, 1.0, 0.5, 0.4, 0.1, 36}, {2048, 0.25, 0.75, 0.5, 0.25, 60}};
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(FormatProfile(profile));
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->device, "Test Device 9000");
+  EXPECT_EQ(table->shape.heads, 8);
+  EXPECT_EQ(table->shape.head_dim, 64);
+  EXPECT_EQ(table->shape.block_size, 128);
+  EXPECT_EQ(table->shape.local_blocks, 2);
+  ASSERT_EQ(table->rows.size(), 2u);
+  EXPECT_EQ(table->rows[1].length, 2048);
+  EXPECT_EQ(table->rows[1].density, 0.25);
+  EXPECT_EQ(table->rows[1].seconds, 0.75);
+}
+
+TEST(LayerProfilerTest, SbProfileOnTheCpuWritesATableThePlannerFits) {
+  const std::string out = ::testing::TempDir() + "/sb_profile_test.profile";
+  std::string log;
+  const std::string command = std::string(SB_PROFILE_PATH) +
+                              " --device=cpu --heads=1 --head_dim=64 --block_size=64"
+                              " --local_blocks=1 --lengths=512,1024,2048 --densities=1,0.2"
+                              " --repeats=3 --threads=2 --out=" +
+                              out + " 2>&1";
+  ASSERT_EQ(RunCommand(command, &log), 0) << log;
+  std::ifstream in(out);
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(text.str());
+  ASSERT_TRUE(table.ok()) << table.status() << "\n" << text.str();
+  EXPECT_THAT(table->device, HasSubstr("cpu"));
+  EXPECT_EQ(table->shape.heads, 1);
+  EXPECT_EQ(table->shape.head_dim, 64);
+  EXPECT_EQ(table->shape.block_size, 64);
+  EXPECT_EQ(table->shape.local_blocks, 1);
+  ASSERT_EQ(table->rows.size(), 6u);
+  EXPECT_EQ(table->rows[0].length, 512);
+  EXPECT_EQ(table->rows[5].density, 0.2);
+  ModelShape shape;  // the 7B-class default the planner scales to
+  absl::StatusOr<CostCoefficients> fit = FitProfile(*table, shape);
+  ASSERT_TRUE(fit.ok()) << fit.status() << "\n" << text.str();
+  EXPECT_GT(fit->per_block, 0.0);
+}
+
+TEST(LayerProfilerTest, BadFlagsAreErrorsThatNameThem) {
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--densities=0.5,1.5", "densities[1]=1.5 is outside (0, 1]"},
+           {"--lengths=100,x", "--lengths: \"x\" is not a number"},
+           {"--block_size=32", "block_size=32 is not supported"},
+           {"--head_dim=96", "head_dim=96 is not supported"},
+           {"--device=tpu", "device=tpu is not known"},
+       }) {
+    std::string log;
+    EXPECT_EQ(RunCommand(std::string(SB_PROFILE_PATH) + " " + flags + " 2>&1", &log), 2) << flags;
+    EXPECT_THAT(log, HasSubstr(message));
+  }
+  std::string help;
+  RunCommand(std::string(SB_PROFILE_PATH) + " --help 2>&1", &help);
+  EXPECT_THAT(help, HasSubstr("--lengths"));
+  EXPECT_THAT(help, HasSubstr("profile table"));
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace sparsebalance
