@@ -33,6 +33,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -60,6 +62,9 @@ ABSL_FLAG(int, connections, 64, "step: connections the ranks share");
 ABSL_FLAG(int, soak_steps, 10000, "soak: steps");
 ABSL_FLAG(int, soak_ranks, 8, "soak: ranks of the job");
 ABSL_FLAG(std::string, json, "", "also write the figures to this file as JSON");
+ABSL_FLAG(bool, keep_jobs, false,
+          "leave each scenario's job on the planner (no DeleteJob), so that its per-job metric "
+          "series stay for a scrape (deploy/'s live check and the compose demo)");
 
 namespace sparsebalance {
 namespace {
@@ -249,6 +254,7 @@ Job CreateJob(v1::PlannerService::Stub* stub, const std::string& admin_token, in
 }
 
 void DeleteJob(v1::PlannerService::Stub* stub, const std::string& admin_token, const Job& job) {
+  if (absl::GetFlag(FLAGS_keep_jobs)) return;
   v1::DeleteJobRequest request;
   request.set_job_id(job.id);
   v1::DeleteJobResponse response;
@@ -585,6 +591,14 @@ int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Load generator for sb-planner: ReportStep throughput, one large step, and a memory "
       "soak.\n  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all] ...");
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return path == "sb-load" || absl::EndsWith(path, "bench/sb_load.cc");
+  };
+  usage.normalize_filename = [](absl::string_view path) {
+    return absl::EndsWith(path, "bench/sb_load.cc") ? std::string("sb-load") : std::string(path);
+  };
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
   if (scenario != "reports" && scenario != "step" && scenario != "soak" && scenario != "all") {

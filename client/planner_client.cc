@@ -112,7 +112,29 @@ absl::StatusOr<JobHandle> PlannerClient::CreateJob(const std::string& name,
                    created->history_steps};
 }
 
-absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int rank) {
+absl::Status PlannerClient::DeleteJob(const std::string& job_id) {
+  v1::DeleteJobRequest request;
+  request.set_job_id(job_id);
+  v1::DeleteJobResponse response;
+  grpc::ClientContext context;
+  impl_->Prepare(&context, impl_->options.call_timeout_seconds, /*admin=*/true);
+  return FromGrpcStatus(impl_->stub->DeleteJob(&context, request, &response));
+}
+
+absl::StatusOr<std::string> PlannerClient::UploadProfile(const std::string& profile_text) {
+  v1::UploadProfileRequest request;
+  request.set_job_id(impl_->options.job_id);
+  request.set_profile(profile_text);
+  v1::UploadProfileResponse response;
+  grpc::ClientContext context;
+  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
+  absl::Status status = FromGrpcStatus(impl_->stub->UploadProfile(&context, request, &response));
+  if (!status.ok()) return status;
+  return response.device();
+}
+
+absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int rank,
+                                                                        int64_t* rank_next_step) {
   v1::JoinJobRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_rank(rank);
@@ -123,6 +145,7 @@ absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int ran
   if (!status.ok()) return status;
   absl::StatusOr<JobSettings> settings = ConfigFromProto(response.config(), WireLimits());
   if (!settings.ok()) return settings.status();
+  if (rank_next_step != nullptr) *rank_next_step = response.rank_next_step();
   return std::make_pair(settings->planner, response.next_step());
 }
 

@@ -82,8 +82,16 @@ class PlannerClient {
   // Creates a job; afterwards this client speaks for it (its id and token are set).
   absl::StatusOr<JobHandle> CreateJob(const std::string& name, const PlannerConfig& config,
                                       int history_steps = 0);
-  // Announces `rank`; returns the job's config and the next step the planner will plan.
-  absl::StatusOr<std::pair<PlannerConfig, int64_t>> JoinJob(int rank);
+  // Deletes a job and its state (admin token when the planner has one).
+  absl::Status DeleteJob(const std::string& job_id);
+  // Announces `rank`; returns the job's config and the next step the planner will plan. With
+  // `rank_next_step`, also the first kept step this rank has not reported (where a restarted
+  // rank resumes).
+  absl::StatusOr<std::pair<PlannerConfig, int64_t>> JoinJob(int rank,
+                                                            int64_t* rank_next_step = nullptr);
+  // Replaces the job's cost prior with a profile table (sb-profile's output); returns the
+  // device it names.
+  absl::StatusOr<std::string> UploadProfile(const std::string& profile_text);
   // Submits a step's global batch (coordinator rank); returns the deferred sample ids.
   // `planned_locally`: the trainer ran this step on its local fallback plan (see the proto).
   absl::StatusOr<std::vector<uint64_t>> SubmitBatch(int64_t step, const std::vector<Sample>& batch,

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The main job: builds SparseBalance, then runs sb-sim on scenario S1 (the pretrain trace on
-# 32 ranks x 4 micro-batches of 128K tokens, 85% full) with every policy side by side, and
-# writes the report to out/ (JSON and an SVG timeline).
+# The main job: installs what is missing, builds SparseBalance, then runs sb-run: sb-planner
+# with its embedded defaults (127.0.0.1:50151, state in ./sb-planner-state), 4 CPU sb-worker
+# ranks running real block-sparse attention, the same short run twice (sequential, then
+# sparsebalance) and a side-by-side summary of what the workers measured. Writes
+# out/main-job/ (summary, per-step lines, timeline.svg). Then the simulator's S1 table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD_DIR=${BUILD_DIR:-build}
 bash scripts/build.sh >/dev/null
 mkdir -p out
-echo "== sb-sim, scenario S1 (sb-sim --help explains the flags and models) =="
+echo "== the main job: sb-planner + 4 CPU workers, sequential vs sparsebalance (sb-run --help) =="
+"$BUILD_DIR/worker/sb-run" --out=out/main-job
+echo
+echo "== sb-sim, scenario S1 at cluster scale (sb-sim --help explains the flags and models) =="
 "$BUILD_DIR/sim/sb-sim" --trace=pretrain --ranks=32 --micro-batches=4 --capacity=131072 \
   --fill=0.85 --steps=30 --json=out/sim_s1.json --svg=out/sim_s1.svg
-echo
-echo "== the same with one rank 1.5x slower (no policy is told which) =="
-"$BUILD_DIR/sim/sb-sim" --trace=pretrain --ranks=32 --steps=30 --slow-ranks=1 \
-  --policies=sequential,flops,sab,sparsebalance --svg=out/sim_s1_slow.svg

@@ -3,7 +3,7 @@
 # (default build-test/, separate from the demo's build/), runs the whole CTest suite (unit,
 # property, simulator-bar, service, client and command-line tests), builds a project against
 # the installed package, fuzzes request validation briefly, and runs the planning benchmark
-# once.
+# and the service load generator once, briefly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,5 +26,7 @@ bash scripts/fuzz.sh | tail -n 3
 
 # The planner benchmark must run (its figures are reported, never asserted).
 "$BUILD_DIR/bench/sb-planner-bench" --benchmark_filter='/512/64' --benchmark_min_time=0.05
+# The service load generator, briefly (README "Service load" has the full-size figures).
+"$BUILD_DIR/bench/sb-load" --reports=8000 --steps=3 --soak_steps=300
 
 echo "test.sh: all tests passed"

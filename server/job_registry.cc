@@ -274,7 +274,8 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
 }
 
 absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::string& job_id,
-                                                                     int rank) {
+                                                                     int rank,
+                                                                     int64_t* rank_next_step) {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
@@ -287,6 +288,15 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
     if (absl::Status s = SaveJob(job_id, *job); !s.ok()) {
       job->joined[rank] = false;
       return s;
+    }
+  }
+  if (rank_next_step != nullptr) {
+    *rank_next_step = job->next_step;
+    for (const auto& [step, record] : job->history) {
+      if (record.reports.count(rank) == 0) {
+        *rank_next_step = step;
+        break;
+      }
     }
   }
   return std::make_pair(job->settings, job->next_step);
@@ -335,8 +345,8 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   record.batch_fingerprint = BatchFingerprint(batch);
   record.batch = batch;
   record.plan = std::make_shared<const StepPlan>(*plan);
-  // Durable before it is acknowledged: the step record first, then the snapshot that counts
-  // it (Restore also counts a step record whose snapshot did not land).
+  // Durable before it is acknowledged: the step record (fsync'ed). The snapshot after it only
+  // moves next_step, which Restore also takes from the step records, so it is not synced.
   if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
   job->history[step] = std::move(record);
   job->next_step = step + 1;
@@ -345,7 +355,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
     job->history.erase(job->history.begin());
     if (options_.store != nullptr) options_.store->DropStep(job_id, dropped).IgnoreError();
   }
-  if (absl::Status s = SaveJob(job_id, *job); !s.ok()) return s;
+  if (absl::Status s = SaveJob(job_id, *job, /*sync=*/false); !s.ok()) return s;
   SubmitResult result{step, plan->deferred_ids, *std::move(plan), false};
   result.skipped_steps = skipped;
   return result;

@@ -101,7 +101,10 @@ class JobRegistry {
   absl::Status Authorize(const std::string& job_id, const std::string& token) const;
 
   // Marks `rank` joined; returns the settings and the next step to plan.
-  absl::StatusOr<std::pair<JobSettings, int64_t>> JoinJob(const std::string& job_id, int rank);
+  // With `rank_next_step`, also the first kept step this rank has not reported (or the next
+  // step): where a restarted rank resumes.
+  absl::StatusOr<std::pair<JobSettings, int64_t>> JoinJob(const std::string& job_id, int rank,
+                                                          int64_t* rank_next_step = nullptr);
   // Plans `step` (steps in order). With `planned_locally` the step's plan is the trainer's
   // fallback plan (PlanStepLocally), a step past the next one is accepted (the steps between
   // are skipped: the trainer ran them alone and no longer has their batches), and a step

@@ -125,8 +125,9 @@ int Main(int argc, char** argv) {
       "  sb-planner --listen=0.0.0.0:50151 --admin_token_file=/run/secrets/admin");
   // --help lists this file's flags (absl's default looks for a file named like the binary).
   absl::FlagsUsageConfig usage;
+  // absl applies this to the normalized file name (below), so accept both forms.
   usage.contains_help_flags = [](absl::string_view path) {
-    return absl::EndsWith(path, "server/main.cc");
+    return path == "sb-planner" || absl::EndsWith(path, "server/main.cc");
   };
   usage.normalize_filename = [](absl::string_view path) {
     return absl::EndsWith(path, "server/main.cc") ? std::string("sb-planner") : std::string(path);

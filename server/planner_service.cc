@@ -162,10 +162,12 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::JoinJob(grpc::CallbackServerContex
   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
     return Finish(context, "JoinJob", start, s);
   }
-  auto joined = registry_->JoinJob(request->job_id(), request->rank());
+  int64_t rank_next_step = 0;
+  auto joined = registry_->JoinJob(request->job_id(), request->rank(), &rank_next_step);
   if (!joined.ok()) return Finish(context, "JoinJob", start, joined.status());
   *response->mutable_config() = ConfigToProto(joined->first);
   response->set_next_step(joined->second);
+  response->set_rank_next_step(rank_next_step);
   return Finish(context, "JoinJob", start, absl::OkStatus());
 }
 

@@ -1,0 +1,322 @@
+// End to end, with real processes: sb-planner, sb-worker ranks (CPU kernels) synchronised by
+// the step-sync hub, and sb-run (the main job). The planner is killed with SIGKILL mid-run and
+// restarted on its state directory; a worker is killed and restarted; the main job's measured
+// figures favour sparsebalance over sequential.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/planner_client.h"
+#include "gtest/gtest.h"
+#include "worker/run_summary.h"
+#include "worker/step_inputs.h"
+#include "worker/step_sync.h"
+
+extern char** environ;
+
+namespace sparsebalance {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double UnixSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    char name[] = "/tmp/sb-e2e-XXXXXX";
+    path_ = mkdtemp(name);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A child process, killed (SIGKILL) if still running when destroyed.
+class Process {
+ public:
+  Process(std::vector<std::string> args, const std::string& log) {
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    EXPECT_EQ(posix_spawn(&pid_, args[0].c_str(), &actions, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&actions);
+  }
+  ~Process() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  void Kill() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = 0;
+  }
+  // The exit code (128 + signal when killed), or -1 if still running after `seconds`.
+  int Wait(double seconds) {
+    const Clock::time_point deadline =
+        Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    while (Clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = 0;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = 0;
+};
+
+// A free loopback port (bound, read, released) for a planner that must come back on it.
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::unique_ptr<Process> StartPlanner(const std::string& state, int port, const std::string& log) {
+  return std::make_unique<Process>(
+      std::vector<std::string>{SB_PLANNER_PATH, absl::StrCat("--listen=127.0.0.1:", port),
+                               "--metrics_listen=127.0.0.1:0", "--state_dir=" + state},
+      log);
+}
+
+std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
+                                       const std::string& token = "") {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port);
+  options.job_id = job;
+  options.token = token;
+  options.call_timeout_seconds = 5;
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  EXPECT_TRUE(client.ok());
+  return std::move(*client);
+}
+
+// A tiny model so that a step takes tens of milliseconds.
+PlannerConfig TinyJob(int ranks) {
+  PlannerConfig c;
+  c.ranks = ranks;
+  c.micro_batches = 1;
+  c.micro_batch_capacity = 2048;
+  c.shape.layers = 1;
+  c.shape.heads = 1;
+  c.shape.head_dim = 64;
+  c.policy = Policy::kSparseBalance;
+  return c;
+}
+
+// A job on a running planner (retrying while it starts), its token in a file.
+JobHandle CreateJob(int port, const PlannerConfig& config, const std::string& token_file) {
+  std::unique_ptr<PlannerClient> admin = Connect(port);
+  absl::StatusOr<JobHandle> job;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    job = admin->CreateJob("e2e", config);
+    if (job.ok() || !IsUnreachable(job.status())) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(job.ok()) << job.status();
+  std::ofstream(token_file) << job->token << "\n";
+  return *job;
+}
+
+std::unique_ptr<Process> StartWorker(int port, const JobHandle& job, int rank,
+                                     const std::string& token_file, const std::string& sync,
+                                     int steps, const std::string& out, const std::string& log) {
+  return std::make_unique<Process>(
+      std::vector<std::string>{SB_WORKER_PATH, absl::StrCat("--planner=127.0.0.1:", port),
+                               "--job=" + job.job_id, absl::StrCat("--rank=", rank),
+                               "--token-file=" + token_file, "--device=cpu", "--sync=" + sync,
+                               absl::StrCat("--steps=", steps), "--call_timeout=1",
+                               "--plan_timeout=20", "--out=" + out, "--min_length=64"},
+      log);
+}
+
+// Lines of `path` so far (a worker may be writing it).
+std::vector<StepLine> Lines(const std::string& path) {
+  std::vector<StepLine> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::StatusOr<StepLine> s = ParseStepLine(line);
+    if (s.ok()) out.push_back(*s);
+  }
+  return out;
+}
+
+int64_t StepsDone(const std::string& path, int rank) {
+  int64_t n = 0;
+  for (const StepLine& s : Lines(path)) n += s.rank == rank ? 1 : 0;
+  return n;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedReport) {
+  constexpr int kRanks = 3;
+  constexpr int kSteps = 14;
+  TempDir dir;
+  const std::string state = dir.path() + "/state";
+  const std::string lines = dir.path() + "/steps.jsonl";
+  const std::string token_file = dir.path() + "/token";
+  const int port = FreePort();
+  std::unique_ptr<Process> planner = StartPlanner(state, port, dir.path() + "/planner.log");
+  const JobHandle job = CreateJob(port, TinyJob(kRanks), token_file);
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(kRanks);
+  ASSERT_TRUE(hub.ok());
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int r = 0; r < kRanks; ++r) {
+    workers.push_back(StartWorker(port, job, r, token_file, (*hub)->address(), kSteps, lines,
+                                  absl::StrCat(dir.path(), "/worker", r, ".log")));
+  }
+  // Let a few steps go through the planner, then kill it.
+  const Clock::time_point start = Clock::now();
+  while (StepsDone(lines, 0) < 4 && Clock::now() - start < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GE(StepsDone(lines, 0), 4) << ReadAll(dir.path() + "/worker0.log");
+  planner->Kill();
+  const double killed_at = UnixSeconds();
+  // The ranks go on alone for a while.
+  const int64_t before = StepsDone(lines, 0);
+  const Clock::time_point away = Clock::now();
+  while (StepsDone(lines, 0) < before + 2 && Clock::now() - away < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  planner = StartPlanner(state, port, dir.path() + "/planner.log");
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(workers[r]->Wait(180), 0) << ReadAll(absl::StrCat(dir.path(), "/worker", r, ".log"));
+  }
+  absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
+  ASSERT_TRUE(all.ok());
+  ASSERT_EQ(all->size(), static_cast<size_t>(kRanks * kSteps));  // the job went on to the end
+  int local_steps = 0;
+  for (const StepLine& s : *all) local_steps += s.local_fallback ? 1 : 0;
+  EXPECT_GT(local_steps, 0) << "no rank ran on a local plan while the planner was down";
+
+  std::map<int, std::unique_ptr<PlannerClient>> clients;
+  for (int r = 0; r < kRanks; ++r) clients[r] = Connect(port, job.job_id, job.token);
+  int plans_checked = 0, reports_checked = 0;
+  for (const StepLine& s : *all) {
+    // Every report acknowledged before the kill is still there: a repeat is recognised.
+    if (s.acked && s.wall_end < killed_at) {
+      absl::StatusOr<bool> repeat = clients[s.rank]->ReportStep(s.step, s.rank, {}, 0.0);
+      ASSERT_TRUE(repeat.ok()) << "step " << s.step << " rank " << s.rank << ": "
+                               << repeat.status();
+      EXPECT_TRUE(*repeat) << "the report of step " << s.step << " rank " << s.rank
+                           << " was acknowledged before the kill and is lost";
+      ++reports_checked;
+    }
+    // Every plan the planner issued before the kill is served identically after it.
+    if (!s.local_fallback && s.wall_start < killed_at) {
+      absl::StatusOr<RankStepPlan> plan = clients[s.rank]->GetRankPlan(s.step, s.rank);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_EQ(PlanDigest(plan->micro_batches), s.plan_digest)
+          << "step " << s.step << " rank " << s.rank;
+      ++plans_checked;
+    }
+  }
+  EXPECT_GE(plans_checked, 4 * kRanks);
+  EXPECT_GE(reports_checked, 3 * kRanks);
+}
+
+TEST(EndToEndTest, AKilledWorkerRestartsOnItsRankAndTheJobContinues) {
+  constexpr int kRanks = 3;
+  constexpr int kSteps = 8;
+  TempDir dir;
+  const std::string lines = dir.path() + "/steps.jsonl";
+  const std::string token_file = dir.path() + "/token";
+  const int port = FreePort();
+  std::unique_ptr<Process> planner =
+      StartPlanner(dir.path() + "/state", port, dir.path() + "/planner.log");
+  const JobHandle job = CreateJob(port, TinyJob(kRanks), token_file);
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(kRanks);
+  ASSERT_TRUE(hub.ok());
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int r = 0; r < kRanks; ++r) {
+    workers.push_back(StartWorker(port, job, r, token_file, (*hub)->address(), kSteps, lines,
+                                  absl::StrCat(dir.path(), "/worker", r, ".log")));
+  }
+  const Clock::time_point start = Clock::now();
+  while (StepsDone(lines, 2) < 3 && Clock::now() - start < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GE(StepsDone(lines, 2), 3);
+  workers[2]->Kill();
+  const int64_t done_before = StepsDone(lines, 2);
+  workers[2] = StartWorker(port, job, 2, token_file, (*hub)->address(), kSteps, lines,
+                           dir.path() + "/worker2-restarted.log");
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(workers[r]->Wait(120), 0);
+  absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), static_cast<size_t>(kRanks * kSteps));
+  // It resumed where its reports stopped, not from step 0.
+  const std::string log = ReadAll(dir.path() + "/worker2-restarted.log");
+  EXPECT_NE(log.find(absl::StrCat("from step ", done_before)), std::string::npos) << log;
+}
+
+TEST(EndToEndTest, TheMainJobIsMoreBalancedWithSparseBalanceAndRecallIsNotLower) {
+  TempDir dir;
+  const std::string out = dir.path() + "/out";
+  Process run({SB_RUN_PATH, "--planner_listen=127.0.0.1:0", "--state_dir=" + dir.path() + "/state",
+               "--out=" + out, "--workers=4", "--steps=4", "--capacity=4096", "--fill=0.6"},
+              dir.path() + "/run.log");
+  ASSERT_EQ(run.Wait(240), 0) << ReadAll(dir.path() + "/run.log");
+  absl::StatusOr<RunResult> sequential = SummarizeRun("sequential", out + "/sequential.steps.jsonl", 4);
+  absl::StatusOr<RunResult> balanced =
+      SummarizeRun("sparsebalance", out + "/sparsebalance.steps.jsonl", 4);
+  ASSERT_TRUE(sequential.ok() && balanced.ok());
+  EXPECT_EQ(sequential->steps.size(), 4u);
+  EXPECT_EQ(balanced->steps.size(), 4u);
+  EXPECT_LT(balanced->imbalance, sequential->imbalance) << ReadAll(out + "/summary.txt");
+  EXPECT_GE(balanced->mean_recall, sequential->mean_recall) << ReadAll(out + "/summary.txt");
+  EXPECT_TRUE(std::filesystem::exists(out + "/timeline.svg"));
+}
+
+}  // namespace
+}  // namespace sparsebalance

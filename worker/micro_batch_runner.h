@@ -1,0 +1,55 @@
+// Runs one planned micro-batch the way a training step would, on the CPU reference kernels or
+// the CUDA kernels, and measures it. Per layer, as sb-profile defines a layer (so that the
+// profile table predicts what workers measure): block selection at each document's planned
+// density, block-sparse attention forward and backward over the varlen batch, and the linear
+// part (QKV and output projections, a 4x MLP: forward, input and weight gradients) as GEMMs.
+//
+// Timing: on CPU the thread CPU time of the compute (CLOCK_THREAD_CPUTIME_ID; the kernels run
+// single-threaded on the calling thread), so that ranks sharing a few cores are measured by
+// their own work, not by the scheduler; on GPU CUDA events around the kernels.
+//
+//   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
+//       MicroBatchRunner::Create("cpu", shape, /*exact_recall=*/false);
+//   absl::StatusOr<MicroBatchResult> r = (*runner)->Run(ids, lengths, densities);
+#ifndef SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_
+#define SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+
+struct MicroBatchResult {
+  double compute_seconds = 0.0;    // all layers, forward + backward (attention + linear)
+  double attention_seconds = 0.0;  // the selection and attention part of compute_seconds
+  int64_t tokens = 0;
+  int64_t active_blocks = 0;       // kept (query block, key block) pairs, all heads, one layer
+  int64_t causal_blocks = 0;       // all causal pairs, all heads, one layer
+  double achieved_density = 0.0;   // token-weighted share of causal key blocks kept
+  double recall = 0.0;             // token-weighted attention recall (exact or estimated)
+};
+
+class MicroBatchRunner {
+ public:
+  // `device` is "cpu" or "cuda". With `exact_recall` (CPU only) the recall is the exact
+  // softmax mass inside the kept blocks (O(tokens^2), for small runs); otherwise the block
+  // scores' estimate.
+  static absl::StatusOr<std::unique_ptr<MicroBatchRunner>> Create(const std::string& device,
+                                                                  const ModelShape& shape,
+                                                                  bool exact_recall);
+  virtual ~MicroBatchRunner() = default;
+  // Documents `ids` of `lengths` tokens at `densities` (each in (0, 1]).
+  virtual absl::StatusOr<MicroBatchResult> Run(const std::vector<uint64_t>& ids,
+                                               const std::vector<int64_t>& lengths,
+                                               const std::vector<double>& densities) = 0;
+  virtual std::string device_name() const = 0;
+};
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_

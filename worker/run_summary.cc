@@ -1,0 +1,231 @@
+#include "worker/run_summary.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace sparsebalance {
+namespace {
+
+// The raw text of `"key": value` in a flat JSON object line, or empty.
+std::string Field(const std::string& line, const std::string& key) {
+  const std::string tag = absl::StrCat("\"", key, "\": ");
+  const size_t at = line.find(tag);
+  if (at == std::string::npos) return "";
+  size_t start = at + tag.size();
+  if (start < line.size() && line[start] == '"') {
+    const size_t end = line.find('"', start + 1);
+    return end == std::string::npos ? "" : line.substr(start + 1, end - start - 1);
+  }
+  const size_t end = line.find_first_of(",}", start);
+  return line.substr(start, end - start);
+}
+
+absl::Status Number(const std::string& line, const std::string& key, double* out) {
+  if (!absl::SimpleAtod(Field(line, key), out)) {
+    return absl::InvalidArgumentError(absl::StrCat("step line: field ", key, " missing or not a "
+                                                   "number in: ", line));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<StepLine> ParseStepLine(const std::string& line) {
+  StepLine s;
+  double step = 0, rank = 0, tokens = 0;
+  for (auto [key, out] : std::vector<std::pair<const char*, double*>>{
+           {"step", &step},
+           {"rank", &rank},
+           {"compute_seconds", &s.compute_seconds},
+           {"attention_seconds", &s.attention_seconds},
+           {"wait_seconds", &s.wait_seconds},
+           {"predicted_seconds", &s.predicted_seconds},
+           {"tokens", &tokens},
+           {"density", &s.density},
+           {"recall", &s.recall}}) {
+    if (absl::Status st = Number(line, key, out); !st.ok()) return st;
+  }
+  s.step = static_cast<int64_t>(step);
+  s.rank = static_cast<int>(rank);
+  s.tokens = static_cast<int64_t>(tokens);
+  s.local_fallback = Field(line, "local_fallback") == "true";
+  s.acked = Field(line, "acked") == "true";
+  s.plan_digest = Field(line, "plan_digest");
+  absl::SimpleAtod(Field(line, "wall_start"), &s.wall_start);
+  absl::SimpleAtod(Field(line, "wall_end"), &s.wall_end);
+  return s;
+}
+
+absl::StatusOr<std::vector<StepLine>> ReadStepLines(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::map<std::pair<int64_t, int>, StepLine> latest;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    absl::StatusOr<StepLine> s = ParseStepLine(line);
+    if (!s.ok()) return s.status();
+    latest[{s->step, s->rank}] = *s;
+  }
+  std::vector<StepLine> out;
+  for (auto& [key, s] : latest) out.push_back(std::move(s));
+  return out;
+}
+
+absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::string& path,
+                                       int ranks) {
+  absl::StatusOr<std::vector<StepLine>> lines = ReadStepLines(path);
+  if (!lines.ok()) return lines.status();
+  RunResult run;
+  run.name = name;
+  run.ranks = ranks;
+  std::map<int64_t, std::vector<StepLine>> by_step;
+  for (const StepLine& s : *lines) by_step[s.step].push_back(s);
+  double density_tokens = 0, recall_tokens = 0, tokens = 0, error_sum = 0;
+  int64_t error_count = 0;
+  for (auto& [step, rows] : by_step) {
+    if (static_cast<int>(rows.size()) != ranks) continue;  // an incomplete step
+    std::sort(rows.begin(), rows.end(),
+              [](const StepLine& a, const StepLine& b) { return a.rank < b.rank; });
+    double max = 0, sum = 0;
+    bool local = false;
+    for (const StepLine& r : rows) {
+      max = std::max(max, r.compute_seconds);
+      sum += r.compute_seconds;
+      density_tokens += r.density * r.tokens;
+      recall_tokens += r.recall * r.tokens;
+      tokens += r.tokens;
+      local = local || r.local_fallback;
+      if (r.compute_seconds > 0 && r.predicted_seconds > 0) {
+        error_sum += std::abs(r.compute_seconds - r.predicted_seconds) / r.compute_seconds;
+        ++error_count;
+      }
+    }
+    const double mean = sum / ranks;
+    run.mean_step_seconds += max;
+    run.imbalance += mean > 0 ? max / mean : 1.0;
+    run.bubble_ratio += max > 0 ? (ranks * max - sum) / (ranks * max) : 0.0;
+    run.local_plan_steps += local ? 1 : 0;
+    run.steps[step] = rows;
+  }
+  const double n = static_cast<double>(run.steps.size());
+  if (n == 0) return absl::FailedPreconditionError(absl::StrCat(path, ": no complete step"));
+  run.mean_step_seconds /= n;
+  run.imbalance /= n;
+  run.bubble_ratio /= n;
+  run.mean_density = tokens > 0 ? density_tokens / tokens : 0;
+  run.mean_recall = tokens > 0 ? recall_tokens / tokens : 0;
+  run.prediction_error = error_count > 0 ? error_sum / error_count : 0;
+  return run;
+}
+
+std::string FormatSummary(const std::vector<RunResult>& runs) {
+  std::string out = absl::StrFormat("%-30s", "measured by the workers");
+  for (const RunResult& r : runs) absl::StrAppendFormat(&out, " %15s", r.name);
+  out += "\n";
+  auto row = [&](const char* label, auto value) {
+    absl::StrAppendFormat(&out, "%-30s", label);
+    for (const RunResult& r : runs) absl::StrAppend(&out, " ", value(r));
+    out += "\n";
+  };
+  row("steps", [](const RunResult& r) { return absl::StrFormat("%15d", r.steps.size()); });
+  row("mean step time (s)",
+      [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_step_seconds); });
+  row("imbalance (max/mean rank)",
+      [](const RunResult& r) { return absl::StrFormat("%15.3f", r.imbalance); });
+  row("bubble ratio", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.bubble_ratio); });
+  row("mean density", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_density); });
+  row("mean recall", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_recall); });
+  row("prediction error", [](const RunResult& r) {
+    return absl::StrFormat("%14.1f%%", 100 * r.prediction_error);
+  });
+  row("steps on local plans",
+      [](const RunResult& r) { return absl::StrFormat("%15d", r.local_plan_steps); });
+  if (runs.size() >= 2 && runs.back().mean_step_seconds > 0) {
+    absl::StrAppendFormat(&out, "%-30s %15s %14.2fx\n", "speed-up vs the first", "",
+                          runs.front().mean_step_seconds / runs.back().mean_step_seconds);
+  }
+  return out;
+}
+
+std::string SummaryJson(const std::vector<RunResult>& runs) {
+  std::string out = "{\"runs\": [";
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const RunResult& r = runs[i];
+    absl::StrAppendFormat(
+        &out,
+        "%s{\"policy\": \"%s\", \"ranks\": %d, \"steps\": %d, \"mean_step_seconds\": %.6f, "
+        "\"imbalance\": %.6f, \"bubble_ratio\": %.6f, \"mean_density\": %.6f, "
+        "\"mean_recall\": %.6f, \"prediction_error\": %.6f, \"local_plan_steps\": %d}",
+        i > 0 ? ", " : "", r.name, r.ranks, r.steps.size(), r.mean_step_seconds, r.imbalance,
+        r.bubble_ratio, r.mean_density, r.mean_recall, r.prediction_error, r.local_plan_steps);
+  }
+  return out + "]}\n";
+}
+
+std::string TimelineSvg(const std::vector<RunResult>& runs) {
+  const double width = 900, left = 150, row_height = 18, panel_gap = 40, top = 30;
+  double longest = 0;
+  for (const RunResult& r : runs) {
+    double total = 0;
+    for (const auto& [step, rows] : r.steps) {
+      double max = 0;
+      for (const StepLine& s : rows) max = std::max(max, s.compute_seconds);
+      total += max;
+    }
+    longest = std::max(longest, total);
+  }
+  const double scale = longest > 0 ? (width - left - 20) / longest : 1;
+  double height = top;
+  for (const RunResult& r : runs) height += r.ranks * row_height + panel_gap + 20;
+  std::string svg = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" "
+      "fill=\"white\"/>\n<text x=\"10\" y=\"18\" font-size=\"14\">Per-rank step timeline "
+      "(measured compute in colour, waiting for the slowest rank in grey; same batches)</text>\n",
+      width, height);
+  double y = top + 10;
+  const char* colours[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"};
+  for (size_t p = 0; p < runs.size(); ++p) {
+    const RunResult& r = runs[p];
+    absl::StrAppendFormat(&svg, "<text x=\"10\" y=\"%.0f\" font-weight=\"bold\">%s: %.2f s/step, "
+                          "imbalance %.2f</text>\n",
+                          y + 4, r.name, r.mean_step_seconds, r.imbalance);
+    y += 12;
+    for (int rank = 0; rank < r.ranks; ++rank) {
+      absl::StrAppendFormat(&svg, "<text x=\"10\" y=\"%.0f\">rank %d</text>\n",
+                            y + row_height - 5, rank);
+      double x = left;
+      int step_index = 0;
+      for (const auto& [step, rows] : r.steps) {
+        double max = 0;
+        for (const StepLine& s : rows) max = std::max(max, s.compute_seconds);
+        const double compute = rows[rank].compute_seconds;
+        absl::StrAppendFormat(&svg,
+                              "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+                              "fill=\"%s\"><title>step %d rank %d: %.3f s</title></rect>\n",
+                              x, y + 2, compute * scale, row_height - 4,
+                              colours[step_index % 6], step, rank, compute);
+        absl::StrAppendFormat(&svg,
+                              "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+                              "fill=\"#d0d0d0\"/>\n",
+                              x + compute * scale, y + 2, (max - compute) * scale, row_height - 4);
+        x += max * scale;
+        ++step_index;
+      }
+      y += row_height;
+    }
+    y += panel_gap;
+  }
+  absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">time (s of compute) -&gt; full width "
+                        "= %.2f s</text>\n</svg>\n",
+                        left, y - 10, longest);
+  return svg;
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,57 @@
+#include "worker/step_inputs.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "planner/traces.h"
+
+namespace sparsebalance {
+
+absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t step) {
+  if (spec.token_budget <= 0 || spec.max_length <= 0 || spec.min_length > spec.max_length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch: token_budget ", spec.token_budget, ", lengths [", spec.min_length, ", ",
+        spec.max_length, "]: need a positive budget and a non-empty length range"));
+  }
+  absl::StatusOr<TraceGenerator> gen =
+      TraceGenerator::Builtin(spec.trace, spec.seed * 1000003 + static_cast<uint64_t>(step));
+  if (!gen.ok()) return gen.status();
+  std::vector<Sample> batch;
+  int64_t total = 0;
+  for (int draws = 0; draws < 1000000; ++draws) {
+    Sample s = gen->Next();
+    if (s.length > spec.max_length || s.length < spec.min_length) continue;
+    if (total + s.length > spec.token_budget) break;
+    total += s.length;
+    s.id = static_cast<uint64_t>(step) * 1000000 + static_cast<uint64_t>(draws);
+    batch.push_back(std::move(s));
+  }
+  if (batch.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch: no document of trace ", spec.trace, " fits the budget"));
+  }
+  return batch;
+}
+
+std::string PlanDigest(const std::vector<MicroBatchPlan>& micro_batches) {
+  uint64_t hash = 1469598103934665603ULL;
+  auto mix = [&hash](uint64_t word) {
+    for (int b = 0; b < 8; ++b) {
+      hash ^= (word >> (8 * b)) & 0xff;
+      hash *= 1099511628211ULL;
+    }
+  };
+  for (const MicroBatchPlan& mb : micro_batches) {
+    mix(mb.sample_ids.size());
+    for (uint64_t id : mb.sample_ids) mix(id);
+    for (double d : mb.densities) {
+      uint64_t bits = 0;
+      std::memcpy(&bits, &d, sizeof bits);
+      mix(bits);
+    }
+  }
+  return absl::StrFormat("%016x", hash);
+}
+
+}  // namespace sparsebalance
