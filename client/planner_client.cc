@@ -269,7 +269,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
   return plan;
 }
 
-absl::Status TrainerSession::Flush() {
+absl::Status TrainerSession::FlushPending() {
   absl::Status dropped;
   while (!pending_.empty()) {
     const PendingReport& r = pending_.front();
@@ -297,6 +297,13 @@ absl::Status TrainerSession::Flush() {
   return dropped;
 }
 
+absl::Status TrainerSession::Flush() {
+  if (coordinator_) {
+    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return s;
+  }
+  return FlushPending();
+}
+
 absl::Status TrainerSession::Report(int64_t step,
                                     const std::vector<MicroBatchTiming>& micro_batches,
                                     double wait_seconds) {
@@ -306,7 +313,7 @@ absl::Status TrainerSession::Report(int64_t step,
     pending_.pop_front();
     ++dropped_reports_;
   }
-  absl::Status flushed = Flush();
+  absl::Status flushed = FlushPending();
   // The planner being away is not the trainer's problem: the reports wait for it.
   return IsUnreachable(flushed) ? absl::OkStatus() : flushed;
 }

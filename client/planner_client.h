@@ -129,6 +129,10 @@ class TrainerSession {
   // oldest go first) and sent, in order, before the next report.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
                       double wait_seconds);
+  // Sends what is buffered now (e.g. at the end of training): the coordinator's locally
+  // planned steps, then the reports. UNAVAILABLE while the planner is still away (everything
+  // stays buffered); reports of steps the coordinator has not resubmitted yet stay too.
+  absl::Status Flush();
   size_t buffered_reports() const { return pending_.size(); }
   // Batches of locally planned steps the coordinator has not told the planner about yet.
   size_t unsent_local_steps() const { return local_batches_.size(); }
@@ -142,7 +146,7 @@ class TrainerSession {
     double wait_seconds;
     bool planned_locally;
   };
-  absl::Status Flush();
+  absl::Status FlushPending();
   // Coordinator: submits the batches of locally planned steps, oldest first. UNAVAILABLE when
   // the planner is still away (the rest stay queued).
   absl::Status ResubmitLocalSteps();

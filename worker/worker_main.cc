@@ -293,6 +293,16 @@ int Main(int argc, char** argv) {
           << std::endl;
     }
   }
+  // Reports still buffered (the planner was away at the end): give it a little while.
+  const Clock::time_point flush_start = Clock::now();
+  while (session.buffered_reports() > 0 && Since(flush_start) < 20) {
+    session.Flush().IgnoreError();
+    if (session.buffered_reports() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  if (session.buffered_reports() > 0) {
+    std::cerr << "sb-worker: " << session.buffered_reports()
+              << " reports could not be delivered (planner unreachable)" << std::endl;
+  }
   return 0;
 }
 
