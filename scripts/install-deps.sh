@@ -11,6 +11,7 @@ packages=(
   prometheus-cpp-dev
   clang libclang-rt-14-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
+  prometheus python3-yaml
 )
 
 missing=()
