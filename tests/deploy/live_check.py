@@ -73,6 +73,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sb-planner", required=True)
     parser.add_argument("--sb-load", required=True)
+    parser.add_argument("--sb-run", help="traffic from a short sb-worker run instead of sb-load")
     parser.add_argument("--deploy", default=os.path.join(sbdeploy.repo_root(), "deploy"))
     args = parser.parse_args()
     prometheus_bin = sbdeploy.find_tool("prometheus", "Debian package prometheus")
@@ -97,7 +98,9 @@ def main():
 
         # Steps keep coming for longer than this check runs (it stops them at the end), so that
         # rates and histogram quantiles over the last seconds have data.
-        traffic = sbdeploy.generate_traffic(procs, args.sb_load, planner.grpc, steps=20000)
+        traffic = sbdeploy.generate_traffic(procs, args.sb_load, planner.grpc,
+                                            steps=2000 if args.sb_run else 20000,
+                                            sb_run=args.sb_run, out_dir=f"{tmp}/run")
 
         # deploy/prometheus/prometheus.yml with this planner as the target and 1 s intervals.
         for old, new in [("planner:9151", planner.metrics), ("scrape_interval: 15s",

@@ -120,9 +120,17 @@ def planner_args(binary, state_dir):
 # step), with --keep_jobs so that the job and its per-job series stay after the run. When
 # sb-worker exists, swap it in here; nothing else in the tests depends on which program it is.
 # ---------------------------------------------------------------------------------------------
-def generate_traffic(procs, sb_load, planner_grpc, steps, ranks=8):
+def generate_traffic(procs, sb_load, planner_grpc, steps, ranks=8, sb_run=None, out_dir=None):
     """Starts the traffic against planner_grpc and returns its process (running in the
-    background; wait for it or let Processes stop it)."""
+    background; wait for it or let Processes stop it). With sb_run: a short worker run (real
+    sb-worker ranks running the CPU kernels on a tiny model, jobs kept so that their series
+    stay); otherwise sb-load's soak."""
+    if sb_run:
+        return procs.start([sb_run, f"--planner={planner_grpc}", "--workers=2",
+                            f"--steps={steps}", "--profile=none", "--keep_jobs",
+                            "--policies=sparsebalance", "--layers=1", "--heads=1",
+                            "--head_dim=64", "--capacity=2048", f"--out={out_dir}"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return procs.start([sb_load, f"--planner={planner_grpc}", "--scenario=soak",
                         f"--soak_steps={steps}", f"--soak_ranks={ranks}", "--keep_jobs"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
