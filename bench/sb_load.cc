@@ -26,6 +26,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -96,6 +97,22 @@ int64_t ResidentBytes(int pid) {
     if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
   }
   return -1;
+}
+
+// CPU seconds (user + system) a process has used so far, or -1.
+double CpuSeconds(int pid) {
+  if (pid <= 0) return -1;
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return -1;
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
+  }
+  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 // An sb-planner child process on a free loopback port with a temporary state directory.
@@ -350,7 +367,7 @@ struct Figures {
   void Add(const std::string& name, double value) { values.emplace_back(name, value); }
 };
 
-void RunReports(const std::string& target, const std::string& admin, Figures* figures) {
+void RunReports(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int clients = absl::GetFlag(FLAGS_clients);
   const int steps = std::max<int>(1, (absl::GetFlag(FLAGS_reports) + clients - 1) / clients);
   if (steps > 4096) Die("--reports / --clients must be at most 4096 (the planner's history)");
@@ -412,9 +429,11 @@ void RunReports(const std::string& target, const std::string& admin, Figures* fi
                                           });
     };
   }
+  const double cpu_start = CpuSeconds(pid);
   for (int c = 0; c < clients; ++c) chains[c](0);
   latch.Wait();
   const double seconds = Seconds(start, Clock::now());
+  const double planner_cpu = CpuSeconds(pid) - cpu_start;
   tally.CheckOk("ReportStep");
   const double rate = static_cast<double>(reports.size()) / seconds;
   std::cout << absl::StrFormat(
@@ -422,6 +441,15 @@ void RunReports(const std::string& target, const std::string& admin, Figures* fi
       "(latency p50 %.2f ms, p99 %.2f ms)\n",
       reports.size(), clients, seconds, rate, tally.Quantile(0.5) * 1e3,
       tally.Quantile(0.99) * 1e3);
+  if (cpu_start >= 0) {
+    // What the planner itself spends, apart from the load generator on the same cores.
+    const double per_report = planner_cpu / static_cast<double>(reports.size());
+    std::cout << absl::StrFormat(
+        "reports: the planner used %.2f CPU-seconds: %.1f us per report, %.0f reports per "
+        "CPU-second\n",
+        planner_cpu, per_report * 1e6, per_report > 0 ? 1.0 / per_report : 0.0);
+    figures->Add("planner_cpu_us_per_report", per_report * 1e6);
+  }
   figures->Add("reports_per_second", rate);
   figures->Add("report_p50_ms", tally.Quantile(0.5) * 1e3);
   figures->Add("report_p99_ms", tally.Quantile(0.99) * 1e3);
@@ -622,7 +650,7 @@ int Main(int argc, char** argv) {
     std::cout << "sb-load: started " << binary << " on " << target << "\n";
   }
   Figures figures;
-  if (scenario == "reports" || scenario == "all") RunReports(target, admin, &figures);
+  if (scenario == "reports" || scenario == "all") RunReports(target, admin, pid, &figures);
   if (scenario == "step" || scenario == "all") RunStep(target, admin, &figures);
   if (scenario == "soak" || scenario == "all") RunSoak(target, admin, pid, &figures);
   if (!absl::GetFlag(FLAGS_json).empty()) {
