@@ -10,6 +10,8 @@
 
 #include "benchmark/benchmark.h"
 #include "kernels/attention_cpu.h"
+#include "kernels/bf16.h"
+#include "kernels/cuda_attention.h"
 #include "kernels/block_selection.h"
 #include "kernels/parallel.h"
 
@@ -103,6 +105,93 @@ BENCHMARK(BM_SelectBlocks)
     ->ArgNames({"length", "density_permille"})
     ->Args({16384, 100})
     ->Args({131072, 100})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// GPU (sm_90, bf16): forward and backward separately, one document of 32 heads x 128, timed
+// by synchronising the device around each call. Counters: TFLOP/s against the dense causal
+// equivalent (what the same attention would cost dense: 4 * L^2/2 * d * heads forward, 2.5x
+// backward), and against the kept blocks. Skips without a device.
+//   sb-kernels-bench --benchmark_filter=Cuda
+void BM_CudaAttention(benchmark::State& state) {
+  std::string why;
+  if (cuda::DeviceCount(&why) == 0) {
+    state.SkipWithError(("no CUDA device: " + why).c_str());
+    return;
+  }
+  const int32_t length = static_cast<int32_t>(state.range(0));
+  const double density = static_cast<double>(state.range(1)) / 1000.0;
+  const bool backward = state.range(2) != 0;
+  constexpr int kGpuHeads = 32;
+  constexpr int kHeadDim = 128;
+  const size_t n = static_cast<size_t>(length) * kGpuHeads * kHeadDim;
+  auto device = [&](uint32_t seed) {
+    const std::vector<float> host = Values(n, seed);
+    std::vector<uint16_t> bf16(n);
+    for (size_t i = 0; i < n; ++i) bf16[i] = FloatToBf16(host[i]);
+    absl::StatusOr<cuda::DeviceBuffer> buffer = cuda::DeviceBuffer::Allocate(n * 2);
+    if (buffer.ok()) buffer->CopyFromHost(bf16.data(), n * 2).IgnoreError();
+    return buffer;
+  };
+  absl::StatusOr<cuda::DeviceBuffer> q = device(1), k = device(2), v = device(3),
+                                     dout = device(4), out = device(5), dq = device(6),
+                                     dk = device(7), dv = device(8);
+  absl::StatusOr<cuda::DeviceBuffer> lse =
+      cuda::DeviceBuffer::Allocate(static_cast<size_t>(length) * kGpuHeads * 4);
+  absl::StatusOr<cuda::DeviceBuffer> delta =
+      cuda::DeviceBuffer::Allocate(static_cast<size_t>(length) * kGpuHeads * 4);
+  for (const auto* b : {&q, &k, &v, &dout, &out, &dq, &dk, &dv, &lse, &delta}) {
+    if (!b->ok()) {
+      state.SkipWithError(std::string(b->status().message()).c_str());
+      return;
+    }
+  }
+  absl::StatusOr<Selection> sel = cuda::SelectBlocks({0, length}, kGpuHeads, kHeadDim,
+                                                     q->data(), k->data(), {density}, {});
+  if (!sel.ok()) {
+    state.SkipWithError(std::string(sel.status().message()).c_str());
+    return;
+  }
+  absl::StatusOr<cuda::DeviceBlockIndex> index = cuda::DeviceBlockIndex::Upload(sel->index);
+  if (!index.ok()) {
+    state.SkipWithError(std::string(index.status().message()).c_str());
+    return;
+  }
+  auto forward = [&] {
+    return cuda::Forward(*index, kHeadDim, q->data(), k->data(), v->data(), 0.0f, out->data(),
+                         static_cast<float*>(lse->data()));
+  };
+  if (absl::Status s = forward(); !s.ok()) {  // also the LSE the backward needs
+    state.SkipWithError(std::string(s.message()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    absl::Status s = backward ? cuda::Backward(*index, kHeadDim, q->data(), k->data(), v->data(),
+                                               out->data(), static_cast<float*>(lse->data()),
+                                               dout->data(), 0.0f,
+                                               static_cast<float*>(delta->data()), dq->data(),
+                                               dk->data(), dv->data())
+                              : forward();
+    if (s.ok()) s = cuda::Synchronize();
+    if (!s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      break;
+    }
+  }
+  const double per_block = backward ? BackwardFlopsPerBlock(64, kHeadDim)
+                                    : ForwardFlopsPerBlock(64, kHeadDim);
+  const double blocks = static_cast<double>(sel->index.active_blocks());
+  const double dense_flops = (backward ? 2.5 : 1.0) * 4.0 * 0.5 * static_cast<double>(length) *
+                             length * kHeadDim * kGpuHeads;
+  state.counters["active_blocks"] = blocks;
+  state.counters["TFLOPs_dense_equivalent"] =
+      benchmark::Counter(dense_flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["TFLOPs_active_blocks"] = benchmark::Counter(
+      blocks * per_block * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_CudaAttention)
+    ->ArgNames({"length", "density_permille", "backward"})
+    ->ArgsProduct({{8192, 32768, 131072}, {1000, 300, 100}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
