@@ -12,6 +12,8 @@ packages=(
   clang libclang-rt-14-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   prometheus python3-yaml
+  python3-dev python3-numpy python3-pytest python3-grpcio python3-torch pybind11-dev
+  libopenblas0
 )
 
 missing=()

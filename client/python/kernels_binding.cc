@@ -1,0 +1,407 @@
+// The kernels (kernels/) for Python: block selection, the CPU reference attention forward and
+// backward, exact recall, and the CUDA entry points (device pointers as integers, e.g. a torch
+// tensor's data_ptr()). CPU tensors arrive through the buffer protocol (numpy arrays, or
+// tensor.numpy() of contiguous float32 torch tensors) and are used in place: no copies, and
+// outputs are written into the caller's buffers. The GIL is released while kernels run.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "client/python/bindings.h"
+#include "kernels/attention_cpu.h"
+#include "kernels/block_index.h"
+#include "kernels/block_selection.h"
+#include "kernels/cuda_attention.h"
+
+namespace sparsebalance {
+namespace python {
+namespace {
+
+using kernels::BlockIndex;
+using kernels::Selection;
+
+// A C-contiguous buffer of T (float32 or int32) held for the duration of a call.
+template <typename T>
+class BufferView {
+ public:
+  BufferView(const py::buffer& buffer, const char* name, bool writable) {
+    try {
+      info_ = buffer.request(writable);
+    } catch (py::error_already_set& e) {
+      throw py::value_error(
+          absl::StrCat(name, ": not a ", writable ? "writable " : "", "buffer (", e.what(), ")"));
+    }
+    const std::string& format = info_.format;
+    const char want = py::format_descriptor<std::remove_const_t<T>>::c;
+    const bool format_ok =
+        !format.empty() && format.back() == want &&
+        (format.size() == 1 ||
+         (format.size() == 2 && (format[0] == '<' || format[0] == '=' || format[0] == '@')));
+    if (!format_ok || info_.itemsize != static_cast<py::ssize_t>(sizeof(T))) {
+      throw py::value_error(absl::StrCat(name, ": dtype '", format, "' where ",
+                                         want == 'f' ? "float32" : "int32",
+                                         " is needed (convert it first)"));
+    }
+    py::ssize_t expected = info_.itemsize;
+    for (py::ssize_t d = info_.ndim - 1; d >= 0; --d) {
+      if (info_.shape[d] != 1 && info_.strides[d] != expected) {
+        throw py::value_error(absl::StrCat(name, ": not C-contiguous (call .contiguous())"));
+      }
+      expected *= info_.shape[d];
+    }
+  }
+  absl::Span<T> span() const {
+    return absl::Span<T>(static_cast<T*>(info_.ptr), static_cast<size_t>(info_.size));
+  }
+
+ private:
+  py::buffer_info info_;
+};
+
+using In = BufferView<const float>;
+
+// Token-weighted mean of a per-row value over every (sequence, head, query block) row.
+double TokenWeighted(const BlockIndex& index, absl::Span<const float> row_values) {
+  if (row_values.size() != static_cast<size_t>(index.rows())) {
+    throw py::value_error(absl::StrCat("values: ", row_values.size(),
+                                       " entries where the index has ", index.rows(), " rows"));
+  }
+  double sum = 0.0, weight = 0.0;
+  for (int s = 0; s < index.sequences(); ++s) {
+    for (int h = 0; h < index.heads; ++h) {
+      for (int32_t i = 0; i < index.blocks(s); ++i) {
+        const double tokens =
+            std::min<int64_t>(index.block_size, index.length(s) - int64_t{i} * index.block_size);
+        sum += tokens * row_values[index.RowId(s, h, i)];
+        weight += tokens;
+      }
+    }
+  }
+  return weight > 0 ? sum / weight : 1.0;
+}
+
+// Token-weighted share of the causal key blocks kept.
+double AchievedDensity(const BlockIndex& index) {
+  std::vector<float> density(index.rows());
+  for (int s = 0; s < index.sequences(); ++s) {
+    for (int h = 0; h < index.heads; ++h) {
+      for (int32_t i = 0; i < index.blocks(s); ++i) {
+        const int64_t row = index.RowId(s, h, i);
+        density[row] = static_cast<float>(index.row_ptr[row + 1] - index.row_ptr[row]) / (i + 1);
+      }
+    }
+  }
+  return TokenWeighted(index, density);
+}
+
+template <typename T>
+py::array_t<T> ToArray(const std::vector<T>& values) {
+  return py::array_t<T>(static_cast<py::ssize_t>(values.size()), values.data());
+}
+
+void CheckSequence(const BlockIndex& index, int seq, int head) {
+  if (seq < 0 || seq >= index.sequences()) {
+    throw py::index_error(absl::StrCat("seq ", seq, " not in [0, ", index.sequences(), ")"));
+  }
+  if (head < 0 || head >= index.heads) {
+    throw py::index_error(absl::StrCat("head ", head, " not in [0, ", index.heads, ")"));
+  }
+}
+
+const void* Pointer(uintptr_t address) { return reinterpret_cast<const void*>(address); }
+void* MutablePointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+void BindSelection(py::module_& m) {
+  py::class_<Selection, std::shared_ptr<Selection>>(m, "Selection", R"(The kept key blocks of
+every (sequence, head, query block) row (the CSR/CSC block index) and each row's estimated
+recall. Made by select_blocks (or make_selection); passed to attention_forward/backward.)")
+      .def_property_readonly("block_size", [](const Selection& s) { return s.index.block_size; })
+      .def_property_readonly("heads", [](const Selection& s) { return s.index.heads; })
+      .def_property_readonly("sequences", [](const Selection& s) { return s.index.sequences(); })
+      .def_property_readonly("total_tokens",
+                             [](const Selection& s) { return s.index.total_tokens(); })
+      .def_property_readonly(
+          "rows", [](const Selection& s) { return s.index.rows(); },
+          "CSR rows: sum over sequences of their blocks, times heads")
+      .def_property_readonly(
+          "active_blocks", [](const Selection& s) { return s.index.active_blocks(); },
+          "kept (query block, key block) pairs over all rows")
+      .def_property_readonly("cu_seqlens",
+                             [](const Selection& s) { return ToArray(s.index.cu_seqlens); })
+      .def_property_readonly("cu_blocks",
+                             [](const Selection& s) { return ToArray(s.index.cu_blocks); })
+      .def_property_readonly(
+          "row_ptr", [](const Selection& s) { return ToArray(s.index.row_ptr); },
+          "CSR offsets (rows + 1) into col_idx")
+      .def_property_readonly(
+          "col_idx", [](const Selection& s) { return ToArray(s.index.col_idx); },
+          "kept key block within its sequence, ascending within a row")
+      .def_property_readonly(
+          "estimated_recall", [](const Selection& s) { return ToArray(s.estimated_recall); },
+          "per row: the block scores' estimate of the softmax mass kept (empty for "
+          "make_selection)")
+      .def(
+          "row_id",
+          [](const Selection& s, int seq, int head, int32_t block) {
+            CheckSequence(s.index, seq, head);
+            if (block < 0 || block >= s.index.blocks(seq)) {
+              throw py::index_error(
+                  absl::StrCat("block ", block, " not in [0, ", s.index.blocks(seq), ")"));
+            }
+            return s.index.RowId(seq, head, block);
+          },
+          py::arg("seq"), py::arg("head"), py::arg("block"))
+      .def(
+          "block_mask",
+          [](const Selection& s, int seq, int head) {
+            CheckSequence(s.index, seq, head);
+            const int32_t n = s.index.blocks(seq);
+            py::array_t<uint8_t> mask({n, n});
+            auto view = mask.mutable_unchecked<2>();
+            for (int32_t i = 0; i < n; ++i) {
+              for (int32_t j = 0; j < n; ++j) view(i, j) = 0;
+              const int64_t row = s.index.RowId(seq, head, i);
+              for (int64_t e = s.index.row_ptr[row]; e < s.index.row_ptr[row + 1]; ++e) {
+                view(i, s.index.col_idx[e]) = 1;
+              }
+            }
+            return mask;
+          },
+          py::arg("seq"), py::arg("head"),
+          "uint8 [blocks, blocks] of sequence `seq`, head `head`: 1 where query block i keeps "
+          "key block j (causal masking inside the diagonal block still applies).")
+      .def(
+          "token_weighted",
+          [](const Selection& s, const py::buffer& values) {
+            BufferView<const float> view(values, "values", false);
+            return TokenWeighted(s.index, view.span());
+          },
+          py::arg("values"),
+          "Token-weighted mean of a float32 value per row (e.g. exact_recall's answer).")
+      .def_property_readonly(
+          "recall",
+          [](const Selection& s) {
+            if (s.estimated_recall.empty()) return std::numeric_limits<double>::quiet_NaN();
+            return TokenWeighted(s.index, s.estimated_recall);
+          },
+          "token-weighted estimated recall (NaN for make_selection)")
+      .def_property_readonly(
+          "achieved_density", [](const Selection& s) { return AchievedDensity(s.index); },
+          "token-weighted share of the causal key blocks kept");
+}
+
+void BindCpuKernels(py::module_& m) {
+  m.def(
+      "select_blocks",
+      [](const std::vector<int32_t>& cu_seqlens, int heads, int head_dim, const py::buffer& q,
+         const py::buffer& k, const std::vector<double>& densities, int block_size,
+         int local_blocks, double mass_threshold, float softmax_scale, int threads) {
+        In qv(q, "q", false), kv(k, "k", false);
+        kernels::SelectionOptions options;
+        options.block_size = block_size;
+        options.local_blocks = local_blocks;
+        options.mass_threshold = mass_threshold;
+        options.softmax_scale = softmax_scale;
+        options.threads = threads;
+        absl::StatusOr<Selection> selection;
+        {
+          py::gil_scoped_release release;
+          selection = kernels::SelectBlocks(cu_seqlens, heads, head_dim, qv.span(), kv.span(),
+                                            densities, options);
+        }
+        return std::make_shared<Selection>(ValueOrThrow(std::move(selection), ErrorKind::kKernel));
+      },
+      py::arg("cu_seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
+      py::arg("densities"), py::arg("block_size") = 64, py::arg("local_blocks") = 1,
+      py::arg("mass_threshold") = 1.0, py::arg("softmax_scale") = 0.0f, py::arg("threads") = 0,
+      "Selects the kept key blocks of every row on the CPU. q, k: float32 [total_tokens, heads, "
+      "head_dim]; densities: one per sequence, in (0, 1].");
+
+  m.def(
+      "make_selection",
+      [](const std::vector<int32_t>& cu_seqlens, int heads, int block_size,
+         const std::vector<std::vector<int32_t>>& rows) {
+        absl::StatusOr<BlockIndex> index =
+            kernels::MakeBlockIndex(cu_seqlens, heads, block_size, rows);
+        auto selection = std::make_shared<Selection>();
+        selection->index = ValueOrThrow(std::move(index), ErrorKind::kKernel);
+        return selection;
+      },
+      py::arg("cu_seqlens"), py::arg("heads"), py::arg("block_size"), py::arg("rows"),
+      "A Selection from explicit kept key blocks per row (rows[Selection.row_id(s, h, i)], "
+      "ascending, each in [0, i]).");
+
+  m.def(
+      "attention_forward",
+      [](const Selection& selection, int head_dim, const py::buffer& q, const py::buffer& k,
+         const py::buffer& v, const py::buffer& out, const py::buffer& lse, float softmax_scale,
+         int threads) {
+        In qv(q, "q", false), kv(k, "k", false), vv(v, "v", false);
+        BufferView<float> ov(out, "out", true), lv(lse, "lse", true);
+        kernels::AttentionOptions options;
+        options.softmax_scale = softmax_scale;
+        options.threads = threads;
+        absl::Status status;
+        {
+          py::gil_scoped_release release;
+          status = kernels::AttentionForward(selection.index, head_dim, qv.span(), kv.span(),
+                                             vv.span(), options, ov.span(), lv.span());
+        }
+        ThrowIfError(status, ErrorKind::kKernel);
+      },
+      py::arg("selection"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("out"), py::arg("lse"), py::arg("softmax_scale") = 0.0f, py::arg("threads") = 0,
+      "Block-sparse causal attention forward (CPU, fp32): writes out [total_tokens, heads, "
+      "head_dim] and lse [heads, total_tokens] in place.");
+
+  m.def(
+      "attention_backward",
+      [](const Selection& selection, int head_dim, const py::buffer& q, const py::buffer& k,
+         const py::buffer& v, const py::buffer& out, const py::buffer& lse, const py::buffer& dout,
+         const py::buffer& dq, const py::buffer& dk, const py::buffer& dv, float softmax_scale,
+         int threads) {
+        In qv(q, "q", false), kv(k, "k", false), vv(v, "v", false), ov(out, "out", false),
+            lv(lse, "lse", false), dov(dout, "dout", false);
+        BufferView<float> dqv(dq, "dq", true), dkv(dk, "dk", true), dvv(dv, "dv", true);
+        kernels::AttentionOptions options;
+        options.softmax_scale = softmax_scale;
+        options.threads = threads;
+        absl::Status status;
+        {
+          py::gil_scoped_release release;
+          status = kernels::AttentionBackward(selection.index, head_dim, qv.span(), kv.span(),
+                                              vv.span(), ov.span(), lv.span(), dov.span(), options,
+                                              dqv.span(), dkv.span(), dvv.span());
+        }
+        ThrowIfError(status, ErrorKind::kKernel);
+      },
+      py::arg("selection"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+      py::arg("softmax_scale") = 0.0f, py::arg("threads") = 0,
+      "Gradients of sum(out * dout) w.r.t. q, k, v (CPU, fp32), written into dq, dk, dv.");
+
+  m.def(
+      "exact_recall",
+      [](const Selection& selection, int head_dim, const py::buffer& q, const py::buffer& k,
+         float softmax_scale, int threads) {
+        In qv(q, "q", false), kv(k, "k", false);
+        absl::StatusOr<std::vector<float>> recall;
+        {
+          py::gil_scoped_release release;
+          recall = kernels::ExactRecall(selection.index, head_dim, qv.span(), kv.span(),
+                                        softmax_scale, threads);
+        }
+        return ToArray(ValueOrThrow(std::move(recall), ErrorKind::kKernel));
+      },
+      py::arg("selection"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
+      py::arg("softmax_scale") = 0.0f, py::arg("threads") = 0,
+      "Per row, the exact softmax mass inside the kept blocks (O(tokens^2): tests, small runs).");
+}
+
+void BindCudaKernels(py::module_& m) {
+  namespace cuda = kernels::cuda;
+  m.def("cuda_compiled", &cuda::Compiled, "Whether the CUDA kernels were built in.");
+  m.def(
+      "cuda_device_count",
+      [] {
+        std::string why;
+        const int count = cuda::DeviceCount(&why);
+        return std::make_pair(count, why);
+      },
+      "(devices usable now, why none when 0).");
+
+  py::class_<cuda::DeviceBlockIndex, std::unique_ptr<cuda::DeviceBlockIndex>>(
+      m, "CudaBlockIndex", "A Selection's block index copied to the GPU.")
+      .def(py::init([](const Selection& selection) {
+             absl::StatusOr<cuda::DeviceBlockIndex> index;
+             {
+               py::gil_scoped_release release;
+               index = cuda::DeviceBlockIndex::Upload(selection.index);
+             }
+             return std::make_unique<cuda::DeviceBlockIndex>(
+                 ValueOrThrow(std::move(index), ErrorKind::kKernel));
+           }),
+           py::arg("selection"));
+
+  m.def(
+      "cuda_select_blocks",
+      [](const std::vector<int32_t>& cu_seqlens, int heads, int head_dim, uintptr_t q, uintptr_t k,
+         const std::vector<double>& densities, int block_size, int local_blocks,
+         double mass_threshold, float softmax_scale) {
+        kernels::SelectionOptions options;
+        options.block_size = block_size;
+        options.local_blocks = local_blocks;
+        options.mass_threshold = mass_threshold;
+        options.softmax_scale = softmax_scale;
+        absl::StatusOr<Selection> selection;
+        {
+          py::gil_scoped_release release;
+          selection = cuda::SelectBlocks(cu_seqlens, heads, head_dim, Pointer(q), Pointer(k),
+                                         densities, options);
+        }
+        return std::make_shared<Selection>(ValueOrThrow(std::move(selection), ErrorKind::kKernel));
+      },
+      py::arg("cu_seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
+      py::arg("densities"), py::arg("block_size") = 64, py::arg("local_blocks") = 1,
+      py::arg("mass_threshold") = 1.0, py::arg("softmax_scale") = 0.0f,
+      "Block selection on the GPU; q, k: device addresses of bf16 [total_tokens, heads, "
+      "head_dim] tensors (tensor.data_ptr()).");
+
+  m.def(
+      "cuda_forward",
+      [](const cuda::DeviceBlockIndex& index, int head_dim, uintptr_t q, uintptr_t k, uintptr_t v,
+         float softmax_scale, uintptr_t out, uintptr_t lse) {
+        absl::Status status;
+        {
+          py::gil_scoped_release release;
+          status = cuda::Forward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), softmax_scale,
+                                 MutablePointer(out), static_cast<float*>(MutablePointer(lse)));
+        }
+        ThrowIfError(status, ErrorKind::kKernel);
+      },
+      py::arg("index"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("softmax_scale"), py::arg("out"), py::arg("lse"),
+      "Forward on the default stream: out bf16, lse fp32 [heads, total_tokens] (addresses).");
+
+  m.def(
+      "cuda_backward",
+      [](const cuda::DeviceBlockIndex& index, int head_dim, uintptr_t q, uintptr_t k, uintptr_t v,
+         uintptr_t out, uintptr_t lse, uintptr_t dout, float softmax_scale, uintptr_t delta,
+         uintptr_t dq, uintptr_t dk, uintptr_t dv) {
+        absl::Status status;
+        {
+          py::gil_scoped_release release;
+          status = cuda::Backward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), Pointer(out),
+                                  static_cast<const float*>(Pointer(lse)), Pointer(dout),
+                                  softmax_scale, static_cast<float*>(MutablePointer(delta)),
+                                  MutablePointer(dq), MutablePointer(dk), MutablePointer(dv));
+        }
+        ThrowIfError(status, ErrorKind::kKernel);
+      },
+      py::arg("index"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("softmax_scale"), py::arg("delta"),
+      py::arg("dq"), py::arg("dk"), py::arg("dv"),
+      "Backward on the default stream: dq, dk, dv bf16; delta fp32 scratch [heads, total_tokens].");
+}
+
+}  // namespace
+
+void BindKernels(py::module_& m) {
+  BindSelection(m);
+  BindCpuKernels(m);
+  BindCudaKernels(m);
+}
+
+}  // namespace python
+}  // namespace sparsebalance

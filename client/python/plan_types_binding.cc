@@ -1,0 +1,163 @@
+// The plan types of planner/types.h as Python classes, and the pure planner functions a trainer
+// may call without a planner (validation, the local fallback plan).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "client/python/bindings.h"
+#include "client/python/record.h"
+#include "planner/planner.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+namespace python {
+namespace {
+
+// Enums also accept their planner names ("sparsebalance", "mean", "defer") wherever a field or
+// argument expects them: `config.policy = "tokens"`.
+template <typename E, typename Parse>
+void AcceptNames(py::enum_<E>& cls, Parse parse) {
+  cls.def(py::init([parse](const std::string& name) { return parse(name); }),
+          "From the planner's name, e.g. the value of --policy.");
+  py::implicitly_convertible<std::string, E>();
+}
+
+}  // namespace
+
+void BindPlanTypes(py::module_& m) {
+  py::enum_<Policy> policy(m, "Policy", "How documents are placed on ranks (DESIGN.md section 5).");
+  policy.value("SEQUENTIAL", Policy::kSequential)
+      .value("TOKENS", Policy::kTokens)
+      .value("FLOPS", Policy::kFlops)
+      .value("SAB", Policy::kSab)
+      .value("DST", Policy::kDst)
+      .value("SPARSEBALANCE", Policy::kSparseBalance);
+  policy.def_property_readonly(
+      "label", [](Policy p) { return std::string(PolicyName(p)); },
+      "The planner's name: 'sequential', 'tokens', 'flops', 'sab', 'dst', 'sparsebalance'.");
+  AcceptNames(policy, [](const std::string& name) {
+    return ValueOrThrow(ParsePolicy(name), ErrorKind::kPlanner);
+  });
+
+  py::enum_<DstMode> dst_mode(m, "DstMode", "How DST chooses the step's target makespan.");
+  dst_mode.value("MIN", DstMode::kMin)
+      .value("MEAN", DstMode::kMean)
+      .value("MAX", DstMode::kMax)
+      .value("QUANTILE", DstMode::kQuantile);
+  dst_mode.def_property_readonly("label", [](DstMode d) { return std::string(DstModeName(d)); });
+  AcceptNames(dst_mode, [](const std::string& name) {
+    double quantile = 0.5;
+    return ValueOrThrow(ParseDstMode(name, &quantile), ErrorKind::kPlanner);
+  });
+
+  py::enum_<OverflowPolicy> overflow(m, "OverflowPolicy",
+                                     "What happens when a batch does not fit the step.");
+  overflow.value("ERROR", OverflowPolicy::kError).value("DEFER", OverflowPolicy::kDefer);
+  overflow.def_property_readonly(
+      "label", [](OverflowPolicy o) { return std::string(OverflowPolicyName(o)); });
+  AcceptNames(overflow, [](const std::string& name) {
+    return ValueOrThrow(ParseOverflowPolicy(name), ErrorKind::kPlanner);
+  });
+
+  Record<Sample>(m, "Sample", "A document of the global batch (or a pre-packed sequence).")
+      .Field("id", &Sample::id, "index into the dataset shared by all ranks; unique in a batch")
+      .Field("length", &Sample::length, "tokens")
+      .Field("sensitivity", &Sample::sensitivity, "[0, 1]: 0 tolerates sparsity, 1 needs dense")
+      .Field("group", &Sample::group, "samples with the same non-zero group land on one rank")
+      .Field("segments", &Sample::segments, "document lengths inside a pre-packed sample")
+      .Done();
+
+  Record<ModelShape>(m, "ModelShape", "The attention shape the cost model and kernels share.")
+      .Field("layers", &ModelShape::layers, "transformer layers")
+      .Field("heads", &ModelShape::heads, "attention heads")
+      .Field("head_dim", &ModelShape::head_dim, "64 or 128")
+      .Field("block_size", &ModelShape::block_size, "tokens per attention block: 64 or 128")
+      .Field("local_blocks", &ModelShape::local_blocks,
+             "key blocks before the diagonal always kept")
+      .Done();
+
+  Record<PlannerConfig>(m, "PlannerConfig", "A job's planning configuration.")
+      .Field("ranks", &PlannerConfig::ranks, "data-parallel world size")
+      .Field("micro_batches", &PlannerConfig::micro_batches, "per rank and step")
+      .Field("micro_batch_capacity", &PlannerConfig::micro_batch_capacity, "tokens per micro-batch")
+      .Field("shape", &PlannerConfig::shape, "ModelShape")
+      .Field("density_min", &PlannerConfig::density_min, "lowest density DST may give")
+      .Field("density_max", &PlannerConfig::density_max, "highest density DST may raise to")
+      .Field("density_default", &PlannerConfig::density_default, "density without DST")
+      .Field("policy", &PlannerConfig::policy, "Policy (or its name)")
+      .Field("dst_mode", &PlannerConfig::dst_mode, "DstMode (or its name)")
+      .Field("dst_quantile", &PlannerConfig::dst_quantile, "for DstMode.QUANTILE, in [0, 1]")
+      .Field("overflow", &PlannerConfig::overflow, "OverflowPolicy (or its name)")
+      .Def(
+          "validate",
+          [](const PlannerConfig& c) { ThrowIfError(ValidateConfig(c), ErrorKind::kPlanner); },
+          "Raises PlannerError (INVALID_ARGUMENT, naming the field) when a field is invalid.")
+      .Done();
+
+  Record<MicroBatchPlan>(m, "MicroBatchPlan", "One micro-batch of a rank's step plan.")
+      .Field("sample_ids", &MicroBatchPlan::sample_ids, "documents, in order")
+      .Field("densities", &MicroBatchPlan::densities, "per document, same order as sample_ids")
+      .Field("default_density", &MicroBatchPlan::default_density, "the job's default density")
+      .Field("tokens", &MicroBatchPlan::tokens, "tokens in the micro-batch")
+      .Field("predicted_seconds", &MicroBatchPlan::predicted_seconds,
+             "with the rank's speed factor")
+      .Done();
+
+  Record<RankPlan>(m, "RankPlan", "One rank's part of a StepPlan.")
+      .Field("micro_batches", &RankPlan::micro_batches, "list of MicroBatchPlan")
+      .Field("predicted_seconds", &RankPlan::predicted_seconds, "sum over micro-batches")
+      .Done();
+
+  Record<MicroBatchTiming>(m, "MicroBatchTiming", "One micro-batch as a rank measured it.")
+      .Field("micro_batch", &MicroBatchTiming::micro_batch, "index in the rank's plan")
+      .Field("compute_seconds", &MicroBatchTiming::compute_seconds, "forward + backward")
+      .Field("attention_seconds", &MicroBatchTiming::attention_seconds,
+             "the attention part of compute_seconds")
+      .Field("tokens", &MicroBatchTiming::tokens, "tokens run")
+      .Field("achieved_density", &MicroBatchTiming::achieved_density,
+             "token-weighted share of causal key blocks run")
+      .Field("recall", &MicroBatchTiming::recall, "token-weighted attention recall, [0, 1]")
+      .Done();
+
+  Record<StepPlan>(m, "StepPlan", "A whole step's plan (every rank), e.g. plan_step_locally's.")
+      .Field("policy", &StepPlan::policy, "Policy")
+      .Field("ranks", &StepPlan::ranks, "list of RankPlan")
+      .Field("deferred_ids", &StepPlan::deferred_ids, "samples left for the next step")
+      .Field("makespan_seconds", &StepPlan::makespan_seconds, "predicted step time")
+      .Field("lower_bound_seconds", &StepPlan::lower_bound_seconds, "perfect balance")
+      .Field("gap", &StepPlan::gap, "makespan / lower bound - 1")
+      .Field("imbalance_ratio", &StepPlan::imbalance_ratio, "max / mean predicted rank time")
+      .Field("bubble_ratio", &StepPlan::bubble_ratio, "idle share of ranks x makespan")
+      .Field("mean_density", &StepPlan::mean_density, "token-weighted")
+      .Field("predicted_recall", &StepPlan::predicted_recall, "token-weighted, recall model")
+      .Field("planned_locally", &StepPlan::planned_locally, "the trainer's fallback plan")
+      .Done();
+
+  m.def(
+      "validate_batch",
+      [](const std::vector<Sample>& batch, const PlannerConfig& config) {
+        ThrowIfError(ValidateBatch(batch, config), ErrorKind::kPlanner);
+      },
+      py::arg("batch"), py::arg("config"),
+      "Raises PlannerError (INVALID_ARGUMENT naming samples[i] and the field) for a bad batch.");
+  m.def(
+      "plan_step_locally",
+      [](const std::vector<Sample>& batch, const PlannerConfig& config) {
+        return ValueOrThrow(PlanStepLocally(batch, config), ErrorKind::kPlanner);
+      },
+      py::arg("batch"), py::arg("config"), py::call_guard<py::gil_scoped_release>(),
+      "The plan every rank computes alike without the planner (TrainerSession's fallback).");
+  m.def(
+      "policies",
+      [] {
+        std::vector<Policy> out = AllPolicies();
+        return out;
+      },
+      "Every policy, in the order reports list them.");
+}
+
+}  // namespace python
+}  // namespace sparsebalance

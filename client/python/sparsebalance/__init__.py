@@ -1,0 +1,70 @@
+"""SparseBalance for PyTorch trainers.
+
+The planner client (PlannerClient, TrainerSession with its offline fallback), the plan types,
+the block-sparse attention kernels (``sparsebalance.ops.sparse_attention``, needs torch) and a
+global batch sampler that every rank computes alike (``sparsebalance.data``). See README.md::
+
+    import sparsebalance as sb
+    client = sb.PlannerClient(sb.ClientOptions(target="planner:50151", job_id=job, token=token))
+    config, next_step, _ = client.join_job(rank)
+    session = sb.TrainerSession(client, rank, coordinator=(rank == 0), config=config)
+    plan = session.plan(step, [sb.Sample(id=i, length=n) for i, n in zip(ids, lengths)])
+
+Errors raise PlannerError / KernelError carrying the gRPC code (``e.code == "NOT_FOUND"``).
+"""
+
+from ._errors import Error, KernelError, PlannerError, StatusCode
+from ._C import (
+    ClientOptions,
+    DstMode,
+    JobHandle,
+    MicroBatchPlan,
+    MicroBatchTiming,
+    ModelShape,
+    OverflowPolicy,
+    PlannerClient,
+    PlannerConfig,
+    Policy,
+    RankPlan,
+    RankStepPlan,
+    Sample,
+    StepPlan,
+    TrainerSession,
+    plan_step_locally,
+    policies,
+    validate_batch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClientOptions",
+    "DstMode",
+    "Error",
+    "JobHandle",
+    "KernelError",
+    "MicroBatchPlan",
+    "MicroBatchTiming",
+    "ModelShape",
+    "OverflowPolicy",
+    "PlannerClient",
+    "PlannerConfig",
+    "PlannerError",
+    "Policy",
+    "RankPlan",
+    "RankStepPlan",
+    "Sample",
+    "StatusCode",
+    "StepPlan",
+    "TrainerSession",
+    "connect",
+    "plan_step_locally",
+    "policies",
+    "validate_batch",
+]
+
+
+def connect(target, **fields):
+    """A PlannerClient for ``target`` ("host:port"); ``fields`` set the other ClientOptions
+    (job_id, token, admin_token, call_timeout_seconds, ...)."""
+    return PlannerClient(ClientOptions(target=target, **fields))

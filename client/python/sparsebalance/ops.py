@@ -1,0 +1,295 @@
+"""Block-sparse causal attention for PyTorch over SparseBalance's kernels.
+
+``sparse_attention`` takes a varlen batch in FlashAttention's layout (documents packed along
+the token axis, ``cu_seqlens`` their offsets), keeps for every query block only the key blocks
+that block selection picks at each document's density (the planner's ``MicroBatchPlan.densities``)
+and returns the output and the recall it kept::
+
+    from sparsebalance.ops import sparse_attention
+    out, recall = sparse_attention(q, k, v, cu_seqlens=[0, 1000, 3000], densities=[0.3, 1.0])
+    # q, k, v: [total_tokens, heads, head_dim] (head_dim 64 or 128); out: same shape and dtype
+
+CPU tensors run the fp32 reference kernels (inputs of other dtypes are cast to float32 and the
+results cast back); CUDA tensors run the sm_90 kernels in bf16 when the package was built with
+CUDA and a device is present. Documents never attend to each other. Gradients flow to q, k, v.
+"""
+
+import time
+
+import torch
+
+from . import _C
+
+__all__ = ["AttentionTimer", "sparse_attention", "reference_attention", "dense_mask"]
+
+
+class AttentionTimer:
+    """Adds up the seconds spent in the attention kernels (selection, forward, backward) of the
+    calls it is passed to; ``clock`` is e.g. time.perf_counter (wall) or time.thread_time
+    (this thread's CPU time, fair when ranks share cores)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.seconds = 0.0
+        self.calls = 0
+
+    def reset(self):
+        self.seconds = 0.0
+        self.calls = 0
+
+    def _add(self, start):
+        self.seconds += self.clock() - start
+        self.calls += 1
+
+
+class _Outputs:
+    """What a forward leaves for the caller besides the output tensor."""
+
+    selection = None
+
+
+def _start(timer):
+    return timer.clock() if timer is not None else 0.0
+
+
+def _stop(timer, start):
+    if timer is not None:
+        timer._add(start)
+
+
+class _SparseAttentionCpu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, densities, options, timer, outputs):
+        tokens, heads, head_dim = q.shape
+        block_size, local_blocks, scale, mass_threshold, threads = options
+        qn, kn, vn = q.detach().numpy(), k.detach().numpy(), v.detach().numpy()
+        start = _start(timer)
+        selection = _C.select_blocks(cu_seqlens, heads, head_dim, qn, kn, densities, block_size,
+                                     local_blocks, mass_threshold, scale, threads)
+        out = torch.empty((tokens, heads, head_dim), dtype=torch.float32)
+        lse = torch.empty((heads, tokens), dtype=torch.float32)
+        _C.attention_forward(selection, head_dim, qn, kn, vn, out.numpy(), lse.numpy(), scale,
+                             threads)
+        _stop(timer, start)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.selection = selection
+        ctx.scale = scale
+        ctx.threads = threads
+        ctx.timer = timer
+        outputs.selection = selection
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        head_dim = q.shape[2]
+        dout = dout.to(torch.float32).contiguous()
+        dq = torch.empty(q.shape, dtype=torch.float32)
+        dk = torch.empty(k.shape, dtype=torch.float32)
+        dv = torch.empty(v.shape, dtype=torch.float32)
+        start = _start(ctx.timer)
+        _C.attention_backward(ctx.selection, head_dim, q.detach().numpy(), k.detach().numpy(),
+                              v.detach().numpy(), out.detach().numpy(), lse.numpy(),
+                              dout.numpy(), dq.numpy(), dk.numpy(), dv.numpy(), ctx.scale,
+                              ctx.threads)
+        _stop(ctx.timer, start)
+        return dq, dk, dv, None, None, None, None, None
+
+
+class _SparseAttentionCuda(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, densities, options, timer, outputs):
+        tokens, heads, head_dim = q.shape
+        block_size, local_blocks, scale, mass_threshold, _ = options
+        start = _start(timer)
+        selection = _C.cuda_select_blocks(cu_seqlens, heads, head_dim, q.data_ptr(),
+                                          k.data_ptr(), densities, block_size, local_blocks,
+                                          mass_threshold, scale)
+        index = _C.CudaBlockIndex(selection)
+        out = torch.empty_like(q)
+        lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
+        _C.cuda_forward(index, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale,
+                        out.data_ptr(), lse.data_ptr())
+        _stop(timer, start)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.index = index
+        ctx.scale = scale
+        ctx.timer = timer
+        outputs.selection = selection
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        _sync_default_stream(q.device)
+        dout = dout.to(torch.bfloat16).contiguous()
+        delta = torch.empty_like(lse)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        start = _start(ctx.timer)
+        _C.cuda_backward(ctx.index, q.shape[2], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                         out.data_ptr(), lse.data_ptr(), dout.data_ptr(), ctx.scale,
+                         delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+        _stop(ctx.timer, start)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _sync_default_stream(device):
+    # The kernels run on the default stream; work queued on another current stream must be done.
+    with torch.cuda.device(device):
+        if torch.cuda.current_stream() != torch.cuda.default_stream():
+            torch.cuda.current_stream().synchronize()
+
+
+def _cuda_unavailable_reason():
+    if not _C.cuda_compiled():
+        return ("this sparsebalance build has no CUDA kernels (built without nvcc, or with "
+                "-DSB_WITH_CUDA=OFF): rebuild with CUDA, or pass CPU tensors")
+    count, why = _C.cuda_device_count()
+    if count == 0:
+        return f"the CUDA kernels see no device ({why})"
+    return None
+
+
+def _as_int_list(values, name):
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().tolist()
+    try:
+        return [int(x) for x in values]
+    except TypeError:
+        raise TypeError(f"{name}: a sequence of numbers is needed, got {type(values).__name__}")
+
+
+def _as_float_list(values, name):
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().tolist()
+    try:
+        return [float(x) for x in values]
+    except TypeError:
+        raise TypeError(f"{name}: a sequence of numbers is needed, got {type(values).__name__}")
+
+
+def _check_inputs(q, k, v, cu_seqlens, densities):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: a torch.Tensor is needed, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}; [total_tokens, heads, head_dim] "
+                             "is needed")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v: shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} "
+                         "differ")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v: devices {q.device}, {k.device}, {v.device} differ")
+    if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens: must start at 0 and end at total_tokens={q.shape[0]} "
+                         f"(got {cu_seqlens[:3]}...{cu_seqlens[-1:]})")
+    if len(densities) != len(cu_seqlens) - 1:
+        raise ValueError(f"densities: {len(densities)} values for {len(cu_seqlens) - 1} "
+                         "sequences (one per sequence is needed)")
+
+
+def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks=1, *,
+                     softmax_scale=None, exact=False, mass_threshold=1.0, threads=None,
+                     timer=None, return_selection=False):
+    """Block-sparse causal attention over a varlen batch.
+
+    Args:
+      q, k, v: [total_tokens, heads, head_dim] tensors (head_dim 64 or 128), on the CPU (any
+        float dtype; computed in float32) or on a CUDA device (computed in bf16).
+      cu_seqlens: sequence offsets, len = sequences + 1, from 0 to total_tokens (list or tensor).
+      densities: one per sequence in (0, 1]: the share of causal key blocks each query block
+        keeps (1.0 is dense attention). The planner's MicroBatchPlan.densities.
+      block_size: tokens per block (64 or 128); local_blocks: key blocks before the diagonal
+        always kept (with the sink block 0 and the diagonal).
+      softmax_scale: default 1/sqrt(head_dim).
+      exact: the recall is the exact softmax mass kept (CPU only; O(tokens^2)) instead of the
+        block scores' estimate.
+      mass_threshold: stop adding blocks to a row once its estimated kept mass reaches it.
+      threads: CPU kernel threads (default torch.get_num_threads()).
+      timer: an AttentionTimer that adds the kernel seconds of forward and backward.
+      return_selection: also return the Selection (kept blocks per row, see block_mask).
+
+    Returns:
+      (out, recall): out like q; recall a float, the token-weighted share of softmax mass the
+      kept blocks hold (1.0 at density 1). With return_selection: (out, recall, selection).
+    """
+    cu = _as_int_list(cu_seqlens, "cu_seqlens")
+    dens = _as_float_list(densities, "densities")
+    _check_inputs(q, k, v, cu, dens)
+    head_dim = q.shape[2]
+    scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    if threads is None:
+        threads = torch.get_num_threads()
+    options = (int(block_size), int(local_blocks), scale, float(mass_threshold), int(threads))
+    outputs = _Outputs()
+    if q.is_cuda:
+        reason = _cuda_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"sparse_attention: q is on {q.device} but {reason}")
+        if exact:
+            raise ValueError("sparse_attention: exact=True is CPU only (the CUDA path reports "
+                             "the block scores' estimate)")
+        dtype = q.dtype
+        _sync_default_stream(q.device)
+        with torch.cuda.device(q.device):
+            qb, kb, vb = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+            out = _SparseAttentionCuda.apply(qb, kb, vb, cu, dens, options, timer, outputs)
+        out = out.to(dtype)
+        selection = outputs.selection
+        recall = selection.recall
+    else:
+        if q.device.type != "cpu":
+            raise RuntimeError(f"sparse_attention: tensors on {q.device} are not supported "
+                               "(CPU or CUDA)")
+        dtype = q.dtype
+        q32, k32, v32 = (t.to(torch.float32).contiguous() for t in (q, k, v))
+        out = _SparseAttentionCpu.apply(q32, k32, v32, cu, dens, options, timer, outputs)
+        out = out.to(dtype)
+        selection = outputs.selection
+        if exact:
+            rows = _C.exact_recall(selection, head_dim, q32.detach().numpy(),
+                                   k32.detach().numpy(), scale, options[4])
+            recall = selection.token_weighted(rows)
+        else:
+            recall = selection.recall
+    if return_selection:
+        return out, recall, selection
+    return out, recall
+
+
+def dense_mask(selection, seq, head, causal=True):
+    """Token-level bool mask [length, length] of sequence ``seq``, head ``head``: True where a
+    query token attends to a key token under the selection (kept block and, with causal,
+    key <= query)."""
+    block_size = selection.block_size
+    length = int(selection.cu_seqlens[seq + 1] - selection.cu_seqlens[seq])
+    blocks = torch.from_numpy(selection.block_mask(seq, head)).bool()
+    mask = blocks.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    mask = mask[:length, :length]
+    if causal:
+        mask = mask & torch.ones(length, length, dtype=torch.bool).tril()
+    return mask
+
+
+def reference_attention(q, k, v, cu_seqlens, selection=None, softmax_scale=None):
+    """Dense causal attention in plain PyTorch (per-document masking), optionally restricted to
+    a Selection's kept blocks: what sparse_attention computes, for checking it. Works in the
+    inputs' dtype (use float64 for a tight reference). O(tokens^2) memory per document."""
+    cu = _as_int_list(cu_seqlens, "cu_seqlens")
+    heads, head_dim = q.shape[1], q.shape[2]
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    outs = []
+    for s in range(len(cu) - 1):
+        a, b = cu[s], cu[s + 1]
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [heads, length, head_dim]
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        if selection is None:
+            mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+            mask = mask.expand(heads, -1, -1)
+        else:
+            mask = torch.stack([dense_mask(selection, s, h) for h in range(heads)]).to(q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), vs).transpose(0, 1))
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,74 @@
+"""GlobalBatchSampler: every rank computes the same global batches from the seed alone."""
+
+import subprocess
+import sys
+
+import pytest
+
+import sparsebalance as sb
+from sparsebalance.data import GlobalBatchSampler
+
+LENGTHS = [((i * 7919) % 3000) + 50 for i in range(500)] + [5000, 9000]
+
+
+def first_batches(sampler, n):
+    out = []
+    for batch in sampler:
+        out.append((batch.ids, batch.lengths))
+        if len(out) == n:
+            return out
+    return out
+
+
+def test_same_seed_same_batches_every_time():
+    a = GlobalBatchSampler(LENGTHS, seed=42, tokens_per_step=8192)
+    b = GlobalBatchSampler(LENGTHS, seed=42, tokens_per_step=8192)
+    assert first_batches(a, 200) == first_batches(b, 200)  # crosses epoch boundaries
+    c = GlobalBatchSampler(LENGTHS, seed=43, tokens_per_step=8192)
+    assert first_batches(c, 5) != first_batches(a, 5)
+
+
+def test_same_batches_in_another_process():
+    # A rank is another interpreter: nothing is shared but the seed.
+    code = ("from sparsebalance.data import GlobalBatchSampler; import json; "
+            f"s = GlobalBatchSampler({LENGTHS!r}, seed=42, tokens_per_step=8192); "
+            "print(json.dumps([s.batch(k).ids for k in range(30)]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    import json
+    here = GlobalBatchSampler(LENGTHS, seed=42, tokens_per_step=8192)
+    assert json.loads(result.stdout) == [here.batch(k).ids for k in range(30)]
+
+
+def test_batches_fit_and_an_epoch_covers_every_document_once():
+    sampler = GlobalBatchSampler(LENGTHS, seed=7, tokens_per_step=8192, max_length=4096)
+    assert sampler.skipped == [500, 501]  # longer than max_length
+    seen, batches = [], 0
+    for batch in sampler:
+        if batch.epoch > 0:
+            break
+        assert 0 < batch.tokens <= 8192
+        assert batch.lengths == [LENGTHS[i] for i in batch.ids]
+        seen += batch.ids
+        batches += 1
+    assert sorted(seen) == list(range(500))
+    assert sampler.steps_in_epoch(0) == batches
+
+
+def test_random_access_matches_iteration():
+    sampler = GlobalBatchSampler(LENGTHS, seed=3, tokens_per_step=6000)
+    iterated = first_batches(GlobalBatchSampler(LENGTHS, seed=3, tokens_per_step=6000), 250)
+    for step in (0, 1, 99, 249):
+        batch = sampler.batch(step)
+        assert batch.step == step and (batch.ids, batch.lengths) == iterated[step]
+
+
+def test_samples_and_bad_arguments():
+    batch = GlobalBatchSampler(LENGTHS, seed=1, tokens_per_step=8192).batch(0)
+    samples = batch.samples(sensitivity=lambda i: 0.5)
+    assert [s.id for s in samples] == batch.ids and samples[0].sensitivity == 0.5
+    assert isinstance(samples[0], sb.Sample)
+    with pytest.raises(ValueError, match="lengths\\[1\\]"):
+        GlobalBatchSampler([10, 0], seed=1, tokens_per_step=100)
+    with pytest.raises(ValueError, match="max_length"):
+        GlobalBatchSampler([10], seed=1, tokens_per_step=100, max_length=200)
