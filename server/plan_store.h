@@ -9,8 +9,8 @@
 // torn one; SubmitBatch returns only after its step record is durable. Reports are appended
 // with write() before the call is acknowledged: they survive the planner process dying
 // (SIGKILL, OOM); `--fsync_reports` also syncs each append, for machine crashes, at a cost per
-// report; the snapshot written when a step's reports are folded into the model is synced under
-// the same flag. A torn last report (a crash mid-append) is dropped on load.
+// report; the job snapshot written after each SubmitBatch (the model with its folded steps) is
+// synced under the same flag, and a step folded since is refolded from its reports on load. A torn last report (a crash mid-append) is dropped on load.
 #ifndef SPARSEBALANCE_SERVER_PLAN_STORE_H_
 #define SPARSEBALANCE_SERVER_PLAN_STORE_H_
 
@@ -41,8 +41,9 @@ class PlanStore {
   static absl::StatusOr<std::unique_ptr<PlanStore>> Open(const std::string& dir,
                                                          bool fsync_reports);
 
-  // `sync` false: the snapshot after a fold, which only adds what the appended reports already
-  // hold; synced like them (--fsync_reports), atomically renamed either way.
+  // `sync` false: a snapshot that only adds what the step records and the appended reports
+  // already hold (the one after a submit); synced like the reports (--fsync_reports),
+  // atomically renamed either way.
   absl::Status SaveJob(const state::v1::JobSnapshot& job, bool sync = true);
   absl::Status SaveStep(const std::string& job_id, const state::v1::StepRecord& step);
   absl::Status AppendReport(const std::string& job_id, int64_t step,

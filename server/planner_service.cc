@@ -1,6 +1,7 @@
 #include "server/planner_service.h"
 
 #include <chrono>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -239,7 +240,19 @@ void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
     woken = std::move(it->second);
     waiters_.erase(it);
   }
-  for (const std::shared_ptr<Wait>& wait : woken) TryComplete(wait);
+  // Answering a thousand waiting ranks (building each rank's plan message and sending it) is
+  // the longest part of a large step after the planning: split it over two threads.
+  std::vector<std::shared_ptr<Wait>> all(woken.begin(), woken.end());
+  if (all.size() < 256) {
+    for (const std::shared_ptr<Wait>& wait : all) TryComplete(wait);
+    return;
+  }
+  const size_t half = all.size() / 2;
+  std::thread helper([this, &all, half] {
+    for (size_t i = half; i < all.size(); ++i) TryComplete(all[i]);
+  });
+  for (size_t i = 0; i < half; ++i) TryComplete(all[i]);
+  helper.join();
 }
 
 int PlannerServiceImpl::waiting_calls() const {
