@@ -108,6 +108,43 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
   EXPECT_TRUE(restored.SubmitBatch(id, 3, Batch(20, kRanks)).ok());
 }
 
+// A fold writes no snapshot (the next SubmitBatch's carries it): a planner that dies after a
+// step's last report but before the next submit refolds the step from its report log.
+TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
+  const std::string dir = TempDir();
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobRegistry::Options options;
+  options.store = store->get();
+  constexpr int kRanks = 3;
+  std::string id;
+  JobView before;
+  {
+    JobRegistry registry(options, CountingHex());
+    absl::StatusOr<CreatedJob> job =
+        registry.CreateJob("refold", test_support::SmallJob(kRanks, 8), "");
+    ASSERT_TRUE(job.ok());
+    id = job->job_id;
+    for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+    for (int step = 0; step < 2; ++step) {
+      absl::StatusOr<SubmitResult> result = registry.SubmitBatch(id, step, Batch(30 + step, kRanks));
+      ASSERT_TRUE(result.ok());
+      for (int r = 0; r < kRanks; ++r) {
+        ASSERT_TRUE(registry.ReportStep(id, step, r, Measure(result->plan, r), 0.0).ok());
+      }
+    }
+    before = *registry.GetJob(id);
+    ASSERT_EQ(before.steps_folded, 2);  // step 1 folded after the last snapshot
+  }
+  JobRegistry restored(options, CountingHex());
+  ASSERT_TRUE(restored.Restore().ok());
+  const JobView after = *restored.GetJob(id);
+  EXPECT_EQ(after.steps_folded, 2);
+  EXPECT_EQ(after.coefficients.per_block, before.coefficients.per_block);
+  EXPECT_EQ(after.coefficients.per_token, before.coefficients.per_token);
+  EXPECT_EQ(after.speed_factors, before.speed_factors);
+}
+
 TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   const std::string dir = TempDir();
   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, true);
