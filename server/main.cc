@@ -45,6 +45,9 @@ ABSL_FLAG(int, max_jobs, 1024, "jobs held at once (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_samples, 1 << 20, "samples per SubmitBatch (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_world_size, 65536, "ranks per job (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_message_bytes, 256 << 20, "largest request accepted, bytes");
+ABSL_FLAG(std::string, health_listen, "",
+          "also serve grpc.health.v1 alone, in plaintext, on this host:port (for Kubernetes "
+          "gRPC probes, which cannot speak TLS, when --listen serves TLS); empty: off");
 ABSL_FLAG(double, drain_seconds, 10.0,
           "on SIGTERM/SIGINT: health turns NOT_SERVING and calls in flight get this long");
 
@@ -224,6 +227,23 @@ int Main(int argc, char** argv) {
     return 1;
   }
   server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  // The health-only listener: a second server that registers nothing but the default health
+  // service (enabled above for every server), kept in step with the main one.
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  const std::string health_listen = absl::GetFlag(FLAGS_health_listen);
+  if (!health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      std::cerr << "sb-planner: cannot listen on --health_listen=" << health_listen << "\n";
+      server->Shutdown();
+      return 1;
+    }
+    health_server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  }
   const std::string host = listen.substr(0, listen.rfind(':'));
   std::cout << "sb-planner: listening on " << host << ":" << port
             << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)" : " (TLS)")
@@ -231,17 +251,29 @@ int Main(int argc, char** argv) {
             << " jobs reloaded); metrics on http://"
             << metrics_listen.substr(0, metrics_listen.rfind(':')) << ":"
             << exposer->GetListeningPorts().front() << "/metrics" << std::endl;
+  if (health_server != nullptr) {
+    std::cout << "sb-planner: health only (plaintext) on "
+              << health_listen.substr(0, health_listen.rfind(':')) << ":" << health_port
+              << std::endl;
+  }
 
   int signal = 0;
   sigwait(&stop_signals, &signal);
   std::cout << "sb-planner: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT") << ", draining for "
             << absl::GetFlag(FLAGS_drain_seconds) << " s" << std::endl;
   server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+  if (health_server != nullptr) {
+    health_server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+  }
   const auto deadline =
       std::chrono::system_clock::now() +
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_drain_seconds) * 1000));
   server->Shutdown(deadline);
   server->Wait();
+  if (health_server != nullptr) {
+    health_server->Shutdown(std::chrono::system_clock::now());
+    health_server->Wait();
+  }
   std::cout << "sb-planner: stopped" << std::endl;
   return 0;
 }

@@ -26,5 +26,6 @@ flag SB_MAX_WORLD_SIZE max_world_size
 flag SB_MAX_MESSAGE_BYTES max_message_bytes
 flag SB_MAX_RANK_SERIES max_rank_series
 flag SB_DRAIN_SECONDS drain_seconds
+flag SB_HEALTH_LISTEN health_listen
 
 exec "$planner" "${args[@]}" "$@"

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/planner_client.h"
@@ -218,11 +219,33 @@ TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
   ASSERT_EQ(std::system((script + " 2>/dev/null").c_str()), 0) << "openssl failed";
   PlannerProcess planner(StateDir(),
                          {"--tls_cert=" + dir + "/server.pem", "--tls_key=" + dir + "/server.key",
-                          "--tls_client_ca=" + dir + "/ca.pem"});
+                          "--tls_client_ca=" + dir + "/ca.pem", "--health_listen=127.0.0.1:0"});
   const std::string line = planner.ReadLine();
   const int port = PortOf(line);
   ASSERT_GT(port, 0) << line;
   EXPECT_NE(line.find("(TLS)"), std::string::npos) << line;
+
+  // The plaintext health-only listener (for probes that cannot speak TLS): health, nothing else.
+  const std::string health_line = planner.ReadLine();
+  const size_t at = health_line.find("health only (plaintext) on 127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << health_line;
+  int health_port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(absl::StripTrailingAsciiWhitespace(health_line.substr(at + 37)),
+                               &health_port))
+      << health_line;
+  auto health_channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", health_port),
+                                            grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthStatus(health_channel, "sparsebalance.planner.v1.PlannerService"), 1);
+  {
+    auto stub = v1::PlannerService::NewStub(health_channel);
+    v1::CreateJobRequest create;
+    create.mutable_config()->set_world_size(2);
+    v1::CreateJobResponse created;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    EXPECT_EQ(stub->CreateJob(&context, create, &created).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
 
   ClientOptions options;
   options.target = absl::StrCat("localhost:", port);
