@@ -199,7 +199,7 @@ PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
   std::unique_ptr<JobSeries>& series = jobs_series_[job_id];
   if (series == nullptr) {
     series = std::make_unique<JobSeries>();
-    const prometheus::Labels job{{"job", job_id}};
+    const prometheus::Labels job{{"job_id", job_id}};
     series->steps = &steps_.Add(job);
     series->predicted_makespan = &predicted_makespan_.Add(job);
     series->predicted_gap = &predicted_gap_.Add(job);
@@ -264,7 +264,7 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
   if (ranks <= max_rank_series_) {
     if (series.rank_seconds.empty()) {
       for (int r = 0; r < ranks; ++r) {
-        const prometheus::Labels labels{{"job", job_id}, {"rank", absl::StrCat(r)}};
+        const prometheus::Labels labels{{"job_id", job_id}, {"rank", absl::StrCat(r)}};
         series.rank_seconds.push_back(&rank_seconds_.Add(labels));
         series.speed_factors.push_back(&speed_factor_.Add(labels));
       }

@@ -1,5 +1,6 @@
 // sb-planner's Prometheus metrics (DESIGN.md section 8), kept in a prometheus-cpp Registry that
-// main serves on its own port. Labels are bounded: job (at most --max_jobs), method, code,
+// main serves on its own port. Labels are bounded: job_id (at most --max_jobs; not `job`,
+// which Prometheus keeps for the scrape job), method, code,
 // policy; nothing per step, and per-rank series only for jobs of at most `max_rank_series`
 // ranks. The README's metrics table lists every series.
 //

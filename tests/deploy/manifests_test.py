@@ -364,7 +364,7 @@ def main():
           f"the ServiceMonitor scrapes port {endpoint['port']}")
     translated = [{{"sourceLabels": "source_labels", "targetLabel": "target_label"}.get(k, k): v
                    for k, v in r.items()} for r in endpoint.get("metricRelabelings", [])]
-    check(translated == scrape.get("metric_relabel_configs"),
+    check(translated == (scrape.get("metric_relabel_configs") or []),
           "ServiceMonitor metricRelabelings differ from prometheus.yml's metric_relabel_configs")
     # The ServiceMonitor's `job` label is the Service name; compose's is prometheus.yml's job_name.
     check(service["metadata"]["name"] == scrape_job,

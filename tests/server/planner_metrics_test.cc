@@ -41,13 +41,13 @@ TEST(PlannerMetricsTest, StepFiguresFollowWhatTheRanksMeasured) {
   PlannerMetrics metrics(registry, /*max_rank_series=*/4);
   metrics.ObserveStep("small", Stats(4));
   const std::string text = Exposition(*registry);
-  EXPECT_THAT(text, HasSubstr("sparsebalance_step_makespan_seconds{job=\"small\"} 12"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_step_makespan_seconds{job_id=\"small\"} 12"));
   // mean = (12 + 3*8)/4 = 9: imbalance 12/9, bubble 1 - 9/12.
-  EXPECT_THAT(text, HasSubstr("sparsebalance_step_imbalance_ratio{job=\"small\"} 1.333333"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_step_bubble_ratio{job=\"small\"} 0.25"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_straggler_events_total{job=\"small\"} 1"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_recall_ratio_count{job=\"small\"} 4"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_rank_speed_factor{job=\"small\",rank=\"0\"} 1.2"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_step_imbalance_ratio{job_id=\"small\"} 1.333333"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_step_bubble_ratio{job_id=\"small\"} 0.25"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_straggler_events_total{job_id=\"small\"} 1"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_recall_ratio_count{job_id=\"small\"} 4"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_rank_speed_factor{job_id=\"small\",rank=\"0\"} 1.2"));
   EXPECT_THAT(text, HasSubstr("sparsebalance_build_info{version=\"0.1.0\"} 1"));
 }
 
@@ -57,12 +57,12 @@ TEST(PlannerMetricsTest, LargeJobsExportNoPerRankSeriesAndDeletedJobsNone) {
   metrics.ObserveStep("large", Stats(16));
   metrics.ObserveStep("small", Stats(2));
   std::string text = Exposition(*registry);
-  EXPECT_THAT(text, Not(HasSubstr("rank_compute_seconds{job=\"large\"")));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_rank_compute_seconds{job=\"small\",rank=\"1\"} 8"));
+  EXPECT_THAT(text, Not(HasSubstr("rank_compute_seconds{job_id=\"large\"")));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_rank_compute_seconds{job_id=\"small\",rank=\"1\"} 8"));
   metrics.ForgetJob("small");
   text = Exposition(*registry);
-  EXPECT_THAT(text, Not(HasSubstr("job=\"small\"")));
-  EXPECT_THAT(text, HasSubstr("job=\"large\""));
+  EXPECT_THAT(text, Not(HasSubstr("job_id=\"small\"")));
+  EXPECT_THAT(text, HasSubstr("job_id=\"large\""));
 }
 
 TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
@@ -86,8 +86,8 @@ TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
   EXPECT_THAT(text,
               HasSubstr("sparsebalance_rpc_duration_seconds_count{method=\"SubmitBatch\"} 3"));
   EXPECT_THAT(text, HasSubstr("sparsebalance_plan_duration_seconds_count{policy=\"sab\"} 1"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_predicted_makespan_seconds{job=\"j\"} 5"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job=\"j\"} 1"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_predicted_makespan_seconds{job_id=\"j\"} 5"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job_id=\"j\"} 1"));
   EXPECT_THAT(text, HasSubstr("sparsebalance_state_write_failures_total 1"));
   EXPECT_THAT(text, HasSubstr("sparsebalance_jobs 3"));
 }
