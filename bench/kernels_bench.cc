@@ -11,8 +11,8 @@
 #include "benchmark/benchmark.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/bf16.h"
-#include "kernels/cuda_attention.h"
 #include "kernels/block_selection.h"
+#include "kernels/cuda_attention.h"
 #include "kernels/parallel.h"
 
 namespace sparsebalance {
@@ -133,9 +133,9 @@ void BM_CudaAttention(benchmark::State& state) {
     if (buffer.ok()) buffer->CopyFromHost(bf16.data(), n * 2).IgnoreError();
     return buffer;
   };
-  absl::StatusOr<cuda::DeviceBuffer> q = device(1), k = device(2), v = device(3),
-                                     dout = device(4), out = device(5), dq = device(6),
-                                     dk = device(7), dv = device(8);
+  absl::StatusOr<cuda::DeviceBuffer> q = device(1), k = device(2), v = device(3), dout = device(4),
+                                     out = device(5), dq = device(6), dk = device(7),
+                                     dv = device(8);
   absl::StatusOr<cuda::DeviceBuffer> lse =
       cuda::DeviceBuffer::Allocate(static_cast<size_t>(length) * kGpuHeads * 4);
   absl::StatusOr<cuda::DeviceBuffer> delta =
@@ -146,8 +146,8 @@ void BM_CudaAttention(benchmark::State& state) {
       return;
     }
   }
-  absl::StatusOr<Selection> sel = cuda::SelectBlocks({0, length}, kGpuHeads, kHeadDim,
-                                                     q->data(), k->data(), {density}, {});
+  absl::StatusOr<Selection> sel =
+      cuda::SelectBlocks({0, length}, kGpuHeads, kHeadDim, q->data(), k->data(), {density}, {});
   if (!sel.ok()) {
     state.SkipWithError(std::string(sel.status().message()).c_str());
     return;
@@ -166,28 +166,28 @@ void BM_CudaAttention(benchmark::State& state) {
     return;
   }
   for (auto _ : state) {
-    absl::Status s = backward ? cuda::Backward(*index, kHeadDim, q->data(), k->data(), v->data(),
-                                               out->data(), static_cast<float*>(lse->data()),
-                                               dout->data(), 0.0f,
-                                               static_cast<float*>(delta->data()), dq->data(),
-                                               dk->data(), dv->data())
-                              : forward();
+    absl::Status s =
+        backward
+            ? cuda::Backward(*index, kHeadDim, q->data(), k->data(), v->data(), out->data(),
+                             static_cast<float*>(lse->data()), dout->data(), 0.0f,
+                             static_cast<float*>(delta->data()), dq->data(), dk->data(), dv->data())
+            : forward();
     if (s.ok()) s = cuda::Synchronize();
     if (!s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());
       break;
     }
   }
-  const double per_block = backward ? BackwardFlopsPerBlock(64, kHeadDim)
-                                    : ForwardFlopsPerBlock(64, kHeadDim);
+  const double per_block =
+      backward ? BackwardFlopsPerBlock(64, kHeadDim) : ForwardFlopsPerBlock(64, kHeadDim);
   const double blocks = static_cast<double>(sel->index.active_blocks());
   const double dense_flops = (backward ? 2.5 : 1.0) * 4.0 * 0.5 * static_cast<double>(length) *
                              length * kHeadDim * kGpuHeads;
   state.counters["active_blocks"] = blocks;
   state.counters["TFLOPs_dense_equivalent"] =
       benchmark::Counter(dense_flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["TFLOPs_active_blocks"] = benchmark::Counter(
-      blocks * per_block * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["TFLOPs_active_blocks"] =
+      benchmark::Counter(blocks * per_block * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_CudaAttention)
     ->ArgNames({"length", "density_permille", "backward"})

@@ -128,9 +128,8 @@ class SpawnedPlanner {
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
     posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::vector<std::string> args = {binary, "--listen=127.0.0.1:0",
-                                      "--metrics_listen=127.0.0.1:0", "--state_dir=" + state_dir_,
-                                      "--drain_seconds=1"};
+    std::vector<std::string> args = {binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                                     "--state_dir=" + state_dir_, "--drain_seconds=1"};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -504,8 +503,8 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
             }
             call->report = ReportFor(job, call->response.plan());
             const Clock::time_point t1 = Clock::now();
-            stub->async()->ReportStep(&call->report_context, &call->report,
-                                      &call->report_response, [&, call, t1](grpc::Status r) {
+            stub->async()->ReportStep(&call->report_context, &call->report, &call->report_response,
+                                      [&, call, t1](grpc::Status r) {
                                         reports.Add(r, Seconds(t1, Clock::now()));
                                         done.Done();
                                       });
@@ -574,8 +573,7 @@ void RunSoak(const std::string& target, const std::string& admin, int pid, Figur
                                    if (!s.ok()) return done(s);
                                    call->report = ReportFor(job, call->response.plan());
                                    stub->async()->ReportStep(
-                                       &call->report_context, &call->report,
-                                       &call->report_response,
+                                       &call->report_context, &call->report, &call->report_response,
                                        [call, done](grpc::Status r) { done(r); });
                                  });
     });

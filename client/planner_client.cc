@@ -134,7 +134,7 @@ absl::StatusOr<std::string> PlannerClient::UploadProfile(const std::string& prof
 }
 
 absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int rank,
-                                                                        int64_t* rank_next_step) {
+                                                                         int64_t* rank_next_step) {
   v1::JoinJobRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_rank(rank);
@@ -273,8 +273,8 @@ absl::Status TrainerSession::FlushPending() {
   absl::Status dropped;
   while (!pending_.empty()) {
     const PendingReport& r = pending_.front();
-    absl::StatusOr<bool> sent = client_->ReportStep(r.step, rank_, r.micro_batches,
-                                                    r.wait_seconds, r.planned_locally);
+    absl::StatusOr<bool> sent =
+        client_->ReportStep(r.step, rank_, r.micro_batches, r.wait_seconds, r.planned_locally);
     if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
     // A locally planned step the coordinator has not resubmitted yet: the planner learns of it
     // before it plans any later step, so wait while this rank has no later planner's plan.
@@ -307,7 +307,8 @@ absl::Status TrainerSession::Flush() {
 absl::Status TrainerSession::Report(int64_t step,
                                     const std::vector<MicroBatchTiming>& micro_batches,
                                     double wait_seconds) {
-  const bool local = std::find(local_steps_.begin(), local_steps_.end(), step) != local_steps_.end();
+  const bool local =
+      std::find(local_steps_.begin(), local_steps_.end(), step) != local_steps_.end();
   pending_.push_back({step, micro_batches, wait_seconds, local});
   while (pending_.size() > BufferLimit()) {
     pending_.pop_front();

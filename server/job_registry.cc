@@ -192,9 +192,9 @@ absl::Status JobRegistry::Restore() {
       }
       record.batch_fingerprint = BatchFingerprint(record.batch);
       record.plan = std::make_shared<const StepPlan>(StepPlanFromProto(step.record));
-      record.folded =
-          step.record.folded() || std::find(l.job.folded_steps().begin(), l.job.folded_steps().end(),
-                                            step.record.step()) != l.job.folded_steps().end();
+      record.folded = step.record.folded() ||
+                      std::find(l.job.folded_steps().begin(), l.job.folded_steps().end(),
+                                step.record.step()) != l.job.folded_steps().end();
       for (const state::v1::ReportRecord& report : step.reports) {
         std::vector<MicroBatchTiming>& measured = record.reports[report.rank()];
         for (const v1::MicroBatchReport& m : report.micro_batches()) {
@@ -364,9 +364,10 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
 absl::Status JobRegistry::SwitchToLocal(const std::string& id, const Job& job, int64_t step,
                                         StepRecord& record) const {
   if (!record.reports.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step, " already has reports against the planner's plan; its ranks must all "
-        "run one plan"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step,
+                     " already has reports against the planner's plan; its ranks must all "
+                     "run one plan"));
   }
   absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job.settings.planner);
   if (!local.ok()) return local.status();

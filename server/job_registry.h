@@ -114,9 +114,8 @@ class JobRegistry {
                                            bool planned_locally = false);
   // The plan of `step` with `*ready` true; for a step not planned yet, OK with `*ready` false
   // (the service waits and asks again). FAILED_PRECONDITION for a step dropped from history.
-  absl::StatusOr<std::shared_ptr<const StepPlan>> GetPlan(const std::string& job_id,
-                                                          int64_t step, int rank,
-                                                          bool* ready) const;
+  absl::StatusOr<std::shared_ptr<const StepPlan>> GetPlan(const std::string& job_id, int64_t step,
+                                                          int rank, bool* ready) const;
   // Accepts one rank's report for a planned step; returns true when it is a repeat (nothing
   // changed). FAILED_PRECONDITION for a rank that has not joined or a step not planned.
   // `planned_locally`: the rank ran the step's local fallback plan; a step still holding the

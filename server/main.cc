@@ -234,8 +234,7 @@ int Main(int argc, char** argv) {
   const std::string health_listen = absl::GetFlag(FLAGS_health_listen);
   if (!health_listen.empty()) {
     grpc::ServerBuilder health_builder;
-    health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(),
-                                    &health_port);
+    health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(), &health_port);
     health_server = health_builder.BuildAndStart();
     if (health_server == nullptr || health_port == 0) {
       std::cerr << "sb-planner: cannot listen on --health_listen=" << health_listen << "\n";

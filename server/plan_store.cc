@@ -51,8 +51,8 @@ absl::Status WriteAll(int fd, const std::string& bytes, const std::string& path)
 // Write to a temporary file, fsync, rename over `path`, fsync the folder. Without `sync` only
 // the rename is atomic: a process crash leaves the old or the new file, a machine crash may
 // lose the write.
-absl::Status WriteDurably(const std::string& dir, const std::string& path,
-                          const std::string& bytes, bool sync = true) {
+absl::Status WriteDurably(const std::string& dir, const std::string& path, const std::string& bytes,
+                          bool sync = true) {
   const std::string tmp = path + ".tmp";
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   if (fd < 0) return IoError("cannot create", tmp);

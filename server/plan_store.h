@@ -10,7 +10,8 @@
 // with write() before the call is acknowledged: they survive the planner process dying
 // (SIGKILL, OOM); `--fsync_reports` also syncs each append, for machine crashes, at a cost per
 // report; the job snapshot written after each SubmitBatch (the model with its folded steps) is
-// synced under the same flag, and a step folded since is refolded from its reports on load. A torn last report (a crash mid-append) is dropped on load.
+// synced under the same flag, and a step folded since is refolded from its reports on load. A torn
+// last report (a crash mid-append) is dropped on load.
 #ifndef SPARSEBALANCE_SERVER_PLAN_STORE_H_
 #define SPARSEBALANCE_SERVER_PLAN_STORE_H_
 

@@ -185,9 +185,8 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerCo
       SamplesFromProto(request->samples(), job->settings.planner, options_.limits);
   if (!batch.ok()) return Finish(context, "SubmitBatch", start, batch.status());
   const Clock::time_point plan_start = Clock::now();
-  absl::StatusOr<SubmitResult> result =
-      registry_->SubmitBatch(request->job_id(), request->step(), *batch,
-                             request->planned_locally());
+  absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(request->job_id(), request->step(),
+                                                               *batch, request->planned_locally());
   if (!result.ok()) return Finish(context, "SubmitBatch", start, result.status());
   if (options_.metrics != nullptr) {
     if (!result->repeated) {
@@ -298,9 +297,9 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerCon
   for (const v1::MicroBatchReport& m : request->micro_batches()) {
     measured.push_back(TimingFromProto(m));
   }
-  absl::StatusOr<bool> duplicate = registry_->ReportStep(
-      request->job_id(), request->step(), request->rank(), measured, request->wait_seconds(),
-      request->planned_locally());
+  absl::StatusOr<bool> duplicate =
+      registry_->ReportStep(request->job_id(), request->step(), request->rank(), measured,
+                            request->wait_seconds(), request->planned_locally());
   if (!duplicate.ok()) return Finish(context, "ReportStep", start, duplicate.status());
   response->set_duplicate(*duplicate);
   return Finish(context, "ReportStep", start, absl::OkStatus());

@@ -147,10 +147,9 @@ class CpuRunner : public MicroBatchRunner {
       absl::StatusOr<kernels::Selection> selection = kernels::SelectBlocks(
           batch.cu_seqlens, shape_.heads, shape_.head_dim, batch.q, batch.k, densities, select);
       if (!selection.ok()) return selection.status();
-      if (absl::Status s =
-              kernels::AttentionForward(selection->index, shape_.head_dim, batch.q, batch.k,
-                                        batch.v, attention, absl::MakeSpan(out_),
-                                        absl::MakeSpan(lse_));
+      if (absl::Status s = kernels::AttentionForward(selection->index, shape_.head_dim, batch.q,
+                                                     batch.k, batch.v, attention,
+                                                     absl::MakeSpan(out_), absl::MakeSpan(lse_));
           !s.ok()) {
         return s;
       }
@@ -268,15 +267,14 @@ class CudaRunner : public MicroBatchRunner {
         return s;
       }
       absl::StatusOr<kernels::Selection> selection = kernels::cuda::SelectBlocks(
-          batch.cu_seqlens, shape_.heads, shape_.head_dim, q->data(), k->data(), densities,
-          select);
+          batch.cu_seqlens, shape_.heads, shape_.head_dim, q->data(), k->data(), densities, select);
       if (!selection.ok()) return selection.status();
       absl::StatusOr<kernels::cuda::DeviceBlockIndex> index =
           kernels::cuda::DeviceBlockIndex::Upload(selection->index);
       if (!index.ok()) return index.status();
-      if (absl::Status s = kernels::cuda::Forward(*index, shape_.head_dim, q->data(), k->data(),
-                                                  v->data(), 0.0f, out->data(),
-                                                  static_cast<float*>(lse->data()));
+      if (absl::Status s =
+              kernels::cuda::Forward(*index, shape_.head_dim, q->data(), k->data(), v->data(), 0.0f,
+                                     out->data(), static_cast<float*>(lse->data()));
           !s.ok()) {
         return s;
       }
@@ -333,8 +331,8 @@ absl::StatusOr<std::unique_ptr<MicroBatchRunner>> MicroBatchRunner::Create(
 #ifdef SB_KERNELS_WITH_CUDA
     std::string why;
     if (kernels::cuda::DeviceCount(&why) == 0) {
-      return absl::FailedPreconditionError(absl::StrCat("--device=cuda: no CUDA device (", why,
-                                                        "); use --device=cpu"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("--device=cuda: no CUDA device (", why, "); use --device=cpu"));
     }
     if (exact_recall) {
       return absl::InvalidArgumentError("--exact_recall: only with --device=cpu");

@@ -28,10 +28,10 @@ struct MicroBatchResult {
   double compute_seconds = 0.0;    // all layers, forward + backward (attention + linear)
   double attention_seconds = 0.0;  // the selection and attention part of compute_seconds
   int64_t tokens = 0;
-  int64_t active_blocks = 0;       // kept (query block, key block) pairs, all heads, one layer
-  int64_t causal_blocks = 0;       // all causal pairs, all heads, one layer
-  double achieved_density = 0.0;   // token-weighted share of causal key blocks kept
-  double recall = 0.0;             // token-weighted attention recall (exact or estimated)
+  int64_t active_blocks = 0;      // kept (query block, key block) pairs, all heads, one layer
+  int64_t causal_blocks = 0;      // all causal pairs, all heads, one layer
+  double achieved_density = 0.0;  // token-weighted share of causal key blocks kept
+  double recall = 0.0;            // token-weighted attention recall (exact or estimated)
 };
 
 class MicroBatchRunner {

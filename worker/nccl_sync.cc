@@ -45,9 +45,9 @@ class NcclSyncImpl : public NcclSync {
   }
   absl::StatusOr<double> AllReduceMax(double value) override {
     cudaMemcpyAsync(scalar_, &value, sizeof value, cudaMemcpyHostToDevice, stream_);
-    if (absl::Status s = NcclCheck(ncclAllReduce(scalar_, scalar_, 1, ncclFloat64, ncclMax, comm_,
-                                                 stream_),
-                                   "ncclAllReduce");
+    if (absl::Status s =
+            NcclCheck(ncclAllReduce(scalar_, scalar_, 1, ncclFloat64, ncclMax, comm_, stream_),
+                      "ncclAllReduce");
         !s.ok()) {
       return s;
     }
@@ -59,9 +59,9 @@ class NcclSyncImpl : public NcclSync {
     return out;
   }
   absl::Status AllReduceGradients() override {
-    if (absl::Status s = NcclCheck(ncclAllReduce(gradients_, gradients_, elements_, ncclBfloat16,
-                                                 ncclSum, comm_, stream_),
-                                   "ncclAllReduce");
+    if (absl::Status s = NcclCheck(
+            ncclAllReduce(gradients_, gradients_, elements_, ncclBfloat16, ncclSum, comm_, stream_),
+            "ncclAllReduce");
         !s.ok()) {
       return s;
     }

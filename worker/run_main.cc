@@ -230,18 +230,17 @@ int Main(int argc, char** argv) {
   if (profile == "auto") {
     profile = out_dir + "/cpu.profile";
     const Clock::time_point t0 = Clock::now();
-    const pid_t pid = Spawn(
-        {FindBinary("sb-profile"), "--device=cpu", "--threads=1",
-         absl::StrCat("--heads=", absl::GetFlag(FLAGS_heads)),
-         absl::StrCat("--head_dim=", absl::GetFlag(FLAGS_head_dim)),
-         absl::StrCat("--block_size=", absl::GetFlag(FLAGS_block_size)),
-         absl::StrCat("--lengths=512,1024,2048,", std::min<int64_t>(4096, absl::GetFlag(FLAGS_capacity))),
-         "--densities=1.0,0.3,0.1", "--out=" + profile},
-        "/dev/null");
+    const pid_t pid = Spawn({FindBinary("sb-profile"), "--device=cpu", "--threads=1",
+                             absl::StrCat("--heads=", absl::GetFlag(FLAGS_heads)),
+                             absl::StrCat("--head_dim=", absl::GetFlag(FLAGS_head_dim)),
+                             absl::StrCat("--block_size=", absl::GetFlag(FLAGS_block_size)),
+                             absl::StrCat("--lengths=512,1024,2048,",
+                                          std::min<int64_t>(4096, absl::GetFlag(FLAGS_capacity))),
+                             "--densities=1.0,0.3,0.1", "--out=" + profile},
+                            "/dev/null");
     if (WaitFor(pid) != 0) Die("sb-profile failed");
     std::cout << absl::StrFormat("sb-run: measured this CPU with sb-profile in %.1f s -> %s\n",
-                                 std::chrono::duration<double>(Clock::now() - t0).count(),
-                                 profile);
+                                 std::chrono::duration<double>(Clock::now() - t0).count(), profile);
   } else if (profile == "none") {
     profile.clear();
   }
@@ -284,12 +283,18 @@ int Main(int argc, char** argv) {
     const Clock::time_point t0 = Clock::now();
     std::vector<pid_t> pids;
     for (int r = 0; r < workers; ++r) {
-      std::vector<std::string> args = {
-          FindBinary("sb-worker"), "--planner=" + planner, "--job=" + job->job_id,
-          absl::StrCat("--rank=", r), "--token_file=" + token_file, "--device=cpu",
-          "--sync=" + (*hub)->address(), absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
-          "--trace=" + absl::GetFlag(FLAGS_trace), absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed)),
-          absl::StrCat("--fill=", absl::GetFlag(FLAGS_fill)), "--out=" + lines};
+      std::vector<std::string> args = {FindBinary("sb-worker"),
+                                       "--planner=" + planner,
+                                       "--job=" + job->job_id,
+                                       absl::StrCat("--rank=", r),
+                                       "--token_file=" + token_file,
+                                       "--device=cpu",
+                                       "--sync=" + (*hub)->address(),
+                                       absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
+                                       "--trace=" + absl::GetFlag(FLAGS_trace),
+                                       absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed)),
+                                       absl::StrCat("--fill=", absl::GetFlag(FLAGS_fill)),
+                                       "--out=" + lines};
       if (!profile.empty()) args.push_back("--profile=" + profile);
       if (absl::GetFlag(FLAGS_exact_recall)) args.push_back("--exact_recall");
       pids.push_back(Spawn(args, "/dev/null", nullptr,
@@ -303,7 +308,8 @@ int Main(int argc, char** argv) {
     }
     std::cout << absl::StrFormat(" %.1f s\n",
                                  std::chrono::duration<double>(Clock::now() - t0).count());
-    absl::StatusOr<RunResult> result = SummarizeRun(std::string(PolicyName(policy)), lines, workers);
+    absl::StatusOr<RunResult> result =
+        SummarizeRun(std::string(PolicyName(policy)), lines, workers);
     if (!result.ok()) Die(result.status().ToString());
     results.push_back(*std::move(result));
     if (!absl::GetFlag(FLAGS_keep_jobs)) {

@@ -27,8 +27,10 @@ std::string Field(const std::string& line, const std::string& key) {
 
 absl::Status Number(const std::string& line, const std::string& key, double* out) {
   if (!absl::SimpleAtod(Field(line, key), out)) {
-    return absl::InvalidArgumentError(absl::StrCat("step line: field ", key, " missing or not a "
-                                                   "number in: ", line));
+    return absl::InvalidArgumentError(absl::StrCat("step line: field ", key,
+                                                   " missing or not a "
+                                                   "number in: ",
+                                                   line));
   }
   return absl::OkStatus();
 }
@@ -38,16 +40,16 @@ absl::Status Number(const std::string& line, const std::string& key, double* out
 absl::StatusOr<StepLine> ParseStepLine(const std::string& line) {
   StepLine s;
   double step = 0, rank = 0, tokens = 0;
-  for (auto [key, out] : std::vector<std::pair<const char*, double*>>{
-           {"step", &step},
-           {"rank", &rank},
-           {"compute_seconds", &s.compute_seconds},
-           {"attention_seconds", &s.attention_seconds},
-           {"wait_seconds", &s.wait_seconds},
-           {"predicted_seconds", &s.predicted_seconds},
-           {"tokens", &tokens},
-           {"density", &s.density},
-           {"recall", &s.recall}}) {
+  for (auto [key, out] :
+       std::vector<std::pair<const char*, double*>>{{"step", &step},
+                                                    {"rank", &rank},
+                                                    {"compute_seconds", &s.compute_seconds},
+                                                    {"attention_seconds", &s.attention_seconds},
+                                                    {"wait_seconds", &s.wait_seconds},
+                                                    {"predicted_seconds", &s.predicted_seconds},
+                                                    {"tokens", &tokens},
+                                                    {"density", &s.density},
+                                                    {"recall", &s.recall}}) {
     if (absl::Status st = Number(line, key, out); !st.ok()) return st;
   }
   s.step = static_cast<int64_t>(step);
@@ -141,9 +143,8 @@ std::string FormatSummary(const std::vector<RunResult>& runs) {
   row("bubble ratio", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.bubble_ratio); });
   row("mean density", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_density); });
   row("mean recall", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_recall); });
-  row("prediction error", [](const RunResult& r) {
-    return absl::StrFormat("%14.1f%%", 100 * r.prediction_error);
-  });
+  row("prediction error",
+      [](const RunResult& r) { return absl::StrFormat("%14.1f%%", 100 * r.prediction_error); });
   row("steps on local plans",
       [](const RunResult& r) { return absl::StrFormat("%15d", r.local_plan_steps); });
   if (runs.size() >= 2 && runs.back().mean_step_seconds > 0) {
@@ -193,13 +194,14 @@ std::string TimelineSvg(const std::vector<RunResult>& runs) {
   const char* colours[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"};
   for (size_t p = 0; p < runs.size(); ++p) {
     const RunResult& r = runs[p];
-    absl::StrAppendFormat(&svg, "<text x=\"10\" y=\"%.0f\" font-weight=\"bold\">%s: %.2f s/step, "
+    absl::StrAppendFormat(&svg,
+                          "<text x=\"10\" y=\"%.0f\" font-weight=\"bold\">%s: %.2f s/step, "
                           "imbalance %.2f</text>\n",
                           y + 4, r.name, r.mean_step_seconds, r.imbalance);
     y += 12;
     for (int rank = 0; rank < r.ranks; ++rank) {
-      absl::StrAppendFormat(&svg, "<text x=\"10\" y=\"%.0f\">rank %d</text>\n",
-                            y + row_height - 5, rank);
+      absl::StrAppendFormat(&svg, "<text x=\"10\" y=\"%.0f\">rank %d</text>\n", y + row_height - 5,
+                            rank);
       double x = left;
       int step_index = 0;
       for (const auto& [step, rows] : r.steps) {
@@ -209,8 +211,8 @@ std::string TimelineSvg(const std::vector<RunResult>& runs) {
         absl::StrAppendFormat(&svg,
                               "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
                               "fill=\"%s\"><title>step %d rank %d: %.3f s</title></rect>\n",
-                              x, y + 2, compute * scale, row_height - 4,
-                              colours[step_index % 6], step, rank, compute);
+                              x, y + 2, compute * scale, row_height - 4, colours[step_index % 6],
+                              step, rank, compute);
         absl::StrAppendFormat(&svg,
                               "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
                               "fill=\"#d0d0d0\"/>\n",
@@ -222,7 +224,8 @@ std::string TimelineSvg(const std::vector<RunResult>& runs) {
     }
     y += panel_gap;
   }
-  absl::StrAppendFormat(&svg, "<text x=\"%.0f\" y=\"%.0f\">time (s of compute) -&gt; full width "
+  absl::StrAppendFormat(&svg,
+                        "<text x=\"%.0f\" y=\"%.0f\">time (s of compute) -&gt; full width "
                         "= %.2f s</text>\n</svg>\n",
                         left, y - 10, longest);
   return svg;

@@ -52,8 +52,7 @@ struct RunResult {
   int64_t local_plan_steps = 0;
 };
 
-absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::string& path,
-                                       int ranks);
+absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::string& path, int ranks);
 std::string FormatSummary(const std::vector<RunResult>& runs);
 std::string SummaryJson(const std::vector<RunResult>& runs);
 // One panel per run: each rank's steps laid end to end at the pace of the slowest rank

@@ -16,9 +16,9 @@ namespace sparsebalance {
 struct BatchSpec {
   std::string trace = "pretrain";  // a built-in trace (planner/traces.h)
   uint64_t seed = 1;
-  int64_t token_budget = 0;   // tokens per step (e.g. fill x ranks x micro-batches x capacity)
-  int64_t max_length = 0;     // documents longer than this are skipped (the micro-batch capacity)
-  int64_t min_length = 1;     // and shorter ones too
+  int64_t token_budget = 0;  // tokens per step (e.g. fill x ranks x micro-batches x capacity)
+  int64_t max_length = 0;    // documents longer than this are skipped (the micro-batch capacity)
+  int64_t min_length = 1;    // and shorter ones too
 };
 
 // The batch of `step`: documents drawn from the trace seeded by (seed, step) until the next

@@ -58,8 +58,8 @@ absl::StatusOr<std::unique_ptr<StepSyncHub>> StepSyncHub::Start(int ranks, int p
   addr.sin_port = htons(static_cast<uint16_t>(port));
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(fd, 256) != 0) {
     close(fd);
-    return absl::UnavailableError(absl::StrCat("step sync: cannot listen on port ", port, ": ",
-                                               std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("step sync: cannot listen on port ", port, ": ", std::strerror(errno)));
   }
   socklen_t len = sizeof addr;
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -92,13 +92,12 @@ void StepSyncHub::Serve() {
     int rank = -1;  // -1 until HELLO
     std::string buffer;
   };
-  std::map<int, Peer> peers;          // by fd
-  std::map<int, int> fd_of_rank;      // the live connection of each rank
+  std::map<int, Peer> peers;      // by fd
+  std::map<int, int> fd_of_rank;  // the live connection of each rank
   std::map<std::pair<int64_t, int>, Round> rounds;
   auto release = [&](const std::pair<int64_t, int>& key, const Round& round) {
-    const std::string line =
-        absl::StrCat("RELEASE ", key.first, " ", key.second, " ", FormatValue(round.max_value),
-                     "\n");
+    const std::string line = absl::StrCat("RELEASE ", key.first, " ", key.second, " ",
+                                          FormatValue(round.max_value), "\n");
     for (int rank : round.arrived) {
       auto it = fd_of_rank.find(rank);
       if (it != fd_of_rank.end()) SendAll(it->second, line);
@@ -124,8 +123,8 @@ void StepSyncHub::Serve() {
     const std::pair<int64_t, int> key{step, phase};
     Round& round = rounds[key];
     if (round.released) {
-      SendAll(fd, absl::StrCat("RELEASE ", step, " ", phase, " ", FormatValue(round.max_value),
-                               "\n"));
+      SendAll(fd,
+              absl::StrCat("RELEASE ", step, " ", phase, " ", FormatValue(round.max_value), "\n"));
       return true;
     }
     if (round.arrived.empty() || value > round.max_value) round.max_value = value;
@@ -183,8 +182,9 @@ void StepSyncHub::Serve() {
   for (const auto& [fd, peer] : peers) close(fd);
 }
 
-absl::StatusOr<std::unique_ptr<StepSyncClient>> StepSyncClient::Connect(
-    const std::string& address, int rank, double timeout_seconds) {
+absl::StatusOr<std::unique_ptr<StepSyncClient>> StepSyncClient::Connect(const std::string& address,
+                                                                        int rank,
+                                                                        double timeout_seconds) {
   const size_t colon = address.rfind(':');
   int port = 0;
   if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {
@@ -195,7 +195,8 @@ absl::StatusOr<std::unique_ptr<StepSyncClient>> StepSyncClient::Connect(
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   if (inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("sync address: ", host, " is not an IPv4 address"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sync address: ", host, " is not an IPv4 address"));
   }
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
@@ -258,9 +259,8 @@ absl::StatusOr<double> StepSyncClient::Exchange(int64_t step, int phase, double 
         return max_value;
       }
     }
-    const int64_t left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                                deadline - Clock::now())
-                                .count();
+    const int64_t left_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left_ms <= 0) {
       return absl::DeadlineExceededError(absl::StrCat("step sync: step ", step, " phase ", phase,
                                                       ": other ranks did not arrive within ",

@@ -9,8 +9,8 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <map>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -69,8 +69,7 @@ double Since(Clock::time_point t) {
 }
 
 double UnixSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 std::string ReadFile(const std::string& path, const std::string& flag) {
@@ -221,9 +220,9 @@ int Main(int argc, char** argv) {
   spec.seed = absl::GetFlag(FLAGS_seed);
   spec.max_length = config.micro_batch_capacity;
   spec.min_length = std::min<int64_t>(absl::GetFlag(FLAGS_min_length), spec.max_length);
-  spec.token_budget = static_cast<int64_t>(absl::GetFlag(FLAGS_fill) * config.ranks *
-                                           config.micro_batches *
-                                           static_cast<double>(config.micro_batch_capacity));
+  spec.token_budget =
+      static_cast<int64_t>(absl::GetFlag(FLAGS_fill) * config.ranks * config.micro_batches *
+                           static_cast<double>(config.micro_batch_capacity));
   std::ofstream out;
   if (!absl::GetFlag(FLAGS_out).empty()) {
     out.open(absl::GetFlag(FLAGS_out), std::ios::app);
@@ -257,7 +256,8 @@ int Main(int argc, char** argv) {
       std::vector<int64_t> doc_lengths;
       for (uint64_t id : mb.sample_ids) doc_lengths.push_back(lengths.at(id));
       absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb.sample_ids, doc_lengths, mb.densities);
-      if (!r.ok()) Die(absl::StrCat("step ", step, " micro-batch ", m, ": ", r.status().ToString()));
+      if (!r.ok())
+        Die(absl::StrCat("step ", step, " micro-batch ", m, ": ", r.status().ToString()));
       MicroBatchTiming t;
       t.micro_batch = static_cast<int>(m);
       t.compute_seconds = r->compute_seconds;
@@ -287,9 +287,9 @@ int Main(int argc, char** argv) {
                  "\"wall_start\": %.6f, \"wall_end\": %.6f}",
                  step, rank, compute, attention, wait, plan->predicted_seconds, tokens,
                  tokens > 0 ? density_tokens / tokens : 0.0,
-                 tokens > 0 ? recall_tokens / tokens : 0.0,
-                 plan->local_fallback ? "true" : "false", acked ? "true" : "false",
-                 PlanDigest(plan->micro_batches), wall_start, UnixSeconds())
+                 tokens > 0 ? recall_tokens / tokens : 0.0, plan->local_fallback ? "true" : "false",
+                 acked ? "true" : "false", PlanDigest(plan->micro_batches), wall_start,
+                 UnixSeconds())
           << std::endl;
     }
   }

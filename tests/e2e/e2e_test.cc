@@ -37,8 +37,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double UnixSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 class TempDir {
@@ -307,7 +306,8 @@ TEST(EndToEndTest, TheMainJobIsMoreBalancedWithSparseBalanceAndRecallIsNotLower)
                "--out=" + out, "--workers=4", "--steps=4", "--capacity=4096", "--fill=0.6"},
               dir.path() + "/run.log");
   ASSERT_EQ(run.Wait(240), 0) << ReadAll(dir.path() + "/run.log");
-  absl::StatusOr<RunResult> sequential = SummarizeRun("sequential", out + "/sequential.steps.jsonl", 4);
+  absl::StatusOr<RunResult> sequential =
+      SummarizeRun("sequential", out + "/sequential.steps.jsonl", 4);
   absl::StatusOr<RunResult> balanced =
       SummarizeRun("sparsebalance", out + "/sparsebalance.steps.jsonl", 4);
   ASSERT_TRUE(sequential.ok() && balanced.ok());

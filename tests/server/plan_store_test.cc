@@ -127,7 +127,8 @@ TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
     id = job->job_id;
     for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
     for (int step = 0; step < 2; ++step) {
-      absl::StatusOr<SubmitResult> result = registry.SubmitBatch(id, step, Batch(30 + step, kRanks));
+      absl::StatusOr<SubmitResult> result =
+          registry.SubmitBatch(id, step, Batch(30 + step, kRanks));
       ASSERT_TRUE(result.ok());
       for (int r = 0; r < kRanks; ++r) {
         ASSERT_TRUE(registry.ReportStep(id, step, r, Measure(result->plan, r), 0.0).ok());
