@@ -366,6 +366,41 @@ struct Figures {
   void Add(const std::string& name, double value) { values.emplace_back(name, value); }
 };
 
+// One rank's part of a step: GetRankPlan (which waits for the plan), then the ReportStep of that
+// plan. `on_plan`, if set, sees the plan call's status and latency (seconds); `on_done` sees the
+// report's status and latency, or the failed plan call's status and -1.
+void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step, int rank,
+                    std::function<void(const grpc::Status&, double)> on_plan,
+                    std::function<void(const grpc::Status&, double)> on_done) {
+  struct Call {
+    grpc::ClientContext context;
+    v1::GetRankPlanRequest request;
+    v1::GetRankPlanResponse response;
+    grpc::ClientContext report_context;
+    v1::ReportStepRequest report;
+    v1::ReportStepResponse report_response;
+  };
+  auto call = std::make_shared<Call>();
+  Authorize(&call->context, job.token, 60);
+  Authorize(&call->report_context, job.token, 60);
+  call->request.set_job_id(job.id);
+  call->request.set_step(step);
+  call->request.set_rank(rank);
+  const Clock::time_point t0 = Clock::now();
+  stub->async()->GetRankPlan(
+      &call->context, &call->request, &call->response,
+      [&job, call, stub, t0, on_plan = std::move(on_plan),
+       on_done = std::move(on_done)](grpc::Status s) {
+        if (on_plan) on_plan(s, Seconds(t0, Clock::now()));
+        if (!s.ok()) return on_done(s, -1.0);
+        call->report = ReportFor(job, call->response.plan());
+        const Clock::time_point t1 = Clock::now();
+        stub->async()->ReportStep(
+            &call->report_context, &call->report, &call->report_response,
+            [call, t1, on_done](grpc::Status r) { on_done(r, Seconds(t1, Clock::now())); });
+      });
+}
+
 void RunReports(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int clients = absl::GetFlag(FLAGS_clients);
   const int steps = std::max<int>(1, (absl::GetFlag(FLAGS_reports) + clients - 1) / clients);
@@ -474,40 +509,16 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
     absl::Mutex mu;
     Clock::time_point last_plan;
     for (int rank = 0; rank < ranks; ++rank) {
-      struct Call {
-        grpc::ClientContext context;
-        v1::GetRankPlanRequest request;
-        v1::GetRankPlanResponse response;
-        grpc::ClientContext report_context;
-        v1::ReportStepRequest report;
-        v1::ReportStepResponse report_response;
-      };
-      auto call = std::make_shared<Call>();
-      Authorize(&call->context, job.token, 60);
-      Authorize(&call->report_context, job.token, 60);
-      call->request.set_job_id(job.id);
-      call->request.set_step(step);
-      call->request.set_rank(rank);
-      v1::PlannerService::Stub* stub = connections[rank];
-      const Clock::time_point t0 = Clock::now();
-      stub->async()->GetRankPlan(
-          &call->context, &call->request, &call->response, [&, call, stub, t0](grpc::Status s) {
-            plans.Add(s, Seconds(t0, Clock::now()));
-            {
-              absl::MutexLock lock(&mu);
-              last_plan = std::max(last_plan, Clock::now());
-            }
-            if (!s.ok()) {
-              done.Done();
-              return;
-            }
-            call->report = ReportFor(job, call->response.plan());
-            const Clock::time_point t1 = Clock::now();
-            stub->async()->ReportStep(&call->report_context, &call->report, &call->report_response,
-                                      [&, call, t1](grpc::Status r) {
-                                        reports.Add(r, Seconds(t1, Clock::now()));
-                                        done.Done();
-                                      });
+      PlanThenReport(
+          connections[rank], job, step, rank,
+          [&](const grpc::Status& s, double seconds) {
+            plans.Add(s, seconds);
+            absl::MutexLock lock(&mu);
+            last_plan = std::max(last_plan, Clock::now());
+          },
+          [&](const grpc::Status& s, double report_seconds) {
+            if (report_seconds >= 0) reports.Add(s, report_seconds);
+            done.Done();
           });
       waiting.Done();
     }
@@ -553,29 +564,8 @@ void RunSoak(const std::string& target, const std::string& admin, int pid, Figur
     Submit(connections[0], job, Batch(job, step, 4 * ranks, 99 + step));
     Tally tally;
     RunAsync(ranks, ranks, &tally, [&](int64_t rank, std::function<void(grpc::Status)> done) {
-      struct Call {
-        grpc::ClientContext context;
-        v1::GetRankPlanRequest request;
-        v1::GetRankPlanResponse response;
-        grpc::ClientContext report_context;
-        v1::ReportStepRequest report;
-        v1::ReportStepResponse report_response;
-      };
-      auto call = std::make_shared<Call>();
-      Authorize(&call->context, job.token, 60);
-      Authorize(&call->report_context, job.token, 60);
-      call->request.set_job_id(job.id);
-      call->request.set_step(step);
-      call->request.set_rank(static_cast<int>(rank));
-      v1::PlannerService::Stub* stub = connections[rank];
-      stub->async()->GetRankPlan(&call->context, &call->request, &call->response,
-                                 [&job, call, stub, done](grpc::Status s) {
-                                   if (!s.ok()) return done(s);
-                                   call->report = ReportFor(job, call->response.plan());
-                                   stub->async()->ReportStep(
-                                       &call->report_context, &call->report, &call->report_response,
-                                       [call, done](grpc::Status r) { done(r); });
-                                 });
+      PlanThenReport(connections[rank], job, step, static_cast<int>(rank), nullptr,
+                     [done](const grpc::Status& s, double) { done(s); });
     });
     tally.CheckOk(absl::StrCat("step ", step));
     if ((step + 1) % samples_every == 0) rss.emplace_back(step + 1, ResidentBytes(pid));
