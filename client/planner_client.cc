@@ -31,7 +31,8 @@ constexpr char kServiceConfig[] = R"({
 
 bool IsUnreachable(const absl::Status& status) {
   return status.code() == absl::StatusCode::kUnavailable ||
-         status.code() == absl::StatusCode::kDeadlineExceeded;
+         status.code() == absl::StatusCode::kDeadlineExceeded ||
+         ErrorReason(status) == kReasonStateDirFailure;
 }
 
 struct PlannerClient::Impl {

@@ -163,7 +163,9 @@ class TrainerSession {
   int64_t last_planner_step_ = -1;  // the latest step whose plan came from the planner
 };
 
-// True for the codes that mean "the planner is not reachable now".
+// True when the planner cannot serve now: not reachable (UNAVAILABLE), past the deadline, or
+// unable to write its state directory (ErrorReason kReasonStateDirFailure: disk full or
+// read-only). The session then plans locally and keeps its reports until the planner is back.
 bool IsUnreachable(const absl::Status& status);
 
 }  // namespace sparsebalance

@@ -3,7 +3,9 @@
 #include <cmath>
 #include <string>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
 #include "planner/planner.h"
 
 namespace sparsebalance {
@@ -270,15 +272,54 @@ MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& m) {
   return mb;
 }
 
+namespace {
+
+constexpr char kErrorInfoUrl[] = "type.googleapis.com/sparsebalance.planner.v1.ErrorInfo";
+constexpr char kErrorDomain[] = "sparsebalance.planner.v1";
+
+}  // namespace
+
+absl::Status WithErrorReason(absl::Status status, absl::string_view reason) {
+  if (!status.ok()) status.SetPayload(kErrorInfoUrl, absl::Cord(reason));
+  return status;
+}
+
+std::string ErrorReason(const absl::Status& status) {
+  absl::optional<absl::Cord> reason = status.GetPayload(kErrorInfoUrl);
+  return reason.has_value() ? std::string(*reason) : std::string();
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl and gRPC share the canonical code numbers.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  const auto code = static_cast<grpc::StatusCode>(status.code());
+  const std::string reason = ErrorReason(status);
+  if (reason.empty()) return grpc::Status(code, std::string(status.message()));
+  v1::RpcStatus details;
+  details.set_code(static_cast<int>(status.code()));
+  details.set_message(std::string(status.message()));
+  v1::ErrorInfo info;
+  info.set_reason(reason);
+  info.set_domain(kErrorDomain);
+  google::protobuf::Any* any = details.add_details();
+  any->set_type_url(kErrorInfoUrl);
+  any->set_value(info.SerializeAsString());
+  return grpc::Status(code, std::string(status.message()), details.SerializeAsString());
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status out(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  v1::RpcStatus details;
+  if (!status.error_details().empty() && details.ParseFromString(status.error_details())) {
+    for (const google::protobuf::Any& any : details.details()) {
+      v1::ErrorInfo info;
+      if (any.type_url() == kErrorInfoUrl && info.ParseFromString(any.value())) {
+        out = WithErrorReason(std::move(out), info.reason());
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace sparsebalance

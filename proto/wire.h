@@ -70,9 +70,18 @@ v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
 void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out);
 MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& micro_batch);
 
-// The gRPC status for an absl::Status (same code and message); gRPC 1.51 has none.
+// Machine-readable reasons an error can carry (ErrorInfo.reason in planner.proto), as an
+// absl::Status payload on this side and in the gRPC status details on the wire.
+inline constexpr char kReasonStateDirFailure[] = "STATE_DIR_FAILURE";
+// `status` with `reason` attached (an OK status stays OK).
+absl::Status WithErrorReason(absl::Status status, absl::string_view reason);
+// The reason attached to `status`, or "" when it carries none.
+std::string ErrorReason(const absl::Status& status);
+
+// The gRPC status for an absl::Status (same code and message, and its reason as an RpcStatus
+// with an ErrorInfo in the details); gRPC 1.51 has no converter.
 grpc::Status ToGrpcStatus(const absl::Status& status);
-// And back, for the client.
+// And back, for the client (the reason included).
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace sparsebalance

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -42,11 +44,37 @@ state::v1::ModelState ModelToProto(const LatencyModel& model) {
   return out;
 }
 
+bool AllFinite(const google::protobuf::RepeatedField<double>& values) {
+  for (double v : values) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<LatencyModel> ModelFromProto(const state::v1::ModelState& in,
                                             const PlannerConfig& config) {
   if (in.weights_size() != 4 || in.covariance_size() != 16 || in.prior_size() != 4 ||
       in.speed_factors_size() != config.ranks) {
-    return absl::DataLossError("state: a job's model snapshot has the wrong shape");
+    return absl::DataLossError(
+        absl::StrCat("job.pb model: ", in.weights_size(), " weights, ", in.covariance_size(),
+                     " covariance entries, ", in.prior_size(), " prior coefficients and ",
+                     in.speed_factors_size(), " speed factors; want 4, 16, 4 and ", config.ranks));
+  }
+  if (!AllFinite(in.weights()) || !AllFinite(in.covariance()) || !AllFinite(in.prior()) ||
+      !std::isfinite(in.rank_error_variance()) || in.rank_error_variance() < 0 ||
+      in.steps_observed() < 0) {
+    return absl::DataLossError(
+        "job.pb model: a weight, covariance, prior or error value is not "
+        "finite (or negative)");
+  }
+  for (int r = 0; r < in.speed_factors_size(); ++r) {
+    if (!Positive(in.speed_factors(r))) {
+      return absl::DataLossError(absl::StrCat("job.pb model: speed_factors[", r, "] = ",
+                                              in.speed_factors(r), " is not positive and finite"));
+    }
+  }
+  for (double c : in.prior()) {
+    if (!(c >= 0)) return absl::DataLossError("job.pb model: a prior coefficient is negative");
   }
   LatencyModel model(config.shape, config.ranks,
                      CostCoefficients{in.prior(0), in.prior(1), in.prior(2), in.prior(3)});
@@ -58,6 +86,26 @@ absl::StatusOr<LatencyModel> ModelFromProto(const state::v1::ModelState& in,
   st.steps_observed = in.steps_observed();
   model.set_state(st);
   return model;
+}
+
+bool StateFinite(const LatencyModelState& st) {
+  for (double v : st.weights) {
+    if (!std::isfinite(v)) return false;
+  }
+  for (double v : st.covariance) {
+    if (!std::isfinite(v)) return false;
+  }
+  for (double v : st.speed_factors) {
+    if (!Positive(v)) return false;
+  }
+  return std::isfinite(st.rank_error_variance);
+}
+
+bool IsLowerHex(const std::string& s) {
+  for (char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
 }
 
 StepPlan StepPlanFromProto(const state::v1::StepRecord& in) {
@@ -114,6 +162,143 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// Reported times above this are refused: no micro-batch or wait takes 11 days, and the model's
+// least squares must never see values whose squares overflow.
+constexpr double kMaxReportedSeconds = 1e6;
+
+absl::Status ValidateReport(const StepPlan& plan, int rank,
+                            const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
+                            bool complete) {
+  if (!std::isfinite(wait_seconds) || wait_seconds < 0 || wait_seconds > kMaxReportedSeconds) {
+    return absl::InvalidArgumentError(absl::StrCat("wait_seconds: ", wait_seconds,
+                                                   " is not a finite number in [0, ",
+                                                   kMaxReportedSeconds, "]"));
+  }
+  if (rank < 0 || rank >= static_cast<int>(plan.ranks.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", rank, " is outside [0, ", plan.ranks.size(), ")"));
+  }
+  const std::vector<MicroBatchPlan>& planned = plan.ranks[rank].micro_batches;
+  std::vector<bool> seen(planned.size(), false);
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
+    const MicroBatchTiming& m = micro_batches[k];
+    const std::string where = absl::StrCat("micro_batches[", k, "]");
+    if (m.micro_batch < 0 || m.micro_batch >= static_cast<int>(planned.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+                                                     " is outside [0, ", planned.size(), ")"));
+    }
+    if (seen[m.micro_batch]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".micro_batch: ", m.micro_batch, " is reported twice"));
+    }
+    seen[m.micro_batch] = true;
+    if (planned[m.micro_batch].sample_ids.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+                                                     " was planned empty; do not report it"));
+    }
+    if (!Positive(m.compute_seconds) || m.compute_seconds > kMaxReportedSeconds) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".compute_seconds: ", m.compute_seconds,
+                                                     " is not a finite number in (0, ",
+                                                     kMaxReportedSeconds, "]"));
+    }
+    if (!std::isfinite(m.attention_seconds) || m.attention_seconds < 0 ||
+        m.attention_seconds > m.compute_seconds) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".attention_seconds: ", m.attention_seconds, " is not in [0, compute_seconds]"));
+    }
+    if (!(m.recall >= 0.0 && m.recall <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".recall: ", m.recall, " is outside [0, 1]"));
+    }
+    if (!(m.achieved_density >= 0.0 && m.achieved_density <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".achieved_density: ", m.achieved_density, " is outside [0, 1]"));
+    }
+    if (m.tokens != planned[m.micro_batch].tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
+    }
+  }
+  if (complete) {
+    for (size_t k = 0; k < planned.size(); ++k) {
+      if (!seen[k] && !planned[k].sample_ids.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("micro_batches: rank ", rank, "'s plan has ", planned[k].sample_ids.size(),
+                         " samples in micro-batch ", k,
+                         " but the report has no timing for it; report every "
+                         "non-empty planned micro-batch once"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>& batch,
+                                const PlannerConfig& config) {
+  if (static_cast<int>(plan.ranks.size()) != config.ranks) {
+    return absl::DataLossError(
+        absl::StrCat("the plan has ", plan.ranks.size(), " ranks; the job has ", config.ranks));
+  }
+  std::map<uint64_t, int64_t> length_of;
+  for (const Sample& s : batch) length_of[s.id] = s.length;
+  std::map<uint64_t, bool> placed;
+  for (int r = 0; r < config.ranks; ++r) {
+    const RankPlan& rank = plan.ranks[r];
+    if (static_cast<int>(rank.micro_batches.size()) != config.micro_batches) {
+      return absl::DataLossError(absl::StrCat("plan rank ", r, " has ", rank.micro_batches.size(),
+                                              " micro-batches; the job has ",
+                                              config.micro_batches));
+    }
+    if (!std::isfinite(rank.predicted_seconds)) {
+      return absl::DataLossError(absl::StrCat("plan rank ", r, ": predicted_seconds not finite"));
+    }
+    for (size_t k = 0; k < rank.micro_batches.size(); ++k) {
+      const MicroBatchPlan& mb = rank.micro_batches[k];
+      const std::string where = absl::StrCat("plan rank ", r, " micro-batch ", k);
+      if (mb.densities.size() != mb.sample_ids.size()) {
+        return absl::DataLossError(absl::StrCat(where, ": ", mb.sample_ids.size(), " samples but ",
+                                                mb.densities.size(), " densities"));
+      }
+      int64_t tokens = 0;
+      for (size_t i = 0; i < mb.sample_ids.size(); ++i) {
+        auto it = length_of.find(mb.sample_ids[i]);
+        if (it == length_of.end()) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": sample id ", mb.sample_ids[i], " is not in the batch"));
+        }
+        if (placed[mb.sample_ids[i]]) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": sample id ", mb.sample_ids[i], " is placed twice"));
+        }
+        placed[mb.sample_ids[i]] = true;
+        if (!(mb.densities[i] > 0.0 && mb.densities[i] <= 1.0)) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": density ", mb.densities[i], " is outside (0, 1]"));
+        }
+        tokens += it->second;  // lengths are bounded (ValidateBatch): no overflow
+      }
+      if (tokens != mb.tokens) {
+        return absl::DataLossError(
+            absl::StrCat(where, ": tokens ", mb.tokens, " but its samples sum to ", tokens));
+      }
+      if (!std::isfinite(mb.predicted_seconds) || !std::isfinite(mb.default_density)) {
+        return absl::DataLossError(absl::StrCat(where, ": a figure is not finite"));
+      }
+    }
+  }
+  for (uint64_t id : plan.deferred_ids) {
+    if (length_of.count(id) == 0 || placed[id]) {
+      return absl::DataLossError(
+          absl::StrCat("deferred sample id ", id, " is not in the batch or was also placed"));
+    }
+  }
+  for (double f : {plan.makespan_seconds, plan.lower_bound_seconds, plan.gap, plan.imbalance_ratio,
+                   plan.bubble_ratio, plan.mean_density, plan.predicted_recall}) {
+    if (!std::isfinite(f)) return absl::DataLossError("the plan's figures are not finite");
+  }
+  return absl::OkStatus();
+}
+
 JobRegistry::JobRegistry(Options options, std::function<std::string(int)> random_hex)
     : options_(std::move(options)), random_hex_(std::move(random_hex)) {}
 
@@ -123,8 +308,22 @@ std::shared_ptr<JobRegistry::Job> JobRegistry::Find(const std::string& job_id) c
   return it == jobs_.end() ? nullptr : it->second;
 }
 
+absl::Status JobRegistry::LiveOrNotFound(const std::string& job_id, const Job& job) {
+  return job.deleted ? NotFound(job_id) : absl::OkStatus();
+}
+
+absl::Status JobRegistry::Stored(absl::Status status) const {
+  if (status.ok() || !IsStoreFailure(status)) return status;
+  if (options_.on_store_failure) options_.on_store_failure(status);
+  return WithErrorReason(std::move(status), kReasonStateDirFailure);
+}
+
 absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sync) const {
   if (options_.store == nullptr) return absl::OkStatus();
+  return Stored(options_.store->SaveJob(Snapshot(id, job), sync));
+}
+
+state::v1::JobSnapshot JobRegistry::Snapshot(const std::string& id, const Job& job) {
   state::v1::JobSnapshot snapshot;
   snapshot.set_job_id(id);
   snapshot.set_name(job.name);
@@ -136,7 +335,9 @@ absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sy
   for (const auto& [step, record] : job.history) {
     if (record.folded) snapshot.add_folded_steps(step);
   }
-  return options_.store->SaveJob(snapshot, sync);
+  snapshot.set_unfolded_steps(job.unfolded_steps);
+  snapshot.set_fold_failure(job.fold_failure);
+  return snapshot;
 }
 
 absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
@@ -153,69 +354,149 @@ absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
   out->mutable_deferred_ids()->Assign(record.plan->deferred_ids.begin(),
                                       record.plan->deferred_ids.end());
   out->set_folded(record.folded);
-  return options_.store->SaveStep(id, *out);
+  return Stored(options_.store->SaveStep(id, *out));
+}
+
+void JobRegistry::TrimHistory(const std::string& id, Job& job) {
+  while (static_cast<int>(job.history.size()) > job.settings.history_steps) {
+    const int64_t dropped = job.history.begin()->first;
+    job.history.erase(job.history.begin());
+    // A step file left behind is dropped again at the next restart: not worth failing for.
+    if (options_.store != nullptr) Stored(options_.store->DropStep(id, dropped)).IgnoreError();
+  }
 }
 
 absl::Status JobRegistry::Restore() {
   if (options_.store == nullptr) return absl::OkStatus();
-  absl::StatusOr<std::vector<PlanStore::LoadedJob>> loaded = options_.store->LoadAll();
+  absl::StatusOr<PlanStore::Loaded> loaded = options_.store->LoadAll();
   if (!loaded.ok()) return loaded.status();
-  WireLimits relaxed = options_.limits;
-  relaxed.max_world_size = std::max(relaxed.max_world_size, 1 << 30);
-  for (PlanStore::LoadedJob& l : *loaded) {
-    const std::string& id = l.job.job_id();
-    absl::StatusOr<JobSettings> settings = ConfigFromProto(l.job.config(), relaxed);
-    if (!settings.ok()) {
-      return absl::DataLossError(
-          absl::StrCat("state: job ", id, ": ", settings.status().message()));
+  std::map<std::string, FailedJob> failed;
+  for (const PlanStore::FailedJob& f : loaded->failed) failed[f.job_id] = {f.reason, f.path};
+  std::map<std::string, std::shared_ptr<Job>> jobs;
+  for (PlanStore::LoadedJob& l : loaded->jobs) {
+    absl::StatusOr<std::shared_ptr<Job>> job = RestoreJob(l);
+    if (job.ok()) {
+      jobs[l.job_id] = *std::move(job);
+      continue;
     }
-    absl::StatusOr<LatencyModel> model = ModelFromProto(l.job.model(), settings->planner);
-    if (!model.ok()) return model.status();
-    auto job = std::make_shared<Job>(*settings, model->prior());
-    absl::MutexLock job_lock(&job->mu);
-    job->model = *model;
-    job->name = l.job.name();
-    job->token = l.job.token();
-    job->joined.assign(settings->planner.ranks, false);
-    for (int r = 0; r < l.job.joined_size() && r < settings->planner.ranks; ++r) {
-      job->joined[r] = l.job.joined(r);
+    const std::string reason(job.status().message());
+    std::string path = options_.store->dir() + "/" + l.job_id;
+    if (absl::Status moved = options_.store->Quarantine(l.job_id, reason); moved.ok()) {
+      path = options_.store->dir() + "/quarantine/" + l.job_id;
     }
-    job->next_step = l.job.next_step();
-    for (PlanStore::LoadedStep& step : l.steps) {
-      StepRecord record;
-      for (const v1::Sample& s : step.record.batch()) {
-        record.batch.push_back(Sample{s.id(),
-                                      s.length(),
-                                      s.sensitivity(),
-                                      s.group(),
-                                      {s.segments().begin(), s.segments().end()}});
-      }
-      record.batch_fingerprint = BatchFingerprint(record.batch);
-      record.plan = std::make_shared<const StepPlan>(StepPlanFromProto(step.record));
-      record.folded = step.record.folded() ||
-                      std::find(l.job.folded_steps().begin(), l.job.folded_steps().end(),
-                                step.record.step()) != l.job.folded_steps().end();
-      for (const state::v1::ReportRecord& report : step.reports) {
-        std::vector<MicroBatchTiming>& measured = record.reports[report.rank()];
-        for (const v1::MicroBatchReport& m : report.micro_batches()) {
-          measured.push_back(TimingFromProto(m));
-        }
-        record.waits[report.rank()] = report.wait_seconds();
-      }
-      // A step record written just before a crash that kept the snapshot from landing.
-      job->next_step = std::max(job->next_step, step.record.step() + 1);
-      job->history[step.record.step()] = std::move(record);
-    }
-    // Steps whose last report landed but whose fold's snapshot did not (a crash in between).
-    for (auto& [step, record] : job->history) {
-      if (!record.folded && static_cast<int>(record.reports.size()) == settings->planner.ranks) {
-        if (absl::Status s = Fold(id, *job, step, record); !s.ok()) return s;
-      }
-    }
-    absl::MutexLock lock(&mu_);
-    jobs_[id] = job;
+    failed[l.job_id] = {reason, path};
   }
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, job] : jobs) jobs_[id] = std::move(job);
+  for (auto& [id, f] : failed) failed_[id] = std::move(f);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanStore::LoadedJob& l) {
+  const std::string& id = l.job_id;      // the folder's name: the file's own id is not trusted
+  WireLimits relaxed = options_.limits;  // a job accepted before keeps working under new flags
+  relaxed.max_world_size = std::max(relaxed.max_world_size, 1 << 30);
+  relaxed.max_history_steps = std::max(relaxed.max_history_steps, 1 << 20);
+  absl::StatusOr<JobSettings> settings = ConfigFromProto(l.job.config(), relaxed);
+  if (!settings.ok()) {
+    return absl::DataLossError(absl::StrCat("job.pb: ", settings.status().message()));
+  }
+  const PlannerConfig& config = settings->planner;
+  absl::StatusOr<LatencyModel> model = ModelFromProto(l.job.model(), config);
+  if (!model.ok()) return model.status();
+  if (l.job.name().size() > 64) return absl::DataLossError("job.pb: name above 64 characters");
+  if (l.job.token().size() != kTokenHexChars || !IsLowerHex(l.job.token())) {
+    return absl::DataLossError(
+        absl::StrCat("job.pb: the token is not ", kTokenHexChars, " hexadecimal characters"));
+  }
+  if (l.job.next_step() < 0 || l.job.next_step() > kMaxStep) {
+    return absl::DataLossError(
+        absl::StrCat("job.pb: next_step ", l.job.next_step(), " is outside [0, 2^48]"));
+  }
+  if (l.job.unfolded_steps() < 0) return absl::DataLossError("job.pb: unfolded_steps < 0");
+  auto job = std::make_shared<Job>(*settings, model->prior());
+  absl::MutexLock job_lock(&job->mu);
+  job->model = *model;
+  job->name = l.job.name();
+  job->token = l.job.token();
+  job->unfolded_steps = l.job.unfolded_steps();
+  job->fold_failure = l.job.fold_failure().substr(0, 1024);
+  job->joined.assign(config.ranks, false);
+  for (int r = 0; r < l.job.joined_size() && r < config.ranks; ++r) {
+    job->joined[r] = l.job.joined(r);
+  }
+  job->next_step = l.job.next_step();
+  const std::set<int64_t> folded(l.job.folded_steps().begin(), l.job.folded_steps().end());
+  // Batches of the history are checked without the step capacity: overflow may have been
+  // changed to `error` after a deferring step was planned.
+  PlannerConfig batch_config = config;
+  batch_config.overflow = OverflowPolicy::kDefer;
+  for (PlanStore::LoadedStep& step : l.steps) {
+    const int64_t n = step.record.step();
+    const std::string where = absl::StrCat("step-", n, ".pb: ");
+    if (n < 0 || n >= kMaxStep) {
+      return absl::DataLossError(absl::StrCat(where, "step ", n, " is outside [0, 2^48)"));
+    }
+    StepRecord record;
+    for (const v1::Sample& s : step.record.batch()) {
+      record.batch.push_back(Sample{s.id(),
+                                    s.length(),
+                                    s.sensitivity(),
+                                    s.group(),
+                                    {s.segments().begin(), s.segments().end()}});
+    }
+    if (absl::Status s = ValidateBatch(record.batch, batch_config); !s.ok()) {
+      return absl::DataLossError(absl::StrCat(where, s.message()));
+    }
+    record.batch_fingerprint = BatchFingerprint(record.batch);
+    StepPlan plan = StepPlanFromProto(step.record);
+    if (absl::Status s = ValidateStoredPlan(plan, record.batch, config); !s.ok()) {
+      return absl::DataLossError(absl::StrCat(where, s.message()));
+    }
+    record.plan = std::make_shared<const StepPlan>(std::move(plan));
+    record.folded = step.record.folded() || folded.count(n) > 0;
+    for (const state::v1::ReportRecord& report : step.reports) {
+      std::vector<MicroBatchTiming> measured;
+      for (const v1::MicroBatchReport& m : report.micro_batches()) {
+        measured.push_back(TimingFromProto(m));
+      }
+      if (absl::Status s = ValidateReport(*record.plan, report.rank(), measured,
+                                          report.wait_seconds(), /*complete=*/false);
+          !s.ok()) {
+        return absl::DataLossError(
+            absl::StrCat("step-", n, ".reports: rank ", report.rank(), ": ", s.message()));
+      }
+      // The first acknowledged report of a rank counts (a later one cannot have been
+      // acknowledged: ReportStep answers repeats from memory).
+      if (record.reports.count(report.rank()) > 0) continue;
+      record.reports[report.rank()] = std::move(measured);
+      record.waits[report.rank()] = report.wait_seconds();
+    }
+    // A step record written just before a crash that kept the snapshot from landing.
+    job->next_step = std::max(job->next_step, n + 1);
+    job->history[n] = std::move(record);
+  }
+  TrimHistory(id, *job);
+  // Steps whose last report landed but whose fold's snapshot did not (a crash in between).
+  for (auto& [n, record] : job->history) {
+    if (!record.folded && static_cast<int>(record.reports.size()) == config.ranks) {
+      Fold(id, *job, n, record);
+    }
+  }
+  return job;
+}
+
+std::vector<JobView> JobRegistry::failed_jobs() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<JobView> out;
+  for (const auto& [id, f] : failed_) {
+    JobView v;
+    v.job_id = id;
+    v.failed = true;
+    v.failure = f.reason;
+    out.push_back(std::move(v));
+  }
+  return out;
 }
 
 absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
@@ -226,6 +507,11 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
         absl::StrCat("name: ", name.size(), " characters; at most 64"));
   }
   if (absl::Status s = ValidateConfig(settings.planner); !s.ok()) return s;
+  if (settings.history_steps < 1 || settings.history_steps > options_.limits.max_history_steps) {
+    return absl::InvalidArgumentError(absl::StrCat("config.history_steps: ", settings.history_steps,
+                                                   " is outside [1, ",
+                                                   options_.limits.max_history_steps, "]"));
+  }
   CostCoefficients prior = kDefaultCostPrior;
   if (!profile.empty()) {
     absl::StatusOr<ProfileTable> table = ParseProfileTable(profile);
@@ -239,22 +525,20 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
   auto job = std::make_shared<Job>(settings, prior);
   job->name = name;
   job->token = random_hex_(kTokenHexChars);
-  {
-    absl::MutexLock job_lock(&job->mu);
-    job->joined.assign(settings.planner.ranks, false);
-  }
   absl::MutexLock lock(&mu_);
-  if (static_cast<int>(jobs_.size()) >= options_.max_jobs) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this planner holds ", jobs_.size(), " jobs, its limit; delete finished jobs first"));
+  if (static_cast<int>(jobs_.size() + failed_.size()) >= options_.max_jobs) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this planner holds ", jobs_.size() + failed_.size(),
+                     " jobs, its limit; delete finished (or failed) jobs first"));
   }
   std::string id;
   do {
     id = random_hex_(kJobIdHexChars);
-  } while (jobs_.count(id) > 0);
-  {
-    absl::ReaderMutexLock job_lock(&job->mu);
-    if (absl::Status s = SaveJob(id, *job); !s.ok()) return s;
+  } while (jobs_.count(id) > 0 || failed_.count(id) > 0);
+  absl::MutexLock job_lock(&job->mu);
+  job->joined.assign(settings.planner.ranks, false);
+  if (options_.store != nullptr) {
+    if (absl::Status s = Stored(options_.store->CreateJob(Snapshot(id, *job))); !s.ok()) return s;
   }
   jobs_[id] = job;
   return CreatedJob{id, job->token, settings};
@@ -270,7 +554,8 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
   if (!ConstantTimeEquals(token, job->token)) {
     return absl::PermissionDeniedError(absl::StrCat("the token is not job ", job_id, "'s"));
   }
-  return absl::OkStatus();
+  absl::ReaderMutexLock lock(&job->mu);
+  return LiveOrNotFound(job_id, *job);
 }
 
 absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::string& job_id,
@@ -279,6 +564,7 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   if (rank < 0 || rank >= job->settings.planner.ranks) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rank: ", rank, " is outside [0, ", job->settings.planner.ranks, ") of job ", job_id));
@@ -308,7 +594,11 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
-  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is negative"));
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
+  if (step < 0 || step >= kMaxStep) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step: ", step, " is outside [0, 2^48); steps count from 0"));
+  }
   if (step < job->next_step) {
     auto it = job->history.find(step);
     if (it == job->history.end()) {
@@ -324,7 +614,17 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
     }
     SubmitResult result{step, {}, {}, true};
     if (planned_locally && !record.plan->planned_locally) {
-      if (absl::Status s = SwitchToLocal(job_id, *job, step, record); !s.ok()) return s;
+      if (!record.reports.empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("step ", step,
+                         " already has reports against the planner's plan; its ranks must all "
+                         "run one plan"));
+      }
+      absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job->settings.planner);
+      if (!local.ok()) return local.status();
+      if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) {
+        return s;
+      }
       result.switched_to_local = true;
     }
     result.deferred_ids = record.plan->deferred_ids;
@@ -336,43 +636,38 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
         "step ", step, " is out of order: job ", job_id, " plans step ", job->next_step,
         " next (a trainer that ran steps on local plans submits with planned_locally)"));
   }
+  const int64_t skipped = step - job->next_step;
+  if (skipped > options_.max_skipped_steps) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step: ", step, " would skip ", skipped, " steps after step ", job->next_step - 1,
+        "; a planned_locally submit may skip at most ", options_.max_skipped_steps));
+  }
   absl::StatusOr<StepPlan> plan = planned_locally
                                       ? PlanStepLocally(batch, job->settings.planner)
                                       : PlanStep(batch, job->settings.planner, job->model);
   if (!plan.ok()) return plan.status();
-  const int64_t skipped = step - job->next_step;
   StepRecord record;
   record.batch_fingerprint = BatchFingerprint(batch);
   record.batch = batch;
   record.plan = std::make_shared<const StepPlan>(*plan);
-  // Durable before it is acknowledged: the step record (fsync'ed). The snapshot after it only
-  // moves next_step, which Restore also takes from the step records, so it is not synced.
+  // Durable before it is acknowledged: the step record (fsync'ed).
   if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
   job->history[step] = std::move(record);
   job->next_step = step + 1;
-  while (static_cast<int>(job->history.size()) > job->settings.history_steps) {
-    const int64_t dropped = job->history.begin()->first;
-    job->history.erase(job->history.begin());
-    if (options_.store != nullptr) options_.store->DropStep(job_id, dropped).IgnoreError();
-  }
-  if (absl::Status s = SaveJob(job_id, *job, /*sync=*/false); !s.ok()) return s;
+  TrimHistory(job_id, *job);
+  // The snapshot after it only moves next_step (which Restore also takes from the step
+  // records) and carries the model (which Restore refolds from the report logs): the step is
+  // acknowledged even when it cannot be written (on_store_failure reports that).
+  SaveJob(job_id, *job, /*sync=*/false).IgnoreError();
   SubmitResult result{step, plan->deferred_ids, *std::move(plan), false};
   result.skipped_steps = skipped;
   return result;
 }
 
-absl::Status JobRegistry::SwitchToLocal(const std::string& id, const Job& job, int64_t step,
-                                        StepRecord& record) const {
-  if (!record.reports.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step,
-                     " already has reports against the planner's plan; its ranks must all "
-                     "run one plan"));
-  }
-  absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job.settings.planner);
-  if (!local.ok()) return local.status();
+absl::Status JobRegistry::ReplacePlan(const std::string& id, int64_t step, StepRecord& record,
+                                      StepPlan plan) const {
   StepRecord updated = record;
-  updated.plan = std::make_shared<const StepPlan>(*std::move(local));
+  updated.plan = std::make_shared<const StepPlan>(std::move(plan));
   if (absl::Status s = SaveStep(id, step, updated); !s.ok()) return s;
   record = std::move(updated);
   return absl::OkStatus();
@@ -380,15 +675,20 @@ absl::Status JobRegistry::SwitchToLocal(const std::string& id, const Job& job, i
 
 absl::StatusOr<std::shared_ptr<const StepPlan>> JobRegistry::GetPlan(const std::string& job_id,
                                                                      int64_t step, int rank,
-                                                                     bool* ready) const {
+                                                                     bool* ready,
+                                                                     int* world_size) const {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   if (rank < 0 || rank >= job->settings.planner.ranks) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", rank, " is outside [0, ", job->settings.planner.ranks, ")"));
   }
-  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is negative"));
+  if (step < 0 || step >= kMaxStep) {
+    return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is outside [0, 2^48)"));
+  }
+  if (world_size != nullptr) *world_size = job->settings.planner.ranks;
   *ready = false;
   if (step >= job->next_step) return std::shared_ptr<const StepPlan>();
   auto it = job->history.find(step);
@@ -400,16 +700,63 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> JobRegistry::GetPlan(const std::
   return it->second.plan;
 }
 
+namespace {
+
+// What differs between an acknowledged report and its repeat ("" when nothing does).
+std::string ReportDifference(const std::vector<MicroBatchTiming>& before, double wait_before,
+                             const std::vector<MicroBatchTiming>& now, double wait_now) {
+  if (before.size() != now.size()) {
+    return absl::StrCat("micro_batches: ", now.size(), " timings, acknowledged with ",
+                        before.size());
+  }
+  for (size_t k = 0; k < now.size(); ++k) {
+    const MicroBatchTiming& a = before[k];
+    const MicroBatchTiming& b = now[k];
+    const std::string at = absl::StrCat("micro_batches[", k, "].");
+    if (a.micro_batch != b.micro_batch) {
+      return absl::StrCat(at, "micro_batch: ", b.micro_batch, ", acknowledged as ", a.micro_batch);
+    }
+    if (a.compute_seconds != b.compute_seconds) {
+      return absl::StrCat(at, "compute_seconds: ", b.compute_seconds, ", acknowledged as ",
+                          a.compute_seconds);
+    }
+    if (a.attention_seconds != b.attention_seconds) {
+      return absl::StrCat(at, "attention_seconds: ", b.attention_seconds, ", acknowledged as ",
+                          a.attention_seconds);
+    }
+    if (a.tokens != b.tokens) {
+      return absl::StrCat(at, "tokens: ", b.tokens, ", acknowledged as ", a.tokens);
+    }
+    if (a.achieved_density != b.achieved_density) {
+      return absl::StrCat(at, "achieved_density: ", b.achieved_density, ", acknowledged as ",
+                          a.achieved_density);
+    }
+    if (a.recall != b.recall) {
+      return absl::StrCat(at, "recall: ", b.recall, ", acknowledged as ", a.recall);
+    }
+  }
+  if (wait_before != wait_now) {
+    return absl::StrCat("wait_seconds: ", wait_now, ", acknowledged as ", wait_before);
+  }
+  return "";
+}
+
+}  // namespace
+
 absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t step, int rank,
                                              const std::vector<MicroBatchTiming>& micro_batches,
                                              double wait_seconds, bool planned_locally) {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   const PlannerConfig& config = job->settings.planner;
   if (rank < 0 || rank >= config.ranks) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", rank, " is outside [0, ", config.ranks, ")"));
+  }
+  if (step < 0 || step >= kMaxStep) {
+    return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is outside [0, 2^48)"));
   }
   if (!job->joined[rank]) {
     return absl::FailedPreconditionError(
@@ -424,7 +771,16 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
             : absl::StrCat("step ", step, " is older than the steps kept"));
   }
   StepRecord& record = it->second;
-  if (record.reports.count(rank) > 0) return true;  // a repeat changes nothing
+  if (auto done = record.reports.find(rank); done != record.reports.end()) {
+    const std::string differs =
+        ReportDifference(done->second, record.waits[rank], micro_batches, wait_seconds);
+    if (differs.empty() && planned_locally == record.plan->planned_locally) return true;
+    return absl::AlreadyExistsError(absl::StrCat("rank ", rank, "'s report of step ", step,
+                                                 " was acknowledged already and this one differs: ",
+                                                 differs.empty() ? "planned_locally" : differs));
+  }
+  // Everything is checked before anything changes: against the plan the step will hold.
+  std::optional<StepPlan> local;
   if (planned_locally != record.plan->planned_locally) {
     if (!planned_locally || !record.reports.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -432,68 +788,43 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
           " plan of step ", step, " but the step's other ranks ran the ",
           planned_locally ? "planner's" : "local", " one; all ranks of a step must run one plan"));
     }
-    if (absl::Status s = SwitchToLocal(job_id, *job, step, record); !s.ok()) return s;
+    absl::StatusOr<StepPlan> planned = PlanStepLocally(record.batch, config);
+    if (!planned.ok()) return planned.status();
+    local = *std::move(planned);
   }
-  if (!std::isfinite(wait_seconds) || wait_seconds < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("wait_seconds: ", wait_seconds, " is not a finite number >= 0"));
+  if (absl::Status s = ValidateReport(local.has_value() ? *local : *record.plan, rank,
+                                      micro_batches, wait_seconds, /*complete=*/true);
+      !s.ok()) {
+    return s;
   }
-  const std::vector<MicroBatchPlan>& planned = record.plan->ranks[rank].micro_batches;
-  std::vector<bool> seen(planned.size(), false);
-  for (size_t k = 0; k < micro_batches.size(); ++k) {
-    const MicroBatchTiming& m = micro_batches[k];
-    const std::string where = absl::StrCat("micro_batches[", k, "]");
-    if (m.micro_batch < 0 || m.micro_batch >= static_cast<int>(planned.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
-                                                     " is outside [0, ", planned.size(), ")"));
-    }
-    if (seen[m.micro_batch]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ".micro_batch: ", m.micro_batch, " is reported twice"));
-    }
-    seen[m.micro_batch] = true;
-    if (planned[m.micro_batch].sample_ids.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
-                                                     " was planned empty; do not report it"));
-    }
-    if (!Positive(m.compute_seconds)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".compute_seconds: ", m.compute_seconds,
-                                                     " is not a positive finite number"));
-    }
-    if (!std::isfinite(m.attention_seconds) || m.attention_seconds < 0 ||
-        m.attention_seconds > m.compute_seconds) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ".attention_seconds: ", m.attention_seconds, " is not in [0, compute_seconds]"));
-    }
-    if (!(m.recall >= 0.0 && m.recall <= 1.0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ".recall: ", m.recall, " is outside [0, 1]"));
-    }
-    if (!(m.achieved_density >= 0.0 && m.achieved_density <= 1.0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ".achieved_density: ", m.achieved_density, " is outside [0, 1]"));
-    }
-    if (m.tokens != planned[m.micro_batch].tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
-    }
+  if (local.has_value()) {
+    if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) return s;
   }
   if (options_.store != nullptr) {
     state::v1::ReportRecord out;
     out.set_rank(rank);
     out.set_wait_seconds(wait_seconds);
     for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, out.add_micro_batches());
-    if (absl::Status s = options_.store->AppendReport(job_id, step, out); !s.ok()) return s;
+    if (absl::Status s = Stored(options_.store->AppendReport(job_id, step, out)); !s.ok()) {
+      return s;
+    }
   }
   record.reports[rank] = micro_batches;
   record.waits[rank] = wait_seconds;
   if (static_cast<int>(record.reports.size()) == config.ranks && !record.folded) {
-    if (absl::Status s = Fold(job_id, *job, step, record); !s.ok()) return s;
+    Fold(job_id, *job, step, record);
   }
   return false;
 }
 
-absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord& record) {
+void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord& record) {
+  // Once, whatever happens: a step that cannot be folded now never can.
+  record.folded = true;
+  auto fail = [&](const absl::Status& why) {
+    ++job.unfolded_steps;
+    job.fold_failure = absl::StrCat("step ", step, ": ", why.message()).substr(0, 1024);
+    if (options_.on_fold_failure) options_.on_fold_failure(id, step, why);
+  };
   std::map<uint64_t, const Sample*> by_id;
   for (const Sample& s : record.batch) by_id[s.id] = &s;
   std::vector<Observation> observations;
@@ -504,8 +835,12 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
       o.rank = rank;
       o.micro_batch = m.micro_batch;
       for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
-        const MicroBatchFeatures f =
-            job.model.SampleFeatures(*by_id[mb.sample_ids[k]], mb.densities[k]);
+        auto sample = by_id.find(mb.sample_ids[k]);
+        if (sample == by_id.end()) {  // Restore and PlanStep guarantee it; never trust it
+          return fail(absl::DataLossError(
+              absl::StrCat("the plan names sample id ", mb.sample_ids[k], " not in the batch")));
+        }
+        const MicroBatchFeatures f = job.model.SampleFeatures(*sample->second, mb.densities[k]);
         o.features.active_blocks += f.active_blocks;
         o.features.tokens += f.tokens;
         o.features.documents += f.documents;
@@ -514,8 +849,13 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
       observations.push_back(o);
     }
   }
-  record.folded = true;
-  if (absl::Status s = job.model.ObserveStep(std::move(observations)); !s.ok()) return s;
+  const LatencyModelState before = job.model.state();
+  if (absl::Status s = job.model.ObserveStep(std::move(observations)); !s.ok()) return fail(s);
+  if (!StateFinite(job.model.state())) {
+    job.model.set_state(before);
+    return fail(absl::InvalidArgumentError(
+        "folding the reports made the model's state non-finite; the model was kept as before"));
+  }
   if (options_.on_step) {
     StepStats stats;
     stats.step = step;
@@ -539,7 +879,6 @@ absl::Status JobRegistry::Fold(const std::string& id, Job& job, int64_t step, St
   // No snapshot here: the next SubmitBatch writes one (the model with its folded marks), and
   // until then a restart refolds this step from its report log (Restore). Writing one per
   // fold cost a file create and rename (and ext4's flush-on-rename) per step.
-  return absl::OkStatus();
 }
 
 absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,
@@ -551,17 +890,21 @@ absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& j
     return absl::InvalidArgumentError(absl::StrCat("profile: ", table.status().message()));
   }
   absl::MutexLock lock(&job->mu);
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   absl::StatusOr<CostCoefficients> fitted = FitProfile(*table, job->settings.planner.shape);
   if (!fitted.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("profile: ", fitted.status().message()));
   }
   // A new prior restarts learning; the speed factors stay (they are about the ranks).
-  const std::vector<double> speeds = job->model.speed_factors();
-  job->model = LatencyModel(job->settings.planner.shape, job->settings.planner.ranks, *fitted);
-  LatencyModelState state = job->model.state();
-  state.speed_factors = speeds;
-  job->model.set_state(state);
-  if (absl::Status s = SaveJob(job_id, *job); !s.ok()) return s;
+  LatencyModel model(job->settings.planner.shape, job->settings.planner.ranks, *fitted);
+  LatencyModelState state = model.state();
+  state.speed_factors = job->model.speed_factors();
+  model.set_state(state);
+  std::swap(job->model, model);
+  if (absl::Status s = SaveJob(job_id, *job); !s.ok()) {
+    std::swap(job->model, model);
+    return s;
+  }
   return *fitted;
 }
 
@@ -571,6 +914,7 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   JobSettings next = job->settings;
   PlannerConfig& c = next.planner;
   const PlannerConfig& u = update.planner;
@@ -613,11 +957,7 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
     job->settings = previous;
     return s;
   }
-  while (static_cast<int>(job->history.size()) > job->settings.history_steps) {
-    const int64_t dropped = job->history.begin()->first;
-    job->history.erase(job->history.begin());
-    if (options_.store != nullptr) options_.store->DropStep(job_id, dropped).IgnoreError();
-  }
+  TrimHistory(job_id, *job);
   return next;
 }
 
@@ -635,6 +975,8 @@ JobView JobRegistry::View(const std::string& id, const Job& job) {
   v.speed_factors = job.model.speed_factors();
   v.coefficients = job.model.coefficients();
   v.steps_folded = job.model.state().steps_observed;
+  v.unfolded_steps = job.unfolded_steps;
+  v.failure = job.fold_failure;
   return v;
 }
 
@@ -642,21 +984,42 @@ absl::StatusOr<JobView> JobRegistry::GetJob(const std::string& job_id) const {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::ReaderMutexLock lock(&job->mu);
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   return View(job_id, *job);
 }
 
 std::vector<JobView> JobRegistry::ListJobs(const std::string& after, int limit) const {
+  // Live and failed jobs merged in id order.
   std::vector<std::pair<std::string, std::shared_ptr<Job>>> page;
+  std::map<std::string, std::string> failed;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = jobs_.upper_bound(after);
-         it != jobs_.end() && static_cast<int>(page.size()) < limit; ++it) {
-      page.emplace_back(it->first, it->second);
+    auto live = jobs_.upper_bound(after);
+    auto dead = failed_.upper_bound(after);
+    while (static_cast<int>(page.size()) < limit &&
+           (live != jobs_.end() || dead != failed_.end())) {
+      if (dead == failed_.end() || (live != jobs_.end() && live->first < dead->first)) {
+        page.emplace_back(live->first, live->second);
+        ++live;
+      } else {
+        page.emplace_back(dead->first, nullptr);
+        failed[dead->first] = dead->second.reason;
+        ++dead;
+      }
     }
   }
   std::vector<JobView> out;
   for (const auto& [id, job] : page) {
+    if (job == nullptr) {
+      JobView v;
+      v.job_id = id;
+      v.failed = true;
+      v.failure = failed[id];
+      out.push_back(std::move(v));
+      continue;
+    }
     absl::ReaderMutexLock lock(&job->mu);
+    if (job->deleted) continue;
     out.push_back(View(id, *job));
   }
   return out;
@@ -668,12 +1031,35 @@ int JobRegistry::job_count() const {
 }
 
 absl::Status JobRegistry::DeleteJob(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
-  if (jobs_.count(job_id) == 0) return NotFound(job_id);
-  if (options_.store != nullptr) {
-    if (absl::Status s = options_.store->DeleteJob(job_id); !s.ok()) return s;
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) {
+    absl::MutexLock lock(&mu_);
+    if (failed_.count(job_id) == 0) return NotFound(job_id);
+    if (options_.store != nullptr) {
+      if (absl::Status s = Stored(options_.store->DeleteQuarantined(job_id)); !s.ok()) return s;
+    }
+    failed_.erase(job_id);
+    return absl::OkStatus();
   }
-  jobs_.erase(job_id);
+  std::map<int64_t, StepRecord> doomed;  // freed after the lock is released
+  {
+    absl::MutexLock lock(&job->mu);
+    if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
+    // The folder is renamed away atomically, so a restart never loads it again; then no writer
+    // can reach it: every one checks `deleted` under this lock first.
+    if (options_.store != nullptr) {
+      if (absl::Status s = Stored(options_.store->RetireJob(job_id)); !s.ok()) return s;
+    }
+    job->deleted = true;
+    doomed.swap(job->history);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  }
+  // Thousands of step files: removed with no lock held, so no other call waits for them.
+  if (options_.store != nullptr) options_.store->RemoveRetired(job_id);
   return absl::OkStatus();
 }
 

@@ -12,6 +12,13 @@
 // into the latency model, in rank order, when the last rank has reported, so every replica and
 // every rank's local fallback learn the same model. Plans and reports of the last
 // `history_steps` steps are kept; older ones are dropped.
+//
+// Robustness (README "Reliability"): every call validates all of its input before it changes
+// anything; a step whose reports cannot be folded into the model is kept and counted, never
+// an error for anyone; a deleted job is marked under its lock before its files go, so no
+// writer can bring it back; on Restore a job whose files are invalid is quarantined and listed
+// as failed while every other job is served; a store failure (disk full, read-only) carries
+// the reason kReasonStateDirFailure and is reported through Options::on_store_failure.
 #ifndef SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
 #define SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
 
@@ -64,6 +71,11 @@ struct SubmitResult {
 
 struct JobView {
   std::string job_id;
+  // A job whose state files could not be loaded (quarantined by Restore): only job_id, name
+  // (when known) and failure are set; only DeleteJob acts on it.
+  bool failed = false;
+  // failed: why. Otherwise why the last step that could not be folded was not.
+  std::string failure;
   std::string name;
   JobSettings settings;
   int64_t next_step = 0;
@@ -72,8 +84,13 @@ struct JobView {
   std::shared_ptr<const StepPlan> last_plan;  // shared with the history: plans are immutable
   std::vector<double> speed_factors;
   CostCoefficients coefficients;
-  int64_t steps_folded = 0;  // fully reported steps the latency model has learned from
+  int64_t steps_folded = 0;    // fully reported steps the latency model has learned from
+  int64_t unfolded_steps = 0;  // fully reported steps that could not be folded (kept)
 };
+
+// Steps are numbered from 0 and below this bound (so that step + 1 and step differences never
+// overflow; 2^48 steps of a millisecond each are 8,900 years).
+inline constexpr int64_t kMaxStep = int64_t{1} << 48;
 
 class JobRegistry {
  public:
@@ -85,14 +102,28 @@ class JobRegistry {
     PlanStore* store = nullptr;
     // Called (under the job's lock: keep it short) when a step's last report arrives.
     std::function<void(const std::string& job_id, const StepStats& stats)> on_step;
+    // Called (under the job's lock) when a fully reported step cannot be folded into the
+    // model; the step is kept and the job goes on learning from later steps.
+    std::function<void(const std::string& job_id, int64_t step, const absl::Status& why)>
+        on_fold_failure;
+    // Called for every failure of the store (IsStoreFailure), also those the registry absorbs
+    // (a snapshot that only repeats what durable records hold): health turns NOT_SERVING.
+    std::function<void(const absl::Status& failure)> on_store_failure;
+    // A planned_locally SubmitBatch may jump at most this many steps past the next one.
+    int64_t max_skipped_steps = int64_t{1} << 20;
   };
   // `random_hex(n)` returns n random hexadecimal characters (from a CSPRNG in production):
   // job ids and tokens are drawn from it.
   JobRegistry(Options options, std::function<std::string(int)> random_hex);
 
   // Reloads every job of options.store (after a restart): the same plans are served, reports
-  // already acknowledged count, and steps continue where they stopped.
+  // already acknowledged count, and steps continue where they stopped. Every loaded field is
+  // validated; a job whose files are invalid is quarantined (PlanStore::Quarantine) and listed
+  // by failed_jobs() and ListJobs, and the others are served. Fails only when the state
+  // directory cannot be listed.
   absl::Status Restore();
+  // Jobs whose files could not be loaded (failed views), in id order.
+  std::vector<JobView> failed_jobs() const;
 
   absl::StatusOr<CreatedJob> CreateJob(const std::string& name, const JobSettings& settings,
                                        const std::string& profile);
@@ -114,10 +145,14 @@ class JobRegistry {
                                            bool planned_locally = false);
   // The plan of `step` with `*ready` true; for a step not planned yet, OK with `*ready` false
   // (the service waits and asks again). FAILED_PRECONDITION for a step dropped from history.
+  // `world_size`, when given, receives the job's ranks.
   absl::StatusOr<std::shared_ptr<const StepPlan>> GetPlan(const std::string& job_id, int64_t step,
-                                                          int rank, bool* ready) const;
-  // Accepts one rank's report for a planned step; returns true when it is a repeat (nothing
-  // changed). FAILED_PRECONDITION for a rank that has not joined or a step not planned.
+                                                          int rank, bool* ready,
+                                                          int* world_size = nullptr) const;
+  // Accepts one rank's report for a planned step; returns true when it is a repeat of the
+  // acknowledged report (nothing changed); a repeat that differs is ALREADY_EXISTS naming what
+  // differs. The report must cover every non-empty micro-batch of the rank's plan once.
+  // FAILED_PRECONDITION for a rank that has not joined or a step not planned.
   // `planned_locally`: the rank ran the step's local fallback plan; a step still holding the
   // planner's plan and no report switches to the local plan, and a step whose reports are
   // against the other plan is FAILED_PRECONDITION.
@@ -134,7 +169,11 @@ class JobRegistry {
                                               const std::vector<std::string>& fields);
   absl::StatusOr<JobView> GetJob(const std::string& job_id) const;
   // Jobs in id order after `after` (exclusive), at most `limit`.
+  // Failed jobs are listed too (JobView::failed).
   std::vector<JobView> ListJobs(const std::string& after, int limit) const;
+  // Marks the job deleted under its lock (every later call of it is NOT_FOUND, and no write of
+  // it can land), retires its folder atomically, and removes its files without any lock held.
+  // Also removes a failed job's quarantined files.
   absl::Status DeleteJob(const std::string& job_id);
   int job_count() const;
 
@@ -147,6 +186,8 @@ class JobRegistry {
     std::shared_ptr<const StepPlan> plan;
     std::map<int, std::vector<MicroBatchTiming>> reports;  // by rank
     std::map<int, double> waits;                           // by rank, seconds
+    // The step's reports are in the model, or could not be folded (counted in the job's
+    // unfolded_steps): either way they are not folded again.
     bool folded = false;
   };
   struct Job {
@@ -160,26 +201,63 @@ class JobRegistry {
     std::vector<bool> joined ABSL_GUARDED_BY(mu);
     int64_t next_step ABSL_GUARDED_BY(mu) = 0;
     std::map<int64_t, StepRecord> history ABSL_GUARDED_BY(mu);
+    // Set by DeleteJob before the job's files go: every call that finds it answers NOT_FOUND.
+    bool deleted ABSL_GUARDED_BY(mu) = false;
+    int64_t unfolded_steps ABSL_GUARDED_BY(mu) = 0;
+    std::string fold_failure ABSL_GUARDED_BY(mu);
+  };
+  struct FailedJob {
+    std::string reason;
+    std::string path;
   };
 
+  // The job, or null when it does not exist. Callers lock job->mu and check LiveOrNotFound.
   std::shared_ptr<Job> Find(const std::string& job_id) const;
+  static absl::Status LiveOrNotFound(const std::string& job_id, const Job& job)
+      ABSL_SHARED_LOCKS_REQUIRED(job.mu);
+  // A store call's status: store failures get the reason kReasonStateDirFailure and are
+  // reported through on_store_failure.
+  absl::Status Stored(absl::Status status) const;
+  // Builds and validates one job from its files (Restore).
+  absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
+  // Drops the oldest steps beyond history_steps (and their files).
+  void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  static state::v1::JobSnapshot Snapshot(const std::string& id, const Job& job)
+      ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   // Writes the job's snapshot to the store (no-op without one).
   absl::Status SaveJob(const std::string& id, const Job& job, bool sync = true) const
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
   static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);
-  // Replaces a step's plan by the trainer's local fallback plan and saves the step record.
-  absl::Status SwitchToLocal(const std::string& id, const Job& job, int64_t step,
-                             StepRecord& record) const ABSL_SHARED_LOCKS_REQUIRED(job.mu);
-  // Folds a step whose every rank has reported into the model (in rank order).
-  absl::Status Fold(const std::string& id, Job& job, int64_t step, StepRecord& record)
+  // Replaces a step's plan by `plan` (the trainer's local fallback plan) and saves the step
+  // record; on failure the record is unchanged.
+  absl::Status ReplacePlan(const std::string& id, int64_t step, StepRecord& record,
+                           StepPlan plan) const;
+  // Folds a step whose every rank has reported into the model (in rank order). Never fails: a
+  // step that cannot be folded is kept, counted and reported (on_fold_failure), and the model
+  // is left as it was.
+  void Fold(const std::string& id, Job& job, int64_t step, StepRecord& record)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
 
   const Options options_;
   const std::function<std::string(int)> random_hex_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, FailedJob> failed_ ABSL_GUARDED_BY(mu_);
 };
+
+// Checks one rank's report of a step against the step's plan: micro-batch indices, each
+// reported once, tokens as planned, times finite and bounded, density and recall in [0, 1];
+// with `complete`, every non-empty planned micro-batch must be there. Messages name
+// "micro_batches[k].<field>".
+absl::Status ValidateReport(const StepPlan& plan, int rank,
+                            const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
+                            bool complete);
+// Checks a plan read back from the state directory against its batch and config: rank and
+// micro-batch counts, every sample placed at most once and present in the batch, densities
+// in (0, 1], tokens as summed, figures finite.
+absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>& batch,
+                                const PlannerConfig& config);
 
 // Canonical bytes of a batch (ids, lengths, sensitivities, groups, segments): equal batches,
 // equal bytes.

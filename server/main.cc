@@ -1,5 +1,6 @@
 // sb-planner: the SparseBalance planner service. `sb-planner --help` lists the flags; with none
 // it listens on 127.0.0.1:50151 and says so.
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -7,6 +8,8 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -16,6 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -36,7 +41,12 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9151",
           "host:port of the Prometheus endpoint /metrics (port 0 picks a free port)");
 ABSL_FLAG(int, max_rank_series, 64, "jobs of at most this many ranks also export per-rank series");
 ABSL_FLAG(std::string, admin_token_file, "",
-          "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it");
+          "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it. "
+          "Required when --listen is not a loopback address (see --insecure_no_admin_token)");
+ABSL_FLAG(bool, insecure_no_admin_token, false,
+          "allow a --listen beyond loopback without --admin_token_file: then anyone who reaches "
+          "the port can create, list and delete every job. Without this flag sb-planner refuses "
+          "to start that way");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -50,6 +60,15 @@ ABSL_FLAG(std::string, health_listen, "",
           "gRPC probes, which cannot speak TLS, when --listen serves TLS); empty: off");
 ABSL_FLAG(double, drain_seconds, 10.0,
           "on SIGTERM/SIGINT: health turns NOT_SERVING and calls in flight get this long");
+ABSL_FLAG(double, drain_notice_seconds, 2.0,
+          "the first part of --drain_seconds during which new calls are still accepted, so that "
+          "health checks (not only open Watch streams) see NOT_SERVING before the port closes");
+ABSL_FLAG(double, state_check_seconds, 5.0,
+          "probe that --state_dir can be written this often (every second while it cannot); "
+          "health is NOT_SERVING while it cannot, and SERVING again once it can");
+ABSL_FLAG(int, max_waiting_calls, 16384,
+          "GetRankPlan calls waiting for their step at once (RESOURCE_EXHAUSTED above); per job "
+          "at most 2 per rank + 64");
 
 namespace sparsebalance {
 namespace {
@@ -84,6 +103,77 @@ std::string RandomHex(int n) {
   out.resize(n);
   return out;
 }
+
+// Whether `listen` (host:port) is reachable from this machine only.
+bool IsLoopback(const std::string& listen) {
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) return true;
+  std::string host = listen.substr(0, listen.rfind(':'));
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+// Health follows the state directory: NOT_SERVING while it cannot be written (a store failure
+// or a failed probe), SERVING again once a probe can write it. Probes every `check_seconds`,
+// every second while failing, and at once after a store failure.
+class StateDirHealth {
+ public:
+  StateDirHealth(PlanStore* store, double check_seconds, std::function<void(bool)> set_serving)
+      : store_(store), check_seconds_(check_seconds), set_serving_(std::move(set_serving)) {}
+  ~StateDirHealth() { Stop(); }
+  void Start() {
+    thread_ = std::thread([this] { Run(); });
+  }
+  void OnStoreFailure() {
+    absl::MutexLock lock(&mu_);
+    failed_write_ = true;
+    wake_.Signal();
+  }
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      wake_.Signal();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Run() {
+    bool writable = true;
+    absl::MutexLock lock(&mu_);
+    while (!stop_) {
+      if (!(writable && failed_write_)) {
+        wake_.WaitWithTimeout(&mu_, absl::Seconds(writable ? check_seconds_ : 1.0));
+      }
+      if (stop_) break;
+      failed_write_ = false;
+      mu_.Unlock();
+      const absl::Status probe = store_->CheckWritable();
+      mu_.Lock();
+      if (stop_) break;
+      if (probe.ok() != writable) {
+        writable = probe.ok();
+        std::cout << "sb-planner: "
+                  << (writable ? "--state_dir can be written again: SERVING"
+                               : absl::StrCat("--state_dir cannot be written (", probe.message(),
+                                              "): NOT_SERVING"))
+                  << std::endl;
+        set_serving_(writable);
+      }
+    }
+  }
+
+  PlanStore* const store_;
+  const double check_seconds_;
+  const std::function<void(bool)> set_serving_;
+  absl::Mutex mu_;
+  absl::CondVar wake_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool failed_write_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials() {
   const std::string cert = absl::GetFlag(FLAGS_tls_cert);
@@ -158,6 +248,14 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  if (admin_token.empty() && !IsLoopback(listen) && !absl::GetFlag(FLAGS_insecure_no_admin_token)) {
+    std::cerr << "sb-planner: --listen=" << listen
+              << " is reachable beyond this machine but no --admin_token_file is set: anyone "
+                 "could create, list and delete every job. Give an admin token file (e.g. a "
+                 "secret), listen on 127.0.0.1, or pass --insecure_no_admin_token\n";
+    return 2;
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials();
   if (!credentials.ok()) {
     std::cerr << "sb-planner: " << credentials.status().message() << "\n";
@@ -185,8 +283,21 @@ int Main(int argc, char** argv) {
   }
   exposer->RegisterCollectable(metrics_registry);
 
+  // Set once the servers exist; store failures before that only count.
+  std::unique_ptr<StateDirHealth> state_health;
   JobRegistry::Options registry_options;
   registry_options.store = store->get();
+  registry_options.on_store_failure = [&metrics, &state_health](const absl::Status&) {
+    metrics.ObserveStateWriteFailure();
+    if (state_health != nullptr) state_health->OnStoreFailure();
+  };
+  registry_options.on_fold_failure = [&metrics](const std::string& job_id, int64_t step,
+                                                const absl::Status& why) {
+    metrics.ObserveUnfoldedStep();
+    std::cerr << "sb-planner: job " << job_id << ": step " << step
+              << " could not be folded into the latency model (kept): " << why.message()
+              << std::endl;
+  };
   registry_options.on_step = [&metrics](const std::string& job_id, const StepStats& stats) {
     metrics.ObserveStep(job_id, stats);
   };
@@ -199,18 +310,26 @@ int Main(int argc, char** argv) {
               << "\n";
     return 1;
   }
-  const size_t jobs = registry.ListJobs("", registry_options.max_jobs + 1).size();
+  const std::vector<JobView> failed_jobs = registry.failed_jobs();
+  for (const JobView& failed : failed_jobs) {
+    std::cerr << "sb-planner: job " << failed.job_id
+              << " could not be loaded and is not served (quarantined in " << state_dir
+              << "/quarantine/" << failed.job_id << "; DeleteJob removes it): " << failed.failure
+              << std::endl;
+  }
+  metrics.SetFailedJobs(static_cast<int>(failed_jobs.size()));
+  const size_t jobs = static_cast<size_t>(registry.job_count());
   PlannerServiceImpl::Options service_options;
   service_options.admin_token = admin_token;
   service_options.limits = registry_options.limits;
   service_options.metrics = &metrics;
+  service_options.max_waiting_calls = absl::GetFlag(FLAGS_max_waiting_calls);
   PlannerServiceImpl service(&registry, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
@@ -243,6 +362,16 @@ int Main(int argc, char** argv) {
     }
     health_server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   }
+  auto set_serving = [&server, &health_server, &metrics](bool serving) {
+    server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
+    if (health_server != nullptr) {
+      health_server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
+    }
+    metrics.SetStateDirWritable(serving);
+  };
+  state_health = std::make_unique<StateDirHealth>(
+      store->get(), std::max(0.1, absl::GetFlag(FLAGS_state_check_seconds)), set_serving);
+  state_health->Start();
   const std::string host = listen.substr(0, listen.rfind(':'));
   std::cout << "sb-planner: listening on " << host << ":" << port
             << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)" : " (TLS)")
@@ -260,13 +389,18 @@ int Main(int argc, char** argv) {
   sigwait(&stop_signals, &signal);
   std::cout << "sb-planner: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT") << ", draining for "
             << absl::GetFlag(FLAGS_drain_seconds) << " s" << std::endl;
+  state_health->Stop();  // health stays NOT_SERVING from here on
   server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
   if (health_server != nullptr) {
     health_server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
   }
-  const auto deadline =
-      std::chrono::system_clock::now() +
-      std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_drain_seconds) * 1000));
+  // New calls are still accepted for the notice, so health checks see NOT_SERVING; then the
+  // port closes and the calls in flight get the rest of the drain.
+  const double drain = std::max(0.0, absl::GetFlag(FLAGS_drain_seconds));
+  const double notice = std::clamp(absl::GetFlag(FLAGS_drain_notice_seconds), 0.0, drain);
+  absl::SleepFor(absl::Seconds(notice));
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>((drain - notice) * 1000));
   server->Shutdown(deadline);
   server->Wait();
   if (health_server != nullptr) {

@@ -172,7 +172,26 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                                 .Name("sparsebalance_state_write_failures_total")
                                 .Help("Writes to --state_dir that failed")
                                 .Register(*registry_)
-                                .Add({})) {
+                                .Add({})),
+      state_dir_writable_(prometheus::BuildGauge()
+                              .Name("sparsebalance_state_dir_writable")
+                              .Help("1 when the last probe could write --state_dir (health "
+                                    "SERVING), 0 when it could not (NOT_SERVING)")
+                              .Register(*registry_)
+                              .Add({})),
+      unfolded_steps_(prometheus::BuildCounter()
+                          .Name("sparsebalance_unfolded_steps_total")
+                          .Help("Fully reported steps whose reports could not be folded into "
+                                "the latency model (kept; see GetJob's failure)")
+                          .Register(*registry_)
+                          .Add({})),
+      failed_jobs_(prometheus::BuildGauge()
+                       .Name("sparsebalance_failed_jobs")
+                       .Help("Jobs whose state files could not be loaded, quarantined in "
+                             "<state_dir>/quarantine (ListJobs shows them as FAILED)")
+                       .Register(*registry_)
+                       .Add({})) {
+  state_dir_writable_.Set(1);
   prometheus::BuildGauge()
       .Name("sparsebalance_build_info")
       .Help("Constant 1, labelled with the version")
@@ -280,7 +299,15 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
 
 void PlannerMetrics::ObserveStateWriteFailure() { state_write_failures_.Increment(); }
 
+void PlannerMetrics::SetStateDirWritable(bool writable) {
+  state_dir_writable_.Set(writable ? 1 : 0);
+}
+
+void PlannerMetrics::ObserveUnfoldedStep() { unfolded_steps_.Increment(); }
+
 void PlannerMetrics::SetJobs(int jobs) { jobs_.Set(jobs); }
+
+void PlannerMetrics::SetFailedJobs(int jobs) { failed_jobs_.Set(jobs); }
 
 void PlannerMetrics::ForgetJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);

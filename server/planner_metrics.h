@@ -42,9 +42,16 @@ class PlannerMetrics {
   void ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps);
   // A step whose every rank has reported: what the ranks measured.
   void ObserveStep(const std::string& job_id, const StepStats& stats);
-  // State writes that failed (the call returned UNAVAILABLE).
+  // A write to --state_dir that failed (the call, if any, returned INTERNAL or
+  // RESOURCE_EXHAUSTED with reason STATE_DIR_FAILURE).
   void ObserveStateWriteFailure();
+  // Whether the last probe of --state_dir could write it (health follows it).
+  void SetStateDirWritable(bool writable);
+  // A fully reported step whose reports could not be folded into the latency model.
+  void ObserveUnfoldedStep();
   void SetJobs(int jobs);
+  // Jobs whose state files could not be loaded (quarantined).
+  void SetFailedJobs(int jobs);
   // Drops a deleted job's series.
   void ForgetJob(const std::string& job_id);
 
@@ -73,6 +80,9 @@ class PlannerMetrics {
   prometheus::Family<prometheus::Gauge>& speed_factor_;
   prometheus::Gauge& jobs_;
   prometheus::Counter& state_write_failures_;
+  prometheus::Gauge& state_dir_writable_;
+  prometheus::Counter& unfolded_steps_;
+  prometheus::Gauge& failed_jobs_;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobSeries>> jobs_series_ ABSL_GUARDED_BY(mu_);

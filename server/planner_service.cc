@@ -1,6 +1,9 @@
 #include "server/planner_service.h"
 
 #include <chrono>
+#include <iostream>
+#include <limits>
+#include <new>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -19,12 +22,21 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 void SummaryToProto(const JobView& view, v1::JobSummary* out) {
   out->set_job_id(view.job_id);
+  if (view.failed) {
+    out->set_state(v1::JOB_STATE_FAILED);
+    out->set_failure(view.failure);
+    return;
+  }
   out->set_name(view.name);
   *out->mutable_config() = ConfigToProto(view.settings);
   out->set_next_step(view.next_step);
   out->set_joined_ranks(view.joined_ranks);
   if (view.has_plan) *out->mutable_last_figures() = FiguresToProto(*view.last_plan);
   out->mutable_speed_factors()->Assign(view.speed_factors.begin(), view.speed_factors.end());
+  out->set_state(v1::JOB_STATE_ACTIVE);
+  out->set_failure(view.failure);
+  out->set_unfolded_steps(view.unfolded_steps);
+  out->set_steps_folded(view.steps_folded);
 }
 
 }  // namespace
@@ -45,11 +57,20 @@ struct PlannerServiceImpl::Wait {
   absl::Mutex mu;
   bool finished ABSL_GUARDED_BY(mu) = false;
 
-  void Complete(const absl::Status& status, const StepPlan* plan) {
+  void Complete(absl::Status status, const StepPlan* plan) {
     absl::MutexLock lock(&mu);
     if (finished) return;
     finished = true;
-    if (plan != nullptr) RankPlanToProto(*plan, step, rank, response->mutable_plan());
+    if (plan != nullptr) {
+      try {  // a large plan's message is the one allocation here that can fail
+        RankPlanToProto(*plan, step, rank, response->mutable_plan());
+      } catch (const std::bad_alloc&) {
+        response->Clear();
+        status = absl::ResourceExhaustedError(
+            "GetRankPlan: the planner ran out of memory building the plan message");
+        std::cerr << "sb-planner: " << status.message() << std::endl;
+      }
+    }
     service->Record("GetRankPlan", start, status);
     reactor->Finish(ToGrpcStatus(status));
   }
@@ -110,11 +131,25 @@ void PlannerServiceImpl::Record(const char* method, Clock::time_point start,
   if (options_.metrics == nullptr) return;
   options_.metrics->ObserveRpc(method, static_cast<grpc::StatusCode>(status.code()),
                                SecondsSince(start));
-  // The store reports its failures as UNAVAILABLE "state: ..." (plan_store.cc).
-  if (status.code() == absl::StatusCode::kUnavailable &&
-      absl::StartsWith(status.message(), "state:")) {
-    options_.metrics->ObserveStateWriteFailure();
+}
+
+template <typename Body>
+grpc::ServerUnaryReactor* PlannerServiceImpl::Guarded(grpc::CallbackServerContext* context,
+                                                      const char* method, Body body) {
+  const Clock::time_point start = Clock::now();
+  absl::Status failure;
+  try {
+    return body(start);
+  } catch (const std::bad_alloc&) {
+    failure = absl::ResourceExhaustedError(
+        absl::StrCat(method, ": the planner ran out of memory for this call"));
+  } catch (const std::exception& e) {
+    failure = absl::InternalError(absl::StrCat(method, ": ", e.what()));
+  } catch (...) {
+    failure = absl::InternalError(absl::StrCat(method, ": an unknown exception"));
   }
+  std::cerr << "sb-planner: " << failure.message() << std::endl;
+  return Finish(context, method, start, failure);
 }
 
 PlannerServiceImpl::~PlannerServiceImpl() = default;
@@ -141,73 +176,77 @@ absl::Status PlannerServiceImpl::AuthorizeAdmin(grpc::CallbackServerContext* con
 grpc::ServerUnaryReactor* PlannerServiceImpl::CreateJob(grpc::CallbackServerContext* context,
                                                         const v1::CreateJobRequest* request,
                                                         v1::CreateJobResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeAdmin(context); !s.ok())
-    return Finish(context, "CreateJob", start, s);
-  absl::StatusOr<JobSettings> settings = ConfigFromProto(request->config(), options_.limits);
-  if (!settings.ok()) return Finish(context, "CreateJob", start, settings.status());
-  absl::StatusOr<CreatedJob> job =
-      registry_->CreateJob(request->name(), *settings, request->profile());
-  if (!job.ok()) return Finish(context, "CreateJob", start, job.status());
-  if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
-  response->set_job_id(job->job_id);
-  response->set_job_token(job->job_token);
-  *response->mutable_config() = ConfigToProto(job->settings);
-  return Finish(context, "CreateJob", start, absl::OkStatus());
+  return Guarded(context, "CreateJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeAdmin(context); !s.ok())
+      return Finish(context, "CreateJob", start, s);
+    absl::StatusOr<JobSettings> settings = ConfigFromProto(request->config(), options_.limits);
+    if (!settings.ok()) return Finish(context, "CreateJob", start, settings.status());
+    absl::StatusOr<CreatedJob> job =
+        registry_->CreateJob(request->name(), *settings, request->profile());
+    if (!job.ok()) return Finish(context, "CreateJob", start, job.status());
+    if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
+    response->set_job_id(job->job_id);
+    response->set_job_token(job->job_token);
+    *response->mutable_config() = ConfigToProto(job->settings);
+    return Finish(context, "CreateJob", start, absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::JoinJob(grpc::CallbackServerContext* context,
                                                       const v1::JoinJobRequest* request,
                                                       v1::JoinJobResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, "JoinJob", start, s);
-  }
-  int64_t rank_next_step = 0;
-  auto joined = registry_->JoinJob(request->job_id(), request->rank(), &rank_next_step);
-  if (!joined.ok()) return Finish(context, "JoinJob", start, joined.status());
-  *response->mutable_config() = ConfigToProto(joined->first);
-  response->set_next_step(joined->second);
-  response->set_rank_next_step(rank_next_step);
-  return Finish(context, "JoinJob", start, absl::OkStatus());
+  return Guarded(context, "JoinJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+      return Finish(context, "JoinJob", start, s);
+    }
+    int64_t rank_next_step = 0;
+    auto joined = registry_->JoinJob(request->job_id(), request->rank(), &rank_next_step);
+    if (!joined.ok()) return Finish(context, "JoinJob", start, joined.status());
+    *response->mutable_config() = ConfigToProto(joined->first);
+    response->set_next_step(joined->second);
+    response->set_rank_next_step(rank_next_step);
+    return Finish(context, "JoinJob", start, absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerContext* context,
                                                           const v1::SubmitBatchRequest* request,
                                                           v1::SubmitBatchResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, "SubmitBatch", start, s);
-  }
-  absl::StatusOr<JobView> job = registry_->GetJob(request->job_id());
-  if (!job.ok()) return Finish(context, "SubmitBatch", start, job.status());
-  absl::StatusOr<std::vector<Sample>> batch =
-      SamplesFromProto(request->samples(), job->settings.planner, options_.limits);
-  if (!batch.ok()) return Finish(context, "SubmitBatch", start, batch.status());
-  const Clock::time_point plan_start = Clock::now();
-  absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(request->job_id(), request->step(),
-                                                               *batch, request->planned_locally());
-  if (!result.ok()) return Finish(context, "SubmitBatch", start, result.status());
-  if (options_.metrics != nullptr) {
-    if (!result->repeated) {
-      options_.metrics->ObservePlan(request->job_id(), result->plan, SecondsSince(plan_start));
+  return Guarded(context, "SubmitBatch", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+      return Finish(context, "SubmitBatch", start, s);
     }
-    if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
-      options_.metrics->ObserveLocalPlan(request->job_id(), result->skipped_steps);
+    absl::StatusOr<JobView> job = registry_->GetJob(request->job_id());
+    if (!job.ok()) return Finish(context, "SubmitBatch", start, job.status());
+    absl::StatusOr<std::vector<Sample>> batch =
+        SamplesFromProto(request->samples(), job->settings.planner, options_.limits);
+    if (!batch.ok()) return Finish(context, "SubmitBatch", start, batch.status());
+    const Clock::time_point plan_start = Clock::now();
+    absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(
+        request->job_id(), request->step(), *batch, request->planned_locally());
+    if (!result.ok()) return Finish(context, "SubmitBatch", start, result.status());
+    if (options_.metrics != nullptr) {
+      if (!result->repeated) {
+        options_.metrics->ObservePlan(request->job_id(), result->plan, SecondsSince(plan_start));
+      }
+      if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
+        options_.metrics->ObserveLocalPlan(request->job_id(), result->skipped_steps);
+      }
     }
-  }
-  response->set_step(result->step);
-  response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
-                                           result->deferred_ids.end());
-  *response->mutable_figures() = FiguresToProto(result->plan);
-  if (!result->repeated) WakeWaiters(request->job_id(), request->step());
-  return Finish(context, "SubmitBatch", start, absl::OkStatus());
+    response->set_step(result->step);
+    response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
+                                             result->deferred_ids.end());
+    *response->mutable_figures() = FiguresToProto(result->plan);
+    // Also after a repeat: the first attempt may have planned the step and failed after.
+    WakeWaiters(request->job_id(), request->step());
+    return Finish(context, "SubmitBatch", start, absl::OkStatus());
+  });
 }
 
-bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait) {
+bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait, int* world_size) {
   bool ready = false;
   absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
-      registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready);
+      registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready, world_size);
   if (!plan.ok()) {
     wait->Complete(plan.status(), nullptr);
     return true;
@@ -217,31 +256,72 @@ bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait) {
   return true;
 }
 
-void PlannerServiceImpl::Park(const std::shared_ptr<Wait>& wait) {
+absl::Status PlannerServiceImpl::Park(const std::shared_ptr<Wait>& wait, int world_size) {
   absl::MutexLock lock(&waiters_mu_);
-  waiters_[{wait->job_id, wait->step}].insert(wait);
+  if (waiting_ >= options_.max_waiting_calls) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("GetRankPlan: ", waiting_,
+                     " calls are waiting for plans, this planner's limit; ask "
+                     "again once the step is submitted"));
+  }
+  const int per_job = options_.max_waiting_calls_per_job_extra + 2 * world_size;
+  int& of_job = waiting_per_job_[wait->job_id];
+  if (of_job >= per_job) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "GetRankPlan: ", of_job, " calls of job ", wait->job_id,
+        " are waiting for plans, its limit (2 per rank + ",
+        options_.max_waiting_calls_per_job_extra, "); ask again once the step is submitted"));
+  }
+  if (waiters_[{wait->job_id, wait->step}].insert(wait).second) {
+    ++of_job;
+    ++waiting_;
+  }
+  return absl::OkStatus();
 }
 
 void PlannerServiceImpl::Unpark(const std::shared_ptr<Wait>& wait) {
   absl::MutexLock lock(&waiters_mu_);
   auto it = waiters_.find({wait->job_id, wait->step});
-  if (it == waiters_.end()) return;
-  it->second.erase(wait);
+  if (it == waiters_.end() || it->second.erase(wait) == 0) return;
   if (it->second.empty()) waiters_.erase(it);
+  --waiting_;
+  if (--waiting_per_job_[wait->job_id] <= 0) waiting_per_job_.erase(wait->job_id);
 }
 
 void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
-  std::set<std::shared_ptr<Wait>> woken;
+  std::vector<std::shared_ptr<Wait>> woken;
   {
     absl::MutexLock lock(&waiters_mu_);
     auto it = waiters_.find({job_id, step});
     if (it == waiters_.end()) return;
-    woken = std::move(it->second);
+    woken.assign(it->second.begin(), it->second.end());
     waiters_.erase(it);
+    waiting_ -= static_cast<int>(woken.size());
+    if ((waiting_per_job_[job_id] -= static_cast<int>(woken.size())) <= 0) {
+      waiting_per_job_.erase(job_id);
+    }
   }
+  Complete(std::move(woken));
+}
+
+void PlannerServiceImpl::WakeJob(const std::string& job_id) {
+  std::vector<std::shared_ptr<Wait>> woken;
+  {
+    absl::MutexLock lock(&waiters_mu_);
+    for (auto it = waiters_.lower_bound({job_id, std::numeric_limits<int64_t>::min()});
+         it != waiters_.end() && it->first.first == job_id;) {
+      woken.insert(woken.end(), it->second.begin(), it->second.end());
+      waiting_ -= static_cast<int>(it->second.size());
+      it = waiters_.erase(it);
+    }
+    waiting_per_job_.erase(job_id);
+  }
+  Complete(std::move(woken));
+}
+
+void PlannerServiceImpl::Complete(std::vector<std::shared_ptr<Wait>> all) {
   // Answering a thousand waiting ranks (building each rank's plan message and sending it) is
   // the longest part of a large step after the planning: split it over two threads.
-  std::vector<std::shared_ptr<Wait>> all(woken.begin(), woken.end());
   if (all.size() < 256) {
     for (const std::shared_ptr<Wait>& wait : all) TryComplete(wait);
     return;
@@ -256,159 +336,175 @@ void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
 
 int PlannerServiceImpl::waiting_calls() const {
   absl::MutexLock lock(&waiters_mu_);
-  int n = 0;
-  for (const auto& [key, set] : waiters_) n += static_cast<int>(set.size());
-  return n;
+  return waiting_;
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::GetRankPlan(grpc::CallbackServerContext* context,
                                                           const v1::GetRankPlanRequest* request,
                                                           v1::GetRankPlanResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, "GetRankPlan", start, s);
-  }
-  auto wait = std::make_shared<Wait>();
-  wait->service = this;
-  wait->start = start;
-  wait->job_id = request->job_id();
-  wait->step = request->step();
-  wait->rank = request->rank();
-  wait->response = response;
-  auto* reactor = new WaitingReactor(
-      wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
-  wait->reactor = reactor;
-  if (TryComplete(wait)) return reactor;
-  Park(wait);
-  // The step may have been planned between the check and parking: check again.
-  if (TryComplete(wait)) Unpark(wait);
-  return reactor;
+  return Guarded(context, "GetRankPlan", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+      return Finish(context, "GetRankPlan", start, s);
+    }
+    auto wait = std::make_shared<Wait>();
+    wait->service = this;
+    wait->start = start;
+    wait->job_id = request->job_id();
+    wait->step = request->step();
+    wait->rank = request->rank();
+    wait->response = response;
+    auto* reactor = new WaitingReactor(
+        wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
+    wait->reactor = reactor;
+    int world_size = 0;
+    if (TryComplete(wait, &world_size)) return reactor;
+    if (absl::Status parked = Park(wait, world_size); !parked.ok()) {
+      wait->Complete(parked, nullptr);
+      return reactor;
+    }
+    // The step may have been planned (or the job deleted) between the check and parking.
+    if (TryComplete(wait)) Unpark(wait);
+    return reactor;
+  });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerContext* context,
                                                          const v1::ReportStepRequest* request,
                                                          v1::ReportStepResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, "ReportStep", start, s);
-  }
-  std::vector<MicroBatchTiming> measured;
-  measured.reserve(request->micro_batches_size());
-  for (const v1::MicroBatchReport& m : request->micro_batches()) {
-    measured.push_back(TimingFromProto(m));
-  }
-  absl::StatusOr<bool> duplicate =
-      registry_->ReportStep(request->job_id(), request->step(), request->rank(), measured,
-                            request->wait_seconds(), request->planned_locally());
-  if (!duplicate.ok()) return Finish(context, "ReportStep", start, duplicate.status());
-  response->set_duplicate(*duplicate);
-  return Finish(context, "ReportStep", start, absl::OkStatus());
+  return Guarded(context, "ReportStep", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+      return Finish(context, "ReportStep", start, s);
+    }
+    std::vector<MicroBatchTiming> measured;
+    measured.reserve(request->micro_batches_size());
+    for (const v1::MicroBatchReport& m : request->micro_batches()) {
+      measured.push_back(TimingFromProto(m));
+    }
+    absl::StatusOr<bool> duplicate =
+        registry_->ReportStep(request->job_id(), request->step(), request->rank(), measured,
+                              request->wait_seconds(), request->planned_locally());
+    if (!duplicate.ok()) return Finish(context, "ReportStep", start, duplicate.status());
+    response->set_duplicate(*duplicate);
+    return Finish(context, "ReportStep", start, absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::UploadProfile(grpc::CallbackServerContext* context,
                                                             const v1::UploadProfileRequest* request,
                                                             v1::UploadProfileResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, "UploadProfile", start, s);
-  }
-  absl::StatusOr<CostCoefficients> fitted =
-      registry_->UploadProfile(request->job_id(), request->profile());
-  if (!fitted.ok()) return Finish(context, "UploadProfile", start, fitted.status());
-  absl::StatusOr<ProfileTable> table = ParseProfileTable(request->profile());
-  response->set_device(table.ok() ? table->device : "");
-  response->set_seconds_per_block(fitted->per_block);
-  response->set_seconds_per_token(fitted->per_token);
-  response->set_seconds_per_document(fitted->per_sample);
-  return Finish(context, "UploadProfile", start, absl::OkStatus());
+  return Guarded(context, "UploadProfile",
+                 [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+                   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+                     return Finish(context, "UploadProfile", start, s);
+                   }
+                   absl::StatusOr<CostCoefficients> fitted =
+                       registry_->UploadProfile(request->job_id(), request->profile());
+                   if (!fitted.ok())
+                     return Finish(context, "UploadProfile", start, fitted.status());
+                   absl::StatusOr<ProfileTable> table = ParseProfileTable(request->profile());
+                   response->set_device(table.ok() ? table->device : "");
+                   response->set_seconds_per_block(fitted->per_block);
+                   response->set_seconds_per_token(fitted->per_token);
+                   response->set_seconds_per_document(fitted->per_sample);
+                   return Finish(context, "UploadProfile", start, absl::OkStatus());
+                 });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::UpdateJobConfig(
     grpc::CallbackServerContext* context, const v1::UpdateJobConfigRequest* request,
     v1::UpdateJobConfigResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, "UpdateJobConfig", start, s);
-  }
-  const v1::JobConfig& in = request->config();
-  JobSettings update;
-  update.planner.dst_quantile = in.dst_quantile();
-  update.planner.density_min = in.density_min();
-  update.planner.density_max = in.density_max();
-  update.planner.density_default = in.density_default();
-  update.history_steps = in.history_steps();
-  std::vector<std::string> fields(request->update_mask().paths().begin(),
-                                  request->update_mask().paths().end());
-  for (const std::string& field : fields) {
-    absl::Status s;
-    if (field == "policy") {
-      absl::StatusOr<Policy> p = PolicyFromProto(in.policy(), "config.policy");
-      s = p.status();
-      if (p.ok()) update.planner.policy = *p;
-    } else if (field == "dst_mode") {
-      absl::StatusOr<DstMode> m = DstModeFromProto(in.dst_mode(), "config.dst_mode");
-      s = m.status();
-      if (m.ok()) update.planner.dst_mode = *m;
-    } else if (field == "overflow") {
-      absl::StatusOr<OverflowPolicy> o = OverflowFromProto(in.overflow(), "config.overflow");
-      s = o.status();
-      if (o.ok()) update.planner.overflow = *o;
-    }
-    if (!s.ok()) return Finish(context, "UpdateJobConfig", start, s);
-  }
-  absl::StatusOr<JobSettings> now = registry_->UpdateJobConfig(request->job_id(), update, fields);
-  if (!now.ok()) return Finish(context, "UpdateJobConfig", start, now.status());
-  *response->mutable_config() = ConfigToProto(*now);
-  return Finish(context, "UpdateJobConfig", start, absl::OkStatus());
+  return Guarded(
+      context, "UpdateJobConfig", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+        if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+          return Finish(context, "UpdateJobConfig", start, s);
+        }
+        const v1::JobConfig& in = request->config();
+        JobSettings update;
+        update.planner.dst_quantile = in.dst_quantile();
+        update.planner.density_min = in.density_min();
+        update.planner.density_max = in.density_max();
+        update.planner.density_default = in.density_default();
+        update.history_steps = in.history_steps();
+        std::vector<std::string> fields(request->update_mask().paths().begin(),
+                                        request->update_mask().paths().end());
+        for (const std::string& field : fields) {
+          absl::Status s;
+          if (field == "policy") {
+            absl::StatusOr<Policy> p = PolicyFromProto(in.policy(), "config.policy");
+            s = p.status();
+            if (p.ok()) update.planner.policy = *p;
+          } else if (field == "dst_mode") {
+            absl::StatusOr<DstMode> m = DstModeFromProto(in.dst_mode(), "config.dst_mode");
+            s = m.status();
+            if (m.ok()) update.planner.dst_mode = *m;
+          } else if (field == "overflow") {
+            absl::StatusOr<OverflowPolicy> o = OverflowFromProto(in.overflow(), "config.overflow");
+            s = o.status();
+            if (o.ok()) update.planner.overflow = *o;
+          }
+          if (!s.ok()) return Finish(context, "UpdateJobConfig", start, s);
+        }
+        absl::StatusOr<JobSettings> now =
+            registry_->UpdateJobConfig(request->job_id(), update, fields);
+        if (!now.ok()) return Finish(context, "UpdateJobConfig", start, now.status());
+        *response->mutable_config() = ConfigToProto(*now);
+        return Finish(context, "UpdateJobConfig", start, absl::OkStatus());
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::GetJob(grpc::CallbackServerContext* context,
                                                      const v1::GetJobRequest* request,
                                                      v1::GetJobResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-    return Finish(context, "GetJob", start, s);
-  }
-  absl::StatusOr<JobView> view = registry_->GetJob(request->job_id());
-  if (!view.ok()) return Finish(context, "GetJob", start, view.status());
-  SummaryToProto(*view, response->mutable_job());
-  return Finish(context, "GetJob", start, absl::OkStatus());
+  return Guarded(context, "GetJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+      return Finish(context, "GetJob", start, s);
+    }
+    absl::StatusOr<JobView> view = registry_->GetJob(request->job_id());
+    if (!view.ok()) return Finish(context, "GetJob", start, view.status());
+    SummaryToProto(*view, response->mutable_job());
+    return Finish(context, "GetJob", start, absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::ListJobs(grpc::CallbackServerContext* context,
                                                        const v1::ListJobsRequest* request,
                                                        v1::ListJobsResponse* response) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeAdmin(context); !s.ok())
-    return Finish(context, "ListJobs", start, s);
-  if (request->page_size() < 0) {
-    return Finish(context, "ListJobs", start,
-                  absl::InvalidArgumentError(
-                      absl::StrCat("page_size: ", request->page_size(), " is negative")));
-  }
-  const int limit =
-      request->page_size() == 0 ? options_.default_page_size : std::min(request->page_size(), 1000);
-  // The page token is the last job id of the previous page.
-  std::vector<JobView> page = registry_->ListJobs(request->page_token(), limit + 1);
-  const bool more = static_cast<int>(page.size()) > limit;
-  if (more) page.pop_back();
-  for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
-  if (more) response->set_next_page_token(page.back().job_id);
-  return Finish(context, "ListJobs", start, absl::OkStatus());
+  return Guarded(context, "ListJobs", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeAdmin(context); !s.ok())
+      return Finish(context, "ListJobs", start, s);
+    if (request->page_size() < 0) {
+      return Finish(context, "ListJobs", start,
+                    absl::InvalidArgumentError(
+                        absl::StrCat("page_size: ", request->page_size(), " is negative")));
+    }
+    const int limit = request->page_size() == 0 ? options_.default_page_size
+                                                : std::min(request->page_size(), 1000);
+    // The page token is the last job id of the previous page.
+    std::vector<JobView> page = registry_->ListJobs(request->page_token(), limit + 1);
+    const bool more = static_cast<int>(page.size()) > limit;
+    if (more) page.pop_back();
+    for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
+    if (more) response->set_next_page_token(page.back().job_id);
+    return Finish(context, "ListJobs", start, absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::DeleteJob(grpc::CallbackServerContext* context,
                                                         const v1::DeleteJobRequest* request,
                                                         v1::DeleteJobResponse* /*response*/) {
-  const Clock::time_point start = Clock::now();
-  if (absl::Status s = AuthorizeAdmin(context); !s.ok())
-    return Finish(context, "DeleteJob", start, s);
-  const absl::Status deleted = registry_->DeleteJob(request->job_id());
-  if (deleted.ok() && options_.metrics != nullptr) {
-    options_.metrics->ForgetJob(request->job_id());
-    options_.metrics->SetJobs(registry_->job_count());
-  }
-  return Finish(context, "DeleteJob", start, deleted);
+  return Guarded(context, "DeleteJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+    if (absl::Status s = AuthorizeAdmin(context); !s.ok())
+      return Finish(context, "DeleteJob", start, s);
+    const absl::Status deleted = registry_->DeleteJob(request->job_id());
+    if (deleted.ok()) {
+      WakeJob(request->job_id());  // its waiting ranks get NOT_FOUND now, not at their deadline
+      if (options_.metrics != nullptr) {
+        options_.metrics->ForgetJob(request->job_id());
+        options_.metrics->SetJobs(registry_->job_count());
+      }
+    }
+    return Finish(context, "DeleteJob", start, deleted);
+  });
 }
 
 }  // namespace sparsebalance

@@ -33,6 +33,10 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
     WireLimits limits;
     int default_page_size = 100;
     PlannerMetrics* metrics = nullptr;  // not owned; none when null
+    // GetRankPlan calls parked at once, in all and per job (per job: this many plus two per
+    // rank); one more is RESOURCE_EXHAUSTED. A parked call holds about 16 KiB.
+    int max_waiting_calls = 16384;
+    int max_waiting_calls_per_job_extra = 64;
   };
 
   PlannerServiceImpl(JobRegistry* registry, Options options);
@@ -85,16 +89,29 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
   absl::Status AuthorizeAdmin(grpc::CallbackServerContext* context) const;
   // Finishes every call parked on (job_id, step).
   void WakeWaiters(const std::string& job_id, int64_t step);
-  void Park(const std::shared_ptr<Wait>& wait);
+  // Finishes every call parked on any step of `job_id` (a deleted job: NOT_FOUND).
+  void WakeJob(const std::string& job_id);
+  void Complete(std::vector<std::shared_ptr<Wait>> waits);
+  // Parks `wait` unless the caps are reached (RESOURCE_EXHAUSTED, naming the cap).
+  absl::Status Park(const std::shared_ptr<Wait>& wait, int world_size);
   void Unpark(const std::shared_ptr<Wait>& wait);
-  // Completes `wait` if its plan exists (or can never exist); false if it must keep waiting.
-  bool TryComplete(const std::shared_ptr<Wait>& wait);
+  // Completes `wait` if its plan exists (or can never exist); false if it must keep waiting
+  // (then `world_size`, when given, is the job's).
+  bool TryComplete(const std::shared_ptr<Wait>& wait, int* world_size = nullptr);
 
   JobRegistry* const registry_;
   const Options options_;
+  // Runs a handler's body; an exception that escapes it (std::bad_alloc above all) is logged
+  // and finishes the call with RESOURCE_EXHAUSTED or INTERNAL instead of reaching gRPC.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Guarded(grpc::CallbackServerContext* context, const char* method,
+                                    Body body);
+
   mutable absl::Mutex waiters_mu_;
   std::map<std::pair<std::string, int64_t>, std::set<std::shared_ptr<Wait>>> waiters_
       ABSL_GUARDED_BY(waiters_mu_);
+  std::map<std::string, int> waiting_per_job_ ABSL_GUARDED_BY(waiters_mu_);
+  int waiting_ ABSL_GUARDED_BY(waiters_mu_) = 0;
 };
 
 // The bearer token of a call's "authorization" metadata, or "" when there is none.
