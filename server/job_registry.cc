@@ -123,7 +123,8 @@ std::shared_ptr<JobRegistry::Job> JobRegistry::Find(const std::string& job_id) c
   return it == jobs_.end() ? nullptr : it->second;
 }
 
-absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sync) const {
+absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sync,
+                                  bool create) const {
   if (options_.store == nullptr) return absl::OkStatus();
   state::v1::JobSnapshot snapshot;
   snapshot.set_job_id(id);
@@ -136,7 +137,7 @@ absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sy
   for (const auto& [step, record] : job.history) {
     if (record.folded) snapshot.add_folded_steps(step);
   }
-  return options_.store->SaveJob(snapshot, sync);
+  return create ? options_.store->CreateJob(snapshot) : options_.store->SaveJob(snapshot, sync);
 }
 
 absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
@@ -158,12 +159,12 @@ absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
 
 absl::Status JobRegistry::Restore() {
   if (options_.store == nullptr) return absl::OkStatus();
-  absl::StatusOr<std::vector<PlanStore::LoadedJob>> loaded = options_.store->LoadAll();
+  absl::StatusOr<PlanStore::Loaded> loaded = options_.store->LoadAll();
   if (!loaded.ok()) return loaded.status();
   WireLimits relaxed = options_.limits;
   relaxed.max_world_size = std::max(relaxed.max_world_size, 1 << 30);
-  for (PlanStore::LoadedJob& l : *loaded) {
-    const std::string& id = l.job.job_id();
+  for (PlanStore::LoadedJob& l : loaded->jobs) {
+    const std::string& id = l.job_id;
     absl::StatusOr<JobSettings> settings = ConfigFromProto(l.job.config(), relaxed);
     if (!settings.ok()) {
       return absl::DataLossError(
@@ -254,7 +255,7 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
   } while (jobs_.count(id) > 0);
   {
     absl::ReaderMutexLock job_lock(&job->mu);
-    if (absl::Status s = SaveJob(id, *job); !s.ok()) return s;
+    if (absl::Status s = SaveJob(id, *job, /*sync=*/true, /*create=*/true); !s.ok()) return s;
   }
   jobs_[id] = job;
   return CreatedJob{id, job->token, settings};
@@ -671,7 +672,8 @@ absl::Status JobRegistry::DeleteJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   if (jobs_.count(job_id) == 0) return NotFound(job_id);
   if (options_.store != nullptr) {
-    if (absl::Status s = options_.store->DeleteJob(job_id); !s.ok()) return s;
+    if (absl::Status s = options_.store->RetireJob(job_id); !s.ok()) return s;
+    options_.store->RemoveRetired(job_id);
   }
   jobs_.erase(job_id);
   return absl::OkStatus();

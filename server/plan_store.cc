@@ -6,11 +6,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <set>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -19,30 +23,70 @@
 namespace sparsebalance {
 namespace {
 
-absl::Status IoError(absl::string_view what, const std::string& path) {
-  return absl::UnavailableError(
-      absl::StrCat("state: ", what, " ", path, ": ", std::strerror(errno)));
+constexpr absl::string_view kStorePrefix = "state_dir: ";
+// The first bytes of every report record. As a little-endian length (the previous format) it
+// would be some 3 GB, which no report ever was: a log starting with it is in the new format.
+constexpr char kMagicBytes[4] = {'\xE2', '\x9C', '\x53', '\xB7'};
+constexpr absl::string_view kMagic(kMagicBytes, 4);
+constexpr size_t kHeaderBytes = 12;                  // magic, length, crc
+constexpr uint32_t kMaxRecordBytes = 64 << 20;       // a report body, far above any real one
+constexpr int64_t kMaxFileBytes = int64_t{1} << 30;  // a file the loader reads whole
+constexpr int kMaxRemoveDepth = 8;  // job folders are flat; deeper trees are not ours
+constexpr absl::string_view kQuarantine = "quarantine";
+constexpr absl::string_view kDeletedPrefix = ".deleted-";
+constexpr absl::string_view kTmpSuffix = ".tmp";
+
+absl::Status IoFailure(absl::string_view what, absl::string_view path, int err) {
+  const absl::StatusCode code = err == ENOSPC || err == EDQUOT || err == EFBIG
+                                    ? absl::StatusCode::kResourceExhausted
+                                    : absl::StatusCode::kInternal;
+  return StoreFailure(code, absl::StrCat(what, " ", path, ": ", std::strerror(err)));
 }
 
-absl::Status MakeDir(const std::string& path) {
-  if (mkdir(path.c_str(), 0700) == 0 || errno == EEXIST) return absl::OkStatus();
-  return IoError("cannot create", path);
+bool IsFolder(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-absl::Status SyncPath(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY);
-  if (fd < 0) return IoError("cannot open", path);
-  const int rc = fsync(fd);
+bool IsGone(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) != 0 && errno == ENOENT;
+}
+
+absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) {
+  DIR* d = opendir(path.c_str());
+  if (d == nullptr) return IoFailure("cannot list", path, errno);
+  std::vector<std::string> names;
+  while (true) {
+    errno = 0;
+    const dirent* e = readdir(d);
+    if (e == nullptr) break;
+    const absl::string_view name = e->d_name;
+    if (name != "." && name != "..") names.emplace_back(name);
+  }
+  const int err = errno;
+  closedir(d);
+  if (err != 0) return IoFailure("cannot list", path, err);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+absl::Status SyncDir(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return IoFailure("cannot open", path, errno);
+  absl::Status status;
+  if (fsync(fd) != 0) status = IoFailure("cannot fsync", path, errno);
   close(fd);
-  return rc == 0 ? absl::OkStatus() : IoError("cannot fsync", path);
+  return status;
 }
 
-absl::Status WriteAll(int fd, const std::string& bytes, const std::string& path) {
+absl::Status WriteAll(int fd, absl::string_view bytes, const std::string& path) {
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return IoError("cannot write", path);
+    if (n < 0) return IoFailure("cannot write", path, errno);
+    if (n == 0) return IoFailure("cannot write", path, EIO);
     done += static_cast<size_t>(n);
   }
   return absl::OkStatus();
@@ -50,96 +94,465 @@ absl::Status WriteAll(int fd, const std::string& bytes, const std::string& path)
 
 // Write to a temporary file, fsync, rename over `path`, fsync the folder. Without `sync` only
 // the rename is atomic: a process crash leaves the old or the new file, a machine crash may
-// lose the write.
-absl::Status WriteDurably(const std::string& dir, const std::string& path, const std::string& bytes,
-                          bool sync = true) {
-  const std::string tmp = path + ".tmp";
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  if (fd < 0) return IoError("cannot create", tmp);
+// lose the write. A failed write removes its temporary file (on a full disk it holds space).
+absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
+                              absl::string_view bytes, bool sync) {
+  const std::string tmp = absl::StrCat(path, kTmpSuffix);
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return IoFailure("cannot create", tmp, errno);
   absl::Status status = WriteAll(fd, bytes, tmp);
-  if (status.ok() && sync && fsync(fd) != 0) status = IoError("cannot fsync", tmp);
-  close(fd);
-  if (!status.ok()) return status;
-  if (rename(tmp.c_str(), path.c_str()) != 0) return IoError("cannot rename to", path);
-  return sync ? SyncPath(dir) : absl::OkStatus();
+  if (status.ok() && sync && fsync(fd) != 0) status = IoFailure("cannot fsync", tmp, errno);
+  if (close(fd) != 0 && status.ok()) status = IoFailure("cannot close", tmp, errno);
+  if (status.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
+    status = IoFailure(absl::StrCat("cannot rename ", tmp, " to"), path, errno);
+  }
+  if (!status.ok()) {
+    unlink(tmp.c_str());
+    return status;
+  }
+  return sync ? SyncDir(dir) : absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return IoError("cannot read", path);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
+// The whole of a regular file (never a symlink, a FIFO or a device: opening those must not
+// block or escape the directory).
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return IoFailure("cannot open", path, errno);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return IoFailure("cannot stat", path, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::DataLossError(absl::StrCat(path, " is not a regular file"));
+  }
+  std::string out;
+  out.reserve(static_cast<size_t>(std::min<int64_t>(st.st_size, kMaxFileBytes)));
+  char buffer[1 << 16];
+  while (true) {
+    const ssize_t n = read(fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      close(fd);
+      return IoFailure("cannot read", path, err);
+    }
+    if (n == 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+    if (static_cast<int64_t>(out.size()) > kMaxFileBytes) {
+      close(fd);
+      return absl::DataLossError(absl::StrCat(path, " is larger than ", kMaxFileBytes,
+                                              " bytes, more than the store writes"));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+// Removes `name` inside the folder `parent_fd` (and all in it when it is a folder) without ever
+// following a symlink: a symlink is unlinked itself, folders are opened with O_NOFOLLOW.
+absl::Status RemoveTreeAt(int parent_fd, const std::string& name, const std::string& path,
+                          int depth) {
+  struct stat st;
+  if (fstatat(parent_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    return errno == ENOENT ? absl::OkStatus() : IoFailure("cannot stat", path, errno);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    if (unlinkat(parent_fd, name.c_str(), 0) != 0 && errno != ENOENT) {
+      return IoFailure("cannot remove", path, errno);
+    }
+    return absl::OkStatus();
+  }
+  if (depth >= kMaxRemoveDepth) {
+    return StoreFailure(absl::StatusCode::kInternal,
+                        absl::StrCat("cannot remove ", path, ": folders nested deeper than ",
+                                     kMaxRemoveDepth, " levels were not made by sb-planner"));
+  }
+  const int fd = openat(parent_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return IoFailure("cannot open", path, errno);
+  DIR* d = fdopendir(fd);
+  if (d == nullptr) {
+    const int err = errno;
+    close(fd);
+    return IoFailure("cannot list", path, err);
+  }
+  std::vector<std::string> names;
+  while (const dirent* e = readdir(d)) {
+    const absl::string_view entry = e->d_name;
+    if (entry != "." && entry != "..") names.emplace_back(entry);
+  }
+  absl::Status status;
+  for (const std::string& entry : names) {
+    status.Update(RemoveTreeAt(dirfd(d), entry, absl::StrCat(path, "/", entry), depth + 1));
+  }
+  closedir(d);  // closes fd
+  if (!status.ok()) return status;
+  if (unlinkat(parent_fd, name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+    return IoFailure("cannot remove", path, errno);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoveTree(const std::string& parent, const std::string& name) {
+  const int fd = open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT ? absl::OkStatus() : IoFailure("cannot open", parent, errno);
+  absl::Status status = RemoveTreeAt(fd, name, absl::StrCat(parent, "/", name), 0);
+  close(fd);
+  return status;
+}
+
+void PutLe32(char* out, uint32_t value) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((value >> (8 * i)) & 0xff);
+}
+
+uint32_t GetLe32(const char* in) {
+  uint32_t value = 0;
+  for (int i = 0; i < 4; ++i) value |= uint32_t{static_cast<unsigned char>(in[i])} << (8 * i);
+  return value;
+}
+
+// Raw CRC32C register update (no pre/post inversion), a byte at a time from a table.
+uint32_t Crc32cUpdate(uint32_t crc, absl::string_view data) {
+  static const std::array<uint32_t, 256> kTable = [] {
+    std::array<uint32_t, 256> table{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) != 0 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+      table[i] = c;
+    }
+    return table;
+  }();
+  for (const char ch : data)
+    crc = kTable[(crc ^ static_cast<unsigned char>(ch)) & 0xff] ^ (crc >> 8);
+  return crc;
+}
+
+// The checksum of a record: over its 4 length bytes and its body.
+uint32_t RecordCrc(absl::string_view length_bytes, absl::string_view body) {
+  return ~Crc32cUpdate(Crc32cUpdate(~uint32_t{0}, length_bytes), body);
+}
+
+std::string EncodeRecord(absl::string_view body) {
+  std::string record(kHeaderBytes, '\0');
+  std::memcpy(record.data(), kMagicBytes, 4);
+  PutLe32(&record[4], static_cast<uint32_t>(body.size()));
+  PutLe32(&record[8], RecordCrc(absl::string_view(record).substr(4, 4), body));
+  record.append(body.data(), body.size());
+  return record;
+}
+
+struct ParsedLog {
+  std::vector<state::v1::ReportRecord> reports;
+  int64_t skipped_bytes = 0;
+  int framed = 0;  // records whose header and checksum held (parsed or not)
+};
+
+// A log of framed records. What does not frame or check is skipped up to the next magic word:
+// the length of a damaged record is never trusted, so the records after it are found.
+ParsedLog ParseFramedLog(absl::string_view log) {
+  ParsedLog out;
+  size_t at = 0;
+  while (at < log.size()) {
+    if (log.size() - at >= kHeaderBytes && log.substr(at, 4) == kMagic) {
+      const uint32_t size = GetLe32(log.data() + at + 4);
+      if (size <= kMaxRecordBytes && size <= log.size() - at - kHeaderBytes) {
+        const absl::string_view body = log.substr(at + kHeaderBytes, size);
+        if (GetLe32(log.data() + at + 8) == RecordCrc(log.substr(at + 4, 4), body)) {
+          ++out.framed;
+          state::v1::ReportRecord report;
+          if (report.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
+            out.reports.push_back(std::move(report));
+          } else {
+            out.skipped_bytes += static_cast<int64_t>(kHeaderBytes + size);
+          }
+          at += kHeaderBytes + size;
+          continue;
+        }
+      }
+    }
+    size_t next = log.find(kMagic, at + 1);
+    if (next == absl::string_view::npos) next = log.size();
+    out.skipped_bytes += static_cast<int64_t>(next - at);
+    at = next;
+  }
+  return out;
+}
+
+// A log of the previous format: 4-byte little-endian length + body, read up to the first record
+// that is torn or does not parse (without a magic word there is nothing to resynchronise on).
+ParsedLog ParseLegacyLog(absl::string_view log) {
+  ParsedLog out;
+  size_t at = 0;
+  while (log.size() - at >= 4) {
+    const uint32_t size = GetLe32(log.data() + at);
+    if (size > log.size() - at - 4) break;
+    state::v1::ReportRecord report;
+    if (!report.ParseFromArray(log.data() + at + 4, static_cast<int>(size))) break;
+    out.reports.push_back(std::move(report));
+    at += 4 + size;
+  }
+  out.skipped_bytes = static_cast<int64_t>(log.size() - at);
+  return out;
+}
+
+// Either format, told apart per file: framed when the log starts with the magic word or holds
+// any record that checks (its first record may be the torn one), else the previous format.
+ParsedLog ParseReportLog(absl::string_view log, bool* legacy) {
+  ParsedLog framed = ParseFramedLog(log);
+  *legacy = !log.empty() && !absl::StartsWith(log, kMagic) && framed.framed == 0;
+  return *legacy ? ParseLegacyLog(log) : framed;
 }
 
 std::string StepPath(const std::string& job_dir, int64_t step, absl::string_view suffix) {
   return absl::StrCat(job_dir, "/step-", step, suffix);
 }
 
+absl::Status CheckJobId(absl::string_view id) {
+  if (IsValidJobId(id)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("job id \"", absl::CEscape(id.substr(0, 80)),
+                   "\" is not 8 to 64 characters of [0-9a-z]; the state store refuses it"));
+}
+
+absl::Status CheckStep(int64_t step) {
+  if (step >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("step ", step, " is negative"));
+}
+
 }  // namespace
+
+absl::Status StoreFailure(absl::StatusCode code, std::string message) {
+  if (!absl::StartsWith(message, kStorePrefix)) message = absl::StrCat(kStorePrefix, message);
+  absl::Status status(code, message);
+  status.SetPayload(kStoreFailureTypeUrl, absl::Cord("state_dir"));
+  return status;
+}
+
+bool IsStoreFailure(const absl::Status& status) {
+  return status.GetPayload(kStoreFailureTypeUrl).has_value();
+}
+
+bool IsValidJobId(absl::string_view id) {
+  if (id.size() < 8 || id.size() > 64 || id == kQuarantine) return false;
+  return std::all_of(id.begin(), id.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z'); });
+}
+
+uint32_t Crc32c(absl::string_view data) { return ~Crc32cUpdate(~uint32_t{0}, data); }
 
 absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& dir,
                                                            bool fsync_reports) {
-  if (dir.empty()) return absl::InvalidArgumentError("state_dir: empty");
-  if (absl::Status s = MakeDir(dir); !s.ok()) return s;
-  return std::unique_ptr<PlanStore>(new PlanStore(dir, fsync_reports));
+  if (dir.empty()) {
+    return absl::InvalidArgumentError("state_dir: empty; pass a writable directory");
+  }
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    return IoFailure("cannot create", dir, errno);
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) return IoFailure("cannot stat", dir, errno);
+  if (!S_ISDIR(st.st_mode)) {
+    return StoreFailure(absl::StatusCode::kInternal,
+                        absl::StrCat(dir, " is not a directory; pass a writable directory"));
+  }
+  std::unique_ptr<PlanStore> store(new PlanStore(dir, fsync_reports));
+  if (absl::Status s = store->CheckWritable(); !s.ok()) {
+    return StoreFailure(s.code(), absl::StrCat(s.message(), " (sb-planner writes its state in ",
+                                               dir, ": it must be a writable directory)"));
+  }
+  store->SweepAfterCrash();
+  return store;
+}
+
+absl::Status PlanStore::CheckWritable() {
+  // A unique name: concurrent probes must not remove each other's file; a crash leaves a
+  // `*.tmp` that the next Open() sweeps.
+  std::string path = absl::StrCat(dir_, "/.write-probe-XXXXXX", kTmpSuffix);
+  const int fd = mkostemps(path.data(), static_cast<int>(kTmpSuffix.size()), O_CLOEXEC);
+  if (fd < 0) return IoFailure("cannot create", path, errno);
+  absl::Status status = WriteAll(fd, "sb-planner write probe\n", path);
+  if (status.ok() && fsync(fd) != 0) status = IoFailure("cannot fsync", path, errno);
+  if (close(fd) != 0 && status.ok()) status = IoFailure("cannot close", path, errno);
+  if (unlink(path.c_str()) != 0 && status.ok()) status = IoFailure("cannot remove", path, errno);
+  return status;
+}
+
+void PlanStore::SweepAfterCrash() {
+  // Best effort: what is left here is never loaded, only takes space.
+  absl::StatusOr<std::vector<std::string>> names = ListDir(dir_);
+  if (!names.ok()) return;
+  for (const std::string& name : *names) {
+    const std::string path = absl::StrCat(dir_, "/", name);
+    struct stat st;
+    if (lstat(path.c_str(), &st) != 0) continue;
+    absl::string_view retired = name;
+    if (S_ISREG(st.st_mode) && absl::EndsWith(name, kTmpSuffix)) {
+      unlink(path.c_str());
+    } else if (absl::ConsumePrefix(&retired, kDeletedPrefix) && IsValidJobId(retired)) {
+      RemoveTree(dir_, name).IgnoreError();  // a RetireJob whose removal a crash cut short
+    } else if (S_ISDIR(st.st_mode) && IsValidJobId(name)) {
+      absl::StatusOr<std::vector<std::string>> files = ListDir(path);
+      if (!files.ok()) continue;
+      for (const std::string& file : *files) {
+        const std::string file_path = absl::StrCat(path, "/", file);
+        if (absl::EndsWith(file, kTmpSuffix) && lstat(file_path.c_str(), &st) == 0 &&
+            S_ISREG(st.st_mode)) {
+          unlink(file_path.c_str());
+        }
+      }
+    }
+  }
 }
 
 std::string PlanStore::JobDir(const std::string& job_id) const {
   return absl::StrCat(dir_, "/", job_id);
 }
 
-absl::Status PlanStore::SaveJob(const state::v1::JobSnapshot& job, bool sync) {
+absl::Status PlanStore::CreateJob(const state::v1::JobSnapshot& job) {
+  if (absl::Status s = CheckJobId(job.job_id()); !s.ok()) return s;
   const std::string job_dir = JobDir(job.job_id());
-  if (absl::Status s = MakeDir(job_dir); !s.ok()) return s;
-  return WriteDurably(job_dir, job_dir + "/job.pb", job.SerializeAsString(),
-                      sync || fsync_reports_);
+  if (mkdir(job_dir.c_str(), 0700) != 0) {
+    if (errno == EEXIST) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("job ", job.job_id(), " already has a folder in ", dir_));
+    }
+    return IoFailure("cannot create", job_dir, errno);
+  }
+  absl::Status status =
+      WriteFileDurably(job_dir, job_dir + "/job.pb", job.SerializeAsString(), /*sync=*/true);
+  if (status.ok()) status = SyncDir(dir_);
+  if (!status.ok()) RemoveTree(dir_, job.job_id()).IgnoreError();  // not half a job
+  return status;
+}
+
+absl::Status PlanStore::SaveJob(const state::v1::JobSnapshot& job, bool sync) {
+  if (absl::Status s = CheckJobId(job.job_id()); !s.ok()) return s;
+  const std::string job_dir = JobDir(job.job_id());
+  absl::Status status = WriteFileDurably(job_dir, job_dir + "/job.pb", job.SerializeAsString(),
+                                         sync || fsync_reports_);
+  if (!status.ok() && IsGone(job_dir)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job.job_id(), " has no folder in ", dir_, " (deleted): not saved"));
+  }
+  return status;
 }
 
 absl::Status PlanStore::SaveStep(const std::string& job_id, const state::v1::StepRecord& step) {
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  if (absl::Status s = CheckStep(step.step()); !s.ok()) return s;
   const std::string job_dir = JobDir(job_id);
-  return WriteDurably(job_dir, StepPath(job_dir, step.step(), ".pb"), step.SerializeAsString());
+  absl::Status status = WriteFileDurably(job_dir, StepPath(job_dir, step.step(), ".pb"),
+                                         step.SerializeAsString(), /*sync=*/true);
+  if (!status.ok() && IsGone(job_dir)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): step not saved"));
+  }
+  return status;
+}
+
+absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string& job_id,
+                                                              int64_t step) const {
+  const std::string job_dir = JobDir(job_id);
+  const std::string path = StepPath(job_dir, step, ".reports");
+  // O_NONBLOCK: a FIFO in place of the log fails (ENXIO) instead of blocking; regular files
+  // ignore it.
+  const auto open_log = [&]() -> absl::StatusOr<ReportLog> {
+    const int fd =
+        open(path.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+    if (fd < 0) {
+      const int err = errno;
+      if (IsGone(job_dir)) {
+        return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " has no folder in ",
+                                                          dir_, " (deleted): report not saved"));
+      }
+      return IoFailure("cannot open", path, err);
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+      const int err = errno;
+      close(fd);
+      return IoFailure("cannot stat", path, err);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      close(fd);
+      return StoreFailure(absl::StatusCode::kInternal,
+                          absl::StrCat(path, " is not a regular file: cannot append to it"));
+    }
+    return ReportLog{fd, st.st_size};
+  };
+  absl::StatusOr<ReportLog> log = open_log();
+  if (!log.ok() || log->size == 0) return log;
+  char head[4];
+  if (pread(log->fd, head, 4, 0) == 4 && absl::string_view(head, 4) == kMagic) return log;
+  // Not the framed format at its start: a log of the previous version (rewritten in the new
+  // format so that one file never mixes the two), or a framed log whose first record is torn.
+  close(log->fd);
+  absl::StatusOr<std::string> bytes = ReadFile(path);
+  if (!bytes.ok()) return bytes.status();
+  bool legacy = false;
+  const ParsedLog parsed = ParseReportLog(*bytes, &legacy);
+  if (legacy) {
+    std::string framed;
+    for (const state::v1::ReportRecord& report : parsed.reports) {
+      framed += EncodeRecord(report.SerializeAsString());
+    }
+    if (absl::Status s = WriteFileDurably(job_dir, path, framed, /*sync=*/true); !s.ok()) return s;
+  }
+  return open_log();
 }
 
 absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
                                      const state::v1::ReportRecord& report) {
-  const std::string path = StepPath(JobDir(job_id), step, ".reports");
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  if (absl::Status s = CheckStep(step); !s.ok()) return s;
   const std::string body = report.SerializeAsString();
-  std::string record(4, '\0');
-  const uint32_t size = static_cast<uint32_t>(body.size());
-  std::memcpy(record.data(), &size, 4);  // little-endian hosts only (x86-64, arm64)
-  record += body;
+  if (body.size() > kMaxRecordBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report: ", body.size(), " bytes; at most ", kMaxRecordBytes));
+  }
+  const std::string record = EncodeRecord(body);
+  const std::string path = StepPath(JobDir(job_id), step, ".reports");
   absl::MutexLock lock(&logs_mu_);
   auto it = report_logs_.find({job_id, step});
   if (it == report_logs_.end()) {
     if (report_logs_.size() >= kMaxOpenReportLogs) {
-      for (const auto& [key, fd] : report_logs_) close(fd);
+      for (const auto& [key, log] : report_logs_) close(log.fd);
       report_logs_.clear();
     }
-    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-    if (fd < 0) return IoError("cannot open", path);
-    it = report_logs_.emplace(std::make_pair(job_id, step), fd).first;
+    absl::StatusOr<ReportLog> log = OpenReportLog(job_id, step);
+    if (!log.ok()) return log.status();
+    it = report_logs_.emplace(std::make_pair(job_id, step), *log).first;
   }
-  const int fd = it->second;
-  absl::Status status = WriteAll(fd, record, path);
-  if (status.ok() && fsync_reports_ && fsync(fd) != 0) status = IoError("cannot fsync", path);
-  if (!status.ok()) {  // reopen next time
-    close(fd);
-    report_logs_.erase(it);
+  ReportLog& log = it->second;
+  absl::Status status = WriteAll(log.fd, record, path);
+  if (status.ok() && fsync_reports_ && fsync(log.fd) != 0) {
+    status = IoFailure("cannot fsync", path, errno);
   }
+  if (status.ok()) {
+    log.size += static_cast<off_t>(record.size());
+    return status;
+  }
+  // Cut off what part of the record landed, so that the next append (once space is back)
+  // starts on a record boundary instead of after a torn record.
+  if (ftruncate(log.fd, log.size) != 0) {
+    status = StoreFailure(status.code(),
+                          absl::StrCat(status.message(), "; then cannot cut ", path, " back to ",
+                                       log.size, " bytes: ", std::strerror(errno)));
+  }
+  close(log.fd);  // reopened (and its size read again) by the next append
+  report_logs_.erase(it);
   return status;
 }
 
 PlanStore::~PlanStore() {
   absl::MutexLock lock(&logs_mu_);
-  for (const auto& [key, fd] : report_logs_) close(fd);
+  for (const auto& [key, log] : report_logs_) close(log.fd);
 }
 
-void PlanStore::CloseReportLogs(const std::string& job_id, int64_t step) {
-  absl::MutexLock lock(&logs_mu_);
+void PlanStore::CloseReportLogsLocked(const std::string& job_id, int64_t step) {
   for (auto it = report_logs_.begin(); it != report_logs_.end();) {
     if (it->first.first == job_id && (step < 0 || it->first.second == step)) {
-      close(it->second);
+      close(it->second.fd);
       it = report_logs_.erase(it);
     } else {
       ++it;
@@ -148,94 +561,183 @@ void PlanStore::CloseReportLogs(const std::string& job_id, int64_t step) {
 }
 
 absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
-  CloseReportLogs(job_id, step);
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  if (absl::Status s = CheckStep(step); !s.ok()) return s;
+  absl::MutexLock lock(&logs_mu_);
+  CloseReportLogsLocked(job_id, step);
   const std::string job_dir = JobDir(job_id);
   for (absl::string_view suffix : {".pb", ".reports"}) {
     const std::string path = StepPath(job_dir, step, suffix);
-    if (unlink(path.c_str()) != 0 && errno != ENOENT) return IoError("cannot remove", path);
+    if (unlink(path.c_str()) != 0 && errno != ENOENT)
+      return IoFailure("cannot remove", path, errno);
   }
   return absl::OkStatus();
 }
 
-absl::Status PlanStore::DeleteJob(const std::string& job_id) {
-  CloseReportLogs(job_id, -1);
-  const std::string job_dir = JobDir(job_id);
-  DIR* d = opendir(job_dir.c_str());
-  if (d == nullptr) return errno == ENOENT ? absl::OkStatus() : IoError("cannot list", job_dir);
-  std::vector<std::string> names;
-  while (dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") names.push_back(name);
+absl::Status PlanStore::RetireJob(const std::string& job_id) {
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  const std::string from = JobDir(job_id);
+  const std::string retired_name = absl::StrCat(kDeletedPrefix, job_id);
+  {
+    absl::MutexLock lock(&logs_mu_);
+    CloseReportLogsLocked(job_id, -1);
+    if (IsGone(from)) return absl::OkStatus();
+    // A folder of an earlier job with this id whose removal never finished.
+    if (absl::Status s = RemoveTree(dir_, retired_name); !s.ok()) return s;
+    const std::string to = absl::StrCat(dir_, "/", retired_name);
+    if (rename(from.c_str(), to.c_str()) != 0) {
+      return IoFailure(absl::StrCat("cannot rename ", from, " to"), to, errno);
+    }
   }
-  closedir(d);
-  for (const std::string& name : names) {
-    const std::string path = job_dir + "/" + name;
-    if (unlink(path.c_str()) != 0) return IoError("cannot remove", path);
-  }
-  if (rmdir(job_dir.c_str()) != 0) return IoError("cannot remove", job_dir);
-  return SyncPath(dir_);
+  return SyncDir(dir_);
 }
 
-absl::StatusOr<std::vector<PlanStore::LoadedJob>> PlanStore::LoadAll() const {
-  std::vector<std::string> ids;
-  DIR* d = opendir(dir_.c_str());
-  if (d == nullptr) return IoError("cannot list", dir_);
-  while (dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (name == "." || name == "..") continue;
-    struct stat st;
-    if (stat((dir_ + "/" + name).c_str(), &st) == 0 && S_ISDIR(st.st_mode)) ids.push_back(name);
+void PlanStore::RemoveRetired(const std::string& job_id) {
+  if (!IsValidJobId(job_id)) return;
+  RemoveTree(dir_, absl::StrCat(kDeletedPrefix, job_id)).IgnoreError();  // else Open() will
+}
+
+absl::Status PlanStore::Quarantine(const std::string& job_id, const std::string& reason) {
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  const std::string from = JobDir(job_id);
+  const std::string quarantine = absl::StrCat(dir_, "/", kQuarantine);
+  const std::string to = absl::StrCat(quarantine, "/", job_id);
+  absl::MutexLock lock(&logs_mu_);
+  CloseReportLogsLocked(job_id, -1);
+  struct stat st;
+  if (lstat(from.c_str(), &st) != 0) {
+    if (errno == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("job ", job_id, " has no folder in ", dir_));
+    }
+    return IoFailure("cannot stat", from, errno);
   }
-  closedir(d);
-  std::sort(ids.begin(), ids.end());
-  std::vector<LoadedJob> jobs;
-  for (const std::string& id : ids) {
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(from, " is not a folder: not moved"));
+  }
+  if (mkdir(quarantine.c_str(), 0700) != 0 && errno != EEXIST) {
+    return IoFailure("cannot create", quarantine, errno);
+  }
+  if (!IsFolder(quarantine)) {
+    return StoreFailure(absl::StatusCode::kInternal,
+                        absl::StrCat(quarantine, " is not a folder (a symlink or a file)"));
+  }
+  // The reason goes in first, so that the rename moves the files and their reason at once. A
+  // full disk may refuse it; the files are moved out of the way all the same.
+  WriteFileDurably(from, from + "/REASON", reason + "\n", /*sync=*/true).IgnoreError();
+  if (absl::Status s = RemoveTree(quarantine, job_id); !s.ok()) return s;  // an earlier one
+  if (rename(from.c_str(), to.c_str()) != 0) {
+    return IoFailure(absl::StrCat("cannot rename ", from, " to"), to, errno);
+  }
+  if (absl::Status s = SyncDir(quarantine); !s.ok()) return s;
+  return SyncDir(dir_);
+}
+
+absl::Status PlanStore::DeleteQuarantined(const std::string& job_id) {
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  const std::string quarantine = absl::StrCat(dir_, "/", kQuarantine);
+  if (IsGone(absl::StrCat(quarantine, "/", job_id))) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " is not in ", quarantine));
+  }
+  return RemoveTree(quarantine, job_id);
+}
+
+absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_id) const {
+  const std::string job_dir = JobDir(job_id);
+  absl::StatusOr<std::vector<std::string>> names = ListDir(job_dir);
+  if (!names.ok()) return names.status();
+  const std::set<std::string> files(names->begin(), names->end());
+  if (files.count("job.pb") == 0) {
+    return absl::DataLossError(absl::StrCat(job_dir, "/job.pb is missing"));
+  }
+  LoadedJob job;
+  job.job_id = job_id;
+  absl::StatusOr<std::string> bytes = ReadFile(job_dir + "/job.pb");
+  if (!bytes.ok()) return bytes.status();
+  if (!job.job.ParseFromString(*bytes) || !job.job.has_config()) {
+    return absl::DataLossError(absl::StrCat(job_dir, "/job.pb (", bytes->size(),
+                                            " bytes) does not parse as a job snapshot"));
+  }
+  std::vector<int64_t> steps;
+  for (const std::string& file : files) {
+    absl::string_view name = file;
+    int64_t step = 0;
+    if (absl::ConsumePrefix(&name, "step-") && absl::ConsumeSuffix(&name, ".pb") &&
+        absl::SimpleAtoi(name, &step) && step >= 0 && absl::StrCat(step) == name) {
+      steps.push_back(step);
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  for (int64_t step : steps) {
+    LoadedStep loaded;
+    const std::string record_path = StepPath(job_dir, step, ".pb");
+    absl::StatusOr<std::string> record = ReadFile(record_path);
+    if (!record.ok()) return record.status();
+    if (!loaded.record.ParseFromString(*record)) {
+      return absl::DataLossError(absl::StrCat(record_path, " (", record->size(),
+                                              " bytes) does not parse as a step record"));
+    }
+    if (loaded.record.step() != step) {
+      return absl::DataLossError(
+          absl::StrCat(record_path, " holds step ", loaded.record.step(), ", not ", step));
+    }
+    if (files.count(absl::StrCat("step-", step, ".reports")) > 0) {
+      absl::StatusOr<std::string> log = ReadFile(StepPath(job_dir, step, ".reports"));
+      if (!log.ok()) return log.status();
+      bool legacy = false;
+      ParsedLog parsed = ParseReportLog(*log, &legacy);
+      loaded.reports = std::move(parsed.reports);
+      loaded.skipped_bytes = parsed.skipped_bytes;
+    }
+    job.steps.push_back(std::move(loaded));
+  }
+  return job;
+}
+
+absl::StatusOr<PlanStore::Loaded> PlanStore::LoadAll() {
+  absl::StatusOr<std::vector<std::string>> names = ListDir(dir_);
+  if (!names.ok()) return names.status();
+  Loaded loaded;
+  std::map<std::string, std::string> quarantined_now;  // job id -> reason
+  for (const std::string& id : *names) {               // sorted
     const std::string job_dir = JobDir(id);
-    absl::StatusOr<std::string> bytes = ReadAll(job_dir + "/job.pb");
-    if (!bytes.ok()) continue;  // a job folder whose first snapshot never landed
-    LoadedJob job;
-    if (!job.job.ParseFromString(*bytes)) {
-      return absl::DataLossError(absl::StrCat("state: ", job_dir, "/job.pb does not parse"));
+    if (!IsValidJobId(id) || !IsFolder(job_dir)) continue;  // not ours: left alone
+    absl::StatusOr<std::vector<std::string>> files = ListDir(job_dir);
+    if (files.ok() && files->empty()) {  // a CreateJob that a crash interrupted
+      rmdir(job_dir.c_str());
+      continue;
     }
-    std::vector<int64_t> steps;
-    DIR* jd = opendir(job_dir.c_str());
-    if (jd == nullptr) return IoError("cannot list", job_dir);
-    while (dirent* e = readdir(jd)) {
-      absl::string_view name = e->d_name;
-      int64_t step = 0;
-      if (absl::ConsumePrefix(&name, "step-") && absl::ConsumeSuffix(&name, ".pb") &&
-          absl::SimpleAtoi(name, &step)) {
-        steps.push_back(step);
-      }
+    absl::StatusOr<LoadedJob> job = LoadJob(id);
+    if (job.ok()) {
+      loaded.jobs.push_back(*std::move(job));
+      continue;
     }
-    closedir(jd);
-    std::sort(steps.begin(), steps.end());
-    for (int64_t step : steps) {
-      LoadedStep loaded;
-      absl::StatusOr<std::string> record = ReadAll(StepPath(job_dir, step, ".pb"));
-      if (!record.ok()) return record.status();
-      if (!loaded.record.ParseFromString(*record)) {
-        return absl::DataLossError(
-            absl::StrCat("state: ", StepPath(job_dir, step, ".pb"), " does not parse"));
-      }
-      absl::StatusOr<std::string> log = ReadAll(StepPath(job_dir, step, ".reports"));
-      if (log.ok()) {
-        size_t at = 0;
-        while (at + 4 <= log->size()) {
-          uint32_t size = 0;
-          std::memcpy(&size, log->data() + at, 4);
-          if (at + 4 + size > log->size()) break;  // torn by a crash mid-append: dropped
-          state::v1::ReportRecord report;
-          if (!report.ParseFromArray(log->data() + at + 4, static_cast<int>(size))) break;
-          loaded.reports.push_back(std::move(report));
-          at += 4 + size;
-        }
-      }
-      job.steps.push_back(std::move(loaded));
+    const std::string reason(absl::StripPrefix(job.status().message(), kStorePrefix));
+    if (absl::Status moved = Quarantine(id, reason); moved.ok()) {
+      quarantined_now[id] = reason;
+    } else {
+      loaded.failed.push_back(
+          {id, absl::StrCat(reason, " (not quarantined: ", moved.message(), ")"), job_dir});
     }
-    jobs.push_back(std::move(job));
   }
-  return jobs;
+  const std::string quarantine = absl::StrCat(dir_, "/", kQuarantine);
+  absl::StatusOr<std::vector<std::string>> held =
+      IsFolder(quarantine) ? ListDir(quarantine) : std::vector<std::string>{};
+  for (const std::string& id : held.ok() ? *held : std::vector<std::string>{}) {
+    const std::string path = absl::StrCat(quarantine, "/", id);
+    if (!IsValidJobId(id) || !IsFolder(path)) continue;
+    std::string reason;
+    if (auto it = quarantined_now.find(id); it != quarantined_now.end()) {
+      reason = it->second;
+    } else if (absl::StatusOr<std::string> text = ReadFile(path + "/REASON"); text.ok()) {
+      reason = std::string(absl::StripTrailingAsciiWhitespace(text->substr(0, 4096)));
+    } else {
+      reason = "unknown (no readable REASON file)";
+    }
+    loaded.failed.push_back({id, std::move(reason), path});
+  }
+  std::sort(loaded.failed.begin(), loaded.failed.end(),
+            [](const FailedJob& a, const FailedJob& b) { return a.job_id < b.job_id; });
+  return loaded;
 }
 
 }  // namespace sparsebalance

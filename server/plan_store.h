@@ -2,76 +2,177 @@
 //
 //   <state_dir>/<job_id>/job.pb             JobSnapshot: config, token, model, next step
 //   <state_dir>/<job_id>/step-<n>.pb        StepRecord: the batch and the whole plan
-//   <state_dir>/<job_id>/step-<n>.reports   ReportRecords, appended (length-prefixed)
+//   <state_dir>/<job_id>/step-<n>.reports   ReportRecords, appended (framed, below)
+//   <state_dir>/.deleted-<job_id>/          a job being deleted (RetireJob), never loaded
+//   <state_dir>/quarantine/<job_id>/        a job whose files did not load, with a REASON file
 //
-// Snapshots and step records are written to a temporary file, fsync'ed and renamed over the
-// old one (then the folder is fsync'ed), so a crash leaves the old or the new version, never a
-// torn one; SubmitBatch returns only after its step record is durable. Reports are appended
-// with write() before the call is acknowledged: they survive the planner process dying
-// (SIGKILL, OOM); `--fsync_reports` also syncs each append, for machine crashes, at a cost per
-// report; the job snapshot written after each SubmitBatch (the model with its folded steps) is
-// synced under the same flag, and a step folded since is refolded from its reports on load. A torn
-// last report (a crash mid-append) is dropped on load.
+// Snapshots and step records are written to a temporary file (`<name>.tmp`), fsync'ed and
+// renamed over the old one (then the folder is fsync'ed), so a crash leaves the old or the new
+// version, never a torn one; Open() removes the `*.tmp` a crash left behind. SubmitBatch returns
+// only after its step record is durable. Reports are appended with write() before the call is
+// acknowledged: they survive the planner process dying (SIGKILL, OOM); `--fsync_reports` also
+// syncs each append, for machine crashes, at a cost per report; the job snapshot written after
+// each SubmitBatch (the model with its folded steps) is synced under the same flag, and a step
+// folded since is refolded from its reports on load.
+//
+// A report log is a sequence of records, each
+//
+//   magic (4 bytes: E2 9C 53 B7) | length of body (uint32 LE) | crc (uint32 LE) | body
+//
+// where crc is the CRC32C of the 4 length bytes and the body (a serialized ReportRecord). An
+// append that fails part-way (ENOSPC after half a record) is cut off again with ftruncate() to
+// the size before it, so the next append starts on a record boundary. A crash mid-append can
+// still leave a torn record; the loader skips what does not frame or check (counting the bytes
+// in LoadedStep::skipped_bytes) and resynchronises on the next magic word, so a torn record in
+// the middle loses only itself. Logs of the previous version (4-byte LE length + body, no
+// magic, no crc) are recognised per file, loaded up to their first torn record, and rewritten
+// in the framed format before the first new append to them.
+//
+// Failures: an I/O failure of the directory is a StoreFailure (below): RESOURCE_EXHAUSTED when
+// the disk or quota is full, INTERNAL otherwise; clients must not retry it. A job whose files do
+// not parse is moved to quarantine/ by LoadAll and listed in Loaded::failed; the other jobs
+// load. Job ids are checked (IsValidJobId) before they become paths, the top level is listed
+// with lstat (symlinks and files are ignored) and removals never follow a symlink, so nothing
+// outside --state_dir is touched.
+//
+//   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+//   if (!store.ok()) return store.status();  // e.g. "state_dir: cannot create ...: Read-only..."
+//   (*store)->CreateJob(snapshot);            // then SaveStep, AppendReport, SaveJob, ...
 #ifndef SPARSEBALANCE_SERVER_PLAN_STORE_H_
 #define SPARSEBALANCE_SERVER_PLAN_STORE_H_
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "sparsebalance/state/v1/state.pb.h"
 
 namespace sparsebalance {
+
+// A failure of the state directory (disk full, read-only, I/O error). Not retryable by clients.
+// Code RESOURCE_EXHAUSTED for ENOSPC/EDQUOT/EFBIG, INTERNAL otherwise; the message starts
+// "state_dir: " (added when `message` lacks it) and says what failed, on which path, and the
+// errno text. Recognised by a typed absl::Status payload (kStoreFailureTypeUrl), never by
+// parsing the message.
+absl::Status StoreFailure(absl::StatusCode code, std::string message);
+bool IsStoreFailure(const absl::Status& status);
+inline constexpr absl::string_view kStoreFailureTypeUrl =
+    "type.googleapis.com/sparsebalance.state.v1.StoreFailure";
+
+// Job ids the store accepts as folder names: 8 to 64 characters of [0-9a-z]. Anything else is
+// refused before it is used in a path (no '/', '.', '..').
+bool IsValidJobId(absl::string_view id);
+
+// CRC32C (Castagnoli, as in iSCSI and ext4) of `data`: the checksum of report log records.
+uint32_t Crc32c(absl::string_view data);
 
 class PlanStore {
  public:
   struct LoadedStep {
     state::v1::StepRecord record;
     std::vector<state::v1::ReportRecord> reports;
+    int64_t skipped_bytes = 0;  // torn or corrupt bytes of the report log that were skipped
   };
   struct LoadedJob {
+    std::string job_id;  // the folder's name, never the snapshot's contents
     state::v1::JobSnapshot job;
     std::vector<LoadedStep> steps;  // ascending step
   };
+  struct FailedJob {
+    std::string job_id;
+    std::string reason;  // why its files could not be loaded
+    std::string path;    // where its files are now (inside <dir>/quarantine/)
+  };
+  struct Loaded {
+    std::vector<LoadedJob> jobs;    // job id order
+    std::vector<FailedJob> failed;  // quarantined now or in an earlier run, job id order
+  };
 
-  // Opens (creating, mode 0700: it holds job tokens) the state directory.
+  // Opens the state directory: creates it (mode 0700: it holds job tokens), refuses one it
+  // cannot write (CheckWritable), removes the `*.tmp` files a crash left in it and in its job
+  // folders, and finishes the removals of retired jobs that a crash interrupted.
   static absl::StatusOr<std::unique_ptr<PlanStore>> Open(const std::string& dir,
                                                          bool fsync_reports);
 
-  // `sync` false: a snapshot that only adds what the step records and the appended reports
-  // already hold (the one after a submit); synced like the reports (--fsync_reports),
-  // atomically renamed either way.
+  // Creates, writes, fsyncs and removes a probe file in the directory: a store failure when the
+  // disk is read-only, full or failing.
+  absl::Status CheckWritable();
+
+  // A new job: creates its folder (ALREADY_EXISTS when there is one) and its synced job.pb.
+  absl::Status CreateJob(const state::v1::JobSnapshot& job);
+  // Replaces the snapshot of an existing job. `sync` false: a snapshot that only adds what the
+  // step records and the appended reports already hold (the one after a submit); synced like
+  // the reports (--fsync_reports), atomically renamed either way. Never re-creates a deleted
+  // job: FAILED_PRECONDITION (not a store failure) when its folder is gone. The same holds for
+  // SaveStep and AppendReport.
   absl::Status SaveJob(const state::v1::JobSnapshot& job, bool sync = true);
   absl::Status SaveStep(const std::string& job_id, const state::v1::StepRecord& step);
+  // Appends one framed record; on failure the log is cut back to its size before the call.
   absl::Status AppendReport(const std::string& job_id, int64_t step,
                             const state::v1::ReportRecord& report);
   // Removes a step that left the job's history.
   absl::Status DropStep(const std::string& job_id, int64_t step);
-  absl::Status DeleteJob(const std::string& job_id);
-  // Every job in the directory, in job id order.
-  absl::StatusOr<std::vector<LoadedJob>> LoadAll() const;
+
+  // Deleting in two parts: RetireJob renames <dir>/<id> to <dir>/.deleted-<id> and fsyncs the
+  // directory, so a restart never loads it (quick); RemoveRetired deletes those files (slow
+  // for thousands of steps: call it without holding locks; failures are left to the next
+  // Open(), which finishes removals that a crash interrupted).
+  absl::Status RetireJob(const std::string& job_id);
+  void RemoveRetired(const std::string& job_id);
+
+  // Moves a job's folder to <dir>/quarantine/<job_id> (with a REASON file holding `reason`,
+  // replacing an earlier quarantined folder of the same id); later LoadAll calls list it in
+  // `failed` until DeleteQuarantined (NOT_FOUND when there is none).
+  absl::Status Quarantine(const std::string& job_id, const std::string& reason);
+  absl::Status DeleteQuarantined(const std::string& job_id);
+
+  // Every job folder, loaded or failed. A job whose files do not parse (truncated or garbage
+  // job.pb or step-N.pb, unreadable files, step files without a job.pb) is quarantined here and
+  // listed in `failed`; the other jobs load. An empty folder (a CreateJob a crash interrupted)
+  // is removed. Entries that are not folders, symlinks and folders whose names are not job ids
+  // are left alone. Fails only when `dir` itself cannot be listed.
+  absl::StatusOr<Loaded> LoadAll();
 
   const std::string& dir() const { return dir_; }
   ~PlanStore();
 
  private:
+  struct ReportLog {
+    int fd = -1;
+    off_t size = 0;  // bytes: where the next record starts
+  };
+
   PlanStore(std::string dir, bool fsync_reports)
       : dir_(std::move(dir)), fsync_reports_(fsync_reports) {}
   std::string JobDir(const std::string& job_id) const;
+  // Loads one job folder; an error says why the job cannot be loaded (to quarantine it).
+  absl::StatusOr<LoadedJob> LoadJob(const std::string& job_id) const;
+  // Opens the report log of (job, step) for appending, rewriting a log of the previous format.
+  absl::StatusOr<ReportLog> OpenReportLog(const std::string& job_id, int64_t step) const;
   // Closes the report logs held open for `job_id` (all steps, or only `step` when >= 0).
-  void CloseReportLogs(const std::string& job_id, int64_t step) ABSL_LOCKS_EXCLUDED(logs_mu_);
+  void CloseReportLogsLocked(const std::string& job_id, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(logs_mu_);
+  // Open()'s cleanup after a crash: `*.tmp` files and interrupted removals.
+  void SweepAfterCrash();
 
   const std::string dir_;
   const bool fsync_reports_;
   // Report logs kept open between appends (an open and a close per report cost as much as the
-  // rest of ReportStep): by (job, step), at most kMaxOpenReportLogs.
+  // rest of ReportStep): by (job, step), at most kMaxOpenReportLogs. Held across each append,
+  // so records of one log never interleave, and across RetireJob and Quarantine, so no log is
+  // opened in a folder that is moving away.
   static constexpr size_t kMaxOpenReportLogs = 64;
   absl::Mutex logs_mu_;
-  std::map<std::pair<std::string, int64_t>, int> report_logs_ ABSL_GUARDED_BY(logs_mu_);
+  std::map<std::pair<std::string, int64_t>, ReportLog> report_logs_ ABSL_GUARDED_BY(logs_mu_);
 };
 
 }  // namespace sparsebalance
