@@ -165,8 +165,7 @@ class JobRegistry {
   std::shared_ptr<Job> Find(const std::string& job_id) const;
   // Writes the job's snapshot to the store (no-op without one); `create`: a new job's folder.
   absl::Status SaveJob(const std::string& id, const Job& job, bool sync = true,
-                       bool create = false) const
-      ABSL_SHARED_LOCKS_REQUIRED(job.mu);
+                       bool create = false) const ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
   static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   // Replaces a step's plan by the trainer's local fallback plan and saves the step record.
