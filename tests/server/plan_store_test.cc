@@ -1,15 +1,25 @@
 // Durability: a registry restored from its state directory serves the same plans, counts the
-// reports it acknowledged, and continues the job.
+// reports it acknowledged, and continues the job. The store itself: framed report logs that
+// survive torn and failed appends (a real full and read-only tmpfs when mounting is permitted),
+// typed store failures, quarantine of unparsable jobs, and nothing outside --state_dir touched.
 #include "server/plan_store.h"
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
@@ -175,6 +185,563 @@ TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   EXPECT_EQ(access((dir + "/" + id + "/step-2.pb").c_str(), F_OK), 0);
   ASSERT_TRUE(restored.DeleteJob(id).ok());
   EXPECT_EQ(CountFiles(dir), 0);
+}
+
+// ---- The store on its own ----
+
+constexpr char kJobA[] = "aaaaaaaa00000001";
+constexpr char kJobB[] = "bbbbbbbb00000002";
+constexpr char kJobC[] = "cccccccc00000003";
+constexpr char kJobD[] = "dddddddd00000004";
+constexpr char kJobE[] = "eeeeeeee00000005";
+
+state::v1::JobSnapshot Snapshot(const std::string& id) {
+  state::v1::JobSnapshot job;
+  job.set_job_id(id);
+  job.set_name(std::string(40, 'n'));
+  job.set_token(std::string(64, 't'));
+  job.mutable_config()->set_world_size(2);
+  job.set_next_step(1);
+  return job;
+}
+
+state::v1::StepRecord Step(int64_t step) {
+  state::v1::StepRecord record;
+  record.set_step(step);
+  record.add_deferred_ids(7);
+  return record;
+}
+
+// Report `i`: rank and wait_seconds are `i`; `micro_batches` entries of some 45 bytes each.
+state::v1::ReportRecord Report(int i, int micro_batches = 4) {
+  state::v1::ReportRecord report;
+  report.set_rank(i);
+  report.set_wait_seconds(i);
+  for (int m = 0; m < micro_batches; ++m) {
+    v1::MicroBatchReport* mb = report.add_micro_batches();
+    mb->set_micro_batch(m);
+    mb->set_compute_seconds(0.5 + m);
+    mb->set_attention_seconds(0.25);
+    mb->set_tokens(65536);
+    mb->set_achieved_density(0.5);
+    mb->set_recall(0.99);
+  }
+  return report;
+}
+
+std::vector<int> Ranks(const PlanStore::LoadedStep& step) {
+  std::vector<int> ranks;
+  for (const state::v1::ReportRecord& r : step.reports) ranks.push_back(r.rank());
+  return ranks;
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+int64_t FileSize(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 ? st.st_size : -1;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0;
+}
+
+// An open store at a fresh `<tmp>/state` with job `id` and its step 0.
+std::unique_ptr<PlanStore> StoreWithJob(const std::string& dir, const std::string& id,
+                                        bool fsync_reports = false) {
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, fsync_reports);
+  EXPECT_TRUE(store.ok()) << store.status();
+  if (!store.ok()) return nullptr;
+  EXPECT_TRUE((*store)->CreateJob(Snapshot(id)).ok());
+  EXPECT_TRUE((*store)->SaveStep(id, Step(0)).ok());
+  return *std::move(store);
+}
+
+// A tmpfs of `size` mounted on a fresh folder for as long as this lives (unmounted in every
+// path, lazily, so a test that fails with files open still cleans up). Needs root or
+// CAP_SYS_ADMIN: error() says why not when mounting was refused.
+class TmpfsMount {
+ public:
+  explicit TmpfsMount(const std::string& size) : options_("size=" + size + ",mode=0700") {
+    std::string pattern = ::testing::TempDir() + "plan_store_tmpfs_XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) {
+      error_ = std::strerror(errno);
+      return;
+    }
+    path_ = pattern;
+    if (mount("tmpfs", path_.c_str(), "tmpfs", 0, options_.c_str()) == 0) {
+      mounted_ = true;
+    } else {
+      error_ = absl::StrCat("mount -t tmpfs ", path_, ": ", std::strerror(errno),
+                            " (needs root or CAP_SYS_ADMIN)");
+    }
+  }
+  ~TmpfsMount() {
+    if (mounted_) umount2(path_.c_str(), MNT_DETACH);
+    if (!path_.empty()) rmdir(path_.c_str());
+  }
+  bool mounted() const { return mounted_; }
+  const std::string& error() const { return error_; }
+  const std::string& path() const { return path_; }
+  bool Remount(bool read_only) {
+    return mount("tmpfs", path_.c_str(), "tmpfs", MS_REMOUNT | (read_only ? MS_RDONLY : 0),
+                 options_.c_str()) == 0;
+  }
+
+ private:
+  const std::string options_;
+  std::string path_;
+  std::string error_;
+  bool mounted_ = false;
+};
+
+TEST(PlanStoreTest, Crc32cMatchesTheCastagnoliCheckValue) {
+  EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);
+  EXPECT_EQ(Crc32c(""), 0u);
+  EXPECT_EQ(Crc32c(std::string(32, '\0')), 0x8A9136AAu);  // RFC 3720 B.4
+}
+
+TEST(PlanStoreTest, IsValidJobIdAcceptsOnlyShortLowercaseAlphanumerics) {
+  for (const std::string& id :
+       {std::string("aaaaaaaa"), std::string("0123456789abcdef"), std::string(64, 'z')}) {
+    EXPECT_TRUE(IsValidJobId(id)) << id;
+  }
+  for (const std::string& id :
+       {std::string(""), std::string("aaaaaaa"), std::string(65, 'a'), std::string("AAAAAAAA"),
+        std::string("../../etc"), std::string("aaaa/aaaa"), std::string("aaaaaaa."),
+        std::string(".."), std::string("aaaa aaaa"), std::string("aaaa\\0aaa", 9),
+        std::string("quarantine")}) {
+    EXPECT_FALSE(IsValidJobId(id)) << id;
+  }
+}
+
+TEST(PlanStoreTest, StoreFailuresAreRecognisedByTheirPayloadNotTheirMessage) {
+  const absl::Status full = StoreFailure(absl::StatusCode::kResourceExhausted, "disk full");
+  EXPECT_TRUE(IsStoreFailure(full));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(full.message(), "state_dir: disk full");
+  EXPECT_FALSE(IsStoreFailure(absl::InternalError("state_dir: looks like one")));
+  EXPECT_FALSE(IsStoreFailure(absl::UnavailableError("state: the old kind")));
+
+  // A real one: the state directory under a regular file.
+  const std::string parent = TempDir();
+  ASSERT_EQ(mkdir(parent.c_str(), 0700), 0);
+  WriteBytes(parent + "/file", "x");
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(parent + "/file/state", false);
+  ASSERT_FALSE(store.ok());
+  EXPECT_TRUE(IsStoreFailure(store.status())) << store.status();
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(absl::StartsWith(store.status().message(), "state_dir: ")) << store.status();
+  EXPECT_TRUE(absl::StrContains(store.status().message(), parent + "/file/state"));
+  EXPECT_TRUE(absl::StrContains(store.status().message(), std::strerror(ENOTDIR)));
+}
+
+TEST(PlanStoreTest, EveryMethodRefusesAJobIdThatIsNotAFolderName) {
+  const std::string dir = TempDir();
+  absl::StatusOr<std::unique_ptr<PlanStore>> opened = PlanStore::Open(dir, false);
+  ASSERT_TRUE(opened.ok());
+  PlanStore& store = **opened;
+  const std::string parent = dir.substr(0, dir.rfind('/'));
+  const int parent_entries = CountFiles(parent);
+  for (const std::string& id :
+       {std::string("../escape"), std::string("../../tmp"), std::string("aaaaaaaa/../.."),
+        std::string(".."), std::string(""), std::string("AAAAAAAA1"), std::string("quarantine")}) {
+    SCOPED_TRACE(id);
+    const std::vector<absl::Status> results = {
+        store.CreateJob(Snapshot(id)), store.SaveJob(Snapshot(id)),
+        store.SaveStep(id, Step(0)),   store.AppendReport(id, 0, Report(0)),
+        store.DropStep(id, 0),         store.RetireJob(id),
+        store.Quarantine(id, "test"),  store.DeleteQuarantined(id),
+    };
+    for (const absl::Status& s : results) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_FALSE(IsStoreFailure(s));
+    }
+    store.RemoveRetired(id);
+  }
+  EXPECT_EQ(CountFiles(dir), 0);
+  EXPECT_EQ(CountFiles(parent), parent_entries);
+  EXPECT_EQ(store.SaveStep(kJobA, Step(-1)).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The bug this format fixes: a torn record mid-file (a partial write on a full disk, appends
+// after it) made the loader stop there, losing every report acknowledged after it.
+TEST(PlanStoreTest, ATornRecordInTheMiddleLosesOnlyItself) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const std::string log = dir + "/" + kJobA + "/step-0.reports";
+  std::vector<std::string> records;
+  int64_t size = 0;
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(i)).ok());
+    records.push_back(ReadBytes(log).substr(size));
+    size = FileSize(log);
+  }
+  ASSERT_EQ(records[0].substr(0, 4), "\xE2\x9C\x53\xB7");
+  // Record 2 torn after half its bytes (its length still claims the whole, reaching into
+  // record 3), record 4 with one body byte flipped.
+  const std::string torn = records[2].substr(0, records[2].size() / 2);
+  std::string flipped = records[4];
+  flipped[flipped.size() - 3] ^= 0x40;
+  WriteBytes(log, records[0] + records[1] + torn + records[3] + flipped + records[5]);
+
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_TRUE(loaded->failed.empty());
+  const PlanStore::LoadedStep& step = loaded->jobs[0].steps.at(0);
+  EXPECT_EQ(Ranks(step), (std::vector<int>{0, 1, 3, 5}));
+  EXPECT_EQ(step.skipped_bytes, static_cast<int64_t>(torn.size() + flipped.size()));
+  EXPECT_EQ(step.reports[2].micro_batches_size(), 4);
+}
+
+TEST(PlanStoreTest, ALogOfThePreviousFormatLoadsAndIsRewrittenOnAppend) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  // What the previous version wrote: a 4-byte little-endian length and the body; then a
+  // record torn by a crash.
+  std::string old_log;
+  for (int i = 0; i < 3; ++i) {
+    const std::string body = Report(i).SerializeAsString();
+    const uint32_t n = static_cast<uint32_t>(body.size());
+    old_log += std::string{static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
+                           static_cast<char>((n >> 16) & 0xff), static_cast<char>(n >> 24)};
+    old_log += body;
+  }
+  old_log += std::string("\x40\x00\x00\x00\x01", 5);
+  const std::string log = dir + "/" + kJobA + "/step-0.reports";
+  WriteBytes(log, old_log);
+
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 5);
+
+  // The next append rewrites the log in the framed format (never a mix of the two).
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(3)).ok());
+  EXPECT_EQ(ReadBytes(log).substr(0, 4), "\xE2\x9C\x53\xB7");
+  loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
+}
+
+// A write that lands only in part (here the file size limit, EFBIG: deterministic and needs no
+// privileges) is cut back, so the reports appended after it are not behind a torn record.
+TEST(PlanStoreTest, APartialAppendIsCutBackSoLaterReportsFollowIt) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const std::string log = dir + "/" + kJobA + "/step-0.reports";
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(0, 40)).ok());
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(1, 40)).ok());
+  const int64_t before = FileSize(log);
+  const int64_t record = before / 2;
+
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = saved;
+  limit.rlim_cur = static_cast<rlim_t>(before + record / 2);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  const absl::Status failed = store->AppendReport(kJobA, 0, Report(2, 40));
+  const absl::Status again = store->AppendReport(kJobA, 0, Report(3, 40));
+  const int64_t after = FileSize(log);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  signal(SIGXFSZ, saved_handler);
+
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  EXPECT_TRUE(IsStoreFailure(failed));
+  EXPECT_TRUE(absl::StartsWith(failed.message(), "state_dir: ")) << failed;
+  EXPECT_TRUE(absl::StrContains(failed.message(), log)) << failed;
+  EXPECT_TRUE(IsStoreFailure(again));
+  EXPECT_EQ(after, before);  // half a record landed and was cut off again
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(4, 40)).ok());
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(5, 40)).ok());
+
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), (std::vector<int>{0, 1, 4, 5}));
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
+}
+
+// The incident, for real: a small tmpfs fills up while reports are appended, space comes back,
+// more are appended. Every report acknowledged OK is loaded, none after a torn record.
+TEST(PlanStoreTest, AFullDiskLosesNoAcknowledgedReport) {
+  TmpfsMount disk("256k");
+  if (!disk.mounted()) GTEST_SKIP() << "no tmpfs to fill: " << disk.error();
+  const std::string dir = disk.path() + "/state";
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA, /*fsync_reports=*/true);
+  ASSERT_NE(store, nullptr);
+  std::vector<int> acknowledged;
+  int next = 0;
+  // Records of some 4.6 KB: each spans a page boundary, so the failing one lands in part.
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(next, 100)).ok());
+  acknowledged.push_back(next++);
+
+  // Fill the disk, then give back 3 pages.
+  const std::string filler = disk.path() + "/filler";
+  const int fd = open(filler.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  const std::string page(4096, 'f');
+  int64_t filled = 0;
+  while (true) {
+    const ssize_t n = write(fd, page.data(), page.size());
+    if (n <= 0) break;
+    filled += n;
+  }
+  ASSERT_EQ(errno, ENOSPC);
+  ASSERT_EQ(ftruncate(fd, filled - 3 * 4096), 0);
+  close(fd);
+
+  absl::Status failure;
+  for (int i = 0; i < 100 && failure.ok(); ++i) {
+    failure = store->AppendReport(kJobA, 0, Report(next, 100));
+    if (failure.ok()) acknowledged.push_back(next);
+    ++next;
+  }
+  ASSERT_FALSE(failure.ok()) << "the disk never filled";
+  EXPECT_GE(acknowledged.size(), 2u);
+  EXPECT_EQ(failure.code(), absl::StatusCode::kResourceExhausted) << failure;
+  EXPECT_TRUE(IsStoreFailure(failure));
+  EXPECT_TRUE(absl::StrContains(failure.message(), std::strerror(ENOSPC))) << failure;
+  // More failures while full, of every kind of write; none leaves a torn record or a *.tmp.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(store->AppendReport(kJobA, 0, Report(next++, 100)).code(),
+              absl::StatusCode::kResourceExhausted);
+  }
+  const absl::Status step = store->SaveStep(kJobA, Step(1));
+  EXPECT_EQ(step.code(), absl::StatusCode::kResourceExhausted) << step;
+  EXPECT_TRUE(IsStoreFailure(store->CheckWritable()));
+  EXPECT_FALSE(Exists(dir + "/" + kJobA + "/step-1.pb.tmp"));
+
+  // Space comes back.
+  ASSERT_EQ(unlink(filler.c_str()), 0);
+  EXPECT_TRUE(store->CheckWritable().ok());
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(next, 100)).ok());
+    acknowledged.push_back(next++);
+  }
+  store.reset();  // the planner restarts
+
+  absl::StatusOr<std::unique_ptr<PlanStore>> reopened = PlanStore::Open(dir, true);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  absl::StatusOr<PlanStore::Loaded> loaded = (*reopened)->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  ASSERT_EQ(loaded->jobs[0].steps.size(), 1u);
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps[0]), acknowledged);
+  EXPECT_EQ(loaded->jobs[0].steps[0].skipped_bytes, 0);
+}
+
+TEST(PlanStoreTest, AReadOnlyDiskIsAStoreFailureAndOpenRefusesIt) {
+  TmpfsMount disk("256k");
+  if (!disk.mounted()) GTEST_SKIP() << "no tmpfs to remount read-only: " << disk.error();
+  const std::string dir = disk.path() + "/state";
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
+
+  const std::string read_only = std::strerror(EROFS);
+  for (const absl::Status& s : {store->SaveJob(Snapshot(kJobA)), store->SaveStep(kJobA, Step(1)),
+                                store->AppendReport(kJobA, 0, Report(0)),
+                                store->CreateJob(Snapshot(kJobB)), store->CheckWritable()}) {
+    EXPECT_TRUE(IsStoreFailure(s)) << s;
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_TRUE(absl::StartsWith(s.message(), "state_dir: ")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), read_only)) << s;
+  }
+  absl::StatusOr<std::unique_ptr<PlanStore>> reopened = PlanStore::Open(dir, false);
+  ASSERT_FALSE(reopened.ok());
+  EXPECT_TRUE(IsStoreFailure(reopened.status()));
+  EXPECT_TRUE(absl::StrContains(reopened.status().message(), dir)) << reopened.status();
+  EXPECT_TRUE(absl::StrContains(reopened.status().message(), read_only)) << reopened.status();
+  // What is there still loads.
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_EQ(loaded->jobs.size(), 1u);
+  store.reset();
+  EXPECT_TRUE(disk.Remount(/*read_only=*/false));
+}
+
+TEST(PlanStoreTest, OpenSweepsTmpFilesAndFinishesInterruptedRemovals) {
+  const std::string dir = TempDir();
+  {
+    std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+    ASSERT_NE(store, nullptr);
+    ASSERT_TRUE(store->CreateJob(Snapshot(kJobB)).ok());
+    ASSERT_TRUE(store->SaveStep(kJobB, Step(0)).ok());
+    ASSERT_TRUE(store->RetireJob(kJobB).ok());  // a crash before RemoveRetired
+  }
+  // What a crash mid-write leaves, and an empty folder (a crash inside CreateJob).
+  WriteBytes(dir + "/stray.tmp", "x");
+  WriteBytes(dir + "/" + kJobA + "/job.pb.tmp", "half a snapshot");
+  WriteBytes(dir + "/" + kJobA + "/step-1.pb.tmp", "half a step");
+  ASSERT_EQ(mkdir((dir + "/" + kJobC).c_str(), 0700), 0);
+  ASSERT_TRUE(Exists(dir + "/.deleted-" + kJobB));
+
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+  ASSERT_TRUE(store.ok());
+  EXPECT_FALSE(Exists(dir + "/stray.tmp"));
+  EXPECT_FALSE(Exists(dir + "/" + kJobA + "/job.pb.tmp"));
+  EXPECT_FALSE(Exists(dir + "/" + kJobA + "/step-1.pb.tmp"));
+  EXPECT_FALSE(Exists(dir + "/.deleted-" + kJobB));
+  absl::StatusOr<PlanStore::Loaded> loaded = (*store)->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(loaded->jobs[0].job_id, kJobA);
+  EXPECT_EQ(loaded->jobs[0].job.token(), std::string(64, 't'));
+  EXPECT_TRUE(loaded->failed.empty());
+  EXPECT_FALSE(Exists(dir + "/" + kJobC));
+}
+
+TEST(PlanStoreTest, CreateJobNeverReusesAFolderAndNothingRecreatesARetiredJob) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const absl::Status again = store->CreateJob(Snapshot(kJobA));
+  EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists) << again;
+  EXPECT_FALSE(IsStoreFailure(again));
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(0)).ok());  // a log held open
+
+  ASSERT_TRUE(store->RetireJob(kJobA).ok());
+  EXPECT_FALSE(Exists(dir + "/" + kJobA));
+  EXPECT_TRUE(Exists(dir + "/.deleted-" + kJobA));
+  EXPECT_TRUE(store->LoadAll()->jobs.empty());
+  // A save racing the delete is refused, and is no store failure.
+  for (const absl::Status& s :
+       {store->SaveJob(Snapshot(kJobA)), store->SaveJob(Snapshot(kJobA), false),
+        store->SaveStep(kJobA, Step(1)), store->AppendReport(kJobA, 0, Report(1))}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_FALSE(IsStoreFailure(s));
+  }
+  EXPECT_FALSE(Exists(dir + "/" + kJobA));
+
+  store->RemoveRetired(kJobA);
+  EXPECT_FALSE(Exists(dir + "/.deleted-" + kJobA));
+  EXPECT_TRUE(store->RetireJob(kJobA).ok());  // nothing left to retire
+  EXPECT_EQ(CountFiles(dir), 0);
+  EXPECT_TRUE(store->CreateJob(Snapshot(kJobA)).ok());  // the id is free again
+}
+
+TEST(PlanStoreTest, UnparsableFilesQuarantineOnlyTheirJob) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(0)).ok());
+  for (const char* id : {kJobB, kJobC, kJobD, kJobE}) {
+    ASSERT_TRUE(store->CreateJob(Snapshot(id)).ok());
+    ASSERT_TRUE(store->SaveStep(id, Step(0)).ok());
+  }
+  // B: job.pb truncated inside its name field; C: garbage step-1.pb; D: a FIFO for job.pb
+  // (reading it must not block); E: a snapshot naming another job (the folder's name wins).
+  const std::string b_job = dir + "/" + kJobB + "/job.pb";
+  WriteBytes(b_job, ReadBytes(b_job).substr(0, 30));
+  WriteBytes(dir + "/" + kJobC + "/step-1.pb", "\xff\xff\xff\xff garbage");
+  const std::string d_job = dir + "/" + kJobD + "/job.pb";
+  ASSERT_EQ(unlink(d_job.c_str()), 0);
+  ASSERT_EQ(mkfifo(d_job.c_str(), 0600), 0);
+  ASSERT_TRUE(store->SaveJob(Snapshot("zzzzzzzz99999999")).code() ==
+              absl::StatusCode::kFailedPrecondition);
+  state::v1::JobSnapshot other = Snapshot("zzzzzzzz99999999");
+  WriteBytes(dir + "/" + kJobE + "/job.pb", other.SerializeAsString());
+
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 2u);
+  EXPECT_EQ(loaded->jobs[0].job_id, kJobA);
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), std::vector<int>{0});
+  EXPECT_EQ(loaded->jobs[1].job_id, kJobE);
+  EXPECT_EQ(loaded->jobs[1].job.job_id(), "zzzzzzzz99999999");
+  ASSERT_EQ(loaded->failed.size(), 3u);
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {kJobB, "job.pb"}, {kJobC, "step-1.pb"}, {kJobD, "not a regular file"}};
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const PlanStore::FailedJob& failed = loaded->failed[i];
+    EXPECT_EQ(failed.job_id, expected[i].first);
+    EXPECT_TRUE(absl::StrContains(failed.reason, expected[i].second)) << failed.reason;
+    EXPECT_EQ(failed.path, dir + "/quarantine/" + expected[i].first);
+    EXPECT_FALSE(Exists(dir + "/" + expected[i].first));
+    EXPECT_TRUE(Exists(failed.path + "/step-0.pb"));
+    EXPECT_EQ(ReadBytes(failed.path + "/REASON"), failed.reason + "\n");
+  }
+
+  // Listed again after a restart, with the same reasons, until deleted.
+  const std::vector<PlanStore::FailedJob> first = loaded->failed;
+  store.reset();
+  absl::StatusOr<std::unique_ptr<PlanStore>> reopened = PlanStore::Open(dir, false);
+  ASSERT_TRUE(reopened.ok());
+  loaded = (*reopened)->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_EQ(loaded->jobs.size(), 2u);
+  ASSERT_EQ(loaded->failed.size(), 3u);
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_EQ(loaded->failed[i].job_id, first[i].job_id);
+    EXPECT_EQ(loaded->failed[i].reason, first[i].reason);
+  }
+  ASSERT_TRUE((*reopened)->DeleteQuarantined(kJobB).ok());
+  EXPECT_EQ((*reopened)->DeleteQuarantined(kJobB).code(), absl::StatusCode::kNotFound);
+  loaded = (*reopened)->LoadAll();
+  ASSERT_EQ(loaded->failed.size(), 2u);
+  EXPECT_EQ(loaded->failed[0].job_id, kJobC);
+  EXPECT_FALSE(Exists(dir + "/quarantine/" + kJobB));
+}
+
+// Only folders named like job ids are the store's: symlinks, files and other names at the top
+// level are neither loaded nor moved nor deleted, and no removal follows a symlink out.
+TEST(PlanStoreTest, NothingOutsideTheStateDirIsTouched) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const std::string outside = dir + "-outside";
+  ASSERT_EQ(mkdir(outside.c_str(), 0700), 0);
+  WriteBytes(outside + "/job.pb", Snapshot(kJobB).SerializeAsString());
+  WriteBytes(outside + "/precious", "keep me");
+  ASSERT_EQ(symlink(outside.c_str(), (dir + "/" + kJobB).c_str()), 0);
+  WriteBytes(dir + "/" + kJobC, "a file named like a job");
+  ASSERT_EQ(mkdir((dir + "/Not-A-Job").c_str(), 0700), 0);
+  WriteBytes(dir + "/Not-A-Job/job.pb", "garbage");
+  // Inside a job folder: a symlink out (removed with the job, its target kept).
+  ASSERT_EQ(symlink(outside.c_str(), (dir + "/" + kJobA + "/link").c_str()), 0);
+  // A retired "job" that is a symlink out: Open() removes the link, not what it points to.
+  ASSERT_EQ(symlink(outside.c_str(), (dir + "/.deleted-" + kJobD).c_str()), 0);
+
+  store.reset();
+  absl::StatusOr<std::unique_ptr<PlanStore>> reopened = PlanStore::Open(dir, false);
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_FALSE(Exists(dir + "/.deleted-" + kJobD));
+  absl::StatusOr<PlanStore::Loaded> loaded = (*reopened)->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(loaded->jobs[0].job_id, kJobA);
+  EXPECT_TRUE(loaded->failed.empty());
+  EXPECT_TRUE(Exists(dir + "/Not-A-Job/job.pb"));
+  EXPECT_TRUE(Exists(dir + "/" + kJobC));
+  EXPECT_EQ((*reopened)->Quarantine(kJobB, "test").code(), absl::StatusCode::kFailedPrecondition);
+
+  ASSERT_TRUE((*reopened)->RetireJob(kJobA).ok());
+  (*reopened)->RemoveRetired(kJobA);
+  EXPECT_FALSE(Exists(dir + "/.deleted-" + kJobA));
+  ASSERT_TRUE((*reopened)->RetireJob(kJobB).ok());  // the symlink itself moves
+  (*reopened)->RemoveRetired(kJobB);
+  EXPECT_FALSE(Exists(dir + "/.deleted-" + kJobB));
+  EXPECT_EQ(ReadBytes(outside + "/precious"), "keep me");
+  EXPECT_TRUE(Exists(outside + "/job.pb"));
 }
 
 }  // namespace
