@@ -27,5 +27,9 @@ flag SB_MAX_MESSAGE_BYTES max_message_bytes
 flag SB_MAX_RANK_SERIES max_rank_series
 flag SB_DRAIN_SECONDS drain_seconds
 flag SB_HEALTH_LISTEN health_listen
+flag SB_INSECURE_NO_ADMIN_TOKEN insecure_no_admin_token
+flag SB_DRAIN_NOTICE_SECONDS drain_notice_seconds
+flag SB_STATE_CHECK_SECONDS state_check_seconds
+flag SB_MAX_WAITING_CALLS max_waiting_calls
 
 exec "$planner" "${args[@]}" "$@"
