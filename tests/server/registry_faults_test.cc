@@ -1,0 +1,497 @@
+// JobRegistry over a real PlanStore against what broke it before (issue 11): state files that an
+// older planner or an attacker wrote, calls that changed state before they were refused, repeats
+// that differ, deletions racing writers, and a state directory that cannot be written. Each
+// test restarts the registry on its directory where durability is the property.
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+#include "proto/wire.h"
+#include "server/job_registry.h"
+#include "server/plan_store.h"
+#include "tests/server/test_support.h"
+
+namespace sparsebalance {
+namespace {
+
+using test_support::CountingHex;
+using ::testing::HasSubstr;
+
+constexpr int kRanks = 2;
+
+// "OK and equal to `want`" for a StatusOr<bool> (the repeat flag of ReportStep).
+::testing::AssertionResult Answered(const absl::StatusOr<bool>& got, bool want) {
+  if (!got.ok()) return ::testing::AssertionFailure() << got.status();
+  if (*got != want) return ::testing::AssertionFailure() << "answered " << *got;
+  return ::testing::AssertionSuccess();
+}
+
+std::string MakeTempDir(const std::string& base) {
+  std::string pattern = base + "/registry_faults_XXXXXX";
+  char* dir = mkdtemp(pattern.data());
+  EXPECT_NE(dir, nullptr);
+  return dir == nullptr ? "" : std::string(dir);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+class RegistryFaultsTest : public ::testing::Test {
+ public:
+  // /dev/shm when there is one: the deletion race writes thousands of synced snapshots.
+  RegistryFaultsTest()
+      : base_(MakeTempDir(std::filesystem::is_directory("/dev/shm") ? "/dev/shm"
+                                                                    : ::testing::TempDir())),
+        dir_(base_ + "/state") {
+    Restart();
+  }
+  ~RegistryFaultsTest() override {
+    registry_.reset();
+    store_.reset();
+    std::error_code ignored;
+    std::filesystem::remove_all(base_, ignored);
+  }
+
+  // A new store and registry on the same directory, as after a planner restart.
+  void Restart() {
+    registry_.reset();
+    store_.reset();
+    absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir_, false);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
+    JobRegistry::Options options;
+    options.store = store_.get();
+    options.on_store_failure = [this](const absl::Status&) { ++store_failures_; };
+    options.on_fold_failure = [this](const std::string&, int64_t, const absl::Status&) {
+      ++fold_failures_;
+    };
+    registry_ = std::make_unique<JobRegistry>(options, hex_);
+    ASSERT_TRUE(registry_->Restore().ok());
+  }
+
+  std::string Create(int ranks = kRanks) {
+    absl::StatusOr<CreatedJob> job =
+        registry_->CreateJob("test", test_support::SmallJob(ranks, /*history_steps=*/16), "");
+    EXPECT_TRUE(job.ok()) << job.status();
+    for (int r = 0; r < ranks; ++r) EXPECT_TRUE(registry_->JoinJob(job->job_id, r).ok());
+    return job->job_id;
+  }
+
+  // Plans `step` and reports every rank; returns the plan.
+  StepPlan RunStep(const std::string& id, int64_t step, int ranks = kRanks) {
+    absl::StatusOr<SubmitResult> submitted =
+        registry_->SubmitBatch(id, step, test_support::PretrainBatch(100 + step, ranks));
+    EXPECT_TRUE(submitted.ok()) << submitted.status();
+    for (int r = 0; r < ranks; ++r) {
+      absl::StatusOr<bool> reported = registry_->ReportStep(
+          id, step, r, test_support::TimingsOf(submitted->plan.ranks[r].micro_batches, 1.1), 0.01);
+      EXPECT_TRUE(reported.ok()) << reported.status();
+    }
+    return submitted->plan;
+  }
+
+  std::string JobDir(const std::string& id) const { return dir_ + "/" + id; }
+
+  // Rewrites a job file's message in place (as an attacker or a bad disk would).
+  template <typename Message>
+  void Edit(const std::string& path, const std::function<void(Message*)>& change) {
+    Message message;
+    ASSERT_TRUE(message.ParseFromString(ReadFile(path))) << path;
+    change(&message);
+    WriteFile(path, message.SerializeAsString());
+  }
+
+  const JobView* Listed(const std::vector<JobView>& jobs, const std::string& id) {
+    for (const JobView& v : jobs) {
+      if (v.job_id == id) return &v;
+    }
+    return nullptr;
+  }
+
+  std::function<std::string(int)> hex_ = CountingHex();
+  std::string base_;
+  std::string dir_;
+  std::unique_ptr<PlanStore> store_;
+  std::unique_ptr<JobRegistry> registry_;
+  std::atomic<int> store_failures_{0};
+  std::atomic<int> fold_failures_{0};
+  std::string victim_;
+};
+
+// Issue 11 case 1: an older planner accepted micro_batch_capacity = INT64_MAX and a sample of
+// INT64_MAX tokens, persisted the step and could not fold it; every restart then refused the
+// whole state directory. Now that job is quarantined and every other job is served.
+TEST_F(RegistryFaultsTest, APoisonedJobFromAnOlderPlannerIsQuarantinedAndOthersAreServed) {
+  const std::string good = Create();
+  const StepPlan good_plan = RunStep(good, 0);
+
+  // The poisoned job, written as the older planner wrote it.
+  const std::string poisoned = "bbbbbbbbbbbbbbb1";
+  state::v1::JobSnapshot snapshot;
+  snapshot.set_job_id(poisoned);
+  snapshot.set_name("poison");
+  snapshot.set_token(std::string(64, 'c'));
+  v1::JobConfig* config = snapshot.mutable_config();
+  config->set_world_size(1);
+  config->set_micro_batches(1);
+  config->set_micro_batch_capacity(std::numeric_limits<int64_t>::max());
+  state::v1::ModelState* model = snapshot.mutable_model();
+  for (int i = 0; i < 4; ++i) model->add_weights(1.0);
+  for (int i = 0; i < 16; ++i) model->add_covariance(i % 5 == 0 ? 1.0 : 0.0);
+  model->add_speed_factors(1.0);
+  for (double c : {1e-6, 1e-8, 1e-4, 1e-3}) model->add_prior(c);
+  snapshot.set_next_step(1);
+  snapshot.add_joined(true);
+  ASSERT_TRUE(store_->CreateJob(snapshot).ok());
+  state::v1::StepRecord step;
+  step.set_step(0);
+  v1::Sample* sample = step.add_batch();
+  sample->set_id(7);
+  sample->set_length(std::numeric_limits<int64_t>::max());
+  v1::RankPlan* rank = step.add_ranks();
+  v1::MicroBatch* mb = rank->add_micro_batches();
+  mb->add_sample_ids(7);
+  mb->add_densities(0.3);
+  mb->set_tokens(std::numeric_limits<int64_t>::max());
+  ASSERT_TRUE(store_->SaveStep(poisoned, step).ok());
+  state::v1::ReportRecord report;
+  report.set_rank(0);
+  v1::MicroBatchReport* m = report.add_micro_batches();
+  m->set_micro_batch(0);
+  m->set_compute_seconds(1.0);
+  m->set_tokens(std::numeric_limits<int64_t>::max());
+  ASSERT_TRUE(store_->AppendReport(poisoned, 0, report).ok());
+
+  for (int restart = 0; restart < 2; ++restart) {
+    Restart();
+    // The good job: served, same plan, its report still counted.
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(good, 0, 0, &ready);
+    ASSERT_TRUE(plan.ok() && ready) << plan.status();
+    EXPECT_EQ((*plan)->ranks[0].micro_batches[0].sample_ids,
+              good_plan.ranks[0].micro_batches[0].sample_ids);
+    EXPECT_TRUE(Answered(
+        registry_->ReportStep(good, 0, 0,
+                              test_support::TimingsOf(good_plan.ranks[0].micro_batches, 1.1), 0.01),
+        true));
+    // The poisoned one: listed as failed, named, not served, its files moved aside.
+    const std::vector<JobView> jobs = registry_->ListJobs("", 100);
+    const JobView* failed = Listed(jobs, poisoned);
+    ASSERT_NE(failed, nullptr);
+    EXPECT_TRUE(failed->failed);
+    EXPECT_THAT(failed->failure, HasSubstr("micro_batch_capacity"));
+    EXPECT_EQ(registry_->GetJob(poisoned).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(registry_->failed_jobs().size(), 1u);
+    EXPECT_FALSE(std::filesystem::exists(JobDir(poisoned)));
+    EXPECT_TRUE(std::filesystem::exists(dir_ + "/quarantine/" + poisoned));
+  }
+  // Deleting it removes its quarantined files for good.
+  ASSERT_TRUE(registry_->DeleteJob(poisoned).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/quarantine/" + poisoned));
+  Restart();
+  EXPECT_EQ(Listed(registry_->ListJobs("", 100), poisoned), nullptr);
+  EXPECT_NE(Listed(registry_->ListJobs("", 100), good), nullptr);
+}
+
+// Issue 11 case 5: files that parse but are wrong. Each corruption quarantines its job only,
+// with a reason that names what is wrong, and the planner serves the other job.
+TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
+  struct Corruption {
+    std::string name;
+    std::string reason;  // expected in the failure
+    std::function<void(RegistryFaultsTest*, const std::string& job_dir)> apply;
+  };
+  using Snapshot = state::v1::JobSnapshot;
+  using Step = state::v1::StepRecord;
+  const std::vector<Corruption> corruptions = {
+      {"plan rank count", "ranks",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) { s->mutable_ranks()->RemoveLast(); });
+       }},
+      {"micro-batch count", "micro-batches",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) { s->mutable_ranks(0)->add_micro_batches(); });
+       }},
+      {"sample id not in the batch", "not in the batch",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           for (v1::RankPlan& r : *s->mutable_ranks()) {
+             for (v1::MicroBatch& m : *r.mutable_micro_batches()) {
+               if (m.sample_ids_size() > 0) {
+                 m.set_sample_ids(0, 987654321);
+                 return;
+               }
+             }
+           }
+         });
+       }},
+      {"report rank", "rank",
+       [](RegistryFaultsTest* t, const std::string&) {
+         state::v1::ReportRecord r;
+         r.set_rank(9);
+         ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, r).ok());
+       }},
+      {"report micro-batch index", "micro_batch",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         std::filesystem::remove(d + "/step-0.reports");
+         state::v1::ReportRecord r;
+         r.set_rank(0);
+         r.add_micro_batches()->set_micro_batch(5);
+         ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, r).ok());
+       }},
+      {"non-finite model weight", "not finite",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Snapshot>(d + "/job.pb", [](Snapshot* s) {
+           s->mutable_model()->set_weights(1, std::numeric_limits<double>::quiet_NaN());
+         });
+       }},
+      {"zero speed factor", "speed_factors",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Snapshot>(d + "/job.pb",
+                           [](Snapshot* s) { s->mutable_model()->set_speed_factors(0, 0.0); });
+       }},
+      {"negative next step", "next_step",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Snapshot>(d + "/job.pb", [](Snapshot* s) { s->set_next_step(-5); });
+       }},
+      {"empty token", "token",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Snapshot>(d + "/job.pb", [](Snapshot* s) { s->set_token(""); });
+       }},
+      {"2^31-1 layers", "layers",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Snapshot>(d + "/job.pb", [](Snapshot* s) {
+           s->mutable_config()->mutable_shape()->set_layers(std::numeric_limits<int32_t>::max());
+         });
+       }},
+  };
+  for (const Corruption& c : corruptions) {
+    SCOPED_TRACE(c.name);
+    victim_ = Create();
+    RunStep(victim_, 0);
+    const std::string bystander = Create();
+    const StepPlan bystander_plan = RunStep(bystander, 0);
+    // The planner is down while its files are changed (a fresh store: no open logs).
+    registry_.reset();
+    store_.reset();
+    absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir_, false);
+    ASSERT_TRUE(store.ok());
+    store_ = *std::move(store);
+    c.apply(this, JobDir(victim_));
+    Restart();
+    const std::vector<JobView> jobs = registry_->ListJobs("", 1000);
+    const JobView* failed = Listed(jobs, victim_);
+    ASSERT_NE(failed, nullptr);
+    EXPECT_TRUE(failed->failed);
+    EXPECT_THAT(failed->failure, HasSubstr(c.reason));
+    EXPECT_TRUE(registry_->GetJob(bystander).ok());
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+        registry_->GetPlan(bystander, 0, 1, &ready);
+    ASSERT_TRUE(plan.ok() && ready);
+    EXPECT_EQ((*plan)->ranks[1].micro_batches[1].sample_ids,
+              bystander_plan.ranks[1].micro_batches[1].sample_ids);
+    EXPECT_TRUE(registry_->DeleteJob(victim_).ok());
+  }
+}
+
+// A snapshot's own job_id is never used as a path or an id: the folder's name is.
+TEST_F(RegistryFaultsTest, AJobIdInsideTheFilesIsNeverUsed) {
+  const std::string id = Create();
+  RunStep(id, 0);
+  registry_.reset();
+  Edit<state::v1::JobSnapshot>(JobDir(id) + "/job.pb",
+                               [](state::v1::JobSnapshot* s) { s->set_job_id("../../evil"); });
+  const std::filesystem::path parent = std::filesystem::path(base_);
+  Restart();
+  EXPECT_TRUE(registry_->GetJob(id).ok());
+  RunStep(id, 1);
+  EXPECT_FALSE(std::filesystem::exists(parent / "evil"));
+  EXPECT_FALSE(std::filesystem::exists(parent.parent_path() / "evil"));
+}
+
+// Issue 11 case 6: a refused call changes nothing. A NaN wait_seconds from a rank that ran the
+// local plan used to switch the step to the local plan (and rewrite it) before the refusal.
+TEST_F(RegistryFaultsTest, ARefusedReportChangesNothing) {
+  const std::string id = Create();
+  absl::StatusOr<SubmitResult> submitted =
+      registry_->SubmitBatch(id, 0, test_support::PretrainBatch(5, kRanks));
+  ASSERT_TRUE(submitted.ok());
+  const std::string before = ReadFile(JobDir(id) + "/step-0.pb");
+  absl::StatusOr<StepPlan> local = PlanStepLocally(test_support::PretrainBatch(5, kRanks),
+                                                   test_support::SmallJob(kRanks).planner);
+  ASSERT_TRUE(local.ok());
+  absl::StatusOr<bool> refused =
+      registry_->ReportStep(id, 0, 0, test_support::TimingsOf(local->ranks[0].micro_batches),
+                            std::numeric_limits<double>::quiet_NaN(), /*planned_locally=*/true);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("wait_seconds"));
+  EXPECT_EQ(ReadFile(JobDir(id) + "/step-0.pb"), before);
+  bool ready = false;
+  absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(id, 0, 0, &ready);
+  ASSERT_TRUE(plan.ok() && ready);
+  EXPECT_FALSE((*plan)->planned_locally);
+  // Bad timings against the local plan are refused before the switch too.
+  std::vector<MicroBatchTiming> wrong = test_support::TimingsOf(local->ranks[0].micro_batches);
+  wrong[0].tokens += 1;
+  EXPECT_EQ(registry_->ReportStep(id, 0, 0, wrong, 0.0, true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadFile(JobDir(id) + "/step-0.pb"), before);
+}
+
+// Issue 11 case 6: a repeat with other timings was acknowledged as a duplicate; an empty report
+// for a rank with planned micro-batches was accepted.
+TEST_F(RegistryFaultsTest, ARepeatThatDiffersAndAnIncompleteReportAreRefused) {
+  const std::string id = Create();
+  absl::StatusOr<SubmitResult> submitted =
+      registry_->SubmitBatch(id, 0, test_support::PretrainBatch(6, kRanks));
+  ASSERT_TRUE(submitted.ok());
+  const std::vector<MicroBatchTiming> timings =
+      test_support::TimingsOf(submitted->plan.ranks[0].micro_batches, 1.1);
+  ASSERT_GE(timings.size(), 1u);
+  absl::StatusOr<bool> empty = registry_->ReportStep(id, 0, 1, {}, 0.0);
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty.status().message(), HasSubstr("micro_batches"));
+  ASSERT_TRUE(Answered(registry_->ReportStep(id, 0, 0, timings, 0.25), false));
+  EXPECT_TRUE(Answered(registry_->ReportStep(id, 0, 0, timings, 0.25), true));
+  std::vector<MicroBatchTiming> changed = timings;
+  changed[0].compute_seconds *= 2;
+  absl::StatusOr<bool> differs = registry_->ReportStep(id, 0, 0, changed, 0.25);
+  EXPECT_EQ(differs.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(differs.status().message(), HasSubstr("micro_batches[0].compute_seconds"));
+  absl::StatusOr<bool> other_wait = registry_->ReportStep(id, 0, 0, timings, 0.5);
+  EXPECT_EQ(other_wait.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(other_wait.status().message(), HasSubstr("wait_seconds"));
+  // After a restart the acknowledged report is what repeats are compared with.
+  Restart();
+  EXPECT_TRUE(Answered(registry_->ReportStep(id, 0, 0, timings, 0.25), true));
+  EXPECT_EQ(registry_->ReportStep(id, 0, 0, changed, 0.25).status().code(),
+            absl::StatusCode::kAlreadyExists);
+}
+
+// Issue 11 case 6: planned_locally with step INT64_MAX overflowed next_step and bricked the job;
+// a skip of 10^15 steps was accepted.
+TEST_F(RegistryFaultsTest, StepsAndSkipsAreBounded) {
+  const std::string id = Create();
+  RunStep(id, 0);
+  const std::vector<Sample> batch = test_support::PretrainBatch(9, kRanks);
+  for (int64_t step : {std::numeric_limits<int64_t>::max(), int64_t{1000000000000000}}) {
+    absl::StatusOr<SubmitResult> refused =
+        registry_->SubmitBatch(id, step, batch, /*planned_locally=*/true);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << step;
+    EXPECT_THAT(refused.status().message(), HasSubstr("step"));
+  }
+  EXPECT_EQ(registry_->SubmitBatch(id, -1, batch).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  bool ready = false;
+  EXPECT_EQ(registry_->GetPlan(id, -1, 0, &ready).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // The job goes on: a skip within the bound, then the next step.
+  ASSERT_TRUE(registry_->SubmitBatch(id, 5, batch, /*planned_locally=*/true).ok());
+  Restart();
+  absl::StatusOr<JobView> view = registry_->GetJob(id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->next_step, 6);
+  RunStep(id, 6);
+}
+
+// Issue 11 case 4: 40 concurrent UpdateJobConfig calls racing one DeleteJob re-created deleted
+// jobs on disk, which came back after a restart with their old tokens.
+TEST_F(RegistryFaultsTest, ADeletedJobStaysDeletedUnderConcurrentWriters) {
+  constexpr int kRounds = 150;
+  constexpr int kWriters = 40;
+  std::vector<std::string> deleted;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::string id = Create(1);
+    std::atomic<bool> go{false};
+    std::vector<std::thread> writers;
+    for (int w = 0; w < kWriters; ++w) {
+      writers.emplace_back([&, w] {
+        while (!go) std::this_thread::yield();
+        JobSettings update;
+        update.planner.density_default = w % 2 == 0 ? 0.3 : 0.25;
+        registry_->UpdateJobConfig(id, update, {"density_default"}).IgnoreError();
+        registry_->JoinJob(id, 0).IgnoreError();
+      });
+    }
+    go = true;
+    ASSERT_TRUE(registry_->DeleteJob(id).ok());
+    for (std::thread& t : writers) t.join();
+    EXPECT_EQ(registry_->GetJob(id).status().code(), absl::StatusCode::kNotFound);
+    deleted.push_back(id);
+  }
+  Restart();
+  EXPECT_TRUE(registry_->ListJobs("", 1000).empty());
+  for (const std::string& id : deleted) {
+    EXPECT_FALSE(std::filesystem::exists(JobDir(id))) << id;
+    EXPECT_EQ(registry_->Authorize(id, std::string(64, 'a')).code(), absl::StatusCode::kNotFound);
+  }
+}
+
+// A state directory that cannot be written: the call fails with the state-dir reason (not
+// UNAVAILABLE), nothing changes, and once the directory can be written the call succeeds. Runs
+// on a small tmpfs remounted read-only (needs root; skipped otherwise).
+TEST_F(RegistryFaultsTest, AReadOnlyStateDirFailsCallsWithItsReasonAndChangesNothing) {
+  const std::string mount_dir = base_ + "/ro";
+  std::filesystem::create_directories(mount_dir);
+  if (mount("tmpfs", mount_dir.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { umount2(dir.c_str(), MNT_DETACH); }
+  } unmount{mount_dir};
+  dir_ = mount_dir + "/state";
+  Restart();
+  const std::string id = Create();
+  ASSERT_TRUE(registry_->SubmitBatch(id, 0, test_support::PretrainBatch(10, kRanks)).ok());
+  // (A report log held open for writing would keep the remount from going read-only.)
+  ASSERT_EQ(mount("tmpfs", mount_dir.c_str(), "tmpfs", MS_REMOUNT | MS_RDONLY, "size=4m"), 0)
+      << std::strerror(errno);
+  const std::vector<Sample> batch = test_support::PretrainBatch(11, kRanks);
+  absl::StatusOr<SubmitResult> failed = registry_->SubmitBatch(id, 1, batch);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(ErrorReason(failed.status()), kReasonStateDirFailure) << failed.status();
+  EXPECT_GE(store_failures_.load(), 1);
+  EXPECT_EQ(registry_->GetJob(id)->next_step, 1);
+  EXPECT_EQ(ErrorReason(registry_->CreateJob("x", test_support::SmallJob(1), "").status()),
+            kReasonStateDirFailure);
+  ASSERT_EQ(mount("tmpfs", mount_dir.c_str(), "tmpfs", MS_REMOUNT, "size=4m"), 0);
+  ASSERT_TRUE(registry_->SubmitBatch(id, 1, batch).ok());
+  Restart();
+  EXPECT_EQ(registry_->GetJob(id)->next_step, 2);
+  registry_.reset();
+  store_.reset();
+}
+
+}  // namespace
+}  // namespace sparsebalance
