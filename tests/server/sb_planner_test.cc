@@ -4,13 +4,16 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -47,10 +50,11 @@ class PlannerProcess {
     std::string binary = SB_PLANNER_PATH;
     std::string listen = "--listen=127.0.0.1:0";
     std::string drain = "--drain_seconds=2";
+    std::string notice = "--drain_notice_seconds=0.2";
     std::string state = "--state_dir=" + state_dir;
     std::string metrics = "--metrics_listen=127.0.0.1:0";
-    std::vector<char*> argv = {binary.data(), listen.data(), drain.data(), state.data(),
-                               metrics.data()};
+    std::vector<char*> argv = {binary.data(), listen.data(), drain.data(),
+                               notice.data(), state.data(),  metrics.data()};
     for (std::string& flag : extra) argv.push_back(flag.data());
     argv.push_back(nullptr);
     EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), environ), 0);
@@ -71,8 +75,12 @@ class PlannerProcess {
     if (fgets(buffer, sizeof buffer, out_) == nullptr) return "";
     return buffer;
   }
+  void Signal(int signal) { kill(pid_, signal); }
   int Stop(int signal) {
     kill(pid_, signal);
+    return Wait();
+  }
+  int Wait() {
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;
@@ -119,9 +127,9 @@ int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::strin
 }
 
 int PortOf(const std::string& line) {
-  const size_t at = line.find("listening on 127.0.0.1:");
-  if (at == std::string::npos) return 0;
-  const size_t colon = at + 23;
+  const size_t on = line.find("listening on ");
+  if (on == std::string::npos) return 0;
+  const size_t colon = line.find(':', on + 13) + 1;
   int port = 0;
   return absl::SimpleAtoi(line.substr(colon, line.find(' ', colon) - colon), &port) ? port : 0;
 }
@@ -329,6 +337,111 @@ TEST(SbPlannerTest, AKilledPlannerRestartsWithItsJobsAndPlans) {
   c5.AddMetadata("authorization", "Bearer " + job.job_token());
   EXPECT_TRUE(stub->SubmitBatch(&c5, batch, &again).ok());
   EXPECT_EQ(planner.Stop(SIGTERM), 0);
+}
+
+// sb-planner run to its exit with its output (stdout and stderr together) and exit code.
+std::pair<int, std::string> RunPlanner(const std::string& args) {
+  FILE* pipe = popen((std::string(SB_PLANNER_PATH) + " " + args + " 2>&1").c_str(), "r");
+  std::string output;
+  char buffer[1024];
+  while (fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+// Issue 11: without --admin_token_file (the container's default, bound to 0.0.0.0) anyone could
+// list and delete every job. Beyond loopback a token is now required, or an explicit opt-out.
+TEST(SbPlannerTest, RefusesToListenBeyondLoopbackWithoutAnAdminToken) {
+  const std::string state = StateDir();
+  const auto [code, output] = RunPlanner(
+      "--listen=0.0.0.0:0 --metrics_listen=127.0.0.1:0 "
+      "--state_dir=" +
+      state);
+  EXPECT_EQ(code, 2) << output;
+  EXPECT_NE(output.find("--admin_token_file"), std::string::npos) << output;
+  EXPECT_NE(output.find("--insecure_no_admin_token"), std::string::npos) << output;
+  {
+    PlannerProcess planner(state, {"--listen=0.0.0.0:0", "--insecure_no_admin_token"});
+    const std::string line = planner.ReadLine();
+    EXPECT_GT(PortOf(line), 0) << line;
+    EXPECT_EQ(planner.Stop(SIGTERM), 0);
+  }
+  const std::string token = state + "-admin";
+  std::ofstream(token) << "s3cret\n";
+  PlannerProcess planner(state, {"--listen=0.0.0.0:0", "--admin_token_file=" + token});
+  const std::string line = planner.ReadLine();
+  EXPECT_GT(PortOf(line), 0) << line;
+  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+}
+
+// Issue 11: NOT_SERVING during the drain was visible only on an already open Watch stream (the
+// port closed at once). Now health checks see it for --drain_notice_seconds first.
+TEST(SbPlannerTest, HealthChecksSeeNotServingDuringTheDrain) {
+  PlannerProcess planner(StateDir(), {"--drain_notice_seconds=3", "--drain_seconds=4"});
+  const int port = PortOf(planner.ReadLine());
+  ASSERT_GT(port, 0);
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  ASSERT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);
+  planner.Signal(SIGTERM);
+  int seen = 1;
+  for (int i = 0; i < 200 && seen == 1; ++i) {  // until it turns (it must before the port closes)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    seen = HealthStatus(channel, "sparsebalance.planner.v1.PlannerService");
+  }
+  EXPECT_EQ(seen, 2) << "health answered " << seen << " (2: NOT_SERVING; < 0: -code)";
+  EXPECT_EQ(planner.Wait(), 0);
+}
+
+// Issue 11: the planner started SERVING on a read-only state directory, and a full or
+// read-only one answered every call UNAVAILABLE. Now it refuses to start on one, and while it
+// runs health follows whether the directory can be written. Needs root for the tmpfs.
+TEST(SbPlannerTest, HealthFollowsWhetherTheStateDirCanBeWritten) {
+  std::string pattern = ::testing::TempDir() + "sb_planner_ro_XXXXXX";
+  ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+  if (mount("tmpfs", pattern.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { umount2(dir.c_str(), MNT_DETACH); }
+  } unmount{pattern};
+  const std::string state = pattern + "/state";
+  auto remount = [&](bool read_only) {
+    return mount("tmpfs", pattern.c_str(), "tmpfs", MS_REMOUNT | (read_only ? MS_RDONLY : 0),
+                 "size=4m");
+  };
+  auto health_until = [](const std::shared_ptr<grpc::Channel>& channel, int want) {
+    int seen = 0;
+    for (int i = 0; i < 300 && seen != want; ++i) {  // probes run every 0.2 s
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      seen = HealthStatus(channel, "sparsebalance.planner.v1.PlannerService");
+    }
+    return seen;
+  };
+  {
+    PlannerProcess planner(state, {"--state_check_seconds=0.2"});
+    const std::string line = planner.ReadLine();
+    const int port = PortOf(line);
+    ASSERT_GT(port, 0) << line;
+    auto channel =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    ASSERT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);
+    ASSERT_EQ(remount(true), 0) << std::strerror(errno);
+    EXPECT_EQ(health_until(channel, 2), 2);
+    const std::string scraped = Scrape(MetricsPortOf(line));
+    EXPECT_NE(scraped.find("sparsebalance_state_dir_writable 0"), std::string::npos) << scraped;
+    ASSERT_EQ(remount(false), 0) << std::strerror(errno);
+    EXPECT_EQ(health_until(channel, 1), 1);
+    EXPECT_EQ(planner.Stop(SIGTERM), 0);
+  }
+  ASSERT_EQ(remount(true), 0) << std::strerror(errno);
+  const auto [code, output] =
+      RunPlanner("--listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 --state_dir=" + state);
+  EXPECT_NE(code, 0) << output;
+  EXPECT_NE(output.find("--state_dir"), std::string::npos) << output;
+  EXPECT_NE(output.find("Read-only"), std::string::npos) << output;
+  remount(false);
 }
 
 }  // namespace
