@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace sparsebalance {
 namespace {
@@ -21,32 +22,62 @@ int64_t QuantizeDensity(double density) {
 }
 
 int64_t QueryBlocks(int64_t length, int block_size) {
-  return length <= 0 ? 0 : (length + block_size - 1) / block_size;
+  if (length <= 0) return 0;
+  const int64_t block = std::max(block_size, 1);
+  // Not (length + block - 1) / block, which overflows near INT64_MAX.
+  return length / block + (length % block != 0 ? 1 : 0);
 }
 
 int64_t AnchorBlocks(int64_t query_block, int local_blocks) {
-  return std::min<int64_t>(query_block + 1, static_cast<int64_t>(local_blocks) + 2);
+  if (query_block < 0) return 0;
+  const int64_t anchors = static_cast<int64_t>(std::max(local_blocks, 0)) + 2;
+  // query_block + 1 would overflow at INT64_MAX: compare first.
+  return query_block < anchors ? query_block + 1 : anchors;
 }
 
 int64_t KeptBlocks(int64_t query_block, int64_t q, int local_blocks) {
-  const int64_t n = query_block + 1;
-  const int64_t by_density = (q * n + kDensityQuantum - 1) / kDensityQuantum;  // ceil(rho*n)
+  if (query_block < 0) return 0;
+  const int64_t n = std::min(query_block, std::numeric_limits<int64_t>::max() - 1) + 1;
+  q = std::clamp<int64_t>(q, 1, kDensityQuantum);
+  // ceil(q * n / Q) without forming q * n: n = hi * Q + lo gives hi * q + ceil(lo * q / Q),
+  // where hi * q <= n and lo * q < 2^32.
+  const int64_t hi = n >> kDensityShift;
+  const int64_t lo = n & (kDensityQuantum - 1);
+  const int64_t by_density = hi * q + ((lo * q + kDensityQuantum - 1) >> kDensityShift);
   return std::clamp(by_density, AnchorBlocks(query_block, local_blocks), n);
 }
 
 int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b) {
-  // The classic Euclid-like reduction (as in AtCoder Library's floor_sum).
+  if (n <= 0) return 0;
+  m = std::max<int64_t>(m, 1);
+  a = std::max<int64_t>(a, 0);
+  b = std::max<int64_t>(b, 0);
+  constexpr int64_t kSaturated = std::numeric_limits<int64_t>::max();
+  // The classic Euclid-like reduction (as in AtCoder Library's floor_sum), every step checked:
+  // within the documented domain none of the checks fires (see the header).
   int64_t sum = 0;
+  auto add = [&](int64_t x, int64_t y) {  // sum += x * y, false on overflow
+    int64_t product = 0;
+    return !__builtin_mul_overflow(x, y, &product) && !__builtin_add_overflow(sum, product, &sum);
+  };
   while (true) {
     if (a >= m) {
-      sum += (n - 1) * n / 2 * (a / m);
+      // (n - 1) * n / 2 without overflow: halve the even factor first.
+      int64_t pairs = 0;
+      const bool ok = n % 2 == 0 ? !__builtin_mul_overflow(n / 2, n - 1, &pairs)
+                                 : !__builtin_mul_overflow(n, (n - 1) / 2, &pairs);
+      if (!ok || !add(pairs, a / m)) return kSaturated;
       a %= m;
     }
     if (b >= m) {
-      sum += n * (b / m);
+      if (!add(n, b / m)) return kSaturated;
       b %= m;
     }
-    const int64_t y_max = a * n + b;
+    // a, b < m here, so y_max < m * (n + 1).
+    int64_t y_max = 0;
+    if (__builtin_mul_overflow(a, n, &y_max) || __builtin_add_overflow(y_max, b, &y_max)) {
+      return kSaturated;
+    }
     if (y_max < m) break;
     n = y_max / m;
     b = y_max % m;
@@ -56,10 +87,13 @@ int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b) {
 }
 
 int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_blocks) {
-  const int64_t rows = QueryBlocks(length, block_size);
+  // Within the domain (header): rows <= 2^31 and anchors <= 2^24 + 2, so below full * (full+1)
+  // < 2^48, (last_anchored - anchors) * anchors < 2^55, q * n_free <= anchors * Q + q < 2^41
+  // and the total, at most rows (rows + 1) / 2 < 2^62, all fit in int64.
+  const int64_t rows = std::min(QueryBlocks(length, block_size), kMaxBlockMathRows);
   if (rows == 0) return 0;
   const int64_t q = QuantizeDensity(density);
-  const int64_t anchors = static_cast<int64_t>(local_blocks) + 2;
+  const int64_t anchors = static_cast<int64_t>(std::clamp(local_blocks, 0, kMaxLocalBlocks)) + 2;
   // With n = i+1: rows n <= anchors keep all n blocks. Beyond, k = max(anchors, ceil(q*n/Q)),
   // and ceil(q*n/Q) > anchors exactly when n >= n_free = floor(anchors*Q/q) + 1.
   const int64_t full = std::min(rows, anchors);
@@ -84,10 +118,11 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
 }
 
 int64_t ActiveBlocksBySum(int64_t length, double density, int block_size, int local_blocks) {
-  const int64_t rows = QueryBlocks(length, block_size);
+  const int64_t rows = std::min(QueryBlocks(length, block_size), kMaxBlockMathRows);
   const int64_t q = QuantizeDensity(density);
+  const int local = std::clamp(local_blocks, 0, kMaxLocalBlocks);
   int64_t total = 0;
-  for (int64_t i = 0; i < rows; ++i) total += KeptBlocks(i, q, local_blocks);
+  for (int64_t i = 0; i < rows; ++i) total += KeptBlocks(i, q, local);
   return total;
 }
 

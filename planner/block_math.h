@@ -13,30 +13,53 @@
 
 #include <cstdint>
 
+#include "planner/types.h"
+
 namespace sparsebalance {
 
 inline constexpr int64_t kDensityQuantum = 65536;
 
-// round(density * kDensityQuantum), at least 1 and at most kDensityQuantum.
+// Rows (query blocks) of one document that the counts below take into account: 2^31, twice
+// the most a planner-valid document has (kMaxMicroBatchCapacity tokens at block size 1). At
+// most that many rows, a document's active blocks stay below rows (rows + 1) / 2 < 2^62, and
+// every intermediate below fits in int64. Longer documents count as this many rows.
+inline constexpr int64_t kMaxBlockMathRows = int64_t{1} << 31;
+
+// Every function here is total: no input makes it overflow or divide by zero. Inputs outside
+// the documented domain are clamped into it, as each comment says; the planner never sends
+// such inputs (ValidateConfig, ValidateBatch), so the clamps are defence in depth.
+
+// round(density * kDensityQuantum), at least 1 and at most kDensityQuantum (NaN and
+// non-positive densities give 1, +inf gives kDensityQuantum).
 int64_t QuantizeDensity(double density);
 
-// Query blocks of a document: ceil(length / block_size).
+// Query blocks of a document: ceil(length / block_size), exact for every length; 0 for
+// length <= 0. block_size < 1 counts as 1.
 int64_t QueryBlocks(int64_t length, int block_size);
 
 // Anchor blocks of query block i (0-based): the sink block 0, the diagonal and up to
 // `local_blocks` blocks before it, without double counting: min(i+1, local_blocks+2).
+// Negative i gives 0; negative local_blocks count as 0.
 int64_t AnchorBlocks(int64_t query_block, int local_blocks);
 
-// Key blocks kept for query block i at a quantized density q (in 1..kDensityQuantum).
+// Key blocks kept for query block i at a quantized density q. Exact for every i >= 0 (i is
+// capped at INT64_MAX - 1); q is clamped into [1, kDensityQuantum]; negative i gives 0.
 int64_t KeptBlocks(int64_t query_block, int64_t q, int local_blocks);
 
-// A(L, rho): the sum of KeptBlocks over the document's query blocks (closed form).
+// A(L, rho): the sum of KeptBlocks over the document's query blocks (closed form). Domain:
+// QueryBlocks(length, block_size) <= kMaxBlockMathRows (longer documents are clamped to it),
+// local_blocks in [0, kMaxLocalBlocks] (clamped). The result is below 2^62.
 int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_blocks);
 
 // The same by direct summation, O(blocks): the definition, used to test the closed form.
+// Same domain and clamps as ActiveBlocks.
 int64_t ActiveBlocksBySum(int64_t length, double density, int block_size, int local_blocks);
 
-// sum_{i=0}^{n-1} floor((a*i + b) / m) for n, m > 0 and a, b >= 0 (exact, O(log)).
+// sum_{i=0}^{n-1} floor((a*i + b) / m), exact in O(log), for n in [0, 2^31], m in [1, 2^31]
+// and a, b >= 0 whose sum fits in int64. Every term it adds is part of the result and every
+// product it forms is below m * (n + 1) <= 2^62 + 2^31, so within that domain nothing
+// overflows. Outside it: n <= 0 gives 0, m < 1 counts as 1, negative a or b as 0, and a
+// result above INT64_MAX saturates to INT64_MAX (checked arithmetic, never wraps).
 int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b);
 
 }  // namespace sparsebalance

@@ -42,8 +42,18 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
   if (batch.empty()) {
     return absl::InvalidArgumentError("samples: the batch is empty; submit at least one sample");
   }
+  // The bounds below (and the overflow-freedom of the sums) rest on a valid config.
+  if (absl::Status status = ValidateConfig(config); !status.ok()) return status;
+  if (batch.size() > static_cast<size_t>(kMaxBatchSamples)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("samples: ", batch.size(), " samples is above the limit of ", kMaxBatchSamples,
+                     " (2^24, kMaxBatchSamples); split the batch"));
+  }
   absl::flat_hash_set<uint64_t> ids;
   ids.reserve(batch.size());
+  // Each length is checked to be in [1, micro_batch_capacity] before it is added, and a valid
+  // config's capacity is at most kMaxMicroBatchCapacity (2^30), so with at most 2^24 samples
+  // the total stays below 2^54: no overflow.
   int64_t total = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const Sample& s = batch[i];
@@ -63,13 +73,26 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
       return SampleError(i, "sensitivity", absl::StrCat(s.sensitivity, " is outside [0, 1]"));
     }
     if (!s.segments.empty()) {
+      // Each segment is checked against what is left of the length before it is added, so
+      // the running sum never exceeds the length and cannot wrap.
       int64_t sum = 0;
       for (size_t k = 0; k < s.segments.size(); ++k) {
-        if (s.segments[k] < 1) {
+        const int64_t segment = s.segments[k];
+        if (segment < 1) {
           return SampleError(i, absl::StrCat("segments[", k, "]"),
-                             absl::StrCat(s.segments[k], " tokens; need at least 1"));
+                             absl::StrCat(segment, " tokens; need at least 1"));
         }
-        sum += s.segments[k];
+        if (segment > s.length) {
+          return SampleError(i, absl::StrCat("segments[", k, "]"),
+                             absl::StrCat(segment, " tokens is above the sample's length ",
+                                          s.length, "; each segment must be in [1, length]"));
+        }
+        if (segment > s.length - sum) {
+          return SampleError(i, absl::StrCat("segments[", k, "]"),
+                             absl::StrCat("segments[0..", k, "] sum to more than the sample's ",
+                                          "length ", s.length, "; they must sum to the length"));
+        }
+        sum += segment;
       }
       if (sum != s.length) {
         return SampleError(i, "segments",
@@ -78,6 +101,7 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
     }
     total += s.length;
   }
+  // A valid config keeps ranks x micro_batches <= 2^20 and the capacity <= 2^30: below 2^50.
   const int64_t capacity =
       static_cast<int64_t>(config.ranks) * config.micro_batches * config.micro_batch_capacity;
   if (config.overflow == OverflowPolicy::kError && total > capacity) {

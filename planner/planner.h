@@ -19,10 +19,12 @@
 
 namespace sparsebalance {
 
-// Checks the batch against the config: non-empty, unique ids, lengths in
-// [1, micro_batch_capacity], sensitivity in [0, 1], segments positive and summing to the
-// length; with kError also that the total fits ranks x micro_batches x capacity. Errors are
-// INVALID_ARGUMENT and name `samples[i]` and the field.
+// Checks the batch against the config (which must itself be valid: ValidateConfig's error is
+// returned otherwise): non-empty, at most kMaxBatchSamples, unique ids, lengths in
+// [1, micro_batch_capacity], sensitivity in [0, 1], segments in [1, length] summing to the
+// length (checked as it runs, so no sum wraps); with kError also that the total fits
+// ranks x micro_batches x capacity. Errors are INVALID_ARGUMENT and name `samples[i]` and the
+// field (`samples[i].segments[k]` for a segment).
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config);
 
 // The plan a trainer computes without the planner (the client's offline fallback): PlanStep

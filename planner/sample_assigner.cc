@@ -392,6 +392,11 @@ class Placer {
   void Place(int u, int r, const std::vector<int>& slots);
   // Adds the placed unit to the rank's load and list.
   void Attach(int u, int r);
+  // Whether u and r index a unit and a rank. A false answer is a bug (the batch and config
+  // were validated, so every cost is finite and non-negative and every choice is a rank), but
+  // it must never become an out-of-bounds write: it records error_, which the placement
+  // returns, and the caller writes nothing.
+  bool InRange(int u, int r);
   void Remove(int u, int r);
   // Refreshes the rank's place in least_loaded_ and its largest free micro-batch.
   void Updated(int r);
@@ -413,6 +418,7 @@ class Placer {
   RankHeap<false>& least_loaded_;  // kept while balancing (Sequential never reads it)
   RankHeap<true>& most_loaded_;    // ImproveMaxRank's, which keeps it up to date itself
   bool balancing_ = false;
+  absl::Status error_;  // the first InRange failure
   // Small scratch reused across calls of the methods below.
   mutable std::vector<int64_t> fit_free_;   // FitsWorst's and FitInOrder's free tokens
   mutable std::vector<int64_t> swap_free_;  // FitsAfterSwap's free tokens
@@ -463,7 +469,18 @@ bool Placer::FitInOrder(const Unit& unit, const int64_t* free_in, int* cursor,
   return true;
 }
 
+bool Placer::InRange(int u, int r) {
+  if (u >= 0 && u < static_cast<int>(units_.size()) && r >= 0 && r < config_.ranks) return true;
+  if (error_.ok()) {
+    error_ = absl::InternalError(absl::StrCat("sample placement chose unit ", u, " and rank ", r,
+                                              " outside [0, ", units_.size(), ") x [0, ",
+                                              config_.ranks, "); the step was not planned"));
+  }
+  return false;
+}
+
 void Placer::PlaceWorst(int u, int r) {
+  if (!InRange(u, r)) return;
   // The same choices as FitsWorst, made on the rank's own free tokens.
   const Unit& unit = units_[u];
   int64_t* free = Free(r);
@@ -478,6 +495,7 @@ void Placer::PlaceWorst(int u, int r) {
 }
 
 void Placer::Place(int u, int r, const std::vector<int>& slots) {
+  if (!InRange(u, r)) return;
   const Unit& unit = units_[u];
   int64_t* free = Free(r);
   for (int k = 0; k < unit.size; ++k) {
@@ -490,6 +508,7 @@ void Placer::Place(int u, int r, const std::vector<int>& slots) {
 }
 
 void Placer::Attach(int u, int r) {
+  if (!InRange(u, r)) return;
   RankState& rank = ranks_[r];
   Unit& unit = units_[u];
   rank.load += unit.cost;
@@ -510,6 +529,7 @@ void Placer::Attach(int u, int r) {
 }
 
 void Placer::Remove(int u, int r) {
+  if (!InRange(u, r)) return;
   RankState& rank = ranks_[r];
   Unit& unit = units_[u];
   int64_t* free = Free(r);
@@ -581,6 +601,7 @@ absl::StatusOr<Assignment> Placer::Sequential() {
       if (!status.ok()) return status;
     }
   }
+  if (!error_.ok()) return error_;
   std::sort(deferred.begin(), deferred.end());
   return Collect(std::move(deferred));
 }
@@ -624,9 +645,17 @@ absl::StatusOr<Assignment> Placer::Balanced() {
         chosen_time = t;
       }
     }
+    if (chosen < 0) {
+      // Only reachable with a NaN or negative cost, which validation excludes.
+      return absl::InternalError(absl::StrCat("no rank chosen for samples[",
+                                              members_[unit.begin].index, "] (cost ", unit.cost,
+                                              "); the step was not planned"));
+    }
     PlaceWorst(u, chosen);
+    if (!error_.ok()) return error_;
   }
   ImproveMaxRank();
+  if (!error_.ok()) return error_;
   std::sort(deferred.begin(), deferred.end());
   return Collect(std::move(deferred));
 }

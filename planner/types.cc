@@ -19,19 +19,60 @@ absl::Status ValidateConfig(const PlannerConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.", field, " = ", value, " is invalid: ", want));
   };
+  // A positive count of at most `limit` (named `limit_name` in the message).
+  auto out_of_range = [&](absl::string_view field, int64_t value, int64_t limit,
+                          absl::string_view limit_name) -> absl::Status {
+    if (value < 1) return bad(field, value, "need at least 1");
+    if (value > limit) {
+      return bad(field, value, absl::StrCat("above the limit of ", limit, " (", limit_name, ")"));
+    }
+    return absl::OkStatus();
+  };
   if (c.ranks < 1) return bad("ranks", c.ranks, "need at least one rank");
-  if (c.micro_batches < 1) return bad("micro_batches", c.micro_batches, "need at least 1");
+  if (absl::Status st = out_of_range("micro_batches", c.micro_batches, kMaxMicroBatches,
+                                     "2^16, kMaxMicroBatches");
+      !st.ok()) {
+    return st;
+  }
   if (c.micro_batch_capacity < 1) {
     return bad("micro_batch_capacity", c.micro_batch_capacity, "need a positive token count");
   }
+  if (c.micro_batch_capacity > kMaxMicroBatchCapacity) {
+    return bad("micro_batch_capacity", c.micro_batch_capacity,
+               absl::StrCat("above the limit of ", kMaxMicroBatchCapacity,
+                            " tokens (2^30, kMaxMicroBatchCapacity)"));
+  }
+  // Both are at most 2^31 - 1, so the product fits in int64.
+  const int64_t slots = int64_t{c.ranks} * c.micro_batches;
+  if (slots > kMaxPlanSlots) {
+    return bad("micro_batches", c.micro_batches,
+               absl::StrCat("ranks x micro_batches = ", c.ranks, " x ", c.micro_batches, " = ",
+                            slots, " plan slots is above the limit of ", kMaxPlanSlots,
+                            " (2^20, kMaxPlanSlots); use fewer micro-batches or ranks"));
+  }
   const ModelShape& s = c.shape;
-  if (s.layers < 1) return bad("shape.layers", s.layers, "need at least 1");
-  if (s.heads < 1) return bad("shape.heads", s.heads, "need at least 1");
-  if (s.head_dim < 1) return bad("shape.head_dim", s.head_dim, "need at least 1");
+  if (absl::Status st = out_of_range("shape.layers", s.layers, kMaxLayers, "2^12, kMaxLayers");
+      !st.ok()) {
+    return st;
+  }
+  if (absl::Status st = out_of_range("shape.heads", s.heads, kMaxHeads, "2^12, kMaxHeads");
+      !st.ok()) {
+    return st;
+  }
+  if (absl::Status st =
+          out_of_range("shape.head_dim", s.head_dim, kMaxHeadDim, "2^12, kMaxHeadDim");
+      !st.ok()) {
+    return st;
+  }
   if (s.block_size != 64 && s.block_size != 128) {
     return bad("shape.block_size", s.block_size, "supported block sizes are 64 and 128");
   }
   if (s.local_blocks < 0) return bad("shape.local_blocks", s.local_blocks, "need >= 0");
+  if (s.local_blocks > kMaxLocalBlocks) {
+    return bad(
+        "shape.local_blocks", s.local_blocks,
+        absl::StrCat("above the limit of ", kMaxLocalBlocks, " blocks (2^24, kMaxLocalBlocks)"));
+  }
   if (!InUnitInterval(c.density_min)) return bad("density_min", c.density_min, "need (0, 1]");
   if (!InUnitInterval(c.density_max)) return bad("density_max", c.density_max, "need (0, 1]");
   if (!InUnitInterval(c.density_default)) {

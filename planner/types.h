@@ -75,7 +75,42 @@ struct PlannerConfig {
   OverflowPolicy overflow = OverflowPolicy::kError;
 };
 
-// Validates every field; the message names the field and what to do.
+// Upper bounds on what a config and a batch may hold. Each is far above any real training
+// job yet small enough that every integer the planner computes from accepted values provably
+// fits in int64 (and every index in int), whatever a client sends. With B >= 1 the block
+// size, L <= kMaxMicroBatchCapacity = 2^30 a document's tokens, rows = ceil(L / B) <= 2^30:
+//  - active blocks of one document: <= rows (rows + 1) / 2 < 2^59 (block_math.h; its
+//    FloorSum terms stay below 2^59 too, as its comment shows);
+//  - KeptBlocks' q * n: q <= kDensityQuantum = 2^16, n <= 2^30, so < 2^46; the anchors'
+//    (local_blocks + 2) * 2^16 <= (2^24 + 2) * 2^16 < 2^41;
+//  - ranks x micro_batches x capacity <= kMaxPlanSlots x 2^30 = 2^50 tokens;
+//  - a batch's tokens <= kMaxBatchSamples x 2^30 = 2^54; a sample's segment sum <= its length;
+//  - the dense work of one block, B^2 x head_dim x heads x layers <= 2^14 x 2^36 = 2^50.
+// ValidateConfig and ValidateBatch enforce them and name the bound when one is crossed.
+
+// Tokens per micro-batch: 2^30 (about a billion) is ~100x the longest contexts trained today,
+// and keeps a document's active-block count below 2^59 (see above).
+inline constexpr int64_t kMaxMicroBatchCapacity = int64_t{1} << 30;
+// Micro-batches per rank and step (gradient-accumulation steps): 2^16, far beyond practice.
+inline constexpr int kMaxMicroBatches = 1 << 16;
+// Ranks x micro-batches: a plan holds one MicroBatchPlan (about 100 bytes, and the placer 12
+// bytes of scratch) per slot, so 2^20 slots bound a plan's memory to ~100 MB before samples.
+// It also bounds the rank count, which the service limits further (WireLimits).
+inline constexpr int kMaxPlanSlots = 1 << 20;
+// Samples per batch: the placer indexes samples with int; 2^24 keeps a batch's token total
+// below 2^54 and sits well above the service's own per-request limit (WireLimits).
+inline constexpr int kMaxBatchSamples = 1 << 24;
+// Transformer layers, attention heads and elements per head: 4096 each (2^12), an order of
+// magnitude above the largest models (~128 layers, 128 heads, head_dim 256), and with
+// B <= 128 keeps one block's dense work B^2 x head_dim x heads x layers <= 2^50.
+inline constexpr int kMaxLayers = 4096;
+inline constexpr int kMaxHeads = 4096;
+inline constexpr int kMaxHeadDim = 4096;
+// Key blocks before the diagonal that are always kept: 2^24 blocks of >= 64 tokens cover the
+// longest document a micro-batch can hold (2^30 tokens); a wider window changes nothing.
+inline constexpr int kMaxLocalBlocks = 1 << 24;
+
+// Validates every field; the message names the field, the limit it crossed and what to do.
 absl::Status ValidateConfig(const PlannerConfig& config);
 
 struct MicroBatchPlan {

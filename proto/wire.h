@@ -40,6 +40,9 @@ struct JobSettings {
 
 // Fills defaults for zero fields (shape 32x32x128, blocks of 64, 1 local block, densities
 // 0.05/1.0/0.3, sparsebalance, mean, error) and validates; messages name "config.<field>".
+// RESOURCE_EXHAUSTED for this planner's own limit on the world size; INVALID_ARGUMENT,
+// naming the bound, for everything else, including the arithmetic upper bounds that
+// ValidateConfig enforces (planner/types.h: capacity, micro-batches, plan slots, shape).
 absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& config, const WireLimits& limits);
 v1::JobConfig ConfigToProto(const JobSettings& settings);
 

@@ -217,5 +217,110 @@ TEST(ActiveBlocksTest, ApproximatelyProportionalToDensityForLongDocuments) {
   }
 }
 
+// --- Every function is total: extreme inputs neither overflow nor divide by zero. ---
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr int64_t kInt64Min = std::numeric_limits<int64_t>::min();
+
+TEST(QueryBlocksTest, ExactForEveryLengthAndBlockSize) {
+  // (length + block - 1) / block used to overflow here.
+  EXPECT_EQ(QueryBlocks(kInt64Max, 64), kInt64Max / 64 + 1);
+  EXPECT_EQ(QueryBlocks(kInt64Max, 1), kInt64Max);
+  EXPECT_EQ(QueryBlocks(kInt64Max - 63, 64), (kInt64Max - 63) / 64);  // a multiple of 64
+  EXPECT_EQ(QueryBlocks(kInt64Min, 64), 0);
+  EXPECT_EQ(QueryBlocks(1000, 0), 1000);  // block_size < 1 counts as 1
+  EXPECT_EQ(QueryBlocks(1000, -64), 1000);
+  EXPECT_EQ(QueryBlocks(kMaxMicroBatchCapacity, 64), int64_t{1} << 24);
+}
+
+TEST(KeptBlocksTest, ExactWithoutOverflowForHugeRows) {
+  Rng rng(11);
+  for (int c = 0; c < 20000; ++c) {
+    const int64_t i = static_cast<int64_t>(rng.NextU64() >> (1 + rng.NextU64() % 63));
+    const int64_t q = 1 + static_cast<int64_t>(rng.NextU64() % kDensityQuantum);
+    const int local = static_cast<int>(rng.NextU64() % 5) == 0 ? kMaxLocalBlocks : 1;
+    const __int128 n = static_cast<__int128>(std::min(i, kInt64Max - 1)) + 1;
+    const __int128 by_density = (q * n + kDensityQuantum - 1) / kDensityQuantum;
+    const __int128 anchors = std::min<__int128>(n, local + 2);
+    const __int128 want = std::clamp<__int128>(by_density, anchors, n);
+    ASSERT_EQ(static_cast<__int128>(KeptBlocks(i, q, local)), want) << "i=" << i << " q=" << q;
+  }
+  EXPECT_EQ(KeptBlocks(kInt64Max, kDensityQuantum, 1), kInt64Max);  // i capped at max - 1
+  EXPECT_EQ(KeptBlocks(-1, 100, 1), 0);
+  EXPECT_EQ(KeptBlocks(9, kInt64Max, 1), 10);  // q clamped to the quantum
+  EXPECT_EQ(KeptBlocks(9, kInt64Min, 1), 3);   // and to 1
+  EXPECT_EQ(AnchorBlocks(kInt64Max, 1), 3);
+  EXPECT_EQ(AnchorBlocks(kInt64Max, std::numeric_limits<int>::max()),
+            int64_t{std::numeric_limits<int>::max()} + 2);
+  EXPECT_EQ(AnchorBlocks(-5, 1), 0);
+  EXPECT_EQ(AnchorBlocks(5, -3), 2);  // negative local_blocks count as 0
+}
+
+TEST(FloorSumTest, ExactAtTheEdgesOfItsDomain) {
+  const int64_t n = int64_t{1} << 31;
+  EXPECT_EQ(FloorSum(n, 1, 1, 0), n * (n - 1) / 2);
+  EXPECT_EQ(FloorSum(n, n, n, n - 1), n * (n - 1) / 2 + 0);
+  // Splitting the range anywhere gives the same sum: a check that needs no O(n) reference.
+  Rng rng(12);
+  for (int c = 0; c < 2000; ++c) {
+    const int64_t count = 1 + static_cast<int64_t>(rng.NextU64() % n);
+    const int64_t m = 1 + static_cast<int64_t>(rng.NextU64() % n);
+    const int64_t a = static_cast<int64_t>(rng.NextU64() % (int64_t{1} << 16));
+    const int64_t b = static_cast<int64_t>(rng.NextU64() % (int64_t{1} << 40));
+    const int64_t split = static_cast<int64_t>(rng.NextU64() % count);
+    const int64_t whole = FloorSum(count, m, a, b);
+    ASSERT_LT(whole, kInt64Max);
+    ASSERT_EQ(whole, FloorSum(split, m, a, b) + FloorSum(count - split, m, a, b + a * split))
+        << "n=" << count << " m=" << m << " a=" << a << " b=" << b << " split=" << split;
+  }
+}
+
+TEST(FloorSumTest, OutsideItsDomainClampsOrSaturatesInsteadOfWrapping) {
+  EXPECT_EQ(FloorSum(0, 5, 3, 2), 0);
+  EXPECT_EQ(FloorSum(-7, 5, 3, 2), 0);
+  EXPECT_EQ(FloorSum(4, 0, 1, 0), 0 + 1 + 2 + 3);      // m < 1 counts as 1
+  EXPECT_EQ(FloorSum(4, 10, -6, -3), 0);               // negative a, b count as 0
+  EXPECT_EQ(FloorSum(kInt64Max, 1, 1, 0), kInt64Max);  // n (n - 1) / 2 overflows
+  EXPECT_EQ(FloorSum(int64_t{1} << 31, 1, kInt64Max, 0), kInt64Max);
+  EXPECT_EQ(FloorSum(3, 1, 0, kInt64Max), kInt64Max);  // n * b overflows
+  EXPECT_EQ(FloorSum(kInt64Max, kInt64Max, kInt64Max - 1, kInt64Max - 1), kInt64Max);
+}
+
+TEST(ActiveBlocksTest, LargestDocumentsAndWindowsMatchDirectSummation) {
+  Rng rng(13);
+  for (int local : {0, 12345, kMaxLocalBlocks}) {
+    for (int block : kBlockSizes) {
+      const double density = RandomDensity(rng);
+      const int64_t length = kMaxMicroBatchCapacity - static_cast<int64_t>(rng.NextU64() % 100);
+      ASSERT_EQ(ActiveBlocks(length, density, block, local),
+                ActiveBlocksBySum(length, density, block, local))
+          << "length=" << length << " density=" << density << " block=" << block
+          << " local=" << local;
+    }
+  }
+}
+
+TEST(ActiveBlocksTest, ExtremeInputsAreClampedIntoTheDomain) {
+  const int64_t rows = kMaxBlockMathRows;
+  const int64_t triangle = rows * (rows + 1) / 2;  // < 2^62
+  EXPECT_EQ(ActiveBlocks(kInt64Max, 1.0, 1, 1), triangle);
+  EXPECT_EQ(ActiveBlocks(kInt64Max, 1.0, 64, 1), triangle);
+  EXPECT_EQ(ActiveBlocks(kInt64Max, std::numeric_limits<double>::infinity(), 64, 1), triangle);
+  EXPECT_EQ(ActiveBlocks(kInt64Max, 1.0, 64, std::numeric_limits<int>::max()), triangle);
+  EXPECT_EQ(ActiveBlocks(rows, 1.0, 1, 1), triangle);  // exactly at the domain's edge
+  const int64_t sparse = ActiveBlocks(kInt64Max, std::numeric_limits<double>::quiet_NaN(), 64,
+                                      std::numeric_limits<int>::min());
+  // NaN density counts as q = 1, and negative local_blocks as 0 (sink and diagonal only).
+  EXPECT_EQ(sparse, ActiveBlocks(rows, 1e-12, 1, 0));
+  EXPECT_GE(sparse, 1 + 2 * (rows - 1));
+  EXPECT_EQ(ActiveBlocks(kInt64Min, 0.5, 64, 1), 0);
+  EXPECT_EQ(ActiveBlocks(1000, 0.5, 0, 1), ActiveBlocks(1000, 0.5, 1, 1));
+  for (double density : {1e-9, 0.3, 0.999}) {
+    const int64_t a = ActiveBlocks(kInt64Max, density, 64, kMaxLocalBlocks);
+    EXPECT_GT(a, 0) << density;
+    EXPECT_LE(a, triangle) << density;
+  }
+}
+
 }  // namespace
 }  // namespace sparsebalance

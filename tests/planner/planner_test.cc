@@ -344,8 +344,15 @@ TEST(ValidateBatchTest, ErrorsNameTheSampleIndexAndField) {
               AllOf(HasSubstr("samples[5].segments"), HasSubstr("900"), HasSubstr("1000")));
   batch[5].segments = {1000, 0};
   EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[5].segments[1]"));
-  batch[5].segments = {1200, -200};
+  batch[5].segments = {1000, -200};
   EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[5].segments[1]"));
+  // A segment longer than the sample is named itself, before any later one.
+  batch[5].segments = {1200, -200};
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[5].segments[0]"), HasSubstr("1200"), HasSubstr("1000")));
+  batch[5].segments = {600, 300, 200};  // the running sum passes 1000 at segments[2]
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[5].segments[2]"), HasSubstr("more than")));
   batch[5].segments = {400, 600};
   EXPECT_TRUE(ValidateBatch(batch, config).ok());
 }
@@ -499,6 +506,323 @@ TEST(SabQualityTest, SlowRankGetsHalfTheWork) {
     others /= config.ranks - 1;
     EXPECT_NEAR(slow / others, 0.5, 0.05) << "seed " << seed;
   }
+}
+
+// --- Upper bounds and checked arithmetic (types.h): the attacks that once got through. ---
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr int kInt32Max = std::numeric_limits<int>::max();
+
+PlannerConfig OneRankConfig() {
+  PlannerConfig config;
+  config.ranks = 1;
+  config.micro_batches = 1;
+  return config;
+}
+
+// Attack: world_size 1, one micro-batch of INT64_MAX tokens, then one sample of INT64_MAX
+// tokens. It used to be accepted, and the latency model's fold then met non-finite features.
+TEST(BoundsTest, CapacityOfInt64MaxIsRefusedNamingTheFieldAndTheLimit) {
+  PlannerConfig config = OneRankConfig();
+  config.micro_batch_capacity = kInt64Max;
+  const absl::Status status = ValidateConfig(config);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("config.micro_batch_capacity"), HasSubstr("9223372036854775807"),
+                    HasSubstr("1073741824")));
+  const std::vector<Sample> batch = {{1, kInt64Max, 0.0, 0, {}}};
+  EXPECT_THAT(PlanError(batch, config), HasSubstr("config.micro_batch_capacity"));
+  // At the largest capacity the same sample is refused by its own length.
+  config.micro_batch_capacity = kMaxMicroBatchCapacity;
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[0].length"), HasSubstr("9223372036854775807"),
+                    HasSubstr("1073741824")));
+  config.micro_batch_capacity = kMaxMicroBatchCapacity + 1;
+  EXPECT_THAT(std::string(ValidateConfig(config).message()),
+              AllOf(HasSubstr("config.micro_batch_capacity"), HasSubstr("1073741825")));
+}
+
+// Attack: length 1, segments {INT64_MAX, INT64_MAX, 3}: their sum wrapped to 1 and passed,
+// and placement then wrote ranks_[-1]. Now the first segment is refused, naming it.
+TEST(BoundsTest, SegmentsWhoseSumWrapsAreRefusedNamingTheSegment) {
+  const PlannerConfig config = OneRankConfig();
+  std::vector<Sample> batch = {{1, 1, 0.0, 0, {kInt64Max, kInt64Max, 3}}};
+  EXPECT_EQ(ValidateBatch(batch, config).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[0].segments[0]"), HasSubstr("9223372036854775807"),
+                    HasSubstr("length 1")));
+  // Segments that each fit but whose running sum would pass the length (and, unchecked,
+  // wrap): the first one past it is named.
+  batch = {{1, 100, 0.0, 0, {}}, {2, 100, 0.0, 0, {60, 50, 100 - 110 + kInt64Max}}};
+  EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[1].segments[1]"));
+  batch = {{2, 100, 0.0, 0, {1, 99, 1}}};
+  EXPECT_THAT(PlanError(batch, config),
+              AllOf(HasSubstr("samples[0].segments[2]"), HasSubstr("more than")));
+  for (int64_t bad : {int64_t{0}, int64_t{-1}, std::numeric_limits<int64_t>::min()}) {
+    batch = {{2, 100, 0.0, 0, {50, bad, 50}}};
+    EXPECT_THAT(PlanError(batch, config), HasSubstr("samples[0].segments[1]")) << bad;
+  }
+  // Each policy, for every attack above, refuses rather than plans.
+  for (Policy policy : AllPolicies()) {
+    PlannerConfig c = config;
+    c.policy = policy;
+    EXPECT_FALSE(PlanStepLocally({{1, 1, 0.0, 0, {kInt64Max, kInt64Max, 3}}}, c).ok());
+  }
+}
+
+TEST(BoundsTest, MicroBatchAndSlotCountsAreBounded) {
+  PlannerConfig config = OneRankConfig();
+  // Attack: micro_batches 2^31 - 1 with 65,536 ranks (2^47 plan slots).
+  config.ranks = 65536;
+  config.micro_batches = kInt32Max;
+  absl::Status status = ValidateConfig(config);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("config.micro_batches"),
+                                                   HasSubstr("2147483647"), HasSubstr("65536")));
+  // Within the per-rank bound but not the slot bound: 65,536 x 64 = 2^22 slots.
+  config.micro_batches = 64;
+  status = ValidateConfig(config);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("config.micro_batches"), HasSubstr("65536 x 64"),
+                    HasSubstr("4194304"), HasSubstr("1048576")));
+  config.micro_batches = 16;  // exactly 2^20 slots
+  EXPECT_TRUE(ValidateConfig(config).ok());
+  config.ranks = kInt32Max;
+  config.micro_batches = kInt32Max;
+  EXPECT_THAT(std::string(ValidateConfig(config).message()), HasSubstr("config.micro_batches"));
+  config.ranks = 1;
+  config.micro_batches = kMaxMicroBatches;
+  EXPECT_TRUE(ValidateConfig(config).ok());
+  config.micro_batches = kMaxMicroBatches + 1;
+  EXPECT_THAT(std::string(ValidateConfig(config).message()),
+              AllOf(HasSubstr("config.micro_batches"), HasSubstr("65537"), HasSubstr("65536")));
+}
+
+TEST(BoundsTest, ShapeDimensionsAreBoundedNamingTheFieldAndTheLimit) {
+  struct Case {
+    const char* field;
+    int* (*field_of)(PlannerConfig*);
+    int limit;
+  };
+  const Case cases[] = {
+      {"config.shape.layers", [](PlannerConfig* c) { return &c->shape.layers; }, kMaxLayers},
+      {"config.shape.heads", [](PlannerConfig* c) { return &c->shape.heads; }, kMaxHeads},
+      {"config.shape.head_dim", [](PlannerConfig* c) { return &c->shape.head_dim; }, kMaxHeadDim},
+      {"config.shape.local_blocks", [](PlannerConfig* c) { return &c->shape.local_blocks; },
+       kMaxLocalBlocks},
+  };
+  for (const Case& c : cases) {
+    for (int bad : {c.limit + 1, kInt32Max}) {
+      PlannerConfig config = OneRankConfig();
+      *c.field_of(&config) = bad;
+      const absl::Status status = ValidateConfig(config);
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+      EXPECT_THAT(std::string(status.message()),
+                  AllOf(HasSubstr(c.field), HasSubstr(absl::StrCat(bad)),
+                        HasSubstr(absl::StrCat(c.limit))));
+    }
+    PlannerConfig config = OneRankConfig();
+    *c.field_of(&config) = c.limit;
+    EXPECT_TRUE(ValidateConfig(config).ok()) << c.field;
+  }
+}
+
+TEST(BoundsTest, BatchOfTooManySamplesIsRefusedBeforeItsSamplesAreRead) {
+  PlannerConfig config = OneRankConfig();
+  config.overflow = OverflowPolicy::kDefer;
+  const std::vector<Sample> batch(static_cast<size_t>(kMaxBatchSamples) + 1);
+  const absl::Status status = ValidateBatch(batch, config);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("samples"), HasSubstr("16777217"), HasSubstr("16777216")));
+}
+
+TEST(BoundsTest, ValidateBatchRefusesAnInvalidConfig) {
+  PlannerConfig config = OneRankConfig();
+  config.micro_batch_capacity = kInt64Max;
+  const absl::Status status = ValidateBatch({{1, 10, 0.0, 0, {}}}, config);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("config.micro_batch_capacity"));
+}
+
+// Everything at its largest allowed value plans into a valid plan with finite figures, and
+// the latency model folds the plan's features in (the first attack's failure).
+TEST(BoundsTest, LargestAllowedValuesPlanAndFoldIn) {
+  PlannerConfig config = OneRankConfig();
+  config.ranks = 2;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = kMaxMicroBatchCapacity;
+  config.shape.layers = kMaxLayers;
+  config.shape.heads = kMaxHeads;
+  config.shape.head_dim = kMaxHeadDim;
+  config.overflow = OverflowPolicy::kDefer;
+  const int64_t half = kMaxMicroBatchCapacity / 2;
+  const std::vector<Sample> batch = {
+      {1, kMaxMicroBatchCapacity, 0.0, 0, {}},
+      {2, kMaxMicroBatchCapacity, 0.5, 0, {half, half}},
+      {3, kMaxMicroBatchCapacity, 1.0, 7, {1, kMaxMicroBatchCapacity - 1}},
+      {4, kMaxMicroBatchCapacity, 0.2, 7, {}},
+      {5, 1, 0.0, 0, {1}},
+  };
+  for (int local_blocks : {0, 1, kMaxLocalBlocks}) {
+    for (int block_size : {64, 128}) {
+      for (Policy policy : AllPolicies()) {
+        config.shape.local_blocks = local_blocks;
+        config.shape.block_size = block_size;
+        config.policy = policy;
+        const std::string where = absl::StrCat(PolicyName(policy), " local_blocks ", local_blocks,
+                                               " block_size ", block_size);
+        LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+        absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+        ASSERT_TRUE(plan.ok()) << where << ": " << plan.status();
+        ExpectValidPlan(*plan, batch, config, where);
+        EXPECT_TRUE(std::isfinite(plan->makespan_seconds)) << where;
+        std::vector<Observation> observations;
+        for (int r = 0; r < config.ranks; ++r) {
+          for (int m = 0; m < config.micro_batches; ++m) {
+            const MicroBatchPlan& mb = plan->ranks[r].micro_batches[m];
+            if (mb.sample_ids.empty()) continue;
+            MicroBatchFeatures features;
+            for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
+              const Sample& s = batch[mb.sample_ids[k] - 1];
+              const MicroBatchFeatures f = model.SampleFeatures(s, mb.densities[k]);
+              ASSERT_TRUE(std::isfinite(f.active_blocks) && f.active_blocks > 0) << where;
+              features.active_blocks += f.active_blocks;
+              features.tokens += f.tokens;
+              features.documents += f.documents;
+            }
+            observations.push_back({r, m, features, 1.5 * mb.predicted_seconds});
+          }
+        }
+        EXPECT_TRUE(model.ObserveStep(observations).ok()) << where;
+      }
+    }
+  }
+}
+
+// Property: any mix of extreme values in every config and sample field never crashes, and
+// whatever ValidateConfig and ValidateBatch accept plans into a plan that passes CheckPlan.
+TEST(BoundsTest, ExtremeValuesNeverCrashAndWhatIsAcceptedPlansValidly) {
+  const double kNaN = std::numeric_limits<double>::quiet_NaN();
+  const double kInf = std::numeric_limits<double>::infinity();
+  const std::vector<int64_t> kInt64s = {kInt64Max,
+                                        std::numeric_limits<int64_t>::min(),
+                                        kInt32Max,
+                                        int64_t{1} << 31,
+                                        -1,
+                                        0,
+                                        1,
+                                        2,
+                                        3,
+                                        64,
+                                        4096,
+                                        kMaxMicroBatchCapacity,
+                                        kMaxMicroBatchCapacity + 1};
+  const std::vector<int> kInt32s = {kInt32Max,
+                                    std::numeric_limits<int>::min(),
+                                    -1,
+                                    0,
+                                    1,
+                                    2,
+                                    4,
+                                    64,
+                                    128,
+                                    kMaxLayers,
+                                    kMaxLayers + 1,
+                                    kMaxMicroBatches,
+                                    kMaxLocalBlocks,
+                                    kMaxLocalBlocks + 1};
+  const std::vector<double> kDoubles = {kNaN, kInf, -kInf, -1.0, 0.0, 1e-300,
+                                        0.05, 0.3,  0.5,   1.0,  1.5, 2.0};
+  Rng rng(20240611);
+  auto pick = [&rng](const auto& pool) { return pool[rng.NextU64() % pool.size()]; };
+  // In half the cases the config (and independently the batch) is wild: a third of its
+  // fields extreme. The other half keeps sane values, so a fair share is accepted and planned.
+  bool wild = false;
+  auto extreme = [&] { return wild && rng.NextU64() % 3 == 0; };
+  auto int32_or = [&](int sane) { return extreme() ? pick(kInt32s) : sane; };
+  auto int64_or = [&](int64_t sane) { return extreme() ? pick(kInt64s) : sane; };
+  auto double_or = [&](double sane) { return extreme() ? pick(kDoubles) : sane; };
+  int accepted = 0;
+  int planned = 0;
+  for (int c = 0; c < 2000; ++c) {
+    wild = rng.NextU64() % 2 == 0;
+    PlannerConfig config;
+    config.ranks = int32_or(1 + static_cast<int>(rng.NextU64() % 8));
+    config.micro_batches = int32_or(1 + static_cast<int>(rng.NextU64() % 4));
+    config.micro_batch_capacity = int64_or(int64_t{1} << (8 + rng.NextU64() % 23));
+    config.shape.layers = int32_or(32);
+    config.shape.heads = int32_or(32);
+    config.shape.head_dim = int32_or(128);
+    config.shape.block_size = int32_or(rng.NextU64() % 2 == 0 ? 64 : 128);
+    config.shape.local_blocks = int32_or(1);
+    config.density_min = double_or(0.05);
+    config.density_max = double_or(1.0);
+    config.density_default = double_or(0.3);
+    config.policy = AllPolicies()[rng.NextU64() % AllPolicies().size()];
+    config.dst_mode = test_util::AllDstModes()[rng.NextU64() % 4];
+    config.dst_quantile = double_or(0.5);
+    config.overflow = rng.NextU64() % 2 == 0 ? OverflowPolicy::kError : OverflowPolicy::kDefer;
+    // Keep the test quick: a huge accepted rank count plans a large (valid) plan.
+    if (int64_t{config.ranks} * std::max(config.micro_batches, 1) > 4096 &&
+        rng.NextU64() % 8 != 0) {
+      config.ranks = 3;
+    }
+    wild = rng.NextU64() % 2 == 0;
+    std::vector<Sample> batch(1 + rng.NextU64() % 6);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Sample& s = batch[i];
+      s.id = rng.NextU64() % 4 == 0 ? rng.NextU64() : i;
+      const int64_t sane_length = 1 + static_cast<int64_t>(rng.NextU64() % 20000);
+      s.length = int64_or(sane_length);
+      s.sensitivity = double_or(rng.Uniform());
+      s.group = rng.NextU64() % 3 == 0 ? 1 + rng.NextU64() % 2 : 0;
+      switch (wild ? rng.NextU64() % 4 : 1 + rng.NextU64() % 3) {
+        case 0:  // one extreme segment among sane ones
+          s.segments = {s.length / 2, pick(kInt64s), s.length - s.length / 2};
+          break;
+        case 1:  // a valid split (when the length allows)
+          if (s.length >= 2) s.segments = {1, s.length - 1};
+          break;
+        case 2:  // the wrapping attack
+          if (wild) s.segments = {kInt64Max, kInt64Max, 3};
+          break;
+        default:
+          break;
+      }
+    }
+    const std::string where = absl::StrCat("case ", c);
+    const absl::Status config_status = ValidateConfig(config);
+    const absl::Status batch_status = ValidateBatch(batch, config);
+    if (!config_status.ok()) {
+      EXPECT_EQ(config_status.code(), absl::StatusCode::kInvalidArgument) << where;
+      EXPECT_THAT(std::string(config_status.message()), HasSubstr("config.")) << where;
+      EXPECT_EQ(batch_status, config_status) << where;
+      continue;
+    }
+    if (!batch_status.ok()) {
+      EXPECT_EQ(batch_status.code(), absl::StatusCode::kInvalidArgument) << where;
+      EXPECT_THAT(std::string(batch_status.message()), HasSubstr("samples")) << where;
+      EXPECT_FALSE(PlanStepLocally(batch, config).ok()) << where;
+      continue;
+    }
+    ++accepted;
+    absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, config);
+    if (!plan.ok()) {
+      // Only a batch that does not fit may still be refused (a group too large for a rank).
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << where;
+      EXPECT_EQ(config.overflow, OverflowPolicy::kError) << where << ": " << plan.status();
+      continue;
+    }
+    ++planned;
+    const absl::Status check = CheckPlan(*plan, batch, config);
+    ASSERT_TRUE(check.ok()) << where << ": " << check;
+    EXPECT_TRUE(std::isfinite(plan->makespan_seconds)) << where;
+  }
+  // The pools are chosen so that both sides are exercised.
+  EXPECT_GT(accepted, 100);
+  EXPECT_GT(planned, 100);
 }
 
 }  // namespace

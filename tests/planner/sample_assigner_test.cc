@@ -316,5 +316,25 @@ TEST(AssignSamplesTest, UnplaceableSampleUnderErrorNamesTheSampleAndCapacity) {
   }
 }
 
+// Defence in depth: AssignSamples requires a validated batch, but a caller that skips
+// ValidateBatch must get an error, never an out-of-bounds write. Negative lengths give
+// negative costs, for which no candidate rank passes the tie test (it used to pick rank -1).
+TEST(AssignSamplesTest, UnvalidatedNegativeCostsAreAnErrorNotAnOutOfRangeRank) {
+  PlannerConfig config;
+  config.ranks = 3;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 4096;
+  const std::vector<Sample> batch = {{1, -100, 0.0, 0, {}}, {2, -5000, 0.0, 0, {}}};
+  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  for (Policy policy : {Policy::kSab, Policy::kSparseBalance, Policy::kTokens, Policy::kFlops}) {
+    config.policy = policy;
+    absl::StatusOr<Assignment> a =
+        AssignSamples(batch, config, model, BaseDensities(batch, config));
+    ASSERT_FALSE(a.ok()) << PolicyName(policy);
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kInternal);
+    EXPECT_THAT(std::string(a.status().message()), HasSubstr("samples[")) << a.status();
+  }
+}
+
 }  // namespace
 }  // namespace sparsebalance

@@ -1,13 +1,17 @@
 #include "proto/wire.h"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/latency_model.h"
 #include "planner/planner.h"
+#include "planner/random.h"
 
 namespace sparsebalance {
 namespace {
@@ -154,7 +158,8 @@ TEST(SamplesFromProtoTest, BadSamplesNameTheIndexAndField) {
       {{{1, 10, 1.5, 0, {}}}, "samples[0].sensitivity"},
       {{{1, 10, std::numeric_limits<double>::quiet_NaN(), 0, {}}}, "samples[0].sensitivity"},
       {{{1, 10, 0, 0, {4, 5}}}, "samples[0].segments"},
-      {{{1, 10, 0, 0, {12, -2}}}, "samples[0].segments[1]"},
+      {{{1, 10, 0, 0, {8, -2}}}, "samples[0].segments[1]"},
+      {{{1, 10, 0, 0, {12, -2}}}, "samples[0].segments[0]"},
   };
   for (const Case& c : cases) {
     absl::StatusOr<std::vector<Sample>> out =
@@ -217,6 +222,212 @@ TEST(StatusConversionTest, KeepsCodeAndMessageBothWays) {
     EXPECT_EQ(FromGrpcStatus(wire), status);
   }
   EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+}
+
+// --- Upper bounds (planner/types.h) as the wire sees them: the attacks that once got through.
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr int32_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+struct BoundCase {
+  const char* name;
+  void (*mutate)(v1::JobConfig*);
+  absl::StatusCode code;
+  const char* field;
+  const char* limit;  // the bound the message must name
+};
+
+class ConfigBoundTest : public ::testing::TestWithParam<BoundCase> {};
+
+TEST_P(ConfigBoundTest, IsRefusedNamingTheFieldAndTheBound) {
+  v1::JobConfig c = MinimalConfig();
+  GetParam().mutate(&c);
+  absl::StatusOr<JobSettings> s = ConfigFromProto(c, WireLimits());
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), GetParam().code) << s.status();
+  EXPECT_THAT(std::string(s.status().message()),
+              ::testing::AllOf(HasSubstr(GetParam().field), HasSubstr(GetParam().limit)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, ConfigBoundTest,
+    ::testing::Values(
+        // Attack: one rank, one micro-batch of INT64_MAX tokens.
+        BoundCase{"capacity_int64_max",
+                  [](v1::JobConfig* c) {
+                    c->set_world_size(1);
+                    c->set_micro_batches(1);
+                    c->set_micro_batch_capacity(kInt64Max);
+                  },
+                  absl::StatusCode::kInvalidArgument, "config.micro_batch_capacity", "1073741824"},
+        BoundCase{"capacity_just_above",
+                  [](v1::JobConfig* c) { c->set_micro_batch_capacity((int64_t{1} << 30) + 1); },
+                  absl::StatusCode::kInvalidArgument, "config.micro_batch_capacity", "1073741824"},
+        // Attack: micro_batches 2^31 - 1 with 65,536 ranks.
+        BoundCase{"micro_batches_int32_max",
+                  [](v1::JobConfig* c) {
+                    c->set_world_size(65536);
+                    c->set_micro_batches(kInt32Max);
+                  },
+                  absl::StatusCode::kInvalidArgument, "config.micro_batches", "65536"},
+        BoundCase{"plan_slots",
+                  [](v1::JobConfig* c) {
+                    c->set_world_size(65536);
+                    c->set_micro_batches(17);
+                  },
+                  absl::StatusCode::kInvalidArgument, "config.micro_batches", "1048576"},
+        BoundCase{"world_size_above_the_planner_limit",
+                  [](v1::JobConfig* c) { c->set_world_size(kInt32Max); },
+                  absl::StatusCode::kResourceExhausted, "config.world_size", "65536"},
+        BoundCase{"layers", [](v1::JobConfig* c) { c->mutable_shape()->set_layers(kInt32Max); },
+                  absl::StatusCode::kInvalidArgument, "config.shape.layers", "4096"},
+        BoundCase{"heads", [](v1::JobConfig* c) { c->mutable_shape()->set_heads(kInt32Max); },
+                  absl::StatusCode::kInvalidArgument, "config.shape.heads", "4096"},
+        BoundCase{"head_dim", [](v1::JobConfig* c) { c->mutable_shape()->set_head_dim(kInt32Max); },
+                  absl::StatusCode::kInvalidArgument, "config.shape.head_dim", "4096"},
+        BoundCase{"local_blocks",
+                  [](v1::JobConfig* c) { c->mutable_shape()->set_local_blocks(kInt32Max); },
+                  absl::StatusCode::kInvalidArgument, "config.shape.local_blocks", "16777216"},
+        BoundCase{"negative_layers", [](v1::JobConfig* c) { c->mutable_shape()->set_layers(-7); },
+                  absl::StatusCode::kInvalidArgument, "config.shape.layers", "-7"}),
+    [](const ::testing::TestParamInfo<BoundCase>& info) { return info.param.name; });
+
+TEST(ConfigFromProtoTest, AcceptsEveryBoundExactly) {
+  v1::JobConfig c;
+  c.set_world_size(65536);
+  c.set_micro_batches(16);  // 2^20 plan slots
+  c.set_micro_batch_capacity(int64_t{1} << 30);
+  c.mutable_shape()->set_layers(4096);
+  c.mutable_shape()->set_heads(4096);
+  c.mutable_shape()->set_head_dim(4096);
+  c.mutable_shape()->set_local_blocks(1 << 24);
+  absl::StatusOr<JobSettings> s = ConfigFromProto(c, WireLimits());
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->planner.micro_batch_capacity, kMaxMicroBatchCapacity);
+}
+
+TEST(SamplesFromProtoTest, AttackInputsAreRefusedNamingTheIndexAndField) {
+  PlannerConfig config;
+  config.ranks = 1;
+  config.micro_batch_capacity = kMaxMicroBatchCapacity;
+  struct Case {
+    std::vector<Sample> samples;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      // The wrapping segments: their sum used to wrap to the length and pass.
+      {{{1, 1, 0, 0, {kInt64Max, kInt64Max, 3}}}, "samples[0].segments[0]"},
+      {{{1, 10, 0, 0, {}},
+        {2, 10, 0, 0, {}},
+        {3, 10, 0, 0, {}},
+        {4, 10, 0, 0, {5, kInt64Max, kInt64Max, 3}}},
+       "samples[3].segments[1]"},
+      {{{1, 10, 0, 0, {5, 5, 1}}}, "samples[0].segments[2]"},
+      {{{1, kInt64Max, 0, 0, {}}}, "samples[0].length"},
+      {{{1, 10, 0, 0, {std::numeric_limits<int64_t>::min(), 10}}}, "samples[0].segments[0]"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<std::vector<Sample>> out =
+        SamplesFromProto(Samples(c.samples), config, WireLimits());
+    ASSERT_FALSE(out.ok()) << c.message;
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(std::string(out.status().message()), HasSubstr(c.message));
+  }
+}
+
+// Property: a JobConfig and samples with extreme values anywhere are refused with a message
+// naming a field, or accepted and planned into a plan that passes CheckPlan.
+TEST(WireBoundsTest, ExtremeRequestsAreRefusedOrPlanValidly) {
+  const std::vector<int64_t> kInt64s = {kInt64Max,
+                                        std::numeric_limits<int64_t>::min(),
+                                        kInt32Max,
+                                        -1,
+                                        0,
+                                        1,
+                                        3,
+                                        64,
+                                        4096,
+                                        int64_t{1} << 30,
+                                        (int64_t{1} << 30) + 1};
+  const std::vector<double> kDoubles = {std::numeric_limits<double>::quiet_NaN(),
+                                        std::numeric_limits<double>::infinity(),
+                                        -1.0,
+                                        0.0,
+                                        1e-300,
+                                        0.3,
+                                        1.0,
+                                        1.5};
+  Rng rng(77);
+  auto pick = [&rng](const auto& pool) { return pool[rng.NextU64() % pool.size()]; };
+  bool wild = false;
+  auto int32_or = [&](int32_t sane) {
+    return wild && rng.NextU64() % 3 == 0 ? static_cast<int32_t>(pick(kInt64s)) : sane;
+  };
+  auto int64_or = [&](int64_t sane) {
+    return wild && rng.NextU64() % 3 == 0 ? pick(kInt64s) : sane;
+  };
+  auto double_or = [&](double sane) {
+    return wild && rng.NextU64() % 3 == 0 ? pick(kDoubles) : sane;
+  };
+  int planned = 0;
+  for (int k = 0; k < 1000; ++k) {
+    wild = rng.NextU64() % 2 == 0;
+    v1::JobConfig c;
+    c.set_world_size(int32_or(1 + static_cast<int32_t>(rng.NextU64() % 8)));
+    c.set_micro_batches(int32_or(static_cast<int32_t>(rng.NextU64() % 4)));
+    c.set_micro_batch_capacity(int64_or(rng.NextU64() % 2 == 0 ? 0 : 8192));
+    if (rng.NextU64() % 2 == 0) {
+      v1::ModelShape* shape = c.mutable_shape();
+      shape->set_layers(int32_or(0));
+      shape->set_heads(int32_or(0));
+      shape->set_head_dim(int32_or(0));
+      shape->set_block_size(int32_or(64));
+      shape->set_local_blocks(int32_or(1));
+    }
+    c.set_density_min(double_or(0));
+    c.set_density_max(double_or(0));
+    c.set_density_default(double_or(0));
+    c.set_policy(static_cast<v1::Policy>(int32_or(static_cast<int32_t>(rng.NextU64() % 7))));
+    c.set_overflow(static_cast<v1::OverflowPolicy>(int32_or(rng.NextU64() % 2 == 0 ? 1 : 2)));
+    c.set_history_steps(int32_or(0));
+    const std::string where = absl::StrCat("case ", k, ": ", c.ShortDebugString());
+    absl::StatusOr<JobSettings> settings = ConfigFromProto(c, WireLimits());
+    if (!settings.ok()) {
+      EXPECT_THAT(settings.status().code(), ::testing::AnyOf(absl::StatusCode::kInvalidArgument,
+                                                             absl::StatusCode::kResourceExhausted))
+          << where;
+      EXPECT_THAT(std::string(settings.status().message()), HasSubstr("config.")) << where;
+      continue;
+    }
+    wild = rng.NextU64() % 2 == 0;
+    google::protobuf::RepeatedPtrField<v1::Sample> wire;
+    const int n = 1 + static_cast<int>(rng.NextU64() % 5);
+    for (int i = 0; i < n; ++i) {
+      v1::Sample* s = wire.Add();
+      s->set_id(static_cast<uint64_t>(i));
+      s->set_length(int64_or(1 + static_cast<int64_t>(rng.NextU64() % 8000)));
+      if (rng.NextU64() % 2 == 0) s->set_sensitivity(double_or(rng.Uniform()));
+      if (rng.NextU64() % 3 == 0) {
+        s->add_segments(int64_or(s->length() / 2));
+        s->add_segments(int64_or(s->length() - s->length() / 2));
+      }
+    }
+    absl::StatusOr<std::vector<Sample>> batch =
+        SamplesFromProto(wire, settings->planner, WireLimits());
+    if (!batch.ok()) {
+      EXPECT_EQ(batch.status().code(), absl::StatusCode::kInvalidArgument) << where;
+      EXPECT_THAT(std::string(batch.status().message()), HasSubstr("samples")) << where;
+      continue;
+    }
+    absl::StatusOr<StepPlan> plan = PlanStepLocally(*batch, settings->planner);
+    if (!plan.ok()) {
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << where;
+      continue;
+    }
+    ++planned;
+    EXPECT_TRUE(CheckPlan(*plan, *batch, settings->planner).ok()) << where;
+  }
+  EXPECT_GT(planned, 50);
 }
 
 }  // namespace
