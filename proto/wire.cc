@@ -1,5 +1,6 @@
 #include "proto/wire.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -61,7 +62,11 @@ absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireL
     return ConfigError("history_steps", absl::StrCat(in.history_steps(), " is outside [0, ",
                                                      limits.max_history_steps, "]"));
   }
-  out.history_steps = in.history_steps() == 0 ? kDefaultHistorySteps : in.history_steps();
+  // The default obeys the limit too: a job created with more history than the limit allows
+  // would be refused when the planner restores it under the same limit.
+  out.history_steps = in.history_steps() == 0
+                          ? std::min(kDefaultHistorySteps, limits.max_history_steps)
+                          : in.history_steps();
   if (absl::Status status = ValidateConfig(c); !status.ok()) return status;
   return out;
 }

@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets with clang (AddressSanitizer on) into $FUZZ_BUILD_DIR
-# (default build-fuzz/) and runs each for FUZZ_SECONDS (default 30; CI uses the default).
-#   FUZZ_SECONDS=600 bash scripts/fuzz.sh      # a longer run
+# Builds the libFuzzer targets with clang (AddressSanitizer and UndefinedBehaviorSanitizer,
+# undefined behaviour fatal) into $FUZZ_BUILD_DIR (default build-fuzz/) and runs each for
+# FUZZ_SECONDS (default 30; scripts/test.sh sets 20 under CI):
+#   wire_fuzzer      request validation (SubmitBatchRequest, JobConfig)
+#   registry_fuzzer  whole RPC sequences on a JobRegistry over a PlanStore, with restarts;
+#                    starts from the seeds in tests/fuzz/corpus/registry/
+#   FUZZ_SECONDS=600 bash scripts/fuzz.sh                 # a longer run
+#   FUZZ_TARGETS=registry_fuzzer bash scripts/fuzz.sh     # one target
+# A crash leaves its input in $FUZZ_BUILD_DIR/artifacts/; replay it with
+#   REGISTRY_FUZZER_TRACE=1 $FUZZ_BUILD_DIR/tests/fuzz/registry_fuzzer FILE
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install-deps.sh
 FUZZ_BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 FUZZ_SECONDS=${FUZZ_SECONDS:-30}
+FUZZ_TARGETS=${FUZZ_TARGETS:-wire_fuzzer registry_fuzzer}
 cmake -S . -B "$FUZZ_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address" \
+  -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined" \
   -DSB_BUILD_FUZZERS=ON -DSB_BUILD_TESTS=OFF -DSB_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build "$FUZZ_BUILD_DIR" --target wire_fuzzer -j "$(nproc)"
-corpus="$FUZZ_BUILD_DIR/corpus/wire"
-mkdir -p "$corpus"
-"$FUZZ_BUILD_DIR/tests/fuzz/wire_fuzzer" -max_total_time="$FUZZ_SECONDS" -max_len=4096 \
-  -print_final_stats=1 "$corpus"
+# shellcheck disable=SC2086  # FUZZ_TARGETS is a list
+cmake --build "$FUZZ_BUILD_DIR" --target $FUZZ_TARGETS -j "$(nproc)"
+mkdir -p "$FUZZ_BUILD_DIR/artifacts"
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+for target in $FUZZ_TARGETS; do
+  name=${target%_fuzzer}
+  corpus="$FUZZ_BUILD_DIR/corpus/$name"  # new inputs go here, not into the repository
+  mkdir -p "$corpus"
+  seeds=()
+  if [ -d "tests/fuzz/corpus/$name" ]; then seeds=("tests/fuzz/corpus/$name"); fi
+  echo "fuzz.sh: $target for ${FUZZ_SECONDS}s"
+  "$FUZZ_BUILD_DIR/tests/fuzz/$target" -max_total_time="$FUZZ_SECONDS" -max_len=4096 \
+    -timeout=10 -print_final_stats=1 -artifact_prefix="$FUZZ_BUILD_DIR/artifacts/$name-" \
+    "$corpus" "${seeds[@]}"
+done

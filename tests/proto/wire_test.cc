@@ -292,6 +292,20 @@ INSTANTIATE_TEST_SUITE_P(
                   absl::StatusCode::kInvalidArgument, "config.shape.layers", "-7"}),
     [](const ::testing::TestParamInfo<BoundCase>& info) { return info.param.name; });
 
+// Found by registry_fuzzer: the default history (64 steps) was not held to a lower
+// max_history_steps, so Restore, which checks it, refused the job (and the whole state).
+TEST(ConfigFromProtoTest, DefaultHistoryStepsObeyTheLimit) {
+  WireLimits limits;
+  limits.max_history_steps = 8;
+  absl::StatusOr<JobSettings> s = ConfigFromProto(MinimalConfig(), limits);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->history_steps, 8);
+  absl::StatusOr<JobSettings> again = ConfigFromProto(ConfigToProto(*s), limits);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->history_steps, 8);
+  EXPECT_EQ(ConfigFromProto(MinimalConfig(), WireLimits())->history_steps, kDefaultHistorySteps);
+}
+
 TEST(ConfigFromProtoTest, AcceptsEveryBoundExactly) {
   v1::JobConfig c;
   c.set_world_size(65536);
