@@ -479,15 +479,27 @@ class Harness {
   std::string trace_;
 };
 
+// The process's directory of per-input directories; removed at exit (a crash leaves it).
+std::string& Root() {
+  static auto* const root = new std::string;  // never destroyed: RemoveRoot runs at exit
+  return *root;
+}
+
+void RemoveRoot() {
+  std::error_code ignored;
+  std::filesystem::remove_all(Root(), ignored);
+}
+
 // A fresh directory per input, under /dev/shm when there is one (fsync is cheap on tmpfs).
 std::string FreshDirectory() {
-  static const std::string root = [] {
+  static const std::string& root = Root() = [] {
     const char* base = std::filesystem::exists("/dev/shm") ? "/dev/shm" : "/tmp";
     std::string pattern = absl::StrCat(base, "/sb-registry-fuzz-XXXXXX");
     if (mkdtemp(pattern.data()) == nullptr) {
       std::perror("registry_fuzzer: mkdtemp");
       std::abort();
     }
+    std::atexit(RemoveRoot);
     return pattern;
   }();
   static uint64_t n = 0;
