@@ -2,7 +2,7 @@
 # Every test: installs what is missing, builds with warnings as errors into $BUILD_DIR
 # (default build-test/, separate from the demo's build/), runs the whole CTest suite (unit,
 # property, simulator-bar, service, client and command-line tests), builds a project against
-# the installed package, fuzzes request validation briefly, and runs the planning benchmark
+# the installed package, runs both fuzzers briefly, and runs the planning benchmark
 # and the service load generator once, briefly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,10 +19,13 @@ cmake -S tests/consumer -B "$BUILD_DIR/consumer" -G Ninja \
 cmake --build "$BUILD_DIR/consumer" >/dev/null
 "$BUILD_DIR/consumer/consumer"
 
-# Request validation under libFuzzer (clang, AddressSanitizer), briefly: 20 s in CI, 30 s
-# otherwise; FUZZ_SECONDS overrides, scripts/fuzz.sh alone runs it longer.
+# Request validation and whole call sequences through the registry and the store under
+# libFuzzer (clang, AddressSanitizer and UndefinedBehaviorSanitizer), briefly: 20 s per target in
+# CI, 30 s otherwise; FUZZ_SECONDS overrides, scripts/fuzz.sh alone runs them longer.
 if [ "${CI:-}" = "true" ]; then export FUZZ_SECONDS=${FUZZ_SECONDS:-20}; fi
-bash scripts/fuzz.sh | tail -n 3
+fuzz_log="$BUILD_DIR/fuzz.log"
+bash scripts/fuzz.sh >"$fuzz_log" 2>&1 || { tail -n 60 "$fuzz_log"; exit 1; }
+grep -E "^fuzz.sh|stat::number_of_executed_units" "$fuzz_log"
 
 # The planner benchmark must run (its figures are reported, never asserted).
 "$BUILD_DIR/bench/sb-planner-bench" --benchmark_filter='/512/64' --benchmark_min_time=0.05

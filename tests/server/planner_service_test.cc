@@ -55,7 +55,9 @@ class PlannerServiceTest : public ::testing::Test {
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
     stub_ = v1::PlannerService::NewStub(channel_);
   }
-  void TearDown() override { server_->Shutdown(std::chrono::system_clock::now()); }
+  void TearDown() override {
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+  }
 
   static void Auth(grpc::ClientContext* context, const std::string& token,
                    int deadline_ms = 10000) {
