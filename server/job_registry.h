@@ -35,6 +35,7 @@
 #include "planner/latency_model.h"
 #include "planner/types.h"
 #include "proto/wire.h"
+#include "server/job_state.h"
 #include "server/plan_store.h"
 
 namespace sparsebalance {
@@ -245,19 +246,6 @@ class JobRegistry {
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, FailedJob> failed_ ABSL_GUARDED_BY(mu_);
 };
-
-// Checks one rank's report of a step against the step's plan: micro-batch indices, each
-// reported once, tokens as planned, times finite and bounded, density and recall in [0, 1];
-// with `complete`, every non-empty planned micro-batch must be there. Messages name
-// "micro_batches[k].<field>".
-absl::Status ValidateReport(const StepPlan& plan, int rank,
-                            const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
-                            bool complete);
-// Checks a plan read back from the state directory against its batch and config: rank and
-// micro-batch counts, every sample placed at most once and present in the batch, densities
-// in (0, 1], tokens as summed, figures finite.
-absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>& batch,
-                                const PlannerConfig& config);
 
 // Canonical bytes of a batch (ids, lengths, sensitivities, groups, segments): equal batches,
 // equal bytes.

@@ -1,0 +1,247 @@
+#include "server/job_state.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+
+namespace sparsebalance {
+namespace {
+
+bool Positive(double x) { return std::isfinite(x) && x > 0.0; }
+
+bool AllFinite(const google::protobuf::RepeatedField<double>& values) {
+  for (double v : values) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+state::v1::ModelState ModelToProto(const LatencyModel& model) {
+  state::v1::ModelState out;
+  const LatencyModelState& st = model.state();
+  out.mutable_weights()->Assign(st.weights.begin(), st.weights.end());
+  out.mutable_covariance()->Assign(st.covariance.begin(), st.covariance.end());
+  out.mutable_speed_factors()->Assign(st.speed_factors.begin(), st.speed_factors.end());
+  out.set_rank_error_variance(st.rank_error_variance);
+  out.set_steps_observed(st.steps_observed);
+  const CostCoefficients& p = model.prior();
+  for (double c : {p.per_block, p.per_token, p.per_sample, p.per_micro_batch}) out.add_prior(c);
+  return out;
+}
+
+absl::StatusOr<LatencyModel> ModelFromProto(const state::v1::ModelState& in,
+                                            const PlannerConfig& config) {
+  if (in.weights_size() != 4 || in.covariance_size() != 16 || in.prior_size() != 4 ||
+      in.speed_factors_size() != config.ranks) {
+    return absl::DataLossError(
+        absl::StrCat("job.pb model: ", in.weights_size(), " weights, ", in.covariance_size(),
+                     " covariance entries, ", in.prior_size(), " prior coefficients and ",
+                     in.speed_factors_size(), " speed factors; want 4, 16, 4 and ", config.ranks));
+  }
+  if (!AllFinite(in.weights()) || !AllFinite(in.covariance()) || !AllFinite(in.prior()) ||
+      !std::isfinite(in.rank_error_variance()) || in.rank_error_variance() < 0 ||
+      in.steps_observed() < 0) {
+    return absl::DataLossError(
+        "job.pb model: a weight, covariance, prior or error value is not "
+        "finite (or negative)");
+  }
+  for (int r = 0; r < in.speed_factors_size(); ++r) {
+    if (!Positive(in.speed_factors(r))) {
+      return absl::DataLossError(absl::StrCat("job.pb model: speed_factors[", r, "] = ",
+                                              in.speed_factors(r), " is not positive and finite"));
+    }
+  }
+  for (double c : in.prior()) {
+    if (!(c >= 0)) return absl::DataLossError("job.pb model: a prior coefficient is negative");
+  }
+  LatencyModel model(config.shape, config.ranks,
+                     CostCoefficients{in.prior(0), in.prior(1), in.prior(2), in.prior(3)});
+  LatencyModelState st;
+  std::copy(in.weights().begin(), in.weights().end(), st.weights.begin());
+  std::copy(in.covariance().begin(), in.covariance().end(), st.covariance.begin());
+  st.speed_factors.assign(in.speed_factors().begin(), in.speed_factors().end());
+  st.rank_error_variance = in.rank_error_variance();
+  st.steps_observed = in.steps_observed();
+  model.set_state(st);
+  return model;
+}
+
+bool StateFinite(const LatencyModelState& st) {
+  for (double v : st.weights) {
+    if (!std::isfinite(v)) return false;
+  }
+  for (double v : st.covariance) {
+    if (!std::isfinite(v)) return false;
+  }
+  for (double v : st.speed_factors) {
+    if (!Positive(v)) return false;
+  }
+  return std::isfinite(st.rank_error_variance);
+}
+
+StepPlan StepPlanFromProto(const state::v1::StepRecord& in) {
+  StepPlan plan;
+  for (const v1::RankPlan& r : in.ranks()) {
+    RankPlan rank;
+    rank.predicted_seconds = r.predicted_seconds();
+    for (const v1::MicroBatch& m : r.micro_batches()) {
+      rank.micro_batches.push_back(MicroBatchFromProto(m));
+    }
+    plan.ranks.push_back(std::move(rank));
+  }
+  if (in.ranks_size() > 0) {
+    const v1::RankPlan& first = in.ranks(0);
+    absl::StatusOr<Policy> policy = PolicyFromProto(first.policy(), "policy");
+    plan.policy = policy.ok() ? *policy : Policy::kSparseBalance;
+    const v1::PlanFigures& f = first.figures();
+    plan.makespan_seconds = f.makespan_seconds();
+    plan.lower_bound_seconds = f.lower_bound_seconds();
+    plan.gap = f.gap();
+    plan.imbalance_ratio = f.imbalance_ratio();
+    plan.bubble_ratio = f.bubble_ratio();
+    plan.mean_density = f.mean_density();
+    plan.predicted_recall = f.predicted_recall();
+    plan.planned_locally = first.planned_locally();
+  }
+  plan.deferred_ids.assign(in.deferred_ids().begin(), in.deferred_ids().end());
+  return plan;
+}
+
+absl::Status ValidateReport(const StepPlan& plan, int rank,
+                            const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
+                            bool complete) {
+  if (!std::isfinite(wait_seconds) || wait_seconds < 0 || wait_seconds > kMaxReportedSeconds) {
+    return absl::InvalidArgumentError(absl::StrCat("wait_seconds: ", wait_seconds,
+                                                   " is not a finite number in [0, ",
+                                                   kMaxReportedSeconds, "]"));
+  }
+  if (rank < 0 || rank >= static_cast<int>(plan.ranks.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", rank, " is outside [0, ", plan.ranks.size(), ")"));
+  }
+  const std::vector<MicroBatchPlan>& planned = plan.ranks[rank].micro_batches;
+  std::vector<bool> seen(planned.size(), false);
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
+    const MicroBatchTiming& m = micro_batches[k];
+    const std::string where = absl::StrCat("micro_batches[", k, "]");
+    if (m.micro_batch < 0 || m.micro_batch >= static_cast<int>(planned.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+                                                     " is outside [0, ", planned.size(), ")"));
+    }
+    if (seen[m.micro_batch]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".micro_batch: ", m.micro_batch, " is reported twice"));
+    }
+    seen[m.micro_batch] = true;
+    if (planned[m.micro_batch].sample_ids.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+                                                     " was planned empty; do not report it"));
+    }
+    if (!Positive(m.compute_seconds) || m.compute_seconds > kMaxReportedSeconds) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".compute_seconds: ", m.compute_seconds,
+                                                     " is not a finite number in (0, ",
+                                                     kMaxReportedSeconds, "]"));
+    }
+    if (!std::isfinite(m.attention_seconds) || m.attention_seconds < 0 ||
+        m.attention_seconds > m.compute_seconds) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".attention_seconds: ", m.attention_seconds, " is not in [0, compute_seconds]"));
+    }
+    if (!(m.recall >= 0.0 && m.recall <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".recall: ", m.recall, " is outside [0, 1]"));
+    }
+    if (!(m.achieved_density >= 0.0 && m.achieved_density <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".achieved_density: ", m.achieved_density, " is outside [0, 1]"));
+    }
+    if (m.tokens != planned[m.micro_batch].tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
+    }
+  }
+  if (complete) {
+    for (size_t k = 0; k < planned.size(); ++k) {
+      if (!seen[k] && !planned[k].sample_ids.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("micro_batches: rank ", rank, "'s plan has ", planned[k].sample_ids.size(),
+                         " samples in micro-batch ", k,
+                         " but the report has no timing for it; report every "
+                         "non-empty planned micro-batch once"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>& batch,
+                                const PlannerConfig& config) {
+  if (static_cast<int>(plan.ranks.size()) != config.ranks) {
+    return absl::DataLossError(
+        absl::StrCat("the plan has ", plan.ranks.size(), " ranks; the job has ", config.ranks));
+  }
+  std::map<uint64_t, int64_t> length_of;
+  for (const Sample& s : batch) length_of[s.id] = s.length;
+  std::map<uint64_t, bool> placed;
+  for (int r = 0; r < config.ranks; ++r) {
+    const RankPlan& rank = plan.ranks[r];
+    if (static_cast<int>(rank.micro_batches.size()) != config.micro_batches) {
+      return absl::DataLossError(absl::StrCat("plan rank ", r, " has ", rank.micro_batches.size(),
+                                              " micro-batches; the job has ",
+                                              config.micro_batches));
+    }
+    if (!std::isfinite(rank.predicted_seconds)) {
+      return absl::DataLossError(absl::StrCat("plan rank ", r, ": predicted_seconds not finite"));
+    }
+    for (size_t k = 0; k < rank.micro_batches.size(); ++k) {
+      const MicroBatchPlan& mb = rank.micro_batches[k];
+      const std::string where = absl::StrCat("plan rank ", r, " micro-batch ", k);
+      if (mb.densities.size() != mb.sample_ids.size()) {
+        return absl::DataLossError(absl::StrCat(where, ": ", mb.sample_ids.size(), " samples but ",
+                                                mb.densities.size(), " densities"));
+      }
+      int64_t tokens = 0;
+      for (size_t i = 0; i < mb.sample_ids.size(); ++i) {
+        auto it = length_of.find(mb.sample_ids[i]);
+        if (it == length_of.end()) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": sample id ", mb.sample_ids[i], " is not in the batch"));
+        }
+        if (placed[mb.sample_ids[i]]) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": sample id ", mb.sample_ids[i], " is placed twice"));
+        }
+        placed[mb.sample_ids[i]] = true;
+        if (!(mb.densities[i] > 0.0 && mb.densities[i] <= 1.0)) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": density ", mb.densities[i], " is outside (0, 1]"));
+        }
+        tokens += it->second;  // lengths are bounded (ValidateBatch): no overflow
+      }
+      if (tokens != mb.tokens) {
+        return absl::DataLossError(
+            absl::StrCat(where, ": tokens ", mb.tokens, " but its samples sum to ", tokens));
+      }
+      if (!std::isfinite(mb.predicted_seconds) || !std::isfinite(mb.default_density)) {
+        return absl::DataLossError(absl::StrCat(where, ": a figure is not finite"));
+      }
+    }
+  }
+  for (uint64_t id : plan.deferred_ids) {
+    if (length_of.count(id) == 0 || placed[id]) {
+      return absl::DataLossError(
+          absl::StrCat("deferred sample id ", id, " is not in the batch or was also placed"));
+    }
+  }
+  for (double f : {plan.makespan_seconds, plan.lower_bound_seconds, plan.gap, plan.imbalance_ratio,
+                   plan.bubble_ratio, plan.mean_density, plan.predicted_recall}) {
+    if (!std::isfinite(f)) return absl::DataLossError("the plan's figures are not finite");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace sparsebalance
