@@ -283,13 +283,24 @@ int Main(int argc, char** argv) {
   }
   exposer->RegisterCollectable(metrics_registry);
 
-  // Set once the servers exist; store failures before that only count.
-  std::unique_ptr<StateDirHealth> state_health;
+  // Health follows the state directory (StateDirHealth); its probes start once the servers do,
+  // and a store failure before that only marks the directory for the first probe.
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<grpc::Server> health_server;
+  auto set_serving = [&server, &health_server, &metrics](bool serving) {
+    server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
+    if (health_server != nullptr) {
+      health_server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
+    }
+    metrics.SetStateDirWritable(serving);
+  };
+  StateDirHealth state_health(store->get(), std::max(0.1, absl::GetFlag(FLAGS_state_check_seconds)),
+                              set_serving);
   JobRegistry::Options registry_options;
   registry_options.store = store->get();
   registry_options.on_store_failure = [&metrics, &state_health](const absl::Status&) {
     metrics.ObserveStateWriteFailure();
-    if (state_health != nullptr) state_health->OnStoreFailure();
+    state_health.OnStoreFailure();
   };
   registry_options.on_fold_failure = [&metrics](const std::string& job_id, int64_t step,
                                                 const absl::Status& why) {
@@ -339,7 +350,7 @@ int Main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::cerr << "sb-planner: cannot listen on --listen=" << listen
               << " (address in use or not local?)\n";
@@ -348,7 +359,6 @@ int Main(int argc, char** argv) {
   server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   // The health-only listener: a second server that registers nothing but the default health
   // service (enabled above for every server), kept in step with the main one.
-  std::unique_ptr<grpc::Server> health_server;
   int health_port = 0;
   const std::string health_listen = absl::GetFlag(FLAGS_health_listen);
   if (!health_listen.empty()) {
@@ -362,16 +372,7 @@ int Main(int argc, char** argv) {
     }
     health_server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   }
-  auto set_serving = [&server, &health_server, &metrics](bool serving) {
-    server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
-    if (health_server != nullptr) {
-      health_server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
-    }
-    metrics.SetStateDirWritable(serving);
-  };
-  state_health = std::make_unique<StateDirHealth>(
-      store->get(), std::max(0.1, absl::GetFlag(FLAGS_state_check_seconds)), set_serving);
-  state_health->Start();
+  state_health.Start();
   const std::string host = listen.substr(0, listen.rfind(':'));
   std::cout << "sb-planner: listening on " << host << ":" << port
             << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)" : " (TLS)")
@@ -389,7 +390,7 @@ int Main(int argc, char** argv) {
   sigwait(&stop_signals, &signal);
   std::cout << "sb-planner: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT") << ", draining for "
             << absl::GetFlag(FLAGS_drain_seconds) << " s" << std::endl;
-  state_health->Stop();  // health stays NOT_SERVING from here on
+  state_health.Stop();  // health stays NOT_SERVING from here on
   server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
   if (health_server != nullptr) {
     health_server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
