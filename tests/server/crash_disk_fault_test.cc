@@ -52,6 +52,7 @@
 #include "proto/wire.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 #include "tests/server/planner_process.h"
+#include "tests/server/tmpfs_mount.h"
 
 namespace sparsebalance {
 namespace {
@@ -97,29 +98,6 @@ double SecondsSince(Clock::time_point start) {
 void SleepSeconds(double seconds) {
   std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6)));
 }
-
-// A tmpfs of `bytes` mounted on `dir` for the test's lifetime (unmounted, lazily if busy).
-class TmpfsMount {
- public:
-  static absl::StatusOr<std::unique_ptr<TmpfsMount>> Mount(const std::string& dir, int64_t bytes) {
-    const std::string options = absl::StrCat("size=", bytes, ",mode=0700");
-    if (mount("tmpfs", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, options.c_str()) != 0) {
-      const int error = errno;
-      return absl::PermissionDeniedError(
-          absl::StrCat("mount -t tmpfs -o ", options, " on ", dir, ": ", strerror(error)));
-    }
-    return std::unique_ptr<TmpfsMount>(new TmpfsMount(dir));
-  }
-  ~TmpfsMount() {
-    if (umount2(dir_.c_str(), 0) != 0) umount2(dir_.c_str(), MNT_DETACH);
-  }
-  TmpfsMount(const TmpfsMount&) = delete;
-  TmpfsMount& operator=(const TmpfsMount&) = delete;
-
- private:
-  explicit TmpfsMount(std::string dir) : dir_(std::move(dir)) {}
-  std::string dir_;
-};
 
 // Where the disk is in the scenario. Only the driver thread moves it.
 enum DiskPhase : int { kDiskFine = 0, kDiskFull = 1, kDiskRecovered = 2 };
@@ -832,16 +810,15 @@ TEST(CrashDiskFaultTest, KillsAndAFullDiskLoseNoAcknowledgedPlanOrReport) {
   std::string pattern = ::testing::TempDir() + "sb_crash_XXXXXX";
   ASSERT_NE(mkdtemp(pattern.data()), nullptr) << strerror(errno);
   const std::string root = pattern;
-  const std::string mount_dir = root + "/mnt";
   const std::string log_dir = root + "/logs";
-  ASSERT_EQ(mkdir(mount_dir.c_str(), 0700), 0) << strerror(errno);
   ASSERT_EQ(mkdir(log_dir.c_str(), 0700), 0) << strerror(errno);
-  absl::StatusOr<std::unique_ptr<TmpfsMount>> mounted = TmpfsMount::Mount(mount_dir, kTmpfsBytes);
-  if (!mounted.ok()) {
+  test_support::TmpfsMount disk(std::to_string(kTmpfsBytes));
+  if (!disk.mounted()) {
     GTEST_SKIP() << "this test needs to mount a tmpfs (run it as root, or in a container with "
                     "CAP_SYS_ADMIN): "
-                 << mounted.status().message();
+                 << disk.error();
   }
+  const std::string mount_dir = disk.path();
   const uint64_t seed = EnvSeed();
   const double seconds = EnvDouble("SB_CRASH_TEST_SECONDS", kDefaultSeconds);
   std::printf("crash_disk_fault: seed %llu, %.0f s, planner logs in %s\n",
@@ -851,7 +828,7 @@ TEST(CrashDiskFaultTest, KillsAndAFullDiskLoseNoAcknowledgedPlanOrReport) {
     CrashScenario scenario(seed, seconds, mount_dir, log_dir);
     scenario.Run();
   }
-  mounted->reset();
+
   if (!HasFailure()) std::filesystem::remove_all(root);
 }
 

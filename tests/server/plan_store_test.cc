@@ -26,6 +26,7 @@
 #include "planner/traces.h"
 #include "server/job_registry.h"
 #include "tests/server/test_support.h"
+#include "tests/server/tmpfs_mount.h"
 
 namespace sparsebalance {
 namespace {
@@ -268,43 +269,7 @@ std::unique_ptr<PlanStore> StoreWithJob(const std::string& dir, const std::strin
   return *std::move(store);
 }
 
-// A tmpfs of `size` mounted on a fresh folder for as long as this lives (unmounted in every
-// path, lazily, so a test that fails with files open still cleans up). Needs root or
-// CAP_SYS_ADMIN: error() says why not when mounting was refused.
-class TmpfsMount {
- public:
-  explicit TmpfsMount(const std::string& size) : options_("size=" + size + ",mode=0700") {
-    std::string pattern = ::testing::TempDir() + "plan_store_tmpfs_XXXXXX";
-    if (mkdtemp(pattern.data()) == nullptr) {
-      error_ = std::strerror(errno);
-      return;
-    }
-    path_ = pattern;
-    if (mount("tmpfs", path_.c_str(), "tmpfs", 0, options_.c_str()) == 0) {
-      mounted_ = true;
-    } else {
-      error_ = absl::StrCat("mount -t tmpfs ", path_, ": ", std::strerror(errno),
-                            " (needs root or CAP_SYS_ADMIN)");
-    }
-  }
-  ~TmpfsMount() {
-    if (mounted_) umount2(path_.c_str(), MNT_DETACH);
-    if (!path_.empty()) rmdir(path_.c_str());
-  }
-  bool mounted() const { return mounted_; }
-  const std::string& error() const { return error_; }
-  const std::string& path() const { return path_; }
-  bool Remount(bool read_only) {
-    return mount("tmpfs", path_.c_str(), "tmpfs", MS_REMOUNT | (read_only ? MS_RDONLY : 0),
-                 options_.c_str()) == 0;
-  }
-
- private:
-  const std::string options_;
-  std::string path_;
-  std::string error_;
-  bool mounted_ = false;
-};
+using test_support::TmpfsMount;
 
 TEST(PlanStoreTest, Crc32cMatchesTheCastagnoliCheckValue) {
   EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);

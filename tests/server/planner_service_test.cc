@@ -3,7 +3,6 @@
 // deadlines honoured).
 #include "server/planner_service.h"
 
-#include <sys/mount.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -23,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "server/plan_store.h"
 #include "tests/server/test_support.h"
+#include "tests/server/tmpfs_mount.h"
 
 namespace sparsebalance {
 namespace {
@@ -450,17 +450,9 @@ TEST_F(PlannerServiceTest, SegmentsThatWrapAroundAreRefused) {
 // with the reason STATE_DIR_FAILURE in the status details, never as UNAVAILABLE, which clients
 // would retry; the client library treats it as a planner that cannot serve (local plans).
 TEST_F(PlannerServiceTest, AStoreFailureReachesTheClientWithItsReason) {
-  const std::string base = ::testing::TempDir() + "service_store_XXXXXX";
-  std::string pattern = base;
-  ASSERT_NE(mkdtemp(pattern.data()), nullptr);
-  if (mount("tmpfs", pattern.c_str(), "tmpfs", 0, "size=4m") != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string dir;
-    ~Unmount() { umount2(dir.c_str(), MNT_DETACH); }
-  } unmount{pattern};
-  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(pattern + "/state", false);
+  test_support::TmpfsMount disk("4m");
+  if (!disk.mounted()) GTEST_SKIP() << disk.error();
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(disk.path() + "/state", false);
   ASSERT_TRUE(store.ok()) << store.status();
   JobRegistry::Options registry_options;
   registry_options.store = store->get();
@@ -468,8 +460,7 @@ TEST_F(PlannerServiceTest, AStoreFailureReachesTheClientWithItsReason) {
   registry_options.on_store_failure = [&failures](const absl::Status&) { ++failures; };
   Start(registry_options, PlannerServiceImpl::Options{});
   const v1::CreateJobResponse job = Create(1);
-  ASSERT_EQ(mount("tmpfs", pattern.c_str(), "tmpfs", MS_REMOUNT | MS_RDONLY, "size=4m"), 0)
-      << std::strerror(errno);
+  ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
   grpc::Status status = Submit(Batch(job.job_id(), 0, 4), job.job_token());
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("state_dir"));
@@ -477,7 +468,7 @@ TEST_F(PlannerServiceTest, AStoreFailureReachesTheClientWithItsReason) {
   EXPECT_EQ(ErrorReason(seen), kReasonStateDirFailure);
   EXPECT_TRUE(IsUnreachable(seen));
   EXPECT_GE(failures.load(), 1);
-  ASSERT_EQ(mount("tmpfs", pattern.c_str(), "tmpfs", MS_REMOUNT, "size=4m"), 0);
+  ASSERT_TRUE(disk.Remount(/*read_only=*/false)) << std::strerror(errno);
   EXPECT_TRUE(Submit(Batch(job.job_id(), 0, 4), job.job_token()).ok());
   server_->Shutdown(std::chrono::system_clock::now());
   server_.reset();

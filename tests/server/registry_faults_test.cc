@@ -2,7 +2,6 @@
 // older planner or an attacker wrote, calls that changed state before they were refused, repeats
 // that differ, deletions racing writers, and a state directory that cannot be written. Each
 // test restarts the registry on its directory where durability is the property.
-#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -29,6 +28,7 @@
 #include "server/job_registry.h"
 #include "server/plan_store.h"
 #include "tests/server/test_support.h"
+#include "tests/server/tmpfs_mount.h"
 
 namespace sparsebalance {
 namespace {
@@ -460,22 +460,14 @@ TEST_F(RegistryFaultsTest, ADeletedJobStaysDeletedUnderConcurrentWriters) {
 // UNAVAILABLE), nothing changes, and once the directory can be written the call succeeds. Runs
 // on a small tmpfs remounted read-only (needs root; skipped otherwise).
 TEST_F(RegistryFaultsTest, AReadOnlyStateDirFailsCallsWithItsReasonAndChangesNothing) {
-  const std::string mount_dir = base_ + "/ro";
-  std::filesystem::create_directories(mount_dir);
-  if (mount("tmpfs", mount_dir.c_str(), "tmpfs", 0, "size=4m") != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string dir;
-    ~Unmount() { umount2(dir.c_str(), MNT_DETACH); }
-  } unmount{mount_dir};
-  dir_ = mount_dir + "/state";
+  test_support::TmpfsMount disk("4m");
+  if (!disk.mounted()) GTEST_SKIP() << disk.error();
+  dir_ = disk.path() + "/state";
   Restart();
   const std::string id = Create();
   ASSERT_TRUE(registry_->SubmitBatch(id, 0, test_support::PretrainBatch(10, kRanks)).ok());
   // (A report log held open for writing would keep the remount from going read-only.)
-  ASSERT_EQ(mount("tmpfs", mount_dir.c_str(), "tmpfs", MS_REMOUNT | MS_RDONLY, "size=4m"), 0)
-      << std::strerror(errno);
+  ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
   const std::vector<Sample> batch = test_support::PretrainBatch(11, kRanks);
   absl::StatusOr<SubmitResult> failed = registry_->SubmitBatch(id, 1, batch);
   ASSERT_FALSE(failed.ok());
@@ -485,7 +477,7 @@ TEST_F(RegistryFaultsTest, AReadOnlyStateDirFailsCallsWithItsReasonAndChangesNot
   EXPECT_EQ(registry_->GetJob(id)->next_step, 1);
   EXPECT_EQ(ErrorReason(registry_->CreateJob("x", test_support::SmallJob(1), "").status()),
             kReasonStateDirFailure);
-  ASSERT_EQ(mount("tmpfs", mount_dir.c_str(), "tmpfs", MS_REMOUNT, "size=4m"), 0);
+  ASSERT_TRUE(disk.Remount(/*read_only=*/false)) << std::strerror(errno);
   ASSERT_TRUE(registry_->SubmitBatch(id, 1, batch).ok());
   Restart();
   EXPECT_EQ(registry_->GetJob(id)->next_step, 2);

@@ -4,7 +4,6 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +28,8 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
+#include "tests/server/planner_process.h"
+#include "tests/server/tmpfs_mount.h"
 
 extern char** environ;
 
@@ -92,39 +93,7 @@ class PlannerProcess {
   FILE* out_ = nullptr;
 };
 
-// grpc.health.v1.Health/Check by hand: HealthCheckRequest{service} is field 1 (a string),
-// HealthCheckResponse{status} is field 1 (an enum: 1 SERVING, 2 NOT_SERVING).
-int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
-  grpc::GenericStub stub(channel);
-  std::string request = "\x0a";
-  request.push_back(static_cast<char>(service.size()));
-  request += service;
-  grpc::Slice slice(request);
-  grpc::ByteBuffer send(&slice, 1);
-  grpc::ByteBuffer receive;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &send, &receive,
-                 [&](grpc::Status s) {
-                   std::lock_guard<std::mutex> lock(mu);
-                   status = s;
-                   done = true;
-                   cv.notify_one();
-                 });
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return done; });
-  if (!status.ok()) return -static_cast<int>(status.error_code());
-  std::vector<grpc::Slice> slices;
-  receive.Dump(&slices);
-  std::string bytes;
-  for (const grpc::Slice& s : slices)
-    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
-}
+using test_process::HealthStatus;
 
 int PortOf(const std::string& line) {
   const size_t on = line.find("listening on ");
@@ -397,20 +366,9 @@ TEST(SbPlannerTest, HealthChecksSeeNotServingDuringTheDrain) {
 // read-only one answered every call UNAVAILABLE. Now it refuses to start on one, and while it
 // runs health follows whether the directory can be written. Needs root for the tmpfs.
 TEST(SbPlannerTest, HealthFollowsWhetherTheStateDirCanBeWritten) {
-  std::string pattern = ::testing::TempDir() + "sb_planner_ro_XXXXXX";
-  ASSERT_NE(mkdtemp(pattern.data()), nullptr);
-  if (mount("tmpfs", pattern.c_str(), "tmpfs", 0, "size=4m") != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string dir;
-    ~Unmount() { umount2(dir.c_str(), MNT_DETACH); }
-  } unmount{pattern};
-  const std::string state = pattern + "/state";
-  auto remount = [&](bool read_only) {
-    return mount("tmpfs", pattern.c_str(), "tmpfs", MS_REMOUNT | (read_only ? MS_RDONLY : 0),
-                 "size=4m");
-  };
+  test_support::TmpfsMount disk("4m");
+  if (!disk.mounted()) GTEST_SKIP() << disk.error();
+  const std::string state = disk.path() + "/state";
   auto health_until = [](const std::shared_ptr<grpc::Channel>& channel, int want) {
     int seen = 0;
     for (int i = 0; i < 300 && seen != want; ++i) {  // probes run every 0.2 s
@@ -427,21 +385,21 @@ TEST(SbPlannerTest, HealthFollowsWhetherTheStateDirCanBeWritten) {
     auto channel =
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
     ASSERT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);
-    ASSERT_EQ(remount(true), 0) << std::strerror(errno);
+    ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
     EXPECT_EQ(health_until(channel, 2), 2);
     const std::string scraped = Scrape(MetricsPortOf(line));
     EXPECT_NE(scraped.find("sparsebalance_state_dir_writable 0"), std::string::npos) << scraped;
-    ASSERT_EQ(remount(false), 0) << std::strerror(errno);
+    ASSERT_TRUE(disk.Remount(/*read_only=*/false)) << std::strerror(errno);
     EXPECT_EQ(health_until(channel, 1), 1);
     EXPECT_EQ(planner.Stop(SIGTERM), 0);
   }
-  ASSERT_EQ(remount(true), 0) << std::strerror(errno);
+  ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
   const auto [code, output] =
       RunPlanner("--listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 --state_dir=" + state);
   EXPECT_NE(code, 0) << output;
   EXPECT_NE(output.find("--state_dir"), std::string::npos) << output;
   EXPECT_NE(output.find("Read-only"), std::string::npos) << output;
-  remount(false);
+  disk.Remount(/*read_only=*/false);
 }
 
 }  // namespace
