@@ -36,6 +36,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/planner_client.h"
+#include "planner/profile_table.h"
 #include "worker/run_summary.h"
 #include "worker/step_sync.h"
 
@@ -190,6 +191,16 @@ std::string StartPlanner(pid_t* pid) {
   return address;
 }
 
+// OK if the profile table at `path` parses and fits the latency model for `shape` (what the
+// planner checks when rank 0 uploads it).
+absl::Status CheckProfile(const std::string& path, const ModelShape& shape) {
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(text);
+  if (!table.ok()) return table.status();
+  return FitProfile(*table, shape).status();
+}
+
 int WaitFor(pid_t pid) {
   int status = 0;
   waitpid(pid, &status, 0);
@@ -226,21 +237,39 @@ int Main(int argc, char** argv) {
   std::filesystem::create_directories(out_dir);
 
   // The profile first: the planner's latency model starts from this machine's figures.
+  ModelShape shape;
+  shape.layers = absl::GetFlag(FLAGS_layers);
+  shape.heads = absl::GetFlag(FLAGS_heads);
+  shape.head_dim = absl::GetFlag(FLAGS_head_dim);
+  shape.block_size = absl::GetFlag(FLAGS_block_size);
   std::string profile = absl::GetFlag(FLAGS_profile);
   if (profile == "auto") {
     profile = out_dir + "/cpu.profile";
-    const Clock::time_point t0 = Clock::now();
-    const pid_t pid = Spawn({FindBinary("sb-profile"), "--device=cpu", "--threads=1",
-                             absl::StrCat("--heads=", absl::GetFlag(FLAGS_heads)),
-                             absl::StrCat("--head_dim=", absl::GetFlag(FLAGS_head_dim)),
-                             absl::StrCat("--block_size=", absl::GetFlag(FLAGS_block_size)),
-                             absl::StrCat("--lengths=512,1024,2048,",
-                                          std::min<int64_t>(4096, absl::GetFlag(FLAGS_capacity))),
-                             "--densities=1.0,0.3,0.1", "--out=" + profile},
-                            "/dev/null");
-    if (WaitFor(pid) != 0) Die("sb-profile failed");
-    std::cout << absl::StrFormat("sb-run: measured this CPU with sb-profile in %.1f s -> %s\n",
-                                 std::chrono::duration<double>(Clock::now() - t0).count(), profile);
+    // sb-profile times by the wall clock, so a busy machine (other processes on the cores)
+    // can give a table whose fit is degenerate, which the planner rejects: measure again.
+    constexpr int kProfileAttempts = 3;
+    absl::Status fit;
+    for (int attempt = 1; attempt <= kProfileAttempts; ++attempt) {
+      const Clock::time_point t0 = Clock::now();
+      const pid_t pid =
+          Spawn({FindBinary("sb-profile"), "--device=cpu", "--threads=1",
+                 absl::StrCat("--heads=", shape.heads), absl::StrCat("--head_dim=", shape.head_dim),
+                 absl::StrCat("--block_size=", shape.block_size),
+                 absl::StrCat("--lengths=512,1024,2048,",
+                              std::min<int64_t>(4096, absl::GetFlag(FLAGS_capacity))),
+                 "--densities=1.0,0.3,0.1", "--out=" + profile},
+                "/dev/null");
+      if (WaitFor(pid) != 0) Die("sb-profile failed");
+      fit = CheckProfile(profile, shape);
+      std::cout << absl::StrFormat("sb-run: measured this CPU with sb-profile in %.1f s -> %s%s\n",
+                                   std::chrono::duration<double>(Clock::now() - t0).count(),
+                                   profile, fit.ok() ? "" : " (unusable, measuring again)");
+      if (fit.ok()) break;
+    }
+    if (!fit.ok()) {
+      Die(absl::StrCat("sb-profile gave no usable table in ", kProfileAttempts, " attempts (",
+                       fit.message(), "); is the machine busy? Run again, or pass --profile=none"));
+    }
   } else if (profile == "none") {
     profile.clear();
   }
@@ -260,10 +289,7 @@ int Main(int argc, char** argv) {
     config.ranks = workers;
     config.micro_batches = absl::GetFlag(FLAGS_micro_batches);
     config.micro_batch_capacity = absl::GetFlag(FLAGS_capacity);
-    config.shape.layers = absl::GetFlag(FLAGS_layers);
-    config.shape.heads = absl::GetFlag(FLAGS_heads);
-    config.shape.head_dim = absl::GetFlag(FLAGS_head_dim);
-    config.shape.block_size = absl::GetFlag(FLAGS_block_size);
+    config.shape = shape;
     config.policy = policy;
     absl::StatusOr<JobHandle> job =
         (*admin)->CreateJob(absl::StrCat("main-job-", PolicyName(policy)), config);

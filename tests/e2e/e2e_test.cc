@@ -294,27 +294,44 @@ TEST(EndToEndTest, AKilledWorkerRestartsOnItsRankAndTheJobContinues) {
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), static_cast<size_t>(kRanks * kSteps));
-  // It resumed where its reports stopped, not from step 0.
+  // It resumed where its reports stopped, not from step 0: at the first step without a line,
+  // or one later if it was killed between sending a report and writing that step's line.
   const std::string log = ReadAll(dir.path() + "/worker2-restarted.log");
-  EXPECT_NE(log.find(absl::StrCat("from step ", done_before)), std::string::npos) << log;
+  EXPECT_TRUE(log.find(absl::StrCat("from step ", done_before, "\n")) != std::string::npos ||
+              log.find(absl::StrCat("from step ", done_before + 1, "\n")) != std::string::npos)
+      << "killed after " << done_before << " steps: " << log;
 }
 
+// What the workers measure is thread CPU time, which other load on the cores hardly moves: over
+// many runs, under a parallel CTest and a concurrent PyTorch example, the sequential run's
+// imbalance stayed within 1.47-1.49 and sparsebalance's within 1.18-1.30, with recall
+// 0.556 against 0.568-0.790 (tests/e2e/main_job_noise.py measures it; the spread comes from
+// sb-profile's wall-clock table, which the planner's model starts from and then corrects). So
+// the test asserts margins well inside that spread: sparsebalance at least 0.05 more balanced
+// (a sequential policy in its place measures the same 1.48 and fails), and its recall not
+// lower, but for 0.02 of slack because the workers estimate recall from block scores while
+// the planner keeps its recall model's figure. Six steps, so that a noisy first profile is
+// corrected by what the workers report.
 TEST(EndToEndTest, TheMainJobIsMoreBalancedWithSparseBalanceAndRecallIsNotLower) {
+  constexpr int kSteps = 6;
   TempDir dir;
   const std::string out = dir.path() + "/out";
   Process run({SB_RUN_PATH, "--planner_listen=127.0.0.1:0", "--state_dir=" + dir.path() + "/state",
-               "--out=" + out, "--workers=4", "--steps=4", "--capacity=4096", "--fill=0.6"},
+               "--out=" + out, "--workers=4", absl::StrCat("--steps=", kSteps), "--capacity=2048",
+               "--micro_batches=2", "--fill=0.6"},
               dir.path() + "/run.log");
-  ASSERT_EQ(run.Wait(240), 0) << ReadAll(dir.path() + "/run.log");
+  ASSERT_EQ(run.Wait(300), 0) << ReadAll(dir.path() + "/run.log");
   absl::StatusOr<RunResult> sequential =
       SummarizeRun("sequential", out + "/sequential.steps.jsonl", 4);
   absl::StatusOr<RunResult> balanced =
       SummarizeRun("sparsebalance", out + "/sparsebalance.steps.jsonl", 4);
   ASSERT_TRUE(sequential.ok() && balanced.ok());
-  EXPECT_EQ(sequential->steps.size(), 4u);
-  EXPECT_EQ(balanced->steps.size(), 4u);
-  EXPECT_LT(balanced->imbalance, sequential->imbalance) << ReadAll(out + "/summary.txt");
-  EXPECT_GE(balanced->mean_recall, sequential->mean_recall) << ReadAll(out + "/summary.txt");
+  EXPECT_EQ(sequential->steps.size(), static_cast<size_t>(kSteps));
+  EXPECT_EQ(balanced->steps.size(), static_cast<size_t>(kSteps));
+  EXPECT_EQ(balanced->local_plan_steps, 0) << "the planner's plans, not the local fallback";
+  const std::string summary = ReadAll(out + "/summary.txt");
+  EXPECT_LT(balanced->imbalance, sequential->imbalance - 0.05) << summary;
+  EXPECT_GE(balanced->mean_recall, sequential->mean_recall - 0.02) << summary;
   EXPECT_TRUE(std::filesystem::exists(out + "/timeline.svg"));
 }
 
