@@ -274,7 +274,7 @@ TEST_F(PlannerServiceTest, GetRankPlanWaitsForTheStepWithoutHoldingAThread) {
     });
   }
   // Every call parks (the callback API holds no thread per waiting call).
-  for (int i = 0; i < 500 && service_->waiting_calls() < kRanks; ++i) {
+  for (int i = 0; i < 3000 && service_->waiting_calls() < kRanks; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(service_->waiting_calls(), kRanks);
@@ -289,7 +289,7 @@ TEST_F(PlannerServiceTest, GetRankPlanHonoursTheCallersDeadline) {
   v1::GetRankPlanResponse plan;
   grpc::Status status = GetPlan(job.job_id(), job.job_token(), 0, 0, &plan, /*deadline_ms=*/200);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
-  for (int i = 0; i < 100 && service_->waiting_calls() > 0; ++i) {
+  for (int i = 0; i < 3000 && service_->waiting_calls() > 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(service_->waiting_calls(), 0);  // the parked call was removed
@@ -363,7 +363,7 @@ TEST_F(PlannerServiceTest, ParkedCallsAreCappedPerJobAndInAll) {
     });
   };
   auto wait_for = [&](int n) {
-    for (int i = 0; i < 1000 && service_->waiting_calls() < n; ++i) {
+    for (int i = 0; i < 6000 && service_->waiting_calls() < n; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     ASSERT_EQ(service_->waiting_calls(), n);
@@ -399,7 +399,7 @@ TEST_F(PlannerServiceTest, DeletingAJobAnswersItsWaitingRanksNotFound) {
           GetPlan(job.job_id(), job.job_token(), 3, r, &plan, /*deadline_ms=*/600000).error_code();
     });
   }
-  for (int i = 0; i < 1000 && service_->waiting_calls() < 2; ++i) {
+  for (int i = 0; i < 6000 && service_->waiting_calls() < 2; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   ASSERT_EQ(service_->waiting_calls(), 2);

@@ -346,7 +346,7 @@ TEST(SbPlannerTest, RefusesToListenBeyondLoopbackWithoutAnAdminToken) {
 // Issue 11: NOT_SERVING during the drain was visible only on an already open Watch stream (the
 // port closed at once). Now health checks see it for --drain_notice_seconds first.
 TEST(SbPlannerTest, HealthChecksSeeNotServingDuringTheDrain) {
-  PlannerProcess planner(StateDir(), {"--drain_notice_seconds=3", "--drain_seconds=4"});
+  PlannerProcess planner(StateDir(), {"--drain_notice_seconds=5", "--drain_seconds=6"});
   const int port = PortOf(planner.ReadLine());
   ASSERT_GT(port, 0);
   auto channel =
@@ -354,7 +354,7 @@ TEST(SbPlannerTest, HealthChecksSeeNotServingDuringTheDrain) {
   ASSERT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);
   planner.Signal(SIGTERM);
   int seen = 1;
-  for (int i = 0; i < 200 && seen == 1; ++i) {  // until it turns (it must before the port closes)
+  for (int i = 0; i < 2000 && seen == 1; ++i) {  // until it turns (it must before the port closes)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     seen = HealthStatus(channel, "sparsebalance.planner.v1.PlannerService");
   }
@@ -371,7 +371,7 @@ TEST(SbPlannerTest, HealthFollowsWhetherTheStateDirCanBeWritten) {
   const std::string state = disk.path() + "/state";
   auto health_until = [](const std::shared_ptr<grpc::Channel>& channel, int want) {
     int seen = 0;
-    for (int i = 0; i < 300 && seen != want; ++i) {  // probes run every 0.2 s
+    for (int i = 0; i < 1500 && seen != want; ++i) {  // probes run every 0.2 s
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       seen = HealthStatus(channel, "sparsebalance.planner.v1.PlannerService");
     }
