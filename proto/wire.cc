@@ -179,6 +179,34 @@ v1::JobConfig ConfigToProto(const JobSettings& settings) {
   return out;
 }
 
+absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequest& request) {
+  const v1::JobConfig& in = request.config();
+  ConfigUpdate out;
+  PlannerConfig& c = out.values.planner;
+  c.dst_quantile = in.dst_quantile();
+  c.density_min = in.density_min();
+  c.density_max = in.density_max();
+  c.density_default = in.density_default();
+  out.values.history_steps = in.history_steps();
+  out.fields.assign(request.update_mask().paths().begin(), request.update_mask().paths().end());
+  for (const std::string& field : out.fields) {
+    if (field == "policy") {
+      absl::StatusOr<Policy> policy = PolicyFromProto(in.policy(), "config.policy");
+      if (!policy.ok()) return policy.status();
+      c.policy = *policy;
+    } else if (field == "dst_mode") {
+      absl::StatusOr<DstMode> mode = DstModeFromProto(in.dst_mode(), "config.dst_mode");
+      if (!mode.ok()) return mode.status();
+      c.dst_mode = *mode;
+    } else if (field == "overflow") {
+      absl::StatusOr<OverflowPolicy> overflow = OverflowFromProto(in.overflow(), "config.overflow");
+      if (!overflow.ok()) return overflow.status();
+      c.overflow = *overflow;
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<std::vector<Sample>> SamplesFromProto(
     const google::protobuf::RepeatedPtrField<v1::Sample>& samples, const PlannerConfig& config,
     const WireLimits& limits) {

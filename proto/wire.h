@@ -9,6 +9,7 @@
 #define SPARSEBALANCE_PROTO_WIRE_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -45,6 +46,15 @@ struct JobSettings {
 // ValidateConfig enforces (planner/types.h: capacity, micro-batches, plan slots, shape).
 absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& config, const WireLimits& limits);
 v1::JobConfig ConfigToProto(const JobSettings& settings);
+
+// What an UpdateJobConfigRequest asks to change: the values (enums converted; INVALID_ARGUMENT
+// naming "config.<field>" for an unknown value of a field the mask names) and the field names
+// of its update_mask, which JobRegistry::UpdateJobConfig applies and checks.
+struct ConfigUpdate {
+  JobSettings values;
+  std::vector<std::string> fields;
+};
+absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequest& request);
 
 // Converts and checks every sample against the config (ValidateBatch): messages name
 // "samples[i].<field>".

@@ -418,34 +418,10 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::UpdateJobConfig(
         if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
           return Finish(context, "UpdateJobConfig", start, s);
         }
-        const v1::JobConfig& in = request->config();
-        JobSettings update;
-        update.planner.dst_quantile = in.dst_quantile();
-        update.planner.density_min = in.density_min();
-        update.planner.density_max = in.density_max();
-        update.planner.density_default = in.density_default();
-        update.history_steps = in.history_steps();
-        std::vector<std::string> fields(request->update_mask().paths().begin(),
-                                        request->update_mask().paths().end());
-        for (const std::string& field : fields) {
-          absl::Status s;
-          if (field == "policy") {
-            absl::StatusOr<Policy> p = PolicyFromProto(in.policy(), "config.policy");
-            s = p.status();
-            if (p.ok()) update.planner.policy = *p;
-          } else if (field == "dst_mode") {
-            absl::StatusOr<DstMode> m = DstModeFromProto(in.dst_mode(), "config.dst_mode");
-            s = m.status();
-            if (m.ok()) update.planner.dst_mode = *m;
-          } else if (field == "overflow") {
-            absl::StatusOr<OverflowPolicy> o = OverflowFromProto(in.overflow(), "config.overflow");
-            s = o.status();
-            if (o.ok()) update.planner.overflow = *o;
-          }
-          if (!s.ok()) return Finish(context, "UpdateJobConfig", start, s);
-        }
+        absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(*request);
+        if (!update.ok()) return Finish(context, "UpdateJobConfig", start, update.status());
         absl::StatusOr<JobSettings> now =
-            registry_->UpdateJobConfig(request->job_id(), update, fields);
+            registry_->UpdateJobConfig(request->job_id(), update->values, update->fields);
         if (!now.ok()) return Finish(context, "UpdateJobConfig", start, now.status());
         *response->mutable_config() = ConfigToProto(*now);
         return Finish(context, "UpdateJobConfig", start, absl::OkStatus());

@@ -350,35 +350,12 @@ class Harness {
         Trace(absl::StrCat("UpdateJobConfig ", IdOf(job), " ", request.ShortDebugString()));
         if (!parsed) return;
         // As PlannerServiceImpl::UpdateJobConfig builds the update.
-        const v1::JobConfig& c = request.config();
-        JobSettings update;
-        update.planner.dst_quantile = c.dst_quantile();
-        update.planner.density_min = c.density_min();
-        update.planner.density_max = c.density_max();
-        update.planner.density_default = c.density_default();
-        update.history_steps = c.history_steps();
-        std::vector<std::string> fields(request.update_mask().paths().begin(),
-                                        request.update_mask().paths().end());
-        for (const std::string& field : fields) {
-          absl::Status s;
-          if (field == "policy") {
-            absl::StatusOr<Policy> p = PolicyFromProto(c.policy(), "config.policy");
-            s = p.status();
-            if (p.ok()) update.planner.policy = *p;
-          } else if (field == "dst_mode") {
-            absl::StatusOr<DstMode> m = DstModeFromProto(c.dst_mode(), "config.dst_mode");
-            s = m.status();
-            if (m.ok()) update.planner.dst_mode = *m;
-          } else if (field == "overflow") {
-            absl::StatusOr<OverflowPolicy> o = OverflowFromProto(c.overflow(), "config.overflow");
-            s = o.status();
-            if (o.ok()) update.planner.overflow = *o;
-          }
-          Expect(s, "UpdateJobConfig conversion");
-          if (!s.ok()) return;
-        }
-        Expect(server_.registry->UpdateJobConfig(IdOf(job), update, fields).status(),
-               "UpdateJobConfig");
+        absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(request);
+        Expect(update.status(), "UpdateJobConfig conversion");
+        if (!update.ok()) return;
+        Expect(
+            server_.registry->UpdateJobConfig(IdOf(job), update->values, update->fields).status(),
+            "UpdateJobConfig");
         ForgetDroppedSteps(job);
         return;
       }
