@@ -8,7 +8,7 @@
 // bounded EWMA of measured / predicted time per rank, normalised so the median rank is 1.
 //
 //   LatencyModel model(shape, /*ranks=*/32, prior);
-//   double t = model.PredictSeconds(rank, model.Features(samples, densities));
+//   double t = model.PredictSeconds(rank, model.SampleFeatures(sample, /*density=*/0.3));
 //   absl::Status s = model.ObserveStep(observations);  // after every step
 #ifndef SPARSEBALANCE_PLANNER_LATENCY_MODEL_H_
 #define SPARSEBALANCE_PLANNER_LATENCY_MODEL_H_

@@ -16,12 +16,6 @@ double PredictedRecall(double sensitivity, double density) {
   return 1.0 - DetPow(1.0 - rho, RecallExponent(sensitivity));
 }
 
-double RecallSlope(double sensitivity, double density) {
-  const double rho = std::clamp(density, 0.0, 1.0);
-  const double g = RecallExponent(sensitivity);
-  return g * DetPow(1.0 - rho, g - 1.0);
-}
-
 double DensityFloor(double sensitivity, const PlannerConfig& config) {
   const double s = std::clamp(sensitivity, 0.0, 1.0);
   // Written as a convex combination so that s = 0 and s = 1 give the bounds exactly.

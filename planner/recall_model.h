@@ -24,8 +24,6 @@ inline constexpr double kRecallExponentMax = 6.0;   // g at sensitivity 0
 double RecallExponent(double sensitivity);
 // 1 - (1 - rho)^g(s), in [0, 1].
 double PredictedRecall(double sensitivity, double density);
-// d recall / d rho at `density`.
-double RecallSlope(double sensitivity, double density);
 
 double DensityFloor(double sensitivity, const PlannerConfig& config);
 double BaseDensity(double sensitivity, const PlannerConfig& config);
