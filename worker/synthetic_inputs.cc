@@ -47,11 +47,11 @@ DocumentTensors MakeDocument(uint64_t id, int64_t length, int heads, int head_di
     };
     std::vector<Needle> needles;
     if (length >= 4) {
+      const int64_t half = length / 2;  // needle keys in the first half, queries in the second
       for (int r = 0; r < kRetrievalsPerHead; ++r) {
-        const int64_t key =
-            1 + static_cast<int64_t>(rng.Uniform() * static_cast<double>(length / 2 - 1));
+        const int64_t key = 1 + static_cast<int64_t>(rng.Uniform() * static_cast<double>(half - 1));
         const int64_t query =
-            length / 2 + static_cast<int64_t>(rng.Uniform() * static_cast<double>(length / 2 - 1));
+            half + static_cast<int64_t>(rng.Uniform() * static_cast<double>(half - 1));
         needles.push_back({key, query, UnitVector(rng, head_dim)});
       }
     }
