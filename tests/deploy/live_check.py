@@ -198,10 +198,8 @@ def main():
         if traffic.poll() is not None:
             failures.append("the traffic ended before the queries did (its rates may be stale)")
 
-    if failures:
-        sbdeploy.fail("\n  " + "\n  ".join(failures))
-    print(f"live check: {checked} queries ({len(defined)} alerts) returned data or evaluated; "
-          f"{90 - deadline.left():.1f} s")
+    sbdeploy.finish(failures, f"live check: {checked} queries ({len(defined)} alerts) returned "
+                              f"data or evaluated; {90 - deadline.left():.1f} s")
 
 
 if __name__ == "__main__":

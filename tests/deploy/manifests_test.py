@@ -428,10 +428,9 @@ def main():
         except subprocess.TimeoutExpired:
             check(False, "the planner did not stop within 10 s of SIGTERM (entrypoint must exec)")
 
-    if failures:
-        sbdeploy.fail("\n  " + "\n  ".join(failures))
-    print(f"manifests consistent: {len(objects)} Kubernetes objects, {len(services)} compose "
-          f"services, {len(env_flags)} SB_* variables, {len(exprs)} PromQL expressions")
+    sbdeploy.finish(failures, f"manifests consistent: {len(objects)} Kubernetes objects, "
+                              f"{len(services)} compose services, {len(env_flags)} SB_* variables, "
+                              f"{len(exprs)} PromQL expressions")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ def fail(why):
     sys.exit(1)
 
 
+def finish(failures, summary):
+    """Fails listing every failure, or prints the one-line summary of a passing check."""
+    if failures:
+        fail("\n  " + "\n  ".join(failures))
+    print(summary)
+
+
 def find_tool(name, hint):
     path = shutil.which(name)
     if path is None:
