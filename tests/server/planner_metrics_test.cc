@@ -68,9 +68,9 @@ TEST(PlannerMetricsTest, LargeJobsExportNoPerRankSeriesAndDeletedJobsNone) {
 TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
   auto registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(registry, 4);
-  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.002);
-  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.004);
-  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::ALREADY_EXISTS, 0.001);
+  metrics.ObserveRpc("SubmitBatch", absl::StatusCode::kOk, 0.002);
+  metrics.ObserveRpc("SubmitBatch", absl::StatusCode::kOk, 0.004);
+  metrics.ObserveRpc("SubmitBatch", absl::StatusCode::kAlreadyExists, 0.001);
   StepPlan plan;
   plan.policy = Policy::kSab;
   plan.makespan_seconds = 5.0;
@@ -90,6 +90,17 @@ TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
   EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job_id=\"j\"} 1"));
   EXPECT_THAT(text, HasSubstr("sparsebalance_state_write_failures_total 1"));
   EXPECT_THAT(text, HasSubstr("sparsebalance_jobs 3"));
+}
+
+TEST(PlannerMetricsTest, CodeLabelsAreTheNamesDashboardsAndAlertsMatch) {
+  // deploy/prometheus rules and the Grafana dashboards select on these spellings.
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kOk), "OK");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kInvalidArgument), "INVALID_ARGUMENT");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kResourceExhausted), "RESOURCE_EXHAUSTED");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kUnavailable), "UNAVAILABLE");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kUnauthenticated), "UNAUTHENTICATED");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kDataLoss), "DATA_LOSS");
+  EXPECT_EQ(StatusCodeLabel(static_cast<absl::StatusCode>(99)), "OTHER");
 }
 
 }  // namespace
