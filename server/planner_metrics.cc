@@ -28,14 +28,11 @@ const prometheus::Histogram::BucketBoundaries& ErrorBuckets() {  // relative err
   return *kBuckets;
 }
 
-// The one series of an unlabelled family.
-prometheus::Gauge& SingleGauge(prometheus::Registry& registry, const std::string& name,
-                               const std::string& help) {
-  return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
-}
-prometheus::Counter& SingleCounter(prometheus::Registry& registry, const std::string& name,
-                                   const std::string& help) {
-  return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+// The one series of an unlabelled family, e.g. Single(prometheus::BuildGauge(), ...).
+template <typename Builder>
+auto& Single(Builder builder, prometheus::Registry& registry, const std::string& name,
+             const std::string& help) {
+  return builder.Name(name).Help(help).Register(registry).Add({});
 }
 
 // A rank is a straggler when it ran this much longer than the planned makespan.
@@ -141,18 +138,22 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                         .Name("sparsebalance_rank_speed_factor")
                         .Help("Learned speed factor per rank, median 1 (small jobs only)")
                         .Register(*registry_)),
-      jobs_(SingleGauge(*registry_, "sparsebalance_jobs", "Jobs this planner holds")),
-      state_write_failures_(SingleCounter(*registry_, "sparsebalance_state_write_failures_total",
-                                          "Writes to --state_dir that failed")),
-      state_dir_writable_(SingleGauge(*registry_, "sparsebalance_state_dir_writable",
-                                      "1 when the last probe could write --state_dir (health "
-                                      "SERVING), 0 when it could not (NOT_SERVING)")),
-      unfolded_steps_(SingleCounter(*registry_, "sparsebalance_unfolded_steps_total",
-                                    "Fully reported steps whose reports could not be folded into "
-                                    "the latency model (kept; see GetJob's failure)")),
-      failed_jobs_(SingleGauge(*registry_, "sparsebalance_failed_jobs",
-                               "Jobs whose state files could not be loaded, quarantined in "
-                               "<state_dir>/quarantine (ListJobs shows them as FAILED)")) {
+      jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_jobs",
+                   "Jobs this planner holds")),
+      state_write_failures_(Single(prometheus::BuildCounter(), *registry_,
+                                   "sparsebalance_state_write_failures_total",
+                                   "Writes to --state_dir that failed")),
+      state_dir_writable_(Single(prometheus::BuildGauge(), *registry_,
+                                 "sparsebalance_state_dir_writable",
+                                 "1 when the last probe could write --state_dir (health "
+                                 "SERVING), 0 when it could not (NOT_SERVING)")),
+      unfolded_steps_(Single(prometheus::BuildCounter(), *registry_,
+                             "sparsebalance_unfolded_steps_total",
+                             "Fully reported steps whose reports could not be folded into "
+                             "the latency model (kept; see GetJob's failure)")),
+      failed_jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_failed_jobs",
+                          "Jobs whose state files could not be loaded, quarantined in "
+                          "<state_dir>/quarantine (ListJobs shows them as FAILED)")) {
   state_dir_writable_.Set(1);
   prometheus::BuildGauge()
       .Name("sparsebalance_build_info")

@@ -86,11 +86,15 @@ std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
   return std::move(*client);
 }
 
+// A job of `ranks` ranks (Config) created on the planner at `port`.
+absl::StatusOr<JobHandle> CreateJob(int port, const std::string& name, int ranks) {
+  return Connect(port)->CreateJob(name, Config(ranks));
+}
+
 TEST(TrainerSessionTest, FourRanksTrainThroughThePlanner) {
   constexpr int kRanks = 4;
   Planner planner;
-  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
-  absl::StatusOr<JobHandle> job = admin->CreateJob("train", Config(kRanks));
+  absl::StatusOr<JobHandle> job = CreateJob(planner.port(), "train", kRanks);
   ASSERT_TRUE(job.ok()) << job.status();
   std::vector<std::thread> ranks;
   std::atomic<int> failures{0};
@@ -212,8 +216,7 @@ TEST(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBac
   constexpr int kRanks = 1;
   Planner planner;
   const int port = planner.port();
-  std::unique_ptr<PlannerClient> admin = Connect(port);
-  absl::StatusOr<JobHandle> job = admin->CreateJob("away", Config(kRanks));
+  absl::StatusOr<JobHandle> job = CreateJob(port, "away", kRanks);
   ASSERT_TRUE(job.ok());
   std::unique_ptr<PlannerClient> client = Connect(port, job->job_id, job->token);
   ASSERT_TRUE(client->JoinJob(0).ok());
@@ -243,8 +246,7 @@ TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) 
   constexpr int kRanks = 2;
   Planner planner;
   const int port = planner.port();
-  std::unique_ptr<PlannerClient> admin = Connect(port);
-  absl::StatusOr<JobHandle> job = admin->CreateJob("resync", Config(kRanks));
+  absl::StatusOr<JobHandle> job = CreateJob(port, "resync", kRanks);
   ASSERT_TRUE(job.ok());
   std::vector<std::unique_ptr<PlannerClient>> clients;
   std::vector<std::unique_ptr<TrainerSession>> sessions;
