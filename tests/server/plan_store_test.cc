@@ -284,6 +284,60 @@ TEST(PlanStoreTest, IsValidJobIdAcceptsOnlyShortLowercaseAlphanumerics) {
   }
 }
 
+// The codec keeps every field: a job, a step's batch and plan (compared as CanonicalPlanText)
+// and a report come back as they went in.
+TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
+  StoredJob job = Snapshot(kJobA);
+  job.settings = test_support::SmallJob(2, 16);
+  job.settings.planner.policy = Policy::kDst;
+  job.model.weights = {1.5, 0.5, 2.0, 1.0};
+  job.model.covariance[5] = 0.25;
+  job.model.speed_factors = {1.1, 0.9};
+  job.model.rank_error_variance = 0.01;
+  job.model.steps_observed = 7;
+  job.prior = {1e-6, 2e-8, 3e-4, 4e-3};
+  job.joined = {true, false};
+  job.folded_steps = {3, 4};
+  job.unfolded_steps = 1;
+  job.fold_failure = "step 2: why";
+  absl::StatusOr<StoredJob> back = DecodeJob(EncodeJob(job));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->job_id, job.job_id);
+  EXPECT_EQ(back->token, job.token);
+  EXPECT_EQ(back->settings.history_steps, 16);
+  EXPECT_EQ(back->settings.planner.policy, Policy::kDst);
+  EXPECT_EQ(back->model.weights, job.model.weights);
+  EXPECT_EQ(back->model.covariance, job.model.covariance);
+  EXPECT_EQ(back->model.speed_factors, job.model.speed_factors);
+  EXPECT_EQ(back->model.steps_observed, 7);
+  EXPECT_EQ(back->prior.per_micro_batch, 4e-3);
+  EXPECT_EQ(back->joined, job.joined);
+  EXPECT_EQ(back->folded_steps, job.folded_steps);
+  EXPECT_EQ(back->fold_failure, job.fold_failure);
+  // A model whose size is not the job's does not decode.
+  job.model.speed_factors = {1.0};
+  EXPECT_EQ(DecodeJob(EncodeJob(job)).status().code(), absl::StatusCode::kDataLoss);
+
+  const std::vector<Sample> batch = Batch(3, 2);
+  absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, test_support::SmallJob(2).planner);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  state::v1::StepRecord record;
+  EncodeStep(5, batch, *plan, /*folded=*/true, &record);
+  const PlanStore::LoadedStep step = DecodeStep(record);
+  EXPECT_EQ(step.step, 5);
+  EXPECT_TRUE(step.folded);
+  EXPECT_EQ(BatchFingerprint(step.batch), BatchFingerprint(batch));
+  EXPECT_EQ(CanonicalPlanText(step.plan), CanonicalPlanText(*plan));
+
+  const StoredReport report = Report(1, 3);
+  const StoredReport report_back = DecodeReport(EncodeReport(report));
+  EXPECT_EQ(report_back.rank, 1);
+  EXPECT_EQ(report_back.wait_seconds, 1.0);
+  ASSERT_EQ(report_back.micro_batches.size(), 3u);
+  EXPECT_EQ(report_back.micro_batches[2].compute_seconds, 2.5);
+  EXPECT_EQ(report_back.micro_batches[2].tokens, 65536);
+}
+
 TEST(PlanStoreTest, StoreFailuresAreRecognisedByTheirPayloadNotTheirMessage) {
   const absl::Status full = StoreFailure(absl::StatusCode::kResourceExhausted, "disk full");
   EXPECT_TRUE(IsStoreFailure(full));
