@@ -1,12 +1,10 @@
 #include "client/planner_client.h"
 
-#include <algorithm>
 #include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
-#include "planner/planner.h"
 #include "proto/wire.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 
@@ -204,120 +202,6 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
   absl::Status status = FromGrpcStatus(impl_->stub->ReportStep(&context, request, &response));
   if (!status.ok()) return status;
   return response.duplicate();
-}
-
-TrainerSession::TrainerSession(PlannerClient* client, int rank, bool coordinator,
-                               PlannerConfig config)
-    : client_(client), rank_(rank), coordinator_(coordinator), config_(std::move(config)) {}
-
-size_t TrainerSession::BufferLimit() const {
-  return static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));
-}
-
-absl::StatusOr<RankStepPlan> TrainerSession::LocalPlan(int64_t step,
-                                                       const std::vector<Sample>& batch) {
-  absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, config_);
-  if (!plan.ok()) return plan.status();
-  if (rank_ < 0 || rank_ >= static_cast<int>(plan->ranks.size())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank: ", rank_, " is outside [0, ", plan->ranks.size(), ")"));
-  }
-  if (local_steps_.empty() || local_steps_.back() < step) {
-    local_steps_.push_back(step);
-    if (coordinator_) local_batches_.emplace_back(step, batch);
-  }
-  while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
-  // The newest stays: the planner needs at least one local step to move past the gap.
-  while (local_batches_.size() > BufferLimit()) local_batches_.pop_front();
-  RankStepPlan out;
-  out.step = step;
-  out.rank = rank_;
-  out.micro_batches = plan->ranks[rank_].micro_batches;
-  out.predicted_seconds = plan->ranks[rank_].predicted_seconds;
-  out.predicted_makespan_seconds = plan->makespan_seconds;
-  out.local_fallback = true;
-  return out;
-}
-
-absl::Status TrainerSession::ResubmitLocalSteps() {
-  while (!local_batches_.empty()) {
-    const auto& [step, batch] = local_batches_.front();
-    absl::StatusOr<std::vector<uint64_t>> sent =
-        client_->SubmitBatch(step, batch, /*planned_locally=*/true);
-    if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
-    // Any other answer is final (e.g. the step left the planner's history): go on without it.
-    local_batches_.pop_front();
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vector<Sample>& batch) {
-  if (coordinator_) {
-    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return LocalPlan(step, batch);
-    absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, batch);
-    if (!submitted.ok()) {
-      if (IsUnreachable(submitted.status())) return LocalPlan(step, batch);
-      return submitted.status();
-    }
-  }
-  absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
-  if (!plan.ok() && IsUnreachable(plan.status())) return LocalPlan(step, batch);
-  if (plan.ok()) last_planner_step_ = std::max(last_planner_step_, step);
-  if (plan.ok() && plan->local_fallback) {
-    local_steps_.push_back(step);  // the step was switched to the local plan: report it so
-    while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
-  }
-  return plan;
-}
-
-absl::Status TrainerSession::FlushPending() {
-  absl::Status dropped;
-  while (!pending_.empty()) {
-    const PendingReport& r = pending_.front();
-    absl::StatusOr<bool> sent =
-        client_->ReportStep(r.step, rank_, r.micro_batches, r.wait_seconds, r.planned_locally);
-    if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
-    // A locally planned step the coordinator has not resubmitted yet: the planner learns of it
-    // before it plans any later step, so wait while this rank has no later planner's plan.
-    if (!sent.ok() && sent.status().code() == absl::StatusCode::kFailedPrecondition &&
-        r.step > last_planner_step_) {
-      return absl::OkStatus();
-    }
-    // Anything else (e.g. the step left the planner's history, or a step the planner skipped)
-    // cannot succeed later either: drop it, say so, and go on.
-    if (!sent.ok()) {
-      ++dropped_reports_;
-      if (dropped.ok()) {
-        dropped = absl::Status(
-            sent.status().code(),
-            absl::StrCat("report of step ", r.step, " dropped: ", sent.status().message()));
-      }
-    }
-    pending_.pop_front();
-  }
-  return dropped;
-}
-
-absl::Status TrainerSession::Flush() {
-  if (coordinator_) {
-    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return s;
-  }
-  return FlushPending();
-}
-
-absl::Status TrainerSession::Report(int64_t step,
-                                    const std::vector<MicroBatchTiming>& micro_batches,
-                                    double wait_seconds) {
-  const bool local =
-      std::find(local_steps_.begin(), local_steps_.end(), step) != local_steps_.end();
-  pending_.push_back({step, micro_batches, wait_seconds, local});
-  while (pending_.size() > BufferLimit()) {
-    pending_.pop_front();
-    ++dropped_reports_;
-  }
-  absl::Status flushed = FlushPending();
-  // The planner being away is not the trainer's problem: the reports wait for it.
-  return IsUnreachable(flushed) ? absl::OkStatus() : flushed;
 }
 
 }  // namespace sparsebalance

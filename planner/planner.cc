@@ -38,12 +38,26 @@ double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<d
   return tokens > 0 ? weighted / tokens : 0.0;
 }
 
+absl::StatusOr<ValidConfig> ValidConfig::Check(const PlannerConfig& config) {
+  if (absl::Status status = ValidateConfig(config); !status.ok()) return status;
+  return ValidConfig(config);
+}
+
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config) {
   if (batch.empty()) {
     return absl::InvalidArgumentError("samples: the batch is empty; submit at least one sample");
   }
-  // The bounds below (and the overflow-freedom of the sums) rest on a valid config.
-  if (absl::Status status = ValidateConfig(config); !status.ok()) return status;
+  // The bounds checked (and the overflow-freedom of the sums) rest on a valid config.
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  if (!valid.ok()) return valid.status();
+  return ValidateBatch(batch, *valid);
+}
+
+absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& valid) {
+  const PlannerConfig& config = valid.get();
+  if (batch.empty()) {
+    return absl::InvalidArgumentError("samples: the batch is empty; submit at least one sample");
+  }
   if (batch.size() > static_cast<size_t>(kMaxBatchSamples)) {
     return absl::InvalidArgumentError(
         absl::StrCat("samples: ", batch.size(), " samples is above the limit of ", kMaxBatchSamples,
@@ -118,9 +132,14 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
 
 absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
                                          const PlannerConfig& config) {
-  absl::Status status = ValidateConfig(config);
-  if (!status.ok()) return status;
-  const LatencyModel model(config.shape, config.ranks, kDefaultCostPrior);
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  if (!valid.ok()) return valid.status();
+  return PlanStepLocally(batch, *valid);
+}
+
+absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
+                                         const ValidConfig& config) {
+  const LatencyModel model(config.get().shape, config.get().ranks, kDefaultCostPrior);
   absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
   if (plan.ok()) plan->planned_locally = true;
   return plan;
@@ -128,14 +147,19 @@ absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
 
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
                                   const LatencyModel& model) {
-  absl::Status status = ValidateConfig(config);
-  if (!status.ok()) return status;
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  if (!valid.ok()) return valid.status();
+  return PlanStep(batch, *valid, model);
+}
+
+absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& valid,
+                                  const LatencyModel& model) {
+  const PlannerConfig& config = valid.get();
   if (model.ranks() != config.ranks) {
     return absl::InvalidArgumentError(absl::StrCat("the latency model has ", model.ranks(),
                                                    " ranks but config.ranks is ", config.ranks));
   }
-  status = ValidateBatch(batch, config);
-  if (!status.ok()) return status;
+  if (absl::Status status = ValidateBatch(batch, valid); !status.ok()) return status;
   std::vector<double> densities(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     densities[i] = BaseDensity(batch[i].sensitivity, config);

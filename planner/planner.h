@@ -19,6 +19,22 @@
 
 namespace sparsebalance {
 
+// A PlannerConfig that ValidateConfig accepted. Only Check makes one, so the overloads below
+// that take it do not check the config again: sb-planner checks a job's config once, when the
+// job is created or its config changes, and plans every step with it.
+//
+//   absl::StatusOr<ValidConfig> config = ValidConfig::Check(settings.planner);
+//   absl::StatusOr<StepPlan> plan = PlanStep(batch, *config, model);
+class ValidConfig {
+ public:
+  static absl::StatusOr<ValidConfig> Check(const PlannerConfig& config);
+  const PlannerConfig& get() const { return config_; }
+
+ private:
+  explicit ValidConfig(const PlannerConfig& config) : config_(config) {}
+  PlannerConfig config_;
+};
+
 // Checks the batch against the config (which must itself be valid: ValidateConfig's error is
 // returned otherwise): non-empty, at most kMaxBatchSamples, unique ids, lengths in
 // [1, micro_batch_capacity], sensitivity in [0, 1], segments in [1, length] summing to the
@@ -26,15 +42,21 @@ namespace sparsebalance {
 // ranks x micro_batches x capacity. Errors are INVALID_ARGUMENT and name `samples[i]` and the
 // field (`samples[i].segments[k]` for a segment).
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config);
+absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& config);
 
 // The plan a trainer computes without the planner (the client's offline fallback): PlanStep
 // with a latency model at the default cost prior, marked planned_locally. Deterministic, so
 // every rank that falls back, and the planner when told afterwards, computes the same plan.
 absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
                                          const PlannerConfig& config);
+absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
+                                         const ValidConfig& config);
 
-// Plans one step with `config.policy`. The model must have `config.ranks` ranks.
+// Plans one step with `config.policy`. The model must have `config.ranks` ranks. The batch is
+// checked (ValidateBatch) either way; the config only when it is not a ValidConfig.
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                  const LatencyModel& model);
+absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& config,
                                   const LatencyModel& model);
 
 // Turns an assignment and densities into a plan with its predicted figures.

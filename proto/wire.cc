@@ -208,8 +208,7 @@ absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequ
 }
 
 absl::StatusOr<std::vector<Sample>> SamplesFromProto(
-    const google::protobuf::RepeatedPtrField<v1::Sample>& samples, const PlannerConfig& config,
-    const WireLimits& limits) {
+    const google::protobuf::RepeatedPtrField<v1::Sample>& samples, const WireLimits& limits) {
   if (samples.size() > limits.max_samples) {
     return absl::ResourceExhaustedError(absl::StrCat("samples: ", samples.size(),
                                                      " samples is above this planner's limit of ",
@@ -232,7 +231,6 @@ absl::StatusOr<std::vector<Sample>> SamplesFromProto(
     s.segments.assign(in.segments().begin(), in.segments().end());
     out.push_back(std::move(s));
   }
-  if (absl::Status status = ValidateBatch(out, config); !status.ok()) return status;
   return out;
 }
 

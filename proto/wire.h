@@ -56,11 +56,11 @@ struct ConfigUpdate {
 };
 absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequest& request);
 
-// Converts and checks every sample against the config (ValidateBatch): messages name
-// "samples[i].<field>".
+// Converts the samples, checking only this planner's limits (RESOURCE_EXHAUSTED naming
+// "samples" or "samples[i].segments"). Whether they fit a job is the job's to check
+// (ValidateBatch against its config: JobRegistry::SubmitBatch, PlanStep).
 absl::StatusOr<std::vector<Sample>> SamplesFromProto(
-    const google::protobuf::RepeatedPtrField<v1::Sample>& samples, const PlannerConfig& config,
-    const WireLimits& limits);
+    const google::protobuf::RepeatedPtrField<v1::Sample>& samples, const WireLimits& limits);
 void SampleToProto(const Sample& sample, v1::Sample* out);
 
 // Enum conversions; the UNSPECIFIED values map to the planner's defaults, unknown values are

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "google/protobuf/arena.h"
 #include "planner/planner.h"
 #include "planner/profile_table.h"
 
@@ -76,9 +75,8 @@ absl::Status JobRegistry::LiveOrNotFound(const std::string& job_id, const Job& j
 }
 
 absl::Status JobRegistry::Stored(absl::Status status) const {
-  if (status.ok() || !IsStoreFailure(status)) return status;
-  if (options_.on_store_failure) options_.on_store_failure(status);
-  return WithErrorReason(std::move(status), kReasonStateDirFailure);
+  if (IsStoreFailure(status) && options_.on_store_failure) options_.on_store_failure(status);
+  return status;
 }
 
 absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sync) const {
@@ -86,42 +84,32 @@ absl::Status JobRegistry::SaveJob(const std::string& id, const Job& job, bool sy
   return Stored(options_.store->SaveJob(Snapshot(id, job), sync));
 }
 
-state::v1::JobSnapshot JobRegistry::Snapshot(const std::string& id, const Job& job) {
-  state::v1::JobSnapshot snapshot;
-  snapshot.set_job_id(id);
-  snapshot.set_name(job.name);
-  snapshot.set_token(job.token);
-  *snapshot.mutable_config() = ConfigToProto(job.settings);
-  *snapshot.mutable_model() = ModelToProto(job.model);
-  snapshot.set_next_step(job.next_step);
-  for (bool joined : job.joined) snapshot.add_joined(joined);
+StoredJob JobRegistry::Snapshot(const std::string& id, const Job& job) {
+  StoredJob out;
+  out.job_id = id;
+  out.name = job.name;
+  out.token = job.token;
+  out.settings = job.settings();
+  out.model = job.model.state();
+  out.prior = job.model.prior();
+  out.next_step = job.next_step;
+  out.joined = job.joined;
   for (const auto& [step, record] : job.history) {
-    if (record.folded) snapshot.add_folded_steps(step);
+    if (record.folded) out.folded_steps.push_back(step);
   }
-  snapshot.set_unfolded_steps(job.unfolded_steps);
-  snapshot.set_fold_failure(job.fold_failure);
-  return snapshot;
+  out.unfolded_steps = job.unfolded_steps;
+  out.fold_failure = job.fold_failure;
+  return out;
 }
 
 absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
                                    const StepRecord& record) const {
   if (options_.store == nullptr) return absl::OkStatus();
-  // On an arena: a step of 16,384 samples is some 50,000 small messages.
-  google::protobuf::Arena arena;
-  auto* out = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
-  out->set_step(step);
-  for (const Sample& s : record.batch) SampleToProto(s, out->add_batch());
-  for (int r = 0; r < static_cast<int>(record.plan->ranks.size()); ++r) {
-    RankPlanToProto(*record.plan, step, r, out->add_ranks());
-  }
-  out->mutable_deferred_ids()->Assign(record.plan->deferred_ids.begin(),
-                                      record.plan->deferred_ids.end());
-  out->set_folded(record.folded);
-  return Stored(options_.store->SaveStep(id, *out));
+  return Stored(options_.store->SaveStep(id, step, record.batch, *record.plan, record.folded));
 }
 
 void JobRegistry::TrimHistory(const std::string& id, Job& job) {
-  while (static_cast<int>(job.history.size()) > job.settings.history_steps) {
+  while (static_cast<int>(job.history.size()) > job.history_steps) {
     const int64_t dropped = job.history.begin()->first;
     job.history.erase(job.history.begin());
     // A step file left behind is dropped again at the next restart: not worth failing for.
@@ -156,84 +144,69 @@ absl::Status JobRegistry::Restore() {
 }
 
 absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanStore::LoadedJob& l) {
-  const std::string& id = l.job_id;      // the folder's name: the file's own id is not trusted
-  WireLimits relaxed = options_.limits;  // a job accepted before keeps working under new flags
-  relaxed.max_world_size = std::max(relaxed.max_world_size, 1 << 30);
-  relaxed.max_history_steps = std::max(relaxed.max_history_steps, 1 << 20);
-  absl::StatusOr<JobSettings> settings = ConfigFromProto(l.job.config(), relaxed);
-  if (!settings.ok()) {
-    return absl::DataLossError(absl::StrCat("job.pb: ", settings.status().message()));
-  }
-  const PlannerConfig& config = settings->planner;
-  absl::StatusOr<LatencyModel> model = ModelFromProto(l.job.model(), config);
-  if (!model.ok()) return model.status();
-  if (l.job.name().size() > 64) return absl::DataLossError("job.pb: name above 64 characters");
-  if (l.job.token().size() != kTokenHexChars || !IsLowerHex(l.job.token())) {
+  const std::string& id = l.job_id;  // the folder's name: the file's own id is not trusted
+  StoredJob& stored = l.job;         // its config and model are decoded and checked (DecodeJob)
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(stored.settings.planner);
+  if (!valid.ok()) return absl::DataLossError(absl::StrCat("job.pb: ", valid.status().message()));
+  const PlannerConfig& config = valid->get();
+  if (stored.name.size() > 64) return absl::DataLossError("job.pb: name above 64 characters");
+  if (stored.token.size() != kTokenHexChars || !IsLowerHex(stored.token)) {
     return absl::DataLossError(
         absl::StrCat("job.pb: the token is not ", kTokenHexChars, " hexadecimal characters"));
   }
-  if (l.job.next_step() < 0 || l.job.next_step() > kMaxStep) {
+  if (stored.next_step < 0 || stored.next_step > kMaxStep) {
     return absl::DataLossError(
-        absl::StrCat("job.pb: next_step ", l.job.next_step(), " is outside [0, 2^48]"));
+        absl::StrCat("job.pb: next_step ", stored.next_step, " is outside [0, 2^48]"));
   }
-  if (l.job.unfolded_steps() < 0) return absl::DataLossError("job.pb: unfolded_steps < 0");
-  auto job = std::make_shared<Job>(*settings, model->prior());
+  if (stored.unfolded_steps < 0) return absl::DataLossError("job.pb: unfolded_steps < 0");
+  auto job = std::make_shared<Job>(*valid, stored.settings.history_steps, stored.prior);
   absl::MutexLock job_lock(&job->mu);
-  job->model = *model;
-  job->name = l.job.name();
-  job->token = l.job.token();
-  job->unfolded_steps = l.job.unfolded_steps();
-  job->fold_failure = l.job.fold_failure().substr(0, 1024);
+  job->model.set_state(stored.model);
+  job->name = std::move(stored.name);
+  job->token = std::move(stored.token);
+  job->unfolded_steps = stored.unfolded_steps;
+  job->fold_failure = stored.fold_failure.substr(0, 1024);
   job->joined.assign(config.ranks, false);
-  for (int r = 0; r < l.job.joined_size() && r < config.ranks; ++r) {
-    job->joined[r] = l.job.joined(r);
+  for (int r = 0; r < static_cast<int>(stored.joined.size()) && r < config.ranks; ++r) {
+    job->joined[r] = stored.joined[r];
   }
-  job->next_step = l.job.next_step();
-  const std::set<int64_t> folded(l.job.folded_steps().begin(), l.job.folded_steps().end());
+  job->next_step = stored.next_step;
+  const std::set<int64_t> folded(stored.folded_steps.begin(), stored.folded_steps.end());
   // Batches of the history are checked without the step capacity: overflow may have been
   // changed to `error` after a deferring step was planned.
-  PlannerConfig batch_config = config;
-  batch_config.overflow = OverflowPolicy::kDefer;
+  PlannerConfig deferring = config;
+  deferring.overflow = OverflowPolicy::kDefer;
+  absl::StatusOr<ValidConfig> batch_config = ValidConfig::Check(deferring);
+  if (!batch_config.ok()) return absl::DataLossError(batch_config.status().message());
   for (PlanStore::LoadedStep& step : l.steps) {
-    const int64_t n = step.record.step();
+    const int64_t n = step.step;
     const std::string where = absl::StrCat("step-", n, ".pb: ");
     if (n < 0 || n >= kMaxStep) {
       return absl::DataLossError(absl::StrCat(where, "step ", n, " is outside [0, 2^48)"));
     }
     StepRecord record;
-    for (const v1::Sample& s : step.record.batch()) {
-      record.batch.push_back(Sample{s.id(),
-                                    s.length(),
-                                    s.sensitivity(),
-                                    s.group(),
-                                    {s.segments().begin(), s.segments().end()}});
-    }
-    if (absl::Status s = ValidateBatch(record.batch, batch_config); !s.ok()) {
+    record.batch = std::move(step.batch);
+    if (absl::Status s = ValidateBatch(record.batch, *batch_config); !s.ok()) {
       return absl::DataLossError(absl::StrCat(where, s.message()));
     }
     record.batch_fingerprint = BatchFingerprint(record.batch);
-    StepPlan plan = StepPlanFromProto(step.record);
-    if (absl::Status s = ValidateStoredPlan(plan, record.batch, config); !s.ok()) {
+    if (absl::Status s = ValidateStoredPlan(step.plan, record.batch, config); !s.ok()) {
       return absl::DataLossError(absl::StrCat(where, s.message()));
     }
-    record.plan = std::make_shared<const StepPlan>(std::move(plan));
-    record.folded = step.record.folded() || folded.count(n) > 0;
-    for (const state::v1::ReportRecord& report : step.reports) {
-      std::vector<MicroBatchTiming> measured;
-      for (const v1::MicroBatchReport& m : report.micro_batches()) {
-        measured.push_back(TimingFromProto(m));
-      }
-      if (absl::Status s = ValidateReport(*record.plan, report.rank(), measured,
-                                          report.wait_seconds(), /*complete=*/false);
+    record.plan = std::make_shared<const StepPlan>(std::move(step.plan));
+    record.folded = step.folded || folded.count(n) > 0;
+    for (StoredReport& report : step.reports) {
+      if (absl::Status s = ValidateReport(*record.plan, report.rank, report.micro_batches,
+                                          report.wait_seconds, /*complete=*/false);
           !s.ok()) {
         return absl::DataLossError(
-            absl::StrCat("step-", n, ".reports: rank ", report.rank(), ": ", s.message()));
+            absl::StrCat("step-", n, ".reports: rank ", report.rank, ": ", s.message()));
       }
       // The first acknowledged report of a rank counts (a later one cannot have been
       // acknowledged: ReportStep answers repeats from memory).
-      if (record.reports.count(report.rank()) > 0) continue;
-      record.reports[report.rank()] = std::move(measured);
-      record.waits[report.rank()] = report.wait_seconds();
+      if (record.reports.count(report.rank) > 0) continue;
+      record.reports[report.rank] = std::move(report.micro_batches);
+      record.waits[report.rank] = report.wait_seconds;
     }
     // A step record written just before a crash that kept the snapshot from landing.
     job->next_step = std::max(job->next_step, n + 1);
@@ -269,7 +242,8 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
     return absl::InvalidArgumentError(
         absl::StrCat("name: ", name.size(), " characters; at most 64"));
   }
-  if (absl::Status s = ValidateConfig(settings.planner); !s.ok()) return s;
+  absl::StatusOr<ValidConfig> config = ValidConfig::Check(settings.planner);
+  if (!config.ok()) return config.status();
   if (settings.history_steps < 1 || settings.history_steps > options_.limits.max_history_steps) {
     return absl::InvalidArgumentError(absl::StrCat("config.history_steps: ", settings.history_steps,
                                                    " is outside [1, ",
@@ -285,7 +259,7 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
       return absl::InvalidArgumentError(absl::StrCat("profile: ", fitted.status().message()));
     prior = *fitted;
   }
-  auto job = std::make_shared<Job>(settings, prior);
+  auto job = std::make_shared<Job>(*config, settings.history_steps, prior);
   job->name = name;
   job->token = random_hex_(kTokenHexChars);
   absl::MutexLock lock(&mu_);
@@ -328,9 +302,9 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
-  if (rank < 0 || rank >= job->settings.planner.ranks) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank: ", rank, " is outside [0, ", job->settings.planner.ranks, ") of job ", job_id));
+  if (rank < 0 || rank >= job->config.get().ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is outside [0, ",
+                                                   job->config.get().ranks, ") of job ", job_id));
   }
   if (!job->joined[rank]) {
     job->joined[rank] = true;
@@ -348,7 +322,7 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
       }
     }
   }
-  return std::make_pair(job->settings, job->next_step);
+  return std::make_pair(job->settings(), job->next_step);
 }
 
 absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id, int64_t step,
@@ -358,6 +332,9 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
+  // The one check of the batch against the job's config, before anything else (a repeat with an
+  // invalid batch is INVALID_ARGUMENT, not ALREADY_EXISTS).
+  if (absl::Status s = ValidateBatch(batch, job->config); !s.ok()) return s;
   if (step < 0 || step >= kMaxStep) {
     return absl::InvalidArgumentError(
         absl::StrCat("step: ", step, " is outside [0, 2^48); steps count from 0"));
@@ -365,9 +342,9 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   if (step < job->next_step) {
     auto it = job->history.find(step);
     if (it == job->history.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step ", step, " was planned but is older than the ", job->settings.history_steps,
-          " steps kept; the next step is ", job->next_step));
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step, " was planned but is older than the ", job->history_steps,
+                       " steps kept; the next step is ", job->next_step));
     }
     StepRecord& record = it->second;
     if (record.batch_fingerprint != BatchFingerprint(batch)) {
@@ -383,7 +360,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
                          " already has reports against the planner's plan; its ranks must all "
                          "run one plan"));
       }
-      absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job->settings.planner);
+      absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job->config);
       if (!local.ok()) return local.status();
       if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) {
         return s;
@@ -405,9 +382,8 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
         "step: ", step, " would skip ", skipped, " steps after step ", job->next_step - 1,
         "; a planned_locally submit may skip at most ", options_.max_skipped_steps));
   }
-  absl::StatusOr<StepPlan> plan = planned_locally
-                                      ? PlanStepLocally(batch, job->settings.planner)
-                                      : PlanStep(batch, job->settings.planner, job->model);
+  absl::StatusOr<StepPlan> plan = planned_locally ? PlanStepLocally(batch, job->config)
+                                                  : PlanStep(batch, job->config, job->model);
   if (!plan.ok()) return plan.status();
   StepRecord record;
   record.batch_fingerprint = BatchFingerprint(batch);
@@ -444,14 +420,14 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> JobRegistry::GetPlan(const std::
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
-  if (rank < 0 || rank >= job->settings.planner.ranks) {
+  if (rank < 0 || rank >= job->config.get().ranks) {
     return absl::InvalidArgumentError(
-        absl::StrCat("rank: ", rank, " is outside [0, ", job->settings.planner.ranks, ")"));
+        absl::StrCat("rank: ", rank, " is outside [0, ", job->config.get().ranks, ")"));
   }
   if (step < 0 || step >= kMaxStep) {
     return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is outside [0, 2^48)"));
   }
-  if (world_size != nullptr) *world_size = job->settings.planner.ranks;
+  if (world_size != nullptr) *world_size = job->config.get().ranks;
   *ready = false;
   if (step >= job->next_step) return std::shared_ptr<const StepPlan>();
   auto it = job->history.find(step);
@@ -472,36 +448,26 @@ std::string ReportDifference(const std::vector<MicroBatchTiming>& before, double
     return absl::StrCat("micro_batches: ", now.size(), " timings, acknowledged with ",
                         before.size());
   }
-  for (size_t k = 0; k < now.size(); ++k) {
+  std::string differs;
+  // Names the first field whose value differs: "<field>: <now>, acknowledged as <before>".
+  auto compare = [&differs](absl::string_view field, auto was, auto is) {
+    if (differs.empty() && was != is) {
+      differs = absl::StrCat(field, ": ", is, ", acknowledged as ", was);
+    }
+  };
+  for (size_t k = 0; k < now.size() && differs.empty(); ++k) {
     const MicroBatchTiming& a = before[k];
     const MicroBatchTiming& b = now[k];
     const std::string at = absl::StrCat("micro_batches[", k, "].");
-    if (a.micro_batch != b.micro_batch) {
-      return absl::StrCat(at, "micro_batch: ", b.micro_batch, ", acknowledged as ", a.micro_batch);
-    }
-    if (a.compute_seconds != b.compute_seconds) {
-      return absl::StrCat(at, "compute_seconds: ", b.compute_seconds, ", acknowledged as ",
-                          a.compute_seconds);
-    }
-    if (a.attention_seconds != b.attention_seconds) {
-      return absl::StrCat(at, "attention_seconds: ", b.attention_seconds, ", acknowledged as ",
-                          a.attention_seconds);
-    }
-    if (a.tokens != b.tokens) {
-      return absl::StrCat(at, "tokens: ", b.tokens, ", acknowledged as ", a.tokens);
-    }
-    if (a.achieved_density != b.achieved_density) {
-      return absl::StrCat(at, "achieved_density: ", b.achieved_density, ", acknowledged as ",
-                          a.achieved_density);
-    }
-    if (a.recall != b.recall) {
-      return absl::StrCat(at, "recall: ", b.recall, ", acknowledged as ", a.recall);
-    }
+    compare(at + "micro_batch", a.micro_batch, b.micro_batch);
+    compare(at + "compute_seconds", a.compute_seconds, b.compute_seconds);
+    compare(at + "attention_seconds", a.attention_seconds, b.attention_seconds);
+    compare(at + "tokens", a.tokens, b.tokens);
+    compare(at + "achieved_density", a.achieved_density, b.achieved_density);
+    compare(at + "recall", a.recall, b.recall);
   }
-  if (wait_before != wait_now) {
-    return absl::StrCat("wait_seconds: ", wait_now, ", acknowledged as ", wait_before);
-  }
-  return "";
+  compare("wait_seconds", wait_before, wait_now);
+  return differs;
 }
 
 }  // namespace
@@ -513,7 +479,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
-  const PlannerConfig& config = job->settings.planner;
+  const PlannerConfig& config = job->config.get();
   if (rank < 0 || rank >= config.ranks) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", rank, " is outside [0, ", config.ranks, ")"));
@@ -551,7 +517,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
           " plan of step ", step, " but the step's other ranks ran the ",
           planned_locally ? "planner's" : "local", " one; all ranks of a step must run one plan"));
     }
-    absl::StatusOr<StepPlan> planned = PlanStepLocally(record.batch, config);
+    absl::StatusOr<StepPlan> planned = PlanStepLocally(record.batch, job->config);
     if (!planned.ok()) return planned.status();
     local = *std::move(planned);
   }
@@ -564,11 +530,9 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
     if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) return s;
   }
   if (options_.store != nullptr) {
-    state::v1::ReportRecord out;
-    out.set_rank(rank);
-    out.set_wait_seconds(wait_seconds);
-    for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, out.add_micro_batches());
-    if (absl::Status s = Stored(options_.store->AppendReport(job_id, step, out)); !s.ok()) {
+    if (absl::Status s =
+            Stored(options_.store->AppendReport(job_id, step, {rank, micro_batches, wait_seconds}));
+        !s.ok()) {
       return s;
     }
   }
@@ -654,12 +618,12 @@ absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& j
   }
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
-  absl::StatusOr<CostCoefficients> fitted = FitProfile(*table, job->settings.planner.shape);
+  absl::StatusOr<CostCoefficients> fitted = FitProfile(*table, job->config.get().shape);
   if (!fitted.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("profile: ", fitted.status().message()));
   }
   // A new prior restarts learning; the speed factors stay (they are about the ranks).
-  LatencyModel model(job->settings.planner.shape, job->settings.planner.ranks, *fitted);
+  LatencyModel model(job->config.get().shape, job->config.get().ranks, *fitted);
   LatencyModelState state = model.state();
   state.speed_factors = job->model.speed_factors();
   model.set_state(state);
@@ -678,7 +642,7 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
-  JobSettings next = job->settings;
+  JobSettings next = job->settings();
   PlannerConfig& c = next.planner;
   const PlannerConfig& u = update.planner;
   if (fields.empty()) {
@@ -713,11 +677,15 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
                        "density_min, density_max, density_default, overflow, history_steps"));
     }
   }
-  if (absl::Status s = ValidateConfig(c); !s.ok()) return s;
-  const JobSettings previous = job->settings;
-  job->settings = next;
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(c);
+  if (!valid.ok()) return valid.status();
+  const ValidConfig previous = job->config;
+  const int previous_history = job->history_steps;
+  job->config = *valid;
+  job->history_steps = next.history_steps;
   if (absl::Status s = SaveJob(job_id, *job); !s.ok()) {
-    job->settings = previous;
+    job->config = previous;
+    job->history_steps = previous_history;
     return s;
   }
   TrimHistory(job_id, *job);
@@ -728,7 +696,7 @@ JobView JobRegistry::View(const std::string& id, const Job& job) {
   JobView v;
   v.job_id = id;
   v.name = job.name;
-  v.settings = job.settings;
+  v.settings = job.settings();
   v.next_step = job.next_step;
   v.joined_ranks = static_cast<int>(std::count(job.joined.begin(), job.joined.end(), true));
   if (!job.history.empty()) {

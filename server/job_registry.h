@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "planner/latency_model.h"
+#include "planner/planner.h"
 #include "planner/types.h"
 #include "proto/wire.h"
 #include "server/job_state.h"
@@ -137,10 +138,11 @@ class JobRegistry {
   // step): where a restarted rank resumes.
   absl::StatusOr<std::pair<JobSettings, int64_t>> JoinJob(const std::string& job_id, int rank,
                                                           int64_t* rank_next_step = nullptr);
-  // Plans `step` (steps in order). With `planned_locally` the step's plan is the trainer's
-  // fallback plan (PlanStepLocally), a step past the next one is accepted (the steps between
-  // are skipped: the trainer ran them alone and no longer has their batches), and a step
-  // already planned with the same batch but not reported yet switches to the local plan.
+  // Checks `batch` against the job's config (ValidateBatch: INVALID_ARGUMENT naming
+  // "samples[i].<field>") and plans `step` (steps in order). With `planned_locally` the step's plan
+  // is the trainer's fallback plan (PlanStepLocally), a step past the next one is accepted (the
+  // steps between are skipped: the trainer ran them alone and no longer has their batches), and a
+  // step already planned with the same batch but not reported yet switches to the local plan.
   absl::StatusOr<SubmitResult> SubmitBatch(const std::string& job_id, int64_t step,
                                            const std::vector<Sample>& batch,
                                            bool planned_locally = false);
@@ -192,12 +194,19 @@ class JobRegistry {
     bool folded = false;
   };
   struct Job {
-    explicit Job(const JobSettings& s, const CostCoefficients& prior)
-        : settings(s), model(s.planner.shape, s.planner.ranks, prior) {}
+    Job(const ValidConfig& c, int history, const CostCoefficients& prior)
+        : config(c), history_steps(history), model(c.get().shape, c.get().ranks, prior) {}
+    // The settings as JobSettings (views, snapshots, replies).
+    JobSettings settings() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return {config.get(), history_steps};
+    }
     mutable absl::Mutex mu;
     std::string name;
     std::string token;
-    JobSettings settings ABSL_GUARDED_BY(mu);
+    // Checked once, when the job was created or its config last changed; every step is planned
+    // and every batch checked with it as it is.
+    ValidConfig config ABSL_GUARDED_BY(mu);
+    int history_steps ABSL_GUARDED_BY(mu);
     LatencyModel model ABSL_GUARDED_BY(mu);
     std::vector<bool> joined ABSL_GUARDED_BY(mu);
     int64_t next_step ABSL_GUARDED_BY(mu) = 0;
@@ -216,14 +225,15 @@ class JobRegistry {
   std::shared_ptr<Job> Find(const std::string& job_id) const;
   static absl::Status LiveOrNotFound(const std::string& job_id, const Job& job)
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
-  // A store call's status: store failures get the reason kReasonStateDirFailure and are
-  // reported through on_store_failure.
+  // A store call's status, unchanged; store failures (IsStoreFailure) are also reported
+  // through on_store_failure.
   absl::Status Stored(absl::Status status) const;
   // Builds and validates one job from its files (Restore).
   absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
   // Drops the oldest steps beyond history_steps (and their files).
   void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
-  static state::v1::JobSnapshot Snapshot(const std::string& id, const Job& job)
+  // What the store keeps of the job (its job.pb).
+  static StoredJob Snapshot(const std::string& id, const Job& job)
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   // Writes the job's snapshot to the store (no-op without one).
   absl::Status SaveJob(const std::string& id, const Job& job, bool sync = true) const

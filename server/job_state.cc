@@ -11,64 +11,7 @@ namespace {
 
 bool Positive(double x) { return std::isfinite(x) && x > 0.0; }
 
-bool AllFinite(const google::protobuf::RepeatedField<double>& values) {
-  for (double v : values) {
-    if (!std::isfinite(v)) return false;
-  }
-  return true;
-}
-
 }  // namespace
-
-state::v1::ModelState ModelToProto(const LatencyModel& model) {
-  state::v1::ModelState out;
-  const LatencyModelState& st = model.state();
-  out.mutable_weights()->Assign(st.weights.begin(), st.weights.end());
-  out.mutable_covariance()->Assign(st.covariance.begin(), st.covariance.end());
-  out.mutable_speed_factors()->Assign(st.speed_factors.begin(), st.speed_factors.end());
-  out.set_rank_error_variance(st.rank_error_variance);
-  out.set_steps_observed(st.steps_observed);
-  const CostCoefficients& p = model.prior();
-  for (double c : {p.per_block, p.per_token, p.per_sample, p.per_micro_batch}) out.add_prior(c);
-  return out;
-}
-
-absl::StatusOr<LatencyModel> ModelFromProto(const state::v1::ModelState& in,
-                                            const PlannerConfig& config) {
-  if (in.weights_size() != 4 || in.covariance_size() != 16 || in.prior_size() != 4 ||
-      in.speed_factors_size() != config.ranks) {
-    return absl::DataLossError(
-        absl::StrCat("job.pb model: ", in.weights_size(), " weights, ", in.covariance_size(),
-                     " covariance entries, ", in.prior_size(), " prior coefficients and ",
-                     in.speed_factors_size(), " speed factors; want 4, 16, 4 and ", config.ranks));
-  }
-  if (!AllFinite(in.weights()) || !AllFinite(in.covariance()) || !AllFinite(in.prior()) ||
-      !std::isfinite(in.rank_error_variance()) || in.rank_error_variance() < 0 ||
-      in.steps_observed() < 0) {
-    return absl::DataLossError(
-        "job.pb model: a weight, covariance, prior or error value is not "
-        "finite (or negative)");
-  }
-  for (int r = 0; r < in.speed_factors_size(); ++r) {
-    if (!Positive(in.speed_factors(r))) {
-      return absl::DataLossError(absl::StrCat("job.pb model: speed_factors[", r, "] = ",
-                                              in.speed_factors(r), " is not positive and finite"));
-    }
-  }
-  for (double c : in.prior()) {
-    if (!(c >= 0)) return absl::DataLossError("job.pb model: a prior coefficient is negative");
-  }
-  LatencyModel model(config.shape, config.ranks,
-                     CostCoefficients{in.prior(0), in.prior(1), in.prior(2), in.prior(3)});
-  LatencyModelState st;
-  std::copy(in.weights().begin(), in.weights().end(), st.weights.begin());
-  std::copy(in.covariance().begin(), in.covariance().end(), st.covariance.begin());
-  st.speed_factors.assign(in.speed_factors().begin(), in.speed_factors().end());
-  st.rank_error_variance = in.rank_error_variance();
-  st.steps_observed = in.steps_observed();
-  model.set_state(st);
-  return model;
-}
 
 bool StateFinite(const LatencyModelState& st) {
   for (double v : st.weights) {
@@ -81,34 +24,6 @@ bool StateFinite(const LatencyModelState& st) {
     if (!Positive(v)) return false;
   }
   return std::isfinite(st.rank_error_variance);
-}
-
-StepPlan StepPlanFromProto(const state::v1::StepRecord& in) {
-  StepPlan plan;
-  for (const v1::RankPlan& r : in.ranks()) {
-    RankPlan rank;
-    rank.predicted_seconds = r.predicted_seconds();
-    for (const v1::MicroBatch& m : r.micro_batches()) {
-      rank.micro_batches.push_back(MicroBatchFromProto(m));
-    }
-    plan.ranks.push_back(std::move(rank));
-  }
-  if (in.ranks_size() > 0) {
-    const v1::RankPlan& first = in.ranks(0);
-    absl::StatusOr<Policy> policy = PolicyFromProto(first.policy(), "policy");
-    plan.policy = policy.ok() ? *policy : Policy::kSparseBalance;
-    const v1::PlanFigures& f = first.figures();
-    plan.makespan_seconds = f.makespan_seconds();
-    plan.lower_bound_seconds = f.lower_bound_seconds();
-    plan.gap = f.gap();
-    plan.imbalance_ratio = f.imbalance_ratio();
-    plan.bubble_ratio = f.bubble_ratio();
-    plan.mean_density = f.mean_density();
-    plan.predicted_recall = f.predicted_recall();
-    plan.planned_locally = first.planned_locally();
-  }
-  plan.deferred_ids.assign(in.deferred_ids().begin(), in.deferred_ids().end());
-  return plan;
 }
 
 absl::Status ValidateReport(const StepPlan& plan, int rank,

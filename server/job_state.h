@@ -1,10 +1,9 @@
-// A job's stored state (sparsebalance.state.v1) <-> the planner's types, and the checks that
-// what was stored or reported fits the job: JobRegistry writes with these, Restore reads and
-// validates with them (a job whose files fail a check is quarantined), and ReportStep checks a
-// rank's report with the same rules it is checked with after a restart.
+// The checks that what was stored or reported fits a job: ReportStep checks a rank's report
+// with ValidateReport, and Restore checks every step read back from the state directory with
+// the same rules (a job whose files fail a check is quarantined); a fold keeps the model only
+// while StateFinite holds. The storage protos themselves are the store's (state_codec.h).
 //
-//   absl::StatusOr<LatencyModel> model = ModelFromProto(snapshot.model(), settings.planner);
-//   if (!model.ok()) quarantine(model.status().message());
+//   if (absl::Status s = ValidateStoredPlan(plan, batch, config); !s.ok()) quarantine(s);
 #ifndef SPARSEBALANCE_SERVER_JOB_STATE_H_
 #define SPARSEBALANCE_SERVER_JOB_STATE_H_
 
@@ -14,8 +13,6 @@
 #include "absl/status/statusor.h"
 #include "planner/latency_model.h"
 #include "planner/types.h"
-#include "proto/wire.h"
-#include "sparsebalance/state/v1/state.pb.h"
 
 namespace sparsebalance {
 
@@ -23,15 +20,8 @@ namespace sparsebalance {
 // the model's least squares must never see values whose squares overflow.
 inline constexpr double kMaxReportedSeconds = 1e6;
 
-state::v1::ModelState ModelToProto(const LatencyModel& model);
-// The model of a snapshot, for a job of `config`; DATA_LOSS when its shape is not the job's or
-// a value is not finite (speed factors: not positive).
-absl::StatusOr<LatencyModel> ModelFromProto(const state::v1::ModelState& in,
-                                            const PlannerConfig& config);
 // Every value of a learned state finite (speed factors positive): what a fold must keep.
 bool StateFinite(const LatencyModelState& state);
-// The plan a step record holds (not checked: ValidateStoredPlan).
-StepPlan StepPlanFromProto(const state::v1::StepRecord& in);
 
 // Checks one rank's report of a step against the step's plan: micro-batch indices, each
 // reported once, tokens as planned, times finite and bounded, density and recall in [0, 1];

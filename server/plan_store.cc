@@ -19,6 +19,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "google/protobuf/arena.h"
+#include "server/state_codec.h"
 
 namespace sparsebalance {
 namespace {
@@ -41,6 +43,15 @@ absl::Status IoFailure(absl::string_view what, absl::string_view path, int err) 
                                     ? absl::StatusCode::kResourceExhausted
                                     : absl::StatusCode::kInternal;
   return StoreFailure(code, absl::StrCat(what, " ", path, ": ", std::strerror(err)));
+}
+
+// `status` with `more` appended to its message, its code and payloads (the store-failure reason)
+// kept.
+absl::Status WithMore(const absl::Status& status, absl::string_view more) {
+  absl::Status out(status.code(), absl::StrCat(status.message(), more));
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
 }
 
 bool IsFolder(const std::string& path) {
@@ -113,23 +124,28 @@ absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
   return sync ? SyncDir(dir) : absl::OkStatus();
 }
 
+// fstat of the open file `fd` (at `path`); on failure `fd` is closed.
+absl::StatusOr<struct stat> StatOpenFile(int fd, const std::string& path) {
+  struct stat st;
+  if (fstat(fd, &st) == 0) return st;
+  const int err = errno;
+  close(fd);
+  return IoFailure("cannot stat", path, err);
+}
+
 // The whole of a regular file (never a symlink, a FIFO or a device: opening those must not
 // block or escape the directory).
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return IoFailure("cannot open", path, errno);
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return IoFailure("cannot stat", path, err);
-  }
-  if (!S_ISREG(st.st_mode)) {
+  absl::StatusOr<struct stat> st = StatOpenFile(fd, path);
+  if (!st.ok()) return st.status();
+  if (!S_ISREG(st->st_mode)) {
     close(fd);
     return absl::DataLossError(absl::StrCat(path, " is not a regular file"));
   }
   std::string out;
-  out.reserve(static_cast<size_t>(std::min<int64_t>(st.st_size, kMaxFileBytes)));
+  out.reserve(static_cast<size_t>(std::min<int64_t>(st->st_size, kMaxFileBytes)));
   char buffer[1 << 16];
   while (true) {
     const ssize_t n = read(fd, buffer, sizeof(buffer));
@@ -323,15 +339,13 @@ absl::Status CheckStep(int64_t step) {
 
 }  // namespace
 
-absl::Status StoreFailure(absl::StatusCode code, std::string message) {
-  if (!absl::StartsWith(message, kStorePrefix)) message = absl::StrCat(kStorePrefix, message);
-  absl::Status status(code, message);
-  status.SetPayload(kStoreFailureTypeUrl, absl::Cord("state_dir"));
-  return status;
+absl::Status StoreFailure(absl::StatusCode code, absl::string_view message) {
+  return WithErrorReason(absl::Status(code, absl::StrCat(kStorePrefix, message)),
+                         kReasonStateDirFailure);
 }
 
 bool IsStoreFailure(const absl::Status& status) {
-  return status.GetPayload(kStoreFailureTypeUrl).has_value();
+  return ErrorReason(status) == kReasonStateDirFailure;
 }
 
 bool IsValidJobId(absl::string_view id) {
@@ -357,8 +371,8 @@ absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& di
   }
   std::unique_ptr<PlanStore> store(new PlanStore(dir, fsync_reports));
   if (absl::Status s = store->CheckWritable(); !s.ok()) {
-    return StoreFailure(s.code(), absl::StrCat(s.message(), " (sb-planner writes its state in ",
-                                               dir, ": it must be a writable directory)"));
+    return WithMore(s, absl::StrCat(" (sb-planner writes its state in ", dir,
+                                    ": it must be a writable directory)"));
   }
   store->SweepAfterCrash();
   return store;
@@ -408,41 +422,47 @@ std::string PlanStore::JobDir(const std::string& job_id) const {
   return absl::StrCat(dir_, "/", job_id);
 }
 
-absl::Status PlanStore::CreateJob(const state::v1::JobSnapshot& job) {
-  if (absl::Status s = CheckJobId(job.job_id()); !s.ok()) return s;
-  const std::string job_dir = JobDir(job.job_id());
+absl::Status PlanStore::CreateJob(const StoredJob& job) {
+  if (absl::Status s = CheckJobId(job.job_id); !s.ok()) return s;
+  const std::string job_dir = JobDir(job.job_id);
   if (mkdir(job_dir.c_str(), 0700) != 0) {
     if (errno == EEXIST) {
       return absl::AlreadyExistsError(
-          absl::StrCat("job ", job.job_id(), " already has a folder in ", dir_));
+          absl::StrCat("job ", job.job_id, " already has a folder in ", dir_));
     }
     return IoFailure("cannot create", job_dir, errno);
   }
-  absl::Status status =
-      WriteFileDurably(job_dir, job_dir + "/job.pb", job.SerializeAsString(), /*sync=*/true);
+  absl::Status status = WriteFileDurably(job_dir, job_dir + "/job.pb",
+                                         EncodeJob(job).SerializeAsString(), /*sync=*/true);
   if (status.ok()) status = SyncDir(dir_);
-  if (!status.ok()) RemoveTree(dir_, job.job_id()).IgnoreError();  // not half a job
+  if (!status.ok()) RemoveTree(dir_, job.job_id).IgnoreError();  // not half a job
   return status;
 }
 
-absl::Status PlanStore::SaveJob(const state::v1::JobSnapshot& job, bool sync) {
-  if (absl::Status s = CheckJobId(job.job_id()); !s.ok()) return s;
-  const std::string job_dir = JobDir(job.job_id());
-  absl::Status status = WriteFileDurably(job_dir, job_dir + "/job.pb", job.SerializeAsString(),
-                                         sync || fsync_reports_);
+absl::Status PlanStore::SaveJob(const StoredJob& job, bool sync) {
+  if (absl::Status s = CheckJobId(job.job_id); !s.ok()) return s;
+  const std::string job_dir = JobDir(job.job_id);
+  absl::Status status = WriteFileDurably(
+      job_dir, job_dir + "/job.pb", EncodeJob(job).SerializeAsString(), sync || fsync_reports_);
   if (!status.ok() && IsGone(job_dir)) {
     return absl::FailedPreconditionError(
-        absl::StrCat("job ", job.job_id(), " has no folder in ", dir_, " (deleted): not saved"));
+        absl::StrCat("job ", job.job_id, " has no folder in ", dir_, " (deleted): not saved"));
   }
   return status;
 }
 
-absl::Status PlanStore::SaveStep(const std::string& job_id, const state::v1::StepRecord& step) {
+absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
+                                 const std::vector<Sample>& batch, const StepPlan& plan,
+                                 bool folded) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
-  if (absl::Status s = CheckStep(step.step()); !s.ok()) return s;
+  if (absl::Status s = CheckStep(step); !s.ok()) return s;
+  // On an arena: a step of 16,384 samples is some 50,000 small messages.
+  google::protobuf::Arena arena;
+  auto* record = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
+  EncodeStep(step, batch, plan, folded, record);
   const std::string job_dir = JobDir(job_id);
-  absl::Status status = WriteFileDurably(job_dir, StepPath(job_dir, step.step(), ".pb"),
-                                         step.SerializeAsString(), /*sync=*/true);
+  absl::Status status = WriteFileDurably(job_dir, StepPath(job_dir, step, ".pb"),
+                                         record->SerializeAsString(), /*sync=*/true);
   if (!status.ok() && IsGone(job_dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): step not saved"));
@@ -467,18 +487,14 @@ absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string&
       }
       return IoFailure("cannot open", path, err);
     }
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-      const int err = errno;
-      close(fd);
-      return IoFailure("cannot stat", path, err);
-    }
-    if (!S_ISREG(st.st_mode)) {
+    absl::StatusOr<struct stat> st = StatOpenFile(fd, path);
+    if (!st.ok()) return st.status();
+    if (!S_ISREG(st->st_mode)) {
       close(fd);
       return StoreFailure(absl::StatusCode::kInternal,
                           absl::StrCat(path, " is not a regular file: cannot append to it"));
     }
-    return ReportLog{fd, st.st_size};
+    return ReportLog{fd, st->st_size};
   };
   absl::StatusOr<ReportLog> log = open_log();
   if (!log.ok() || log->size == 0) return log;
@@ -502,10 +518,10 @@ absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string&
 }
 
 absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
-                                     const state::v1::ReportRecord& report) {
+                                     const StoredReport& report) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
   if (absl::Status s = CheckStep(step); !s.ok()) return s;
-  const std::string body = report.SerializeAsString();
+  const std::string body = EncodeReport(report).SerializeAsString();
   if (body.size() > kMaxRecordBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("report: ", body.size(), " bytes; at most ", kMaxRecordBytes));
@@ -535,9 +551,8 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
   // Cut off what part of the record landed, so that the next append (once space is back)
   // starts on a record boundary instead of after a torn record.
   if (ftruncate(log.fd, log.size) != 0) {
-    status = StoreFailure(status.code(),
-                          absl::StrCat(status.message(), "; then cannot cut ", path, " back to ",
-                                       log.size, " bytes: ", std::strerror(errno)));
+    status = WithMore(status, absl::StrCat("; then cannot cut ", path, " back to ", log.size,
+                                           " bytes: ", std::strerror(errno)));
   }
   close(log.fd);  // reopened (and its size read again) by the next append
   report_logs_.erase(it);
@@ -653,10 +668,14 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
   job.job_id = job_id;
   absl::StatusOr<std::string> bytes = ReadFile(job_dir + "/job.pb");
   if (!bytes.ok()) return bytes.status();
-  if (!job.job.ParseFromString(*bytes) || !job.job.has_config()) {
+  state::v1::JobSnapshot snapshot;
+  if (!snapshot.ParseFromString(*bytes) || !snapshot.has_config()) {
     return absl::DataLossError(absl::StrCat(job_dir, "/job.pb (", bytes->size(),
                                             " bytes) does not parse as a job snapshot"));
   }
+  absl::StatusOr<StoredJob> decoded = DecodeJob(snapshot);
+  if (!decoded.ok()) return decoded.status();
+  job.job = *std::move(decoded);
   std::vector<int64_t> steps;
   for (const std::string& file : files) {
     absl::string_view name = file;
@@ -668,24 +687,27 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
   }
   std::sort(steps.begin(), steps.end());
   for (int64_t step : steps) {
-    LoadedStep loaded;
     const std::string record_path = StepPath(job_dir, step, ".pb");
-    absl::StatusOr<std::string> record = ReadFile(record_path);
-    if (!record.ok()) return record.status();
-    if (!loaded.record.ParseFromString(*record)) {
-      return absl::DataLossError(absl::StrCat(record_path, " (", record->size(),
+    absl::StatusOr<std::string> bytes = ReadFile(record_path);
+    if (!bytes.ok()) return bytes.status();
+    state::v1::StepRecord record;
+    if (!record.ParseFromString(*bytes)) {
+      return absl::DataLossError(absl::StrCat(record_path, " (", bytes->size(),
                                               " bytes) does not parse as a step record"));
     }
-    if (loaded.record.step() != step) {
+    if (record.step() != step) {
       return absl::DataLossError(
-          absl::StrCat(record_path, " holds step ", loaded.record.step(), ", not ", step));
+          absl::StrCat(record_path, " holds step ", record.step(), ", not ", step));
     }
+    LoadedStep loaded = DecodeStep(record);
     if (files.count(absl::StrCat("step-", step, ".reports")) > 0) {
       absl::StatusOr<std::string> log = ReadFile(StepPath(job_dir, step, ".reports"));
       if (!log.ok()) return log.status();
       bool legacy = false;
-      ParsedLog parsed = ParseReportLog(*log, &legacy);
-      loaded.reports = std::move(parsed.reports);
+      const ParsedLog parsed = ParseReportLog(*log, &legacy);
+      for (const state::v1::ReportRecord& report : parsed.reports) {
+        loaded.reports.push_back(DecodeReport(report));
+      }
       loaded.skipped_bytes = parsed.skipped_bytes;
     }
     job.steps.push_back(std::move(loaded));
@@ -711,7 +733,7 @@ absl::StatusOr<PlanStore::Loaded> PlanStore::LoadAll() {
       loaded.jobs.push_back(*std::move(job));
       continue;
     }
-    const std::string reason(absl::StripPrefix(job.status().message(), kStorePrefix));
+    const std::string reason(job.status().message());
     if (absl::Status moved = Quarantine(id, reason); moved.ok()) {
       quarantined_now[id] = reason;
     } else {

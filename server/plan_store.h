@@ -3,6 +3,10 @@
 //   <state_dir>/<job_id>/job.pb             JobSnapshot: config, token, model, next step
 //   <state_dir>/<job_id>/step-<n>.pb        StepRecord: the batch and the whole plan
 //   <state_dir>/<job_id>/step-<n>.reports   ReportRecords, appended (framed, below)
+//
+// Callers hand the store C++ values (StoredJob, a step's batch and plan, StoredReport) and get
+// C++ values back; the store alone turns them into the storage protos of state.proto and bytes
+// (state_codec.h).
 //   <state_dir>/.deleted-<job_id>/          a job being deleted (RetireJob), never loaded
 //   <state_dir>/quarantine/<job_id>/        a job whose files did not load, with a REASON file
 //
@@ -37,7 +41,7 @@
 //
 //   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
 //   if (!store.ok()) return store.status();  // e.g. "state_dir: cannot create ...: Read-only..."
-//   (*store)->CreateJob(snapshot);            // then SaveStep, AppendReport, SaveJob, ...
+//   (*store)->CreateJob(job);                 // then SaveStep, AppendReport, SaveJob, ...
 #ifndef SPARSEBALANCE_SERVER_PLAN_STORE_H_
 #define SPARSEBALANCE_SERVER_PLAN_STORE_H_
 
@@ -54,19 +58,21 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "sparsebalance/state/v1/state.pb.h"
+#include "planner/latency_model.h"
+#include "planner/profile_table.h"
+#include "planner/types.h"
+#include "proto/wire.h"
 
 namespace sparsebalance {
 
 // A failure of the state directory (disk full, read-only, I/O error). Not retryable by clients.
-// Code RESOURCE_EXHAUSTED for ENOSPC/EDQUOT/EFBIG, INTERNAL otherwise; the message starts
-// "state_dir: " (added when `message` lacks it) and says what failed, on which path, and the
-// errno text. Recognised by a typed absl::Status payload (kStoreFailureTypeUrl), never by
-// parsing the message.
-absl::Status StoreFailure(absl::StatusCode code, std::string message);
+// Code RESOURCE_EXHAUSTED for ENOSPC/EDQUOT/EFBIG, INTERNAL otherwise; the message is
+// "state_dir: " + `message` (what failed, on which path, and the errno text). Its one typed
+// signal is the error reason kReasonStateDirFailure (proto/wire.h), attached here and carried
+// unchanged through the registry to the gRPC status details the client reads; nothing
+// recognises it by its message.
+absl::Status StoreFailure(absl::StatusCode code, absl::string_view message);
 bool IsStoreFailure(const absl::Status& status);
-inline constexpr absl::string_view kStoreFailureTypeUrl =
-    "type.googleapis.com/sparsebalance.state.v1.StoreFailure";
 
 // Job ids the store accepts as folder names: 8 to 64 characters of [0-9a-z]. Anything else is
 // refused before it is used in a path (no '/', '.', '..').
@@ -75,16 +81,41 @@ bool IsValidJobId(absl::string_view id);
 // CRC32C (Castagnoli, as in iSCSI and ext4) of `data`: the checksum of report log records.
 uint32_t Crc32c(absl::string_view data);
 
+// A job as job.pb holds it: everything but its steps.
+struct StoredJob {
+  std::string job_id;
+  std::string name;
+  std::string token;
+  JobSettings settings;
+  LatencyModelState model;  // the learned state, with `prior` enough to rebuild the model
+  CostCoefficients prior;
+  int64_t next_step = 0;
+  std::vector<bool> joined;           // per rank
+  std::vector<int64_t> folded_steps;  // steps of the history whose reports are in the model
+  int64_t unfolded_steps = 0;
+  std::string fold_failure;
+};
+
+// One rank's acknowledged report of a step, as its report log holds it.
+struct StoredReport {
+  int rank = 0;
+  std::vector<MicroBatchTiming> micro_batches;
+  double wait_seconds = 0.0;  // seconds
+};
+
 class PlanStore {
  public:
   struct LoadedStep {
-    state::v1::StepRecord record;
-    std::vector<state::v1::ReportRecord> reports;
-    int64_t skipped_bytes = 0;  // torn or corrupt bytes of the report log that were skipped
+    int64_t step = 0;
+    std::vector<Sample> batch;
+    StepPlan plan;
+    bool folded = false;
+    std::vector<StoredReport> reports;  // in the order they were appended
+    int64_t skipped_bytes = 0;          // torn or corrupt bytes of the report log that were skipped
   };
   struct LoadedJob {
     std::string job_id;  // the folder's name, never the snapshot's contents
-    state::v1::JobSnapshot job;
+    StoredJob job;
     std::vector<LoadedStep> steps;  // ascending step
   };
   struct FailedJob {
@@ -108,17 +139,19 @@ class PlanStore {
   absl::Status CheckWritable();
 
   // A new job: creates its folder (ALREADY_EXISTS when there is one) and its synced job.pb.
-  absl::Status CreateJob(const state::v1::JobSnapshot& job);
+  absl::Status CreateJob(const StoredJob& job);
   // Replaces the snapshot of an existing job. `sync` false: a snapshot that only adds what the
   // step records and the appended reports already hold (the one after a submit); synced like
   // the reports (--fsync_reports), atomically renamed either way. Never re-creates a deleted
   // job: FAILED_PRECONDITION (not a store failure) when its folder is gone. The same holds for
   // SaveStep and AppendReport.
-  absl::Status SaveJob(const state::v1::JobSnapshot& job, bool sync = true);
-  absl::Status SaveStep(const std::string& job_id, const state::v1::StepRecord& step);
+  absl::Status SaveJob(const StoredJob& job, bool sync = true);
+  // Writes step `step`'s record (synced): its batch, its whole plan, and whether its reports
+  // are folded.
+  absl::Status SaveStep(const std::string& job_id, int64_t step, const std::vector<Sample>& batch,
+                        const StepPlan& plan, bool folded);
   // Appends one framed record; on failure the log is cut back to its size before the call.
-  absl::Status AppendReport(const std::string& job_id, int64_t step,
-                            const state::v1::ReportRecord& report);
+  absl::Status AppendReport(const std::string& job_id, int64_t step, const StoredReport& report);
   // Removes a step that left the job's history.
   absl::Status DropStep(const std::string& job_id, int64_t step);
 
@@ -135,9 +168,10 @@ class PlanStore {
   absl::Status Quarantine(const std::string& job_id, const std::string& reason);
   absl::Status DeleteQuarantined(const std::string& job_id);
 
-  // Every job folder, loaded or failed. A job whose files do not parse (truncated or garbage
-  // job.pb or step-N.pb, unreadable files, step files without a job.pb) is quarantined here and
-  // listed in `failed`; the other jobs load. An empty folder (a CreateJob a crash interrupted)
+  // Every job folder, loaded or failed. A job whose files do not parse or decode (truncated or
+  // garbage job.pb or step-N.pb, a config or model that cannot be a job's, unreadable files,
+  // step files without a job.pb) is quarantined here and listed in `failed`; the other jobs
+  // load. An empty folder (a CreateJob a crash interrupted)
   // is removed. Entries that are not folders, symlinks and folders whose names are not job ids
   // are left alone. Fails only when `dir` itself cannot be listed.
   absl::StatusOr<Loaded> LoadAll();

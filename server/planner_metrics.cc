@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
 namespace sparsebalance {
@@ -26,50 +28,23 @@ const prometheus::Histogram::BucketBoundaries& ErrorBuckets() {  // relative err
   return *kBuckets;
 }
 
+// The one series of an unlabelled family, e.g. Single(prometheus::BuildGauge(), ...).
+template <typename Builder>
+auto& Single(Builder builder, prometheus::Registry& registry, const std::string& name,
+             const std::string& help) {
+  return builder.Name(name).Help(help).Register(registry).Add({});
+}
+
 // A rank is a straggler when it ran this much longer than the planned makespan.
 constexpr double kStragglerShare = 0.10;
 
 }  // namespace
 
-const char* StatusCodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "OTHER";
-  }
+std::string StatusCodeLabel(absl::StatusCode code) {
+  // Abseil spells the canonical codes as gRPC does ("OK", "INVALID_ARGUMENT", ...), which is
+  // what dashboards and alert rules match; it has no name for a code outside the 17.
+  std::string name = absl::StatusCodeToString(code);
+  return name.empty() ? "OTHER" : name;
 }
 
 // A job's series, created on first use and removed with the job.
@@ -163,34 +138,22 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                         .Name("sparsebalance_rank_speed_factor")
                         .Help("Learned speed factor per rank, median 1 (small jobs only)")
                         .Register(*registry_)),
-      jobs_(prometheus::BuildGauge()
-                .Name("sparsebalance_jobs")
-                .Help("Jobs this planner holds")
-                .Register(*registry_)
-                .Add({})),
-      state_write_failures_(prometheus::BuildCounter()
-                                .Name("sparsebalance_state_write_failures_total")
-                                .Help("Writes to --state_dir that failed")
-                                .Register(*registry_)
-                                .Add({})),
-      state_dir_writable_(prometheus::BuildGauge()
-                              .Name("sparsebalance_state_dir_writable")
-                              .Help("1 when the last probe could write --state_dir (health "
-                                    "SERVING), 0 when it could not (NOT_SERVING)")
-                              .Register(*registry_)
-                              .Add({})),
-      unfolded_steps_(prometheus::BuildCounter()
-                          .Name("sparsebalance_unfolded_steps_total")
-                          .Help("Fully reported steps whose reports could not be folded into "
-                                "the latency model (kept; see GetJob's failure)")
-                          .Register(*registry_)
-                          .Add({})),
-      failed_jobs_(prometheus::BuildGauge()
-                       .Name("sparsebalance_failed_jobs")
-                       .Help("Jobs whose state files could not be loaded, quarantined in "
-                             "<state_dir>/quarantine (ListJobs shows them as FAILED)")
-                       .Register(*registry_)
-                       .Add({})) {
+      jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_jobs",
+                   "Jobs this planner holds")),
+      state_write_failures_(Single(prometheus::BuildCounter(), *registry_,
+                                   "sparsebalance_state_write_failures_total",
+                                   "Writes to --state_dir that failed")),
+      state_dir_writable_(Single(prometheus::BuildGauge(), *registry_,
+                                 "sparsebalance_state_dir_writable",
+                                 "1 when the last probe could write --state_dir (health "
+                                 "SERVING), 0 when it could not (NOT_SERVING)")),
+      unfolded_steps_(Single(prometheus::BuildCounter(), *registry_,
+                             "sparsebalance_unfolded_steps_total",
+                             "Fully reported steps whose reports could not be folded into "
+                             "the latency model (kept; see GetJob's failure)")),
+      failed_jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_failed_jobs",
+                          "Jobs whose state files could not be loaded, quarantined in "
+                          "<state_dir>/quarantine (ListJobs shows them as FAILED)")) {
   state_dir_writable_.Set(1);
   prometheus::BuildGauge()
       .Name("sparsebalance_build_info")
@@ -202,11 +165,11 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
 
 PlannerMetrics::~PlannerMetrics() = default;
 
-void PlannerMetrics::ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds) {
+void PlannerMetrics::ObserveRpc(const std::string& method, absl::StatusCode code, double seconds) {
   absl::MutexLock lock(&mu_);
   prometheus::Counter*& counter = rpc_counters_[{method, static_cast<int>(code)}];
   if (counter == nullptr) {
-    counter = &rpcs_.Add({{"method", method}, {"code", StatusCodeName(code)}});
+    counter = &rpcs_.Add({{"method", method}, {"code", StatusCodeLabel(code)}});
   }
   counter->Increment();
   prometheus::Histogram*& histogram = rpc_histograms_[method];

@@ -6,7 +6,7 @@
 //
 //   auto registry = std::make_shared<prometheus::Registry>();
 //   PlannerMetrics metrics(registry, /*max_rank_series=*/64);
-//   metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.004);
+//   metrics.ObserveRpc("SubmitBatch", absl::StatusCode::kOk, 0.004);
 #ifndef SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
 #define SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
 
@@ -16,8 +16,8 @@
 #include <string>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "grpcpp/support/status.h"
 #include "planner/types.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -34,7 +34,7 @@ class PlannerMetrics {
   ~PlannerMetrics();
 
   // One RPC: its method, status code and wall time in seconds.
-  void ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds);
+  void ObserveRpc(const std::string& method, absl::StatusCode code, double seconds);
   // A newly planned step: planning wall time (seconds) and the plan's predicted figures.
   void ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds);
   // A step recorded with the trainer's local fallback plan, after `skipped_steps` steps the
@@ -91,8 +91,9 @@ class PlannerMetrics {
   std::map<std::string, prometheus::Histogram*> plan_histograms_ ABSL_GUARDED_BY(mu_);
 };
 
-// "OK", "INVALID_ARGUMENT", ... for the code label.
-const char* StatusCodeName(grpc::StatusCode code);
+// The `code` label: absl::StatusCodeToString ("OK", "INVALID_ARGUMENT", ..., the names gRPC
+// uses too), or "OTHER" for a value outside the canonical codes.
+std::string StatusCodeLabel(absl::StatusCode code);
 
 }  // namespace sparsebalance
 

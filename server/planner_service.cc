@@ -129,8 +129,7 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::Finish(grpc::CallbackServerContext
 void PlannerServiceImpl::Record(const char* method, Clock::time_point start,
                                 const absl::Status& status) const {
   if (options_.metrics == nullptr) return;
-  options_.metrics->ObserveRpc(method, static_cast<grpc::StatusCode>(status.code()),
-                               SecondsSince(start));
+  options_.metrics->ObserveRpc(method, status.code(), SecondsSince(start));
 }
 
 template <typename Body>
@@ -173,74 +172,83 @@ absl::Status PlannerServiceImpl::AuthorizeAdmin(grpc::CallbackServerContext* con
   return absl::OkStatus();
 }
 
+template <typename Authorize, typename Body>
+grpc::ServerUnaryReactor* PlannerServiceImpl::Unary(grpc::CallbackServerContext* context,
+                                                    const char* method, Authorize authorize,
+                                                    Body body) {
+  return Guarded(context, method, [&](Clock::time_point start) {
+    absl::Status status = authorize();
+    if (status.ok()) status = body();
+    return Finish(context, method, start, status);
+  });
+}
+
 grpc::ServerUnaryReactor* PlannerServiceImpl::CreateJob(grpc::CallbackServerContext* context,
                                                         const v1::CreateJobRequest* request,
                                                         v1::CreateJobResponse* response) {
-  return Guarded(context, "CreateJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeAdmin(context); !s.ok())
-      return Finish(context, "CreateJob", start, s);
-    absl::StatusOr<JobSettings> settings = ConfigFromProto(request->config(), options_.limits);
-    if (!settings.ok()) return Finish(context, "CreateJob", start, settings.status());
-    absl::StatusOr<CreatedJob> job =
-        registry_->CreateJob(request->name(), *settings, request->profile());
-    if (!job.ok()) return Finish(context, "CreateJob", start, job.status());
-    if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
-    response->set_job_id(job->job_id);
-    response->set_job_token(job->job_token);
-    *response->mutable_config() = ConfigToProto(job->settings);
-    return Finish(context, "CreateJob", start, absl::OkStatus());
-  });
+  return Unary(
+      context, "CreateJob", [&] { return AuthorizeAdmin(context); },
+      [&]() -> absl::Status {
+        absl::StatusOr<JobSettings> settings = ConfigFromProto(request->config(), options_.limits);
+        if (!settings.ok()) return settings.status();
+        absl::StatusOr<CreatedJob> job =
+            registry_->CreateJob(request->name(), *settings, request->profile());
+        if (!job.ok()) return job.status();
+        if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
+        response->set_job_id(job->job_id);
+        response->set_job_token(job->job_token);
+        *response->mutable_config() = ConfigToProto(job->settings);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::JoinJob(grpc::CallbackServerContext* context,
                                                       const v1::JoinJobRequest* request,
                                                       v1::JoinJobResponse* response) {
-  return Guarded(context, "JoinJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-      return Finish(context, "JoinJob", start, s);
-    }
-    int64_t rank_next_step = 0;
-    auto joined = registry_->JoinJob(request->job_id(), request->rank(), &rank_next_step);
-    if (!joined.ok()) return Finish(context, "JoinJob", start, joined.status());
-    *response->mutable_config() = ConfigToProto(joined->first);
-    response->set_next_step(joined->second);
-    response->set_rank_next_step(rank_next_step);
-    return Finish(context, "JoinJob", start, absl::OkStatus());
-  });
+  return Unary(
+      context, "JoinJob", [&] { return AuthorizeJob(context, request->job_id()); },
+      [&]() -> absl::Status {
+        int64_t rank_next_step = 0;
+        auto joined = registry_->JoinJob(request->job_id(), request->rank(), &rank_next_step);
+        if (!joined.ok()) return joined.status();
+        *response->mutable_config() = ConfigToProto(joined->first);
+        response->set_next_step(joined->second);
+        response->set_rank_next_step(rank_next_step);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerContext* context,
                                                           const v1::SubmitBatchRequest* request,
                                                           v1::SubmitBatchResponse* response) {
-  return Guarded(context, "SubmitBatch", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-      return Finish(context, "SubmitBatch", start, s);
-    }
-    absl::StatusOr<JobView> job = registry_->GetJob(request->job_id());
-    if (!job.ok()) return Finish(context, "SubmitBatch", start, job.status());
-    absl::StatusOr<std::vector<Sample>> batch =
-        SamplesFromProto(request->samples(), job->settings.planner, options_.limits);
-    if (!batch.ok()) return Finish(context, "SubmitBatch", start, batch.status());
-    const Clock::time_point plan_start = Clock::now();
-    absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(
-        request->job_id(), request->step(), *batch, request->planned_locally());
-    if (!result.ok()) return Finish(context, "SubmitBatch", start, result.status());
-    if (options_.metrics != nullptr) {
-      if (!result->repeated) {
-        options_.metrics->ObservePlan(request->job_id(), result->plan, SecondsSince(plan_start));
-      }
-      if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
-        options_.metrics->ObserveLocalPlan(request->job_id(), result->skipped_steps);
-      }
-    }
-    response->set_step(result->step);
-    response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
-                                             result->deferred_ids.end());
-    *response->mutable_figures() = FiguresToProto(result->plan);
-    // Also after a repeat: the first attempt may have planned the step and failed after.
-    WakeWaiters(request->job_id(), request->step());
-    return Finish(context, "SubmitBatch", start, absl::OkStatus());
-  });
+  return Unary(
+      context, "SubmitBatch", [&] { return AuthorizeJob(context, request->job_id()); },
+      [&]() -> absl::Status {
+        // Converted only: the registry checks the batch against the job's config, once.
+        absl::StatusOr<std::vector<Sample>> batch =
+            SamplesFromProto(request->samples(), options_.limits);
+        if (!batch.ok()) return batch.status();
+        const Clock::time_point plan_start = Clock::now();
+        absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(
+            request->job_id(), request->step(), *batch, request->planned_locally());
+        if (!result.ok()) return result.status();
+        if (options_.metrics != nullptr) {
+          if (!result->repeated) {
+            options_.metrics->ObservePlan(request->job_id(), result->plan,
+                                          SecondsSince(plan_start));
+          }
+          if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
+            options_.metrics->ObserveLocalPlan(request->job_id(), result->skipped_steps);
+          }
+        }
+        response->set_step(result->step);
+        response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
+                                                 result->deferred_ids.end());
+        *response->mutable_figures() = FiguresToProto(result->plan);
+        // Also after a repeat: the first attempt may have planned the step and failed after.
+        WakeWaiters(request->job_id(), request->step());
+        return absl::OkStatus();
+      });
 }
 
 bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait, int* world_size) {
@@ -371,116 +379,107 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::GetRankPlan(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerContext* context,
                                                          const v1::ReportStepRequest* request,
                                                          v1::ReportStepResponse* response) {
-  return Guarded(context, "ReportStep", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-      return Finish(context, "ReportStep", start, s);
-    }
-    std::vector<MicroBatchTiming> measured;
-    measured.reserve(request->micro_batches_size());
-    for (const v1::MicroBatchReport& m : request->micro_batches()) {
-      measured.push_back(TimingFromProto(m));
-    }
-    absl::StatusOr<bool> duplicate =
-        registry_->ReportStep(request->job_id(), request->step(), request->rank(), measured,
-                              request->wait_seconds(), request->planned_locally());
-    if (!duplicate.ok()) return Finish(context, "ReportStep", start, duplicate.status());
-    response->set_duplicate(*duplicate);
-    return Finish(context, "ReportStep", start, absl::OkStatus());
-  });
+  return Unary(
+      context, "ReportStep", [&] { return AuthorizeJob(context, request->job_id()); },
+      [&]() -> absl::Status {
+        std::vector<MicroBatchTiming> measured;
+        measured.reserve(request->micro_batches_size());
+        for (const v1::MicroBatchReport& m : request->micro_batches()) {
+          measured.push_back(TimingFromProto(m));
+        }
+        absl::StatusOr<bool> duplicate =
+            registry_->ReportStep(request->job_id(), request->step(), request->rank(), measured,
+                                  request->wait_seconds(), request->planned_locally());
+        if (!duplicate.ok()) return duplicate.status();
+        response->set_duplicate(*duplicate);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::UploadProfile(grpc::CallbackServerContext* context,
                                                             const v1::UploadProfileRequest* request,
                                                             v1::UploadProfileResponse* response) {
-  return Guarded(context, "UploadProfile",
-                 [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-                   if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-                     return Finish(context, "UploadProfile", start, s);
-                   }
-                   absl::StatusOr<CostCoefficients> fitted =
-                       registry_->UploadProfile(request->job_id(), request->profile());
-                   if (!fitted.ok())
-                     return Finish(context, "UploadProfile", start, fitted.status());
-                   absl::StatusOr<ProfileTable> table = ParseProfileTable(request->profile());
-                   response->set_device(table.ok() ? table->device : "");
-                   response->set_seconds_per_block(fitted->per_block);
-                   response->set_seconds_per_token(fitted->per_token);
-                   response->set_seconds_per_document(fitted->per_sample);
-                   return Finish(context, "UploadProfile", start, absl::OkStatus());
-                 });
+  return Unary(
+      context, "UploadProfile", [&] { return AuthorizeJob(context, request->job_id()); },
+      [&]() -> absl::Status {
+        absl::StatusOr<CostCoefficients> fitted =
+            registry_->UploadProfile(request->job_id(), request->profile());
+        if (!fitted.ok()) return fitted.status();
+        absl::StatusOr<ProfileTable> table = ParseProfileTable(request->profile());
+        response->set_device(table.ok() ? table->device : "");
+        response->set_seconds_per_block(fitted->per_block);
+        response->set_seconds_per_token(fitted->per_token);
+        response->set_seconds_per_document(fitted->per_sample);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::UpdateJobConfig(
     grpc::CallbackServerContext* context, const v1::UpdateJobConfigRequest* request,
     v1::UpdateJobConfigResponse* response) {
-  return Guarded(
-      context, "UpdateJobConfig", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-        if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-          return Finish(context, "UpdateJobConfig", start, s);
-        }
+  return Unary(
+      context, "UpdateJobConfig", [&] { return AuthorizeJob(context, request->job_id()); },
+      [&]() -> absl::Status {
         absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(*request);
-        if (!update.ok()) return Finish(context, "UpdateJobConfig", start, update.status());
+        if (!update.ok()) return update.status();
         absl::StatusOr<JobSettings> now =
             registry_->UpdateJobConfig(request->job_id(), update->values, update->fields);
-        if (!now.ok()) return Finish(context, "UpdateJobConfig", start, now.status());
+        if (!now.ok()) return now.status();
         *response->mutable_config() = ConfigToProto(*now);
-        return Finish(context, "UpdateJobConfig", start, absl::OkStatus());
+        return absl::OkStatus();
       });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::GetJob(grpc::CallbackServerContext* context,
                                                      const v1::GetJobRequest* request,
                                                      v1::GetJobResponse* response) {
-  return Guarded(context, "GetJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-      return Finish(context, "GetJob", start, s);
-    }
-    absl::StatusOr<JobView> view = registry_->GetJob(request->job_id());
-    if (!view.ok()) return Finish(context, "GetJob", start, view.status());
-    SummaryToProto(*view, response->mutable_job());
-    return Finish(context, "GetJob", start, absl::OkStatus());
-  });
+  return Unary(
+      context, "GetJob", [&] { return AuthorizeJob(context, request->job_id()); },
+      [&]() -> absl::Status {
+        absl::StatusOr<JobView> view = registry_->GetJob(request->job_id());
+        if (!view.ok()) return view.status();
+        SummaryToProto(*view, response->mutable_job());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::ListJobs(grpc::CallbackServerContext* context,
                                                        const v1::ListJobsRequest* request,
                                                        v1::ListJobsResponse* response) {
-  return Guarded(context, "ListJobs", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeAdmin(context); !s.ok())
-      return Finish(context, "ListJobs", start, s);
-    if (request->page_size() < 0) {
-      return Finish(context, "ListJobs", start,
-                    absl::InvalidArgumentError(
-                        absl::StrCat("page_size: ", request->page_size(), " is negative")));
-    }
-    const int limit = request->page_size() == 0 ? options_.default_page_size
-                                                : std::min(request->page_size(), 1000);
-    // The page token is the last job id of the previous page.
-    std::vector<JobView> page = registry_->ListJobs(request->page_token(), limit + 1);
-    const bool more = static_cast<int>(page.size()) > limit;
-    if (more) page.pop_back();
-    for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
-    if (more) response->set_next_page_token(page.back().job_id);
-    return Finish(context, "ListJobs", start, absl::OkStatus());
-  });
+  return Unary(
+      context, "ListJobs", [&] { return AuthorizeAdmin(context); },
+      [&]() -> absl::Status {
+        if (request->page_size() < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("page_size: ", request->page_size(), " is negative"));
+        }
+        const int limit = request->page_size() == 0 ? options_.default_page_size
+                                                    : std::min(request->page_size(), 1000);
+        // The page token is the last job id of the previous page.
+        std::vector<JobView> page = registry_->ListJobs(request->page_token(), limit + 1);
+        const bool more = static_cast<int>(page.size()) > limit;
+        if (more) page.pop_back();
+        for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
+        if (more) response->set_next_page_token(page.back().job_id);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::DeleteJob(grpc::CallbackServerContext* context,
                                                         const v1::DeleteJobRequest* request,
                                                         v1::DeleteJobResponse* /*response*/) {
-  return Guarded(context, "DeleteJob", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeAdmin(context); !s.ok())
-      return Finish(context, "DeleteJob", start, s);
-    const absl::Status deleted = registry_->DeleteJob(request->job_id());
-    if (deleted.ok()) {
-      WakeJob(request->job_id());  // its waiting ranks get NOT_FOUND now, not at their deadline
-      if (options_.metrics != nullptr) {
-        options_.metrics->ForgetJob(request->job_id());
-        options_.metrics->SetJobs(registry_->job_count());
-      }
-    }
-    return Finish(context, "DeleteJob", start, deleted);
-  });
+  return Unary(
+      context, "DeleteJob", [&] { return AuthorizeAdmin(context); },
+      [&]() -> absl::Status {
+        absl::Status deleted = registry_->DeleteJob(request->job_id());
+        if (!deleted.ok()) return deleted;
+        WakeJob(request->job_id());  // its waiting ranks get NOT_FOUND now, not at their deadline
+        if (options_.metrics != nullptr) {
+          options_.metrics->ForgetJob(request->job_id());
+          options_.metrics->SetJobs(registry_->job_count());
+        }
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace sparsebalance

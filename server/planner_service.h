@@ -106,6 +106,12 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
   template <typename Body>
   grpc::ServerUnaryReactor* Guarded(grpc::CallbackServerContext* context, const char* method,
                                     Body body);
+  // A unary call (all but GetRankPlan): `authorize()` and then, when it passes, `body()`,
+  // which translates the request, calls the registry, fills the response and returns the
+  // call's status; the call is recorded and finished with that status.
+  template <typename Authorize, typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const char* method,
+                                  Authorize authorize, Body body);
 
   mutable absl::Mutex waiters_mu_;
   std::map<std::pair<std::string, int64_t>, std::set<std::shared_ptr<Wait>>> waiters_

@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "client/planner_client.h"
+#include "client/trainer_session.h"
 #include "worker/micro_batch_runner.h"
 #include "worker/nccl_sync.h"
 #include "worker/step_inputs.h"

@@ -15,6 +15,7 @@
 #include "client/planner_client.h"
 #include "client/python/bindings.h"
 #include "client/python/record.h"
+#include "client/trainer_session.h"
 
 namespace sparsebalance {
 namespace python {

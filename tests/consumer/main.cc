@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "client/planner_client.h"
+#include "client/trainer_session.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
 

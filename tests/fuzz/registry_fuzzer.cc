@@ -269,11 +269,8 @@ class Harness {
                            planned_locally ? " planned_locally " : " ",
                            request.ShortDebugString()));
         if (!parsed) return;
-        absl::StatusOr<JobView> view = server_.registry->GetJob(IdOf(job));
-        Expect(view.status(), "GetJob");
-        if (!view.ok()) return;
         absl::StatusOr<std::vector<Sample>> batch =
-            SamplesFromProto(request.samples(), view->settings.planner, FuzzLimits());
+            SamplesFromProto(request.samples(), FuzzLimits());
         Expect(batch.status(), "SamplesFromProto");
         if (!batch.ok()) return;
         absl::StatusOr<SubmitResult> result =

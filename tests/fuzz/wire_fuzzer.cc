@@ -25,9 +25,13 @@ void CheckRequest(const uint8_t* data, size_t size) {
   WireLimits limits;
   limits.max_samples = 512;
   limits.max_segments = 64;
-  absl::StatusOr<std::vector<Sample>> batch = SamplesFromProto(request.samples(), config, limits);
+  absl::StatusOr<std::vector<Sample>> batch = SamplesFromProto(request.samples(), limits);
   if (!batch.ok()) {
     if (batch.status().message().empty()) std::abort();  // every refusal says why
+    return;
+  }
+  if (absl::Status status = ValidateBatch(*batch, config); !status.ok()) {
+    if (status.message().empty()) std::abort();
     return;
   }
   const LatencyModel model(config.shape, config.ranks, kDefaultCostPrior);

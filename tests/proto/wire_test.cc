@@ -126,12 +126,10 @@ google::protobuf::RepeatedPtrField<v1::Sample> Samples(std::vector<Sample> sampl
 }
 
 TEST(SamplesFromProtoTest, RoundTripsAndDefaultsSensitivity) {
-  PlannerConfig config;
-  config.ranks = 2;
   const std::vector<Sample> in = {{7, 1000, 0.25, 3, {}}, {9, 300, 0.0, 0, {100, 200}}};
   auto wire = Samples(in);
   wire[1].clear_sensitivity();
-  absl::StatusOr<std::vector<Sample>> out = SamplesFromProto(wire, config, WireLimits());
+  absl::StatusOr<std::vector<Sample>> out = SamplesFromProto(wire, WireLimits());
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_EQ(out->size(), 2u);
   EXPECT_EQ((*out)[0].id, 7u);
@@ -162,16 +160,16 @@ TEST(SamplesFromProtoTest, BadSamplesNameTheIndexAndField) {
       {{{1, 10, 0, 0, {12, -2}}}, "samples[0].segments[0]"},
   };
   for (const Case& c : cases) {
-    absl::StatusOr<std::vector<Sample>> out =
-        SamplesFromProto(Samples(c.samples), config, WireLimits());
-    ASSERT_FALSE(out.ok()) << c.message;
-    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(out.status().message()), HasSubstr(c.message));
+    absl::StatusOr<std::vector<Sample>> out = SamplesFromProto(Samples(c.samples), WireLimits());
+    ASSERT_TRUE(out.ok()) << out.status();  // converted; the job's config refuses them
+    const absl::Status status = ValidateBatch(*out, config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.message));
   }
   WireLimits small;
   small.max_samples = 1;
   absl::StatusOr<std::vector<Sample>> out =
-      SamplesFromProto(Samples({{1, 10, 0, 0, {}}, {2, 10, 0, 0, {}}}), config, small);
+      SamplesFromProto(Samples({{1, 10, 0, 0, {}}, {2, 10, 0, 0, {}}}), small);
   EXPECT_EQ(out.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
@@ -341,11 +339,11 @@ TEST(SamplesFromProtoTest, AttackInputsAreRefusedNamingTheIndexAndField) {
       {{{1, 10, 0, 0, {std::numeric_limits<int64_t>::min(), 10}}}, "samples[0].segments[0]"},
   };
   for (const Case& c : cases) {
-    absl::StatusOr<std::vector<Sample>> out =
-        SamplesFromProto(Samples(c.samples), config, WireLimits());
-    ASSERT_FALSE(out.ok()) << c.message;
-    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
-    EXPECT_THAT(std::string(out.status().message()), HasSubstr(c.message));
+    absl::StatusOr<std::vector<Sample>> out = SamplesFromProto(Samples(c.samples), WireLimits());
+    ASSERT_TRUE(out.ok()) << out.status();
+    const absl::Status status = ValidateBatch(*out, config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.message));
   }
 }
 
@@ -426,11 +424,11 @@ TEST(WireBoundsTest, ExtremeRequestsAreRefusedOrPlanValidly) {
         s->add_segments(int64_or(s->length() - s->length() / 2));
       }
     }
-    absl::StatusOr<std::vector<Sample>> batch =
-        SamplesFromProto(wire, settings->planner, WireLimits());
-    if (!batch.ok()) {
-      EXPECT_EQ(batch.status().code(), absl::StatusCode::kInvalidArgument) << where;
-      EXPECT_THAT(std::string(batch.status().message()), HasSubstr("samples")) << where;
+    absl::StatusOr<std::vector<Sample>> batch = SamplesFromProto(wire, WireLimits());
+    ASSERT_TRUE(batch.ok()) << where << ": " << batch.status();
+    if (absl::Status status = ValidateBatch(*batch, settings->planner); !status.ok()) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << where;
+      EXPECT_THAT(std::string(status.message()), HasSubstr("samples")) << where;
       continue;
     }
     absl::StatusOr<StepPlan> plan = PlanStepLocally(*batch, settings->planner);

@@ -542,6 +542,20 @@ class CrashScenario {
     return true;
   }
 
+  // An acknowledged report sent again must be answered as a duplicate; a new answer means the
+  // planner lost it (`how` says when it was resent).
+  void CountResentAnswer(const JobRun& job, int64_t step, int rank, bool duplicate,
+                         AckedReport& acked, const char* how) {
+    if (duplicate) {
+      ++acked.duplicate_answers;
+      return;
+    }
+    ++acked.new_answers;
+    ++lost_;
+    ADD_FAILURE() << "seed " << seed_ << ": job " << job.index << " (" << job.job_id << ") step "
+                  << step << " rank " << rank << ": an acknowledged report was lost " << how;
+  }
+
   void ResendLastReports(JobRun& job) {
     if (job.reports.empty()) return;
     const int64_t step = job.reports.rbegin()->first.first;
@@ -552,15 +566,7 @@ class CrashScenario {
           job.client->ReportStep(step, rank, acked.timings, acked.wait_seconds);
       if (!duplicate.ok()) continue;  // checked again later
       ++resent_after_restart_;
-      if (*duplicate) {
-        ++acked.duplicate_answers;
-      } else {
-        ++acked.new_answers;
-        ++lost_;
-        ADD_FAILURE() << "seed " << seed_ << ": job " << job.index << " (" << job.job_id
-                      << ") step " << step << " rank " << rank
-                      << ": an acknowledged report was lost by a restart (resent, it was new)";
-      }
+      CountResentAnswer(job, step, rank, *duplicate, acked, "by a restart (resent, it was new)");
     }
     const auto plan = job.plans.find({step, 0});
     if (plan != job.plans.end()) {
@@ -700,15 +706,7 @@ class CrashScenario {
         ASSERT_TRUE(duplicate.ok()) << "seed " << seed_ << ": job " << job.index << " step " << step
                                     << " rank " << rank << ": " << duplicate.status();
         ++reports_checked_;
-        if (*duplicate) {
-          ++acked.duplicate_answers;
-        } else {
-          ++acked.new_answers;
-          ++lost_;
-          ADD_FAILURE() << "seed " << seed_ << ": job " << job.index << " (" << job.job_id
-                        << ") step " << step << " rank " << rank
-                        << ": an acknowledged report was lost (resent at the end, it was new)";
-        }
+        CountResentAnswer(job, step, rank, *duplicate, acked, "(resent at the end, it was new)");
         std::vector<MicroBatchTiming> changed = acked.timings;
         double wait = acked.wait_seconds;
         if (changed.empty()) {

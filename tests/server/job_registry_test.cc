@@ -96,6 +96,40 @@ TEST_F(JobRegistryTest, ARejectedBatchChangesNothing) {
   EXPECT_TRUE(registry_.SubmitBatch(id, 0, Batch(2, 2)).ok());
 }
 
+// The registry is where a batch meets the job's config (the service only converts it): the
+// check comes before anything else, so a repeat of a planned step with an invalid batch is
+// INVALID_ARGUMENT (not ALREADY_EXISTS), and a batch over the capacity of the config the job
+// has now is refused after UpdateJobConfig changed it.
+TEST_F(JobRegistryTest, BatchesAreCheckedAgainstTheJobsCurrentConfigFirst) {
+  const std::string id = Create(2);
+  ASSERT_TRUE(registry_.SubmitBatch(id, 0, Batch(2, 2)).ok());
+  std::vector<Sample> repeat = Batch(2, 2);
+  repeat[1].id = repeat[0].id;
+  absl::Status status = registry_.SubmitBatch(id, 0, repeat).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("samples[1].id"));
+  std::vector<Sample> far = Batch(3, 2);
+  far[0].length = 0;
+  status = registry_.SubmitBatch(id, 9, far).status();  // out of order, and invalid
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("samples[0].length"));
+
+  // Overflowing the steps' capacity: deferred under `defer`, refused once `error` is set.
+  JobSettings update = test_support::SmallJob(2);
+  update.planner.overflow = OverflowPolicy::kDefer;
+  ASSERT_TRUE(registry_.UpdateJobConfig(id, update, {"overflow"}).ok());
+  std::vector<Sample> big = Batch(4, 2);
+  for (const Sample& s : Batch(5, 2)) big.push_back({s.id + 1000000, s.length, 0.0, 0, {}});
+  absl::StatusOr<SubmitResult> deferred = registry_.SubmitBatch(id, 1, big);
+  ASSERT_TRUE(deferred.ok()) << deferred.status();
+  EXPECT_FALSE(deferred->deferred_ids.empty());
+  update.planner.overflow = OverflowPolicy::kError;
+  ASSERT_TRUE(registry_.UpdateJobConfig(id, update, {"overflow"}).ok());
+  status = registry_.SubmitBatch(id, 2, big).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("micro_batch_capacity"));
+}
+
 TEST_F(JobRegistryTest, GetPlanWaitsForTheStepAndServesEachRank) {
   const std::string id = Create(3);
   bool ready = true;

@@ -14,8 +14,6 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -25,11 +23,15 @@
 #include "planner/planner.h"
 #include "planner/traces.h"
 #include "server/job_registry.h"
+#include "server/state_codec.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 
 namespace sparsebalance {
 namespace {
+
+using test_support::ReadBytes;
+using test_support::WriteBytes;
 
 using test_support::CountingHex;
 
@@ -56,12 +58,22 @@ int CountFiles(const std::string& dir) {
   return n;
 }
 
-TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
-  const std::string dir = TempDir();
-  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
-  ASSERT_TRUE(store.ok()) << store.status();
+// Registry options that write to a store opened in `dir` (`*store` keeps it; null when it
+// cannot be opened).
+JobRegistry::Options OptionsWithStore(const std::string& dir, bool fsync_reports,
+                                      std::unique_ptr<PlanStore>* store) {
+  absl::StatusOr<std::unique_ptr<PlanStore>> opened = PlanStore::Open(dir, fsync_reports);
+  EXPECT_TRUE(opened.ok()) << opened.status();
+  if (opened.ok()) *store = *std::move(opened);
   JobRegistry::Options options;
   options.store = store->get();
+  return options;
+}
+
+TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
+  std::unique_ptr<PlanStore> store;
+  const JobRegistry::Options options = OptionsWithStore(TempDir(), false, &store);
+  ASSERT_NE(store, nullptr);
   constexpr int kRanks = 3;
   std::string id;
   std::string token;
@@ -122,11 +134,9 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
 // A fold writes no snapshot (the next SubmitBatch's carries it): a planner that dies after a
 // step's last report but before the next submit refolds the step from its report log.
 TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
-  const std::string dir = TempDir();
-  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
-  ASSERT_TRUE(store.ok()) << store.status();
-  JobRegistry::Options options;
-  options.store = store->get();
+  std::unique_ptr<PlanStore> store;
+  const JobRegistry::Options options = OptionsWithStore(TempDir(), false, &store);
+  ASSERT_NE(store, nullptr);
   constexpr int kRanks = 3;
   std::string id;
   JobView before;
@@ -159,10 +169,9 @@ TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
 
 TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   const std::string dir = TempDir();
-  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, true);
-  ASSERT_TRUE(store.ok());
-  JobRegistry::Options options;
-  options.store = store->get();
+  std::unique_ptr<PlanStore> store;
+  const JobRegistry::Options options = OptionsWithStore(dir, true, &store);
+  ASSERT_NE(store, nullptr);
   JobRegistry registry(options, CountingHex());
   const std::string id = registry.CreateJob("torn", test_support::SmallJob(2, 2), "")->job_id;
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
@@ -196,56 +205,40 @@ constexpr char kJobC[] = "cccccccc00000003";
 constexpr char kJobD[] = "dddddddd00000004";
 constexpr char kJobE[] = "eeeeeeee00000005";
 
-state::v1::JobSnapshot Snapshot(const std::string& id) {
-  state::v1::JobSnapshot job;
-  job.set_job_id(id);
-  job.set_name(std::string(40, 'n'));
-  job.set_token(std::string(64, 't'));
-  job.mutable_config()->set_world_size(2);
-  job.set_next_step(1);
+// A job of 2 ranks as job.pb holds it.
+StoredJob Snapshot(const std::string& id) {
+  StoredJob job;
+  job.job_id = id;
+  job.name = std::string(40, 'n');
+  job.token = std::string(64, 't');
+  job.settings.planner.ranks = 2;
+  job.model.speed_factors = {1.0, 1.0};
+  job.next_step = 1;
   return job;
 }
 
-state::v1::StepRecord Step(int64_t step) {
-  state::v1::StepRecord record;
-  record.set_step(step);
-  record.add_deferred_ids(7);
-  return record;
+// Writes step `step`: an empty batch and a plan that defers sample 7.
+absl::Status SaveStep(PlanStore& store, const std::string& id, int64_t step) {
+  StepPlan plan;
+  plan.deferred_ids = {7};
+  return store.SaveStep(id, step, {}, plan, /*folded=*/false);
 }
 
 // Report `i`: rank and wait_seconds are `i`; `micro_batches` entries of some 45 bytes each.
-state::v1::ReportRecord Report(int i, int micro_batches = 4) {
-  state::v1::ReportRecord report;
-  report.set_rank(i);
-  report.set_wait_seconds(i);
+StoredReport Report(int i, int micro_batches = 4) {
+  StoredReport report;
+  report.rank = i;
+  report.wait_seconds = i;
   for (int m = 0; m < micro_batches; ++m) {
-    v1::MicroBatchReport* mb = report.add_micro_batches();
-    mb->set_micro_batch(m);
-    mb->set_compute_seconds(0.5 + m);
-    mb->set_attention_seconds(0.25);
-    mb->set_tokens(65536);
-    mb->set_achieved_density(0.5);
-    mb->set_recall(0.99);
+    report.micro_batches.push_back({m, 0.5 + m, 0.25, 65536, 0.5, 0.99});
   }
   return report;
 }
 
 std::vector<int> Ranks(const PlanStore::LoadedStep& step) {
   std::vector<int> ranks;
-  for (const state::v1::ReportRecord& r : step.reports) ranks.push_back(r.rank());
+  for (const StoredReport& r : step.reports) ranks.push_back(r.rank);
   return ranks;
-}
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
 }
 
 int64_t FileSize(const std::string& path) {
@@ -265,7 +258,7 @@ std::unique_ptr<PlanStore> StoreWithJob(const std::string& dir, const std::strin
   EXPECT_TRUE(store.ok()) << store.status();
   if (!store.ok()) return nullptr;
   EXPECT_TRUE((*store)->CreateJob(Snapshot(id)).ok());
-  EXPECT_TRUE((*store)->SaveStep(id, Step(0)).ok());
+  EXPECT_TRUE(SaveStep(**store, id, 0).ok());
   return *std::move(store);
 }
 
@@ -291,11 +284,66 @@ TEST(PlanStoreTest, IsValidJobIdAcceptsOnlyShortLowercaseAlphanumerics) {
   }
 }
 
+// The codec keeps every field: a job, a step's batch and plan (compared as CanonicalPlanText)
+// and a report come back as they went in.
+TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
+  StoredJob job = Snapshot(kJobA);
+  job.settings = test_support::SmallJob(2, 16);
+  job.settings.planner.policy = Policy::kDst;
+  job.model.weights = {1.5, 0.5, 2.0, 1.0};
+  job.model.covariance[5] = 0.25;
+  job.model.speed_factors = {1.1, 0.9};
+  job.model.rank_error_variance = 0.01;
+  job.model.steps_observed = 7;
+  job.prior = {1e-6, 2e-8, 3e-4, 4e-3};
+  job.joined = {true, false};
+  job.folded_steps = {3, 4};
+  job.unfolded_steps = 1;
+  job.fold_failure = "step 2: why";
+  absl::StatusOr<StoredJob> back = DecodeJob(EncodeJob(job));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->job_id, job.job_id);
+  EXPECT_EQ(back->token, job.token);
+  EXPECT_EQ(back->settings.history_steps, 16);
+  EXPECT_EQ(back->settings.planner.policy, Policy::kDst);
+  EXPECT_EQ(back->model.weights, job.model.weights);
+  EXPECT_EQ(back->model.covariance, job.model.covariance);
+  EXPECT_EQ(back->model.speed_factors, job.model.speed_factors);
+  EXPECT_EQ(back->model.steps_observed, 7);
+  EXPECT_EQ(back->prior.per_micro_batch, 4e-3);
+  EXPECT_EQ(back->joined, job.joined);
+  EXPECT_EQ(back->folded_steps, job.folded_steps);
+  EXPECT_EQ(back->fold_failure, job.fold_failure);
+  // A model whose size is not the job's does not decode.
+  job.model.speed_factors = {1.0};
+  EXPECT_EQ(DecodeJob(EncodeJob(job)).status().code(), absl::StatusCode::kDataLoss);
+
+  const std::vector<Sample> batch = Batch(3, 2);
+  absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, test_support::SmallJob(2).planner);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  state::v1::StepRecord record;
+  EncodeStep(5, batch, *plan, /*folded=*/true, &record);
+  const PlanStore::LoadedStep step = DecodeStep(record);
+  EXPECT_EQ(step.step, 5);
+  EXPECT_TRUE(step.folded);
+  EXPECT_EQ(BatchFingerprint(step.batch), BatchFingerprint(batch));
+  EXPECT_EQ(CanonicalPlanText(step.plan), CanonicalPlanText(*plan));
+
+  const StoredReport report = Report(1, 3);
+  const StoredReport report_back = DecodeReport(EncodeReport(report));
+  EXPECT_EQ(report_back.rank, 1);
+  EXPECT_EQ(report_back.wait_seconds, 1.0);
+  ASSERT_EQ(report_back.micro_batches.size(), 3u);
+  EXPECT_EQ(report_back.micro_batches[2].compute_seconds, 2.5);
+  EXPECT_EQ(report_back.micro_batches[2].tokens, 65536);
+}
+
 TEST(PlanStoreTest, StoreFailuresAreRecognisedByTheirPayloadNotTheirMessage) {
   const absl::Status full = StoreFailure(absl::StatusCode::kResourceExhausted, "disk full");
   EXPECT_TRUE(IsStoreFailure(full));
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(full.message(), "state_dir: disk full");
+  EXPECT_EQ(ErrorReason(full), kReasonStateDirFailure);  // the one signal, up to the client
   EXPECT_FALSE(IsStoreFailure(absl::InternalError("state_dir: looks like one")));
   EXPECT_FALSE(IsStoreFailure(absl::UnavailableError("state: the old kind")));
 
@@ -324,10 +372,9 @@ TEST(PlanStoreTest, EveryMethodRefusesAJobIdThatIsNotAFolderName) {
         std::string(".."), std::string(""), std::string("AAAAAAAA1"), std::string("quarantine")}) {
     SCOPED_TRACE(id);
     const std::vector<absl::Status> results = {
-        store.CreateJob(Snapshot(id)), store.SaveJob(Snapshot(id)),
-        store.SaveStep(id, Step(0)),   store.AppendReport(id, 0, Report(0)),
-        store.DropStep(id, 0),         store.RetireJob(id),
-        store.Quarantine(id, "test"),  store.DeleteQuarantined(id),
+        store.CreateJob(Snapshot(id)),        store.SaveJob(Snapshot(id)), SaveStep(store, id, 0),
+        store.AppendReport(id, 0, Report(0)), store.DropStep(id, 0),       store.RetireJob(id),
+        store.Quarantine(id, "test"),         store.DeleteQuarantined(id),
     };
     for (const absl::Status& s : results) {
       EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -337,7 +384,7 @@ TEST(PlanStoreTest, EveryMethodRefusesAJobIdThatIsNotAFolderName) {
   }
   EXPECT_EQ(CountFiles(dir), 0);
   EXPECT_EQ(CountFiles(parent), parent_entries);
-  EXPECT_EQ(store.SaveStep(kJobA, Step(-1)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SaveStep(store, kJobA, -1).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The bug this format fixes: a torn record mid-file (a partial write on a full disk, appends
@@ -369,7 +416,7 @@ TEST(PlanStoreTest, ATornRecordInTheMiddleLosesOnlyItself) {
   const PlanStore::LoadedStep& step = loaded->jobs[0].steps.at(0);
   EXPECT_EQ(Ranks(step), (std::vector<int>{0, 1, 3, 5}));
   EXPECT_EQ(step.skipped_bytes, static_cast<int64_t>(torn.size() + flipped.size()));
-  EXPECT_EQ(step.reports[2].micro_batches_size(), 4);
+  EXPECT_EQ(step.reports[2].micro_batches.size(), 4u);
 }
 
 TEST(PlanStoreTest, ALogOfThePreviousFormatLoadsAndIsRewrittenOnAppend) {
@@ -380,7 +427,7 @@ TEST(PlanStoreTest, ALogOfThePreviousFormatLoadsAndIsRewrittenOnAppend) {
   // record torn by a crash.
   std::string old_log;
   for (int i = 0; i < 3; ++i) {
-    const std::string body = Report(i).SerializeAsString();
+    const std::string body = EncodeReport(Report(i)).SerializeAsString();
     const uint32_t n = static_cast<uint32_t>(body.size());
     old_log += std::string{static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
                            static_cast<char>((n >> 16) & 0xff), static_cast<char>(n >> 24)};
@@ -490,7 +537,7 @@ TEST(PlanStoreTest, AFullDiskLosesNoAcknowledgedReport) {
     EXPECT_EQ(store->AppendReport(kJobA, 0, Report(next++, 100)).code(),
               absl::StatusCode::kResourceExhausted);
   }
-  const absl::Status step = store->SaveStep(kJobA, Step(1));
+  const absl::Status step = SaveStep(*store, kJobA, 1);
   EXPECT_EQ(step.code(), absl::StatusCode::kResourceExhausted) << step;
   EXPECT_TRUE(IsStoreFailure(store->CheckWritable()));
   EXPECT_FALSE(Exists(dir + "/" + kJobA + "/step-1.pb.tmp"));
@@ -523,7 +570,7 @@ TEST(PlanStoreTest, AReadOnlyDiskIsAStoreFailureAndOpenRefusesIt) {
   ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
 
   const std::string read_only = std::strerror(EROFS);
-  for (const absl::Status& s : {store->SaveJob(Snapshot(kJobA)), store->SaveStep(kJobA, Step(1)),
+  for (const absl::Status& s : {store->SaveJob(Snapshot(kJobA)), SaveStep(*store, kJobA, 1),
                                 store->AppendReport(kJobA, 0, Report(0)),
                                 store->CreateJob(Snapshot(kJobB)), store->CheckWritable()}) {
     EXPECT_TRUE(IsStoreFailure(s)) << s;
@@ -550,7 +597,7 @@ TEST(PlanStoreTest, OpenSweepsTmpFilesAndFinishesInterruptedRemovals) {
     std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
     ASSERT_NE(store, nullptr);
     ASSERT_TRUE(store->CreateJob(Snapshot(kJobB)).ok());
-    ASSERT_TRUE(store->SaveStep(kJobB, Step(0)).ok());
+    ASSERT_TRUE(SaveStep(*store, kJobB, 0).ok());
     ASSERT_TRUE(store->RetireJob(kJobB).ok());  // a crash before RemoveRetired
   }
   // What a crash mid-write leaves, and an empty folder (a crash inside CreateJob).
@@ -570,7 +617,7 @@ TEST(PlanStoreTest, OpenSweepsTmpFilesAndFinishesInterruptedRemovals) {
   ASSERT_TRUE(loaded.ok());
   ASSERT_EQ(loaded->jobs.size(), 1u);
   EXPECT_EQ(loaded->jobs[0].job_id, kJobA);
-  EXPECT_EQ(loaded->jobs[0].job.token(), std::string(64, 't'));
+  EXPECT_EQ(loaded->jobs[0].job.token, std::string(64, 't'));
   EXPECT_TRUE(loaded->failed.empty());
   EXPECT_FALSE(Exists(dir + "/" + kJobC));
 }
@@ -591,7 +638,7 @@ TEST(PlanStoreTest, CreateJobNeverReusesAFolderAndNothingRecreatesARetiredJob) {
   // A save racing the delete is refused, and is no store failure.
   for (const absl::Status& s :
        {store->SaveJob(Snapshot(kJobA)), store->SaveJob(Snapshot(kJobA), false),
-        store->SaveStep(kJobA, Step(1)), store->AppendReport(kJobA, 0, Report(1))}) {
+        SaveStep(*store, kJobA, 1), store->AppendReport(kJobA, 0, Report(1))}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
     EXPECT_FALSE(IsStoreFailure(s));
   }
@@ -611,7 +658,7 @@ TEST(PlanStoreTest, UnparsableFilesQuarantineOnlyTheirJob) {
   ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(0)).ok());
   for (const char* id : {kJobB, kJobC, kJobD, kJobE}) {
     ASSERT_TRUE(store->CreateJob(Snapshot(id)).ok());
-    ASSERT_TRUE(store->SaveStep(id, Step(0)).ok());
+    ASSERT_TRUE(SaveStep(*store, id, 0).ok());
   }
   // B: job.pb truncated inside its name field; C: garbage step-1.pb; D: a FIFO for job.pb
   // (reading it must not block); E: a snapshot naming another job (the folder's name wins).
@@ -623,8 +670,8 @@ TEST(PlanStoreTest, UnparsableFilesQuarantineOnlyTheirJob) {
   ASSERT_EQ(mkfifo(d_job.c_str(), 0600), 0);
   ASSERT_TRUE(store->SaveJob(Snapshot("zzzzzzzz99999999")).code() ==
               absl::StatusCode::kFailedPrecondition);
-  state::v1::JobSnapshot other = Snapshot("zzzzzzzz99999999");
-  WriteBytes(dir + "/" + kJobE + "/job.pb", other.SerializeAsString());
+  WriteBytes(dir + "/" + kJobE + "/job.pb",
+             EncodeJob(Snapshot("zzzzzzzz99999999")).SerializeAsString());
 
   absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
   ASSERT_TRUE(loaded.ok()) << loaded.status();
@@ -632,7 +679,7 @@ TEST(PlanStoreTest, UnparsableFilesQuarantineOnlyTheirJob) {
   EXPECT_EQ(loaded->jobs[0].job_id, kJobA);
   EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), std::vector<int>{0});
   EXPECT_EQ(loaded->jobs[1].job_id, kJobE);
-  EXPECT_EQ(loaded->jobs[1].job.job_id(), "zzzzzzzz99999999");
+  EXPECT_EQ(loaded->jobs[1].job.job_id, "zzzzzzzz99999999");
   ASSERT_EQ(loaded->failed.size(), 3u);
   const std::vector<std::pair<std::string, std::string>> expected = {
       {kJobB, "job.pb"}, {kJobC, "step-1.pb"}, {kJobD, "not a regular file"}};
@@ -675,7 +722,7 @@ TEST(PlanStoreTest, NothingOutsideTheStateDirIsTouched) {
   ASSERT_NE(store, nullptr);
   const std::string outside = dir + "-outside";
   ASSERT_EQ(mkdir(outside.c_str(), 0700), 0);
-  WriteBytes(outside + "/job.pb", Snapshot(kJobB).SerializeAsString());
+  WriteBytes(outside + "/job.pb", EncodeJob(Snapshot(kJobB)).SerializeAsString());
   WriteBytes(outside + "/precious", "keep me");
   ASSERT_EQ(symlink(outside.c_str(), (dir + "/" + kJobB).c_str()), 0);
   WriteBytes(dir + "/" + kJobC, "a file named like a job");

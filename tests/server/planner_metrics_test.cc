@@ -36,19 +36,24 @@ StepStats Stats(int ranks) {
   return s;
 }
 
+// Every one of `series` (a line of the exposition, or its start) is in `text`.
+void ExpectExposed(const std::string& text, const std::vector<std::string>& series) {
+  for (const std::string& line : series) EXPECT_THAT(text, HasSubstr(line));
+}
+
 TEST(PlannerMetricsTest, StepFiguresFollowWhatTheRanksMeasured) {
   auto registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(registry, /*max_rank_series=*/4);
   metrics.ObserveStep("small", Stats(4));
-  const std::string text = Exposition(*registry);
-  EXPECT_THAT(text, HasSubstr("sparsebalance_step_makespan_seconds{job_id=\"small\"} 12"));
   // mean = (12 + 3*8)/4 = 9: imbalance 12/9, bubble 1 - 9/12.
-  EXPECT_THAT(text, HasSubstr("sparsebalance_step_imbalance_ratio{job_id=\"small\"} 1.333333"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_step_bubble_ratio{job_id=\"small\"} 0.25"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_straggler_events_total{job_id=\"small\"} 1"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_recall_ratio_count{job_id=\"small\"} 4"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_rank_speed_factor{job_id=\"small\",rank=\"0\"} 1.2"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_build_info{version=\"0.1.0\"} 1"));
+  ExpectExposed(Exposition(*registry),
+                {"sparsebalance_step_makespan_seconds{job_id=\"small\"} 12",
+                 "sparsebalance_step_imbalance_ratio{job_id=\"small\"} 1.333333",
+                 "sparsebalance_step_bubble_ratio{job_id=\"small\"} 0.25",
+                 "sparsebalance_straggler_events_total{job_id=\"small\"} 1",
+                 "sparsebalance_recall_ratio_count{job_id=\"small\"} 4",
+                 "sparsebalance_rank_speed_factor{job_id=\"small\",rank=\"0\"} 1.2",
+                 "sparsebalance_build_info{version=\"0.1.0\"} 1"});
 }
 
 TEST(PlannerMetricsTest, LargeJobsExportNoPerRankSeriesAndDeletedJobsNone) {
@@ -68,9 +73,9 @@ TEST(PlannerMetricsTest, LargeJobsExportNoPerRankSeriesAndDeletedJobsNone) {
 TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
   auto registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(registry, 4);
-  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.002);
-  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::OK, 0.004);
-  metrics.ObserveRpc("SubmitBatch", grpc::StatusCode::ALREADY_EXISTS, 0.001);
+  metrics.ObserveRpc("SubmitBatch", absl::StatusCode::kOk, 0.002);
+  metrics.ObserveRpc("SubmitBatch", absl::StatusCode::kOk, 0.004);
+  metrics.ObserveRpc("SubmitBatch", absl::StatusCode::kAlreadyExists, 0.001);
   StepPlan plan;
   plan.policy = Policy::kSab;
   plan.makespan_seconds = 5.0;
@@ -78,18 +83,25 @@ TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
   metrics.ObservePlan("j", plan, 0.003);
   metrics.ObserveStateWriteFailure();
   metrics.SetJobs(3);
-  const std::string text = Exposition(*registry);
-  EXPECT_THAT(text, HasSubstr("sparsebalance_rpcs_total{code=\"OK\",method=\"SubmitBatch\"} 2"));
-  EXPECT_THAT(
-      text,
-      HasSubstr("sparsebalance_rpcs_total{code=\"ALREADY_EXISTS\",method=\"SubmitBatch\"} 1"));
-  EXPECT_THAT(text,
-              HasSubstr("sparsebalance_rpc_duration_seconds_count{method=\"SubmitBatch\"} 3"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_plan_duration_seconds_count{policy=\"sab\"} 1"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_predicted_makespan_seconds{job_id=\"j\"} 5"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job_id=\"j\"} 1"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_state_write_failures_total 1"));
-  EXPECT_THAT(text, HasSubstr("sparsebalance_jobs 3"));
+  ExpectExposed(Exposition(*registry),
+                {"sparsebalance_rpcs_total{code=\"OK\",method=\"SubmitBatch\"} 2",
+                 "sparsebalance_rpcs_total{code=\"ALREADY_EXISTS\",method=\"SubmitBatch\"} 1",
+                 "sparsebalance_rpc_duration_seconds_count{method=\"SubmitBatch\"} 3",
+                 "sparsebalance_plan_duration_seconds_count{policy=\"sab\"} 1",
+                 "sparsebalance_predicted_makespan_seconds{job_id=\"j\"} 5",
+                 "sparsebalance_planned_steps_total{job_id=\"j\"} 1",
+                 "sparsebalance_state_write_failures_total 1", "sparsebalance_jobs 3"});
+}
+
+TEST(PlannerMetricsTest, CodeLabelsAreTheNamesDashboardsAndAlertsMatch) {
+  // deploy/prometheus rules and the Grafana dashboards select on these spellings.
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kOk), "OK");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kInvalidArgument), "INVALID_ARGUMENT");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kResourceExhausted), "RESOURCE_EXHAUSTED");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kUnavailable), "UNAVAILABLE");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kUnauthenticated), "UNAUTHENTICATED");
+  EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kDataLoss), "DATA_LOSS");
+  EXPECT_EQ(StatusCodeLabel(static_cast<absl::StatusCode>(99)), "OTHER");
 }
 
 }  // namespace

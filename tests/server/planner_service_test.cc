@@ -92,6 +92,16 @@ class PlannerServiceTest : public ::testing::Test {
     return request;
   }
 
+  // DeleteJob with the admin token.
+  grpc::Status Delete(const std::string& job_id) {
+    v1::DeleteJobRequest request;
+    request.set_job_id(job_id);
+    v1::DeleteJobResponse response;
+    grpc::ClientContext context;
+    Auth(&context, kAdmin);
+    return stub_->DeleteJob(&context, request, &response);
+  }
+
   grpc::Status Submit(const v1::SubmitBatchRequest& request, const std::string& token,
                       v1::SubmitBatchResponse* response = nullptr) {
     v1::SubmitBatchResponse ignored;
@@ -334,14 +344,7 @@ TEST_F(PlannerServiceTest, UpdateListAndDelete) {
     token = page.next_page_token();
   } while (!token.empty());
   EXPECT_EQ(listed.size(), 3u);
-  v1::DeleteJobRequest del;
-  del.set_job_id(job.job_id());
-  v1::DeleteJobResponse deleted;
-  {
-    grpc::ClientContext context;
-    Auth(&context, kAdmin);
-    ASSERT_TRUE(stub_->DeleteJob(&context, del, &deleted).ok());
-  }
+  ASSERT_TRUE(Delete(job.job_id()).ok());
   EXPECT_EQ(Submit(Batch(job.job_id(), 0, 4), job.job_token()).error_code(),
             grpc::StatusCode::NOT_FOUND);
 }
@@ -403,12 +406,7 @@ TEST_F(PlannerServiceTest, DeletingAJobAnswersItsWaitingRanksNotFound) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   ASSERT_EQ(service_->waiting_calls(), 2);
-  v1::DeleteJobRequest request;
-  request.set_job_id(job.job_id());
-  v1::DeleteJobResponse response;
-  grpc::ClientContext context;
-  Auth(&context, kAdmin);
-  ASSERT_TRUE(stub_->DeleteJob(&context, request, &response).ok());
+  ASSERT_TRUE(Delete(job.job_id()).ok());
   for (std::thread& t : ranks) t.join();  // a 10-minute deadline: they return because of Delete
   EXPECT_EQ(codes[0], grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(codes[1], grpc::StatusCode::NOT_FOUND);

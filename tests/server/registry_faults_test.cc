@@ -11,11 +11,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,11 +25,15 @@
 #include "proto/wire.h"
 #include "server/job_registry.h"
 #include "server/plan_store.h"
+#include "sparsebalance/state/v1/state.pb.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 
 namespace sparsebalance {
 namespace {
+
+using test_support::ReadBytes;
+using test_support::WriteBytes;
 
 using test_support::CountingHex;
 using ::testing::HasSubstr;
@@ -50,18 +52,6 @@ std::string MakeTempDir(const std::string& base) {
   char* dir = mkdtemp(pattern.data());
   EXPECT_NE(dir, nullptr);
   return dir == nullptr ? "" : std::string(dir);
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
-}
-
-void WriteFile(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
 }
 
 class RegistryFaultsTest : public ::testing::Test {
@@ -124,9 +114,9 @@ class RegistryFaultsTest : public ::testing::Test {
   template <typename Message>
   void Edit(const std::string& path, const std::function<void(Message*)>& change) {
     Message message;
-    ASSERT_TRUE(message.ParseFromString(ReadFile(path))) << path;
+    ASSERT_TRUE(message.ParseFromString(ReadBytes(path))) << path;
     change(&message);
-    WriteFile(path, message.SerializeAsString());
+    WriteBytes(path, message.SerializeAsString());
   }
 
   const JobView* Listed(const std::vector<JobView>& jobs, const std::string& id) {
@@ -155,23 +145,21 @@ TEST_F(RegistryFaultsTest, APoisonedJobFromAnOlderPlannerIsQuarantinedAndOthersA
 
   // The poisoned job, written as the older planner wrote it.
   const std::string poisoned = "bbbbbbbbbbbbbbb1";
-  state::v1::JobSnapshot snapshot;
-  snapshot.set_job_id(poisoned);
-  snapshot.set_name("poison");
-  snapshot.set_token(std::string(64, 'c'));
-  v1::JobConfig* config = snapshot.mutable_config();
-  config->set_world_size(1);
-  config->set_micro_batches(1);
-  config->set_micro_batch_capacity(std::numeric_limits<int64_t>::max());
-  state::v1::ModelState* model = snapshot.mutable_model();
-  for (int i = 0; i < 4; ++i) model->add_weights(1.0);
-  for (int i = 0; i < 16; ++i) model->add_covariance(i % 5 == 0 ? 1.0 : 0.0);
-  model->add_speed_factors(1.0);
-  for (double c : {1e-6, 1e-8, 1e-4, 1e-3}) model->add_prior(c);
-  snapshot.set_next_step(1);
-  snapshot.add_joined(true);
+  StoredJob snapshot;
+  snapshot.job_id = poisoned;
+  snapshot.name = "poison";
+  snapshot.token = std::string(64, 'c');
+  snapshot.settings.planner.ranks = 1;
+  snapshot.settings.planner.micro_batches = 1;
+  snapshot.settings.planner.micro_batch_capacity = std::numeric_limits<int64_t>::max();
+  for (int i = 0; i < 16; ++i) snapshot.model.covariance[i] = i % 5 == 0 ? 1.0 : 0.0;
+  snapshot.model.weights = {1.0, 1.0, 1.0, 1.0};
+  snapshot.model.speed_factors = {1.0};
+  snapshot.prior = {1e-6, 1e-8, 1e-4, 1e-3};
+  snapshot.next_step = 1;
+  snapshot.joined = {true};
   ASSERT_TRUE(store_->CreateJob(snapshot).ok());
-  state::v1::StepRecord step;
+  state::v1::StepRecord step;  // the bytes as the older planner wrote them
   step.set_step(0);
   v1::Sample* sample = step.add_batch();
   sample->set_id(7);
@@ -181,13 +169,10 @@ TEST_F(RegistryFaultsTest, APoisonedJobFromAnOlderPlannerIsQuarantinedAndOthersA
   mb->add_sample_ids(7);
   mb->add_densities(0.3);
   mb->set_tokens(std::numeric_limits<int64_t>::max());
-  ASSERT_TRUE(store_->SaveStep(poisoned, step).ok());
-  state::v1::ReportRecord report;
-  report.set_rank(0);
-  v1::MicroBatchReport* m = report.add_micro_batches();
-  m->set_micro_batch(0);
-  m->set_compute_seconds(1.0);
-  m->set_tokens(std::numeric_limits<int64_t>::max());
+  WriteBytes(JobDir(poisoned) + "/step-0.pb", step.SerializeAsString());
+  StoredReport report;
+  report.rank = 0;
+  report.micro_batches.push_back({0, 1.0, 0.0, std::numeric_limits<int64_t>::max(), 0.0, 0.0});
   ASSERT_TRUE(store_->AppendReport(poisoned, 0, report).ok());
 
   for (int restart = 0; restart < 2; ++restart) {
@@ -255,16 +240,13 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
        }},
       {"report rank", "rank",
        [](RegistryFaultsTest* t, const std::string&) {
-         state::v1::ReportRecord r;
-         r.set_rank(9);
-         ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, r).ok());
+         ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, {9, {}, 0.0}).ok());
        }},
       {"report micro-batch index", "micro_batch",
        [](RegistryFaultsTest* t, const std::string& d) {
          std::filesystem::remove(d + "/step-0.reports");
-         state::v1::ReportRecord r;
-         r.set_rank(0);
-         r.add_micro_batches()->set_micro_batch(5);
+         StoredReport r;
+         r.micro_batches.push_back({5, 0.0, 0.0, 0, 0.0, 0.0});
          ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, r).ok());
        }},
       {"non-finite model weight", "not finite",
@@ -345,7 +327,7 @@ TEST_F(RegistryFaultsTest, ARefusedReportChangesNothing) {
   absl::StatusOr<SubmitResult> submitted =
       registry_->SubmitBatch(id, 0, test_support::PretrainBatch(5, kRanks));
   ASSERT_TRUE(submitted.ok());
-  const std::string before = ReadFile(JobDir(id) + "/step-0.pb");
+  const std::string before = ReadBytes(JobDir(id) + "/step-0.pb");
   absl::StatusOr<StepPlan> local = PlanStepLocally(test_support::PretrainBatch(5, kRanks),
                                                    test_support::SmallJob(kRanks).planner);
   ASSERT_TRUE(local.ok());
@@ -354,7 +336,7 @@ TEST_F(RegistryFaultsTest, ARefusedReportChangesNothing) {
                             std::numeric_limits<double>::quiet_NaN(), /*planned_locally=*/true);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(), HasSubstr("wait_seconds"));
-  EXPECT_EQ(ReadFile(JobDir(id) + "/step-0.pb"), before);
+  EXPECT_EQ(ReadBytes(JobDir(id) + "/step-0.pb"), before);
   bool ready = false;
   absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(id, 0, 0, &ready);
   ASSERT_TRUE(plan.ok() && ready);
@@ -364,7 +346,7 @@ TEST_F(RegistryFaultsTest, ARefusedReportChangesNothing) {
   wrong[0].tokens += 1;
   EXPECT_EQ(registry_->ReportStep(id, 0, 0, wrong, 0.0, true).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadFile(JobDir(id) + "/step-0.pb"), before);
+  EXPECT_EQ(ReadBytes(JobDir(id) + "/step-0.pb"), before);
 }
 
 // Issue 11 case 6: a repeat with other timings was acknowledged as a duplicate; an empty report

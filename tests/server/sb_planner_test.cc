@@ -135,6 +135,16 @@ std::string Scrape(int port) {
   return response;
 }
 
+// CreateJob of a job of `world_size` ranks (defaults elsewhere), with a 5-second deadline.
+grpc::Status CreateJob(v1::PlannerService::Stub& stub, int world_size,
+                       v1::CreateJobResponse* response) {
+  v1::CreateJobRequest create;
+  create.mutable_config()->set_world_size(world_size);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return stub.CreateJob(&context, create, response);
+}
+
 std::string StateDir() {
   std::string pattern = ::testing::TempDir() + "sb_planner_XXXXXX";
   return std::string(mkdtemp(pattern.data())) + "/state";
@@ -150,12 +160,8 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
   EXPECT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);  // SERVING
 
   auto stub = v1::PlannerService::NewStub(channel);
-  v1::CreateJobRequest create;
-  create.mutable_config()->set_world_size(4);
   v1::CreateJobResponse job;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  ASSERT_TRUE(stub->CreateJob(&context, create, &job).ok());
+  ASSERT_TRUE(CreateJob(*stub, /*world_size=*/4, &job).ok());
   EXPECT_EQ(job.job_token().size(), 64u);
   EXPECT_EQ(job.job_id().size(), 16u);
 
@@ -215,12 +221,8 @@ TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
   EXPECT_EQ(HealthStatus(health_channel, "sparsebalance.planner.v1.PlannerService"), 1);
   {
     auto stub = v1::PlannerService::NewStub(health_channel);
-    v1::CreateJobRequest create;
-    create.mutable_config()->set_world_size(2);
     v1::CreateJobResponse created;
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    EXPECT_EQ(stub->CreateJob(&context, create, &created).error_code(),
+    EXPECT_EQ(CreateJob(*stub, /*world_size=*/2, &created).error_code(),
               grpc::StatusCode::UNIMPLEMENTED);
   }
 

@@ -1,12 +1,15 @@
 // Helpers shared by the server and client tests: deterministic ids and tokens, batches from
-// the pretrain trace, and timings that follow a plan's predictions.
+// the pretrain trace, timings that follow a plan's predictions, and whole-file reads and
+// writes for tests that damage state files.
 #ifndef SPARSEBALANCE_TESTS_SERVER_TEST_SUPPORT_H_
 #define SPARSEBALANCE_TESTS_SERVER_TEST_SUPPORT_H_
 
 #include <atomic>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,6 +19,20 @@
 #include "proto/wire.h"
 
 namespace sparsebalance::test_support {
+
+// The bytes of a file ("" when it cannot be read).
+inline std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+// Replaces a file's bytes (as an attacker or a bad disk would).
+inline void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
 
 // Stands in for the CSPRNG: "aaa..1", "aaa..2", ... (thread-safe).
 inline std::function<std::string(int)> CountingHex() {

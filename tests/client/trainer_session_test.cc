@@ -1,7 +1,7 @@
-// The client against a real sb-planner service on loopback: a training loop of 4 ranks, the
-// local fallback when the planner is down (every rank agrees, every sample placed once), and
-// reports kept while it is away and delivered when it is back.
-#include "client/planner_client.h"
+// TrainerSession (through PlannerClient) against a real sb-planner service on loopback: a
+// training loop of 4 ranks, the local fallback when the planner is down (every rank agrees,
+// every sample placed once), and reports kept while it is away and delivered when it is back.
+#include "client/trainer_session.h"
 
 #include <atomic>
 #include <chrono>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/planner_client.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
@@ -85,11 +86,15 @@ std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
   return std::move(*client);
 }
 
-TEST(PlannerClientTest, FourRanksTrainThroughThePlanner) {
+// A job of `ranks` ranks (Config) created on the planner at `port`.
+absl::StatusOr<JobHandle> CreateJob(int port, const std::string& name, int ranks) {
+  return Connect(port)->CreateJob(name, Config(ranks));
+}
+
+TEST(TrainerSessionTest, FourRanksTrainThroughThePlanner) {
   constexpr int kRanks = 4;
   Planner planner;
-  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
-  absl::StatusOr<JobHandle> job = admin->CreateJob("train", Config(kRanks));
+  absl::StatusOr<JobHandle> job = CreateJob(planner.port(), "train", kRanks);
   ASSERT_TRUE(job.ok()) << job.status();
   std::vector<std::thread> ranks;
   std::atomic<int> failures{0};
@@ -119,7 +124,7 @@ TEST(PlannerClientTest, FourRanksTrainThroughThePlanner) {
   EXPECT_EQ(view->next_step, 5);
 }
 
-TEST(PlannerClientTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
+TEST(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
   constexpr int kRanks = 256;
   constexpr int kSteps = 50;
   Planner planner;
@@ -183,7 +188,7 @@ TEST(PlannerClientTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
   EXPECT_EQ(view->steps_folded, kSteps);  // every step's 256 reports arrived and were learned
 }
 
-TEST(PlannerClientTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
+TEST(TrainerSessionTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
   constexpr int kRanks = 4;
   Planner planner;
   const int port = planner.port();
@@ -207,12 +212,11 @@ TEST(PlannerClientTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
   for (const Sample& s : batch) EXPECT_EQ(placed.count(s.id), 1u) << s.id;
 }
 
-TEST(PlannerClientTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack) {
+TEST(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack) {
   constexpr int kRanks = 1;
   Planner planner;
   const int port = planner.port();
-  std::unique_ptr<PlannerClient> admin = Connect(port);
-  absl::StatusOr<JobHandle> job = admin->CreateJob("away", Config(kRanks));
+  absl::StatusOr<JobHandle> job = CreateJob(port, "away", kRanks);
   ASSERT_TRUE(job.ok());
   std::unique_ptr<PlannerClient> client = Connect(port, job->job_id, job->token);
   ASSERT_TRUE(client->JoinJob(0).ok());
@@ -238,12 +242,11 @@ TEST(PlannerClientTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack
 // The planner goes away for three steps and comes back: the ranks run local plans, the
 // coordinator then tells the planner which plans they ran, and every report made meanwhile
 // reaches the planner's model; the job goes on in order.
-TEST(PlannerClientTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) {
+TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) {
   constexpr int kRanks = 2;
   Planner planner;
   const int port = planner.port();
-  std::unique_ptr<PlannerClient> admin = Connect(port);
-  absl::StatusOr<JobHandle> job = admin->CreateJob("resync", Config(kRanks));
+  absl::StatusOr<JobHandle> job = CreateJob(port, "resync", kRanks);
   ASSERT_TRUE(job.ok());
   std::vector<std::unique_ptr<PlannerClient>> clients;
   std::vector<std::unique_ptr<TrainerSession>> sessions;
@@ -303,7 +306,7 @@ TEST(PlannerClientTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) {
   }
 }
 
-TEST(PlannerClientTest, ABadBatchIsAnErrorNotAFallback) {
+TEST(TrainerSessionTest, ABadBatchIsAnErrorNotAFallback) {
   Planner planner;
   std::unique_ptr<PlannerClient> admin = Connect(planner.port());
   absl::StatusOr<JobHandle> job = admin->CreateJob("bad", Config(2));

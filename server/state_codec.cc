@@ -1,0 +1,181 @@
+#include "server/state_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "proto/wire.h"
+
+namespace sparsebalance {
+namespace {
+
+bool AllFinite(const google::protobuf::RepeatedField<double>& values) {
+  return std::all_of(values.begin(), values.end(), [](double v) { return std::isfinite(v); });
+}
+
+// A stored job keeps working under any flags: its config is checked for validity, never
+// against this planner's limits on new requests.
+WireLimits StoredLimits() {
+  WireLimits limits;
+  limits.max_world_size = std::numeric_limits<int>::max();
+  limits.max_history_steps = std::numeric_limits<int>::max();
+  return limits;
+}
+
+state::v1::ModelState EncodeModel(const LatencyModelState& st, const CostCoefficients& p) {
+  state::v1::ModelState out;
+  out.mutable_weights()->Assign(st.weights.begin(), st.weights.end());
+  out.mutable_covariance()->Assign(st.covariance.begin(), st.covariance.end());
+  out.mutable_speed_factors()->Assign(st.speed_factors.begin(), st.speed_factors.end());
+  out.set_rank_error_variance(st.rank_error_variance);
+  out.set_steps_observed(st.steps_observed);
+  for (double c : {p.per_block, p.per_token, p.per_sample, p.per_micro_batch}) out.add_prior(c);
+  return out;
+}
+
+// The model of a job of `ranks` ranks; DATA_LOSS when its sizes are not the job's or a value is
+// not finite (speed factors: not positive).
+absl::Status DecodeModel(const state::v1::ModelState& in, int ranks, StoredJob* out) {
+  if (in.weights_size() != 4 || in.covariance_size() != 16 || in.prior_size() != 4 ||
+      in.speed_factors_size() != ranks) {
+    return absl::DataLossError(
+        absl::StrCat("job.pb model: ", in.weights_size(), " weights, ", in.covariance_size(),
+                     " covariance entries, ", in.prior_size(), " prior coefficients and ",
+                     in.speed_factors_size(), " speed factors; want 4, 16, 4 and ", ranks));
+  }
+  if (!AllFinite(in.weights()) || !AllFinite(in.covariance()) || !AllFinite(in.prior()) ||
+      !std::isfinite(in.rank_error_variance()) || in.rank_error_variance() < 0 ||
+      in.steps_observed() < 0) {
+    return absl::DataLossError(
+        "job.pb model: a weight, covariance, prior or error value is not "
+        "finite (or negative)");
+  }
+  for (int r = 0; r < in.speed_factors_size(); ++r) {
+    if (!(std::isfinite(in.speed_factors(r)) && in.speed_factors(r) > 0.0)) {
+      return absl::DataLossError(absl::StrCat("job.pb model: speed_factors[", r, "] = ",
+                                              in.speed_factors(r), " is not positive and finite"));
+    }
+  }
+  for (double c : in.prior()) {
+    if (!(c >= 0)) return absl::DataLossError("job.pb model: a prior coefficient is negative");
+  }
+  out->prior = CostCoefficients{in.prior(0), in.prior(1), in.prior(2), in.prior(3)};
+  LatencyModelState& st = out->model;
+  std::copy(in.weights().begin(), in.weights().end(), st.weights.begin());
+  std::copy(in.covariance().begin(), in.covariance().end(), st.covariance.begin());
+  st.speed_factors.assign(in.speed_factors().begin(), in.speed_factors().end());
+  st.rank_error_variance = in.rank_error_variance();
+  st.steps_observed = in.steps_observed();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+state::v1::JobSnapshot EncodeJob(const StoredJob& job) {
+  state::v1::JobSnapshot out;
+  out.set_job_id(job.job_id);
+  out.set_name(job.name);
+  out.set_token(job.token);
+  *out.mutable_config() = ConfigToProto(job.settings);
+  *out.mutable_model() = EncodeModel(job.model, job.prior);
+  out.set_next_step(job.next_step);
+  for (bool joined : job.joined) out.add_joined(joined);
+  out.mutable_folded_steps()->Assign(job.folded_steps.begin(), job.folded_steps.end());
+  out.set_unfolded_steps(job.unfolded_steps);
+  out.set_fold_failure(job.fold_failure);
+  return out;
+}
+
+absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in) {
+  StoredJob out;
+  absl::StatusOr<JobSettings> settings = ConfigFromProto(in.config(), StoredLimits());
+  if (!settings.ok()) {
+    return absl::DataLossError(absl::StrCat("job.pb: ", settings.status().message()));
+  }
+  out.settings = *std::move(settings);
+  if (absl::Status s = DecodeModel(in.model(), out.settings.planner.ranks, &out); !s.ok()) {
+    return s;
+  }
+  out.job_id = in.job_id();
+  out.name = in.name();
+  out.token = in.token();
+  out.next_step = in.next_step();
+  out.joined.assign(in.joined().begin(), in.joined().end());
+  out.folded_steps.assign(in.folded_steps().begin(), in.folded_steps().end());
+  out.unfolded_steps = in.unfolded_steps();
+  out.fold_failure = in.fold_failure();
+  return out;
+}
+
+void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& plan, bool folded,
+                state::v1::StepRecord* out) {
+  out->set_step(step);
+  for (const Sample& s : batch) SampleToProto(s, out->add_batch());
+  for (int r = 0; r < static_cast<int>(plan.ranks.size()); ++r) {
+    RankPlanToProto(plan, step, r, out->add_ranks());
+  }
+  out->mutable_deferred_ids()->Assign(plan.deferred_ids.begin(), plan.deferred_ids.end());
+  out->set_folded(folded);
+}
+
+PlanStore::LoadedStep DecodeStep(const state::v1::StepRecord& in) {
+  PlanStore::LoadedStep out;
+  out.step = in.step();
+  out.folded = in.folded();
+  out.batch.reserve(in.batch_size());
+  for (const v1::Sample& s : in.batch()) {
+    out.batch.push_back(Sample{s.id(),
+                               s.length(),
+                               s.sensitivity(),
+                               s.group(),
+                               {s.segments().begin(), s.segments().end()}});
+  }
+  StepPlan& plan = out.plan;
+  for (const v1::RankPlan& r : in.ranks()) {
+    RankPlan rank;
+    rank.predicted_seconds = r.predicted_seconds();
+    for (const v1::MicroBatch& m : r.micro_batches()) {
+      rank.micro_batches.push_back(MicroBatchFromProto(m));
+    }
+    plan.ranks.push_back(std::move(rank));
+  }
+  if (in.ranks_size() > 0) {
+    const v1::RankPlan& first = in.ranks(0);
+    absl::StatusOr<Policy> policy = PolicyFromProto(first.policy(), "policy");
+    plan.policy = policy.ok() ? *policy : Policy::kSparseBalance;
+    const v1::PlanFigures& f = first.figures();
+    plan.makespan_seconds = f.makespan_seconds();
+    plan.lower_bound_seconds = f.lower_bound_seconds();
+    plan.gap = f.gap();
+    plan.imbalance_ratio = f.imbalance_ratio();
+    plan.bubble_ratio = f.bubble_ratio();
+    plan.mean_density = f.mean_density();
+    plan.predicted_recall = f.predicted_recall();
+    plan.planned_locally = first.planned_locally();
+  }
+  plan.deferred_ids.assign(in.deferred_ids().begin(), in.deferred_ids().end());
+  return out;
+}
+
+state::v1::ReportRecord EncodeReport(const StoredReport& report) {
+  state::v1::ReportRecord out;
+  out.set_rank(report.rank);
+  out.set_wait_seconds(report.wait_seconds);
+  for (const MicroBatchTiming& m : report.micro_batches) TimingToProto(m, out.add_micro_batches());
+  return out;
+}
+
+StoredReport DecodeReport(const state::v1::ReportRecord& in) {
+  StoredReport out;
+  out.rank = in.rank();
+  out.wait_seconds = in.wait_seconds();
+  out.micro_batches.reserve(in.micro_batches_size());
+  for (const v1::MicroBatchReport& m : in.micro_batches()) {
+    out.micro_batches.push_back(TimingFromProto(m));
+  }
+  return out;
+}
+
+}  // namespace sparsebalance

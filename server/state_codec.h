@@ -1,0 +1,40 @@
+// The persistence codec of sb-planner's state directory: the store's C++ records (plan_store.h:
+// StoredJob, a step's batch and plan, StoredReport) <-> the storage protos of
+// sparsebalance.state.v1 (proto/sparsebalance/state/v1/state.proto). Only PlanStore uses it:
+// the registry hands the store C++ values and gets C++ values back.
+//
+//   state::v1::JobSnapshot bytes_side = EncodeJob(job);
+//   absl::StatusOr<StoredJob> back = DecodeJob(bytes_side);  // DATA_LOSS naming the field
+#ifndef SPARSEBALANCE_SERVER_STATE_CODEC_H_
+#define SPARSEBALANCE_SERVER_STATE_CODEC_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/types.h"
+#include "server/plan_store.h"
+#include "sparsebalance/state/v1/state.pb.h"
+
+namespace sparsebalance {
+
+state::v1::JobSnapshot EncodeJob(const StoredJob& job);
+// The job of a snapshot: its config (defaults filled, checked by ConfigFromProto under limits
+// that never refuse a job accepted before) and its model, whose sizes must fit the config and
+// whose values must be finite (speed factors positive). DATA_LOSS naming what is wrong.
+absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in);
+
+// A step record into `out` (e.g. a message on an arena: a step of 16,384 samples is some
+// 50,000 small messages).
+void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& plan, bool folded,
+                state::v1::StepRecord* out);
+// The step, batch and plan of a record, as stored (not checked against the job: the registry
+// does that with ValidateBatch and ValidateStoredPlan).
+PlanStore::LoadedStep DecodeStep(const state::v1::StepRecord& in);
+
+state::v1::ReportRecord EncodeReport(const StoredReport& report);
+StoredReport DecodeReport(const state::v1::ReportRecord& in);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_SERVER_STATE_CODEC_H_
