@@ -216,6 +216,23 @@ void Authorize(grpc::ClientContext* context, const std::string& token, double se
                         std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
 }
 
+// One asynchronous call of a job's rank: its state lives as long as the callback holding it.
+template <typename Request, typename Response>
+struct RankCall {
+  grpc::ClientContext context;
+  Request request;
+  Response response;
+};
+
+// A RankCall authorised for `job` with a 60 s deadline, its request naming the job.
+template <typename Request, typename Response>
+std::shared_ptr<RankCall<Request, Response>> NewRankCall(const Job& job) {
+  auto call = std::make_shared<RankCall<Request, Response>>();
+  Authorize(&call->context, job.token, 60);
+  call->request.set_job_id(job.id);
+  return call;
+}
+
 Job CreateJob(v1::PlannerService::Stub* stub, const std::string& admin_token, int ranks,
               int micro_batches, int history_steps) {
   v1::CreateJobRequest request;
@@ -265,14 +282,7 @@ void RunAsync(int64_t calls, int in_flight, Tally* tally,
 void Join(Connections& connections, const Job& job, int ranks) {
   Tally tally;
   RunAsync(ranks, 64, &tally, [&](int64_t rank, std::function<void(grpc::Status)> done) {
-    struct Call {
-      grpc::ClientContext context;
-      v1::JoinJobRequest request;
-      v1::JoinJobResponse response;
-    };
-    auto call = std::make_shared<Call>();
-    Authorize(&call->context, job.token, 60);
-    call->request.set_job_id(job.id);
+    auto call = NewRankCall<v1::JoinJobRequest, v1::JoinJobResponse>(job);
     call->request.set_rank(static_cast<int>(rank));
     connections[rank]->async()->JoinJob(&call->context, &call->request, &call->response,
                                         [call, done](grpc::Status s) { done(s); });
@@ -385,14 +395,7 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
   Tally fetch;
   RunAsync(static_cast<int64_t>(reports.size()), 64, &fetch,
            [&](int64_t i, std::function<void(grpc::Status)> done) {
-             struct Call {
-               grpc::ClientContext context;
-               v1::GetRankPlanRequest request;
-               v1::GetRankPlanResponse response;
-             };
-             auto call = std::make_shared<Call>();
-             Authorize(&call->context, job.token, 60);
-             call->request.set_job_id(job.id);
+             auto call = NewRankCall<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(job);
              call->request.set_step(i / clients);
              call->request.set_rank(static_cast<int>(i % clients));
              connections[i % clients]->async()->GetRankPlan(
@@ -564,8 +567,9 @@ void RunSoak(const std::string& target, const std::string& admin, int pid, Figur
 
 int Main(int argc, char** argv) {
   tools::InitTool(argc, argv,
-                  "load generator for sb-planner: ReportStep throughput, one large step, and a "
-                  "memory soak (README \"Service load\").\n\n"
+                  "load generator for sb-planner: ReportStep throughput, one large step, and a\n"
+                  "memory soak (README \"Service load\"); starts the planner it measures unless\n"
+                  "--planner names one.\n\n"
                   "  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all] ...");
   tools::StopChildrenOnSignals();
   const std::string scenario = absl::GetFlag(FLAGS_scenario);

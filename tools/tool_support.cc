@@ -1,7 +1,6 @@
 #include "tools/tool_support.h"
 
 #include <cerrno>
-#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -27,10 +26,10 @@ std::string& MutableToolName() {
 }
 
 // The flag `name` names on a command line, or null. "noNAME" names the boolean NAME.
-const absl::CommandLineFlag* FindFlag(absl::string_view name, bool has_value) {
-  if (const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name)) return flag;
+absl::CommandLineFlag* FindFlag(absl::string_view name, bool has_value) {
+  if (absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name)) return flag;
   if (!has_value && absl::StartsWith(name, "no")) {
-    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name.substr(2));
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name.substr(2));
     if (flag != nullptr && flag->IsOfType<bool>()) return flag;
   }
   return nullptr;
@@ -59,7 +58,7 @@ void CheckFlags(int argc, char** argv) {
     const absl::string_view name = body.substr(0, eq);
     const bool has_value = eq != absl::string_view::npos;
     if (IsUsageFlag(name)) continue;
-    const absl::CommandLineFlag* flag = FindFlag(name, has_value);
+    absl::CommandLineFlag* flag = FindFlag(name, has_value);
     if (flag == nullptr) {
       const std::string underscored = absl::StrReplaceAll(name, {{"-", "_"}});
       if (underscored != name && FindFlag(underscored, has_value) != nullptr) {
@@ -79,7 +78,7 @@ void CheckFlags(int argc, char** argv) {
     }
     // Parsing sets the flag; Abseil sets it again to the same value below.
     std::string error;
-    if (!const_cast<absl::CommandLineFlag*>(flag)->ParseFrom(value, &error)) {
+    if (!flag->ParseFrom(value, &error)) {
       UsageError(absl::StrCat("--", name, "=", value, ": ", error));
     }
   }

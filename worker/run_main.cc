@@ -109,9 +109,9 @@ absl::Status CheckProfile(const std::string& path, const ModelShape& shape) {
 int Main(int argc, char** argv) {
   tools::InitTool(
       argc, argv,
-      "the SparseBalance main job: sb-planner, N CPU workers, one short run per policy on the "
-      "same batches, and a side-by-side summary of what the workers measured (summary.txt, "
-      "summary.json, timeline.svg and the workers' step lines in --out).\n\n"
+      "the SparseBalance main job: sb-planner, N CPU workers, one short run per policy on\n"
+      "the same batches, and a side-by-side summary of what the workers measured\n"
+      "(summary.txt, summary.json, timeline.svg and the workers' step lines in --out).\n\n"
       "  sb-run [--workers=4] [--steps=8] [--policies=sequential,sparsebalance] [--out=DIR]");
   tools::StopChildrenOnSignals();
   const int workers = absl::GetFlag(FLAGS_workers);

@@ -114,13 +114,13 @@ class NcclBarrier : public Barrier {
 int Main(int argc, char** argv) {
   tools::InitTool(
       argc, argv,
-      "one rank of a SparseBalance job: plans from sb-planner, sparse attention at the "
+      "one rank of a SparseBalance job: plans from sb-planner, sparse attention at the\n"
       "planned densities, measured and reported (one JSON line per step to --out).\n\n"
-      "  sb-worker --planner=HOST:PORT --job=ID --rank=R --token_file=FILE "
-      "[--device=cpu|cuda] [--sync=HOST:PORT]\n\n"
-      "Timing: on CPU the thread CPU time of the compute (ranks may share cores); on GPU CUDA "
-      "events. Waiting time is the wall time spent in the end-of-step synchronisation. sb-run "
-      "starts a planner, a step-sync hub and the workers of a local job.");
+      "  sb-worker --planner=HOST:PORT --job=ID --rank=R --token_file=FILE \\\n"
+      "            [--device=cpu|cuda] [--sync=HOST:PORT] [--out=steps.jsonl]\n\n"
+      "Timing: on CPU the thread CPU time of the compute (ranks may share cores); on GPU\n"
+      "CUDA events. Waiting time is the wall time spent in the end-of-step synchronisation.\n"
+      "sb-run starts a planner, a step-sync hub and the workers of a local job.");
   const int rank = absl::GetFlag(FLAGS_rank);
   if (absl::GetFlag(FLAGS_job).empty()) tools::UsageError("--job is required");
   if (rank < 0) tools::UsageError("--rank is required (>= 0)");

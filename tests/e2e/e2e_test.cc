@@ -154,45 +154,68 @@ int64_t StepsDone(const std::string& path, int rank) {
   return n;
 }
 
+// Waits up to a minute for `rank` to have written `steps` step lines; whether it has.
+bool WaitForSteps(const std::string& lines, int rank, int64_t steps) {
+  const Clock::time_point start = Clock::now();
+  while (StepsDone(lines, rank) < steps && Clock::now() - start < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return StepsDone(lines, rank) >= steps;
+}
+
 std::string ReadAll(const std::string& path) { return tools::ReadFile(path).value_or(""); }
+
+// A tiny job under way in `dir`: sb-planner on a fixed port (state in dir/state), the job (its
+// token in dir/token), the step-sync hub and `ranks` workers running `steps` steps, their step
+// lines in `lines` and their logs in dir/workerR.log.
+struct JobUnderWay {
+  int port = 0;
+  std::unique_ptr<tools::PlannerProcess> planner;
+  JobHandle job;
+  std::string token_file;
+  std::unique_ptr<StepSyncHub> hub;
+  std::vector<std::unique_ptr<tools::ChildProcess>> workers;
+
+  // Whether everything started (each failure is also a test failure).
+  bool ok() const { return planner != nullptr && hub != nullptr; }
+};
+
+JobUnderWay StartJob(const std::string& dir, int ranks, int steps, const std::string& lines) {
+  JobUnderWay run;
+  run.port = FreePort();
+  run.planner = StartPlanner(dir + "/state", run.port, dir + "/planner.log");
+  if (run.planner == nullptr) return run;
+  run.token_file = dir + "/token";
+  run.job = CreateJob(run.port, TinyJob(ranks), run.token_file);
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks);
+  EXPECT_TRUE(hub.ok()) << hub.status();
+  if (!hub.ok()) return run;
+  run.hub = *std::move(hub);
+  for (int r = 0; r < ranks; ++r) {
+    run.workers.push_back(StartWorker(run.port, run.job, r, run.token_file, run.hub->address(),
+                                      steps, lines, absl::StrCat(dir, "/worker", r, ".log")));
+  }
+  return run;
+}
 
 TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedReport) {
   constexpr int kRanks = 3;
   constexpr int kSteps = 14;
   TempDir dir;
-  const std::string state = dir.path() + "/state";
   const std::string lines = dir.path() + "/steps.jsonl";
-  const std::string token_file = dir.path() + "/token";
-  const int port = FreePort();
-  std::unique_ptr<tools::PlannerProcess> planner =
-      StartPlanner(state, port, dir.path() + "/planner.log");
-  ASSERT_NE(planner, nullptr);
-  const JobHandle job = CreateJob(port, TinyJob(kRanks), token_file);
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(kRanks);
-  ASSERT_TRUE(hub.ok());
-  std::vector<std::unique_ptr<tools::ChildProcess>> workers;
-  for (int r = 0; r < kRanks; ++r) {
-    workers.push_back(StartWorker(port, job, r, token_file, (*hub)->address(), kSteps, lines,
-                                  absl::StrCat(dir.path(), "/worker", r, ".log")));
-  }
+  JobUnderWay run = StartJob(dir.path(), kRanks, kSteps, lines);
+  ASSERT_TRUE(run.ok());
   // Let a few steps go through the planner, then kill it.
-  const Clock::time_point start = Clock::now();
-  while (StepsDone(lines, 0) < 4 && Clock::now() - start < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  ASSERT_GE(StepsDone(lines, 0), 4) << ReadAll(dir.path() + "/worker0.log");
-  planner->Kill();
+  ASSERT_TRUE(WaitForSteps(lines, 0, 4)) << ReadAll(dir.path() + "/worker0.log");
+  run.planner->Kill();
   const double killed_at = UnixSeconds();
   // The ranks go on alone for a while.
-  const int64_t before = StepsDone(lines, 0);
-  const Clock::time_point away = Clock::now();
-  while (StepsDone(lines, 0) < before + 2 && Clock::now() - away < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  planner = StartPlanner(state, port, dir.path() + "/planner-restarted.log");
-  ASSERT_NE(planner, nullptr);
+  WaitForSteps(lines, 0, StepsDone(lines, 0) + 2);
+  run.planner =
+      StartPlanner(dir.path() + "/state", run.port, dir.path() + "/planner-restarted.log");
+  ASSERT_NE(run.planner, nullptr);
   for (int r = 0; r < kRanks; ++r) {
-    EXPECT_EQ(workers[r]->WaitFor(180), 0)
+    EXPECT_EQ(run.workers[r]->WaitFor(180), 0)
         << ReadAll(absl::StrCat(dir.path(), "/worker", r, ".log"));
   }
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
@@ -203,7 +226,7 @@ TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedRepor
   EXPECT_GT(local_steps, 0) << "no rank ran on a local plan while the planner was down";
 
   std::map<int, std::unique_ptr<PlannerClient>> clients;
-  for (int r = 0; r < kRanks; ++r) clients[r] = Connect(port, job.job_id, job.token);
+  for (int r = 0; r < kRanks; ++r) clients[r] = Connect(run.port, run.job.job_id, run.job.token);
   int plans_checked = 0, reports_checked = 0;
   for (const StepLine& s : *all) {
     // Every report acknowledged before the kill is still there: an empty repeat is compared
@@ -233,29 +256,14 @@ TEST(EndToEndTest, AKilledWorkerRestartsOnItsRankAndTheJobContinues) {
   constexpr int kSteps = 8;
   TempDir dir;
   const std::string lines = dir.path() + "/steps.jsonl";
-  const std::string token_file = dir.path() + "/token";
-  const int port = FreePort();
-  std::unique_ptr<tools::PlannerProcess> planner =
-      StartPlanner(dir.path() + "/state", port, dir.path() + "/planner.log");
-  ASSERT_NE(planner, nullptr);
-  const JobHandle job = CreateJob(port, TinyJob(kRanks), token_file);
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(kRanks);
-  ASSERT_TRUE(hub.ok());
-  std::vector<std::unique_ptr<tools::ChildProcess>> workers;
-  for (int r = 0; r < kRanks; ++r) {
-    workers.push_back(StartWorker(port, job, r, token_file, (*hub)->address(), kSteps, lines,
-                                  absl::StrCat(dir.path(), "/worker", r, ".log")));
-  }
-  const Clock::time_point start = Clock::now();
-  while (StepsDone(lines, 2) < 3 && Clock::now() - start < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_GE(StepsDone(lines, 2), 3);
-  workers[2]->Kill();
+  JobUnderWay run = StartJob(dir.path(), kRanks, kSteps, lines);
+  ASSERT_TRUE(run.ok());
+  ASSERT_TRUE(WaitForSteps(lines, 2, 3)) << ReadAll(dir.path() + "/worker2.log");
+  run.workers[2]->Kill();
   const int64_t done_before = StepsDone(lines, 2);
-  workers[2] = StartWorker(port, job, 2, token_file, (*hub)->address(), kSteps, lines,
-                           dir.path() + "/worker2-restarted.log");
-  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(workers[r]->WaitFor(120), 0);
+  run.workers[2] = StartWorker(run.port, run.job, 2, run.token_file, run.hub->address(), kSteps,
+                               lines, dir.path() + "/worker2-restarted.log");
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(run.workers[r]->WaitFor(120), 0);
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), static_cast<size_t>(kRanks * kSteps));
