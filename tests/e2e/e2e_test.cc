@@ -165,10 +165,12 @@ bool WaitForSteps(const std::string& lines, int rank, int64_t steps) {
 
 std::string ReadAll(const std::string& path) { return tools::ReadFile(path).value_or(""); }
 
-// A tiny job under way in `dir`: sb-planner on a fixed port (state in dir/state), the job (its
-// token in dir/token), the step-sync hub and `ranks` workers running `steps` steps, their step
-// lines in `lines` and their logs in dir/workerR.log.
+// A tiny job under way in a temporary folder: sb-planner on a fixed port (state in dir/state),
+// the job (its token in dir/token), the step-sync hub and the workers, their step lines in
+// dir/steps.jsonl and their logs in dir/workerR.log. Everything stops, and the folder goes,
+// when it is destroyed.
 struct JobUnderWay {
+  std::unique_ptr<TempDir> temp = std::make_unique<TempDir>();
   int port = 0;
   std::unique_ptr<tools::PlannerProcess> planner;
   JobHandle job;
@@ -176,16 +178,18 @@ struct JobUnderWay {
   std::unique_ptr<StepSyncHub> hub;
   std::vector<std::unique_ptr<tools::ChildProcess>> workers;
 
+  const std::string& dir() const { return temp->path(); }
+  std::string lines() const { return dir() + "/steps.jsonl"; }
   // Whether everything started (each failure is also a test failure).
   bool ok() const { return planner != nullptr && hub != nullptr; }
 };
 
-JobUnderWay StartJob(const std::string& dir, int ranks, int steps, const std::string& lines) {
+JobUnderWay StartJob(int ranks, int steps) {
   JobUnderWay run;
   run.port = FreePort();
-  run.planner = StartPlanner(dir + "/state", run.port, dir + "/planner.log");
+  run.planner = StartPlanner(run.dir() + "/state", run.port, run.dir() + "/planner.log");
   if (run.planner == nullptr) return run;
-  run.token_file = dir + "/token";
+  run.token_file = run.dir() + "/token";
   run.job = CreateJob(run.port, TinyJob(ranks), run.token_file);
   absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks);
   EXPECT_TRUE(hub.ok()) << hub.status();
@@ -193,7 +197,8 @@ JobUnderWay StartJob(const std::string& dir, int ranks, int steps, const std::st
   run.hub = *std::move(hub);
   for (int r = 0; r < ranks; ++r) {
     run.workers.push_back(StartWorker(run.port, run.job, r, run.token_file, run.hub->address(),
-                                      steps, lines, absl::StrCat(dir, "/worker", r, ".log")));
+                                      steps, run.lines(),
+                                      absl::StrCat(run.dir(), "/worker", r, ".log")));
   }
   return run;
 }
@@ -201,22 +206,20 @@ JobUnderWay StartJob(const std::string& dir, int ranks, int steps, const std::st
 TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedReport) {
   constexpr int kRanks = 3;
   constexpr int kSteps = 14;
-  TempDir dir;
-  const std::string lines = dir.path() + "/steps.jsonl";
-  JobUnderWay run = StartJob(dir.path(), kRanks, kSteps, lines);
+  JobUnderWay run = StartJob(kRanks, kSteps);
   ASSERT_TRUE(run.ok());
+  const std::string lines = run.lines();
   // Let a few steps go through the planner, then kill it.
-  ASSERT_TRUE(WaitForSteps(lines, 0, 4)) << ReadAll(dir.path() + "/worker0.log");
+  ASSERT_TRUE(WaitForSteps(lines, 0, 4)) << ReadAll(run.dir() + "/worker0.log");
   run.planner->Kill();
   const double killed_at = UnixSeconds();
   // The ranks go on alone for a while.
   WaitForSteps(lines, 0, StepsDone(lines, 0) + 2);
-  run.planner =
-      StartPlanner(dir.path() + "/state", run.port, dir.path() + "/planner-restarted.log");
+  run.planner = StartPlanner(run.dir() + "/state", run.port, run.dir() + "/planner-restarted.log");
   ASSERT_NE(run.planner, nullptr);
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(run.workers[r]->WaitFor(180), 0)
-        << ReadAll(absl::StrCat(dir.path(), "/worker", r, ".log"));
+        << ReadAll(absl::StrCat(run.dir(), "/worker", r, ".log"));
   }
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
   ASSERT_TRUE(all.ok());
@@ -254,22 +257,21 @@ TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedRepor
 TEST(EndToEndTest, AKilledWorkerRestartsOnItsRankAndTheJobContinues) {
   constexpr int kRanks = 3;
   constexpr int kSteps = 8;
-  TempDir dir;
-  const std::string lines = dir.path() + "/steps.jsonl";
-  JobUnderWay run = StartJob(dir.path(), kRanks, kSteps, lines);
+  JobUnderWay run = StartJob(kRanks, kSteps);
   ASSERT_TRUE(run.ok());
-  ASSERT_TRUE(WaitForSteps(lines, 2, 3)) << ReadAll(dir.path() + "/worker2.log");
+  const std::string lines = run.lines();
+  ASSERT_TRUE(WaitForSteps(lines, 2, 3)) << ReadAll(run.dir() + "/worker2.log");
   run.workers[2]->Kill();
   const int64_t done_before = StepsDone(lines, 2);
   run.workers[2] = StartWorker(run.port, run.job, 2, run.token_file, run.hub->address(), kSteps,
-                               lines, dir.path() + "/worker2-restarted.log");
+                               lines, run.dir() + "/worker2-restarted.log");
   for (int r = 0; r < kRanks; ++r) EXPECT_EQ(run.workers[r]->WaitFor(120), 0);
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), static_cast<size_t>(kRanks * kSteps));
   // It resumed where its reports stopped, not from step 0: at the first step without a line,
   // or one later if it was killed between sending a report and writing that step's line.
-  const std::string log = ReadAll(dir.path() + "/worker2-restarted.log");
+  const std::string log = ReadAll(run.dir() + "/worker2-restarted.log");
   EXPECT_TRUE(log.find(absl::StrCat("from step ", done_before, "\n")) != std::string::npos ||
               log.find(absl::StrCat("from step ", done_before + 1, "\n")) != std::string::npos)
       << "killed after " << done_before << " steps: " << log;
