@@ -12,9 +12,6 @@
 //
 // Calls use gRPC's callback API directly (not the client library's blocking calls) so that
 // one load process can keep a thousand calls in flight on a 2-core machine.
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,19 +29,18 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
 #include "planner/random.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
-
-extern char** environ;
+#include "tools/child_process.h"
+#include "tools/tool_support.h"
 
 ABSL_FLAG(std::string, planner, "",
           "host:port of a running sb-planner; empty: start one (see --sb_planner) on a free "
@@ -77,14 +73,9 @@ double Seconds(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
 }
 
-[[noreturn]] void Die(const std::string& what) {
-  std::cerr << "sb-load: " << what << "\n";
-  std::exit(1);
-}
-
 void Check(const grpc::Status& status, const std::string& what) {
   if (!status.ok()) {
-    Die(absl::StrCat(what, ": ", status.error_code(), " ", status.error_message()));
+    tools::Fatal(absl::StrCat(what, ": ", status.error_code(), " ", status.error_message()));
   }
 }
 
@@ -115,64 +106,36 @@ double CpuSeconds(int pid) {
   return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
-// An sb-planner child process on a free loopback port with a temporary state directory.
+// An sb-planner child process on a free loopback port with a temporary state directory (and
+// its log beside it), stopped and removed at the end.
 class SpawnedPlanner {
  public:
   explicit SpawnedPlanner(const std::string& binary) {
     char dir_template[] = "/tmp/sb-load-XXXXXX";
-    if (mkdtemp(dir_template) == nullptr) Die("cannot create a temporary state directory");
-    state_dir_ = dir_template;
-    int fds[2];
-    if (pipe(fds) != 0) Die("pipe failed");
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::vector<std::string> args = {binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-                                     "--state_dir=" + state_dir_, "--drain_seconds=1"};
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    if (posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), environ) != 0) {
-      Die(absl::StrCat("cannot start ", binary, " (set --sb_planner)"));
+    if (mkdtemp(dir_template) == nullptr) tools::Fatal("cannot create a temporary directory");
+    dir_ = dir_template;
+    absl::StatusOr<std::unique_ptr<tools::PlannerProcess>> planner =
+        tools::PlannerProcess::Start(binary,
+                                     {"--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                                      "--state_dir=" + dir_ + "/state", "--drain_seconds=1"},
+                                     dir_ + "/planner.log");
+    if (!planner.ok()) {
+      tools::Fatal(absl::StrCat("cannot start ", binary,
+                                " (set --sb_planner): ", planner.status().message()));
     }
-    posix_spawn_file_actions_destroy(&actions);
-    close(fds[1]);
-    FILE* out = fdopen(fds[0], "r");
-    char buffer[1024];
-    while (fgets(buffer, sizeof buffer, out) != nullptr) {
-      const std::string line = buffer;
-      const size_t at = line.find("listening on ");
-      if (at == std::string::npos) continue;
-      const size_t start = at + 13;
-      address_ = line.substr(start, line.find_first_of(" ;", start) - start);
-      break;
-    }
-    if (address_.empty()) Die(absl::StrCat(binary, " did not say where it listens"));
-    // Keep draining its stdout so that it never blocks on a full pipe.
-    drain_ = std::thread([out] {
-      char sink[1024];
-      while (fgets(sink, sizeof sink, out) != nullptr) {
-      }
-      fclose(out);
-    });
+    planner_ = *std::move(planner);
   }
   ~SpawnedPlanner() {
-    kill(pid_, SIGTERM);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    drain_.join();
+    planner_->Stop();
     std::error_code ignored;
-    std::filesystem::remove_all(state_dir_, ignored);
+    std::filesystem::remove_all(dir_, ignored);
   }
-  const std::string& address() const { return address_; }
-  int pid() const { return pid_; }
+  const std::string& address() const { return planner_->address(); }
+  int pid() const { return planner_->pid(); }
 
  private:
-  pid_t pid_ = 0;
-  std::string state_dir_;
-  std::string address_;
-  std::thread drain_;
+  std::string dir_;
+  std::unique_ptr<tools::PlannerProcess> planner_;
 };
 
 // Connections to the planner, each its own TCP connection (a local subchannel pool).
@@ -225,7 +188,7 @@ class Tally {
   }
   void CheckOk(const std::string& what) {
     absl::MutexLock lock(&mu_);
-    if (!error_.empty()) Die(absl::StrCat(what, ": ", error_));
+    if (!error_.empty()) tools::Fatal(absl::StrCat(what, ": ", error_));
   }
   // The q-quantile of the latencies (seconds).
   double Quantile(double q) {
@@ -251,6 +214,23 @@ void Authorize(grpc::ClientContext* context, const std::string& token, double se
   if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
   context->set_deadline(std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+}
+
+// One asynchronous call of a job's rank: its state lives as long as the callback holding it.
+template <typename Request, typename Response>
+struct RankCall {
+  grpc::ClientContext context;
+  Request request;
+  Response response;
+};
+
+// A RankCall authorised for `job` with a 60 s deadline, its request naming the job.
+template <typename Request, typename Response>
+std::shared_ptr<RankCall<Request, Response>> NewRankCall(const Job& job) {
+  auto call = std::make_shared<RankCall<Request, Response>>();
+  Authorize(&call->context, job.token, 60);
+  call->request.set_job_id(job.id);
+  return call;
 }
 
 Job CreateJob(v1::PlannerService::Stub* stub, const std::string& admin_token, int ranks,
@@ -302,14 +282,7 @@ void RunAsync(int64_t calls, int in_flight, Tally* tally,
 void Join(Connections& connections, const Job& job, int ranks) {
   Tally tally;
   RunAsync(ranks, 64, &tally, [&](int64_t rank, std::function<void(grpc::Status)> done) {
-    struct Call {
-      grpc::ClientContext context;
-      v1::JoinJobRequest request;
-      v1::JoinJobResponse response;
-    };
-    auto call = std::make_shared<Call>();
-    Authorize(&call->context, job.token, 60);
-    call->request.set_job_id(job.id);
+    auto call = NewRankCall<v1::JoinJobRequest, v1::JoinJobResponse>(job);
     call->request.set_rank(static_cast<int>(rank));
     connections[rank]->async()->JoinJob(&call->context, &call->request, &call->response,
                                         [call, done](grpc::Status s) { done(s); });
@@ -361,9 +334,14 @@ v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
   return request;
 }
 
+// The figures of a run, in the order measured, for --json; six significant digits each.
 struct Figures {
-  std::vector<std::pair<std::string, double>> values;
-  void Add(const std::string& name, double value) { values.emplace_back(name, value); }
+  nlohmann::ordered_json values = nlohmann::ordered_json::object();
+  void Add(const std::string& name, double value) {
+    double rounded = value;
+    absl::SimpleAtod(absl::StrFormat("%.6g", value), &rounded);
+    values[name] = rounded;
+  }
 };
 
 // One rank's part of a step: GetRankPlan (which waits for the plan), then the ReportStep of that
@@ -404,7 +382,8 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
 void RunReports(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int clients = absl::GetFlag(FLAGS_clients);
   const int steps = std::max<int>(1, (absl::GetFlag(FLAGS_reports) + clients - 1) / clients);
-  if (steps > 4096) Die("--reports / --clients must be at most 4096 (the planner's history)");
+  if (steps > 4096)
+    tools::Fatal("--reports / --clients must be at most 4096 (the planner's history)");
   Connections connections(target, clients);
   const Job job = CreateJob(connections[0], admin, clients, 1, steps);
   Join(connections, job, clients);
@@ -416,14 +395,7 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
   Tally fetch;
   RunAsync(static_cast<int64_t>(reports.size()), 64, &fetch,
            [&](int64_t i, std::function<void(grpc::Status)> done) {
-             struct Call {
-               grpc::ClientContext context;
-               v1::GetRankPlanRequest request;
-               v1::GetRankPlanResponse response;
-             };
-             auto call = std::make_shared<Call>();
-             Authorize(&call->context, job.token, 60);
-             call->request.set_job_id(job.id);
+             auto call = NewRankCall<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(job);
              call->request.set_step(i / clients);
              call->request.set_rank(static_cast<int>(i % clients));
              connections[i % clients]->async()->GetRankPlan(
@@ -593,45 +565,33 @@ void RunSoak(const std::string& target, const std::string& admin, int pid, Figur
   DeleteJob(connections[0], admin, job);
 }
 
-std::string DefaultPlannerBinary(const char* argv0) {
-  std::error_code error;
-  const std::filesystem::path self = std::filesystem::canonical("/proc/self/exe", error);
-  if (!error) {
-    const std::filesystem::path sibling = self.parent_path().parent_path() / "server/sb-planner";
-    if (std::filesystem::exists(sibling)) return sibling.string();
-  }
-  return std::filesystem::path(argv0).parent_path() / "../server/sb-planner";
-}
-
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Load generator for sb-planner: ReportStep throughput, one large step, and a memory "
-      "soak.\n  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all] ...");
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view path) {
-    return path == "sb-load" || absl::EndsWith(path, "bench/sb_load.cc");
-  };
-  usage.normalize_filename = [](absl::string_view path) {
-    return absl::EndsWith(path, "bench/sb_load.cc") ? std::string("sb-load") : std::string(path);
-  };
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  tools::InitTool(argc, argv,
+                  "load generator for sb-planner: ReportStep throughput, one large step, and a\n"
+                  "memory soak (README \"Service load\"); starts the planner it measures unless\n"
+                  "--planner names one.\n\n"
+                  "  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all] ...");
+  tools::StopChildrenOnSignals();
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
   if (scenario != "reports" && scenario != "step" && scenario != "soak" && scenario != "all") {
-    Die(absl::StrCat("--scenario=", scenario, ": expected reports, step, soak or all"));
+    tools::Fatal(absl::StrCat("--scenario=", scenario, ": expected reports, step, soak or all"));
   }
   std::string admin;
   if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
-    std::ifstream in(absl::GetFlag(FLAGS_admin_token_file));
-    if (!std::getline(in, admin)) Die("cannot read --admin_token_file");
+    absl::StatusOr<std::string> text = tools::ReadFile(absl::GetFlag(FLAGS_admin_token_file));
+    if (!text.ok()) tools::Fatal(absl::StrCat("--admin_token_file: ", text.status().message()));
+    admin = std::string(absl::StripAsciiWhitespace(*text));
   }
   std::unique_ptr<SpawnedPlanner> spawned;
   std::string target = absl::GetFlag(FLAGS_planner);
   int pid = absl::GetFlag(FLAGS_planner_pid);
   if (target.empty()) {
-    const std::string binary = absl::GetFlag(FLAGS_sb_planner).empty()
-                                   ? DefaultPlannerBinary(argv[0])
-                                   : absl::GetFlag(FLAGS_sb_planner);
+    std::string binary = absl::GetFlag(FLAGS_sb_planner);
+    if (binary.empty()) {
+      absl::StatusOr<std::string> found = tools::FindToolBinary("sb-planner");
+      if (!found.ok()) tools::Fatal(absl::StrCat(found.status().message(), "; set --sb_planner"));
+      binary = *found;
+    }
     spawned = std::make_unique<SpawnedPlanner>(binary);
     target = spawned->address();
     pid = spawned->pid();
@@ -641,14 +601,10 @@ int Main(int argc, char** argv) {
   if (scenario == "reports" || scenario == "all") RunReports(target, admin, pid, &figures);
   if (scenario == "step" || scenario == "all") RunStep(target, admin, &figures);
   if (scenario == "soak" || scenario == "all") RunSoak(target, admin, pid, &figures);
-  if (!absl::GetFlag(FLAGS_json).empty()) {
-    std::ofstream out(absl::GetFlag(FLAGS_json));
-    out << "{";
-    for (size_t i = 0; i < figures.values.size(); ++i) {
-      out << (i > 0 ? ", " : "") << "\"" << figures.values[i].first
-          << "\": " << absl::StrFormat("%.6g", figures.values[i].second);
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    if (absl::Status s = tools::WriteFile(path, figures.values.dump() + "\n"); !s.ok()) {
+      tools::Fatal(absl::StrCat("--json: ", s.message()));
     }
-    out << "}\n";
   }
   return 0;
 }

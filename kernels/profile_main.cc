@@ -1,22 +1,17 @@
 // sb-profile: measures one transformer layer (forward + backward, block-sparse attention and
 // the linear part) on a grid of lengths and densities on this machine's CPU or CUDA GPU, and
 // writes the profile table the planner's latency model starts from. `sb-profile --help`.
-#include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/layer_profiler.h"
+#include "tools/tool_support.h"
 
 ABSL_FLAG(std::string, device, "cpu",
           "cpu (the fp32 reference, all cores) or cuda (device 0, bf16 kernels)");
@@ -47,7 +42,7 @@ absl::StatusOr<std::vector<T>> ParseList(absl::string_view flag, absl::string_vi
     }
     if (!ok) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--", flag, ": \"", item, "\" is not a number (see sb-profile --help)"));
+          absl::StrCat("--", flag, ": \"", item, "\" is not a number"));
     }
     values.push_back(value);
   }
@@ -55,7 +50,8 @@ absl::StatusOr<std::vector<T>> ParseList(absl::string_view flag, absl::string_vi
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  tools::InitTool(
+      argc, argv,
       "measure one transformer layer (forward + backward: block selection, block-sparse\n"
       "attention, QKV/output projections and a 4x MLP) on a grid of document lengths and\n"
       "densities on this machine, and write the profile table that sb-planner and sb-sim read\n"
@@ -64,22 +60,6 @@ int Main(int argc, char** argv) {
       "  sb-profile --device=cpu --heads=2 --lengths=1024,2048,4096 --out=cpu.profile\n"
       "  sb-profile --device=cuda --heads=32 --lengths=8192,32768,131072 --repeats=3 \\\n"
       "             --out=h100.profile");
-  absl::FlagsUsageConfig usage;
-  // absl applies this to the normalized file name (below), so accept both forms.
-  usage.contains_help_flags = [](absl::string_view path) {
-    return path == "sb-profile" || absl::EndsWith(path, "kernels/profile_main.cc");
-  };
-  usage.normalize_filename = [](absl::string_view path) {
-    return absl::EndsWith(path, "kernels/profile_main.cc") ? std::string("sb-profile")
-                                                           : std::string(path);
-  };
-  absl::SetFlagsUsageConfig(usage);
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
-  if (rest.size() > 1) {
-    std::cerr << "sb-profile: unexpected argument \"" << rest[1]
-              << "\"; flags look like --lengths=1024,2048 (see --help)\n";
-    return 2;
-  }
   ProfileOptions options;
   options.device = absl::GetFlag(FLAGS_device);
   options.heads = absl::GetFlag(FLAGS_heads);
@@ -93,38 +73,25 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::vector<double>> densities =
       ParseList<double>("densities", absl::GetFlag(FLAGS_densities));
   for (const absl::Status& s : {lengths.status(), densities.status()}) {
-    if (!s.ok()) {
-      std::cerr << "sb-profile: " << s.message() << "\n";
-      return 2;
-    }
+    if (!s.ok()) tools::UsageError(s.message());
   }
   options.lengths = *lengths;
   options.densities = *densities;
-  if (absl::Status s = ValidateProfileOptions(options); !s.ok()) {
-    std::cerr << "sb-profile: " << s.message() << " (see sb-profile --help)\n";
-    return 2;
-  }
+  if (absl::Status s = ValidateProfileOptions(options); !s.ok()) tools::UsageError(s.message());
   absl::StatusOr<Profile> profile = RunProfile(options, [](const ProfilePoint& p) {
     std::cerr << absl::StrFormat(
         "sb-profile: length %d density %g: %.4f s (attention %.4f s, linear %.4f s, %d blocks)\n",
         p.length, p.density, p.seconds, p.attention_seconds, p.linear_seconds, p.active_blocks);
   });
-  if (!profile.ok()) {
-    std::cerr << "sb-profile: " << profile.status().message() << "\n";
-    return 1;
-  }
+  if (!profile.ok()) tools::Fatal(profile.status().message());
   const std::string text = FormatProfile(*profile);
   const std::string path = absl::GetFlag(FLAGS_out);
   if (path.empty()) {
     std::cout << text;
     return 0;
   }
-  std::ofstream out(path);
-  out << text;
-  out.close();
-  if (!out) {
-    std::cerr << "sb-profile: cannot write --out=" << path << "\n";
-    return 1;
+  if (absl::Status s = tools::WriteFile(path, text); !s.ok()) {
+    tools::Fatal(absl::StrCat("--out: ", s.message()));
   }
   std::cerr << "sb-profile: wrote " << path << "\n";
   return 0;

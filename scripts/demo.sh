@@ -14,5 +14,5 @@ echo "== the main job: sb-planner + 4 CPU workers, sequential vs sparsebalance (
 "$BUILD_DIR/worker/sb-run" --out=out/main-job
 echo
 echo "== sb-sim, scenario S1 at cluster scale (sb-sim --help explains the flags and models) =="
-"$BUILD_DIR/sim/sb-sim" --trace=pretrain --ranks=32 --micro-batches=4 --capacity=131072 \
+"$BUILD_DIR/sim/sb-sim" --trace=pretrain --ranks=32 --micro_batches=4 --capacity=131072 \
   --fill=0.85 --steps=30 --json=out/sim_s1.json --svg=out/sim_s1.svg

@@ -8,7 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git python3
   libabsl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  prometheus-cpp-dev
+  prometheus-cpp-dev nlohmann-json3-dev
   clang libclang-rt-14-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   prometheus python3-yaml

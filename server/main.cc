@@ -6,15 +6,11 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -28,6 +24,7 @@
 #include "prometheus/registry.h"
 #include "server/planner_metrics.h"
 #include "server/planner_service.h"
+#include "tools/tool_support.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
           "host:port for gRPC (port 0 picks a free port; the chosen address is printed)");
@@ -75,14 +72,12 @@ namespace {
 
 constexpr char kServiceName[] = "sparsebalance.planner.v1.PlannerService";
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read it"));
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+// The file a flag names; the error names both.
+absl::StatusOr<std::string> ReadFlagFile(absl::string_view flag, const std::string& path) {
+  absl::StatusOr<std::string> text = tools::ReadFile(path);
+  if (!text.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", text.status().message()));
+  return text;
 }
 
 // Job ids and tokens come from the kernel's CSPRNG.
@@ -191,13 +186,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials() {
   grpc::SslServerCredentialsOptions options(
       ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  absl::StatusOr<std::string> cert_pem = ReadFile(cert, "tls_cert");
+  absl::StatusOr<std::string> cert_pem = ReadFlagFile("tls_cert", cert);
   if (!cert_pem.ok()) return cert_pem.status();
-  absl::StatusOr<std::string> key_pem = ReadFile(key, "tls_key");
+  absl::StatusOr<std::string> key_pem = ReadFlagFile("tls_key", key);
   if (!key_pem.ok()) return key_pem.status();
   options.pem_key_cert_pairs.push_back({*key_pem, *cert_pem});
   if (!ca.empty()) {
-    absl::StatusOr<std::string> ca_pem = ReadFile(ca, "tls_client_ca");
+    absl::StatusOr<std::string> ca_pem = ReadFlagFile("tls_client_ca", ca);
     if (!ca_pem.ok()) return ca_pem.status();
     options.pem_root_certs = *ca_pem;
   }
@@ -208,7 +203,8 @@ int Main(int argc, char** argv) {
   // absl::Mutex's deadlock detection (on in Debian's build) costs a graph update per lock;
   // the tests keep it, the service does not need it.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  absl::SetProgramUsageMessage(
+  tools::InitTool(
+      argc, argv,
       "the SparseBalance planner service (sparsebalance.planner.v1.PlannerService).\n"
       "Trainers create a job (CreateJob returns its token), submit each step's global batch,\n"
       "and every rank gets its plan and reports its timings. Health: grpc.health.v1 for\n"
@@ -216,17 +212,6 @@ int Main(int argc, char** argv) {
       "disk in --state_dir before SubmitBatch returns; a restarted planner continues every job.\n\n"
       "  sb-planner                                 # 127.0.0.1:50151\n"
       "  sb-planner --listen=0.0.0.0:50151 --admin_token_file=/run/secrets/admin");
-  // --help lists this file's flags (absl's default looks for a file named like the binary).
-  absl::FlagsUsageConfig usage;
-  // absl applies this to the normalized file name (below), so accept both forms.
-  usage.contains_help_flags = [](absl::string_view path) {
-    return path == "sb-planner" || absl::EndsWith(path, "server/main.cc");
-  };
-  usage.normalize_filename = [](absl::string_view path) {
-    return absl::EndsWith(path, "server/main.cc") ? std::string("sb-planner") : std::string(path);
-  };
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
 
   // Stop signals are taken by a waiting thread, not a handler: the drain needs locks.
   sigset_t stop_signals;
@@ -237,38 +222,31 @@ int Main(int argc, char** argv) {
 
   std::string admin_token;
   if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {
-    absl::StatusOr<std::string> token = ReadFile(path, "admin_token_file");
-    if (!token.ok()) {
-      std::cerr << "sb-planner: " << token.status().message() << "\n";
-      return 2;
-    }
+    absl::StatusOr<std::string> token = ReadFlagFile("admin_token_file", path);
+    if (!token.ok()) tools::Fatal(token.status().message(), tools::kExitUsage);
     admin_token = std::string(absl::StripAsciiWhitespace(*token));
     if (admin_token.empty()) {
-      std::cerr << "sb-planner: --admin_token_file=" << path << " is empty\n";
-      return 2;
+      tools::Fatal(absl::StrCat("--admin_token_file=", path, " is empty"), tools::kExitUsage);
     }
   }
   const std::string listen = absl::GetFlag(FLAGS_listen);
   if (admin_token.empty() && !IsLoopback(listen) && !absl::GetFlag(FLAGS_insecure_no_admin_token)) {
-    std::cerr << "sb-planner: --listen=" << listen
-              << " is reachable beyond this machine but no --admin_token_file is set: anyone "
-                 "could create, list and delete every job. Give an admin token file (e.g. a "
-                 "secret), listen on 127.0.0.1, or pass --insecure_no_admin_token\n";
-    return 2;
+    tools::Fatal(absl::StrCat("--listen=", listen,
+                              " is reachable beyond this machine but no --admin_token_file is "
+                              "set: anyone could create, list and delete every job. Give an "
+                              "admin token file (e.g. a secret), listen on 127.0.0.1, or pass "
+                              "--insecure_no_admin_token"),
+                 tools::kExitUsage);
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials();
-  if (!credentials.ok()) {
-    std::cerr << "sb-planner: " << credentials.status().message() << "\n";
-    return 2;
-  }
+  if (!credentials.ok()) tools::Fatal(credentials.status().message(), tools::kExitUsage);
 
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
   absl::StatusOr<std::unique_ptr<PlanStore>> store =
       PlanStore::Open(state_dir, absl::GetFlag(FLAGS_fsync_reports));
   if (!store.ok()) {
-    std::cerr << "sb-planner: --state_dir=" << state_dir << ": " << store.status().message()
-              << "\n";
-    return 2;
+    tools::Fatal(absl::StrCat("--state_dir=", state_dir, ": ", store.status().message()),
+                 tools::kExitUsage);
   }
   auto metrics_registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series));

@@ -9,10 +9,10 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
 
 namespace sparsebalance {
 namespace {
@@ -84,125 +84,47 @@ void AppendAlignedRows(const std::vector<std::vector<std::string>>& rows, std::s
 // ----------------------------------------------------------------------------------------------
 // JSON.
 
-std::string JsonString(absl::string_view text) {
-  std::string out = "\"";
-  for (char ch : text) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        // Bytes >= 0x80 pass through: the trace path is UTF-8 like the rest of the output.
-        if (c < 0x20) {
-          absl::StrAppendFormat(&out, "\\u%04x", c);
-        } else {
-          out += ch;
-        }
-    }
-  }
-  out += "\"";
-  return out;
-}
-
-// The shortest of %.15g..%.17g that parses back to the same double, so scripts read exactly
+// Members in the order written here (scripts and diffs read them in that order). Doubles are
+// written in the shortest form that parses back to the same double, so scripts read exactly
 // what the simulator measured; JSON has no NaN or infinity, so those become null.
-std::string JsonNumber(double x) {
-  if (!std::isfinite(x)) return "null";
-  std::string text;
-  for (int precision = 15; precision <= 17; ++precision) {
-    text = absl::StrFormat("%.*g", precision, x);
-    double parsed = 0.0;
-    if (absl::SimpleAtod(text, &parsed) && parsed == x) break;
-  }
-  return text;
-}
+using Json = nlohmann::ordered_json;
 
-std::string JsonArray(const std::vector<double>& values) {
-  std::string out = "[";
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (i > 0) out += ", ";
-    out += JsonNumber(values[i]);
-  }
-  out += "]";
+Json ScenarioJson(const SimScenario& s) {
+  Json out;
+  out["trace"] = s.trace;
+  out["pack_length"] = s.pack_length;
+  out["ranks"] = s.ranks;
+  out["micro_batches"] = s.micro_batches;
+  out["capacity"] = s.capacity;
+  out["fill"] = s.fill;
+  out["steps"] = s.steps;
+  out["mode"] = s.mode;
+  out["slow_ranks"] = s.slow_ranks;
+  out["slow_factor"] = s.slow_factor;
+  out["noise"] = s.noise;
+  out["seed"] = s.seed;
+  out["density_default"] = s.density_default;
+  out["density_min"] = s.density_min;
   return out;
 }
 
-// Appends `"key": value` with the indentation and separator of an object member; `*first` tracks
-// whether a comma is needed.
-void AppendMember(absl::string_view indent, absl::string_view key, absl::string_view value,
-                  bool* first, std::string* out) {
-  absl::StrAppend(out, *first ? "\n" : ",\n", indent, JsonString(key), ": ", value);
-  *first = false;
-}
-
-std::string ScenarioJson(const SimScenario& s) {
-  constexpr absl::string_view kIndent = "    ";
-  std::string out = "{";
-  bool first = true;
-  AppendMember(kIndent, "trace", JsonString(s.trace), &first, &out);
-  AppendMember(kIndent, "pack_length", absl::StrCat(s.pack_length), &first, &out);
-  AppendMember(kIndent, "ranks", absl::StrCat(s.ranks), &first, &out);
-  AppendMember(kIndent, "micro_batches", absl::StrCat(s.micro_batches), &first, &out);
-  AppendMember(kIndent, "capacity", absl::StrCat(s.capacity), &first, &out);
-  AppendMember(kIndent, "fill", JsonNumber(s.fill), &first, &out);
-  AppendMember(kIndent, "steps", absl::StrCat(s.steps), &first, &out);
-  AppendMember(kIndent, "mode", JsonString(s.mode), &first, &out);
-  AppendMember(kIndent, "slow_ranks", absl::StrCat(s.slow_ranks), &first, &out);
-  AppendMember(kIndent, "slow_factor", JsonNumber(s.slow_factor), &first, &out);
-  AppendMember(kIndent, "noise", JsonNumber(s.noise), &first, &out);
-  AppendMember(kIndent, "seed", absl::StrCat(s.seed), &first, &out);
-  AppendMember(kIndent, "density_default", JsonNumber(s.density_default), &first, &out);
-  AppendMember(kIndent, "density_min", JsonNumber(s.density_min), &first, &out);
-  out += "\n  }";
-  return out;
-}
-
-std::string ResultJson(const PolicyResult& r) {
-  constexpr absl::string_view kIndent = "      ";
-  std::string out = "{";
-  bool first = true;
-  AppendMember(kIndent, "policy", JsonString(PolicyName(r.policy)), &first, &out);
-  AppendMember(kIndent, "mean_step_seconds", JsonNumber(r.mean_step_seconds), &first, &out);
-  AppendMember(kIndent, "speedup_vs_sequential", JsonNumber(r.speedup_vs_sequential), &first, &out);
-  AppendMember(kIndent, "speedup_vs_flops", JsonNumber(r.speedup_vs_flops), &first, &out);
-  AppendMember(kIndent, "imbalance_ratio", JsonNumber(r.imbalance_ratio), &first, &out);
-  AppendMember(kIndent, "bubble_ratio", JsonNumber(r.bubble_ratio), &first, &out);
-  AppendMember(kIndent, "mean_density", JsonNumber(r.mean_density), &first, &out);
-  AppendMember(kIndent, "mean_recall", JsonNumber(r.mean_recall), &first, &out);
-  AppendMember(kIndent, "median_gap", JsonNumber(r.median_gap), &first, &out);
-  AppendMember(kIndent, "median_prediction_error", JsonNumber(r.median_prediction_error), &first,
-               &out);
-  AppendMember(kIndent, "mean_plan_seconds", JsonNumber(r.mean_plan_seconds), &first, &out);
-  AppendMember(kIndent, "step_seconds", JsonArray(r.step_seconds), &first, &out);
-  AppendMember(kIndent, "learned_speed_factors", JsonArray(r.learned_speed_factors), &first, &out);
-  // One rank per line keeps a 1024-rank timeline greppable and diffable.
-  std::string timeline = "[";
-  for (size_t rank = 0; rank < r.timeline.size(); ++rank) {
-    absl::StrAppend(&timeline, rank > 0 ? ",\n" : "\n", kIndent, "  ", JsonArray(r.timeline[rank]));
-  }
-  absl::StrAppend(&timeline, r.timeline.empty() ? "]" : absl::StrCat("\n", kIndent, "]"));
-  AppendMember(kIndent, "timeline", timeline, &first, &out);
-  AppendMember(kIndent, "timeline_step_seconds", JsonNumber(r.timeline_step_seconds), &first, &out);
-  out += "\n    }";
+Json ResultJson(const PolicyResult& r) {
+  Json out;
+  out["policy"] = std::string(PolicyName(r.policy));
+  out["mean_step_seconds"] = r.mean_step_seconds;
+  out["speedup_vs_sequential"] = r.speedup_vs_sequential;
+  out["speedup_vs_flops"] = r.speedup_vs_flops;
+  out["imbalance_ratio"] = r.imbalance_ratio;
+  out["bubble_ratio"] = r.bubble_ratio;
+  out["mean_density"] = r.mean_density;
+  out["mean_recall"] = r.mean_recall;
+  out["median_gap"] = r.median_gap;
+  out["median_prediction_error"] = r.median_prediction_error;
+  out["mean_plan_seconds"] = r.mean_plan_seconds;
+  out["step_seconds"] = r.step_seconds;
+  out["learned_speed_factors"] = r.learned_speed_factors;
+  out["timeline"] = r.timeline;
+  out["timeline_step_seconds"] = r.timeline_step_seconds;
   return out;
 }
 
@@ -567,13 +489,12 @@ std::string FormatTable(const SimReport& report) {
 }
 
 std::string FormatJson(const SimReport& report) {
-  std::string out =
-      absl::StrCat("{\n  \"scenario\": ", ScenarioJson(report.scenario), ",\n  \"results\": [");
-  for (size_t i = 0; i < report.results.size(); ++i) {
-    absl::StrAppend(&out, i > 0 ? ",\n    " : "\n    ", ResultJson(report.results[i]));
-  }
-  absl::StrAppend(&out, report.results.empty() ? "]\n}\n" : "\n  ]\n}\n");
-  return out;
+  Json json;
+  json["scenario"] = ScenarioJson(report.scenario);
+  json["results"] = Json::array();
+  for (const PolicyResult& result : report.results) json["results"].push_back(ResultJson(result));
+  // A trace path that is not UTF-8 is written with U+FFFD in place of its bad bytes.
+  return json.dump(2, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace) + "\n";
 }
 
 std::string FormatSvg(const SimReport& report) {

@@ -106,7 +106,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   if (o.steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
   if (!(o.fill > 0.0 && o.fill <= 1.0)) return absl::InvalidArgumentError("--fill needs (0, 1]");
   if (!(o.noise >= 0.0 && o.noise < 1.0)) return absl::InvalidArgumentError("--noise needs [0, 1)");
-  if (!(o.slow_factor > 0.0)) return absl::InvalidArgumentError("--slow-factor needs > 0");
+  if (!(o.slow_factor > 0.0)) return absl::InvalidArgumentError("--slow_factor needs > 0");
   if (o.policies.empty()) return absl::InvalidArgumentError("--policies names no policy");
 
   absl::StatusOr<CostCoefficients> prior =

@@ -3,63 +3,83 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <type_traits>
+#include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
 
 namespace sparsebalance {
 namespace {
 
-// The raw text of `"key": value` in a flat JSON object line, or empty.
-std::string Field(const std::string& line, const std::string& key) {
-  const std::string tag = absl::StrCat("\"", key, "\": ");
-  const size_t at = line.find(tag);
-  if (at == std::string::npos) return "";
-  size_t start = at + tag.size();
-  if (start < line.size() && line[start] == '"') {
-    const size_t end = line.find('"', start + 1);
-    return end == std::string::npos ? "" : line.substr(start + 1, end - start - 1);
-  }
-  const size_t end = line.find_first_of(",}", start);
-  return line.substr(start, end - start);
-}
+// Members in the order written (people read the lines too).
+using Json = nlohmann::ordered_json;
 
-absl::Status Number(const std::string& line, const std::string& key, double* out) {
-  if (!absl::SimpleAtod(Field(line, key), out)) {
-    return absl::InvalidArgumentError(absl::StrCat("step line: field ", key,
-                                                   " missing or not a "
-                                                   "number in: ",
-                                                   line));
+// Seconds and ratios to 6 decimals (microseconds): the lines stay short and what the workers
+// measure is not more precise than that.
+double Round6(double x) { return std::round(x * 1e6) / 1e6; }
+
+// `json[key]` as a T; INVALID_ARGUMENT naming the key when it is missing or of another type.
+template <typename T>
+absl::Status Get(const Json& json, const char* key, T* out) {
+  const auto it = json.find(key);
+  const bool fits = it != json.end() && (std::is_same_v<T, bool>          ? it->is_boolean()
+                                         : std::is_same_v<T, std::string> ? it->is_string()
+                                                                          : it->is_number());
+  if (!fits) {
+    return absl::InvalidArgumentError(absl::StrCat("step line: field ", key, " missing or not a ",
+                                                   std::is_same_v<T, bool>          ? "boolean"
+                                                   : std::is_same_v<T, std::string> ? "string"
+                                                                                    : "number",
+                                                   " in: ", json.dump()));
   }
+  *out = it->get<T>();
   return absl::OkStatus();
 }
 
 }  // namespace
 
+std::string FormatStepLine(const StepLine& s) {
+  Json json;
+  json["step"] = s.step;
+  json["rank"] = s.rank;
+  json["compute_seconds"] = Round6(s.compute_seconds);
+  json["attention_seconds"] = Round6(s.attention_seconds);
+  json["wait_seconds"] = Round6(s.wait_seconds);
+  json["predicted_seconds"] = Round6(s.predicted_seconds);
+  json["tokens"] = s.tokens;
+  json["density"] = Round6(s.density);
+  json["recall"] = Round6(s.recall);
+  json["local_fallback"] = s.local_fallback;
+  json["acked"] = s.acked;
+  json["plan_digest"] = s.plan_digest;
+  json["wall_start"] = Round6(s.wall_start);
+  json["wall_end"] = Round6(s.wall_end);
+  return json.dump();
+}
+
 absl::StatusOr<StepLine> ParseStepLine(const std::string& line) {
-  StepLine s;
-  double step = 0, rank = 0, tokens = 0;
-  for (auto [key, out] :
-       std::vector<std::pair<const char*, double*>>{{"step", &step},
-                                                    {"rank", &rank},
-                                                    {"compute_seconds", &s.compute_seconds},
-                                                    {"attention_seconds", &s.attention_seconds},
-                                                    {"wait_seconds", &s.wait_seconds},
-                                                    {"predicted_seconds", &s.predicted_seconds},
-                                                    {"tokens", &tokens},
-                                                    {"density", &s.density},
-                                                    {"recall", &s.recall}}) {
-    if (absl::Status st = Number(line, key, out); !st.ok()) return st;
+  const Json json = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat("step line: not a JSON object: ", line));
   }
-  s.step = static_cast<int64_t>(step);
-  s.rank = static_cast<int>(rank);
-  s.tokens = static_cast<int64_t>(tokens);
-  s.local_fallback = Field(line, "local_fallback") == "true";
-  s.acked = Field(line, "acked") == "true";
-  s.plan_digest = Field(line, "plan_digest");
-  absl::SimpleAtod(Field(line, "wall_start"), &s.wall_start);
-  absl::SimpleAtod(Field(line, "wall_end"), &s.wall_end);
+  StepLine s;
+  for (absl::Status status :
+       {Get(json, "step", &s.step), Get(json, "rank", &s.rank),
+        Get(json, "compute_seconds", &s.compute_seconds),
+        Get(json, "attention_seconds", &s.attention_seconds),
+        Get(json, "wait_seconds", &s.wait_seconds),
+        Get(json, "predicted_seconds", &s.predicted_seconds), Get(json, "tokens", &s.tokens),
+        Get(json, "density", &s.density), Get(json, "recall", &s.recall)}) {
+    if (!status.ok()) return status;
+  }
+  // Optional: lines written before these fields existed still read.
+  Get(json, "local_fallback", &s.local_fallback).IgnoreError();
+  Get(json, "acked", &s.acked).IgnoreError();
+  Get(json, "plan_digest", &s.plan_digest).IgnoreError();
+  Get(json, "wall_start", &s.wall_start).IgnoreError();
+  Get(json, "wall_end", &s.wall_end).IgnoreError();
   return s;
 }
 
@@ -155,18 +175,23 @@ std::string FormatSummary(const std::vector<RunResult>& runs) {
 }
 
 std::string SummaryJson(const std::vector<RunResult>& runs) {
-  std::string out = "{\"runs\": [";
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const RunResult& r = runs[i];
-    absl::StrAppendFormat(
-        &out,
-        "%s{\"policy\": \"%s\", \"ranks\": %d, \"steps\": %d, \"mean_step_seconds\": %.6f, "
-        "\"imbalance\": %.6f, \"bubble_ratio\": %.6f, \"mean_density\": %.6f, "
-        "\"mean_recall\": %.6f, \"prediction_error\": %.6f, \"local_plan_steps\": %d}",
-        i > 0 ? ", " : "", r.name, r.ranks, r.steps.size(), r.mean_step_seconds, r.imbalance,
-        r.bubble_ratio, r.mean_density, r.mean_recall, r.prediction_error, r.local_plan_steps);
+  Json json;
+  json["runs"] = Json::array();
+  for (const RunResult& r : runs) {
+    Json run;
+    run["policy"] = r.name;
+    run["ranks"] = r.ranks;
+    run["steps"] = r.steps.size();
+    run["mean_step_seconds"] = Round6(r.mean_step_seconds);
+    run["imbalance"] = Round6(r.imbalance);
+    run["bubble_ratio"] = Round6(r.bubble_ratio);
+    run["mean_density"] = Round6(r.mean_density);
+    run["mean_recall"] = Round6(r.mean_recall);
+    run["prediction_error"] = Round6(r.prediction_error);
+    run["local_plan_steps"] = r.local_plan_steps;
+    json["runs"].push_back(std::move(run));
   }
-  return out + "]}\n";
+  return json.dump() + "\n";
 }
 
 std::string TimelineSvg(const std::vector<RunResult>& runs) {

@@ -16,7 +16,7 @@
 
 namespace sparsebalance {
 
-// One worker's line for one step (worker_main.cc writes them).
+// One worker's line for one step (worker_main.cc writes them with FormatStepLine).
 struct StepLine {
   int64_t step = 0;
   int rank = 0;
@@ -34,6 +34,9 @@ struct StepLine {
   double wall_end = 0.0;    // Unix seconds: its report was sent (or buffered)
 };
 
+// One line of JSON (no newline): {"step": 3, "rank": 0, "compute_seconds": 0.25, ...}, the
+// fields in the order above, seconds and ratios to 6 decimals.
+std::string FormatStepLine(const StepLine& line);
 // Parses one line; errors name the missing or malformed field.
 absl::StatusOr<StepLine> ParseStepLine(const std::string& line);
 // Every line of a file; the last line of a rank and step wins (a restarted rank rewrites one).

@@ -6,8 +6,8 @@
 // One JSON line per step goes to --out for sb-run's summary and the tests.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -17,24 +17,21 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "client/planner_client.h"
 #include "client/trainer_session.h"
+#include "tools/tool_support.h"
 #include "worker/micro_batch_runner.h"
 #include "worker/nccl_sync.h"
+#include "worker/run_summary.h"
 #include "worker/step_inputs.h"
 #include "worker/step_sync.h"
 
 ABSL_FLAG(std::string, planner, "127.0.0.1:50151", "sb-planner address host:port");
 ABSL_FLAG(std::string, job, "", "job id (CreateJob's answer)");
 ABSL_FLAG(int, rank, -1, "this rank, in [0, world_size)");
-ABSL_FLAG(std::string, token_file, "", "file holding the job token (also --token-file)");
+ABSL_FLAG(std::string, token_file, "", "file holding the job token (CreateJob's answer)");
 ABSL_FLAG(std::string, device, "cpu",
           "cpu: the fp32 reference kernels, one thread, timed by the thread's CPU time (fair "
           "when ranks share cores); cuda: the sm_90 kernels, timed by CUDA events, ranks "
@@ -60,11 +57,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-[[noreturn]] void Die(const std::string& what) {
-  std::cerr << "sb-worker: " << what << std::endl;
-  std::exit(1);
-}
-
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -73,29 +65,11 @@ double UnixSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::string ReadFile(const std::string& path, const std::string& flag) {
-  std::ifstream in(path);
-  if (!in) Die(absl::StrCat("--", flag, "=", path, ": cannot read"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return text;
-}
-
-// Accepts --token-file as well as --token_file (absl flags take no hyphens).
-std::vector<char*> NormaliseFlags(int argc, char** argv, std::vector<std::string>* storage) {
-  storage->reserve(argc);
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (i > 0 && arg.rfind("--", 0) == 0) {
-      const size_t end = std::min(arg.find('='), arg.size());
-      for (size_t c = 2; c < end; ++c) {
-        if (arg[c] == '-') arg[c] = '_';
-      }
-    }
-    storage->push_back(arg);
-  }
-  std::vector<char*> out;
-  for (std::string& s : *storage) out.push_back(s.data());
-  return out;
+// The file a flag names; a missing or unreadable one is fatal.
+std::string ReadFlagFile(const std::string& flag, const std::string& path) {
+  absl::StatusOr<std::string> text = tools::ReadFile(path);
+  if (!text.ok()) tools::Fatal(absl::StrCat("--", flag, ": ", text.status().message()));
+  return *std::move(text);
 }
 
 // Rank synchronisation: the hub on CPU, NCCL on GPU, nothing for a single rank.
@@ -139,32 +113,21 @@ class NcclBarrier : public Barrier {
 };
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "One rank of a SparseBalance job: plans from sb-planner, sparse attention at the "
-      "planned densities, measured and reported.\n"
-      "  sb-worker --planner=HOST:PORT --job=ID --rank=R --token_file=FILE "
-      "[--device=cpu|cuda] [--sync=HOST:PORT]\n"
-      "Timing: on CPU the thread CPU time of the compute (ranks may share cores); on GPU CUDA "
-      "events. Waiting time is the wall time spent in the end-of-step synchronisation.");
-  absl::FlagsUsageConfig usage;
-  // absl applies this to the normalized file name (below), so accept both forms.
-  usage.contains_help_flags = [](absl::string_view path) {
-    return path == "sb-worker" || absl::EndsWith(path, "worker/worker_main.cc");
-  };
-  usage.normalize_filename = [](absl::string_view path) {
-    return absl::EndsWith(path, "worker/worker_main.cc") ? std::string("sb-worker")
-                                                         : std::string(path);
-  };
-  absl::SetFlagsUsageConfig(usage);
-  std::vector<std::string> storage;
-  std::vector<char*> args = NormaliseFlags(argc, argv, &storage);
-  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  tools::InitTool(
+      argc, argv,
+      "one rank of a SparseBalance job: plans from sb-planner, sparse attention at the\n"
+      "planned densities, measured and reported (one JSON line per step to --out).\n\n"
+      "  sb-worker --planner=HOST:PORT --job=ID --rank=R --token_file=FILE \\\n"
+      "            [--device=cpu|cuda] [--sync=HOST:PORT] [--out=steps.jsonl]\n\n"
+      "Timing: on CPU the thread CPU time of the compute (ranks may share cores); on GPU\n"
+      "CUDA events. Waiting time is the wall time spent in the end-of-step synchronisation.\n"
+      "sb-run starts a planner, a step-sync hub and the workers of a local job.");
   const int rank = absl::GetFlag(FLAGS_rank);
-  if (absl::GetFlag(FLAGS_job).empty()) Die("--job is required");
-  if (rank < 0) Die("--rank is required (>= 0)");
-  if (absl::GetFlag(FLAGS_token_file).empty()) Die("--token_file is required");
+  if (absl::GetFlag(FLAGS_job).empty()) tools::UsageError("--job is required");
+  if (rank < 0) tools::UsageError("--rank is required (>= 0)");
+  if (absl::GetFlag(FLAGS_token_file).empty()) tools::UsageError("--token_file is required");
   const std::string token(
-      absl::StripAsciiWhitespace(ReadFile(absl::GetFlag(FLAGS_token_file), "token_file")));
+      absl::StripAsciiWhitespace(ReadFlagFile("token_file", absl::GetFlag(FLAGS_token_file))));
 
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_planner);
@@ -173,7 +136,7 @@ int Main(int argc, char** argv) {
   options.call_timeout_seconds = absl::GetFlag(FLAGS_call_timeout);
   options.plan_timeout_seconds = absl::GetFlag(FLAGS_plan_timeout);
   absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
-  if (!client.ok()) Die(absl::StrCat("--planner: ", client.status().message()));
+  if (!client.ok()) tools::Fatal(absl::StrCat("--planner: ", client.status().message()));
 
   // Join, waiting for a planner that is still starting (up to a minute).
   int64_t resume = 0;
@@ -184,34 +147,35 @@ int Main(int argc, char** argv) {
     if (joined.ok() || !IsUnreachable(joined.status()) || Since(join_start) > 60) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  if (!joined.ok()) Die(absl::StrCat("JoinJob: ", joined.status().ToString()));
+  if (!joined.ok()) tools::Fatal(absl::StrCat("JoinJob: ", joined.status().ToString()));
   const PlannerConfig config = joined->first;
-  if (rank >= config.ranks) Die(absl::StrCat("--rank=", rank, ": the job has ", config.ranks));
+  if (rank >= config.ranks)
+    tools::Fatal(absl::StrCat("--rank=", rank, ": the job has ", config.ranks));
   if (rank == 0 && !absl::GetFlag(FLAGS_profile).empty()) {
     absl::StatusOr<std::string> device =
-        (*client)->UploadProfile(ReadFile(absl::GetFlag(FLAGS_profile), "profile"));
-    if (!device.ok()) Die(absl::StrCat("UploadProfile: ", device.status().ToString()));
+        (*client)->UploadProfile(ReadFlagFile("profile", absl::GetFlag(FLAGS_profile)));
+    if (!device.ok()) tools::Fatal(absl::StrCat("UploadProfile: ", device.status().ToString()));
     std::cerr << "sb-worker: rank 0 uploaded the profile of " << *device << std::endl;
   }
 
   const std::string device = absl::GetFlag(FLAGS_device);
   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
       MicroBatchRunner::Create(device, config.shape, absl::GetFlag(FLAGS_exact_recall));
-  if (!runner.ok()) Die(std::string(runner.status().message()));
+  if (!runner.ok()) tools::Fatal(std::string(runner.status().message()));
 
   std::unique_ptr<Barrier> barrier;
   if (device == "cuda" && config.ranks > 1) {
     absl::StatusOr<std::unique_ptr<NcclSync>> nccl =
         NcclSync::Create(rank, config.ranks, absl::GetFlag(FLAGS_gradient_bytes));
-    if (!nccl.ok()) Die(std::string(nccl.status().message()));
+    if (!nccl.ok()) tools::Fatal(std::string(nccl.status().message()));
     barrier = std::make_unique<NcclBarrier>(*std::move(nccl));
   } else if (!absl::GetFlag(FLAGS_sync).empty()) {
     absl::StatusOr<std::unique_ptr<StepSyncClient>> sync =
         StepSyncClient::Connect(absl::GetFlag(FLAGS_sync), rank);
-    if (!sync.ok()) Die(absl::StrCat("--sync: ", sync.status().message()));
+    if (!sync.ok()) tools::Fatal(absl::StrCat("--sync: ", sync.status().message()));
     barrier = std::make_unique<HubBarrier>(*std::move(sync));
   } else if (config.ranks > 1) {
-    Die("--sync is required for CPU ranks of a job with more than one rank");
+    tools::Fatal("--sync is required for CPU ranks of a job with more than one rank");
   } else {
     barrier = std::make_unique<NoBarrier>();
   }
@@ -227,7 +191,7 @@ int Main(int argc, char** argv) {
   std::ofstream out;
   if (!absl::GetFlag(FLAGS_out).empty()) {
     out.open(absl::GetFlag(FLAGS_out), std::ios::app);
-    if (!out) Die(absl::StrCat("--out=", absl::GetFlag(FLAGS_out), ": cannot open"));
+    if (!out) tools::Fatal(absl::StrCat("--out=", absl::GetFlag(FLAGS_out), ": cannot open"));
   }
   TrainerSession session(client->get(), rank, /*coordinator=*/rank == 0, config);
   std::cerr << "sb-worker: rank " << rank << " of job " << options.job_id << " on "
@@ -235,16 +199,16 @@ int Main(int argc, char** argv) {
 
   for (int64_t step = resume; step < absl::GetFlag(FLAGS_steps); ++step) {
     absl::StatusOr<std::vector<Sample>> batch = BatchForStep(spec, step);
-    if (!batch.ok()) Die(batch.status().ToString());
+    if (!batch.ok()) tools::Fatal(batch.status().ToString());
     const double wall_start = UnixSeconds();
     absl::StatusOr<RankStepPlan> plan = session.Plan(step, *batch);
-    if (!plan.ok()) Die(absl::StrCat("step ", step, ": ", plan.status().ToString()));
+    if (!plan.ok()) tools::Fatal(absl::StrCat("step ", step, ": ", plan.status().ToString()));
     // Every rank runs one plan: if any fell back, all use the local one.
     absl::StatusOr<double> any_local = barrier->AgreeMax(step, plan->local_fallback ? 1.0 : 0.0);
-    if (!any_local.ok()) Die(any_local.status().ToString());
+    if (!any_local.ok()) tools::Fatal(any_local.status().ToString());
     if (*any_local > 0 && !plan->local_fallback) {
       plan = session.LocalPlan(step, *batch);
-      if (!plan.ok()) Die(plan.status().ToString());
+      if (!plan.ok()) tools::Fatal(plan.status().ToString());
     }
     std::map<uint64_t, int64_t> lengths;
     for (const Sample& s : *batch) lengths[s.id] = s.length;
@@ -258,7 +222,7 @@ int Main(int argc, char** argv) {
       for (uint64_t id : mb.sample_ids) doc_lengths.push_back(lengths.at(id));
       absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb.sample_ids, doc_lengths, mb.densities);
       if (!r.ok())
-        Die(absl::StrCat("step ", step, " micro-batch ", m, ": ", r.status().ToString()));
+        tools::Fatal(absl::StrCat("step ", step, " micro-batch ", m, ": ", r.status().ToString()));
       MicroBatchTiming t;
       t.micro_batch = static_cast<int>(m);
       t.compute_seconds = r->compute_seconds;
@@ -274,24 +238,28 @@ int Main(int argc, char** argv) {
       recall_tokens += r->recall * static_cast<double>(r->tokens);
     }
     const Clock::time_point wait_start = Clock::now();
-    if (absl::Status s = barrier->EndStep(step); !s.ok()) Die(s.ToString());
+    if (absl::Status s = barrier->EndStep(step); !s.ok()) tools::Fatal(s.ToString());
     const double wait = Since(wait_start);
     const absl::Status reported = session.Report(step, timings, wait);
     if (!reported.ok()) std::cerr << "sb-worker: step " << step << ": " << reported << std::endl;
     const bool acked = reported.ok() && session.buffered_reports() == 0;
     if (out.is_open()) {
-      out << absl::StrFormat(
-                 "{\"step\": %d, \"rank\": %d, \"compute_seconds\": %.6f, "
-                 "\"attention_seconds\": %.6f, \"wait_seconds\": %.6f, \"predicted_seconds\": "
-                 "%.6f, \"tokens\": %d, \"density\": %.6f, \"recall\": %.6f, "
-                 "\"local_fallback\": %s, \"acked\": %s, \"plan_digest\": \"%s\", "
-                 "\"wall_start\": %.6f, \"wall_end\": %.6f}",
-                 step, rank, compute, attention, wait, plan->predicted_seconds, tokens,
-                 tokens > 0 ? density_tokens / tokens : 0.0,
-                 tokens > 0 ? recall_tokens / tokens : 0.0, plan->local_fallback ? "true" : "false",
-                 acked ? "true" : "false", PlanDigest(plan->micro_batches), wall_start,
-                 UnixSeconds())
-          << std::endl;
+      StepLine line;
+      line.step = step;
+      line.rank = rank;
+      line.compute_seconds = compute;
+      line.attention_seconds = attention;
+      line.wait_seconds = wait;
+      line.predicted_seconds = plan->predicted_seconds;
+      line.tokens = tokens;
+      line.density = tokens > 0 ? density_tokens / tokens : 0.0;
+      line.recall = tokens > 0 ? recall_tokens / tokens : 0.0;
+      line.local_fallback = plan->local_fallback;
+      line.acked = acked;
+      line.plan_digest = PlanDigest(plan->micro_batches);
+      line.wall_start = wall_start;
+      line.wall_end = UnixSeconds();
+      out << FormatStepLine(line) << std::endl;
     }
   }
   // Reports still buffered (the planner was away at the end): give it a little while.

@@ -3,12 +3,8 @@
 // restarted on its state directory; a worker is killed and restarted; the main job's measured
 // figures favour sparsebalance over sequential.
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -25,11 +21,11 @@
 #include "absl/strings/str_cat.h"
 #include "client/planner_client.h"
 #include "gtest/gtest.h"
+#include "tools/child_process.h"
+#include "tools/tool_support.h"
 #include "worker/run_summary.h"
 #include "worker/step_inputs.h"
 #include "worker/step_sync.h"
-
-extern char** environ;
 
 namespace sparsebalance {
 namespace {
@@ -56,51 +52,14 @@ class TempDir {
   std::string path_;
 };
 
-// A child process, killed (SIGKILL) if still running when destroyed.
-class Process {
- public:
-  Process(std::vector<std::string> args, const std::string& log) {
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
-    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
-                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    EXPECT_EQ(posix_spawn(&pid_, args[0].c_str(), &actions, nullptr, argv.data(), environ), 0);
-    posix_spawn_file_actions_destroy(&actions);
-  }
-  ~Process() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  void Kill() {
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = 0;
-  }
-  // The exit code (128 + signal when killed), or -1 if still running after `seconds`.
-  int Wait(double seconds) {
-    const Clock::time_point deadline =
-        Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-    while (Clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = 0;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return -1;
-  }
-
- private:
-  pid_t pid_ = 0;
-};
+// A child process with its stdout and stderr appended to `log`.
+std::unique_ptr<tools::ChildProcess> Start(const std::vector<std::string>& args,
+                                           const std::string& log) {
+  absl::StatusOr<std::unique_ptr<tools::ChildProcess>> child =
+      tools::ChildProcess::Start(args, {log, log});
+  EXPECT_TRUE(child.ok()) << child.status();
+  return child.ok() ? *std::move(child) : nullptr;
+}
 
 // A free loopback port (bound, read, released) for a planner that must come back on it.
 int FreePort() {
@@ -115,11 +74,16 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-std::unique_ptr<Process> StartPlanner(const std::string& state, int port, const std::string& log) {
-  return std::make_unique<Process>(
-      std::vector<std::string>{SB_PLANNER_PATH, absl::StrCat("--listen=127.0.0.1:", port),
-                               "--metrics_listen=127.0.0.1:0", "--state_dir=" + state},
-      log);
+// sb-planner on `port`, once it listens (null, with a test failure, when it does not).
+std::unique_ptr<tools::PlannerProcess> StartPlanner(const std::string& state, int port,
+                                                    const std::string& log) {
+  absl::StatusOr<std::unique_ptr<tools::PlannerProcess>> planner =
+      tools::PlannerProcess::Start(SB_PLANNER_PATH,
+                                   {absl::StrCat("--listen=127.0.0.1:", port),
+                                    "--metrics_listen=127.0.0.1:0", "--state_dir=" + state},
+                                   log, /*start_timeout_seconds=*/60);
+  EXPECT_TRUE(planner.ok()) << planner.status();
+  return planner.ok() ? *std::move(planner) : nullptr;
 }
 
 std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
@@ -161,16 +125,15 @@ JobHandle CreateJob(int port, const PlannerConfig& config, const std::string& to
   return *job;
 }
 
-std::unique_ptr<Process> StartWorker(int port, const JobHandle& job, int rank,
-                                     const std::string& token_file, const std::string& sync,
-                                     int steps, const std::string& out, const std::string& log) {
-  return std::make_unique<Process>(
-      std::vector<std::string>{SB_WORKER_PATH, absl::StrCat("--planner=127.0.0.1:", port),
-                               "--job=" + job.job_id, absl::StrCat("--rank=", rank),
-                               "--token-file=" + token_file, "--device=cpu", "--sync=" + sync,
-                               absl::StrCat("--steps=", steps), "--call_timeout=1",
-                               "--plan_timeout=20", "--out=" + out, "--min_length=64"},
-      log);
+std::unique_ptr<tools::ChildProcess> StartWorker(int port, const JobHandle& job, int rank,
+                                                 const std::string& token_file,
+                                                 const std::string& sync, int steps,
+                                                 const std::string& out, const std::string& log) {
+  return Start({SB_WORKER_PATH, absl::StrCat("--planner=127.0.0.1:", port), "--job=" + job.job_id,
+                absl::StrCat("--rank=", rank), "--token_file=" + token_file, "--device=cpu",
+                "--sync=" + sync, absl::StrCat("--steps=", steps), "--call_timeout=1",
+                "--plan_timeout=20", "--out=" + out, "--min_length=64"},
+               log);
 }
 
 // Lines of `path` so far (a worker may be writing it).
@@ -191,45 +154,72 @@ int64_t StepsDone(const std::string& path, int rank) {
   return n;
 }
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+// Waits up to a minute for `rank` to have written `steps` step lines; whether it has.
+bool WaitForSteps(const std::string& lines, int rank, int64_t steps) {
+  const Clock::time_point start = Clock::now();
+  while (StepsDone(lines, rank) < steps && Clock::now() - start < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return StepsDone(lines, rank) >= steps;
+}
+
+std::string ReadAll(const std::string& path) { return tools::ReadFile(path).value_or(""); }
+
+// A tiny job under way in a temporary folder: sb-planner on a fixed port (state in dir/state),
+// the job (its token in dir/token), the step-sync hub and the workers, their step lines in
+// dir/steps.jsonl and their logs in dir/workerR.log. Everything stops, and the folder goes,
+// when it is destroyed.
+struct JobUnderWay {
+  std::unique_ptr<TempDir> temp = std::make_unique<TempDir>();
+  int port = 0;
+  std::unique_ptr<tools::PlannerProcess> planner;
+  JobHandle job;
+  std::string token_file;
+  std::unique_ptr<StepSyncHub> hub;
+  std::vector<std::unique_ptr<tools::ChildProcess>> workers;
+
+  const std::string& dir() const { return temp->path(); }
+  std::string lines() const { return dir() + "/steps.jsonl"; }
+  // Whether everything started (each failure is also a test failure).
+  bool ok() const { return planner != nullptr && hub != nullptr; }
+};
+
+JobUnderWay StartJob(int ranks, int steps) {
+  JobUnderWay run;
+  run.port = FreePort();
+  run.planner = StartPlanner(run.dir() + "/state", run.port, run.dir() + "/planner.log");
+  if (run.planner == nullptr) return run;
+  run.token_file = run.dir() + "/token";
+  run.job = CreateJob(run.port, TinyJob(ranks), run.token_file);
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks);
+  EXPECT_TRUE(hub.ok()) << hub.status();
+  if (!hub.ok()) return run;
+  run.hub = *std::move(hub);
+  for (int r = 0; r < ranks; ++r) {
+    run.workers.push_back(StartWorker(run.port, run.job, r, run.token_file, run.hub->address(),
+                                      steps, run.lines(),
+                                      absl::StrCat(run.dir(), "/worker", r, ".log")));
+  }
+  return run;
 }
 
 TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedReport) {
   constexpr int kRanks = 3;
   constexpr int kSteps = 14;
-  TempDir dir;
-  const std::string state = dir.path() + "/state";
-  const std::string lines = dir.path() + "/steps.jsonl";
-  const std::string token_file = dir.path() + "/token";
-  const int port = FreePort();
-  std::unique_ptr<Process> planner = StartPlanner(state, port, dir.path() + "/planner.log");
-  const JobHandle job = CreateJob(port, TinyJob(kRanks), token_file);
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(kRanks);
-  ASSERT_TRUE(hub.ok());
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int r = 0; r < kRanks; ++r) {
-    workers.push_back(StartWorker(port, job, r, token_file, (*hub)->address(), kSteps, lines,
-                                  absl::StrCat(dir.path(), "/worker", r, ".log")));
-  }
+  JobUnderWay run = StartJob(kRanks, kSteps);
+  ASSERT_TRUE(run.ok());
+  const std::string lines = run.lines();
   // Let a few steps go through the planner, then kill it.
-  const Clock::time_point start = Clock::now();
-  while (StepsDone(lines, 0) < 4 && Clock::now() - start < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  ASSERT_GE(StepsDone(lines, 0), 4) << ReadAll(dir.path() + "/worker0.log");
-  planner->Kill();
+  ASSERT_TRUE(WaitForSteps(lines, 0, 4)) << ReadAll(run.dir() + "/worker0.log");
+  run.planner->Kill();
   const double killed_at = UnixSeconds();
   // The ranks go on alone for a while.
-  const int64_t before = StepsDone(lines, 0);
-  const Clock::time_point away = Clock::now();
-  while (StepsDone(lines, 0) < before + 2 && Clock::now() - away < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  planner = StartPlanner(state, port, dir.path() + "/planner.log");
+  WaitForSteps(lines, 0, StepsDone(lines, 0) + 2);
+  run.planner = StartPlanner(run.dir() + "/state", run.port, run.dir() + "/planner-restarted.log");
+  ASSERT_NE(run.planner, nullptr);
   for (int r = 0; r < kRanks; ++r) {
-    EXPECT_EQ(workers[r]->Wait(180), 0) << ReadAll(absl::StrCat(dir.path(), "/worker", r, ".log"));
+    EXPECT_EQ(run.workers[r]->WaitFor(180), 0)
+        << ReadAll(absl::StrCat(run.dir(), "/worker", r, ".log"));
   }
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
   ASSERT_TRUE(all.ok());
@@ -239,7 +229,7 @@ TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedRepor
   EXPECT_GT(local_steps, 0) << "no rank ran on a local plan while the planner was down";
 
   std::map<int, std::unique_ptr<PlannerClient>> clients;
-  for (int r = 0; r < kRanks; ++r) clients[r] = Connect(port, job.job_id, job.token);
+  for (int r = 0; r < kRanks; ++r) clients[r] = Connect(run.port, run.job.job_id, run.job.token);
   int plans_checked = 0, reports_checked = 0;
   for (const StepLine& s : *all) {
     // Every report acknowledged before the kill is still there: an empty repeat is compared
@@ -267,36 +257,21 @@ TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedRepor
 TEST(EndToEndTest, AKilledWorkerRestartsOnItsRankAndTheJobContinues) {
   constexpr int kRanks = 3;
   constexpr int kSteps = 8;
-  TempDir dir;
-  const std::string lines = dir.path() + "/steps.jsonl";
-  const std::string token_file = dir.path() + "/token";
-  const int port = FreePort();
-  std::unique_ptr<Process> planner =
-      StartPlanner(dir.path() + "/state", port, dir.path() + "/planner.log");
-  const JobHandle job = CreateJob(port, TinyJob(kRanks), token_file);
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(kRanks);
-  ASSERT_TRUE(hub.ok());
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int r = 0; r < kRanks; ++r) {
-    workers.push_back(StartWorker(port, job, r, token_file, (*hub)->address(), kSteps, lines,
-                                  absl::StrCat(dir.path(), "/worker", r, ".log")));
-  }
-  const Clock::time_point start = Clock::now();
-  while (StepsDone(lines, 2) < 3 && Clock::now() - start < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_GE(StepsDone(lines, 2), 3);
-  workers[2]->Kill();
+  JobUnderWay run = StartJob(kRanks, kSteps);
+  ASSERT_TRUE(run.ok());
+  const std::string lines = run.lines();
+  ASSERT_TRUE(WaitForSteps(lines, 2, 3)) << ReadAll(run.dir() + "/worker2.log");
+  run.workers[2]->Kill();
   const int64_t done_before = StepsDone(lines, 2);
-  workers[2] = StartWorker(port, job, 2, token_file, (*hub)->address(), kSteps, lines,
-                           dir.path() + "/worker2-restarted.log");
-  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(workers[r]->Wait(120), 0);
+  run.workers[2] = StartWorker(run.port, run.job, 2, run.token_file, run.hub->address(), kSteps,
+                               lines, run.dir() + "/worker2-restarted.log");
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(run.workers[r]->WaitFor(120), 0);
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), static_cast<size_t>(kRanks * kSteps));
   // It resumed where its reports stopped, not from step 0: at the first step without a line,
   // or one later if it was killed between sending a report and writing that step's line.
-  const std::string log = ReadAll(dir.path() + "/worker2-restarted.log");
+  const std::string log = ReadAll(run.dir() + "/worker2-restarted.log");
   EXPECT_TRUE(log.find(absl::StrCat("from step ", done_before, "\n")) != std::string::npos ||
               log.find(absl::StrCat("from step ", done_before + 1, "\n")) != std::string::npos)
       << "killed after " << done_before << " steps: " << log;
@@ -316,11 +291,13 @@ TEST(EndToEndTest, TheMainJobIsMoreBalancedWithSparseBalanceAndRecallIsNotLower)
   constexpr int kSteps = 6;
   TempDir dir;
   const std::string out = dir.path() + "/out";
-  Process run({SB_RUN_PATH, "--planner_listen=127.0.0.1:0", "--state_dir=" + dir.path() + "/state",
-               "--out=" + out, "--workers=4", absl::StrCat("--steps=", kSteps), "--capacity=2048",
-               "--micro_batches=2", "--fill=0.6"},
-              dir.path() + "/run.log");
-  ASSERT_EQ(run.Wait(300), 0) << ReadAll(dir.path() + "/run.log");
+  std::unique_ptr<tools::ChildProcess> run =
+      Start({SB_RUN_PATH, "--planner_listen=127.0.0.1:0", "--state_dir=" + dir.path() + "/state",
+             "--out=" + out, "--workers=4", absl::StrCat("--steps=", kSteps), "--capacity=2048",
+             "--micro_batches=2", "--fill=0.6"},
+            dir.path() + "/run.log");
+  ASSERT_NE(run, nullptr);
+  ASSERT_EQ(run->WaitFor(300), 0) << ReadAll(dir.path() + "/run.log");
   absl::StatusOr<RunResult> sequential =
       SummarizeRun("sequential", out + "/sequential.steps.jsonl", 4);
   absl::StatusOr<RunResult> balanced =

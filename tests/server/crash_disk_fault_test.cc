@@ -51,14 +51,16 @@
 #include "planner/types.h"
 #include "proto/wire.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
-#include "tests/server/planner_process.h"
+#include "tests/server/health_check.h"
 #include "tests/server/tmpfs_mount.h"
+#include "tools/child_process.h"
+#include "tools/tool_support.h"
 
 namespace sparsebalance {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using test_process::PlannerProcess;
+using tools::PlannerProcess;
 
 constexpr char kServiceName[] = "sparsebalance.planner.v1.PlannerService";
 constexpr uint64_t kDefaultSeed = 20240611;
@@ -646,7 +648,7 @@ class CrashScenario {
       if (port != 0) {
         auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
                                            grpc::InsecureChannelCredentials());
-        if (test_process::HealthStatus(channel, kServiceName, 0.5) == want) return true;
+        if (test_support::HealthStatus(channel, kServiceName, 0.5) == want) return true;
       }
       SleepSeconds(0.05);
     }
@@ -658,7 +660,7 @@ class CrashScenario {
     supervisor_.Kill();
     ASSERT_TRUE(supervisor_.StartRetrying(10.0).ok()) << "the final restart failed";
     const std::vector<std::string> logs = supervisor_.log_paths();
-    const std::string final_log = test_process::ReadText(logs.back());
+    const std::string final_log = tools::ReadFile(logs.back()).value_or("");
     EXPECT_NE(final_log.find(absl::StrCat("(", kJobs, " jobs reloaded)")), std::string::npos)
         << final_log;
     const int port = supervisor_.Current().second;
@@ -725,7 +727,7 @@ class CrashScenario {
     }
 
     for (const std::string& path : logs) {
-      const std::string log = test_process::ReadText(path);
+      const std::string log = tools::ReadFile(path).value_or("");
       EXPECT_EQ(log.find("could not be loaded"), std::string::npos) << path << ":\n" << log;
       if (log.find("could not be folded") != std::string::npos) ++logs_with_unfolded_steps_;
     }

@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,88 +27,16 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
-#include "tests/server/planner_process.h"
+#include "tests/server/health_check.h"
 #include "tests/server/tmpfs_mount.h"
-
-extern char** environ;
+#include "tools/child_process.h"
+#include "tools/tool_support.h"
 
 namespace sparsebalance {
 namespace {
 
 namespace v1 = ::sparsebalance::planner::v1;
-
-// The planner process with its stdout on a pipe.
-class PlannerProcess {
- public:
-  explicit PlannerProcess(const std::string& state_dir, std::vector<std::string> extra = {}) {
-    int fds[2];
-    EXPECT_EQ(pipe(fds), 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::string binary = SB_PLANNER_PATH;
-    std::string listen = "--listen=127.0.0.1:0";
-    std::string drain = "--drain_seconds=2";
-    std::string notice = "--drain_notice_seconds=0.2";
-    std::string state = "--state_dir=" + state_dir;
-    std::string metrics = "--metrics_listen=127.0.0.1:0";
-    std::vector<char*> argv = {binary.data(), listen.data(), drain.data(),
-                               notice.data(), state.data(),  metrics.data()};
-    for (std::string& flag : extra) argv.push_back(flag.data());
-    argv.push_back(nullptr);
-    EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), environ), 0);
-    posix_spawn_file_actions_destroy(&actions);
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-  }
-  ~PlannerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  // The next line the planner prints.
-  std::string ReadLine() {
-    char buffer[1024];
-    if (fgets(buffer, sizeof buffer, out_) == nullptr) return "";
-    return buffer;
-  }
-  void Signal(int signal) { kill(pid_, signal); }
-  int Stop(int signal) {
-    kill(pid_, signal);
-    return Wait();
-  }
-  int Wait() {
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-};
-
-using test_process::HealthStatus;
-
-int PortOf(const std::string& line) {
-  const size_t on = line.find("listening on ");
-  if (on == std::string::npos) return 0;
-  const size_t colon = line.find(':', on + 13) + 1;
-  int port = 0;
-  return absl::SimpleAtoi(line.substr(colon, line.find(' ', colon) - colon), &port) ? port : 0;
-}
-
-int MetricsPortOf(const std::string& line) {
-  const size_t at = line.find("metrics on http://127.0.0.1:");
-  if (at == std::string::npos) return 0;
-  const size_t colon = at + 28;
-  int port = 0;
-  return absl::SimpleAtoi(line.substr(colon, line.find('/', colon) - colon), &port) ? port : 0;
-}
+using test_support::HealthStatus;
 
 // GET /metrics over a plain socket.
 std::string Scrape(int port) {
@@ -150,11 +77,33 @@ std::string StateDir() {
   return std::string(mkdtemp(pattern.data())) + "/state";
 }
 
+// A fresh file for a planner's output.
+std::string LogPath() {
+  std::string pattern = ::testing::TempDir() + "sb_planner_log_XXXXXX";
+  close(mkstemp(pattern.data()));
+  return pattern;
+}
+
+// sb-planner on free loopback ports with a short drain, once it listens; its log is in the
+// test's temporary folder (never on `state_dir`'s disk, which a test may remount read-only).
+// `extra` flags come last and so win over these.
+std::unique_ptr<tools::PlannerProcess> StartPlanner(const std::string& state_dir,
+                                                    const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> args = {"--listen=127.0.0.1:0", "--drain_seconds=2",
+                                   "--drain_notice_seconds=0.2", "--state_dir=" + state_dir,
+                                   "--metrics_listen=127.0.0.1:0"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  absl::StatusOr<std::unique_ptr<tools::PlannerProcess>> planner =
+      tools::PlannerProcess::Start(SB_PLANNER_PATH, args, LogPath());
+  EXPECT_TRUE(planner.ok()) << planner.status();
+  return planner.ok() ? *std::move(planner) : nullptr;
+}
+
 TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
-  PlannerProcess planner(StateDir());
-  const std::string line = planner.ReadLine();
-  const int port = PortOf(line);
-  ASSERT_GT(port, 0) << line;
+  std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(StateDir());
+  ASSERT_NE(planner, nullptr);
+  const int port = planner->port();
+  ASSERT_GT(port, 0) << planner->listening_line();
   auto channel =
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
   EXPECT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);  // SERVING
@@ -165,8 +114,8 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
   EXPECT_EQ(job.job_token().size(), 64u);
   EXPECT_EQ(job.job_id().size(), 16u);
 
-  const int metrics_port = MetricsPortOf(line);
-  ASSERT_GT(metrics_port, 0) << line;
+  const int metrics_port = planner->metrics_port();
+  ASSERT_GT(metrics_port, 0) << planner->listening_line();
   const std::string scraped = Scrape(metrics_port);
   EXPECT_NE(scraped.find("sparsebalance_build_info{version=\"0.1.0\"} 1"), std::string::npos)
       << scraped;
@@ -175,15 +124,10 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
       << scraped;
   EXPECT_NE(scraped.find("sparsebalance_jobs 1"), std::string::npos) << scraped;
 
-  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+  EXPECT_EQ(planner->Stop(), 0);
 }
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+std::string ReadText(const std::string& path) { return tools::ReadFile(path).value_or(""); }
 
 TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
   // A throwaway CA, a server certificate for localhost/127.0.0.1 and a client certificate.
@@ -200,22 +144,21 @@ TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
       "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem",
       " -days 2 2>/dev/null >/dev/null");
   ASSERT_EQ(std::system((script + " 2>/dev/null").c_str()), 0) << "openssl failed";
-  PlannerProcess planner(StateDir(),
-                         {"--tls_cert=" + dir + "/server.pem", "--tls_key=" + dir + "/server.key",
-                          "--tls_client_ca=" + dir + "/ca.pem", "--health_listen=127.0.0.1:0"});
-  const std::string line = planner.ReadLine();
-  const int port = PortOf(line);
+  std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(
+      StateDir(), {"--tls_cert=" + dir + "/server.pem", "--tls_key=" + dir + "/server.key",
+                   "--tls_client_ca=" + dir + "/ca.pem", "--health_listen=127.0.0.1:0"});
+  ASSERT_NE(planner, nullptr);
+  const std::string line = planner->listening_line();
+  const int port = planner->port();
   ASSERT_GT(port, 0) << line;
   EXPECT_NE(line.find("(TLS)"), std::string::npos) << line;
 
   // The plaintext health-only listener (for probes that cannot speak TLS): health, nothing else.
-  const std::string health_line = planner.ReadLine();
-  const size_t at = health_line.find("health only (plaintext) on 127.0.0.1:");
-  ASSERT_NE(at, std::string::npos) << health_line;
-  int health_port = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(absl::StripTrailingAsciiWhitespace(health_line.substr(at + 37)),
-                               &health_port))
-      << health_line;
+  absl::StatusOr<std::string> health_line = planner->WaitForLine("health only (plaintext) on ");
+  ASSERT_TRUE(health_line.ok()) << health_line.status();
+  const int health_port =
+      tools::PortAfter(*health_line + "\n", "health only (plaintext) on 127.0.0.1:");
+  ASSERT_GT(health_port, 0) << *health_line;
   auto health_channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", health_port),
                                             grpc::InsecureChannelCredentials());
   EXPECT_EQ(HealthStatus(health_channel, "sparsebalance.planner.v1.PlannerService"), 1);
@@ -250,7 +193,7 @@ TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
   absl::StatusOr<std::unique_ptr<PlannerClient>> plaintext = PlannerClient::Connect(options);
   ASSERT_TRUE(plaintext.ok());
   EXPECT_EQ((*plaintext)->CreateJob("tls", config).status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+  EXPECT_EQ(planner->Stop(), 0);
 }
 
 TEST(SbPlannerTest, AKilledPlannerRestartsWithItsJobsAndPlans) {
@@ -259,9 +202,9 @@ TEST(SbPlannerTest, AKilledPlannerRestartsWithItsJobsAndPlans) {
   v1::GetRankPlanResponse before;
   v1::SubmitBatchRequest batch;
   {
-    PlannerProcess planner(state_dir);
-    const int port = PortOf(planner.ReadLine());
-    ASSERT_GT(port, 0);
+    std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(state_dir);
+    ASSERT_NE(planner, nullptr);
+    const int port = planner->port();
     auto stub = v1::PlannerService::NewStub(
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
     v1::CreateJobRequest create;
@@ -285,12 +228,12 @@ TEST(SbPlannerTest, AKilledPlannerRestartsWithItsJobsAndPlans) {
     grpc::ClientContext c3;
     c3.AddMetadata("authorization", "Bearer " + job.job_token());
     ASSERT_TRUE(stub->GetRankPlan(&c3, get, &before).ok());
-    EXPECT_EQ(planner.Stop(SIGKILL), 128 + SIGKILL);
+    EXPECT_EQ(planner->Kill(), 128 + SIGKILL);
   }
-  PlannerProcess planner(state_dir);
-  const std::string line = planner.ReadLine();
-  const int port = PortOf(line);
-  ASSERT_GT(port, 0);
+  std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(state_dir);
+  ASSERT_NE(planner, nullptr);
+  const int port = planner->port();
+  const std::string line = planner->listening_line();
   EXPECT_NE(line.find("(1 jobs reloaded)"), std::string::npos) << line;
   auto stub = v1::PlannerService::NewStub(
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
@@ -307,7 +250,7 @@ TEST(SbPlannerTest, AKilledPlannerRestartsWithItsJobsAndPlans) {
   grpc::ClientContext c5;
   c5.AddMetadata("authorization", "Bearer " + job.job_token());
   EXPECT_TRUE(stub->SubmitBatch(&c5, batch, &again).ok());
-  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+  EXPECT_EQ(planner->Stop(), 0);
 }
 
 // sb-planner run to its exit with its output (stdout and stderr together) and exit code.
@@ -332,36 +275,39 @@ TEST(SbPlannerTest, RefusesToListenBeyondLoopbackWithoutAnAdminToken) {
   EXPECT_NE(output.find("--admin_token_file"), std::string::npos) << output;
   EXPECT_NE(output.find("--insecure_no_admin_token"), std::string::npos) << output;
   {
-    PlannerProcess planner(state, {"--listen=0.0.0.0:0", "--insecure_no_admin_token"});
-    const std::string line = planner.ReadLine();
-    EXPECT_GT(PortOf(line), 0) << line;
-    EXPECT_EQ(planner.Stop(SIGTERM), 0);
+    std::unique_ptr<tools::PlannerProcess> planner =
+        StartPlanner(state, {"--listen=0.0.0.0:0", "--insecure_no_admin_token"});
+    ASSERT_NE(planner, nullptr);
+    EXPECT_GT(planner->port(), 0) << planner->listening_line();
+    EXPECT_EQ(planner->Stop(), 0);
   }
   const std::string token = state + "-admin";
   std::ofstream(token) << "s3cret\n";
-  PlannerProcess planner(state, {"--listen=0.0.0.0:0", "--admin_token_file=" + token});
-  const std::string line = planner.ReadLine();
-  EXPECT_GT(PortOf(line), 0) << line;
-  EXPECT_EQ(planner.Stop(SIGTERM), 0);
+  std::unique_ptr<tools::PlannerProcess> planner =
+      StartPlanner(state, {"--listen=0.0.0.0:0", "--admin_token_file=" + token});
+  ASSERT_NE(planner, nullptr);
+  EXPECT_GT(planner->port(), 0) << planner->listening_line();
+  EXPECT_EQ(planner->Stop(), 0);
 }
 
 // Issue 11: NOT_SERVING during the drain was visible only on an already open Watch stream (the
 // port closed at once). Now health checks see it for --drain_notice_seconds first.
 TEST(SbPlannerTest, HealthChecksSeeNotServingDuringTheDrain) {
-  PlannerProcess planner(StateDir(), {"--drain_notice_seconds=5", "--drain_seconds=6"});
-  const int port = PortOf(planner.ReadLine());
-  ASSERT_GT(port, 0);
+  std::unique_ptr<tools::PlannerProcess> planner =
+      StartPlanner(StateDir(), {"--drain_notice_seconds=5", "--drain_seconds=6"});
+  ASSERT_NE(planner, nullptr);
+  const int port = planner->port();
   auto channel =
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
   ASSERT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);
-  planner.Signal(SIGTERM);
+  planner->Signal(SIGTERM);
   int seen = 1;
   for (int i = 0; i < 2000 && seen == 1; ++i) {  // until it turns (it must before the port closes)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     seen = HealthStatus(channel, "sparsebalance.planner.v1.PlannerService");
   }
   EXPECT_EQ(seen, 2) << "health answered " << seen << " (2: NOT_SERVING; < 0: -code)";
-  EXPECT_EQ(planner.Wait(), 0);
+  EXPECT_EQ(planner->Wait(), 0);
 }
 
 // Issue 11: the planner started SERVING on a read-only state directory, and a full or
@@ -380,20 +326,20 @@ TEST(SbPlannerTest, HealthFollowsWhetherTheStateDirCanBeWritten) {
     return seen;
   };
   {
-    PlannerProcess planner(state, {"--state_check_seconds=0.2"});
-    const std::string line = planner.ReadLine();
-    const int port = PortOf(line);
-    ASSERT_GT(port, 0) << line;
+    std::unique_ptr<tools::PlannerProcess> planner =
+        StartPlanner(state, {"--state_check_seconds=0.2"});
+    ASSERT_NE(planner, nullptr);
+    const int port = planner->port();
     auto channel =
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
     ASSERT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);
     ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
     EXPECT_EQ(health_until(channel, 2), 2);
-    const std::string scraped = Scrape(MetricsPortOf(line));
+    const std::string scraped = Scrape(planner->metrics_port());
     EXPECT_NE(scraped.find("sparsebalance_state_dir_writable 0"), std::string::npos) << scraped;
     ASSERT_TRUE(disk.Remount(/*read_only=*/false)) << std::strerror(errno);
     EXPECT_EQ(health_until(channel, 1), 1);
-    EXPECT_EQ(planner.Stop(SIGTERM), 0);
+    EXPECT_EQ(planner->Stop(), 0);
   }
   ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
   const auto [code, output] =

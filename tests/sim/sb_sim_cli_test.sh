@@ -7,9 +7,10 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-help=$("$sim" --help)
-for flag in trace pack ranks micro-batches capacity fill steps policies mode slow-ranks \
-            slow-factor noise seed json svg profile density density-min; do
+help=$("$sim" --help || true)  # Abseil ends --help with exit 1
+for flag in trace pack ranks micro_batches capacity fill steps policies mode slow_ranks \
+            slow_factor noise seed json svg profile density density_min layers heads head_dim \
+            block local_blocks attention_ratio; do
   grep -q -- "--$flag" <<<"$help" || fail "--help does not document --$flag"
 done
 
@@ -19,17 +20,20 @@ expect_error() {  # expect_error SUBSTRING ARGS...: exit 2 and the message names
   [ "$rc" -eq 2 ] || fail "sb-sim $* exited $rc, want 2: $out"
   grep -q -- "$want" <<<"$out" || fail "sb-sim $* said '$out', want it to name '$want'"
 }
-expect_error "--bogus" --bogus=1
-expect_error "--ranks" --ranks=abc
+expect_error "unknown flag --bogus" --bogus=1
+expect_error "--ranks=abc" --ranks=abc
+expect_error "spelled with '_': --micro_batches" --micro-batches=2
+expect_error "unexpected argument \"extra\"" --ranks=4 extra
+expect_error "--steps needs a value" --steps
 expect_error "unknown policy" --policies=sequential,nope
 expect_error "quantile" --mode=quantile:2
 printf '4096\n# comment\n8192 0.5\nabc\n' > "$tmp/trace.txt"
 expect_error "trace line 4" --trace="$tmp/trace.txt"
 expect_error "neither a built-in trace" --trace="$tmp/missing.txt"
 
-# A file trace runs, and the JSON and SVG come out well-formed.
+# A file trace runs (--flag value works too), and the JSON and SVG come out well-formed.
 printf '4096\n8192 0.5\n16384 0.1 8192:8192\n' > "$tmp/good.txt"
-"$sim" --trace="$tmp/good.txt" --ranks=4 --micro-batches=2 --capacity=32768 --steps=3 \
+"$sim" --trace="$tmp/good.txt" --ranks=4 --micro_batches=2 --capacity=32768 --steps 3 \
   --json="$tmp/r.json" --svg="$tmp/r.svg" >/dev/null
 /usr/bin/python3 - "$tmp/r.json" "$tmp/r.svg" <<'PY'
 import json, sys, xml.dom.minidom

@@ -15,223 +15,25 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "planner/types.h"
 
 namespace sparsebalance {
 namespace {
 
-// ----------------------------------------------------------------------------------------------
-// A minimal JSON parser (RFC 8259 grammar: objects, arrays, strings with escapes, numbers,
-// true/false/null), so the tests check the output parses and read values back from it.
+using Json = nlohmann::ordered_json;
 
-struct JsonValue {
-  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject };
-  Kind kind = Kind::kNull;
-  bool boolean = false;
-  double number = 0.0;
-  std::string text;  // number literal as written, or the decoded string
-  std::vector<JsonValue> array;
-  std::vector<std::pair<std::string, JsonValue>> object;  // in document order
+// The document, or a discarded value (is_discarded()) when `text` is not valid JSON.
+Json ParseJson(const std::string& text) {
+  return Json::parse(text, nullptr, /*allow_exceptions=*/false);
+}
 
-  const JsonValue* Find(absl::string_view key) const {
-    for (const auto& member : object) {
-      if (member.first == key) return &member.second;
-    }
-    return nullptr;
-  }
-};
-
-class JsonParser {
- public:
-  explicit JsonParser(absl::string_view text) : text_(text) {}
-
-  // The whole text as one value; false if it is not exactly one valid JSON value.
-  bool Parse(JsonValue* value) {
-    SkipSpace();
-    if (!ParseValue(value, /*depth=*/0)) return false;
-    SkipSpace();
-    return pos_ == text_.size();
-  }
-
- private:
-  static constexpr int kMaxDepth = 64;
-
-  void SkipSpace() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
-                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
-      ++pos_;
-    }
-  }
-
-  bool Consume(absl::string_view literal) {
-    if (text_.substr(pos_, literal.size()) != literal) return false;
-    pos_ += literal.size();
-    return true;
-  }
-
-  bool ParseValue(JsonValue* value, int depth) {
-    if (depth > kMaxDepth || pos_ >= text_.size()) return false;
-    const char c = text_[pos_];
-    if (c == '{') return ParseObject(value, depth);
-    if (c == '[') return ParseArray(value, depth);
-    if (c == '"') {
-      value->kind = JsonValue::Kind::kString;
-      return ParseString(&value->text);
-    }
-    if (Consume("true")) {
-      value->kind = JsonValue::Kind::kBool;
-      value->boolean = true;
-      return true;
-    }
-    if (Consume("false")) {
-      value->kind = JsonValue::Kind::kBool;
-      return true;
-    }
-    if (Consume("null")) {
-      value->kind = JsonValue::Kind::kNull;
-      return true;
-    }
-    return ParseNumber(value);
-  }
-
-  bool ParseObject(JsonValue* value, int depth) {
-    value->kind = JsonValue::Kind::kObject;
-    ++pos_;  // '{'
-    SkipSpace();
-    if (Consume("}")) return true;
-    while (true) {
-      SkipSpace();
-      std::string key;
-      if (pos_ >= text_.size() || text_[pos_] != '"' || !ParseString(&key)) return false;
-      SkipSpace();
-      if (!Consume(":")) return false;
-      SkipSpace();
-      JsonValue member;
-      if (!ParseValue(&member, depth + 1)) return false;
-      value->object.emplace_back(std::move(key), std::move(member));
-      SkipSpace();
-      if (Consume("}")) return true;
-      if (!Consume(",")) return false;
-    }
-  }
-
-  bool ParseArray(JsonValue* value, int depth) {
-    value->kind = JsonValue::Kind::kArray;
-    ++pos_;  // '['
-    SkipSpace();
-    if (Consume("]")) return true;
-    while (true) {
-      SkipSpace();
-      JsonValue element;
-      if (!ParseValue(&element, depth + 1)) return false;
-      value->array.push_back(std::move(element));
-      SkipSpace();
-      if (Consume("]")) return true;
-      if (!Consume(",")) return false;
-    }
-  }
-
-  static int HexDigit(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-  }
-
-  static void AppendUtf8(uint32_t code_point, std::string* out) {
-    if (code_point < 0x80) {
-      *out += static_cast<char>(code_point);
-    } else if (code_point < 0x800) {
-      *out += static_cast<char>(0xC0 | (code_point >> 6));
-      *out += static_cast<char>(0x80 | (code_point & 0x3F));
-    } else {
-      *out += static_cast<char>(0xE0 | (code_point >> 12));
-      *out += static_cast<char>(0x80 | ((code_point >> 6) & 0x3F));
-      *out += static_cast<char>(0x80 | (code_point & 0x3F));
-    }
-  }
-
-  bool ParseString(std::string* out) {
-    ++pos_;  // opening quote
-    while (pos_ < text_.size()) {
-      const unsigned char c = static_cast<unsigned char>(text_[pos_++]);
-      if (c == '"') return true;
-      if (c < 0x20) return false;  // control characters must be escaped
-      if (c != '\\') {
-        *out += static_cast<char>(c);
-        continue;
-      }
-      if (pos_ >= text_.size()) return false;
-      const char escape = text_[pos_++];
-      switch (escape) {
-        case '"':
-        case '\\':
-        case '/':
-          *out += escape;
-          break;
-        case 'b':
-          *out += '\b';
-          break;
-        case 'f':
-          *out += '\f';
-          break;
-        case 'n':
-          *out += '\n';
-          break;
-        case 'r':
-          *out += '\r';
-          break;
-        case 't':
-          *out += '\t';
-          break;
-        case 'u': {
-          if (pos_ + 4 > text_.size()) return false;
-          uint32_t code_point = 0;
-          for (int i = 0; i < 4; ++i) {
-            const int digit = HexDigit(text_[pos_++]);
-            if (digit < 0) return false;
-            code_point = code_point * 16 + digit;
-          }
-          AppendUtf8(code_point, out);
-          break;
-        }
-        default:
-          return false;
-      }
-    }
-    return false;  // unterminated
-  }
-
-  bool ParseNumber(JsonValue* value) {
-    const size_t start = pos_;
-    auto digits = [this]() {
-      const size_t first = pos_;
-      while (pos_ < text_.size() && std::isdigit(static_cast<unsigned char>(text_[pos_]))) ++pos_;
-      return pos_ - first;
-    };
-    Consume("-");
-    if (Consume("0")) {
-      // No leading zeros: "01" is not a number.
-    } else if (digits() == 0) {
-      return false;
-    }
-    if (Consume(".") && digits() == 0) return false;
-    if (pos_ < text_.size() && (text_[pos_] == 'e' || text_[pos_] == 'E')) {
-      ++pos_;
-      if (!Consume("+")) Consume("-");
-      if (digits() == 0) return false;
-    }
-    value->kind = JsonValue::Kind::kNumber;
-    value->text.assign(text_.data() + start, pos_ - start);
-    value->number = std::strtod(value->text.c_str(), nullptr);
-    return true;
-  }
-
-  absl::string_view text_;
-  size_t pos_ = 0;
-};
-
-bool ParseJson(absl::string_view text, JsonValue* value) { return JsonParser(text).Parse(value); }
+// The member names of an object, in document order.
+std::vector<std::string> Keys(const Json& object) {
+  std::vector<std::string> keys;
+  for (const auto& member : object.items()) keys.push_back(member.key());
+  return keys;
+}
 
 // ----------------------------------------------------------------------------------------------
 // A minimal XML well-formedness check for what FormatSvg writes: an optional declaration,
@@ -419,46 +221,6 @@ std::vector<std::string> TableRow(const std::string& table, Policy policy) {
 // ----------------------------------------------------------------------------------------------
 // The test helpers themselves.
 
-TEST(JsonParserTest, AcceptsValidDocuments) {
-  const char* nested =
-      R"({"a": [1, -2.5E+3, true, false, null, "x\"\\\/\b\f\n\r\t\u00e9"], "b": {"c": []}})";
-  for (const char* text : {"{}", "[]", "0", "-0.5e-3", "\"\"", "null", " true ", nested}) {
-    JsonValue value;
-    EXPECT_TRUE(ParseJson(text, &value)) << text;
-  }
-  JsonValue value;
-  ASSERT_TRUE(ParseJson("{\"s\": \"q\\\"b\\\\n\\u0001\\u00e9\"}", &value));
-  EXPECT_EQ(value.Find("s")->text, "q\"b\\n\x01\xc3\xa9");
-}
-
-TEST(JsonParserTest, RejectsBrokenDocuments) {
-  for (const char* text : {"",
-                           "{",
-                           "[1, 2",
-                           "{\"a\": 1,}",
-                           "[1,]",
-                           "{\"a\" 1}",
-                           "[1 2]",
-                           "{a: 1}",
-                           "{\"a\": NaN}",
-                           "[Infinity]",
-                           "\"unterminated",
-                           "\"bad \\x escape\"",
-                           "\"raw\ncontrol\"",
-                           "\"\\u12g4\"",
-                           "01",
-                           "1.",
-                           "-",
-                           "1e",
-                           ".5",
-                           "tru",
-                           "{\"a\": 1} extra",
-                           "'single'"}) {
-    JsonValue value;
-    EXPECT_FALSE(ParseJson(text, &value)) << text;
-  }
-}
-
 TEST(XmlCheckTest, AcceptsWellFormedAndRejectsBroken) {
   std::string root;
   EXPECT_EQ(XmlProblem("<?xml version=\"1.0\"?>\n<a x=\"1&amp;2\"><b/><!-- c --><c>t&lt;</c></a>\n",
@@ -533,40 +295,35 @@ TEST(FormatTableTest, RowsAreAlignedToTheRule) {
 
 TEST(FormatJsonTest, ParsesAndHasEveryField) {
   const SimReport report = SmallReport();
-  JsonValue json;
-  ASSERT_TRUE(ParseJson(FormatJson(report), &json)) << FormatJson(report);
-  ASSERT_EQ(json.kind, JsonValue::Kind::kObject);
-  const JsonValue* scenario = json.Find("scenario");
-  ASSERT_NE(scenario, nullptr);
-  std::vector<std::string> keys;
-  for (const auto& member : scenario->object) keys.push_back(member.first);
-  EXPECT_EQ(keys,
+  const Json json = ParseJson(FormatJson(report));
+  ASSERT_TRUE(json.is_object()) << FormatJson(report);
+  ASSERT_TRUE(json.contains("scenario"));
+  const Json& scenario = json["scenario"];
+  EXPECT_EQ(Keys(scenario),
             (std::vector<std::string>{"trace", "pack_length", "ranks", "micro_batches", "capacity",
                                       "fill", "steps", "mode", "slow_ranks", "slow_factor", "noise",
                                       "seed", "density_default", "density_min"}));
-  EXPECT_EQ(scenario->Find("mode")->text, "quantile:0.75");
-  EXPECT_EQ(scenario->Find("capacity")->number, 131072);
+  EXPECT_EQ(scenario["mode"], "quantile:0.75");
+  EXPECT_EQ(scenario["capacity"], 131072);
 
-  const JsonValue* results = json.Find("results");
-  ASSERT_NE(results, nullptr);
-  ASSERT_EQ(results->array.size(), report.results.size());
+  ASSERT_TRUE(json.contains("results"));
+  const Json& results = json["results"];
+  ASSERT_EQ(results.size(), report.results.size());
   for (size_t i = 0; i < report.results.size(); ++i) {
-    const JsonValue& result = results->array[i];
-    keys.clear();
-    for (const auto& member : result.object) keys.push_back(member.first);
-    EXPECT_EQ(keys,
+    const Json& result = results[i];
+    EXPECT_EQ(Keys(result),
               (std::vector<std::string>{
                   "policy", "mean_step_seconds", "speedup_vs_sequential", "speedup_vs_flops",
                   "imbalance_ratio", "bubble_ratio", "mean_density", "mean_recall", "median_gap",
                   "median_prediction_error", "mean_plan_seconds", "step_seconds",
                   "learned_speed_factors", "timeline", "timeline_step_seconds"}));
-    EXPECT_EQ(result.Find("policy")->text, PolicyName(report.results[i].policy));
-    EXPECT_EQ(result.Find("step_seconds")->array.size(), 5u);
-    EXPECT_EQ(result.Find("learned_speed_factors")->array.size(), 4u);
-    const JsonValue* timeline = result.Find("timeline");
-    ASSERT_EQ(timeline->array.size(), 4u);
-    for (const JsonValue& rank : timeline->array) EXPECT_EQ(rank.array.size(), 3u);
-    EXPECT_EQ(timeline->array[3].array[2].number, report.results[i].timeline[3][2]);
+    EXPECT_EQ(result["policy"], std::string(PolicyName(report.results[i].policy)));
+    EXPECT_EQ(result["step_seconds"].size(), 5u);
+    EXPECT_EQ(result["learned_speed_factors"].size(), 4u);
+    const Json& timeline = result["timeline"];
+    ASSERT_EQ(timeline.size(), 4u);
+    for (const Json& rank : timeline) EXPECT_EQ(rank.size(), 3u);
+    EXPECT_EQ(timeline[3][2].get<double>(), report.results[i].timeline[3][2]);
   }
 }
 
@@ -579,13 +336,13 @@ TEST(FormatJsonTest, NumbersRoundTrip) {
   const std::string text = FormatJson(report);
   EXPECT_TRUE(absl::StrContains(text, "\"mean_step_seconds\": 12.345678901,")) << text;
   EXPECT_TRUE(absl::StrContains(text, "\"seed\": 18446744073709551615")) << text;
-  JsonValue json;
-  ASSERT_TRUE(ParseJson(text, &json));
-  const JsonValue& result = json.Find("results")->array[1];
-  EXPECT_EQ(result.Find("mean_step_seconds")->number, 12.345678901);
-  EXPECT_EQ(result.Find("step_seconds")->array[2].number, 0.1 + 0.2);
-  EXPECT_EQ(result.Find("median_gap")->number, 1e-300);
-  EXPECT_EQ(json.Find("scenario")->Find("seed")->text, "18446744073709551615");
+  const Json json = ParseJson(text);
+  ASSERT_FALSE(json.is_discarded());
+  const Json& result = json["results"][1];
+  EXPECT_EQ(result["mean_step_seconds"].get<double>(), 12.345678901);
+  EXPECT_EQ(result["step_seconds"][2].get<double>(), 0.1 + 0.2);
+  EXPECT_EQ(result["median_gap"].get<double>(), 1e-300);
+  EXPECT_EQ(json["scenario"]["seed"].get<uint64_t>(), std::numeric_limits<uint64_t>::max());
 }
 
 TEST(FormatJsonTest, EscapesQuotesBackslashesAndControlCharacters) {
@@ -593,9 +350,17 @@ TEST(FormatJsonTest, EscapesQuotesBackslashesAndControlCharacters) {
   report.scenario.trace = "C:\\traces\\\"long\" docs\n\t\x01.jsonl";
   const std::string text = FormatJson(report);
   EXPECT_TRUE(absl::StrContains(text, R"("C:\\traces\\\"long\" docs\n\t\u0001.jsonl")")) << text;
-  JsonValue json;
-  ASSERT_TRUE(ParseJson(text, &json)) << text;
-  EXPECT_EQ(json.Find("scenario")->Find("trace")->text, report.scenario.trace);
+  const Json json = ParseJson(text);
+  ASSERT_FALSE(json.is_discarded()) << text;
+  EXPECT_EQ(json["scenario"]["trace"], report.scenario.trace);
+}
+
+TEST(FormatJsonTest, InvalidUtf8InATracePathStillGivesValidJson) {
+  SimReport report = SmallReport();
+  report.scenario.trace = "traces/\xff\xfe.txt";
+  const Json json = ParseJson(FormatJson(report));
+  ASSERT_FALSE(json.is_discarded());
+  EXPECT_EQ(json["scenario"]["trace"], "traces/\xef\xbf\xbd\xef\xbf\xbd.txt");  // U+FFFD each
 }
 
 TEST(FormatJsonTest, NonFiniteNumbersBecomeNull) {
@@ -604,19 +369,20 @@ TEST(FormatJsonTest, NonFiniteNumbersBecomeNull) {
   report.results[0].step_seconds[1] = std::numeric_limits<double>::infinity();
   report.results[0].timeline[0][0] = -std::numeric_limits<double>::infinity();
   const std::string text = FormatJson(report);
-  JsonValue json;
-  ASSERT_TRUE(ParseJson(text, &json)) << text;
-  const JsonValue& result = json.Find("results")->array[0];
-  EXPECT_EQ(result.Find("mean_recall")->kind, JsonValue::Kind::kNull);
-  EXPECT_EQ(result.Find("step_seconds")->array[1].kind, JsonValue::Kind::kNull);
-  EXPECT_EQ(result.Find("step_seconds")->array[2].kind, JsonValue::Kind::kNumber);
-  EXPECT_EQ(result.Find("timeline")->array[0].array[0].kind, JsonValue::Kind::kNull);
+  const Json json = ParseJson(text);
+  ASSERT_FALSE(json.is_discarded()) << text;
+  const Json& result = json["results"][0];
+  EXPECT_TRUE(result["mean_recall"].is_null());
+  EXPECT_TRUE(result["step_seconds"][1].is_null());
+  EXPECT_TRUE(result["step_seconds"][2].is_number());
+  EXPECT_TRUE(result["timeline"][0][0].is_null());
 }
 
 TEST(FormatJsonTest, EmptyReportIsValid) {
-  JsonValue json;
-  ASSERT_TRUE(ParseJson(FormatJson(SimReport()), &json)) << FormatJson(SimReport());
-  EXPECT_TRUE(json.Find("results")->array.empty());
+  const Json json = ParseJson(FormatJson(SimReport()));
+  ASSERT_FALSE(json.is_discarded()) << FormatJson(SimReport());
+  EXPECT_TRUE(json["results"].is_array());
+  EXPECT_TRUE(json["results"].empty());
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+#include "tools/tool_support.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "tools/child_process.h"
+
+namespace sparsebalance::tools {
+namespace {
+
+std::string& MutableToolName() {
+  static std::string* name = new std::string("sparsebalance");
+  return *name;
+}
+
+// The flag `name` names on a command line, or null. "noNAME" names the boolean NAME.
+absl::CommandLineFlag* FindFlag(absl::string_view name, bool has_value) {
+  if (absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name)) return flag;
+  if (!has_value && absl::StartsWith(name, "no")) {
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name.substr(2));
+    if (flag != nullptr && flag->IsOfType<bool>()) return flag;
+  }
+  return nullptr;
+}
+
+// Abseil's --help family, handled inside ParseCommandLine rather than registered as flags.
+bool IsUsageFlag(absl::string_view name) {
+  for (absl::string_view usage : {"help", "helpfull", "helpshort", "helppackage", "helpon",
+                                  "helpmatch", "version", "only_check_args"}) {
+    if (name == usage) return true;
+  }
+  return false;
+}
+
+// Checks every flag on the command line before Abseil parses it, so that a wrong one ends the
+// process with kExitUsage and a message that names it (Abseil's own errors exit 1 and say
+// "flag 'x'"). Abseil then parses the same command line; anything not checked here (the
+// contents of a --flagfile) is left to it.
+void CheckFlags(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--") return;
+    if (arg.size() < 2 || arg[0] != '-') continue;  // a positional argument: after the parse
+    absl::string_view body = arg.substr(arg[1] == '-' ? 2 : 1);
+    const size_t eq = body.find('=');
+    const absl::string_view name = body.substr(0, eq);
+    const bool has_value = eq != absl::string_view::npos;
+    if (IsUsageFlag(name)) continue;
+    absl::CommandLineFlag* flag = FindFlag(name, has_value);
+    if (flag == nullptr) {
+      const std::string underscored = absl::StrReplaceAll(name, {{"-", "_"}});
+      if (underscored != name && FindFlag(underscored, has_value) != nullptr) {
+        UsageError(absl::StrCat("unknown flag --", name, "; flag names are spelled with '_': --",
+                                underscored));
+      }
+      UsageError(absl::StrCat("unknown flag --", name));
+    }
+    if (flag->IsOfType<bool>() && !has_value) continue;
+    std::string value;
+    if (has_value) {
+      value = std::string(body.substr(eq + 1));
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      UsageError(absl::StrCat("--", name, " needs a value"));
+    }
+    // Parsing sets the flag; Abseil sets it again to the same value below.
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      UsageError(absl::StrCat("--", name, "=", value, ": ", error));
+    }
+  }
+}
+
+}  // namespace
+
+const std::string& ToolName() { return MutableToolName(); }
+
+void InitTool(int argc, char** argv, absl::string_view usage) {
+  if (argc > 0 && argv[0] != nullptr) {
+    const absl::string_view self = argv[0];
+    MutableToolName() = std::string(self.substr(self.rfind('/') + 1));
+  }
+  absl::SetProgramUsageMessage(usage);
+  // --help lists the flags of this project's sources (Abseil's default looks for a source file
+  // named like the binary), under the binary's name rather than a build path.
+  absl::FlagsUsageConfig config;
+  config.normalize_filename = [](absl::string_view path) {
+    return absl::StrContains(path, "absl/") ? std::string(path) : ToolName();
+  };
+  config.contains_help_flags = [](absl::string_view path) { return path == ToolName(); };
+  absl::SetFlagsUsageConfig(config);
+  CheckFlags(argc, argv);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    UsageError(absl::StrCat("unexpected argument \"", positional[1],
+                            "\": every input is a flag, like --name=value"));
+  }
+}
+
+void Fatal(absl::string_view message, int exit_code) {
+  std::cerr << ToolName() << ": " << message << std::endl;
+  KillAllChildren();
+  std::exit(exit_code);
+}
+
+void UsageError(absl::string_view message) {
+  Fatal(absl::StrCat(message, " (see ", ToolName(), " --help)"), kExitUsage);
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  errno = 0;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int error = errno != 0 ? errno : ENOENT;
+    return absl::ErrnoToStatus(error, absl::StrCat("cannot read ", path));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return absl::InternalError(absl::StrCat("cannot read ", path, ": read failed"));
+  return text.str();
+}
+
+absl::Status WriteFile(const std::string& path, absl::string_view text) {
+  errno = 0;
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (out) out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  if (out) out.close();
+  if (!out) {
+    return absl::ErrnoToStatus(errno != 0 ? errno : EIO, absl::StrCat("cannot write ", path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace sparsebalance::tools
