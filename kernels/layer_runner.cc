@@ -156,10 +156,36 @@ class CpuClock {
   bool thread_time_;
 };
 
-class CpuLayerRunner : public LayerRunner {
+// What both runners share: the shape, and the loaded batch's boundaries and densities.
+class BatchRunner : public LayerRunner {
+ public:
+  explicit BatchRunner(const ModelShape& shape) : shape_(shape) {}
+
+  absl::Status SetDensities(const std::vector<double>& densities) override {
+    if (absl::Status s = CheckDensities(densities, densities_.size()); !s.ok()) return s;
+    densities_ = densities;
+    return absl::OkStatus();
+  }
+
+ protected:
+  // Checks `batch` and keeps its boundaries and densities.
+  absl::Status Accept(const LayerBatch& batch) {
+    return CheckBatch(shape_, batch, &cu_seqlens_, &densities_);
+  }
+  absl::Status CheckLoaded() const {
+    return cu_seqlens_.size() < 2 ? absl::FailedPreconditionError("layer runner: no batch loaded")
+                                  : absl::OkStatus();
+  }
+
+  const ModelShape shape_;
+  std::vector<int32_t> cu_seqlens_;  // token offsets of the documents, from 0
+  std::vector<double> densities_;    // one per document
+};
+
+class CpuLayerRunner : public BatchRunner {
  public:
   CpuLayerRunner(const ModelShape& shape, int threads)
-      : shape_(shape), threads_(threads), clock_(threads) {}
+      : BatchRunner(shape), threads_(threads), clock_(threads) {}
 
   std::string device_name() const override {
     const int threads = ResolveThreads(threads_);
@@ -168,7 +194,7 @@ class CpuLayerRunner : public LayerRunner {
   }
 
   absl::Status Load(LayerBatch batch) override {
-    if (absl::Status s = CheckBatch(shape_, batch, &cu_seqlens_, &densities_); !s.ok()) return s;
+    if (absl::Status s = Accept(batch); !s.ok()) return s;
     batch_ = std::move(batch);
     const int64_t tokens = cu_seqlens_.back();
     const size_t n = batch_.q.size();
@@ -188,14 +214,8 @@ class CpuLayerRunner : public LayerRunner {
     return absl::OkStatus();
   }
 
-  absl::Status SetDensities(const std::vector<double>& densities) override {
-    if (absl::Status s = CheckDensities(densities, densities_.size()); !s.ok()) return s;
-    densities_ = densities;
-    return absl::OkStatus();
-  }
-
   absl::StatusOr<LayerMeasurement> Run(bool exact_recall) override {
-    if (cu_seqlens_.size() < 2) return absl::FailedPreconditionError("layer runner: no batch");
+    if (absl::Status s = CheckLoaded(); !s.ok()) return s;
     SelectionOptions select;
     select.block_size = shape_.block_size;
     select.local_blocks = shape_.local_blocks;
@@ -243,12 +263,9 @@ class CpuLayerRunner : public LayerRunner {
   }
 
  private:
-  ModelShape shape_;
   int threads_;
   CpuClock clock_;
   LayerBatch batch_;
-  std::vector<int32_t> cu_seqlens_;
-  std::vector<double> densities_;
   std::vector<float> out_, dout_, dq_, dk_, dv_, lse_, x_, y_, dx_, w_, wt_;
 };
 
@@ -258,9 +275,9 @@ absl::Status CudaCheck(cudaError_t error, const char* what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(error)));
 }
 
-class CudaLayerRunner : public LayerRunner {
+class CudaLayerRunner : public BatchRunner {
  public:
-  explicit CudaLayerRunner(const ModelShape& shape) : shape_(shape) {}
+  explicit CudaLayerRunner(const ModelShape& shape) : BatchRunner(shape) {}
   ~CudaLayerRunner() override {
     for (cudaEvent_t event : {start_, middle_, stop_}) {
       if (event != nullptr) cudaEventDestroy(event);
@@ -278,7 +295,7 @@ class CudaLayerRunner : public LayerRunner {
   }
 
   absl::Status Load(LayerBatch batch) override {
-    if (absl::Status s = CheckBatch(shape_, batch, &cu_seqlens_, &densities_); !s.ok()) return s;
+    if (absl::Status s = Accept(batch); !s.ok()) return s;
     const int64_t tokens = cu_seqlens_.back();
     const size_t n = batch.q.size();
     const int64_t hidden = int64_t{shape_.heads} * shape_.head_dim;
@@ -320,14 +337,8 @@ class CudaLayerRunner : public LayerRunner {
     return cuda::Synchronize();
   }
 
-  absl::Status SetDensities(const std::vector<double>& densities) override {
-    if (absl::Status s = CheckDensities(densities, densities_.size()); !s.ok()) return s;
-    densities_ = densities;
-    return absl::OkStatus();
-  }
-
   absl::StatusOr<LayerMeasurement> Run(bool exact_recall) override {
-    if (cu_seqlens_.size() < 2) return absl::FailedPreconditionError("layer runner: no batch");
+    if (absl::Status s = CheckLoaded(); !s.ok()) return s;
     if (exact_recall) {
       return absl::InvalidArgumentError("exact recall: only on the CPU (--device=cpu)");
     }
@@ -379,12 +390,9 @@ class CudaLayerRunner : public LayerRunner {
   }
 
  private:
-  ModelShape shape_;
   cudaEvent_t start_ = nullptr;
   cudaEvent_t middle_ = nullptr;
   cudaEvent_t stop_ = nullptr;
-  std::vector<int32_t> cu_seqlens_;
-  std::vector<double> densities_;
   cuda::DeviceBuffer q_, k_, v_, out_, dout_, dq_, dk_, dv_, lse_, delta_, x_, y_, dx_, w_;
 };
 #endif  // SB_KERNELS_WITH_CUDA

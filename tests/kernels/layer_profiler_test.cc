@@ -5,6 +5,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "contract/block_geometry.h"
 #include "gmock/gmock.h"
@@ -45,12 +47,10 @@ TEST(LayerProfilerTest, FormattedProfileRoundTripsThroughTheTableReader) {
   EXPECT_EQ(table->shape.head_dim, 64);
   EXPECT_EQ(table->shape.block_size, 128);
   EXPECT_EQ(table->shape.local_blocks, 2);
-  ASSERT_EQ(table->rows.size(), profile.points.size());
-  for (size_t i = 0; i < profile.points.size(); ++i) {
-    EXPECT_EQ(table->rows[i].length, profile.points[i].length) << i;
-    EXPECT_EQ(table->rows[i].density, profile.points[i].density) << i;
-    EXPECT_EQ(table->rows[i].seconds, profile.points[i].seconds) << i;
-  }
+  std::vector<std::tuple<int64_t, double, double>> rows, points;
+  for (const ProfileRow& r : table->rows) rows.emplace_back(r.length, r.density, r.seconds);
+  for (const ProfilePoint& p : profile.points) points.emplace_back(p.length, p.density, p.seconds);
+  EXPECT_EQ(rows, points);
   // The split and the way it was measured are comments for people.
   EXPECT_THAT(text, HasSubstr("\n# written by sb-profile: median of 3 run(s);"));
   EXPECT_THAT(text, HasSubstr("\n#   2048 0.25 0.5 0.25 60\n"));

@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda_attention.h"
+#include "planner/random.h"
 
 namespace sparsebalance {
 namespace kernels {
@@ -29,7 +30,7 @@ ModelShape SmallShape() {
   return shape;
 }
 
-// Random q, k, v in [-1, 1) for the documents (a linear congruential generator: tests only).
+// Random q, k, v in [-1, 1) for the documents.
 LayerBatch MakeBatch(const ModelShape& shape, const std::vector<LayerDocument>& documents,
                      uint64_t seed) {
   LayerBatch batch;
@@ -37,13 +38,10 @@ LayerBatch MakeBatch(const ModelShape& shape, const std::vector<LayerDocument>& 
   int64_t tokens = 0;
   for (const LayerDocument& d : documents) tokens += d.length;
   const size_t n = static_cast<size_t>(tokens) * shape.heads * shape.head_dim;
-  uint64_t state = seed;
+  Rng rng(seed);
   for (std::vector<float>* t : {&batch.q, &batch.k, &batch.v}) {
     t->resize(n);
-    for (float& x : *t) {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      x = static_cast<float>(static_cast<double>(state >> 40) / (1ull << 23) - 1.0);
-    }
+    for (float& x : *t) x = static_cast<float>(2.0 * rng.Uniform() - 1.0);
   }
   return batch;
 }
