@@ -141,7 +141,7 @@ void Summarize(const BlockIndex& index, const std::vector<float>& row_recall,
 // time with one kernel thread, the wall clock with several.
 class CpuClock {
  public:
-  explicit CpuClock(int threads) : thread_time_(threads == 1) {}
+  explicit CpuClock(int threads) : thread_time_(ResolveThreads(threads) == 1) {}
   double Now() const {
     if (!thread_time_) {
       return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
@@ -161,6 +161,14 @@ class BatchRunner : public LayerRunner {
  public:
   explicit BatchRunner(const ModelShape& shape) : shape_(shape) {}
 
+  // A batch that fails to load leaves none loaded.
+  absl::Status Load(LayerBatch batch) final {
+    absl::Status s = CheckBatch(shape_, batch, &cu_seqlens_, &densities_);
+    if (s.ok()) s = Prepare(std::move(batch));
+    if (!s.ok()) cu_seqlens_.clear();
+    return s;
+  }
+
   absl::Status SetDensities(const std::vector<double>& densities) override {
     if (absl::Status s = CheckDensities(densities, densities_.size()); !s.ok()) return s;
     densities_ = densities;
@@ -168,10 +176,8 @@ class BatchRunner : public LayerRunner {
   }
 
  protected:
-  // Checks `batch` and keeps its boundaries and densities.
-  absl::Status Accept(const LayerBatch& batch) {
-    return CheckBatch(shape_, batch, &cu_seqlens_, &densities_);
-  }
+  // Prepares the buffers of a checked batch whose boundaries and densities are kept already.
+  virtual absl::Status Prepare(LayerBatch batch) = 0;
   absl::Status CheckLoaded() const {
     return cu_seqlens_.size() < 2 ? absl::FailedPreconditionError("layer runner: no batch loaded")
                                   : absl::OkStatus();
@@ -193,8 +199,7 @@ class CpuLayerRunner : public BatchRunner {
                         ", fp32 reference)");
   }
 
-  absl::Status Load(LayerBatch batch) override {
-    if (absl::Status s = Accept(batch); !s.ok()) return s;
+  absl::Status Prepare(LayerBatch batch) override {
     batch_ = std::move(batch);
     const int64_t tokens = cu_seqlens_.back();
     const size_t n = batch_.q.size();
@@ -294,8 +299,7 @@ class CudaLayerRunner : public BatchRunner {
     return name.ok() ? *name : "cuda";
   }
 
-  absl::Status Load(LayerBatch batch) override {
-    if (absl::Status s = Accept(batch); !s.ok()) return s;
+  absl::Status Prepare(LayerBatch batch) override {
     const int64_t tokens = cu_seqlens_.back();
     const size_t n = batch.q.size();
     const int64_t hidden = int64_t{shape_.heads} * shape_.head_dim;

@@ -177,12 +177,16 @@ TEST(LayerRunnerTest, BadInputIsAnErrorThatNamesIt) {
   EXPECT_EQ(runner->Run(false).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(runner->Load(LayerBatch{}).message(), HasSubstr("no documents"));
   LayerBatch batch = MakeBatch(shape, {{100, 0.5}}, 1);
+  ASSERT_TRUE(runner->Load(batch).ok());
+  ASSERT_TRUE(runner->Run(false).ok());
   batch.documents[0].density = 0.0;
   EXPECT_THAT(runner->Load(batch).message(), HasSubstr("densities[0]=0"));
   batch.documents[0] = {0, 0.5};
   EXPECT_THAT(runner->Load(batch).message(), HasSubstr("documents[0].length 0"));
   batch.documents[0] = {101, 0.5};
   EXPECT_THAT(runner->Load(batch).message(), HasSubstr("q holds 12800 values"));
+  // A batch that failed to load leaves none: the earlier one is not run by mistake.
+  EXPECT_EQ(runner->Run(false).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(LayerRunnerTest, CudaWithoutADeviceSaysSo) {
