@@ -19,6 +19,11 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// What a profile table records of the shape: heads, head_dim, block_size, local_blocks.
+std::tuple<int, int, int, int> AttentionShape(const ModelShape& s) {
+  return {s.heads, s.head_dim, s.block_size, s.local_blocks};
+}
+
 // Runs a command; returns its exit status and standard output.
 int RunCommand(const std::string& command, std::string* output) {
   FILE* pipe = popen(command.c_str(), "r");
@@ -43,10 +48,7 @@ TEST(LayerProfilerTest, FormattedProfileRoundTripsThroughTheTableReader) {
   absl::StatusOr<ProfileTable> table = ParseProfileTable(text);
   ASSERT_TRUE(table.ok()) << table.status() << "\n" << text;
   EXPECT_EQ(table->device, "Test Device 9000");
-  EXPECT_EQ(table->shape.heads, 8);
-  EXPECT_EQ(table->shape.head_dim, 64);
-  EXPECT_EQ(table->shape.block_size, 128);
-  EXPECT_EQ(table->shape.local_blocks, 2);
+  EXPECT_EQ(AttentionShape(table->shape), AttentionShape(profile.options.shape));
   std::vector<std::tuple<int64_t, double, double>> rows, points;
   for (const ProfileRow& r : table->rows) rows.emplace_back(r.length, r.density, r.seconds);
   for (const ProfilePoint& p : profile.points) points.emplace_back(p.length, p.density, p.seconds);
@@ -96,10 +98,7 @@ TEST(LayerProfilerTest, SbProfileOnTheCpuWritesATableThePlannerFits) {
   absl::StatusOr<ProfileTable> table = ParseProfileTable(text.str());
   ASSERT_TRUE(table.ok()) << table.status() << "\n" << text.str();
   EXPECT_THAT(table->device, HasSubstr("cpu"));
-  EXPECT_EQ(table->shape.heads, 1);
-  EXPECT_EQ(table->shape.head_dim, 64);
-  EXPECT_EQ(table->shape.block_size, 64);
-  EXPECT_EQ(table->shape.local_blocks, 1);
+  EXPECT_EQ(AttentionShape(table->shape), std::make_tuple(1, 64, 64, 1));
   ASSERT_EQ(table->rows.size(), 6u);
   EXPECT_EQ(table->rows[0].length, 512);
   EXPECT_EQ(table->rows[5].density, 0.2);

@@ -21,13 +21,8 @@ namespace {
 using ::testing::HasSubstr;
 
 ModelShape SmallShape() {
-  ModelShape shape;
-  shape.layers = 1;
-  shape.heads = 2;
-  shape.head_dim = 64;
-  shape.block_size = 64;
-  shape.local_blocks = 1;
-  return shape;
+  return ModelShape{/*layers=*/1, /*heads=*/2, /*head_dim=*/64, /*block_size=*/64,
+                    /*local_blocks=*/1};
 }
 
 // Random q, k, v in [-1, 1) for the documents.
