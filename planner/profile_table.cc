@@ -5,11 +5,7 @@
 #include <set>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "contract/block_geometry.h"
 
 namespace sparsebalance {

@@ -78,6 +78,7 @@ class LayerwiseRunner : public MicroBatchRunner {
     out->causal_blocks = m.causal_blocks;
     out->recall = tokens > 0 ? std::clamp(recall_sum / tokens, 0.0, 1.0) : 1.0;
     out->achieved_density = tokens > 0 ? density_sum / tokens : 1.0;
+    out->documents = m.documents;
   }
 
   std::unique_ptr<kernels::LayerRunner> layer_;

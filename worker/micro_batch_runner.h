@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/layer_runner.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
@@ -29,6 +30,9 @@ struct MicroBatchResult {
   int64_t causal_blocks = 0;      // all causal pairs, all heads, one layer
   double achieved_density = 0.0;  // token-weighted share of causal key blocks kept
   double recall = 0.0;            // token-weighted attention recall (exact or estimated)
+  // The same figures per document (one layer), in the order Run was given them: what a
+  // sample made of several documents adds up.
+  std::vector<kernels::DocumentMeasurement> documents;
 };
 
 class MicroBatchRunner {
