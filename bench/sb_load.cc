@@ -35,6 +35,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "contract/step_figures.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "planner/random.h"
@@ -193,10 +194,7 @@ class Tally {
   // The q-quantile of the latencies (seconds).
   double Quantile(double q) {
     absl::MutexLock lock(&mu_);
-    if (latencies_.empty()) return 0.0;
-    std::vector<double> sorted = latencies_;
-    std::sort(sorted.begin(), sorted.end());
-    return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))];
+    return sparsebalance::Quantile(latencies_, q);
   }
 
  private:
@@ -508,16 +506,15 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
     submit_sum += Seconds(start, submitted);
     plans_sum += Seconds(start, last_plan);
   }
-  std::vector<double> sorted = totals;
-  std::sort(sorted.begin(), sorted.end());
-  const double median = sorted[sorted.size() / 2];
+  const double median = sparsebalance::Quantile(totals, 0.5);
+  const double slowest = sparsebalance::Quantile(totals, 1.0);
   std::cout << absl::StrFormat(
       "step: %d ranks, %d samples, %d connections: SubmitBatch to last report %.1f ms median, "
       "%.1f ms slowest of %d (SubmitBatch %.1f ms, last plan served at %.1f ms, mean)\n",
-      ranks, samples, connections.size(), median * 1e3, sorted.back() * 1e3, steps,
+      ranks, samples, connections.size(), median * 1e3, slowest * 1e3, steps,
       submit_sum / steps * 1e3, plans_sum / steps * 1e3);
   figures->Add("step_ms_median", median * 1e3);
-  figures->Add("step_ms_max", sorted.back() * 1e3);
+  figures->Add("step_ms_max", slowest * 1e3);
   figures->Add("step_submit_ms_mean", submit_sum / steps * 1e3);
   figures->Add("step_last_plan_ms_mean", plans_sum / steps * 1e3);
   DeleteJob(connections[0], admin, job);

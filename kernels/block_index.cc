@@ -1,7 +1,7 @@
 #include "kernels/block_index.h"
 
 #include "absl/strings/str_cat.h"
-#include "kernels/block_count.h"
+#include "contract/block_geometry.h"
 
 namespace sparsebalance {
 namespace kernels {

@@ -5,7 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/block_count.h"
+#include "contract/block_geometry.h"
 #include "kernels/parallel.h"
 
 namespace sparsebalance {
@@ -117,6 +117,50 @@ absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int
   if (absl::Status s = CheckSize("k", k.size(), elements); !s.ok()) return s;
   const int block_size = options.block_size;
   const float scale = ResolveScale(options.softmax_scale, head_dim);
+  const int64_t row_stride = int64_t{heads} * head_dim;  // floats between tokens
+  return SelectFromScores(
+      cu_seqlens, heads, densities, options, [&](int s, int h, const KeepRow& keep_row) {
+        const int32_t length = cu_seqlens[s + 1] - cu_seqlens[s];
+        const int32_t blocks = static_cast<int32_t>(QueryBlocks(length, block_size));
+        // Mean-pooled Q and K per block.
+        std::vector<float> q_mean(int64_t{blocks} * head_dim, 0.0f);
+        std::vector<float> k_mean(int64_t{blocks} * head_dim, 0.0f);
+        for (int32_t t = 0; t < length; ++t) {
+          const int64_t offset = (int64_t{cu_seqlens[s]} + t) * row_stride + int64_t{h} * head_dim;
+          float* qm = &q_mean[int64_t{t / block_size} * head_dim];
+          float* km = &k_mean[int64_t{t / block_size} * head_dim];
+          for (int d = 0; d < head_dim; ++d) {
+            qm[d] += q[offset + d];
+            km[d] += k[offset + d];
+          }
+        }
+        for (int32_t b = 0; b < blocks; ++b) {
+          const float inv =
+              1.0f / static_cast<float>(std::min(block_size, length - b * block_size));
+          for (int d = 0; d < head_dim; ++d) {
+            q_mean[int64_t{b} * head_dim + d] *= inv;
+            k_mean[int64_t{b} * head_dim + d] *= inv;
+          }
+        }
+        std::vector<float> scores(blocks);
+        for (int32_t i = 0; i < blocks; ++i) {
+          for (int32_t j = 0; j <= i; ++j) {
+            float dot = 0.0f;
+            for (int d = 0; d < head_dim; ++d) {
+              dot += q_mean[int64_t{i} * head_dim + d] * k_mean[int64_t{j} * head_dim + d];
+            }
+            scores[j] = dot * scale;
+          }
+          keep_row(i, absl::MakeConstSpan(scores.data(), i + 1));
+        }
+      });
+}
+
+absl::StatusOr<Selection> SelectFromScores(
+    absl::Span<const int32_t> cu_seqlens, int heads, absl::Span<const double> densities,
+    const SelectionOptions& options,
+    const std::function<void(int sequence, int head, const KeepRow& keep_row)>& score_rows) {
+  const int block_size = options.block_size;
   const int sequences = static_cast<int>(cu_seqlens.size()) - 1;
   std::vector<int32_t> cu_blocks(1, 0);
   for (int s = 0; s < sequences; ++s) {
@@ -126,48 +170,20 @@ absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int
   const int64_t rows = int64_t{cu_blocks.back()} * heads;
   std::vector<std::vector<int32_t>> kept(rows);
   std::vector<float> recall(rows, 1.0f);
-  const int64_t row_stride = int64_t{heads} * head_dim;  // floats between tokens
   ParallelFor(int64_t{sequences} * heads, options.threads, [&](int, int64_t task) {
     const int s = static_cast<int>(task / heads);
     const int h = static_cast<int>(task % heads);
     const int32_t length = cu_seqlens[s + 1] - cu_seqlens[s];
     const int32_t blocks = cu_blocks[s + 1] - cu_blocks[s];
-    // Mean-pooled Q and K per block.
-    std::vector<float> q_mean(int64_t{blocks} * head_dim, 0.0f);
-    std::vector<float> k_mean(int64_t{blocks} * head_dim, 0.0f);
-    for (int32_t t = 0; t < length; ++t) {
-      const int64_t offset = (int64_t{cu_seqlens[s]} + t) * row_stride + int64_t{h} * head_dim;
-      float* qm = &q_mean[int64_t{t / block_size} * head_dim];
-      float* km = &k_mean[int64_t{t / block_size} * head_dim];
-      for (int d = 0; d < head_dim; ++d) {
-        qm[d] += q[offset + d];
-        km[d] += k[offset + d];
-      }
-    }
-    for (int32_t b = 0; b < blocks; ++b) {
-      const float inv = 1.0f / static_cast<float>(std::min(block_size, length - b * block_size));
-      for (int d = 0; d < head_dim; ++d) {
-        q_mean[int64_t{b} * head_dim + d] *= inv;
-        k_mean[int64_t{b} * head_dim + d] *= inv;
-      }
-    }
     const int64_t density_q = QuantizeDensity(densities[s]);
-    std::vector<float> scores(blocks);
     std::vector<double> pairs(blocks);
-    for (int32_t i = 0; i < blocks; ++i) {
-      for (int32_t j = 0; j <= i; ++j) {
-        float dot = 0.0f;
-        for (int d = 0; d < head_dim; ++d) {
-          dot += q_mean[int64_t{i} * head_dim + d] * k_mean[int64_t{j} * head_dim + d];
-        }
-        scores[j] = dot * scale;
-        pairs[j] = VisiblePairs(length, block_size, i, j);
-      }
+    score_rows(s, h, [&](int32_t i, absl::Span<const float> scores) {
+      for (int32_t j = 0; j <= i; ++j) pairs[j] = VisiblePairs(length, block_size, i, j);
       const int64_t row = int64_t{cu_blocks[s]} * heads + int64_t{h} * blocks + i;
       kept[row] = SelectRow(i, options.local_blocks, KeptBlocks(i, density_q, options.local_blocks),
-                            options.mass_threshold, absl::MakeConstSpan(scores.data(), i + 1),
+                            options.mass_threshold, scores,
                             absl::MakeConstSpan(pairs.data(), i + 1), &recall[row]);
-    }
+    });
   });
   absl::StatusOr<BlockIndex> index = MakeBlockIndex(cu_seqlens, heads, block_size, kept);
   if (!index.ok()) return index.status();

@@ -12,6 +12,7 @@
 #define SPARSEBALANCE_KERNELS_BLOCK_SELECTION_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -58,6 +59,19 @@ absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int
 std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t kept_cap,
                                double mass_threshold, absl::Span<const float> scores,
                                absl::Span<const double> pairs, float* estimated_recall);
+
+// Scores of one row for SelectFromScores: the i + 1 softmax logits of query block i's key
+// blocks 0..i.
+using KeepRow = std::function<void(int32_t query_block, absl::Span<const float> scores)>;
+
+// The host half of block selection, shared by the CPU and CUDA paths: for every (sequence,
+// head), in parallel on `options.threads`, `score_rows(s, h, keep_row)` must call keep_row
+// once for each query block of sequence s with its scores; keep_row applies SelectRow at the
+// sequence's density. Inputs are checked by the caller (ValidateSelectionInputs).
+absl::StatusOr<Selection> SelectFromScores(
+    absl::Span<const int32_t> cu_seqlens, int heads, absl::Span<const double> densities,
+    const SelectionOptions& options,
+    const std::function<void(int sequence, int head, const KeepRow& keep_row)>& score_rows);
 
 // Visible (query, key) token pairs of query block i and key block j <= i of a sequence of
 // `length` tokens: the weight of a block score in the estimated mass.

@@ -20,9 +20,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/block_count.h"
+#include "contract/block_geometry.h"
 #include "kernels/cuda_attention.h"
-#include "kernels/parallel.h"
 
 namespace sparsebalance {
 namespace kernels {
@@ -643,31 +642,15 @@ absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int
     return s;
   }
   // The per-row choice on the host, with the CPU path's own rule (SelectRow).
-  std::vector<std::vector<int32_t>> kept(rows);
-  std::vector<float> recall(rows, 1.0f);
-  ParallelFor(int64_t{sequences} * heads, options.threads, [&](int, int64_t task) {
-    const int s = static_cast<int>(task / heads);
-    const int h = static_cast<int>(task % heads);
-    const int32_t length = cu_seqlens[s + 1] - cu_seqlens[s];
-    const int64_t n = cu_blocks[s + 1] - cu_blocks[s];
-    const int64_t density_q = QuantizeDensity(densities[s]);
-    std::vector<double> pairs(n);
-    for (int32_t i = 0; i < n; ++i) {
-      for (int32_t j = 0; j <= i; ++j) pairs[j] = VisiblePairs(length, block_size, i, j);
-      const float* row_scores =
-          host_scores.data() + tri_base[s] + h * n * (n + 1) / 2 + int64_t{i} * (i + 1) / 2;
-      const int64_t r = int64_t{cu_blocks[s]} * heads + int64_t{h} * n + i;
-      kept[r] = SelectRow(i, options.local_blocks, KeptBlocks(i, density_q, options.local_blocks),
-                          options.mass_threshold, absl::MakeConstSpan(row_scores, i + 1),
-                          absl::MakeConstSpan(pairs.data(), i + 1), &recall[r]);
-    }
-  });
-  absl::StatusOr<BlockIndex> index = MakeBlockIndex(cu_seqlens, heads, block_size, kept);
-  if (!index.ok()) return index.status();
-  Selection selection;
-  selection.index = *std::move(index);
-  selection.estimated_recall = std::move(recall);
-  return selection;
+  return SelectFromScores(
+      cu_seqlens, heads, densities, options, [&](int s, int h, const KeepRow& keep_row) {
+        const int64_t n = cu_blocks[s + 1] - cu_blocks[s];
+        for (int32_t i = 0; i < n; ++i) {
+          keep_row(i, absl::MakeConstSpan(host_scores.data() + tri_base[s] + h * n * (n + 1) / 2 +
+                                              int64_t{i} * (i + 1) / 2,
+                                          i + 1));
+        }
+      });
 }
 
 absl::Status Forward(const DeviceBlockIndex& index, int head_dim, const void* q, const void* k,

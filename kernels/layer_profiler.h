@@ -1,8 +1,7 @@
 // What sb-profile measures: one transformer layer, forward and backward, on one document of
-// `length` tokens with block-sparse attention at `density`, on the local CPU or CUDA device:
-// block selection + attention forward/backward + the linear part (QKV and output projections
-// and a 4x MLP as GEMMs: forward, input and weight gradients). The result is the profile table
-// that planner/profile_table.h reads (FormatProfile writes exactly that format).
+// `length` tokens with block-sparse attention at `density`, on the local CPU or CUDA device,
+// run by the same LayerRunner (kernels/layer_runner.h) that sb-worker runs micro-batches with.
+// The result is a profile table (contract/profile_format.h); FormatProfile writes it.
 //
 //   ProfileOptions options;
 //   options.lengths = {2048, 4096};
@@ -18,20 +17,29 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "contract/layer_shape.h"
 
 namespace sparsebalance {
 namespace kernels {
 
+// The shape sb-profile measures by default: 4 heads of 128, blocks of 64, one local block.
+inline ModelShape DefaultProfileShape() {
+  ModelShape shape;
+  shape.layers = 1;  // unused: a profile measures one layer
+  shape.heads = 4;
+  return shape;
+}
+
 struct ProfileOptions {
   std::string device = "cpu";  // "cpu" or "cuda"
-  int heads = 4;
-  int head_dim = 128;   // 64 or 128
-  int block_size = 64;  // tokens per block: 64 or 128
-  int local_blocks = 1;
+  // heads, head_dim (64 or 128), block_size (64 or 128), local_blocks; `layers` is unused.
+  ModelShape shape = DefaultProfileShape();
   std::vector<int64_t> lengths = {2048, 4096, 8192};  // tokens
   std::vector<double> densities = {1.0, 0.3, 0.1};    // each in (0, 1]
   int repeats = 1;  // measurements per grid point; the median is reported
-  int threads = 0;  // CPU threads; 0 means the hardware concurrency
+  // CPU threads; 0 means the hardware concurrency. With 1, times are the thread's CPU time
+  // (what sb-worker measures); with more, the layer's wall time (kernels/layer_runner.h).
+  int threads = 0;
   uint64_t seed = 1;
 };
 
@@ -45,7 +53,7 @@ struct ProfilePoint {
 };
 
 struct Profile {
-  std::string device_name;  // e.g. "cpu Intel(R) Xeon(R) ... x2 threads" or the GPU's name
+  std::string device_name;  // e.g. "cpu Intel(R) Xeon(R) ... (2 threads, ...)" or the GPU's name
   ProfileOptions options;
   std::vector<ProfilePoint> points;
 };
@@ -58,9 +66,8 @@ absl::StatusOr<Profile> RunProfile(
     const ProfileOptions& options,
     const std::function<void(const ProfilePoint&)>& progress = nullptr);
 
-// The profile table, version 1 (planner/profile_table.h):
-//   sparsebalance-profile 1 / device NAME / shape heads=.. head_dim=.. block_size=..
-//   local_blocks=.. / then "length density seconds" rows.
+// The profile table (contract/profile_format.h), with a note on how it was measured and the
+// attention/linear split of every point as comments.
 std::string FormatProfile(const Profile& profile);
 
 }  // namespace kernels

@@ -22,7 +22,9 @@ ABSL_FLAG(int, local_blocks, 1, "key blocks before the diagonal that every query
 ABSL_FLAG(std::string, lengths, "2048,4096,8192", "comma-separated document lengths, tokens");
 ABSL_FLAG(std::string, densities, "1,0.3,0.1", "comma-separated densities, each in (0, 1]");
 ABSL_FLAG(int, repeats, 1, "measurements per grid point; the median is written");
-ABSL_FLAG(int, threads, 0, "CPU threads (0 = all cores)");
+ABSL_FLAG(int, threads, 0,
+          "CPU threads (0 = all cores); with 1 the times are the thread's CPU time, as "
+          "sb-worker measures, otherwise wall time");
 ABSL_FLAG(std::string, out, "", "write the table to this file (default: standard output)");
 
 namespace sparsebalance {
@@ -55,17 +57,17 @@ int Main(int argc, char** argv) {
       "measure one transformer layer (forward + backward: block selection, block-sparse\n"
       "attention, QKV/output projections and a 4x MLP) on a grid of document lengths and\n"
       "densities on this machine, and write the profile table that sb-planner and sb-sim read\n"
-      "(their --profile flag; format in planner/profile_table.h). The planner scales the\n"
+      "(their --profile flag; format in contract/profile_format.h). The planner scales the\n"
       "figures to the model's shape, so a small --heads keeps CPU runs short.\n\n"
       "  sb-profile --device=cpu --heads=2 --lengths=1024,2048,4096 --out=cpu.profile\n"
       "  sb-profile --device=cuda --heads=32 --lengths=8192,32768,131072 --repeats=3 \\\n"
       "             --out=h100.profile");
   ProfileOptions options;
   options.device = absl::GetFlag(FLAGS_device);
-  options.heads = absl::GetFlag(FLAGS_heads);
-  options.head_dim = absl::GetFlag(FLAGS_head_dim);
-  options.block_size = absl::GetFlag(FLAGS_block_size);
-  options.local_blocks = absl::GetFlag(FLAGS_local_blocks);
+  options.shape.heads = absl::GetFlag(FLAGS_heads);
+  options.shape.head_dim = absl::GetFlag(FLAGS_head_dim);
+  options.shape.block_size = absl::GetFlag(FLAGS_block_size);
+  options.shape.local_blocks = absl::GetFlag(FLAGS_local_blocks);
   options.repeats = absl::GetFlag(FLAGS_repeats);
   options.threads = absl::GetFlag(FLAGS_threads);
   absl::StatusOr<std::vector<int64_t>> lengths =

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "planner/block_math.h"
+#include "contract/block_geometry.h"
 
 namespace sparsebalance {
 namespace {

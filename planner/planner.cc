@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "contract/step_figures.h"
 #include "planner/recall_model.h"
 #include "planner/sparsity_tuner.h"
 
@@ -233,25 +234,18 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     }
   }
   for (int i : assignment.deferred) plan.deferred_ids.push_back(batch[i].id);
-  double sum = 0.0;
-  for (const RankPlan& rank : plan.ranks) {
-    plan.makespan_seconds = std::max(plan.makespan_seconds, rank.predicted_seconds);
-    sum += rank.predicted_seconds;
-  }
-  const double n = static_cast<double>(plan.ranks.size());
-  double inverse_speed = 0.0;
-  double min_speed = 0.0;
+  std::vector<double> rank_seconds;
+  std::vector<double> speed_factors;
   for (int r = 0; r < static_cast<int>(plan.ranks.size()); ++r) {
-    inverse_speed += 1.0 / model.speed_factor(r);
-    min_speed = r == 0 ? model.speed_factor(r) : std::min(min_speed, model.speed_factor(r));
+    plan.makespan_seconds = std::max(plan.makespan_seconds, plan.ranks[r].predicted_seconds);
+    rank_seconds.push_back(plan.ranks[r].predicted_seconds);
+    speed_factors.push_back(model.speed_factor(r));
   }
-  plan.lower_bound_seconds =
-      std::max(inverse_speed > 0 ? total_raw / inverse_speed : 0.0, largest_sample * min_speed);
+  plan.lower_bound_seconds = MakespanLowerBound(total_raw, largest_sample, speed_factors);
   plan.gap =
       plan.lower_bound_seconds > 0 ? plan.makespan_seconds / plan.lower_bound_seconds - 1.0 : 0.0;
-  const double mean = n > 0 ? sum / n : 0.0;
-  plan.imbalance_ratio = mean > 0 ? plan.makespan_seconds / mean : 1.0;
-  plan.bubble_ratio = plan.makespan_seconds > 0 ? 1.0 - mean / plan.makespan_seconds : 0.0;
+  plan.imbalance_ratio = ImbalanceRatio(rank_seconds);
+  plan.bubble_ratio = BubbleRatio(rank_seconds);
   plan.mean_density = tokens > 0 ? weighted_density / tokens : 0.0;
   plan.predicted_recall = tokens > 0 ? weighted_recall / tokens : 0.0;
   return plan;

@@ -1,19 +1,7 @@
-// Measured kernel times on a grid of length x density for one device: the latency model's
-// prior. `sb-profile` (kernels/) writes it; `sb-planner` and `sb-sim` read it.
+// The latency model's prior from a profile table (contract/profile_format.h: the format,
+// written by sb-profile): FitProfile turns measured one-layer times into cost coefficients.
 //
-// File format (text, version 1; '#' starts a comment, blank lines are skipped):
-//
-//   sparsebalance-profile 1
-//   device NVIDIA H100 80GB HBM3
-//   shape heads=32 head_dim=128 block_size=64 local_blocks=1
-//   # length(tokens)  density  seconds(one layer, forward+backward, attention + linear part)
-//   8192    1.0   0.0123
-//   8192    0.3   0.0071
-//   ...
-//
-// Every data row is one document of `length` tokens run through one transformer layer
-// (forward and backward) with block-sparse attention at `density`. At least three rows with
-// at least two distinct lengths are needed to fit the model.
+//   absl::StatusOr<CostCoefficients> c = FitProfile(*ParseProfileTable(text), shape);
 #ifndef SPARSEBALANCE_PLANNER_PROFILE_TABLE_H_
 #define SPARSEBALANCE_PLANNER_PROFILE_TABLE_H_
 
@@ -22,25 +10,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
+#include "contract/profile_format.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
-
-struct ProfileRow {
-  int64_t length = 0;    // tokens
-  double density = 0.0;  // (0, 1]
-  double seconds = 0.0;  // one layer, forward + backward
-};
-
-struct ProfileTable {
-  std::string device;
-  ModelShape shape;  // `layers` is unused: rows are per layer
-  std::vector<ProfileRow> rows;
-};
-
-absl::StatusOr<ProfileTable> ParseProfileTable(absl::string_view text);
-std::string FormatProfileTable(const ProfileTable& table);
 
 // Coefficients of the latency model (DESIGN.md section 4) for a whole model step of one
 // micro-batch: t = sum_s [per_block * A(L_s, rho_s) + per_token * L_s + per_sample * docs_s]

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "contract/step_figures.h"
 #include "planner/recall_model.h"
 
 namespace sparsebalance {
@@ -686,15 +687,13 @@ void Placer::ImproveMaxRank() {
   // Nothing beats the lower bound: max(total / sum(1/h), largest unit on the fastest rank).
   double total = 0.0;
   double largest = 0.0;
-  double inverse_speed = 0.0;
-  double min_speed = ranks_[0].speed;
+  std::vector<double> speeds;
   for (const Unit& unit : units_) largest = std::max(largest, unit.cost);
   for (const RankState& rank : ranks_) {
     total += rank.load;
-    inverse_speed += 1.0 / rank.speed;
-    min_speed = std::min(min_speed, rank.speed);
+    speeds.push_back(rank.speed);
   }
-  const double bound = std::max(total / inverse_speed, largest * min_speed);
+  const double bound = MakespanLowerBound(total, largest, speeds);
   const int limit = 4 * config_.ranks + 64;
   // Only this search reads the most loaded rank: each move below changes hi and lo alone.
   most_loaded_.Reset(config_.ranks);

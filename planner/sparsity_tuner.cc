@@ -5,7 +5,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "planner/block_math.h"
+#include "contract/block_geometry.h"
+#include "contract/step_figures.h"
 #include "planner/det_math.h"
 #include "planner/recall_model.h"
 
@@ -504,14 +505,6 @@ double Tuner::Recall(const std::vector<double>& densities) const {
     }
   }
   return tokens > 0 ? weighted / tokens : 0.0;
-}
-
-double Quantile(std::vector<double> values, double q) {
-  std::sort(values.begin(), values.end());
-  const double pos = q * static_cast<double>(values.size() - 1);
-  const size_t i = static_cast<size_t>(pos);
-  if (i + 1 >= values.size()) return values.back();
-  return values[i] + (pos - static_cast<double>(i)) * (values[i + 1] - values[i]);
 }
 
 }  // namespace

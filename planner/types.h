@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "contract/layer_shape.h"
 
 namespace sparsebalance {
 
@@ -26,15 +27,6 @@ struct Sample {
   // Document lengths (tokens) inside a pre-packed sample; they sum to `length`. Empty means
   // one document. Attention never crosses documents, so cost is computed per segment.
   std::vector<int64_t> segments;
-};
-
-// The attention shape that the cost model and the kernels share.
-struct ModelShape {
-  int layers = 32;
-  int heads = 32;
-  int head_dim = 128;
-  int block_size = 64;   // tokens per attention block (64 or 128)
-  int local_blocks = 1;  // key blocks before the diagonal that are always kept
 };
 
 // How documents are placed on ranks and whether densities are tuned (DESIGN.md section 5).
@@ -79,8 +71,8 @@ struct PlannerConfig {
 // job yet small enough that every integer the planner computes from accepted values provably
 // fits in int64 (and every index in int), whatever a client sends. With B >= 1 the block
 // size, L <= kMaxMicroBatchCapacity = 2^30 a document's tokens, rows = ceil(L / B) <= 2^30:
-//  - active blocks of one document: <= rows (rows + 1) / 2 < 2^59 (block_math.h; its
-//    FloorSum terms stay below 2^59 too, as its comment shows);
+//  - active blocks of one document: <= rows (rows + 1) / 2 < 2^59 (contract/block_geometry.h;
+//    its FloorSum terms stay below 2^59 too, as its comment shows);
 //  - KeptBlocks' q * n: q <= kDensityQuantum = 2^16, n <= 2^30, so < 2^46; the anchors'
 //    (local_blocks + 2) * 2^16 <= (2^24 + 2) * 2^16 < 2^41;
 //  - ranks x micro_batches x capacity <= kMaxPlanSlots x 2^30 = 2^50 tokens;
@@ -100,15 +92,7 @@ inline constexpr int kMaxPlanSlots = 1 << 20;
 // Samples per batch: the placer indexes samples with int; 2^24 keeps a batch's token total
 // below 2^54 and sits well above the service's own per-request limit (WireLimits).
 inline constexpr int kMaxBatchSamples = 1 << 24;
-// Transformer layers, attention heads and elements per head: 4096 each (2^12), an order of
-// magnitude above the largest models (~128 layers, 128 heads, head_dim 256), and with
-// B <= 128 keeps one block's dense work B^2 x head_dim x heads x layers <= 2^50.
-inline constexpr int kMaxLayers = 4096;
-inline constexpr int kMaxHeads = 4096;
-inline constexpr int kMaxHeadDim = 4096;
-// Key blocks before the diagonal that are always kept: 2^24 blocks of >= 64 tokens cover the
-// longest document a micro-batch can hold (2^30 tokens); a wider window changes nothing.
-inline constexpr int kMaxLocalBlocks = 1 << 24;
+// kMaxLayers, kMaxHeads, kMaxHeadDim and kMaxLocalBlocks bound ModelShape: contract/layer_shape.h.
 
 // Validates every field; the message names the field, the limit it crossed and what to do.
 absl::Status ValidateConfig(const PlannerConfig& config);

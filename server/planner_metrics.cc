@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "contract/step_figures.h"
 
 namespace sparsebalance {
 namespace {
@@ -224,12 +225,9 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
   absl::MutexLock lock(&mu_);
   JobSeries& series = Series(job_id);
   const double slowest = *std::max_element(stats.rank_seconds.begin(), stats.rank_seconds.end());
-  double sum = 0.0;
-  for (double t : stats.rank_seconds) sum += t;
-  const double mean = sum / static_cast<double>(stats.rank_seconds.size());
   series.makespan->Set(slowest);
-  series.imbalance->Set(mean > 0 ? slowest / mean : 1.0);
-  series.bubble->Set(slowest > 0 ? 1.0 - mean / slowest : 0.0);
+  series.imbalance->Set(ImbalanceRatio(stats.rank_seconds));
+  series.bubble->Set(BubbleRatio(stats.rank_seconds));
   for (size_t r = 0; r < stats.rank_seconds.size(); ++r) {
     const double measured = stats.rank_seconds[r];
     if (measured > 0) {

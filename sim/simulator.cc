@@ -9,7 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "planner/block_math.h"
+#include "contract/block_geometry.h"
+#include "contract/step_figures.h"
 #include "planner/latency_model.h"
 #include "planner/planner.h"
 #include "planner/random.h"
@@ -20,13 +21,6 @@ namespace {
 
 // Multiplicative noise is clamped so that a measured time stays positive.
 constexpr double kMinNoiseFactor = 0.5;
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // What one policy accumulates over the run.
 struct PolicyRun {
@@ -201,12 +195,9 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
         }
       }
       const double step_seconds = *std::max_element(compute.begin(), compute.end());
-      double sum = 0.0;
-      for (double c : compute) sum += c;
-      const double mean = sum / o.ranks;
       run.result.step_seconds.push_back(step_seconds);
-      run.imbalance.push_back(mean > 0 ? step_seconds / mean : 1.0);
-      run.bubble.push_back(step_seconds > 0 ? 1.0 - mean / step_seconds : 0.0);
+      run.imbalance.push_back(ImbalanceRatio(compute));
+      run.bubble.push_back(BubbleRatio(compute));
       run.gaps.push_back(plan->gap);
       if (step >= std::min(o.warmup_steps, o.steps - 1)) {
         for (int r = 0; r < o.ranks; ++r) {
@@ -258,8 +249,8 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
     r.bubble_ratio = mean_of(run.bubble);
     r.mean_density = run.tokens > 0 ? run.weighted_density / run.tokens : 0.0;
     r.mean_recall = run.tokens > 0 ? run.weighted_recall / run.tokens : 0.0;
-    r.median_gap = Median(run.gaps);
-    r.median_prediction_error = Median(run.errors);
+    r.median_gap = Quantile(run.gaps, 0.5);
+    r.median_prediction_error = Quantile(run.errors, 0.5);
     r.mean_plan_seconds = run.plan_seconds / o.steps;
     r.learned_speed_factors = run.model.speed_factors();
     if (run.policy == Policy::kSequential) sequential_mean = r.mean_step_seconds;

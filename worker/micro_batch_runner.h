@@ -1,12 +1,9 @@
 // Runs one planned micro-batch the way a training step would, on the CPU reference kernels or
-// the CUDA kernels, and measures it. Per layer, as sb-profile defines a layer (so that the
-// profile table predicts what workers measure): block selection at each document's planned
-// density, block-sparse attention forward and backward over the varlen batch, and the linear
-// part (QKV and output projections, a 4x MLP: forward, input and weight gradients) as GEMMs.
-//
-// Timing: on CPU the thread CPU time of the compute (CLOCK_THREAD_CPUTIME_ID; the kernels run
-// single-threaded on the calling thread), so that ranks sharing a few cores are measured by
-// their own work, not by the scheduler; on GPU CUDA events around the kernels.
+// the CUDA kernels, and measures it: every layer is kernels::LayerRunner's layer (the one that
+// sb-profile measures, so that the profile table predicts what workers measure), run on the
+// micro-batch's documents as one varlen batch, with inputs made from the documents' ids
+// (worker/synthetic_inputs.h). Timing is the layer runner's: thread CPU time on CPU (the
+// kernels run single-threaded on the calling thread), CUDA events on GPU.
 //
 //   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
 //       MicroBatchRunner::Create("cpu", shape, /*exact_recall=*/false);
@@ -20,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/layer_runner.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
@@ -32,6 +30,9 @@ struct MicroBatchResult {
   int64_t causal_blocks = 0;      // all causal pairs, all heads, one layer
   double achieved_density = 0.0;  // token-weighted share of causal key blocks kept
   double recall = 0.0;            // token-weighted attention recall (exact or estimated)
+  // The same figures per document (one layer), in the order Run was given them: what a
+  // sample made of several documents adds up.
+  std::vector<kernels::DocumentMeasurement> documents;
 };
 
 class MicroBatchRunner {

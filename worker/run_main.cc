@@ -134,8 +134,8 @@ int Main(int argc, char** argv) {
   std::string profile = absl::GetFlag(FLAGS_profile);
   if (profile == "auto") {
     profile = out_dir + "/cpu.profile";
-    // sb-profile times by the wall clock, so a busy machine (other processes on the cores)
-    // can give a table whose fit is degenerate, which the planner rejects: measure again.
+    // A noisy table (other processes on the cores still perturb one thread's CPU time through
+    // caches) can give a degenerate fit, which the planner rejects: measure again.
     constexpr int kProfileAttempts = 3;
     absl::Status fit;
     for (int attempt = 1; attempt <= kProfileAttempts; ++attempt) {

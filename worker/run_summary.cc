@@ -5,9 +5,11 @@
 #include <fstream>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "contract/step_figures.h"
 #include "nlohmann/json.hpp"
 
 namespace sparsebalance {
@@ -114,11 +116,12 @@ absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::strin
     if (static_cast<int>(rows.size()) != ranks) continue;  // an incomplete step
     std::sort(rows.begin(), rows.end(),
               [](const StepLine& a, const StepLine& b) { return a.rank < b.rank; });
-    double max = 0, sum = 0;
+    double max = 0;
+    std::vector<double> rank_seconds;
     bool local = false;
     for (const StepLine& r : rows) {
       max = std::max(max, r.compute_seconds);
-      sum += r.compute_seconds;
+      rank_seconds.push_back(r.compute_seconds);
       density_tokens += r.density * r.tokens;
       recall_tokens += r.recall * r.tokens;
       tokens += r.tokens;
@@ -128,10 +131,9 @@ absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::strin
         ++error_count;
       }
     }
-    const double mean = sum / ranks;
     run.mean_step_seconds += max;
-    run.imbalance += mean > 0 ? max / mean : 1.0;
-    run.bubble_ratio += max > 0 ? (ranks * max - sum) / (ranks * max) : 0.0;
+    run.imbalance += ImbalanceRatio(rank_seconds);
+    run.bubble_ratio += BubbleRatio(rank_seconds);
     run.local_plan_steps += local ? 1 : 0;
     run.steps[step] = rows;
   }

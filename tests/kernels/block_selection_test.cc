@@ -5,10 +5,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "contract/block_geometry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/block_count.h"
-#include "planner/block_math.h"
 #include "reference.h"
 
 namespace sparsebalance {

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "contract/block_geometry.h"
 #include "gtest/gtest.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/bf16.h"
-#include "kernels/block_count.h"
 #include "kernels/block_selection.h"
 #include "reference.h"
 

@@ -5,10 +5,12 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <vector>
 
+#include "contract/block_geometry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/block_math.h"
 #include "planner/profile_table.h"
 
 namespace sparsebalance {
@@ -16,6 +18,11 @@ namespace kernels {
 namespace {
 
 using ::testing::HasSubstr;
+
+// What a profile table records of the shape: heads, head_dim, block_size, local_blocks.
+std::tuple<int, int, int, int> AttentionShape(const ModelShape& s) {
+  return {s.heads, s.head_dim, s.block_size, s.local_blocks};
+}
 
 // Runs a command; returns its exit status and standard output.
 int RunCommand(const std::string& command, std::string* output) {
@@ -28,25 +35,52 @@ int RunCommand(const std::string& command, std::string* output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-TEST(LayerProfilerTest, FormattedProfileIsWhatThePlannerParses) {
+TEST(LayerProfilerTest, FormattedProfileRoundTripsThroughTheTableReader) {
   Profile profile;
-  profile.device_name = "Test Device 9000";
-  profile.options.heads = 8;
-  profile.options.head_dim = 64;
-  profile.options.block_size = 128;
-  profile.options.local_blocks = 2;
+  profile.device_name = "Test Device\n9000";
+  profile.options.shape.heads = 8;
+  profile.options.shape.head_dim = 64;
+  profile.options.shape.block_size = 128;
+  profile.options.shape.local_blocks = 2;
+  profile.options.repeats = 3;
   profile.points = {{1024, 1.0, 0.5, 0.4, 0.1, 36}, {2048, 0.25, 0.75, 0.5, 0.25, 60}};
-  absl::StatusOr<ProfileTable> table = ParseProfileTable(FormatProfile(profile));
-  ASSERT_TRUE(table.ok()) << table.status();
+  const std::string text = FormatProfile(profile);
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(text);
+  ASSERT_TRUE(table.ok()) << table.status() << "\n" << text;
   EXPECT_EQ(table->device, "Test Device 9000");
-  EXPECT_EQ(table->shape.heads, 8);
-  EXPECT_EQ(table->shape.head_dim, 64);
-  EXPECT_EQ(table->shape.block_size, 128);
-  EXPECT_EQ(table->shape.local_blocks, 2);
-  ASSERT_EQ(table->rows.size(), 2u);
-  EXPECT_EQ(table->rows[1].length, 2048);
-  EXPECT_EQ(table->rows[1].density, 0.25);
-  EXPECT_EQ(table->rows[1].seconds, 0.75);
+  EXPECT_EQ(AttentionShape(table->shape), AttentionShape(profile.options.shape));
+  std::vector<std::tuple<int64_t, double, double>> rows, points;
+  for (const ProfileRow& r : table->rows) rows.emplace_back(r.length, r.density, r.seconds);
+  for (const ProfilePoint& p : profile.points) points.emplace_back(p.length, p.density, p.seconds);
+  EXPECT_EQ(rows, points);
+  // The split and the way it was measured are comments for people.
+  EXPECT_THAT(text, HasSubstr("\n# written by sb-profile: median of 3 run(s);"));
+  EXPECT_THAT(text, HasSubstr("\n#   2048 0.25 0.5 0.25 60\n"));
+}
+
+TEST(LayerProfilerTest, PointsCountTheContractsBlocksAndAddUp) {
+  ProfileOptions options;
+  options.shape.heads = 2;
+  options.shape.head_dim = 64;
+  options.shape.block_size = 64;
+  options.shape.local_blocks = 1;
+  options.lengths = {300, 640};
+  options.densities = {1.0, 0.25};
+  options.threads = 1;
+  int seen = 0;
+  absl::StatusOr<Profile> profile = RunProfile(options, [&seen](const ProfilePoint&) { ++seen; });
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  EXPECT_THAT(profile->device_name, HasSubstr("(1 thread, fp32 reference)"));
+  ASSERT_EQ(profile->points.size(), 4u);
+  EXPECT_EQ(seen, 4);
+  for (const ProfilePoint& p : profile->points) {
+    EXPECT_EQ(p.active_blocks, 2 * ActiveBlocks(p.length, p.density, 64, 1)) << p.length;
+    EXPECT_GT(p.attention_seconds, 0.0);
+    EXPECT_GT(p.linear_seconds, 0.0);
+    EXPECT_DOUBLE_EQ(p.seconds, p.attention_seconds + p.linear_seconds);
+  }
+  EXPECT_EQ(profile->points[2].length, 640);
+  EXPECT_EQ(profile->points[2].density, 1.0);
 }
 
 TEST(LayerProfilerTest, SbProfileOnTheCpuWritesATableThePlannerFits) {
@@ -64,10 +98,7 @@ TEST(LayerProfilerTest, SbProfileOnTheCpuWritesATableThePlannerFits) {
   absl::StatusOr<ProfileTable> table = ParseProfileTable(text.str());
   ASSERT_TRUE(table.ok()) << table.status() << "\n" << text.str();
   EXPECT_THAT(table->device, HasSubstr("cpu"));
-  EXPECT_EQ(table->shape.heads, 1);
-  EXPECT_EQ(table->shape.head_dim, 64);
-  EXPECT_EQ(table->shape.block_size, 64);
-  EXPECT_EQ(table->shape.local_blocks, 1);
+  EXPECT_EQ(AttentionShape(table->shape), std::make_tuple(1, 64, 64, 1));
   ASSERT_EQ(table->rows.size(), 6u);
   EXPECT_EQ(table->rows[0].length, 512);
   EXPECT_EQ(table->rows[5].density, 0.2);

@@ -11,9 +11,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "contract/block_geometry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/block_math.h"
 #include "planner/random.h"
 
 namespace sparsebalance {

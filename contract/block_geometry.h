@@ -1,5 +1,6 @@
-// Block counting for causal block-sparse attention (DESIGN.md section 4), shared by the cost
-// model and, later, the kernels, so that the planner predicts exactly the blocks they run.
+// Block geometry and the kept-block rule of causal block-sparse attention (DESIGN.md section 4):
+// the one definition that the planner's cost model (planner/) and the block selection of the
+// kernels (kernels/) both use, so that the planner predicts exactly the blocks the kernels run.
 //
 // Densities are quantized to multiples of 1/kDensityQuantum before use so that the number of
 // key blocks kept for query block i, k_i = clamp(ceil(rho * (i+1)), anchors_i, i+1), is exact
@@ -8,12 +9,12 @@
 //
 //   int64_t a = ActiveBlocks(/*length=*/32768, /*density=*/0.3, /*block_size=*/64,
 //                            /*local_blocks=*/1);
-#ifndef SPARSEBALANCE_PLANNER_BLOCK_MATH_H_
-#define SPARSEBALANCE_PLANNER_BLOCK_MATH_H_
+#ifndef SPARSEBALANCE_CONTRACT_BLOCK_GEOMETRY_H_
+#define SPARSEBALANCE_CONTRACT_BLOCK_GEOMETRY_H_
 
 #include <cstdint>
 
-#include "planner/types.h"
+#include "contract/layer_shape.h"
 
 namespace sparsebalance {
 
@@ -64,4 +65,4 @@ int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b);
 
 }  // namespace sparsebalance
 
-#endif  // SPARSEBALANCE_PLANNER_BLOCK_MATH_H_
+#endif  // SPARSEBALANCE_CONTRACT_BLOCK_GEOMETRY_H_

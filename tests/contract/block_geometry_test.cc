@@ -1,4 +1,4 @@
-#include "planner/block_math.h"
+#include "contract/block_geometry.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "planner/random.h"
+#include "planner/types.h"  // kMaxMicroBatchCapacity, the longest document a plan holds
 
 namespace sparsebalance {
 namespace {

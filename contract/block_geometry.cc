@@ -1,4 +1,4 @@
-#include "planner/block_math.h"
+#include "contract/block_geometry.h"
 
 #include <algorithm>
 #include <cmath>
