@@ -182,9 +182,13 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
   out.predicted_seconds = response.plan().predicted_seconds();
   out.predicted_makespan_seconds = response.plan().figures().makespan_seconds();
   out.local_fallback = response.plan().planned_locally();
-  for (const v1::MicroBatch& m : response.plan().micro_batches()) {
-    out.micro_batches.push_back(MicroBatchFromProto(m));
+  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
+      MicroBatchesFromProto(response.plan());
+  if (!micro_batches.ok()) {
+    return absl::InternalError(absl::StrCat("GetRankPlan: the planner's plan of step ", step,
+                                            " is malformed: ", micro_batches.status().message()));
   }
+  out.micro_batches = *std::move(micro_batches);
   return out;
 }
 
@@ -262,8 +266,15 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
   }
   absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
   if (!plan.ok() && IsUnreachable(plan.status())) return LocalPlan(step, batch);
-  if (plan.ok()) last_planner_step_ = std::max(last_planner_step_, step);
-  if (plan.ok() && plan->local_fallback) {
+  if (!plan.ok()) return plan;
+  // An older planner's plan has ids and densities only: its lengths and segments come from the
+  // batch (and a newer one's must agree with it).
+  if (absl::Status s = CompletePlannedSamples(batch, &plan->micro_batches); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("the planner's plan of step ", step,
+                                                      " does not fit the batch: ", s.message()));
+  }
+  last_planner_step_ = std::max(last_planner_step_, step);
+  if (plan->local_fallback) {
     local_steps_.push_back(step);  // the step was switched to the local plan: report it so
     while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
   }

@@ -96,7 +96,10 @@ class PlannerClient {
   // `planned_locally`: the trainer ran this step on its local fallback plan (see the proto).
   absl::StatusOr<std::vector<uint64_t>> SubmitBatch(int64_t step, const std::vector<Sample>& batch,
                                                     bool planned_locally = false);
-  // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part.
+  // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part. A
+  // planner older than PlannedSample sends no lengths: they are 0 until CompletePlannedSamples
+  // (planner.h) fills them from the batch, as TrainerSession::Plan does. INTERNAL for a plan
+  // that fails MicroBatchFromProto's checks.
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank);
   // Returns true when the planner had this (step, rank) already.
   absl::StatusOr<bool> ReportStep(int64_t step, int rank,
@@ -120,7 +123,9 @@ class TrainerSession {
   // This rank's plan for `step`: the coordinator submits `batch` (every rank passes the same
   // global batch), every rank gets its part. If the planner cannot be reached (UNAVAILABLE or
   // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
-  // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed.
+  // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed;
+  // FAILED_PRECONDITION when the planner's plan names a sample that `batch` lacks or differs
+  // from. Every planned sample carries its length and segments.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
   // The locally computed plan of `step` (what every falling-back rank uses). Remembers that this
   // rank ran `step` locally (its report says so; the coordinator resubmits the batch later).

@@ -30,8 +30,10 @@ absl::StatusOr<LatencyModel> ModelFromProto(const state::v1::ModelState& in,
                                             const PlannerConfig& config);
 // Every value of a learned state finite (speed factors positive): what a fold must keep.
 bool StateFinite(const LatencyModelState& state);
-// The plan a step record holds (not checked: ValidateStoredPlan).
-StepPlan StepPlanFromProto(const state::v1::StepRecord& in);
+// The plan a step record holds, its micro-batches read as MicroBatchFromProto reads them
+// (INVALID_ARGUMENT naming `ranks[r].micro_batches[m]...`); not checked against the batch:
+// ValidateStoredPlan.
+absl::StatusOr<StepPlan> StepPlanFromProto(const state::v1::StepRecord& in);
 
 // Checks one rank's report of a step against the step's plan: micro-batch indices, each
 // reported once, tokens as planned, times finite and bounded, density and recall in [0, 1];
@@ -40,11 +42,13 @@ StepPlan StepPlanFromProto(const state::v1::StepRecord& in);
 absl::Status ValidateReport(const StepPlan& plan, int rank,
                             const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
                             bool complete);
-// Checks a plan read back from the state directory against its batch and config: rank and
-// micro-batch counts, every sample placed at most once and present in the batch, densities
-// in (0, 1], tokens as summed, figures finite. DATA_LOSS naming what is wrong.
-absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>& batch,
-                                const PlannerConfig& config);
+// Joins a plan read back from the state directory to its batch and checks it against the
+// batch and config. A plan stored by an older planner has no lengths: they and the segments
+// are filled from the batch (CompletePlannedSamples); a newer plan's must equal the batch's.
+// Then: rank and micro-batch counts, every sample placed at most once, densities in (0, 1],
+// tokens as summed, figures finite. DATA_LOSS naming what is wrong.
+absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                StepPlan* plan);
 
 }  // namespace sparsebalance
 
