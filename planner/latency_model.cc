@@ -27,6 +27,25 @@ double Median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Features of one sample of `length` tokens (documents: `segments`, or one) at `density`.
+MicroBatchFeatures Features(const ModelShape& shape, int64_t length,
+                            const std::vector<int64_t>& segments, double density) {
+  MicroBatchFeatures f;
+  f.tokens = static_cast<double>(length);
+  if (segments.empty()) {
+    f.active_blocks =
+        static_cast<double>(ActiveBlocks(length, density, shape.block_size, shape.local_blocks));
+    f.documents = 1.0;
+  } else {
+    for (int64_t segment : segments) {
+      f.active_blocks +=
+          static_cast<double>(ActiveBlocks(segment, density, shape.block_size, shape.local_blocks));
+    }
+    f.documents = static_cast<double>(segments.size());
+  }
+  return f;
+}
+
 }  // namespace
 
 LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoefficients& prior,
@@ -59,29 +78,6 @@ CostCoefficients LatencyModel::coefficients() const {
   return {scale_[0] * state_.weights[0], scale_[1] * state_.weights[1],
           scale_[2] * state_.weights[2], scale_[3] * state_.weights[3]};
 }
-
-namespace {
-
-// Features of one sample of `length` tokens (documents: `segments`, or one) at `density`.
-MicroBatchFeatures Features(const ModelShape& shape, int64_t length,
-                            const std::vector<int64_t>& segments, double density) {
-  MicroBatchFeatures f;
-  f.tokens = static_cast<double>(length);
-  if (segments.empty()) {
-    f.active_blocks =
-        static_cast<double>(ActiveBlocks(length, density, shape.block_size, shape.local_blocks));
-    f.documents = 1.0;
-  } else {
-    for (int64_t segment : segments) {
-      f.active_blocks +=
-          static_cast<double>(ActiveBlocks(segment, density, shape.block_size, shape.local_blocks));
-    }
-    f.documents = static_cast<double>(segments.size());
-  }
-  return f;
-}
-
-}  // namespace
 
 MicroBatchFeatures LatencyModel::SampleFeatures(const Sample& sample, double density) const {
   return Features(shape_, sample.length, sample.segments, density);

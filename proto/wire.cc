@@ -16,6 +16,20 @@ absl::Status ConfigError(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("config.", field, ": ", what));
 }
 
+// A density of a plan: finite and in (0, 1].
+bool PlanDensity(double density) { return density > 0.0 && density <= 1.0; }
+
+// `field` names the list, e.g. "samples[3].layer_densities".
+absl::Status CheckLayerDensities(const std::vector<double>& densities, absl::string_view field) {
+  for (size_t l = 0; l < densities.size(); ++l) {
+    if (!PlanDensity(densities[l])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", l, "]: ", densities[l], " is outside (0, 1]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireLimits& limits) {
@@ -311,24 +325,6 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
   *out.mutable_figures() = FiguresToProto(plan);
   out.set_planned_locally(plan.planned_locally);
 }
-
-namespace {
-
-// A density of a plan: finite and in (0, 1].
-bool PlanDensity(double density) { return density > 0.0 && density <= 1.0; }
-
-// `field` names the list, e.g. "samples[3].layer_densities".
-absl::Status CheckLayerDensities(const std::vector<double>& densities, absl::string_view field) {
-  for (size_t l = 0; l < densities.size(); ++l) {
-    if (!PlanDensity(densities[l])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", l, "]: ", densities[l], " is outside (0, 1]"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& m) {
   MicroBatchPlan mb;
