@@ -320,7 +320,7 @@ v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
   request.set_wait_seconds(0.01);
   for (int m = 0; m < plan.micro_batches_size(); ++m) {
     const v1::MicroBatch& mb = plan.micro_batches(m);
-    if (mb.sample_ids_size() == 0) continue;
+    if (mb.samples_size() == 0) continue;
     v1::MicroBatchReport* r = request.add_micro_batches();
     r->set_micro_batch(m);
     r->set_compute_seconds(std::max(1e-3, mb.predicted_seconds() * 1.05));

@@ -180,9 +180,13 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
   out.predicted_seconds = response.plan().predicted_seconds();
   out.predicted_makespan_seconds = response.plan().figures().makespan_seconds();
   out.local_fallback = response.plan().planned_locally();
-  for (const v1::MicroBatch& m : response.plan().micro_batches()) {
-    out.micro_batches.push_back(MicroBatchFromProto(m));
+  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
+      MicroBatchesFromProto(response.plan());
+  if (!micro_batches.ok()) {
+    return absl::InternalError(absl::StrCat("GetRankPlan: the planner's plan of step ", step,
+                                            " is malformed: ", micro_batches.status().message()));
   }
+  out.micro_batches = *std::move(micro_batches);
   return out;
 }
 

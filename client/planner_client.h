@@ -82,7 +82,10 @@ class PlannerClient {
   // `planned_locally`: the trainer ran this step on its local fallback plan (see the proto).
   absl::StatusOr<std::vector<uint64_t>> SubmitBatch(int64_t step, const std::vector<Sample>& batch,
                                                     bool planned_locally = false);
-  // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part.
+  // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part. A
+  // planner older than PlannedSample sends no lengths: they are 0 until CompletePlannedSamples
+  // (planner.h) fills them from the batch, as TrainerSession::Plan does. INTERNAL for a plan
+  // that fails MicroBatchFromProto's checks.
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank);
   // Returns true when the planner had this (step, rank) already.
   absl::StatusOr<bool> ReportStep(int64_t step, int rank,

@@ -64,8 +64,15 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
   }
   absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
   if (!plan.ok() && IsUnreachable(plan.status())) return LocalPlan(step, batch);
-  if (plan.ok()) last_planner_step_ = std::max(last_planner_step_, step);
-  if (plan.ok() && plan->local_fallback) {
+  if (!plan.ok()) return plan;
+  // An older planner's plan has ids and densities only: its lengths and segments come from the
+  // batch (and a newer one's must agree with it).
+  if (absl::Status s = CompletePlannedSamples(batch, &plan->micro_batches); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("the planner's plan of step ", step,
+                                                      " does not fit the batch: ", s.message()));
+  }
+  last_planner_step_ = std::max(last_planner_step_, step);
+  if (plan->local_fallback) {
     local_steps_.push_back(step);  // the step was switched to the local plan: report it so
     while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
   }

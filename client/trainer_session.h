@@ -38,7 +38,9 @@ class TrainerSession {
   // This rank's plan for `step`: the coordinator submits `batch` (every rank passes the same
   // global batch), every rank gets its part. If the planner cannot be reached (UNAVAILABLE or
   // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
-  // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed.
+  // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed;
+  // FAILED_PRECONDITION when the planner's plan names a sample that `batch` lacks or differs
+  // from. Every planned sample carries its length and segments.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
   // The locally computed plan of `step` (what every falling-back rank uses). Remembers that this
   // rank ran `step` locally (its report says so; the coordinator resubmits the batch later).

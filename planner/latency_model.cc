@@ -27,6 +27,25 @@ double Median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Features of one sample of `length` tokens (documents: `segments`, or one) at `density`.
+MicroBatchFeatures Features(const ModelShape& shape, int64_t length,
+                            const std::vector<int64_t>& segments, double density) {
+  MicroBatchFeatures f;
+  f.tokens = static_cast<double>(length);
+  if (segments.empty()) {
+    f.active_blocks =
+        static_cast<double>(ActiveBlocks(length, density, shape.block_size, shape.local_blocks));
+    f.documents = 1.0;
+  } else {
+    for (int64_t segment : segments) {
+      f.active_blocks +=
+          static_cast<double>(ActiveBlocks(segment, density, shape.block_size, shape.local_blocks));
+    }
+    f.documents = static_cast<double>(segments.size());
+  }
+  return f;
+}
+
 }  // namespace
 
 LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoefficients& prior,
@@ -61,20 +80,18 @@ CostCoefficients LatencyModel::coefficients() const {
 }
 
 MicroBatchFeatures LatencyModel::SampleFeatures(const Sample& sample, double density) const {
-  MicroBatchFeatures f;
-  f.tokens = static_cast<double>(sample.length);
-  if (sample.segments.empty()) {
-    f.active_blocks = static_cast<double>(
-        ActiveBlocks(sample.length, density, shape_.block_size, shape_.local_blocks));
-    f.documents = 1.0;
-  } else {
-    for (int64_t segment : sample.segments) {
-      f.active_blocks += static_cast<double>(
-          ActiveBlocks(segment, density, shape_.block_size, shape_.local_blocks));
-    }
-    f.documents = static_cast<double>(sample.segments.size());
+  return Features(shape_, sample.length, sample.segments, density);
+}
+
+MicroBatchFeatures LatencyModel::PlanFeatures(const MicroBatchPlan& micro_batch) const {
+  MicroBatchFeatures sum;
+  for (const PlannedSample& p : micro_batch.samples) {
+    const MicroBatchFeatures f = Features(shape_, p.length, p.segments, p.density);
+    sum.active_blocks += f.active_blocks;
+    sum.tokens += f.tokens;
+    sum.documents += f.documents;
   }
-  return f;
+  return sum;
 }
 
 std::array<double, 4> LatencyModel::Scaled(const MicroBatchFeatures& f) const {

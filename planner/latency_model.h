@@ -83,6 +83,8 @@ class LatencyModel {
 
   // Features of one sample at `density` (its documents at the same density).
   MicroBatchFeatures SampleFeatures(const Sample& sample, double density) const;
+  // Features of a planned micro-batch: its samples (their documents) at their densities.
+  MicroBatchFeatures PlanFeatures(const MicroBatchPlan& micro_batch) const;
   // Seconds of one sample at `density` without the speed factor and micro-batch overhead.
   double SampleSeconds(const Sample& sample, double density) const;
   // Seconds of a micro-batch without the speed factor (0 for an empty one).

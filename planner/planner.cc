@@ -8,9 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "contract/step_figures.h"
 #include "planner/recall_model.h"
 #include "planner/sparsity_tuner.h"
@@ -42,6 +44,66 @@ double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<d
 absl::StatusOr<ValidConfig> ValidConfig::Check(const PlannerConfig& config) {
   if (absl::Status status = ValidateConfig(config); !status.ok()) return status;
   return ValidConfig(config);
+}
+
+absl::Status ValidateSegments(int64_t length, const std::vector<int64_t>& segments,
+                              absl::string_view where) {
+  // Each segment is checked against what is left of the length before it is added, so the
+  // running sum never exceeds the length and cannot wrap.
+  int64_t sum = 0;
+  for (size_t k = 0; k < segments.size(); ++k) {
+    const int64_t segment = segments[k];
+    auto error = [&](const auto&... what) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".segments[", k, "]: ", what...));
+    };
+    if (segment < 1) return error(segment, " tokens; need at least 1");
+    if (segment > length) {
+      return error(segment, " tokens is above the sample's length ", length,
+                   "; each segment must be in [1, length]");
+    }
+    if (segment > length - sum) {
+      return error("segments[0..", k, "] sum to more than the sample's length ", length,
+                   "; they must sum to the length");
+    }
+    sum += segment;
+  }
+  if (!segments.empty() && sum != length) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".segments: sum to ", sum, " tokens but length is ", length));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CompletePlannedSamples(const std::vector<Sample>& batch,
+                                    std::vector<MicroBatchPlan>* micro_batches) {
+  absl::flat_hash_map<uint64_t, const Sample*> by_id;
+  by_id.reserve(batch.size());
+  for (const Sample& s : batch) by_id.emplace(s.id, &s);
+  for (size_t m = 0; m < micro_batches->size(); ++m) {
+    std::vector<PlannedSample>& samples = (*micro_batches)[m].samples;
+    for (size_t k = 0; k < samples.size(); ++k) {
+      PlannedSample& p = samples[k];
+      auto error = [&](absl::string_view field, const auto&... what) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("micro_batches[", m, "].samples[", k, "].", field, ": ", what...));
+      };
+      auto it = by_id.find(p.id);
+      if (it == by_id.end()) return error("id", p.id, " is not in the batch");
+      const Sample& s = *it->second;
+      if (p.length == 0) {  // an older planner's plan: ids and densities only
+        p.length = s.length;
+        p.segments = s.segments;
+      } else if (p.length != s.length) {
+        return error("length", p.length, " tokens but the batch's sample id ", s.id, " has ",
+                     s.length);
+      } else if (p.segments != s.segments) {
+        return error("segments", "[", absl::StrJoin(p.segments, ","),
+                     "] but the batch's sample id ", s.id, " has [", absl::StrJoin(s.segments, ","),
+                     "]");
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config) {
@@ -87,32 +149,10 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
     if (!(s.sensitivity >= 0.0 && s.sensitivity <= 1.0)) {
       return SampleError(i, "sensitivity", absl::StrCat(s.sensitivity, " is outside [0, 1]"));
     }
-    if (!s.segments.empty()) {
-      // Each segment is checked against what is left of the length before it is added, so
-      // the running sum never exceeds the length and cannot wrap.
-      int64_t sum = 0;
-      for (size_t k = 0; k < s.segments.size(); ++k) {
-        const int64_t segment = s.segments[k];
-        if (segment < 1) {
-          return SampleError(i, absl::StrCat("segments[", k, "]"),
-                             absl::StrCat(segment, " tokens; need at least 1"));
-        }
-        if (segment > s.length) {
-          return SampleError(i, absl::StrCat("segments[", k, "]"),
-                             absl::StrCat(segment, " tokens is above the sample's length ",
-                                          s.length, "; each segment must be in [1, length]"));
-        }
-        if (segment > s.length - sum) {
-          return SampleError(i, absl::StrCat("segments[", k, "]"),
-                             absl::StrCat("segments[0..", k, "] sum to more than the sample's ",
-                                          "length ", s.length, "; they must sum to the length"));
-        }
-        sum += segment;
-      }
-      if (sum != s.length) {
-        return SampleError(i, "segments",
-                           absl::StrCat("sum to ", sum, " tokens but length is ", s.length));
-      }
+    if (absl::Status status =
+            ValidateSegments(s.length, s.segments, absl::StrCat("samples[", i, "]"));
+        !status.ok()) {
+      return status;
     }
     total += s.length;
   }
@@ -207,13 +247,15 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     for (const std::vector<int>& members : assignment.ranks[r]) {
       MicroBatchPlan mb;
       mb.default_density = config.density_default;
-      mb.sample_ids.reserve(members.size());
-      mb.densities.reserve(members.size());
+      mb.samples.reserve(members.size());
       MicroBatchFeatures features;
       for (int i : members) {
         const Sample& s = batch[i];
-        mb.sample_ids.push_back(s.id);
-        mb.densities.push_back(densities[i]);
+        PlannedSample& planned = mb.samples.emplace_back();
+        planned.id = s.id;
+        planned.length = s.length;
+        planned.density = densities[i];
+        planned.segments = s.segments;
         mb.tokens += s.length;
         const MicroBatchFeatures f = model.SampleFeatures(s, densities[i]);
         features.active_blocks += f.active_blocks;
@@ -271,21 +313,23 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
     }
     for (size_t m = 0; m < rank.micro_batches.size(); ++m) {
       const MicroBatchPlan& mb = rank.micro_batches[m];
-      if (mb.sample_ids.size() != mb.densities.size()) {
-        return fail("rank ", r, " micro-batch ", m, " has ", mb.sample_ids.size(), " ids but ",
-                    mb.densities.size(), " densities");
-      }
       int64_t tokens = 0;
-      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
-        auto it = index_of.find(mb.sample_ids[k]);
+      for (size_t k = 0; k < mb.samples.size(); ++k) {
+        const PlannedSample& p = mb.samples[k];
+        auto it = index_of.find(p.id);
         if (it == index_of.end()) {
-          return fail("rank ", r, " micro-batch ", m, " holds id ", mb.sample_ids[k],
+          return fail("rank ", r, " micro-batch ", m, " holds id ", p.id,
                       " that is not in the batch");
         }
         const Sample& s = batch[it->second];
         ++seen[it->second];
-        tokens += s.length;
-        const double rho = mb.densities[k];
+        if (p.length != s.length || p.segments != s.segments) {
+          return fail("sample id ", s.id, " is planned with ", p.length, " tokens in ",
+                      p.segments.size(), " segments; the batch has ", s.length, " in ",
+                      s.segments.size());
+        }
+        tokens += p.length;
+        const double rho = p.density;
         const double floor = DensityFloor(s.sensitivity, config);
         if (!(rho >= floor - kDensitySlack && rho <= config.density_max + kDensitySlack)) {
           return fail("sample id ", s.id, " has density ", rho, " outside [floor ", floor,
@@ -328,8 +372,11 @@ std::string CanonicalPlanText(const StepPlan& plan) {
       absl::StrAppend(
           &out, " mb",
           absl::StrFormat(" %d %a %a:", mb.tokens, mb.predicted_seconds, mb.default_density));
-      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
-        absl::StrAppend(&out, absl::StrFormat(" %d@%a", mb.sample_ids[k], mb.densities[k]));
+      for (const PlannedSample& p : mb.samples) {
+        absl::StrAppend(&out, absl::StrFormat(" %d:%d", p.id, p.length));
+        if (!p.segments.empty()) absl::StrAppend(&out, "[", absl::StrJoin(p.segments, ","), "]");
+        absl::StrAppend(&out, absl::StrFormat("@%a", p.density));
+        for (double d : p.layer_densities) absl::StrAppend(&out, absl::StrFormat("/%a", d));
       }
       out += "\n";
     }

@@ -9,10 +9,12 @@
 #ifndef SPARSEBALANCE_PLANNER_PLANNER_H_
 #define SPARSEBALANCE_PLANNER_PLANNER_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "planner/latency_model.h"
 #include "planner/sample_assigner.h"
 #include "planner/types.h"
@@ -44,6 +46,21 @@ class ValidConfig {
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config);
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& config);
 
+// The segment rule ValidateBatch applies to each sample, also applied to planned samples read
+// from the wire: empty, or each segment in [1, length] and all summing to `length` (checked
+// as it runs, so no sum wraps). INVALID_ARGUMENT naming `<where>.segments[k]`, or
+// `<where>.segments` for the sum.
+absl::Status ValidateSegments(int64_t length, const std::vector<int64_t>& segments,
+                              absl::string_view where);
+
+// Joins planned micro-batches to the batch they were planned from. A planned sample read from
+// an older planner's message has no length (0): it gets the batch sample's length and
+// segments. Every other one must match its batch sample. INVALID_ARGUMENT naming
+// `micro_batches[m].samples[k].<field>` for an id not in the batch or a length or segments
+// that differ from the batch's.
+absl::Status CompletePlannedSamples(const std::vector<Sample>& batch,
+                                    std::vector<MicroBatchPlan>* micro_batches);
+
 // The plan a trainer computes without the planner (the client's offline fallback): PlanStep
 // with a latency model at the default cost prior, marked planned_locally. Deterministic, so
 // every rank that falls back, and the planner when told afterwards, computes the same plan.
@@ -65,8 +82,9 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
                    const std::vector<double>& densities);
 
 // Verifies a plan's invariants against its batch: every sample exactly once (placed or
-// deferred), config.micro_batches per rank, micro-batch capacity, groups on one rank,
-// densities in [floor, density_max], token counts; FAILED_PRECONDITION naming what is wrong.
+// deferred) with the batch's length and segments, config.micro_batches per rank, micro-batch
+// capacity, groups on one rank, densities in [floor, density_max], token counts;
+// FAILED_PRECONDITION naming what is wrong.
 absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
                        const PlannerConfig& config);
 
@@ -75,8 +93,8 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
 double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
                            const std::vector<double>& weights = {});
 
-// A canonical text of the plan (every id, density and figure, doubles in hex) for comparing
-// plans byte for byte.
+// A canonical text of the plan (every id, length, segment, density and figure, doubles in hex) for
+// comparing plans byte for byte.
 std::string CanonicalPlanText(const StepPlan& plan);
 
 }  // namespace sparsebalance

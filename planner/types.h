@@ -1,7 +1,8 @@
 // Value types shared by the planner, the service, the client's local fallback and the simulator.
 //
 // A step's global batch is a list of `Sample`s; `PlanStep` (planner.h) turns it into a
-// `StepPlan`: for every rank its micro-batches, the samples in each, and a density per sample.
+// `StepPlan`: for every rank its micro-batches, and in each its `PlannedSample`s (id, length,
+// segments and density: a rank runs its part without looking the ids up in the batch).
 //
 //   PlannerConfig config;  config.ranks = 32;  config.micro_batches = 4;
 //   absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
@@ -97,12 +98,35 @@ inline constexpr int kMaxBatchSamples = 1 << 24;
 // Validates every field; the message names the field, the limit it crossed and what to do.
 absl::Status ValidateConfig(const PlannerConfig& config);
 
+// One sample as the planner placed it: all a rank needs to run it, without the batch.
+struct PlannedSample {
+  uint64_t id = 0;  // the batch sample's id
+  // Tokens, as in the batch. 0 only in a plan read from a message of an older planner (which
+  // sent ids and densities alone) until CompletePlannedSamples (planner.h) fills it.
+  int64_t length = 0;
+  double density = 0.0;  // (0, 1]: share of causal key blocks kept, in every layer by default
+  // Document lengths (tokens) inside a pre-packed sample, as in the batch: they sum to
+  // `length`, and attention never crosses them. Empty means one document of `length`.
+  std::vector<int64_t> segments;
+  // Optional: one density per layer, each in (0, 1]; empty means `density` in every layer.
+  // The planner does not vary densities by layer (yet); trainers that do may fill it.
+  std::vector<double> layer_densities;
+
+  // The documents the kernels run, in order: `segments`, or {length} for one document.
+  std::vector<int64_t> Documents() const {
+    return segments.empty() ? std::vector<int64_t>{length} : segments;
+  }
+  bool operator==(const PlannedSample& o) const {
+    return id == o.id && length == o.length && density == o.density && segments == o.segments &&
+           layer_densities == o.layer_densities;
+  }
+};
+
 struct MicroBatchPlan {
-  std::vector<uint64_t> sample_ids;
-  std::vector<double> densities;  // per sample, same order as sample_ids
-  double default_density = 0.0;   // the job's default density at planning time
-  int64_t tokens = 0;
-  double predicted_seconds = 0.0;  // including the rank's speed factor
+  std::vector<PlannedSample> samples;  // in placement order
+  double default_density = 0.0;        // the job's default density at planning time
+  int64_t tokens = 0;                  // sum of the samples' lengths
+  double predicted_seconds = 0.0;      // including the rank's speed factor
 };
 
 struct RankPlan {

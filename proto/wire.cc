@@ -16,6 +16,20 @@ absl::Status ConfigError(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("config.", field, ": ", what));
 }
 
+// A density of a plan: finite and in (0, 1].
+bool PlanDensity(double density) { return density > 0.0 && density <= 1.0; }
+
+// `field` names the list, e.g. "samples[3].layer_densities".
+absl::Status CheckLayerDensities(const std::vector<double>& densities, absl::string_view field) {
+  for (size_t l = 0; l < densities.size(); ++l) {
+    if (!PlanDensity(densities[l])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", l, "]: ", densities[l], " is outside (0, 1]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireLimits& limits) {
@@ -282,8 +296,25 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
   const RankPlan& r = plan.ranks[rank];
   for (const MicroBatchPlan& mb : r.micro_batches) {
     v1::MicroBatch* m = out.add_micro_batches();
-    m->mutable_sample_ids()->Assign(mb.sample_ids.begin(), mb.sample_ids.end());
-    m->mutable_densities()->Assign(mb.densities.begin(), mb.densities.end());
+    bool layered = false;
+    for (const PlannedSample& p : mb.samples) {
+      v1::PlannedSample* sample = m->add_samples();
+      sample->set_id(p.id);
+      sample->set_length(p.length);
+      sample->set_density(p.density);
+      sample->mutable_segments()->Assign(p.segments.begin(), p.segments.end());
+      sample->mutable_layer_densities()->Assign(p.layer_densities.begin(), p.layer_densities.end());
+      // The old form, for readers older than `samples`.
+      m->add_sample_ids(p.id);
+      m->add_densities(p.density);
+      layered = layered || !p.layer_densities.empty();
+    }
+    if (layered) {
+      for (const PlannedSample& p : mb.samples) {
+        m->add_layer_densities()->mutable_densities()->Assign(p.layer_densities.begin(),
+                                                              p.layer_densities.end());
+      }
+    }
     m->set_default_density(mb.default_density);
     m->set_tokens(mb.tokens);
     m->set_predicted_seconds(mb.predicted_seconds);
@@ -293,14 +324,84 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
   out.set_planned_locally(plan.planned_locally);
 }
 
-MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& m) {
+absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& m) {
   MicroBatchPlan mb;
-  mb.sample_ids.assign(m.sample_ids().begin(), m.sample_ids().end());
-  mb.densities.assign(m.densities().begin(), m.densities().end());
   mb.default_density = m.default_density();
   mb.tokens = m.tokens();
   mb.predicted_seconds = m.predicted_seconds();
+  if (m.samples_size() > 0 || m.sample_ids_size() == 0) {
+    mb.samples.reserve(m.samples_size());
+    for (int k = 0; k < m.samples_size(); ++k) {
+      const v1::PlannedSample& in = m.samples(k);
+      const std::string where = absl::StrCat("samples[", k, "]");
+      if (in.length() < 1 || in.length() > kMaxMicroBatchCapacity) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".length: ", in.length(),
+                                                       " tokens is outside [1, ",
+                                                       kMaxMicroBatchCapacity, "]"));
+      }
+      if (!PlanDensity(in.density())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".density: ", in.density(), " is outside (0, 1]"));
+      }
+      PlannedSample& p = mb.samples.emplace_back();
+      p.id = in.id();
+      p.length = in.length();
+      p.density = in.density();
+      p.segments.assign(in.segments().begin(), in.segments().end());
+      p.layer_densities.assign(in.layer_densities().begin(), in.layer_densities().end());
+      if (absl::Status s = ValidateSegments(p.length, p.segments, where); !s.ok()) return s;
+      if (absl::Status s = CheckLayerDensities(p.layer_densities, where + ".layer_densities");
+          !s.ok()) {
+        return s;
+      }
+    }
+    return mb;
+  }
+  // An older planner's message: ids and densities (and maybe layer densities), no lengths.
+  if (m.densities_size() != m.sample_ids_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("densities: ", m.densities_size(),
+                                                   " values for ", m.sample_ids_size(),
+                                                   " sample_ids; need one per sample"));
+  }
+  if (m.layer_densities_size() != 0 && m.layer_densities_size() != m.sample_ids_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer_densities: ", m.layer_densities_size(),
+                                                   " entries for ", m.sample_ids_size(),
+                                                   " sample_ids; need none or one per sample"));
+  }
+  mb.samples.resize(m.sample_ids_size());
+  for (int k = 0; k < m.sample_ids_size(); ++k) {
+    PlannedSample& p = mb.samples[k];
+    p.id = m.sample_ids(k);
+    p.density = m.densities(k);
+    if (!PlanDensity(p.density)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("densities[", k, "]: ", p.density, " is outside (0, 1]"));
+    }
+    if (m.layer_densities_size() > 0) {
+      const auto& layers = m.layer_densities(k).densities();
+      p.layer_densities.assign(layers.begin(), layers.end());
+      if (absl::Status s = CheckLayerDensities(p.layer_densities,
+                                               absl::StrCat("layer_densities[", k, "].densities"));
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
   return mb;
+}
+
+absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::RankPlan& plan) {
+  std::vector<MicroBatchPlan> out;
+  out.reserve(plan.micro_batches_size());
+  for (int m = 0; m < plan.micro_batches_size(); ++m) {
+    absl::StatusOr<MicroBatchPlan> mb = MicroBatchFromProto(plan.micro_batches(m));
+    if (!mb.ok()) {
+      return absl::Status(mb.status().code(),
+                          absl::StrCat("micro_batches[", m, "].", mb.status().message()));
+    }
+    out.push_back(*std::move(mb));
+  }
+  return out;
 }
 
 namespace {

@@ -5,6 +5,7 @@
 //   absl::StatusOr<PlannerConfig> config = ConfigFromProto(request.config());
 //   absl::StatusOr<std::vector<Sample>> batch = SamplesFromProto(request.samples(), limits);
 //   *response.mutable_plan() = RankPlanToProto(plan, step, rank);
+//   absl::StatusOr<std::vector<MicroBatchPlan>> mine = MicroBatchesFromProto(response.plan());
 #ifndef SPARSEBALANCE_PROTO_WIRE_H_
 #define SPARSEBALANCE_PROTO_WIRE_H_
 
@@ -81,7 +82,15 @@ v1::PlanFigures FiguresToProto(const StepPlan& plan);
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
 // The same into `out` (e.g. a message on an arena, or a response being built).
 void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out);
-MicroBatchPlan MicroBatchFromProto(const v1::MicroBatch& micro_batch);
+// A micro-batch from the wire, checked: `samples` when present; otherwise (an older planner's
+// message) the ids and densities, with length 0 (unknown) for CompletePlannedSamples
+// (planner.h) to fill from the step's batch. Lengths in [1, kMaxMicroBatchCapacity] (or 0 in
+// the old form), segments as ValidateSegments requires, densities and layer densities in
+// (0, 1]. INVALID_ARGUMENT naming `samples[k].<field>` (`densities` or `sample_ids` in the old
+// form).
+absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& micro_batch);
+// Every micro-batch of a rank plan, the same way; messages name `micro_batches[m]` first.
+absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::RankPlan& plan);
 
 // Machine-readable reasons an error can carry (ErrorInfo.reason in planner.proto), as an
 // absl::Status payload on this side and in the gRPC status details on the wire.

@@ -190,7 +190,8 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
       return absl::DataLossError(absl::StrCat(where, s.message()));
     }
     record.batch_fingerprint = BatchFingerprint(record.batch);
-    if (absl::Status s = ValidateStoredPlan(step.plan, record.batch, config); !s.ok()) {
+    // Fills the lengths of a plan stored by an older planner from this batch.
+    if (absl::Status s = ValidateStoredPlan(record.batch, config, &step.plan); !s.ok()) {
       return absl::DataLossError(absl::StrCat(where, s.message()));
     }
     record.plan = std::make_shared<const StepPlan>(std::move(step.plan));
@@ -552,26 +553,13 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
     job.fold_failure = absl::StrCat("step ", step, ": ", why.message()).substr(0, 1024);
     if (options_.on_fold_failure) options_.on_fold_failure(id, step, why);
   };
-  std::map<uint64_t, const Sample*> by_id;
-  for (const Sample& s : record.batch) by_id[s.id] = &s;
   std::vector<Observation> observations;
   for (const auto& [rank, reports] : record.reports) {
     for (const MicroBatchTiming& m : reports) {
-      const MicroBatchPlan& mb = record.plan->ranks[rank].micro_batches[m.micro_batch];
       Observation o;
       o.rank = rank;
       o.micro_batch = m.micro_batch;
-      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
-        auto sample = by_id.find(mb.sample_ids[k]);
-        if (sample == by_id.end()) {  // Restore and PlanStep guarantee it; never trust it
-          return fail(absl::DataLossError(
-              absl::StrCat("the plan names sample id ", mb.sample_ids[k], " not in the batch")));
-        }
-        const MicroBatchFeatures f = job.model.SampleFeatures(*sample->second, mb.densities[k]);
-        o.features.active_blocks += f.active_blocks;
-        o.features.tokens += f.tokens;
-        o.features.documents += f.documents;
-      }
+      o.features = job.model.PlanFeatures(record.plan->ranks[rank].micro_batches[m.micro_batch]);
       o.measured_seconds = m.compute_seconds;
       observations.push_back(o);
     }

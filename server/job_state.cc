@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "planner/planner.h"
 
 namespace sparsebalance {
 namespace {
@@ -52,7 +53,7 @@ absl::Status ValidateReport(const StepPlan& plan, int rank,
           absl::StrCat(where, ".micro_batch: ", m.micro_batch, " is reported twice"));
     }
     seen[m.micro_batch] = true;
-    if (planned[m.micro_batch].sample_ids.empty()) {
+    if (planned[m.micro_batch].samples.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
                                                      " was planned empty; do not report it"));
     }
@@ -81,9 +82,9 @@ absl::Status ValidateReport(const StepPlan& plan, int rank,
   }
   if (complete) {
     for (size_t k = 0; k < planned.size(); ++k) {
-      if (!seen[k] && !planned[k].sample_ids.empty()) {
+      if (!seen[k] && !planned[k].samples.empty()) {
         return absl::InvalidArgumentError(
-            absl::StrCat("micro_batches: rank ", rank, "'s plan has ", planned[k].sample_ids.size(),
+            absl::StrCat("micro_batches: rank ", rank, "'s plan has ", planned[k].samples.size(),
                          " samples in micro-batch ", k,
                          " but the report has no timing for it; report every "
                          "non-empty planned micro-batch once"));
@@ -93,17 +94,17 @@ absl::Status ValidateReport(const StepPlan& plan, int rank,
   return absl::OkStatus();
 }
 
-absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>& batch,
-                                const PlannerConfig& config) {
+absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                StepPlan* plan_ptr) {
+  StepPlan& plan = *plan_ptr;
   if (static_cast<int>(plan.ranks.size()) != config.ranks) {
     return absl::DataLossError(
         absl::StrCat("the plan has ", plan.ranks.size(), " ranks; the job has ", config.ranks));
   }
-  std::map<uint64_t, int64_t> length_of;
-  for (const Sample& s : batch) length_of[s.id] = s.length;
   std::map<uint64_t, bool> placed;
+  for (const Sample& s : batch) placed[s.id] = false;
   for (int r = 0; r < config.ranks; ++r) {
-    const RankPlan& rank = plan.ranks[r];
+    RankPlan& rank = plan.ranks[r];
     if (static_cast<int>(rank.micro_batches.size()) != config.micro_batches) {
       return absl::DataLossError(absl::StrCat("plan rank ", r, " has ", rank.micro_batches.size(),
                                               " micro-batches; the job has ",
@@ -112,30 +113,24 @@ absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>&
     if (!std::isfinite(rank.predicted_seconds)) {
       return absl::DataLossError(absl::StrCat("plan rank ", r, ": predicted_seconds not finite"));
     }
+    // Every planned sample is in the batch with its length and segments from here on.
+    if (absl::Status s = CompletePlannedSamples(batch, &rank.micro_batches); !s.ok()) {
+      return absl::DataLossError(absl::StrCat("plan rank ", r, ": ", s.message()));
+    }
     for (size_t k = 0; k < rank.micro_batches.size(); ++k) {
       const MicroBatchPlan& mb = rank.micro_batches[k];
       const std::string where = absl::StrCat("plan rank ", r, " micro-batch ", k);
-      if (mb.densities.size() != mb.sample_ids.size()) {
-        return absl::DataLossError(absl::StrCat(where, ": ", mb.sample_ids.size(), " samples but ",
-                                                mb.densities.size(), " densities"));
-      }
       int64_t tokens = 0;
-      for (size_t i = 0; i < mb.sample_ids.size(); ++i) {
-        auto it = length_of.find(mb.sample_ids[i]);
-        if (it == length_of.end()) {
-          return absl::DataLossError(
-              absl::StrCat(where, ": sample id ", mb.sample_ids[i], " is not in the batch"));
+      for (const PlannedSample& p : mb.samples) {
+        if (placed[p.id]) {
+          return absl::DataLossError(absl::StrCat(where, ": sample id ", p.id, " is placed twice"));
         }
-        if (placed[mb.sample_ids[i]]) {
+        placed[p.id] = true;
+        if (!(p.density > 0.0 && p.density <= 1.0)) {
           return absl::DataLossError(
-              absl::StrCat(where, ": sample id ", mb.sample_ids[i], " is placed twice"));
+              absl::StrCat(where, ": density ", p.density, " is outside (0, 1]"));
         }
-        placed[mb.sample_ids[i]] = true;
-        if (!(mb.densities[i] > 0.0 && mb.densities[i] <= 1.0)) {
-          return absl::DataLossError(
-              absl::StrCat(where, ": density ", mb.densities[i], " is outside (0, 1]"));
-        }
-        tokens += it->second;  // lengths are bounded (ValidateBatch): no overflow
+        tokens += p.length;  // the batch's lengths, which are bounded (ValidateBatch)
       }
       if (tokens != mb.tokens) {
         return absl::DataLossError(
@@ -147,7 +142,8 @@ absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>&
     }
   }
   for (uint64_t id : plan.deferred_ids) {
-    if (length_of.count(id) == 0 || placed[id]) {
+    auto it = placed.find(id);
+    if (it == placed.end() || it->second) {
       return absl::DataLossError(
           absl::StrCat("deferred sample id ", id, " is not in the batch or was also placed"));
     }

@@ -30,11 +30,13 @@ bool StateFinite(const LatencyModelState& state);
 absl::Status ValidateReport(const StepPlan& plan, int rank,
                             const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
                             bool complete);
-// Checks a plan read back from the state directory against its batch and config: rank and
-// micro-batch counts, every sample placed at most once and present in the batch, densities
-// in (0, 1], tokens as summed, figures finite. DATA_LOSS naming what is wrong.
-absl::Status ValidateStoredPlan(const StepPlan& plan, const std::vector<Sample>& batch,
-                                const PlannerConfig& config);
+// Joins a plan read back from the state directory to its batch and checks it against the
+// batch and config. A plan stored by an older planner has no lengths: they and the segments
+// are filled from the batch (CompletePlannedSamples); a newer plan's must equal the batch's.
+// Then: rank and micro-batch counts, every sample placed at most once, densities in (0, 1],
+// tokens as summed, figures finite. DATA_LOSS naming what is wrong.
+absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                StepPlan* plan);
 
 }  // namespace sparsebalance
 

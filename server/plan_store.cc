@@ -699,7 +699,11 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
       return absl::DataLossError(
           absl::StrCat(record_path, " holds step ", record.step(), ", not ", step));
     }
-    LoadedStep loaded = DecodeStep(record);
+    absl::StatusOr<LoadedStep> decoded = DecodeStep(record);
+    if (!decoded.ok()) {
+      return absl::DataLossError(absl::StrCat(record_path, ": ", decoded.status().message()));
+    }
+    LoadedStep loaded = *std::move(decoded);
     if (files.count(absl::StrCat("step-", step, ".reports")) > 0) {
       absl::StatusOr<std::string> log = ReadFile(StepPath(job_dir, step, ".reports"));
       if (!log.ok()) return log.status();

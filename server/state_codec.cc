@@ -120,7 +120,7 @@ void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& 
   out->set_folded(folded);
 }
 
-PlanStore::LoadedStep DecodeStep(const state::v1::StepRecord& in) {
+absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in) {
   PlanStore::LoadedStep out;
   out.step = in.step();
   out.folded = in.folded();
@@ -133,12 +133,14 @@ PlanStore::LoadedStep DecodeStep(const state::v1::StepRecord& in) {
                                {s.segments().begin(), s.segments().end()}});
   }
   StepPlan& plan = out.plan;
-  for (const v1::RankPlan& r : in.ranks()) {
+  for (int r = 0; r < in.ranks_size(); ++r) {
     RankPlan rank;
-    rank.predicted_seconds = r.predicted_seconds();
-    for (const v1::MicroBatch& m : r.micro_batches()) {
-      rank.micro_batches.push_back(MicroBatchFromProto(m));
+    rank.predicted_seconds = in.ranks(r).predicted_seconds();
+    absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches = MicroBatchesFromProto(in.ranks(r));
+    if (!micro_batches.ok()) {
+      return absl::DataLossError(absl::StrCat("ranks[", r, "].", micro_batches.status().message()));
     }
+    rank.micro_batches = *std::move(micro_batches);
     plan.ranks.push_back(std::move(rank));
   }
   if (in.ranks_size() > 0) {

@@ -29,8 +29,10 @@ absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in);
 void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& plan, bool folded,
                 state::v1::StepRecord* out);
 // The step, batch and plan of a record, as stored (not checked against the job: the registry
-// does that with ValidateBatch and ValidateStoredPlan).
-PlanStore::LoadedStep DecodeStep(const state::v1::StepRecord& in);
+// does that with ValidateBatch and ValidateStoredPlan, which also fills the lengths of a plan
+// an older planner stored). DATA_LOSS naming `ranks[r].micro_batches[m]...` for a malformed
+// planned sample.
+absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in);
 
 state::v1::ReportRecord EncodeReport(const StoredReport& report);
 StoredReport DecodeReport(const state::v1::ReportRecord& in);

@@ -14,7 +14,6 @@
 #include "planner/latency_model.h"
 #include "planner/planner.h"
 #include "planner/random.h"
-#include "planner/recall_model.h"
 
 namespace sparsebalance {
 namespace {
@@ -146,7 +145,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       std::vector<Sample> batch = std::move(run.carried);
       run.carried.clear();
       batch.insert(batch.end(), fresh.begin(), fresh.end());
-      std::map<uint64_t, const Sample*> by_id;
+      std::map<uint64_t, const Sample*> by_id;  // to carry deferred samples to the next step
       for (const Sample& s : batch) by_id[s.id] = &s;
 
       const auto start = std::chrono::steady_clock::now();
@@ -167,25 +166,20 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
                          static_cast<uint64_t>(run.policy)));
       std::vector<Observation> observations;
       std::vector<double> compute(o.ranks, 0.0);
+      double placed_tokens = 0.0;
       std::vector<std::vector<double>> timeline(o.ranks);
       for (int r = 0; r < o.ranks; ++r) {
         const RankPlan& rank = plan->ranks[r];
         for (size_t m = 0; m < rank.micro_batches.size(); ++m) {
           const MicroBatchPlan& mb = rank.micro_batches[m];
-          MicroBatchFeatures features;
-          for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
-            const Sample& s = *by_id[mb.sample_ids[k]];
-            const MicroBatchFeatures f = truth.SampleFeatures(s, mb.densities[k]);
-            features.active_blocks += f.active_blocks;
-            features.tokens += f.tokens;
-            features.documents += f.documents;
-            const double w = static_cast<double>(s.length);
-            run.tokens += w;
-            run.weighted_density += w * mb.densities[k];
-            run.weighted_recall += w * PredictedRecall(s.sensitivity, mb.densities[k]);
+          const MicroBatchFeatures features = truth.PlanFeatures(mb);
+          for (const PlannedSample& p : mb.samples) {
+            const double w = static_cast<double>(p.length);
+            placed_tokens += w;
+            run.weighted_density += w * p.density;
           }
           double seconds = 0.0;
-          if (!mb.sample_ids.empty()) {
+          if (!mb.samples.empty()) {
             const double factor = std::max(kMinNoiseFactor, 1.0 + o.noise * noise.Normal());
             seconds = truth.PredictSeconds(r, features) * factor;
             observations.push_back({r, static_cast<int>(m), features, seconds});
@@ -194,6 +188,10 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
           timeline[r].push_back(seconds);
         }
       }
+      // Recall is the planner's recall model (there is no hidden truth for it): the plan's
+      // token-weighted prediction over the samples it placed.
+      run.tokens += placed_tokens;
+      run.weighted_recall += plan->predicted_recall * placed_tokens;
       const double step_seconds = *std::max_element(compute.begin(), compute.end());
       run.result.step_seconds.push_back(step_seconds);
       run.imbalance.push_back(ImbalanceRatio(compute));

@@ -42,16 +42,40 @@ std::string PlanDigest(const std::vector<MicroBatchPlan>& micro_batches) {
       hash *= 1099511628211ULL;
     }
   };
+  auto mix_double = [&mix](double d) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, &d, sizeof bits);
+    mix(bits);
+  };
   for (const MicroBatchPlan& mb : micro_batches) {
-    mix(mb.sample_ids.size());
-    for (uint64_t id : mb.sample_ids) mix(id);
-    for (double d : mb.densities) {
-      uint64_t bits = 0;
-      std::memcpy(&bits, &d, sizeof bits);
-      mix(bits);
+    mix(mb.samples.size());
+    for (const PlannedSample& p : mb.samples) {
+      mix(p.id);
+      mix(static_cast<uint64_t>(p.length));
+      mix(p.segments.size());
+      for (int64_t segment : p.segments) mix(static_cast<uint64_t>(segment));
+      mix_double(p.density);
+      mix(p.layer_densities.size());
+      for (double d : p.layer_densities) mix_double(d);
     }
   }
   return absl::StrFormat("%016x", hash);
+}
+
+MicroBatchDocuments DocumentsOf(const MicroBatchPlan& micro_batch) {
+  MicroBatchDocuments out;
+  for (size_t i = 0; i < micro_batch.samples.size(); ++i) {
+    const PlannedSample& p = micro_batch.samples[i];
+    const std::vector<int64_t> documents = p.Documents();
+    for (size_t d = 0; d < documents.size(); ++d) {
+      // Odd multiplier (2^64 / golden ratio): distinct d give distinct ids for one sample.
+      out.ids.push_back(p.id ^ (static_cast<uint64_t>(d) * 0x9E3779B97F4A7C15ULL));
+      out.lengths.push_back(documents[d]);
+      out.densities.push_back(p.density);
+      out.sample_of.push_back(i);
+    }
+  }
+  return out;
 }
 
 }  // namespace sparsebalance

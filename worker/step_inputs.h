@@ -1,6 +1,10 @@
 // What every rank of a job derives alike without talking: the global batch of a step (from a
-// trace, a seed and the step number, so a restarted rank regenerates any step) and a digest of
-// a rank's plan (to check that a plan served after a planner restart is the one served before).
+// trace, a seed and the step number, so a restarted rank regenerates any step), a digest of a
+// rank's plan (to check that a plan served after a planner restart is the one served before)
+// and the documents a planned micro-batch runs as (packed samples split at their segments).
+//
+//   MicroBatchDocuments docs = DocumentsOf(plan.micro_batches[m]);
+//   runner->Run(docs.ids, docs.lengths, docs.densities);
 #ifndef SPARSEBALANCE_WORKER_STEP_INPUTS_H_
 #define SPARSEBALANCE_WORKER_STEP_INPUTS_H_
 
@@ -25,8 +29,25 @@ struct BatchSpec {
 // would pass the budget. Ids are unique across steps (step * 10^6 + draw index).
 absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t step);
 
-// FNV-1a over the micro-batches' sample ids and densities, as 16 hex digits.
+// FNV-1a over the micro-batches' planned samples (id, length, segments, density), as 16 hex
+// digits.
 std::string PlanDigest(const std::vector<MicroBatchPlan>& micro_batches);
+
+// The documents a planned micro-batch runs as, in order: every segment of a pre-packed sample
+// is a document of its own (a varlen entry, so attention never crosses a boundary), at its
+// sample's density. A sample's tokens, achieved density and recall are the token-weighted sums
+// of its documents', so a runner's token-weighted totals over these documents are the
+// micro-batch's over its samples.
+struct MicroBatchDocuments {
+  // What each document's synthetic inputs are made from (MakeDocument): the sample's id for
+  // its first document, the id mixed with the document's index for the others, so that the
+  // documents of a packed sample differ.
+  std::vector<uint64_t> ids;
+  std::vector<int64_t> lengths;   // tokens
+  std::vector<double> densities;  // the sample's density (layer_densities are not run yet)
+  std::vector<size_t> sample_of;  // index into MicroBatchPlan::samples
+};
+MicroBatchDocuments DocumentsOf(const MicroBatchPlan& micro_batch);
 
 }  // namespace sparsebalance
 

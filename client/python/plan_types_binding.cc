@@ -97,9 +97,21 @@ void BindPlanTypes(py::module_& m) {
           "Raises PlannerError (INVALID_ARGUMENT, naming the field) when a field is invalid.")
       .Done();
 
+  Record<PlannedSample>(m, "PlannedSample",
+                        "One sample of a micro-batch as planned: all a rank needs to run it.")
+      .Field("id", &PlannedSample::id, "the batch sample's id")
+      .Field("length", &PlannedSample::length, "tokens")
+      .Field("density", &PlannedSample::density, "(0, 1]: share of causal key blocks kept")
+      .Field("segments", &PlannedSample::segments,
+             "document lengths inside a pre-packed sample (sum = length); empty: one document")
+      .Field("layer_densities", &PlannedSample::layer_densities,
+             "optional, one per layer; empty: density in every layer")
+      .Def("documents", &PlannedSample::Documents,
+           "The documents the kernels run (tokens each): segments, or [length].")
+      .Done();
+
   Record<MicroBatchPlan>(m, "MicroBatchPlan", "One micro-batch of a rank's step plan.")
-      .Field("sample_ids", &MicroBatchPlan::sample_ids, "documents, in order")
-      .Field("densities", &MicroBatchPlan::densities, "per document, same order as sample_ids")
+      .Field("samples", &MicroBatchPlan::samples, "list of PlannedSample, in placement order")
       .Field("default_density", &MicroBatchPlan::default_density, "the job's default density")
       .Field("tokens", &MicroBatchPlan::tokens, "tokens in the micro-batch")
       .Field("predicted_seconds", &MicroBatchPlan::predicted_seconds,

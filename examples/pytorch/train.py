@@ -52,7 +52,7 @@ except ImportError:  # running from a source checkout with a build tree next to 
                  "(cmake --build build --target sb_python) and set "
                  "PYTHONPATH=build/client/python, or pip install client/python")
 from sparsebalance.data import GlobalBatchSampler  # noqa: E402
-from sparsebalance.ops import AttentionTimer, sparse_attention  # noqa: E402
+from sparsebalance.ops import AttentionTimer, sparse_attention, varlen_layout  # noqa: E402
 
 
 def say(line):
@@ -127,11 +127,12 @@ def document_lengths(args):
     return lengths.clamp(args.min_length, args.capacity).tolist()
 
 
-def make_document(doc_id, length, seed, repeats=4):
+def make_document(doc_id, length, seed, repeats=4, part=0):
     """Filler tokens with the pair KEY <value> planted `repeats` times in the first half (the
     passkey is stated a few times, as passkey prompts do) and QUERY as the last token: the model
-    must answer <value> there, half a document or more away. Returns (tokens, answer token)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + doc_id)
+    must answer <value> there, half a document or more away. `part` numbers the documents of a
+    pre-packed sample (0: the sample's first or only document). Returns (tokens, answer)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + doc_id + part * 7_919)
     tokens = torch.randint(FILLER_START, VOCAB, (length,), generator=g)
     value = VALUE_START + int(torch.randint(NUM_VALUES, (1,), generator=g))
     tokens[0] = BOS
@@ -196,17 +197,20 @@ class RunState:
         self.recalls, self.densities = [], []
 
 
-def pack(doc_ids, lengths, densities, seed, device):
-    """Concatenates documents (varlen); returns tokens, cu_seqlens, answer positions, answers."""
-    parts, answers, cu = [], [], [0]
-    for i, n in zip(doc_ids, lengths):
-        tokens, answer = make_document(i, n, seed)
-        parts.append(tokens)
-        answers.append(answer)
-        cu.append(cu[-1] + n)
+def pack(samples, seed, device):
+    """Concatenates planned samples (sb.PlannedSample: id, length, segments, density) varlen,
+    every document a sequence of its own (a pre-packed sample's segments included); returns
+    tokens, cu_seqlens, answer positions, answers and one density per document."""
+    cu, densities = varlen_layout(samples)
+    parts, answers = [], []
+    for s in samples:
+        for part, n in enumerate(s.documents()):
+            tokens, answer = make_document(s.id, n, seed, part=part)
+            parts.append(tokens)
+            answers.append(answer)
     positions = torch.tensor(cu[1:]) - 1
     return (torch.cat(parts).to(device), cu, positions.to(device),
-            torch.tensor(answers, device=device), list(densities))
+            torch.tensor(answers, device=device), densities)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,15 +370,12 @@ def train_rank(rank, world, args):
                     not plan.local_fallback:
                 plan = session.local_plan(step, samples)
         plan_seconds = time.perf_counter() - step_start
-        length_of = dict(zip(batch.ids, batch.lengths))
 
         timings, loss_sum, correct, docs = [], 0.0, 0, 0
         for m, mb in enumerate(plan.micro_batches):
-            if not mb.sample_ids:
+            if not mb.samples:
                 continue
-            doc_lengths = [length_of[i] for i in mb.sample_ids]
-            tokens, cu, positions, answers, densities = pack(
-                mb.sample_ids, doc_lengths, mb.densities, args.seed, device)
+            tokens, cu, positions, answers, densities = pack(mb.samples, args.seed, device)
             run.reset()
             start = clock()
             logits = model(tokens, cu, densities, run, positions)
@@ -383,10 +384,10 @@ def train_rank(rank, world, args):
             compute = clock() - start
             loss_sum += loss.item()
             correct += int((logits.argmax(-1) == answers).sum())
-            docs += len(mb.sample_ids)
+            docs += len(answers)
             timings.append(sb.MicroBatchTiming(
                 micro_batch=m, compute_seconds=compute,
-                attention_seconds=min(run.timer.seconds, compute), tokens=sum(doc_lengths),
+                attention_seconds=min(run.timer.seconds, compute), tokens=cu[-1],
                 achieved_density=sum(run.densities) / len(run.densities),
                 recall=sum(run.recalls) / len(run.recalls)))
 
@@ -475,7 +476,8 @@ def evaluate(model, args, block_size, ids, lengths, device):
         for start in range(0, len(ids), 8):
             chunk = ids[start:start + 8]
             tokens, cu, positions, answers, dens = pack(
-                chunk, [lengths[i] for i in chunk], [density] * len(chunk), args.seed, device)
+                [sb.PlannedSample(id=i, length=lengths[i], density=density) for i in chunk],
+                args.seed, device)
             run.reset()
             logits = model(tokens, cu, dens, run, positions)
             correct += int((logits.argmax(-1) == answers).sum())

@@ -170,10 +170,8 @@ TEST(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
         }
         const std::vector<MicroBatchPlan>& want = (*truth)->ranks[r].micro_batches;
         for (size_t m = 0; m < want.size(); ++m) {
-          if (plan->micro_batches[m].sample_ids != want[m].sample_ids ||
-              plan->micro_batches[m].densities != want[m].densities) {
-            ++wrong;
-          }
+          // Every planned sample whole: id, length, segments, density.
+          if (plan->micro_batches[m].samples != want[m].samples) ++wrong;
         }
         if (!session.Report(step, Timings(*plan), 0.0).ok()) ++wrong;
       }
@@ -202,7 +200,7 @@ TEST(TrainerSessionTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
     ASSERT_TRUE(plan.ok()) << plan.status();
     EXPECT_TRUE(plan->local_fallback);
     for (const MicroBatchPlan& mb : plan->micro_batches) {
-      placed.insert(mb.sample_ids.begin(), mb.sample_ids.end());
+      for (const PlannedSample& p : mb.samples) placed.insert(p.id);
     }
     // The same as what any other rank computes for this batch.
     EXPECT_EQ(plan->predicted_makespan_seconds,
@@ -276,7 +274,7 @@ TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) 
       back = step >= 5 && !plan->local_fallback;
       std::vector<uint64_t> ids;
       for (const MicroBatchPlan& mb : plan->micro_batches) {
-        ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+        for (const PlannedSample& p : mb.samples) ids.push_back(p.id);
       }
       ran[step].push_back(ids);
       absl::Status reported = sessions[r]->Report(step, Timings(*plan), 0.0);
@@ -300,7 +298,7 @@ TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) 
     EXPECT_TRUE(recorded->local_fallback);
     std::vector<uint64_t> ids;
     for (const MicroBatchPlan& mb : recorded->micro_batches) {
-      ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+      for (const PlannedSample& p : mb.samples) ids.push_back(p.id);
     }
     EXPECT_EQ(ids, ran[3][r]);
   }
@@ -317,6 +315,45 @@ TEST(TrainerSessionTest, ABadBatchIsAnErrorNotAFallback) {
   absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(plan.status().message().find("samples[1].id"), absl::string_view::npos);
+}
+
+TEST(PlannerClientTest, PlansCarryEachSamplesLengthAndSegments) {
+  // One job of two ranks; the coordinator submits a batch with packed samples.
+  Planner planner;
+  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
+  absl::StatusOr<JobHandle> job = admin->CreateJob("packed", Config(2));
+  ASSERT_TRUE(job.ok());
+  std::vector<Sample> batch = Batch(9, 2);
+  for (size_t i = 0; i < batch.size(); ++i) {  // three in four packed
+    if (i % 4 != 3 && batch[i].length >= 3) batch[i].segments = {2, batch[i].length - 2};
+  }
+  std::map<uint64_t, const Sample*> by_id;
+  for (const Sample& s : batch) by_id[s.id] = &s;
+  std::unique_ptr<PlannerClient> client = Connect(planner.port(), job->job_id, job->token);
+  TrainerSession coordinator(client.get(), 0, true, Config(2));
+  TrainerSession other(client.get(), 1, false, Config(2));
+  size_t placed = 0;
+  for (TrainerSession* session : {&coordinator, &other}) {
+    absl::StatusOr<RankStepPlan> plan = session->Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_FALSE(plan->local_fallback);
+    for (const MicroBatchPlan& mb : plan->micro_batches) {
+      for (const PlannedSample& p : mb.samples) {
+        ASSERT_EQ(by_id.count(p.id), 1u);
+        EXPECT_EQ(p.length, by_id[p.id]->length);
+        EXPECT_EQ(p.segments, by_id[p.id]->segments);
+        ++placed;
+      }
+    }
+  }
+  EXPECT_EQ(placed, batch.size());
+  // A rank whose batch is not the one planned learns it instead of running other samples.
+  TrainerSession stray(client.get(), 1, false, Config(2));
+  std::vector<Sample> other_batch = batch;
+  for (Sample& s : other_batch) s.segments.clear();
+  absl::StatusOr<RankStepPlan> plan = stray.Plan(0, other_batch);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
+  EXPECT_NE(plan.status().message().find("segments"), absl::string_view::npos);
 }
 
 }  // namespace

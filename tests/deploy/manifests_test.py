@@ -377,7 +377,7 @@ def main():
           "deploy/k8s/prometheusrule.yaml differs from rules.yml: run "
           "`python3 tests/deploy/manifests_test.py --write-prometheusrule`")
     with open(f"{ROOT}/server/planner_metrics.cc") as f:
-        defined = set(re.findall(r'\.Name\("(sparsebalance_\w+)"\)', f.read()))
+        defined = set(re.findall(r'"(sparsebalance_\w+)"', f.read()))
     with open(f"{DEPLOY}/grafana/dashboards/sparsebalance.json") as f:
         dashboard = json.load(f)
     exprs = [("rules.yml " + r["alert"], r["expr"]) for g in rules["groups"] for r in g["rules"]]

@@ -63,7 +63,7 @@ std::string Report(const PlannerConfig& config, const std::vector<Sample>& batch
   const RankPlan& r = plan->ranks[rank];
   for (int m = 0; m < static_cast<int>(r.micro_batches.size()); ++m) {
     const MicroBatchPlan& mb = r.micro_batches[m];
-    if (mb.sample_ids.empty()) continue;
+    if (mb.samples.empty()) continue;
     MicroBatchTiming t;
     t.micro_batch = m;
     t.compute_seconds = seconds_scale * (mb.predicted_seconds > 0 ? mb.predicted_seconds : 1.0);

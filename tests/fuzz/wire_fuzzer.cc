@@ -1,7 +1,9 @@
-// libFuzzer target for request validation: arbitrary bytes as a SubmitBatchRequest and as a
-// CreateJobRequest's config. Validation must never crash; what it accepts must plan into a
-// plan that passes CheckPlan. Built by scripts/test.sh with clang (-fsanitize=fuzzer,address)
-// and run briefly; `FUZZ_SECONDS=600 bash scripts/fuzz.sh` runs it longer.
+// libFuzzer target for request validation: arbitrary bytes as a SubmitBatchRequest, as a
+// CreateJobRequest's config and as a RankPlan (what a client reads). Validation must never
+// crash; an accepted batch must plan into a plan that passes CheckPlan, and an accepted plan
+// holds only planned samples that obey the planner's rules. Built by scripts/test.sh with clang
+// (-fsanitize=fuzzer,address) and run briefly; `FUZZ_SECONDS=600 bash scripts/fuzz.sh` runs it
+// longer.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -51,11 +53,33 @@ void CheckConfig(const uint8_t* data, size_t size) {
   if (!settings.ok() && settings.status().message().empty()) std::abort();
 }
 
+void CheckRankPlan(const uint8_t* data, size_t size) {
+  v1::RankPlan plan;
+  if (!plan.ParseFromArray(data, static_cast<int>(size))) return;
+  absl::StatusOr<std::vector<MicroBatchPlan>> read = MicroBatchesFromProto(plan);
+  if (!read.ok()) {
+    if (read.status().message().empty()) std::abort();
+    return;
+  }
+  for (const MicroBatchPlan& mb : *read) {
+    for (const PlannedSample& p : mb.samples) {
+      // Length 0 only in the old form (no `samples`), to be filled from the batch.
+      if (p.length < 0 || p.length > kMaxMicroBatchCapacity) std::abort();
+      if (!(p.density > 0.0 && p.density <= 1.0)) std::abort();
+      if (p.length > 0 && !ValidateSegments(p.length, p.segments, "sample").ok()) std::abort();
+      for (double d : p.layer_densities) {
+        if (!(d > 0.0 && d <= 1.0)) std::abort();
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparsebalance
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   sparsebalance::CheckRequest(data, size);
   sparsebalance::CheckConfig(data, size);
+  sparsebalance::CheckRankPlan(data, size);
   return 0;
 }

@@ -59,14 +59,17 @@ void ExpectValidPlan(const StepPlan& plan, const std::vector<Sample>& batch,
     ASSERT_EQ(static_cast<int>(rank.micro_batches.size()), config.micro_batches);
     double rank_seconds = 0.0;
     for (const MicroBatchPlan& mb : rank.micro_batches) {
-      ASSERT_EQ(mb.sample_ids.size(), mb.densities.size());
       int64_t tokens = 0;
-      for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
-        ASSERT_TRUE(by_id.count(mb.sample_ids[k])) << "unknown id " << mb.sample_ids[k];
-        const Sample& s = *by_id[mb.sample_ids[k]];
+      for (const PlannedSample& p : mb.samples) {
+        ASSERT_TRUE(by_id.count(p.id)) << "unknown id " << p.id;
+        const Sample& s = *by_id[p.id];
         ++seen[s.id];
-        tokens += s.length;
-        const double rho = mb.densities[k];
+        // The plan is self-sufficient: each planned sample carries its batch sample's shape.
+        ASSERT_EQ(p.length, s.length) << "id " << s.id;
+        ASSERT_EQ(p.segments, s.segments) << "id " << s.id;
+        ASSERT_TRUE(p.layer_densities.empty()) << "id " << s.id;
+        tokens += p.length;
+        const double rho = p.density;
         // 1e-12: DensityFloor(1) can round an ulp above density_max (sparsity_tuner_test).
         ASSERT_GE(rho, DensityFloor(s.sensitivity, config) - 1e-12) << "id " << s.id;
         ASSERT_LE(rho, config.density_max) << "id " << s.id;
@@ -175,8 +178,8 @@ TEST(PlanStepTest, CanonicalTextSeesEveryDensity) {
   StepPlan changed = *plan;
   for (RankPlan& rank : changed.ranks) {
     for (MicroBatchPlan& mb : rank.micro_batches) {
-      if (mb.densities.empty()) continue;
-      mb.densities.back() = std::nextafter(mb.densities.back(), 2.0);
+      if (mb.samples.empty()) continue;
+      mb.samples.back().density = std::nextafter(mb.samples.back().density, 2.0);
       EXPECT_NE(CanonicalPlanText(changed), CanonicalPlanText(*plan));
       return;
     }
@@ -424,7 +427,7 @@ TEST(CheckPlanTest, CatchesBrokenPlans) {
   auto first_nonempty = [](StepPlan* p) -> MicroBatchPlan* {
     for (RankPlan& rank : p->ranks) {
       for (MicroBatchPlan& mb : rank.micro_batches) {
-        if (!mb.sample_ids.empty()) return &mb;
+        if (!mb.samples.empty()) return &mb;
       }
     }
     return nullptr;
@@ -432,12 +435,12 @@ TEST(CheckPlanTest, CatchesBrokenPlans) {
   {
     StepPlan broken = *plan;
     MicroBatchPlan* mb = first_nonempty(&broken);
-    broken.deferred_ids.push_back(mb->sample_ids.front());  // placed and deferred
+    broken.deferred_ids.push_back(mb->samples.front().id);  // placed and deferred
     EXPECT_EQ(CheckPlan(broken, batch, config).code(), absl::StatusCode::kFailedPrecondition);
   }
   {
     StepPlan broken = *plan;
-    first_nonempty(&broken)->densities.front() = config.density_max + 0.01;
+    first_nonempty(&broken)->samples.front().density = config.density_max + 0.01;
     EXPECT_THAT(std::string(CheckPlan(broken, batch, config).message()), HasSubstr("density"));
   }
   {
@@ -448,10 +451,85 @@ TEST(CheckPlanTest, CatchesBrokenPlans) {
   {
     StepPlan broken = *plan;
     MicroBatchPlan* mb = first_nonempty(&broken);
-    mb->sample_ids.pop_back();
-    mb->densities.pop_back();
+    mb->samples.pop_back();
     EXPECT_THAT(std::string(CheckPlan(broken, batch, config).message()), HasSubstr("tokens"));
   }
+  {
+    StepPlan broken = *plan;
+    MicroBatchPlan* mb = first_nonempty(&broken);
+    mb->samples.front().length += 1;
+    mb->tokens += 1;
+    EXPECT_THAT(std::string(CheckPlan(broken, batch, config).message()),
+                AllOf(HasSubstr("planned with 1001 tokens"), HasSubstr("the batch has 1000")));
+  }
+  {
+    StepPlan broken = *plan;
+    first_nonempty(&broken)->samples.front().segments = {500, 500};
+    EXPECT_THAT(std::string(CheckPlan(broken, batch, config).message()),
+                HasSubstr("in 2 segments; the batch has 1000 in 0"));
+  }
+}
+
+TEST(PlanStepTest, PackedSamplesArePlannedWithTheirSegments) {
+  // Every sample pre-packed, for every policy: each planned sample carries its batch sample's
+  // length and segments, and its documents are the segments.
+  PlannerConfig config;
+  config.ranks = 3;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 8192;
+  std::vector<Sample> batch = UniformBatch(12, 3000);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].segments = {1000 + static_cast<int64_t>(i), 1500, 500 - static_cast<int64_t>(i)};
+  }
+  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+    ASSERT_TRUE(plan.ok()) << PolicyName(policy) << ": " << plan.status();
+    ExpectValidPlan(*plan, batch, config, std::string(PolicyName(policy)));
+    for (const RankPlan& rank : plan->ranks) {
+      for (const MicroBatchPlan& mb : rank.micro_batches) {
+        for (const PlannedSample& p : mb.samples) {
+          EXPECT_EQ(p.Documents(), batch[p.id - 100].segments);
+        }
+      }
+    }
+  }
+}
+
+TEST(CompletePlannedSamplesTest, FillsAnOlderPlannersSamplesFromTheBatch) {
+  std::vector<Sample> batch = UniformBatch(3, 1000);
+  batch[1].segments = {600, 400};
+  // As MicroBatchFromProto reads an older planner's message: ids and densities only.
+  std::vector<MicroBatchPlan> plan(2);
+  plan[0].samples = {{101, 0, 0.3, {}, {}}, {100, 0, 0.5, {}, {}}};
+  plan[1].samples = {{102, 0, 0.2, {}, {}}};
+  ASSERT_TRUE(CompletePlannedSamples(batch, &plan).ok());
+  EXPECT_EQ(plan[0].samples[0].length, 1000);
+  EXPECT_EQ(plan[0].samples[0].segments, (std::vector<int64_t>{600, 400}));
+  EXPECT_EQ(plan[0].samples[0].density, 0.3);
+  EXPECT_EQ(plan[0].samples[1].length, 1000);
+  EXPECT_TRUE(plan[0].samples[1].segments.empty());
+  EXPECT_EQ(plan[1].samples[0].length, 1000);
+  // A complete plan is left as it is.
+  const std::vector<MicroBatchPlan> before = plan;
+  ASSERT_TRUE(CompletePlannedSamples(batch, &plan).ok());
+  EXPECT_EQ(plan[0].samples[0].segments, before[0].samples[0].segments);
+}
+
+TEST(CompletePlannedSamplesTest, ErrorsNameTheMicroBatchSampleAndField) {
+  const std::vector<Sample> batch = UniformBatch(2, 1000);
+  std::vector<MicroBatchPlan> plan(2);
+  plan[1].samples = {{100, 1000, 0.3, {}, {}}, {999, 0, 0.3, {}, {}}};
+  EXPECT_THAT(std::string(CompletePlannedSamples(batch, &plan).message()),
+              AllOf(HasSubstr("micro_batches[1].samples[1].id"), HasSubstr("999")));
+  plan[1].samples[1] = {101, 1200, 0.3, {}, {}};
+  EXPECT_THAT(
+      std::string(CompletePlannedSamples(batch, &plan).message()),
+      AllOf(HasSubstr("micro_batches[1].samples[1].length"), HasSubstr("1200"), HasSubstr("1000")));
+  plan[1].samples[1] = {101, 1000, 0.3, {400, 600}, {}};
+  EXPECT_THAT(std::string(CompletePlannedSamples(batch, &plan).message()),
+              AllOf(HasSubstr("micro_batches[1].samples[1].segments"), HasSubstr("[400,600]")));
 }
 
 double Median(std::vector<double> v) {
@@ -682,16 +760,10 @@ TEST(BoundsTest, LargestAllowedValuesPlanAndFoldIn) {
         for (int r = 0; r < config.ranks; ++r) {
           for (int m = 0; m < config.micro_batches; ++m) {
             const MicroBatchPlan& mb = plan->ranks[r].micro_batches[m];
-            if (mb.sample_ids.empty()) continue;
-            MicroBatchFeatures features;
-            for (size_t k = 0; k < mb.sample_ids.size(); ++k) {
-              const Sample& s = batch[mb.sample_ids[k] - 1];
-              const MicroBatchFeatures f = model.SampleFeatures(s, mb.densities[k]);
-              ASSERT_TRUE(std::isfinite(f.active_blocks) && f.active_blocks > 0) << where;
-              features.active_blocks += f.active_blocks;
-              features.tokens += f.tokens;
-              features.documents += f.documents;
-            }
+            if (mb.samples.empty()) continue;
+            const MicroBatchFeatures features = model.PlanFeatures(mb);
+            ASSERT_TRUE(std::isfinite(features.active_blocks) && features.active_blocks > 0)
+                << where;
             observations.push_back({r, m, features, 1.5 * mb.predicted_seconds});
           }
         }

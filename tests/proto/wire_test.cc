@@ -194,17 +194,146 @@ TEST(RankPlanToProtoTest, CarriesTheRanksMicroBatchesAndTheStepFigures) {
     for (int m = 0; m < 2; ++m) {
       const MicroBatchPlan& want = plan->ranks[r].micro_batches[m];
       const v1::MicroBatch& got = p.micro_batches(m);
-      EXPECT_EQ(std::vector<uint64_t>(got.sample_ids().begin(), got.sample_ids().end()),
-                want.sample_ids);
-      EXPECT_EQ(std::vector<double>(got.densities().begin(), got.densities().end()),
-                want.densities);
+      ASSERT_EQ(got.samples_size(), static_cast<int>(want.samples.size()));
+      ASSERT_EQ(got.sample_ids_size(), got.samples_size());  // the old form, for old readers
+      ASSERT_EQ(got.densities_size(), got.samples_size());
+      EXPECT_EQ(got.layer_densities_size(), 0);  // none planned
+      for (int k = 0; k < got.samples_size(); ++k) {
+        const PlannedSample& w = want.samples[k];
+        EXPECT_EQ(got.samples(k).id(), w.id);
+        EXPECT_EQ(got.samples(k).length(), w.length);
+        EXPECT_EQ(got.samples(k).density(), w.density);
+        EXPECT_EQ(got.sample_ids(k), w.id);
+        EXPECT_EQ(got.densities(k), w.density);
+      }
       EXPECT_EQ(got.tokens(), want.tokens);
-      seen += want.sample_ids.size();
+      seen += want.samples.size();
     }
     EXPECT_EQ(p.figures().makespan_seconds(), plan->makespan_seconds);
     EXPECT_EQ(p.figures().predicted_recall(), plan->predicted_recall);
   }
   EXPECT_EQ(seen, batch.size());
+}
+
+// A one-rank plan holding `samples` in its only micro-batch.
+StepPlan OneMicroBatchPlan(std::vector<PlannedSample> samples) {
+  StepPlan plan;
+  MicroBatchPlan& mb = plan.ranks.emplace_back().micro_batches.emplace_back();
+  for (const PlannedSample& p : samples) mb.tokens += p.length;
+  mb.default_density = 0.3;
+  mb.predicted_seconds = 0.25;
+  mb.samples = std::move(samples);
+  return plan;
+}
+
+TEST(MicroBatchFromProtoTest, RoundTripsSegmentsAndLayerDensities) {
+  const StepPlan plan = OneMicroBatchPlan({{7, 3000, 0.25, {1000, 1500, 500}, {0.5, 0.25, 1.0}},
+                                           {9, 64, 1.0, {}, {}},
+                                           {11, 100, 0.1, {99, 1}, {}}});
+  const v1::RankPlan wire = RankPlanToProto(plan, 3, 0);
+  // Old readers still find ids, densities and (one entry per sample) layer densities.
+  const v1::MicroBatch& m = wire.micro_batches(0);
+  EXPECT_EQ(m.sample_ids_size(), 3);
+  EXPECT_EQ(m.densities(2), 0.1);
+  ASSERT_EQ(m.layer_densities_size(), 3);
+  EXPECT_EQ(m.layer_densities(0).densities_size(), 3);
+  EXPECT_EQ(m.layer_densities(1).densities_size(), 0);
+  // Through bytes, as a reader gets it.
+  v1::RankPlan read;
+  ASSERT_TRUE(read.ParseFromString(wire.SerializeAsString()));
+  absl::StatusOr<std::vector<MicroBatchPlan>> got = MicroBatchesFromProto(read);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 1u);
+  const MicroBatchPlan& want = plan.ranks[0].micro_batches[0];
+  const MicroBatchPlan& mb = (*got)[0];
+  ASSERT_EQ(mb.samples.size(), want.samples.size());
+  for (size_t k = 0; k < mb.samples.size(); ++k) {
+    EXPECT_EQ(mb.samples[k].id, want.samples[k].id);
+    EXPECT_EQ(mb.samples[k].length, want.samples[k].length);
+    EXPECT_EQ(mb.samples[k].density, want.samples[k].density);
+    EXPECT_EQ(mb.samples[k].segments, want.samples[k].segments);
+    EXPECT_EQ(mb.samples[k].layer_densities, want.samples[k].layer_densities);
+  }
+  EXPECT_EQ(mb.tokens, want.tokens);
+  EXPECT_EQ(mb.default_density, want.default_density);
+  EXPECT_EQ(mb.predicted_seconds, want.predicted_seconds);
+}
+
+TEST(MicroBatchFromProtoTest, ReadsAnOlderPlannersMessageWithoutLengths) {
+  // What a planner older than PlannedSample wrote: ids, densities, maybe layer densities.
+  v1::MicroBatch m;
+  m.add_sample_ids(5);
+  m.add_densities(0.4);
+  m.add_sample_ids(6);
+  m.add_densities(1.0);
+  m.add_layer_densities()->add_densities(0.5);
+  m.add_layer_densities();
+  m.set_tokens(300);
+  m.set_default_density(0.3);
+  absl::StatusOr<MicroBatchPlan> mb = MicroBatchFromProto(m);
+  ASSERT_TRUE(mb.ok()) << mb.status();
+  ASSERT_EQ(mb->samples.size(), 2u);
+  EXPECT_EQ(mb->samples[0].id, 5u);
+  EXPECT_EQ(mb->samples[0].density, 0.4);
+  EXPECT_EQ(mb->samples[0].length, 0);  // unknown until joined to the batch
+  EXPECT_EQ(mb->samples[0].layer_densities, std::vector<double>{0.5});
+  EXPECT_EQ(mb->samples[1].id, 6u);
+  EXPECT_TRUE(mb->samples[1].layer_densities.empty());
+  EXPECT_EQ(mb->tokens, 300);
+  // The batch fills the lengths and segments in.
+  std::vector<MicroBatchPlan> plan = {*mb};
+  const std::vector<Sample> batch = {{5, 100, 0.0, 0, {60, 40}}, {6, 200, 0.0, 0, {}}};
+  ASSERT_TRUE(CompletePlannedSamples(batch, &plan).ok());
+  EXPECT_EQ(plan[0].samples[0].length, 100);
+  EXPECT_EQ(plan[0].samples[0].segments, (std::vector<int64_t>{60, 40}));
+  EXPECT_EQ(plan[0].samples[1].length, 200);
+  // An empty micro-batch reads as empty in either form.
+  absl::StatusOr<MicroBatchPlan> empty = MicroBatchFromProto(v1::MicroBatch());
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE(empty->samples.empty());
+}
+
+TEST(MicroBatchFromProtoTest, BadPlannedSamplesNameTheMicroBatchSampleAndField) {
+  auto error_of = [](const StepPlan& plan) {
+    absl::StatusOr<std::vector<MicroBatchPlan>> got =
+        MicroBatchesFromProto(RankPlanToProto(plan, 0, 0));
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+    return std::string(got.status().message());
+  };
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {}, {}}, {2, 0, 0.3, {}, {}}})),
+              HasSubstr("micro_batches[0].samples[1].length: 0 tokens"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, -5, 0.3, {}, {}}})),
+              HasSubstr("micro_batches[0].samples[0].length: -5"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.0, {}, {}}})),
+              HasSubstr("micro_batches[0].samples[0].density: 0 is outside (0, 1]"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, std::nan(""), {}, {}}})),
+              HasSubstr("micro_batches[0].samples[0].density"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {4, 0, 6}, {}}})),
+              HasSubstr("micro_batches[0].samples[0].segments[1]: 0 tokens"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {4, 5}, {}}})),
+              HasSubstr("micro_batches[0].samples[0].segments: sum to 9 tokens but length is 10"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {8, 8}, {}}})),
+              HasSubstr("micro_batches[0].samples[0].segments[1]"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {}, {0.5, 1.5}}})),
+              HasSubstr("micro_batches[0].samples[0].layer_densities[1]: 1.5"));
+  // The old form's own checks.
+  v1::RankPlan old;
+  v1::MicroBatch* m = old.add_micro_batches();
+  m->add_sample_ids(1);
+  m->add_sample_ids(2);
+  m->add_densities(0.3);
+  EXPECT_THAT(std::string(MicroBatchesFromProto(old).status().message()),
+              HasSubstr("micro_batches[0].densities: 1 values for 2 sample_ids"));
+  m->add_densities(-1.0);
+  EXPECT_THAT(std::string(MicroBatchesFromProto(old).status().message()),
+              HasSubstr("micro_batches[0].densities[1]: -1"));
+  m->set_densities(1, 0.3);
+  m->add_layer_densities();
+  EXPECT_THAT(std::string(MicroBatchesFromProto(old).status().message()),
+              HasSubstr("micro_batches[0].layer_densities: 1 entries for 2 sample_ids"));
+  m->add_layer_densities()->add_densities(2.0);
+  EXPECT_THAT(std::string(MicroBatchesFromProto(old).status().message()),
+              HasSubstr("micro_batches[0].layer_densities[1].densities[0]: 2"));
 }
 
 TEST(StatusConversionTest, KeepsCodeAndMessageBothWays) {

@@ -28,7 +28,7 @@ def batch_of(lengths, first_id=0):
 
 
 def placed_ids(plans):
-    return sorted(i for p in plans for mb in p.micro_batches for i in mb.sample_ids)
+    return sorted(s.id for p in plans for mb in p.micro_batches for s in mb.samples)
 
 
 def test_plan_types_read_like_dataclasses():
@@ -49,6 +49,10 @@ def test_plan_types_read_like_dataclasses():
         sb.PlannerConfig(policy="fastest")
     assert e.value.code == "INVALID_ARGUMENT"
     assert sb.policies()[-1] == sb.Policy.SPARSEBALANCE
+    p = sb.PlannedSample(id=3, length=100, density=0.5, segments=[60, 40])
+    assert (p.id, p.length, p.density, p.segments, p.layer_densities) == (3, 100, 0.5, [60, 40], [])
+    assert p.documents() == [60, 40] and sb.PlannedSample(length=7).documents() == [7]
+    assert sb.MicroBatchPlan(samples=[p]).samples == [p]
 
 
 def test_round_trip_create_join_submit_plan_report(planner):
@@ -63,6 +67,8 @@ def test_round_trip_create_join_submit_plan_report(planner):
     rank1.join_job(1)
 
     batch = batch_of([3000, 1000, 500, 2500, 800, 1200, 300, 2000])
+    batch[3].segments = [500, 1500, 500]  # a pre-packed sample
+    by_id = {s.id: s for s in batch}
     assert client.submit_batch(0, batch) == []
     plans = [client.get_rank_plan(0, 0), rank1.get_rank_plan(0, 1)]
     assert placed_ids(plans) == [s.id for s in batch]  # every sample exactly once
@@ -70,9 +76,11 @@ def test_round_trip_create_join_submit_plan_report(planner):
         assert (plan.step, plan.rank, plan.local_fallback) == (0, rank, False)
         assert len(plan.micro_batches) == 2
         for mb in plan.micro_batches:
-            assert len(mb.densities) == len(mb.sample_ids)
-            assert all(config.density_min <= d <= config.density_max for d in mb.densities)
-            assert mb.tokens == sum(s.length for s in batch if s.id in mb.sample_ids) <= 4096
+            for s in mb.samples:  # a planned sample carries what the rank needs to run it
+                assert config.density_min <= s.density <= config.density_max
+                assert (s.length, s.segments) == (by_id[s.id].length, by_id[s.id].segments)
+                assert s.documents() == (s.segments or [s.length])
+            assert mb.tokens == sum(s.length for s in mb.samples) <= 4096
     # Resubmitting the same batch is harmless and returns the same answer.
     assert client.submit_batch(0, batch) == []
     assert client.get_rank_plan(0, 0) == plans[0]
@@ -80,7 +88,7 @@ def test_round_trip_create_join_submit_plan_report(planner):
     for rank, (c, plan) in enumerate(zip((client, rank1), plans)):
         timings = [sb.MicroBatchTiming(micro_batch=m, compute_seconds=0.5, attention_seconds=0.2,
                                        tokens=mb.tokens, achieved_density=0.3, recall=0.9)
-                   for m, mb in enumerate(plan.micro_batches) if mb.sample_ids]
+                   for m, mb in enumerate(plan.micro_batches) if mb.samples]
         assert c.report_step(0, rank, timings, wait_seconds=0.1) is False
         assert c.report_step(0, rank, timings, wait_seconds=0.1) is True  # a repeat
 
@@ -94,7 +102,7 @@ def test_round_trip_create_join_submit_plan_report(planner):
     assert not any(p.local_fallback for p in plans)
     for s, plan in zip(sessions, plans):
         timings = [sb.MicroBatchTiming(micro_batch=m, compute_seconds=0.1, tokens=mb.tokens)
-                   for m, mb in enumerate(plan.micro_batches) if mb.sample_ids]
+                   for m, mb in enumerate(plan.micro_batches) if mb.samples]
         assert s.report(1, timings, 0.0) is True and s.buffered_reports == 0
     with pytest.raises(sb.PlannerError) as e:  # a profile table that does not parse
         client.upload_profile("not a profile")
@@ -216,7 +224,7 @@ def test_shares_a_process_with_grpc_and_torch(planner, order):
         job = client.create_job("import-order", sb.PlannerConfig(ranks=1))
         client.join_job(0)
         client.submit_batch(0, [sb.Sample(id=1, length=500)])
-        assert client.get_rank_plan(0, 0).micro_batches[0].sample_ids == [1]
+        assert [s.id for s in client.get_rank_plan(0, 0).micro_batches[0].samples] == [1]
         from sparsebalance.ops import sparse_attention
         q = torch.randn(130, 1, 64, requires_grad=True)
         out, recall = sparse_attention(q, q, q, [0, 130], [1.0])

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import sparsebalance as sb  # noqa: E402
 from sparsebalance import _C  # noqa: E402
 from sparsebalance.ops import (AttentionTimer, dense_mask, reference_attention,  # noqa: E402
-                               sparse_attention)
+                               sparse_attention, varlen_layout)
 
 # Lengths that are not multiples of the block size, and a one-block document.
 CU = [0, 300, 337, 1000]
@@ -47,6 +47,28 @@ def test_dense_density_matches_pytorch_causal_attention(heads, head_dim, block_s
     dout = torch.randn_like(ref)
     for name, a, b in zip("qkv", grads(out, (q, k, v), dout), grads(ref, (q, k, v), dout)):
         assert_close(a, b, f"d{name}")
+
+
+def test_a_packed_samples_documents_run_as_if_alone():
+    # A planned micro-batch with a pre-packed sample: its segments are sequences of their own,
+    # so each document's output and gradients are those of the document run alone.
+    samples = [sb.PlannedSample(id=1, length=300, density=0.4, segments=[100, 130, 70]),
+               sb.PlannedSample(id=2, length=90, density=1.0)]
+    cu, densities = varlen_layout(samples)
+    assert (cu, densities) == ([0, 100, 230, 300, 390], [0.4, 0.4, 0.4, 1.0])
+    q, k, v = inputs(cu, 2, 64, seed=5)
+    out, _ = sparse_attention(q, k, v, cu, densities)
+    dout = torch.randn_like(out)
+    dq, dk, dv = grads(out, (q, k, v), dout)
+    for a, b, density in zip(cu, cu[1:], densities):
+        alone = [t.detach()[a:b].clone().requires_grad_(True) for t in (q, k, v)]
+        out_alone, _ = sparse_attention(*alone, [0, b - a], [density])
+        assert_close(out[a:b], out_alone.double(), f"out [{a}, {b})")
+        for name, packed, single in zip("qkv", (dq, dk, dv), grads(out_alone, alone, dout[a:b])):
+            assert_close(packed[a:b], single.double(), f"d{name} [{a}, {b})")
+    # As one sequence, the later documents would attend to the earlier ones.
+    one, _ = sparse_attention(q, k, v, [0, 300, 390], [0.4, 1.0])
+    assert (one[100:300] - out[100:300]).abs().max().item() > 1e-2
 
 
 def test_reference_is_pytorch_softmax_attention_per_document():

@@ -44,6 +44,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/planner_client.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -286,7 +287,7 @@ std::vector<MicroBatchTiming> MakeTimings(uint64_t seed, int job, const RankStep
   std::vector<MicroBatchTiming> timings;
   for (size_t k = 0; k < plan.micro_batches.size(); ++k) {
     const MicroBatchPlan& m = plan.micro_batches[k];
-    if (m.sample_ids.empty()) continue;
+    if (m.samples.empty()) continue;
     MicroBatchTiming t;
     t.micro_batch = static_cast<int>(k);
     t.tokens = m.tokens;
@@ -294,10 +295,8 @@ std::vector<MicroBatchTiming> MakeTimings(uint64_t seed, int job, const RankStep
                                    (0.9 + 0.2 * rng.Uniform());
     t.attention_seconds = t.compute_seconds * (0.3 + 0.4 * rng.Uniform());
     double density = 0;
-    for (double d : m.densities) density += d;
-    t.achieved_density = m.densities.empty()
-                             ? 0.0
-                             : std::min(1.0, density / static_cast<double>(m.densities.size()));
+    for (const PlannedSample& p : m.samples) density += p.density;
+    t.achieved_density = std::min(1.0, density / static_cast<double>(m.samples.size()));
     t.recall = 0.9 + 0.1 * rng.Uniform();
     timings.push_back(t);
   }
@@ -313,9 +312,9 @@ std::string DescribePlan(const RankStepPlan& plan) {
   for (const MicroBatchPlan& m : plan.micro_batches) {
     absl::StrAppendFormat(&out, " | tokens %d default %.17g predicted %.17g:", m.tokens,
                           m.default_density, m.predicted_seconds);
-    for (size_t i = 0; i < m.sample_ids.size(); ++i) {
-      absl::StrAppendFormat(&out, " %d@%.17g", m.sample_ids[i],
-                            i < m.densities.size() ? m.densities[i] : -1.0);
+    for (const PlannedSample& p : m.samples) {
+      absl::StrAppendFormat(&out, " %d:%d[%s]@%.17g", p.id, p.length,
+                            absl::StrJoin(p.segments, ","), p.density);
     }
   }
   return out;

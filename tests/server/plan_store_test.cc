@@ -323,11 +323,19 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   state::v1::StepRecord record;
   EncodeStep(5, batch, *plan, /*folded=*/true, &record);
-  const PlanStore::LoadedStep step = DecodeStep(record);
+  absl::StatusOr<PlanStore::LoadedStep> decoded = DecodeStep(record);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  const PlanStore::LoadedStep& step = *decoded;
   EXPECT_EQ(step.step, 5);
   EXPECT_TRUE(step.folded);
   EXPECT_EQ(BatchFingerprint(step.batch), BatchFingerprint(batch));
   EXPECT_EQ(CanonicalPlanText(step.plan), CanonicalPlanText(*plan));
+  // A malformed planned sample does not decode, and the error names it.
+  record.mutable_ranks(0)->mutable_micro_batches(0)->mutable_samples(0)->set_density(2.0);
+  absl::Status bad = DecodeStep(record).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(bad.message().find("ranks[0].micro_batches[0].samples[0].density"), std::string::npos)
+      << bad;
 
   const StoredReport report = Report(1, 3);
   const StoredReport report_back = DecodeReport(EncodeReport(report));

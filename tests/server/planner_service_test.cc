@@ -158,8 +158,8 @@ TEST_F(PlannerServiceTest, AStepEndToEnd) {
     report.set_rank(r);
     for (int m = 0; m < 2; ++m) {
       const v1::MicroBatch& mb = plan.plan().micro_batches(m);
-      placed += mb.sample_ids_size();
-      if (mb.sample_ids_size() == 0) continue;
+      placed += mb.samples_size();
+      if (mb.samples_size() == 0) continue;
       v1::MicroBatchReport* x = report.add_micro_batches();
       x->set_micro_batch(m);
       x->set_compute_seconds(mb.predicted_seconds());

@@ -54,6 +54,25 @@ std::string MakeTempDir(const std::string& base) {
   return dir == nullptr ? "" : std::string(dir);
 }
 
+// The first planned sample of a stored step (its plan has at least one).
+v1::PlannedSample* FirstPlannedSample(state::v1::StepRecord* step) {
+  for (v1::RankPlan& r : *step->mutable_ranks()) {
+    for (v1::MicroBatch& m : *r.mutable_micro_batches()) {
+      if (m.samples_size() > 0) return m.mutable_samples(0);
+    }
+  }
+  ADD_FAILURE() << "the stored plan has no planned sample";
+  static v1::PlannedSample none;
+  return &none;
+}
+
+// What a planner older than PlannedSample stored: ids and densities only.
+void ToOldForm(state::v1::StepRecord* step) {
+  for (v1::RankPlan& r : *step->mutable_ranks()) {
+    for (v1::MicroBatch& m : *r.mutable_micro_batches()) m.clear_samples();
+  }
+}
+
 class RegistryFaultsTest : public ::testing::Test {
  public:
   // /dev/shm when there is one: the deletion race writes thousands of synced snapshots.
@@ -181,8 +200,8 @@ TEST_F(RegistryFaultsTest, APoisonedJobFromAnOlderPlannerIsQuarantinedAndOthersA
     bool ready = false;
     absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(good, 0, 0, &ready);
     ASSERT_TRUE(plan.ok() && ready) << plan.status();
-    EXPECT_EQ((*plan)->ranks[0].micro_batches[0].sample_ids,
-              good_plan.ranks[0].micro_batches[0].sample_ids);
+    EXPECT_EQ((*plan)->ranks[0].micro_batches[0].samples,
+              good_plan.ranks[0].micro_batches[0].samples);
     EXPECT_TRUE(Answered(
         registry_->ReportStep(good, 0, 0,
                               test_support::TimingsOf(good_plan.ranks[0].micro_batches, 1.1), 0.01),
@@ -227,7 +246,12 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
        }},
       {"sample id not in the batch", "not in the batch",
        [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) { FirstPlannedSample(s)->set_id(987654321); });
+       }},
+      {"old-form sample id not in the batch", "not in the batch",
+       [](RegistryFaultsTest* t, const std::string& d) {
          t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           ToOldForm(s);
            for (v1::RankPlan& r : *s->mutable_ranks()) {
              for (v1::MicroBatch& m : *r.mutable_micro_batches()) {
                if (m.sample_ids_size() > 0) {
@@ -236,6 +260,21 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
                }
              }
            }
+         });
+       }},
+      {"planned length not the batch's", "samples[0].length",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           v1::PlannedSample* p = FirstPlannedSample(s);
+           p->set_length(p->length() + 1);
+         });
+       }},
+      {"planned segments not summing to the length", "segments",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           v1::PlannedSample* p = FirstPlannedSample(s);
+           p->add_segments(1);
+           p->add_segments(p->length());
          });
        }},
       {"report rank", "rank",
@@ -299,10 +338,60 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
     absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
         registry_->GetPlan(bystander, 0, 1, &ready);
     ASSERT_TRUE(plan.ok() && ready);
-    EXPECT_EQ((*plan)->ranks[1].micro_batches[1].sample_ids,
-              bystander_plan.ranks[1].micro_batches[1].sample_ids);
+    EXPECT_EQ((*plan)->ranks[1].micro_batches[1].samples,
+              bystander_plan.ranks[1].micro_batches[1].samples);
     EXPECT_TRUE(registry_->DeleteJob(victim_).ok());
   }
+}
+
+// A plan stored by a planner older than PlannedSample (ids and densities only) restores with
+// every planned sample's length and segments, taken from the step's stored batch, and the
+// step's reports fold into the model as they would have.
+TEST_F(RegistryFaultsTest, AnOlderPlannersStoredPlanRestoresWithLengthsFromItsBatch) {
+  const std::string id = Create();
+  std::vector<Sample> batch = test_support::PretrainBatch(100, kRanks);
+  int packed = 0;
+  for (size_t i = 0; i < batch.size(); i += 3) {
+    if (batch[i].length < 2) continue;
+    batch[i].segments = {1, batch[i].length - 1};
+    ++packed;
+  }
+  ASSERT_GT(packed, 0);
+  absl::StatusOr<SubmitResult> submitted = registry_->SubmitBatch(id, 0, batch);
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const StepPlan planned = submitted->plan;
+  // Rank 0 reports now; rank 1 after the restart, which folds the step from the old-form plan.
+  ASSERT_TRUE(Answered(
+      registry_->ReportStep(id, 0, 0, test_support::TimingsOf(planned.ranks[0].micro_batches), 0),
+      false));
+  registry_.reset();
+  store_.reset();
+  {
+    absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir_, false);
+    ASSERT_TRUE(store.ok());
+    store_ = *std::move(store);
+  }
+  Edit<state::v1::StepRecord>(JobDir(id) + "/step-0.pb", ToOldForm);
+  state::v1::StepRecord stored;
+  ASSERT_TRUE(stored.ParseFromString(ReadBytes(JobDir(id) + "/step-0.pb")));
+  ASSERT_GT(stored.ranks(0).micro_batches(0).sample_ids_size(), 0);
+  ASSERT_EQ(stored.ranks(0).micro_batches(0).samples_size(), 0);
+  Restart();
+  EXPECT_EQ(Listed(registry_->ListJobs("", 100), id)->failed, false);
+  bool ready = false;
+  absl::StatusOr<std::shared_ptr<const StepPlan>> restored = registry_->GetPlan(id, 0, 1, &ready);
+  ASSERT_TRUE(restored.ok() && ready) << restored.status();
+  // Every sample's length and segments are back: the same plan, field for field.
+  EXPECT_EQ(CanonicalPlanText(**restored), CanonicalPlanText(planned));
+  EXPECT_TRUE(CheckPlan(**restored, batch, test_support::SmallJob(kRanks).planner).ok());
+  ASSERT_TRUE(Answered(
+      registry_->ReportStep(id, 0, 1, test_support::TimingsOf(planned.ranks[1].micro_batches), 0),
+      false));
+  absl::StatusOr<JobView> job = registry_->GetJob(id);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->steps_folded, 1);
+  EXPECT_EQ(job->unfolded_steps, 0);
+  EXPECT_EQ(fold_failures_.load(), 0);
 }
 
 // A snapshot's own job_id is never used as a path or an id: the folder's name is.

@@ -77,7 +77,7 @@ inline std::vector<MicroBatchTiming> TimingsOf(const std::vector<MicroBatchPlan>
   std::vector<MicroBatchTiming> out;
   for (size_t m = 0; m < micro_batches.size(); ++m) {
     const MicroBatchPlan& mb = micro_batches[m];
-    if (mb.sample_ids.empty()) continue;
+    if (mb.samples.empty()) continue;
     const double seconds = factor * mb.predicted_seconds;
     out.push_back({static_cast<int>(m), seconds, 0.3 * seconds, mb.tokens, 0.3, 0.9});
   }

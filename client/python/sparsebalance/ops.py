@@ -2,12 +2,13 @@
 
 ``sparse_attention`` takes a varlen batch in FlashAttention's layout (documents packed along
 the token axis, ``cu_seqlens`` their offsets), keeps for every query block only the key blocks
-that block selection picks at each document's density (the planner's ``MicroBatchPlan.densities``)
+that block selection picks at each document's density (the planner's ``PlannedSample.density``)
 and returns the output and the recall it kept::
 
-    from sparsebalance.ops import sparse_attention
+    from sparsebalance.ops import sparse_attention, varlen_layout
     out, recall = sparse_attention(q, k, v, cu_seqlens=[0, 1000, 3000], densities=[0.3, 1.0])
     # q, k, v: [total_tokens, heads, head_dim] (head_dim 64 or 128); out: same shape and dtype
+    cu_seqlens, densities = varlen_layout(micro_batch.samples)  # a planned micro-batch's layout
 
 CPU tensors run the fp32 reference kernels (inputs of other dtypes are cast to float32 and the
 results cast back); CUDA tensors run the sm_90 kernels in bf16 when the package was built with
@@ -20,7 +21,8 @@ import torch
 
 from . import _C
 
-__all__ = ["AttentionTimer", "sparse_attention", "reference_attention", "dense_mask"]
+__all__ = ["AttentionTimer", "sparse_attention", "reference_attention", "dense_mask",
+           "varlen_layout"]
 
 
 class AttentionTimer:
@@ -200,7 +202,7 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
         float dtype; computed in float32) or on a CUDA device (computed in bf16).
       cu_seqlens: sequence offsets, len = sequences + 1, from 0 to total_tokens (list or tensor).
       densities: one per sequence in (0, 1]: the share of causal key blocks each query block
-        keeps (1.0 is dense attention). The planner's MicroBatchPlan.densities.
+        keeps (1.0 is dense attention). The planner's PlannedSample.density (varlen_layout).
       block_size: tokens per block (64 or 128); local_blocks: key blocks before the diagonal
         always kept (with the sink block 0 and the diagonal).
       softmax_scale: default 1/sqrt(head_dim).
@@ -257,6 +259,19 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
     if return_selection:
         return out, recall, selection
     return out, recall
+
+
+def varlen_layout(samples):
+    """The varlen layout of planned samples (a MicroBatchPlan's ``samples``, in order): every
+    document is a sequence of its own, a pre-packed sample's segments included, so that no
+    document attends across a boundary. Returns (cu_seqlens, densities) for sparse_attention:
+    offsets over the documents and each document's sample density."""
+    cu, densities = [0], []
+    for s in samples:
+        for n in s.documents():
+            cu.append(cu[-1] + int(n))
+            densities.append(float(s.density))
+    return cu, densities
 
 
 def dense_mask(selection, seq, head, causal=True):
