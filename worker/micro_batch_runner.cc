@@ -5,26 +5,52 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/layer_runner.h"
+#include "planner/planner.h"
+#include "worker/step_inputs.h"
 #include "worker/synthetic_inputs.h"
 
 namespace sparsebalance {
 namespace {
 
-absl::Status CheckInputs(const std::vector<uint64_t>& ids, const std::vector<int64_t>& lengths,
-                         const std::vector<double>& densities) {
-  if (ids.size() != lengths.size() || ids.size() != densities.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("micro-batch: ", ids.size(), " ids, ",
-                                                   lengths.size(), " lengths, ", densities.size(),
-                                                   " densities; they must match"));
-  }
-  if (ids.empty()) return absl::InvalidArgumentError("micro-batch: no documents");
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    if (lengths[i] <= 0 || lengths[i] > (int64_t{1} << 30)) {
+absl::Status CheckPlan(const MicroBatchPlan& micro_batch, int layers) {
+  if (micro_batch.samples.empty()) return absl::InvalidArgumentError("micro-batch: no samples");
+  for (size_t k = 0; k < micro_batch.samples.size(); ++k) {
+    const PlannedSample& p = micro_batch.samples[k];
+    const std::string where = absl::StrCat("samples[", k, "]");
+    if (p.length < 1 || p.length > kMaxMicroBatchCapacity) {
       return absl::InvalidArgumentError(
-          absl::StrCat("lengths[", i, "]: ", lengths[i], " is not a positive token count"));
+          absl::StrCat(where, ".length: ", p.length, " is not a token count in [1, 2^30]"));
+    }
+    if (absl::Status s = ValidateSegments(p.length, p.segments, where); !s.ok()) return s;
+    if (!(p.density > 0.0 && p.density <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".density: ", p.density, " is outside (0, 1]"));
+    }
+    if (!p.layer_densities.empty() && static_cast<int>(p.layer_densities.size()) != layers) {
+      return absl::InvalidArgumentError(absl::StrCat(where,
+                                                     ".layer_densities: ", p.layer_densities.size(),
+                                                     " values for a model of ", layers, " layers"));
+    }
+    for (size_t l = 0; l < p.layer_densities.size(); ++l) {
+      if (!(p.layer_densities[l] > 0.0 && p.layer_densities[l] <= 1.0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".layer_densities[", l, "]: ", p.layer_densities[l], " is outside (0, 1]"));
+      }
     }
   }
   return absl::OkStatus();
+}
+
+// Each document's density at `layer`: its sample's density for that layer where planned.
+std::vector<double> DensitiesAt(const MicroBatchPlan& micro_batch, const MicroBatchDocuments& docs,
+                                int layer) {
+  std::vector<double> out;
+  out.reserve(docs.sample_of.size());
+  for (size_t sample : docs.sample_of) {
+    const PlannedSample& p = micro_batch.samples[sample];
+    out.push_back(p.layer_densities.empty() ? p.density : p.layer_densities[layer]);
+  }
+  return out;
 }
 
 // Every layer of the model is the one layer kernels::LayerRunner runs, on the same inputs.
@@ -36,51 +62,75 @@ class LayerwiseRunner : public MicroBatchRunner {
 
   std::string device_name() const override { return layer_->device_name(); }
 
-  absl::StatusOr<MicroBatchResult> Run(const std::vector<uint64_t>& ids,
-                                       const std::vector<int64_t>& lengths,
-                                       const std::vector<double>& densities) override {
-    if (absl::Status s = CheckInputs(ids, lengths, densities); !s.ok()) return s;
+  absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch) override {
+    if (absl::Status s = CheckPlan(micro_batch, shape_.layers); !s.ok()) return s;
+    const MicroBatchDocuments docs = DocumentsOf(micro_batch);
+    std::vector<double> densities = DensitiesAt(micro_batch, docs, 0);
     // Inputs are the data loader's work, not the step's: made before any clock starts.
     VarlenBatch varlen;
     kernels::LayerBatch batch;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      varlen.Append(MakeDocument(ids[i], lengths[i], shape_.heads, shape_.head_dim), lengths[i]);
-      batch.documents.push_back({lengths[i], densities[i]});
+    for (size_t i = 0; i < docs.ids.size(); ++i) {
+      varlen.Append(MakeDocument(docs.ids[i], docs.lengths[i], shape_.heads, shape_.head_dim),
+                    docs.lengths[i]);
+      batch.documents.push_back({docs.lengths[i], densities[i]});
     }
     batch.q = std::move(varlen.q);
     batch.k = std::move(varlen.k);
     batch.v = std::move(varlen.v);
     if (absl::Status s = layer_->Load(std::move(batch)); !s.ok()) return s;
+
     MicroBatchResult result;
+    result.samples.resize(micro_batch.samples.size());
+    std::vector<double> density_sum(result.samples.size()), recall_sum(result.samples.size());
+    std::vector<kernels::DocumentMeasurement> figures;  // of the densities measured last
     for (int layer = 0; layer < shape_.layers; ++layer) {
-      // Every layer sees the same inputs here, so one layer's recall is the micro-batch's.
-      absl::StatusOr<kernels::LayerMeasurement> m = layer_->Run(layer == 0 && exact_recall_);
+      bool changed = false;
+      if (layer > 0) {
+        std::vector<double> next = DensitiesAt(micro_batch, docs, layer);
+        changed = next != densities;
+        if (changed) {
+          densities = std::move(next);
+          if (absl::Status s = layer_->SetDensities(densities); !s.ok()) return s;
+        }
+      }
+      // Layers at the same densities see the same inputs, so they keep the same blocks and
+      // recall: the (exact, off-the-clock) recall is measured once per distinct densities.
+      const bool fresh = layer == 0 || changed;
+      absl::StatusOr<kernels::LayerMeasurement> m = layer_->Run(fresh && exact_recall_);
       if (!m.ok()) return m.status();
       result.attention_seconds += m->attention_seconds;
       result.compute_seconds += m->seconds();
-      if (layer == 0) Summarize(*m, &result);
+      if (fresh) figures = std::move(m->documents);
+      for (size_t d = 0; d < figures.size(); ++d) {
+        SampleResult& sample = result.samples[docs.sample_of[d]];
+        const kernels::DocumentMeasurement& doc = figures[d];
+        if (layer == 0) sample.tokens += doc.tokens;
+        sample.active_blocks += doc.active_blocks;
+        sample.causal_blocks += doc.causal_blocks;
+        density_sum[docs.sample_of[d]] += doc.achieved_density * static_cast<double>(doc.tokens);
+        recall_sum[docs.sample_of[d]] += doc.recall * static_cast<double>(doc.tokens);
+      }
     }
+    // Token- and layer-weighted means, per sample and over the micro-batch.
+    double all_density = 0.0, all_recall = 0.0;
+    for (size_t k = 0; k < result.samples.size(); ++k) {
+      SampleResult& sample = result.samples[k];
+      const double weight = static_cast<double>(sample.tokens) * shape_.layers;
+      sample.achieved_density = density_sum[k] / weight;
+      sample.recall = std::clamp(recall_sum[k] / weight, 0.0, 1.0);
+      result.tokens += sample.tokens;
+      result.active_blocks += sample.active_blocks;
+      result.causal_blocks += sample.causal_blocks;
+      all_density += density_sum[k];
+      all_recall += recall_sum[k];
+    }
+    const double weight = static_cast<double>(result.tokens) * shape_.layers;
+    result.achieved_density = all_density / weight;
+    result.recall = std::clamp(all_recall / weight, 0.0, 1.0);
     return result;
   }
 
  private:
-  // Token-weighted recall and density over the documents.
-  static void Summarize(const kernels::LayerMeasurement& m, MicroBatchResult* out) {
-    double recall_sum = 0.0;
-    double density_sum = 0.0;
-    for (const kernels::DocumentMeasurement& d : m.documents) {
-      out->tokens += d.tokens;
-      recall_sum += d.recall * static_cast<double>(d.tokens);
-      density_sum += d.achieved_density * static_cast<double>(d.tokens);
-    }
-    const double tokens = static_cast<double>(out->tokens);
-    out->active_blocks = m.active_blocks;
-    out->causal_blocks = m.causal_blocks;
-    out->recall = tokens > 0 ? std::clamp(recall_sum / tokens, 0.0, 1.0) : 1.0;
-    out->achieved_density = tokens > 0 ? density_sum / tokens : 1.0;
-    out->documents = m.documents;
-  }
-
   std::unique_ptr<kernels::LayerRunner> layer_;
   ModelShape shape_;
   bool exact_recall_;

@@ -5,9 +5,14 @@
 // (worker/synthetic_inputs.h). Timing is the layer runner's: thread CPU time on CPU (the
 // kernels run single-threaded on the calling thread), CUDA events on GPU.
 //
+// A planned sample runs as its documents (DocumentsOf, worker/step_inputs.h): a pre-packed
+// sample's segments are separate varlen entries, so no document attends across a boundary,
+// and its figures are added up over its documents. Per-layer densities, where planned, are
+// run layer by layer.
+//
 //   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
 //       MicroBatchRunner::Create("cpu", shape, /*exact_recall=*/false);
-//   absl::StatusOr<MicroBatchResult> r = (*runner)->Run(ids, lengths, densities);
+//   absl::StatusOr<MicroBatchResult> r = (*runner)->Run(plan.micro_batches[m]);
 #ifndef SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_
 #define SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_
 
@@ -22,17 +27,24 @@
 
 namespace sparsebalance {
 
+// What one planned sample measured, over its documents and the model's layers.
+struct SampleResult {
+  int64_t tokens = 0;
+  int64_t active_blocks = 0;      // kept (query block, key block) pairs, all heads and layers
+  int64_t causal_blocks = 0;      // all causal pairs, all heads and layers
+  double achieved_density = 0.0;  // active / causal blocks
+  double recall = 0.0;            // token- and layer-averaged attention recall, [0, 1]
+};
+
 struct MicroBatchResult {
   double compute_seconds = 0.0;    // all layers, forward + backward (attention + linear)
   double attention_seconds = 0.0;  // the selection and attention part of compute_seconds
   int64_t tokens = 0;
-  int64_t active_blocks = 0;      // kept (query block, key block) pairs, all heads, one layer
-  int64_t causal_blocks = 0;      // all causal pairs, all heads, one layer
-  double achieved_density = 0.0;  // token-weighted share of causal key blocks kept
-  double recall = 0.0;            // token-weighted attention recall (exact or estimated)
-  // The same figures per document (one layer), in the order Run was given them: what a
-  // sample made of several documents adds up.
-  std::vector<kernels::DocumentMeasurement> documents;
+  int64_t active_blocks = 0;          // kept (query block, key block) pairs, all heads and layers
+  int64_t causal_blocks = 0;          // all causal pairs, all heads and layers
+  double achieved_density = 0.0;      // token-weighted share of causal key blocks kept
+  double recall = 0.0;                // token-weighted attention recall (exact or estimated)
+  std::vector<SampleResult> samples;  // one per planned sample, in the plan's order
 };
 
 class MicroBatchRunner {
@@ -44,10 +56,11 @@ class MicroBatchRunner {
                                                                   const ModelShape& shape,
                                                                   bool exact_recall);
   virtual ~MicroBatchRunner() = default;
-  // Documents `ids` of `lengths` tokens at `densities` (each in (0, 1]).
-  virtual absl::StatusOr<MicroBatchResult> Run(const std::vector<uint64_t>& ids,
-                                               const std::vector<int64_t>& lengths,
-                                               const std::vector<double>& densities) = 0;
+  // Runs the micro-batch's planned samples, each at its density (per layer where its
+  // layer_densities are given: then exactly one per layer). INVALID_ARGUMENT naming
+  // `samples[k]` for a sample that cannot run (no tokens, a density outside (0, 1], layer
+  // densities of the wrong count).
+  virtual absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch) = 0;
   virtual std::string device_name() const = 0;
 };
 

@@ -4,7 +4,7 @@
 // and the documents a planned micro-batch runs as (packed samples split at their segments).
 //
 //   MicroBatchDocuments docs = DocumentsOf(plan.micro_batches[m]);
-//   runner->Run(docs.ids, docs.lengths, docs.densities);
+//   // docs.lengths[i] tokens at docs.densities[i], part of samples[docs.sample_of[i]]
 #ifndef SPARSEBALANCE_WORKER_STEP_INPUTS_H_
 #define SPARSEBALANCE_WORKER_STEP_INPUTS_H_
 

@@ -60,15 +60,6 @@ double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Runs one planned micro-batch: each packed sample's segments as documents of their own
-// (DocumentsOf), so no document attends across a boundary. The runner's figures (tokens,
-// token-weighted achieved density and recall) over the documents are the samples' own.
-// The one call site of the runner: re-point it here when the runner changes.
-absl::StatusOr<MicroBatchResult> RunPlanned(MicroBatchRunner& runner, const MicroBatchPlan& mb) {
-  const MicroBatchDocuments docs = DocumentsOf(mb);
-  return runner.Run(docs.ids, docs.lengths, docs.densities);
-}
-
 double UnixSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -224,7 +215,7 @@ int Main(int argc, char** argv) {
     for (size_t m = 0; m < plan->micro_batches.size(); ++m) {
       const MicroBatchPlan& mb = plan->micro_batches[m];
       if (mb.samples.empty()) continue;
-      absl::StatusOr<MicroBatchResult> r = RunPlanned(**runner, mb);
+      absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb);
       if (!r.ok())
         tools::Fatal(absl::StrCat("step ", step, " micro-batch ", m, ": ", r.status().ToString()));
       MicroBatchTiming t;

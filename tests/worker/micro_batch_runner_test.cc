@@ -1,0 +1,126 @@
+// MicroBatchRunner on the CPU reference kernels: a planned sample runs as its documents (a
+// pre-packed sample's segments never attend across a boundary, so it keeps exactly the blocks
+// of its documents run alone and measures the same recall), per-layer densities run layer by
+// layer, and a sample that cannot run is refused naming it.
+#include "worker/micro_batch_runner.h"
+
+#include <memory>
+#include <vector>
+
+#include "contract/block_geometry.h"
+#include "gtest/gtest.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+namespace {
+
+ModelShape SmallShape() {
+  ModelShape shape;
+  shape.layers = 2;
+  shape.heads = 2;
+  shape.head_dim = 64;
+  shape.block_size = 64;
+  shape.local_blocks = 1;
+  return shape;
+}
+
+std::unique_ptr<MicroBatchRunner> Runner(bool exact_recall = false) {
+  absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
+      MicroBatchRunner::Create("cpu", SmallShape(), exact_recall);
+  EXPECT_TRUE(runner.ok()) << runner.status();
+  return runner.ok() ? std::move(*runner) : nullptr;
+}
+
+MicroBatchPlan OneSample(PlannedSample sample) {
+  MicroBatchPlan mb;
+  mb.tokens = sample.length;
+  mb.samples = {std::move(sample)};
+  return mb;
+}
+
+// Blocks the kernels keep for documents of `lengths` at `density`, all heads and layers.
+int64_t ExpectedBlocks(const std::vector<int64_t>& lengths, double density) {
+  const ModelShape shape = SmallShape();
+  int64_t blocks = 0;
+  for (int64_t length : lengths) {
+    blocks += ActiveBlocks(length, density, shape.block_size, shape.local_blocks);
+  }
+  return blocks * shape.heads * shape.layers;
+}
+
+TEST(MicroBatchRunnerTest, APackedSampleKeepsTheBlocksOfItsDocumentsNotOfOneSequence) {
+  const std::vector<int64_t> segments = {640, 320, 64};
+  absl::StatusOr<MicroBatchResult> r = Runner()->Run(OneSample({7, 1024, 0.3, segments, {}}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->samples.size(), 1u);
+  EXPECT_EQ(r->tokens, 1024);
+  EXPECT_EQ(r->samples[0].active_blocks, ExpectedBlocks(segments, 0.3));
+  EXPECT_NE(r->samples[0].active_blocks, ExpectedBlocks({1024}, 0.3));
+  EXPECT_EQ(r->active_blocks, r->samples[0].active_blocks);
+}
+
+TEST(MicroBatchRunnerTest, APackedSampleMeasuresWhatItsDocumentsMeasureAsSamples) {
+  // The runner makes a packed sample's d-th document from id ^ (d * golden); planning those
+  // ids as plain samples runs the very same tensors.
+  const uint64_t id = 11;
+  const uint64_t second = id ^ 0x9E3779B97F4A7C15ULL;
+  std::unique_ptr<MicroBatchRunner> runner = Runner(/*exact_recall=*/true);
+  absl::StatusOr<MicroBatchResult> packed = runner->Run(OneSample({id, 768, 0.25, {512, 256}, {}}));
+  MicroBatchPlan apart;
+  apart.samples = {{id, 512, 0.25, {}, {}}, {second, 256, 0.25, {}, {}}};
+  apart.tokens = 768;
+  absl::StatusOr<MicroBatchResult> separate = runner->Run(apart);
+  ASSERT_TRUE(packed.ok() && separate.ok()) << packed.status() << separate.status();
+  const SampleResult& p = packed->samples[0];
+  const SampleResult& a = separate->samples[0];
+  const SampleResult& b = separate->samples[1];
+  EXPECT_EQ(p.tokens, a.tokens + b.tokens);
+  EXPECT_EQ(p.active_blocks, a.active_blocks + b.active_blocks);
+  EXPECT_EQ(p.causal_blocks, a.causal_blocks + b.causal_blocks);
+  EXPECT_NEAR(p.recall, (a.recall * 512 + b.recall * 256) / 768, 1e-12);
+  EXPECT_NEAR(packed->recall, separate->recall, 1e-12);
+  EXPECT_LT(p.recall, 1.0);  // exact recall at density 0.25 loses mass
+}
+
+TEST(MicroBatchRunnerTest, PerLayerDensitiesRunLayerByLayer) {
+  absl::StatusOr<MicroBatchResult> r = Runner()->Run(OneSample({3, 1024, 0.5, {}, {1.0, 0.1}}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  const ModelShape shape = SmallShape();
+  const int64_t dense = ActiveBlocks(1024, 1.0, shape.block_size, shape.local_blocks);
+  const int64_t sparse = ActiveBlocks(1024, 0.1, shape.block_size, shape.local_blocks);
+  EXPECT_EQ(r->samples[0].active_blocks, (dense + sparse) * shape.heads);
+  EXPECT_EQ(r->samples[0].causal_blocks, 2 * dense * shape.heads);
+  EXPECT_GT(r->achieved_density, 0.1);
+  EXPECT_LT(r->achieved_density, 1.0);
+}
+
+TEST(MicroBatchRunnerTest, ExactRecallIsOneAtFullDensity) {
+  absl::StatusOr<MicroBatchResult> r =
+      Runner(/*exact_recall=*/true)->Run(OneSample({5, 512, 1.0, {}, {}}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->recall, 1.0, 1e-6);
+  EXPECT_DOUBLE_EQ(r->achieved_density, 1.0);
+  EXPECT_GT(r->compute_seconds, 0.0);
+  EXPECT_LE(r->attention_seconds, r->compute_seconds);
+}
+
+TEST(MicroBatchRunnerTest, ASampleThatCannotRunIsRefusedNamingIt) {
+  std::unique_ptr<MicroBatchRunner> runner = Runner();
+  auto refusal = [&](const MicroBatchPlan& mb) { return runner->Run(mb).status(); };
+  EXPECT_EQ(refusal(MicroBatchPlan()).code(), absl::StatusCode::kInvalidArgument);
+  MicroBatchPlan mb = OneSample({1, 256, 0.3, {}, {}});
+  mb.samples.push_back({2, 128, 0.0, {}, {}});
+  absl::Status density = refusal(mb);
+  EXPECT_EQ(density.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(density.message().find("samples[1].density"), std::string::npos) << density;
+  absl::Status layers = refusal(OneSample({1, 256, 0.3, {}, {0.5, 0.5, 0.5}}));
+  EXPECT_NE(layers.message().find("samples[0].layer_densities: 3 values"), std::string::npos)
+      << layers;
+  absl::Status segments = refusal(OneSample({1, 256, 0.3, {200, 100}, {}}));
+  EXPECT_NE(segments.message().find("samples[0].segments"), std::string::npos) << segments;
+  absl::Status length = refusal(OneSample({1, 0, 0.3, {}, {}}));
+  EXPECT_NE(length.message().find("samples[0].length"), std::string::npos) << length;
+}
+
+}  // namespace
+}  // namespace sparsebalance
