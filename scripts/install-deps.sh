@@ -9,7 +9,7 @@ packages=(
   libabsl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev nlohmann-json3-dev
-  clang libclang-rt-14-dev openssl
+  clang libclang-rt-14-dev clang-format clang-tidy openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   prometheus python3-yaml
   python3-dev python3-numpy python3-pytest python3-grpcio python3-torch pybind11-dev

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Every test: installs what is missing, builds with warnings as errors into $BUILD_DIR
-# (default build-test/, separate from the demo's build/), runs the whole CTest suite (unit,
-# property, simulator-bar, service, client and command-line tests), builds a project against
-# the installed package, runs both fuzzers briefly, and runs the planning benchmark
-# and the service load generator once, briefly.
+# (default build-test/, separate from the demo's build/), checks format and lint
+# (scripts/lint.sh), runs the whole CTest suite (unit, property, simulator-bar, service, client
+# and command-line tests), builds a project against the installed package, runs both fuzzers
+# briefly, and runs the planning benchmark and the service load generator once, briefly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export BUILD_DIR=${BUILD_DIR:-build-test}
 bash scripts/build.sh -DSB_WERROR=ON
+# Format (clang-format) and lint (clang-tidy) checks; scripts/lint.sh says how to fix.
+bash scripts/lint.sh
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 
 # The installed package works for a project that uses it the way a trainer would.
