@@ -21,6 +21,7 @@
 #include "server/job_registry.h"
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
+#include "tests/support/loopback_client.h"
 
 namespace sparsebalance {
 namespace {
@@ -75,32 +76,32 @@ PlannerConfig Config(int ranks) {
 
 std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
                                        const std::string& token = "") {
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", port);
-  options.job_id = job;
-  options.token = token;
-  options.call_timeout_seconds = 2;
-  options.plan_timeout_seconds = 20;  // ranks wait for the coordinator under load
-  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return std::move(*client);
+  // Ranks wait for the coordinator under load.
+  return test_support::ConnectLoopback(port, job, token, /*call_timeout_seconds=*/2,
+                                       /*plan_timeout_seconds=*/20);
 }
 
-// A job of `ranks` ranks (Config) created on the planner at `port`.
-absl::StatusOr<JobHandle> CreateJob(int port, const std::string& name, int ranks) {
-  return Connect(port)->CreateJob(name, Config(ranks));
-}
+// Every test runs against a planner of its own.
+class TrainerSessionTest : public ::testing::Test {
+ protected:
+  // A job of `ranks` ranks (Config) created on the planner.
+  absl::StatusOr<JobHandle> CreateJob(const std::string& name, int ranks) {
+    return Connect(planner_.port())->CreateJob(name, Config(ranks));
+  }
 
-TEST(TrainerSessionTest, FourRanksTrainThroughThePlanner) {
+  Planner planner_;
+};
+using PlannerClientTest = TrainerSessionTest;
+
+TEST_F(TrainerSessionTest, FourRanksTrainThroughThePlanner) {
   constexpr int kRanks = 4;
-  Planner planner;
-  absl::StatusOr<JobHandle> job = CreateJob(planner.port(), "train", kRanks);
+  absl::StatusOr<JobHandle> job = CreateJob("train", kRanks);
   ASSERT_TRUE(job.ok()) << job.status();
   std::vector<std::thread> ranks;
   std::atomic<int> failures{0};
   for (int r = 0; r < kRanks; ++r) {
     ranks.emplace_back([&, r] {
-      std::unique_ptr<PlannerClient> client = Connect(planner.port(), job->job_id, job->token);
+      std::unique_ptr<PlannerClient> client = Connect(planner_.port(), job->job_id, job->token);
       absl::StatusOr<std::pair<PlannerConfig, int64_t>> joined = client->JoinJob(r);
       if (!joined.ok()) {
         ++failures;
@@ -119,16 +120,15 @@ TEST(TrainerSessionTest, FourRanksTrainThroughThePlanner) {
   }
   for (std::thread& t : ranks) t.join();
   EXPECT_EQ(failures.load(), 0);
-  absl::StatusOr<JobView> view = planner.registry().GetJob(job->job_id);
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job->job_id);
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->next_step, 5);
 }
 
-TEST(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
+TEST_F(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
   constexpr int kRanks = 256;
   constexpr int kSteps = 50;
-  Planner planner;
-  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
+  std::unique_ptr<PlannerClient> admin = Connect(planner_.port());
   PlannerConfig config = Config(kRanks);
   config.micro_batch_capacity = 4096;
   absl::StatusOr<JobHandle> job = admin->CreateJob("many", config, /*history_steps=*/8);
@@ -147,7 +147,7 @@ TEST(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
   std::vector<std::thread> ranks;
   for (int r = 0; r < kRanks; ++r) {
     ranks.emplace_back([&, r] {
-      std::unique_ptr<PlannerClient> client = Connect(planner.port(), job->job_id, job->token);
+      std::unique_ptr<PlannerClient> client = Connect(planner_.port(), job->job_id, job->token);
       if (!client->JoinJob(r).ok()) {
         ++wrong;
         return;
@@ -163,7 +163,7 @@ TEST(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
         // The plan is the planner's plan of this rank.
         bool ready = false;
         absl::StatusOr<std::shared_ptr<const StepPlan>> truth =
-            planner.registry().GetPlan(job->job_id, step, r, &ready);
+            planner_.registry().GetPlan(job->job_id, step, r, &ready);
         if (!truth.ok() || !ready) {
           ++wrong;
           return;
@@ -180,17 +180,16 @@ TEST(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
   for (std::thread& t : ranks) t.join();
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_EQ(fallbacks.load(), 0);
-  absl::StatusOr<JobView> view = planner.registry().GetJob(job->job_id);
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job->job_id);
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->next_step, kSteps);
   EXPECT_EQ(view->steps_folded, kSteps);  // every step's 256 reports arrived and were learned
 }
 
-TEST(TrainerSessionTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
+TEST_F(TrainerSessionTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
   constexpr int kRanks = 4;
-  Planner planner;
-  const int port = planner.port();
-  planner.Stop();
+  const int port = planner_.port();
+  planner_.Stop();
   const std::vector<Sample> batch = Batch(7, kRanks);
   std::multiset<uint64_t> placed;
   for (int r = 0; r < kRanks; ++r) {
@@ -210,11 +209,10 @@ TEST(TrainerSessionTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
   for (const Sample& s : batch) EXPECT_EQ(placed.count(s.id), 1u) << s.id;
 }
 
-TEST(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack) {
+TEST_F(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack) {
   constexpr int kRanks = 1;
-  Planner planner;
-  const int port = planner.port();
-  absl::StatusOr<JobHandle> job = CreateJob(port, "away", kRanks);
+  const int port = planner_.port();
+  absl::StatusOr<JobHandle> job = CreateJob("away", kRanks);
   ASSERT_TRUE(job.ok());
   std::unique_ptr<PlannerClient> client = Connect(port, job->job_id, job->token);
   ASSERT_TRUE(client->JoinJob(0).ok());
@@ -222,12 +220,12 @@ TEST(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBac
   absl::StatusOr<RankStepPlan> plan = session.Plan(0, Batch(3, kRanks));
   ASSERT_TRUE(plan.ok());
   ASSERT_FALSE(plan->local_fallback);
-  planner.Stop();
+  planner_.Stop();
   EXPECT_TRUE(session.Report(0, Timings(*plan), 0.0).ok());  // kept, not an error
   EXPECT_EQ(session.buffered_reports(), 1u);
-  planner.Start(port);
-  ASSERT_EQ(planner.port(), port);
-  // The next report flushes the buffered one first; step 0 is then known to the planner.
+  planner_.Start(port);
+  ASSERT_EQ(planner_.port(), port);
+  // The next report flushes the buffered one first; step 0 is then known to the planner_.
   absl::StatusOr<RankStepPlan> next = session.Plan(1, Batch(4, kRanks));
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_TRUE(session.Report(1, Timings(*next), 0.0).ok());
@@ -240,11 +238,10 @@ TEST(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBac
 // The planner goes away for three steps and comes back: the ranks run local plans, the
 // coordinator then tells the planner which plans they ran, and every report made meanwhile
 // reaches the planner's model; the job goes on in order.
-TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) {
+TEST_F(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) {
   constexpr int kRanks = 2;
-  Planner planner;
-  const int port = planner.port();
-  absl::StatusOr<JobHandle> job = CreateJob(port, "resync", kRanks);
+  const int port = planner_.port();
+  absl::StatusOr<JobHandle> job = CreateJob("resync", kRanks);
   ASSERT_TRUE(job.ok());
   std::vector<std::unique_ptr<PlannerClient>> clients;
   std::vector<std::unique_ptr<TrainerSession>> sessions;
@@ -259,10 +256,10 @@ TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) 
   int64_t steps = 0;
   bool back = false;
   for (int64_t step = 0; step < 7 || (!back && step < 20); ++step, ++steps) {
-    if (step == 2) planner.Stop();
+    if (step == 2) planner_.Stop();
     if (step == 5) {
-      planner.Start(port);
-      ASSERT_EQ(planner.port(), port);
+      planner_.Start(port);
+      ASSERT_EQ(planner_.port(), port);
     }
     const std::vector<Sample> batch = Batch(200 + step, kRanks);
     for (int r = 0; r < kRanks; ++r) {
@@ -286,7 +283,7 @@ TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) 
     EXPECT_EQ(sessions[r]->dropped_reports(), 0);
     EXPECT_EQ(sessions[r]->unsent_local_steps(), 0u);
   }
-  absl::StatusOr<JobView> view = planner.registry().GetJob(job->job_id);
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job->job_id);
   ASSERT_TRUE(view.ok());
   ASSERT_TRUE(back);
   EXPECT_EQ(view->next_step, steps);
@@ -304,9 +301,8 @@ TEST(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport) 
   }
 }
 
-TEST(TrainerSessionTest, ABadBatchIsAnErrorNotAFallback) {
-  Planner planner;
-  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
+TEST_F(TrainerSessionTest, ABadBatchIsAnErrorNotAFallback) {
+  std::unique_ptr<PlannerClient> admin = Connect(planner_.port());
   absl::StatusOr<JobHandle> job = admin->CreateJob("bad", Config(2));
   ASSERT_TRUE(job.ok());
   TrainerSession session(admin.get(), 0, true, Config(2));
@@ -317,10 +313,9 @@ TEST(TrainerSessionTest, ABadBatchIsAnErrorNotAFallback) {
   EXPECT_NE(plan.status().message().find("samples[1].id"), absl::string_view::npos);
 }
 
-TEST(PlannerClientTest, PlansCarryEachSamplesLengthAndSegments) {
+TEST_F(PlannerClientTest, PlansCarryEachSamplesLengthAndSegments) {
   // One job of two ranks; the coordinator submits a batch with packed samples.
-  Planner planner;
-  std::unique_ptr<PlannerClient> admin = Connect(planner.port());
+  std::unique_ptr<PlannerClient> admin = Connect(planner_.port());
   absl::StatusOr<JobHandle> job = admin->CreateJob("packed", Config(2));
   ASSERT_TRUE(job.ok());
   std::vector<Sample> batch = Batch(9, 2);
@@ -329,7 +324,7 @@ TEST(PlannerClientTest, PlansCarryEachSamplesLengthAndSegments) {
   }
   std::map<uint64_t, const Sample*> by_id;
   for (const Sample& s : batch) by_id[s.id] = &s;
-  std::unique_ptr<PlannerClient> client = Connect(planner.port(), job->job_id, job->token);
+  std::unique_ptr<PlannerClient> client = Connect(planner_.port(), job->job_id, job->token);
   TrainerSession coordinator(client.get(), 0, true, Config(2));
   TrainerSession other(client.get(), 1, false, Config(2));
   size_t placed = 0;

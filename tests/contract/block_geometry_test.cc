@@ -27,6 +27,24 @@ int64_t RandomLength(Rng& rng) {
   }
 }
 
+// A random document's block geometry: its length (tokens), block size (tokens), local blocks
+// and query blocks.
+struct DocumentBlocks {
+  int64_t length;
+  int block;
+  int local;
+  int64_t n;
+};
+
+DocumentBlocks RandomDocument(Rng& rng) {
+  DocumentBlocks d;
+  d.length = RandomLength(rng);
+  d.block = kBlockSizes[rng.NextU64() % 2];
+  d.local = static_cast<int>(rng.NextU64() % 4);
+  d.n = QueryBlocks(d.length, d.block);
+  return d;
+}
+
 double RandomDensity(Rng& rng) {
   switch (rng.NextU64() % 4) {
     case 0:
@@ -161,10 +179,7 @@ TEST(ActiveBlocksTest, ExhaustiveOverSmallDocumentsAndQuantizedDensities) {
 TEST(ActiveBlocksTest, DenseAttentionKeepsTheWholeCausalTriangle) {
   Rng rng(5);
   for (int c = 0; c < 2000; ++c) {
-    const int64_t length = RandomLength(rng);
-    const int block = kBlockSizes[rng.NextU64() % 2];
-    const int local = static_cast<int>(rng.NextU64() % 4);
-    const int64_t n = QueryBlocks(length, block);
+    const auto [length, block, local, n] = RandomDocument(rng);
     ASSERT_EQ(ActiveBlocks(length, 1.0, block, local), n * (n + 1) / 2) << "length=" << length;
   }
   EXPECT_EQ(ActiveBlocks(1, 1.0, 64, 1), 1);
@@ -190,10 +205,7 @@ TEST(ActiveBlocksTest, TinyDocumentsAreFullyKeptAtAnyDensity) {
 TEST(ActiveBlocksTest, NonDecreasingInDensityAndBoundedByAnchorsAndTriangle) {
   Rng rng(6);
   for (int c = 0; c < 300; ++c) {
-    const int64_t length = RandomLength(rng);
-    const int block = kBlockSizes[rng.NextU64() % 2];
-    const int local = static_cast<int>(rng.NextU64() % 4);
-    const int64_t n = QueryBlocks(length, block);
+    const auto [length, block, local, n] = RandomDocument(rng);
     int64_t anchored = 0;  // every row at its anchors only
     for (int64_t i = 0; i < n; ++i) anchored += AnchorBlocks(i, local);
     int64_t previous = 0;

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/random.h"
@@ -106,41 +107,36 @@ TEST(ProfileTableParseTest, SkipsCommentsBlankLinesAndWhitespace) {
 }
 
 TEST(ProfileTableParseTest, ErrorsNameTheLine) {
-  EXPECT_THAT(ParseError("hello 1\n"),
-              AllOf(HasSubstr("profile line 1"), HasSubstr("sparsebalance-profile 1")));
-  EXPECT_THAT(ParseError("# comment\n\nsparsebalance-profile\n"),
-              AllOf(HasSubstr("profile line 3"), HasSubstr("header")));
-  EXPECT_THAT(ParseError("# comment\n\nsparsebalance-profile 2\n"),
-              AllOf(HasSubstr("profile line 3"), HasSubstr("version 2")));
   const std::string head = kHeader;  // lines 1-3
-  EXPECT_THAT(ParseError(head + "8192 0.3 0.1\n8192 1.5 0.2\n"),
-              AllOf(HasSubstr("profile line 5"), HasSubstr("density \"1.5\"")));
-  EXPECT_THAT(ParseError(head + "8192 0 0.1\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("density \"0\"")));
-  EXPECT_THAT(ParseError(head + "8192 nan 0.1\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("density \"nan\"")));
-  EXPECT_THAT(ParseError(head + "8192 dense 0.1\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("density \"dense\"")));
-  EXPECT_THAT(ParseError(head + "\n# c\n8192 0.3\n"),
-              AllOf(HasSubstr("profile line 6"), HasSubstr("three fields")));
-  EXPECT_THAT(ParseError(head + "8192 0.3 0.1 7\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("three fields")));
-  EXPECT_THAT(ParseError(head + "0 0.3 0.1\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("length \"0\"")));
-  EXPECT_THAT(ParseError(head + "8k 0.3 0.1\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("length \"8k\"")));
-  EXPECT_THAT(ParseError(head + "8192 0.3 0\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("seconds \"0\"")));
-  EXPECT_THAT(ParseError(head + "8192 0.3 inf\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("seconds \"inf\"")));
-  EXPECT_THAT(ParseError(head + "8192 0.3 -1\n"),
-              AllOf(HasSubstr("profile line 4"), HasSubstr("seconds \"-1\"")));
-  EXPECT_THAT(ParseError("sparsebalance-profile 1\nshape heads=32 rows=3\n"),
-              AllOf(HasSubstr("profile line 2"), HasSubstr("\"rows\"")));
-  EXPECT_THAT(ParseError("sparsebalance-profile 1\nshape heads=x\n"),
-              AllOf(HasSubstr("profile line 2"), HasSubstr("heads=x")));
-  EXPECT_THAT(ParseError("sparsebalance-profile 1\n\nshape block_size=32\n"),
-              AllOf(HasSubstr("profile line 3"), HasSubstr("block_size")));
+  struct Case {
+    std::string text;
+    int line;               // the profile line the error names
+    std::string complaint;  // and what it says is wrong there
+  };
+  const Case cases[] = {
+      {"hello 1\n", 1, "sparsebalance-profile 1"},
+      {"# comment\n\nsparsebalance-profile\n", 3, "header"},
+      {"# comment\n\nsparsebalance-profile 2\n", 3, "version 2"},
+      {head + "8192 0.3 0.1\n8192 1.5 0.2\n", 5, "density \"1.5\""},
+      {head + "8192 0 0.1\n", 4, "density \"0\""},
+      {head + "8192 nan 0.1\n", 4, "density \"nan\""},
+      {head + "8192 dense 0.1\n", 4, "density \"dense\""},
+      {head + "\n# c\n8192 0.3\n", 6, "three fields"},
+      {head + "8192 0.3 0.1 7\n", 4, "three fields"},
+      {head + "0 0.3 0.1\n", 4, "length \"0\""},
+      {head + "8k 0.3 0.1\n", 4, "length \"8k\""},
+      {head + "8192 0.3 0\n", 4, "seconds \"0\""},
+      {head + "8192 0.3 inf\n", 4, "seconds \"inf\""},
+      {head + "8192 0.3 -1\n", 4, "seconds \"-1\""},
+      {"sparsebalance-profile 1\nshape heads=32 rows=3\n", 2, "\"rows\""},
+      {"sparsebalance-profile 1\nshape heads=x\n", 2, "heads=x"},
+      {"sparsebalance-profile 1\n\nshape block_size=32\n", 3, "block_size"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_THAT(ParseError(c.text),
+                AllOf(HasSubstr(absl::StrCat("profile line ", c.line)), HasSubstr(c.complaint)))
+        << c.text;
+  }
 }
 
 TEST(ProfileTableParseTest, MissingPartsAreNamed) {

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/planner_client.h"
 #include "gtest/gtest.h"
+#include "tests/support/loopback_client.h"
 #include "tools/child_process.h"
 #include "tools/tool_support.h"
 #include "worker/run_summary.h"
@@ -88,14 +89,7 @@ std::unique_ptr<tools::PlannerProcess> StartPlanner(const std::string& state, in
 
 std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
                                        const std::string& token = "") {
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", port);
-  options.job_id = job;
-  options.token = token;
-  options.call_timeout_seconds = 5;
-  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
-  EXPECT_TRUE(client.ok());
-  return std::move(*client);
+  return test_support::ConnectLoopback(port, job, token, /*call_timeout_seconds=*/5);
 }
 
 // A tiny model so that a step takes tens of milliseconds.
@@ -180,8 +174,17 @@ struct JobUnderWay {
 
   const std::string& dir() const { return temp->path(); }
   std::string lines() const { return dir() + "/steps.jsonl"; }
+  std::string worker_log(int rank) const { return absl::StrCat(dir(), "/worker", rank, ".log"); }
   // Whether everything started (each failure is also a test failure).
   bool ok() const { return planner != nullptr && hub != nullptr; }
+  // Whether everything started and `rank` wrote `steps` step lines within a minute (when not,
+  // the failure shows its log).
+  ::testing::AssertionResult RankReached(int rank, int64_t steps) const {
+    if (!ok()) return ::testing::AssertionFailure() << "the job did not start";
+    if (WaitForSteps(lines(), rank, steps)) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << "rank " << rank << " did not write " << steps
+                                         << " steps: " << ReadAll(worker_log(rank));
+  }
 };
 
 JobUnderWay StartJob(int ranks, int steps) {
@@ -197,8 +200,7 @@ JobUnderWay StartJob(int ranks, int steps) {
   run.hub = *std::move(hub);
   for (int r = 0; r < ranks; ++r) {
     run.workers.push_back(StartWorker(run.port, run.job, r, run.token_file, run.hub->address(),
-                                      steps, run.lines(),
-                                      absl::StrCat(run.dir(), "/worker", r, ".log")));
+                                      steps, run.lines(), run.worker_log(r)));
   }
   return run;
 }
@@ -207,10 +209,9 @@ TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedRepor
   constexpr int kRanks = 3;
   constexpr int kSteps = 14;
   JobUnderWay run = StartJob(kRanks, kSteps);
-  ASSERT_TRUE(run.ok());
-  const std::string lines = run.lines();
   // Let a few steps go through the planner, then kill it.
-  ASSERT_TRUE(WaitForSteps(lines, 0, 4)) << ReadAll(run.dir() + "/worker0.log");
+  ASSERT_TRUE(run.RankReached(0, 4));
+  const std::string lines = run.lines();
   run.planner->Kill();
   const double killed_at = UnixSeconds();
   // The ranks go on alone for a while.
@@ -218,8 +219,7 @@ TEST(EndToEndTest, PlannerKilledMidRunComesBackWithEveryPlanAndAcknowledgedRepor
   run.planner = StartPlanner(run.dir() + "/state", run.port, run.dir() + "/planner-restarted.log");
   ASSERT_NE(run.planner, nullptr);
   for (int r = 0; r < kRanks; ++r) {
-    EXPECT_EQ(run.workers[r]->WaitFor(180), 0)
-        << ReadAll(absl::StrCat(run.dir(), "/worker", r, ".log"));
+    EXPECT_EQ(run.workers[r]->WaitFor(180), 0) << ReadAll(run.worker_log(r));
   }
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
   ASSERT_TRUE(all.ok());
@@ -258,15 +258,13 @@ TEST(EndToEndTest, AKilledWorkerRestartsOnItsRankAndTheJobContinues) {
   constexpr int kRanks = 3;
   constexpr int kSteps = 8;
   JobUnderWay run = StartJob(kRanks, kSteps);
-  ASSERT_TRUE(run.ok());
-  const std::string lines = run.lines();
-  ASSERT_TRUE(WaitForSteps(lines, 2, 3)) << ReadAll(run.dir() + "/worker2.log");
+  ASSERT_TRUE(run.RankReached(2, 3));
   run.workers[2]->Kill();
-  const int64_t done_before = StepsDone(lines, 2);
+  const int64_t done_before = StepsDone(run.lines(), 2);
   run.workers[2] = StartWorker(run.port, run.job, 2, run.token_file, run.hub->address(), kSteps,
-                               lines, run.dir() + "/worker2-restarted.log");
+                               run.lines(), run.dir() + "/worker2-restarted.log");
   for (int r = 0; r < kRanks; ++r) EXPECT_EQ(run.workers[r]->WaitFor(120), 0);
-  absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(lines);
+  absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(run.lines());
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), static_cast<size_t>(kRanks * kSteps));
   // It resumed where its reports stopped, not from step 0: at the first step without a line,

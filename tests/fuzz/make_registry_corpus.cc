@@ -81,6 +81,14 @@ PlannerConfig Planner(const v1::JobConfig& c) {
   return s.ok() ? s->planner : PlannerConfig{};
 }
 
+// A sequence that starts by creating a job with `config` (slot 0) and joining `ranks` to it.
+RegistryOps JoinedJob(const v1::JobConfig& config, const std::vector<int32_t>& ranks) {
+  RegistryOps ops;
+  ops.Create(config.SerializeAsString());
+  for (int32_t rank : ranks) ops.Join(0, rank);
+  return ops;
+}
+
 std::string Update(const v1::JobConfig& config, const std::vector<std::string>& fields) {
   v1::UpdateJobConfigRequest request;
   *request.mutable_config() = config;
@@ -103,35 +111,25 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
     seeds.emplace_back(name, ops.bytes());
   };
   // Part 1's attacks, as RPC sequences.
-  {
-    RegistryOps ops;
-    ops.Create(Config(1, 1, kInt64Max).SerializeAsString())
-        .Join(0, 0)
-        .Submit(0, Step::Next(), false, Batch({{1, kInt64Max, 0.0, 0, {}}}));
-    add("attack_capacity_int64_max", ops);
-  }
+  add("attack_capacity_int64_max",
+      JoinedJob(Config(1, 1, kInt64Max), {0})
+          .Submit(0, Step::Next(), false, Batch({{1, kInt64Max, 0.0, 0, {}}})));
   {
     // The largest allowed capacity, a full-size sample and its report: the fold that used to
     // meet non-finite features.
     const v1::JobConfig c = Config(1, 1, int64_t{1} << 30);
     const std::vector<Sample> batch = {{1, int64_t{1} << 30, 0.0, 0, {}}};
-    RegistryOps ops;
-    ops.Create(c.SerializeAsString())
-        .Join(0, 0)
-        .Submit(0, Step::Next(), false, Batch(batch))
-        .Report(0, Step::Last(), Report(Planner(c), batch, 0, 1.0, 0.0, false))
-        .Restart()
-        .GetPlan(0, Step::Last(), 0);
-    add("capacity_at_the_bound_and_fold", ops);
+    add("capacity_at_the_bound_and_fold",
+        JoinedJob(c, {0})
+            .Submit(0, Step::Next(), false, Batch(batch))
+            .Report(0, Step::Last(), Report(Planner(c), batch, 0, 1.0, 0.0, false))
+            .Restart()
+            .GetPlan(0, Step::Last(), 0));
   }
-  {
-    RegistryOps ops;
-    ops.Create(Config(1, 1, 0).SerializeAsString())
-        .Join(0, 0)
-        .Submit(0, Step::Next(), false, Batch({{1, 1, 0.0, 0, {kInt64Max, kInt64Max, 3}}}))
-        .Submit(0, Step::Next(), true, Batch({{1, 1, 0.0, 0, {kInt64Max, kInt64Max, 3}}}));
-    add("attack_segments_wrap", ops);
-  }
+  add("attack_segments_wrap",
+      JoinedJob(Config(1, 1, 0), {0})
+          .Submit(0, Step::Next(), false, Batch({{1, 1, 0.0, 0, {kInt64Max, kInt64Max, 3}}}))
+          .Submit(0, Step::Next(), true, Batch({{1, 1, 0.0, 0, {kInt64Max, kInt64Max, 3}}})));
   {
     RegistryOps ops;
     ops.Create(Config(65536, kInt32Max, 0).SerializeAsString())
@@ -158,59 +156,47 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
     const v1::JobConfig c = Config(2, 2, 8192);
     const std::vector<Sample> batch = Uniform(8, 1500);
     const PlannerConfig p = Planner(c);
-    RegistryOps ops;
-    ops.Create(c.SerializeAsString())
-        .Join(0, 0)
-        .Join(0, 1)
-        .Submit(0, Step::Next(), false, Batch(batch))
-        .Report(0, Step::Last(), Report(p, batch, 0, 1.0, 0.01, false))
-        .Report(0, Step::Last(), Report(p, batch, 0, 3.0, 0.5, false))
-        .Restart()
-        .Report(0, Step::Last(), Report(p, batch, 0, 0.2, 0.0, false))
-        .Report(0, Step::Last(), Report(p, batch, 1, 1.1, 0.0, false))
-        .Submit(0, Step::Next(), false, Batch(Uniform(8, 900)))
-        .Restart()
-        .GetPlan(0, Step::Raw(0), 1);
-    add("repeated_report_different_timings", ops);
+    add("repeated_report_different_timings",
+        JoinedJob(c, {0, 1})
+            .Submit(0, Step::Next(), false, Batch(batch))
+            .Report(0, Step::Last(), Report(p, batch, 0, 1.0, 0.01, false))
+            .Report(0, Step::Last(), Report(p, batch, 0, 3.0, 0.5, false))
+            .Restart()
+            .Report(0, Step::Last(), Report(p, batch, 0, 0.2, 0.0, false))
+            .Report(0, Step::Last(), Report(p, batch, 1, 1.1, 0.0, false))
+            .Submit(0, Step::Next(), false, Batch(Uniform(8, 900)))
+            .Restart()
+            .GetPlan(0, Step::Raw(0), 1));
   }
   // A ReportStep with NaN wait_seconds and planned_locally on a step holding the planner's plan.
   {
     const v1::JobConfig c = Config(2, 1, 8192);
     const std::vector<Sample> batch = Uniform(4, 2000);
-    RegistryOps ops;
-    ops.Create(c.SerializeAsString())
-        .Join(0, 0)
-        .Join(0, 1)
-        .Submit(0, Step::Next(), false, Batch(batch))
-        .Report(0, Step::Last(), Report(Planner(c), batch, 0, 1.0, kNaN, true))
-        .GetPlan(0, Step::Last(), 0)
-        .Restart();
-    add("report_nan_wait_planned_locally", ops);
+    add("report_nan_wait_planned_locally",
+        JoinedJob(c, {0, 1})
+            .Submit(0, Step::Next(), false, Batch(batch))
+            .Report(0, Step::Last(), Report(Planner(c), batch, 0, 1.0, kNaN, true))
+            .GetPlan(0, Step::Last(), 0)
+            .Restart());
   }
   // planned_locally SubmitBatch with step INT64_MAX, and with step 1e15.
-  {
-    RegistryOps ops;
-    ops.Create(Config(1, 1, 0).SerializeAsString())
-        .Join(0, 0)
-        .Submit(0, Step::Raw(kInt64Max), true, Batch(Uniform(3, 100)))
-        .GetPlan(0, Step::Raw(kInt64Max), 0)
-        .Restart();
-    add("local_submit_step_int64_max", ops);
-  }
+  add("local_submit_step_int64_max",
+      JoinedJob(Config(1, 1, 0), {0})
+          .Submit(0, Step::Raw(kInt64Max), true, Batch(Uniform(3, 100)))
+          .GetPlan(0, Step::Raw(kInt64Max), 0)
+          .Restart());
   {
     const v1::JobConfig c = Config(1, 1, 0);
     const std::vector<Sample> batch = Uniform(3, 100);
-    RegistryOps ops;
-    ops.Create(c.SerializeAsString())
-        .Join(0, 0)
-        .Submit(0, Step::Raw(1000000000000000), true, Batch(batch))
-        .Report(0, Step::Last(), Report(Planner(c), batch, 0, 1.0, 0.0, true))
-        .Submit(0, Step::Next(), false, Batch(Uniform(2, 50)))
-        .Join(0, 0)
-        .Restart()
-        .GetPlan(0, Step::Raw(1000000000000000), 0)
-        .Submit(0, Step::Raw(1000000000000000), true, Batch(batch));
-    add("local_submit_step_1e15", ops);
+    add("local_submit_step_1e15",
+        JoinedJob(c, {0})
+            .Submit(0, Step::Raw(1000000000000000), true, Batch(batch))
+            .Report(0, Step::Last(), Report(Planner(c), batch, 0, 1.0, 0.0, true))
+            .Submit(0, Step::Next(), false, Batch(Uniform(2, 50)))
+            .Join(0, 0)
+            .Restart()
+            .GetPlan(0, Step::Raw(1000000000000000), 0)
+            .Submit(0, Step::Raw(1000000000000000), true, Batch(batch)));
   }
   // A whole job life: config updates (one invalid), a profile, history trimming, two jobs, a
   // deletion and restarts.
@@ -245,10 +231,8 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
   // Steps out of order, a different batch for a planned step, a local switch on repeat.
   {
     const std::vector<Sample> batch = Uniform(5, 1000);
-    RegistryOps ops;
-    ops.Create(Config(2, 1, 0).SerializeAsString())
-        .Join(0, 1)
-        .Submit(0, Step::Ahead(3), false, Batch(batch))
+    RegistryOps ops = JoinedJob(Config(2, 1, 0), {1});
+    ops.Submit(0, Step::Ahead(3), false, Batch(batch))
         .Submit(0, Step::Next(), false, Batch(batch))
         .Submit(0, Step::Last(), false, Batch(Uniform(5, 999)))
         .Submit(0, Step::Last(), true, Batch(batch))

@@ -16,23 +16,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-struct Batch {
-  std::vector<int32_t> cu;
-  int heads;
-  int head_dim;
-  std::vector<float> q, k;
-};
-
-Batch MakeBatch(const std::vector<int32_t>& lengths, int heads, int head_dim, uint32_t seed) {
-  Batch b{testing::CuSeqlens(lengths), heads, head_dim, {}, {}};
-  const size_t n = static_cast<size_t>(b.cu.back()) * heads * head_dim;
-  b.q = testing::RandomTensor(n, seed);
-  b.k = testing::RandomTensor(n, seed + 1);
-  return b;
-}
-
 TEST(BlockSelectionTest, RowsKeepAnchorsAndExactlyThePlannersCount) {
-  const Batch b = MakeBatch({1000, 1, 333, 2048, 129}, 2, 64, 11);
+  const testing::Problem b = testing::MakeProblem({1000, 1, 333, 2048, 129}, 2, 64, 11);
   const std::vector<double> densities = {0.1, 0.5, 0.3, 0.05, 1.0};
   for (int block_size : {64, 128}) {
     for (int local_blocks : {0, 1, 3}) {
@@ -96,7 +81,7 @@ TEST(BlockSelectionTest, TheBestScoringBlocksAreKept) {
 }
 
 TEST(BlockSelectionTest, ExactRecallIsOneAtFullDensityAndAtMostOneOtherwise) {
-  const Batch b = MakeBatch({300, 129, 64}, 2, 64, 21);
+  const testing::Problem b = testing::MakeProblem({300, 129, 64}, 2, 64, 21);
   for (double density : {1.0, 0.4, 0.1}) {
     absl::StatusOr<Selection> sel = SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k,
                                                  {density, density, density}, SelectionOptions{});
@@ -121,7 +106,7 @@ TEST(BlockSelectionTest, ExactRecallIsOneAtFullDensityAndAtMostOneOtherwise) {
 }
 
 TEST(BlockSelectionTest, AMassThresholdKeepsFewerBlocksAndReachesItsEstimate) {
-  const Batch b = MakeBatch({2048}, 1, 128, 31);
+  const testing::Problem b = testing::MakeProblem({2048}, 1, 128, 31);
   SelectionOptions capped;
   absl::StatusOr<Selection> full = SelectBlocks(b.cu, 1, 128, b.q, b.k, {0.5}, capped);
   SelectionOptions thresholded = capped;
@@ -141,7 +126,7 @@ TEST(BlockSelectionTest, AMassThresholdKeepsFewerBlocksAndReachesItsEstimate) {
 }
 
 TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
-  const Batch b = MakeBatch({100, 50}, 2, 64, 41);
+  const testing::Problem b = testing::MakeProblem({100, 50}, 2, 64, 41);
   SelectionOptions ok;
   struct Case {
     std::vector<int32_t> cu;

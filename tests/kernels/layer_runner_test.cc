@@ -13,17 +13,14 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda_attention.h"
 #include "planner/random.h"
+#include "tests/support/small_shape.h"
 
 namespace sparsebalance {
 namespace kernels {
 namespace {
 
 using ::testing::HasSubstr;
-
-ModelShape SmallShape() {
-  return ModelShape{/*layers=*/1, /*heads=*/2, /*head_dim=*/64, /*block_size=*/64,
-                    /*local_blocks=*/1};
-}
+using test_support::SmallShape;
 
 // Random q, k, v in [-1, 1) for the documents.
 LayerBatch MakeBatch(const ModelShape& shape, const std::vector<LayerDocument>& documents,

@@ -29,6 +29,29 @@ inline std::vector<int32_t> CuSeqlens(const std::vector<int32_t>& lengths) {
   return cu;
 }
 
+// Varlen attention inputs: documents of the given lengths, `heads` x `head_dim` per token, and
+// random q, k, v and dout (seeds seed, seed + 1, seed + 2, seed + 3).
+struct Problem {
+  std::vector<int32_t> cu;
+  int heads = 0;
+  int head_dim = 0;
+  std::vector<float> q, k, v, dout;
+};
+
+inline Problem MakeProblem(const std::vector<int32_t>& lengths, int heads, int head_dim,
+                           uint32_t seed) {
+  Problem p;
+  p.cu = CuSeqlens(lengths);
+  p.heads = heads;
+  p.head_dim = head_dim;
+  const size_t n = static_cast<size_t>(p.cu.back()) * heads * head_dim;
+  p.q = RandomTensor(n, seed);
+  p.k = RandomTensor(n, seed + 1);
+  p.v = RandomTensor(n, seed + 2);
+  p.dout = RandomTensor(n, seed + 3);
+  return p;
+}
+
 // kept[s][h][i][j]: whether query block i of (sequence s, head h) keeps key block j.
 struct BlockMask {
   std::vector<std::vector<std::vector<std::vector<char>>>> kept;

@@ -174,11 +174,16 @@ struct LeastSquaresProblem {
   std::vector<double> weights;
 };
 
-// Columns of very different magnitudes (like blocks, tokens, documents, 1), targets from
-// `truth` plus relative noise.
-LeastSquaresProblem RandomProblem(Rng& rng, const std::vector<double>& truth, double noise) {
+// 1-4 columns of very different magnitudes (like blocks, tokens, documents, 1), targets from a
+// random truth (each entry negative with probability `negative_share`) plus relative noise.
+LeastSquaresProblem RandomProblem(Rng& rng, double negative_share, double noise) {
   LeastSquaresProblem p;
-  const size_t k = truth.size();
+  const size_t k = 1 + rng.NextU64() % 4;
+  std::vector<double> truth(k);
+  for (size_t c = 0; c < k; ++c) {
+    const double magnitude = std::exp(rng.Uniform() * 4.0 - 4.0 * c);
+    truth[c] = negative_share > 0 && rng.Uniform() < negative_share ? -magnitude : magnitude;
+  }
   const int n = 8 + static_cast<int>(rng.NextU64() % 40);
   for (int i = 0; i < n; ++i) {
     std::vector<double> x(k);
@@ -206,59 +211,61 @@ std::vector<double> Gradient(const LeastSquaresProblem& p, const std::vector<dou
   return g;
 }
 
-TEST(NonNegativeLeastSquaresTest, MatchesUnconstrainedSolutionWhenThatIsNonNegative) {
-  Rng rng(3);
-  int compared = 0;
+// Draws 300 problems from `seed` (RandomProblem) and solves each with NonNegativeLeastSquares,
+// which must give one coefficient per column; then check(problem, solution). Stops at the first
+// fatal failure.
+template <typename Check>
+void SolveRandomProblems(uint64_t seed, double negative_share, double noise, Check check) {
+  Rng rng(seed);
   for (int t = 0; t < 300; ++t) {
-    const size_t k = 1 + rng.NextU64() % 4;
-    std::vector<double> truth(k);
-    for (size_t c = 0; c < k; ++c) truth[c] = std::exp(rng.Uniform() * 4.0 - 4.0 * c);
-    const LeastSquaresProblem p = RandomProblem(rng, truth, 0.01);
-    const std::vector<double> free = UnconstrainedLeastSquares(p.rows, p.targets, p.weights);
-    bool non_negative = true;
-    for (double v : free) non_negative = non_negative && v >= 0;
-    if (!non_negative) continue;
-    ++compared;
+    SCOPED_TRACE(::testing::Message() << "problem " << t);
+    const LeastSquaresProblem p = RandomProblem(rng, negative_share, noise);
     const std::vector<double> got = NonNegativeLeastSquares(p.rows, p.targets, p.weights);
-    ASSERT_EQ(got.size(), k);
-    for (size_t c = 0; c < k; ++c) {
-      ASSERT_NEAR(got[c], free[c], 1e-6 * std::fabs(free[c]) + 1e-12)
-          << "problem " << t << " column " << c;
-    }
+    ASSERT_EQ(got.size(), p.rows.front().size());
+    check(p, got);
+    if (::testing::Test::HasFatalFailure()) return;
   }
+}
+
+TEST(NonNegativeLeastSquaresTest, MatchesUnconstrainedSolutionWhenThatIsNonNegative) {
+  int compared = 0;
+  SolveRandomProblems(
+      3, /*negative_share=*/0.0, /*noise=*/0.01,
+      [&](const LeastSquaresProblem& p, const std::vector<double>& got) {
+        const std::vector<double> free = UnconstrainedLeastSquares(p.rows, p.targets, p.weights);
+        bool non_negative = true;
+        for (double v : free) non_negative = non_negative && v >= 0;
+        if (!non_negative) return;
+        ++compared;
+        for (size_t c = 0; c < got.size(); ++c) {
+          ASSERT_NEAR(got[c], free[c], 1e-6 * std::fabs(free[c]) + 1e-12) << "column " << c;
+        }
+      });
   EXPECT_GT(compared, 200);
 }
 
 TEST(NonNegativeLeastSquaresTest, ReturnsANonNegativeOptimum) {
   // Truths with negative entries: the answer is the constrained optimum, checked by the KKT
   // conditions (zero gradient on the free columns, a non-negative one on the clamped ones).
-  Rng rng(4);
   int clamped_cases = 0;
-  for (int t = 0; t < 300; ++t) {
-    const size_t k = 1 + rng.NextU64() % 4;
-    std::vector<double> truth(k);
-    for (size_t c = 0; c < k; ++c) {
-      truth[c] = std::exp(rng.Uniform() * 4.0 - 4.0 * c) * (rng.Uniform() < 0.4 ? -1.0 : 1.0);
-    }
-    const LeastSquaresProblem p = RandomProblem(rng, truth, 0.05);
-    const std::vector<double> got = NonNegativeLeastSquares(p.rows, p.targets, p.weights);
-    ASSERT_EQ(got.size(), k);
-    const std::vector<double> g = Gradient(p, got);
-    // Scale of the gradient entries: |x_j| |y| summed.
-    for (size_t c = 0; c < k; ++c) {
-      ASSERT_GE(got[c], 0.0) << "problem " << t << " column " << c;
-      double scale = 0;
-      for (size_t i = 0; i < p.rows.size(); ++i) {
-        scale += p.weights[i] * std::fabs(p.rows[i][c] * p.targets[i]);
-      }
-      if (got[c] > 0) {
-        ASSERT_NEAR(g[c], 0.0, 1e-7 * scale) << "problem " << t << " free column " << c;
-      } else {
-        ++clamped_cases;
-        ASSERT_GE(g[c], -1e-7 * scale) << "problem " << t << " clamped column " << c;
-      }
-    }
-  }
+  SolveRandomProblems(4, /*negative_share=*/0.4, /*noise=*/0.05,
+                      [&](const LeastSquaresProblem& p, const std::vector<double>& got) {
+                        const std::vector<double> g = Gradient(p, got);
+                        // Scale of the gradient entries: |x_j| |y| summed.
+                        for (size_t c = 0; c < got.size(); ++c) {
+                          ASSERT_GE(got[c], 0.0) << "column " << c;
+                          double scale = 0;
+                          for (size_t i = 0; i < p.rows.size(); ++i) {
+                            scale += p.weights[i] * std::fabs(p.rows[i][c] * p.targets[i]);
+                          }
+                          if (got[c] > 0) {
+                            ASSERT_NEAR(g[c], 0.0, 1e-7 * scale) << "free column " << c;
+                          } else {
+                            ++clamped_cases;
+                            ASSERT_GE(g[c], -1e-7 * scale) << "clamped column " << c;
+                          }
+                        }
+                      });
   EXPECT_GT(clamped_cases, 50);
 }
 

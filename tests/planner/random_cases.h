@@ -33,6 +33,11 @@ namespace test_util {
 // as sb-sim's ground truth: attention is about 2.7x the linear part at 128K dense.
 inline constexpr CostCoefficients kTestPrior{1.7e-5, 1e-4, 2e-3, 0.05};
 
+// Property tests draw this many random cases; a broken invariant shows in many of them, so a
+// FailureBudget reports the first few in full, not all of them.
+inline constexpr int kRandomCases = 200;
+inline constexpr int kMaxReportedFailures = 3;
+
 struct RandomCase {
   uint64_t seed = 0;
   PlannerConfig config;
@@ -131,10 +136,22 @@ inline RandomCase MakeRandomCase(uint64_t seed, int max_samples = 1200) {
   return c;
 }
 
-// A model with the test prior and the given speed factors (one per rank).
-inline LatencyModel MakeModel(const PlannerConfig& config, const std::vector<double>& speed,
+// A step of `ranks` x `micro_batches` micro-batches of `capacity` tokens; the rest default.
+inline PlannerConfig StepConfig(int ranks, int micro_batches, int64_t capacity,
+                                OverflowPolicy overflow = PlannerConfig().overflow) {
+  PlannerConfig config;
+  config.ranks = ranks;
+  config.micro_batches = micro_batches;
+  config.micro_batch_capacity = capacity;
+  config.overflow = overflow;
+  return config;
+}
+
+// A model with the test prior and the given speed factors (one per rank; none: all 1).
+inline LatencyModel MakeModel(const PlannerConfig& config, const std::vector<double>& speed = {},
                               const CostCoefficients& prior = kTestPrior) {
   LatencyModel model(config.shape, config.ranks, prior);
+  if (speed.empty()) return model;
   LatencyModelState state = model.state();
   state.speed_factors = speed;
   model.set_state(state);
@@ -174,12 +191,12 @@ inline std::string Describe(const RandomCase& c) {
 // full, later failing cases are only counted (one broken invariant would otherwise print
 // thousands of lines), and Summarize() reports that count.
 //
-//   FailureBudget budget(3);
+//   FailureBudget budget;  // kMaxReportedFailures
 //   for (...) budget.Run([&] { ExpectValidPlan(...); });
 //   budget.Summarize();
 class FailureBudget {
  public:
-  explicit FailureBudget(int reported_cases) : left_(reported_cases) {}
+  explicit FailureBudget(int reported_cases = kMaxReportedFailures) : left_(reported_cases) {}
 
   template <typename Check>
   void Run(Check&& check) {

@@ -24,11 +24,8 @@ using test_util::Describe;
 using test_util::MakeModel;
 using test_util::MakeRandomCase;
 using test_util::RandomCase;
-using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-constexpr int kRandomCases = 200;
-constexpr int kMaxReportedFailures = 3;
 // AssignSamples counts placements within this share of the best as ties (sample_assigner.cc).
 constexpr double kTieShare = 0.005;
 
@@ -81,9 +78,9 @@ void ExpectValidAssignment(const Assignment& a, const std::vector<Sample>& batch
 }
 
 void RunRandomCases(bool grouped) {
-  test_util::FailureBudget budget(kMaxReportedFailures);
+  test_util::FailureBudget budget;
   int cases = 0;
-  for (uint64_t seed = 0; cases < kRandomCases; ++seed) {
+  for (uint64_t seed = 0; cases < test_util::kRandomCases; ++seed) {
     RandomCase c = MakeRandomCase(seed);
     if (HasGroups(c.batch) != grouped) continue;
     ++cases;
@@ -115,12 +112,9 @@ TEST(AssignSamplesTest, EveryPolicyKeepsGroupsTogetherWithinCapacity) {
 TEST(AssignSamplesTest, SequentialKeepsAGroupWithinMicroBatchCapacity) {
   // One rank, two micro-batches of 100 tokens, one group of 10 + 95 + 80 tokens in arrival
   // order. In order: 10 -> mb 0, 95 -> mb 1, 80 -> mb 0 (90 tokens).
-  PlannerConfig config;
-  config.ranks = 1;
-  config.micro_batches = 2;
-  config.micro_batch_capacity = 100;
+  PlannerConfig config = test_util::StepConfig(1, 2, 100);
   const std::vector<Sample> batch = {{1, 10, 0.0, 7, {}}, {2, 95, 0.0, 7, {}}, {3, 80, 0.0, 7, {}}};
-  const LatencyModel model(config.shape, 1, test_util::kTestPrior);
+  const LatencyModel model = MakeModel(config);
   for (Policy policy : AllPolicies()) {
     config.policy = policy;
     absl::StatusOr<Assignment> a =
@@ -143,7 +137,7 @@ TEST(AssignSamplesTest, SequentialPlacesContiguousChunksInArrivalOrder) {
       batch[i].id = 1000 + i;
       batch[i].length = 1 + static_cast<int64_t>(rng.NextU64() % 50000);
     }
-    const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+    const LatencyModel model = MakeModel(config);
     for (Policy policy : {Policy::kSequential, Policy::kDst}) {
       config.policy = policy;
       absl::StatusOr<Assignment> a =
@@ -245,10 +239,7 @@ TEST(AssignSamplesTest, BalancingPoliciesMeetTheGreedyBoundWhenEverythingFits) {
 }
 
 TEST(AssignSamplesTest, SabGivesASlowRankLessWork) {
-  PlannerConfig config;
-  config.ranks = 8;
-  config.micro_batches = 2;
-  config.micro_batch_capacity = 65536;
+  PlannerConfig config = test_util::StepConfig(8, 2, 65536);
   config.policy = Policy::kSab;
   std::vector<double> speed(config.ranks, 1.0);
   speed[3] = 2.0;
@@ -291,14 +282,10 @@ TEST(AssignSamplesTest, NothingIsDeferredWhenTheBatchFitsInOneMicroBatch) {
 TEST(AssignSamplesTest, UnplaceableSampleUnderErrorNamesTheSampleAndCapacity) {
   // 180 tokens fit in the step's 200, but no two 60-token samples share a 100-token
   // micro-batch, so the third has nowhere to go.
-  PlannerConfig config;
-  config.ranks = 1;
-  config.micro_batches = 2;
-  config.micro_batch_capacity = 100;
-  config.overflow = OverflowPolicy::kError;
+  PlannerConfig config = test_util::StepConfig(1, 2, 100, OverflowPolicy::kError);
   const std::vector<Sample> batch = {{1, 60, 0.0, 0, {}}, {2, 60, 0.0, 0, {}}, {3, 60, 0.0, 0, {}}};
   ASSERT_TRUE(ValidateBatch(batch, config).ok());
-  const LatencyModel model(config.shape, 1, test_util::kTestPrior);
+  const LatencyModel model = MakeModel(config);
   for (Policy policy : AllPolicies()) {
     config.policy = policy;
     absl::StatusOr<Assignment> a =
@@ -306,8 +293,8 @@ TEST(AssignSamplesTest, UnplaceableSampleUnderErrorNamesTheSampleAndCapacity) {
     ASSERT_FALSE(a.ok()) << PolicyName(policy);
     EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(a.status().message()),
-                AllOf(HasSubstr("samples[2]"), HasSubstr("does not fit"),
-                      HasSubstr("micro_batch_capacity"), HasSubstr("defer")));
+                ::testing::AllOf(HasSubstr("samples[2]"), HasSubstr("does not fit"),
+                                 HasSubstr("micro_batch_capacity"), HasSubstr("defer")));
     config.overflow = OverflowPolicy::kDefer;
     a = AssignSamples(batch, config, model, BaseDensities(batch, config));
     ASSERT_TRUE(a.ok());
@@ -320,12 +307,9 @@ TEST(AssignSamplesTest, UnplaceableSampleUnderErrorNamesTheSampleAndCapacity) {
 // ValidateBatch must get an error, never an out-of-bounds write. Negative lengths give
 // negative costs, for which no candidate rank passes the tie test (it used to pick rank -1).
 TEST(AssignSamplesTest, UnvalidatedNegativeCostsAreAnErrorNotAnOutOfRangeRank) {
-  PlannerConfig config;
-  config.ranks = 3;
-  config.micro_batches = 2;
-  config.micro_batch_capacity = 4096;
+  PlannerConfig config = test_util::StepConfig(3, 2, 4096);
   const std::vector<Sample> batch = {{1, -100, 0.0, 0, {}}, {2, -5000, 0.0, 0, {}}};
-  const LatencyModel model(config.shape, config.ranks, test_util::kTestPrior);
+  const LatencyModel model = MakeModel(config);
   for (Policy policy : {Policy::kSab, Policy::kSparseBalance, Policy::kTokens, Policy::kFlops}) {
     config.policy = policy;
     absl::StatusOr<Assignment> a =

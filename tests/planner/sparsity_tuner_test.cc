@@ -24,11 +24,10 @@ namespace {
 using test_util::AllDstModes;
 using test_util::BaseDensities;
 using test_util::Describe;
+using test_util::kRandomCases;
 using test_util::MakeModel;
 using test_util::MakeRandomCase;
 using test_util::RandomCase;
-
-constexpr int kRandomCases = 200;
 
 // A random case placed by `policy` at base densities, ready for tuning.
 struct Placed {
@@ -105,7 +104,7 @@ TEST(TuneDensitiesTest, RecallIsKeptInEveryModeButMin) {
 }
 
 TEST(TuneDensitiesTest, MaxModeOnlyRaisesAndKeepsTheMakespan) {
-  test_util::FailureBudget budget(3);
+  test_util::FailureBudget budget;
   for (uint64_t seed = 0; seed < kRandomCases; ++seed) {
     Placed p;
     if (!Place(seed, seed % 2 == 0 ? Policy::kSab : Policy::kSequential, &p)) continue;
@@ -200,9 +199,7 @@ struct Scene {
 
 Scene MakeScene(const std::vector<std::vector<Sample>>& per_rank) {
   Scene s;
-  s.config.ranks = static_cast<int>(per_rank.size());
-  s.config.micro_batches = 1;
-  s.config.micro_batch_capacity = 262144;
+  s.config = test_util::StepConfig(static_cast<int>(per_rank.size()), 1, 262144);
   s.config.policy = Policy::kDst;
   s.config.dst_mode = DstMode::kMean;
   s.assignment.ranks.resize(per_rank.size(), std::vector<std::vector<int>>(1));
@@ -230,7 +227,7 @@ TEST(TuneDensitiesTest, MeanModeCutsTheStragglerAndRaisesTheOthers) {
                              {Doc(8192, 0.1), Doc(8192, 0.3)},
                              {Doc(16384, 0.2)},
                              {Doc(4096, 0.0), Doc(4096, 0.5), Doc(4096, 0.05)}});
-  const LatencyModel model(s.config.shape, s.config.ranks, test_util::kTestPrior);
+  const LatencyModel model = MakeModel(s.config);
   const std::vector<double> rho = TuneDensities(s.batch, s.assignment, s.config, model, s.base,
                                                 TokenWeightedRecall(s.batch, s.base));
   EXPECT_LT(rho[0], s.base[0]);
@@ -254,7 +251,7 @@ TEST(TuneDensitiesTest, CutsFallFirstOnLongInsensitiveDocuments) {
                  {Doc(32768, 0.0), Doc(16384, 0.0)},
                  {Doc(32768, 0.0), Doc(16384, 0.0)},
                  {Doc(32768, 0.0), Doc(16384, 0.0)}});
-  const LatencyModel model(s.config.shape, s.config.ranks, test_util::kTestPrior);
+  const LatencyModel model = MakeModel(s.config);
   for (DstMode mode : {DstMode::kMean, DstMode::kQuantile}) {
     PlannerConfig config = s.config;
     config.dst_mode = mode;

@@ -58,36 +58,44 @@ int CountFiles(const std::string& dir) {
   return n;
 }
 
-// Registry options that write to a store opened in `dir` (`*store` keeps it; null when it
-// cannot be opened).
-JobRegistry::Options OptionsWithStore(const std::string& dir, bool fsync_reports,
-                                      std::unique_ptr<PlanStore>* store) {
+// A store opened in `dir` (null when it cannot be) and registry options that write to it.
+struct StoredOptions {
+  std::unique_ptr<PlanStore> store;
+  JobRegistry::Options options;
+};
+
+StoredOptions OptionsWithStore(const std::string& dir, bool fsync_reports) {
+  StoredOptions stored;
   absl::StatusOr<std::unique_ptr<PlanStore>> opened = PlanStore::Open(dir, fsync_reports);
   EXPECT_TRUE(opened.ok()) << opened.status();
-  if (opened.ok()) *store = *std::move(opened);
-  JobRegistry::Options options;
-  options.store = store->get();
-  return options;
+  if (opened.ok()) stored.store = *std::move(opened);
+  stored.options.store = stored.store.get();
+  return stored;
+}
+
+// Creates job `name` (SmallJob of `ranks` ranks) on `registry` and joins every rank. Fatal
+// failures: call it in ASSERT_NO_FATAL_FAILURE.
+void CreateJoinedJob(JobRegistry& registry, const std::string& name, int ranks, int history_steps,
+                     CreatedJob* created) {
+  absl::StatusOr<CreatedJob> job =
+      registry.CreateJob(name, test_support::SmallJob(ranks, history_steps), "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  *created = *std::move(job);
+  for (int r = 0; r < ranks; ++r) ASSERT_TRUE(registry.JoinJob(created->job_id, r).ok());
 }
 
 TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
-  std::unique_ptr<PlanStore> store;
-  const JobRegistry::Options options = OptionsWithStore(TempDir(), false, &store);
-  ASSERT_NE(store, nullptr);
+  const StoredOptions stored = OptionsWithStore(TempDir(), false);
+  ASSERT_NE(stored.store, nullptr);
   constexpr int kRanks = 3;
-  std::string id;
-  std::string token;
+  CreatedJob job;
   std::vector<std::string> plans;
   std::vector<std::vector<Sample>> batches;
   JobView before;
+  const std::string& id = job.job_id;
   {
-    JobRegistry registry(options, CountingHex());
-    absl::StatusOr<CreatedJob> job =
-        registry.CreateJob("durable", test_support::SmallJob(kRanks, 8), "");
-    ASSERT_TRUE(job.ok()) << job.status();
-    id = job->job_id;
-    token = job->job_token;
-    for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+    JobRegistry registry(stored.options, CountingHex());
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "durable", kRanks, 8, &job));
     for (int step = 0; step < 3; ++step) {
       batches.push_back(Batch(10 + step, kRanks));
       absl::StatusOr<SubmitResult> result = registry.SubmitBatch(id, step, batches.back());
@@ -102,9 +110,9 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
     before = *registry.GetJob(id);
   }  // the planner "dies"
 
-  JobRegistry restored(options, CountingHex());
+  JobRegistry restored(stored.options, CountingHex());
   ASSERT_TRUE(restored.Restore().ok());
-  EXPECT_TRUE(restored.Authorize(id, token).ok());
+  EXPECT_TRUE(restored.Authorize(id, job.job_token).ok());
   absl::StatusOr<JobView> after = restored.GetJob(id);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->next_step, 3);
@@ -134,19 +142,15 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
 // A fold writes no snapshot (the next SubmitBatch's carries it): a planner that dies after a
 // step's last report but before the next submit refolds the step from its report log.
 TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
-  std::unique_ptr<PlanStore> store;
-  const JobRegistry::Options options = OptionsWithStore(TempDir(), false, &store);
-  ASSERT_NE(store, nullptr);
+  const StoredOptions stored = OptionsWithStore(TempDir(), false);
+  ASSERT_NE(stored.store, nullptr);
   constexpr int kRanks = 3;
-  std::string id;
+  CreatedJob job;
   JobView before;
+  const std::string& id = job.job_id;
   {
-    JobRegistry registry(options, CountingHex());
-    absl::StatusOr<CreatedJob> job =
-        registry.CreateJob("refold", test_support::SmallJob(kRanks, 8), "");
-    ASSERT_TRUE(job.ok());
-    id = job->job_id;
-    for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+    JobRegistry registry(stored.options, CountingHex());
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "refold", kRanks, 8, &job));
     for (int step = 0; step < 2; ++step) {
       absl::StatusOr<SubmitResult> result =
           registry.SubmitBatch(id, step, Batch(30 + step, kRanks));
@@ -158,7 +162,7 @@ TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
     before = *registry.GetJob(id);
     ASSERT_EQ(before.steps_folded, 2);  // step 1 folded after the last snapshot
   }
-  JobRegistry restored(options, CountingHex());
+  JobRegistry restored(stored.options, CountingHex());
   ASSERT_TRUE(restored.Restore().ok());
   const JobView after = *restored.GetJob(id);
   EXPECT_EQ(after.steps_folded, 2);
@@ -169,12 +173,12 @@ TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
 
 TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   const std::string dir = TempDir();
-  std::unique_ptr<PlanStore> store;
-  const JobRegistry::Options options = OptionsWithStore(dir, true, &store);
-  ASSERT_NE(store, nullptr);
-  JobRegistry registry(options, CountingHex());
-  const std::string id = registry.CreateJob("torn", test_support::SmallJob(2, 2), "")->job_id;
-  for (int r = 0; r < 2; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+  const StoredOptions stored = OptionsWithStore(dir, true);
+  ASSERT_NE(stored.store, nullptr);
+  JobRegistry registry(stored.options, CountingHex());
+  CreatedJob job;
+  ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "torn", 2, 2, &job));
+  const std::string& id = job.job_id;
   absl::StatusOr<SubmitResult> s0 = registry.SubmitBatch(id, 0, Batch(1, 2));
   ASSERT_TRUE(s0.ok());
   ASSERT_TRUE(registry.ReportStep(id, 0, 0, Measure(s0->plan, 0), 0.0).ok());
@@ -184,7 +188,7 @@ TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   ASSERT_GE(fd, 0);
   ASSERT_EQ(write(fd, "\x40\x00\x00\x00\x01\x02", 6), 6);
   close(fd);
-  JobRegistry restored(options, CountingHex());
+  JobRegistry restored(stored.options, CountingHex());
   ASSERT_TRUE(restored.Restore().ok());
   EXPECT_TRUE(*restored.ReportStep(id, 0, 0, Measure(s0->plan, 0), 0.0));   // kept
   EXPECT_FALSE(*restored.ReportStep(id, 0, 1, Measure(s0->plan, 1), 0.0));  // not torn in

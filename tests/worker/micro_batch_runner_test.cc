@@ -10,19 +10,13 @@
 #include "contract/block_geometry.h"
 #include "gtest/gtest.h"
 #include "planner/types.h"
+#include "tests/support/small_shape.h"
 
 namespace sparsebalance {
 namespace {
 
-ModelShape SmallShape() {
-  ModelShape shape;
-  shape.layers = 2;
-  shape.heads = 2;
-  shape.head_dim = 64;
-  shape.block_size = 64;
-  shape.local_blocks = 1;
-  return shape;
-}
+// Two layers, so that per-layer densities run layer by layer.
+ModelShape SmallShape() { return test_support::SmallShape(/*layers=*/2); }
 
 std::unique_ptr<MicroBatchRunner> Runner(bool exact_recall = false) {
   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
