@@ -257,17 +257,20 @@ void DeleteJob(v1::PlannerService::Stub* stub, const std::string& admin_token, c
   Check(stub->DeleteJob(&context, request, &response), "DeleteJob");
 }
 
+// What an async call's callback hands its call's status to.
+using Done = std::function<void(const grpc::Status&)>;
+
 // Runs `calls` async unary calls with at most `in_flight` outstanding; `start(i, done)` issues
 // call i and must invoke done(status) exactly once.
 void RunAsync(int64_t calls, int in_flight, Tally* tally,
-              const std::function<void(int64_t, std::function<void(grpc::Status)>)>& start) {
+              const std::function<void(int64_t, const Done&)>& start) {
   Latch latch(calls);
   std::atomic<int64_t> next{0};
   std::function<void()> issue = [&] {
     const int64_t i = next.fetch_add(1);
     if (i >= calls) return;
     const Clock::time_point t0 = Clock::now();
-    start(i, [&, t0](grpc::Status status) {
+    start(i, [&, t0](const grpc::Status& status) {
       tally->Add(status, Seconds(t0, Clock::now()));
       issue();  // the next call before this one counts as done, so Wait sees every call
       latch.Done();
@@ -279,11 +282,11 @@ void RunAsync(int64_t calls, int in_flight, Tally* tally,
 
 void Join(Connections& connections, const Job& job, int ranks) {
   Tally tally;
-  RunAsync(ranks, 64, &tally, [&](int64_t rank, std::function<void(grpc::Status)> done) {
+  RunAsync(ranks, 64, &tally, [&](int64_t rank, const Done& done) {
     auto call = NewRankCall<v1::JoinJobRequest, v1::JoinJobResponse>(job);
     call->request.set_rank(static_cast<int>(rank));
     connections[rank]->async()->JoinJob(&call->context, &call->request, &call->response,
-                                        [call, done](grpc::Status s) { done(s); });
+                                        [call, done](const grpc::Status& s) { done(s); });
   });
   tally.CheckOk("JoinJob");
 }
@@ -336,8 +339,8 @@ v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
 struct Figures {
   nlohmann::ordered_json values = nlohmann::ordered_json::object();
   void Add(const std::string& name, double value) {
-    double rounded = value;
-    absl::SimpleAtod(absl::StrFormat("%.6g", value), &rounded);
+    double rounded = 0.0;
+    if (!absl::SimpleAtod(absl::StrFormat("%.6g", value), &rounded)) rounded = value;
     values[name] = rounded;
   }
 };
@@ -366,14 +369,14 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
   stub->async()->GetRankPlan(
       &call->context, &call->request, &call->response,
       [&job, call, stub, t0, on_plan = std::move(on_plan),
-       on_done = std::move(on_done)](grpc::Status s) {
+       on_done = std::move(on_done)](const grpc::Status& s) {
         if (on_plan) on_plan(s, Seconds(t0, Clock::now()));
         if (!s.ok()) return on_done(s, -1.0);
         call->report = ReportFor(job, call->response.plan());
         const Clock::time_point t1 = Clock::now();
         stub->async()->ReportStep(
             &call->report_context, &call->report, &call->report_response,
-            [call, t1, on_done](grpc::Status r) { on_done(r, Seconds(t1, Clock::now())); });
+            [call, t1, on_done](const grpc::Status& r) { on_done(r, Seconds(t1, Clock::now())); });
       });
 }
 
@@ -391,18 +394,16 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
     Submit(connections[0], job, Batch(job, step, 2 * clients, 1000 + step));
   }
   Tally fetch;
-  RunAsync(static_cast<int64_t>(reports.size()), 64, &fetch,
-           [&](int64_t i, std::function<void(grpc::Status)> done) {
-             auto call = NewRankCall<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(job);
-             call->request.set_step(i / clients);
-             call->request.set_rank(static_cast<int>(i % clients));
-             connections[i % clients]->async()->GetRankPlan(
-                 &call->context, &call->request, &call->response,
-                 [&, call, done, i](grpc::Status s) {
-                   if (s.ok()) reports[i] = ReportFor(job, call->response.plan());
-                   done(s);
-                 });
-           });
+  RunAsync(static_cast<int64_t>(reports.size()), 64, &fetch, [&](int64_t i, const Done& done) {
+    auto call = NewRankCall<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(job);
+    call->request.set_step(i / clients);
+    call->request.set_rank(static_cast<int>(i % clients));
+    connections[i % clients]->async()->GetRankPlan(
+        &call->context, &call->request, &call->response, [&, call, done, i](const grpc::Status& s) {
+          if (s.ok()) reports[i] = ReportFor(job, call->response.plan());
+          done(s);
+        });
+  });
   fetch.CheckOk("GetRankPlan");
   // Timed: client c sends (step, c) for step 0, 1, ... with one call in flight.
   Tally tally;
@@ -532,7 +533,7 @@ void RunSoak(const std::string& target, const std::string& admin, int pid, Figur
   for (int step = 0; step < steps; ++step) {
     Submit(connections[0], job, Batch(job, step, 4 * ranks, 99 + step));
     Tally tally;
-    RunAsync(ranks, ranks, &tally, [&](int64_t rank, std::function<void(grpc::Status)> done) {
+    RunAsync(ranks, ranks, &tally, [&](int64_t rank, const Done& done) {
       PlanThenReport(connections[rank], job, step, static_cast<int>(rank), nullptr,
                      [done](const grpc::Status& s, double) { done(s); });
     });
@@ -609,4 +610,13 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace sparsebalance
 
-int main(int argc, char** argv) { return sparsebalance::Main(argc, argv); }
+int main(int argc, char** argv) {
+  try {
+    return sparsebalance::Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "sb-load: " << e.what() << std::endl;
+  } catch (...) {
+    std::cerr << "sb-load: an unknown exception" << std::endl;
+  }
+  return 1;
+}

@@ -34,15 +34,32 @@ bool IsUnreachable(const absl::Status& status) {
 }
 
 struct PlannerClient::Impl {
+  using Stub = v1::PlannerService::Stub;
+  // Whose token a call carries: the job's (CreateJob's answer) or the planner's admin token.
+  enum class Token { kJob, kAdmin };
+
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::PlannerService::Stub> stub;
+  std::unique_ptr<Stub> stub;
 
-  void Prepare(grpc::ClientContext* context, double timeout_seconds, bool admin) const {
-    context->set_deadline(std::chrono::system_clock::now() +
-                          std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
-    const std::string& token = admin ? options.admin_token : options.token;
-    if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
+  // One unary call of `method`: a deadline `timeout_seconds` from now (the call timeout when
+  // 0), the token as "authorization: Bearer <token>" when there is one, and gRPC's status as
+  // an absl::Status.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
+                                                             Response*),
+                                const Request& request, Token token = Token::kJob,
+                                double timeout_seconds = 0.0) const {
+    if (timeout_seconds == 0.0) timeout_seconds = options.call_timeout_seconds;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+    const std::string& bearer = token == Token::kAdmin ? options.admin_token : options.token;
+    if (!bearer.empty()) context.AddMetadata("authorization", "Bearer " + bearer);
+    Response response;
+    absl::Status status = FromGrpcStatus(((*stub).*method)(&context, request, &response));
+    if (!status.ok()) return status;
+    return response;
   }
 };
 
@@ -98,38 +115,31 @@ absl::StatusOr<JobHandle> PlannerClient::CreateJob(const std::string& name,
   settings.history_steps = history_steps;
   *request.mutable_config() = ConfigToProto(settings);
   request.mutable_config()->set_history_steps(history_steps);
-  v1::CreateJobResponse response;
-  grpc::ClientContext context;
-  impl_->Prepare(&context, impl_->options.call_timeout_seconds, /*admin=*/true);
-  absl::Status status = FromGrpcStatus(impl_->stub->CreateJob(&context, request, &response));
-  if (!status.ok()) return status;
-  absl::StatusOr<JobSettings> created = ConfigFromProto(response.config(), WireLimits());
+  absl::StatusOr<v1::CreateJobResponse> response =
+      impl_->Call(&Impl::Stub::CreateJob, request, Impl::Token::kAdmin);
+  if (!response.ok()) return response.status();
+  absl::StatusOr<JobSettings> created = ConfigFromProto(response->config(), WireLimits());
   if (!created.ok()) return created.status();
-  impl_->options.job_id = response.job_id();
-  impl_->options.token = response.job_token();
-  return JobHandle{response.job_id(), response.job_token(), created->planner,
+  impl_->options.job_id = response->job_id();
+  impl_->options.token = response->job_token();
+  return JobHandle{response->job_id(), response->job_token(), created->planner,
                    created->history_steps};
 }
 
 absl::Status PlannerClient::DeleteJob(const std::string& job_id) {
   v1::DeleteJobRequest request;
   request.set_job_id(job_id);
-  v1::DeleteJobResponse response;
-  grpc::ClientContext context;
-  impl_->Prepare(&context, impl_->options.call_timeout_seconds, /*admin=*/true);
-  return FromGrpcStatus(impl_->stub->DeleteJob(&context, request, &response));
+  return impl_->Call(&Impl::Stub::DeleteJob, request, Impl::Token::kAdmin).status();
 }
 
 absl::StatusOr<std::string> PlannerClient::UploadProfile(const std::string& profile_text) {
   v1::UploadProfileRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_profile(profile_text);
-  v1::UploadProfileResponse response;
-  grpc::ClientContext context;
-  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
-  absl::Status status = FromGrpcStatus(impl_->stub->UploadProfile(&context, request, &response));
-  if (!status.ok()) return status;
-  return response.device();
+  absl::StatusOr<v1::UploadProfileResponse> response =
+      impl_->Call(&Impl::Stub::UploadProfile, request);
+  if (!response.ok()) return response.status();
+  return response->device();
 }
 
 absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int rank,
@@ -137,15 +147,12 @@ absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int ran
   v1::JoinJobRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_rank(rank);
-  v1::JoinJobResponse response;
-  grpc::ClientContext context;
-  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
-  absl::Status status = FromGrpcStatus(impl_->stub->JoinJob(&context, request, &response));
-  if (!status.ok()) return status;
-  absl::StatusOr<JobSettings> settings = ConfigFromProto(response.config(), WireLimits());
+  absl::StatusOr<v1::JoinJobResponse> response = impl_->Call(&Impl::Stub::JoinJob, request);
+  if (!response.ok()) return response.status();
+  absl::StatusOr<JobSettings> settings = ConfigFromProto(response->config(), WireLimits());
   if (!settings.ok()) return settings.status();
-  if (rank_next_step != nullptr) *rank_next_step = response.rank_next_step();
-  return std::make_pair(settings->planner, response.next_step());
+  if (rank_next_step != nullptr) *rank_next_step = response->rank_next_step();
+  return std::make_pair(settings->planner, response->next_step());
 }
 
 absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
@@ -156,12 +163,9 @@ absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
   request.set_step(step);
   request.set_planned_locally(planned_locally);
   for (const Sample& s : batch) SampleToProto(s, request.add_samples());
-  v1::SubmitBatchResponse response;
-  grpc::ClientContext context;
-  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
-  absl::Status status = FromGrpcStatus(impl_->stub->SubmitBatch(&context, request, &response));
-  if (!status.ok()) return status;
-  return std::vector<uint64_t>(response.deferred_ids().begin(), response.deferred_ids().end());
+  absl::StatusOr<v1::SubmitBatchResponse> response = impl_->Call(&Impl::Stub::SubmitBatch, request);
+  if (!response.ok()) return response.status();
+  return std::vector<uint64_t>(response->deferred_ids().begin(), response->deferred_ids().end());
 }
 
 absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) {
@@ -169,19 +173,17 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
   request.set_job_id(impl_->options.job_id);
   request.set_step(step);
   request.set_rank(rank);
-  v1::GetRankPlanResponse response;
-  grpc::ClientContext context;
-  impl_->Prepare(&context, impl_->options.plan_timeout_seconds, false);
-  absl::Status status = FromGrpcStatus(impl_->stub->GetRankPlan(&context, request, &response));
-  if (!status.ok()) return status;
+  absl::StatusOr<v1::GetRankPlanResponse> response = impl_->Call(
+      &Impl::Stub::GetRankPlan, request, Impl::Token::kJob, impl_->options.plan_timeout_seconds);
+  if (!response.ok()) return response.status();
+  const v1::RankPlan& plan = response->plan();
   RankStepPlan out;
-  out.step = response.plan().step();
-  out.rank = response.plan().rank();
-  out.predicted_seconds = response.plan().predicted_seconds();
-  out.predicted_makespan_seconds = response.plan().figures().makespan_seconds();
-  out.local_fallback = response.plan().planned_locally();
-  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
-      MicroBatchesFromProto(response.plan());
+  out.step = plan.step();
+  out.rank = plan.rank();
+  out.predicted_seconds = plan.predicted_seconds();
+  out.predicted_makespan_seconds = plan.figures().makespan_seconds();
+  out.local_fallback = plan.planned_locally();
+  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches = MicroBatchesFromProto(plan);
   if (!micro_batches.ok()) {
     return absl::InternalError(absl::StrCat("GetRankPlan: the planner's plan of step ", step,
                                             " is malformed: ", micro_batches.status().message()));
@@ -200,12 +202,9 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
   request.set_rank(rank);
   request.set_wait_seconds(wait_seconds);
   for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, request.add_micro_batches());
-  v1::ReportStepResponse response;
-  grpc::ClientContext context;
-  impl_->Prepare(&context, impl_->options.call_timeout_seconds, false);
-  absl::Status status = FromGrpcStatus(impl_->stub->ReportStep(&context, request, &response));
-  if (!status.ok()) return status;
-  return response.duplicate();
+  absl::StatusOr<v1::ReportStepResponse> response = impl_->Call(&Impl::Stub::ReportStep, request);
+  if (!response.ok()) return response.status();
+  return response->duplicate();
 }
 
 }  // namespace sparsebalance

@@ -1,7 +1,6 @@
 #include "client/trainer_session.h"
 
 #include <algorithm>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "planner/planner.h"
@@ -10,7 +9,7 @@ namespace sparsebalance {
 
 TrainerSession::TrainerSession(PlannerClient* client, int rank, bool coordinator,
                                PlannerConfig config)
-    : client_(client), rank_(rank), coordinator_(coordinator), config_(std::move(config)) {}
+    : client_(client), rank_(rank), coordinator_(coordinator), config_(config) {}
 
 size_t TrainerSession::BufferLimit() const {
   return static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));

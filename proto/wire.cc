@@ -30,6 +30,55 @@ absl::Status CheckLayerDensities(const std::vector<double>& densities, absl::str
   return absl::OkStatus();
 }
 
+// One value of an enum on both sides of the wire. An enum's table lists every value once, and
+// last what the wire's zero value (*_UNSPECIFIED) means: the planner's default.
+template <typename Ours, typename Wire>
+struct EnumRow {
+  Ours ours;
+  Wire wire;
+};
+
+constexpr EnumRow<Policy, v1::Policy> kPolicies[] = {
+    {Policy::kSequential, v1::POLICY_SEQUENTIAL},
+    {Policy::kTokens, v1::POLICY_TOKENS},
+    {Policy::kFlops, v1::POLICY_FLOPS},
+    {Policy::kSab, v1::POLICY_SAB},
+    {Policy::kDst, v1::POLICY_DST},
+    {Policy::kSparseBalance, v1::POLICY_SPARSEBALANCE},
+    {Policy::kSparseBalance, v1::POLICY_UNSPECIFIED},  // the planner's default
+};
+
+constexpr EnumRow<DstMode, v1::DstMode> kDstModes[] = {
+    {DstMode::kMin, v1::DST_MODE_MIN},          {DstMode::kMean, v1::DST_MODE_MEAN},
+    {DstMode::kMax, v1::DST_MODE_MAX},          {DstMode::kQuantile, v1::DST_MODE_QUANTILE},
+    {DstMode::kMean, v1::DST_MODE_UNSPECIFIED},  // the planner's default
+};
+
+constexpr EnumRow<OverflowPolicy, v1::OverflowPolicy> kOverflowPolicies[] = {
+    {OverflowPolicy::kError, v1::OVERFLOW_POLICY_ERROR},
+    {OverflowPolicy::kDefer, v1::OVERFLOW_POLICY_DEFER},
+    {OverflowPolicy::kError, v1::OVERFLOW_POLICY_UNSPECIFIED},  // the planner's default
+};
+
+// `value` read from the wire; one the table lacks is INVALID_ARGUMENT naming `field`.
+template <typename Ours, typename Wire, size_t N>
+absl::StatusOr<Ours> FromWire(const EnumRow<Ours, Wire> (&table)[N], Wire value,
+                              absl::string_view field) {
+  for (const EnumRow<Ours, Wire>& row : table) {
+    if (row.wire == value) return row.ours;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value ", value));
+}
+
+// `value` for the wire: its first row (the zero value only for a value outside the enum).
+template <typename Ours, typename Wire, size_t N>
+Wire ToWire(const EnumRow<Ours, Wire> (&table)[N], Ours value) {
+  for (const EnumRow<Ours, Wire>& row : table) {
+    if (row.ours == value) return row.wire;
+  }
+  return Wire{};
+}
+
 }  // namespace
 
 absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireLimits& limits) {
@@ -86,88 +135,24 @@ absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireL
 }
 
 absl::StatusOr<Policy> PolicyFromProto(v1::Policy policy, absl::string_view field) {
-  switch (policy) {
-    case v1::POLICY_UNSPECIFIED:
-    case v1::POLICY_SPARSEBALANCE:
-      return Policy::kSparseBalance;
-    case v1::POLICY_SEQUENTIAL:
-      return Policy::kSequential;
-    case v1::POLICY_TOKENS:
-      return Policy::kTokens;
-    case v1::POLICY_FLOPS:
-      return Policy::kFlops;
-    case v1::POLICY_SAB:
-      return Policy::kSab;
-    case v1::POLICY_DST:
-      return Policy::kDst;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value ", policy));
-  }
+  return FromWire(kPolicies, policy, field);
 }
 
 absl::StatusOr<DstMode> DstModeFromProto(v1::DstMode mode, absl::string_view field) {
-  switch (mode) {
-    case v1::DST_MODE_UNSPECIFIED:
-    case v1::DST_MODE_MEAN:
-      return DstMode::kMean;
-    case v1::DST_MODE_MIN:
-      return DstMode::kMin;
-    case v1::DST_MODE_MAX:
-      return DstMode::kMax;
-    case v1::DST_MODE_QUANTILE:
-      return DstMode::kQuantile;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value ", mode));
-  }
+  return FromWire(kDstModes, mode, field);
 }
 
 absl::StatusOr<OverflowPolicy> OverflowFromProto(v1::OverflowPolicy policy,
                                                  absl::string_view field) {
-  switch (policy) {
-    case v1::OVERFLOW_POLICY_UNSPECIFIED:
-    case v1::OVERFLOW_POLICY_ERROR:
-      return OverflowPolicy::kError;
-    case v1::OVERFLOW_POLICY_DEFER:
-      return OverflowPolicy::kDefer;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value ", policy));
-  }
+  return FromWire(kOverflowPolicies, policy, field);
 }
 
-v1::Policy PolicyToProto(Policy policy) {
-  switch (policy) {
-    case Policy::kSequential:
-      return v1::POLICY_SEQUENTIAL;
-    case Policy::kTokens:
-      return v1::POLICY_TOKENS;
-    case Policy::kFlops:
-      return v1::POLICY_FLOPS;
-    case Policy::kSab:
-      return v1::POLICY_SAB;
-    case Policy::kDst:
-      return v1::POLICY_DST;
-    case Policy::kSparseBalance:
-      return v1::POLICY_SPARSEBALANCE;
-  }
-  return v1::POLICY_UNSPECIFIED;
-}
+v1::Policy PolicyToProto(Policy policy) { return ToWire(kPolicies, policy); }
 
-v1::DstMode DstModeToProto(DstMode mode) {
-  switch (mode) {
-    case DstMode::kMin:
-      return v1::DST_MODE_MIN;
-    case DstMode::kMean:
-      return v1::DST_MODE_MEAN;
-    case DstMode::kMax:
-      return v1::DST_MODE_MAX;
-    case DstMode::kQuantile:
-      return v1::DST_MODE_QUANTILE;
-  }
-  return v1::DST_MODE_UNSPECIFIED;
-}
+v1::DstMode DstModeToProto(DstMode mode) { return ToWire(kDstModes, mode); }
 
 v1::OverflowPolicy OverflowToProto(OverflowPolicy policy) {
-  return policy == OverflowPolicy::kDefer ? v1::OVERFLOW_POLICY_DEFER : v1::OVERFLOW_POLICY_ERROR;
+  return ToWire(kOverflowPolicies, policy);
 }
 
 v1::JobConfig ConfigToProto(const JobSettings& settings) {

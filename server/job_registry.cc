@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "planner/planner.h"
 #include "planner/profile_table.h"
 
@@ -16,6 +17,41 @@ namespace {
 
 constexpr int kJobIdHexChars = 16;
 constexpr int kTokenHexChars = 64;  // 256 bits
+
+// The settings UpdateJobConfig may change while the job runs (its update_mask names), each
+// with how it is copied from the request's values.
+struct RuntimeSetting {
+  const char* name;
+  void (*copy)(const JobSettings& from, JobSettings& to);
+};
+
+template <auto Field>
+void CopyPlannerSetting(const JobSettings& from, JobSettings& to) {
+  to.planner.*Field = from.planner.*Field;
+}
+
+void CopyHistorySteps(const JobSettings& from, JobSettings& to) {
+  to.history_steps = from.history_steps;
+}
+
+constexpr RuntimeSetting kRuntimeSettings[] = {
+    {"policy", &CopyPlannerSetting<&PlannerConfig::policy>},
+    {"dst_mode", &CopyPlannerSetting<&PlannerConfig::dst_mode>},
+    {"dst_quantile", &CopyPlannerSetting<&PlannerConfig::dst_quantile>},
+    {"density_min", &CopyPlannerSetting<&PlannerConfig::density_min>},
+    {"density_max", &CopyPlannerSetting<&PlannerConfig::density_max>},
+    {"density_default", &CopyPlannerSetting<&PlannerConfig::density_default>},
+    {"overflow", &CopyPlannerSetting<&PlannerConfig::overflow>},
+    {"history_steps", &CopyHistorySteps},
+};
+
+// The entry of kRuntimeSettings named `name`, or null.
+const RuntimeSetting* FindRuntimeSetting(const std::string& name) {
+  for (const RuntimeSetting& setting : kRuntimeSettings) {
+    if (name == setting.name) return &setting;
+  }
+  return nullptr;
+}
 
 absl::Status NotFound(const std::string& job_id) {
   return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" does not exist"));
@@ -631,41 +667,27 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   JobSettings next = job->settings();
-  PlannerConfig& c = next.planner;
-  const PlannerConfig& u = update.planner;
   if (fields.empty()) {
     return absl::InvalidArgumentError("update_mask: names no field; e.g. \"policy\"");
   }
   for (const std::string& field : fields) {
-    if (field == "policy") {
-      c.policy = u.policy;
-    } else if (field == "dst_mode") {
-      c.dst_mode = u.dst_mode;
-    } else if (field == "dst_quantile") {
-      c.dst_quantile = u.dst_quantile;
-    } else if (field == "density_min") {
-      c.density_min = u.density_min;
-    } else if (field == "density_max") {
-      c.density_max = u.density_max;
-    } else if (field == "density_default") {
-      c.density_default = u.density_default;
-    } else if (field == "overflow") {
-      c.overflow = u.overflow;
-    } else if (field == "history_steps") {
-      if (update.history_steps < 1 || update.history_steps > options_.limits.max_history_steps) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("config.history_steps: ", update.history_steps, " is outside [1, ",
-                         options_.limits.max_history_steps, "]"));
-      }
-      next.history_steps = update.history_steps;
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("update_mask: \"", field,
-                       "\" cannot change at run time; changeable: policy, dst_mode, dst_quantile, "
-                       "density_min, density_max, density_default, overflow, history_steps"));
+    const RuntimeSetting* setting = FindRuntimeSetting(field);
+    if (setting == nullptr) {
+      std::vector<std::string> changeable;
+      for (const RuntimeSetting& s : kRuntimeSettings) changeable.emplace_back(s.name);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "update_mask: \"", field,
+          "\" cannot change at run time; changeable: ", absl::StrJoin(changeable, ", ")));
+    }
+    setting->copy(update, next);
+    if (field == "history_steps" &&
+        (next.history_steps < 1 || next.history_steps > options_.limits.max_history_steps)) {
+      return absl::InvalidArgumentError(absl::StrCat("config.history_steps: ", next.history_steps,
+                                                     " is outside [1, ",
+                                                     options_.limits.max_history_steps, "]"));
     }
   }
-  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(c);
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(next.planner);
   if (!valid.ok()) return valid.status();
   const ValidConfig previous = job->config;
   const int previous_history = job->history_steps;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,17 @@ std::string StatusCodeLabel(absl::StatusCode code) {
 
 // A job's series, created on first use and removed with the job.
 struct PlannerMetrics::JobSeries {
+  // Adds the job's series with `labels` to `family` (a histogram's `buckets` too) and
+  // remembers to remove it when the job is forgotten.
+  template <typename T, typename... Buckets>
+  T* Add(prometheus::Family<T>& family, const prometheus::Labels& labels,
+         const Buckets&... buckets) {
+    T* series = &family.Add(labels, buckets...);
+    removals.push_back([&family, series] { family.Remove(series); });
+    return series;
+  }
+
+  std::vector<std::function<void()>> removals;  // run by ForgetJob
   prometheus::Counter* steps = nullptr;
   prometheus::Gauge* predicted_makespan = nullptr;
   prometheus::Gauge* predicted_gap = nullptr;
@@ -183,18 +195,18 @@ PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
   if (series == nullptr) {
     series = std::make_unique<JobSeries>();
     const prometheus::Labels job{{"job_id", job_id}};
-    series->steps = &steps_.Add(job);
-    series->predicted_makespan = &predicted_makespan_.Add(job);
-    series->predicted_gap = &predicted_gap_.Add(job);
-    series->makespan = &makespan_.Add(job);
-    series->imbalance = &imbalance_.Add(job);
-    series->bubble = &bubble_.Add(job);
-    series->prediction_error = &prediction_error_.Add(job, ErrorBuckets());
-    series->density = &density_.Add(job, UnitBuckets());
-    series->recall = &recall_.Add(job, UnitBuckets());
-    series->stragglers = &stragglers_.Add(job);
-    series->local_plan_steps = &local_plan_steps_.Add(job);
-    series->skipped_steps = &skipped_steps_.Add(job);
+    series->steps = series->Add(steps_, job);
+    series->predicted_makespan = series->Add(predicted_makespan_, job);
+    series->predicted_gap = series->Add(predicted_gap_, job);
+    series->makespan = series->Add(makespan_, job);
+    series->imbalance = series->Add(imbalance_, job);
+    series->bubble = series->Add(bubble_, job);
+    series->prediction_error = series->Add(prediction_error_, job, ErrorBuckets());
+    series->density = series->Add(density_, job, UnitBuckets());
+    series->recall = series->Add(recall_, job, UnitBuckets());
+    series->stragglers = series->Add(stragglers_, job);
+    series->local_plan_steps = series->Add(local_plan_steps_, job);
+    series->skipped_steps = series->Add(skipped_steps_, job);
   }
   return *series;
 }
@@ -245,8 +257,8 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
     if (series.rank_seconds.empty()) {
       for (int r = 0; r < ranks; ++r) {
         const prometheus::Labels labels{{"job_id", job_id}, {"rank", absl::StrCat(r)}};
-        series.rank_seconds.push_back(&rank_seconds_.Add(labels));
-        series.speed_factors.push_back(&speed_factor_.Add(labels));
+        series.rank_seconds.push_back(series.Add(rank_seconds_, labels));
+        series.speed_factors.push_back(series.Add(speed_factor_, labels));
       }
     }
     for (int r = 0; r < ranks; ++r) {
@@ -274,21 +286,7 @@ void PlannerMetrics::ForgetJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_series_.find(job_id);
   if (it == jobs_series_.end()) return;
-  JobSeries& s = *it->second;
-  steps_.Remove(s.steps);
-  predicted_makespan_.Remove(s.predicted_makespan);
-  predicted_gap_.Remove(s.predicted_gap);
-  makespan_.Remove(s.makespan);
-  imbalance_.Remove(s.imbalance);
-  bubble_.Remove(s.bubble);
-  prediction_error_.Remove(s.prediction_error);
-  density_.Remove(s.density);
-  recall_.Remove(s.recall);
-  stragglers_.Remove(s.stragglers);
-  local_plan_steps_.Remove(s.local_plan_steps);
-  skipped_steps_.Remove(s.skipped_steps);
-  for (prometheus::Gauge* g : s.rank_seconds) rank_seconds_.Remove(g);
-  for (prometheus::Gauge* g : s.speed_factors) speed_factor_.Remove(g);
+  for (const std::function<void()>& remove : it->second->removals) remove();
   jobs_series_.erase(it);
 }
 

@@ -1,6 +1,7 @@
 #include "server/planner_service.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 #include <limits>
 #include <new>
@@ -11,10 +12,32 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
+#include "grpcpp/impl/codegen/server_callback_handlers.h"
 #include "planner/planner.h"
 
 namespace sparsebalance {
 namespace {
+
+// The index of PlannerService's method `method` (the generated Service numbers the methods so,
+// in the order of planner.proto). A name the service lacks, or other message types than the
+// method's, is a bug of this file: it aborts at start-up.
+template <typename Request, typename Response>
+int MethodIndex(const char* method) {
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::PlannerService::service_full_name());
+  const google::protobuf::MethodDescriptor* found =
+      service == nullptr ? nullptr : service->FindMethodByName(method);
+  if (found == nullptr || found->input_type() != Request::descriptor() ||
+      found->output_type() != Response::descriptor()) {
+    std::cerr << "sb-planner: PlannerService has no method " << method << "("
+              << Request::descriptor()->full_name() << ") returns ("
+              << Response::descriptor()->full_name() << ")" << std::endl;
+    std::abort();
+  }
+  return found->index();
+}
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -115,6 +138,19 @@ std::string BearerToken(const grpc::CallbackServerContext& context) {
 PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
     : registry_(registry), options_(std::move(options)) {
   if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
+  Serve<Caller::kAdmin>("CreateJob", &PlannerServiceImpl::OnCreateJob);
+  Serve<Caller::kJob>("JoinJob", &PlannerServiceImpl::OnJoinJob);
+  Serve<Caller::kJob>("SubmitBatch", &PlannerServiceImpl::OnSubmitBatch);
+  Register<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(
+      "GetRankPlan", [this](auto* context, auto* request, auto* response) {
+        return OnGetRankPlan(context, request, response);
+      });
+  Serve<Caller::kJob>("ReportStep", &PlannerServiceImpl::OnReportStep);
+  Serve<Caller::kJob>("UploadProfile", &PlannerServiceImpl::OnUploadProfile);
+  Serve<Caller::kJob>("UpdateJobConfig", &PlannerServiceImpl::OnUpdateJobConfig);
+  Serve<Caller::kJob>("GetJob", &PlannerServiceImpl::OnGetJob);
+  Serve<Caller::kAdmin>("ListJobs", &PlannerServiceImpl::OnListJobs);
+  Serve<Caller::kAdmin>("DeleteJob", &PlannerServiceImpl::OnDeleteJob);
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::Finish(grpc::CallbackServerContext* context,
@@ -172,83 +208,85 @@ absl::Status PlannerServiceImpl::AuthorizeAdmin(grpc::CallbackServerContext* con
   return absl::OkStatus();
 }
 
-template <typename Authorize, typename Body>
-grpc::ServerUnaryReactor* PlannerServiceImpl::Unary(grpc::CallbackServerContext* context,
-                                                    const char* method, Authorize authorize,
-                                                    Body body) {
-  return Guarded(context, method, [&](Clock::time_point start) {
-    absl::Status status = authorize();
-    if (status.ok()) status = body();
-    return Finish(context, method, start, status);
-  });
+template <typename Request, typename Response>
+void PlannerServiceImpl::Register(const char* method,
+                                  std::function<grpc::ServerUnaryReactor*(
+                                      grpc::CallbackServerContext*, const Request*, Response*)>
+                                      on_call) {
+  MarkMethodCallback(
+      MethodIndex<Request, Response>(method),
+      new grpc::internal::CallbackUnaryHandler<Request, Response>(std::move(on_call)));
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::CreateJob(grpc::CallbackServerContext* context,
-                                                        const v1::CreateJobRequest* request,
-                                                        v1::CreateJobResponse* response) {
-  return Unary(
-      context, "CreateJob", [&] { return AuthorizeAdmin(context); },
-      [&]() -> absl::Status {
-        absl::StatusOr<JobSettings> settings = ConfigFromProto(request->config(), options_.limits);
-        if (!settings.ok()) return settings.status();
-        absl::StatusOr<CreatedJob> job =
-            registry_->CreateJob(request->name(), *settings, request->profile());
-        if (!job.ok()) return job.status();
-        if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
-        response->set_job_id(job->job_id);
-        response->set_job_token(job->job_token);
-        *response->mutable_config() = ConfigToProto(job->settings);
-        return absl::OkStatus();
-      });
-}
-
-grpc::ServerUnaryReactor* PlannerServiceImpl::JoinJob(grpc::CallbackServerContext* context,
-                                                      const v1::JoinJobRequest* request,
-                                                      v1::JoinJobResponse* response) {
-  return Unary(
-      context, "JoinJob", [&] { return AuthorizeJob(context, request->job_id()); },
-      [&]() -> absl::Status {
-        int64_t rank_next_step = 0;
-        auto joined = registry_->JoinJob(request->job_id(), request->rank(), &rank_next_step);
-        if (!joined.ok()) return joined.status();
-        *response->mutable_config() = ConfigToProto(joined->first);
-        response->set_next_step(joined->second);
-        response->set_rank_next_step(rank_next_step);
-        return absl::OkStatus();
-      });
-}
-
-grpc::ServerUnaryReactor* PlannerServiceImpl::SubmitBatch(grpc::CallbackServerContext* context,
-                                                          const v1::SubmitBatchRequest* request,
-                                                          v1::SubmitBatchResponse* response) {
-  return Unary(
-      context, "SubmitBatch", [&] { return AuthorizeJob(context, request->job_id()); },
-      [&]() -> absl::Status {
-        // Converted only: the registry checks the batch against the job's config, once.
-        absl::StatusOr<std::vector<Sample>> batch =
-            SamplesFromProto(request->samples(), options_.limits);
-        if (!batch.ok()) return batch.status();
-        const Clock::time_point plan_start = Clock::now();
-        absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(
-            request->job_id(), request->step(), *batch, request->planned_locally());
-        if (!result.ok()) return result.status();
-        if (options_.metrics != nullptr) {
-          if (!result->repeated) {
-            options_.metrics->ObservePlan(request->job_id(), result->plan,
-                                          SecondsSince(plan_start));
+template <PlannerServiceImpl::Caller caller, typename Request, typename Response>
+void PlannerServiceImpl::Serve(const char* method,
+                               absl::Status (PlannerServiceImpl::*handle)(const Request&,
+                                                                          Response*)) {
+  Register<Request, Response>(
+      method, [this, method, handle](grpc::CallbackServerContext* context, const Request* request,
+                                     Response* response) {
+        return Guarded(context, method, [&](Clock::time_point start) {
+          absl::Status status;
+          if constexpr (caller == Caller::kAdmin) {
+            status = AuthorizeAdmin(context);
+          } else {
+            status = AuthorizeJob(context, request->job_id());
           }
-          if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
-            options_.metrics->ObserveLocalPlan(request->job_id(), result->skipped_steps);
-          }
-        }
-        response->set_step(result->step);
-        response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
-                                                 result->deferred_ids.end());
-        *response->mutable_figures() = FiguresToProto(result->plan);
-        // Also after a repeat: the first attempt may have planned the step and failed after.
-        WakeWaiters(request->job_id(), request->step());
-        return absl::OkStatus();
+          if (status.ok()) status = (this->*handle)(*request, response);
+          return Finish(context, method, start, status);
+        });
       });
+}
+
+absl::Status PlannerServiceImpl::OnCreateJob(const v1::CreateJobRequest& request,
+                                             v1::CreateJobResponse* response) {
+  absl::StatusOr<JobSettings> settings = ConfigFromProto(request.config(), options_.limits);
+  if (!settings.ok()) return settings.status();
+  absl::StatusOr<CreatedJob> job =
+      registry_->CreateJob(request.name(), *settings, request.profile());
+  if (!job.ok()) return job.status();
+  if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
+  response->set_job_id(job->job_id);
+  response->set_job_token(job->job_token);
+  *response->mutable_config() = ConfigToProto(job->settings);
+  return absl::OkStatus();
+}
+
+absl::Status PlannerServiceImpl::OnJoinJob(const v1::JoinJobRequest& request,
+                                           v1::JoinJobResponse* response) {
+  int64_t rank_next_step = 0;
+  auto joined = registry_->JoinJob(request.job_id(), request.rank(), &rank_next_step);
+  if (!joined.ok()) return joined.status();
+  *response->mutable_config() = ConfigToProto(joined->first);
+  response->set_next_step(joined->second);
+  response->set_rank_next_step(rank_next_step);
+  return absl::OkStatus();
+}
+
+absl::Status PlannerServiceImpl::OnSubmitBatch(const v1::SubmitBatchRequest& request,
+                                               v1::SubmitBatchResponse* response) {
+  // Converted only: the registry checks the batch against the job's config, once.
+  absl::StatusOr<std::vector<Sample>> batch = SamplesFromProto(request.samples(), options_.limits);
+  if (!batch.ok()) return batch.status();
+  const Clock::time_point plan_start = Clock::now();
+  absl::StatusOr<SubmitResult> result =
+      registry_->SubmitBatch(request.job_id(), request.step(), *batch, request.planned_locally());
+  if (!result.ok()) return result.status();
+  if (options_.metrics != nullptr) {
+    if (!result->repeated) {
+      options_.metrics->ObservePlan(request.job_id(), result->plan, SecondsSince(plan_start));
+    }
+    if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
+      options_.metrics->ObserveLocalPlan(request.job_id(), result->skipped_steps);
+    }
+  }
+  response->set_step(result->step);
+  response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
+                                           result->deferred_ids.end());
+  *response->mutable_figures() = FiguresToProto(result->plan);
+  // Also after a repeat: the first attempt may have planned the step and failed after.
+  WakeWaiters(request.job_id(), request.step());
+  return absl::OkStatus();
 }
 
 bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait, int* world_size) {
@@ -347,9 +385,9 @@ int PlannerServiceImpl::waiting_calls() const {
   return waiting_;
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::GetRankPlan(grpc::CallbackServerContext* context,
-                                                          const v1::GetRankPlanRequest* request,
-                                                          v1::GetRankPlanResponse* response) {
+grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlan(grpc::CallbackServerContext* context,
+                                                            const v1::GetRankPlanRequest* request,
+                                                            v1::GetRankPlanResponse* response) {
   return Guarded(context, "GetRankPlan", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
     if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
       return Finish(context, "GetRankPlan", start, s);
@@ -376,110 +414,80 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::GetRankPlan(grpc::CallbackServerCo
   });
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::ReportStep(grpc::CallbackServerContext* context,
-                                                         const v1::ReportStepRequest* request,
-                                                         v1::ReportStepResponse* response) {
-  return Unary(
-      context, "ReportStep", [&] { return AuthorizeJob(context, request->job_id()); },
-      [&]() -> absl::Status {
-        std::vector<MicroBatchTiming> measured;
-        measured.reserve(request->micro_batches_size());
-        for (const v1::MicroBatchReport& m : request->micro_batches()) {
-          measured.push_back(TimingFromProto(m));
-        }
-        absl::StatusOr<bool> duplicate =
-            registry_->ReportStep(request->job_id(), request->step(), request->rank(), measured,
-                                  request->wait_seconds(), request->planned_locally());
-        if (!duplicate.ok()) return duplicate.status();
-        response->set_duplicate(*duplicate);
-        return absl::OkStatus();
-      });
+absl::Status PlannerServiceImpl::OnReportStep(const v1::ReportStepRequest& request,
+                                              v1::ReportStepResponse* response) {
+  std::vector<MicroBatchTiming> measured;
+  measured.reserve(request.micro_batches_size());
+  for (const v1::MicroBatchReport& m : request.micro_batches()) {
+    measured.push_back(TimingFromProto(m));
+  }
+  absl::StatusOr<bool> duplicate =
+      registry_->ReportStep(request.job_id(), request.step(), request.rank(), measured,
+                            request.wait_seconds(), request.planned_locally());
+  if (!duplicate.ok()) return duplicate.status();
+  response->set_duplicate(*duplicate);
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::UploadProfile(grpc::CallbackServerContext* context,
-                                                            const v1::UploadProfileRequest* request,
-                                                            v1::UploadProfileResponse* response) {
-  return Unary(
-      context, "UploadProfile", [&] { return AuthorizeJob(context, request->job_id()); },
-      [&]() -> absl::Status {
-        absl::StatusOr<CostCoefficients> fitted =
-            registry_->UploadProfile(request->job_id(), request->profile());
-        if (!fitted.ok()) return fitted.status();
-        absl::StatusOr<ProfileTable> table = ParseProfileTable(request->profile());
-        response->set_device(table.ok() ? table->device : "");
-        response->set_seconds_per_block(fitted->per_block);
-        response->set_seconds_per_token(fitted->per_token);
-        response->set_seconds_per_document(fitted->per_sample);
-        return absl::OkStatus();
-      });
+absl::Status PlannerServiceImpl::OnUploadProfile(const v1::UploadProfileRequest& request,
+                                                 v1::UploadProfileResponse* response) {
+  absl::StatusOr<CostCoefficients> fitted =
+      registry_->UploadProfile(request.job_id(), request.profile());
+  if (!fitted.ok()) return fitted.status();
+  absl::StatusOr<ProfileTable> table = ParseProfileTable(request.profile());
+  response->set_device(table.ok() ? table->device : "");
+  response->set_seconds_per_block(fitted->per_block);
+  response->set_seconds_per_token(fitted->per_token);
+  response->set_seconds_per_document(fitted->per_sample);
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::UpdateJobConfig(
-    grpc::CallbackServerContext* context, const v1::UpdateJobConfigRequest* request,
-    v1::UpdateJobConfigResponse* response) {
-  return Unary(
-      context, "UpdateJobConfig", [&] { return AuthorizeJob(context, request->job_id()); },
-      [&]() -> absl::Status {
-        absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(*request);
-        if (!update.ok()) return update.status();
-        absl::StatusOr<JobSettings> now =
-            registry_->UpdateJobConfig(request->job_id(), update->values, update->fields);
-        if (!now.ok()) return now.status();
-        *response->mutable_config() = ConfigToProto(*now);
-        return absl::OkStatus();
-      });
+absl::Status PlannerServiceImpl::OnUpdateJobConfig(const v1::UpdateJobConfigRequest& request,
+                                                   v1::UpdateJobConfigResponse* response) {
+  absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(request);
+  if (!update.ok()) return update.status();
+  absl::StatusOr<JobSettings> now =
+      registry_->UpdateJobConfig(request.job_id(), update->values, update->fields);
+  if (!now.ok()) return now.status();
+  *response->mutable_config() = ConfigToProto(*now);
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::GetJob(grpc::CallbackServerContext* context,
-                                                     const v1::GetJobRequest* request,
-                                                     v1::GetJobResponse* response) {
-  return Unary(
-      context, "GetJob", [&] { return AuthorizeJob(context, request->job_id()); },
-      [&]() -> absl::Status {
-        absl::StatusOr<JobView> view = registry_->GetJob(request->job_id());
-        if (!view.ok()) return view.status();
-        SummaryToProto(*view, response->mutable_job());
-        return absl::OkStatus();
-      });
+absl::Status PlannerServiceImpl::OnGetJob(const v1::GetJobRequest& request,
+                                          v1::GetJobResponse* response) {
+  absl::StatusOr<JobView> view = registry_->GetJob(request.job_id());
+  if (!view.ok()) return view.status();
+  SummaryToProto(*view, response->mutable_job());
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::ListJobs(grpc::CallbackServerContext* context,
-                                                       const v1::ListJobsRequest* request,
-                                                       v1::ListJobsResponse* response) {
-  return Unary(
-      context, "ListJobs", [&] { return AuthorizeAdmin(context); },
-      [&]() -> absl::Status {
-        if (request->page_size() < 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("page_size: ", request->page_size(), " is negative"));
-        }
-        const int limit = request->page_size() == 0 ? options_.default_page_size
-                                                    : std::min(request->page_size(), 1000);
-        // The page token is the last job id of the previous page.
-        std::vector<JobView> page = registry_->ListJobs(request->page_token(), limit + 1);
-        const bool more = static_cast<int>(page.size()) > limit;
-        if (more) page.pop_back();
-        for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
-        if (more) response->set_next_page_token(page.back().job_id);
-        return absl::OkStatus();
-      });
+absl::Status PlannerServiceImpl::OnListJobs(const v1::ListJobsRequest& request,
+                                            v1::ListJobsResponse* response) {
+  if (request.page_size() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size: ", request.page_size(), " is negative"));
+  }
+  const int limit =
+      request.page_size() == 0 ? options_.default_page_size : std::min(request.page_size(), 1000);
+  // The page token is the last job id of the previous page.
+  std::vector<JobView> page = registry_->ListJobs(request.page_token(), limit + 1);
+  const bool more = static_cast<int>(page.size()) > limit;
+  if (more) page.pop_back();
+  for (const JobView& view : page) SummaryToProto(view, response->add_jobs());
+  if (more) response->set_next_page_token(page.back().job_id);
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::DeleteJob(grpc::CallbackServerContext* context,
-                                                        const v1::DeleteJobRequest* request,
-                                                        v1::DeleteJobResponse* /*response*/) {
-  return Unary(
-      context, "DeleteJob", [&] { return AuthorizeAdmin(context); },
-      [&]() -> absl::Status {
-        absl::Status deleted = registry_->DeleteJob(request->job_id());
-        if (!deleted.ok()) return deleted;
-        WakeJob(request->job_id());  // its waiting ranks get NOT_FOUND now, not at their deadline
-        if (options_.metrics != nullptr) {
-          options_.metrics->ForgetJob(request->job_id());
-          options_.metrics->SetJobs(registry_->job_count());
-        }
-        return absl::OkStatus();
-      });
+absl::Status PlannerServiceImpl::OnDeleteJob(const v1::DeleteJobRequest& request,
+                                             v1::DeleteJobResponse* /*response*/) {
+  absl::Status deleted = registry_->DeleteJob(request.job_id());
+  if (!deleted.ok()) return deleted;
+  WakeJob(request.job_id());  // its waiting ranks get NOT_FOUND now, not at their deadline
+  if (options_.metrics != nullptr) {
+    options_.metrics->ForgetJob(request.job_id());
+    options_.metrics->SetJobs(registry_->job_count());
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace sparsebalance

@@ -12,11 +12,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "server/job_registry.h"
@@ -25,7 +27,7 @@
 
 namespace sparsebalance {
 
-class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
+class PlannerServiceImpl final : public v1::PlannerService::Service {
  public:
   struct Options {
     // When non-empty, CreateJob, ListJobs and DeleteJob need "authorization: Bearer <it>".
@@ -39,39 +41,9 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
     int max_waiting_calls_per_job_extra = 64;
   };
 
+  // Serves every method of the service on gRPC's callback API (see Serve in the .cc).
   PlannerServiceImpl(JobRegistry* registry, Options options);
   ~PlannerServiceImpl() override;
-
-  grpc::ServerUnaryReactor* CreateJob(grpc::CallbackServerContext* context,
-                                      const v1::CreateJobRequest* request,
-                                      v1::CreateJobResponse* response) override;
-  grpc::ServerUnaryReactor* JoinJob(grpc::CallbackServerContext* context,
-                                    const v1::JoinJobRequest* request,
-                                    v1::JoinJobResponse* response) override;
-  grpc::ServerUnaryReactor* SubmitBatch(grpc::CallbackServerContext* context,
-                                        const v1::SubmitBatchRequest* request,
-                                        v1::SubmitBatchResponse* response) override;
-  grpc::ServerUnaryReactor* GetRankPlan(grpc::CallbackServerContext* context,
-                                        const v1::GetRankPlanRequest* request,
-                                        v1::GetRankPlanResponse* response) override;
-  grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* context,
-                                       const v1::ReportStepRequest* request,
-                                       v1::ReportStepResponse* response) override;
-  grpc::ServerUnaryReactor* UploadProfile(grpc::CallbackServerContext* context,
-                                          const v1::UploadProfileRequest* request,
-                                          v1::UploadProfileResponse* response) override;
-  grpc::ServerUnaryReactor* UpdateJobConfig(grpc::CallbackServerContext* context,
-                                            const v1::UpdateJobConfigRequest* request,
-                                            v1::UpdateJobConfigResponse* response) override;
-  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* context,
-                                   const v1::GetJobRequest* request,
-                                   v1::GetJobResponse* response) override;
-  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* context,
-                                     const v1::ListJobsRequest* request,
-                                     v1::ListJobsResponse* response) override;
-  grpc::ServerUnaryReactor* DeleteJob(grpc::CallbackServerContext* context,
-                                      const v1::DeleteJobRequest* request,
-                                      v1::DeleteJobResponse* response) override;
 
   // GetRankPlan calls parked now (for tests and metrics).
   int waiting_calls() const;
@@ -81,6 +53,37 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
 
  private:
   using Clock = std::chrono::steady_clock;
+  // Whose token a call must carry: its job's, or the planner's admin token.
+  enum class Caller { kJob, kAdmin };
+
+  // Answers the calls of PlannerService's method `method` (its name in planner.proto) with
+  // `on_call`, which returns the call's reactor: what the generated CallbackService does for
+  // each method, here once for all.
+  template <typename Request, typename Response>
+  void Register(const char* method,
+                std::function<grpc::ServerUnaryReactor*(grpc::CallbackServerContext*,
+                                                        const Request*, Response*)>
+                    on_call);
+  // Registers a method answered at once: the `caller`'s token is checked, then `handle`
+  // translates the request, calls the registry and fills the response; the call is recorded
+  // and finished with the status it returns.
+  template <Caller caller, typename Request, typename Response>
+  void Serve(const char* method,
+             absl::Status (PlannerServiceImpl::*handle)(const Request&, Response*));
+  // The methods, in the order of planner.proto. GetRankPlan answers later (it parks).
+  absl::Status OnCreateJob(const v1::CreateJobRequest&, v1::CreateJobResponse*);
+  absl::Status OnJoinJob(const v1::JoinJobRequest&, v1::JoinJobResponse*);
+  absl::Status OnSubmitBatch(const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*);
+  grpc::ServerUnaryReactor* OnGetRankPlan(grpc::CallbackServerContext* context,
+                                          const v1::GetRankPlanRequest* request,
+                                          v1::GetRankPlanResponse* response);
+  absl::Status OnReportStep(const v1::ReportStepRequest&, v1::ReportStepResponse*);
+  absl::Status OnUploadProfile(const v1::UploadProfileRequest&, v1::UploadProfileResponse*);
+  absl::Status OnUpdateJobConfig(const v1::UpdateJobConfigRequest&, v1::UpdateJobConfigResponse*);
+  absl::Status OnGetJob(const v1::GetJobRequest&, v1::GetJobResponse*);
+  absl::Status OnListJobs(const v1::ListJobsRequest&, v1::ListJobsResponse*);
+  absl::Status OnDeleteJob(const v1::DeleteJobRequest&, v1::DeleteJobResponse*);
+
   // Records the call in the metrics and finishes it with `status`.
   grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const char* method,
                                    Clock::time_point start, const absl::Status& status);
@@ -106,12 +109,6 @@ class PlannerServiceImpl final : public v1::PlannerService::CallbackService {
   template <typename Body>
   grpc::ServerUnaryReactor* Guarded(grpc::CallbackServerContext* context, const char* method,
                                     Body body);
-  // A unary call (all but GetRankPlan): `authorize()` and then, when it passes, `body()`,
-  // which translates the request, calls the registry, fills the response and returns the
-  // call's status; the call is recorded and finished with that status.
-  template <typename Authorize, typename Body>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const char* method,
-                                  Authorize authorize, Body body);
 
   mutable absl::Mutex waiters_mu_;
   std::map<std::pair<std::string, int64_t>, std::set<std::shared_ptr<Wait>>> waiters_

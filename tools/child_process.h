@@ -22,14 +22,11 @@
 namespace sparsebalance::tools {
 
 // Where a child's standard output and error go: a path each (empty: inherited from this
-// process), appended to or truncated. The same path for both gives one log in order.
+// process), appended to or truncated. The same path for both gives one log in order. An
+// aggregate: `{log}`, `{log, log}`, `{log, "", /*append=*/false}`.
 struct ChildOutput {
-  ChildOutput() = default;
-  ChildOutput(std::string stdout_path, std::string stderr_path = "", bool append = true)
-      : stdout_path(std::move(stdout_path)), stderr_path(std::move(stderr_path)), append(append) {}
-
-  std::string stdout_path;
-  std::string stderr_path;
+  std::string stdout_path = "";
+  std::string stderr_path = "";
   bool append = true;
 };
 

@@ -53,6 +53,14 @@ T ValueOrThrow(absl::StatusOr<T> value, ErrorKind kind) {
   return *std::move(value);
 }
 
+// Runs `work` (C++ only: no Python objects) with the GIL released, so that other Python threads
+// run meanwhile, and returns what it returns once the GIL is held again.
+template <typename Work>
+auto WithoutGil(Work work) {
+  py::gil_scoped_release release;
+  return work();
+}
+
 // Sample, PlannerConfig, plans, timings and the local planner functions.
 void BindPlanTypes(py::module_& m);
 // ClientOptions, JobHandle, RankStepPlan, PlannerClient, TrainerSession.

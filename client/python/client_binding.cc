@@ -175,11 +175,8 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
           "report",
           [](TrainerSession& s, int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
              double wait_seconds) {
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = s.Report(step, micro_batches, wait_seconds);
-            }
+            absl::Status status =
+                WithoutGil([&] { return s.Report(step, micro_batches, wait_seconds); });
             return Delivered(status, s);
           },
           py::arg("step"), py::arg("micro_batches"), py::arg("wait_seconds"),
@@ -189,11 +186,7 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
       .def(
           "flush",
           [](TrainerSession& s) {
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = s.Flush();
-            }
+            absl::Status status = WithoutGil([&] { return s.Flush(); });
             return Delivered(status, s);
           },
           "Sends what is buffered (e.g. at the end of training); same answers as report().")

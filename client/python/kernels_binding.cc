@@ -119,8 +119,28 @@ void CheckSequence(const BlockIndex& index, int seq, int head) {
   }
 }
 
-const void* Pointer(uintptr_t address) { return reinterpret_cast<const void*>(address); }
-void* MutablePointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+// Device addresses arrive from Python as integers (tensor.data_ptr()); turning them back into
+// pointers is what these entry points are for.
+const void* Pointer(uintptr_t address) {
+  return reinterpret_cast<const void*>(address);  // NOLINT(performance-no-int-to-ptr)
+}
+void* MutablePointer(uintptr_t address) {
+  return reinterpret_cast<void*>(address);  // NOLINT(performance-no-int-to-ptr)
+}
+
+// The block selection settings select_blocks and cuda_select_blocks take (threads: CPU only,
+// 0 = the hardware concurrency).
+kernels::SelectionOptions MakeSelectionOptions(int block_size, int local_blocks,
+                                               double mass_threshold, float softmax_scale,
+                                               int threads = 0) {
+  kernels::SelectionOptions options;
+  options.block_size = block_size;
+  options.local_blocks = local_blocks;
+  options.mass_threshold = mass_threshold;
+  options.softmax_scale = softmax_scale;
+  options.threads = threads;
+  return options;
+}
 
 void BindSelection(py::module_& m) {
   py::class_<Selection, std::shared_ptr<Selection>>(m, "Selection", R"(The kept key blocks of
@@ -208,18 +228,12 @@ void BindCpuKernels(py::module_& m) {
          const py::buffer& k, const std::vector<double>& densities, int block_size,
          int local_blocks, double mass_threshold, float softmax_scale, int threads) {
         In qv(q, "q", false), kv(k, "k", false);
-        kernels::SelectionOptions options;
-        options.block_size = block_size;
-        options.local_blocks = local_blocks;
-        options.mass_threshold = mass_threshold;
-        options.softmax_scale = softmax_scale;
-        options.threads = threads;
-        absl::StatusOr<Selection> selection;
-        {
-          py::gil_scoped_release release;
-          selection = kernels::SelectBlocks(cu_seqlens, heads, head_dim, qv.span(), kv.span(),
-                                            densities, options);
-        }
+        const kernels::SelectionOptions options =
+            MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale, threads);
+        absl::StatusOr<Selection> selection = WithoutGil([&] {
+          return kernels::SelectBlocks(cu_seqlens, heads, head_dim, qv.span(), kv.span(), densities,
+                                       options);
+        });
         return std::make_shared<Selection>(ValueOrThrow(std::move(selection), ErrorKind::kKernel));
       },
       py::arg("cu_seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
@@ -252,12 +266,10 @@ void BindCpuKernels(py::module_& m) {
         kernels::AttentionOptions options;
         options.softmax_scale = softmax_scale;
         options.threads = threads;
-        absl::Status status;
-        {
-          py::gil_scoped_release release;
-          status = kernels::AttentionForward(selection.index, head_dim, qv.span(), kv.span(),
-                                             vv.span(), options, ov.span(), lv.span());
-        }
+        absl::Status status = WithoutGil([&] {
+          return kernels::AttentionForward(selection.index, head_dim, qv.span(), kv.span(),
+                                           vv.span(), options, ov.span(), lv.span());
+        });
         ThrowIfError(status, ErrorKind::kKernel);
       },
       py::arg("selection"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
@@ -277,13 +289,11 @@ void BindCpuKernels(py::module_& m) {
         kernels::AttentionOptions options;
         options.softmax_scale = softmax_scale;
         options.threads = threads;
-        absl::Status status;
-        {
-          py::gil_scoped_release release;
-          status = kernels::AttentionBackward(selection.index, head_dim, qv.span(), kv.span(),
-                                              vv.span(), ov.span(), lv.span(), dov.span(), options,
-                                              dqv.span(), dkv.span(), dvv.span());
-        }
+        absl::Status status = WithoutGil([&] {
+          return kernels::AttentionBackward(selection.index, head_dim, qv.span(), kv.span(),
+                                            vv.span(), ov.span(), lv.span(), dov.span(), options,
+                                            dqv.span(), dkv.span(), dvv.span());
+        });
         ThrowIfError(status, ErrorKind::kKernel);
       },
       py::arg("selection"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
@@ -296,12 +306,10 @@ void BindCpuKernels(py::module_& m) {
       [](const Selection& selection, int head_dim, const py::buffer& q, const py::buffer& k,
          float softmax_scale, int threads) {
         In qv(q, "q", false), kv(k, "k", false);
-        absl::StatusOr<std::vector<float>> recall;
-        {
-          py::gil_scoped_release release;
-          recall = kernels::ExactRecall(selection.index, head_dim, qv.span(), kv.span(),
-                                        softmax_scale, threads);
-        }
+        absl::StatusOr<std::vector<float>> recall = WithoutGil([&] {
+          return kernels::ExactRecall(selection.index, head_dim, qv.span(), kv.span(),
+                                      softmax_scale, threads);
+        });
         return ToArray(ValueOrThrow(std::move(recall), ErrorKind::kKernel));
       },
       py::arg("selection"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
@@ -324,11 +332,8 @@ void BindCudaKernels(py::module_& m) {
   py::class_<cuda::DeviceBlockIndex, std::unique_ptr<cuda::DeviceBlockIndex>>(
       m, "CudaBlockIndex", "A Selection's block index copied to the GPU.")
       .def(py::init([](const Selection& selection) {
-             absl::StatusOr<cuda::DeviceBlockIndex> index;
-             {
-               py::gil_scoped_release release;
-               index = cuda::DeviceBlockIndex::Upload(selection.index);
-             }
+             absl::StatusOr<cuda::DeviceBlockIndex> index =
+                 WithoutGil([&] { return cuda::DeviceBlockIndex::Upload(selection.index); });
              return std::make_unique<cuda::DeviceBlockIndex>(
                  ValueOrThrow(std::move(index), ErrorKind::kKernel));
            }),
@@ -339,17 +344,12 @@ void BindCudaKernels(py::module_& m) {
       [](const std::vector<int32_t>& cu_seqlens, int heads, int head_dim, uintptr_t q, uintptr_t k,
          const std::vector<double>& densities, int block_size, int local_blocks,
          double mass_threshold, float softmax_scale) {
-        kernels::SelectionOptions options;
-        options.block_size = block_size;
-        options.local_blocks = local_blocks;
-        options.mass_threshold = mass_threshold;
-        options.softmax_scale = softmax_scale;
-        absl::StatusOr<Selection> selection;
-        {
-          py::gil_scoped_release release;
-          selection = cuda::SelectBlocks(cu_seqlens, heads, head_dim, Pointer(q), Pointer(k),
-                                         densities, options);
-        }
+        const kernels::SelectionOptions options =
+            MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale);
+        absl::StatusOr<Selection> selection = WithoutGil([&] {
+          return cuda::SelectBlocks(cu_seqlens, heads, head_dim, Pointer(q), Pointer(k), densities,
+                                    options);
+        });
         return std::make_shared<Selection>(ValueOrThrow(std::move(selection), ErrorKind::kKernel));
       },
       py::arg("cu_seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
@@ -362,12 +362,10 @@ void BindCudaKernels(py::module_& m) {
       "cuda_forward",
       [](const cuda::DeviceBlockIndex& index, int head_dim, uintptr_t q, uintptr_t k, uintptr_t v,
          float softmax_scale, uintptr_t out, uintptr_t lse) {
-        absl::Status status;
-        {
-          py::gil_scoped_release release;
-          status = cuda::Forward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), softmax_scale,
-                                 MutablePointer(out), static_cast<float*>(MutablePointer(lse)));
-        }
+        absl::Status status = WithoutGil([&] {
+          return cuda::Forward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), softmax_scale,
+                               MutablePointer(out), static_cast<float*>(MutablePointer(lse)));
+        });
         ThrowIfError(status, ErrorKind::kKernel);
       },
       py::arg("index"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
@@ -379,14 +377,12 @@ void BindCudaKernels(py::module_& m) {
       [](const cuda::DeviceBlockIndex& index, int head_dim, uintptr_t q, uintptr_t k, uintptr_t v,
          uintptr_t out, uintptr_t lse, uintptr_t dout, float softmax_scale, uintptr_t delta,
          uintptr_t dq, uintptr_t dk, uintptr_t dv) {
-        absl::Status status;
-        {
-          py::gil_scoped_release release;
-          status = cuda::Backward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), Pointer(out),
-                                  static_cast<const float*>(Pointer(lse)), Pointer(dout),
-                                  softmax_scale, static_cast<float*>(MutablePointer(delta)),
-                                  MutablePointer(dq), MutablePointer(dk), MutablePointer(dv));
-        }
+        absl::Status status = WithoutGil([&] {
+          return cuda::Backward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), Pointer(out),
+                                static_cast<const float*>(Pointer(lse)), Pointer(dout),
+                                softmax_scale, static_cast<float*>(MutablePointer(delta)),
+                                MutablePointer(dq), MutablePointer(dk), MutablePointer(dv));
+        });
         ThrowIfError(status, ErrorKind::kKernel);
       },
       py::arg("index"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),

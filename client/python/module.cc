@@ -14,7 +14,7 @@ namespace {
 // Raises sparsebalance.PlannerError / KernelError(code, message) for a StatusError.
 void TranslateStatusError(std::exception_ptr error) {
   try {
-    if (error) std::rethrow_exception(error);
+    if (error) std::rethrow_exception(std::move(error));
   } catch (const StatusError& e) {
     const char* class_name = e.kind() == ErrorKind::kKernel ? "KernelError" : "PlannerError";
     try {

@@ -15,6 +15,7 @@ results cast back); CUDA tensors run the sm_90 kernels in bf16 when the package 
 CUDA and a device is present. Documents never attend to each other. Gradients flow to q, k, v.
 """
 
+import contextlib
 import time
 
 import torch
@@ -50,13 +51,28 @@ class _Outputs:
     selection = None
 
 
-def _start(timer):
-    return timer.clock() if timer is not None else 0.0
-
-
-def _stop(timer, start):
+@contextlib.contextmanager
+def _timed(timer):
+    """Adds the seconds of the block to ``timer`` (when there is one) if the block succeeds."""
+    start = timer.clock() if timer is not None else 0.0
+    yield
     if timer is not None:
         timer._add(start)
+
+
+def _keep_for_backward(ctx, saved, timer, outputs, selection, /, **state):
+    """What both kernels' forward leave: ``saved`` tensors and ``state`` (the kernel's own
+    handles and settings) for backward, and the selection for the caller."""
+    ctx.save_for_backward(*saved)
+    ctx.timer = timer
+    for name, value in state.items():
+        setattr(ctx, name, value)
+    outputs.selection = selection
+
+
+# Backward's gradients for forward's inputs after q, k, v: cu_seqlens, densities, options,
+# timer and outputs have none.
+_NO_GRADIENTS = (None,) * 5
 
 
 class _SparseAttentionCpu(torch.autograd.Function):
@@ -65,20 +81,15 @@ class _SparseAttentionCpu(torch.autograd.Function):
         tokens, heads, head_dim = q.shape
         block_size, local_blocks, scale, mass_threshold, threads = options
         qn, kn, vn = q.detach().numpy(), k.detach().numpy(), v.detach().numpy()
-        start = _start(timer)
-        selection = _C.select_blocks(cu_seqlens, heads, head_dim, qn, kn, densities, block_size,
-                                     local_blocks, mass_threshold, scale, threads)
-        out = torch.empty((tokens, heads, head_dim), dtype=torch.float32)
-        lse = torch.empty((heads, tokens), dtype=torch.float32)
-        _C.attention_forward(selection, head_dim, qn, kn, vn, out.numpy(), lse.numpy(), scale,
-                             threads)
-        _stop(timer, start)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.selection = selection
-        ctx.scale = scale
-        ctx.threads = threads
-        ctx.timer = timer
-        outputs.selection = selection
+        with _timed(timer):
+            selection = _C.select_blocks(cu_seqlens, heads, head_dim, qn, kn, densities,
+                                         block_size, local_blocks, mass_threshold, scale, threads)
+            out = torch.empty((tokens, heads, head_dim), dtype=torch.float32)
+            lse = torch.empty((heads, tokens), dtype=torch.float32)
+            _C.attention_forward(selection, head_dim, qn, kn, vn, out.numpy(), lse.numpy(), scale,
+                                 threads)
+        _keep_for_backward(ctx, (q, k, v, out, lse), timer, outputs, selection,
+                           selection=selection, scale=scale, threads=threads)
         return out
 
     @staticmethod
@@ -90,13 +101,12 @@ class _SparseAttentionCpu(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=torch.float32)
         dk = torch.empty(k.shape, dtype=torch.float32)
         dv = torch.empty(v.shape, dtype=torch.float32)
-        start = _start(ctx.timer)
-        _C.attention_backward(ctx.selection, head_dim, q.detach().numpy(), k.detach().numpy(),
-                              v.detach().numpy(), out.detach().numpy(), lse.numpy(),
-                              dout.numpy(), dq.numpy(), dk.numpy(), dv.numpy(), ctx.scale,
-                              ctx.threads)
-        _stop(ctx.timer, start)
-        return dq, dk, dv, None, None, None, None, None
+        with _timed(ctx.timer):
+            _C.attention_backward(ctx.selection, head_dim, q.detach().numpy(),
+                                  k.detach().numpy(), v.detach().numpy(), out.detach().numpy(),
+                                  lse.numpy(), dout.numpy(), dq.numpy(), dk.numpy(), dv.numpy(),
+                                  ctx.scale, ctx.threads)
+        return (dq, dk, dv) + _NO_GRADIENTS
 
 
 class _SparseAttentionCuda(torch.autograd.Function):
@@ -104,21 +114,17 @@ class _SparseAttentionCuda(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, densities, options, timer, outputs):
         tokens, heads, head_dim = q.shape
         block_size, local_blocks, scale, mass_threshold, _ = options
-        start = _start(timer)
-        selection = _C.cuda_select_blocks(cu_seqlens, heads, head_dim, q.data_ptr(),
-                                          k.data_ptr(), densities, block_size, local_blocks,
-                                          mass_threshold, scale)
-        index = _C.CudaBlockIndex(selection)
-        out = torch.empty_like(q)
-        lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
-        _C.cuda_forward(index, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale,
-                        out.data_ptr(), lse.data_ptr())
-        _stop(timer, start)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.index = index
-        ctx.scale = scale
-        ctx.timer = timer
-        outputs.selection = selection
+        with _timed(timer):
+            selection = _C.cuda_select_blocks(cu_seqlens, heads, head_dim, q.data_ptr(),
+                                              k.data_ptr(), densities, block_size, local_blocks,
+                                              mass_threshold, scale)
+            index = _C.CudaBlockIndex(selection)
+            out = torch.empty_like(q)
+            lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
+            _C.cuda_forward(index, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale,
+                            out.data_ptr(), lse.data_ptr())
+        _keep_for_backward(ctx, (q, k, v, out, lse), timer, outputs, selection,
+                           index=index, scale=scale)
         return out
 
     @staticmethod
@@ -129,12 +135,11 @@ class _SparseAttentionCuda(torch.autograd.Function):
         dout = dout.to(torch.bfloat16).contiguous()
         delta = torch.empty_like(lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        start = _start(ctx.timer)
-        _C.cuda_backward(ctx.index, q.shape[2], q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                         out.data_ptr(), lse.data_ptr(), dout.data_ptr(), ctx.scale,
-                         delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
-        _stop(ctx.timer, start)
-        return dq, dk, dv, None, None, None, None, None
+        with _timed(ctx.timer):
+            _C.cuda_backward(ctx.index, q.shape[2], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                             out.data_ptr(), lse.data_ptr(), dout.data_ptr(), ctx.scale,
+                             delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+        return (dq, dk, dv) + _NO_GRADIENTS
 
 
 def _sync_default_stream(device):
@@ -154,20 +159,12 @@ def _cuda_unavailable_reason():
     return None
 
 
-def _as_int_list(values, name):
+def _as_list(values, name, convert):
+    """``values`` (a sequence or a tensor) as a list of ``convert`` (int or float)."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().tolist()
     try:
-        return [int(x) for x in values]
-    except TypeError:
-        raise TypeError(f"{name}: a sequence of numbers is needed, got {type(values).__name__}")
-
-
-def _as_float_list(values, name):
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().tolist()
-    try:
-        return [float(x) for x in values]
+        return [convert(x) for x in values]
     except TypeError:
         raise TypeError(f"{name}: a sequence of numbers is needed, got {type(values).__name__}")
 
@@ -217,8 +214,8 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
       (out, recall): out like q; recall a float, the token-weighted share of softmax mass the
       kept blocks hold (1.0 at density 1). With return_selection: (out, recall, selection).
     """
-    cu = _as_int_list(cu_seqlens, "cu_seqlens")
-    dens = _as_float_list(densities, "densities")
+    cu = _as_list(cu_seqlens, "cu_seqlens", int)
+    dens = _as_list(densities, "densities", float)
     _check_inputs(q, k, v, cu, dens)
     head_dim = q.shape[2]
     scale = 0.0 if softmax_scale is None else float(softmax_scale)
@@ -292,7 +289,7 @@ def reference_attention(q, k, v, cu_seqlens, selection=None, softmax_scale=None)
     """Dense causal attention in plain PyTorch (per-document masking), optionally restricted to
     a Selection's kept blocks: what sparse_attention computes, for checking it. Works in the
     inputs' dtype (use float64 for a tight reference). O(tokens^2) memory per document."""
-    cu = _as_int_list(cu_seqlens, "cu_seqlens")
+    cu = _as_list(cu_seqlens, "cu_seqlens", int)
     heads, head_dim = q.shape[1], q.shape[2]
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
     outs = []
