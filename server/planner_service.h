@@ -58,7 +58,10 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
 
   // Answers the calls of PlannerService's method `method` (its name in planner.proto) with
   // `on_call`, which returns the call's reactor: what the generated CallbackService does for
-  // each method, here once for all.
+  // each method, here once for all. It uses the pieces the generated code uses
+  // (MarkMethodCallback, grpc::internal::CallbackUnaryHandler), so it follows the installed
+  // gRPC the way generated code does; a request or response type that does not match the
+  // method's descriptor stops the planner at start-up.
   template <typename Request, typename Response>
   void Register(const char* method,
                 std::function<grpc::ServerUnaryReactor*(grpc::CallbackServerContext*,

@@ -346,7 +346,7 @@ class Harness {
         const bool parsed = request.ParseFromString(in.Blob());
         Trace(absl::StrCat("UpdateJobConfig ", IdOf(job), " ", request.ShortDebugString()));
         if (!parsed) return;
-        // As PlannerServiceImpl::UpdateJobConfig builds the update.
+        // As PlannerServiceImpl::OnUpdateJobConfig builds the update.
         absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(request);
         Expect(update.status(), "UpdateJobConfig conversion");
         if (!update.ok()) return;
