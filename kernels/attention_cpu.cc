@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -58,16 +59,23 @@ struct Workspace {
   }
 };
 
-absl::Status ValidateCommon(const BlockIndex& index, int head_dim, const AttentionOptions& options,
-                            size_t* elements) {
+// Checks the index, head_dim and options, and that every token tensor in `tensors` (name, size
+// in floats) holds total_tokens x heads x head_dim floats and `lse_size` is heads x total_tokens.
+absl::Status ValidateArguments(const BlockIndex& index, int head_dim,
+                               const AttentionOptions& options,
+                               std::initializer_list<std::pair<const char*, size_t>> tensors,
+                               size_t lse_size) {
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
   if (absl::Status s = ValidateBlockIndex(index); !s.ok()) return s;
   if (!(options.softmax_scale >= 0.0f) || !std::isfinite(options.softmax_scale)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "softmax_scale=", options.softmax_scale, " must be positive (or 0 for 1/sqrt(head_dim))"));
   }
-  *elements = static_cast<size_t>(index.total_tokens()) * index.heads * head_dim;
-  return absl::OkStatus();
+  const size_t elements = static_cast<size_t>(index.total_tokens()) * index.heads * head_dim;
+  for (auto [name, size] : tensors) {
+    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
+  }
+  return CheckSize("lse", lse_size, static_cast<size_t>(index.total_tokens()) * index.heads);
 }
 
 // Runs `fn` on every (sequence, head), longest sequences first so that the last task to
@@ -139,16 +147,9 @@ absl::Status AttentionForward(const BlockIndex& index, int head_dim, absl::Span<
                               absl::Span<const float> k, absl::Span<const float> v,
                               const AttentionOptions& options, absl::Span<float> out,
                               absl::Span<float> lse) {
-  size_t elements = 0;
-  if (absl::Status s = ValidateCommon(index, head_dim, options, &elements); !s.ok()) return s;
-  for (auto [name, size] : {std::pair<const char*, size_t>{"q", q.size()},
-                            {"k", k.size()},
-                            {"v", v.size()},
-                            {"out", out.size()}}) {
-    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
-  }
-  if (absl::Status s =
-          CheckSize("lse", lse.size(), static_cast<size_t>(index.total_tokens()) * index.heads);
+  if (absl::Status s = ValidateArguments(
+          index, head_dim, options,
+          {{"q", q.size()}, {"k", k.size()}, {"v", v.size()}, {"out", out.size()}}, lse.size());
       !s.ok()) {
     return s;
   }
@@ -167,20 +168,16 @@ absl::Status AttentionBackward(const BlockIndex& index, int head_dim, absl::Span
                                absl::Span<const float> out, absl::Span<const float> lse,
                                absl::Span<const float> dout, const AttentionOptions& options,
                                absl::Span<float> dq, absl::Span<float> dk, absl::Span<float> dv) {
-  size_t elements = 0;
-  if (absl::Status s = ValidateCommon(index, head_dim, options, &elements); !s.ok()) return s;
-  for (auto [name, size] : {std::pair<const char*, size_t>{"q", q.size()},
-                            {"k", k.size()},
-                            {"v", v.size()},
-                            {"out", out.size()},
-                            {"dout", dout.size()},
-                            {"dq", dq.size()},
-                            {"dk", dk.size()},
-                            {"dv", dv.size()}}) {
-    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
-  }
-  if (absl::Status s =
-          CheckSize("lse", lse.size(), static_cast<size_t>(index.total_tokens()) * index.heads);
+  if (absl::Status s = ValidateArguments(index, head_dim, options,
+                                         {{"q", q.size()},
+                                          {"k", k.size()},
+                                          {"v", v.size()},
+                                          {"out", out.size()},
+                                          {"dout", dout.size()},
+                                          {"dq", dq.size()},
+                                          {"dk", dk.size()},
+                                          {"dv", dv.size()}},
+                                         lse.size());
       !s.ok()) {
     return s;
   }
