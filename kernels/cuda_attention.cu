@@ -95,7 +95,8 @@ __device__ int FindSequence(const int32_t* cu_blocks, int sequences, int64_t per
 // The tokens of one (sequence, head) that a CTA works on, in [total_tokens][heads][D] tensors:
 // token t of the head is at offset + t * stride.
 struct HeadTokens {
-  int head;
+  int64_t row;     // the CTA's CSR row (or CSC column) number
+  int head;        // attention head
   int32_t block;   // query block (CSR row) or key block (CSC column) of the CTA
   int32_t token0;  // the sequence's first token in the batch
   int32_t length;  // tokens in the sequence
@@ -110,6 +111,7 @@ __device__ HeadTokens LocateHead(const Params& p, int64_t row) {
   const int32_t blocks = p.cu_blocks[s + 1] - p.cu_blocks[s];
   const int64_t rel = row - static_cast<int64_t>(p.cu_blocks[s]) * p.heads;
   HeadTokens at;
+  at.row = row;
   at.head = static_cast<int>(rel / blocks);
   at.block = static_cast<int32_t>(rel % blocks);
   at.token0 = p.cu_seqlens[s];
@@ -119,44 +121,51 @@ __device__ HeadTokens LocateHead(const Params& p, int64_t row) {
   return at;
 }
 
-// Copies `rows` token rows starting at token `first` of one head into an fp32 tile with row
-// stride `ld`; rows at or past `length` are zero.
+// Copies `rows` token rows starting at token `first` of the head `at` of `tensor` into an
+// fp32 tile with row stride `ld`; rows at or past the sequence's end are zero.
 template <int D>
-__device__ void StageRows(const bf16* base, int64_t stride, int32_t first, int rows, int32_t length,
+__device__ void StageRows(const bf16* tensor, const HeadTokens& at, int32_t first, int rows,
                           float* tile, int ld) {
+  const bf16* base = tensor + at.offset;
   for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
     const int r = idx / D;
     const int d = idx % D;
     const int32_t t = first + r;
-    tile[r * ld + d] = t < length ? __bfloat162float(base[t * stride + d]) : 0.0f;
+    tile[r * ld + d] = t < at.length ? __bfloat162float(base[t * at.stride + d]) : 0.0f;
   }
 }
 
-// Writes values[d] * factor (d < D) as bf16 to token `token` of one head.
+// StageRows of the same tokens of two tensors (K and V, or Q and dO).
 template <int D>
-__device__ void StoreRow(const float* values, float factor, bf16* base, int64_t stride,
+__device__ void StagePair(const bf16* x, const bf16* y, const HeadTokens& at, int32_t first,
+                          int rows, float* x_tile, float* y_tile, int ld) {
+  StageRows<D>(x, at, first, rows, x_tile, ld);
+  StageRows<D>(y, at, first, rows, y_tile, ld);
+}
+
+// Writes values[d] * factor (d < D) as bf16 to token `token` of the head `at` of `tensor`.
+template <int D>
+__device__ void StoreRow(const float* values, float factor, bf16* tensor, const HeadTokens& at,
                          int32_t token) {
-  bf16* out = base + static_cast<int64_t>(token) * stride;
+  bf16* out = tensor + at.offset + static_cast<int64_t>(token) * at.stride;
 #pragma unroll
   for (int d = 0; d < D; ++d) out[d] = __float2bfloat16(values[d] * factor);
 }
 
-// The key walk of the forward and dQ kernels: for every key block j of CSR row `row`, stages
+// The key walk of the forward and dQ kernels: for every key block j of CSR row at.row, stages
 // K and V kKeyChunk keys at a time into ks and vs ([kKeyChunk][D], the whole CTA together),
-// then calls visit(c) for each staged key c that query `query` of a valid thread attends to
-// (causal, inside the sequence).
+// then calls visit(c) for each staged key c that the thread's query `query` attends to (causal,
+// both inside the sequence).
 template <int B, int D, typename Visit>
-__device__ __forceinline__ void ForEachKey(const Params& p, int64_t row, const HeadTokens& at,
-                                           int32_t query, bool valid, float* ks, float* vs,
-                                           Visit visit) {
-  for (int64_t e = p.row_ptr[row]; e < p.row_ptr[row + 1]; ++e) {
+__device__ __forceinline__ void ForEachKey(const Params& p, const HeadTokens& at, int32_t query,
+                                           float* ks, float* vs, Visit visit) {
+  for (int64_t e = p.row_ptr[at.row]; e < p.row_ptr[at.row + 1]; ++e) {
     const int32_t j = p.col_idx[e];
     for (int c0 = 0; c0 < B; c0 += kKeyChunk) {
       __syncthreads();
-      StageRows<D>(p.k + at.offset, at.stride, j * B + c0, kKeyChunk, at.length, ks, D);
-      StageRows<D>(p.v + at.offset, at.stride, j * B + c0, kKeyChunk, at.length, vs, D);
+      StagePair<D>(p.k, p.v, at, j * B + c0, kKeyChunk, ks, vs, D);
       __syncthreads();
-      if (!valid) continue;
+      if (query >= at.length) continue;
 #pragma unroll 1
       for (int c = 0; c < kKeyChunk; ++c) {
         const int32_t key = j * B + c0 + c;
@@ -174,18 +183,16 @@ __global__ void __launch_bounds__(B) ForwardKernel(Params p) {
   float* qs = smem;                // [B][D+1]
   float* ks = qs + B * (D + 1);    // [kKeyChunk][D]
   float* vs = ks + kKeyChunk * D;  // [kKeyChunk][D]
-  const int64_t row = blockIdx.x;
-  const HeadTokens at = LocateHead<D>(p, row);
+  const HeadTokens at = LocateHead<D>(p, blockIdx.x);
   const int r = threadIdx.x;
   const int32_t query = at.block * B + r;
-  const bool valid = query < at.length;
-  StageRows<D>(p.q + at.offset, at.stride, at.block * B, B, at.length, qs, D + 1);
+  StageRows<D>(p.q, at, at.block * B, B, qs, D + 1);
   float acc[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) acc[d] = 0.0f;
   float m = -INFINITY;
   float l = 0.0f;
-  ForEachKey<B, D>(p, row, at, query, valid, ks, vs, [&](int c) {
+  ForEachKey<B, D>(p, at, query, ks, vs, [&](int c) {
     float dot = 0.0f;
 #pragma unroll
     for (int d = 0; d < D; ++d) dot += qs[r * (D + 1) + d] * ks[c * D + d];
@@ -202,8 +209,8 @@ __global__ void __launch_bounds__(B) ForwardKernel(Params p) {
 #pragma unroll
     for (int d = 0; d < D; ++d) acc[d] += pr * vs[c * D + d];
   });
-  if (!valid) return;
-  StoreRow<D>(acc, l > 0.0f ? 1.0f / l : 0.0f, p.out_w + at.offset, at.stride, query);
+  if (query >= at.length) return;
+  StoreRow<D>(acc, l > 0.0f ? 1.0f / l : 0.0f, p.out_w, at, query);
   p.lse_w[static_cast<int64_t>(at.head) * p.total_tokens + at.token0 + query] =
       l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
@@ -231,20 +238,18 @@ __global__ void __launch_bounds__(B) DqKernel(Params p) {
   float* gs = qs + B * (D + 1);    // [B][D+1] dO
   float* ks = gs + B * (D + 1);    // [kKeyChunk][D]
   float* vs = ks + kKeyChunk * D;  // [kKeyChunk][D]
-  const int64_t row = blockIdx.x;
-  const HeadTokens at = LocateHead<D>(p, row);
+  const HeadTokens at = LocateHead<D>(p, blockIdx.x);
   const int r = threadIdx.x;
   const int32_t query = at.block * B + r;
   const bool valid = query < at.length;
-  StageRows<D>(p.q + at.offset, at.stride, at.block * B, B, at.length, qs, D + 1);
-  StageRows<D>(p.dout + at.offset, at.stride, at.block * B, B, at.length, gs, D + 1);
+  StagePair<D>(p.q, p.dout, at, at.block * B, B, qs, gs, D + 1);
   const int64_t lse_at = static_cast<int64_t>(at.head) * p.total_tokens + at.token0 + query;
   const float lse2 = valid ? p.lse_in[lse_at] * kLog2e : 0.0f;
   const float delta = valid ? p.delta[lse_at] : 0.0f;
   float dq[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) dq[d] = 0.0f;
-  ForEachKey<B, D>(p, row, at, query, valid, ks, vs, [&](int c) {
+  ForEachKey<B, D>(p, at, query, ks, vs, [&](int c) {
     float dot = 0.0f;
     float dp = 0.0f;
 #pragma unroll
@@ -258,7 +263,7 @@ __global__ void __launch_bounds__(B) DqKernel(Params p) {
     for (int d = 0; d < D; ++d) dq[d] += ds * ks[c * D + d];
   });
   if (!valid) return;
-  StoreRow<D>(dq, p.scale, p.dq + at.offset, at.stride, query);
+  StoreRow<D>(dq, p.scale, p.dq, at, query);
 }
 
 // dK and dV: one CTA per CSC column (key block j of head h of sequence s), thread c owns key
@@ -274,24 +279,21 @@ __global__ void __launch_bounds__(B) DkDvKernel(Params p) {
   float* gs = qs + kQueryChunk * D;     // [kQueryChunk][D] dO
   float* lse2s = gs + kQueryChunk * D;  // [kQueryChunk]
   float* deltas = lse2s + kQueryChunk;  // [kQueryChunk]
-  const int64_t column = blockIdx.x;
-  const HeadTokens at = LocateHead<D>(p, column);
+  const HeadTokens at = LocateHead<D>(p, blockIdx.x);
   const int c = threadIdx.x;
   const int32_t key = at.block * B + c;
-  StageRows<D>(p.k + at.offset, at.stride, at.block * B, B, at.length, ks, D + 1);
-  StageRows<D>(p.v + at.offset, at.stride, at.block * B, B, at.length, vs, D + 1);
+  StagePair<D>(p.k, p.v, at, at.block * B, B, ks, vs, D + 1);
 #pragma unroll
   for (int d = 0; d < D; ++d) dvs[c * (D + 1) + d] = 0.0f;
   float dk[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) dk[d] = 0.0f;
   const int64_t lse_base = static_cast<int64_t>(at.head) * p.total_tokens + at.token0;
-  for (int64_t e = p.col_ptr[column]; e < p.col_ptr[column + 1]; ++e) {
+  for (int64_t e = p.col_ptr[at.row]; e < p.col_ptr[at.row + 1]; ++e) {
     const int32_t i = p.row_idx[e];
     for (int q0 = 0; q0 < B; q0 += kQueryChunk) {
       __syncthreads();
-      StageRows<D>(p.q + at.offset, at.stride, i * B + q0, kQueryChunk, at.length, qs, D);
-      StageRows<D>(p.dout + at.offset, at.stride, i * B + q0, kQueryChunk, at.length, gs, D);
+      StagePair<D>(p.q, p.dout, at, i * B + q0, kQueryChunk, qs, gs, D);
       if (threadIdx.x < kQueryChunk) {
         const int32_t t = i * B + q0 + threadIdx.x;
         lse2s[threadIdx.x] = t < at.length ? p.lse_in[lse_base + t] * kLog2e : 0.0f;
@@ -321,8 +323,8 @@ __global__ void __launch_bounds__(B) DkDvKernel(Params p) {
     }
   }
   if (key >= at.length) return;
-  StoreRow<D>(dk, p.scale, p.dk + at.offset, at.stride, key);
-  StoreRow<D>(dvs + c * (D + 1), 1.0f, p.dv + at.offset, at.stride, key);
+  StoreRow<D>(dk, p.scale, p.dk, at, key);
+  StoreRow<D>(dvs + c * (D + 1), 1.0f, p.dv, at, key);
 }
 
 // Mean of Q and K over the tokens of every block: grid (blocks over all sequences, heads),
