@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -58,16 +59,25 @@ struct Workspace {
   }
 };
 
-absl::Status ValidateCommon(const BlockIndex& index, int head_dim, const AttentionOptions& options,
-                            size_t* elements) {
+// Tensors to check: name and size (floats).
+using NamedSizes = std::initializer_list<std::pair<const char*, size_t>>;
+
+// Checks the index, head_dim and options, and that every token tensor in `tensors` holds
+// total_tokens x heads x head_dim floats and `lse_size` is heads x total_tokens.
+absl::Status ValidateArguments(const BlockIndex& index, int head_dim,
+                               const AttentionOptions& options, NamedSizes tensors,
+                               size_t lse_size) {
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
   if (absl::Status s = ValidateBlockIndex(index); !s.ok()) return s;
   if (!(options.softmax_scale >= 0.0f) || !std::isfinite(options.softmax_scale)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "softmax_scale=", options.softmax_scale, " must be positive (or 0 for 1/sqrt(head_dim))"));
   }
-  *elements = static_cast<size_t>(index.total_tokens()) * index.heads * head_dim;
-  return absl::OkStatus();
+  const size_t elements = static_cast<size_t>(index.total_tokens()) * index.heads * head_dim;
+  for (auto [name, size] : tensors) {
+    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
+  }
+  return CheckSize("lse", lse_size, static_cast<size_t>(index.total_tokens()) * index.heads);
 }
 
 // Runs `fn` on every (sequence, head), longest sequences first so that the last task to
@@ -122,6 +132,28 @@ void RunHeads(const BlockIndex& index, int head_dim, const AttentionOptions& opt
   });
 }
 
+// What AttentionForward and AttentionBackward share: checks the arguments (ValidateArguments),
+// then runs the forward or backward tiles on every head of `base`'s tensors.
+absl::Status CheckAndRunHeads(const BlockIndex& index, int head_dim,
+                              const AttentionOptions& options, NamedSizes tensors, size_t lse_size,
+                              bool backward, const HeadTask& base) {
+  if (absl::Status s = ValidateArguments(index, head_dim, options, tensors, lse_size); !s.ok()) {
+    return s;
+  }
+  RunHeads(index, head_dim, options, backward, base, backward ? BackwardFn() : ForwardFn());
+  return absl::OkStatus();
+}
+
+// A task with the inputs both passes read (q, k, v); the caller adds its own tensors.
+HeadTask InputTask(absl::Span<const float> q, absl::Span<const float> k,
+                   absl::Span<const float> v) {
+  HeadTask task;
+  task.q = q.data();
+  task.k = k.data();
+  task.v = v.data();
+  return task;
+}
+
 }  // namespace
 
 int64_t WorkspaceFloats(int block_size, int head_dim, int32_t blocks, bool backward) {
@@ -139,27 +171,12 @@ absl::Status AttentionForward(const BlockIndex& index, int head_dim, absl::Span<
                               absl::Span<const float> k, absl::Span<const float> v,
                               const AttentionOptions& options, absl::Span<float> out,
                               absl::Span<float> lse) {
-  size_t elements = 0;
-  if (absl::Status s = ValidateCommon(index, head_dim, options, &elements); !s.ok()) return s;
-  for (auto [name, size] : {std::pair<const char*, size_t>{"q", q.size()},
-                            {"k", k.size()},
-                            {"v", v.size()},
-                            {"out", out.size()}}) {
-    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
-  }
-  if (absl::Status s =
-          CheckSize("lse", lse.size(), static_cast<size_t>(index.total_tokens()) * index.heads);
-      !s.ok()) {
-    return s;
-  }
-  HeadTask base;
-  base.q = q.data();
-  base.k = k.data();
-  base.v = v.data();
+  HeadTask base = InputTask(q, k, v);
   base.out_w = out.data();
   base.lse_w = lse.data();
-  RunHeads(index, head_dim, options, /*backward=*/false, base, ForwardFn());
-  return absl::OkStatus();
+  return CheckAndRunHeads(index, head_dim, options,
+                          {{"q", q.size()}, {"k", k.size()}, {"v", v.size()}, {"out", out.size()}},
+                          lse.size(), /*backward=*/false, base);
 }
 
 absl::Status AttentionBackward(const BlockIndex& index, int head_dim, absl::Span<const float> q,
@@ -167,35 +184,23 @@ absl::Status AttentionBackward(const BlockIndex& index, int head_dim, absl::Span
                                absl::Span<const float> out, absl::Span<const float> lse,
                                absl::Span<const float> dout, const AttentionOptions& options,
                                absl::Span<float> dq, absl::Span<float> dk, absl::Span<float> dv) {
-  size_t elements = 0;
-  if (absl::Status s = ValidateCommon(index, head_dim, options, &elements); !s.ok()) return s;
-  for (auto [name, size] : {std::pair<const char*, size_t>{"q", q.size()},
-                            {"k", k.size()},
-                            {"v", v.size()},
-                            {"out", out.size()},
-                            {"dout", dout.size()},
-                            {"dq", dq.size()},
-                            {"dk", dk.size()},
-                            {"dv", dv.size()}}) {
-    if (absl::Status s = CheckSize(name, size, elements); !s.ok()) return s;
-  }
-  if (absl::Status s =
-          CheckSize("lse", lse.size(), static_cast<size_t>(index.total_tokens()) * index.heads);
-      !s.ok()) {
-    return s;
-  }
-  HeadTask base;
-  base.q = q.data();
-  base.k = k.data();
-  base.v = v.data();
+  HeadTask base = InputTask(q, k, v);
   base.out = out.data();
   base.dout = dout.data();
   base.lse_in = lse.data();
   base.dq = dq.data();
   base.dk = dk.data();
   base.dv = dv.data();
-  RunHeads(index, head_dim, options, /*backward=*/true, base, BackwardFn());
-  return absl::OkStatus();
+  return CheckAndRunHeads(index, head_dim, options,
+                          {{"q", q.size()},
+                           {"k", k.size()},
+                           {"v", v.size()},
+                           {"out", out.size()},
+                           {"dout", dout.size()},
+                           {"dq", dq.size()},
+                           {"dk", dk.size()},
+                           {"dv", dv.size()}},
+                          lse.size(), /*backward=*/true, base);
 }
 
 double ForwardFlopsPerBlock(int block_size, int head_dim) {

@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -73,35 +74,105 @@ struct Params {
   bf16* dv;
 };
 
-// Row (or column) number -> (sequence, head, block): rows are numbered (sequence, head, block).
-__device__ void LocateRow(const Params& p, int64_t row, int* seq, int* head, int32_t* block) {
+// The sequence that item `item` belongs to when sequence s owns items
+// [cu_blocks[s] * per_block, cu_blocks[s + 1] * per_block): per_block is 1 for blocks, heads
+// for rows (which are numbered (sequence, head, block)).
+__device__ int FindSequence(const int32_t* cu_blocks, int sequences, int64_t per_block,
+                            int64_t item) {
   int lo = 0;
-  int hi = p.sequences - 1;
+  int hi = sequences - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (static_cast<int64_t>(p.cu_blocks[mid]) * p.heads <= row) {
+    if (static_cast<int64_t>(cu_blocks[mid]) * per_block <= item) {
       lo = mid;
     } else {
       hi = mid - 1;
     }
   }
-  const int32_t blocks = p.cu_blocks[lo + 1] - p.cu_blocks[lo];
-  const int64_t rel = row - static_cast<int64_t>(p.cu_blocks[lo]) * p.heads;
-  *seq = lo;
-  *head = static_cast<int>(rel / blocks);
-  *block = static_cast<int32_t>(rel % blocks);
+  return lo;
 }
 
-// Copies `rows` token rows starting at token `first` of one head into an fp32 tile with row
-// stride `ld`; rows at or past `length` are zero.
+// The tokens of one (sequence, head) that a CTA works on, in [total_tokens][heads][D] tensors:
+// token t of the head is at offset + t * stride.
+struct HeadTokens {
+  int64_t row;     // the CTA's CSR row (or CSC column) number
+  int head;        // attention head
+  int32_t block;   // query block (CSR row) or key block (CSC column) of the CTA
+  int32_t token0;  // the sequence's first token in the batch
+  int32_t length;  // tokens in the sequence
+  int64_t stride;  // elements between consecutive tokens
+  int64_t offset;  // elements to the head's first token
+};
+
+// Row (or column) number -> its (sequence, head, block) and where that head's tokens are.
 template <int D>
-__device__ void StageRows(const bf16* base, int64_t stride, int32_t first, int rows, int32_t length,
+__device__ HeadTokens LocateHead(const Params& p, int64_t row) {
+  const int s = FindSequence(p.cu_blocks, p.sequences, p.heads, row);
+  const int32_t blocks = p.cu_blocks[s + 1] - p.cu_blocks[s];
+  const int64_t rel = row - static_cast<int64_t>(p.cu_blocks[s]) * p.heads;
+  HeadTokens at;
+  at.row = row;
+  at.head = static_cast<int>(rel / blocks);
+  at.block = static_cast<int32_t>(rel % blocks);
+  at.token0 = p.cu_seqlens[s];
+  at.length = p.cu_seqlens[s + 1] - at.token0;
+  at.stride = static_cast<int64_t>(p.heads) * D;
+  at.offset = static_cast<int64_t>(at.token0) * at.stride + static_cast<int64_t>(at.head) * D;
+  return at;
+}
+
+// Copies `rows` token rows starting at token `first` of the head `at` of `tensor` into an
+// fp32 tile with row stride `ld`; rows at or past the sequence's end are zero.
+template <int D>
+__device__ void StageRows(const bf16* tensor, const HeadTokens& at, int32_t first, int rows,
                           float* tile, int ld) {
+  const bf16* base = tensor + at.offset;
   for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
     const int r = idx / D;
     const int d = idx % D;
     const int32_t t = first + r;
-    tile[r * ld + d] = t < length ? __bfloat162float(base[t * stride + d]) : 0.0f;
+    tile[r * ld + d] = t < at.length ? __bfloat162float(base[t * at.stride + d]) : 0.0f;
+  }
+}
+
+// StageRows of the same tokens of two tensors (K and V, or Q and dO).
+template <int D>
+__device__ void StagePair(const bf16* x, const bf16* y, const HeadTokens& at, int32_t first,
+                          int rows, float* x_tile, float* y_tile, int ld) {
+  StageRows<D>(x, at, first, rows, x_tile, ld);
+  StageRows<D>(y, at, first, rows, y_tile, ld);
+}
+
+// Writes values[d] * factor (d < D) as bf16 to token `token` of the head `at` of `tensor`.
+template <int D>
+__device__ void StoreRow(const float* values, float factor, bf16* tensor, const HeadTokens& at,
+                         int32_t token) {
+  bf16* out = tensor + at.offset + static_cast<int64_t>(token) * at.stride;
+#pragma unroll
+  for (int d = 0; d < D; ++d) out[d] = __float2bfloat16(values[d] * factor);
+}
+
+// The key walk of the forward and dQ kernels: for every key block j of CSR row at.row, stages
+// K and V kKeyChunk keys at a time into ks and vs ([kKeyChunk][D], the whole CTA together),
+// then calls visit(c) for each staged key c that the thread's query `query` attends to (causal,
+// both inside the sequence).
+template <int B, int D, typename Visit>
+__device__ __forceinline__ void ForEachKey(const Params& p, const HeadTokens& at, int32_t query,
+                                           float* ks, float* vs, Visit visit) {
+  for (int64_t e = p.row_ptr[at.row]; e < p.row_ptr[at.row + 1]; ++e) {
+    const int32_t j = p.col_idx[e];
+    for (int c0 = 0; c0 < B; c0 += kKeyChunk) {
+      __syncthreads();
+      StagePair<D>(p.k, p.v, at, j * B + c0, kKeyChunk, ks, vs, D);
+      __syncthreads();
+      if (query >= at.length) continue;
+#pragma unroll 1
+      for (int c = 0; c < kKeyChunk; ++c) {
+        const int32_t key = j * B + c0 + c;
+        if (key > query || key >= at.length) continue;
+        visit(c);
+      }
+    }
   }
 }
 
@@ -112,59 +183,35 @@ __global__ void __launch_bounds__(B) ForwardKernel(Params p) {
   float* qs = smem;                // [B][D+1]
   float* ks = qs + B * (D + 1);    // [kKeyChunk][D]
   float* vs = ks + kKeyChunk * D;  // [kKeyChunk][D]
-  const int64_t row = blockIdx.x;
-  int s, h;
-  int32_t i;
-  LocateRow(p, row, &s, &h, &i);
-  const int32_t token0 = p.cu_seqlens[s];
-  const int32_t length = p.cu_seqlens[s + 1] - token0;
-  const int64_t stride = static_cast<int64_t>(p.heads) * D;
-  const int64_t offset = static_cast<int64_t>(token0) * stride + static_cast<int64_t>(h) * D;
+  const HeadTokens at = LocateHead<D>(p, blockIdx.x);
   const int r = threadIdx.x;
-  const int32_t query = i * B + r;
-  const bool valid = query < length;
-  StageRows<D>(p.q + offset, stride, i * B, B, length, qs, D + 1);
+  const int32_t query = at.block * B + r;
+  StageRows<D>(p.q, at, at.block * B, B, qs, D + 1);
   float acc[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) acc[d] = 0.0f;
   float m = -INFINITY;
   float l = 0.0f;
-  for (int64_t e = p.row_ptr[row]; e < p.row_ptr[row + 1]; ++e) {
-    const int32_t j = p.col_idx[e];
-    for (int c0 = 0; c0 < B; c0 += kKeyChunk) {
-      __syncthreads();
-      StageRows<D>(p.k + offset, stride, j * B + c0, kKeyChunk, length, ks, D);
-      StageRows<D>(p.v + offset, stride, j * B + c0, kKeyChunk, length, vs, D);
-      __syncthreads();
-      if (!valid) continue;
-#pragma unroll 1
-      for (int c = 0; c < kKeyChunk; ++c) {
-        const int32_t key = j * B + c0 + c;
-        if (key > query || key >= length) continue;
-        float dot = 0.0f;
+  ForEachKey<B, D>(p, at, query, ks, vs, [&](int c) {
+    float dot = 0.0f;
 #pragma unroll
-        for (int d = 0; d < D; ++d) dot += qs[r * (D + 1) + d] * ks[c * D + d];
-        const float x = dot * p.scale_log2;
-        if (x > m) {  // new running maximum: rescale what was summed so far
-          const float alpha = exp2f(m - x);
-          l *= alpha;
+    for (int d = 0; d < D; ++d) dot += qs[r * (D + 1) + d] * ks[c * D + d];
+    const float x = dot * p.scale_log2;
+    if (x > m) {  // new running maximum: rescale what was summed so far
+      const float alpha = exp2f(m - x);
+      l *= alpha;
 #pragma unroll
-          for (int d = 0; d < D; ++d) acc[d] *= alpha;
-          m = x;
-        }
-        const float pr = exp2f(x - m);
-        l += pr;
-#pragma unroll
-        for (int d = 0; d < D; ++d) acc[d] += pr * vs[c * D + d];
-      }
+      for (int d = 0; d < D; ++d) acc[d] *= alpha;
+      m = x;
     }
-  }
-  if (!valid) return;
-  bf16* out = p.out_w + offset + static_cast<int64_t>(query) * stride;
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float pr = exp2f(x - m);
+    l += pr;
 #pragma unroll
-  for (int d = 0; d < D; ++d) out[d] = __float2bfloat16(acc[d] * inv);
-  p.lse_w[static_cast<int64_t>(h) * p.total_tokens + token0 + query] =
+    for (int d = 0; d < D; ++d) acc[d] += pr * vs[c * D + d];
+  });
+  if (query >= at.length) return;
+  StoreRow<D>(acc, l > 0.0f ? 1.0f / l : 0.0f, p.out_w, at, query);
+  p.lse_w[static_cast<int64_t>(at.head) * p.total_tokens + at.token0 + query] =
       l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
@@ -191,55 +238,32 @@ __global__ void __launch_bounds__(B) DqKernel(Params p) {
   float* gs = qs + B * (D + 1);    // [B][D+1] dO
   float* ks = gs + B * (D + 1);    // [kKeyChunk][D]
   float* vs = ks + kKeyChunk * D;  // [kKeyChunk][D]
-  const int64_t row = blockIdx.x;
-  int s, h;
-  int32_t i;
-  LocateRow(p, row, &s, &h, &i);
-  const int32_t token0 = p.cu_seqlens[s];
-  const int32_t length = p.cu_seqlens[s + 1] - token0;
-  const int64_t stride = static_cast<int64_t>(p.heads) * D;
-  const int64_t offset = static_cast<int64_t>(token0) * stride + static_cast<int64_t>(h) * D;
+  const HeadTokens at = LocateHead<D>(p, blockIdx.x);
   const int r = threadIdx.x;
-  const int32_t query = i * B + r;
-  const bool valid = query < length;
-  StageRows<D>(p.q + offset, stride, i * B, B, length, qs, D + 1);
-  StageRows<D>(p.dout + offset, stride, i * B, B, length, gs, D + 1);
-  const int64_t lse_at = static_cast<int64_t>(h) * p.total_tokens + token0 + query;
+  const int32_t query = at.block * B + r;
+  const bool valid = query < at.length;
+  StagePair<D>(p.q, p.dout, at, at.block * B, B, qs, gs, D + 1);
+  const int64_t lse_at = static_cast<int64_t>(at.head) * p.total_tokens + at.token0 + query;
   const float lse2 = valid ? p.lse_in[lse_at] * kLog2e : 0.0f;
   const float delta = valid ? p.delta[lse_at] : 0.0f;
   float dq[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) dq[d] = 0.0f;
-  for (int64_t e = p.row_ptr[row]; e < p.row_ptr[row + 1]; ++e) {
-    const int32_t j = p.col_idx[e];
-    for (int c0 = 0; c0 < B; c0 += kKeyChunk) {
-      __syncthreads();
-      StageRows<D>(p.k + offset, stride, j * B + c0, kKeyChunk, length, ks, D);
-      StageRows<D>(p.v + offset, stride, j * B + c0, kKeyChunk, length, vs, D);
-      __syncthreads();
-      if (!valid) continue;
-#pragma unroll 1
-      for (int c = 0; c < kKeyChunk; ++c) {
-        const int32_t key = j * B + c0 + c;
-        if (key > query || key >= length) continue;
-        float dot = 0.0f;
-        float dp = 0.0f;
+  ForEachKey<B, D>(p, at, query, ks, vs, [&](int c) {
+    float dot = 0.0f;
+    float dp = 0.0f;
 #pragma unroll
-        for (int d = 0; d < D; ++d) {
-          dot += qs[r * (D + 1) + d] * ks[c * D + d];
-          dp += gs[r * (D + 1) + d] * vs[c * D + d];
-        }
-        const float pr = exp2f(dot * p.scale_log2 - lse2);
-        const float ds = pr * (dp - delta);
-#pragma unroll
-        for (int d = 0; d < D; ++d) dq[d] += ds * ks[c * D + d];
-      }
+    for (int d = 0; d < D; ++d) {
+      dot += qs[r * (D + 1) + d] * ks[c * D + d];
+      dp += gs[r * (D + 1) + d] * vs[c * D + d];
     }
-  }
-  if (!valid) return;
-  bf16* out = p.dq + offset + static_cast<int64_t>(query) * stride;
+    const float pr = exp2f(dot * p.scale_log2 - lse2);
+    const float ds = pr * (dp - delta);
 #pragma unroll
-  for (int d = 0; d < D; ++d) out[d] = __float2bfloat16(dq[d] * p.scale);
+    for (int d = 0; d < D; ++d) dq[d] += ds * ks[c * D + d];
+  });
+  if (!valid) return;
+  StoreRow<D>(dq, p.scale, p.dq, at, query);
 }
 
 // dK and dV: one CTA per CSC column (key block j of head h of sequence s), thread c owns key
@@ -255,41 +279,32 @@ __global__ void __launch_bounds__(B) DkDvKernel(Params p) {
   float* gs = qs + kQueryChunk * D;     // [kQueryChunk][D] dO
   float* lse2s = gs + kQueryChunk * D;  // [kQueryChunk]
   float* deltas = lse2s + kQueryChunk;  // [kQueryChunk]
-  const int64_t column = blockIdx.x;
-  int s, h;
-  int32_t j;
-  LocateRow(p, column, &s, &h, &j);
-  const int32_t token0 = p.cu_seqlens[s];
-  const int32_t length = p.cu_seqlens[s + 1] - token0;
-  const int64_t stride = static_cast<int64_t>(p.heads) * D;
-  const int64_t offset = static_cast<int64_t>(token0) * stride + static_cast<int64_t>(h) * D;
+  const HeadTokens at = LocateHead<D>(p, blockIdx.x);
   const int c = threadIdx.x;
-  const int32_t key = j * B + c;
-  StageRows<D>(p.k + offset, stride, j * B, B, length, ks, D + 1);
-  StageRows<D>(p.v + offset, stride, j * B, B, length, vs, D + 1);
+  const int32_t key = at.block * B + c;
+  StagePair<D>(p.k, p.v, at, at.block * B, B, ks, vs, D + 1);
 #pragma unroll
   for (int d = 0; d < D; ++d) dvs[c * (D + 1) + d] = 0.0f;
   float dk[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) dk[d] = 0.0f;
-  const int64_t lse_base = static_cast<int64_t>(h) * p.total_tokens + token0;
-  for (int64_t e = p.col_ptr[column]; e < p.col_ptr[column + 1]; ++e) {
+  const int64_t lse_base = static_cast<int64_t>(at.head) * p.total_tokens + at.token0;
+  for (int64_t e = p.col_ptr[at.row]; e < p.col_ptr[at.row + 1]; ++e) {
     const int32_t i = p.row_idx[e];
     for (int q0 = 0; q0 < B; q0 += kQueryChunk) {
       __syncthreads();
-      StageRows<D>(p.q + offset, stride, i * B + q0, kQueryChunk, length, qs, D);
-      StageRows<D>(p.dout + offset, stride, i * B + q0, kQueryChunk, length, gs, D);
+      StagePair<D>(p.q, p.dout, at, i * B + q0, kQueryChunk, qs, gs, D);
       if (threadIdx.x < kQueryChunk) {
         const int32_t t = i * B + q0 + threadIdx.x;
-        lse2s[threadIdx.x] = t < length ? p.lse_in[lse_base + t] * kLog2e : 0.0f;
-        deltas[threadIdx.x] = t < length ? p.delta[lse_base + t] : 0.0f;
+        lse2s[threadIdx.x] = t < at.length ? p.lse_in[lse_base + t] * kLog2e : 0.0f;
+        deltas[threadIdx.x] = t < at.length ? p.delta[lse_base + t] : 0.0f;
       }
       __syncthreads();
-      if (key >= length) continue;
+      if (key >= at.length) continue;
 #pragma unroll 1
       for (int qq = 0; qq < kQueryChunk; ++qq) {
         const int32_t query = i * B + q0 + qq;
-        if (query >= length || key > query) continue;
+        if (query >= at.length || key > query) continue;
         float dot = 0.0f;
         float dp = 0.0f;
 #pragma unroll
@@ -307,14 +322,9 @@ __global__ void __launch_bounds__(B) DkDvKernel(Params p) {
       }
     }
   }
-  if (key >= length) return;
-  bf16* dk_out = p.dk + offset + static_cast<int64_t>(key) * stride;
-  bf16* dv_out = p.dv + offset + static_cast<int64_t>(key) * stride;
-#pragma unroll
-  for (int d = 0; d < D; ++d) {
-    dk_out[d] = __float2bfloat16(dk[d] * p.scale);
-    dv_out[d] = __float2bfloat16(dvs[c * (D + 1) + d]);
-  }
+  if (key >= at.length) return;
+  StoreRow<D>(dk, p.scale, p.dk, at, key);
+  StoreRow<D>(dvs + c * (D + 1), 1.0f, p.dv, at, key);
 }
 
 // Mean of Q and K over the tokens of every block: grid (blocks over all sequences, heads),
@@ -325,16 +335,7 @@ __global__ void PoolKernel(const int32_t* cu_seqlens, const int32_t* cu_blocks, 
   const int32_t b = blockIdx.x;
   const int h = blockIdx.y;
   const int d = threadIdx.x;
-  int lo = 0;
-  int hi = sequences - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (cu_blocks[mid] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
+  const int lo = FindSequence(cu_blocks, sequences, 1, b);
   const int32_t first = cu_seqlens[lo] + (b - cu_blocks[lo]) * block_size;
   const int32_t last = min(cu_seqlens[lo + 1], first + block_size);
   float q_sum = 0.0f;
@@ -356,16 +357,7 @@ __global__ void ScoreKernel(const int32_t* cu_blocks, const int64_t* tri_base, i
                             const float* k_mean, float* scores) {
   extern __shared__ float q_row[];
   const int64_t row = blockIdx.x;
-  int lo = 0;
-  int hi = sequences - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (static_cast<int64_t>(cu_blocks[mid]) * heads <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
+  const int lo = FindSequence(cu_blocks, sequences, heads, row);
   const int64_t n = cu_blocks[lo + 1] - cu_blocks[lo];
   const int64_t rel = row - static_cast<int64_t>(cu_blocks[lo]) * heads;
   const int h = static_cast<int>(rel / n);
@@ -397,18 +389,22 @@ size_t DkDvSmem() {
   return sizeof(float) * (3 * B * (D + 1) + 2 * kQueryChunk * D + 2 * kQueryChunk);
 }
 
+// Launches `kernel` (called `name` in errors) on `rows` CTAs of `threads` threads with `smem`
+// bytes of dynamic shared memory, raising its limit to that first.
+absl::Status LaunchAttention(void (*kernel)(Params), const char* name, const Params& p,
+                             int64_t rows, int threads, size_t smem) {
+  const cudaError_t error = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (error != cudaSuccess) {
+    return Check(error, absl::StrCat("cudaFuncSetAttribute(", name, ")").c_str());
+  }
+  kernel<<<static_cast<unsigned>(rows), threads, smem>>>(p);
+  return CheckLaunch(name);
+}
+
 template <int B, int D>
 absl::Status LaunchForward(const Params& p, int64_t rows) {
-  const size_t smem = ForwardSmem<B, D>();
-  if (absl::Status s = Check(
-          cudaFuncSetAttribute(ForwardKernel<B, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem)),
-          "cudaFuncSetAttribute(ForwardKernel)");
-      !s.ok()) {
-    return s;
-  }
-  ForwardKernel<B, D><<<static_cast<unsigned>(rows), B, smem>>>(p);
-  return CheckLaunch("ForwardKernel");
+  return LaunchAttention(ForwardKernel<B, D>, "ForwardKernel", p, rows, B, ForwardSmem<B, D>());
 }
 
 template <int B, int D>
@@ -418,26 +414,22 @@ absl::Status LaunchBackward(const Params& p, int64_t rows, float* delta) {
   if (absl::Status s = CheckLaunch("DeltaKernel"); !s.ok()) return s;
   Params with_delta = p;
   with_delta.delta = delta;
-  const size_t dq_smem = DqSmem<B, D>();
   if (absl::Status s =
-          Check(cudaFuncSetAttribute(DqKernel<B, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(dq_smem)),
-                "cudaFuncSetAttribute(DqKernel)");
+          LaunchAttention(DqKernel<B, D>, "DqKernel", with_delta, rows, B, DqSmem<B, D>());
       !s.ok()) {
     return s;
   }
-  DqKernel<B, D><<<static_cast<unsigned>(rows), B, dq_smem>>>(with_delta);
-  if (absl::Status s = CheckLaunch("DqKernel"); !s.ok()) return s;
-  const size_t dkdv_smem = DkDvSmem<B, D>();
-  if (absl::Status s =
-          Check(cudaFuncSetAttribute(DkDvKernel<B, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(dkdv_smem)),
-                "cudaFuncSetAttribute(DkDvKernel)");
-      !s.ok()) {
-    return s;
-  }
-  DkDvKernel<B, D><<<static_cast<unsigned>(rows), B, dkdv_smem>>>(with_delta);
-  return CheckLaunch("DkDvKernel");
+  return LaunchAttention(DkDvKernel<B, D>, "DkDvKernel", with_delta, rows, B, DkDvSmem<B, D>());
+}
+
+// Calls launch(block size, head_dim) with both as std::integral_constant<int, N>, for the four
+// compiled variants (block_size and head_dim are 64 or 128, checked before).
+template <typename Launch>
+absl::Status DispatchShape(int block_size, int head_dim, Launch launch) {
+  using k64 = std::integral_constant<int, 64>;
+  using k128 = std::integral_constant<int, 128>;
+  if (block_size == 64) return head_dim == 64 ? launch(k64{}, k64{}) : launch(k64{}, k128{});
+  return head_dim == 64 ? launch(k128{}, k64{}) : launch(k128{}, k128{});
 }
 
 absl::Status CheckPointers(std::initializer_list<std::pair<const char*, const void*>> pointers) {
@@ -449,9 +441,14 @@ absl::Status CheckPointers(std::initializer_list<std::pair<const char*, const vo
   return absl::OkStatus();
 }
 
-Params MakeParams(const DeviceBlockIndex& index, int head_dim, float softmax_scale) {
+// The index and the inputs every attention kernel reads; the caller sets the rest.
+Params MakeParams(const DeviceBlockIndex& index, int head_dim, float softmax_scale, const void* q,
+                  const void* k, const void* v) {
   const BlockIndex& host = index.host();
   Params p{};
+  p.q = static_cast<const bf16*>(q);
+  p.k = static_cast<const bf16*>(k);
+  p.v = static_cast<const bf16*>(v);
   p.cu_seqlens = index.cu_seqlens();
   p.cu_blocks = index.cu_blocks();
   p.row_ptr = index.row_ptr();
@@ -660,17 +657,13 @@ absl::Status Forward(const DeviceBlockIndex& index, int head_dim, const void* q,
       !s.ok()) {
     return s;
   }
-  Params p = MakeParams(index, head_dim, softmax_scale);
-  p.q = static_cast<const bf16*>(q);
-  p.k = static_cast<const bf16*>(k);
-  p.v = static_cast<const bf16*>(v);
+  Params p = MakeParams(index, head_dim, softmax_scale, q, k, v);
   p.out_w = static_cast<bf16*>(out);
   p.lse_w = lse;
   const int64_t rows = index.host().rows();
-  if (index.host().block_size == 64) {
-    return head_dim == 64 ? LaunchForward<64, 64>(p, rows) : LaunchForward<64, 128>(p, rows);
-  }
-  return head_dim == 64 ? LaunchForward<128, 64>(p, rows) : LaunchForward<128, 128>(p, rows);
+  return DispatchShape(index.host().block_size, head_dim, [&](auto b, auto d) {
+    return LaunchForward<decltype(b)::value, decltype(d)::value>(p, rows);
+  });
 }
 
 absl::Status Backward(const DeviceBlockIndex& index, int head_dim, const void* q, const void* k,
@@ -690,10 +683,7 @@ absl::Status Backward(const DeviceBlockIndex& index, int head_dim, const void* q
       !s.ok()) {
     return s;
   }
-  Params p = MakeParams(index, head_dim, softmax_scale);
-  p.q = static_cast<const bf16*>(q);
-  p.k = static_cast<const bf16*>(k);
-  p.v = static_cast<const bf16*>(v);
+  Params p = MakeParams(index, head_dim, softmax_scale, q, k, v);
   p.out = static_cast<const bf16*>(out);
   p.dout = static_cast<const bf16*>(dout);
   p.lse_in = lse;
@@ -701,12 +691,9 @@ absl::Status Backward(const DeviceBlockIndex& index, int head_dim, const void* q
   p.dk = static_cast<bf16*>(dk);
   p.dv = static_cast<bf16*>(dv);
   const int64_t rows = index.host().rows();
-  if (index.host().block_size == 64) {
-    return head_dim == 64 ? LaunchBackward<64, 64>(p, rows, delta)
-                          : LaunchBackward<64, 128>(p, rows, delta);
-  }
-  return head_dim == 64 ? LaunchBackward<128, 64>(p, rows, delta)
-                        : LaunchBackward<128, 128>(p, rows, delta);
+  return DispatchShape(index.host().block_size, head_dim, [&](auto b, auto d) {
+    return LaunchBackward<decltype(b)::value, decltype(d)::value>(p, rows, delta);
+  });
 }
 
 absl::Status MatmulBf16(int64_t m, int64_t n, int64_t k, const void* a, bool a_transposed,

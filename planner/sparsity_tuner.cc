@@ -34,6 +34,18 @@ constexpr double kBudgetTolerance = 1e-6;
 // Absolute precision of the token-weighted recall in the step-level allocation.
 constexpr double kRecallTolerance = 1e-6;
 
+// One step of the safeguarded Newton searches below, for a root of a monotone function with
+// value f and slope `derivative` at *x, bracketed by [a, b]: moves *x by Newton's step when the
+// slope is negative and the step lands strictly inside the bracket, else to the midpoint.
+// False (and *x unchanged) once the bracket is narrower than 1e-12 relative to max(1, |scale|).
+bool NewtonStep(double f, double derivative, double a, double b, double scale, double* x) {
+  double next = derivative < 0 ? *x - f / derivative : 0.5 * (a + b);
+  if (!(next > a && next < b)) next = 0.5 * (a + b);
+  if (b - a <= 1e-12 * std::max(1.0, std::fabs(scale))) return false;
+  *x = next;
+  return true;
+}
+
 struct Item {
   int index = 0;           // into the batch
   double weight = 0.0;     // tokens: recall is token-weighted
@@ -340,10 +352,7 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
       } else {
         b = x;
       }
-      double next = derivative < 0 ? x - f / derivative : 0.5 * (a + b);
-      if (!(next > a && next < b)) next = 0.5 * (a + b);
-      if (b - a <= 1e-12 * std::max(1.0, std::fabs(x))) break;
-      x = next;
+      if (!NewtonStep(f, derivative, a, b, /*scale=*/x, &x)) break;
     }
     // End on the feasible side so the rank does not overshoot its budget.
     if (excess(x, nullptr) > 0) x = b;
@@ -479,10 +488,7 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
       } else {
         b = x;
       }
-      double next = derivative < 0 ? x - f / derivative : 0.5 * (a + b);
-      if (!(next > a && next < b)) next = 0.5 * (a + b);
-      if (b - a <= 1e-12 * std::max(1.0, std::fabs(a))) break;
-      x = next;
+      if (!NewtonStep(f, derivative, a, b, /*scale=*/a, &x)) break;
     }
     x = a;
     recall = recall_a;

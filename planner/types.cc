@@ -1,6 +1,7 @@
 #include "planner/types.h"
 
 #include <cmath>
+#include <iterator>
 #include <string>
 
 #include "absl/strings/numbers.h"
@@ -11,6 +12,40 @@ namespace sparsebalance {
 namespace {
 
 bool InUnitInterval(double x) { return std::isfinite(x) && x > 0.0 && x <= 1.0; }
+
+// An enumerator and the name flags, reports and the Python module use for it.
+template <typename Enum>
+struct NamedValue {
+  Enum value;
+  absl::string_view name;
+};
+
+constexpr NamedValue<Policy> kPolicyNames[] = {
+    {Policy::kSequential, "sequential"},
+    {Policy::kTokens, "tokens"},
+    {Policy::kFlops, "flops"},
+    {Policy::kSab, "sab"},
+    {Policy::kDst, "dst"},
+    {Policy::kSparseBalance, "sparsebalance"},
+};
+constexpr NamedValue<DstMode> kDstModeNames[] = {
+    {DstMode::kMin, "min"},
+    {DstMode::kMean, "mean"},
+    {DstMode::kMax, "max"},
+    {DstMode::kQuantile, "quantile"},
+};
+// A new enumerator needs its name here (a switch would have warned).
+static_assert(std::size(kPolicyNames) == static_cast<size_t>(Policy::kSparseBalance) + 1);
+static_assert(std::size(kDstModeNames) == static_cast<size_t>(DstMode::kQuantile) + 1);
+
+// The name of `value` in `names`; "unknown" for a value outside the enum.
+template <typename Enum, size_t N>
+absl::string_view NameOf(const NamedValue<Enum> (&names)[N], Enum value) {
+  for (const NamedValue<Enum>& named : names) {
+    if (named.value == value) return named.name;
+  }
+  return "unknown";
+}
 
 }  // namespace
 
@@ -92,23 +127,7 @@ absl::Status ValidateConfig(const PlannerConfig& c) {
   return absl::OkStatus();
 }
 
-absl::string_view PolicyName(Policy policy) {
-  switch (policy) {
-    case Policy::kSequential:
-      return "sequential";
-    case Policy::kTokens:
-      return "tokens";
-    case Policy::kFlops:
-      return "flops";
-    case Policy::kSab:
-      return "sab";
-    case Policy::kDst:
-      return "dst";
-    case Policy::kSparseBalance:
-      return "sparsebalance";
-  }
-  return "unknown";
-}
+absl::string_view PolicyName(Policy policy) { return NameOf(kPolicyNames, policy); }
 
 const std::vector<Policy>& AllPolicies() {
   static const auto* const kAll =
@@ -127,19 +146,7 @@ absl::StatusOr<Policy> ParsePolicy(absl::string_view name) {
       absl::StrCat("unknown policy \"", name, "\"; choose one of: ", absl::StrJoin(names, ", ")));
 }
 
-absl::string_view DstModeName(DstMode mode) {
-  switch (mode) {
-    case DstMode::kMin:
-      return "min";
-    case DstMode::kMean:
-      return "mean";
-    case DstMode::kMax:
-      return "max";
-    case DstMode::kQuantile:
-      return "quantile";
-  }
-  return "unknown";
-}
+absl::string_view DstModeName(DstMode mode) { return NameOf(kDstModeNames, mode); }
 
 absl::StatusOr<DstMode> ParseDstMode(absl::string_view text, double* quantile) {
   if (text == "min") return DstMode::kMin;
