@@ -19,8 +19,8 @@ namespace sparsebalance {
 namespace kernels {
 namespace {
 
-using ::testing::HasSubstr;
 using test_support::SmallShape;
+using ::testing::HasSubstr;
 
 // Random q, k, v in [-1, 1) for the documents.
 LayerBatch MakeBatch(const ModelShape& shape, const std::vector<LayerDocument>& documents,
