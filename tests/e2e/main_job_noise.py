@@ -82,7 +82,7 @@ def main():
                   f"{sb['mean_recall']:.3f}, error {seq['prediction_error']:.1%} / "
                   f"{sb['prediction_error']:.1%}, speed-up {row['speedup']:.2f}x", flush=True)
     print(f"\n{len(rows)} runs of: sb-run {' '.join(args.sb_run_args)}")
-    for key in ["imbalance", "predicted_imbalance", "mean_recall", "mean_density",
+    for key in ["imbalance", "bubble_ratio", "predicted_imbalance", "mean_recall", "mean_density",
                 "prediction_error", "mean_step_seconds"]:
         for policy in ["sequential", "sparsebalance"]:
             print(f"{key:20s} {policy:14s} {describe([r['policies'][policy][key] for r in rows])}")
