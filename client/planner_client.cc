@@ -183,6 +183,7 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
   out.predicted_seconds = plan.predicted_seconds();
   out.predicted_makespan_seconds = plan.figures().makespan_seconds();
   out.local_fallback = plan.planned_locally();
+  out.deferred_ids.assign(response->deferred_ids().begin(), response->deferred_ids().end());
   absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches = MicroBatchesFromProto(plan);
   if (!micro_batches.ok()) {
     return absl::InternalError(absl::StrCat("GetRankPlan: the planner's plan of step ", step,

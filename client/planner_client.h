@@ -56,6 +56,9 @@ struct RankStepPlan {
   // Computed on this rank (PlanStepLocally), not by the planner; or the planner's record of a
   // step the trainer ran on its local plan.
   bool local_fallback = false;
+  // The step's deferred samples (OverflowPolicy::kDefer), the same on every rank: the next
+  // step's batch must hold them again (TrainerSession::Plan carries them itself).
+  std::vector<uint64_t> deferred_ids;
 };
 
 class PlannerClient {

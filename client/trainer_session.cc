@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "planner/planner.h"
 
@@ -15,8 +16,40 @@ size_t TrainerSession::BufferLimit() const {
   return static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));
 }
 
+std::vector<Sample> TrainerSession::StepBatch(int64_t step, const std::vector<Sample>& batch) {
+  if (step != carried_in_step_) {  // a new step: it takes what an earlier step deferred
+    carried_in_ = carried_from_ < step ? carried_ : std::vector<Sample>{};
+    carried_in_step_ = step;
+  }
+  absl::flat_hash_set<uint64_t> passed;
+  for (const Sample& s : batch) passed.insert(s.id);
+  std::vector<Sample> full;
+  full.reserve(carried_in_.size() + batch.size());
+  for (const Sample& s : carried_in_) {
+    if (!passed.contains(s.id)) full.push_back(s);  // the trainer may pass it again itself
+  }
+  full.insert(full.end(), batch.begin(), batch.end());
+  return full;
+}
+
+void TrainerSession::Carry(int64_t step, const std::vector<Sample>& full,
+                           const std::vector<uint64_t>& ids) {
+  if (step < carried_from_) return;  // an older step planned again: later ones came since
+  const absl::flat_hash_set<uint64_t> deferred(ids.begin(), ids.end());
+  carried_.clear();
+  for (const Sample& s : full) {
+    if (deferred.contains(s.id)) carried_.push_back(s);
+  }
+  carried_from_ = step;
+}
+
 absl::StatusOr<RankStepPlan> TrainerSession::LocalPlan(int64_t step,
                                                        const std::vector<Sample>& batch) {
+  return PlanLocally(step, StepBatch(step, batch));
+}
+
+absl::StatusOr<RankStepPlan> TrainerSession::PlanLocally(int64_t step,
+                                                         const std::vector<Sample>& batch) {
   absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, config_);
   if (!plan.ok()) return plan.status();
   if (rank_ < 0 || rank_ >= static_cast<int>(plan->ranks.size())) {
@@ -37,6 +70,8 @@ absl::StatusOr<RankStepPlan> TrainerSession::LocalPlan(int64_t step,
   out.predicted_seconds = plan->ranks[rank_].predicted_seconds;
   out.predicted_makespan_seconds = plan->makespan_seconds;
   out.local_fallback = true;
+  out.deferred_ids = plan->deferred_ids;
+  Carry(step, batch, out.deferred_ids);
   return out;
 }
 
@@ -53,24 +88,26 @@ absl::Status TrainerSession::ResubmitLocalSteps() {
 }
 
 absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vector<Sample>& batch) {
+  const std::vector<Sample> full = StepBatch(step, batch);
   if (coordinator_) {
-    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return LocalPlan(step, batch);
-    absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, batch);
+    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return PlanLocally(step, full);
+    absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, full);
     if (!submitted.ok()) {
-      if (IsUnreachable(submitted.status())) return LocalPlan(step, batch);
+      if (IsUnreachable(submitted.status())) return PlanLocally(step, full);
       return submitted.status();
     }
   }
   absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
-  if (!plan.ok() && IsUnreachable(plan.status())) return LocalPlan(step, batch);
+  if (!plan.ok() && IsUnreachable(plan.status())) return PlanLocally(step, full);
   if (!plan.ok()) return plan;
   // An older planner's plan has ids and densities only: its lengths and segments come from the
   // batch (and a newer one's must agree with it).
-  if (absl::Status s = CompletePlannedSamples(batch, &plan->micro_batches); !s.ok()) {
+  if (absl::Status s = CompletePlannedSamples(full, &plan->micro_batches); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("the planner's plan of step ", step,
                                                       " does not fit the batch: ", s.message()));
   }
   last_planner_step_ = std::max(last_planner_step_, step);
+  Carry(step, full, plan->deferred_ids);
   if (plan->local_fallback) {
     local_steps_.push_back(step);  // the step was switched to the local plan: report it so
     while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();

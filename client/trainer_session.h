@@ -14,6 +14,12 @@
 // planned_locally: the planner records the local plans, so the reports buffered meanwhile fit
 // them and reach the latency model, and the job's steps go on in order. Steps whose batches were
 // dropped from that buffer are skipped by the planner (metric sparsebalance_skipped_steps_total).
+//
+// Deferred samples (overflow=defer) are never dropped: the session carries the samples a step
+// deferred into its next step's batch, ahead of the new ones, on every rank alike (the planner's
+// plan and the local plan both name them). Pass only new samples; a carried sample that the
+// trainer passes again itself is planned once. `carried()` lists what still waits (e.g. after
+// the last step).
 #ifndef SPARSEBALANCE_CLIENT_TRAINER_SESSION_H_
 #define SPARSEBALANCE_CLIENT_TRAINER_SESSION_H_
 
@@ -40,11 +46,17 @@ class TrainerSession {
   // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
   // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed;
   // FAILED_PRECONDITION when the planner's plan names a sample that `batch` lacks or differs
-  // from. Every planned sample carries its length and segments.
+  // from. Every planned sample carries its length and segments. The step's batch is the
+  // samples the previous step deferred followed by `batch`; calling Plan again for the same
+  // step (a retry) carries the same ones.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
-  // The locally computed plan of `step` (what every falling-back rank uses). Remembers that this
-  // rank ran `step` locally (its report says so; the coordinator resubmits the batch later).
+  // The locally computed plan of `step` (what every falling-back rank uses), with the same
+  // carried samples as Plan. Remembers that this rank ran `step` locally (its report says so;
+  // the coordinator resubmits the batch later).
   absl::StatusOr<RankStepPlan> LocalPlan(int64_t step, const std::vector<Sample>& batch);
+  // Samples deferred by the latest planned step and not planned since: they go ahead of the
+  // next step's batch.
+  const std::vector<Sample>& carried() const { return carried_; }
   // Reports this rank's timings; while the planner is away reports are kept (bounded: the
   // oldest go first) and sent, in order, before the next report.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
@@ -71,6 +83,12 @@ class TrainerSession {
   // the planner is still away (the rest stay queued).
   absl::Status ResubmitLocalSteps();
   size_t BufferLimit() const;
+  // The batch `step` plans: the samples carried into it, then `batch` (those not carried).
+  std::vector<Sample> StepBatch(int64_t step, const std::vector<Sample>& batch);
+  // The local plan of a step whose whole batch is `full`.
+  absl::StatusOr<RankStepPlan> PlanLocally(int64_t step, const std::vector<Sample>& full);
+  // After `step` was planned from `full`: its deferred samples wait for the next step.
+  void Carry(int64_t step, const std::vector<Sample>& full, const std::vector<uint64_t>& ids);
 
   PlannerClient* client_;
   int rank_;
@@ -81,6 +99,10 @@ class TrainerSession {
   std::deque<int64_t> local_steps_;  // steps this rank ran locally, ascending, bounded
   int64_t dropped_reports_ = 0;
   int64_t last_planner_step_ = -1;  // the latest step whose plan came from the planner
+  std::vector<Sample> carried_;     // deferred by step carried_from_, for the next step
+  int64_t carried_from_ = -1;
+  std::vector<Sample> carried_in_;  // what step carried_in_step_ was given (for retries)
+  int64_t carried_in_step_ = -1;
 };
 
 }  // namespace sparsebalance

@@ -87,6 +87,8 @@ struct PlannerServiceImpl::Wait {
     if (plan != nullptr) {
       try {  // a large plan's message is the one allocation here that can fail
         RankPlanToProto(*plan, step, rank, response->mutable_plan());
+        response->mutable_deferred_ids()->Assign(plan->deferred_ids.begin(),
+                                                 plan->deferred_ids.end());
       } catch (const std::bad_alloc&) {
         response->Clear();
         status = absl::ResourceExhaustedError(

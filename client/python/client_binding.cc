@@ -67,6 +67,9 @@ void BindClient(py::module_& m) {
              "the slowest rank's")
       .Field("local_fallback", &RankStepPlan::local_fallback,
              "computed on this rank (planner unreachable), not by the planner")
+      .Field("deferred_ids", &RankStepPlan::deferred_ids,
+             "the step's deferred samples (overflow=defer), the same on every rank: they belong "
+             "in the next step's batch")
       .Done();
 
   py::class_<PlannerClient>(m, "PlannerClient", R"(A connection to sb-planner (thread-safe).

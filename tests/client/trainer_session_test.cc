@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "client/planner_client.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -299,6 +300,132 @@ TEST_F(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport
     }
     EXPECT_EQ(ids, ran[3][r]);
   }
+}
+
+// Runs `ranks` rank threads through steps of a job whose config defers what does not fit:
+// three overfull steps (130% of capacity), then small ones until nothing is carried. Returns
+// how often each document was trained, over every rank and step; `submitted` gets every
+// document passed to Plan.
+std::map<uint64_t, int> TrainWithDeferral(int port, const std::string& job_id,
+                                          const std::string& token, int ranks,
+                                          std::set<uint64_t>* submitted, int* failures) {
+  PlannerConfig config = Config(ranks);
+  config.overflow = OverflowPolicy::kDefer;
+  constexpr int kOverfullSteps = 3;
+  constexpr int kMaxSteps = 20;
+  // Every rank passes the same new documents at each step; ids unique over the run.
+  std::vector<std::vector<Sample>> new_samples;
+  for (int step = 0; step < kMaxSteps; ++step) {
+    std::vector<Sample> batch =
+        test_support::PretrainBatch(500 + step, ranks, /*fill=*/step < kOverfullSteps ? 1.3 : 0.2);
+    for (size_t i = 0; i < batch.size(); ++i) batch[i].id = 1000000 * (step + 1) + i;
+    new_samples.push_back(std::move(batch));
+  }
+  absl::Mutex mu;
+  std::map<uint64_t, int> trained;
+  std::vector<int> steps_run(ranks, 0);
+  std::vector<std::thread> threads;
+  std::atomic<int> failed{0};
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<PlannerClient> client = Connect(port, job_id, token);
+      client->JoinJob(r).IgnoreError();  // fails while the planner is down: local plans then
+      TrainerSession session(client.get(), r, /*coordinator=*/r == 0, config);
+      for (int step = 0; step < kMaxSteps; ++step) {
+        if (step >= kOverfullSteps && session.carried().empty()) break;
+        absl::StatusOr<RankStepPlan> plan = session.Plan(step, new_samples[step]);
+        if (!plan.ok()) {
+          ADD_FAILURE() << "rank " << r << " step " << step << ": " << plan.status();
+          ++failed;
+          return;
+        }
+        absl::MutexLock lock(&mu);
+        for (const MicroBatchPlan& mb : plan->micro_batches) {
+          for (const PlannedSample& p : mb.samples) ++trained[p.id];
+        }
+        steps_run[r] = step + 1;
+        if (absl::Status s = session.Report(step, Timings(*plan), 0.0); !s.ok()) {
+          ADD_FAILURE() << "rank " << r << " report of step " << step << ": " << s;
+          ++failed;
+        }
+      }
+      if (!session.carried().empty()) {
+        ADD_FAILURE() << "rank " << r << " still carries " << session.carried().size();
+        ++failed;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  *failures = failed.load();
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_EQ(steps_run[r], steps_run[0]) << "rank " << r << " ran another number of steps";
+    for (int step = 0; step < steps_run[0]; ++step) {
+      for (const Sample& s : new_samples[step]) submitted->insert(s.id);
+    }
+  }
+  EXPECT_GT(steps_run[0], kOverfullSteps) << "the overfull steps deferred nothing";
+  return trained;
+}
+
+TEST_F(TrainerSessionTest, DeferredDocumentsAreCarriedAndTrainedExactlyOnce) {
+  constexpr int kRanks = 4;
+  std::unique_ptr<PlannerClient> admin = Connect(planner_.port());
+  PlannerConfig config = Config(kRanks);
+  config.overflow = OverflowPolicy::kDefer;
+  absl::StatusOr<JobHandle> job = admin->CreateJob("defer", config);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::set<uint64_t> submitted;
+  int failures = 0;
+  const std::map<uint64_t, int> trained =
+      TrainWithDeferral(planner_.port(), job->job_id, job->token, kRanks, &submitted, &failures);
+  EXPECT_EQ(failures, 0);
+  // Every document passed to Plan was trained by exactly one rank, once.
+  EXPECT_EQ(trained.size(), submitted.size());
+  for (uint64_t id : submitted) {
+    auto it = trained.find(id);
+    EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << id;
+  }
+}
+
+TEST_F(TrainerSessionTest, DeferredDocumentsAreCarriedOnLocalPlansToo) {
+  constexpr int kRanks = 2;
+  const int port = planner_.port();
+  planner_.Stop();  // every step on the local plan: every rank must carry the same documents
+  std::set<uint64_t> submitted;
+  int failures = 0;
+  const std::map<uint64_t, int> trained =
+      TrainWithDeferral(port, "job", "token", kRanks, &submitted, &failures);
+  EXPECT_EQ(failures, 0);
+  EXPECT_EQ(trained.size(), submitted.size());
+  for (uint64_t id : submitted) {
+    auto it = trained.find(id);
+    EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << id;
+  }
+}
+
+TEST_F(TrainerSessionTest, ASampleTheTrainerPassesAgainIsNotPlannedTwice) {
+  const int port = planner_.port();
+  planner_.Stop();
+  PlannerConfig config = Config(1);
+  config.overflow = OverflowPolicy::kDefer;
+  std::unique_ptr<PlannerClient> client = Connect(port, "job", "token");
+  TrainerSession session(client.get(), 0, /*coordinator=*/true, config);
+  std::vector<Sample> batch = test_support::PretrainBatch(9, 1, /*fill=*/1.5);
+  absl::StatusOr<RankStepPlan> first = session.Plan(0, batch);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_FALSE(first->deferred_ids.empty());
+  ASSERT_EQ(session.carried().size(), first->deferred_ids.size());
+  // An older trainer re-adds what was deferred: each document is still planned once.
+  std::vector<Sample> again = session.carried();
+  absl::StatusOr<RankStepPlan> second = session.Plan(1, again);
+  ASSERT_TRUE(second.ok()) << second.status();
+  std::multiset<uint64_t> planned;
+  for (const MicroBatchPlan& mb : second->micro_batches) {
+    for (const PlannedSample& p : mb.samples) planned.insert(p.id);
+  }
+  for (uint64_t id : second->deferred_ids) planned.insert(id);
+  ASSERT_EQ(planned.size(), again.size());
+  for (const Sample& s : again) EXPECT_EQ(planned.count(s.id), 1u) << s.id;
 }
 
 TEST_F(TrainerSessionTest, ABadBatchIsAnErrorNotAFallback) {
