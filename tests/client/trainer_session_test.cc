@@ -304,11 +304,10 @@ TEST_F(TrainerSessionTest, AfterStepsOnLocalPlansTheJobCatchesUpAndLosesNoReport
 
 // Runs `ranks` rank threads through steps of a job whose config defers what does not fit:
 // three overfull steps (130% of capacity), then small ones until nothing is carried. Returns
-// how often each document was trained, over every rank and step; `submitted` gets every
-// document passed to Plan.
-std::map<uint64_t, int> TrainWithDeferral(int port, const std::string& job_id,
-                                          const std::string& token, int ranks,
-                                          std::set<uint64_t>* submitted, int* failures) {
+// Expects every document passed to Plan to be trained by exactly one rank, once, and nothing
+// left carried.
+void ExpectDeferredTrainedOnce(int port, const std::string& job_id, const std::string& token,
+                               int ranks) {
   PlannerConfig config = Config(ranks);
   config.overflow = OverflowPolicy::kDefer;
   constexpr int kOverfullSteps = 3;
@@ -356,15 +355,20 @@ std::map<uint64_t, int> TrainWithDeferral(int port, const std::string& job_id,
     });
   }
   for (std::thread& t : threads) t.join();
-  *failures = failed.load();
+  EXPECT_EQ(failed.load(), 0);
   for (int r = 0; r < ranks; ++r) {
     EXPECT_EQ(steps_run[r], steps_run[0]) << "rank " << r << " ran another number of steps";
-    for (int step = 0; step < steps_run[0]; ++step) {
-      for (const Sample& s : new_samples[step]) submitted->insert(s.id);
-    }
   }
   EXPECT_GT(steps_run[0], kOverfullSteps) << "the overfull steps deferred nothing";
-  return trained;
+  size_t submitted = 0;
+  for (int step = 0; step < steps_run[0]; ++step) {
+    submitted += new_samples[step].size();
+    for (const Sample& s : new_samples[step]) {
+      auto it = trained.find(s.id);
+      EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << s.id;
+    }
+  }
+  EXPECT_EQ(trained.size(), submitted);  // nothing trained that was not submitted
 }
 
 TEST_F(TrainerSessionTest, DeferredDocumentsAreCarriedAndTrainedExactlyOnce) {
@@ -374,33 +378,14 @@ TEST_F(TrainerSessionTest, DeferredDocumentsAreCarriedAndTrainedExactlyOnce) {
   config.overflow = OverflowPolicy::kDefer;
   absl::StatusOr<JobHandle> job = admin->CreateJob("defer", config);
   ASSERT_TRUE(job.ok()) << job.status();
-  std::set<uint64_t> submitted;
-  int failures = 0;
-  const std::map<uint64_t, int> trained =
-      TrainWithDeferral(planner_.port(), job->job_id, job->token, kRanks, &submitted, &failures);
-  EXPECT_EQ(failures, 0);
-  // Every document passed to Plan was trained by exactly one rank, once.
-  EXPECT_EQ(trained.size(), submitted.size());
-  for (uint64_t id : submitted) {
-    auto it = trained.find(id);
-    EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << id;
-  }
+  ExpectDeferredTrainedOnce(planner_.port(), job->job_id, job->token, kRanks);
 }
 
 TEST_F(TrainerSessionTest, DeferredDocumentsAreCarriedOnLocalPlansToo) {
   constexpr int kRanks = 2;
   const int port = planner_.port();
   planner_.Stop();  // every step on the local plan: every rank must carry the same documents
-  std::set<uint64_t> submitted;
-  int failures = 0;
-  const std::map<uint64_t, int> trained =
-      TrainWithDeferral(port, "job", "token", kRanks, &submitted, &failures);
-  EXPECT_EQ(failures, 0);
-  EXPECT_EQ(trained.size(), submitted.size());
-  for (uint64_t id : submitted) {
-    auto it = trained.find(id);
-    EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << id;
-  }
+  ExpectDeferredTrainedOnce(port, "job", "token", kRanks);
 }
 
 TEST_F(TrainerSessionTest, ASampleTheTrainerPassesAgainIsNotPlannedTwice) {
