@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian (bookworm) packages SparseBalance builds and tests with, when missing.
 # Idempotent and quick when everything is present: it asks dpkg first and only then apt-get.
-# Run as root (or with sudo available).
+# Run as root (or with sudo available). The Python side (torch, pytest, ...) comes from PyPI into
+# a virtual environment: scripts/python-env.sh.
 set -euo pipefail
 
 packages=(
@@ -12,8 +13,7 @@ packages=(
   clang libclang-rt-14-dev clang-format clang-tidy openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   prometheus python3-yaml
-  python3-dev python3-numpy python3-pytest python3-grpcio python3-torch pybind11-dev
-  libopenblas0
+  python3-dev python3-venv
 )
 
 missing=()

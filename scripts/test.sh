@@ -8,6 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export BUILD_DIR=${BUILD_DIR:-build-test}
+bash scripts/install-deps.sh
+# The Python tests run on current torch from PyPI, in .venv (a first install: about 2 min).
+SB_PYTHON=$(bash scripts/python-env.sh)
+export SB_PYTHON
 bash scripts/build.sh -DSB_WERROR=ON
 # Format (clang-format) and lint (clang-tidy) checks; scripts/lint.sh says how to fix.
 bash scripts/lint.sh

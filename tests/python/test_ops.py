@@ -193,3 +193,15 @@ def test_cuda_tensors_need_cuda_kernels_and_a_device():
     assert reason and ("no CUDA kernels" in reason or "no device" in reason)
     if not torch.cuda.is_available():
         pytest.skip(f"no CUDA device for torch ({reason})")
+
+
+def test_selection_arrays_hold_the_kernels_values_under_numpy_2():
+    # Regression: built with pybind11 2.10 (Debian bookworm's), arrays the module returns were
+    # all zeros under numpy 2 (it read numpy 2's dtype structs with the old layout).
+    import numpy
+
+    q, k, v = inputs(CU, 1, 64, seed=4)
+    _, _, selection = sparse_attention(q, k, v, CU, [0.5] * 3, return_selection=True)
+    assert [int(x) for x in selection.cu_seqlens] == CU, numpy.__version__
+    assert [int(x) for x in selection.cu_blocks] == [0, 5, 6, 17]
+    assert int(selection.row_ptr[-1]) == len(selection.col_idx) > 0

@@ -36,7 +36,7 @@ from ._C import (
     validate_batch,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ClientOptions",
