@@ -72,3 +72,52 @@ def test_samples_and_bad_arguments():
         GlobalBatchSampler([10, 0], seed=1, tokens_per_step=100)
     with pytest.raises(ValueError, match="max_length"):
         GlobalBatchSampler([10], seed=1, tokens_per_step=100, max_length=200)
+
+
+def test_the_sampler_protocol_set_epoch_len_and_resume():
+    sampler = GlobalBatchSampler(LENGTHS, seed=5, tokens_per_step=8192, epochs=1)
+    whole = list(sampler)
+    assert len(sampler) == len(whole) == sampler.steps_in_epoch(0)
+    assert [b.step for b in whole] == list(range(len(whole)))
+    # set_epoch: the next epoch, numbered on from the first one, another order.
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert len(sampler) == len(second) == sampler.steps_in_epoch(1)
+    assert second[0].step == len(whole) and {b.epoch for b in second} == {1}
+    assert sorted(i for b in second for i in b.ids) == sorted(i for b in whole for i in b.ids)
+    assert [b.ids for b in second] != [b.ids for b in whole]
+    # A checkpoint taken mid-epoch resumes where it stopped, in a new sampler.
+    sampler.set_epoch(0)
+    it = iter(sampler)
+    seen = [next(it) for _ in range(3)]
+    state = sampler.state_dict()
+    resumed = GlobalBatchSampler(LENGTHS, seed=5, tokens_per_step=8192, epochs=1)
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(whole) - 3  # what is left of the epoch
+    rest = list(resumed)
+    assert len(rest) == len(whole) - 3
+    assert [b.ids for b in seen + rest] == [b.ids for b in whole]
+    with pytest.raises(ValueError, match="seed"):
+        GlobalBatchSampler(LENGTHS, seed=6, tokens_per_step=8192).load_state_dict(state)
+    with pytest.raises(TypeError, match="forever"):
+        len(GlobalBatchSampler(LENGTHS, seed=5, tokens_per_step=8192))
+
+
+def splitmix64(x):
+    mask = (1 << 64) - 1
+    z = x & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63 + 12345])
+def test_the_vectorised_permutation_is_the_scalar_definition(seed):
+    # The order is part of the contract between ranks and runs: the numpy version must equal
+    # the definition written out in plain integers (ids sorted by their SplitMix64 hash).
+    from sparsebalance.data import permutation
+
+    n = 2000
+    gamma = 0x9E3779B97F4A7C15
+    expected = sorted(range(n), key=lambda i: (splitmix64(seed + (i + 1) * gamma), i))
+    assert permutation(n, seed).tolist() == expected

@@ -10,36 +10,47 @@ whole batch::
         plan = session.plan(step, batch.samples())
         ... train on the documents of plan.micro_batches ...
 
-Each epoch is a permutation of the dataset (seeded by (seed, epoch) with SplitMix64 and a
-Fisher-Yates shuffle, so it is the same on every machine and Python version), cut greedily into
-batches of at most ``tokens_per_step`` tokens. ``sampler.batch(step)`` gives any step directly
-(a restarted rank resumes without replaying).
+Each epoch is a permutation of the dataset (the ids sorted by a SplitMix64 hash seeded by
+(seed, epoch), so it is the same on every machine and numpy version), cut greedily into batches
+of at most ``tokens_per_step`` tokens; both vectorised with numpy (about 0.2 s per million
+documents). ``sampler.batch(step)`` gives any step directly (a restarted rank resumes without
+replaying); ``set_epoch``, ``len()`` and ``state_dict``/``load_state_dict`` follow torch's
+Sampler protocol.
 """
 
 import collections
 
-__all__ = ["GlobalBatch", "GlobalBatchSampler"]
+import numpy as np
 
-_MASK64 = (1 << 64) - 1
+__all__ = ["GlobalBatch", "GlobalBatchSampler", "permutation"]
 
-
-def _splitmix64(state):
-    """One SplitMix64 step: returns (next_state, value)."""
-    state = (state + 0x9E3779B97F4A7C15) & _MASK64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return state, z ^ (z >> 31)
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _permutation(n, seed):
-    order = list(range(n))
-    state = seed & _MASK64
-    for i in range(n - 1, 0, -1):
-        state, r = _splitmix64(state)
-        j = r % (i + 1)  # modulo bias below 2^-40 for any realistic dataset size
-        order[i], order[j] = order[j], order[i]
-    return order
+def permutation(n, seed):
+    """A permutation of range(n) from ``seed``, the same on every machine and numpy version:
+    the indices sorted by their SplitMix64 hash (seed + (i + 1) * golden gamma, mixed), stably.
+    Vectorised: about 0.1 s per million items."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(seed & 0xFFFFFFFFFFFFFFFF) +
+             (np.arange(1, n + 1, dtype=np.uint64) * _GAMMA))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return np.argsort(z, kind="stable")
+
+
+def greedy_cut(lengths, budget):
+    """Start offsets of the batches that cut ``lengths`` (in order) greedily: documents are
+    added until the next one would pass ``budget`` tokens (every length must be <= budget).
+    Returns an int64 array of starts plus the end (len(lengths))."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    starts, at, base = [0], 0, 0
+    while at < len(lengths):
+        at = int(np.searchsorted(ends, base + budget, side="right"))
+        starts.append(at)
+        base = int(ends[at - 1])
+    return np.asarray(starts, dtype=np.int64)
 
 
 class GlobalBatch(collections.namedtuple("GlobalBatch", ["step", "epoch", "ids", "lengths"])):
@@ -72,7 +83,8 @@ class GlobalBatchSampler:
     """
 
     def __init__(self, lengths, seed, tokens_per_step, max_length=None, epochs=None):
-        self.lengths = [int(n) for n in lengths]
+        self._lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        self.lengths = self._lengths.tolist()
         self.seed = int(seed)
         self.tokens_per_step = int(tokens_per_step)
         self.max_length = self.tokens_per_step if max_length is None else int(max_length)
@@ -81,55 +93,87 @@ class GlobalBatchSampler:
         if self.max_length > self.tokens_per_step:
             raise ValueError(f"max_length: {self.max_length} exceeds tokens_per_step="
                              f"{self.tokens_per_step}; such documents could never fit")
-        for i, n in enumerate(self.lengths):
-            if n <= 0:
-                raise ValueError(f"lengths[{i}]: {n} is not a positive token count")
-        self.skipped = [i for i, n in enumerate(self.lengths) if n > self.max_length]
+        bad = np.flatnonzero(self._lengths <= 0)
+        if len(bad):
+            raise ValueError(f"lengths[{bad[0]}]: {self.lengths[bad[0]]} is not a positive "
+                             "token count")
+        self.skipped = np.flatnonzero(self._lengths > self.max_length).tolist()
         if len(self.skipped) == len(self.lengths):
             raise ValueError(f"lengths: every document is longer than max_length="
                              f"{self.max_length}")
         self.epochs = epochs
+        self.epoch = 0       # the first epoch iteration yields (set_epoch)
+        self._resume = None  # the step iteration resumes at (load_state_dict)
         self._epoch_cache = {}
+        self._epoch_steps = {}  # epoch -> batches in it (small: kept for every epoch seen)
 
     def _epoch_batches(self, epoch):
+        """(ids in the epoch's order without skipped documents, batch start offsets)."""
         if epoch not in self._epoch_cache:
-            order = _permutation(len(self.lengths), self.seed * 1_000_003 + epoch)
-            batches, current, tokens = [], [], 0
-            for i in order:
-                n = self.lengths[i]
-                if n > self.max_length:
-                    continue
-                if current and tokens + n > self.tokens_per_step:
-                    batches.append(current)
-                    current, tokens = [], 0
-                current.append(i)
-                tokens += n
-            if current:
-                batches.append(current)
-            self._epoch_cache = {epoch: batches}  # keep one epoch: memory stays bounded
+            order = permutation(len(self.lengths), self.seed * 1_000_003 + epoch)
+            order = order[self._lengths[order] <= self.max_length]
+            starts = greedy_cut(self._lengths[order], self.tokens_per_step)
+            self._epoch_cache = {epoch: (order, starts)}  # one epoch: memory stays bounded
         return self._epoch_cache[epoch]
 
     def steps_in_epoch(self, epoch=0):
         """Batches in ``epoch`` (epochs are packed separately, so counts may differ a little)."""
-        return len(self._epoch_batches(epoch))
+        if epoch not in self._epoch_steps:
+            self._epoch_steps[epoch] = len(self._epoch_batches(epoch)[1]) - 1
+        return self._epoch_steps[epoch]
+
+    def _make(self, step, epoch, k):
+        order, starts = self._epoch_batches(epoch)
+        ids = order[starts[k]:starts[k + 1]].tolist()
+        return GlobalBatch(step, epoch, ids, [self.lengths[i] for i in ids])
+
+    def first_step(self, epoch):
+        """The global step number of ``epoch``'s first batch."""
+        return sum(self.steps_in_epoch(e) for e in range(epoch))
 
     def batch(self, step):
         """The global batch of ``step`` (0-based, counting across epochs)."""
         if step < 0:
             raise ValueError(f"step: {step} is negative")
         epoch, rest = 0, step
-        while True:
-            batches = self._epoch_batches(epoch)
-            if rest < len(batches):
-                ids = batches[rest]
-                return GlobalBatch(step, epoch, list(ids), [self.lengths[i] for i in ids])
-            rest -= len(batches)
+        while rest >= self.steps_in_epoch(epoch):
+            rest -= self.steps_in_epoch(epoch)
             epoch += 1
+        return self._make(step, epoch, rest)
+
+    # torch.utils.data.Sampler's protocol: set_epoch, __len__, state_dict / load_state_dict.
+    def set_epoch(self, epoch):
+        """Iteration starts at ``epoch`` (DataLoader convention: call it before each epoch)."""
+        self.epoch = int(epoch)
+        self._resume = None
+
+    def __len__(self):
+        """Batches iteration yields (needs a finite ``epochs``)."""
+        if self.epochs is None:
+            raise TypeError("len(): this sampler runs forever (epochs=None)")
+        first = self._resume if self._resume is not None else self.first_step(self.epoch)
+        return self.first_step(self.epoch + self.epochs) - first
+
+    def state_dict(self):
+        return {"seed": self.seed, "tokens_per_step": self.tokens_per_step,
+                "epoch": self.epoch, "next_step": self._resume}
+
+    def load_state_dict(self, state, next_step=None):
+        """Resumes iteration at ``next_step`` (default: the state's) within the state's epochs."""
+        if (state["seed"], state["tokens_per_step"]) != (self.seed, self.tokens_per_step):
+            raise ValueError("state_dict: seed or tokens_per_step differ: another data order")
+        self.epoch = int(state["epoch"])
+        self._resume = next_step if next_step is not None else state.get("next_step")
 
     def __iter__(self):
-        step, epoch = 0, 0
-        while self.epochs is None or epoch < self.epochs:
-            for ids in self._epoch_batches(epoch):
-                yield GlobalBatch(step, epoch, list(ids), [self.lengths[i] for i in ids])
+        step = self.first_step(self.epoch)
+        epoch = self.epoch
+        resume = self._resume
+        while self.epochs is None or epoch < self.epoch + self.epochs:
+            for k in range(self.steps_in_epoch(epoch)):
+                if resume is None or step >= resume:
+                    self._resume = step + 1
+                    yield self._make(step, epoch, k)
                 step += 1
             epoch += 1
+        self._resume = None  # done: iterating again starts the epochs over

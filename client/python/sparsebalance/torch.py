@@ -1,0 +1,402 @@
+"""SparseBalance for torch trainers in a few lines: ``sparsebalance.torch.Balancer``.
+
+::
+
+    import sparsebalance.torch as sbt
+    balancer = sbt.Balancer(planner="sb-planner:50151", lengths=dataset.lengths,
+                            micro_batches=2, capacity=8192, tokens_per_step=49152)
+    for step in balancer.batches(dataset):         # this rank's micro-batches, step after step
+        for mb in step:
+            with balancer.timed(mb):               # CUDA events on GPU, thread CPU time on CPU
+                loss = model(mb.tokens, mb.attention) * mb.loss_weight
+                loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    balancer.close()                               # delivers what is still buffered
+
+What it does for the trainer (torchrun or any initialised ``torch.distributed`` group):
+
+- reads the rank and world size from the process group (or ``RANK``/``WORLD_SIZE``) and the
+  device from ``LOCAL_RANK``; rank 0 creates the job (or resumes ``job=``) and shares its id and
+  token over the group; every rank joins;
+- draws every step's global batch from the seed (``sparsebalance.data.GlobalBatchSampler``: the
+  same on every rank, no communication) and asks the planner for this rank's part; step N+1 is
+  submitted and planned in the background while step N trains (``prefetch``);
+- when the planner cannot be reached every rank plans locally, agreed with one collective per
+  step; a warning with the reason at most once a minute; ``stats.local_steps`` counts such steps
+  and the planner learns of them once it is back;
+- documents the planner defers (``overflow="defer"``) are carried into the next step, never
+  dropped; ``state_dict``/``load_state_dict`` resume at the right step with them;
+- ``mb.loss_weight`` makes a token-mean loss per micro-batch add up, after DDP's average over
+  ranks, to the token mean of the whole step (micro-batches hold unequal token counts);
+- times each micro-batch and reports the timings to the planner in the background.
+
+The plan in a kernel's terms: ``mb.cu_seqlens``, ``mb.densities``, ``mb.max_seqlen``, and
+``mb.attention`` (``sparsebalance.attention``: per-document top-k budgets, FlexAttention block
+masks). ``sparsebalance.ops.sparse_attention`` takes ``mb.cu_seqlens`` and ``mb.densities``.
+"""
+
+import contextlib
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .data import GlobalBatchSampler
+from .ops import varlen_layout
+
+__all__ = ["Balancer", "MicroBatch", "Step"]
+
+_WORLD_ENV = ("RANK", "WORLD_SIZE")
+
+
+def _process_group_ranks(group):
+    """(rank, world) of this process: the initialised process group's, else torchrun's
+    RANK/WORLD_SIZE, else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    if all(name in os.environ for name in _WORLD_ENV):
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world > 1:
+            raise RuntimeError(f"Balancer: RANK={rank} WORLD_SIZE={world} but torch.distributed "
+                               "is not initialised: call dist.init_process_group() first")
+        return rank, world
+    return 0, 1
+
+
+def _default_device():
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class MicroBatch:
+    """One micro-batch of this rank's plan: its documents packed varlen.
+
+    Attributes: ``index`` (in the rank's plan), ``step``, ``samples`` (PlannedSample: id, length,
+    density, segments), ``ids``, ``tokens`` (the dataset's items concatenated, on the balancer's
+    device; a dict of such tensors when items are dicts), ``cu_seqlens`` (int32 tensor, one entry
+    per document: a pre-packed sample's segments are documents of their own), ``densities``
+    (one per document), ``max_seqlen``, ``num_tokens``, ``loss_weight`` and ``document_weight``
+    (see Balancer), ``attention`` (the plan in a kernel's terms). Set ``recall`` (and
+    ``achieved_density``) when the kernel measures them: the report carries them.
+    """
+
+    def __init__(self, step, index, samples, tokens, device, loss_weight, document_weight):
+        self.step, self.index, self.samples = step, index, list(samples)
+        self.ids = [s.id for s in self.samples]
+        cu, densities = varlen_layout(self.samples)
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+        self.densities = densities
+        self.max_seqlen = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        self.num_tokens = cu[-1]
+        self.tokens = tokens
+        self.loss_weight = loss_weight
+        self.document_weight = document_weight
+        self.recall = None
+        self.achieved_density = None
+        self._attention = None
+        self._seconds = None
+
+    @property
+    def attention(self):
+        """The plan in a kernel's terms (sparsebalance.attention.KernelPlan): cu_seqlens,
+        densities, per-document top-k budgets, FlexAttention block masks."""
+        if self._attention is None:
+            from .attention import KernelPlan
+
+            self._attention = KernelPlan.from_samples(self.samples, device=self.cu_seqlens.device)
+        return self._attention
+
+    def __repr__(self):
+        return (f"MicroBatch(step={self.step}, index={self.index}, documents="
+                f"{len(self.densities)}, tokens={self.num_tokens})")
+
+
+class Step(list):
+    """This rank's micro-batches of one step (a list of MicroBatch), with ``step``, ``plan``
+    (the RankStepPlan), ``local`` (planned on this machine because the planner was away) and
+    ``plan_wait_seconds`` (how long the step waited for its plan)."""
+
+    def __init__(self, number, plan, micro_batches, plan_wait_seconds):
+        super().__init__(micro_batches)
+        self.step, self.plan = number, plan
+        self.local = plan.local_fallback
+        self.plan_wait_seconds = plan_wait_seconds
+
+
+class _Timer:
+    """Compute seconds of one micro-batch: CUDA events on a GPU (read after the step, so timing
+    adds no synchronisation), this thread's CPU time on the CPU (fair when ranks share cores)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.start = self.end = None
+
+    def __enter__(self):
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.thread_time()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end = time.thread_time()
+        return False
+
+    def seconds(self):
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1000.0
+        return self.end - self.start
+
+
+class Balancer:
+    """SparseBalance for one rank of a torch trainer (see the module's docstring).
+
+    Args:
+      planner: sb-planner's "host:port" (default: $SPARSEBALANCE_PLANNER). None or "" with
+        ``allow_offline_start``: plan locally only.
+      lengths: token count of every dataset item (item id = index). Required.
+      tokens_per_step: tokens in one global batch (default: ranks x micro_batches x capacity x
+        ``fill``).
+      seed: the data order's seed (every rank the same).
+      config: a PlannerConfig for a new job; or leave it None and pass its fields as keyword
+        arguments (micro_batches=, micro_batch_capacity= or capacity=, shape=, policy=, ...).
+        ``ranks`` is the world size. A resumed job (``job=``) uses the job's own config.
+      job, token: resume this existing job instead of creating one (rank 0 creates otherwise).
+      admin_token: the planner's admin token for creating the job, when it has one.
+      allow_offline_start: an unreachable planner at start is an error unless this is True.
+      prefetch: plan step N+1 while step N trains (True by default).
+      group: the process group (default: the global one). device: where tokens go (default:
+        cuda:LOCAL_RANK when CUDA is available, else cpu).
+      call_timeout_seconds, plan_timeout_seconds: planner deadlines before falling back.
+      warn: called with each fallback warning (default: warnings.warn), at most once a minute.
+    """
+
+    def __init__(self, planner=None, lengths=None, *, tokens_per_step=None, fill=0.8, seed=0,
+                 config=None, job=None, token=None, admin_token="", name=None,
+                 allow_offline_start=False, prefetch=True, group=None, device=None,
+                 call_timeout_seconds=2.0, plan_timeout_seconds=60.0, warn=None,
+                 **config_fields):
+        if lengths is None:
+            raise ValueError("lengths: the dataset's token count per item is needed (e.g. "
+                             "lengths=dataset.lengths)")
+        self.group = group
+        self.rank, self.world = _process_group_ranks(group)
+        self.device = torch.device(device) if device is not None else _default_device()
+        if planner is None:
+            planner = os.environ.get("SPARSEBALANCE_PLANNER", "")
+        if not planner and not allow_offline_start:
+            raise ValueError("planner: no address (pass planner=\"host:port\" or set "
+                             "SPARSEBALANCE_PLANNER; allow_offline_start=True plans locally)")
+        config = self._config(config, config_fields)
+        options = _C.BalancerOptions(
+            client=_C.ClientOptions(target=planner or "127.0.0.1:1", token=token or "",
+                                    admin_token=admin_token or "",
+                                    call_timeout_seconds=call_timeout_seconds,
+                                    plan_timeout_seconds=plan_timeout_seconds),
+            rank=self.rank, world=self.world, job_id=job or "",
+            job_name=name or f"torch-{os.getpid()}", config=config,
+            allow_offline_start=allow_offline_start or not planner, prefetch=prefetch,
+            any_rank=self._any_rank, share_job=self._share_job,
+            warn=warn or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=2)))
+        self._c = _C.Balancer.start(options)
+        self.config = self._c.config
+        capacity = self.config.micro_batch_capacity
+        if tokens_per_step is None:
+            tokens_per_step = int(fill * self.world * self.config.micro_batches * capacity)
+        self.sampler = GlobalBatchSampler(lengths, seed=seed, tokens_per_step=tokens_per_step,
+                                          max_length=capacity)
+        self.lengths = self.sampler.lengths
+        self.next_step = self._c.next_step
+        self._pending = None  # (step number, [(MicroBatch, _Timer)], step start)
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _config(self, config, fields):
+        if config is not None and fields:
+            raise ValueError(f"config: given together with {sorted(fields)}; pass one or the "
+                             "other")
+        if config is None:
+            if "capacity" in fields:
+                fields["micro_batch_capacity"] = fields.pop("capacity")
+            config = _C.PlannerConfig(**fields)
+        config.ranks = self.world
+        config.validate()
+        return config
+
+    def _any_rank(self, flag):
+        if self.world == 1:
+            return bool(flag)
+        device = self.device if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.item() > 0
+
+    def _share_job(self, handle):
+        if self.world == 1:
+            return handle
+        shared = [(handle.job_id, handle.token) if self.rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        return _C.JobHandle(job_id=shared[0][0], token=shared[0][1])
+
+    # -- the step loop ----------------------------------------------------------------------
+    @property
+    def job(self):
+        """The job's JobHandle (job_id, token; empty when offline)."""
+        return self._c.job
+
+    @property
+    def stats(self):
+        """Counters: planned_steps, local_steps, prefetched_steps, plan_wait_seconds (total time
+        steps waited for their plans), buffered_reports, dropped_reports, planner_reachable,
+        last_error."""
+        return self._c.stats
+
+    def global_batch(self, step):
+        """The global batch of ``step`` as Samples (the same on every rank)."""
+        batch = self.sampler.batch(step)
+        return [_C.Sample(id=i, length=n) for i, n in zip(batch.ids, batch.lengths)]
+
+    def batches(self, dataset, steps=None):
+        """This rank's steps, from ``next_step`` on: each a Step (list of MicroBatch) whose
+        ``tokens`` hold ``dataset[id]`` concatenated. ``steps``: how many (None: forever).
+        Reports the previous step's timings when the next one is asked for (and at close)."""
+        end = None if steps is None else self.next_step + int(steps)
+        step = self.next_step
+        batch = self.global_batch(step)
+        while end is None or step < end:
+            carried_in = self._c.carried  # deferred by the step before: planned first
+            start = time.perf_counter()
+            plan = self._c.plan(step, batch)
+            wait = time.perf_counter() - start
+            if plan.step != step or plan.rank != self.rank:
+                raise RuntimeError(f"plan: for step {plan.step} rank {plan.rank}, expected "
+                                   f"step {step} rank {self.rank}")
+            self.next_step = step + 1
+            if end is None or step + 1 < end:
+                following = self.global_batch(step + 1)
+                self._c.prefetch(step + 1, following)  # planned while this step trains
+            micro_batches = self._micro_batches(step, plan, dataset, carried_in + batch)
+            self._pending = (step, [(mb, None) for mb in micro_batches], time.perf_counter())
+            yield Step(step, plan, micro_batches, wait)
+            self._report_pending()
+            step += 1
+            if end is None or step < end:
+                batch = following
+
+    def _micro_batches(self, step, plan, dataset, full_batch):
+        """MicroBatch objects of this rank's plan, with their loss weights: a micro-batch's share
+        of the tokens (documents) the whole step trains, times the world size (DDP averages
+        gradients over ranks). Every rank knows the step's global batch and its deferred ids,
+        so the weights need no communication."""
+        deferred, seen = set(plan.deferred_ids), set()
+        global_tokens = global_docs = 0
+        for s in full_batch:
+            if s.id in seen or s.id in deferred:
+                continue
+            seen.add(s.id)
+            global_tokens += s.length
+            global_docs += max(1, len(s.segments))
+        out = []
+        for m, mb in enumerate(plan.micro_batches):
+            tokens = sum(s.length for s in mb.samples)
+            docs = sum(len(s.documents()) for s in mb.samples)
+            out.append(MicroBatch(
+                step, m, mb.samples, self._load(dataset, mb.samples), self.device,
+                self.world * tokens / max(1, global_tokens),
+                self.world * docs / max(1, global_docs)))
+        return out
+
+    def _load(self, dataset, samples):
+        if dataset is None:
+            return None
+        items = []
+        for s in samples:
+            item = dataset[s.id]
+            n = (len(next(iter(item.values()))) if isinstance(item, dict) else len(item))
+            if n != s.length:
+                raise ValueError(f"dataset[{s.id}]: {n} tokens where lengths[{s.id}] = "
+                                 f"{s.length}")
+            items.append(item)
+        if not items:
+            return None
+        if isinstance(items[0], dict):
+            return {k: torch.cat([torch.as_tensor(it[k]) for it in items]).to(self.device)
+                    for k in items[0]}
+        return torch.cat([torch.as_tensor(it) for it in items]).to(self.device)
+
+    @contextlib.contextmanager
+    def timed(self, mb):
+        """Times the work done inside it (forward and backward of ``mb``) for the report."""
+        if self._pending is None or self._pending[0] != mb.step:
+            raise ValueError(f"mb: micro-batch of step {mb.step}, but the current step is "
+                             f"{None if self._pending is None else self._pending[0]}")
+        timer = _Timer(self.device)
+        with timer:
+            yield mb
+        entries = self._pending[1]
+        entries[mb.index] = (entries[mb.index][0], timer)
+
+    def _report_pending(self):
+        if self._pending is None:
+            return
+        step, entries, started = self._pending
+        self._pending = None
+        timings, compute = [], 0.0
+        for mb, timer in entries:
+            if timer is None:
+                continue
+            seconds = timer.seconds()
+            compute += seconds
+            density = mb.achieved_density
+            if density is None:
+                weights = [b - a for a, b in zip(mb.cu_seqlens.tolist(),
+                                                 mb.cu_seqlens.tolist()[1:])]
+                density = (sum(d * w for d, w in zip(mb.densities, weights)) /
+                           max(1, sum(weights)))
+            timings.append(_C.MicroBatchTiming(
+                micro_batch=mb.index, compute_seconds=seconds, tokens=mb.num_tokens,
+                achieved_density=float(density),
+                recall=float(mb.recall) if mb.recall is not None else 0.0))
+        # The rest of the step (gradient all-reduce, optimizer) is this rank's wait.
+        wait = max(0.0, time.perf_counter() - started - compute)
+        self._c.report(step, timings, wait)
+
+    # -- checkpoints and the end --------------------------------------------------------------
+    def state_dict(self):
+        """What a checkpoint needs to resume: the next step, the documents carried into it, the
+        job and the data order."""
+        return {"next_step": self.next_step, "job_id": self.job.job_id,
+                "carried": [(s.id, s.length) for s in self._c.carried],
+                "seed": self.sampler.seed, "tokens_per_step": self.sampler.tokens_per_step}
+
+    def load_state_dict(self, state):
+        """Resumes at ``state["next_step"]`` with the documents it carried (before batches())."""
+        for key in ("seed", "tokens_per_step"):
+            if state[key] != getattr(self.sampler, key):
+                raise ValueError(f"state_dict: {key} {state[key]} differs from this Balancer's "
+                                 f"{getattr(self.sampler, key)}: the data order would change")
+        self.next_step = int(state["next_step"])
+        self._c.resume(self.next_step,
+                       [_C.Sample(id=i, length=n) for i, n in state["carried"]])
+
+    def close(self, timeout_seconds=10.0):
+        """Reports the last step and delivers what is buffered (waits at most
+        ``timeout_seconds``). Returns True when everything reached the planner."""
+        self._report_pending()
+        return self._c.finish(timeout_seconds)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
