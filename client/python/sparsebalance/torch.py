@@ -44,10 +44,11 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._C import ModelShape, PlannerConfig
 from .data import GlobalBatchSampler
 from .ops import varlen_layout
 
-__all__ = ["Balancer", "MicroBatch", "Step"]
+__all__ = ["Balancer", "MicroBatch", "ModelShape", "PlannerConfig", "Step"]
 
 _WORLD_ENV = ("RANK", "WORLD_SIZE")
 
