@@ -65,7 +65,8 @@ auto WithoutGil(Work work) {
 void BindPlanTypes(py::module_& m);
 // ClientOptions, JobHandle, RankStepPlan, PlannerClient, TrainerSession.
 void BindClient(py::module_& m);
-// Selection, select_blocks, attention_forward/backward, exact_recall and the CUDA entry points.
+// Selection, select_blocks, attention_forward/backward, exact_recall, the CUDA entry points, the
+// kept-block rule (kept_blocks_per_row) and the profile-table format.
 void BindKernels(py::module_& m);
 
 }  // namespace python

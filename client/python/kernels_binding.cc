@@ -3,6 +3,8 @@
 // tensor's data_ptr()). CPU tensors arrive through the buffer protocol (numpy arrays, or
 // tensor.numpy() of contiguous float32 torch tensors) and are used in place: no copies, and
 // outputs are written into the caller's buffers. The GIL is released while kernels run.
+// Also the contract's kept-block rule and profile-table format (contract/), so that a trainer's
+// own kernel gets the same per-row budgets and its profile the same text as sb-profile's.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -19,6 +21,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "client/python/bindings.h"
+#include "client/python/record.h"
+#include "contract/block_geometry.h"
+#include "contract/profile_format.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/block_index.h"
 #include "kernels/block_selection.h"
@@ -105,9 +110,24 @@ double AchievedDensity(const BlockIndex& index) {
   return TokenWeighted(index, density);
 }
 
+// A numpy array holding a copy of `values` with C-order `shape` (default: one dimension).
+// numpy itself makes it from a memoryview: pybind11 2.10's own array constructors read numpy 1's
+// descriptor layout, and under numpy 2 they give arrays of zeros or zero strides.
 template <typename T>
-py::array_t<T> ToArray(const std::vector<T>& values) {
-  return py::array_t<T>(static_cast<py::ssize_t>(values.size()), values.data());
+py::object ToArray(const std::vector<T>& values, std::vector<py::ssize_t> shape = {}) {
+  if (shape.empty()) shape.push_back(static_cast<py::ssize_t>(values.size()));
+  std::vector<py::ssize_t> strides(shape.size());
+  py::ssize_t stride = sizeof(T);
+  for (size_t d = shape.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= shape[d];
+  }
+  py::module_ numpy = py::module_::import("numpy");
+  if (values.empty()) {  // a memoryview needs a non-null buffer
+    return numpy.attr("zeros")(py::cast(shape),
+                               py::arg("dtype") = py::format_descriptor<T>::format());
+  }
+  return numpy.attr("array")(py::memoryview::from_buffer(values.data(), shape, strides));
 }
 
 void CheckSequence(const BlockIndex& index, int seq, int head) {
@@ -187,16 +207,14 @@ recall. Made by select_blocks (or make_selection); passed to attention_forward/b
           [](const Selection& s, int seq, int head) {
             CheckSequence(s.index, seq, head);
             const int32_t n = s.index.blocks(seq);
-            py::array_t<uint8_t> mask({n, n});
-            auto view = mask.mutable_unchecked<2>();
+            std::vector<uint8_t> mask(static_cast<size_t>(n) * n, 0);
             for (int32_t i = 0; i < n; ++i) {
-              for (int32_t j = 0; j < n; ++j) view(i, j) = 0;
               const int64_t row = s.index.RowId(seq, head, i);
               for (int64_t e = s.index.row_ptr[row]; e < s.index.row_ptr[row + 1]; ++e) {
-                view(i, s.index.col_idx[e]) = 1;
+                mask[static_cast<size_t>(i) * n + s.index.col_idx[e]] = 1;
               }
             }
-            return mask;
+            return ToArray(mask, {n, n});
           },
           py::arg("seq"), py::arg("head"),
           "uint8 [blocks, blocks] of sequence `seq`, head `head`: 1 where query block i keeps "
@@ -391,12 +409,79 @@ void BindCudaKernels(py::module_& m) {
       "Backward on the default stream: dq, dk, dv bf16; delta fp32 scratch [heads, total_tokens].");
 }
 
+void BindGeometry(py::module_& m) {
+  m.def("quantize_density", &QuantizeDensity, py::arg("density"),
+        "round(density * 65536) clamped to [1, 65536]: the density every count below uses.");
+  m.def("kept_blocks", &KeptBlocks, py::arg("query_block"), py::arg("quantized_density"),
+        py::arg("local_blocks") = 1,
+        "k_i = clamp(ceil(q * (i+1) / 65536), anchors_i, i+1): key blocks query block i keeps.");
+  m.def("active_blocks", &ActiveBlocks, py::arg("length"), py::arg("density"),
+        py::arg("block_size") = 64, py::arg("local_blocks") = 1,
+        "Sum of kept_blocks over a document's query blocks (the planner's A(L, rho)).");
+  m.def(
+      "kept_blocks_per_row",
+      [](int64_t length, double density, int block_size, int local_blocks) {
+        if (length < 0 || length > std::numeric_limits<int32_t>::max()) {
+          throw py::value_error(absl::StrCat("length: ", length, " is not in [0, 2^31) tokens"));
+        }
+        if (block_size < 1) {
+          throw py::value_error(absl::StrCat("block_size: ", block_size, " is not positive"));
+        }
+        const int64_t q = QuantizeDensity(density);
+        const int64_t rows = QueryBlocks(length, block_size);
+        std::vector<int32_t> kept(static_cast<size_t>(rows));
+        for (int64_t i = 0; i < rows; ++i) {
+          kept[i] = static_cast<int32_t>(KeptBlocks(i, q, local_blocks));
+        }
+        return ToArray(kept);
+      },
+      py::arg("length"), py::arg("density"), py::arg("block_size") = 64,
+      py::arg("local_blocks") = 1,
+      "int32 [ceil(length / block_size)]: kept_blocks of every query block of a document (the "
+      "top-k budget per query block; sums to active_blocks).");
+}
+
+void BindProfileFormat(py::module_& m) {
+  Record<ProfileRow>(m, "ProfileRow", "One measured grid point of a profile table.")
+      .Field("length", &ProfileRow::length, "tokens")
+      .Field("density", &ProfileRow::density, "(0, 1]")
+      .Field("seconds", &ProfileRow::seconds, "one layer, forward + backward")
+      .Done();
+  Record<ProfileBreakdown>(m, "ProfileBreakdown",
+                           "Where a row's time went (written as comments, not read back).")
+      .Field("attention_seconds", &ProfileBreakdown::attention_seconds, "attention part")
+      .Field("linear_seconds", &ProfileBreakdown::linear_seconds, "the GEMMs")
+      .Field("active_blocks", &ProfileBreakdown::active_blocks, "kept blocks over all heads")
+      .Done();
+  Record<ProfileTable>(m, "ProfileTable",
+                       "A profile table (sb-profile's output, PlannerClient.upload_profile's "
+                       "input): one-layer times over lengths x densities on one device.")
+      .Field("device", &ProfileTable::device, "the device measured, one line")
+      .Field("shape", &ProfileTable::shape, "ModelShape (layers unused: rows are per layer)")
+      .Field("note", &ProfileTable::note, "one comment line on how rows were measured")
+      .Field("rows", &ProfileTable::rows, "list of ProfileRow")
+      .Field("breakdown", &ProfileTable::breakdown,
+             "empty, or one ProfileBreakdown per row (not read back)")
+      .Done();
+  m.def(
+      "parse_profile_table",
+      [](const std::string& text) {
+        return ValueOrThrow(ParseProfileTable(text), ErrorKind::kPlanner);
+      },
+      py::arg("text"),
+      "Parses a profile table's text; PlannerError INVALID_ARGUMENT naming the line if bad.");
+  m.def("format_profile_table", &FormatProfileTable, py::arg("table"),
+        "The text of a ProfileTable (what sb-profile writes and upload_profile takes).");
+}
+
 }  // namespace
 
 void BindKernels(py::module_& m) {
   BindSelection(m);
   BindCpuKernels(m);
   BindCudaKernels(m);
+  BindGeometry(m);
+  BindProfileFormat(m);
 }
 
 }  // namespace python
