@@ -28,10 +28,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import sparsebalance.torch as sbt  # noqa: E402  # SB
+from sparsebalance.attention import flex_attention  # noqa: E402  # SB (torch's, CPU backward on)
 
 
 def say(line):
@@ -166,9 +167,8 @@ def train(args):
     torch.manual_seed(args.seed)
     dataset = PasskeyDataset(args.docs, args.seed, args.min_length, args.median_length,
                              args.capacity)
-    heads = args.dim // args.head_dim
-    shape = sbt.ModelShape(layers=args.layers, heads=heads, head_dim=args.head_dim)  # SB
-    balancer = sbt.Balancer(args.planner, dataset.lengths, seed=args.seed, shape=shape,  # SB
+    shape = dict(layers=args.layers, heads=args.dim // args.head_dim, head_dim=args.head_dim)
+    balancer = sbt.Balancer(args.planner, dataset.lengths, seed=args.seed, **shape,  # SB
                             capacity=args.capacity, micro_batches=args.micro_batches,  # SB
                             allow_offline_start=args.offline, prefetch=not args.no_prefetch)  # SB
     rank, world = dist.get_rank(), dist.get_world_size()

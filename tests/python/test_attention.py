@@ -36,18 +36,11 @@ HEADS, HEAD_DIM = 2, 64
 
 
 @pytest.fixture
-def flex_attention(monkeypatch):
-    """torch's flex_attention, allowed to differentiate on the CPU. torch 2.15 refuses CPU
-    inputs that require grad in one up-front check (_validate_device), although the unfused
-    path it runs there (the HOP's dense math, autograd included) differentiates; the check is
-    lifted for CPU tensors only."""
-    validate = getattr(flex, "_validate_device", None)
-    if validate is not None:
-        def cpu_backward_allowed(query, key, value):
-            if query.device.type != "cpu":
-                validate(query, key, value)
-        monkeypatch.setattr(flex, "_validate_device", cpu_backward_allowed)
-    return flex.flex_attention
+def flex_attention():
+    """sparsebalance.attention.flex_attention: torch's, differentiable on the CPU."""
+    from sparsebalance.attention import flex_attention as flex_with_cpu_backward
+
+    return flex_with_cpu_backward
 
 
 def qkv(tokens, dtype=torch.float32, seed=0):
@@ -289,3 +282,27 @@ def test_profile_rejects_a_bad_grid():
         profile(lambda q, k, v, plan: q[:1], [64], [1.0], shape)
     with pytest.raises(TypeError, match="attention"):
         profile(None, [64], [1.0], shape)
+
+
+def test_the_cpu_backward_is_lifted_for_the_call_only():
+    # Our flex_attention differentiates on the CPU; torch's own still refuses afterwards (the
+    # check is restored, nothing leaks into other code of the process).
+    from sparsebalance.attention import flex_attention
+
+    leaves = qkv(130)
+    q, k, v = (t.unsqueeze(0).transpose(1, 2) for t in leaves)
+    flex_attention(q, k, v).sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex.flex_attention(q, k, v)
+
+
+def test_a_kernel_plans_block_mask_is_the_selections():
+    plan = [sb.PlannedSample(id=1, length=300, density=0.3),
+            sb.PlannedSample(id=2, length=200, density=1.0)]
+    kp = kernel_plan(plan, block_size=64)
+    q, k, _ = qkv(500)
+    mask = kp.block_mask(q, k)
+    expected = flex_block_mask(select_blocks(q, k, [0, 300, 500], [0.3, 1.0]), [0, 300, 500])
+    assert torch.equal(mask.to_dense(), expected.to_dense())
+    assert mask.shape[-2:] == (500, 500)

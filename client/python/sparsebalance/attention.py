@@ -26,6 +26,7 @@ Three things for trainers that keep their own attention instead of ``ops.sparse_
 import dataclasses
 import platform
 import statistics
+import threading
 import time
 
 import torch
@@ -33,8 +34,8 @@ import torch
 from . import _C
 from .ops import _as_list, _check_inputs, _cuda_unavailable_reason, _sync_default_stream
 
-__all__ = ["KernelPlan", "flex_block_mask", "from_flex_layout", "kernel_plan", "profile",
-           "select_blocks", "to_flex_layout"]
+__all__ = ["KernelPlan", "flex_attention", "flex_block_mask", "from_flex_layout", "kernel_plan",
+           "profile", "select_blocks", "to_flex_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,19 @@ class KernelPlan:
         """int64 [documents]: kept (query block, key block) pairs of each document, one head
         (the planner's A(L, rho))."""
         return self.kept.sum(dim=1, dtype=torch.int64)
+
+    def select(self, q, k, **options):
+        """Our block selection of this micro-batch for one layer's q, k ([tokens, heads,
+        head_dim]): the top-k blocks by pooled score, ``topk(doc)`` per query block."""
+        return select_blocks(q, k, self.cu_seqlens.cpu(), self.densities.tolist(),
+                             self.block_size, self.local_blocks, **options)
+
+    def block_mask(self, q, k):
+        """The FlexAttention BlockMask of one layer: ``select`` on q, k, then
+        ``flex_block_mask`` for q's device and dtype. Use with ``flex_attention`` below (or
+        torch's on CUDA) on q, k, v in FlexAttention's layout."""
+        return flex_block_mask(self.select(q, k), self.cu_seqlens.cpu(), device=q.device,
+                               dtype=q.dtype)
 
 
 def _samples_of(plan):
@@ -176,6 +190,41 @@ def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
     q32, k32 = (t.detach().to(torch.float32).contiguous() for t in (q, k))
     return _C.select_blocks(cu, heads, head_dim, q32.numpy(), k32.numpy(), dens, int(block_size),
                             int(local_blocks), float(mass_threshold), scale, threads)
+
+
+def flex_attention(query, key, value, block_mask=None, **kwargs):
+    """torch.nn.attention.flex_attention.flex_attention, differentiable on the CPU too.
+
+    torch 2.15 refuses CPU inputs that require grad in one up-front check, although the unfused
+    path it runs on the CPU (the dense math of its higher-order op, autograd included)
+    computes the gradients; tests/python/test_attention.py checks them against the dense
+    reference. On the CPU this lifts that one check for the call; elsewhere it is torch's
+    function unchanged. Arguments as torch's.
+    """
+    from torch.nn.attention import flex_attention as flex
+
+    if query.device.type != "cpu" or not (query.requires_grad or key.requires_grad or
+                                          value.requires_grad):
+        return flex.flex_attention(query, key, value, block_mask=block_mask, **kwargs)
+    validate = getattr(flex, "_validate_device", None)
+    if validate is None:  # a torch without the check: nothing to lift
+        return flex.flex_attention(query, key, value, block_mask=block_mask, **kwargs)
+    with _FLEX_CHECK_LOCK:
+        flex._validate_device = _cpu_backward_allowed(validate)
+        try:
+            return flex.flex_attention(query, key, value, block_mask=block_mask, **kwargs)
+        finally:
+            flex._validate_device = validate
+
+
+def _cpu_backward_allowed(validate):
+    def check(query, key, value):
+        if query.device.type != "cpu":
+            validate(query, key, value)
+    return check
+
+
+_FLEX_CHECK_LOCK = threading.Lock()
 
 
 def to_flex_layout(x):

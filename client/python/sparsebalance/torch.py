@@ -51,6 +51,7 @@ from .ops import varlen_layout
 __all__ = ["Balancer", "MicroBatch", "ModelShape", "PlannerConfig", "Step"]
 
 _WORLD_ENV = ("RANK", "WORLD_SIZE")
+_SHAPE_FIELDS = ("layers", "heads", "head_dim", "block_size", "local_blocks")
 
 
 def _process_group_ranks(group):
@@ -85,8 +86,10 @@ class MicroBatch:
     ``achieved_density``) when the kernel measures them: the report carries them.
     """
 
-    def __init__(self, step, index, samples, tokens, device, loss_weight, document_weight):
+    def __init__(self, step, index, samples, tokens, device, loss_weight, document_weight,
+                 shape):
         self.step, self.index, self.samples = step, index, list(samples)
+        self._shape = shape
         self.ids = [s.id for s in self.samples]
         cu, densities = varlen_layout(self.samples)
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
@@ -103,12 +106,15 @@ class MicroBatch:
 
     @property
     def attention(self):
-        """The plan in a kernel's terms (sparsebalance.attention.KernelPlan): cu_seqlens,
-        densities, per-document top-k budgets, FlexAttention block masks."""
+        """The plan in a kernel's terms (sparsebalance.attention.KernelPlan, in the job's block
+        geometry): cu_seqlens, densities, per-document top-k budgets (``topk(doc)``), and
+        ``block_mask(q, k)``, one layer's FlexAttention BlockMask."""
         if self._attention is None:
-            from .attention import KernelPlan
+            from .attention import kernel_plan
 
-            self._attention = KernelPlan.from_samples(self.samples, device=self.cu_seqlens.device)
+            self._attention = kernel_plan(self.samples, block_size=self._shape.block_size,
+                                          local_blocks=self._shape.local_blocks,
+                                          device=self.cu_seqlens.device)
         return self._attention
 
     def __repr__(self):
@@ -170,7 +176,8 @@ class Balancer:
         ``fill``).
       seed: the data order's seed (every rank the same).
       config: a PlannerConfig for a new job; or leave it None and pass its fields as keyword
-        arguments (micro_batches=, micro_batch_capacity= or capacity=, shape=, policy=, ...).
+        arguments (micro_batches=, micro_batch_capacity= or capacity=, policy=, ...; shape= or
+        the ModelShape's own fields: layers=, heads=, head_dim=, block_size=, local_blocks=).
         ``ranks`` is the world size. A resumed job (``job=``) uses the job's own config.
       job, token: resume this existing job instead of creating one (rank 0 creates otherwise).
       admin_token: the planner's admin token for creating the job, when it has one.
@@ -228,6 +235,11 @@ class Balancer:
         if config is None:
             if "capacity" in fields:
                 fields["micro_batch_capacity"] = fields.pop("capacity")
+            shape = {name: fields.pop(name) for name in _SHAPE_FIELDS if name in fields}
+            if shape:
+                if "shape" in fields:
+                    raise ValueError(f"shape: given together with {sorted(shape)}")
+                fields["shape"] = _C.ModelShape(**shape)
             config = _C.PlannerConfig(**fields)
         config.ranks = self.world
         config.validate()
@@ -313,7 +325,7 @@ class Balancer:
             out.append(MicroBatch(
                 step, m, mb.samples, self._load(dataset, mb.samples), self.device,
                 self.world * tokens / max(1, global_tokens),
-                self.world * docs / max(1, global_docs)))
+                self.world * docs / max(1, global_docs), self.config.shape))
         return out
 
     def _load(self, dataset, samples):
