@@ -365,8 +365,13 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
   std::string reason;
   if (own.plan->local_fallback) {
     reachable = own.why.ok();
-    reason = reachable ? absl::StrCat("the planner's record of step ", step, " is a local plan")
-                       : own.why.ToString();
+    if (s.offline) {
+      reason = s.offline_reason;
+    } else if (reachable) {
+      reason = absl::StrCat("the planner's record of step ", step, " is a local plan");
+    } else {
+      reason = own.why.ToString();
+    }
   } else if (any_fell_back) {
     const SteadyClock::time_point local_start = SteadyClock::now();
     {
