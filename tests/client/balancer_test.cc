@@ -23,12 +23,14 @@
 #include "client/planner_client.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "planner/planner.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 #include "server/job_registry.h"
 #include "server/planner_metrics.h"
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
+#include "tests/support/loopback_client.h"
 
 namespace sparsebalance {
 namespace {
@@ -502,6 +504,35 @@ TEST_F(BalancerTest, PlannerStoppedMidRunFallsBackLoudlyAndCatchesUp) {
   EXPECT_EQ(view->steps_folded, static_cast<int64_t>(ran_local.size()));  // every report
   // The planner learned of every step the ranks ran on local plans.
   EXPECT_EQ(planner_.LocalPlanSteps(job_id), static_cast<double>(local_steps));
+}
+
+// When one rank fell back and rank 0 had the planner's plan, the step's first report may reach
+// the planner before rank 0 resubmits the step: the report switches the step to the local plan,
+// and the planner counts it then (once: the resubmission that follows is a repeat).
+TEST_F(BalancerTest, AStepAReportSwitchedToTheLocalPlanIsCountedOnce) {
+  std::unique_ptr<PlannerClient> admin = test_support::ConnectLoopback(planner_.port(), "", "", 5);
+  const PlannerConfig config = Config(2);
+  absl::StatusOr<JobHandle> job = admin->CreateJob("switch", config);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<std::unique_ptr<PlannerClient>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(test_support::ConnectLoopback(planner_.port(), job->job_id, job->token, 5));
+    ASSERT_TRUE(ranks[r]->JoinJob(r).ok());
+  }
+  const std::vector<Sample> batch = Batch(900, 2);
+  ASSERT_TRUE(ranks[0]->SubmitBatch(0, batch).ok());
+  absl::StatusOr<StepPlan> local = PlanStepLocally(batch, config);
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 0);
+  absl::StatusOr<bool> reported = ranks[1]->ReportStep(
+      0, 1, test_support::TimingsOf(local->ranks[1].micro_batches), 0.0, /*planned_locally=*/true);
+  ASSERT_TRUE(reported.ok()) << reported.status();
+  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 1);
+  ASSERT_TRUE(ranks[0]->SubmitBatch(0, batch, /*planned_locally=*/true).ok());
+  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 1);
+  absl::StatusOr<RankStepPlan> recorded = ranks[0]->GetRankPlan(0, 0);
+  ASSERT_TRUE(recorded.ok()) << recorded.status();
+  EXPECT_TRUE(recorded->local_fallback);
 }
 
 TEST_F(BalancerTest, AnUnreachablePlannerAtStartIsAnErrorThatNamesIt) {
