@@ -96,8 +96,9 @@ class Balancer {
 
   const JobHandle& job() const;         // job id and token ("" when offline)
   const PlannerConfig& config() const;  // the job's config (from JoinJob) or options.config
-  // The step JoinJob says this rank resumes at (the first it has not reported; 0 for a new
-  // job), or Resume's next_step.
+  // The step to run next: at Start the one JoinJob says this rank resumes at (the first it has
+  // not reported; 0 for a new job), then Resume's next_step or the latest planned step + 1.
+  // With carried(), what a checkpoint saves.
   int64_t next_step() const;
   // The samples the latest final step deferred: they go ahead of the next step's batch. Save
   // them in a checkpoint with the next step (a prefetched step does not change them).
