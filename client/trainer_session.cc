@@ -1,6 +1,7 @@
 #include "client/trainer_session.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -41,6 +42,13 @@ void TrainerSession::Carry(int64_t step, const std::vector<Sample>& full,
     if (deferred.contains(s.id)) carried_.push_back(s);
   }
   carried_from_ = step;
+}
+
+void TrainerSession::Restore(int64_t next_step, std::vector<Sample> carried) {
+  carried_ = std::move(carried);
+  carried_from_ = next_step - 1;
+  carried_in_.clear();
+  carried_in_step_ = -1;
 }
 
 absl::StatusOr<RankStepPlan> TrainerSession::LocalPlan(int64_t step,
@@ -89,17 +97,22 @@ absl::Status TrainerSession::ResubmitLocalSteps() {
 
 absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vector<Sample>& batch) {
   const std::vector<Sample> full = StepBatch(step, batch);
+  auto fall_back = [&](absl::Status reason) {
+    fallback_reason_ = std::move(reason);
+    return PlanLocally(step, full);
+  };
   if (coordinator_) {
-    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return PlanLocally(step, full);
+    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return fall_back(s);
     absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, full);
     if (!submitted.ok()) {
-      if (IsUnreachable(submitted.status())) return PlanLocally(step, full);
+      if (IsUnreachable(submitted.status())) return fall_back(submitted.status());
       return submitted.status();
     }
   }
   absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
-  if (!plan.ok() && IsUnreachable(plan.status())) return PlanLocally(step, full);
+  if (!plan.ok() && IsUnreachable(plan.status())) return fall_back(plan.status());
   if (!plan.ok()) return plan;
+  fallback_reason_ = absl::OkStatus();
   // An older planner's plan has ids and densities only: its lengths and segments come from the
   // batch (and a newer one's must agree with it).
   if (absl::Status s = CompletePlannedSamples(full, &plan->micro_batches); !s.ok()) {

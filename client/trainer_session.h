@@ -57,6 +57,14 @@ class TrainerSession {
   // Samples deferred by the latest planned step and not planned since: they go ahead of the
   // next step's batch.
   const std::vector<Sample>& carried() const { return carried_; }
+  // A restarted trainer's state from its checkpoint: `next_step` is the step it runs next and
+  // `carried` what carried() held when that step's predecessor was planned (the samples to go
+  // ahead of next_step's batch). Without it, deferred documents of the step before the restart
+  // would be lost.
+  void Restore(int64_t next_step, std::vector<Sample> carried);
+  // Why the latest Plan ran the local plan (the planner's error); OK when the plan came from the
+  // planner.
+  const absl::Status& fallback_reason() const { return fallback_reason_; }
   // Reports this rank's timings; while the planner is away reports are kept (bounded: the
   // oldest go first) and sent, in order, before the next report.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
@@ -103,6 +111,7 @@ class TrainerSession {
   int64_t carried_from_ = -1;
   std::vector<Sample> carried_in_;  // what step carried_in_step_ was given (for retries)
   int64_t carried_in_step_ = -1;
+  absl::Status fallback_reason_;
 };
 
 }  // namespace sparsebalance

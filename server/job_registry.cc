@@ -511,7 +511,9 @@ std::string ReportDifference(const std::vector<MicroBatchTiming>& before, double
 
 absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t step, int rank,
                                              const std::vector<MicroBatchTiming>& micro_batches,
-                                             double wait_seconds, bool planned_locally) {
+                                             double wait_seconds, bool planned_locally,
+                                             bool* switched_to_local) {
+  if (switched_to_local != nullptr) *switched_to_local = false;
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
@@ -565,6 +567,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   }
   if (local.has_value()) {
     if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) return s;
+    if (switched_to_local != nullptr) *switched_to_local = true;
   }
   if (options_.store != nullptr) {
     if (absl::Status s =

@@ -423,9 +423,15 @@ absl::Status PlannerServiceImpl::OnReportStep(const v1::ReportStepRequest& reque
   for (const v1::MicroBatchReport& m : request.micro_batches()) {
     measured.push_back(TimingFromProto(m));
   }
+  bool switched_to_local = false;
   absl::StatusOr<bool> duplicate =
       registry_->ReportStep(request.job_id(), request.step(), request.rank(), measured,
-                            request.wait_seconds(), request.planned_locally());
+                            request.wait_seconds(), request.planned_locally(), &switched_to_local);
+  // A rank's report moved the step to the local plan (before the coordinator resubmitted it);
+  // counted even when the report itself then failed to be stored: the switch stays.
+  if (switched_to_local && options_.metrics != nullptr) {
+    options_.metrics->ObserveLocalPlan(request.job_id(), /*skipped_steps=*/0);
+  }
   if (!duplicate.ok()) return duplicate.status();
   response->set_duplicate(*duplicate);
   return absl::OkStatus();

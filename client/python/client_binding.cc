@@ -1,7 +1,10 @@
-// PlannerClient and TrainerSession for Python. Every call that talks to the planner releases the
-// GIL (other Python threads, e.g. data loading, run meanwhile); errors raise PlannerError with
-// the gRPC code. Reports are the exception: while the planner is unreachable they are kept
-// (bounded) and sent later, so TrainerSession.report returns False instead of raising.
+// PlannerClient, TrainerSession and Balancer for Python. Every call that talks to the planner
+// releases the GIL (other Python threads, e.g. data loading, run meanwhile); errors raise
+// PlannerError with the gRPC code. Reports are the exception: while the planner is unreachable
+// they are kept (bounded) and sent later, so TrainerSession.report returns False instead of
+// raising (and Balancer.finish too). Balancer's collectives and warn are Python callables that
+// C++ calls, holding the GIL for the call, from the thread that called start/plan.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -12,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "client/balancer.h"
 #include "client/planner_client.h"
 #include "client/python/bindings.h"
 #include "client/python/record.h"
@@ -30,6 +34,24 @@ bool Delivered(const absl::Status& status, const TrainerSession& session) {
   return status.ok() && session.buffered_reports() == 0;
 }
 
+// Deletes a Balancer with the GIL released: its destructor waits for the background thread's
+// current call to the planner (up to plan_timeout_seconds), during which Python must go on.
+struct DeleteWithoutGil {
+  void operator()(Balancer* balancer) const {
+    if (PyGILState_Check() != 0) {
+      py::gil_scoped_release release;
+      delete balancer;
+    } else {
+      delete balancer;
+    }
+  }
+};
+using BalancerHolder = std::unique_ptr<Balancer, DeleteWithoutGil>;
+
+}  // namespace
+
+namespace {
+void BindBalancer(py::module_& m);
 }  // namespace
 
 void BindClient(py::module_& m) {
@@ -197,11 +219,156 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
       .def_property_readonly("unsent_local_steps", &TrainerSession::unsent_local_steps)
       .def_property_readonly("dropped_reports", &TrainerSession::dropped_reports);
 
+  BindBalancer(m);
+
   m.def(
       "is_unreachable",
       [](int code) { return IsUnreachable(absl::Status(static_cast<absl::StatusCode>(code), "")); },
       py::arg("code"), "True for the gRPC codes that mean 'the planner is not reachable now'.");
 }
+
+namespace {
+
+void BindBalancer(py::module_& m) {
+  Record<BalancerOptions>(m, "BalancerOptions", R"(How a Balancer starts (see Balancer.start).
+
+Fields: client (ClientOptions: target, timeouts, admin_token, and the job's token to resume),
+rank, world, job_id (resume/join this job; empty: rank 0 creates one from `config`), job_name,
+config (PlannerConfig of a new job, and of the local plans when offline),
+allow_offline_start, prefetch, warn_interval_seconds, and three callables that C++ calls from
+the thread that calls start/plan (with the GIL): any_rank(bool) -> bool (True when any rank
+passed True: an all-reduce), share_job(JobHandle) -> JobHandle (rank 0's handle to every rank: a
+broadcast), warn(str) (default: one line on stderr). The collectives may be None for world 1.)")
+      .Field("client", &BalancerOptions::client,
+             "ClientOptions: target and timeouts (job_id and token are filled by start)")
+      .Field("rank", &BalancerOptions::rank, "this rank")
+      .Field("world", &BalancerOptions::world, "number of ranks")
+      .Field("job_id", &BalancerOptions::job_id,
+             "resume/join this job (its token in client.token); empty: rank 0 creates one")
+      .Field("job_name", &BalancerOptions::job_name, "the name of a new job")
+      .Field("config", &BalancerOptions::config,
+             "PlannerConfig of a new job; also the local plans' config when offline")
+      .Field("allow_offline_start", &BalancerOptions::allow_offline_start,
+             "planner unreachable at start: train on local plans instead of raising")
+      .Field("prefetch", &BalancerOptions::prefetch,
+             "plan step N+1 in the background while step N trains")
+      .Field("warn_interval_seconds", &BalancerOptions::warn_interval_seconds,
+             "at most one fallback warning per this many seconds")
+      .Field("any_rank", &BalancerOptions::any_rank,
+             "callable(bool) -> bool: True when any rank passed True (None: world 1)")
+      .Field("share_job", &BalancerOptions::share_job,
+             "callable(JobHandle) -> JobHandle: rank 0's handle on every rank (None: world 1)")
+      .Field("warn", &BalancerOptions::warn, "callable(str): a warning line (None: stderr)")
+      .Field("now_seconds", &BalancerOptions::now_seconds,
+             "callable() -> float: the clock of warn_interval_seconds (None: a steady clock)")
+      .Done();
+
+  Record<Balancer::Stats>(m, "BalancerStats", "What a Balancer did so far (Balancer.stats).")
+      .Field("planned_steps", &Balancer::Stats::planned_steps, "steps whose plan plan() returned")
+      .Field("local_steps", &Balancer::Stats::local_steps, "of them, run on the local plan")
+      .Field("prefetched_steps", &Balancer::Stats::prefetched_steps,
+             "of them, planned in the background by prefetch()")
+      .Field("plan_wait_seconds", &Balancer::Stats::plan_wait_seconds,
+             "total time plan() blocked waiting for a plan")
+      .Field("last_plan_wait_seconds", &Balancer::Stats::last_plan_wait_seconds,
+             "the latest step's")
+      .Field("buffered_reports", &Balancer::Stats::buffered_reports,
+             "reports queued or kept while the planner is away")
+      .Field("dropped_reports", &Balancer::Stats::dropped_reports,
+             "reports given up (refused for good, or over the buffer's bound)")
+      .Field("planner_reachable", &Balancer::Stats::planner_reachable,
+             "False while the latest step fell back because the planner was away")
+      .Field("last_error", &Balancer::Stats::last_error, "why the latest local step fell back")
+      .Done();
+
+  py::class_<Balancer, BalancerHolder>(m, "Balancer", R"(One rank's whole SparseBalance flow.
+
+    b = Balancer.start(BalancerOptions(client=ClientOptions(target="planner:50151"),
+                                       config=config, rank=rank, world=world,
+                                       any_rank=all_reduce_or, share_job=broadcast_from_0))
+    for step in range(b.next_step, steps):
+        b.prefetch(step + 1, batch_of(step + 1))   # planned while this step trains
+        plan = b.plan(step, batch_of(step))        # the same global batch on every rank
+        ... run plan.micro_batches ...
+        b.report(step, timings, wait_seconds)      # sent in the background
+    b.finish()                                     # False: the planner is still away
+
+Every rank calls plan() for every step in order; plan() calls any_rank once. Thread-safe, but
+meant for one training thread; a background thread plans prefetched steps and sends reports.)")
+      .def_static(
+          "start",
+          [](const BalancerOptions& options) {
+            BalancerOptions copy = options;  // copies the callables with the GIL held
+            std::unique_ptr<Balancer> balancer = ValueOrThrow(
+                WithoutGil([&] { return Balancer::Start(std::move(copy)); }), ErrorKind::kPlanner);
+            return BalancerHolder(balancer.release());
+          },
+          py::arg("options"),
+          "Creates (rank 0, no job_id) or joins the job, shares it with every rank (share_job) "
+          "and joins it on every rank. Raises PlannerError: UNAVAILABLE naming the target when "
+          "the planner is unreachable (unless allow_offline_start), or the planner's error.")
+      .def(
+          "prefetch",
+          [](Balancer& b, int64_t step, std::vector<Sample> batch) {
+            b.Prefetch(step, std::move(batch));
+          },
+          py::arg("step"), py::arg("batch"), Release(),
+          "Plans `step` in the background once the step before is final; `batch` must be what "
+          "plan(step, ...) will get. Does nothing when options.prefetch is False.")
+      .def(
+          "plan",
+          [](Balancer& b, int64_t step, const std::vector<Sample>& batch) {
+            return ValueOrThrow(WithoutGil([&] { return b.Plan(step, batch); }),
+                                ErrorKind::kPlanner);
+          },
+          py::arg("step"), py::arg("batch"),
+          "This rank's RankStepPlan of `step` (the prefetched one, or planned now); if any rank "
+          "fell back (one any_rank call), the local plan on every rank (plan.local_fallback). "
+          "Raises PlannerError for errors other than the planner being away.")
+      .def(
+          "report",
+          [](Balancer& b, int64_t step, std::vector<MicroBatchTiming> timings,
+             double wait_seconds) { b.Report(step, std::move(timings), wait_seconds); },
+          py::arg("step"), py::arg("timings"), py::arg("wait_seconds"), Release(),
+          "Queues this rank's MicroBatchTiming list of `step`; sent in the background, in order.")
+      .def(
+          "finish",
+          [](Balancer& b, double timeout_seconds) {
+            absl::Status status = WithoutGil([&] { return b.Finish(timeout_seconds); });
+            if (!status.ok() && status.code() != absl::StatusCode::kUnavailable) {
+              throw StatusError(status, ErrorKind::kPlanner);
+            }
+            return status.ok();
+          },
+          py::arg("timeout_seconds") = 10.0,
+          "Sends everything queued, retrying for up to timeout_seconds. True: delivered (or "
+          "offline: nothing to send); False: the planner is still away (stats.buffered_reports "
+          "says how much is kept; call it again later). Raises PlannerError when the planner "
+          "refused a report for good (it is dropped).")
+      .def(
+          "resume",
+          [](Balancer& b, int64_t next_step, std::vector<Sample> carried) {
+            b.Resume(next_step, std::move(carried));
+          },
+          py::arg("next_step"), py::arg("carried"), Release(),
+          "From a checkpoint: the step to run next and the samples carried into it (`carried` "
+          "when the checkpoint was taken).")
+      .def_property_readonly(
+          "job", [](const Balancer& b) { return b.job(); },
+          "JobHandle: job id and token ('' when offline)")
+      .def_property_readonly(
+          "config", [](const Balancer& b) { return b.config(); },
+          "PlannerConfig: the job's (from join) or options.config offline")
+      .def_property_readonly("next_step", &Balancer::next_step,
+                             "the step to run next: where this rank resumes at start (0 for a "
+                             "new job), then after the latest planned step")
+      .def_property_readonly("carried", &Balancer::carried,
+                             "list of Sample: deferred by the latest planned step, waiting for "
+                             "the next (save it with next_step in a checkpoint)")
+      .def_property_readonly("stats", &Balancer::stats, "BalancerStats");
+}
+
+}  // namespace
 
 }  // namespace python
 }  // namespace sparsebalance

@@ -1,7 +1,11 @@
-// Plans one step with the installed planner library and checks the plan.
+// Plans one step with the installed planner library and checks the plan, then runs the client
+// the way a trainer does: a TrainerSession step and the whole flow through one Balancer, with no
+// planner listening (local plans).
 #include <cstdio>
+#include <memory>
 #include <vector>
 
+#include "client/balancer.h"
 #include "client/planner_client.h"
 #include "client/trainer_session.h"
 #include "planner/planner.h"
@@ -38,5 +42,20 @@ int main() {
   }
   std::printf("consumer: planner unreachable, rank 0 planned locally (%zu micro-batches)\n",
               local->micro_batches.size());
+  // The whole flow in one object; a trainer of several ranks also passes any_rank and share_job.
+  BalancerOptions flow;
+  flow.client = options;
+  flow.config = config;
+  flow.allow_offline_start = true;  // no planner here: local plans, with a warning
+  absl::StatusOr<std::unique_ptr<Balancer>> balancer = Balancer::Start(flow);
+  if (!balancer.ok()) return 1;
+  for (int64_t step = 0; step < 3; ++step) {
+    (*balancer)->Prefetch(step + 1, batch);  // planned while this step trains
+    absl::StatusOr<RankStepPlan> plan = (*balancer)->Plan(step, batch);
+    if (!plan.ok() || !plan->local_fallback) return 1;
+    (*balancer)->Report(step, {}, 0.0);
+  }
+  if (!(*balancer)->Finish().ok() || (*balancer)->stats().local_steps != 3) return 1;
+  std::printf("consumer: Balancer ran 3 steps offline on local plans\n");
   return 0;
 }

@@ -1,6 +1,7 @@
 """SparseBalance for PyTorch trainers.
 
-The planner client (PlannerClient, TrainerSession with its offline fallback), the plan types,
+The planner client (Balancer: a rank's whole flow in one object, with plan prefetch; or its
+parts PlannerClient and TrainerSession with its offline fallback), the plan types,
 the block-sparse attention kernels (``sparsebalance.ops.sparse_attention``, needs torch) and a
 global batch sampler that every rank computes alike (``sparsebalance.data``). See README.md::
 
@@ -15,6 +16,9 @@ Errors raise PlannerError / KernelError carrying the gRPC code (``e.code == "NOT
 
 from ._errors import Error, KernelError, PlannerError, StatusCode
 from ._C import (
+    Balancer,
+    BalancerOptions,
+    BalancerStats,
     ClientOptions,
     DstMode,
     JobHandle,
@@ -39,6 +43,9 @@ from ._C import (
 __version__ = "0.2.0"
 
 __all__ = [
+    "Balancer",
+    "BalancerOptions",
+    "BalancerStats",
     "ClientOptions",
     "DstMode",
     "Error",

@@ -1,0 +1,520 @@
+#include "client/balancer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <limits>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/trainer_session.h"
+
+namespace sparsebalance {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+double SecondsSince(SteadyClock::time_point start) {
+  return std::chrono::duration<double>(SteadyClock::now() - start).count();
+}
+
+bool SameBatch(const std::vector<Sample>& a, const std::vector<Sample>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].id != b[i].id || a[i].length != b[i].length || a[i].sensitivity != b[i].sensitivity ||
+        a[i].group != b[i].group || a[i].segments != b[i].segments) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+struct Balancer::State {
+  // A plan made on the session, with what it needs besides: the samples the step deferred
+  // (carried() right after it) and, for a local plan, why (OK: the planner's record of the step
+  // is a local plan).
+  struct Planned {
+    absl::StatusOr<RankStepPlan> plan = absl::UnknownError("not planned");
+    std::vector<Sample> carried;
+    absl::Status why;
+  };
+  struct Prefetched {
+    enum class Phase { kQueued, kRunning, kDone };
+    std::vector<Sample> batch;
+    Phase phase = Phase::kQueued;
+    Planned planned;
+  };
+  struct QueuedReport {
+    int64_t step = 0;
+    std::vector<MicroBatchTiming> timings;
+    double wait_seconds = 0;
+  };
+
+  BalancerOptions options;
+  std::unique_ptr<PlannerClient> client;
+  JobHandle job;
+  PlannerConfig config;
+  bool offline = false;
+  std::string offline_reason;
+
+  // Every TrainerSession call holds it. Lock order: session_mu, then mu.
+  absl::Mutex session_mu;
+  std::unique_ptr<TrainerSession> session ABSL_GUARDED_BY(session_mu);
+
+  mutable absl::Mutex mu;
+  absl::CondVar changed;  // any of the below changed
+  int64_t next_step ABSL_GUARDED_BY(mu) = 0;
+  int64_t last_final_step ABSL_GUARDED_BY(mu) = -1;
+  std::vector<Sample> carried ABSL_GUARDED_BY(mu);  // deferred by the latest final step
+  std::map<int64_t, Prefetched> prefetches ABSL_GUARDED_BY(mu);
+  std::deque<QueuedReport> reports ABSL_GUARDED_BY(mu);
+  bool sending ABSL_GUARDED_BY(mu) = false;  // the worker is sending a report
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  Stats stats ABSL_GUARDED_BY(mu);
+  int64_t queue_dropped ABSL_GUARDED_BY(mu) = 0;     // reports the queue's bound dropped
+  int64_t session_buffered ABSL_GUARDED_BY(mu) = 0;  // the session's, after its latest call
+  int64_t session_dropped ABSL_GUARDED_BY(mu) = 0;
+  absl::Status refused ABSL_GUARDED_BY(mu);  // a report refused for good, not yet said
+
+  // Fallback warnings; the caller's thread only (Plan).
+  double last_warn_seconds = -std::numeric_limits<double>::infinity();
+  bool away = false;         // the latest step ran on the local plan
+  bool warned_away = false;  // and that was said
+
+  std::thread worker;
+
+  size_t ReportLimit() const {
+    return static_cast<size_t>(std::max(1, options.client.max_buffered_reports));
+  }
+  // After a session call: its counts for stats() (which must not wait for the session).
+  void NoteSession() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session_mu) {
+    absl::MutexLock lock(&mu);
+    session_buffered = static_cast<int64_t>(session->buffered_reports());
+    session_dropped = session->dropped_reports();
+  }
+  // The first queued prefetch that may start now: the step after the latest final one.
+  Prefetched* Startable(int64_t* step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = prefetches.find(last_final_step + 1);
+    if (it == prefetches.end() || it->second.phase != Prefetched::Phase::kQueued) return nullptr;
+    *step = it->first;
+    return &it->second;
+  }
+  // Plans `step` on the session: the planner's plan (or the local one offline).
+  Planned PlanOnSession(int64_t step, const std::vector<Sample>& batch)
+      ABSL_LOCKS_EXCLUDED(session_mu, mu) {
+    Planned planned;
+    absl::MutexLock lock(&session_mu);
+    if (offline) {
+      planned.plan = session->LocalPlan(step, batch);
+      planned.why = absl::UnavailableError(offline_reason);
+    } else {
+      planned.plan = session->Plan(step, batch);
+      planned.why = session->fallback_reason();
+    }
+    planned.carried = session->carried();
+    NoteSession();
+    return planned;
+  }
+  bool AnyRunning() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return std::any_of(prefetches.begin(), prefetches.end(),
+                       [](const auto& p) { return p.second.phase == Prefetched::Phase::kRunning; });
+  }
+};
+
+Balancer::Balancer(std::unique_ptr<State> state) : state_(std::move(state)) {
+  state_->worker = std::thread([this] { Work(); });
+}
+
+Balancer::~Balancer() {
+  {
+    absl::MutexLock lock(&state_->mu);
+    state_->stop = true;
+    state_->changed.SignalAll();
+  }
+  state_->worker.join();
+}
+
+absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Start(BalancerOptions options) {
+  if (options.world < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("world: ", options.world, " must be >= 1"));
+  }
+  if (options.rank < 0 || options.rank >= options.world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", options.rank, " is outside [0, world=", options.world, ")"));
+  }
+  if (!(options.warn_interval_seconds >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("warn_interval_seconds: ", options.warn_interval_seconds, " must be >= 0"));
+  }
+  if (options.world > 1 && (!options.any_rank || !options.share_job)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("any_rank and share_job: both are needed when world is ", options.world,
+                     " (collectives over the trainer's ranks, e.g. torch.distributed)"));
+  }
+  if (!options.any_rank) options.any_rank = [](bool mine) { return mine; };
+  if (!options.share_job) options.share_job = [](const JobHandle& job) { return job; };
+  if (!options.warn) {
+    options.warn = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  }
+  if (!options.now_seconds) {
+    options.now_seconds = [] {
+      return std::chrono::duration<double>(SteadyClock::now().time_since_epoch()).count();
+    };
+  }
+  const std::string& target = options.client.target;
+  const int rank = options.rank;
+
+  // Bad client options fail every rank alike, before any collective.
+  absl::StatusOr<std::unique_ptr<PlannerClient>> admin = PlannerClient::Connect(options.client);
+  if (!admin.ok()) return admin.status();
+
+  // Rank 0 creates the job (or names the one to resume); every rank learns it from rank 0.
+  absl::Status mine;
+  JobHandle handle;
+  if (rank == 0) {
+    if (options.job_id.empty()) {
+      absl::StatusOr<JobHandle> created = (*admin)->CreateJob(options.job_name, options.config);
+      if (created.ok()) {
+        handle = *std::move(created);
+      } else {
+        mine = created.status();
+      }
+    } else {
+      handle.job_id = options.job_id;
+      handle.token = options.client.token;
+    }
+  }
+  const JobHandle shared = options.share_job(mine.ok() ? handle : JobHandle{});
+  if (mine.ok() && shared.job_id.empty()) {
+    mine = absl::UnavailableError("rank 0 could not start the job");
+  }
+
+  auto state = std::make_unique<State>();
+  ClientOptions client_options = options.client;
+  client_options.job_id = shared.job_id;
+  client_options.token = shared.token;
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(client_options);
+  if (!client.ok()) return client.status();  // cannot be: the same options connected above
+  state->client = *std::move(client);
+  PlannerConfig config = options.config;
+  int64_t next_step = 0;
+  if (mine.ok()) {
+    absl::StatusOr<std::pair<PlannerConfig, int64_t>> joined =
+        state->client->JoinJob(rank, &next_step);
+    if (joined.ok()) {
+      config = joined->first;
+    } else {
+      mine = joined.status();
+    }
+  }
+  // Every rank agrees: an error anywhere fails every rank; the planner away anywhere makes every
+  // rank offline (or fails them all).
+  const bool failed = options.any_rank(!mine.ok() && !IsUnreachable(mine));
+  const bool away = options.any_rank(!mine.ok() && IsUnreachable(mine));
+  if (failed) {
+    if (!mine.ok() && !IsUnreachable(mine)) return mine;
+    return absl::AbortedError(
+        absl::StrCat("Balancer::Start: another rank could not start the job on the planner at ",
+                     target, " (its error says why)"));
+  }
+  if (away) {
+    const std::string reason =
+        mine.ok() ? std::string("another rank could not reach it") : mine.ToString();
+    if (!options.allow_offline_start) {
+      return absl::UnavailableError(absl::StrCat(
+          "the planner at ", target, " is unreachable: ", reason,
+          "; start it, fix the target, or allow offline start to train on local plans"));
+    }
+    state->offline = true;
+    state->offline_reason = absl::StrCat("offline since start (", reason, ")");
+    config = options.config;
+    next_step = 0;
+    options.warn(absl::StrCat("sparsebalance: the planner at ", target, " is unreachable (", reason,
+                              "); offline start: every step runs on the local plan"));
+  } else {
+    state->job = shared;
+    state->job.config = config;
+  }
+  state->config = config;
+  {
+    absl::MutexLock lock(&state->session_mu);
+    // Offline, no rank keeps batches for a planner that will never see them.
+    state->session = std::make_unique<TrainerSession>(
+        state->client.get(), rank, /*coordinator=*/rank == 0 && !state->offline, config);
+  }
+  {
+    absl::MutexLock lock(&state->mu);
+    state->next_step = next_step;
+    state->last_final_step = next_step - 1;
+    state->stats.planner_reachable = !state->offline;
+    if (state->offline) state->stats.last_error = state->offline_reason;
+  }
+  state->options = std::move(options);
+  return std::unique_ptr<Balancer>(new Balancer(std::move(state)));
+}
+
+void Balancer::Work() {
+  State& s = *state_;
+  while (true) {
+    int64_t step = 0;
+    State::Prefetched* prefetch = nullptr;
+    std::vector<Sample> batch;
+    State::QueuedReport report;
+    {
+      absl::MutexLock lock(&s.mu);
+      while (!s.stop && (prefetch = s.Startable(&step)) == nullptr && s.reports.empty()) {
+        s.changed.Wait(&s.mu);
+      }
+      if (s.stop) return;
+      if (prefetch != nullptr) {  // a step's plan is on the critical path: it goes first
+        prefetch->phase = State::Prefetched::Phase::kRunning;
+        batch = prefetch->batch;
+      } else {
+        report = std::move(s.reports.front());
+        s.reports.pop_front();
+        s.sending = true;
+      }
+    }
+    if (prefetch != nullptr) {
+      State::Planned planned = s.PlanOnSession(step, batch);
+      absl::MutexLock lock(&s.mu);
+      prefetch->planned = std::move(planned);  // map nodes stay put; only Plan erases it, after
+      prefetch->phase = State::Prefetched::Phase::kDone;
+      s.changed.SignalAll();
+      continue;
+    }
+    absl::Status sent;
+    {
+      absl::MutexLock lock(&s.session_mu);
+      sent = s.session->Report(report.step, report.timings, report.wait_seconds);
+      s.NoteSession();
+    }
+    absl::MutexLock lock(&s.mu);
+    s.sending = false;
+    if (!sent.ok() && s.refused.ok()) s.refused = sent;  // said by the next Plan or Finish
+    s.changed.SignalAll();
+  }
+}
+
+void Balancer::Prefetch(int64_t step, std::vector<Sample> batch) {
+  State& s = *state_;
+  if (!s.options.prefetch) return;
+  absl::MutexLock lock(&s.mu);
+  if (step <= s.last_final_step) return;  // already final: nothing to plan ahead
+  auto [it, inserted] = s.prefetches.try_emplace(step);
+  if (!inserted && it->second.phase != State::Prefetched::Phase::kQueued) return;
+  it->second.batch = std::move(batch);
+  s.changed.SignalAll();
+}
+
+absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Sample>& batch) {
+  State& s = *state_;
+  const SteadyClock::time_point start = SteadyClock::now();
+  State::Planned own;
+  bool prefetched = false;
+  bool planned = false;
+  std::string refused;
+  {
+    absl::MutexLock lock(&s.mu);
+    if (!s.refused.ok()) {
+      refused = s.refused.ToString();
+      s.refused = absl::OkStatus();
+    }
+    for (auto it = s.prefetches.begin(); it != s.prefetches.end() && it->first < step;) {
+      // Prefetches of steps that were never planned: stale (a running one ends on its own).
+      if (it->second.phase == State::Prefetched::Phase::kRunning) {
+        ++it;
+      } else {
+        it = s.prefetches.erase(it);
+      }
+    }
+    auto it = s.prefetches.find(step);
+    if (it != s.prefetches.end() && it->second.phase == State::Prefetched::Phase::kQueued) {
+      s.prefetches.erase(it);  // not started: plan it here
+    } else if (it != s.prefetches.end()) {
+      while (it->second.phase != State::Prefetched::Phase::kDone) s.changed.Wait(&s.mu);
+      if (SameBatch(it->second.batch, batch)) {
+        own = std::move(it->second.planned);
+        prefetched = true;
+      } else {
+        own.plan = absl::InvalidArgumentError(
+            absl::StrCat("batch: Plan(", step, ") was given another batch than Prefetch(", step,
+                         ") planned; pass the same samples to both"));
+      }
+      s.prefetches.erase(it);
+      planned = true;
+    }
+  }
+  if (!refused.empty()) s.options.warn(absl::StrCat("sparsebalance: ", refused));
+  if (!planned) own = s.PlanOnSession(step, batch);
+  double wait_seconds = SecondsSince(start);
+  // The one collective of the step: every rank runs one plan, the local one if any rank fell
+  // back (or failed: then that rank returns its error and the others go on locally).
+  const bool fell_back = !own.plan.ok() || own.plan->local_fallback;
+  const bool any_fell_back = s.options.any_rank(fell_back);
+  if (!own.plan.ok()) return own.plan.status();
+  bool reachable = true;
+  std::string reason;
+  if (own.plan->local_fallback) {
+    reachable = own.why.ok();
+    if (s.offline) {
+      reason = s.offline_reason;
+    } else if (reachable) {
+      reason = absl::StrCat("the planner's record of step ", step, " is a local plan");
+    } else {
+      reason = own.why.ToString();
+    }
+  } else if (any_fell_back) {
+    const SteadyClock::time_point local_start = SteadyClock::now();
+    {
+      absl::MutexLock lock(&s.session_mu);
+      own.plan = s.session->LocalPlan(step, batch);
+      own.carried = s.session->carried();
+      s.NoteSession();
+    }
+    wait_seconds += SecondsSince(local_start);
+    if (!own.plan.ok()) return own.plan.status();
+    reason = "another rank could not get the planner's plan";
+  }
+  const bool local = own.plan->local_fallback;
+  int64_t local_steps = 0;
+  {
+    absl::MutexLock lock(&s.mu);
+    s.last_final_step = step;
+    s.next_step = step + 1;
+    s.carried = std::move(own.carried);
+    Stats& stats = s.stats;
+    ++stats.planned_steps;
+    if (local) ++stats.local_steps;
+    if (prefetched) ++stats.prefetched_steps;
+    stats.plan_wait_seconds += wait_seconds;
+    stats.last_plan_wait_seconds = wait_seconds;
+    stats.planner_reachable = !s.offline && reachable;
+    if (local) stats.last_error = reason;
+    local_steps = stats.local_steps;
+    s.changed.SignalAll();  // a prefetch of step + 1 may start now
+  }
+  const std::string& target = s.options.client.target;
+  if (local) {
+    const double now = s.options.now_seconds();
+    if (now - s.last_warn_seconds >= s.options.warn_interval_seconds) {
+      s.options.warn(absl::StrCat("sparsebalance: step ", step,
+                                  " runs on the local plan (local-plan steps so far: ", local_steps,
+                                  "); the planner at ", target, ": ", reason));
+      s.last_warn_seconds = now;
+      s.warned_away = true;
+    }
+    s.away = true;
+  } else if (s.away) {
+    if (s.warned_away) {
+      s.options.warn(
+          absl::StrCat("sparsebalance: the planner at ", target, " answers again from step ", step,
+                       " on (local-plan steps so far: ", local_steps, "; it learns of them now)"));
+    }
+    s.away = false;
+    s.warned_away = false;
+  }
+  return *std::move(own.plan);
+}
+
+void Balancer::Report(int64_t step, std::vector<MicroBatchTiming> timings, double wait_seconds) {
+  State& s = *state_;
+  if (s.offline) return;  // no job: nobody to tell
+  absl::MutexLock lock(&s.mu);
+  s.reports.push_back({step, std::move(timings), wait_seconds});
+  while (s.reports.size() > s.ReportLimit()) {
+    s.reports.pop_front();
+    ++s.queue_dropped;
+  }
+  s.changed.SignalAll();
+}
+
+absl::Status Balancer::Finish(double timeout_seconds) {
+  State& s = *state_;
+  if (s.offline) return absl::OkStatus();
+  const absl::Time deadline = absl::Now() + absl::Seconds(std::max(0.0, timeout_seconds));
+  absl::Status refused;
+  {
+    // The queue first: the worker sends it in order.
+    absl::MutexLock lock(&s.mu);
+    while ((!s.reports.empty() || s.sending || s.AnyRunning()) &&
+           !s.changed.WaitWithDeadline(&s.mu, deadline)) {
+    }
+    refused = s.refused;
+    s.refused = absl::OkStatus();
+  }
+  while (true) {
+    absl::Status flushed;
+    size_t reports = 0;
+    size_t local_steps = 0;
+    {
+      absl::MutexLock lock(&s.session_mu);
+      flushed = s.session->Flush();
+      reports = s.session->buffered_reports();
+      local_steps = s.session->unsent_local_steps();
+      s.NoteSession();
+    }
+    if (!flushed.ok() && !IsUnreachable(flushed) && refused.ok()) refused = flushed;
+    size_t queued = 0;
+    {
+      absl::MutexLock lock(&s.mu);
+      queued = s.reports.size() + (s.sending ? 1 : 0);
+    }
+    if (reports == 0 && local_steps == 0 && queued == 0) return refused;
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "Finish: ", reports + queued, " reports and ", local_steps,
+          " locally planned steps not delivered to the planner at ", s.options.client.target,
+          " after ", timeout_seconds, " s: ",
+          IsUnreachable(flushed) ? flushed.ToString()
+                                 : std::string("waiting for rank 0 to resubmit its local steps"),
+          "; they are kept: call Finish again"));
+    }
+    absl::SleepFor(std::min(absl::Milliseconds(200), deadline - absl::Now()));
+  }
+}
+
+void Balancer::Resume(int64_t next_step, std::vector<Sample> carried) {
+  State& s = *state_;
+  {
+    absl::MutexLock lock(&s.mu);
+    while (s.AnyRunning()) s.changed.Wait(&s.mu);
+    s.prefetches.clear();
+    s.next_step = next_step;
+    s.last_final_step = next_step - 1;
+    s.carried = carried;
+  }
+  absl::MutexLock lock(&s.session_mu);
+  s.session->Restore(next_step, std::move(carried));
+}
+
+const JobHandle& Balancer::job() const { return state_->job; }
+const PlannerConfig& Balancer::config() const { return state_->config; }
+
+int64_t Balancer::next_step() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->next_step;
+}
+
+std::vector<Sample> Balancer::carried() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->carried;
+}
+
+Balancer::Stats Balancer::stats() const {
+  absl::MutexLock lock(&state_->mu);
+  Stats stats = state_->stats;
+  stats.buffered_reports = static_cast<int64_t>(state_->reports.size()) + state_->session_buffered;
+  stats.dropped_reports = state_->queue_dropped + state_->session_dropped;
+  return stats;
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,637 @@
+// Balancer against a real sb-planner service on loopback, with its ranks as threads of this
+// process and in-process collectives: the job created and joined (and resumed), one collective
+// per step, prefetched plans equal to plans made on demand, deferred documents trained once with
+// prefetch, the planner stopped mid-run (local plans on every rank, rate-limited warnings, the
+// planner's metric counting the local steps, reports delivered by Finish), an unreachable planner
+// at start, offline start, and Resume restoring carried samples.
+#include "client/balancer.h"
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/planner_client.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "server/job_registry.h"
+#include "server/planner_metrics.h"
+#include "server/planner_service.h"
+#include "tests/server/test_support.h"
+#include "tests/support/loopback_client.h"
+
+namespace sparsebalance {
+namespace {
+
+using test_support::CountingHex;
+
+// A planner with metrics on a loopback port that can be stopped and started again (same
+// registry, so the job survives).
+class Planner {
+ public:
+  Planner()
+      : metrics_registry_(std::make_shared<prometheus::Registry>()),
+        metrics_(metrics_registry_, /*max_rank_series=*/8),
+        registry_(JobRegistry::Options{}, CountingHex()),
+        service_(&registry_, ServiceOptions(&metrics_)) {
+    Start(0);
+  }
+  ~Planner() { Stop(); }
+  void Start(int port) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
+                             &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+  }
+  void Stop() {
+    if (server_ != nullptr) {
+      server_->Shutdown(std::chrono::system_clock::now());
+      server_->Wait();
+      server_.reset();
+    }
+  }
+  int port() const { return port_; }
+  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+  JobRegistry& registry() { return registry_; }
+  // sparsebalance_local_plan_steps_total of `job_id` (0 when it has no series yet).
+  double LocalPlanSteps(const std::string& job_id) {
+    std::ostringstream text;
+    prometheus::TextSerializer().Serialize(text, metrics_registry_->Collect());
+    const std::string prefix =
+        absl::StrCat("sparsebalance_local_plan_steps_total{job_id=\"", job_id, "\"} ");
+    std::istringstream lines(text.str());
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size()));
+    }
+    return 0;
+  }
+
+ private:
+  static PlannerServiceImpl::Options ServiceOptions(PlannerMetrics* metrics) {
+    PlannerServiceImpl::Options options;
+    options.metrics = metrics;
+    return options;
+  }
+
+  std::shared_ptr<prometheus::Registry> metrics_registry_;
+  PlannerMetrics metrics_;
+  JobRegistry registry_;
+  PlannerServiceImpl service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// any_rank and share_job for ranks that are threads of this process: each call is a barrier of
+// all `world` ranks. Counts the calls, to check that a step costs one collective.
+class Ranks {
+ public:
+  explicit Ranks(int world) : world_(world), any_rank_calls_(world, 0) {}
+
+  // `base` with this rank's rank, world and collectives.
+  BalancerOptions Options(int rank, BalancerOptions base) {
+    base.rank = rank;
+    base.world = world_;
+    base.any_rank = [this, rank](bool mine) { return AnyRank(rank, mine); };
+    base.share_job = [this, rank](const JobHandle& job) { return ShareJob(rank, job); };
+    return base;
+  }
+  int any_rank_calls(int rank) {
+    absl::MutexLock lock(&mu_);
+    return any_rank_calls_[rank];
+  }
+
+ private:
+  bool AnyRank(int rank, bool mine) {
+    absl::MutexLock lock(&mu_);
+    ++any_rank_calls_[rank];
+    any_ = any_ || mine;
+    Arrive([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      any_result_ = any_;
+      any_ = false;
+    });
+    return any_result_;
+  }
+  JobHandle ShareJob(int rank, const JobHandle& job) {
+    absl::MutexLock lock(&mu_);
+    if (rank == 0) offered_ = job;
+    Arrive([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { shared_ = offered_; });
+    return shared_;
+  }
+  // Waits for every rank; the last to arrive runs `last`. A result stays until every rank has
+  // read it: the next round cannot end before they all arrive again.
+  void Arrive(const std::function<void()>& last) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t generation = generation_;
+    if (++arrived_ == world_) {
+      last();
+      arrived_ = 0;
+      ++generation_;
+      done_.SignalAll();
+      return;
+    }
+    while (generation_ == generation) done_.Wait(&mu_);
+  }
+
+  const int world_;
+  absl::Mutex mu_;
+  absl::CondVar done_;
+  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  bool any_ ABSL_GUARDED_BY(mu_) = false;
+  bool any_result_ ABSL_GUARDED_BY(mu_) = false;
+  JobHandle offered_ ABSL_GUARDED_BY(mu_);
+  JobHandle shared_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> any_rank_calls_ ABSL_GUARDED_BY(mu_);
+};
+
+PlannerConfig Config(int ranks) {
+  PlannerConfig c;
+  c.ranks = ranks;
+  c.micro_batches = 2;
+  c.micro_batch_capacity = 65536;
+  return c;
+}
+
+std::vector<Sample> Batch(uint64_t seed, int ranks, double fill = 0.6) {
+  return test_support::PretrainBatch(seed, ranks, fill);
+}
+
+std::vector<MicroBatchTiming> Timings(const RankStepPlan& plan) {
+  return test_support::TimingsOf(plan.micro_batches);
+}
+
+std::vector<uint64_t> Ids(const RankStepPlan& plan) {
+  std::vector<uint64_t> ids;
+  for (const MicroBatchPlan& mb : plan.micro_batches) {
+    for (const PlannedSample& p : mb.samples) ids.push_back(p.id);
+  }
+  return ids;
+}
+
+// The ids and densities of a plan, to compare plans.
+std::vector<std::pair<uint64_t, double>> Placement(const RankStepPlan& plan) {
+  std::vector<std::pair<uint64_t, double>> out;
+  for (const MicroBatchPlan& mb : plan.micro_batches) {
+    for (const PlannedSample& p : mb.samples) out.emplace_back(p.id, p.density);
+  }
+  return out;
+}
+
+class BalancerTest : public ::testing::Test {
+ protected:
+  // Options for the planner of this test: a new job of Config(world) unless job_id is given.
+  BalancerOptions Options(int world) {
+    BalancerOptions options;
+    options.client.target = planner_.target();
+    options.client.call_timeout_seconds = 2;
+    options.client.plan_timeout_seconds = 20;  // ranks wait for the coordinator under load
+    options.world = world;
+    options.config = Config(world);
+    options.warn = [](const std::string&) {};
+    return options;
+  }
+  // Runs `body(rank)` on `world` threads and waits for them.
+  static void OnRanks(int world, const std::function<void(int)>& body) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) threads.emplace_back(body, r);
+    for (std::thread& t : threads) t.join();
+  }
+
+  Planner planner_;
+};
+
+TEST_F(BalancerTest, CreatesTheJobJoinsItAndResumesIt) {
+  constexpr int kSteps = 3;
+  BalancerOptions options = Options(1);
+  options.job_name = "create";
+  absl::StatusOr<std::unique_ptr<Balancer>> balancer = Balancer::Start(options);
+  ASSERT_TRUE(balancer.ok()) << balancer.status();
+  Balancer& b = **balancer;
+  const JobHandle job = b.job();
+  EXPECT_FALSE(job.job_id.empty());
+  EXPECT_FALSE(job.token.empty());
+  EXPECT_EQ(b.config().ranks, 1);
+  EXPECT_EQ(b.next_step(), 0);
+  for (int64_t step = 0; step < kSteps; ++step) {
+    absl::StatusOr<RankStepPlan> plan = b.Plan(step, Batch(10 + step, 1));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_FALSE(plan->local_fallback);
+    EXPECT_EQ(plan->step, step);
+    if (step + 1 < kSteps) b.Prefetch(step + 1, Batch(10 + step + 1, 1));
+    b.Report(step, Timings(*plan), 0.0);
+  }
+  absl::Status finished = b.Finish(20);
+  ASSERT_TRUE(finished.ok()) << finished;
+  const Balancer::Stats stats = b.stats();
+  EXPECT_EQ(stats.planned_steps, kSteps);
+  EXPECT_EQ(stats.local_steps, 0);
+  EXPECT_EQ(stats.buffered_reports, 0);
+  EXPECT_EQ(stats.dropped_reports, 0);
+  EXPECT_TRUE(stats.planner_reachable);
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job.job_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->name, "create");
+  EXPECT_EQ(view->next_step, kSteps);
+  EXPECT_EQ(view->steps_folded, kSteps);  // every report reached the model
+
+  // A restarted trainer joins the same job and resumes after the last reported step.
+  BalancerOptions again = Options(1);
+  again.job_id = job.job_id;
+  again.client.token = job.token;
+  absl::StatusOr<std::unique_ptr<Balancer>> resumed = Balancer::Start(again);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ((*resumed)->job().job_id, job.job_id);
+  EXPECT_EQ((*resumed)->next_step(), kSteps);
+  absl::StatusOr<RankStepPlan> next = (*resumed)->Plan(kSteps, Batch(99, 1));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_FALSE(next->local_fallback);
+  // A wrong token is an error as the planner says it, not a fallback.
+  BalancerOptions wrong = Options(1);
+  wrong.job_id = job.job_id;
+  wrong.client.token = "not-the-token";
+  absl::StatusOr<std::unique_ptr<Balancer>> refused = Balancer::Start(wrong);
+  EXPECT_TRUE(refused.status().code() == absl::StatusCode::kPermissionDenied ||
+              refused.status().code() == absl::StatusCode::kUnauthenticated)
+      << refused.status();
+}
+
+TEST_F(BalancerTest, RanksAsThreadsPlanEveryStepWithOneCollective) {
+  constexpr int kRanks = 4;
+  constexpr int kSteps = 4;
+  Ranks ranks(kRanks);
+  absl::Mutex mu;
+  std::map<int64_t, std::multiset<uint64_t>> placed;
+  std::vector<std::string> job_ids(kRanks);
+  OnRanks(kRanks, [&](int r) {
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(ranks.Options(r, Options(4)));
+    ASSERT_TRUE(b.ok()) << b.status();
+    job_ids[r] = (*b)->job().job_id;
+    for (int64_t step = 0; step < kSteps; ++step) {
+      if (step + 1 < kSteps) (*b)->Prefetch(step + 1, Batch(300 + step + 1, kRanks));
+      absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, Batch(300 + step, kRanks));
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_FALSE(plan->local_fallback);
+      EXPECT_EQ(plan->rank, r);
+      {
+        absl::MutexLock lock(&mu);
+        for (uint64_t id : Ids(*plan)) placed[step].insert(id);
+      }
+      (*b)->Report(step, Timings(*plan), 0.0);
+    }
+    absl::Status finished = (*b)->Finish(20);
+    EXPECT_TRUE(finished.ok()) << finished;
+    EXPECT_EQ((*b)->stats().planned_steps, kSteps);
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(job_ids[r], job_ids[0]);  // rank 0's job reached every rank
+    // Two at Start (errors, unreachable), then one per step.
+    EXPECT_EQ(ranks.any_rank_calls(r), 2 + kSteps) << "rank " << r;
+  }
+  for (int64_t step = 0; step < kSteps; ++step) {
+    const std::vector<Sample> batch = Batch(300 + step, kRanks);
+    ASSERT_EQ(placed[step].size(), batch.size()) << "step " << step;
+    for (const Sample& s : batch) EXPECT_EQ(placed[step].count(s.id), 1u) << s.id;
+  }
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job_ids[0]);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->steps_folded, kSteps);
+}
+
+TEST_F(BalancerTest, PrefetchOnAndOffGiveTheSamePlans) {
+  constexpr int kRanks = 2;
+  constexpr int kSteps = 4;
+  // step -> rank -> placement, for one run (no reports: the model stays the prior, so the
+  // plans depend on the batches only).
+  using Plans = std::map<int64_t, std::map<int, std::vector<std::pair<uint64_t, double>>>>;
+  auto run = [&](bool prefetch, int64_t* prefetched) {
+    Plans plans;
+    absl::Mutex mu;
+    Ranks ranks(kRanks);
+    OnRanks(kRanks, [&](int r) {
+      BalancerOptions options = Options(kRanks);
+      options.prefetch = prefetch;
+      absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(ranks.Options(r, options));
+      ASSERT_TRUE(b.ok()) << b.status();
+      for (int64_t step = 0; step < kSteps; ++step) {
+        absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, Batch(400 + step, kRanks));
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        if (step + 1 < kSteps) (*b)->Prefetch(step + 1, Batch(400 + step + 1, kRanks));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // "trains"
+        absl::MutexLock lock(&mu);
+        plans[step][r] = Placement(*plan);
+      }
+      if (r == 0) *prefetched = (*b)->stats().prefetched_steps;
+    });
+    return plans;
+  };
+  int64_t prefetched_on = 0;
+  int64_t prefetched_off = 0;
+  const Plans on = run(true, &prefetched_on);
+  const Plans off = run(false, &prefetched_off);
+  ASSERT_EQ(on.size(), static_cast<size_t>(kSteps));
+  EXPECT_EQ(on, off);
+  EXPECT_GT(prefetched_on, 0);  // the background planned steps ahead
+  EXPECT_EQ(prefetched_off, 0);
+}
+
+// Every rank passes the same new documents at each step of a job that defers what does not fit:
+// three overfull steps, then small ones until nothing is carried; step N+1 is prefetched while
+// step N "trains". Every document is trained by exactly one rank, once.
+TEST_F(BalancerTest, DeferredDocumentsAreTrainedExactlyOnceWithPrefetch) {
+  constexpr int kRanks = 2;
+  constexpr int kOverfullSteps = 3;
+  constexpr int kMaxSteps = 20;
+  std::vector<std::vector<Sample>> new_samples;
+  for (int step = 0; step < kMaxSteps; ++step) {
+    std::vector<Sample> batch = Batch(500 + step, kRanks, step < kOverfullSteps ? 1.3 : 0.2);
+    for (size_t i = 0; i < batch.size(); ++i) batch[i].id = 1000000 * (step + 1) + i;
+    new_samples.push_back(std::move(batch));
+  }
+  Ranks ranks(kRanks);
+  absl::Mutex mu;
+  std::map<uint64_t, int> trained;
+  std::vector<int> steps_run(kRanks, 0);
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = Options(kRanks);
+    options.config.overflow = OverflowPolicy::kDefer;
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(ranks.Options(r, options));
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (int step = 0; step < kMaxSteps; ++step) {
+      absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, new_samples[step]);
+      ASSERT_TRUE(plan.ok()) << "rank " << r << " step " << step << ": " << plan.status();
+      const bool more = step + 1 < kOverfullSteps || !(*b)->carried().empty();
+      if (more && step + 1 < kMaxSteps) (*b)->Prefetch(step + 1, new_samples[step + 1]);
+      // What waits for the next step is this step's deferred samples, whether or not the
+      // background has planned the next step already.
+      std::set<uint64_t> carried;
+      for (const Sample& s : (*b)->carried()) carried.insert(s.id);
+      EXPECT_EQ(carried, std::set<uint64_t>(plan->deferred_ids.begin(), plan->deferred_ids.end()))
+          << "rank " << r << " step " << step;
+      {
+        absl::MutexLock lock(&mu);
+        for (uint64_t id : Ids(*plan)) ++trained[id];
+        steps_run[r] = step + 1;
+      }
+      (*b)->Report(step, Timings(*plan), 0.0);
+      if (!more) break;
+    }
+    EXPECT_TRUE((*b)->carried().empty()) << "rank " << r;
+    absl::Status finished = (*b)->Finish(20);
+    EXPECT_TRUE(finished.ok()) << finished;
+  });
+  EXPECT_EQ(steps_run[1], steps_run[0]);
+  EXPECT_GT(steps_run[0], kOverfullSteps) << "the overfull steps deferred nothing";
+  size_t submitted = 0;
+  for (int step = 0; step < steps_run[0]; ++step) {
+    submitted += new_samples[step].size();
+    for (const Sample& s : new_samples[step]) {
+      auto it = trained.find(s.id);
+      EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << s.id;
+    }
+  }
+  EXPECT_EQ(trained.size(), submitted);  // nothing trained that was not submitted
+}
+
+// The planner stops after step 1 and comes back before step 5. Both ranks run the same local
+// plans meanwhile, warn at most once per interval (on a clock the test moves one second per
+// step), say when the planner answers again, and Finish delivers every report; the planner
+// counts the steps that ran on local plans.
+TEST_F(BalancerTest, PlannerStoppedMidRunFallsBackLoudlyAndCatchesUp) {
+  constexpr int kRanks = 2;
+  constexpr double kInterval = 2.5;  // seconds of the test's clock: one warning per 3 steps
+  const int port = planner_.port();
+  Ranks ranks(kRanks);
+  struct Warning {
+    double at;
+    std::string line;
+  };
+  absl::Mutex mu;
+  std::vector<std::vector<Warning>> warnings(kRanks);
+  std::vector<std::vector<bool>> local(kRanks);
+  std::vector<std::atomic<double>> clock(kRanks);
+  std::vector<Balancer::Stats> stats(kRanks);
+  std::string job_id;
+  // Every rank waits here for the test to stop or start the planner at a step.
+  Ranks step_barrier(kRanks);
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = Options(kRanks);
+    options.warn_interval_seconds = kInterval;
+    options.now_seconds = [&clock, r] { return clock[r].load(); };
+    options.warn = [&, r](const std::string& line) {
+      absl::MutexLock lock(&mu);
+      warnings[r].push_back({clock[r].load(), line});
+    };
+    absl::StatusOr<std::unique_ptr<Balancer>> started = Balancer::Start(ranks.Options(r, options));
+    ASSERT_TRUE(started.ok()) << started.status();
+    Balancer& b = **started;
+    if (r == 0) job_id = b.job().job_id;
+    auto sync = step_barrier.Options(r, {}).any_rank;
+    bool back = false;
+    for (int64_t step = 0; step < 7 || (!back && step < 20); ++step) {
+      clock[r] = static_cast<double>(step);
+      // Nothing in flight when the planner stops (a checkpoint's flush).
+      if (step == 2) {
+        EXPECT_TRUE(b.Finish(20).ok());
+      }
+      sync(false);  // every rank has finished the step before: the planner may change
+      if (r == 0 && step == 2) planner_.Stop();
+      if (r == 0 && step == 5) planner_.Start(port);
+      sync(false);
+      absl::StatusOr<RankStepPlan> plan = b.Plan(step, Batch(600 + step, kRanks));
+      ASSERT_TRUE(plan.ok()) << "rank " << r << " step " << step << ": " << plan.status();
+      // Prefetched, but not across the moments the planner stops or starts.
+      if (step + 1 != 2 && step + 1 != 5) b.Prefetch(step + 1, Batch(600 + step + 1, kRanks));
+      local[r].push_back(plan->local_fallback);
+      back = step >= 5 && !plan->local_fallback;
+      b.Report(step, Timings(*plan), 0.0);
+    }
+    absl::Status finished = b.Finish(30);
+    EXPECT_TRUE(finished.ok()) << "rank " << r << ": " << finished;
+    stats[r] = b.stats();
+  });
+  ASSERT_EQ(planner_.port(), port);
+  ASSERT_EQ(local[1], local[0]);  // the ranks agreed on every step
+  const std::vector<bool>& ran_local = local[0];
+  int64_t local_steps = 0;
+  for (size_t step = 0; step < ran_local.size(); ++step) {
+    if (step < 5) {
+      EXPECT_EQ(ran_local[step], step >= 2) << "step " << step;
+    }
+    local_steps += ran_local[step] ? 1 : 0;
+  }
+  ASSERT_FALSE(ran_local.back());  // back on the planner's plans
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(stats[r].local_steps, local_steps);
+    EXPECT_EQ(stats[r].planned_steps, static_cast<int64_t>(ran_local.size()));
+    EXPECT_TRUE(stats[r].planner_reachable);
+    EXPECT_EQ(stats[r].buffered_reports, 0);
+    EXPECT_EQ(stats[r].dropped_reports, 0);
+    EXPECT_FALSE(stats[r].last_error.empty());  // why step 2..4 fell back
+    // Fallback warnings: the first local step's, then at most one per interval; each names the
+    // planner and counts the local steps so far.
+    std::vector<Warning> fallback;
+    int back_lines = 0;
+    for (const Warning& w : warnings[r]) {
+      if (w.line.find("runs on the local plan") != std::string::npos) fallback.push_back(w);
+      if (w.line.find("answers again") != std::string::npos) ++back_lines;
+      EXPECT_NE(w.line.find(planner_.target()), std::string::npos) << w.line;
+    }
+    ASSERT_FALSE(fallback.empty()) << "rank " << r;
+    EXPECT_EQ(fallback[0].at, 2.0);
+    EXPECT_NE(fallback[0].line.find("(local-plan steps so far: 1)"), std::string::npos)
+        << fallback[0].line;
+    for (size_t i = 1; i < fallback.size(); ++i) {
+      EXPECT_GE(fallback[i].at - fallback[i - 1].at, kInterval) << fallback[i].line;
+    }
+    EXPECT_LT(static_cast<int64_t>(fallback.size()), local_steps);
+    EXPECT_GE(back_lines, 1);
+    EXPECT_LE(back_lines, static_cast<int>(fallback.size()));
+  }
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->steps_folded, static_cast<int64_t>(ran_local.size()));  // every report
+  // The planner learned of every step the ranks ran on local plans.
+  EXPECT_EQ(planner_.LocalPlanSteps(job_id), static_cast<double>(local_steps));
+}
+
+// When one rank fell back and rank 0 had the planner's plan, the step's first report may reach
+// the planner before rank 0 resubmits the step: the report switches the step to the local plan,
+// and the planner counts it then (once: the resubmission that follows is a repeat).
+TEST_F(BalancerTest, AStepAReportSwitchedToTheLocalPlanIsCountedOnce) {
+  std::unique_ptr<PlannerClient> admin = test_support::ConnectLoopback(planner_.port(), "", "", 5);
+  const PlannerConfig config = Config(2);
+  absl::StatusOr<JobHandle> job = admin->CreateJob("switch", config);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<std::unique_ptr<PlannerClient>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(test_support::ConnectLoopback(planner_.port(), job->job_id, job->token, 5));
+    ASSERT_TRUE(ranks[r]->JoinJob(r).ok());
+  }
+  const std::vector<Sample> batch = Batch(900, 2);
+  ASSERT_TRUE(ranks[0]->SubmitBatch(0, batch).ok());
+  absl::StatusOr<StepPlan> local = PlanStepLocally(batch, config);
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 0);
+  absl::StatusOr<bool> reported = ranks[1]->ReportStep(
+      0, 1, test_support::TimingsOf(local->ranks[1].micro_batches), 0.0, /*planned_locally=*/true);
+  ASSERT_TRUE(reported.ok()) << reported.status();
+  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 1);
+  ASSERT_TRUE(ranks[0]->SubmitBatch(0, batch, /*planned_locally=*/true).ok());
+  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 1);
+  absl::StatusOr<RankStepPlan> recorded = ranks[0]->GetRankPlan(0, 0);
+  ASSERT_TRUE(recorded.ok()) << recorded.status();
+  EXPECT_TRUE(recorded->local_fallback);
+}
+
+TEST_F(BalancerTest, AnUnreachablePlannerAtStartIsAnErrorThatNamesIt) {
+  const std::string target = planner_.target();
+  planner_.Stop();
+  BalancerOptions options = Options(1);
+  options.client.call_timeout_seconds = 0.5;
+  absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+  ASSERT_EQ(b.status().code(), absl::StatusCode::kUnavailable) << b.status();
+  EXPECT_NE(b.status().message().find(target), std::string::npos) << b.status();
+  EXPECT_NE(b.status().message().find("allow offline start"), std::string::npos) << b.status();
+  // Two ranks: every rank gets the error (none waits forever for the others).
+  Ranks ranks(2);
+  OnRanks(2, [&](int r) {
+    absl::StatusOr<std::unique_ptr<Balancer>> rb = Balancer::Start(ranks.Options(r, options));
+    EXPECT_EQ(rb.status().code(), absl::StatusCode::kUnavailable) << rb.status();
+    EXPECT_NE(rb.status().message().find(target), std::string::npos) << rb.status();
+  });
+}
+
+TEST_F(BalancerTest, OfflineStartRunsEveryStepOnTheLocalPlan) {
+  const std::string target = planner_.target();
+  planner_.Stop();
+  BalancerOptions options = Options(1);
+  options.client.call_timeout_seconds = 0.5;
+  options.allow_offline_start = true;
+  std::vector<std::string> warnings;
+  options.warn = [&](const std::string& line) { warnings.push_back(line); };
+  absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE((*b)->job().job_id.empty());
+  EXPECT_EQ((*b)->config().ranks, 1);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find(target), std::string::npos) << warnings[0];
+  for (int64_t step = 0; step < 3; ++step) {
+    const std::vector<Sample> batch = Batch(700 + step, 1);
+    (*b)->Prefetch(step, batch);
+    absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->local_fallback);
+    EXPECT_EQ(Ids(*plan).size(), batch.size());
+    (*b)->Report(step, Timings(*plan), 0.0);
+  }
+  const Balancer::Stats stats = (*b)->stats();
+  EXPECT_EQ(stats.local_steps, 3);
+  EXPECT_FALSE(stats.planner_reachable);
+  EXPECT_NE(stats.last_error.find("offline"), std::string::npos) << stats.last_error;
+  EXPECT_EQ(warnings.size(), 2u);  // the start's, and the first local step's (60 s interval)
+  EXPECT_TRUE((*b)->Finish(1).ok());
+}
+
+// A trainer checkpoints after an overfull step (next step and carried samples), restarts, and
+// resumes: the carried documents go ahead of the next step's batch instead of being lost.
+TEST_F(BalancerTest, ResumeRestoresTheCarriedSamples) {
+  BalancerOptions options = Options(1);
+  options.config.overflow = OverflowPolicy::kDefer;
+  std::vector<Sample> carried;
+  JobHandle job;
+  {
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    job = (*b)->job();
+    absl::StatusOr<RankStepPlan> plan = (*b)->Plan(0, Batch(800, 1, /*fill=*/1.5));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_FALSE(plan->deferred_ids.empty());
+    (*b)->Report(0, Timings(*plan), 0.0);
+    ASSERT_TRUE((*b)->Finish(20).ok());
+    carried = (*b)->carried();  // the checkpoint: next step 1 and these
+    ASSERT_EQ(carried.size(), plan->deferred_ids.size());
+  }
+  options.job_id = job.job_id;
+  options.client.token = job.token;
+  absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*b)->next_step(), 1);
+  EXPECT_TRUE((*b)->carried().empty());  // a new process knows nothing of them
+  (*b)->Resume(1, carried);
+  EXPECT_EQ((*b)->carried().size(), carried.size());
+  std::vector<Sample> fresh = Batch(801, 1, /*fill=*/0.1);
+  for (size_t i = 0; i < fresh.size(); ++i) fresh[i].id = 9000000 + i;
+  absl::StatusOr<RankStepPlan> plan = (*b)->Plan(1, fresh);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::multiset<uint64_t> planned;
+  for (uint64_t id : Ids(*plan)) planned.insert(id);
+  for (uint64_t id : plan->deferred_ids) planned.insert(id);
+  for (const Sample& s : carried) EXPECT_EQ(planned.count(s.id), 1u) << "carried " << s.id;
+  for (const Sample& s : fresh) EXPECT_EQ(planned.count(s.id), 1u) << "new " << s.id;
+  EXPECT_EQ(planned.size(), carried.size() + fresh.size());
+}
+
+TEST_F(BalancerTest, BadOptionsAreErrorsThatNameTheField) {
+  BalancerOptions options = Options(2);
+  options.rank = 2;
+  EXPECT_EQ(Balancer::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.rank = 1;  // world 2 without collectives
+  absl::Status status = Balancer::Start(options).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("any_rank"), std::string::npos) << status;
+}
+
+}  // namespace
+}  // namespace sparsebalance
