@@ -198,6 +198,7 @@ class Balancer:
             raise ValueError("lengths: the dataset's token count per item is needed (e.g. "
                              "lengths=dataset.lengths)")
         self.group = group
+        self._warn = warn or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=2))
         self.rank, self.world = _process_group_ranks(group)
         self.device = torch.device(device) if device is not None else _default_device()
         if planner is None:
@@ -215,17 +216,24 @@ class Balancer:
             job_name=name or f"torch-{os.getpid()}", config=config,
             allow_offline_start=allow_offline_start or not planner, prefetch=prefetch,
             any_rank=self._any_rank, share_job=self._share_job,
-            warn=warn or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=2)))
+            warn=self._warn)
         self._c = _C.Balancer.start(options)
         self.config = self._c.config
         capacity = self.config.micro_batch_capacity
+        room = self.world * self.config.micro_batches * capacity
         if tokens_per_step is None:
-            tokens_per_step = int(fill * self.world * self.config.micro_batches * capacity)
+            tokens_per_step = int(fill * room)
+        if tokens_per_step > room and self.config.overflow == _C.OverflowPolicy.ERROR:
+            self._c.finish(0)
+            raise ValueError(f"tokens_per_step: {tokens_per_step} tokens a step do not fit "
+                             f"{self.world} ranks x {self.config.micro_batches} micro-batches x "
+                             f"{capacity} tokens = {room}; lower it, or overflow=\"defer\"")
         self.sampler = GlobalBatchSampler(lengths, seed=seed, tokens_per_step=tokens_per_step,
                                           max_length=capacity)
         self.lengths = self.sampler.lengths
         self.next_step = self._c.next_step
         self._pending = None  # (step number, [(MicroBatch, _Timer)], step start)
+        self._warned_untimed = False
 
     # -- set-up -----------------------------------------------------------------------------
     def _config(self, config, fields):
@@ -272,6 +280,11 @@ class Balancer:
         steps waited for their plans), buffered_reports, dropped_reports, planner_reachable,
         last_error."""
         return self._c.stats
+
+    @property
+    def carried(self):
+        """Documents (Samples) deferred by the latest step, to be trained first in the next."""
+        return self._c.carried
 
     def global_batch(self, step):
         """The global batch of ``step`` as Samples (the same on every rank)."""
@@ -359,10 +372,21 @@ class Balancer:
         entries[mb.index] = (entries[mb.index][0], timer)
 
     def _report_pending(self):
+        """Reports the finished step's timings. A step whose non-empty micro-batches were not all
+        timed is not reported (the planner would refuse a partial report); a warning says so,
+        once."""
         if self._pending is None:
             return
         step, entries, started = self._pending
         self._pending = None
+        untimed = [mb.index for mb, timer in entries if timer is None and mb.num_tokens]
+        if untimed:
+            if not self._warned_untimed:
+                self._warned_untimed = True
+                self._warn(f"step {step}: micro-batches {untimed} were not timed "
+                           "(balancer.timed(mb)); steps without timings are not reported, so "
+                           "the planner cannot learn this machine's speed")
+            return
         timings, compute = [], 0.0
         for mb, timer in entries:
             if timer is None:
@@ -371,8 +395,8 @@ class Balancer:
             compute += seconds
             density = mb.achieved_density
             if density is None:
-                weights = [b - a for a, b in zip(mb.cu_seqlens.tolist(),
-                                                 mb.cu_seqlens.tolist()[1:])]
+                cu = mb.cu_seqlens.tolist()
+                weights = [b - a for a, b in zip(cu, cu[1:])]
                 density = (sum(d * w for d, w in zip(mb.densities, weights)) /
                            max(1, sum(weights)))
             timings.append(_C.MicroBatchTiming(

@@ -1,0 +1,216 @@
+"""sparsebalance.torch.Balancer, the torch adapter, against a real sb-planner: one rank in this
+process (prefetch, loss weights, packing, deferred documents, offline start, resume, bad input)
+and two gloo ranks in two processes (the job's token shared over the process group, one plan
+for all)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sparsebalance as sb  # noqa: E402
+import sparsebalance.torch as sbt  # noqa: E402
+
+LENGTHS = [60 + (i * 7919) % 900 for i in range(300)]
+UNREACHABLE = "127.0.0.1:1"
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Item i: LENGTHS[i] tokens, each equal to i (so a packed micro-batch shows its ids)."""
+
+    def __len__(self):
+        return len(LENGTHS)
+
+    def __getitem__(self, i):
+        return torch.full((LENGTHS[i],), i)
+
+
+def small(**fields):
+    base = dict(capacity=1024, micro_batches=2, layers=1, heads=2, head_dim=64,
+                tokens_per_step=1800, call_timeout_seconds=2)
+    base.update(fields)
+    return base
+
+
+def train(balancer, steps, dataset=Tokens()):
+    """Runs `steps` steps, timing every micro-batch; returns [(step, [ids per micro-batch])]."""
+    trained = []
+    for step in balancer.batches(dataset, steps=steps):
+        ids = []
+        for mb in step:
+            with balancer.timed(mb):
+                if mb.num_tokens:
+                    assert torch.equal(mb.tokens, torch.cat([torch.full((LENGTHS[i],), i)
+                                                             for i in mb.ids]))
+            ids.append(mb.ids)
+        trained.append((step.step, ids))
+    return trained
+
+
+def test_one_rank_trains_each_global_batch_with_prefetched_plans(planner):
+    balancer = sbt.Balancer(planner.address, LENGTHS, **small())
+    assert (balancer.rank, balancer.world, balancer.next_step) == (0, 1, 0)
+    steps = 5
+    seen = []
+    for step in balancer.batches(Tokens(), steps=steps):
+        assert not step.local and step.plan_wait_seconds >= 0
+        batch_ids = sorted(s.id for s in balancer.global_batch(step.step))
+        assert sorted(i for mb in step for i in mb.ids) == batch_ids  # nothing lost or added
+        # Token weights: a micro-batch's share of the step's tokens (one rank: they sum to 1).
+        weights = [mb.loss_weight for mb in step if mb.num_tokens]
+        assert sum(weights) == pytest.approx(1.0)
+        for mb in step:
+            with balancer.timed(mb):
+                pass
+            assert mb.cu_seqlens.tolist()[-1] == mb.num_tokens == sum(LENGTHS[i] for i in mb.ids)
+            assert mb.attention.cu_seqlens.tolist() == mb.cu_seqlens.tolist()
+        if step.step == 0:
+            # Prefetch: while step 0 trains, step 1 reaches the planner and is planned (this
+            # long poll returns once the plan exists; without prefetch it would time out).
+            probe = sb.connect(planner.address, job_id=balancer.job.job_id,
+                               token=balancer.job.token, plan_timeout_seconds=20)
+            assert probe.get_rank_plan(1, 0).step == 1
+        seen.append(step.step)
+    assert seen == list(range(steps))
+    assert balancer.close() is True
+    stats = balancer.stats
+    assert (stats.planned_steps, stats.local_steps) == (steps, 0)
+    assert 1 <= stats.prefetched_steps <= steps - 1
+    assert stats.buffered_reports == 0 and stats.dropped_reports == 0
+
+
+def test_deferred_documents_are_trained_once_each(planner):
+    # More tokens a step than the ranks can hold: the planner defers some, and they come back
+    # first in the next step. Over the run, every document drawn is trained exactly once or is
+    # still carried at the end.
+    balancer = sbt.Balancer(planner.address, LENGTHS,
+                            **small(overflow="defer", tokens_per_step=2600, micro_batches=1))
+    steps = 8
+    trained = [i for _, ids in train(balancer, steps) for mb in ids for i in mb]
+    drawn = [s.id for k in range(steps) for s in balancer.global_batch(k)]
+    carried = [s.id for s in balancer.carried]
+    # One rank holds 1,024 tokens a step and draws 2,600: deferral happened every step.
+    assert carried and len(trained) < len(drawn)
+    assert sorted(trained + carried) == sorted(drawn)
+    assert len(set(trained)) == len(trained)
+    assert balancer.stats.planned_steps == steps
+    balancer.close()
+
+
+def test_an_unreachable_planner_is_an_error_unless_offline_start_is_allowed():
+    with pytest.raises(sb.PlannerError) as error:
+        sbt.Balancer(UNREACHABLE, LENGTHS, **small(call_timeout_seconds=0.3))
+    assert error.value.unreachable and UNREACHABLE in error.value.message
+    warnings = []
+    balancer = sbt.Balancer(UNREACHABLE, LENGTHS, allow_offline_start=True, warn=warnings.append,
+                            **small(call_timeout_seconds=0.3))
+    trained = train(balancer, 3)
+    assert [s for s, _ in trained] == [0, 1, 2]
+    assert balancer.stats.local_steps == 3
+    assert 1 <= len(warnings) <= 2 and UNREACHABLE in warnings[0]  # once a minute, not per step
+    assert balancer.close() is True  # offline: nothing to deliver
+
+
+def test_a_checkpoint_resumes_at_its_step_with_its_carried_documents(planner):
+    fields = small(overflow="defer", tokens_per_step=2600, micro_batches=1)
+    first = sbt.Balancer(planner.address, LENGTHS, **fields)
+    before = train(first, 3)
+    state = first.state_dict()
+    carried = [i for i, _ in state["carried"]]
+    job, token = first.job.job_id, first.job.token
+    assert first.close()
+    second = sbt.Balancer(planner.address, LENGTHS, job=job, token=token, **fields)
+    second.load_state_dict(state)
+    after = train(second, 2)
+    assert [s for s, _ in after] == [3, 4]
+    step3 = [i for mb in after[0][1] for i in mb]
+    assert carried and all(i in step3 or i in [s.id for s in second.carried] for i in carried)
+    trained = [i for _, ids in before + after for mb in ids for i in mb]
+    assert len(set(trained)) == len(trained)
+    second.close()
+
+
+def test_bad_input_names_the_field(planner):
+    with pytest.raises(ValueError, match="lengths"):
+        sbt.Balancer(planner.address, None)
+    with pytest.raises(ValueError, match="planner"):
+        sbt.Balancer("", LENGTHS, **small())
+    with pytest.raises(ValueError, match="tokens_per_step: 5000 tokens a step do not fit"):
+        sbt.Balancer(planner.address, LENGTHS, **small(tokens_per_step=5000))
+    with pytest.raises(ValueError, match="config"):
+        sbt.Balancer(planner.address, LENGTHS, config=sb.PlannerConfig(), micro_batches=2)
+    balancer = sbt.Balancer(planner.address, LENGTHS, **small())
+
+    class Short(Tokens):
+        def __getitem__(self, i):
+            return torch.zeros(LENGTHS[i] - 1)
+
+    with pytest.raises(ValueError, match=r"dataset\[\d+\]: \d+ tokens where lengths"):
+        next(balancer.batches(Short(), steps=1))
+    balancer2 = sbt.Balancer(planner.address, LENGTHS, **small())
+    steps = balancer2.batches(Tokens(), steps=2)
+    first = next(steps)
+    next(steps)
+    with pytest.raises(ValueError, match="mb: micro-batch of step 0"):
+        with balancer2.timed(first[0]):
+            pass
+    balancer2.close()
+    balancer.close()
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import sparsebalance.torch as sbt
+    lengths = json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    balancer = sbt.Balancer(sys.argv[1], lengths, capacity=1024, micro_batches=2, layers=1,
+                            heads=2, head_dim=64, tokens_per_step=3400)
+    out = {"job": balancer.job.job_id, "steps": []}
+    for step in balancer.batches(None, steps=4):
+        for mb in step:
+            with balancer.timed(mb):
+                pass
+        out["steps"].append({"step": step.step, "ids": [i for mb in step for i in mb.ids],
+                             "weights": [mb.loss_weight for mb in step],
+                             "batch": [s.id for s in balancer.global_batch(step.step)],
+                             "local": step.local})
+    out["delivered"] = balancer.close()
+    print(json.dumps(out))
+    dist.destroy_process_group()
+    """)
+
+
+def test_two_gloo_ranks_share_one_job_and_split_each_batch(planner, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), planner.address, json.dumps(LENGTHS)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[0]["job"] == results[1]["job"] != ""  # rank 0 created it, rank 1 was told
+    for k in range(4):
+        a, b = results[0]["steps"][k], results[1]["steps"][k]
+        assert a["batch"] == b["batch"] and not a["local"] and not b["local"]
+        assert not set(a["ids"]) & set(b["ids"])  # each document on one rank
+        assert sorted(a["ids"] + b["ids"]) == sorted(a["batch"])
+        # Token weights over both ranks sum to the world size (DDP then averages).
+        assert sum(a["weights"]) + sum(b["weights"]) == pytest.approx(2.0)
+    assert all(r["delivered"] for r in results)
