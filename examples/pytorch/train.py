@@ -63,9 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=40, help="training steps")
     p.add_argument("--seed", type=int, default=1, help="data and model seed (same on all ranks)")
     p.add_argument("--docs", type=int, default=20000, help="documents in the synthetic dataset")
-    p.add_argument("--min_length", type=int, default=128, help="shortest document (tokens)")
-    p.add_argument("--median_length", type=int, default=512, help="median document (tokens)")
-    p.add_argument("--capacity", type=int, default=2048,
+    p.add_argument("--min_length", type=int, default=64, help="shortest document (tokens)")
+    p.add_argument("--median_length", type=int, default=256, help="median document (tokens)")
+    p.add_argument("--capacity", type=int, default=1024,
                    help="micro-batch capacity (tokens); also the longest document")
     p.add_argument("--micro_batches", type=int, default=2, help="micro-batches per rank")
     p.add_argument("--dim", type=int, default=128, help="model width")

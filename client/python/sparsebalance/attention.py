@@ -28,6 +28,7 @@ import platform
 import statistics
 import threading
 import time
+import warnings
 
 import torch
 
@@ -209,7 +210,9 @@ def flex_attention(query, key, value, block_mask=None, **kwargs):
     validate = getattr(flex, "_validate_device", None)
     if validate is None:  # a torch without the check: nothing to lift
         return flex.flex_attention(query, key, value, block_mask=block_mask, **kwargs)
-    with _FLEX_CHECK_LOCK:
+    with _FLEX_CHECK_LOCK, warnings.catch_warnings():
+        # Its advice to torch.compile does not apply: compiled FlexAttention has no CPU backward.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         flex._validate_device = _cpu_backward_allowed(validate)
         try:
             return flex.flex_attention(query, key, value, block_mask=block_mask, **kwargs)
