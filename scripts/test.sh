@@ -23,7 +23,23 @@ cmake --install "$BUILD_DIR" --prefix "$BUILD_DIR/install" >/dev/null
 cmake -S tests/consumer -B "$BUILD_DIR/consumer" -G Ninja \
   -DCMAKE_PREFIX_PATH="$(cd "$BUILD_DIR/install" && pwd)" >/dev/null
 cmake --build "$BUILD_DIR/consumer" >/dev/null
-"$BUILD_DIR/consumer/consumer"
+# ... against the installed sb-planner, on a free port (the consumer's Balancer flow).
+consumer_state=$(mktemp -d)
+"$BUILD_DIR/install/bin/sb-planner" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+  --state_dir="$consumer_state/state" >"$consumer_state/log" 2>&1 &
+consumer_planner=$!
+planner_address=""
+for _ in $(seq 100); do
+  planner_address=$(grep -o 'listening on [0-9.]*:[0-9]*' "$consumer_state/log" | head -n 1 |
+                    cut -d' ' -f3 || true)
+  [ -n "$planner_address" ] && break
+  sleep 0.1
+done
+consumer_rc=0
+"$BUILD_DIR/consumer/consumer" "$planner_address" || consumer_rc=$?
+kill "$consumer_planner"; wait "$consumer_planner" || true
+rm -rf "$consumer_state"
+[ "$consumer_rc" -eq 0 ] || { echo "test.sh: the consumer failed"; exit 1; }
 
 # Request validation and whole call sequences through the registry and the store under
 # libFuzzer (clang, AddressSanitizer and UndefinedBehaviorSanitizer), briefly: 20 s per target in

@@ -1,8 +1,12 @@
 // Plans one step with the installed planner library and checks the plan, then runs the client
 // the way a trainer does: a TrainerSession step and the whole flow through one Balancer, with no
-// planner listening (local plans).
+// planner listening (local plans); then, given a planner's address (scripts/test.sh starts the
+// installed sb-planner), the whole flow of one rank against it: ten lines in TrainOneRank.
+//
+//   consumer [PLANNER_HOST:PORT]
 #include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "client/balancer.h"
@@ -11,8 +15,68 @@
 #include "planner/planner.h"
 #include "planner/traces.h"
 
-int main() {
-  using namespace sparsebalance;
+namespace {
+
+using namespace sparsebalance;
+
+// The trainer's own work on one planned step: here, "training" takes as long as the plan says,
+// and every non-empty micro-batch is timed, as a trainer times its forward and backward.
+std::vector<MicroBatchTiming> Train(const RankStepPlan& plan) {
+  std::vector<MicroBatchTiming> timings;
+  for (size_t m = 0; m < plan.micro_batches.size(); ++m) {
+    const MicroBatchPlan& mb = plan.micro_batches[m];
+    if (mb.samples.empty()) continue;
+    MicroBatchTiming timing;
+    timing.micro_batch = static_cast<int>(m);
+    timing.compute_seconds = mb.predicted_seconds;
+    timing.tokens = mb.tokens;
+    timings.push_back(timing);
+  }
+  return timings;
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "consumer: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+// One rank's whole flow against a planner (a trainer of several ranks also sets options.rank,
+// options.world and the two collectives any_rank and share_job).
+int TrainOneRank(const std::string& planner, const PlannerConfig& config,
+                 const std::vector<std::vector<Sample>>& batches) {
+  BalancerOptions options;
+  options.client.target = planner;
+  options.config = config;
+  absl::StatusOr<std::unique_ptr<Balancer>> balancer = Balancer::Start(options);  // job created
+  if (!balancer.ok()) return Fail(balancer.status());
+  for (int64_t step = 0; step + 1 < static_cast<int64_t>(batches.size()); ++step) {
+    (*balancer)->Prefetch(step + 1, batches[step + 1]);  // planned while this step trains
+    absl::StatusOr<RankStepPlan> plan = (*balancer)->Plan(step, batches[step]);
+    if (!plan.ok()) return Fail(plan.status());
+    (*balancer)->Report(step, Train(*plan), /*wait_seconds=*/0.0);  // sent in the background
+  }
+  if (absl::Status delivered = (*balancer)->Finish(); !delivered.ok()) return Fail(delivered);
+
+  const Balancer::Stats stats = (*balancer)->stats();
+  if (stats.planned_steps != static_cast<int64_t>(batches.size()) - 1 || stats.local_steps != 0 ||
+      stats.buffered_reports != 0) {
+    std::fprintf(stderr, "consumer: %lld steps planned, %lld local, %lld reports undelivered\n",
+                 static_cast<long long>(stats.planned_steps),
+                 static_cast<long long>(stats.local_steps),
+                 static_cast<long long>(stats.buffered_reports));
+    return 1;
+  }
+  std::printf(
+      "consumer: Balancer trained %lld steps with %s (%lld planned ahead), every report "
+      "delivered\n",
+      static_cast<long long>(stats.planned_steps), planner.c_str(),
+      static_cast<long long>(stats.prefetched_steps));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
   PlannerConfig config;
   config.ranks = 8;
   config.micro_batches = 2;
@@ -57,5 +121,10 @@ int main() {
   }
   if (!(*balancer)->Finish().ok() || (*balancer)->stats().local_steps != 3) return 1;
   std::printf("consumer: Balancer ran 3 steps offline on local plans\n");
-  return 0;
+  if (argc < 2) return 0;
+  PlannerConfig one_rank = config;
+  one_rank.ranks = 1;
+  std::vector<std::vector<Sample>> batches;
+  for (int step = 0; step < 5; ++step) batches.push_back(trace->NextBatch(2 * 131072 * 8 / 10));
+  return TrainOneRank(argv[1], one_rank, batches);
 }
