@@ -57,11 +57,16 @@ def test_one_rank_trains_each_global_batch_with_prefetched_plans(planner):
     balancer = sbt.Balancer(planner.address, LENGTHS, **small())
     assert (balancer.rank, balancer.world, balancer.next_step) == (0, 1, 0)
     steps = 5
-    seen = []
+    seen, carried_in = [], []
     for step in balancer.batches(Tokens(), steps=steps):
         assert not step.local and step.plan_wait_seconds >= 0
-        batch_ids = sorted(s.id for s in balancer.global_batch(step.step))
-        assert sorted(i for mb in step for i in mb.ids) == batch_ids  # nothing lost or added
+        # Nothing lost or added: the step trains its batch and what the step before deferred,
+        # less what it defers itself (overflow="defer", the adapter's default).
+        carried_out = [s.id for s in balancer.carried]
+        drawn = carried_in + [s.id for s in balancer.global_batch(step.step)]
+        assert sorted(i for mb in step for i in mb.ids) == \
+            sorted(i for i in drawn if i not in carried_out)
+        carried_in = carried_out
         # Token weights: a micro-batch's share of the step's tokens (one rank: they sum to 1).
         weights = [mb.loss_weight for mb in step if mb.num_tokens]
         assert sum(weights) == pytest.approx(1.0)
@@ -142,7 +147,7 @@ def test_bad_input_names_the_field(planner):
     with pytest.raises(ValueError, match="planner"):
         sbt.Balancer("", LENGTHS, **small())
     with pytest.raises(ValueError, match="tokens_per_step: 5000 tokens a step do not fit"):
-        sbt.Balancer(planner.address, LENGTHS, **small(tokens_per_step=5000))
+        sbt.Balancer(planner.address, LENGTHS, **small(tokens_per_step=5000, overflow="error"))
     with pytest.raises(ValueError, match="config"):
         sbt.Balancer(planner.address, LENGTHS, config=sb.PlannerConfig(), micro_batches=2)
     balancer = sbt.Balancer(planner.address, LENGTHS, **small())
@@ -161,6 +166,51 @@ def test_bad_input_names_the_field(planner):
         with balancer2.timed(first[0]):
             pass
     balancer2.close()
+    balancer.close()
+
+
+def test_a_dataloader_gets_the_micro_batches_epoch_by_epoch(planner):
+    balancer = sbt.Balancer(planner.address, LENGTHS, **small())
+    planned = balancer.dataset(Tokens())
+    loader = torch.utils.data.DataLoader(planned, batch_size=None)
+    epoch0 = balancer.sampler.steps_in_epoch(0)
+    assert len(loader) == len(planned) == epoch0 * 2
+    trained, last_flags = [], []
+    for mb in loader:
+        assert isinstance(mb, sbt.MicroBatch) and mb.step < epoch0
+        with balancer.timed(mb):
+            trained += mb.ids
+        last_flags.append(mb.last)
+    # One epoch: every document once (or still carried into the next epoch's first step), a
+    # step ends every 2 micro-batches.
+    assert sorted(trained + [s.id for s in balancer.carried]) == list(range(len(LENGTHS)))
+    assert last_flags == [False, True] * epoch0
+    planned.set_epoch(1)
+    assert len(planned) == balancer.sampler.steps_in_epoch(1) * 2
+    with pytest.raises(RuntimeError, match="num_workers=0"):
+        next(iter(torch.utils.data.DataLoader(planned, batch_size=None, num_workers=1)))
+    assert balancer.close()
+
+
+def test_the_trainers_own_attention_is_profiled_and_uploaded(planner):
+    from sparsebalance.attention import flex_attention
+
+    balancer = sbt.Balancer(planner.address, LENGTHS, **small())
+    calls = []
+
+    def attention(q, k, v, plan):  # the trainer's kernel: FlexAttention on our block masks
+        calls.append((q.shape[0], float(plan.densities[0])))
+        mask = plan.block_mask(q, k)
+        layout = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        return flex_attention(*layout, block_mask=mask).squeeze(0).transpose(0, 1)
+
+    text = balancer.profile(attention, lengths=[128, 512], densities=[1.0, 0.25], repeats=1)
+    table = sb.parse_profile_table(text)
+    assert sorted({(r.length, r.density) for r in table.rows}) == \
+        [(128, 0.25), (128, 1.0), (512, 0.25), (512, 1.0)]
+    assert {(n, d) for n, d in calls} == {(128, 1.0), (128, 0.25), (512, 1.0), (512, 0.25)}
+    by = {(r.length, r.density): r.seconds for r in table.rows}
+    assert by[(512, 1.0)] > by[(128, 1.0)] > 0  # measured, not made up
     balancer.close()
 
 

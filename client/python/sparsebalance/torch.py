@@ -48,7 +48,7 @@ from ._C import ModelShape, PlannerConfig
 from .data import GlobalBatchSampler
 from .ops import varlen_layout
 
-__all__ = ["Balancer", "MicroBatch", "ModelShape", "PlannerConfig", "Step"]
+__all__ = ["Balancer", "MicroBatch", "ModelShape", "PlannedDataset", "PlannerConfig", "Step"]
 
 _WORLD_ENV = ("RANK", "WORLD_SIZE")
 _SHAPE_FIELDS = ("layers", "heads", "head_dim", "block_size", "local_blocks")
@@ -101,6 +101,7 @@ class MicroBatch:
         self.document_weight = document_weight
         self.recall = None
         self.achieved_density = None
+        self.last = False  # the last micro-batch of its step (the optimizer steps after it)
         self._attention = None
         self._seconds = None
 
@@ -178,6 +179,8 @@ class Balancer:
       config: a PlannerConfig for a new job; or leave it None and pass its fields as keyword
         arguments (micro_batches=, micro_batch_capacity= or capacity=, policy=, ...; shape= or
         the ModelShape's own fields: layers=, heads=, head_dim=, block_size=, local_blocks=).
+        overflow defaults to "defer" here: documents that do not fit a step are trained first
+        in the next one (never dropped).
         ``ranks`` is the world size. A resumed job (``job=``) uses the job's own config.
       job, token: resume this existing job instead of creating one (rank 0 creates otherwise).
       admin_token: the planner's admin token for creating the job, when it has one.
@@ -207,6 +210,7 @@ class Balancer:
             raise ValueError("planner: no address (pass planner=\"host:port\" or set "
                              "SPARSEBALANCE_PLANNER; allow_offline_start=True plans locally)")
         config = self._config(config, config_fields)
+        self._target, self._call_timeout = planner, call_timeout_seconds
         options = _C.BalancerOptions(
             client=_C.ClientOptions(target=planner or "127.0.0.1:1", token=token or "",
                                     admin_token=admin_token or "",
@@ -248,6 +252,9 @@ class Balancer:
                 if "shape" in fields:
                     raise ValueError(f"shape: given together with {sorted(shape)}")
                 fields["shape"] = _C.ModelShape(**shape)
+            # A global batch that fits the ranks' tokens may still not pack into micro-batches:
+            # documents that do not fit wait for the next step rather than fail it.
+            fields.setdefault("overflow", "defer")
             config = _C.PlannerConfig(**fields)
         config.ranks = self.world
         config.validate()
@@ -311,6 +318,8 @@ class Balancer:
                 following = self.global_batch(step + 1)
                 self._c.prefetch(step + 1, following)  # planned while this step trains
             micro_batches = self._micro_batches(step, plan, dataset, carried_in + batch)
+            if micro_batches:
+                micro_batches[-1].last = True
             self._pending = (step, [(mb, None) for mb in micro_batches], time.perf_counter())
             yield Step(step, plan, micro_batches, wait)
             self._report_pending()
@@ -407,6 +416,33 @@ class Balancer:
         wait = max(0.0, time.perf_counter() - started - compute)
         self._c.report(step, timings, wait)
 
+    # -- the trainer's own kernel --------------------------------------------------------------
+    def profile(self, attention, linear=None, lengths=None, densities=(1.0, 0.5, 0.25, 0.1),
+                **options):
+        """Times the trainer's own attention (and linear) callable on this machine over
+        ``lengths`` x ``densities`` in the job's shape (sparsebalance.attention.profile: the
+        callable gets q, k, v [length, heads, head_dim] and the document's KernelPlan) and, on
+        rank 0, uploads the table to the planner as the job's cost prior (the online model
+        refines it from the reports). Every rank may call it; only rank 0 measures. Returns the
+        table text (None on other ranks). ``lengths`` default: capacity / 8, / 4, / 2, / 1."""
+        if self.rank != 0:
+            return None
+        from .attention import profile
+
+        capacity = self.config.micro_batch_capacity
+        if lengths is None:
+            lengths = sorted({max(self.config.shape.block_size, capacity // d)
+                              for d in (8, 4, 2, 1)})
+        options.setdefault("device", self.device)
+        text = profile(attention, lengths, densities, self.config.shape, linear=linear,
+                       **options)
+        if self.job.job_id:
+            client = _C.PlannerClient(_C.ClientOptions(
+                target=self._target, job_id=self.job.job_id, token=self.job.token,
+                call_timeout_seconds=self._call_timeout))
+            client.upload_profile(text)
+        return text
+
     # -- checkpoints and the end --------------------------------------------------------------
     def state_dict(self):
         """What a checkpoint needs to resume: the next step, the documents carried into it, the
@@ -431,9 +467,61 @@ class Balancer:
         self._report_pending()
         return self._c.finish(timeout_seconds)
 
+    def dataset(self, dataset):
+        """This rank's micro-batches as a torch IterableDataset (PlannedDataset), for trainers
+        built around a DataLoader."""
+        return PlannedDataset(self, dataset)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class PlannedDataset(torch.utils.data.IterableDataset):
+    """This rank's planned micro-batches, one epoch per iteration, for a DataLoader::
+
+        loader = DataLoader(balancer.dataset(dataset), batch_size=None)   # num_workers=0
+        for epoch in range(epochs):
+            loader.dataset.set_epoch(epoch)
+            for mb in loader:                      # MicroBatch objects, step after step
+                with balancer.timed(mb):
+                    (model(mb.tokens, ...) * mb.loss_weight).backward()
+                if mb.last:                        # the step's last micro-batch
+                    optimizer.step(); optimizer.zero_grad()
+
+    ``len()`` counts the micro-batches left in the epoch (every step has the job's
+    micro_batches per rank), ``set_epoch`` picks the epoch, ``state_dict``/``load_state_dict``
+    are the Balancer's. Iterated in the training process (planning takes part in the process
+    group's collectives): a DataLoader with worker processes is an error.
+    """
+
+    def __init__(self, balancer, dataset):
+        self.balancer, self.data, self.epoch = balancer, dataset, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = int(epoch)
+
+    def _steps_left(self):
+        end = self.balancer.sampler.first_step(self.epoch + 1)
+        return max(0, end - self.balancer.next_step)
+
+    def __len__(self):
+        return self._steps_left() * self.balancer.config.micro_batches
+
+    def __iter__(self):
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("PlannedDataset: iterated in a DataLoader worker process; plans "
+                               "are agreed over the process group, so use num_workers=0 (load "
+                               "the tokens in your dataset's __getitem__)")
+        for step in self.balancer.batches(self.data, steps=self._steps_left()):
+            yield from step
+
+    def state_dict(self):
+        return dict(self.balancer.state_dict(), epoch=self.epoch)
+
+    def load_state_dict(self, state):
+        self.epoch = int(state.get("epoch", 0))
+        self.balancer.load_state_dict(state)
