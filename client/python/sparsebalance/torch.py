@@ -125,14 +125,17 @@ class MicroBatch:
 
 class Step(list):
     """This rank's micro-batches of one step (a list of MicroBatch), with ``step``, ``plan``
-    (the RankStepPlan), ``local`` (planned on this machine because the planner was away) and
-    ``plan_wait_seconds`` (how long the step waited for its plan)."""
+    (the RankStepPlan), ``local`` (planned on this machine because the planner was away),
+    ``plan_wait_seconds`` (how long the step waited for its plan: submit and planning when not
+    prefetched) and ``plan_seconds`` (the whole plan() call, with the collective that agrees on
+    local plans: it also waits for the slowest rank to arrive)."""
 
-    def __init__(self, number, plan, micro_batches, plan_wait_seconds):
+    def __init__(self, number, plan, micro_batches, plan_wait_seconds, plan_seconds):
         super().__init__(micro_batches)
         self.step, self.plan = number, plan
         self.local = plan.local_fallback
         self.plan_wait_seconds = plan_wait_seconds
+        self.plan_seconds = plan_seconds
 
 
 class _Timer:
@@ -309,7 +312,8 @@ class Balancer:
             carried_in = self._c.carried  # deferred by the step before: planned first
             start = time.perf_counter()
             plan = self._c.plan(step, batch)
-            wait = time.perf_counter() - start
+            plan_seconds = time.perf_counter() - start
+            wait = self._c.stats.last_plan_wait_seconds  # the plan itself, not the collective
             if plan.step != step or plan.rank != self.rank:
                 raise RuntimeError(f"plan: for step {plan.step} rank {plan.rank}, expected "
                                    f"step {step} rank {self.rank}")
@@ -321,7 +325,7 @@ class Balancer:
             if micro_batches:
                 micro_batches[-1].last = True
             self._pending = (step, [(mb, None) for mb in micro_batches], time.perf_counter())
-            yield Step(step, plan, micro_batches, wait)
+            yield Step(step, plan, micro_batches, wait, plan_seconds)
             self._report_pending()
             step += 1
             if end is None or step < end:
