@@ -175,7 +175,7 @@ def train(args):
     model = DistributedDataParallel(Decoder(args.dim, args.layers, args.head_dim))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     out = open(args.out, "a") if args.out else None
-    start, plan_wait, local_steps = time.perf_counter(), 0.0, 0
+    start, plan_waits, local_steps = time.perf_counter(), [], 0
 
     for step in balancer.batches(dataset, steps=args.steps):  # SB
         step_start = time.perf_counter()
@@ -194,7 +194,8 @@ def train(args):
                 (logits[answered].argmax(-1) == targets[answered]).sum()), docs])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        plan_wait, local_steps = plan_wait + step.plan_wait_seconds, local_steps + step.local
+        plan_waits.append(step.plan_wait_seconds)
+        local_steps += step.local
 
         dist.all_reduce(loss_sum)
         loss, accuracy = (loss_sum[:2] / loss_sum[2].clamp(min=1)).tolist()
@@ -215,9 +216,11 @@ def train(args):
     elapsed = time.perf_counter() - start
     delivered = balancer.close()  # SB
     if rank == 0:
-        say(f"{args.steps} steps in {elapsed:.1f} s: {args.steps / elapsed:.2f} steps/s; plans "
-            f"waited {plan_wait * 1e3 / max(1, args.steps):.1f} ms a step "
-            f"({'no prefetch' if args.no_prefetch else 'prefetch'}); {local_steps} steps on "
+        later = sorted(plan_waits[1:]) or [0.0]  # the first step is never prefetched
+        say(f"{args.steps} steps in {elapsed:.1f} s: {args.steps / elapsed:.2f} steps/s; a step "
+            f"waited {later[len(later) // 2] * 1e3:.2f} ms for its plan (median; the first "
+            f"{plan_waits[0] * 1e3 if plan_waits else 0:.1f} ms; "
+            f"{'no prefetch' if args.no_prefetch else 'prefetch'}); {local_steps} steps on "
             f"local plans; reports delivered: {delivered}")
     if rank == 0 and args.eval_docs:
         evaluate(model.module, args)
