@@ -217,7 +217,10 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
           "Sends what is buffered (e.g. at the end of training); same answers as report().")
       .def_property_readonly("buffered_reports", &TrainerSession::buffered_reports)
       .def_property_readonly("unsent_local_steps", &TrainerSession::unsent_local_steps)
-      .def_property_readonly("dropped_reports", &TrainerSession::dropped_reports);
+      .def_property_readonly("dropped_reports", &TrainerSession::dropped_reports)
+      .def_property_readonly("carried", &TrainerSession::carried,
+                             "Samples the latest planned step deferred (overflow=defer): they go "
+                             "ahead of the next step's batch");
 
   BindBalancer(m);
 

@@ -237,3 +237,18 @@ def test_shares_a_process_with_grpc_and_torch(planner, order):
                             timeout=120, env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_a_session_carries_deferred_samples_into_the_next_step():
+    # overflow=defer: what does not fit step 0 is planned first in step 1, never dropped.
+    config = sb.PlannerConfig(ranks=1, micro_batches=1, micro_batch_capacity=1000,
+                              overflow="defer")
+    client = sb.connect("127.0.0.1:1", call_timeout_seconds=0.2)
+    session = sb.TrainerSession(client, 0, coordinator=True, config=config)
+    first = session.local_plan(0, [sb.Sample(id=i, length=400) for i in range(4)])
+    kept = [s.id for mb in first.micro_batches for s in mb.samples]
+    assert len(kept) == 2 and sorted(first.deferred_ids) == sorted({0, 1, 2, 3} - set(kept))
+    assert sorted(s.id for s in session.carried) == sorted(first.deferred_ids)
+    second = session.local_plan(1, [sb.Sample(id=9, length=100)])
+    trained = [s.id for mb in second.micro_batches for s in mb.samples]
+    assert sorted(trained) == sorted(list(first.deferred_ids) + [9]) and not session.carried

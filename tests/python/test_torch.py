@@ -150,7 +150,9 @@ def test_bad_input_names_the_field(planner):
         sbt.Balancer(planner.address, LENGTHS, **small(tokens_per_step=5000, overflow="error"))
     with pytest.raises(ValueError, match="config"):
         sbt.Balancer(planner.address, LENGTHS, config=sb.PlannerConfig(), micro_batches=2)
-    balancer = sbt.Balancer(planner.address, LENGTHS, **small())
+    warnings = []
+    balancer = sbt.Balancer(planner.address, LENGTHS + [5000], warn=warnings.append, **small())
+    assert len(warnings) == 1 and "1 documents are longer" in warnings[0] and "[300]" in warnings[0]
 
     class Short(Tokens):
         def __getitem__(self, i):

@@ -238,6 +238,12 @@ class Balancer:
         self.sampler = GlobalBatchSampler(lengths, seed=seed, tokens_per_step=tokens_per_step,
                                           max_length=capacity)
         self.lengths = self.sampler.lengths
+        if self.sampler.skipped:
+            skipped = self.sampler.skipped
+            self._warn(f"lengths: {len(skipped)} documents are longer than the micro-batch "
+                       f"capacity ({capacity} tokens) and are never trained (ids "
+                       f"{skipped[:8]}{' ...' if len(skipped) > 8 else ''}); raise capacity or "
+                       "split them")
         self.next_step = self._c.next_step
         self._pending = None  # (step number, [(MicroBatch, _Timer)], step start)
         self._warned_untimed = False
