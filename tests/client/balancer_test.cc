@@ -12,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,75 +23,21 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
-#include "prometheus/registry.h"
-#include "prometheus/text_serializer.h"
 #include "server/job_registry.h"
-#include "server/planner_metrics.h"
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
+#include "tests/support/restartable_planner.h"
 
 namespace sparsebalance {
 namespace {
 
-using test_support::CountingHex;
 
-// A planner with metrics on a loopback port that can be stopped and started again (same
-// registry, so the job survives).
-class Planner {
- public:
-  Planner()
-      : metrics_registry_(std::make_shared<prometheus::Registry>()),
-        metrics_(metrics_registry_, /*max_rank_series=*/8),
-        registry_(JobRegistry::Options{}, CountingHex()),
-        service_(&registry_, ServiceOptions(&metrics_)) {
-    Start(0);
-  }
-  ~Planner() { Stop(); }
-  void Start(int port) {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
-                             &port_);
-    builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
-  }
-  void Stop() {
-    if (server_ != nullptr) {
-      server_->Shutdown(std::chrono::system_clock::now());
-      server_->Wait();
-      server_.reset();
-    }
-  }
-  int port() const { return port_; }
-  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
-  JobRegistry& registry() { return registry_; }
-  // sparsebalance_local_plan_steps_total of `job_id` (0 when it has no series yet).
-  double LocalPlanSteps(const std::string& job_id) {
-    std::ostringstream text;
-    prometheus::TextSerializer().Serialize(text, metrics_registry_->Collect());
-    const std::string prefix =
-        absl::StrCat("sparsebalance_local_plan_steps_total{job_id=\"", job_id, "\"} ");
-    std::istringstream lines(text.str());
-    for (std::string line; std::getline(lines, line);) {
-      if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size()));
-    }
-    return 0;
-  }
+using Planner = test_support::RestartablePlanner;
 
- private:
-  static PlannerServiceImpl::Options ServiceOptions(PlannerMetrics* metrics) {
-    PlannerServiceImpl::Options options;
-    options.metrics = metrics;
-    return options;
-  }
-
-  std::shared_ptr<prometheus::Registry> metrics_registry_;
-  PlannerMetrics metrics_;
-  JobRegistry registry_;
-  PlannerServiceImpl service_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
-};
+double LocalPlanSteps(Planner& planner, const std::string& job_id) {
+  return planner.Counter("sparsebalance_local_plan_steps_total", job_id);
+}
 
 // any_rank and share_job for ranks that are threads of this process: each call is a barrier of
 // all `world` ranks. Counts the calls, to check that a step costs one collective.
@@ -503,7 +448,7 @@ TEST_F(BalancerTest, PlannerStoppedMidRunFallsBackLoudlyAndCatchesUp) {
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->steps_folded, static_cast<int64_t>(ran_local.size()));  // every report
   // The planner learned of every step the ranks ran on local plans.
-  EXPECT_EQ(planner_.LocalPlanSteps(job_id), static_cast<double>(local_steps));
+  EXPECT_EQ(LocalPlanSteps(planner_, job_id), static_cast<double>(local_steps));
 }
 
 // When one rank fell back and rank 0 had the planner's plan, the step's first report may reach
@@ -523,13 +468,13 @@ TEST_F(BalancerTest, AStepAReportSwitchedToTheLocalPlanIsCountedOnce) {
   ASSERT_TRUE(ranks[0]->SubmitBatch(0, batch).ok());
   absl::StatusOr<StepPlan> local = PlanStepLocally(batch, config);
   ASSERT_TRUE(local.ok()) << local.status();
-  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 0);
+  EXPECT_EQ(LocalPlanSteps(planner_, job->job_id), 0);
   absl::StatusOr<bool> reported = ranks[1]->ReportStep(
       0, 1, test_support::TimingsOf(local->ranks[1].micro_batches), 0.0, /*planned_locally=*/true);
   ASSERT_TRUE(reported.ok()) << reported.status();
-  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 1);
+  EXPECT_EQ(LocalPlanSteps(planner_, job->job_id), 1);
   ASSERT_TRUE(ranks[0]->SubmitBatch(0, batch, /*planned_locally=*/true).ok());
-  EXPECT_EQ(planner_.LocalPlanSteps(job->job_id), 1);
+  EXPECT_EQ(LocalPlanSteps(planner_, job->job_id), 1);
   absl::StatusOr<RankStepPlan> recorded = ranks[0]->GetRankPlan(0, 0);
   ASSERT_TRUE(recorded.ok()) << recorded.status();
   EXPECT_TRUE(recorded->local_fallback);

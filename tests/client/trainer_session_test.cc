@@ -23,11 +23,11 @@
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
+#include "tests/support/restartable_planner.h"
 
 namespace sparsebalance {
 namespace {
 
-using test_support::CountingHex;
 
 std::vector<Sample> Batch(uint64_t seed, int ranks) {
   return test_support::PretrainBatch(seed, ranks);
@@ -36,36 +36,7 @@ std::vector<MicroBatchTiming> Timings(const RankStepPlan& plan) {
   return test_support::TimingsOf(plan.micro_batches);
 }
 
-// A planner on a fixed loopback port that can be stopped and started again (same registry).
-class Planner {
- public:
-  Planner() : registry_(JobRegistry::Options{}, CountingHex()), service_(&registry_, {}) {
-    Start(0);
-  }
-  ~Planner() { Stop(); }
-  void Start(int port) {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
-                             &port_);
-    builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
-  }
-  void Stop() {
-    if (server_ != nullptr) {
-      server_->Shutdown(std::chrono::system_clock::now());
-      server_->Wait();
-      server_.reset();
-    }
-  }
-  int port() const { return port_; }
-  JobRegistry& registry() { return registry_; }
-
- private:
-  JobRegistry registry_;
-  PlannerServiceImpl service_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
-};
+using Planner = test_support::RestartablePlanner;
 
 PlannerConfig Config(int ranks) {
   PlannerConfig c;
