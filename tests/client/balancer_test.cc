@@ -28,10 +28,10 @@
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
 #include "tests/support/restartable_planner.h"
+#include "tests/support/trained_once.h"
 
 namespace sparsebalance {
 namespace {
-
 
 using Planner = test_support::RestartablePlanner;
 
@@ -338,15 +338,7 @@ TEST_F(BalancerTest, DeferredDocumentsAreTrainedExactlyOnceWithPrefetch) {
   });
   EXPECT_EQ(steps_run[1], steps_run[0]);
   EXPECT_GT(steps_run[0], kOverfullSteps) << "the overfull steps deferred nothing";
-  size_t submitted = 0;
-  for (int step = 0; step < steps_run[0]; ++step) {
-    submitted += new_samples[step].size();
-    for (const Sample& s : new_samples[step]) {
-      auto it = trained.find(s.id);
-      EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << s.id;
-    }
-  }
-  EXPECT_EQ(trained.size(), submitted);  // nothing trained that was not submitted
+  test_support::ExpectTrainedExactlyOnce(new_samples, steps_run[0], trained);
 }
 
 // The planner stops after step 1 and comes back before step 5. Both ranks run the same local

@@ -24,10 +24,10 @@
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
 #include "tests/support/restartable_planner.h"
+#include "tests/support/trained_once.h"
 
 namespace sparsebalance {
 namespace {
-
 
 std::vector<Sample> Batch(uint64_t seed, int ranks) {
   return test_support::PretrainBatch(seed, ranks);
@@ -331,15 +331,7 @@ void ExpectDeferredTrainedOnce(int port, const std::string& job_id, const std::s
     EXPECT_EQ(steps_run[r], steps_run[0]) << "rank " << r << " ran another number of steps";
   }
   EXPECT_GT(steps_run[0], kOverfullSteps) << "the overfull steps deferred nothing";
-  size_t submitted = 0;
-  for (int step = 0; step < steps_run[0]; ++step) {
-    submitted += new_samples[step].size();
-    for (const Sample& s : new_samples[step]) {
-      auto it = trained.find(s.id);
-      EXPECT_TRUE(it != trained.end() && it->second == 1) << "document " << s.id;
-    }
-  }
-  EXPECT_EQ(trained.size(), submitted);  // nothing trained that was not submitted
+  test_support::ExpectTrainedExactlyOnce(new_samples, steps_run[0], trained);
 }
 
 TEST_F(TrainerSessionTest, DeferredDocumentsAreCarriedAndTrainedExactlyOnce) {
