@@ -64,7 +64,8 @@ def fresh_venv(tmp_path_factory, wheel):
     start = time.monotonic()
     run([str(python), "-m", "pip", "install", "--quiet", f"{wheel}[torch]"])
     print(f"wheel and torch installed in {time.monotonic() - start:.0f} s")
-    return FreshVenv(python, wheel)
+    yield FreshVenv(python, wheel)
+    shutil.rmtree(venv, ignore_errors=True)  # about 5 GB (torch): pytest keeps its tmp dirs
 
 
 def test_the_wheel_holds_the_package_and_the_licence(wheel):
