@@ -195,24 +195,28 @@ def test_a_dataloader_gets_the_micro_batches_epoch_by_epoch(planner):
 
 
 def test_the_trainers_own_attention_is_profiled_and_uploaded(planner):
-    from sparsebalance.attention import flex_attention
+    # The trainer's kernel here is a block-sparse one whose time follows the kept blocks (our
+    # op); the planner fits its cost model to the table and refuses tables whose time does not
+    # grow with density (FlexAttention's unfused CPU path, for one, computes every block).
+    from sparsebalance.ops import sparse_attention
 
     balancer = sbt.Balancer(planner.address, LENGTHS, **small())
     calls = []
 
-    def attention(q, k, v, plan):  # the trainer's kernel: FlexAttention on our block masks
+    def attention(q, k, v, plan):
         calls.append((q.shape[0], float(plan.densities[0])))
-        mask = plan.block_mask(q, k)
-        layout = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-        return flex_attention(*layout, block_mask=mask).squeeze(0).transpose(0, 1)
+        out, _ = sparse_attention(q, k, v, plan.cu_seqlens.tolist(), plan.densities.tolist(),
+                                  block_size=plan.block_size, threads=1)
+        return out
 
-    text = balancer.profile(attention, lengths=[128, 512], densities=[1.0, 0.25], repeats=1)
+    text = balancer.profile(attention, lengths=[512, 1024, 2048], densities=[1.0, 0.1],
+                            repeats=3)
     table = sb.parse_profile_table(text)
-    assert sorted({(r.length, r.density) for r in table.rows}) == \
-        [(128, 0.25), (128, 1.0), (512, 0.25), (512, 1.0)]
-    assert {(n, d) for n, d in calls} == {(128, 1.0), (128, 0.25), (512, 1.0), (512, 0.25)}
+    grid = {(n, d) for n in (512, 1024, 2048) for d in (1.0, 0.1)}
+    assert {(r.length, r.density) for r in table.rows} == grid
+    assert set(calls) == grid  # the trainer's callable ran at every grid point
     by = {(r.length, r.density): r.seconds for r in table.rows}
-    assert by[(512, 1.0)] > by[(128, 1.0)] > 0  # measured, not made up
+    assert by[(2048, 1.0)] > by[(512, 1.0)] > 0  # measured, not made up
     balancer.close()
 
 
