@@ -244,7 +244,6 @@ class Balancer:
                        f"capacity ({capacity} tokens) and are never trained (ids "
                        f"{skipped[:8]}{' ...' if len(skipped) > 8 else ''}); raise capacity or "
                        "split them")
-        self.next_step = self._c.next_step
         self._pending = None  # (step number, [(MicroBatch, _Timer)], step start)
         self._warned_untimed = False
 
@@ -298,6 +297,12 @@ class Balancer:
         return self._c.stats
 
     @property
+    def next_step(self):
+        """The step batches() starts at: the job's next for this rank at start (0 for a new
+        job), then the latest planned step + 1, or a checkpoint's (load_state_dict)."""
+        return self._c.next_step
+
+    @property
     def carried(self):
         """Documents (Samples) deferred by the latest step, to be trained first in the next."""
         return self._c.carried
@@ -323,7 +328,6 @@ class Balancer:
             if plan.step != step or plan.rank != self.rank:
                 raise RuntimeError(f"plan: for step {plan.step} rank {plan.rank}, expected "
                                    f"step {step} rank {self.rank}")
-            self.next_step = step + 1
             if end is None or step + 1 < end:
                 following = self.global_batch(step + 1)
                 self._c.prefetch(step + 1, following)  # planned while this step trains
@@ -467,8 +471,7 @@ class Balancer:
             if state[key] != getattr(self.sampler, key):
                 raise ValueError(f"state_dict: {key} {state[key]} differs from this Balancer's "
                                  f"{getattr(self.sampler, key)}: the data order would change")
-        self.next_step = int(state["next_step"])
-        self._c.resume(self.next_step,
+        self._c.resume(int(state["next_step"]),
                        [_C.Sample(id=i, length=n) for i, n in state["carried"]])
 
     def close(self, timeout_seconds=10.0):
