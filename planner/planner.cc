@@ -41,6 +41,18 @@ double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<d
   return tokens > 0 ? weighted / tokens : 0.0;
 }
 
+double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                           const RecallModel& recall, const std::vector<double>& weights) {
+  double weighted = 0.0;
+  double tokens = 0.0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const double w = static_cast<double>(batch[i].length) * (weights.empty() ? 1.0 : weights[i]);
+    weighted += w * recall.SampleRecall(batch[i], densities[i]);
+    tokens += w;
+  }
+  return tokens > 0 ? weighted / tokens : 0.0;
+}
+
 absl::StatusOr<ValidConfig> ValidConfig::Check(const PlannerConfig& config) {
   if (absl::Status status = ValidateConfig(config); !status.ok()) return status;
   return ValidConfig(config);
@@ -195,10 +207,21 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const Planne
 
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& valid,
                                   const LatencyModel& model) {
+  const RecallModel prior(valid.get().micro_batch_capacity, valid.get().shape.layers);
+  return PlanStep(batch, valid, model, prior);
+}
+
+absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& valid,
+                                  const LatencyModel& model, const RecallModel& recall) {
   const PlannerConfig& config = valid.get();
   if (model.ranks() != config.ranks) {
     return absl::InvalidArgumentError(absl::StrCat("the latency model has ", model.ranks(),
                                                    " ranks but config.ranks is ", config.ranks));
+  }
+  if (recall.capacity() != config.micro_batch_capacity || recall.layers() != config.shape.layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the recall model is for capacity ", recall.capacity(), " and ", recall.layers(),
+        " layers but the config has ", config.micro_batch_capacity, " and ", config.shape.layers));
   }
   if (absl::Status status = ValidateBatch(batch, valid); !status.ok()) return status;
   std::vector<double> densities(batch.size());
@@ -207,9 +230,9 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   }
   const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
   const std::vector<double> defaults = densities;
-  const double default_recall = tuned ? TokenWeightedRecall(batch, defaults) : 0.0;
+  const double default_recall = tuned ? TokenWeightedRecall(batch, defaults, recall) : 0.0;
   if (config.policy == Policy::kSparseBalance) {
-    densities = AllocateDensities(batch, config, model, defaults, default_recall);
+    densities = AllocateDensities(batch, config, model, recall, defaults, default_recall);
   }
   absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities);
   if (!assignment.ok()) return assignment.status();
@@ -220,19 +243,32 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     if (!assignment->deferred.empty()) {
       std::vector<double> placed(batch.size(), 1.0);
       for (int i : assignment->deferred) placed[i] = 0.0;
-      keep = TokenWeightedRecall(batch, defaults, placed);
+      keep = TokenWeightedRecall(batch, defaults, recall, placed);
       // The step-level allocation was made for the whole batch; if deferring left the placed
       // samples with less recall than their defaults, tune from the defaults instead.
-      if (TokenWeightedRecall(batch, densities, placed) < keep) densities = defaults;
+      if (TokenWeightedRecall(batch, densities, recall, placed) < keep) densities = defaults;
     }
-    densities = TuneDensities(batch, *assignment, config, model, densities, keep);
+    densities = TuneDensities(batch, *assignment, config, model, recall, densities, keep);
   }
-  return BuildPlan(batch, config, model, *assignment, densities);
+  return BuildPlan(batch, config, model, recall, *assignment, densities, defaults);
 }
 
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
                    const LatencyModel& model, const Assignment& assignment,
                    const std::vector<double>& densities) {
+  const RecallModel prior(config.micro_batch_capacity, config.shape.layers);
+  std::vector<double> defaults(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    defaults[i] = BaseDensity(batch[i].sensitivity, config);
+  }
+  return BuildPlan(batch, config, model, prior, assignment, densities, defaults);
+}
+
+StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                   const LatencyModel& model, const RecallModel& recall,
+                   const Assignment& assignment, const std::vector<double>& densities,
+                   const std::vector<double>& defaults) {
+  std::vector<BucketRecallFigures> buckets(kRecallBuckets);
   StepPlan plan;
   plan.policy = config.policy;
   plan.ranks.resize(assignment.ranks.size());
@@ -265,8 +301,18 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
             std::max(largest_sample, model.Seconds(f) /* includes the micro-batch term */);
         const double w = static_cast<double>(s.length);
         weighted_density += w * densities[i];
-        weighted_recall += w * PredictedRecall(s.sensitivity, densities[i]);
+        const double sample_recall = recall.SampleRecall(s, densities[i]);
+        weighted_recall += w * sample_recall;
         tokens += w;
+        // Buckets are per document: a pre-packed sample's documents may fall in several.
+        const double g = recall.SampleExponent(s);
+        for (int64_t length : planned.Documents()) {
+          BucketRecallFigures& b = buckets[RecallBucket(length, config.micro_batch_capacity)];
+          b.tokens += length;
+          const double dw = static_cast<double>(length);
+          b.predicted_recall += dw * RecallAt(g, densities[i]);
+          b.default_recall += dw * RecallAt(g, defaults[i]);
+        }
       }
       const double raw = model.Seconds(features);
       total_raw += raw;
@@ -290,6 +336,14 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
   plan.bubble_ratio = BubbleRatio(rank_seconds);
   plan.mean_density = tokens > 0 ? weighted_density / tokens : 0.0;
   plan.predicted_recall = tokens > 0 ? weighted_recall / tokens : 0.0;
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    BucketRecallFigures& figures = buckets[b];
+    if (figures.tokens == 0) continue;
+    figures.bucket = b;
+    figures.predicted_recall /= static_cast<double>(figures.tokens);
+    figures.default_recall /= static_cast<double>(figures.tokens);
+    plan.buckets.push_back(figures);
+  }
   return plan;
 }
 

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "planner/latency_model.h"
+#include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
 #include "planner/types.h"
 
@@ -69,17 +70,25 @@ absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
 absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
                                          const ValidConfig& config);
 
-// Plans one step with `config.policy`. The model must have `config.ranks` ranks. The batch is
+// Plans one step with `config.policy`. The model must have `config.ranks` ranks; `recall` is
+// the job's learned recall model (its capacity and layers must match the config's). Without
+// one the recall prior alone is used (a RecallModel with no measurements). The batch is
 // checked (ValidateBatch) either way; the config only when it is not a ValidConfig.
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
                                   const LatencyModel& model);
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& config,
                                   const LatencyModel& model);
+absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& config,
+                                  const LatencyModel& model, const RecallModel& recall);
 
 // Turns an assignment and densities into a plan with its predicted figures.
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
                    const LatencyModel& model, const Assignment& assignment,
                    const std::vector<double>& densities);
+StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                   const LatencyModel& model, const RecallModel& recall,
+                   const Assignment& assignment, const std::vector<double>& densities,
+                   const std::vector<double>& defaults);
 
 // Verifies a plan's invariants against its batch: every sample exactly once (placed or
 // deferred) with the batch's length and segments, config.micro_batches per rank, micro-batch
@@ -88,10 +97,13 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
 absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
                        const PlannerConfig& config);
 
-// Token-weighted predicted recall (recall_model.h) of the batch at one density per sample;
-// `weights` (one per sample, e.g. 1 placed / 0 deferred) scale each sample's tokens when given.
+// Token-weighted predicted recall (RecallModel::SampleRecall) of the batch at one density per
+// sample; `weights` (one per sample, e.g. 1 placed / 0 deferred) scale each sample's tokens when
+// given. Without a model, the prior alone (each sample's sensitivity).
 double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
                            const std::vector<double>& weights = {});
+double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                           const RecallModel& recall, const std::vector<double>& weights = {});
 
 // A canonical text of the plan (every id, length, segment, density and figure, doubles in hex) for
 // comparing plans byte for byte.

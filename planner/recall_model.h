@@ -1,10 +1,19 @@
-// The planner's view of attention quality: per-sample density floors and a recall proxy.
+// The planner's view of attention quality: recall curves learned from measured recall, the
+// trainer's sensitivity as their prior, and per-sample density floors.
 //
-// Recall of a document at density rho is modelled as 1 - (1 - rho)^g(s), where the exponent
-// g falls with the document's sparsity sensitivity s: g(s) = 1.25 + 4.75 * (1 - s)^2, so a
-// tolerant document (s = 0, g = 6) keeps 0.88 of its attention mass at rho = 0.3, and the most
-// sensitive one (s = 1, g = 1.25) only 0.36. The simulator uses the same model as its ground
-// truth; workers measure the real recall.
+// Recall of a document at density rho is modelled as 1 - (1 - rho)^g. Workers measure the true
+// recall (softmax mass kept) of documents on sampled query rows; RecallModel fits g per length
+// bucket (four buckets relative to the micro-batch capacity C: [1, C/64), [C/64, C/16),
+// [C/16, C/4), [C/4, C]; at C = 128K: <2K, 2K-8K, 8K-32K, 32K+) and, where workers measure
+// layers, per bucket and layer, by least squares on log(1 - recall) = g log(1 - rho), with older
+// steps forgotten geometrically. Before a bucket has measurements, g comes from the document's
+// sensitivity s (the prior): g(s) = 1.25 + 4.75 (1 - s)^2, so a tolerant document (s = 0, g = 6)
+// keeps 0.88 of its mass at rho = 0.3 and the most sensitive (s = 1, g = 1.25) only 0.36. The
+// prior counts as `prior_documents` measured documents; the fit takes over as measurements come.
+//
+//   RecallModel recall(config.micro_batch_capacity, config.shape.layers);
+//   double g = recall.Exponent(sample.length, sample.sensitivity);
+//   absl::Status s = recall.ObserveStep(observations);  // after every reported step
 //
 // A sample's floor (the lowest density DST may give it) is
 // density_min + s * (density_max - density_min): a sensitivity of 1 means dense attention.
@@ -13,20 +22,129 @@
 #ifndef SPARSEBALANCE_PLANNER_RECALL_MODEL_H_
 #define SPARSEBALANCE_PLANNER_RECALL_MODEL_H_
 
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
 
-inline constexpr double kRecallExponentMin = 1.25;  // g at sensitivity 1
-inline constexpr double kRecallExponentMax = 6.0;   // g at sensitivity 0
+inline constexpr double kRecallExponentMin = 1.25;  // prior g at sensitivity 1
+inline constexpr double kRecallExponentMax = 6.0;   // prior g at sensitivity 0
+// Bounds of a learned g: 1 is recall = rho (no better than keeping blocks at random); 64 keeps
+// 0.9999999 of the mass at rho = 0.22 (documents whose blocks are all anchors).
+inline constexpr double kLearnedExponentMin = 1.0;
+inline constexpr double kLearnedExponentMax = 64.0;
 
-// g(s) above; s is clamped to [0, 1].
+// The prior g(s) above; s is clamped to [0, 1].
 double RecallExponent(double sensitivity);
-// 1 - (1 - rho)^g(s), in [0, 1].
+// 1 - (1 - rho)^g, in [0, 1].
+double RecallAt(double exponent, double density);
+// 1 - (1 - rho)^g(s): the prior's recall.
 double PredictedRecall(double sensitivity, double density);
+// The density in [0, 1] at which 1 - (1 - rho)^g reaches `recall` (1 for recall >= 1).
+double DensityForRecall(double exponent, double recall);
 
 double DensityFloor(double sensitivity, const PlannerConfig& config);
 double BaseDensity(double sensitivity, const PlannerConfig& config);
+
+// Length buckets, relative to the micro-batch capacity (see above).
+inline constexpr int kRecallBuckets = 4;
+int RecallBucket(int64_t length, int64_t capacity);
+struct LengthRange {
+  int64_t min = 1;  // tokens, inclusive
+  int64_t max = 1;  // tokens, inclusive
+};
+LengthRange RecallBucketRange(int bucket, int64_t capacity);
+// "<2K", "2K-8K", "8K-32K", "32K+" at capacity 128K (K = 1024 tokens, M = 1024 K).
+std::string RecallBucketLabel(int bucket, int64_t capacity);
+
+// One document's measured recall, as the planner folds it in.
+struct RecallObservation {
+  int64_t length = 0;    // the document's tokens, [1, capacity]
+  int layer = -1;        // 0-based model layer, or -1: all layers together
+  double density = 0.0;  // (0, 1]: the density the plan gave it (in that layer)
+  double recall = 0.0;   // [0, 1]: measured softmax mass kept
+};
+
+struct RecallModelOptions {
+  double forgetting = 0.9;        // per step: older steps weigh forgetting^age in the fit
+  double prior_documents = 16.0;  // weight of the sensitivity prior, in measured documents
+};
+
+// Least-squares sums of one curve (plain so that the service can snapshot them).
+struct RecallCurveSums {
+  double xx = 0.0;         // sum of w log(1 - rho)^2
+  double xy = 0.0;         // sum of w log(1 - rho) log(1 - recall)
+  double documents = 0.0;  // sum of w
+  double recall = 0.0;     // sum of w recall
+  double density = 0.0;    // sum of w rho
+  bool operator==(const RecallCurveSums& o) const {
+    return xx == o.xx && xy == o.xy && documents == o.documents && recall == o.recall &&
+           density == o.density;
+  }
+};
+
+struct RecallModelState {
+  // (layers + 1) x kRecallBuckets, row-major: row 0 is all layers together, row 1 + l layer l.
+  std::vector<RecallCurveSums> curves;
+  int64_t steps_observed = 0;
+};
+
+// What GetJob shows of one curve.
+struct RecallCurveSummary {
+  int bucket = 0;
+  std::optional<int> layer;  // empty: all layers
+  double exponent = 0.0;     // for a document of sensitivity 0
+  double documents = 0.0;
+  double measured_recall = 0.0;  // mean, 0 without documents
+  double measured_density = 0.0;
+};
+
+class RecallModel {
+ public:
+  // `capacity` is the micro-batch capacity (tokens), `layers` the model's layer count.
+  RecallModel(int64_t capacity, int layers, const RecallModelOptions& options = {});
+
+  int64_t capacity() const { return capacity_; }
+  int layers() const { return layers_; }
+  const RecallModelState& state() const { return state_; }
+  // INVALID_ARGUMENT when the state's shape does not match the model's or a sum is not finite.
+  absl::Status set_state(const RecallModelState& state);
+
+  // g of a document of `length` tokens and trainer-given `sensitivity`, all layers together.
+  double Exponent(int64_t length, double sensitivity) const;
+  // g of one layer: the bucket's layer curve, with the all-layers curve as its prior.
+  double LayerExponent(int64_t length, double sensitivity, int layer) const;
+  // Whether any layer curve has measurements (so per-layer densities can be planned).
+  bool HasLayerCurves() const;
+  // One g for a sample: its documents' exponents, token-weighted (a pre-packed sample's
+  // documents share one density, and the tuner works with one curve per sample).
+  double SampleExponent(const Sample& sample) const;
+  // RecallAt(SampleExponent(sample), density): the recall every planner figure uses.
+  double SampleRecall(const Sample& sample, double density) const;
+
+  // Folds one step's measurements in (after forgetting the older ones by one step). The whole
+  // step is refused, naming observations[i] and the field, if a length is outside
+  // [1, capacity], a layer outside [-1, layers), a density outside (0, 1] or a recall outside
+  // [0, 1] (or not finite); nothing is folded in then.
+  absl::Status ObserveStep(const std::vector<RecallObservation>& observations);
+
+  std::vector<RecallCurveSummary> Curves() const;
+
+ private:
+  const RecallCurveSums& Sums(int bucket, int layer) const;
+  double Mixed(const RecallCurveSums& sums, double prior_exponent) const;
+
+  int64_t capacity_;
+  int layers_;
+  RecallModelOptions options_;
+  RecallModelState state_;
+};
 
 }  // namespace sparsebalance
 

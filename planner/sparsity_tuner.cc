@@ -94,7 +94,7 @@ struct TunerStorage {
 class Tuner {
  public:
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
-        const LatencyModel& model, const std::vector<double>& base);
+        const LatencyModel& model, const RecallModel& recall, const std::vector<double>& base);
   ~Tuner() { storage_->in_use = false; }
   Tuner(const Tuner&) = delete;
   Tuner& operator=(const Tuner&) = delete;
@@ -150,7 +150,7 @@ TunerStorage& SharedStorage() {
 }
 
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
-             const PlannerConfig& config, const LatencyModel& model,
+             const PlannerConfig& config, const LatencyModel& model, const RecallModel& recall,
              const std::vector<double>& base)
     : batch_(batch),
       config_(config),
@@ -185,7 +185,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         item.weight = static_cast<double>(s.length);
         item.floor = std::min(DensityFloor(s.sensitivity, config), base[i]);
         item.base = base[i];
-        item.g_minus_1 = RecallExponent(s.sensitivity) - 1.0;
+        item.g_minus_1 = recall.SampleExponent(s) - 1.0;
         item.inv_g1 = 1.0 / item.g_minus_1;
         item.log_floor = DetLog(1.0 - std::min(item.floor, kAlmostDense));
         item.log_base = DetLog(1.0 - std::min(item.base, kAlmostDense));
@@ -505,8 +505,7 @@ double Tuner::Recall(const std::vector<double>& densities) const {
   double tokens = 0.0;
   for (const RankWork& rank : ranks_) {
     for (const Item& item : rank.items) {
-      weighted +=
-          item.weight * PredictedRecall(batch_[item.index].sensitivity, densities[item.index]);
+      weighted += item.weight * RecallAt(item.g_minus_1 + 1.0, densities[item.index]);
       tokens += item.weight;
     }
   }
@@ -516,12 +515,12 @@ double Tuner::Recall(const std::vector<double>& densities) const {
 }  // namespace
 
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
-                                      const LatencyModel& model, const std::vector<double>& base,
-                                      double base_recall) {
+                                      const LatencyModel& model, const RecallModel& recall,
+                                      const std::vector<double>& base, double base_recall) {
   Assignment all;
   all.ranks.assign(1, std::vector<std::vector<int>>(1));
   for (int i = 0; i < static_cast<int>(batch.size()); ++i) all.ranks[0][0].push_back(i);
-  Tuner tuner(batch, all, config, model, base);
+  Tuner tuner(batch, all, config, model, recall, base);
   // Aim a little above: the per-rank tuning that follows moves densities away from this
   // optimum, which costs a little recall (it is concave), and should not have to back off.
   double achieved = 0.0;
@@ -533,8 +532,9 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
 
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
-                                  const std::vector<double>& base, double min_recall) {
-  Tuner tuner(batch, assignment, config, model, base);
+                                  const RecallModel& recall, const std::vector<double>& base,
+                                  double min_recall) {
+  Tuner tuner(batch, assignment, config, model, recall, base);
   if (tuner.ranks().empty()) return base;
   // Rank times at base, blocks counted exactly (as the plan's figures count them: MAX mode
   // must not exceed the base makespan). The floors only bound the target from below, so

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "planner/latency_model.h"
+#include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
 #include "planner/types.h"
 
@@ -25,8 +26,8 @@ namespace sparsebalance {
 // recall (TokenWeightedRecall of `base`, which the caller has already). Returns `base` when
 // no such densities exist.
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
-                                      const LatencyModel& model, const std::vector<double>& base,
-                                      double base_recall);
+                                      const LatencyModel& model, const RecallModel& recall,
+                                      const std::vector<double>& base, double base_recall);
 
 // The per-rank half of DST: a density per batch sample (deferred samples keep `base`).
 //
@@ -40,7 +41,8 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
 // lose more, the target is raised until it does not.
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
-                                  const std::vector<double>& base, double min_recall);
+                                  const RecallModel& recall, const std::vector<double>& base,
+                                  double min_recall);
 
 }  // namespace sparsebalance
 

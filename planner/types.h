@@ -66,6 +66,12 @@ struct PlannerConfig {
   DstMode dst_mode = DstMode::kMean;
   double dst_quantile = 0.5;  // used by DstMode::kQuantile, in [0,1]
   OverflowPolicy overflow = OverflowPolicy::kError;
+  // Recall guards (recall_model.h), enforced on every tuned plan but in DstMode::kMin: no length
+  // bucket's predicted recall falls more than `bucket_recall_margin` below its recall at the
+  // default densities, and no document is given less predicted recall than
+  // `document_recall_floor` (0: no floor) unless even density_max cannot reach it.
+  double bucket_recall_margin = 0.01;
+  double document_recall_floor = 0.0;
 };
 
 // Upper bounds on what a config and a batch may hold. Each is far above any real training
@@ -134,6 +140,19 @@ struct RankPlan {
   double predicted_seconds = 0.0;             // sum over micro-batches
 };
 
+// Recall measured on one document of a planned sample.
+struct DocumentRecallMeasurement {
+  uint64_t sample_id = 0;            // a sample of the micro-batch's plan
+  int document = 0;                  // index into the sample's Documents()
+  double recall = 0.0;               // [0, 1]: softmax mass kept, mean over sampled rows and layers
+  std::vector<double> layer_recall;  // optional: one per model layer, each in [0, 1]
+  int rows = 0;                      // query rows measured per layer, at least 1
+  bool operator==(const DocumentRecallMeasurement& o) const {
+    return sample_id == o.sample_id && document == o.document && recall == o.recall &&
+           layer_recall == o.layer_recall && rows == o.rows;
+  }
+};
+
 // One micro-batch as a rank measured it (MicroBatchReport on the wire).
 struct MicroBatchTiming {
   int micro_batch = 0;             // index in the rank's plan
@@ -142,6 +161,22 @@ struct MicroBatchTiming {
   int64_t tokens = 0;
   double achieved_density = 0.0;  // token-weighted fraction of causal key blocks run
   double recall = 0.0;            // token-weighted attention recall, [0, 1]
+  // Recall measured on sampled query rows of the micro-batch's documents (DocumentRecall on
+  // the wire): what the planner learns its recall curves from. Optional.
+  std::vector<DocumentRecallMeasurement> documents;
+  double recall_seconds = 0.0;  // time spent measuring them, not part of compute_seconds
+};
+
+// Predicted recall of one length bucket in a plan (recall_model.h's buckets).
+struct BucketRecallFigures {
+  int bucket = 0;
+  int64_t tokens = 0;             // placed tokens of the bucket's documents
+  double predicted_recall = 0.0;  // token-weighted, at the plan's densities
+  double default_recall = 0.0;    // token-weighted, at the default (base) densities
+  bool operator==(const BucketRecallFigures& o) const {
+    return bucket == o.bucket && tokens == o.tokens && predicted_recall == o.predicted_recall &&
+           default_recall == o.default_recall;
+  }
 };
 
 struct StepPlan {
@@ -155,6 +190,8 @@ struct StepPlan {
   double bubble_ratio = 0.0;           // idle share of ranks x makespan
   double mean_density = 0.0;           // token-weighted
   double predicted_recall = 0.0;       // token-weighted, planner's recall model (recall_model.h)
+  // Per length bucket that holds placed documents, ascending.
+  std::vector<BucketRecallFigures> buckets;
   // The trainer's fallback plan (PlanStepLocally) rather than one made with the job's learned
   // model: what the ranks ran while the planner was unreachable.
   bool planned_locally = false;

@@ -21,6 +21,11 @@
 namespace sparsebalance {
 namespace {
 
+// The recall model of a job that has measured nothing: each sample's sensitivity prior.
+RecallModel Prior(const PlannerConfig& config) {
+  return RecallModel(config.micro_batch_capacity, config.shape.layers);
+}
+
 using test_util::AllDstModes;
 using test_util::BaseDensities;
 using test_util::Describe;
@@ -57,7 +62,7 @@ bool Place(uint64_t seed, Policy policy, Placed* out) {
 std::vector<double> Tune(const Placed& p, DstMode mode, const LatencyModel& model) {
   PlannerConfig config = p.c.config;
   config.dst_mode = mode;
-  return TuneDensities(p.c.batch, p.assignment, config, model, p.base,
+  return TuneDensities(p.c.batch, p.assignment, config, model, Prior(config), p.base,
                        TokenWeightedRecall(p.c.batch, p.base));
 }
 
@@ -228,8 +233,9 @@ TEST(TuneDensitiesTest, MeanModeCutsTheStragglerAndRaisesTheOthers) {
                              {Doc(16384, 0.2)},
                              {Doc(4096, 0.0), Doc(4096, 0.5), Doc(4096, 0.05)}});
   const LatencyModel model = MakeModel(s.config);
-  const std::vector<double> rho = TuneDensities(s.batch, s.assignment, s.config, model, s.base,
-                                                TokenWeightedRecall(s.batch, s.base));
+  const std::vector<double> rho =
+      TuneDensities(s.batch, s.assignment, s.config, model, Prior(s.config), s.base,
+                    TokenWeightedRecall(s.batch, s.base));
   EXPECT_LT(rho[0], s.base[0]);
   int raised = 0;
   for (size_t i = 1; i < rho.size(); ++i) {
@@ -255,8 +261,9 @@ TEST(TuneDensitiesTest, CutsFallFirstOnLongInsensitiveDocuments) {
   for (DstMode mode : {DstMode::kMean, DstMode::kQuantile}) {
     PlannerConfig config = s.config;
     config.dst_mode = mode;
-    const std::vector<double> rho = TuneDensities(s.batch, s.assignment, config, model, s.base,
-                                                  TokenWeightedRecall(s.batch, s.base));
+    const std::vector<double> rho =
+        TuneDensities(s.batch, s.assignment, config, model, Prior(config), s.base,
+                      TokenWeightedRecall(s.batch, s.base));
     const double long_drop = s.base[0] - rho[0];
     EXPECT_GT(long_drop, 0.0) << DstModeName(mode);
     for (int i = 1; i <= 4; ++i) {
@@ -284,7 +291,8 @@ TEST(AllocateDensitiesTest, KeepsRecallWithinBoundsAndSavesTime) {
     const LatencyModel model = MakeModel(c.config, c.speed);
     const std::vector<double> base = BaseDensities(c.batch, c.config);
     const double base_recall = TokenWeightedRecall(c.batch, base);
-    const std::vector<double> rho = AllocateDensities(c.batch, c.config, model, base, base_recall);
+    const std::vector<double> rho =
+        AllocateDensities(c.batch, c.config, model, Prior(c.config), base, base_recall);
     ASSERT_EQ(rho.size(), c.batch.size());
     double base_seconds = 0.0;
     double seconds = 0.0;
