@@ -83,10 +83,20 @@ MicroBatchFeatures LatencyModel::SampleFeatures(const Sample& sample, double den
   return Features(shape_, sample.length, sample.segments, density);
 }
 
+MicroBatchFeatures LatencyModel::PlannedSampleFeatures(const PlannedSample& p) const {
+  if (p.layer_densities.empty()) return Features(shape_, p.length, p.segments, p.density);
+  MicroBatchFeatures f = Features(shape_, p.length, p.segments, p.layer_densities[0]);
+  for (size_t l = 1; l < p.layer_densities.size(); ++l) {
+    f.active_blocks += Features(shape_, p.length, p.segments, p.layer_densities[l]).active_blocks;
+  }
+  f.active_blocks /= static_cast<double>(p.layer_densities.size());
+  return f;
+}
+
 MicroBatchFeatures LatencyModel::PlanFeatures(const MicroBatchPlan& micro_batch) const {
   MicroBatchFeatures sum;
   for (const PlannedSample& p : micro_batch.samples) {
-    const MicroBatchFeatures f = Features(shape_, p.length, p.segments, p.density);
+    const MicroBatchFeatures f = PlannedSampleFeatures(p);
     sum.active_blocks += f.active_blocks;
     sum.tokens += f.tokens;
     sum.documents += f.documents;

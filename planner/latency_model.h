@@ -83,7 +83,10 @@ class LatencyModel {
 
   // Features of one sample at `density` (its documents at the same density).
   MicroBatchFeatures SampleFeatures(const Sample& sample, double density) const;
-  // Features of a planned micro-batch: its samples (their documents) at their densities.
+  // Features of a planned sample: its documents at its density, or, with layer densities,
+  // the mean over layers of each layer's active blocks (cost is linear in the layers).
+  MicroBatchFeatures PlannedSampleFeatures(const PlannedSample& sample) const;
+  // Features of a planned micro-batch: the sum of its samples'.
   MicroBatchFeatures PlanFeatures(const MicroBatchPlan& micro_batch) const;
   // Seconds of one sample at `density` without the speed factor and micro-batch overhead.
   double SampleSeconds(const Sample& sample, double density) const;

@@ -334,6 +334,10 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
                    const Assignment& assignment, const std::vector<double>& densities,
                    const std::vector<double>& defaults) {
   std::vector<BucketRecallFigures> buckets(kRecallBuckets);
+  // DST spreads a sample's density over the layers when the job has learned per-layer curves.
+  const bool per_layer =
+      (config.policy == Policy::kDst || config.policy == Policy::kSparseBalance) &&
+      recall.HasLayerCurves();
   StepPlan plan;
   plan.policy = config.policy;
   plan.ranks.resize(assignment.ranks.size());
@@ -357,8 +361,13 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         planned.length = s.length;
         planned.density = densities[i];
         planned.segments = s.segments;
+        if (per_layer) {
+          planned.layer_densities = LayerDensities(
+              s, densities[i], std::min(DensityFloor(s.sensitivity, config), densities[i]), config,
+              recall);
+        }
         mb.tokens += s.length;
-        const MicroBatchFeatures f = model.SampleFeatures(s, densities[i]);
+        const MicroBatchFeatures f = model.PlannedSampleFeatures(planned);
         features.active_blocks += f.active_blocks;
         features.tokens += f.tokens;
         features.documents += f.documents;
@@ -457,6 +466,17 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
         if (!(rho >= floor - kDensitySlack && rho <= config.density_max + kDensitySlack)) {
           return fail("sample id ", s.id, " has density ", rho, " outside [floor ", floor,
                       ", density_max ", config.density_max, "]");
+        }
+        if (!p.layer_densities.empty() &&
+            static_cast<int>(p.layer_densities.size()) != config.shape.layers) {
+          return fail("sample id ", s.id, " has ", p.layer_densities.size(),
+                      " layer densities; the model has ", config.shape.layers, " layers");
+        }
+        for (double layer : p.layer_densities) {
+          if (!(layer >= floor - kDensitySlack && layer <= config.density_max + kDensitySlack)) {
+            return fail("sample id ", s.id, " has layer density ", layer, " outside [floor ", floor,
+                        ", density_max ", config.density_max, "]");
+          }
         }
         if (s.group != 0) {
           auto [g, inserted] = rank_of_group.emplace(s.group, static_cast<int>(r));

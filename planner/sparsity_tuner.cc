@@ -690,6 +690,62 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
   return densities;
 }
 
+std::vector<double> LayerDensities(const Sample& sample, double density, double floor,
+                                   const PlannerConfig& config, const RecallModel& recall) {
+  const int layers = config.shape.layers;
+  if (layers < 2 || !recall.HasLayerCurves()) return {};
+  // One exponent per layer for the sample: its documents' layer curves, token-weighted.
+  std::vector<double> g(layers, 0.0);
+  const std::vector<int64_t> documents =
+      sample.segments.empty() ? std::vector<int64_t>{sample.length} : sample.segments;
+  for (int l = 0; l < layers; ++l) {
+    for (int64_t length : documents) {
+      g[l] += static_cast<double>(length) * recall.LayerExponent(length, sample.sensitivity, l);
+    }
+    // g = 1 makes recall linear in density: its marginal is flat, keep the solve defined.
+    g[l] = std::max(g[l] / static_cast<double>(sample.length), 1.0 + 1e-6);
+  }
+  const auto [lo_g, hi_g] = std::minmax_element(g.begin(), g.end());
+  if (*hi_g <= 1.05 * *lo_g) return {};
+  const double lo = std::min(floor, density);
+  const double hi = std::max(config.density_max, density);
+  // Nothing to move at a bound: every layer would sit there.
+  if (density >= hi || density <= lo) return {};
+  // Stationarity of sum_l recall_l(rho_l) - mu sum_l rho_l: g (1 - rho)^(g - 1) = mu, so
+  // rho_l(mu) = 1 - (mu / g_l)^(1 / (g_l - 1)), clamped; the mean falls as mu rises.
+  auto at = [&](double log_mu, std::vector<double>* rho) {
+    double sum = 0.0;
+    for (int l = 0; l < layers; ++l) {
+      const double r = 1.0 - DetExp((log_mu - DetLog(g[l])) / (g[l] - 1.0));
+      (*rho)[l] = std::clamp(r, lo, hi);
+      sum += (*rho)[l];
+    }
+    return sum / layers;
+  };
+  std::vector<double> rho(layers);
+  // Bracket: at mu = max g every layer sits at lo (density 0 or below), at a tiny mu at hi.
+  double a = -60.0;                // mean >= density
+  double b = DetLog(*hi_g) + 1.0;  // mean <= density
+  for (int iter = 0; iter < kMaxSolverIterations && b - a > 1e-12; ++iter) {
+    const double mid = 0.5 * (a + b);
+    if (at(mid, &rho) >= density) {
+      a = mid;
+    } else {
+      b = mid;
+    }
+  }
+  at(a, &rho);
+  // Rescale so the mean is exactly `density` (the bisection ends within 1e-12 of it), keeping
+  // every layer within its bounds.
+  double mean = 0.0;
+  for (double r : rho) mean += r;
+  mean /= layers;
+  if (mean > density && mean > 0) {
+    for (double& r : rho) r = std::clamp(r * density / mean, lo, hi);
+  }
+  return rho;
+}
+
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const RecallModel& recall, const std::vector<double>& base,

@@ -1,6 +1,7 @@
 #include "server/job_registry.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -647,6 +648,30 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
       stats.wait_seconds.push_back(wait == record.waits.end() ? 0.0 : wait->second);
     }
     stats.speed_factors = job.model.speed_factors();
+    const int64_t capacity = job.config.get().micro_batch_capacity;
+    std::array<double, kRecallBuckets> weighted{};
+    std::array<double, kRecallBuckets> tokens{};
+    for (const auto& [rank, reports] : record.reports) {
+      for (const MicroBatchTiming& m : reports) {
+        stats.recall_seconds += m.recall_seconds;
+        stats.attention_seconds += m.attention_seconds;
+        const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
+        for (const DocumentRecallMeasurement& d : m.documents) {
+          for (const PlannedSample& p : planned.samples) {
+            if (p.id != d.sample_id) continue;
+            const int64_t length = p.segments.empty() ? p.length : p.segments[d.document];
+            const int b = RecallBucket(length, capacity);
+            weighted[b] += static_cast<double>(length) * d.recall;
+            tokens[b] += static_cast<double>(length);
+          }
+        }
+      }
+    }
+    for (int b = 0; b < kRecallBuckets; ++b) {
+      if (tokens[b] > 0) {
+        stats.measured_bucket_recall[RecallBucketLabel(b, capacity)] = weighted[b] / tokens[b];
+      }
+    }
     options_.on_step(id, stats);
   }
   // No snapshot here: the next SubmitBatch writes one (the model with its folded marks), and

@@ -52,6 +52,11 @@ struct StepStats {
   std::vector<double> recalls;                 // per micro-batch
   std::vector<double> speed_factors;           // the model's, after folding the step
   double planned_makespan_seconds = 0.0;
+  // Measured document recall, token-weighted, per length bucket label (recall_model.h) of the
+  // documents whose recall was reported; empty when none was.
+  std::map<std::string, double> measured_bucket_recall;
+  double recall_seconds = 0.0;     // spent measuring recall, summed over the step's reports
+  double attention_seconds = 0.0;  // attention time, summed over the step's reports
 };
 
 struct CreatedJob {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,10 @@ struct PlannerMetrics::JobSeries {
   prometheus::Counter* skipped_steps = nullptr;
   std::vector<prometheus::Gauge*> rank_seconds;
   std::vector<prometheus::Gauge*> speed_factors;
+  // Per length bucket label (at most kRecallBuckets each), added as buckets first show up.
+  std::map<std::string, prometheus::Gauge*> predicted_bucket_recall;
+  std::map<std::string, prometheus::Gauge*> measured_bucket_recall;
+  prometheus::Gauge* recall_cost = nullptr;  // added with the first step that measured recall
 };
 
 PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series)
@@ -129,6 +134,23 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                   .Name("sparsebalance_recall_ratio")
                   .Help("Attention recall per micro-batch (token-weighted)")
                   .Register(*registry_)),
+      predicted_bucket_recall_(
+          prometheus::BuildGauge()
+              .Name("sparsebalance_predicted_recall_by_length_ratio")
+              .Help("Last plan's predicted attention recall per document length bucket "
+                    "(token-weighted, the job's learned recall model)")
+              .Register(*registry_)),
+      measured_bucket_recall_(
+          prometheus::BuildGauge()
+              .Name("sparsebalance_measured_recall_by_length_ratio")
+              .Help("Attention recall the workers measured in the last fully reported step, "
+                    "per document length bucket (token-weighted)")
+              .Register(*registry_)),
+      recall_cost_(prometheus::BuildGauge()
+                       .Name("sparsebalance_recall_measurement_share_ratio")
+                       .Help("Time the workers spent measuring recall in the last fully reported "
+                             "step, over their attention time")
+                       .Register(*registry_)),
       stragglers_(prometheus::BuildCounter()
                       .Name("sparsebalance_straggler_events_total")
                       .Help("Ranks that ran over 10% past the planned makespan")
@@ -223,6 +245,13 @@ void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan
   series.steps->Increment();
   series.predicted_makespan->Set(plan.makespan_seconds);
   series.predicted_gap->Set(plan.gap);
+  for (const BucketRecallFigures& b : plan.buckets) {
+    prometheus::Gauge*& gauge = series.predicted_bucket_recall[b.label];
+    if (gauge == nullptr) {
+      gauge = series.Add(predicted_bucket_recall_, {{"job_id", job_id}, {"bucket", b.label}});
+    }
+    gauge->Set(b.predicted_recall);
+  }
 }
 
 void PlannerMetrics::ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps) {
@@ -252,6 +281,19 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
   }
   for (double d : stats.densities) series.density->Observe(d);
   for (double r : stats.recalls) series.recall->Observe(r);
+  for (const auto& [label, recall] : stats.measured_bucket_recall) {
+    prometheus::Gauge*& gauge = series.measured_bucket_recall[label];
+    if (gauge == nullptr) {
+      gauge = series.Add(measured_bucket_recall_, {{"job_id", job_id}, {"bucket", label}});
+    }
+    gauge->Set(recall);
+  }
+  if (stats.recall_seconds > 0 && stats.attention_seconds > 0) {
+    if (series.recall_cost == nullptr) {
+      series.recall_cost = series.Add(recall_cost_, {{"job_id", job_id}});
+    }
+    series.recall_cost->Set(stats.recall_seconds / stats.attention_seconds);
+  }
   const int ranks = static_cast<int>(stats.rank_seconds.size());
   if (ranks <= max_rank_series_) {
     if (series.rank_seconds.empty()) {

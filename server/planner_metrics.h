@@ -73,6 +73,9 @@ class PlannerMetrics {
   prometheus::Family<prometheus::Histogram>& prediction_error_;
   prometheus::Family<prometheus::Histogram>& density_;
   prometheus::Family<prometheus::Histogram>& recall_;
+  prometheus::Family<prometheus::Gauge>& predicted_bucket_recall_;
+  prometheus::Family<prometheus::Gauge>& measured_bucket_recall_;
+  prometheus::Family<prometheus::Gauge>& recall_cost_;
   prometheus::Family<prometheus::Counter>& stragglers_;
   prometheus::Family<prometheus::Counter>& local_plan_steps_;
   prometheus::Family<prometheus::Counter>& skipped_steps_;

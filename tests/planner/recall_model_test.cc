@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/random.h"
+#include "planner/sparsity_tuner.h"
 #include "tests/planner/random_cases.h"
 
 namespace sparsebalance {
@@ -213,6 +214,90 @@ TEST(RecallGuardTest, EveryDocumentKeepsTheRecallFloor) {
       }
     }
   }
+}
+
+// A model whose layer 0 loses recall fast and layer 1 hardly at all, for every bucket.
+RecallModel LayersDiffer(const PlannerConfig& config) {
+  RecallModel model(config.micro_batch_capacity, config.shape.layers);
+  for (int step = 0; step < 10; ++step) {
+    std::vector<RecallObservation> obs;
+    for (int b = 0; b < kRecallBuckets; ++b) {
+      const int64_t length = RecallBucketRange(b, config.micro_batch_capacity).min;
+      for (int l = 0; l < config.shape.layers; ++l) {
+        std::vector<RecallObservation> m = Measured(length, l == 0 ? 1.5 : 8.0, 40, l);
+        obs.insert(obs.end(), m.begin(), m.end());
+      }
+      std::vector<RecallObservation> all = Measured(length, 3.0, 40);
+      obs.insert(obs.end(), all.begin(), all.end());
+    }
+    EXPECT_TRUE(model.ObserveStep(obs).ok());
+  }
+  return model;
+}
+
+TEST(LayerDensitiesTest, SpendTheSameDensityWhereRecallFallsFastest) {
+  PlannerConfig config;
+  config.shape.layers = 2;
+  const RecallModel recall = LayersDiffer(config);
+  Sample s;
+  s.id = 1;
+  s.length = 65536;
+  for (double density : {0.1, 0.3, 0.6}) {
+    const std::vector<double> rho = LayerDensities(s, density, config.density_min, config, recall);
+    ASSERT_EQ(rho.size(), 2u);
+    EXPECT_NEAR(0.5 * (rho[0] + rho[1]), density, 1e-9);
+    // Where an extra block buys most recall: at low densities the tolerant layer (its recall
+    // rises fast at first), at high ones the sensitive layer (the tolerant one has little left).
+    if (density < 0.2) {
+      EXPECT_LT(rho[0], rho[1]);
+    }
+    if (density > 0.5) {
+      EXPECT_GT(rho[0], rho[1]);
+    }
+    // More recall over the layers than the same density in both.
+    auto mean_recall = [&](double r0, double r1) {
+      return 0.5 * (RecallAt(recall.LayerExponent(s.length, 0, 0), r0) +
+                    RecallAt(recall.LayerExponent(s.length, 0, 1), r1));
+    };
+    EXPECT_GT(mean_recall(rho[0], rho[1]), mean_recall(density, density));
+  }
+  // Layers that agree get none.
+  RecallModel same(config.micro_batch_capacity, 2);
+  for (int l = 0; l < 2; ++l) ASSERT_TRUE(same.ObserveStep(Measured(65536, 3.0, 100, l)).ok());
+  EXPECT_TRUE(LayerDensities(s, 0.3, 0.05, config, same).empty());
+}
+
+TEST(LayerDensitiesTest, TunedPlansCarryThemAndStayValid) {
+  int with_layers = 0;  // over all seeds (a small batch may sit at density_max everywhere)
+  for (uint64_t seed = 1; seed <= 10; ++seed) {
+    test_util::RandomCase c = test_util::MakeRandomCase(seed, 200);
+    c.config.shape.layers = 2;
+    c.config.policy = Policy::kSparseBalance;
+    const RecallModel recall = LayersDiffer(c.config);
+    const LatencyModel model = test_util::MakeModel(c.config, c.speed);
+    absl::StatusOr<StepPlan> plan = PlanStep(c.batch, *ValidConfig::Check(c.config), model, recall);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(CheckPlan(*plan, c.batch, c.config).ok()) << CheckPlan(*plan, c.batch, c.config);
+    for (const RankPlan& rank : plan->ranks) {
+      for (const MicroBatchPlan& mb : rank.micro_batches) {
+        for (const PlannedSample& p : mb.samples) {
+          if (p.layer_densities.empty()) continue;
+          ++with_layers;
+          EXPECT_NEAR(0.5 * (p.layer_densities[0] + p.layer_densities[1]), p.density, 1e-6);
+        }
+      }
+    }
+    // Untuned policies run one density in every layer.
+    c.config.policy = Policy::kSab;
+    plan = PlanStep(c.batch, *ValidConfig::Check(c.config), model, recall);
+    ASSERT_TRUE(plan.ok());
+    for (const RankPlan& rank : plan->ranks) {
+      for (const MicroBatchPlan& mb : rank.micro_batches) {
+        for (const PlannedSample& p : mb.samples) EXPECT_TRUE(p.layer_densities.empty());
+      }
+    }
+  }
+  EXPECT_GT(with_layers, 0);
 }
 
 TEST(RecallGuardTest, ConfigRefusesAMarginOrFloorOutOfRange) {

@@ -57,6 +57,8 @@ TEST(ConfigFromProtoTest, RoundTripsEveryField) {
   c.set_dst_quantile(0.75);
   c.set_overflow(v1::OVERFLOW_POLICY_DEFER);
   c.set_history_steps(10);
+  c.set_bucket_recall_margin(0.02);
+  c.set_document_recall_floor(0.4);
   absl::StatusOr<JobSettings> s = ConfigFromProto(c, WireLimits());
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(ConfigToProto(*s).SerializeAsString(), c.SerializeAsString());
@@ -109,6 +111,10 @@ INSTANTIATE_TEST_SUITE_P(
                   absl::StatusCode::kInvalidArgument, "config.density_default"},
         BadConfig{"quantile", [](v1::JobConfig* c) { c->set_dst_quantile(2.0); },
                   absl::StatusCode::kInvalidArgument, "config.dst_quantile"},
+        BadConfig{"bucket_margin", [](v1::JobConfig* c) { c->set_bucket_recall_margin(-0.5); },
+                  absl::StatusCode::kInvalidArgument, "config.bucket_recall_margin"},
+        BadConfig{"recall_floor", [](v1::JobConfig* c) { c->set_document_recall_floor(1.0); },
+                  absl::StatusCode::kInvalidArgument, "config.document_recall_floor"},
         BadConfig{"unknown_policy",
                   [](v1::JobConfig* c) { c->set_policy(static_cast<v1::Policy>(42)); },
                   absl::StatusCode::kInvalidArgument, "config.policy"},

@@ -261,6 +261,93 @@ TEST_F(JobRegistryTest, BadReportsNameTheFieldAndLeaveTheRankUnreported) {
   EXPECT_FALSE(*ok);
 }
 
+// Measured times plus a recall for every document of the rank's plan, as if each document's
+// true curve were 1 - (1 - rho)^g.
+std::vector<MicroBatchTiming> MeasureWithRecall(const StepPlan& plan, int rank, double g) {
+  std::vector<MicroBatchTiming> out = Measure(plan, rank);
+  for (MicroBatchTiming& m : out) {
+    for (const PlannedSample& p : plan.ranks[rank].micro_batches[m.micro_batch].samples) {
+      for (size_t d = 0; d < p.Documents().size(); ++d) {
+        DocumentRecallMeasurement r;
+        r.sample_id = p.id;
+        r.document = static_cast<int>(d);
+        r.recall = RecallAt(g, p.density);
+        r.rows = 4;
+        m.documents.push_back(r);
+      }
+    }
+    m.recall_seconds = 0.01 * m.attention_seconds;
+  }
+  return out;
+}
+
+TEST_F(JobRegistryTest, MeasuredRecallTeachesTheJobsRecallCurves) {
+  const std::string id = Create(2);
+  JoinAll(id, 2);
+  EXPECT_TRUE(registry_.GetJob(id)->recall_curves.size() >= static_cast<size_t>(kRecallBuckets));
+  for (int64_t s = 0; s < 6; ++s) {
+    absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, s, Batch(10 + s, 2));
+    ASSERT_TRUE(step.ok()) << step.status();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(registry_.ReportStep(id, s, r, MeasureWithRecall(step->plan, r, 2.0), 0).ok());
+    }
+  }
+  const JobView view = *registry_.GetJob(id);
+  double measured = 0.0;
+  for (const RecallCurveSummary& c : view.recall_curves) {
+    if (c.layer.has_value() || c.documents == 0) continue;
+    measured += c.documents;
+    // The prior for sensitivity 0 is g = 6 (worth 16 documents); measurements say 2.
+    EXPECT_LT(c.exponent, 6.0 - 4.0 * c.documents / (c.documents + 16.0) + 0.01)
+        << "bucket " << c.bucket;
+    EXPECT_GT(c.measured_recall, 0.0);
+  }
+  EXPECT_GT(measured, 0.0);
+  // The plans now carry the learned curve's recall per bucket.
+  absl::StatusOr<SubmitResult> next = registry_.SubmitBatch(id, 6, Batch(20, 2));
+  ASSERT_TRUE(next.ok());
+  ASSERT_FALSE(next->plan.buckets.empty());
+  for (const BucketRecallFigures& b : next->plan.buckets) {
+    EXPECT_LT(b.default_recall, PredictedRecall(0.0, 0.3) - 0.01) << b.label;
+  }
+}
+
+TEST_F(JobRegistryTest, BadDocumentRecallsNameTheFieldAndLeaveTheRankUnreported) {
+  const std::string id = Create(2);
+  JoinAll(id, 2);
+  absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
+  ASSERT_TRUE(step.ok());
+  const std::vector<MicroBatchTiming> good = MeasureWithRecall(step->plan, 0, 3.0);
+  ASSERT_FALSE(good.empty());
+  ASSERT_FALSE(good[0].documents.empty());
+  struct Case {
+    void (*mutate)(std::vector<MicroBatchTiming>*);
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* m) { (*m)[0].documents[0].sample_id = 999999999; },
+       "micro_batches[0].documents[0].sample_id"},
+      {[](auto* m) { (*m)[0].documents[0].document = 7; },
+       "micro_batches[0].documents[0].document"},
+      {[](auto* m) { (*m)[0].documents[0].recall = 1.5; }, "micro_batches[0].documents[0].recall"},
+      {[](auto* m) { (*m)[0].documents[0].rows = 0; }, "micro_batches[0].documents[0].rows"},
+      {[](auto* m) { (*m)[0].documents[0].layer_recall = {0.5}; },
+       "micro_batches[0].documents[0].layer_recall"},
+      {[](auto* m) { (*m)[0].documents.push_back((*m)[0].documents[0]); }, ".document: sample id"},
+      {[](auto* m) { (*m)[0].recall_seconds = -1; }, "micro_batches[0].recall_seconds"},
+  };
+  for (const Case& c : cases) {
+    std::vector<MicroBatchTiming> bad = good;
+    c.mutate(&bad);
+    absl::Status status = registry_.ReportStep(id, 0, 0, bad, 0.0).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
+  }
+  absl::StatusOr<bool> ok = registry_.ReportStep(id, 0, 0, good, 0.0);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_FALSE(*ok);
+}
+
 TEST_F(JobRegistryTest, HistoryIsBounded) {
   const std::string id = Create(2, /*history=*/3);
   std::vector<std::vector<Sample>> batches;

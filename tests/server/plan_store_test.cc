@@ -234,7 +234,7 @@ StoredReport Report(int i, int micro_batches = 4) {
   report.rank = i;
   report.wait_seconds = i;
   for (int m = 0; m < micro_batches; ++m) {
-    report.micro_batches.push_back({m, 0.5 + m, 0.25, 65536, 0.5, 0.99});
+    report.micro_batches.push_back({m, 0.5 + m, 0.25, 65536, 0.5, 0.99, {}, 0.0});
   }
   return report;
 }
@@ -304,6 +304,13 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   job.folded_steps = {3, 4};
   job.unfolded_steps = 1;
   job.fold_failure = "step 2: why";
+  job.settings.planner.bucket_recall_margin = 0.02;
+  job.settings.planner.document_recall_floor = 0.5;
+  job.recall.curves.assign(
+      static_cast<size_t>(job.settings.planner.shape.layers + 1) * kRecallBuckets,
+      RecallCurveSums{});
+  job.recall.curves[3] = {1.5, 4.5, 12.0, 9.0, 3.6};
+  job.recall.steps_observed = 5;
   absl::StatusOr<StoredJob> back = DecodeJob(EncodeJob(job));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->job_id, job.job_id);
@@ -318,6 +325,10 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   EXPECT_EQ(back->joined, job.joined);
   EXPECT_EQ(back->folded_steps, job.folded_steps);
   EXPECT_EQ(back->fold_failure, job.fold_failure);
+  EXPECT_EQ(back->recall.curves, job.recall.curves);
+  EXPECT_EQ(back->recall.steps_observed, 5);
+  EXPECT_EQ(back->settings.planner.bucket_recall_margin, 0.02);
+  EXPECT_EQ(back->settings.planner.document_recall_floor, 0.5);
   // A model whose size is not the job's does not decode.
   job.model.speed_factors = {1.0};
   EXPECT_EQ(DecodeJob(EncodeJob(job)).status().code(), absl::StatusCode::kDataLoss);

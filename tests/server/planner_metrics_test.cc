@@ -56,6 +56,30 @@ TEST(PlannerMetricsTest, StepFiguresFollowWhatTheRanksMeasured) {
                  "sparsebalance_build_info{version=\"0.1.0\"} 1"});
 }
 
+TEST(PlannerMetricsTest, RecallIsExportedPerLengthBucketAndGoesWithTheJob) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, /*max_rank_series=*/4);
+  StepStats stats = Stats(2);
+  stats.measured_bucket_recall = {{"<2K", 0.97}, {"32K+", 0.61}};
+  stats.recall_seconds = 0.5;
+  stats.attention_seconds = 20.0;
+  metrics.ObserveStep("j", stats);
+  StepPlan plan;
+  BucketRecallFigures long_documents;
+  long_documents.label = "32K+";
+  long_documents.predicted_recall = 0.64;
+  plan.buckets.push_back(long_documents);
+  metrics.ObservePlan("j", plan, 0.001);
+  std::string text = Exposition(*registry);
+  ExpectExposed(
+      text, {"sparsebalance_measured_recall_by_length_ratio{bucket=\"32K+\",job_id=\"j\"} 0.61",
+             "sparsebalance_measured_recall_by_length_ratio{bucket=\"<2K\",job_id=\"j\"} 0.97",
+             "sparsebalance_predicted_recall_by_length_ratio{bucket=\"32K+\",job_id=\"j\"} 0.64",
+             "sparsebalance_recall_measurement_share_ratio{job_id=\"j\"} 0.025"});
+  metrics.ForgetJob("j");
+  EXPECT_THAT(Exposition(*registry), Not(HasSubstr("job_id=\"j\"")));
+}
+
 TEST(PlannerMetricsTest, LargeJobsExportNoPerRankSeriesAndDeletedJobsNone) {
   auto registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(registry, /*max_rank_series=*/4);

@@ -191,7 +191,8 @@ TEST_F(RegistryFaultsTest, APoisonedJobFromAnOlderPlannerIsQuarantinedAndOthersA
   WriteBytes(JobDir(poisoned) + "/step-0.pb", step.SerializeAsString());
   StoredReport report;
   report.rank = 0;
-  report.micro_batches.push_back({0, 1.0, 0.0, std::numeric_limits<int64_t>::max(), 0.0, 0.0});
+  report.micro_batches.push_back(
+      {0, 1.0, 0.0, std::numeric_limits<int64_t>::max(), 0.0, 0.0, {}, 0.0});
   ASSERT_TRUE(store_->AppendReport(poisoned, 0, report).ok());
 
   for (int restart = 0; restart < 2; ++restart) {
@@ -285,7 +286,7 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
        [](RegistryFaultsTest* t, const std::string& d) {
          std::filesystem::remove(d + "/step-0.reports");
          StoredReport r;
-         r.micro_batches.push_back({5, 0.0, 0.0, 0, 0.0, 0.0});
+         r.micro_batches.push_back({5, 0.0, 0.0, 0, 0.0, 0.0, {}, 0.0});
          ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, r).ok());
        }},
       {"non-finite model weight", "not finite",
@@ -395,6 +396,39 @@ TEST_F(RegistryFaultsTest, AnOlderPlannersStoredPlanRestoresWithLengthsFromItsBa
 }
 
 // A snapshot's own job_id is never used as a path or an id: the folder's name is.
+TEST_F(RegistryFaultsTest, TheLearnedRecallCurvesSurviveARestart) {
+  const std::string id = Create();
+  for (int64_t step = 0; step < 3; ++step) {
+    absl::StatusOr<SubmitResult> submitted =
+        registry_->SubmitBatch(id, step, test_support::PretrainBatch(200 + step, kRanks));
+    ASSERT_TRUE(submitted.ok()) << submitted.status();
+    for (int r = 0; r < kRanks; ++r) {
+      std::vector<MicroBatchTiming> timings =
+          test_support::TimingsOf(submitted->plan.ranks[r].micro_batches, 1.0);
+      for (MicroBatchTiming& m : timings) {
+        for (const PlannedSample& p :
+             submitted->plan.ranks[r].micro_batches[m.micro_batch].samples) {
+          m.documents.push_back({p.id, 0, RecallAt(2.0, p.density), {}, 2});
+        }
+      }
+      ASSERT_TRUE(registry_->ReportStep(id, step, r, timings, 0.0).ok());
+    }
+  }
+  // The next plan's snapshot holds the curves of the folded steps.
+  ASSERT_TRUE(registry_->SubmitBatch(id, 3, test_support::PretrainBatch(203, kRanks)).ok());
+  const JobView before = *registry_->GetJob(id);
+  Restart();
+  const JobView after = *registry_->GetJob(id);
+  ASSERT_EQ(after.recall_curves.size(), before.recall_curves.size());
+  double documents = 0.0;
+  for (size_t k = 0; k < before.recall_curves.size(); ++k) {
+    EXPECT_EQ(after.recall_curves[k].exponent, before.recall_curves[k].exponent);
+    EXPECT_EQ(after.recall_curves[k].documents, before.recall_curves[k].documents);
+    documents += before.recall_curves[k].documents;
+  }
+  EXPECT_GT(documents, 0.0);
+}
+
 TEST_F(RegistryFaultsTest, AJobIdInsideTheFilesIsNeverUsed) {
   const std::string id = Create();
   RunStep(id, 0);

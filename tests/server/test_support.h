@@ -79,7 +79,14 @@ inline std::vector<MicroBatchTiming> TimingsOf(const std::vector<MicroBatchPlan>
     const MicroBatchPlan& mb = micro_batches[m];
     if (mb.samples.empty()) continue;
     const double seconds = factor * mb.predicted_seconds;
-    out.push_back({static_cast<int>(m), seconds, 0.3 * seconds, mb.tokens, 0.3, 0.9});
+    MicroBatchTiming t;
+    t.micro_batch = static_cast<int>(m);
+    t.compute_seconds = seconds;
+    t.attention_seconds = 0.3 * seconds;
+    t.tokens = mb.tokens;
+    t.achieved_density = 0.3;
+    t.recall = 0.9;
+    out.push_back(t);
   }
   return out;
 }
