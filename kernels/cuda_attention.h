@@ -22,6 +22,7 @@
 #include "absl/types/span.h"
 #include "kernels/block_index.h"
 #include "kernels/block_selection.h"
+#include "kernels/recall_probe.h"
 
 namespace sparsebalance {
 namespace kernels {
@@ -96,6 +97,13 @@ absl::Status Forward(const DeviceBlockIndex& index, int head_dim, const void* q,
 absl::Status Backward(const DeviceBlockIndex& index, int head_dim, const void* q, const void* k,
                       const void* v, const void* out, const float* lse, const void* dout,
                       float softmax_scale, float* delta, void* dq, void* dk, void* dv);
+
+// The recall probe (kernels/recall_probe.h) on the device, same contract as the CPU's
+// ProbeRecall: the exact kept softmax mass of every sampled row (on the host) and head, with
+// q and k device bf16 tensors (fp32 dot products, fp64 sums). Synchronous.
+absl::StatusOr<RecallProbe> ProbeRecall(const DeviceBlockIndex& index, int head_dim, const void* q,
+                                        const void* k, const RecallRows& rows,
+                                        float softmax_scale = 0.0f);
 
 // Row-major bf16 GEMM with fp32 accumulation (cuBLAS): C[m][n] = op(A)[m][k] * op(B)[k][n],
 // where a transposed A is stored [k][m] and a transposed B [n][k]. sb-profile's linear part.

@@ -51,6 +51,11 @@ absl::Status Backward(const DeviceBlockIndex&, int, const void*, const void*, co
   return NotBuilt();
 }
 
+absl::StatusOr<RecallProbe> ProbeRecall(const DeviceBlockIndex&, int, const void*, const void*,
+                                        const RecallRows&, float) {
+  return NotBuilt();
+}
+
 absl::Status MatmulBf16(int64_t, int64_t, int64_t, const void*, bool, const void*, bool, void*) {
   return NotBuilt();
 }

@@ -17,6 +17,7 @@
 #include "kernels/cuda_attention.h"
 #include "kernels/linear_cpu.h"
 #include "kernels/parallel.h"
+#include "kernels/recall_probe.h"
 
 #ifdef SB_KERNELS_WITH_CUDA
 #include <cuda_runtime.h>
@@ -72,10 +73,12 @@ absl::Status CheckDensities(const std::vector<double>& densities, size_t documen
 
 // Checks the batch against the shape and returns its cu_seqlens and densities.
 absl::Status CheckBatch(const ModelShape& shape, const LayerBatch& batch,
-                        std::vector<int32_t>* cu_seqlens, std::vector<double>* densities) {
+                        std::vector<int32_t>* cu_seqlens, std::vector<double>* densities,
+                        std::vector<uint64_t>* seeds) {
   if (batch.documents.empty()) return absl::InvalidArgumentError("layer batch: no documents");
   cu_seqlens->assign(1, 0);
   densities->clear();
+  seeds->clear();
   int64_t tokens = 0;
   for (size_t i = 0; i < batch.documents.size(); ++i) {
     const LayerDocument& d = batch.documents[i];
@@ -90,6 +93,7 @@ absl::Status CheckBatch(const ModelShape& shape, const LayerBatch& batch,
     }
     cu_seqlens->push_back(static_cast<int32_t>(tokens));
     densities->push_back(d.density);
+    seeds->push_back(d.recall_seed);
   }
   if (absl::Status s = CheckDensities(*densities, densities->size()); !s.ok()) return s;
   const size_t elements = static_cast<size_t>(tokens) * shape.heads * shape.head_dim;
@@ -105,15 +109,31 @@ absl::Status CheckBatch(const ModelShape& shape, const LayerBatch& batch,
   return absl::OkStatus();
 }
 
-// Per-document kept and causal blocks, achieved density and recall (token-weighted over the
-// document's rows and heads) from the index and a recall per CSR row.
-void Summarize(const BlockIndex& index, const std::vector<float>& row_recall,
+// The token-weighted mean over document s's CSR rows (all heads) of a value per CSR row.
+double TokenWeighted(const BlockIndex& index, const std::vector<float>& row_values, int s) {
+  const int32_t length = index.length(s);
+  double sum = 0.0;
+  double weight = 0.0;
+  for (int h = 0; h < index.heads; ++h) {
+    for (int32_t i = 0; i < index.blocks(s); ++i) {
+      const double tokens =
+          std::min<int64_t>(index.block_size, length - int64_t{i} * index.block_size);
+      sum += tokens * row_values[index.RowId(s, h, i)];
+      weight += tokens;
+    }
+  }
+  return weight > 0 ? std::clamp(sum / weight, 0.0, 1.0) : 1.0;
+}
+
+// Per-document kept and causal blocks, achieved density and the block scores' estimated
+// recall (token-weighted over the document's rows and heads), which is also `recall` until a
+// measurement replaces it.
+void Summarize(const BlockIndex& index, const std::vector<float>& estimated_recall,
                LayerMeasurement* out) {
   out->documents.assign(index.sequences(), DocumentMeasurement{});
   for (int s = 0; s < index.sequences(); ++s) {
     DocumentMeasurement& doc = out->documents[s];
     const int32_t length = index.length(s);
-    double recall_sum = 0.0;
     double density_sum = 0.0;
     double weight_sum = 0.0;
     for (int h = 0; h < index.heads; ++h) {
@@ -122,7 +142,6 @@ void Summarize(const BlockIndex& index, const std::vector<float>& row_recall,
         const double tokens =
             std::min<int64_t>(index.block_size, length - int64_t{i} * index.block_size);
         const int64_t kept = index.row_ptr[row + 1] - index.row_ptr[row];
-        recall_sum += tokens * row_recall[row];
         density_sum += tokens * static_cast<double>(kept) / (i + 1);
         weight_sum += tokens;
         doc.active_blocks += kept;
@@ -130,11 +149,26 @@ void Summarize(const BlockIndex& index, const std::vector<float>& row_recall,
       }
     }
     doc.tokens = length;
-    doc.recall = weight_sum > 0 ? std::clamp(recall_sum / weight_sum, 0.0, 1.0) : 1.0;
+    doc.estimated_recall = TokenWeighted(index, estimated_recall, s);
+    doc.recall = doc.estimated_recall;
     doc.achieved_density = weight_sum > 0 ? density_sum / weight_sum : 1.0;
     out->active_blocks += doc.active_blocks;
     out->causal_blocks += doc.causal_blocks;
   }
+}
+
+// Replaces each document's recall by the probe's.
+void UseProbe(const RecallRows& rows, const RecallProbe& probe, LayerMeasurement* out) {
+  for (size_t s = 0; s < out->documents.size(); ++s) {
+    out->documents[s].recall = probe.document_recall[s];
+    out->documents[s].recall_rows = rows.count(static_cast<int>(s));
+  }
+}
+
+absl::Status CheckRunOptions(const RunOptions& options) {
+  if (options.probe_recall && !options.exact_recall)
+    return ValidateRecallSampling(options.sampling);
+  return absl::OkStatus();
 }
 
 // Seconds on the clock the CPU runner times by (see the header): the calling thread's CPU
@@ -160,10 +194,11 @@ class CpuClock {
 class BatchRunner : public LayerRunner {
  public:
   explicit BatchRunner(const ModelShape& shape) : shape_(shape) {}
+  using LayerRunner::Run;
 
   // A batch that fails to load leaves none loaded.
   absl::Status Load(LayerBatch batch) final {
-    absl::Status s = CheckBatch(shape_, batch, &cu_seqlens_, &densities_);
+    absl::Status s = CheckBatch(shape_, batch, &cu_seqlens_, &densities_, &seeds_);
     if (s.ok()) s = Prepare(std::move(batch));
     if (!s.ok()) cu_seqlens_.clear();
     return s;
@@ -186,6 +221,7 @@ class BatchRunner : public LayerRunner {
   const ModelShape shape_;
   std::vector<int32_t> cu_seqlens_;  // token offsets of the documents, from 0
   std::vector<double> densities_;    // one per document
+  std::vector<uint64_t> seeds_;      // the documents' recall_seed
 };
 
 class CpuLayerRunner : public BatchRunner {
@@ -219,8 +255,9 @@ class CpuLayerRunner : public BatchRunner {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<LayerMeasurement> Run(bool exact_recall) override {
+  absl::StatusOr<LayerMeasurement> Run(const RunOptions& options) override {
     if (absl::Status s = CheckLoaded(); !s.ok()) return s;
+    if (absl::Status s = CheckRunOptions(options); !s.ok()) return s;
     SelectionOptions select;
     select.block_size = shape_.block_size;
     select.local_blocks = shape_.local_blocks;
@@ -253,17 +290,28 @@ class CpuLayerRunner : public BatchRunner {
       MatmulCpu(tokens, l.in, l.out, y_.data(), l.out, 1, wt_.data(), dx_.data(), threads_);
       MatmulCpu(l.in, l.out, tokens, x_.data(), 1, l.in, y_.data(), w_.data(), threads_);
     }
+    const double end = clock_.Now();
     m.attention_seconds = middle - start;
-    m.linear_seconds = clock_.Now() - middle;
-    if (!exact_recall) {
-      Summarize(selection->index, selection->estimated_recall, &m);
-      return m;
+    m.linear_seconds = end - middle;
+    Summarize(selection->index, selection->estimated_recall, &m);
+    if (options.exact_recall) {
+      // A measurement aid, not the layer's work: after the clock stopped.
+      absl::StatusOr<std::vector<float>> exact =
+          ExactRecall(selection->index, shape_.head_dim, batch_.q, batch_.k, 0.0f, threads_);
+      if (!exact.ok()) return exact.status();
+      for (int s = 0; s < selection->index.sequences(); ++s) {
+        m.documents[s].recall = TokenWeighted(selection->index, *exact, s);
+        m.documents[s].recall_rows = selection->index.length(s);
+      }
+    } else if (options.probe_recall) {
+      // Measured, not the layer's work: on its own clock (recall_seconds).
+      const RecallRows rows = SampleRecallRows(selection->index, seeds_, options.sampling);
+      absl::StatusOr<RecallProbe> probe =
+          ProbeRecall(selection->index, shape_.head_dim, batch_.q, batch_.k, rows, 0.0f, threads_);
+      if (!probe.ok()) return probe.status();
+      m.recall_seconds = clock_.Now() - end;
+      UseProbe(rows, *probe, &m);
     }
-    // A measurement aid, not the layer's work: after the clock stopped.
-    absl::StatusOr<std::vector<float>> exact =
-        ExactRecall(selection->index, shape_.head_dim, batch_.q, batch_.k, 0.0f, threads_);
-    if (!exact.ok()) return exact.status();
-    Summarize(selection->index, *exact, &m);
     return m;
   }
 
@@ -341,9 +389,10 @@ class CudaLayerRunner : public BatchRunner {
     return cuda::Synchronize();
   }
 
-  absl::StatusOr<LayerMeasurement> Run(bool exact_recall) override {
+  absl::StatusOr<LayerMeasurement> Run(const RunOptions& options) override {
     if (absl::Status s = CheckLoaded(); !s.ok()) return s;
-    if (exact_recall) {
+    if (absl::Status s = CheckRunOptions(options); !s.ok()) return s;
+    if (options.exact_recall) {
       return absl::InvalidArgumentError("exact recall: only on the CPU (--device=cpu)");
     }
     SelectionOptions select;
@@ -390,6 +439,17 @@ class CudaLayerRunner : public BatchRunner {
     m.attention_seconds = attention_ms * 1e-3;
     m.linear_seconds = linear_ms * 1e-3;
     Summarize(selection->index, selection->estimated_recall, &m);
+    if (options.probe_recall) {
+      // Synchronous (it copies its result back): the host's wall clock times it.
+      const auto probe_start = std::chrono::steady_clock::now();
+      const RecallRows rows = SampleRecallRows(selection->index, seeds_, options.sampling);
+      absl::StatusOr<RecallProbe> probe =
+          cuda::ProbeRecall(*index, shape_.head_dim, q_.data(), k_.data(), rows);
+      if (!probe.ok()) return probe.status();
+      m.recall_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
+      UseProbe(rows, *probe, &m);
+    }
     return m;
   }
 

@@ -29,13 +29,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "contract/layer_shape.h"
+#include "kernels/recall_probe.h"
 
 namespace sparsebalance {
 namespace kernels {
 
 struct LayerDocument {
-  int64_t length = 0;    // tokens, in [1, 2^30]
-  double density = 1.0;  // share of causal key blocks kept, (0, 1]
+  int64_t length = 0;        // tokens, in [1, 2^30]
+  double density = 1.0;      // share of causal key blocks kept, (0, 1]
+  uint64_t recall_seed = 0;  // seeds the rows the recall probe samples (recall_probe.h)
 };
 
 // A varlen batch: the documents back to back in the tensors, in order.
@@ -49,21 +51,36 @@ struct DocumentMeasurement {
   int64_t active_blocks = 0;      // kept (query block, key block) pairs, all heads
   int64_t causal_blocks = 0;      // all causal pairs, all heads
   double achieved_density = 0.0;  // token-weighted share of causal key blocks kept
-  double recall = 0.0;            // token-weighted attention recall, [0, 1]
+  // Attention recall, [0, 1], as RunOptions asked: the probe's mean over its sampled rows and
+  // the heads; the exact token-weighted mean over every row; or the block scores' estimate.
+  double recall = 0.0;
+  double estimated_recall = 0.0;  // the block scores' token-weighted estimate, always
+  int recall_rows = 0;            // query rows measured: sampled, every row (exact), 0 (estimate)
 };
 
 struct LayerMeasurement {
   double attention_seconds = 0.0;  // block selection + attention forward + backward
   double linear_seconds = 0.0;     // the GEMMs
   double seconds() const { return attention_seconds + linear_seconds; }
-  int64_t active_blocks = 0;                   // over the batch, all heads
-  int64_t causal_blocks = 0;                   // over the batch, all heads
+  double recall_seconds = 0.0;  // the recall probe, on the same clock, not part of seconds()
+  int64_t active_blocks = 0;    // over the batch, all heads
+  int64_t causal_blocks = 0;    // over the batch, all heads
   std::vector<DocumentMeasurement> documents;  // one per LayerBatch document, same order
 };
 
 struct LayerRunnerOptions {
   std::string device = "cpu";  // "cpu" (fp32 reference) or "cuda" (bf16 kernels, device 0)
   int threads = 1;             // CPU kernel threads; 0 means the hardware concurrency
+};
+
+// How Run measures recall (besides the block scores' estimate, which it always reports).
+struct RunOptions {
+  // CPU only: every row's exact kept mass (O(tokens^2)), off the clock.
+  bool exact_recall = false;
+  // Otherwise, with `probe_recall`: the recall probe on rows sampled by `sampling` (seeded by
+  // each document's recall_seed), timed into recall_seconds.
+  bool probe_recall = false;
+  RecallSampling sampling;
 };
 
 class LayerRunner {
@@ -85,7 +102,13 @@ class LayerRunner {
   // Runs one layer forward and backward on the loaded batch and measures it. With
   // `exact_recall` (CPU only) each document's recall is the exact softmax mass inside the kept
   // blocks (O(tokens^2), off the clock); otherwise the block scores' estimate.
-  virtual absl::StatusOr<LayerMeasurement> Run(bool exact_recall) = 0;
+  absl::StatusOr<LayerMeasurement> Run(bool exact_recall) {
+    RunOptions options;
+    options.exact_recall = exact_recall;
+    return Run(options);
+  }
+  // The same with the recall measured as `options` says (a probe needs a valid sampling).
+  virtual absl::StatusOr<LayerMeasurement> Run(const RunOptions& options) = 0;
 
   // E.g. "cpu Intel(R) Xeon(R) ... (1 thread, fp32 reference)" or the GPU's name.
   virtual std::string device_name() const = 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <string>
 
 #include "absl/strings/cord.h"
@@ -254,11 +255,90 @@ void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out) {
   out->set_tokens(timing.tokens);
   out->set_achieved_density(timing.achieved_density);
   out->set_recall(timing.recall);
+  for (const DocumentRecallMeasurement& d : timing.documents) {
+    v1::DocumentRecall* m = out->add_documents();
+    m->set_sample_id(d.sample_id);
+    m->set_document(d.document);
+    m->set_recall(d.recall);
+    m->mutable_layer_recall()->Assign(d.layer_recall.begin(), d.layer_recall.end());
+    m->set_rows(d.rows);
+  }
+  out->set_recall_seconds(timing.recall_seconds);
 }
 
 MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report) {
-  return {report.micro_batch(), report.compute_seconds(),  report.attention_seconds(),
-          report.tokens(),      report.achieved_density(), report.recall(), {}, 0.0};
+  MicroBatchTiming t;
+  t.micro_batch = report.micro_batch();
+  t.compute_seconds = report.compute_seconds();
+  t.attention_seconds = report.attention_seconds();
+  t.tokens = report.tokens();
+  t.achieved_density = report.achieved_density();
+  t.recall = report.recall();
+  t.documents.reserve(report.documents_size());
+  for (const v1::DocumentRecall& m : report.documents()) {
+    DocumentRecallMeasurement d;
+    d.sample_id = m.sample_id();
+    d.document = m.document();
+    d.recall = m.recall();
+    d.layer_recall.assign(m.layer_recall().begin(), m.layer_recall().end());
+    d.rows = m.rows();
+    t.documents.push_back(std::move(d));
+  }
+  t.recall_seconds = report.recall_seconds();
+  return t;
+}
+
+absl::Status ValidateMeasuredRecall(const MicroBatchTiming& timing, int layers,
+                                    absl::string_view where) {
+  if (!std::isfinite(timing.recall_seconds) || timing.recall_seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".recall_seconds: ", timing.recall_seconds, " is not a finite number >= 0"));
+  }
+  std::set<std::pair<uint64_t, int>> seen;
+  for (size_t k = 0; k < timing.documents.size(); ++k) {
+    const DocumentRecallMeasurement& d = timing.documents[k];
+    const std::string at = absl::StrCat(where, ".documents[", k, "]");
+    if (d.document < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".document: ", d.document, " is negative"));
+    }
+    if (!seen.insert({d.sample_id, d.document}).second) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ": sample ", d.sample_id, " document ",
+                                                     d.document, " is reported twice"));
+    }
+    if (!(d.recall >= 0.0 && d.recall <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".recall: ", d.recall, " is outside [0, 1]"));
+    }
+    if (!d.layer_recall.empty() && static_cast<int>(d.layer_recall.size()) != layers) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".layer_recall: ", d.layer_recall.size(),
+                                                     " values; expected none or one per layer (",
+                                                     layers, ")"));
+    }
+    for (size_t l = 0; l < d.layer_recall.size(); ++l) {
+      if (!(d.layer_recall[l] >= 0.0 && d.layer_recall[l] <= 1.0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(at, ".layer_recall[", l, "]: ", d.layer_recall[l], " is outside [0, 1]"));
+      }
+    }
+    if (d.rows < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".rows: ", d.rows, " must be at least 1 (rows measured per layer)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateMeasuredRecall(const std::vector<MicroBatchTiming>& micro_batches,
+                                    int layers) {
+  for (size_t m = 0; m < micro_batches.size(); ++m) {
+    if (absl::Status s = ValidateMeasuredRecall(micro_batches[m], layers,
+                                                absl::StrCat("micro_batches[", m, "]"));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 v1::PlanFigures FiguresToProto(const StepPlan& plan) {

@@ -74,8 +74,21 @@ v1::Policy PolicyToProto(Policy policy);
 v1::DstMode DstModeToProto(DstMode mode);
 v1::OverflowPolicy OverflowToProto(OverflowPolicy policy);
 
+// Both ways with the measured recall (documents, recall_seconds); TimingFromProto converts
+// without checking: ValidateMeasuredRecall (and the registry's ValidateReport) check.
 void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out);
 MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report);
+
+// Checks a micro-batch's measured recall against a model of `layers` layers: recall_seconds
+// finite and >= 0; per document, a non-negative index, (sample_id, document) reported once,
+// recall in [0, 1], layer_recall empty or one per layer (each in [0, 1]), rows >= 1.
+// INVALID_ARGUMENT naming `<where>.documents[k].<field>`, e.g.
+// "micro_batches[0].documents[2].recall: 1.5 is outside [0, 1]". Which samples the plan gave
+// the micro-batch is the registry's to check.
+absl::Status ValidateMeasuredRecall(const MicroBatchTiming& timing, int layers,
+                                    absl::string_view where);
+// The same for every micro-batch of a report, `where` being "micro_batches[m]".
+absl::Status ValidateMeasuredRecall(const std::vector<MicroBatchTiming>& micro_batches, int layers);
 
 v1::PlanFigures FiguresToProto(const StepPlan& plan);
 // One rank's part of a step plan.

@@ -1,6 +1,7 @@
 #include "worker/micro_batch_runner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -53,26 +54,47 @@ std::vector<double> DensitiesAt(const MicroBatchPlan& micro_batch, const MicroBa
   return out;
 }
 
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
 // Every layer of the model is the one layer kernels::LayerRunner runs, on the same inputs.
 class LayerwiseRunner : public MicroBatchRunner {
  public:
   LayerwiseRunner(std::unique_ptr<kernels::LayerRunner> layer, const ModelShape& shape,
-                  bool exact_recall)
-      : layer_(std::move(layer)), shape_(shape), exact_recall_(exact_recall) {}
+                  const MicroBatchRunnerOptions& options)
+      : layer_(std::move(layer)), shape_(shape) {
+    run_.exact_recall = options.exact_recall;
+    run_.probe_recall = !options.exact_recall && options.recall_rows > 0;
+    run_.sampling.rows = std::max(1, options.recall_rows);
+    run_.sampling.max_pair_share = options.recall_pair_share;
+  }
+  using MicroBatchRunner::Run;
 
   std::string device_name() const override { return layer_->device_name(); }
 
-  absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch) override {
+  absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch,
+                                       uint64_t recall_seed) override {
     if (absl::Status s = CheckPlan(micro_batch, shape_.layers); !s.ok()) return s;
     const MicroBatchDocuments docs = DocumentsOf(micro_batch);
     std::vector<double> densities = DensitiesAt(micro_batch, docs, 0);
+    // Each document's index inside its sample (DocumentRecall.document).
+    std::vector<int> document_of(docs.ids.size());
+    for (size_t i = 1; i < docs.ids.size(); ++i) {
+      document_of[i] = docs.sample_of[i] == docs.sample_of[i - 1] ? document_of[i - 1] + 1 : 0;
+    }
     // Inputs are the data loader's work, not the step's: made before any clock starts.
     VarlenBatch varlen;
     kernels::LayerBatch batch;
     for (size_t i = 0; i < docs.ids.size(); ++i) {
       varlen.Append(MakeDocument(docs.ids[i], docs.lengths[i], shape_.heads, shape_.head_dim),
                     docs.lengths[i]);
-      batch.documents.push_back({docs.lengths[i], densities[i]});
+      const uint64_t sample_id = micro_batch.samples[docs.sample_of[i]].id;
+      batch.documents.push_back(
+          {docs.lengths[i], densities[i], Mix(Mix(recall_seed) ^ sample_id) ^ Mix(document_of[i])});
     }
     batch.q = std::move(varlen.q);
     batch.k = std::move(varlen.k);
@@ -82,7 +104,10 @@ class LayerwiseRunner : public MicroBatchRunner {
     MicroBatchResult result;
     result.samples.resize(micro_batch.samples.size());
     std::vector<double> density_sum(result.samples.size()), recall_sum(result.samples.size());
+    double estimate_sum = 0.0;
     std::vector<kernels::DocumentMeasurement> figures;  // of the densities measured last
+    const bool measured = run_.probe_recall || run_.exact_recall;
+    std::vector<DocumentRecallMeasurement> measurements(measured ? docs.ids.size() : 0);
     for (int layer = 0; layer < shape_.layers; ++layer) {
       bool changed = false;
       if (layer > 0) {
@@ -96,10 +121,13 @@ class LayerwiseRunner : public MicroBatchRunner {
       // Layers at the same densities see the same inputs, so they keep the same blocks and
       // recall: the (exact, off-the-clock) recall is measured once per distinct densities.
       const bool fresh = layer == 0 || changed;
-      absl::StatusOr<kernels::LayerMeasurement> m = layer_->Run(fresh && exact_recall_);
+      kernels::RunOptions run;
+      if (fresh) run = run_;
+      absl::StatusOr<kernels::LayerMeasurement> m = layer_->Run(run);
       if (!m.ok()) return m.status();
       result.attention_seconds += m->attention_seconds;
       result.compute_seconds += m->seconds();
+      result.recall_seconds += m->recall_seconds;
       if (fresh) figures = std::move(m->documents);
       for (size_t d = 0; d < figures.size(); ++d) {
         SampleResult& sample = result.samples[docs.sample_of[d]];
@@ -109,8 +137,23 @@ class LayerwiseRunner : public MicroBatchRunner {
         sample.causal_blocks += doc.causal_blocks;
         density_sum[docs.sample_of[d]] += doc.achieved_density * static_cast<double>(doc.tokens);
         recall_sum[docs.sample_of[d]] += doc.recall * static_cast<double>(doc.tokens);
+        estimate_sum += doc.estimated_recall * static_cast<double>(doc.tokens);
+        if (measured) {
+          DocumentRecallMeasurement& out = measurements[d];
+          out.layer_recall.push_back(doc.recall);
+          out.rows = layer == 0 ? doc.recall_rows : std::min(out.rows, doc.recall_rows);
+        }
       }
     }
+    for (size_t d = 0; d < measurements.size(); ++d) {
+      DocumentRecallMeasurement& out = measurements[d];
+      out.sample_id = micro_batch.samples[docs.sample_of[d]].id;
+      out.document = document_of[d];
+      double sum = 0.0;
+      for (double r : out.layer_recall) sum += r;
+      out.recall = std::clamp(sum / static_cast<double>(out.layer_recall.size()), 0.0, 1.0);
+    }
+    result.documents = std::move(measurements);
     // Token- and layer-weighted means, per sample and over the micro-batch.
     double all_density = 0.0, all_recall = 0.0;
     for (size_t k = 0; k < result.samples.size(); ++k) {
@@ -127,24 +170,43 @@ class LayerwiseRunner : public MicroBatchRunner {
     const double weight = static_cast<double>(result.tokens) * shape_.layers;
     result.achieved_density = all_density / weight;
     result.recall = std::clamp(all_recall / weight, 0.0, 1.0);
+    result.estimated_recall = std::clamp(estimate_sum / weight, 0.0, 1.0);
     return result;
   }
 
  private:
   std::unique_ptr<kernels::LayerRunner> layer_;
   ModelShape shape_;
-  bool exact_recall_;
+  kernels::RunOptions run_;  // how a layer at fresh densities measures recall
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MicroBatchRunner>> MicroBatchRunner::Create(
     const std::string& device, const ModelShape& shape, bool exact_recall) {
+  MicroBatchRunnerOptions options;
+  options.exact_recall = exact_recall;
+  return Create(device, shape, options);
+}
+
+absl::StatusOr<std::unique_ptr<MicroBatchRunner>> MicroBatchRunner::Create(
+    const std::string& device, const ModelShape& shape,
+    const MicroBatchRunnerOptions& runner_options) {
   if (device != "cpu" && device != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat("--device=", device, ": expected cpu or cuda"));
   }
-  if (device == "cuda" && exact_recall) {
+  if (device == "cuda" && runner_options.exact_recall) {
     return absl::InvalidArgumentError("--exact_recall: only with --device=cpu");
+  }
+  if (runner_options.recall_rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--recall_rows=", runner_options.recall_rows,
+                                                   ": must be >= 0 (0: the estimate)"));
+  }
+  if (!(runner_options.recall_pair_share > 0.0) ||
+      !std::isfinite(runner_options.recall_pair_share)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--recall_budget=", runner_options.recall_pair_share,
+                     ": must be a positive share of the kept pairs"));
   }
   kernels::LayerRunnerOptions options;
   options.device = device;
@@ -156,7 +218,7 @@ absl::StatusOr<std::unique_ptr<MicroBatchRunner>> MicroBatchRunner::Create(
                         absl::StrCat("--device=", device, ": ", layer.status().message()));
   }
   return std::unique_ptr<MicroBatchRunner>(
-      new LayerwiseRunner(*std::move(layer), shape, exact_recall));
+      new LayerwiseRunner(*std::move(layer), shape, runner_options));
 }
 
 }  // namespace sparsebalance

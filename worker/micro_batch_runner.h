@@ -12,7 +12,11 @@
 //
 //   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
 //       MicroBatchRunner::Create("cpu", shape, /*exact_recall=*/false);
-//   absl::StatusOr<MicroBatchResult> r = (*runner)->Run(plan.micro_batches[m]);
+//   absl::StatusOr<MicroBatchResult> r = (*runner)->Run(plan.micro_batches[m],
+//   /*recall_seed=*/step);
+//
+// Recall: by default the block scores' estimate; with MicroBatchRunnerOptions::recall_rows
+// the true kept softmax mass on sampled rows of every document (per layer), timed apart.
 #ifndef SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_
 #define SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_
 
@@ -43,8 +47,23 @@ struct MicroBatchResult {
   int64_t active_blocks = 0;          // kept (query block, key block) pairs, all heads and layers
   int64_t causal_blocks = 0;          // all causal pairs, all heads and layers
   double achieved_density = 0.0;      // token-weighted share of causal key blocks kept
-  double recall = 0.0;                // token-weighted attention recall (exact or estimated)
+  double recall = 0.0;                // token-weighted attention recall (measured or estimated)
+  double estimated_recall = 0.0;      // token-weighted: the block scores' estimate, always
   std::vector<SampleResult> samples;  // one per planned sample, in the plan's order
+  // With the recall probe: one per document of each planned sample (samples in the plan's
+  // order, then their documents), its recall in every layer.
+  std::vector<DocumentRecallMeasurement> documents;
+  double recall_seconds = 0.0;  // the probe's time, on the compute clock, not in compute_seconds
+};
+
+struct MicroBatchRunnerOptions {
+  // CPU only: the exact recall over every row (O(tokens^2), for small runs).
+  bool exact_recall = false;
+  // Otherwise, above 0: the recall probe (kernels/recall_probe.h) on this many query rows per
+  // document (the last one always among them) within `recall_pair_share` of the kept (query,
+  // key) pairs; 0: the block scores' estimate.
+  int recall_rows = 0;
+  double recall_pair_share = 0.05;
 };
 
 class MicroBatchRunner {
@@ -55,12 +74,22 @@ class MicroBatchRunner {
   static absl::StatusOr<std::unique_ptr<MicroBatchRunner>> Create(const std::string& device,
                                                                   const ModelShape& shape,
                                                                   bool exact_recall);
+  // The same with the recall measured as `options` says (INVALID_ARGUMENT for a bad option).
+  static absl::StatusOr<std::unique_ptr<MicroBatchRunner>> Create(
+      const std::string& device, const ModelShape& shape, const MicroBatchRunnerOptions& options);
   virtual ~MicroBatchRunner() = default;
   // Runs the micro-batch's planned samples, each at its density (per layer where its
   // layer_densities are given: then exactly one per layer). INVALID_ARGUMENT naming
   // `samples[k]` for a sample that cannot run (no tokens, a density outside (0, 1], layer
   // densities of the wrong count).
-  virtual absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch) = 0;
+  absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch) {
+    return Run(micro_batch, /*recall_seed=*/0);
+  }
+  // The same; the probe's rows of each document are drawn from `recall_seed` (e.g. the step),
+  // the sample's id and the document's index, so that any rank running the sample in that step
+  // probes the same rows.
+  virtual absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch,
+                                               uint64_t recall_seed) = 0;
   virtual std::string device_name() const = 0;
 };
 

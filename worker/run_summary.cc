@@ -58,6 +58,8 @@ std::string FormatStepLine(const StepLine& s) {
   json["plan_digest"] = s.plan_digest;
   json["wall_start"] = Round6(s.wall_start);
   json["wall_end"] = Round6(s.wall_end);
+  json["estimated_recall"] = Round6(s.estimated_recall);
+  json["recall_seconds"] = Round6(s.recall_seconds);
   return json.dump();
 }
 
@@ -82,6 +84,8 @@ absl::StatusOr<StepLine> ParseStepLine(const std::string& line) {
   Get(json, "plan_digest", &s.plan_digest).IgnoreError();
   Get(json, "wall_start", &s.wall_start).IgnoreError();
   Get(json, "wall_end", &s.wall_end).IgnoreError();
+  Get(json, "estimated_recall", &s.estimated_recall).IgnoreError();
+  Get(json, "recall_seconds", &s.recall_seconds).IgnoreError();
   return s;
 }
 
@@ -110,7 +114,8 @@ absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::strin
   run.ranks = ranks;
   std::map<int64_t, std::vector<StepLine>> by_step;
   for (const StepLine& s : *lines) by_step[s.step].push_back(s);
-  double density_tokens = 0, recall_tokens = 0, tokens = 0, error_sum = 0;
+  double density_tokens = 0, recall_tokens = 0, estimate_tokens = 0, tokens = 0, error_sum = 0;
+  double recall_seconds = 0, attention_seconds = 0;
   int64_t error_count = 0;
   for (auto& [step, rows] : by_step) {
     if (static_cast<int>(rows.size()) != ranks) continue;  // an incomplete step
@@ -124,6 +129,9 @@ absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::strin
       rank_seconds.push_back(r.compute_seconds);
       density_tokens += r.density * r.tokens;
       recall_tokens += r.recall * r.tokens;
+      estimate_tokens += r.estimated_recall * r.tokens;
+      recall_seconds += r.recall_seconds;
+      attention_seconds += r.attention_seconds;
       tokens += r.tokens;
       local = local || r.local_fallback;
       if (r.compute_seconds > 0 && r.predicted_seconds > 0) {
@@ -144,6 +152,8 @@ absl::StatusOr<RunResult> SummarizeRun(const std::string& name, const std::strin
   run.bubble_ratio /= n;
   run.mean_density = tokens > 0 ? density_tokens / tokens : 0;
   run.mean_recall = tokens > 0 ? recall_tokens / tokens : 0;
+  run.mean_estimated_recall = tokens > 0 ? estimate_tokens / tokens : 0;
+  run.recall_cost = attention_seconds > 0 ? recall_seconds / attention_seconds : 0;
   run.prediction_error = error_count > 0 ? error_sum / error_count : 0;
   return run;
 }
@@ -165,6 +175,10 @@ std::string FormatSummary(const std::vector<RunResult>& runs) {
   row("bubble ratio", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.bubble_ratio); });
   row("mean density", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_density); });
   row("mean recall", [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_recall); });
+  row("mean estimated recall",
+      [](const RunResult& r) { return absl::StrFormat("%15.3f", r.mean_estimated_recall); });
+  row("recall probe / attention",
+      [](const RunResult& r) { return absl::StrFormat("%14.2f%%", 100 * r.recall_cost); });
   row("prediction error",
       [](const RunResult& r) { return absl::StrFormat("%14.1f%%", 100 * r.prediction_error); });
   row("steps on local plans",
@@ -189,6 +203,8 @@ std::string SummaryJson(const std::vector<RunResult>& runs) {
     run["bubble_ratio"] = Round6(r.bubble_ratio);
     run["mean_density"] = Round6(r.mean_density);
     run["mean_recall"] = Round6(r.mean_recall);
+    run["mean_estimated_recall"] = Round6(r.mean_estimated_recall);
+    run["recall_cost"] = Round6(r.recall_cost);
     run["prediction_error"] = Round6(r.prediction_error);
     run["local_plan_steps"] = r.local_plan_steps;
     json["runs"].push_back(std::move(run));

@@ -26,12 +26,14 @@ struct StepLine {
   double predicted_seconds = 0.0;
   int64_t tokens = 0;
   double density = 0.0;
-  double recall = 0.0;
+  double recall = 0.0;  // token-weighted: measured (the recall probe) or the estimate
   bool local_fallback = false;
   bool acked = false;
   std::string plan_digest;
-  double wall_start = 0.0;  // Unix seconds: the step began (before asking for its plan)
-  double wall_end = 0.0;    // Unix seconds: its report was sent (or buffered)
+  double wall_start = 0.0;        // Unix seconds: the step began (before asking for its plan)
+  double wall_end = 0.0;          // Unix seconds: its report was sent (or buffered)
+  double estimated_recall = 0.0;  // token-weighted: the block scores' estimate
+  double recall_seconds = 0.0;    // the recall probe's time, not part of compute_seconds
 };
 
 // One line of JSON (no newline): {"step": 3, "rank": 0, "compute_seconds": 0.25, ...}, the
@@ -51,6 +53,9 @@ struct RunResult {
   double bubble_ratio = 0.0;  // mean over steps
   double mean_density = 0.0;
   double mean_recall = 0.0;
+  double mean_estimated_recall = 0.0;
+  // The recall probe's time as a share of the attention time (sum over ranks and steps).
+  double recall_cost = 0.0;
   double prediction_error = 0.0;  // mean relative error
   int64_t local_plan_steps = 0;
 };

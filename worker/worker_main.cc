@@ -44,8 +44,17 @@ ABSL_FLAG(double, fill, 0.6, "tokens per step as a share of ranks x micro-batche
 ABSL_FLAG(int64_t, min_length, 128, "skip documents shorter than this (tokens)");
 ABSL_FLAG(std::string, profile, "",
           "rank 0 uploads this profile table (sb-profile output) to the job at start");
-ABSL_FLAG(bool, exact_recall, false,
-          "CPU: report the exact recall (softmax mass kept) instead of the block-score estimate");
+ABSL_FLAG(
+    bool, exact_recall, false,
+    "CPU: report the exact recall (softmax mass kept) over every query row (slow: O(tokens^2) "
+    "per layer; small runs)");
+ABSL_FLAG(int, recall_rows, -1,
+          "query rows per document whose true kept softmax mass (recall) is measured each step "
+          "and reported per document and layer (the document's last row always among them); 0: "
+          "report the block scores' estimate instead; -1: 8 on cpu, 0 on cuda");
+ABSL_FLAG(double, recall_budget, 0.05,
+          "cost bound of --recall_rows: per document, the probed (query, key) pairs beyond its "
+          "last row stay within this share of those its kept blocks hold (fewer rows otherwise)");
 ABSL_FLAG(std::string, out, "", "append one JSON line per step here");
 ABSL_FLAG(double, call_timeout, 2.0, "seconds: deadline of planner calls before falling back");
 ABSL_FLAG(double, plan_timeout, 60.0, "seconds a rank waits for the coordinator's plan");
@@ -158,8 +167,15 @@ int Main(int argc, char** argv) {
   }
 
   const std::string device = absl::GetFlag(FLAGS_device);
+  MicroBatchRunnerOptions runner_options;
+  runner_options.exact_recall = absl::GetFlag(FLAGS_exact_recall);
+  // The device probe has not been checked on a GPU yet: opt in there.
+  const int recall_rows = absl::GetFlag(FLAGS_recall_rows);
+  runner_options.recall_rows = recall_rows >= 0 ? recall_rows : (device == "cpu" ? 8 : 0);
+  runner_options.recall_pair_share = absl::GetFlag(FLAGS_recall_budget);
+  if (recall_rows < -1) tools::UsageError("--recall_rows must be >= 0 (or -1: the default)");
   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
-      MicroBatchRunner::Create(device, config.shape, absl::GetFlag(FLAGS_exact_recall));
+      MicroBatchRunner::Create(device, config.shape, runner_options);
   if (!runner.ok()) tools::Fatal(std::string(runner.status().message()));
 
   std::unique_ptr<Barrier> barrier;
@@ -211,11 +227,12 @@ int Main(int argc, char** argv) {
     }
     std::vector<MicroBatchTiming> timings;
     double compute = 0.0, attention = 0.0, density_tokens = 0.0, recall_tokens = 0.0;
+    double estimate_tokens = 0.0, recall_seconds = 0.0;
     int64_t tokens = 0;
     for (size_t m = 0; m < plan->micro_batches.size(); ++m) {
       const MicroBatchPlan& mb = plan->micro_batches[m];
       if (mb.samples.empty()) continue;
-      absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb);
+      absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb, static_cast<uint64_t>(step));
       if (!r.ok())
         tools::Fatal(absl::StrCat("step ", step, " micro-batch ", m, ": ", r.status().ToString()));
       MicroBatchTiming t;
@@ -225,12 +242,16 @@ int Main(int argc, char** argv) {
       t.tokens = r->tokens;
       t.achieved_density = r->achieved_density;
       t.recall = r->recall;
-      timings.push_back(t);
+      t.documents = std::move(r->documents);
+      t.recall_seconds = r->recall_seconds;
+      timings.push_back(std::move(t));
       compute += r->compute_seconds;
       attention += r->attention_seconds;
       tokens += r->tokens;
       density_tokens += r->achieved_density * static_cast<double>(r->tokens);
       recall_tokens += r->recall * static_cast<double>(r->tokens);
+      estimate_tokens += r->estimated_recall * static_cast<double>(r->tokens);
+      recall_seconds += r->recall_seconds;
     }
     const Clock::time_point wait_start = Clock::now();
     if (absl::Status s = barrier->EndStep(step); !s.ok()) tools::Fatal(s.ToString());
@@ -249,6 +270,8 @@ int Main(int argc, char** argv) {
       line.tokens = tokens;
       line.density = tokens > 0 ? density_tokens / tokens : 0.0;
       line.recall = tokens > 0 ? recall_tokens / tokens : 0.0;
+      line.estimated_recall = tokens > 0 ? estimate_tokens / tokens : 0.0;
+      line.recall_seconds = recall_seconds;
       line.local_fallback = plan->local_fallback;
       line.acked = acked;
       line.plan_digest = PlanDigest(plan->micro_batches);

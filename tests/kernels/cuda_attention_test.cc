@@ -12,6 +12,7 @@
 #include "kernels/attention_cpu.h"
 #include "kernels/bf16.h"
 #include "kernels/block_selection.h"
+#include "kernels/recall_probe.h"
 #include "reference.h"
 
 namespace sparsebalance {
@@ -65,6 +66,10 @@ TEST(CudaAttentionTest, BuildFlagAgreesWithTheLibrary) {
   EXPECT_FALSE(cuda::Compiled());
   EXPECT_EQ(cuda::DeviceCount(), 0);
   EXPECT_EQ(cuda::DeviceBuffer::Allocate(16).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cuda::ProbeRecall(cuda::DeviceBlockIndex{}, 64, nullptr, nullptr, RecallRows{})
+                .status()
+                .code(),
             absl::StatusCode::kFailedPrecondition);
 #endif
 }
@@ -151,6 +156,40 @@ TEST(CudaAttentionTest, SparseMatchesTheCpuReference) {
     SCOPED_TRACE(::testing::Message() << "density " << density);
     CompareWithCpu({2000, 777, 65}, 2, 128, 64, density);
     CompareWithCpu({1500, 300}, 2, 64, 128, density);
+  }
+}
+
+// The device probe against the CPU probe on the same (bf16-rounded) inputs and sampled rows.
+TEST(CudaAttentionTest, RecallProbeMatchesTheCpuProbe) {
+  SKIP_WITHOUT_DEVICE();
+  for (int head_dim : {64, 128}) {
+    const std::vector<int32_t> cu = testing::CuSeqlens({1, 2000, 777, 65});
+    const int heads = 3;
+    const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+    const Bf16Tensor q = RandomBf16(n, 7), k = RandomBf16(n, 8);
+    cuda::DeviceBuffer dq = Upload(q.bits.data(), n * 2), dk = Upload(k.bits.data(), n * 2);
+    absl::StatusOr<Selection> sel =
+        SelectBlocks(cu, heads, head_dim, q.values, k.values, {1.0, 0.1, 0.3, 0.5}, {});
+    ASSERT_TRUE(sel.ok());
+    const std::vector<uint64_t> seeds = {1, 2, 3, 4};
+    RecallSampling sampling;
+    sampling.rows = 16;
+    const RecallRows rows = SampleRecallRows(sel->index, seeds, sampling);
+    absl::StatusOr<RecallProbe> cpu = ProbeRecall(sel->index, head_dim, q.values, k.values, rows);
+    ASSERT_TRUE(cpu.ok());
+    absl::StatusOr<cuda::DeviceBlockIndex> dindex = cuda::DeviceBlockIndex::Upload(sel->index);
+    ASSERT_TRUE(dindex.ok());
+    absl::StatusOr<RecallProbe> gpu =
+        cuda::ProbeRecall(*dindex, head_dim, dq.data(), dk.data(), rows);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    ASSERT_EQ(gpu->row_recall.size(), cpu->row_recall.size());
+    for (size_t e = 0; e < cpu->row_recall.size(); ++e) {
+      EXPECT_NEAR(gpu->row_recall[e], cpu->row_recall[e], 1e-4) << "row " << e;
+    }
+    for (size_t s = 0; s < cpu->document_recall.size(); ++s) {
+      EXPECT_NEAR(gpu->document_recall[s], cpu->document_recall[s], 1e-4) << "document " << s;
+    }
+    EXPECT_EQ(gpu->document_recall[0], 1.0);
   }
 }
 

@@ -152,6 +152,49 @@ TEST(LayerRunnerTest, DocumentsOfABatchAreMeasuredAsIfAlone) {
   }
 }
 
+TEST(LayerRunnerTest, TheRecallProbeMeasuresSampledRowsOffTheClock) {
+  const ModelShape shape = SmallShape();
+  std::unique_ptr<LayerRunner> runner = CpuRunner(shape);
+  ASSERT_NE(runner, nullptr);
+  LayerBatch batch = MakeBatch(shape, {{900, 0.1}, {1, 1.0}, {300, 0.3}}, 5);
+  for (size_t i = 0; i < batch.documents.size(); ++i) batch.documents[i].recall_seed = 40 + i;
+  ASSERT_TRUE(runner->Load(batch).ok());
+  absl::StatusOr<LayerMeasurement> exact = runner->Run(/*exact_recall=*/true);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  RunOptions options;
+  options.probe_recall = true;
+  // Rows beyond the longest document and a budget that never binds: every row is probed, so
+  // the probe's mean is the exact all-rows recall.
+  options.sampling.rows = 1000;
+  options.sampling.max_pair_share = 100.0;
+  absl::StatusOr<LayerMeasurement> all = runner->Run(options);
+  ASSERT_TRUE(all.ok()) << all.status();
+  for (size_t d = 0; d < batch.documents.size(); ++d) {
+    EXPECT_EQ(all->documents[d].recall_rows, batch.documents[d].length) << d;
+    EXPECT_EQ(exact->documents[d].recall_rows, batch.documents[d].length) << d;
+    EXPECT_NEAR(all->documents[d].recall, exact->documents[d].recall, 1e-4) << d;
+    EXPECT_EQ(all->documents[d].estimated_recall, exact->documents[d].estimated_recall) << d;
+  }
+  EXPECT_LT(all->documents[0].recall, 1.0);
+  EXPECT_EQ(all->documents[1].recall, 1.0);
+  // Defaults: a few rows, the same on a second run (seeded), timed apart from the layer.
+  options.sampling = RecallSampling{};
+  absl::StatusOr<LayerMeasurement> first = runner->Run(options);
+  absl::StatusOr<LayerMeasurement> second = runner->Run(options);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(first->documents[0].recall_rows, 8);
+  EXPECT_EQ(first->documents[1].recall_rows, 1);
+  EXPECT_EQ(first->documents[0].recall, second->documents[0].recall);
+  EXPECT_GT(first->recall_seconds, 0.0);
+  EXPECT_EQ(exact->recall_seconds, 0.0);
+  absl::StatusOr<LayerMeasurement> estimate = runner->Run(/*exact_recall=*/false);
+  ASSERT_TRUE(estimate.ok());
+  EXPECT_EQ(estimate->documents[0].recall_rows, 0);
+  EXPECT_EQ(estimate->documents[0].recall, estimate->documents[0].estimated_recall);
+  options.sampling.rows = 0;
+  EXPECT_THAT(runner->Run(options).status().message(), HasSubstr("rows=0"));
+}
+
 TEST(LayerRunnerTest, BadInputIsAnErrorThatNamesIt) {
   const ModelShape shape = SmallShape();
   ModelShape bad = shape;

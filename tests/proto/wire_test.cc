@@ -342,6 +342,85 @@ TEST(MicroBatchFromProtoTest, BadPlannedSamplesNameTheMicroBatchSampleAndField) 
               HasSubstr("micro_batches[0].layer_densities[1].densities[0]: 2"));
 }
 
+MicroBatchTiming MeasuredTiming() {
+  MicroBatchTiming t;
+  t.micro_batch = 1;
+  t.compute_seconds = 0.5;
+  t.attention_seconds = 0.2;
+  t.tokens = 1024;
+  t.achieved_density = 0.3;
+  t.recall = 0.81;
+  t.documents = {{7, 0, 0.9, {0.8, 1.0}, 8}, {7, 1, 0.25, {}, 3}, {9, 0, 1.0, {1.0, 1.0}, 1}};
+  t.recall_seconds = 0.004;
+  return t;
+}
+
+TEST(TimingProtoTest, MeasuredRecallRoundTripsEveryField) {
+  const MicroBatchTiming t = MeasuredTiming();
+  v1::MicroBatchReport report;
+  TimingToProto(t, &report);
+  ASSERT_EQ(report.documents_size(), 3);
+  EXPECT_EQ(report.documents(0).layer_recall_size(), 2);
+  EXPECT_EQ(report.documents(1).rows(), 3);
+  EXPECT_EQ(report.recall_seconds(), 0.004);
+  const MicroBatchTiming back = TimingFromProto(report);
+  EXPECT_EQ(back.micro_batch, t.micro_batch);
+  EXPECT_EQ(back.compute_seconds, t.compute_seconds);
+  EXPECT_EQ(back.attention_seconds, t.attention_seconds);
+  EXPECT_EQ(back.tokens, t.tokens);
+  EXPECT_EQ(back.achieved_density, t.achieved_density);
+  EXPECT_EQ(back.recall, t.recall);
+  EXPECT_EQ(back.documents, t.documents);
+  EXPECT_EQ(back.recall_seconds, t.recall_seconds);
+  EXPECT_TRUE(ValidateMeasuredRecall({t, back}, /*layers=*/2).ok());
+  // A report without measurements (an older worker, or --recall_rows=0) stays valid.
+  MicroBatchTiming plain = t;
+  plain.documents.clear();
+  plain.recall_seconds = 0.0;
+  v1::MicroBatchReport old;
+  TimingToProto(plain, &old);
+  EXPECT_EQ(old.documents_size(), 0);
+  EXPECT_TRUE(TimingFromProto(old).documents.empty());
+  EXPECT_TRUE(ValidateMeasuredRecall({plain}, 2).ok());
+}
+
+TEST(TimingProtoTest, BadMeasuredRecallNamesTheMicroBatchDocumentAndField) {
+  struct Case {
+    void (*mutate)(MicroBatchTiming*);
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](MicroBatchTiming* t) { t->documents[2].recall = 1.5; },
+       "micro_batches[1].documents[2].recall: 1.5 is outside [0, 1]"},
+      {[](MicroBatchTiming* t) { t->documents[0].recall = std::nan(""); },
+       "micro_batches[1].documents[0].recall: nan"},
+      {[](MicroBatchTiming* t) { t->documents[0].layer_recall = {0.5}; },
+       "micro_batches[1].documents[0].layer_recall: 1 values; expected none or one per layer (2)"},
+      {[](MicroBatchTiming* t) { t->documents[2].layer_recall[1] = -0.1; },
+       "micro_batches[1].documents[2].layer_recall[1]: -0.1 is outside [0, 1]"},
+      {[](MicroBatchTiming* t) { t->documents[1].rows = 0; },
+       "micro_batches[1].documents[1].rows: 0 must be at least 1"},
+      {[](MicroBatchTiming* t) { t->documents[1].document = -1; },
+       "micro_batches[1].documents[1].document: -1 is negative"},
+      {[](MicroBatchTiming* t) { t->documents[1].document = 0; },
+       "micro_batches[1].documents[1]: sample 7 document 0 is reported twice"},
+      {[](MicroBatchTiming* t) { t->recall_seconds = -1.0; },
+       "micro_batches[1].recall_seconds: -1 is not a finite number >= 0"},
+      {[](MicroBatchTiming* t) { t->recall_seconds = std::numeric_limits<double>::infinity(); },
+       "micro_batches[1].recall_seconds: inf"},
+  };
+  for (const Case& c : cases) {
+    MicroBatchTiming bad = MeasuredTiming();
+    c.mutate(&bad);
+    // Through the wire, as sb-planner receives it, second in the report.
+    v1::MicroBatchReport report;
+    TimingToProto(bad, &report);
+    const absl::Status s = ValidateMeasuredRecall({MeasuredTiming(), TimingFromProto(report)}, 2);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.message));
+  }
+}
+
 TEST(StatusConversionTest, KeepsCodeAndMessageBothWays) {
   for (absl::StatusCode code :
        {absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,

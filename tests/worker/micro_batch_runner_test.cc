@@ -98,6 +98,70 @@ TEST(MicroBatchRunnerTest, ExactRecallIsOneAtFullDensity) {
   EXPECT_LE(r->attention_seconds, r->compute_seconds);
 }
 
+std::unique_ptr<MicroBatchRunner> ProbingRunner(int rows = 8) {
+  MicroBatchRunnerOptions options;
+  options.recall_rows = rows;
+  absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
+      MicroBatchRunner::Create("cpu", SmallShape(), options);
+  EXPECT_TRUE(runner.ok()) << runner.status();
+  return runner.ok() ? std::move(*runner) : nullptr;
+}
+
+TEST(MicroBatchRunnerTest, TheRecallProbeReportsEveryDocumentAndLayer) {
+  MicroBatchPlan mb;
+  mb.samples = {
+      {21, 1024, 0.2, {640, 384}, {0.2, 1.0}}, {22, 900, 0.1, {}, {}}, {23, 1, 1.0, {}, {}}};
+  mb.tokens = 1925;
+  absl::StatusOr<MicroBatchResult> r = ProbingRunner()->Run(mb, /*recall_seed=*/5);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // One per document of each planned sample, in order.
+  ASSERT_EQ(r->documents.size(), 4u);
+  const std::vector<std::pair<uint64_t, int>> ids = {{21, 0}, {21, 1}, {22, 0}, {23, 0}};
+  const std::vector<int64_t> lengths = {640, 384, 900, 1};
+  double weighted = 0.0;
+  for (size_t d = 0; d < ids.size(); ++d) {
+    const DocumentRecallMeasurement& m = r->documents[d];
+    EXPECT_EQ(m.sample_id, ids[d].first) << d;
+    EXPECT_EQ(m.document, ids[d].second) << d;
+    ASSERT_EQ(m.layer_recall.size(), 2u) << d;
+    EXPECT_NEAR(m.recall, (m.layer_recall[0] + m.layer_recall[1]) / 2, 1e-12) << d;
+    EXPECT_GE(m.rows, 1) << d;
+    weighted += m.recall * static_cast<double>(lengths[d]);
+  }
+  EXPECT_EQ(r->documents[3].rows, 1);  // a 1-token document has one row
+  EXPECT_EQ(r->documents[3].recall, 1.0);
+  EXPECT_EQ(r->documents[0].layer_recall[1], 1.0);  // layer 1 of sample 21 is dense
+  EXPECT_LT(r->documents[0].layer_recall[0], 1.0);
+  EXPECT_EQ(r->documents[2].layer_recall[0], r->documents[2].layer_recall[1]);  // same blocks
+  // The micro-batch's recall is the measured one, token-weighted.
+  EXPECT_NEAR(r->recall, weighted / 1925, 1e-9);
+  EXPECT_NE(r->recall, r->estimated_recall);
+  EXPECT_GT(r->recall_seconds, 0.0);
+  // The same sample and seed probe the same rows wherever the sample runs.
+  MicroBatchPlan alone;
+  alone.samples = {mb.samples[1]};
+  alone.tokens = 900;
+  absl::StatusOr<MicroBatchResult> a = ProbingRunner()->Run(alone, 5);
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(a->documents.size(), 1u);
+  EXPECT_EQ(a->documents[0], r->documents[2]);
+  // Without the probe: the estimate, and no documents.
+  absl::StatusOr<MicroBatchResult> estimate = Runner()->Run(mb, 5);
+  ASSERT_TRUE(estimate.ok());
+  EXPECT_TRUE(estimate->documents.empty());
+  EXPECT_EQ(estimate->recall_seconds, 0.0);
+  EXPECT_EQ(estimate->recall, estimate->estimated_recall);
+  EXPECT_NEAR(estimate->estimated_recall, r->estimated_recall, 1e-12);
+  // Bad options are named.
+  MicroBatchRunnerOptions bad;
+  bad.recall_rows = -2;
+  EXPECT_NE(MicroBatchRunner::Create("cpu", SmallShape(), bad)
+                .status()
+                .message()
+                .find("--recall_rows=-2"),
+            std::string::npos);
+}
+
 TEST(MicroBatchRunnerTest, ASampleThatCannotRunIsRefusedNamingIt) {
   std::unique_ptr<MicroBatchRunner> runner = Runner();
   auto refusal = [&](const MicroBatchPlan& mb) { return runner->Run(mb).status(); };
