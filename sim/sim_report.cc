@@ -560,10 +560,9 @@ std::string FormatTable(const SimReport& report) {
   absl::StrAppend(
       &out,
       "vs seq/vs flops: speedup of mean step time; imbalance: max/mean rank compute; "
-      "bubble: idle share\nof ranks x step time; density, recall (hidden true recall): "
-      "token-weighted; gap: planned "
-      "makespan over lower bound;\npred err: |predicted - measured| / measured rank time; "
-      "plan ms: planner wall time per step.\n");
+      "bubble: idle share\nof ranks x step time; density, recall: token-weighted (recall: the "
+      "hidden true recall);\ngap: planned makespan over lower bound; pred err: |predicted - "
+      "measured| / measured rank\ntime; plan ms: planner wall time per step.\n");
   AppendBucketTable(report, &out);
   return out;
 }
