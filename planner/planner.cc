@@ -27,6 +27,50 @@ absl::Status SampleError(size_t i, absl::string_view field, absl::string_view wh
   return absl::InvalidArgumentError(absl::StrCat("samples[", i, "].", field, ": ", what));
 }
 
+// Token-weighted predicted recall per length bucket of the documents of the samples with a
+// non-zero weight (`weights` empty: all); a bucket without documents gets -1.
+std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
+                                  const std::vector<double>& densities, const RecallModel& recall,
+                                  const std::vector<double>& weights) {
+  std::vector<double> weighted(kRecallBuckets, 0.0);
+  std::vector<double> tokens(kRecallBuckets, 0.0);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!weights.empty() && weights[i] == 0.0) continue;
+    const double r = recall.SampleRecall(batch[i], densities[i]);
+    auto add = [&](int64_t length) {
+      const int b = RecallBucket(length, recall.capacity());
+      weighted[b] += static_cast<double>(length) * r;
+      tokens[b] += static_cast<double>(length);
+    };
+    if (batch[i].segments.empty()) {
+      add(batch[i].length);
+    } else {
+      for (int64_t segment : batch[i].segments) add(segment);
+    }
+  }
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : -1.0;
+  }
+  return weighted;
+}
+
+// The per-bucket guard's minimums: each bucket's recall at the default densities less `margin`
+// (-1: a bucket without documents, unguarded).
+std::vector<double> BucketMinimums(const std::vector<double>& at_default, double margin) {
+  std::vector<double> minimum(at_default.size(), -1.0);
+  for (size_t b = 0; b < at_default.size(); ++b) {
+    if (at_default[b] >= 0) minimum[b] = at_default[b] - margin;
+  }
+  return minimum;
+}
+
+bool MeetsMinimums(const std::vector<double>& recall, const std::vector<double>& minimum) {
+  for (size_t b = 0; b < recall.size(); ++b) {
+    if (minimum[b] >= 0 && recall[b] < minimum[b] - 1e-12) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 double TokenWeightedRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
@@ -227,28 +271,49 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   std::vector<double> densities(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     densities[i] = BaseDensity(batch[i].sensitivity, config);
+    if (config.document_recall_floor > 0) {
+      // Every policy keeps the document recall floor (where density_max reaches it).
+      densities[i] =
+          std::max(densities[i],
+                   std::min(config.density_max, DensityForRecall(recall.SampleExponent(batch[i]),
+                                                                 config.document_recall_floor)));
+    }
   }
   const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
+  const bool guarded = tuned && config.dst_mode != DstMode::kMin;
   const std::vector<double> defaults = densities;
   const double default_recall = tuned ? TokenWeightedRecall(batch, defaults, recall) : 0.0;
   if (config.policy == Policy::kSparseBalance) {
-    densities = AllocateDensities(batch, config, model, recall, defaults, default_recall);
+    densities = AllocateDensities(batch, config, model, recall, defaults, default_recall,
+                                  /*per_bucket=*/guarded);
   }
   absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities);
   if (!assignment.ok()) return assignment.status();
   if (tuned) {
     // The recall every tuned plan keeps (but in kMin): that of the samples it places, at the
-    // default densities. Deferred samples do not count: they are planned next step.
+    // default densities, in total and per length bucket (less the bucket margin). Deferred
+    // samples do not count: they are planned next step.
     double keep = default_recall;
+    std::vector<double> placed;
     if (!assignment->deferred.empty()) {
-      std::vector<double> placed(batch.size(), 1.0);
+      placed.assign(batch.size(), 1.0);
       for (int i : assignment->deferred) placed[i] = 0.0;
       keep = TokenWeightedRecall(batch, defaults, recall, placed);
-      // The step-level allocation was made for the whole batch; if deferring left the placed
-      // samples with less recall than their defaults, tune from the defaults instead.
-      if (TokenWeightedRecall(batch, densities, recall, placed) < keep) densities = defaults;
     }
-    densities = TuneDensities(batch, *assignment, config, model, recall, densities, keep);
+    std::vector<double> minimum;
+    if (guarded) {
+      minimum = BucketMinimums(BucketRecalls(batch, defaults, recall, placed),
+                               config.bucket_recall_margin);
+    }
+    // The step-level allocation was made for the whole batch; if deferring left the placed
+    // samples with less recall than their defaults (in total), or a bucket below its minimum
+    // (a pre-packed sample's documents may sit in buckets other than the one it was allocated
+    // with), tune from the defaults instead: the guards' fallbacks need a base that meets them.
+    if ((!placed.empty() && TokenWeightedRecall(batch, densities, recall, placed) < keep) ||
+        (guarded && !MeetsMinimums(BucketRecalls(batch, densities, recall, placed), minimum))) {
+      densities = defaults;
+    }
+    densities = TuneDensities(batch, *assignment, config, model, recall, densities, keep, minimum);
   }
   return BuildPlan(batch, config, model, recall, *assignment, densities, defaults);
 }
@@ -340,6 +405,10 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     BucketRecallFigures& figures = buckets[b];
     if (figures.tokens == 0) continue;
     figures.bucket = b;
+    figures.label = RecallBucketLabel(b, config.micro_batch_capacity);
+    const LengthRange range = RecallBucketRange(b, config.micro_batch_capacity);
+    figures.length_min = range.min;
+    figures.length_max = range.max;
     figures.predicted_recall /= static_cast<double>(figures.tokens);
     figures.default_recall /= static_cast<double>(figures.tokens);
     plan.buckets.push_back(figures);

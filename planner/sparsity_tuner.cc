@@ -1,6 +1,7 @@
 #include "planner/sparsity_tuner.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -25,6 +26,10 @@ constexpr int kExactPasses = 4;
 // than a tenth of the recall still missing (near 1 any margin would force dense attention).
 constexpr double kAllocationRecallMargin = 1e-3;
 constexpr int kRecallGuardIterations = 8;
+// Rounds of the per-bucket guard: each raises the weight of the buckets still below their
+// minimum recall (x4), after which the buckets still below take back part of their cuts.
+constexpr int kTuneGuardRounds = 1;
+constexpr double kBucketWeightGrowth = 4.0;
 // Raised ranks stop kNoiseMarginZ typical model errors below the target, at most
 // kMaxNoiseMargin of it.
 constexpr double kNoiseMarginZ = 1.0;
@@ -55,8 +60,11 @@ struct Item {
   double inv_g1 = 0.0;     // 1 / (g - 1)
   double log_floor = 0.0;  // log(1 - floor)
   double log_base = 0.0;   // log(1 - base)
-  double offset = 0.0;     // log(per_block * tri / (weight * g)): where the multiplier sits
-  int doc_begin = 0;       // documents' query-block counts in `docs`
+  // log(per_block * tri / (weight * g)): where the multiplier sits. `offset` subtracts the log
+  // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
+  double offset = 0.0;
+  double price_offset = 0.0;
+  int doc_begin = 0;  // documents' query-block counts in `docs`
   int doc_end = 0;
 };
 
@@ -88,6 +96,8 @@ struct RankWork {
 struct TunerStorage {
   std::vector<Item> items;
   std::vector<int64_t> docs;  // query blocks per document
+  std::vector<int64_t> doc_tokens;
+  std::vector<int> doc_buckets;  // recall_model.h's length buckets
   bool in_use = false;
 };
 
@@ -107,6 +117,17 @@ class Tuner {
   // most recall there is); the recall reached goes to `achieved`.
   std::vector<double> SolveForRecall(double target, double* achieved) const;
   double Recall(const std::vector<double>& densities) const;
+  // Token-weighted recall per length bucket (0 for a bucket without documents).
+  std::array<double, kRecallBuckets> BucketRecall(const std::vector<double>& densities) const;
+  // Buckets whose recall at `densities` is below `minimum` (entries < 0: unguarded).
+  std::vector<int> ViolatedBuckets(const std::vector<double>& densities,
+                                   const std::vector<double>& minimum) const;
+  // Weights the recall of bucket b by 1 + extra[b] in the trade-off against time: the
+  // multipliers of the per-bucket guard's constraints.
+  void SetBucketWeights(const std::array<double, kRecallBuckets>& extra);
+  // Whether a sample has a document in one of `buckets`.
+  bool InBuckets(const Item& item, const std::vector<int>& buckets) const;
+  const std::vector<Item>& items() const { return storage_->items; }
   // Predicted rank time at each item's base (or floor) density.
   double RankSeconds(const RankWork& rank, bool at_floor) const;
   // The same with the blocks counted exactly.
@@ -142,6 +163,8 @@ class Tuner {
   TunerStorage own_;
   TunerStorage* storage_ = nullptr;
   std::vector<int64_t>& docs_;
+  std::vector<int64_t>& doc_tokens_;
+  std::vector<int>& doc_buckets_;
 };
 
 TunerStorage& SharedStorage() {
@@ -156,11 +179,15 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       config_(config),
       base_(base),
       storage_(SharedStorage().in_use ? &own_ : &SharedStorage()),
-      docs_(storage_->docs) {
+      docs_(storage_->docs),
+      doc_tokens_(storage_->doc_tokens),
+      doc_buckets_(storage_->doc_buckets) {
   storage_->in_use = true;
   std::vector<Item>& items = storage_->items;
   items.clear();
   docs_.clear();
+  doc_tokens_.clear();
+  doc_buckets_.clear();
   items.reserve(batch.size());
   docs_.reserve(batch.size());
   const CostCoefficients coef = model.coefficients();
@@ -183,9 +210,17 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         Item item;
         item.index = i;
         item.weight = static_cast<double>(s.length);
-        item.floor = std::min(DensityFloor(s.sensitivity, config), base[i]);
-        item.base = base[i];
         item.g_minus_1 = recall.SampleExponent(s) - 1.0;
+        // The sensitivity's floor, raised to the density that keeps the document recall floor
+        // (where density_max reaches it), never above base.
+        double floor = DensityFloor(s.sensitivity, config);
+        if (config.document_recall_floor > 0) {
+          floor = std::max(
+              floor, std::min(config.density_max, DensityForRecall(item.g_minus_1 + 1.0,
+                                                                   config.document_recall_floor)));
+        }
+        item.floor = std::min(floor, base[i]);
+        item.base = base[i];
         item.inv_g1 = 1.0 / item.g_minus_1;
         item.log_floor = DetLog(1.0 - std::min(item.floor, kAlmostDense));
         item.log_base = DetLog(1.0 - std::min(item.base, kAlmostDense));
@@ -194,6 +229,8 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         auto add_doc = [&](int64_t length) {
           const int64_t rows = QueryBlocks(length, block);
           docs_.push_back(rows);
+          doc_tokens_.push_back(length);
+          doc_buckets_.push_back(RecallBucket(length, config.micro_batch_capacity));
           triangle += 0.5 * static_cast<double>(rows) * static_cast<double>(rows + 1);
         };
         if (s.segments.empty()) {
@@ -205,7 +242,9 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         const double docs = static_cast<double>(item.doc_end - item.doc_begin);
         rank.fixed += coef.per_token * item.weight + coef.per_sample * docs;
         const double price = per_block_ * triangle;  // seconds per unit of density, about
-        item.offset = DetLog(std::max(price, 1e-300) / (item.weight * (item.g_minus_1 + 1.0)));
+        item.price_offset =
+            DetLog(std::max(price, 1e-300) / (item.weight * (item.g_minus_1 + 1.0)));
+        item.offset = item.price_offset;
         items.push_back(item);
       }
     }
@@ -500,6 +539,114 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   return densities;
 }
 
+std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
+  std::array<double, kRecallBuckets> weighted{};
+  std::array<double, kRecallBuckets> tokens{};
+  for (const Item& item : storage_->items) {
+    const double recall = RecallAt(item.g_minus_1 + 1.0, densities[item.index]);
+    for (int d = item.doc_begin; d < item.doc_end; ++d) {
+      const double w = static_cast<double>(doc_tokens_[d]);
+      weighted[doc_buckets_[d]] += w * recall;
+      tokens[doc_buckets_[d]] += w;
+    }
+  }
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : 0.0;
+  }
+  return weighted;
+}
+
+std::vector<int> Tuner::ViolatedBuckets(const std::vector<double>& densities,
+                                        const std::vector<double>& minimum) const {
+  std::vector<int> violated;
+  if (minimum.empty()) return violated;
+  const std::array<double, kRecallBuckets> recall = BucketRecall(densities);
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    // The slack absorbs summation order, as in TuneDensities' token-weighted guard.
+    if (minimum[b] >= 0 && recall[b] < minimum[b] - 1e-12) violated.push_back(b);
+  }
+  return violated;
+}
+
+void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
+  for (Item& item : storage_->items) {
+    double weighted = 0.0;
+    for (int d = item.doc_begin; d < item.doc_end; ++d) {
+      weighted += static_cast<double>(doc_tokens_[d]) * (1.0 + extra[doc_buckets_[d]]);
+    }
+    item.offset = item.price_offset - DetLog(weighted / item.weight);
+  }
+}
+
+int MainBucket(const Sample& sample, int64_t capacity) {
+  if (sample.segments.empty()) return RecallBucket(sample.length, capacity);
+  std::array<int64_t, kRecallBuckets> tokens{};
+  for (int64_t segment : sample.segments) tokens[RecallBucket(segment, capacity)] += segment;
+  return static_cast<int>(std::max_element(tokens.begin(), tokens.end()) - tokens.begin());
+}
+
+bool Tuner::InBuckets(const Item& item, const std::vector<int>& buckets) const {
+  for (int d = item.doc_begin; d < item.doc_end; ++d) {
+    if (std::find(buckets.begin(), buckets.end(), doc_buckets_[d]) != buckets.end()) return true;
+  }
+  return false;
+}
+
+// The per-bucket guard around a solve (DESIGN.md section 11). While some length bucket's recall
+// is below its minimum, that bucket's recall weighs more (x4 a round, the constraint's
+// multiplier) and the solve runs again, for kBucketGuardIterations rounds. Then each bucket still
+// below takes back part of its cuts: its samples below `base` move towards base by the least
+// share that meets the minimum. `base` meets every minimum (the callers make sure of it) and a
+// sample at or above base is not touched, so this always ends with every bucket guarded, and
+// never above base where it changes anything.
+template <typename Solve>
+std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimum,
+                                 const std::vector<double>& base, std::vector<double> densities,
+                                 int rounds, const Solve& solve) {
+  std::array<double, kRecallBuckets> extra{};
+  for (int round = 0; round < rounds; ++round) {
+    const std::vector<int> violated = tuner.ViolatedBuckets(densities, minimum);
+    if (violated.empty()) return densities;
+    for (int b : violated) extra[b] = extra[b] > 0 ? extra[b] * kBucketWeightGrowth : 1.0;
+    tuner.SetBucketWeights(extra);
+    densities = solve();
+  }
+  for (int pass = 0; pass < kRecallBuckets; ++pass) {
+    const std::vector<int> violated = tuner.ViolatedBuckets(densities, minimum);
+    if (violated.empty()) break;
+    const int bucket = violated.front();
+    const std::vector<int> only = {bucket};
+    std::vector<int> cut;  // items of the bucket below base
+    for (size_t k = 0; k < tuner.items().size(); ++k) {
+      const Item& item = tuner.items()[k];
+      if (densities[item.index] < base[item.index] && tuner.InBuckets(item, only)) {
+        cut.push_back(static_cast<int>(k));
+      }
+    }
+    const std::vector<double> cut_densities = densities;
+    auto restore = [&](double share, std::vector<double>* out) {
+      for (int k : cut) {
+        const int i = tuner.items()[k].index;
+        (*out)[i] = cut_densities[i] + share * (base[i] - cut_densities[i]);
+      }
+    };
+    double lo = 0.0;  // share of the cut taken back that still violates
+    double hi = 1.0;  // share that meets the minimum (all of it does)
+    std::vector<double> trial = densities;
+    for (int iter = 0; iter < kMaxSolverIterations && hi - lo > 1e-9; ++iter) {
+      const double mid = 0.5 * (lo + hi);
+      restore(mid, &trial);
+      if (tuner.BucketRecall(trial)[bucket] >= minimum[bucket] - 1e-12) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+    restore(hi, &densities);
+  }
+  return densities;
+}
+
 double Tuner::Recall(const std::vector<double>& densities) const {
   double weighted = 0.0;
   double tokens = 0.0;
@@ -516,24 +663,37 @@ double Tuner::Recall(const std::vector<double>& densities) const {
 
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
                                       const LatencyModel& model, const RecallModel& recall,
-                                      const std::vector<double>& base, double base_recall) {
-  Assignment all;
-  all.ranks.assign(1, std::vector<std::vector<int>>(1));
-  for (int i = 0; i < static_cast<int>(batch.size()); ++i) all.ranks[0][0].push_back(i);
-  Tuner tuner(batch, all, config, model, recall, base);
-  // Aim a little above: the per-rank tuning that follows moves densities away from this
-  // optimum, which costs a little recall (it is concave), and should not have to back off.
-  double achieved = 0.0;
-  const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - base_recall));
-  std::vector<double> densities = tuner.SolveForRecall(base_recall + margin, &achieved);
-  // Never hand back less recall than base (e.g. when even density_max cannot reach it).
-  return achieved >= base_recall ? densities : base;
+                                      const std::vector<double>& base, double base_recall,
+                                      bool per_bucket) {
+  // The samples solved together: all of them, or those of one length bucket at a time (a
+  // pre-packed sample goes with the bucket that holds most of its tokens).
+  std::vector<std::vector<int>> groups(per_bucket ? kRecallBuckets : 1);
+  for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
+    groups[per_bucket ? MainBucket(batch[i], config.micro_batch_capacity) : 0].push_back(i);
+  }
+  std::vector<double> densities = base;
+  for (const std::vector<int>& members : groups) {
+    if (members.empty()) continue;
+    Assignment group;
+    group.ranks.assign(1, std::vector<std::vector<int>>(1, members));
+    Tuner tuner(batch, group, config, model, recall, base);
+    const double keep = per_bucket ? tuner.Recall(base) : base_recall;
+    // Aim a little above: the per-rank tuning that follows moves densities away from this
+    // optimum, which costs a little recall (it is concave), and should not have to back off.
+    double achieved = 0.0;
+    const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - keep));
+    const std::vector<double> solved = tuner.SolveForRecall(keep + margin, &achieved);
+    // Never hand back less recall than base (e.g. when even density_max cannot reach it).
+    if (achieved < keep) continue;
+    for (int i : members) densities[i] = solved[i];
+  }
+  return densities;
 }
 
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const RecallModel& recall, const std::vector<double>& base,
-                                  double min_recall) {
+                                  double min_recall, const std::vector<double>& bucket_min_recall) {
   Tuner tuner(batch, assignment, config, model, recall, base);
   if (tuner.ranks().empty()) return base;
   // Rank times at base, blocks counted exactly (as the plan's figures count them: MAX mode
@@ -575,28 +735,36 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   // No rank can go below its floors, so the step cannot be faster than the slowest floor.
   target = std::min(std::max(target, at_floor_max), base_max);
   const bool cut = config.dst_mode != DstMode::kMax;
-  std::vector<double> densities = tuner.Solve(target, at_base, cut);
-  if (config.dst_mode == DstMode::kMin) return densities;
+  if (config.dst_mode == DstMode::kMin) return tuner.Solve(target, at_base, cut);
   // The slack absorbs summation order (the caller sums in batch order, the tuner by rank).
   const double base_recall = min_recall - 1e-12;
-  if (tuner.Recall(densities) >= base_recall) return densities;
-  // Cutting the stragglers lost more recall than raising the others won back: find the
-  // lowest target between this one and the base makespan (pure raising, which never loses
-  // recall) that keeps the recall.
-  double lo = target;
-  double hi = base_max;
-  std::vector<double> best = tuner.Solve(hi, at_base, cut);
-  for (int iter = 0; iter < kRecallGuardIterations; ++iter) {
-    const double mid = 0.5 * (lo + hi);
-    std::vector<double> candidate = tuner.Solve(mid, at_base, cut);
-    if (tuner.Recall(candidate) >= base_recall) {
-      hi = mid;
-      best = std::move(candidate);
-    } else {
-      lo = mid;
+  auto solve = [&] {
+    std::vector<double> densities = tuner.Solve(target, at_base, cut);
+    if (tuner.Recall(densities) >= base_recall) return densities;
+    // Cutting the stragglers lost more recall than raising the others won back: find the
+    // lowest target between this one and the base makespan (pure raising, which never loses
+    // recall) that keeps the recall.
+    double lo = target;
+    double hi = base_max;
+    std::vector<double> best = tuner.Solve(hi, at_base, cut);
+    for (int iter = 0; iter < kRecallGuardIterations; ++iter) {
+      const double mid = 0.5 * (lo + hi);
+      std::vector<double> candidate = tuner.Solve(mid, at_base, cut);
+      if (tuner.Recall(candidate) >= base_recall) {
+        hi = mid;
+        best = std::move(candidate);
+      } else {
+        lo = mid;
+      }
     }
-  }
-  return best;
+    return best;
+  };
+  std::vector<double> densities = solve();
+  if (bucket_min_recall.empty()) return densities;
+  // Each bucket's guard, then: its fallback only raises samples back to base (never above a
+  // rank's base time), which keeps the token-weighted recall too.
+  return GuardBuckets(tuner, bucket_min_recall, base, std::move(densities), kTuneGuardRounds,
+                      solve);
 }
 
 }  // namespace sparsebalance

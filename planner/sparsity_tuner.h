@@ -24,10 +24,14 @@ namespace sparsebalance {
 // whole batch: long,
 // insensitive documents go down, short or sensitive ones go up). `base_recall` is that
 // recall (TokenWeightedRecall of `base`, which the caller has already). Returns `base` when
-// no such densities exist.
+// no such densities exist. With `per_bucket` the same is done within each length bucket
+// (recall_model.h) on its own, each keeping its own recall at base: density moves between
+// documents of one bucket only (long ones pay most per unit of recall), so no bucket pays for
+// another (the per-bucket guard's step-level half).
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
                                       const LatencyModel& model, const RecallModel& recall,
-                                      const std::vector<double>& base, double base_recall);
+                                      const std::vector<double>& base, double base_recall,
+                                      bool per_bucket = false);
 
 // The per-rank half of DST: a density per batch sample (deferred samples keep `base`).
 //
@@ -39,10 +43,17 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
 // token-weighted recall of the result is at least `min_recall`, which must not exceed the
 // recall at `base` (pure raising, the fallback, never loses recall): if the target would
 // lose more, the target is raised until it does not.
+//
+// Both take the per-bucket guard: `bucket_min_recall` holds, per length bucket of
+// recall_model.h (kRecallBuckets entries; negative: unguarded; empty: no guard), the least
+// token-weighted recall the bucket's placed documents must keep, which `base` must meet. A
+// bucket below it gets more weight in the trade-off (the constraint's multiplier) until it
+// meets it; failing that, its samples keep at least their base densities. Not in kMin.
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const RecallModel& recall, const std::vector<double>& base,
-                                  double min_recall);
+                                  double min_recall,
+                                  const std::vector<double>& bucket_min_recall = {});
 
 }  // namespace sparsebalance
 

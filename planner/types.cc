@@ -124,6 +124,13 @@ absl::Status ValidateConfig(const PlannerConfig& c) {
   if (!(c.dst_quantile >= 0.0 && c.dst_quantile <= 1.0)) {
     return bad("dst_quantile", c.dst_quantile, "need [0, 1]");
   }
+  if (!(c.bucket_recall_margin >= 0.0 && c.bucket_recall_margin <= 1.0)) {
+    return bad("bucket_recall_margin", c.bucket_recall_margin,
+               "need [0, 1] (recall a length bucket may lose, e.g. 0.01 for one point)");
+  }
+  if (!(c.document_recall_floor >= 0.0 && c.document_recall_floor < 1.0)) {
+    return bad("document_recall_floor", c.document_recall_floor, "need [0, 1); 0 is no floor");
+  }
   return absl::OkStatus();
 }
 

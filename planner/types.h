@@ -170,12 +170,16 @@ struct MicroBatchTiming {
 // Predicted recall of one length bucket in a plan (recall_model.h's buckets).
 struct BucketRecallFigures {
   int bucket = 0;
+  std::string label;       // RecallBucketLabel, e.g. "8K-32K"
+  int64_t length_min = 0;  // tokens, inclusive (RecallBucketRange)
+  int64_t length_max = 0;
   int64_t tokens = 0;             // placed tokens of the bucket's documents
   double predicted_recall = 0.0;  // token-weighted, at the plan's densities
   double default_recall = 0.0;    // token-weighted, at the default (base) densities
   bool operator==(const BucketRecallFigures& o) const {
-    return bucket == o.bucket && tokens == o.tokens && predicted_recall == o.predicted_recall &&
-           default_recall == o.default_recall;
+    return bucket == o.bucket && label == o.label && length_min == o.length_min &&
+           length_max == o.length_max && tokens == o.tokens &&
+           predicted_recall == o.predicted_recall && default_recall == o.default_recall;
   }
 };
 

@@ -118,6 +118,8 @@ absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireL
   if (!mode.ok()) return mode.status();
   c.dst_mode = *mode;
   c.dst_quantile = in.dst_quantile();
+  if (in.has_bucket_recall_margin()) c.bucket_recall_margin = in.bucket_recall_margin();
+  c.document_recall_floor = in.document_recall_floor();
   absl::StatusOr<OverflowPolicy> overflow = OverflowFromProto(in.overflow(), "config.overflow");
   if (!overflow.ok()) return overflow.status();
   c.overflow = *overflow;
@@ -175,6 +177,8 @@ v1::JobConfig ConfigToProto(const JobSettings& settings) {
   out.set_dst_quantile(c.dst_quantile);
   out.set_overflow(OverflowToProto(c.overflow));
   out.set_history_steps(settings.history_steps);
+  out.set_bucket_recall_margin(c.bucket_recall_margin);
+  out.set_document_recall_floor(c.document_recall_floor);
   return out;
 }
 
@@ -186,6 +190,8 @@ absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequ
   c.density_min = in.density_min();
   c.density_max = in.density_max();
   c.density_default = in.density_default();
+  c.bucket_recall_margin = in.bucket_recall_margin();
+  c.document_recall_floor = in.document_recall_floor();
   out.values.history_steps = in.history_steps();
   out.fields.assign(request.update_mask().paths().begin(), request.update_mask().paths().end());
   for (const std::string& field : out.fields) {
@@ -252,7 +258,7 @@ void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out) {
 
 MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report) {
   return {report.micro_batch(), report.compute_seconds(),  report.attention_seconds(),
-          report.tokens(),      report.achieved_density(), report.recall()};
+          report.tokens(),      report.achieved_density(), report.recall(), {}, 0.0};
 }
 
 v1::PlanFigures FiguresToProto(const StepPlan& plan) {
@@ -264,6 +270,15 @@ v1::PlanFigures FiguresToProto(const StepPlan& plan) {
   out.set_bubble_ratio(plan.bubble_ratio);
   out.set_mean_density(plan.mean_density);
   out.set_predicted_recall(plan.predicted_recall);
+  for (const BucketRecallFigures& b : plan.buckets) {
+    v1::BucketRecall* bucket = out.add_buckets();
+    bucket->set_bucket(b.label);
+    bucket->set_length_min(b.length_min);
+    bucket->set_length_max(b.length_max);
+    bucket->set_tokens(b.tokens);
+    bucket->set_predicted_recall(b.predicted_recall);
+    bucket->set_default_recall(b.default_recall);
+  }
   return out;
 }
 

@@ -42,6 +42,8 @@ constexpr RuntimeSetting kRuntimeSettings[] = {
     {"density_max", &CopyPlannerSetting<&PlannerConfig::density_max>},
     {"density_default", &CopyPlannerSetting<&PlannerConfig::density_default>},
     {"overflow", &CopyPlannerSetting<&PlannerConfig::overflow>},
+    {"bucket_recall_margin", &CopyPlannerSetting<&PlannerConfig::bucket_recall_margin>},
+    {"document_recall_floor", &CopyPlannerSetting<&PlannerConfig::document_recall_floor>},
     {"history_steps", &CopyHistorySteps},
 };
 
@@ -128,6 +130,7 @@ StoredJob JobRegistry::Snapshot(const std::string& id, const Job& job) {
   out.settings = job.settings();
   out.model = job.model.state();
   out.prior = job.model.prior();
+  out.recall = job.recall.state();
   out.next_step = job.next_step;
   out.joined = job.joined;
   for (const auto& [step, record] : job.history) {
@@ -198,6 +201,12 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
   auto job = std::make_shared<Job>(*valid, stored.settings.history_steps, stored.prior);
   absl::MutexLock job_lock(&job->mu);
   job->model.set_state(stored.model);
+  // An older planner's snapshot has no recall model: the job starts learning it now.
+  if (!stored.recall.curves.empty()) {
+    if (absl::Status s = job->recall.set_state(stored.recall); !s.ok()) {
+      return absl::DataLossError(absl::StrCat("job.pb: ", s.message()));
+    }
+  }
   job->name = std::move(stored.name);
   job->token = std::move(stored.token);
   job->unfolded_steps = stored.unfolded_steps;
@@ -233,8 +242,9 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
     record.plan = std::make_shared<const StepPlan>(std::move(step.plan));
     record.folded = step.folded || folded.count(n) > 0;
     for (StoredReport& report : step.reports) {
-      if (absl::Status s = ValidateReport(*record.plan, report.rank, report.micro_batches,
-                                          report.wait_seconds, /*complete=*/false);
+      if (absl::Status s =
+              ValidateReport(*record.plan, report.rank, config.shape.layers, report.micro_batches,
+                             report.wait_seconds, /*complete=*/false);
           !s.ok()) {
         return absl::DataLossError(
             absl::StrCat("step-", n, ".reports: rank ", report.rank, ": ", s.message()));
@@ -419,8 +429,9 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
         "step: ", step, " would skip ", skipped, " steps after step ", job->next_step - 1,
         "; a planned_locally submit may skip at most ", options_.max_skipped_steps));
   }
-  absl::StatusOr<StepPlan> plan = planned_locally ? PlanStepLocally(batch, job->config)
-                                                  : PlanStep(batch, job->config, job->model);
+  absl::StatusOr<StepPlan> plan = planned_locally
+                                      ? PlanStepLocally(batch, job->config)
+                                      : PlanStep(batch, job->config, job->model, job->recall);
   if (!plan.ok()) return plan.status();
   StepRecord record;
   record.batch_fingerprint = BatchFingerprint(batch);
@@ -561,7 +572,8 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
     local = *std::move(planned);
   }
   if (absl::Status s = ValidateReport(local.has_value() ? *local : *record.plan, rank,
-                                      micro_batches, wait_seconds, /*complete=*/true);
+                                      job->config.get().shape.layers, micro_batches, wait_seconds,
+                                      /*complete=*/true);
       !s.ok()) {
     return s;
   }
@@ -603,6 +615,13 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
       observations.push_back(o);
     }
   }
+  // The recall model learns from the measured document recalls, independently of the latency
+  // model: a step whose times cannot be folded still says what its densities kept.
+  if (absl::Status s = FoldRecall(job, record); !s.ok()) {
+    ++job.unfolded_steps;
+    job.fold_failure = absl::StrCat("step ", step, ": recall: ", s.message()).substr(0, 1024);
+    if (options_.on_fold_failure) options_.on_fold_failure(id, step, s);
+  }
   const LatencyModelState before = job.model.state();
   if (absl::Status s = job.model.ObserveStep(std::move(observations)); !s.ok()) return fail(s);
   if (!StateFinite(job.model.state())) {
@@ -633,6 +652,35 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
   // No snapshot here: the next SubmitBatch writes one (the model with its folded marks), and
   // until then a restart refolds this step from its report log (Restore). Writing one per
   // fold cost a file create and rename (and ext4's flush-on-rename) per step.
+}
+
+absl::Status JobRegistry::FoldRecall(Job& job, const StepRecord& record) {
+  std::vector<RecallObservation> observations;
+  for (const auto& [rank, reports] : record.reports) {
+    for (const MicroBatchTiming& m : reports) {
+      const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
+      for (const DocumentRecallMeasurement& d : m.documents) {
+        // ValidateReport has checked that the sample is planned here and the document exists.
+        const PlannedSample* sample = nullptr;
+        for (const PlannedSample& p : planned.samples) {
+          if (p.id == d.sample_id) sample = &p;
+        }
+        if (sample == nullptr) continue;
+        const int64_t length =
+            sample->segments.empty() ? sample->length : sample->segments[d.document];
+        observations.push_back({length, -1, sample->density, d.recall});
+        for (size_t l = 0; l < d.layer_recall.size(); ++l) {
+          const double density = sample->layer_densities.size() == d.layer_recall.size()
+                                     ? sample->layer_densities[l]
+                                     : sample->density;
+          observations.push_back({length, static_cast<int>(l), density, d.layer_recall[l]});
+        }
+      }
+    }
+  }
+  // Steps without measurements (workers that do not measure) leave the curves as they are.
+  if (observations.empty()) return absl::OkStatus();
+  return job.recall.ObserveStep(observations);
 }
 
 absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,
@@ -719,6 +767,8 @@ JobView JobRegistry::View(const std::string& id, const Job& job) {
   v.speed_factors = job.model.speed_factors();
   v.coefficients = job.model.coefficients();
   v.steps_folded = job.model.state().steps_observed;
+  v.recall_curves = job.recall.Curves();
+  v.micro_batch_capacity = job.config.get().micro_batch_capacity;
   v.unfolded_steps = job.unfolded_steps;
   v.failure = job.fold_failure;
   return v;

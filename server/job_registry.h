@@ -86,7 +86,9 @@ struct JobView {
   std::shared_ptr<const StepPlan> last_plan;  // shared with the history: plans are immutable
   std::vector<double> speed_factors;
   CostCoefficients coefficients;
-  int64_t steps_folded = 0;    // fully reported steps the latency model has learned from
+  int64_t steps_folded = 0;  // fully reported steps the latency model has learned from
+  std::vector<RecallCurveSummary> recall_curves;  // the learned recall model's curves
+  int64_t micro_batch_capacity = 0;               // for the curves' bucket labels
   int64_t unfolded_steps = 0;  // fully reported steps that could not be folded (kept)
 };
 
@@ -197,7 +199,10 @@ class JobRegistry {
   };
   struct Job {
     Job(const ValidConfig& c, int history, const CostCoefficients& prior)
-        : config(c), history_steps(history), model(c.get().shape, c.get().ranks, prior) {}
+        : config(c),
+          history_steps(history),
+          model(c.get().shape, c.get().ranks, prior),
+          recall(c.get().micro_batch_capacity, c.get().shape.layers) {}
     // The settings as JobSettings (views, snapshots, replies).
     JobSettings settings() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
       return {config.get(), history_steps};
@@ -210,6 +215,8 @@ class JobRegistry {
     ValidConfig config ABSL_GUARDED_BY(mu);
     int history_steps ABSL_GUARDED_BY(mu);
     LatencyModel model ABSL_GUARDED_BY(mu);
+    // Learned from the workers' measured document recalls (recall_model.h).
+    RecallModel recall ABSL_GUARDED_BY(mu);
     std::vector<bool> joined ABSL_GUARDED_BY(mu);
     int64_t next_step ABSL_GUARDED_BY(mu) = 0;
     std::map<int64_t, StepRecord> history ABSL_GUARDED_BY(mu);
@@ -232,6 +239,9 @@ class JobRegistry {
   absl::Status Stored(absl::Status status) const;
   // Builds and validates one job from its files (Restore).
   absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
+  // Folds a fully reported step's measured document recalls into the job's recall model.
+  static absl::Status FoldRecall(Job& job, const StepRecord& record)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // Drops the oldest steps beyond history_steps (and their files).
   void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // What the store keeps of the job (its job.pb).

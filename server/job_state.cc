@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
+#include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "planner/planner.h"
@@ -27,7 +30,51 @@ bool StateFinite(const LatencyModelState& st) {
   return std::isfinite(st.rank_error_variance);
 }
 
-absl::Status ValidateReport(const StepPlan& plan, int rank,
+// The measured recalls of one micro-batch against its plan (see ValidateReport).
+absl::Status ValidateDocumentRecalls(const MicroBatchPlan& planned, int layers,
+                                     const std::vector<DocumentRecallMeasurement>& documents,
+                                     const std::string& where) {
+  std::map<uint64_t, size_t> documents_of;  // planned sample id -> its document count
+  for (const PlannedSample& p : planned.samples) {
+    documents_of[p.id] = p.segments.empty() ? 1 : p.segments.size();
+  }
+  std::set<std::pair<uint64_t, int>> seen;
+  for (size_t k = 0; k < documents.size(); ++k) {
+    const DocumentRecallMeasurement& d = documents[k];
+    auto error = [&](absl::string_view field, const auto&... what) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "[", k, "].", field, ": ", what...));
+    };
+    auto it = documents_of.find(d.sample_id);
+    if (it == documents_of.end()) {
+      return error("sample_id", d.sample_id, " is not planned in this micro-batch");
+    }
+    if (d.document < 0 || static_cast<size_t>(d.document) >= it->second) {
+      return error("document", d.document, " is outside [0, ", it->second, ") for sample id ",
+                   d.sample_id);
+    }
+    if (!seen.insert({d.sample_id, d.document}).second) {
+      return error("document", "sample id ", d.sample_id, " document ", d.document,
+                   " is reported twice");
+    }
+    if (!(d.recall >= 0.0 && d.recall <= 1.0)) {
+      return error("recall", d.recall, " is outside [0, 1]");
+    }
+    if (!d.layer_recall.empty() && static_cast<int>(d.layer_recall.size()) != layers) {
+      return error("layer_recall", d.layer_recall.size(), " values; give none or one per layer (",
+                   layers, ")");
+    }
+    for (size_t l = 0; l < d.layer_recall.size(); ++l) {
+      if (!(d.layer_recall[l] >= 0.0 && d.layer_recall[l] <= 1.0)) {
+        return error(absl::StrCat("layer_recall[", l, "]"), d.layer_recall[l],
+                     " is outside [0, 1]");
+      }
+    }
+    if (d.rows < 1) return error("rows", d.rows, "; at least 1 query row must be measured");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
                             const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
                             bool complete) {
   if (!std::isfinite(wait_seconds) || wait_seconds < 0 || wait_seconds > kMaxReportedSeconds) {
@@ -78,6 +125,17 @@ absl::Status ValidateReport(const StepPlan& plan, int rank,
     if (m.tokens != planned[m.micro_batch].tokens) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
+    }
+    if (!std::isfinite(m.recall_seconds) || m.recall_seconds < 0 ||
+        m.recall_seconds > kMaxReportedSeconds) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".recall_seconds: ", m.recall_seconds,
+                                                     " is not a finite number in [0, ",
+                                                     kMaxReportedSeconds, "]"));
+    }
+    if (absl::Status s = ValidateDocumentRecalls(planned[m.micro_batch], layers, m.documents,
+                                                 absl::StrCat(where, ".documents"));
+        !s.ok()) {
+      return s;
     }
   }
   if (complete) {
@@ -151,6 +209,13 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
   for (double f : {plan.makespan_seconds, plan.lower_bound_seconds, plan.gap, plan.imbalance_ratio,
                    plan.bubble_ratio, plan.mean_density, plan.predicted_recall}) {
     if (!std::isfinite(f)) return absl::DataLossError("the plan's figures are not finite");
+  }
+  for (BucketRecallFigures& b : plan.buckets) {
+    if (b.length_min < 1 || b.length_min > config.micro_batch_capacity ||
+        !std::isfinite(b.predicted_recall) || !std::isfinite(b.default_recall)) {
+      return absl::DataLossError("the plan's bucket recall figures are out of range");
+    }
+    b.bucket = RecallBucket(b.length_min, config.micro_batch_capacity);
   }
   return absl::OkStatus();
 }

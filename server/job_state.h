@@ -24,10 +24,12 @@ inline constexpr double kMaxReportedSeconds = 1e6;
 bool StateFinite(const LatencyModelState& state);
 
 // Checks one rank's report of a step against the step's plan: micro-batch indices, each
-// reported once, tokens as planned, times finite and bounded, density and recall in [0, 1];
-// with `complete`, every non-empty planned micro-batch must be there. INVALID_ARGUMENT whose
-// message names "micro_batches[k].<field>".
-absl::Status ValidateReport(const StepPlan& plan, int rank,
+// reported once, tokens as planned, times finite and bounded, density and recall in [0, 1],
+// measured document recalls for samples of that micro-batch's plan (each document once, its
+// index in range, recalls in [0, 1], layer_recall empty or one per model layer of `layers`,
+// rows >= 1); with `complete`, every non-empty planned micro-batch must be there.
+// INVALID_ARGUMENT whose message names "micro_batches[k].<field>".
+absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
                             const std::vector<MicroBatchTiming>& micro_batches, double wait_seconds,
                             bool complete);
 // Joins a plan read back from the state directory to its batch and checks it against the

@@ -60,6 +60,7 @@
 #include "absl/synchronization/mutex.h"
 #include "planner/latency_model.h"
 #include "planner/profile_table.h"
+#include "planner/recall_model.h"
 #include "planner/types.h"
 #include "proto/wire.h"
 
@@ -89,6 +90,7 @@ struct StoredJob {
   JobSettings settings;
   LatencyModelState model;  // the learned state, with `prior` enough to rebuild the model
   CostCoefficients prior;
+  RecallModelState recall;  // empty curves: none learned (an older planner's snapshot)
   int64_t next_step = 0;
   std::vector<bool> joined;           // per rank
   std::vector<int64_t> folded_steps;  // steps of the history whose reports are in the model

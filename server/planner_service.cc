@@ -60,6 +60,18 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
   out->set_failure(view.failure);
   out->set_unfolded_steps(view.unfolded_steps);
   out->set_steps_folded(view.steps_folded);
+  for (const RecallCurveSummary& c : view.recall_curves) {
+    v1::RecallCurve* curve = out->add_recall_curves();
+    curve->set_bucket(RecallBucketLabel(c.bucket, view.micro_batch_capacity));
+    const LengthRange range = RecallBucketRange(c.bucket, view.micro_batch_capacity);
+    curve->set_length_min(range.min);
+    curve->set_length_max(range.max);
+    if (c.layer.has_value()) curve->set_layer(*c.layer);
+    curve->set_exponent(c.exponent);
+    curve->set_documents(c.documents);
+    curve->set_measured_recall(c.measured_recall);
+    curve->set_measured_density(c.measured_density);
+  }
 }
 
 }  // namespace

@@ -85,6 +85,15 @@ state::v1::JobSnapshot EncodeJob(const StoredJob& job) {
   out.mutable_folded_steps()->Assign(job.folded_steps.begin(), job.folded_steps.end());
   out.set_unfolded_steps(job.unfolded_steps);
   out.set_fold_failure(job.fold_failure);
+  for (const RecallCurveSums& c : job.recall.curves) {
+    state::v1::RecallCurveSums* sums = out.mutable_recall()->add_curves();
+    sums->set_xx(c.xx);
+    sums->set_xy(c.xy);
+    sums->set_documents(c.documents);
+    sums->set_recall(c.recall);
+    sums->set_density(c.density);
+  }
+  out.mutable_recall()->set_steps_observed(job.recall.steps_observed);
   return out;
 }
 
@@ -106,6 +115,11 @@ absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in) {
   out.folded_steps.assign(in.folded_steps().begin(), in.folded_steps().end());
   out.unfolded_steps = in.unfolded_steps();
   out.fold_failure = in.fold_failure();
+  // The recall model's shape (layers) is checked against the job when it is restored.
+  for (const state::v1::RecallCurveSums& c : in.recall().curves()) {
+    out.recall.curves.push_back({c.xx(), c.xy(), c.documents(), c.recall(), c.density()});
+  }
+  out.recall.steps_observed = in.recall().steps_observed();
   return out;
 }
 
@@ -155,6 +169,17 @@ absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in
     plan.bubble_ratio = f.bubble_ratio();
     plan.mean_density = f.mean_density();
     plan.predicted_recall = f.predicted_recall();
+    for (const v1::BucketRecall& b : f.buckets()) {
+      BucketRecallFigures bucket;
+      // The bucket's index needs the job's capacity: ValidateStoredPlan sets it.
+      bucket.label = b.bucket();
+      bucket.length_min = b.length_min();
+      bucket.length_max = b.length_max();
+      bucket.tokens = b.tokens();
+      bucket.predicted_recall = b.predicted_recall();
+      bucket.default_recall = b.default_recall();
+      plan.buckets.push_back(std::move(bucket));
+    }
     plan.planned_locally = first.planned_locally();
   }
   plan.deferred_ids.assign(in.deferred_ids().begin(), in.deferred_ids().end());

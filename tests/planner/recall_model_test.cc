@@ -1,0 +1,229 @@
+// RecallModel: the prior without measurements, the fit per length bucket and layer, validation,
+// and the per-bucket recall guards PlanStep enforces with a learned model.
+#include "planner/recall_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+#include "planner/random.h"
+#include "tests/planner/random_cases.h"
+
+namespace sparsebalance {
+namespace {
+
+constexpr int64_t kCapacity = 131072;
+
+// Observations of documents of `length` whose true curve is 1 - (1 - rho)^g, measured at
+// densities spread over [0.05, 0.5] (where the planner plans; above, a large g keeps all but
+// 1e-4 of the mass and the fit only learns that g is large).
+std::vector<RecallObservation> Measured(int64_t length, double g, int count, int layer = -1) {
+  std::vector<RecallObservation> out;
+  for (int k = 0; k < count; ++k) {
+    const double rho = 0.05 + 0.45 * (k % 17) / 16.0;
+    out.push_back({length, layer, rho, RecallAt(g, rho)});
+  }
+  return out;
+}
+
+TEST(RecallBucketTest, FourContiguousBucketsCoverTheCapacity) {
+  EXPECT_EQ(RecallBucketLabel(0, kCapacity), "<2K");
+  EXPECT_EQ(RecallBucketLabel(1, kCapacity), "2K-8K");
+  EXPECT_EQ(RecallBucketLabel(2, kCapacity), "8K-32K");
+  EXPECT_EQ(RecallBucketLabel(3, kCapacity), "32K+");
+  for (int64_t capacity : {int64_t{1024}, int64_t{4096}, kCapacity, int64_t{1} << 20}) {
+    int64_t next = 1;
+    for (int b = 0; b < kRecallBuckets; ++b) {
+      const LengthRange range = RecallBucketRange(b, capacity);
+      EXPECT_EQ(range.min, next) << capacity << " bucket " << b;
+      EXPECT_GE(range.max, range.min);
+      EXPECT_EQ(RecallBucket(range.min, capacity), b);
+      EXPECT_EQ(RecallBucket(range.max, capacity), b);
+      next = range.max + 1;
+    }
+    EXPECT_EQ(next, capacity + 1);
+  }
+}
+
+TEST(RecallModelTest, WithoutMeasurementsTheSensitivityPriorDecides) {
+  const RecallModel model(kCapacity, 4);
+  for (double s : {0.0, 0.3, 1.0}) {
+    EXPECT_DOUBLE_EQ(model.Exponent(100000, s), RecallExponent(s));
+    EXPECT_DOUBLE_EQ(model.LayerExponent(1000, s, 2), RecallExponent(s));
+  }
+  EXPECT_FALSE(model.HasLayerCurves());
+}
+
+TEST(RecallModelTest, LearnsEachBucketsCurveFromMeasurementsAlone) {
+  RecallModel model(kCapacity, 4);
+  for (int step = 0; step < 30; ++step) {
+    std::vector<RecallObservation> obs = Measured(65536, 2.0, 200);     // long: sensitive
+    std::vector<RecallObservation> shorter = Measured(1024, 9.0, 200);  // short: tolerant
+    obs.insert(obs.end(), shorter.begin(), shorter.end());
+    ASSERT_TRUE(model.ObserveStep(obs).ok());
+  }
+  // The prior (g = 6 at sensitivity 0) weighs 16 documents against ~2,000 measured ones.
+  EXPECT_NEAR(model.Exponent(65536, 0.0), 2.0, 0.05);
+  EXPECT_NEAR(model.Exponent(1024, 0.0), 9.0, 0.05);
+  // Buckets nobody measured keep the prior.
+  EXPECT_DOUBLE_EQ(model.Exponent(4096, 0.0), RecallExponent(0.0));
+  // A trainer-given sensitivity no longer matters much once the bucket has measurements.
+  EXPECT_NEAR(model.Exponent(65536, 1.0), 2.0, 0.05);
+  const std::vector<RecallCurveSummary> curves = model.Curves();
+  ASSERT_EQ(curves.size(), static_cast<size_t>(kRecallBuckets));
+  EXPECT_GT(curves[3].documents, 1000.0);
+  EXPECT_EQ(curves[1].documents, 0.0);
+}
+
+TEST(RecallModelTest, LayerCurvesFallBackToTheBucketsCurve) {
+  RecallModel model(kCapacity, 2);
+  for (int step = 0; step < 20; ++step) {
+    std::vector<RecallObservation> obs = Measured(65536, 3.0, 100);
+    std::vector<RecallObservation> l0 = Measured(65536, 1.5, 100, /*layer=*/0);
+    obs.insert(obs.end(), l0.begin(), l0.end());
+    ASSERT_TRUE(model.ObserveStep(obs).ok());
+  }
+  EXPECT_TRUE(model.HasLayerCurves());
+  EXPECT_NEAR(model.LayerExponent(65536, 0.0, 0), 1.5, 0.05);
+  // Layer 1 was never measured on its own: the bucket's all-layer curve.
+  EXPECT_DOUBLE_EQ(model.LayerExponent(65536, 0.0, 1), model.Exponent(65536, 0.0));
+}
+
+TEST(RecallModelTest, OlderStepsAreForgotten) {
+  RecallModel model(kCapacity, 1);
+  for (int step = 0; step < 20; ++step)
+    ASSERT_TRUE(model.ObserveStep(Measured(65536, 2.0, 200)).ok());
+  for (int step = 0; step < 40; ++step)
+    ASSERT_TRUE(model.ObserveStep(Measured(65536, 5.0, 200)).ok());
+  EXPECT_NEAR(model.Exponent(65536, 0.0), 5.0, 0.1);
+}
+
+TEST(RecallModelTest, RefusesABadObservationNamingItAndKeepsTheState) {
+  RecallModel model(kCapacity, 4);
+  ASSERT_TRUE(model.ObserveStep(Measured(65536, 2.0, 10)).ok());
+  const RecallModelState before = model.state();
+  struct Bad {
+    RecallObservation o;
+    const char* field;
+  };
+  for (const Bad& bad : std::vector<Bad>{{{0, -1, 0.3, 0.5}, "observations[1].length"},
+                                         {{kCapacity + 1, -1, 0.3, 0.5}, "observations[1].length"},
+                                         {{100, 4, 0.3, 0.5}, "observations[1].layer"},
+                                         {{100, -2, 0.3, 0.5}, "observations[1].layer"},
+                                         {{100, -1, 0.0, 0.5}, "observations[1].density"},
+                                         {{100, -1, NAN, 0.5}, "observations[1].density"},
+                                         {{100, -1, 0.3, 1.5}, "observations[1].recall"},
+                                         {{100, -1, 0.3, NAN}, "observations[1].recall"}}) {
+    const absl::Status s = model.ObserveStep({{100, -1, 0.3, 0.5}, bad.o});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(bad.field), absl::string_view::npos) << s.message();
+    EXPECT_EQ(model.state().curves, before.curves);
+    EXPECT_EQ(model.state().steps_observed, before.steps_observed);
+  }
+  RecallModelState wrong = before;
+  wrong.curves.pop_back();
+  EXPECT_EQ(model.set_state(wrong).code(), absl::StatusCode::kInvalidArgument);
+  wrong = before;
+  wrong.curves[0].xx = INFINITY;
+  EXPECT_EQ(model.set_state(wrong).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A learned model in which long documents lose recall fast and short ones hardly at all: the
+// case where the token-weighted guard alone lets the long buckets pay for the speed-up.
+RecallModel LongDocumentsSensitive(const PlannerConfig& config) {
+  RecallModel model(config.micro_batch_capacity, config.shape.layers);
+  const double g[kRecallBuckets] = {12.0, 6.0, 2.5, 1.5};
+  for (int step = 0; step < 10; ++step) {
+    std::vector<RecallObservation> obs;
+    for (int b = 0; b < kRecallBuckets; ++b) {
+      const LengthRange range = RecallBucketRange(b, config.micro_batch_capacity);
+      std::vector<RecallObservation> m = Measured(range.min, g[b], 50);
+      obs.insert(obs.end(), m.begin(), m.end());
+    }
+    EXPECT_TRUE(model.ObserveStep(obs).ok());
+  }
+  return model;
+}
+
+// The largest drop of a bucket's predicted recall below its recall at the default density.
+double WorstBucketDrop(const StepPlan& plan) {
+  double worst = 0.0;
+  for (const BucketRecallFigures& b : plan.buckets) {
+    worst = std::max(worst, b.default_recall - b.predicted_recall);
+  }
+  return worst;
+}
+
+TEST(RecallGuardTest, NoLengthBucketLosesMoreThanTheMargin) {
+  test_util::FailureBudget budget;
+  double unguarded_worst = 0.0;
+  for (uint64_t seed = 1; seed <= 60; ++seed) {
+    test_util::RandomCase c = test_util::MakeRandomCase(seed, 400);
+    c.config.policy = Policy::kSparseBalance;
+    c.config.dst_mode = seed % 3 == 0 ? DstMode::kMax : DstMode::kMean;
+    const LatencyModel model = test_util::MakeModel(c.config, c.speed);
+    const RecallModel recall = LongDocumentsSensitive(c.config);
+    absl::StatusOr<ValidConfig> valid = ValidConfig::Check(c.config);
+    ASSERT_TRUE(valid.ok()) << valid.status();
+    absl::StatusOr<StepPlan> plan = PlanStep(c.batch, *valid, model, recall);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    budget.Run([&] {
+      EXPECT_LE(WorstBucketDrop(*plan), c.config.bucket_recall_margin + 1e-9) << "seed " << seed;
+      EXPECT_TRUE(CheckPlan(*plan, c.batch, c.config).ok());
+    });
+    // The same case without the bucket guard (margin 1: only the token-weighted guard).
+    PlannerConfig loose = c.config;
+    loose.bucket_recall_margin = 1.0;
+    absl::StatusOr<StepPlan> unguarded =
+        PlanStep(c.batch, *ValidConfig::Check(loose), model, recall);
+    ASSERT_TRUE(unguarded.ok());
+    unguarded_worst = std::max(unguarded_worst, WorstBucketDrop(*unguarded));
+  }
+  budget.Summarize();
+  // Without it some bucket does pay (so the check above can fail).
+  EXPECT_GT(unguarded_worst, 0.02);
+}
+
+TEST(RecallGuardTest, EveryDocumentKeepsTheRecallFloor) {
+  for (uint64_t seed = 1; seed <= 30; ++seed) {
+    test_util::RandomCase c = test_util::MakeRandomCase(seed, 300);
+    c.config.document_recall_floor = 0.6;
+    const RecallModel recall = LongDocumentsSensitive(c.config);
+    const LatencyModel model = test_util::MakeModel(c.config, c.speed);
+    for (Policy policy : {Policy::kSequential, Policy::kSparseBalance}) {
+      c.config.policy = policy;
+      absl::StatusOr<StepPlan> plan =
+          PlanStep(c.batch, *ValidConfig::Check(c.config), model, recall);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      for (const RankPlan& rank : plan->ranks) {
+        for (const MicroBatchPlan& mb : rank.micro_batches) {
+          for (const PlannedSample& p : mb.samples) {
+            const Sample* s = nullptr;
+            for (const Sample& b : c.batch) {
+              if (b.id == p.id) s = &b;
+            }
+            ASSERT_NE(s, nullptr);
+            if (p.density >= c.config.density_max) continue;  // the floor is out of reach
+            EXPECT_GE(recall.SampleRecall(*s, p.density), 0.6 - 1e-9)
+                << "seed " << seed << " policy " << PolicyName(policy) << " id " << p.id;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(RecallGuardTest, ConfigRefusesAMarginOrFloorOutOfRange) {
+  PlannerConfig config;
+  config.bucket_recall_margin = -0.1;
+  EXPECT_NE(ValidateConfig(config).message().find("bucket_recall_margin"), absl::string_view::npos);
+  config.bucket_recall_margin = 0.01;
+  config.document_recall_floor = 1.0;
+  EXPECT_NE(ValidateConfig(config).message().find("document_recall_floor"),
+            absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace sparsebalance
