@@ -56,6 +56,11 @@ ABSL_FLAG(int, recall_rows, sparsebalance::SimOptions().recall_rows,
           "query rows a simulated worker measures each document's recall on: the measurement "
           "noise is sqrt(r (1 - r) / rows)");
 // Planner
+ABSL_FLAG(double, bucket_recall_margin, sparsebalance::SimOptions().bucket_recall_margin,
+          "recall guard: no length bucket's predicted recall may fall more than this below its "
+          "recall at the default density (1 turns the guard off)");
+ABSL_FLAG(double, document_recall_floor, sparsebalance::SimOptions().document_recall_floor,
+          "recall guard: each document's predicted recall at least this, in [0, 1); 0 = off");
 ABSL_FLAG(std::string, policies, sparsebalance::AllPolicyNames(),
           "the policies to compare, comma-separated, from "
           "sequential,tokens,flops,sab,dst,sparsebalance");
@@ -158,6 +163,8 @@ SimOptions OptionsFromFlags() {
   }
   o.sensitivity_prior = *sensitivity_prior;
   o.recall_rows = absl::GetFlag(FLAGS_recall_rows);
+  o.bucket_recall_margin = absl::GetFlag(FLAGS_bucket_recall_margin);
+  o.document_recall_floor = absl::GetFlag(FLAGS_document_recall_floor);
   if (o.recall_rows < 1) tools::UsageError("--recall_rows must be at least 1");
   o.policies.clear();
   const std::string policies = absl::GetFlag(FLAGS_policies);

@@ -108,6 +108,8 @@ Json ScenarioJson(const SimScenario& s) {
   out["cost_truth"] = s.cost_truth;
   out["sensitivity_prior"] = s.sensitivity_prior;
   out["recall_rows"] = s.recall_rows;
+  out["bucket_recall_margin"] = s.bucket_recall_margin;
+  out["document_recall_floor"] = s.document_recall_floor;
   return out;
 }
 
@@ -474,8 +476,10 @@ std::string ScenarioDetails(const SimScenario& s) {
       "%.3f, min %.3f",
       s.mode, s.slow_ranks, s.slow_factor, s.noise, s.seed, s.density_default, s.density_min);
   if (!s.cost_truth.empty()) {
-    absl::StrAppend(&out, absl::StrFormat("; cost truth %s; sensitivity prior %s; recall rows %d",
-                                          s.cost_truth, s.sensitivity_prior, s.recall_rows));
+    absl::StrAppend(&out, absl::StrFormat("; cost truth %s; sensitivity prior %s; recall rows %d; "
+                                          "bucket recall margin %.3f, document floor %.3f",
+                                          s.cost_truth, s.sensitivity_prior, s.recall_rows,
+                                          s.bucket_recall_margin, s.document_recall_floor));
   }
   return out;
 }
@@ -524,7 +528,9 @@ void AppendBucketTable(const SimReport& report, std::string* out) {
     row.push_back(
         absl::StrCat(TableFixed3(r.mean_recall), "/", TableFixed3(r.mean_predicted_recall)));
     if (sequential != nullptr) {
-      row.push_back(std::isfinite(worst) ? absl::StrFormat("%+.2f pt", 100.0 * worst) : "-");
+      // A difference that rounds to zero prints as +0.00, not -0.00.
+      const double points = std::fabs(100.0 * worst) < 0.005 ? 0.0 : 100.0 * worst;
+      row.push_back(std::isfinite(worst) ? absl::StrFormat("%+.2f pt", points) : "-");
     }
     rows.push_back(row);
   }

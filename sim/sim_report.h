@@ -28,9 +28,11 @@ struct SimScenario {
   uint64_t seed = 0;
   double density_default = 0.0;
   double density_min = 0.0;
-  std::string cost_truth;         // "efficiency" or "linear"
-  std::string sensitivity_prior;  // "none", "true" or "noisy:SD"
-  int recall_rows = 0;            // query rows per simulated recall measurement
+  std::string cost_truth;             // "efficiency" or "linear"
+  std::string sensitivity_prior;      // "none", "true" or "noisy:SD"
+  int recall_rows = 0;                // query rows per simulated recall measurement
+  double bucket_recall_margin = 0.0;  // the planner's recall guards
+  double document_recall_floor = 0.0;
 };
 
 // Recall of one length bucket (planner/recall_model.h's buckets) under one policy, over all

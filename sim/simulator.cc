@@ -238,6 +238,8 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   planner_config.dst_mode = o.mode;
   planner_config.dst_quantile = o.quantile;
   planner_config.overflow = OverflowPolicy::kDefer;
+  planner_config.bucket_recall_margin = o.bucket_recall_margin;
+  planner_config.document_recall_floor = o.document_recall_floor;
   if (absl::Status s = ValidateConfig(planner_config); !s.ok()) return s;
   if (o.steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
   if (!(o.fill > 0.0 && o.fill <= 1.0)) return absl::InvalidArgumentError("--fill needs (0, 1]");
@@ -439,6 +441,8 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
                              ? "true"
                              : absl::StrFormat("noisy:%g", o.sensitivity_noise);
   sc.recall_rows = o.recall_rows;
+  sc.bucket_recall_margin = o.bucket_recall_margin;
+  sc.document_recall_floor = o.document_recall_floor;
   double sequential_mean = 0.0;
   double flops_mean = 0.0;
   for (PolicyRun& run : runs) {

@@ -89,6 +89,9 @@ struct SimOptions {
   SensitivityPrior sensitivity_prior = SensitivityPrior::kNone;
   double sensitivity_noise = 0.0;  // SD of kNoisy
   int recall_rows = 32;            // query rows a worker measures recall on, per document
+  // The planner's recall guards (PlannerConfig): 1 turns the bucket guard off.
+  double bucket_recall_margin = PlannerConfig().bucket_recall_margin;
+  double document_recall_floor = PlannerConfig().document_recall_floor;
   // Prior: when set, the latency model starts from this measured table; otherwise from a
   // synthetic table made from the truth with attention time x0.6 and linear time x1.4.
   bool has_profile = false;

@@ -10,7 +10,8 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 help=$("$sim" --help || true)  # Abseil ends --help with exit 1
 for flag in trace pack ranks micro_batches capacity fill steps policies mode slow_ranks \
             slow_factor noise seed json svg profile density density_min layers heads head_dim \
-            block local_blocks attention_ratio cost_truth sensitivity_prior recall_rows; do
+            block local_blocks attention_ratio cost_truth sensitivity_prior recall_rows \
+            bucket_recall_margin document_recall_floor; do
   grep -q -- "--$flag" <<<"$help" || fail "--help does not document --$flag"
 done
 
@@ -30,6 +31,9 @@ expect_error "quantile" --mode=quantile:2
 expect_error "--cost_truth=cubic" --cost_truth=cubic
 expect_error "--sensitivity_prior=noisy:-1" --sensitivity_prior=noisy:-1
 expect_error "--recall_rows" --recall_rows=0
+# A guard outside the planner's range is the planner's config error (exit 1), naming the field.
+if out=$("$sim" --bucket_recall_margin=2 --steps=1 2>&1); then fail "--bucket_recall_margin=2 ran"; fi
+grep -q "config.bucket_recall_margin" <<<"$out" || fail "--bucket_recall_margin=2 said '$out'"
 grep -q "recall_true(rho) = a + (1 - a - m) x^beta" <<<"$help" || fail "--help lacks the recall truth"
 printf '4096\n# comment\n8192 0.5\nabc\n' > "$tmp/trace.txt"
 expect_error "trace line 4" --trace="$tmp/trace.txt"

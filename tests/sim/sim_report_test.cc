@@ -344,7 +344,8 @@ TEST(FormatJsonTest, ParsesAndHasEveryField) {
             (std::vector<std::string>{"trace", "pack_length", "ranks", "micro_batches", "capacity",
                                       "fill", "steps", "mode", "slow_ranks", "slow_factor", "noise",
                                       "seed", "density_default", "density_min", "cost_truth",
-                                      "sensitivity_prior", "recall_rows"}));
+                                      "sensitivity_prior", "recall_rows", "bucket_recall_margin",
+                                      "document_recall_floor"}));
   EXPECT_EQ(scenario["mode"], "quantile:0.75");
   EXPECT_EQ(scenario["capacity"], 131072);
 
