@@ -98,7 +98,7 @@ TEST_P(S1BarsTest, PoliciesMeetTheirBars) {
   EXPECT_NEAR(sb.speedup_vs_sequential, seq.mean_step_seconds / sb.mean_step_seconds, 1e-12);
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, S1BarsTest, ::testing::Values(1, 2, 3));
+INSTANTIATE_TEST_SUITE_P(Seeds, S1BarsTest, ::testing::Values(1, 2, 3, 4, 5));
 
 TEST(SimulatorTest, SlowRankIsFoundAndSparseBalanceOutrunsSequential) {
   SimOptions o = S1(1);
