@@ -46,7 +46,21 @@ ABSL_FLAG(double, slow_factor, sparsebalance::SimOptions().slow_factor,
           "ground-truth slowdown of the --slow_ranks");
 ABSL_FLAG(double, noise, sparsebalance::SimOptions().noise,
           "multiplicative noise per micro-batch, standard deviation");
+ABSL_FLAG(std::string, cost_truth, "efficiency",
+          "hidden cost: efficiency (outside the latency model's class, see Cost truth below) "
+          "or linear (the model's own form)");
+ABSL_FLAG(std::string, sensitivity_prior, "none",
+          "what the planner is told of each document's hidden sensitivity: none (0), true, or "
+          "noisy:SD (true plus normal noise of standard deviation SD, clamped to [0, 1])");
+ABSL_FLAG(int, recall_rows, sparsebalance::SimOptions().recall_rows,
+          "query rows a simulated worker measures each document's recall on: the measurement "
+          "noise is sqrt(r (1 - r) / rows)");
 // Planner
+ABSL_FLAG(double, bucket_recall_margin, sparsebalance::SimOptions().bucket_recall_margin,
+          "recall guard: no length bucket's predicted recall may fall more than this below its "
+          "recall at the default density (1 turns the guard off)");
+ABSL_FLAG(double, document_recall_floor, sparsebalance::SimOptions().document_recall_floor,
+          "recall guard: each document's predicted recall at least this, in [0, 1); 0 = off");
 ABSL_FLAG(std::string, policies, sparsebalance::AllPolicyNames(),
           "the policies to compare, comma-separated, from "
           "sequential,tokens,flops,sab,dst,sparsebalance");
@@ -83,22 +97,42 @@ time and attention recall, side by side.
 
   sb-sim [--flag=value ...]            (--flag value works too; flag names use _)
 
-Cost model (the hidden ground truth the simulator "runs")
-  t(micro-batch on rank r) = h_r * ( sum_docs [a*A(L, rho) + b*L + d] + c ) * (1 + noise*z)
+The simulator's truth is hidden: the planner learns cost from measured micro-batch times and
+recall from measured document recall, as it would in a real job.
+
+Cost truth (--cost_truth=efficiency, the default)
+  t(micro-batch on rank r) = h_r * ( sum_docs [ATT(L, rho) + b*L + d(L)] + c ) * (1 + noise*z)
+  ATT(L, rho) = a*A(L, rho) * (1/3 (1 + 0.15 (1 - rho)) + 2/3 (1 + 0.8 (1 - rho)))
+                            * (1 + 0.5 exp(-L/4096))
+  (forward is a third of dense attention, backward two thirds; sparse backward gains less than
+  forward, short documents cost more per block); d(L) = 1 ms + 2 ms sqrt(L/128K).
   A(L, rho) = active key blocks of causal block-sparse attention (DESIGN.md section 4):
   k_i = clamp(ceil(rho*(i+1)), anchors_i, i+1) per query block, anchors = sink + diagonal +
   local blocks. b = 1e-4 s/token; a such that a*A(128K, 1) = attention_ratio * b * 128K;
-  d = 2 ms per document; c = 50 ms per micro-batch; h_r = slow_factor on slow ranks, else 1;
-  z standard normal. The planner never sees a, b, c, d or h: it starts from a profile table
-  (synthetic: attention x0.6 and linear x1.4 of the truth) and learns from the measured times.
+  c = 50 ms per micro-batch; h_r = slow_factor on slow ranks, else 1; z standard normal.
+  --cost_truth=linear: ATT = a*A(L, rho), d = 2 ms (the latency model's own form). The planner
+  never sees any of it: it starts from a profile table (synthetic: attention x0.6 and linear
+  x1.4 of the truth) and learns from the measured times.
 
-Recall model
-  recall(doc) = 1 - (1 - rho)^g(s), g(s) = 1.25 + 4.75*(1 - s)^2 for sensitivity s; mean recall
-  is token-weighted. DST floors: density_min + s*(1 - density_min).
+Recall truth (hidden; not the planner's form 1 - (1 - rho)^g)
+  Each document (L tokens, hidden sensitivity s: the trace's, else Beta(1, 8)) draws
+    u = clamp(log2(L/1K), 0, 7)/7
+    anchor mass   a    = clamp((0.55 - 0.35u)(1 - 0.5s) exp(0.3 z1), 0.02, 0.9)
+    concentration beta = clamp((0.12 + 0.18u)(1 + 1.5s) exp(0.3 z2), 0.04, 0.95)
+    needle ("answer far back"), with probability 0.03 (L < 8K), 0.12 (8K-32K), 0.35 (32K+),
+      plus 0.3s: mass m ~ U(0.04, 0.16) kept only once x >= tau, tau ~ U(0.25, 0.6)
+    recall_true(rho) = a + (1 - a - m) x^beta + m [x >= tau]
+  x = share of the non-anchor key blocks that density rho keeps. Long documents are more
+  sensitive than short ones. The planner is told s only with --sensitivity_prior; it learns
+  its curves (planner/recall_model.h) from simulated reports: each placed document's
+  recall_true(rho) plus N(0, r(1 - r)/rows) noise, rows = min(--recall_rows, L). Reported
+  recall is the hidden true recall, token-weighted, in all and per length bucket, next to the
+  planner's prediction. DST floors: density_min + s*(1 - density_min) for the s it is told.
 
 Columns: step = mean step time (slowest rank, seconds); imbalance = max/mean rank compute;
 bubble = idle share of ranks x step time; gap = planned makespan over the lower bound
-(median); pred err = median |predicted - measured| / measured rank time after step 20.
+(median); recall = hidden true recall (true/predicted per length bucket in the second table);
+pred err = median |predicted - measured| / measured rank time after step 20.
 
 Example (scenario S1 of the README):
   sb-sim --trace=pretrain --ranks=32 --micro_batches=4 --capacity=131072 --fill=0.85)";
@@ -117,6 +151,21 @@ SimOptions OptionsFromFlags() {
   o.slow_ranks = absl::GetFlag(FLAGS_slow_ranks);
   o.slow_factor = absl::GetFlag(FLAGS_slow_factor);
   o.noise = absl::GetFlag(FLAGS_noise);
+  const std::string cost_truth = absl::GetFlag(FLAGS_cost_truth);
+  absl::StatusOr<CostTruth> truth = ParseCostTruth(cost_truth);
+  if (!truth.ok()) tools::UsageError(std::string(truth.status().message()));
+  o.cost_truth = *truth;
+  const std::string prior = absl::GetFlag(FLAGS_sensitivity_prior);
+  absl::StatusOr<SensitivityPrior> sensitivity_prior =
+      ParseSensitivityPrior(prior, &o.sensitivity_noise);
+  if (!sensitivity_prior.ok()) {
+    tools::UsageError(std::string(sensitivity_prior.status().message()));
+  }
+  o.sensitivity_prior = *sensitivity_prior;
+  o.recall_rows = absl::GetFlag(FLAGS_recall_rows);
+  o.bucket_recall_margin = absl::GetFlag(FLAGS_bucket_recall_margin);
+  o.document_recall_floor = absl::GetFlag(FLAGS_document_recall_floor);
+  if (o.recall_rows < 1) tools::UsageError("--recall_rows must be at least 1");
   o.policies.clear();
   const std::string policies = absl::GetFlag(FLAGS_policies);
   for (absl::string_view p : absl::StrSplit(policies, ',', absl::SkipEmpty())) {

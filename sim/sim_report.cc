@@ -105,6 +105,11 @@ Json ScenarioJson(const SimScenario& s) {
   out["seed"] = s.seed;
   out["density_default"] = s.density_default;
   out["density_min"] = s.density_min;
+  out["cost_truth"] = s.cost_truth;
+  out["sensitivity_prior"] = s.sensitivity_prior;
+  out["recall_rows"] = s.recall_rows;
+  out["bucket_recall_margin"] = s.bucket_recall_margin;
+  out["document_recall_floor"] = s.document_recall_floor;
   return out;
 }
 
@@ -118,6 +123,20 @@ Json ResultJson(const PolicyResult& r) {
   out["bubble_ratio"] = r.bubble_ratio;
   out["mean_density"] = r.mean_density;
   out["mean_recall"] = r.mean_recall;
+  out["mean_predicted_recall"] = r.mean_predicted_recall;
+  out["buckets"] = Json::array();
+  for (const BucketRecallResult& b : r.buckets) {
+    Json bucket;
+    bucket["bucket"] = b.bucket;
+    bucket["label"] = b.label;
+    bucket["tokens"] = b.tokens;
+    bucket["true_recall"] = b.true_recall;
+    bucket["predicted_recall"] = b.predicted_recall;
+    bucket["learned_exponent"] = b.learned_exponent;
+    bucket["truth_exponent"] = b.truth_exponent;
+    bucket["prior_exponent"] = b.prior_exponent;
+    out["buckets"].push_back(bucket);
+  }
   out["median_gap"] = r.median_gap;
   out["median_prediction_error"] = r.median_prediction_error;
   out["mean_plan_seconds"] = r.mean_plan_seconds;
@@ -452,10 +471,75 @@ std::string ScenarioSummary(const SimScenario& s) {
 }
 
 std::string ScenarioDetails(const SimScenario& s) {
-  return absl::StrFormat(
+  std::string out = absl::StrFormat(
       "DST mode %s; %d slow ranks at speed factor %.2f; noise %.3f; seed %d; density default "
       "%.3f, min %.3f",
       s.mode, s.slow_ranks, s.slow_factor, s.noise, s.seed, s.density_default, s.density_min);
+  if (!s.cost_truth.empty()) {
+    absl::StrAppend(&out, absl::StrFormat("; cost truth %s; sensitivity prior %s; recall rows %d; "
+                                          "bucket recall margin %.3f, document floor %.3f",
+                                          s.cost_truth, s.sensitivity_prior, s.recall_rows,
+                                          s.bucket_recall_margin, s.document_recall_floor));
+  }
+  return out;
+}
+
+// The per-bucket recall table: for each policy and length bucket the hidden true recall and,
+// after a slash, the planner's predicted recall; then the worst bucket's true recall minus
+// sequential's (points), when sequential ran. Buckets no policy placed tokens in are left out.
+void AppendBucketTable(const SimReport& report, std::string* out) {
+  std::vector<int> shown;
+  const PolicyResult* sequential = nullptr;
+  for (const PolicyResult& r : report.results) {
+    if (r.policy == Policy::kSequential) sequential = &r;
+  }
+  if (report.results.empty()) return;
+  const size_t buckets = report.results.front().buckets.size();
+  for (size_t b = 0; b < buckets; ++b) {
+    bool any = false;
+    for (const PolicyResult& r : report.results) {
+      any = any || (b < r.buckets.size() && r.buckets[b].tokens > 0.0);
+    }
+    if (any) shown.push_back(static_cast<int>(b));
+  }
+  if (shown.empty()) return;
+  std::vector<std::string> header = {"policy"};
+  for (int b : shown) {
+    header.push_back(absl::StrCat("recall ", report.results.front().buckets[b].label));
+  }
+  header.push_back("all");
+  if (sequential != nullptr) header.push_back("worst vs seq");
+  std::vector<std::vector<std::string>> rows = {header};
+  for (const PolicyResult& r : report.results) {
+    std::vector<std::string> row = {std::string(PolicyName(r.policy))};
+    double worst = std::numeric_limits<double>::infinity();
+    for (int b : shown) {
+      if (static_cast<size_t>(b) >= r.buckets.size() || !(r.buckets[b].tokens > 0.0)) {
+        row.push_back("-");
+        continue;
+      }
+      const BucketRecallResult& x = r.buckets[b];
+      row.push_back(absl::StrCat(TableFixed3(x.true_recall), "/", TableFixed3(x.predicted_recall)));
+      if (sequential != nullptr && static_cast<size_t>(b) < sequential->buckets.size() &&
+          sequential->buckets[b].tokens > 0.0) {
+        worst = std::min(worst, x.true_recall - sequential->buckets[b].true_recall);
+      }
+    }
+    row.push_back(
+        absl::StrCat(TableFixed3(r.mean_recall), "/", TableFixed3(r.mean_predicted_recall)));
+    if (sequential != nullptr) {
+      // A difference that rounds to zero prints as +0.00, not -0.00.
+      const double points = std::fabs(100.0 * worst) < 0.005 ? 0.0 : 100.0 * worst;
+      row.push_back(std::isfinite(worst) ? absl::StrFormat("%+.2f pt", points) : "-");
+    }
+    rows.push_back(row);
+  }
+  absl::StrAppend(out, "\n");
+  AppendAlignedRows(rows, out);
+  absl::StrAppend(out,
+                  "recall per length bucket: hidden true recall / planner's predicted recall, "
+                  "token-weighted over\nall steps; worst vs seq: lowest bucket's true recall "
+                  "minus sequential's.\n");
 }
 
 }  // namespace
@@ -482,9 +566,10 @@ std::string FormatTable(const SimReport& report) {
   absl::StrAppend(
       &out,
       "vs seq/vs flops: speedup of mean step time; imbalance: max/mean rank compute; "
-      "bubble: idle share\nof ranks x step time; density, recall: token-weighted; gap: planned "
-      "makespan over lower bound;\npred err: |predicted - measured| / measured rank time; "
-      "plan ms: planner wall time per step.\n");
+      "bubble: idle share\nof ranks x step time; density, recall: token-weighted (recall: the "
+      "hidden true recall);\ngap: planned makespan over lower bound; pred err: |predicted - "
+      "measured| / measured rank\ntime; plan ms: planner wall time per step.\n");
+  AppendBucketTable(report, &out);
   return out;
 }
 

@@ -28,6 +28,27 @@ struct SimScenario {
   uint64_t seed = 0;
   double density_default = 0.0;
   double density_min = 0.0;
+  std::string cost_truth;             // "efficiency" or "linear"
+  std::string sensitivity_prior;      // "none", "true" or "noisy:SD"
+  int recall_rows = 0;                // query rows per simulated recall measurement
+  double bucket_recall_margin = 0.0;  // the planner's recall guards
+  double document_recall_floor = 0.0;
+};
+
+// Recall of one length bucket (planner/recall_model.h's buckets) under one policy, over all
+// steps: the hidden truth next to the planner's prediction at planning time.
+struct BucketRecallResult {
+  int bucket = 0;
+  std::string label;              // RecallBucketLabel, e.g. "32K+"
+  double tokens = 0.0;            // placed tokens of the bucket's documents, all steps
+  double true_recall = 0.0;       // token-weighted hidden true recall (0 without tokens)
+  double predicted_recall = 0.0;  // token-weighted, the planner's recall model when planning
+  // g of the planner's learned curve at the end (all layers, sensitivity 0), and the g a
+  // least-squares fit of the planner's form to the noise-free true recall at the densities
+  // this policy planned would give (what a perfect learner of that form reaches).
+  double learned_exponent = 0.0;
+  double truth_exponent = 0.0;
+  double prior_exponent = 0.0;  // g the planner started from (sensitivity 0)
 };
 
 // Results of one policy, measured by the simulator's hidden ground truth.
@@ -40,7 +61,9 @@ struct PolicyResult {
   double imbalance_ratio = 0.0;               // mean over steps of max/mean rank compute
   double bubble_ratio = 0.0;                  // mean over steps of idle / (ranks x step time)
   double mean_density = 0.0;                  // token-weighted, over all steps
-  double mean_recall = 0.0;                   // token-weighted, simulator's recall model
+  double mean_recall = 0.0;                   // token-weighted hidden TRUE recall, over all steps
+  double mean_predicted_recall = 0.0;         // token-weighted, the planner's recall model
+  std::vector<BucketRecallResult> buckets;    // all kRecallBuckets, ascending
   double median_gap = 0.0;                    // median over steps of planned makespan / bound - 1
   double median_prediction_error = 0.0;       // median |predicted - measured| / measured rank time,
                                               // over steps after the warm-up (see sb-sim --help)
@@ -56,7 +79,8 @@ struct SimReport {
   std::vector<PolicyResult> results;  // in the order the policies were requested
 };
 
-// A fixed-width table, one row per policy, with a header line describing the scenario.
+// A fixed-width table, one row per policy, with a header line describing the scenario, then a
+// second table of true (and predicted) recall per length bucket for each policy.
 std::string FormatTable(const SimReport& report);
 // The whole report as a JSON object (scenario, then results with every field above).
 std::string FormatJson(const SimReport& report);

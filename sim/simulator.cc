@@ -1,19 +1,26 @@
 #include "sim/simulator.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "contract/block_geometry.h"
 #include "contract/step_figures.h"
+#include "planner/det_math.h"
 #include "planner/latency_model.h"
 #include "planner/planner.h"
 #include "planner/random.h"
+#include "planner/recall_model.h"
 
 namespace sparsebalance {
 namespace {
@@ -22,14 +29,45 @@ namespace {
 constexpr double kMinNoiseFactor = 0.5;
 
 // What one policy accumulates over the run.
-struct PolicyRun {
-  PolicyRun(Policy policy, const PlannerConfig& config, const CostCoefficients& prior)
-      : policy(policy), config(config), model(config.shape, config.ranks, prior) {
-    this->config.policy = policy;
+// The same kept-share transform and clamps as planner/recall_model.cc's fit, so that the
+// truth's best g is what that fit would reach without noise.
+constexpr double kFitRecallClamp = 1e-4;
+constexpr double kFitMaxDensity = 0.95;
+
+// Least-squares sums of log(1 - recall) = g log(1 - rho) (see RecallModel).
+struct ExponentFit {
+  double xx = 0.0;
+  double xy = 0.0;
+  void Add(double density, double recall) {
+    if (density > kFitMaxDensity) return;
+    const double x = DetLog(1.0 - density);
+    const double y = DetLog(std::max(1.0 - recall, kFitRecallClamp));
+    xx += x * x;
+    xy += x * y;
   }
+  double Exponent() const {
+    return xx > 0.0 ? std::clamp(xy / xx, kLearnedExponentMin, kLearnedExponentMax) : 0.0;
+  }
+};
+
+struct BucketTotals {
+  double tokens = 0.0;
+  double true_recall = 0.0;       // sum of tokens x recall
+  double predicted_recall = 0.0;  // sum of tokens x recall
+  ExponentFit truth_fit;
+};
+
+struct PolicyRun {
+  PolicyRun(Policy policy, const ValidConfig& config, const CostCoefficients& prior)
+      : policy(policy),
+        config(config),
+        model(config.get().shape, config.get().ranks, prior),
+        recall(config.get().micro_batch_capacity, config.get().shape.layers) {}
   Policy policy;
-  PlannerConfig config;
+  ValidConfig config;
   LatencyModel model;
+  RecallModel recall;
+  std::array<BucketTotals, kRecallBuckets> buckets{};
   std::vector<Sample> carried;  // deferred samples for the next step
   PolicyResult result;
   std::vector<double> imbalance;
@@ -40,9 +78,116 @@ struct PolicyRun {
   double tokens = 0.0;
   double weighted_density = 0.0;
   double weighted_recall = 0.0;
+  double weighted_predicted_recall = 0.0;
 };
 
+// Seconds of the attention of one document of the efficiency truth, over a A(L, rho).
+double EfficiencyFactor(int64_t length, double density) {
+  const double sparse = 1.0 - std::clamp(density, 0.0, 1.0);
+  const double forward = 1.0 + 0.15 * sparse;
+  const double backward = 1.0 + 0.8 * sparse;
+  const double short_document = 1.0 + 0.5 * DetExp(-static_cast<double>(length) / 4096.0);
+  return (forward / 3.0 + 2.0 * backward / 3.0) * short_document;
+}
+
+// The density the hidden truth runs of a planned sample in one layer (-1: its `density`).
+double LayerDensity(const PlannedSample& p, int layer) {
+  return layer < 0 ? p.density : p.layer_densities[static_cast<size_t>(layer)];
+}
+
 }  // namespace
+
+absl::string_view CostTruthName(CostTruth truth) {
+  return truth == CostTruth::kLinear ? "linear" : "efficiency";
+}
+
+absl::StatusOr<CostTruth> ParseCostTruth(absl::string_view text) {
+  if (text == "linear") return CostTruth::kLinear;
+  if (text == "efficiency") return CostTruth::kEfficiency;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--cost_truth=", text, ": want linear or efficiency"));
+}
+
+absl::StatusOr<SensitivityPrior> ParseSensitivityPrior(absl::string_view text, double* sd) {
+  if (text == "none") return SensitivityPrior::kNone;
+  if (text == "true") return SensitivityPrior::kTrue;
+  if (absl::StartsWith(text, "noisy:")) {
+    double value = 0.0;
+    if (absl::SimpleAtod(text.substr(6), &value) && value >= 0.0 && std::isfinite(value)) {
+      *sd = value;
+      return SensitivityPrior::kNoisy;
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--sensitivity_prior=", text, ": want none, true or noisy:SD with SD a number >= 0"));
+}
+
+namespace {
+
+// The truth's attention seconds of one document at one density (all layers, fwd + bwd).
+double TrueAttentionSeconds(const SimOptions& o, const CostCoefficients& c, int64_t length,
+                            double density) {
+  const double blocks =
+      static_cast<double>(ActiveBlocks(length, density, o.shape.block_size, o.shape.local_blocks));
+  if (o.cost_truth == CostTruth::kLinear) return c.per_block * blocks;
+  return c.per_block * blocks * EfficiencyFactor(length, density);
+}
+
+// The truth's seconds of one document outside attention.
+double TrueOtherSeconds(const SimOptions& o, const CostCoefficients& c, int64_t length) {
+  const double tokens = static_cast<double>(length);
+  if (o.cost_truth == CostTruth::kLinear) return c.per_token * tokens + c.per_sample;
+  return c.per_token * tokens + 1e-3 + 2e-3 * std::sqrt(tokens / 131072.0);
+}
+
+}  // namespace
+
+double TrueDocumentSeconds(const SimOptions& o, int64_t length, double density) {
+  const CostCoefficients c = GroundTruthCoefficients(o);
+  return TrueAttentionSeconds(o, c, length, density) + TrueOtherSeconds(o, c, length);
+}
+
+HiddenRecallCurve DrawHiddenRecallCurve(uint64_t seed, uint64_t sample_id, int document,
+                                        int64_t length, double sensitivity) {
+  Rng rng(Rng::Mix(Rng::Mix(Rng::Mix(seed, 0x7265636c /* "recl" */), sample_id),
+                   static_cast<uint64_t>(document)));
+  const double s = std::clamp(sensitivity, 0.0, 1.0);
+  const double u =
+      std::clamp(DetLog(static_cast<double>(length) / 1024.0) / DetLog(2.0), 0.0, 7.0) / 7.0;
+  HiddenRecallCurve c;
+  const double z1 = rng.Normal();
+  const double z2 = rng.Normal();
+  c.anchor = std::clamp((0.55 - 0.35 * u) * (1.0 - 0.5 * s) * DetExp(0.3 * z1), 0.02, 0.9);
+  c.concentration = std::clamp((0.12 + 0.18 * u) * (1.0 + 1.5 * s) * DetExp(0.3 * z2), 0.04, 0.95);
+  const double p_needle = (length < 8192 ? 0.03 : length < 32768 ? 0.12 : 0.35) + 0.3 * s;
+  const double draw = rng.Uniform();
+  const double mass = 0.04 + 0.12 * rng.Uniform();
+  const double threshold = 0.25 + 0.35 * rng.Uniform();
+  if (draw < p_needle) {
+    c.needle = std::min(mass, 1.0 - c.anchor);
+    c.needle_threshold = threshold;
+  }
+  return c;
+}
+
+double KeptShare(int64_t length, double density, const ModelShape& shape) {
+  const double all =
+      static_cast<double>(ActiveBlocks(length, 1.0, shape.block_size, shape.local_blocks));
+  const double anchors =
+      static_cast<double>(ActiveBlocks(length, 1e-9, shape.block_size, shape.local_blocks));
+  if (all <= anchors) return 1.0;
+  const double kept =
+      static_cast<double>(ActiveBlocks(length, density, shape.block_size, shape.local_blocks));
+  return std::clamp((kept - anchors) / (all - anchors), 0.0, 1.0);
+}
+
+double TrueRecall(const HiddenRecallCurve& c, double x) {
+  x = std::clamp(x, 0.0, 1.0);
+  const double spread = x > 0.0 ? DetPow(x, c.concentration) : 0.0;
+  const double recall =
+      c.anchor + (1.0 - c.anchor - c.needle) * spread + (x >= c.needle_threshold ? c.needle : 0.0);
+  return std::clamp(recall, 0.0, 1.0);
+}
 
 CostCoefficients GroundTruthCoefficients(const SimOptions& o) {
   CostCoefficients truth;
@@ -63,11 +208,9 @@ ProfileTable SyntheticProfile(const SimOptions& o) {
   const double layers = o.shape.layers;
   for (int64_t length : {4096, 16384, 65536, 131072}) {
     for (double density : {1.0, 0.5, 0.3, 0.1}) {
-      const double blocks = static_cast<double>(
-          ActiveBlocks(length, density, o.shape.block_size, o.shape.local_blocks));
-      const double seconds =
-          (0.6 * truth.per_block * blocks + 1.4 * truth.per_token * static_cast<double>(length)) /
-          layers;
+      const double seconds = (0.6 * TrueAttentionSeconds(o, truth, length, density) +
+                              1.4 * truth.per_token * static_cast<double>(length)) /
+                             layers;
       table.rows.push_back({length, density, seconds});
     }
   }
@@ -84,33 +227,36 @@ std::vector<int> SlowRanks(const SimOptions& o) {
 }
 
 absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
-  PlannerConfig config;
-  config.ranks = o.ranks;
-  config.micro_batches = o.micro_batches;
-  config.micro_batch_capacity = o.capacity;
-  config.shape = o.shape;
-  config.density_default = o.density_default;
-  config.density_min = o.density_min;
-  config.density_max = o.density_max;
-  config.dst_mode = o.mode;
-  config.dst_quantile = o.quantile;
-  config.overflow = OverflowPolicy::kDefer;
-  if (absl::Status s = ValidateConfig(config); !s.ok()) return s;
+  PlannerConfig planner_config;
+  planner_config.ranks = o.ranks;
+  planner_config.micro_batches = o.micro_batches;
+  planner_config.micro_batch_capacity = o.capacity;
+  planner_config.shape = o.shape;
+  planner_config.density_default = o.density_default;
+  planner_config.density_min = o.density_min;
+  planner_config.density_max = o.density_max;
+  planner_config.dst_mode = o.mode;
+  planner_config.dst_quantile = o.quantile;
+  planner_config.overflow = OverflowPolicy::kDefer;
+  planner_config.bucket_recall_margin = o.bucket_recall_margin;
+  planner_config.document_recall_floor = o.document_recall_floor;
+  if (absl::Status s = ValidateConfig(planner_config); !s.ok()) return s;
   if (o.steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
   if (!(o.fill > 0.0 && o.fill <= 1.0)) return absl::InvalidArgumentError("--fill needs (0, 1]");
   if (!(o.noise >= 0.0 && o.noise < 1.0)) return absl::InvalidArgumentError("--noise needs [0, 1)");
   if (!(o.slow_factor > 0.0)) return absl::InvalidArgumentError("--slow_factor needs > 0");
   if (o.policies.empty()) return absl::InvalidArgumentError("--policies names no policy");
+  if (o.recall_rows < 1) return absl::InvalidArgumentError("--recall_rows must be at least 1");
+  if (!(o.sensitivity_noise >= 0.0 && std::isfinite(o.sensitivity_noise))) {
+    return absl::InvalidArgumentError("--sensitivity_prior=noisy:SD needs SD >= 0");
+  }
 
   absl::StatusOr<CostCoefficients> prior =
       FitProfile(o.has_profile ? o.profile : SyntheticProfile(o), o.shape);
   if (!prior.ok()) return prior.status();
   const CostCoefficients truth_coef = GroundTruthCoefficients(o);
-  // The truth is a latency model that never learns, with the hidden speed factors.
-  LatencyModel truth(o.shape, o.ranks, truth_coef);
-  LatencyModelState truth_state = truth.state();
-  for (int r : SlowRanks(o)) truth_state.speed_factors[r] = o.slow_factor;
-  truth.set_state(truth_state);
+  std::vector<double> speed(o.ranks, 1.0);  // hidden speed factors
+  for (int r : SlowRanks(o)) speed[r] = o.slow_factor;
 
   absl::StatusOr<TraceGenerator> generator =
       o.trace_records.empty() ? TraceGenerator::Builtin(o.trace, o.seed)
@@ -128,16 +274,38 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
 
   std::vector<PolicyRun> runs;
   runs.reserve(o.policies.size());
-  for (Policy p : o.policies) runs.emplace_back(p, config, *prior);
+  for (Policy p : o.policies) {
+    PlannerConfig c = planner_config;
+    c.policy = p;
+    absl::StatusOr<ValidConfig> valid = ValidConfig::Check(c);
+    if (!valid.ok()) return valid.status();
+    runs.emplace_back(p, *valid, *prior);
+  }
+  // Hidden sensitivity of every sample drawn so far (deferred samples come back later).
+  std::unordered_map<uint64_t, double> hidden_sensitivity;
 
   for (int step = 0; step < o.steps; ++step) {
     std::vector<Sample> fresh = generator->NextBatch(budget);
-    // Documents longer than a micro-batch cannot be trained on as they are; a real pipeline
-    // truncates them, and so does the simulator.
     for (Sample& s : fresh) {
+      // Documents longer than a micro-batch cannot be trained on as they are; a real pipeline
+      // truncates them, and so does the simulator.
       if (s.length > o.capacity) {
         s.length = o.capacity;
         s.segments.clear();
+      }
+      // The planner is told the sensitivity only as --sensitivity_prior says.
+      hidden_sensitivity[s.id] = s.sensitivity;
+      switch (o.sensitivity_prior) {
+        case SensitivityPrior::kNone:
+          s.sensitivity = 0.0;
+          break;
+        case SensitivityPrior::kTrue:
+          break;
+        case SensitivityPrior::kNoisy: {
+          Rng rng(Rng::Mix(Rng::Mix(o.seed, 0x70726972 /* "prir" */), s.id));
+          s.sensitivity = std::clamp(s.sensitivity + o.sensitivity_noise * rng.Normal(), 0.0, 1.0);
+          break;
+        }
       }
     }
     for (size_t p = 0; p < runs.size(); ++p) {
@@ -149,7 +317,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       for (const Sample& s : batch) by_id[s.id] = &s;
 
       const auto start = std::chrono::steady_clock::now();
-      absl::StatusOr<StepPlan> plan = PlanStep(batch, run.config, run.model);
+      absl::StatusOr<StepPlan> plan = PlanStep(batch, run.config, run.model, run.recall);
       run.plan_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (!plan.ok()) {
@@ -159,12 +327,15 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       }
       for (uint64_t id : plan->deferred_ids) run.carried.push_back(*by_id[id]);
 
-      // Execute with the hidden truth, noise per micro-batch from a stream that depends on
-      // the seed, the step and the policy only (not on which other policies run), so a
-      // policy's figures are the same whatever --policies lists.
+      // Execute with the hidden truth. Noise per micro-batch and per recall measurement comes
+      // from streams that depend on the seed, the step and the policy only (not on which other
+      // policies run), so a policy's figures are the same whatever --policies lists.
       Rng noise(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 1000),
                          static_cast<uint64_t>(run.policy)));
+      Rng measurement(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 500000),
+                               static_cast<uint64_t>(run.policy)));
       std::vector<Observation> observations;
+      std::vector<RecallObservation> recall_observations;
       std::vector<double> compute(o.ranks, 0.0);
       double placed_tokens = 0.0;
       std::vector<std::vector<double>> timeline(o.ranks);
@@ -172,26 +343,59 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
         const RankPlan& rank = plan->ranks[r];
         for (size_t m = 0; m < rank.micro_batches.size(); ++m) {
           const MicroBatchPlan& mb = rank.micro_batches[m];
-          const MicroBatchFeatures features = truth.PlanFeatures(mb);
-          for (const PlannedSample& p : mb.samples) {
-            const double w = static_cast<double>(p.length);
-            placed_tokens += w;
-            run.weighted_density += w * p.density;
+          double truth_seconds = 0.0;
+          for (const PlannedSample& ps : mb.samples) {
+            const Sample& sample = *by_id[ps.id];
+            const double planner_sensitivity = sample.sensitivity;
+            const double sensitivity = hidden_sensitivity[ps.id];
+            const int layers = ps.layer_densities.empty() ? 0 : o.shape.layers;
+            const std::vector<int64_t> documents = ps.Documents();
+            for (size_t d = 0; d < documents.size(); ++d) {
+              const int64_t length = documents[d];
+              const double w = static_cast<double>(length);
+              const HiddenRecallCurve curve =
+                  DrawHiddenRecallCurve(o.seed, ps.id, static_cast<int>(d), length, sensitivity);
+              // Cost and recall in every layer: one pass at `density`, or the layers' mean.
+              double recall = 0.0;
+              double attention = 0.0;
+              const int passes = std::max(layers, 1);
+              for (int l = 0; l < passes; ++l) {
+                const double rho = LayerDensity(ps, layers > 0 ? l : -1);
+                recall += TrueRecall(curve, KeptShare(length, rho, o.shape));
+                attention += TrueAttentionSeconds(o, truth_coef, length, rho);
+              }
+              recall /= passes;
+              attention /= passes;
+              truth_seconds += attention + TrueOtherSeconds(o, truth_coef, length);
+              const double predicted =
+                  RecallAt(run.recall.Exponent(length, planner_sensitivity), ps.density);
+              run.weighted_density += w * ps.density;
+              run.weighted_recall += w * recall;
+              run.weighted_predicted_recall += w * predicted;
+              placed_tokens += w;
+              BucketTotals& bucket = run.buckets[RecallBucket(length, o.capacity)];
+              bucket.tokens += w;
+              bucket.true_recall += w * recall;
+              bucket.predicted_recall += w * predicted;
+              bucket.truth_fit.Add(ps.density, recall);
+              // The worker's measurement: the mean over a few sampled query rows.
+              const double rows = static_cast<double>(std::min<int64_t>(o.recall_rows, length));
+              const double sd = std::sqrt(recall * (1.0 - recall) / rows);
+              const double measured = std::clamp(recall + sd * measurement.Normal(), 0.0, 1.0);
+              recall_observations.push_back({length, -1, ps.density, measured});
+            }
           }
           double seconds = 0.0;
           if (!mb.samples.empty()) {
             const double factor = std::max(kMinNoiseFactor, 1.0 + o.noise * noise.Normal());
-            seconds = truth.PredictSeconds(r, features) * factor;
-            observations.push_back({r, static_cast<int>(m), features, seconds});
+            seconds = speed[r] * (truth_seconds + truth_coef.per_micro_batch) * factor;
+            observations.push_back({r, static_cast<int>(m), run.model.PlanFeatures(mb), seconds});
           }
           compute[r] += seconds;
           timeline[r].push_back(seconds);
         }
       }
-      // Recall is the planner's recall model (there is no hidden truth for it): the plan's
-      // token-weighted prediction over the samples it placed.
       run.tokens += placed_tokens;
-      run.weighted_recall += plan->predicted_recall * placed_tokens;
       const double step_seconds = *std::max_element(compute.begin(), compute.end());
       run.result.step_seconds.push_back(step_seconds);
       run.imbalance.push_back(ImbalanceRatio(compute));
@@ -210,6 +414,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
         run.result.timeline_step_seconds = step_seconds;
       }
       if (absl::Status s = run.model.ObserveStep(std::move(observations)); !s.ok()) return s;
+      if (absl::Status s = run.recall.ObserveStep(recall_observations); !s.ok()) return s;
     }
   }
 
@@ -230,6 +435,14 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   sc.seed = o.seed;
   sc.density_default = o.density_default;
   sc.density_min = o.density_min;
+  sc.cost_truth = std::string(CostTruthName(o.cost_truth));
+  sc.sensitivity_prior = o.sensitivity_prior == SensitivityPrior::kNone ? "none"
+                         : o.sensitivity_prior == SensitivityPrior::kTrue
+                             ? "true"
+                             : absl::StrFormat("noisy:%g", o.sensitivity_noise);
+  sc.recall_rows = o.recall_rows;
+  sc.bucket_recall_margin = o.bucket_recall_margin;
+  sc.document_recall_floor = o.document_recall_floor;
   double sequential_mean = 0.0;
   double flops_mean = 0.0;
   for (PolicyRun& run : runs) {
@@ -247,6 +460,20 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
     r.bubble_ratio = mean_of(run.bubble);
     r.mean_density = run.tokens > 0 ? run.weighted_density / run.tokens : 0.0;
     r.mean_recall = run.tokens > 0 ? run.weighted_recall / run.tokens : 0.0;
+    r.mean_predicted_recall = run.tokens > 0 ? run.weighted_predicted_recall / run.tokens : 0.0;
+    for (int b = 0; b < kRecallBuckets; ++b) {
+      const BucketTotals& t = run.buckets[b];
+      BucketRecallResult out;
+      out.bucket = b;
+      out.label = RecallBucketLabel(b, o.capacity);
+      out.tokens = t.tokens;
+      out.true_recall = t.tokens > 0 ? t.true_recall / t.tokens : 0.0;
+      out.predicted_recall = t.tokens > 0 ? t.predicted_recall / t.tokens : 0.0;
+      out.learned_exponent = run.recall.Exponent(RecallBucketRange(b, o.capacity).min, 0.0);
+      out.truth_exponent = t.truth_fit.Exponent();
+      out.prior_exponent = RecallExponent(0.0);
+      r.buckets.push_back(out);
+    }
     r.median_gap = Quantile(run.gaps, 0.5);
     r.median_prediction_error = Quantile(run.errors, 0.5);
     r.mean_plan_seconds = run.plan_seconds / o.steps;

@@ -174,6 +174,9 @@ SimReport MakeReport(int ranks, int micro_batches, int steps, const std::vector<
   s.seed = 7;
   s.density_default = 0.3;
   s.density_min = 0.05;
+  s.cost_truth = "efficiency";
+  s.sensitivity_prior = "noisy:0.1";
+  s.recall_rows = 32;
   for (int p = 0; p < static_cast<int>(policies.size()); ++p) {
     PolicyResult r;
     r.policy = policies[p];
@@ -187,6 +190,20 @@ SimReport MakeReport(int ranks, int micro_batches, int steps, const std::vector<
     r.bubble_ratio = 0.2 - 0.02 * p;
     r.mean_density = 0.3;
     r.mean_recall = 0.95;
+    r.mean_predicted_recall = 0.9;
+    // Two buckets with tokens (2K-8K and 32K+), two without.
+    for (int b = 0; b < 4; ++b) {
+      BucketRecallResult bucket;
+      bucket.bucket = b;
+      bucket.label = std::vector<std::string>{"<2K", "2K-8K", "8K-32K", "32K+"}[b];
+      bucket.tokens = b % 2 == 1 ? 1000.0 * b : 0.0;
+      bucket.true_recall = b % 2 == 1 ? 0.9 + 0.01 * b - 0.02 * p : 0.0;
+      bucket.predicted_recall = b % 2 == 1 ? 0.85 : 0.0;
+      bucket.learned_exponent = 4.0;
+      bucket.truth_exponent = 3.5;
+      bucket.prior_exponent = 6.0;
+      r.buckets.push_back(bucket);
+    }
     r.median_gap = 0.04;
     r.median_prediction_error = 0.03;
     r.mean_plan_seconds = 0.0012;
@@ -272,22 +289,46 @@ TEST(FormatTableTest, RowsAreAlignedToTheRule) {
   report.results[0].mean_step_seconds = 1234.5;  // a wide cell must widen its column
   const std::string table = FormatTable(report);
   std::vector<absl::string_view> lines = absl::StrSplit(table, '\n');
-  size_t rule = 0;
-  while (rule < lines.size() && !absl::StartsWith(lines[rule], "---")) ++rule;
-  ASSERT_LT(rule, lines.size()) << table;
-  ASSERT_GE(rule, 1u);
-  const size_t width = lines[rule].size();
-  EXPECT_EQ(lines[rule - 1].size(), width) << "header\n" << table;
-  for (Policy policy : AllPolicies()) {
-    bool found = false;
-    for (absl::string_view line : lines) {
-      if (absl::StartsWith(line, absl::StrCat(PolicyName(policy), " "))) {
-        EXPECT_EQ(line.size(), width) << line;
-        found = true;
-      }
+  // Two tables (step figures, then recall per bucket), each with its header over a rule and
+  // one row per policy as wide as the rule.
+  int tables = 0;
+  for (size_t rule = 1; rule < lines.size(); ++rule) {
+    if (!absl::StartsWith(lines[rule], "---")) continue;
+    ++tables;
+    const size_t width = lines[rule].size();
+    EXPECT_EQ(lines[rule - 1].size(), width) << "header\n" << table;
+    ASSERT_LE(rule + AllPolicies().size(), lines.size() - 1) << table;
+    for (size_t k = 0; k < AllPolicies().size(); ++k) {
+      const absl::string_view line = lines[rule + 1 + k];
+      EXPECT_TRUE(absl::StartsWith(line, absl::StrCat(PolicyName(AllPolicies()[k]), " "))) << line;
+      EXPECT_EQ(line.size(), width) << line;
     }
-    EXPECT_TRUE(found) << PolicyName(policy);
   }
+  EXPECT_EQ(tables, 2) << table;
+}
+
+// The second table: true/predicted recall of every bucket some policy placed tokens in, the
+// token-weighted total, and the worst bucket's true recall minus sequential's.
+TEST(FormatTableTest, RecallPerBucketTable) {
+  SimReport report = SmallReport();  // sequential, flops, sparsebalance
+  const std::string table = FormatTable(report);
+  EXPECT_TRUE(absl::StrContains(table, "recall 2K-8K")) << table;
+  EXPECT_TRUE(absl::StrContains(table, "recall 32K+")) << table;
+  EXPECT_FALSE(absl::StrContains(table, "recall <2K")) << table;  // no tokens in any policy
+  EXPECT_TRUE(absl::StrContains(table, "cost truth efficiency; sensitivity prior noisy:0.1"))
+      << table;
+  std::vector<std::string> sb;
+  for (absl::string_view line : absl::StrSplit(table, '\n')) {
+    if (absl::StartsWith(line, "sparsebalance ")) {
+      sb = absl::StrSplit(line, ' ', absl::SkipEmpty());  // the last such line: second table
+    }
+  }
+  // policy, 2K-8K, 32K+, all, worst vs seq ("-4.00", "pt").
+  ASSERT_EQ(sb.size(), 6u) << table;
+  EXPECT_EQ(sb[1], "0.870/0.850");  // 0.9 + 0.01 - 0.04
+  EXPECT_EQ(sb[2], "0.890/0.850");
+  EXPECT_EQ(sb[3], "0.950/0.900");
+  EXPECT_EQ(sb[4], "-4.00");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -302,7 +343,9 @@ TEST(FormatJsonTest, ParsesAndHasEveryField) {
   EXPECT_EQ(Keys(scenario),
             (std::vector<std::string>{"trace", "pack_length", "ranks", "micro_batches", "capacity",
                                       "fill", "steps", "mode", "slow_ranks", "slow_factor", "noise",
-                                      "seed", "density_default", "density_min"}));
+                                      "seed", "density_default", "density_min", "cost_truth",
+                                      "sensitivity_prior", "recall_rows", "bucket_recall_margin",
+                                      "document_recall_floor"}));
   EXPECT_EQ(scenario["mode"], "quantile:0.75");
   EXPECT_EQ(scenario["capacity"], 131072);
 
@@ -314,9 +357,10 @@ TEST(FormatJsonTest, ParsesAndHasEveryField) {
     EXPECT_EQ(Keys(result),
               (std::vector<std::string>{
                   "policy", "mean_step_seconds", "speedup_vs_sequential", "speedup_vs_flops",
-                  "imbalance_ratio", "bubble_ratio", "mean_density", "mean_recall", "median_gap",
-                  "median_prediction_error", "mean_plan_seconds", "step_seconds",
-                  "learned_speed_factors", "timeline", "timeline_step_seconds"}));
+                  "imbalance_ratio", "bubble_ratio", "mean_density", "mean_recall",
+                  "mean_predicted_recall", "buckets", "median_gap", "median_prediction_error",
+                  "mean_plan_seconds", "step_seconds", "learned_speed_factors", "timeline",
+                  "timeline_step_seconds"}));
     EXPECT_EQ(result["policy"], std::string(PolicyName(report.results[i].policy)));
     EXPECT_EQ(result["step_seconds"].size(), 5u);
     EXPECT_EQ(result["learned_speed_factors"].size(), 4u);
@@ -324,6 +368,14 @@ TEST(FormatJsonTest, ParsesAndHasEveryField) {
     ASSERT_EQ(timeline.size(), 4u);
     for (const Json& rank : timeline) EXPECT_EQ(rank.size(), 3u);
     EXPECT_EQ(timeline[3][2].get<double>(), report.results[i].timeline[3][2]);
+    ASSERT_EQ(result["buckets"].size(), 4u);
+    EXPECT_EQ(
+        Keys(result["buckets"][3]),
+        (std::vector<std::string>{"bucket", "label", "tokens", "true_recall", "predicted_recall",
+                                  "learned_exponent", "truth_exponent", "prior_exponent"}));
+    EXPECT_EQ(result["buckets"][3]["label"], "32K+");
+    EXPECT_EQ(result["buckets"][3]["true_recall"].get<double>(),
+              report.results[i].buckets[3].true_recall);
   }
 }
 
