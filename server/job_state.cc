@@ -3,12 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <set>
 #include <string>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "planner/planner.h"
+#include "proto/wire.h"
 
 namespace sparsebalance {
 namespace {
@@ -30,46 +29,29 @@ bool StateFinite(const LatencyModelState& st) {
   return std::isfinite(st.rank_error_variance);
 }
 
-// The measured recalls of one micro-batch against its plan (see ValidateReport).
+// The measured recalls of one micro-batch: their own rules (proto/wire.h's
+// ValidateMeasuredRecall), then against the micro-batch's plan: each for a planned sample, its
+// document index within the sample's documents.
 absl::Status ValidateDocumentRecalls(const MicroBatchPlan& planned, int layers,
-                                     const std::vector<DocumentRecallMeasurement>& documents,
-                                     const std::string& where) {
+                                     const MicroBatchTiming& timing, const std::string& where) {
+  if (absl::Status s = ValidateMeasuredRecall(timing, layers, where); !s.ok()) return s;
   std::map<uint64_t, size_t> documents_of;  // planned sample id -> its document count
   for (const PlannedSample& p : planned.samples) {
     documents_of[p.id] = p.segments.empty() ? 1 : p.segments.size();
   }
-  std::set<std::pair<uint64_t, int>> seen;
-  for (size_t k = 0; k < documents.size(); ++k) {
-    const DocumentRecallMeasurement& d = documents[k];
-    auto error = [&](absl::string_view field, const auto&... what) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "[", k, "].", field, ": ", what...));
-    };
+  for (size_t k = 0; k < timing.documents.size(); ++k) {
+    const DocumentRecallMeasurement& d = timing.documents[k];
+    const std::string at = absl::StrCat(where, ".documents[", k, "]");
     auto it = documents_of.find(d.sample_id);
     if (it == documents_of.end()) {
-      return error("sample_id", d.sample_id, " is not planned in this micro-batch");
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".sample_id: ", d.sample_id, " is not planned in this micro-batch"));
     }
-    if (d.document < 0 || static_cast<size_t>(d.document) >= it->second) {
-      return error("document", d.document, " is outside [0, ", it->second, ") for sample id ",
-                   d.sample_id);
+    if (static_cast<size_t>(d.document) >= it->second) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".document: ", d.document,
+                                                     " is outside [0, ", it->second,
+                                                     ") for sample id ", d.sample_id));
     }
-    if (!seen.insert({d.sample_id, d.document}).second) {
-      return error("document", "sample id ", d.sample_id, " document ", d.document,
-                   " is reported twice");
-    }
-    if (!(d.recall >= 0.0 && d.recall <= 1.0)) {
-      return error("recall", d.recall, " is outside [0, 1]");
-    }
-    if (!d.layer_recall.empty() && static_cast<int>(d.layer_recall.size()) != layers) {
-      return error("layer_recall", d.layer_recall.size(), " values; give none or one per layer (",
-                   layers, ")");
-    }
-    for (size_t l = 0; l < d.layer_recall.size(); ++l) {
-      if (!(d.layer_recall[l] >= 0.0 && d.layer_recall[l] <= 1.0)) {
-        return error(absl::StrCat("layer_recall[", l, "]"), d.layer_recall[l],
-                     " is outside [0, 1]");
-      }
-    }
-    if (d.rows < 1) return error("rows", d.rows, "; at least 1 query row must be measured");
   }
   return absl::OkStatus();
 }
@@ -126,14 +108,7 @@ absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
       return absl::InvalidArgumentError(absl::StrCat(
           where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
     }
-    if (!std::isfinite(m.recall_seconds) || m.recall_seconds < 0 ||
-        m.recall_seconds > kMaxReportedSeconds) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".recall_seconds: ", m.recall_seconds,
-                                                     " is not a finite number in [0, ",
-                                                     kMaxReportedSeconds, "]"));
-    }
-    if (absl::Status s = ValidateDocumentRecalls(planned[m.micro_batch], layers, m.documents,
-                                                 absl::StrCat(where, ".documents"));
+    if (absl::Status s = ValidateDocumentRecalls(planned[m.micro_batch], layers, m, where);
         !s.ok()) {
       return s;
     }

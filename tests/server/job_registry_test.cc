@@ -333,7 +333,7 @@ TEST_F(JobRegistryTest, BadDocumentRecallsNameTheFieldAndLeaveTheRankUnreported)
       {[](auto* m) { (*m)[0].documents[0].rows = 0; }, "micro_batches[0].documents[0].rows"},
       {[](auto* m) { (*m)[0].documents[0].layer_recall = {0.5}; },
        "micro_batches[0].documents[0].layer_recall"},
-      {[](auto* m) { (*m)[0].documents.push_back((*m)[0].documents[0]); }, ".document: sample id"},
+      {[](auto* m) { (*m)[0].documents.push_back((*m)[0].documents[0]); }, "is reported twice"},
       {[](auto* m) { (*m)[0].recall_seconds = -1; }, "micro_batches[0].recall_seconds"},
   };
   for (const Case& c : cases) {
