@@ -9,12 +9,6 @@
 namespace sparsebalance {
 namespace {
 
-// Recall is clamped below 1 - kRecallClamp before its log is taken: a measured recall of 1
-// (every block of a short document is an anchor) says "g is large", not "g is infinite".
-constexpr double kRecallClamp = 1e-4;
-// Observations at densities above this carry no information about g (recall is 1 at 1).
-constexpr double kMaxFittedDensity = 0.95;
-
 // Buckets split the capacity C at C/64, C/16 and C/4.
 int64_t BucketEdge(int k, int64_t capacity) {  // lowest length of bucket k >= 1
   static constexpr int kShift[kRecallBuckets] = {0, 6, 4, 2};
@@ -82,9 +76,16 @@ std::string RecallBucketLabel(int bucket, int64_t capacity) {
                       Tokens(BucketEdge(bucket + 1, capacity)));
 }
 
+double RecallCurveSums::Documents() const {
+  double sum = 0.0;
+  for (double w : documents) sum += w;
+  return sum;
+}
+
 RecallModel::RecallModel(int64_t capacity, int layers, const RecallModelOptions& options)
     : capacity_(capacity), layers_(std::max(layers, 0)), options_(options) {
   state_.curves.assign(static_cast<size_t>(layers_ + 1) * kRecallBuckets, RecallCurveSums{});
+  fitted_.assign(state_.curves.size(), 0.0);
 }
 
 absl::Status RecallModel::set_state(const RecallModelState& state) {
@@ -96,43 +97,102 @@ absl::Status RecallModel::set_state(const RecallModelState& state) {
   }
   for (size_t i = 0; i < state.curves.size(); ++i) {
     const RecallCurveSums& c = state.curves[i];
-    for (double v : {c.xx, c.xy, c.documents, c.recall, c.density}) {
-      if (!std::isfinite(v) || v < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("recall model state: curves[", i, "] holds ",
-                                                       v,
-                                                       "; sums must be finite and non-negative"));
+    for (int b = 0; b < kRecallDensityBins; ++b) {
+      // A bin's sums are means times its weight: recall and density at most the weight.
+      const double w = c.documents[b];
+      if (!std::isfinite(w) || w < 0 || !(c.recall[b] >= 0 && c.recall[b] <= w * (1 + 1e-9)) ||
+          !(c.density[b] >= 0 && c.density[b] <= w * (1 + 1e-9))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("recall model state: curves[", i, "] bin ", b,
+                         " is not a finite weight with recall and density sums in [0, weight]"));
       }
     }
   }
   state_ = state;
+  for (size_t i = 0; i < state_.curves.size(); ++i) Fit(i);
   return absl::OkStatus();
 }
 
-const RecallCurveSums& RecallModel::Sums(int bucket, int layer) const {
-  return state_.curves[static_cast<size_t>(layer + 1) * kRecallBuckets + bucket];
+size_t RecallModel::CurveIndex(int bucket, int layer) const {
+  return static_cast<size_t>(layer + 1) * kRecallBuckets + bucket;
 }
 
-double RecallModel::Mixed(const RecallCurveSums& sums, double prior_exponent) const {
-  if (!(sums.xx > 0.0) || !(sums.documents > 0.0)) return prior_exponent;
-  const double fitted = std::clamp(sums.xy / sums.xx, kLearnedExponentMin, kLearnedExponentMax);
+void RecallModel::Fit(size_t curve) {
+  const RecallCurveSums& c = state_.curves[curve];
+  // Bin means: the least squares below fits these, each weighted by its documents.
+  double weights[kRecallDensityBins];
+  double recalls[kRecallDensityBins];
+  double logs[kRecallDensityBins];  // log(1 - mean density)
+  int bins = 0;
+  for (int b = 0; b < kRecallDensityBins; ++b) {
+    const double w = c.documents[b];
+    if (!(w > 0)) continue;
+    const double rho = c.density[b] / w;
+    if (rho >= 1.0 - 1e-9) continue;  // recall is 1 at density 1 whatever g is
+    weights[bins] = w;
+    recalls[bins] = c.recall[b] / w;
+    logs[bins] = DetLog(1.0 - rho);
+    ++bins;
+  }
+  if (bins == 0) {
+    fitted_[curve] = 0.0;
+    return;
+  }
+  // Squared error of the bin means at exponent e^t; golden-section search over t.
+  auto error = [&](double t) {
+    const double g = DetExp(t);
+    double sum = 0.0;
+    for (int k = 0; k < bins; ++k) {
+      const double miss = recalls[k] - (1.0 - DetExp(g * logs[k]));
+      sum += weights[k] * miss * miss;
+    }
+    return sum;
+  };
+  const double kGolden = 0.6180339887498949;
+  double a = DetLog(kLearnedExponentMin);
+  double b = DetLog(kLearnedExponentMax);
+  double x1 = b - kGolden * (b - a);
+  double x2 = a + kGolden * (b - a);
+  double f1 = error(x1);
+  double f2 = error(x2);
+  for (int iter = 0; iter < 80 && b - a > 1e-10; ++iter) {
+    if (f1 <= f2) {
+      b = x2;
+      x2 = x1;
+      f2 = f1;
+      x1 = b - kGolden * (b - a);
+      f1 = error(x1);
+    } else {
+      a = x1;
+      x1 = x2;
+      f1 = f2;
+      x2 = a + kGolden * (b - a);
+      f2 = error(x2);
+    }
+  }
+  fitted_[curve] = std::clamp(DetExp(0.5 * (a + b)), kLearnedExponentMin, kLearnedExponentMax);
+}
+
+double RecallModel::Mixed(size_t curve, double prior_exponent) const {
+  const double documents = state_.curves[curve].Documents();
+  if (!(fitted_[curve] > 0.0) || !(documents > 0.0)) return prior_exponent;
   const double w0 = options_.prior_documents;
-  return (w0 * prior_exponent + sums.documents * fitted) / (w0 + sums.documents);
+  return (w0 * prior_exponent + documents * fitted_[curve]) / (w0 + documents);
 }
 
 double RecallModel::Exponent(int64_t length, double sensitivity) const {
-  return Mixed(Sums(RecallBucket(length, capacity_), -1), RecallExponent(sensitivity));
+  return Mixed(CurveIndex(RecallBucket(length, capacity_), -1), RecallExponent(sensitivity));
 }
 
 double RecallModel::LayerExponent(int64_t length, double sensitivity, int layer) const {
-  const int bucket = RecallBucket(length, capacity_);
   const double all = Exponent(length, sensitivity);
   if (layer < 0 || layer >= layers_) return all;
-  return Mixed(Sums(bucket, layer), all);
+  return Mixed(CurveIndex(RecallBucket(length, capacity_), layer), all);
 }
 
 bool RecallModel::HasLayerCurves() const {
   for (size_t i = kRecallBuckets; i < state_.curves.size(); ++i) {
-    if (state_.curves[i].documents > 0.0) return true;
+    if (state_.curves[i].Documents() > 0.0) return true;
   }
   return false;
 }
@@ -170,21 +230,28 @@ absl::Status RecallModel::ObserveStep(const std::vector<RecallObservation>& obse
       return error("recall", o.recall, " is outside [0, 1]");
     }
   }
+  // Forgetting scales every bin of a curve alike, which leaves its fit as it was: only the
+  // curves that get measurements are refitted.
   for (RecallCurveSums& c : state_.curves) {
-    const double f = options_.forgetting;
-    c = {c.xx * f, c.xy * f, c.documents * f, c.recall * f, c.density * f};
+    for (int b = 0; b < kRecallDensityBins; ++b) {
+      c.documents[b] *= options_.forgetting;
+      c.recall[b] *= options_.forgetting;
+      c.density[b] *= options_.forgetting;
+    }
   }
+  std::vector<bool> touched(state_.curves.size(), false);
   for (const RecallObservation& o : observations) {
-    if (o.density > kMaxFittedDensity) continue;
-    const double x = DetLog(1.0 - o.density);
-    const double y = DetLog(std::max(1.0 - o.recall, kRecallClamp));
-    RecallCurveSums& c = state_.curves[static_cast<size_t>(o.layer + 1) * kRecallBuckets +
-                                       RecallBucket(o.length, capacity_)];
-    c.xx += x * x;
-    c.xy += x * y;
-    c.documents += 1.0;
-    c.recall += o.recall;
-    c.density += o.density;
+    const size_t curve = CurveIndex(RecallBucket(o.length, capacity_), o.layer);
+    const int bin =
+        std::min(kRecallDensityBins - 1, static_cast<int>(o.density * kRecallDensityBins));
+    RecallCurveSums& c = state_.curves[curve];
+    c.documents[bin] += 1.0;
+    c.recall[bin] += o.recall;
+    c.density[bin] += o.density;
+    touched[curve] = true;
+  }
+  for (size_t i = 0; i < touched.size(); ++i) {
+    if (touched[i]) Fit(i);
   }
   ++state_.steps_observed;
   return absl::OkStatus();
@@ -194,16 +261,23 @@ std::vector<RecallCurveSummary> RecallModel::Curves() const {
   std::vector<RecallCurveSummary> out;
   for (int layer = -1; layer < layers_; ++layer) {
     for (int b = 0; b < kRecallBuckets; ++b) {
-      const RecallCurveSums& c = Sums(b, layer);
-      if (layer >= 0 && !(c.documents > 0.0)) continue;
+      const RecallCurveSums& c = state_.curves[CurveIndex(b, layer)];
+      const double documents = c.Documents();
+      if (layer >= 0 && !(documents > 0.0)) continue;
       RecallCurveSummary s;
       s.bucket = b;
       if (layer >= 0) s.layer = layer;
-      s.exponent = layer < 0 ? Exponent(RecallBucketRange(b, capacity_).min, 0.0)
-                             : LayerExponent(RecallBucketRange(b, capacity_).min, 0.0, layer);
-      s.documents = c.documents;
-      s.measured_recall = c.documents > 0 ? c.recall / c.documents : 0.0;
-      s.measured_density = c.documents > 0 ? c.density / c.documents : 0.0;
+      const int64_t length = RecallBucketRange(b, capacity_).min;
+      s.exponent = layer < 0 ? Exponent(length, 0.0) : LayerExponent(length, 0.0, layer);
+      s.documents = documents;
+      double recall = 0.0;
+      double density = 0.0;
+      for (int k = 0; k < kRecallDensityBins; ++k) {
+        recall += c.recall[k];
+        density += c.density[k];
+      }
+      s.measured_recall = documents > 0 ? recall / documents : 0.0;
+      s.measured_density = documents > 0 ? density / documents : 0.0;
       out.push_back(s);
     }
   }

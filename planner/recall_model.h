@@ -5,11 +5,15 @@
 // recall (softmax mass kept) of documents on sampled query rows; RecallModel fits g per length
 // bucket (four buckets relative to the micro-batch capacity C: [1, C/64), [C/64, C/16),
 // [C/16, C/4), [C/4, C]; at C = 128K: <2K, 2K-8K, 8K-32K, 32K+) and, where workers measure
-// layers, per bucket and layer, by least squares on log(1 - recall) = g log(1 - rho), with older
-// steps forgotten geometrically. Before a bucket has measurements, g comes from the document's
-// sensitivity s (the prior): g(s) = 1.25 + 4.75 (1 - s)^2, so a tolerant document (s = 0, g = 6)
-// keeps 0.88 of its mass at rho = 0.3 and the most sensitive (s = 1, g = 1.25) only 0.36. The
-// prior counts as `prior_documents` measured documents; the fit takes over as measurements come.
+// layers, per bucket and layer. Each curve keeps, per density bin of width 0.05, the measured
+// documents' mean recall and density (older steps forgotten geometrically), and g is the least
+// squares fit of those means in recall space: fitting bin means, not each document's
+// log(1 - recall), keeps a bucket's predicted mean recall unbiased when its documents differ
+// (the log of a mean is not the mean of the logs). Before a bucket has measurements, g comes from
+// the document's sensitivity s (the prior): g(s) = 1.25 + 4.75 (1 - s)^2, so a tolerant document (s
+// = 0, g = 6) keeps 0.88 of its mass at rho = 0.3 and the most sensitive (s = 1, g = 1.25) only
+// 0.36. The prior counts as `prior_documents` measured documents; the fit takes over as
+// measurements come.
 //
 //   RecallModel recall(config.micro_batch_capacity, config.shape.layers);
 //   double g = recall.Exponent(sample.length, sample.sensitivity);
@@ -76,16 +80,18 @@ struct RecallModelOptions {
   double prior_documents = 16.0;  // weight of the sensitivity prior, in measured documents
 };
 
-// Least-squares sums of one curve (plain so that the service can snapshot them).
+// Density bins of a curve: [0, 0.05), [0.05, 0.1), ..., [0.95, 1].
+inline constexpr int kRecallDensityBins = 20;
+
+// What one curve keeps of its measurements, per density bin (plain so that the service can
+// snapshot it); w is a document's weight (1, times forgetting^age).
 struct RecallCurveSums {
-  double xx = 0.0;         // sum of w log(1 - rho)^2
-  double xy = 0.0;         // sum of w log(1 - rho) log(1 - recall)
-  double documents = 0.0;  // sum of w
-  double recall = 0.0;     // sum of w recall
-  double density = 0.0;    // sum of w rho
+  std::array<double, kRecallDensityBins> documents{};  // sum of w
+  std::array<double, kRecallDensityBins> recall{};     // sum of w recall
+  std::array<double, kRecallDensityBins> density{};    // sum of w rho
+  double Documents() const;
   bool operator==(const RecallCurveSums& o) const {
-    return xx == o.xx && xy == o.xy && documents == o.documents && recall == o.recall &&
-           density == o.density;
+    return documents == o.documents && recall == o.recall && density == o.density;
   }
 };
 
@@ -137,13 +143,16 @@ class RecallModel {
   std::vector<RecallCurveSummary> Curves() const;
 
  private:
-  const RecallCurveSums& Sums(int bucket, int layer) const;
-  double Mixed(const RecallCurveSums& sums, double prior_exponent) const;
+  size_t CurveIndex(int bucket, int layer) const;
+  double Mixed(size_t curve, double prior_exponent) const;
+  // Refits fitted_[curve] from its sums.
+  void Fit(size_t curve);
 
   int64_t capacity_;
   int layers_;
   RecallModelOptions options_;
   RecallModelState state_;
+  std::vector<double> fitted_;  // per curve: the least-squares g of its bins (0: no data)
 };
 
 }  // namespace sparsebalance

@@ -87,11 +87,9 @@ state::v1::JobSnapshot EncodeJob(const StoredJob& job) {
   out.set_fold_failure(job.fold_failure);
   for (const RecallCurveSums& c : job.recall.curves) {
     state::v1::RecallCurveSums* sums = out.mutable_recall()->add_curves();
-    sums->set_xx(c.xx);
-    sums->set_xy(c.xy);
-    sums->set_documents(c.documents);
-    sums->set_recall(c.recall);
-    sums->set_density(c.density);
+    sums->mutable_documents()->Assign(c.documents.begin(), c.documents.end());
+    sums->mutable_recall()->Assign(c.recall.begin(), c.recall.end());
+    sums->mutable_density()->Assign(c.density.begin(), c.density.end());
   }
   out.mutable_recall()->set_steps_observed(job.recall.steps_observed);
   return out;
@@ -116,8 +114,17 @@ absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in) {
   out.unfolded_steps = in.unfolded_steps();
   out.fold_failure = in.fold_failure();
   // The recall model's shape (layers) is checked against the job when it is restored.
-  for (const state::v1::RecallCurveSums& c : in.recall().curves()) {
-    out.recall.curves.push_back({c.xx(), c.xy(), c.documents(), c.recall(), c.density()});
+  for (int i = 0; i < in.recall().curves_size(); ++i) {
+    const state::v1::RecallCurveSums& c = in.recall().curves(i);
+    if (c.documents_size() != kRecallDensityBins || c.recall_size() != kRecallDensityBins ||
+        c.density_size() != kRecallDensityBins) {
+      return absl::DataLossError(
+          absl::StrCat("job.pb recall.curves[", i, "]: not ", kRecallDensityBins, " density bins"));
+    }
+    RecallCurveSums& sums = out.recall.curves.emplace_back();
+    std::copy(c.documents().begin(), c.documents().end(), sums.documents.begin());
+    std::copy(c.recall().begin(), c.recall().end(), sums.recall.begin());
+    std::copy(c.density().begin(), c.density().end(), sums.density.begin());
   }
   out.recall.steps_observed = in.recall().steps_observed();
   return out;

@@ -43,9 +43,9 @@ struct BucketRecallResult {
   double tokens = 0.0;            // placed tokens of the bucket's documents, all steps
   double true_recall = 0.0;       // token-weighted hidden true recall (0 without tokens)
   double predicted_recall = 0.0;  // token-weighted, the planner's recall model when planning
-  // g of the planner's learned curve at the end (all layers, sensitivity 0), and the g a
-  // least-squares fit of the planner's form to the noise-free true recall at the densities
-  // this policy planned would give (what a perfect learner of that form reaches).
+  // g of the planner's learned curve at the end (all layers, sensitivity 0), and the g the
+  // planner's own fit (RecallModel, no prior, nothing forgotten) reaches on the noise-free true
+  // recalls at the densities this policy planned (what a perfect learner of that form reaches).
   double learned_exponent = 0.0;
   double truth_exponent = 0.0;
   double prior_exponent = 0.0;  // g the planner started from (sensitivity 0)

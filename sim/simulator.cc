@@ -28,45 +28,29 @@ namespace {
 // Multiplicative noise is clamped so that a measured time stays positive.
 constexpr double kMinNoiseFactor = 0.5;
 
-// What one policy accumulates over the run.
-// The same kept-share transform and clamps as planner/recall_model.cc's fit, so that the
-// truth's best g is what that fit would reach without noise.
-constexpr double kFitRecallClamp = 1e-4;
-constexpr double kFitMaxDensity = 0.95;
-
-// Least-squares sums of log(1 - recall) = g log(1 - rho) (see RecallModel).
-struct ExponentFit {
-  double xx = 0.0;
-  double xy = 0.0;
-  void Add(double density, double recall) {
-    if (density > kFitMaxDensity) return;
-    const double x = DetLog(1.0 - density);
-    const double y = DetLog(std::max(1.0 - recall, kFitRecallClamp));
-    xx += x * x;
-    xy += x * y;
-  }
-  double Exponent() const {
-    return xx > 0.0 ? std::clamp(xy / xx, kLearnedExponentMin, kLearnedExponentMax) : 0.0;
-  }
-};
-
 struct BucketTotals {
   double tokens = 0.0;
   double true_recall = 0.0;       // sum of tokens x recall
   double predicted_recall = 0.0;  // sum of tokens x recall
-  ExponentFit truth_fit;
 };
+
+// The planner's fit (RecallModel's least squares over density bins) of the true recalls of the
+// documents a policy placed, never forgotten and without a prior: the best g of the planner's
+// form for that policy's densities, which the learned g should approach.
+constexpr RecallModelOptions kTruthFit{/*forgetting=*/1.0, /*prior_documents=*/0.0};
 
 struct PolicyRun {
   PolicyRun(Policy policy, const ValidConfig& config, const CostCoefficients& prior)
       : policy(policy),
         config(config),
         model(config.get().shape, config.get().ranks, prior),
-        recall(config.get().micro_batch_capacity, config.get().shape.layers) {}
+        recall(config.get().micro_batch_capacity, config.get().shape.layers),
+        truth_fit(config.get().micro_batch_capacity, config.get().shape.layers, kTruthFit) {}
   Policy policy;
   ValidConfig config;
   LatencyModel model;
   RecallModel recall;
+  RecallModel truth_fit;
   std::array<BucketTotals, kRecallBuckets> buckets{};
   std::vector<Sample> carried;  // deferred samples for the next step
   PolicyResult result;
@@ -336,6 +320,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
                                static_cast<uint64_t>(run.policy)));
       std::vector<Observation> observations;
       std::vector<RecallObservation> recall_observations;
+      std::vector<RecallObservation> true_observations;
       std::vector<double> compute(o.ranks, 0.0);
       double placed_tokens = 0.0;
       std::vector<std::vector<double>> timeline(o.ranks);
@@ -377,7 +362,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
               bucket.tokens += w;
               bucket.true_recall += w * recall;
               bucket.predicted_recall += w * predicted;
-              bucket.truth_fit.Add(ps.density, recall);
+              true_observations.push_back({length, -1, ps.density, recall});
               // The worker's measurement: the mean over a few sampled query rows.
               const double rows = static_cast<double>(std::min<int64_t>(o.recall_rows, length));
               const double sd = std::sqrt(recall * (1.0 - recall) / rows);
@@ -415,6 +400,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       }
       if (absl::Status s = run.model.ObserveStep(std::move(observations)); !s.ok()) return s;
       if (absl::Status s = run.recall.ObserveStep(recall_observations); !s.ok()) return s;
+      if (absl::Status s = run.truth_fit.ObserveStep(true_observations); !s.ok()) return s;
     }
   }
 
@@ -470,7 +456,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       out.true_recall = t.tokens > 0 ? t.true_recall / t.tokens : 0.0;
       out.predicted_recall = t.tokens > 0 ? t.predicted_recall / t.tokens : 0.0;
       out.learned_exponent = run.recall.Exponent(RecallBucketRange(b, o.capacity).min, 0.0);
-      out.truth_exponent = t.truth_fit.Exponent();
+      out.truth_exponent = run.truth_fit.Exponent(RecallBucketRange(b, o.capacity).min, 0.0);
       out.prior_exponent = RecallExponent(0.0);
       r.buckets.push_back(out);
     }

@@ -309,7 +309,9 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   job.recall.curves.assign(
       static_cast<size_t>(job.settings.planner.shape.layers + 1) * kRecallBuckets,
       RecallCurveSums{});
-  job.recall.curves[3] = {1.5, 4.5, 12.0, 9.0, 3.6};
+  job.recall.curves[3].documents[5] = 12.0;
+  job.recall.curves[3].recall[5] = 9.0;
+  job.recall.curves[3].density[5] = 3.3;
   job.recall.steps_observed = 5;
   absl::StatusOr<StoredJob> back = DecodeJob(EncodeJob(job));
   ASSERT_TRUE(back.ok()) << back.status();
