@@ -280,7 +280,9 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     }
   }
   const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
-  const bool guarded = tuned && config.dst_mode != DstMode::kMin;
+  // bucket_recall_margin 1 turns the bucket guard off (no bucket can lose more than 1).
+  const bool guarded =
+      tuned && config.dst_mode != DstMode::kMin && config.bucket_recall_margin < 1.0;
   const std::vector<double> defaults = densities;
   const double default_recall = tuned ? TokenWeightedRecall(batch, defaults, recall) : 0.0;
   if (config.policy == Policy::kSparseBalance) {

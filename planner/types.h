@@ -68,7 +68,7 @@ struct PlannerConfig {
   OverflowPolicy overflow = OverflowPolicy::kError;
   // Recall guards (recall_model.h), enforced on every tuned plan but in DstMode::kMin: no length
   // bucket's predicted recall falls more than `bucket_recall_margin` below its recall at the
-  // default densities, and no document is given less predicted recall than
+  // default densities (1: no bucket guard), and no document is given less predicted recall than
   // `document_recall_floor` (0: no floor) unless even density_max cannot reach it.
   double bucket_recall_margin = 0.01;
   double document_recall_floor = 0.0;
