@@ -56,8 +56,8 @@ class KernelPlan:
       kept: int32 [documents, max query blocks]: kept[d, i] = k_i, the key blocks query block i
         of document d keeps (the top-k budget), 0 beyond the document's query blocks.
       query_blocks: int32 [documents], ceil(length / block_size).
-      on_select: optional ``on_select(q, k, selection)``, called by ``block_mask`` with every
-        selection it makes (sparsebalance.torch measures recall through it); not compared.
+      on_select: optional ``on_select(q, k, selection)``, called by ``select`` (and so
+        ``block_mask``) with every selection it makes (sparsebalance.torch measures recall through it); not compared.
     """
 
     cu_seqlens: torch.Tensor
@@ -89,17 +89,17 @@ class KernelPlan:
     def select(self, q, k, **options):
         """Our block selection of this micro-batch for one layer's q, k ([tokens, heads,
         head_dim]): the top-k blocks by pooled score, ``topk(doc)`` per query block."""
-        return select_blocks(q, k, self.cu_seqlens.cpu(), self.densities.tolist(),
-                             self.block_size, self.local_blocks, **options)
+        selection = select_blocks(q, k, self.cu_seqlens.cpu(), self.densities.tolist(),
+                                  self.block_size, self.local_blocks, **options)
+        if self.on_select is not None:
+            self.on_select(q, k, selection)
+        return selection
 
     def block_mask(self, q, k):
         """The FlexAttention BlockMask of one layer: ``select`` on q, k, then
         ``flex_block_mask`` for q's device and dtype. Use with ``flex_attention`` below (or
         torch's on CUDA) on q, k, v in FlexAttention's layout."""
-        selection = self.select(q, k)
-        if self.on_select is not None:
-            self.on_select(q, k, selection)
-        return flex_block_mask(selection, self.cu_seqlens.cpu(), device=q.device,
+        return flex_block_mask(self.select(q, k), self.cu_seqlens.cpu(), device=q.device,
                                dtype=q.dtype)
 
     def document_indices(self):
@@ -301,8 +301,9 @@ def measure_recall(q, k, plan, rows=8, *, selection=None, softmax_scale=None):
     cu = plan.cu_seqlens.cpu().tolist()
     if q.shape[0] != cu[-1]:
         raise ValueError(f"q: {q.shape[0]} tokens where plan.cu_seqlens holds {cu[-1]}")
-    if selection is None:
-        selection = plan.select(q, k)
+    if selection is None:  # the plan's selection (not plan.select: that would call on_select)
+        selection = select_blocks(q, k, cu, plan.densities.tolist(), plan.block_size,
+                                  plan.local_blocks)
     elif not isinstance(selection, _C.Selection):
         raise TypeError(f"selection: a sparsebalance Selection is needed, got "
                         f"{type(selection).__name__}")

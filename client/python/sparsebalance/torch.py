@@ -29,9 +29,9 @@ What it does for the trainer (torchrun or any initialised ``torch.distributed`` 
 - ``mb.loss_weight`` makes a token-mean loss per micro-batch add up, after DDP's average over
   ranks, to the token mean of the whole step (micro-batches hold unequal token counts);
 - times each micro-batch and reports the timings to the planner in the background;
-- measures recall: every ``mb.attention.block_mask(q, k)`` call (one per layer, in order)
-  also measures, on a few sampled query rows per document, the exact softmax mass the kept
-  blocks hold (``sparsebalance.attention.measure_recall``), and the report carries it per
+- measures recall: every ``mb.attention.block_mask(q, k)`` (or ``.select(q, k)``) call, one
+  per layer in order, also measures, on a few sampled query rows per document, the exact
+  softmax mass the kept blocks hold (``sparsebalance.attention.measure_recall``), and the report carries it per
   document and layer (``measure_recall=False`` turns it off; a trainer with its own kernel
   calls ``mb.measure_recall(q, k, layer)``). Its time is reported apart, not as compute.
 
@@ -134,7 +134,7 @@ class MicroBatch:
         return self._attention
 
     def _on_select(self, q, k, selection):
-        """block_mask's hook: its n-th call is layer n (calls beyond the model's layers, e.g.
+        """select's (block_mask's) hook: its n-th call is layer n (calls beyond the model's layers, e.g.
         activation checkpointing's recomputation, are not measured again)."""
         layer = self._mask_calls
         self._mask_calls += 1
