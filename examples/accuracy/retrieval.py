@@ -7,9 +7,10 @@ same batches in the same order, with the same initial weights; only attention di
 - sparsebalance: the densities the real planner (sb-planner, policy sparsebalance) gives each
   document, through sparsebalance.torch.Balancer, which also reports the measured recall.
 
-A document holds several key:value pairs spread over its whole length (one token each: the pair
-token k*V+v) and ends with queries, one token per asked key; the answer at a query is the key's
-value, so it needs attention back to wherever the pair is (chance: 1 / values). Lengths are
+A document holds several key:value pairs spread over its first half (one token each: the pair
+token k*V+v) and queries over its second half and at its end, one token per asked key; the
+answer at a query is the key's value, so it needs attention back to wherever the pair is
+(chance: 1 / values). Lengths are
 log-uniform over [min_length, capacity], so the planner's four length buckets ([1, C/64),
 [C/64, C/16), [C/16, C/4), [C/4, C]) hold about as many documents each. Held-out accuracy is
 the last query of each held-out document, per bucket, with a 95% Wilson interval; the held-out
@@ -78,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=2, help="of head_dim dim / heads: 64 or 128")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kernel", default="sdpa", choices=["sdpa", "flex"],
@@ -94,9 +95,11 @@ def parse_args(argv=None):
 # Data.
 
 class RetrievalDataset:
-    """Document i (ids from first_id): BOS, filler with key:value pair tokens at random places
-    over the whole document before the queries, then `queries` query tokens; targets are the
-    asked keys' answers at the queries (IGNORE elsewhere)."""
+    """Document i (ids from first_id): BOS and filler; key:value pair tokens at random places
+    in its first half (distinct keys), query tokens at random places in its second half, one
+    per 8 tokens, each asking one of the document's keys, and always as its last token. The
+    targets at the queries are the asked keys' answers (IGNORE elsewhere); held-out accuracy
+    is the last query's."""
 
     def __init__(self, docs, seed, min_length, capacity, first_id=0):
         g = torch.Generator().manual_seed(seed * 7919 + first_id)
@@ -111,24 +114,28 @@ class RetrievalDataset:
 
     @staticmethod
     def layout(n):
-        pairs = min(KEYS, max(2, 2 + n // 128))
-        queries = min(4, pairs, max(1, (n - 1 - pairs) // 2))
+        """(pairs, queries) of a document of n >= 8 tokens."""
+        half = n // 2
+        pairs = min(KEYS, max(2, 2 + n // 128), half - 1)
+        queries = max(1, (n - half) // 8)
         return pairs, queries
 
     def __getitem__(self, i):
         n = self.lengths[i]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_id + i)
         pairs, queries = self.layout(n)
+        half = n // 2
         tokens = FILLER + torch.randint(FILLERS, (n,), generator=g)
         tokens[0] = BOS
         keys = torch.randperm(KEYS, generator=g)[:pairs]
         values = torch.randint(VALUES, (pairs,), generator=g)
-        places = 1 + torch.randperm(n - 1 - queries, generator=g)[:pairs]
-        tokens[places] = PAIR + keys * VALUES + values
-        asked = torch.randperm(pairs, generator=g)[:queries]
+        tokens[1 + torch.randperm(half - 1, generator=g)[:pairs]] = PAIR + keys * VALUES + values
+        places = torch.cat([half + torch.randperm(n - 1 - half, generator=g)[:queries - 1],
+                            torch.tensor([n - 1])])
+        asked = torch.randint(pairs, (queries,), generator=g)
         targets = torch.full((n,), IGNORE)
-        tokens[n - queries:] = QUERY + keys[asked]
-        targets[n - queries:] = ANSWER + values[asked]
+        tokens[places] = QUERY + keys[asked]
+        targets[places] = ANSWER + values[asked]
         return {"tokens": tokens, "targets": targets}
 
 
