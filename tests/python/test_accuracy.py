@@ -24,7 +24,7 @@ def test_short_run_of_the_three_arms(tmp_path):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), f"--out={out}", f"--planner_binary={planner_binary()}",
          "--steps=40", "--eval_docs=128", "--capacity=1024", "--threads=1"],
-        capture_output=True, text=True, timeout=280, env=dict(os.environ))
+        capture_output=True, text=True, timeout=550, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads((out / "results.json").read_text())
     summary = report["summary"]
