@@ -7,9 +7,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/python/bindings.h"
 #include "client/python/record.h"
 #include "planner/planner.h"
+#include "planner/recall_model.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
@@ -123,6 +125,19 @@ void BindPlanTypes(py::module_& m) {
       .Field("predicted_seconds", &RankPlan::predicted_seconds, "sum over micro-batches")
       .Done();
 
+  Record<DocumentRecallMeasurement>(
+      m, "DocumentRecallMeasurement",
+      "One document's recall as a rank measured it (DocumentRecall on the wire).")
+      .Field("sample_id", &DocumentRecallMeasurement::sample_id, "a sample of the micro-batch")
+      .Field("document", &DocumentRecallMeasurement::document,
+             "index into the sample's documents()")
+      .Field("recall", &DocumentRecallMeasurement::recall,
+             "[0, 1]: softmax mass kept, mean over sampled rows (and heads) and layers")
+      .Field("layer_recall", &DocumentRecallMeasurement::layer_recall,
+             "optional: one per model layer, each in [0, 1]")
+      .Field("rows", &DocumentRecallMeasurement::rows, "query rows measured per layer, >= 1")
+      .Done();
+
   Record<MicroBatchTiming>(m, "MicroBatchTiming", "One micro-batch as a rank measured it.")
       .Field("micro_batch", &MicroBatchTiming::micro_batch, "index in the rank's plan")
       .Field("compute_seconds", &MicroBatchTiming::compute_seconds, "forward + backward")
@@ -132,6 +147,11 @@ void BindPlanTypes(py::module_& m) {
       .Field("achieved_density", &MicroBatchTiming::achieved_density,
              "token-weighted share of causal key blocks run")
       .Field("recall", &MicroBatchTiming::recall, "token-weighted attention recall, [0, 1]")
+      .Field("documents", &MicroBatchTiming::documents,
+             "list of DocumentRecallMeasurement: recall measured on sampled query rows (what "
+             "the planner learns its recall curves from); optional")
+      .Field("recall_seconds", &MicroBatchTiming::recall_seconds,
+             "time spent measuring them, not part of compute_seconds")
       .Done();
 
   Record<StepPlan>(m, "StepPlan", "A whole step's plan (every rank), e.g. plan_step_locally's.")
@@ -162,6 +182,42 @@ void BindPlanTypes(py::module_& m) {
       },
       py::arg("batch"), py::arg("config"), py::call_guard<py::gil_scoped_release>(),
       "The plan every rank computes alike without the planner (TrainerSession's fallback).");
+  m.attr("RECALL_BUCKETS") = kRecallBuckets;
+  m.def(
+      "recall_bucket",
+      [](int64_t length, int64_t capacity) {
+        if (capacity < 1) throw py::value_error("capacity: need >= 1 tokens");
+        if (length < 1) throw py::value_error("length: need >= 1 tokens");
+        return RecallBucket(length, capacity);
+      },
+      py::arg("length"), py::arg("capacity"),
+      "The planner's length bucket of a document, 0 .. RECALL_BUCKETS - 1: [1, C/64), "
+      "[C/64, C/16), [C/16, C/4), [C/4, C] for the micro-batch capacity C.");
+  m.def(
+      "recall_bucket_range",
+      [](int bucket, int64_t capacity) {
+        if (bucket < 0 || bucket >= kRecallBuckets) {
+          throw py::value_error(
+              absl::StrCat("bucket: ", bucket, " is not in [0, ", kRecallBuckets, ")"));
+        }
+        if (capacity < 1) throw py::value_error("capacity: need >= 1 tokens");
+        const LengthRange range = RecallBucketRange(bucket, capacity);
+        return std::make_pair(range.min, range.max);
+      },
+      py::arg("bucket"), py::arg("capacity"),
+      "(min, max) tokens of a length bucket, both inclusive.");
+  m.def(
+      "recall_bucket_label",
+      [](int bucket, int64_t capacity) {
+        if (bucket < 0 || bucket >= kRecallBuckets) {
+          throw py::value_error(
+              absl::StrCat("bucket: ", bucket, " is not in [0, ", kRecallBuckets, ")"));
+        }
+        if (capacity < 1) throw py::value_error("capacity: need >= 1 tokens");
+        return RecallBucketLabel(bucket, capacity);
+      },
+      py::arg("bucket"), py::arg("capacity"),
+      "The bucket's label as the planner prints it, e.g. '<2K', '2K-8K' at capacity 128K.");
   m.def(
       "policies",
       [] {

@@ -8,6 +8,8 @@ Three things for trainers that keep their own attention instead of ``ops.sparse_
 - ``flex_block_mask(selection)``: a FlexAttention ``BlockMask`` that keeps exactly the blocks a
   block selection kept (``select_blocks``, or ``sparse_attention(..., return_selection=True)``),
   inside each document and causally; documents need not start on block boundaries.
+- ``measure_recall(q, k, plan)``: the exact softmax mass the plan's kept blocks hold, per
+  document, on a few sampled query rows (what the planner learns its recall curves from).
 - ``profile(attention, lengths, densities, shape)``: times the trainer's attention (and linear)
   callable, forward and backward, and returns the profile table text for
   ``PlannerClient.upload_profile``, so that the planner's prior is the trainer's kernel.
@@ -35,8 +37,9 @@ import torch
 from . import _C
 from .ops import _as_list, _check_inputs, _cuda_unavailable_reason, _sync_default_stream
 
-__all__ = ["KernelPlan", "flex_attention", "flex_block_mask", "from_flex_layout", "kernel_plan",
-           "profile", "select_blocks", "to_flex_layout"]
+__all__ = ["KernelPlan", "RecallMeasurement", "flex_attention", "flex_block_mask",
+           "from_flex_layout", "kernel_plan", "measure_recall", "profile", "recall_rows",
+           "select_blocks", "to_flex_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,8 @@ class KernelPlan:
       kept: int32 [documents, max query blocks]: kept[d, i] = k_i, the key blocks query block i
         of document d keeps (the top-k budget), 0 beyond the document's query blocks.
       query_blocks: int32 [documents], ceil(length / block_size).
+      on_select: optional ``on_select(q, k, selection)``, called by ``select`` (and so
+        ``block_mask``) with every selection it makes (sparsebalance.torch measures recall through it); not compared.
     """
 
     cu_seqlens: torch.Tensor
@@ -63,6 +68,7 @@ class KernelPlan:
     local_blocks: int
     kept: torch.Tensor
     query_blocks: torch.Tensor
+    on_select: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def documents(self):
@@ -83,8 +89,11 @@ class KernelPlan:
     def select(self, q, k, **options):
         """Our block selection of this micro-batch for one layer's q, k ([tokens, heads,
         head_dim]): the top-k blocks by pooled score, ``topk(doc)`` per query block."""
-        return select_blocks(q, k, self.cu_seqlens.cpu(), self.densities.tolist(),
-                             self.block_size, self.local_blocks, **options)
+        selection = select_blocks(q, k, self.cu_seqlens.cpu(), self.densities.tolist(),
+                                  self.block_size, self.local_blocks, **options)
+        if self.on_select is not None:
+            self.on_select(q, k, selection)
+        return selection
 
     def block_mask(self, q, k):
         """The FlexAttention BlockMask of one layer: ``select`` on q, k, then
@@ -92,6 +101,18 @@ class KernelPlan:
         torch's on CUDA) on q, k, v in FlexAttention's layout."""
         return flex_block_mask(self.select(q, k), self.cu_seqlens.cpu(), device=q.device,
                                dtype=q.dtype)
+
+    def document_indices(self):
+        """Per document, its index among its sample's documents (a pre-packed sample's
+        segments count 0, 1, ...; DocumentRecallMeasurement.document)."""
+        out, seen = [], {}
+        for n, sid in enumerate(self.sample_ids):
+            if n > 0 and self.sample_ids[n - 1] == sid:
+                seen[sid] += 1
+            else:
+                seen[sid] = 0
+            out.append(seen[sid])
+        return out
 
 
 def _samples_of(plan):
@@ -191,6 +212,124 @@ def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
     q32, k32 = (t.detach().to(torch.float32).contiguous() for t in (q, k))
     return _C.select_blocks(cu, heads, head_dim, q32.numpy(), k32.numpy(), dens, int(block_size),
                             int(local_blocks), float(mass_threshold), scale, threads)
+
+
+def recall_rows(length, rows=8):
+    """The query rows (document-relative, ascending) ``measure_recall`` samples in a document of
+    ``length`` tokens: its last ``max(1, rows // 4)`` rows (where a document's answer usually
+    is) and one row at the midpoint of each of the other ``rows`` equal strata of the rest;
+    every row when the document has at most ``rows``. Deterministic."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows: {rows!r} is not a positive integer")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"length: {length!r} is not a positive integer")
+    if length <= rows:
+        return list(range(length))
+    tail = max(1, rows // 4)
+    rest, strata = length - tail, rows - tail
+    picked = {length - 1 - t for t in range(tail)}
+    picked.update(int((j + 0.5) * rest / strata) for j in range(strata))
+    return sorted(picked)  # strata of rest >= strata rows never collide: (j + 0.5) r / s
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallMeasurement:
+    """What ``measure_recall`` measured, per document of the plan (placement order).
+
+    Fields:
+      recall: float64 [documents] (CPU): mean over the sampled rows and heads of the exact
+        softmax mass inside the kept blocks (1.0: the kept blocks hold all of it).
+      rows: int64 [documents]: query rows sampled in each document (``recall_rows``).
+    """
+
+    recall: torch.Tensor
+    rows: torch.Tensor
+
+    def token_weighted(self, cu_seqlens):
+        """Mean recall weighted by the documents' tokens."""
+        cu = torch.as_tensor(cu_seqlens).cpu().to(torch.float64)
+        weights = cu[1:] - cu[:-1]
+        return float((self.recall * weights).sum() / weights.sum().clamp(min=1.0))
+
+
+def _kept_keys(selection, doc, heads, local_rows, length, block, device):
+    """bool [heads, rows, length]: key token j of the document is in a kept block of the row's
+    query block (causality applied by the caller)."""
+    blocks = int(selection.cu_blocks[doc + 1] - selection.cu_blocks[doc])
+    base = int(selection.cu_blocks[doc]) * heads
+    query_block = torch.as_tensor(local_rows, dtype=torch.int64) // block
+    row_id = (base + torch.arange(heads, dtype=torch.int64)[:, None] * blocks +
+              query_block[None, :]).reshape(-1)
+    row_ptr = torch.from_numpy(selection.row_ptr)
+    col_idx = torch.from_numpy(selection.col_idx).to(torch.int64)
+    starts, ends = row_ptr[row_id].to(torch.int64), row_ptr[row_id + 1].to(torch.int64)
+    counts = ends - starts
+    entry_row = torch.repeat_interleave(torch.arange(row_id.numel()), counts)
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts)
+    kept_blocks = torch.zeros((row_id.numel(), blocks), dtype=torch.bool)
+    kept_blocks[entry_row, col_idx[starts[entry_row] + offsets]] = True
+    key_block = torch.arange(length, dtype=torch.int64) // block
+    return kept_blocks[:, key_block].view(heads, len(local_rows), length).to(device)
+
+
+@torch.no_grad()
+def measure_recall(q, k, plan, rows=8, *, selection=None, softmax_scale=None):
+    """The recall of one layer's kept blocks, per document: on ``recall_rows(length, rows)``
+    query rows of every document and every head, the exact softmax mass (causal, inside the
+    document) that falls in the key blocks the row's query block keeps; the mean over rows and
+    heads.
+
+    Args:
+      q, k: [total_tokens, heads, head_dim] of one layer, packed like ``plan.cu_seqlens`` (CPU
+        or CUDA; computed in float32).
+      plan: the micro-batch's KernelPlan (``kernel_plan`` or ``MicroBatch.attention``).
+      rows: query rows sampled per document (at most this many; all of a shorter document).
+      selection: the kept blocks (a Selection: ``plan.select(q, k)``, which
+        ``plan.block_mask(q, k)`` masks with); None selects them here (the same blocks).
+      softmax_scale: of the attention (default 1 / sqrt(head_dim)).
+
+    Cost: rows x length x heads x head_dim per document, one host copy at the end: a few rows
+    against the attention's length^2 / 2 x density.
+    Returns a RecallMeasurement.
+    """
+    if not isinstance(plan, KernelPlan):
+        raise TypeError(f"plan: a KernelPlan is needed, got {type(plan).__name__}")
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q, k: [tokens, heads, head_dim] of the same shape are needed, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    cu = plan.cu_seqlens.cpu().tolist()
+    if q.shape[0] != cu[-1]:
+        raise ValueError(f"q: {q.shape[0]} tokens where plan.cu_seqlens holds {cu[-1]}")
+    if selection is None:  # the plan's selection (not plan.select: that would call on_select)
+        selection = select_blocks(q, k, cu, plan.densities.tolist(), plan.block_size,
+                                  plan.local_blocks)
+    elif not isinstance(selection, _C.Selection):
+        raise TypeError(f"selection: a sparsebalance Selection is needed, got "
+                        f"{type(selection).__name__}")
+    if selection.cu_seqlens.tolist() != cu or selection.heads != q.shape[1]:
+        raise ValueError("selection: it is not of this plan's documents and q's heads")
+    heads, head_dim = q.shape[1], q.shape[2]
+    scale = 1.0 / head_dim ** 0.5 if softmax_scale is None else float(softmax_scale)
+    block = selection.block_size
+    recalls, counts = [], []
+    for doc in range(len(cu) - 1):
+        start, length = cu[doc], cu[doc + 1] - cu[doc]
+        local = recall_rows(length, rows)
+        index = torch.tensor(local, dtype=torch.int64, device=q.device)
+        qr = q[start + index].float()                       # [R, H, D]
+        kd = k[start:start + length].float()                # [L, H, D]
+        logits = torch.einsum("rhd,lhd->hrl", qr, kd) * scale
+        causal = torch.arange(length, device=q.device)[None, :] <= index[:, None]  # [R, L]
+        logits = logits.masked_fill(~causal, float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        kept = _kept_keys(selection, doc, heads, local, length, block, q.device)
+        recalls.append((p * kept).sum(-1).mean())
+        counts.append(len(local))
+    recall = (torch.stack(recalls).to(device="cpu", dtype=torch.float64) if recalls else
+              torch.zeros(0, dtype=torch.float64))
+    return RecallMeasurement(recall=recall.clamp(0.0, 1.0),
+                             rows=torch.tensor(counts, dtype=torch.int64))
 
 
 def flex_attention(query, key, value, block_mask=None, **kwargs):

@@ -28,7 +28,12 @@ What it does for the trainer (torchrun or any initialised ``torch.distributed`` 
   dropped; ``state_dict``/``load_state_dict`` resume at the right step with them;
 - ``mb.loss_weight`` makes a token-mean loss per micro-batch add up, after DDP's average over
   ranks, to the token mean of the whole step (micro-batches hold unequal token counts);
-- times each micro-batch and reports the timings to the planner in the background.
+- times each micro-batch and reports the timings to the planner in the background;
+- measures recall: every ``mb.attention.block_mask(q, k)`` (or ``.select(q, k)``) call, one
+  per layer in order, also measures, on a few sampled query rows per document, the exact
+  softmax mass the kept blocks hold (``sparsebalance.attention.measure_recall``), and the report carries it per
+  document and layer (``measure_recall=False`` turns it off; a trainer with its own kernel
+  calls ``mb.measure_recall(q, k, layer)``). Its time is reported apart, not as compute.
 
 The plan in a kernel's terms: ``mb.cu_seqlens``, ``mb.densities``, ``mb.max_seqlen``, and
 ``mb.attention`` (``sparsebalance.attention``: per-document top-k budgets, FlexAttention block
@@ -36,6 +41,7 @@ masks). ``sparsebalance.ops.sparse_attention`` takes ``mb.cu_seqlens`` and ``mb.
 """
 
 import contextlib
+import dataclasses
 import os
 import time
 import warnings
@@ -83,11 +89,12 @@ class MicroBatch:
     per document: a pre-packed sample's segments are documents of their own), ``densities``
     (one per document), ``max_seqlen``, ``num_tokens``, ``loss_weight`` and ``document_weight``
     (see Balancer), ``attention`` (the plan in a kernel's terms). Set ``recall`` (and
-    ``achieved_density``) when the kernel measures them: the report carries them.
+    ``achieved_density``) when the kernel measures them: the report carries them (by default
+    ``recall`` is the token-weighted measured recall, see ``measure_recall``).
     """
 
     def __init__(self, step, index, samples, tokens, device, loss_weight, document_weight,
-                 shape):
+                 shape, recall_rows=0, recall_layers=None):
         self.step, self.index, self.samples = step, index, list(samples)
         self._shape = shape
         self.ids = [s.id for s in self.samples]
@@ -104,6 +111,11 @@ class MicroBatch:
         self.last = False  # the last micro-batch of its step (the optimizer steps after it)
         self._attention = None
         self._seconds = None
+        self._recall_rows = recall_rows  # 0: no automatic measurement
+        self._recall_layers = recall_layers  # None: every layer
+        self._mask_calls = 0  # block_mask calls so far: the layer of the next one
+        self.layer_recall = {}  # layer -> RecallMeasurement
+        self._recall_timers = []
 
     @property
     def attention(self):
@@ -116,7 +128,65 @@ class MicroBatch:
             self._attention = kernel_plan(self.samples, block_size=self._shape.block_size,
                                           local_blocks=self._shape.local_blocks,
                                           device=self.cu_seqlens.device)
+            if self._recall_rows:
+                self._attention = dataclasses.replace(self._attention,
+                                                      on_select=self._on_select)
         return self._attention
+
+    def _on_select(self, q, k, selection):
+        """select's (block_mask's) hook: its n-th call is layer n (calls beyond the model's layers, e.g.
+        activation checkpointing's recomputation, are not measured again)."""
+        layer = self._mask_calls
+        self._mask_calls += 1
+        if layer >= self._shape.layers or layer in self.layer_recall:
+            return
+        if self._recall_layers is not None and layer not in self._recall_layers:
+            return
+        self.measure_recall(q, k, layer, selection=selection, rows=self._recall_rows)
+
+    def measure_recall(self, q, k, layer=0, *, selection=None, rows=None):
+        """Measures the recall of layer ``layer``'s kept blocks for q, k ([tokens, heads,
+        head_dim], packed like ``cu_seqlens``): sparsebalance.attention.measure_recall on
+        ``rows`` sampled query rows per document (default: the Balancer's ``recall_rows``, 8
+        when off). ``selection``: the blocks the kernel kept (default: the plan's selection on
+        q, k). The report carries the documents' recall; the time it takes is reported as
+        recall_seconds, apart from compute. Returns the RecallMeasurement."""
+        from .attention import measure_recall
+
+        if not 0 <= layer < self._shape.layers:
+            raise ValueError(f"layer: {layer} is not in [0, {self._shape.layers})")
+        rows = rows or self._recall_rows or 8
+        timer = _Timer(q.device)
+        with timer:
+            measured = measure_recall(q, k, self.attention, rows, selection=selection)
+        self._recall_timers.append(timer)
+        self.layer_recall[layer] = measured
+        return measured
+
+    def recall_seconds(self):
+        """Time spent in measure_recall so far (the report's recall_seconds)."""
+        return sum(t.seconds() for t in self._recall_timers)
+
+    def document_recall(self):
+        """The measured recall as DocumentRecallMeasurement list (one per document; recall is
+        the mean over the measured layers, layer_recall one per layer when all were measured)
+        and its token-weighted mean; ([], None) when nothing was measured."""
+        if not self.layer_recall:
+            return [], None
+        plan = self.attention
+        layers = sorted(self.layer_recall)
+        per_layer = torch.stack([self.layer_recall[n].recall for n in layers])  # [layers, docs]
+        mean = per_layer.mean(dim=0)
+        rows = self.layer_recall[layers[0]].rows.tolist()
+        full = layers == list(range(self._shape.layers))
+        docs = [_C.DocumentRecallMeasurement(
+                    sample_id=plan.sample_ids[d], document=index, recall=float(mean[d]),
+                    layer_recall=per_layer[:, d].tolist() if full else [], rows=int(rows[d]))
+                for d, index in enumerate(plan.document_indices())]
+        cu = self.cu_seqlens.cpu().to(torch.float64)
+        weights = cu[1:] - cu[:-1]
+        weighted = float((mean * weights).sum() / weights.sum().clamp(min=1.0))
+        return docs, weighted
 
     def __repr__(self):
         return (f"MicroBatch(step={self.step}, index={self.index}, documents="
@@ -193,16 +263,23 @@ class Balancer:
         cuda:LOCAL_RANK when CUDA is available, else cpu).
       call_timeout_seconds, plan_timeout_seconds: planner deadlines before falling back.
       warn: called with each fallback warning (default: warnings.warn), at most once a minute.
+      measure_recall: measure recall through ``mb.attention.block_mask`` (True by default; see
+        the module's docstring); recall_rows: query rows sampled per document (8);
+        recall_layers: the layers measured (None: all).
     """
 
     def __init__(self, planner=None, lengths=None, *, tokens_per_step=None, fill=0.8, seed=0,
                  config=None, job=None, token=None, admin_token="", name=None,
                  allow_offline_start=False, prefetch=True, group=None, device=None,
                  call_timeout_seconds=2.0, plan_timeout_seconds=60.0, warn=None,
-                 **config_fields):
+                 measure_recall=True, recall_rows=8, recall_layers=None, **config_fields):
         if lengths is None:
             raise ValueError("lengths: the dataset's token count per item is needed (e.g. "
                              "lengths=dataset.lengths)")
+        if not isinstance(recall_rows, int) or recall_rows < 1:
+            raise ValueError(f"recall_rows: {recall_rows!r} is not a positive integer")
+        self._recall_rows = recall_rows if measure_recall else 0
+        self._recall_layers = None if recall_layers is None else frozenset(recall_layers)
         self.group = group
         self._warn = warn or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=2))
         self.rank, self.world = _process_group_ranks(group)
@@ -361,7 +438,8 @@ class Balancer:
             out.append(MicroBatch(
                 step, m, mb.samples, self._load(dataset, mb.samples), self.device,
                 self.world * tokens / max(1, global_tokens),
-                self.world * docs / max(1, global_docs), self.config.shape))
+                self.world * docs / max(1, global_docs), self.config.shape,
+                self._recall_rows, self._recall_layers))
         return out
 
     def _load(self, dataset, samples):
@@ -414,8 +492,13 @@ class Balancer:
         for mb, timer in entries:
             if timer is None:
                 continue
-            seconds = timer.seconds()
-            compute += seconds
+            documents, measured = mb.document_recall()
+            recall_seconds = mb.recall_seconds()
+            # Measuring ran inside timed(): it is not the micro-batch's compute.
+            seconds = max(0.0, timer.seconds() - recall_seconds)
+            compute += seconds + recall_seconds
+            if mb.recall is None and measured is not None:
+                mb.recall = measured
             density = mb.achieved_density
             if density is None:
                 cu = mb.cu_seqlens.tolist()
@@ -425,7 +508,8 @@ class Balancer:
             timings.append(_C.MicroBatchTiming(
                 micro_batch=mb.index, compute_seconds=seconds, tokens=mb.num_tokens,
                 achieved_density=float(density),
-                recall=float(mb.recall) if mb.recall is not None else 0.0))
+                recall=float(mb.recall) if mb.recall is not None else 0.0,
+                documents=documents, recall_seconds=recall_seconds))
         # The rest of the step (gradient all-reduce, optimizer) is this rank's wait.
         wait = max(0.0, time.perf_counter() - started - compute)
         self._c.report(step, timings, wait)
