@@ -490,7 +490,9 @@ class Balancer:
             return
         timings, compute = [], 0.0
         for mb, timer in entries:
-            if timer is None:
+            # An empty micro-batch (the plan left it empty) is not reported: the planner refuses
+            # a report of one, and would drop the whole step's report with it.
+            if timer is None or not mb.num_tokens:
                 continue
             documents, measured = mb.document_recall()
             recall_seconds = mb.recall_seconds()
