@@ -213,11 +213,11 @@ int Main(int argc, char** argv) {
   }
   TrainerSession session(client->get(), rank, /*coordinator=*/rank == 0, config);
   std::cerr << "sb-worker: rank " << rank << " of job " << options.job_id << " on "
-            << (*runner)->device_name() << ", from step " << resume << ", "
+            << (*runner)->device_name() << " ("
             << (config.selection == SelectionMode::kAnchor
-                    ? absl::StrCat("anchor selection (tau ", config.anchor_threshold, ")")
+                    ? absl::StrCat("anchor selection, tau ", config.anchor_threshold)
                     : std::string("top-k selection"))
-            << std::endl;
+            << "), from step " << resume << std::endl;
 
   for (int64_t step = resume; step < absl::GetFlag(FLAGS_steps); ++step) {
     absl::StatusOr<std::vector<Sample>> batch = BatchForStep(spec, step);
