@@ -60,6 +60,9 @@ struct Figures {
   double needle_recall = 0.0;  // mean over the needle queries, in their heads
 };
 
+// Causal (query block, key block) pairs of a document of `blocks` blocks, over the heads.
+int64_t CausalPairs(int64_t blocks, int heads) { return blocks * (blocks + 1) / 2 * heads; }
+
 // Kept softmax mass of row `t` of head `h` (document 0 of `index`).
 double RowRecall(const kernels::BlockIndex& index, int head_dim, const std::vector<float>& q,
                  const std::vector<float>& k, int h, int64_t t) {
@@ -98,7 +101,7 @@ Figures Measure(const DocumentTensors& doc, int32_t length, double density,
   const int64_t blocks = sel->index.blocks(0);
   Figures f;
   f.achieved = static_cast<double>(sel->index.active_blocks()) /
-               static_cast<double>(blocks * (blocks + 1) / 2 * heads);
+               static_cast<double>(CausalPairs(blocks, heads));
   kernels::RecallSampling sampling;
   sampling.rows = rows;
   sampling.max_pair_share = 1e9;  // no cost bound: a measurement, not a training step
@@ -129,7 +132,7 @@ double TopKDensityFor(const DocumentTensors& doc, int32_t length, double achieve
     if (!sel.ok()) tools::Fatal(sel.status().ToString());
     const int64_t blocks = sel->index.blocks(0);
     const double got = static_cast<double>(sel->index.active_blocks()) /
-                       static_cast<double>(blocks * (blocks + 1) / 2 * heads);
+                       static_cast<double>(CausalPairs(blocks, heads));
     (got < achieved ? lo : hi) = mid;
   }
   return hi;
