@@ -39,6 +39,15 @@ absl::Status ValidateSelectionInputs(absl::Span<const int32_t> cu_seqlens, int h
     return absl::InvalidArgumentError(absl::StrCat("mass_threshold=", options.mass_threshold,
                                                    " is outside (0, 1]; 1 turns it off"));
   }
+  if (!(options.anchor_threshold > 0.0 && options.anchor_threshold <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("anchor_threshold=", options.anchor_threshold,
+                     " is outside (0, 1] (a kept block's weight relative to the best anchor's)"));
+  }
+  if (options.mode != SelectionMode::kTopK && options.mode != SelectionMode::kAnchor) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mode=", static_cast<int>(options.mode), " is not a selection mode"));
+  }
   if (!(options.softmax_scale >= 0.0f) || !std::isfinite(options.softmax_scale)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "softmax_scale=", options.softmax_scale, " must be positive (or 0 for 1/sqrt(head_dim))"));
@@ -59,7 +68,8 @@ absl::Status ValidateSelectionInputs(absl::Span<const int32_t> cu_seqlens, int h
 
 std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t kept_cap,
                                double mass_threshold, absl::Span<const float> scores,
-                               absl::Span<const double> pairs, float* estimated_recall) {
+                               absl::Span<const double> pairs, float* estimated_recall,
+                               SelectionMode mode, double anchor_threshold) {
   const int32_t n = query_block + 1;
   std::vector<int32_t> kept;
   if (kept_cap >= n) {  // every causal block: nothing to estimate
@@ -89,9 +99,19 @@ std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t ke
   for (int32_t j = local_start; j <= query_block; ++j) kept_mass += mass[j];
   int64_t count = n - static_cast<int64_t>(order.size());
   const bool use_threshold = mass_threshold < 1.0;
+  // Anchor-guided thresholding: blocks below the best anchor's score + log(tau) stay out.
+  double score_floor = -INFINITY;
+  if (mode == SelectionMode::kAnchor) {
+    double best_anchor = scores[0];
+    for (int32_t j = local_start; j <= query_block; ++j) {
+      best_anchor = std::max(best_anchor, static_cast<double>(scores[j]));
+    }
+    score_floor = best_anchor + std::log(anchor_threshold);
+  }
   for (int32_t j : order) {
     if (count >= kept_cap) break;
     if (use_threshold && kept_mass >= mass_threshold * total) break;
+    if (static_cast<double>(scores[j]) < score_floor) break;  // `order` is by descending score
     is_kept[j] = 1;
     kept_mass += mass[j];
     ++count;
@@ -180,9 +200,10 @@ absl::StatusOr<Selection> SelectFromScores(
     score_rows(s, h, [&](int32_t i, absl::Span<const float> scores) {
       for (int32_t j = 0; j <= i; ++j) pairs[j] = VisiblePairs(length, block_size, i, j);
       const int64_t row = int64_t{cu_blocks[s]} * heads + int64_t{h} * blocks + i;
-      kept[row] = SelectRow(i, options.local_blocks, KeptBlocks(i, density_q, options.local_blocks),
-                            options.mass_threshold, scores,
-                            absl::MakeConstSpan(pairs.data(), i + 1), &recall[row]);
+      kept[row] =
+          SelectRow(i, options.local_blocks, KeptBlocks(i, density_q, options.local_blocks),
+                    options.mass_threshold, scores, absl::MakeConstSpan(pairs.data(), i + 1),
+                    &recall[row], options.mode, options.anchor_threshold);
     });
   });
   absl::StatusOr<BlockIndex> index = MakeBlockIndex(cu_seqlens, heads, block_size, kept);

@@ -2,8 +2,11 @@
 // for every causal (query block, key block) pair; each row keeps its anchors (sink block 0,
 // the diagonal and `local_blocks` before it), then the best-scoring blocks until it holds
 // k_i = KeptBlocks(i, QuantizeDensity(density)) blocks, or, with a mass threshold, until the
-// estimated share of softmax mass kept reaches it. Tensors are fp32 [total_tokens, heads,
-// head_dim]; densities are per sequence.
+// estimated share of softmax mass kept reaches it. In SelectionMode::kAnchor (anchor-guided
+// thresholding) a block is added only while its score is at least s_a + log(tau), s_a the best
+// anchor's score and tau = anchor_threshold: k_i is then a cap, not a count. A row whose k_i
+// covers every causal block keeps them all in either mode. Tensors are fp32 [total_tokens,
+// heads, head_dim]; densities are per sequence.
 //
 //   absl::StatusOr<Selection> sel = SelectBlocks(cu_seqlens, heads, head_dim, q, k,
 //                                                /*densities=*/{0.3, 1.0}, SelectionOptions{});
@@ -17,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "contract/selection_mode.h"
 #include "kernels/block_index.h"
 
 namespace sparsebalance {
@@ -28,8 +32,12 @@ struct SelectionOptions {
   // Stop adding blocks to a row once its estimated kept mass reaches this share, in (0, 1];
   // 1 keeps exactly k_i blocks per row (the planner's count).
   double mass_threshold = 1.0;
-  float softmax_scale = 0.0f;  // 0 means 1/sqrt(head_dim)
-  int threads = 0;             // CPU threads; 0 means the hardware concurrency
+  // kTopK keeps k_i blocks per row; kAnchor keeps, within k_i, only the blocks scoring at
+  // least s_a + log(anchor_threshold) (contract/selection_mode.h).
+  SelectionMode mode = SelectionMode::kTopK;
+  double anchor_threshold = kDefaultAnchorThreshold;  // tau, in (0, 1]; read in kAnchor only
+  float softmax_scale = 0.0f;                         // 0 means 1/sqrt(head_dim)
+  int threads = 0;  // CPU threads; 0 means the hardware concurrency
 };
 
 struct Selection {
@@ -54,11 +62,15 @@ absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int
 // The rule of SelectBlocks for one row, shared with the CUDA path: `scores[j]` (softmax
 // logits of the pooled blocks) and `pairs[j]` (visible (query, key) token pairs) for every key
 // block j in [0, query_block]. Keeps the anchors, then blocks by descending score (ties: lower
-// j first) until `kept_cap` blocks or the threshold. Block j's estimated mass is
-// pairs[j] * exp(scores[j]). Returns the kept blocks ascending and sets *estimated_recall.
+// j first) until `kept_cap` blocks or the mass threshold; in SelectionMode::kAnchor also
+// only while scores[j] >= s_a + log(anchor_threshold), s_a = the highest score among the
+// anchors. Block j's estimated mass is pairs[j] * exp(scores[j]). Returns the kept blocks
+// ascending and sets *estimated_recall.
 std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t kept_cap,
                                double mass_threshold, absl::Span<const float> scores,
-                               absl::Span<const double> pairs, float* estimated_recall);
+                               absl::Span<const double> pairs, float* estimated_recall,
+                               SelectionMode mode = SelectionMode::kTopK,
+                               double anchor_threshold = 1.0);
 
 // Scores of one row for SelectFromScores: the i + 1 softmax logits of query block i's key
 // blocks 0..i.

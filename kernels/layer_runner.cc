@@ -166,6 +166,10 @@ void UseProbe(const RecallRows& rows, const RecallProbe& probe, LayerMeasurement
 }
 
 absl::Status CheckRunOptions(const RunOptions& options) {
+  if (!(options.anchor_threshold > 0.0 && options.anchor_threshold <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("anchor_threshold=", options.anchor_threshold, " is outside (0, 1]"));
+  }
   if (options.probe_recall && !options.exact_recall)
     return ValidateRecallSampling(options.sampling);
   return absl::OkStatus();
@@ -261,6 +265,8 @@ class CpuLayerRunner : public BatchRunner {
     SelectionOptions select;
     select.block_size = shape_.block_size;
     select.local_blocks = shape_.local_blocks;
+    select.mode = options.selection;
+    select.anchor_threshold = options.anchor_threshold;
     select.threads = threads_;
     AttentionOptions attention;
     attention.threads = threads_;
@@ -398,6 +404,8 @@ class CudaLayerRunner : public BatchRunner {
     SelectionOptions select;
     select.block_size = shape_.block_size;
     select.local_blocks = shape_.local_blocks;
+    select.mode = options.selection;
+    select.anchor_threshold = options.anchor_threshold;
     const int64_t tokens = cu_seqlens_.back();
     const int64_t hidden = int64_t{shape_.heads} * shape_.head_dim;
     if (absl::Status s = CudaCheck(cudaEventRecord(start_), "cudaEventRecord"); !s.ok()) return s;

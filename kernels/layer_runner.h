@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "contract/layer_shape.h"
+#include "contract/selection_mode.h"
 #include "kernels/recall_probe.h"
 
 namespace sparsebalance {
@@ -81,6 +82,11 @@ struct RunOptions {
   // each document's recall_seed), timed into recall_seconds.
   bool probe_recall = false;
   RecallSampling sampling;
+  // How block selection chooses each row's blocks within its density's budget
+  // (kernels/block_selection.h): top-k, or anchor-guided thresholding at tau = anchor_threshold
+  // (in (0, 1]), which may keep fewer blocks than the density allows.
+  SelectionMode selection = SelectionMode::kTopK;
+  double anchor_threshold = kDefaultAnchorThreshold;
 };
 
 class LayerRunner {

@@ -131,6 +131,13 @@ absl::Status ValidateConfig(const PlannerConfig& c) {
   if (!(c.document_recall_floor >= 0.0 && c.document_recall_floor < 1.0)) {
     return bad("document_recall_floor", c.document_recall_floor, "need [0, 1); 0 is no floor");
   }
+  if (c.selection != SelectionMode::kTopK && c.selection != SelectionMode::kAnchor) {
+    return bad("selection", static_cast<int>(c.selection), "need top-k or anchor");
+  }
+  if (!(c.anchor_threshold > 0.0 && c.anchor_threshold <= 1.0)) {
+    return bad("anchor_threshold", c.anchor_threshold,
+               "need (0, 1] (a kept block's weight relative to the best anchor's)");
+  }
   return absl::OkStatus();
 }
 

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "contract/layer_shape.h"
+#include "contract/selection_mode.h"
 
 namespace sparsebalance {
 
@@ -72,6 +73,13 @@ struct PlannerConfig {
   // `document_recall_floor` (0: no floor) unless even density_max cannot reach it.
   double bucket_recall_margin = 0.01;
   double document_recall_floor = 0.0;
+  // How workers select blocks within each document's density (contract/selection_mode.h):
+  // top-k keeps k_i blocks per row; anchor-guided thresholding keeps at most k_i, only those
+  // whose estimated weight is at least `anchor_threshold` (tau, in (0, 1]) times the best
+  // anchor block's. The planner plans with densities either way; workers report the achieved
+  // density.
+  SelectionMode selection = SelectionMode::kTopK;
+  double anchor_threshold = kDefaultAnchorThreshold;
 };
 
 // Upper bounds on what a config and a batch may hold. Each is far above any real training

@@ -61,6 +61,12 @@ constexpr EnumRow<OverflowPolicy, v1::OverflowPolicy> kOverflowPolicies[] = {
     {OverflowPolicy::kError, v1::OVERFLOW_POLICY_UNSPECIFIED},  // the planner's default
 };
 
+constexpr EnumRow<SelectionMode, v1::Selection> kSelections[] = {
+    {SelectionMode::kTopK, v1::SELECTION_TOPK},
+    {SelectionMode::kAnchor, v1::SELECTION_ANCHOR},
+    {SelectionMode::kTopK, v1::SELECTION_UNSPECIFIED},  // the planner's default
+};
+
 // `value` read from the wire; one the table lacks is INVALID_ARGUMENT naming `field`.
 template <typename Ours, typename Wire, size_t N>
 absl::StatusOr<Ours> FromWire(const EnumRow<Ours, Wire> (&table)[N], Wire value,
@@ -121,6 +127,10 @@ absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireL
   c.dst_quantile = in.dst_quantile();
   if (in.has_bucket_recall_margin()) c.bucket_recall_margin = in.bucket_recall_margin();
   c.document_recall_floor = in.document_recall_floor();
+  absl::StatusOr<SelectionMode> selection = SelectionFromProto(in.selection(), "config.selection");
+  if (!selection.ok()) return selection.status();
+  c.selection = *selection;
+  if (in.has_anchor_threshold()) c.anchor_threshold = in.anchor_threshold();
   absl::StatusOr<OverflowPolicy> overflow = OverflowFromProto(in.overflow(), "config.overflow");
   if (!overflow.ok()) return overflow.status();
   c.overflow = *overflow;
@@ -150,7 +160,13 @@ absl::StatusOr<OverflowPolicy> OverflowFromProto(v1::OverflowPolicy policy,
   return FromWire(kOverflowPolicies, policy, field);
 }
 
+absl::StatusOr<SelectionMode> SelectionFromProto(v1::Selection selection, absl::string_view field) {
+  return FromWire(kSelections, selection, field);
+}
+
 v1::Policy PolicyToProto(Policy policy) { return ToWire(kPolicies, policy); }
+
+v1::Selection SelectionToProto(SelectionMode selection) { return ToWire(kSelections, selection); }
 
 v1::DstMode DstModeToProto(DstMode mode) { return ToWire(kDstModes, mode); }
 
@@ -180,6 +196,8 @@ v1::JobConfig ConfigToProto(const JobSettings& settings) {
   out.set_history_steps(settings.history_steps);
   out.set_bucket_recall_margin(c.bucket_recall_margin);
   out.set_document_recall_floor(c.document_recall_floor);
+  out.set_selection(SelectionToProto(c.selection));
+  out.set_anchor_threshold(c.anchor_threshold);
   return out;
 }
 
@@ -193,6 +211,7 @@ absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequ
   c.density_default = in.density_default();
   c.bucket_recall_margin = in.bucket_recall_margin();
   c.document_recall_floor = in.document_recall_floor();
+  c.anchor_threshold = in.anchor_threshold();
   out.values.history_steps = in.history_steps();
   out.fields.assign(request.update_mask().paths().begin(), request.update_mask().paths().end());
   for (const std::string& field : out.fields) {
@@ -208,6 +227,11 @@ absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequ
       absl::StatusOr<OverflowPolicy> overflow = OverflowFromProto(in.overflow(), "config.overflow");
       if (!overflow.ok()) return overflow.status();
       c.overflow = *overflow;
+    } else if (field == "selection") {
+      absl::StatusOr<SelectionMode> selection =
+          SelectionFromProto(in.selection(), "config.selection");
+      if (!selection.ok()) return selection.status();
+      c.selection = *selection;
     }
   }
   return out;

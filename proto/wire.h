@@ -73,6 +73,8 @@ absl::StatusOr<OverflowPolicy> OverflowFromProto(v1::OverflowPolicy policy,
 v1::Policy PolicyToProto(Policy policy);
 v1::DstMode DstModeToProto(DstMode mode);
 v1::OverflowPolicy OverflowToProto(OverflowPolicy policy);
+absl::StatusOr<SelectionMode> SelectionFromProto(v1::Selection selection, absl::string_view field);
+v1::Selection SelectionToProto(SelectionMode selection);
 
 // Both ways with the measured recall (documents, recall_seconds); TimingFromProto converts
 // without checking: ValidateMeasuredRecall (and the registry's ValidateReport) check.

@@ -45,6 +45,8 @@ constexpr RuntimeSetting kRuntimeSettings[] = {
     {"overflow", &CopyPlannerSetting<&PlannerConfig::overflow>},
     {"bucket_recall_margin", &CopyPlannerSetting<&PlannerConfig::bucket_recall_margin>},
     {"document_recall_floor", &CopyPlannerSetting<&PlannerConfig::document_recall_floor>},
+    {"selection", &CopyPlannerSetting<&PlannerConfig::selection>},
+    {"anchor_threshold", &CopyPlannerSetting<&PlannerConfig::anchor_threshold>},
     {"history_steps", &CopyHistorySteps},
 };
 

@@ -71,6 +71,8 @@ class LayerwiseRunner : public MicroBatchRunner {
     run_.probe_recall = !options.exact_recall && options.recall_rows > 0;
     run_.sampling.rows = std::max(1, options.recall_rows);
     run_.sampling.max_pair_share = options.recall_pair_share;
+    run_.selection = options.selection;
+    run_.anchor_threshold = options.anchor_threshold;
   }
   using MicroBatchRunner::Run;
 
@@ -207,6 +209,10 @@ absl::StatusOr<std::unique_ptr<MicroBatchRunner>> MicroBatchRunner::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("--recall_budget=", runner_options.recall_pair_share,
                      ": must be a positive share of the kept pairs"));
+  }
+  if (!(runner_options.anchor_threshold > 0.0 && runner_options.anchor_threshold <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("anchor_threshold=", runner_options.anchor_threshold, ": must be in (0, 1]"));
   }
   kernels::LayerRunnerOptions options;
   options.device = device;

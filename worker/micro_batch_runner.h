@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "contract/selection_mode.h"
 #include "kernels/layer_runner.h"
 #include "planner/types.h"
 
@@ -64,6 +65,10 @@ struct MicroBatchRunnerOptions {
   // key) pairs; 0: the block scores' estimate.
   int recall_rows = 0;
   double recall_pair_share = 0.05;
+  // Block selection within each document's budget (the job config's `selection` and
+  // `anchor_threshold`): top-k, or anchor-guided thresholding at tau in (0, 1].
+  SelectionMode selection = SelectionMode::kTopK;
+  double anchor_threshold = kDefaultAnchorThreshold;
 };
 
 class MicroBatchRunner {

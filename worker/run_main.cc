@@ -53,6 +53,12 @@ ABSL_FLAG(std::string, profile, "auto",
           "keep the planner's default prior; or a profile table file");
 ABSL_FLAG(std::string, out, "out/main-job", "folder for the summary, picture and step lines");
 ABSL_FLAG(bool, exact_recall, false, "workers report the exact recall (slower)");
+ABSL_FLAG(std::string, selection, "topk",
+          "block selection of the jobs: topk (k_i blocks per row) or anchor (anchor-guided "
+          "thresholding: at most k_i, only blocks weighing >= --anchor_threshold x the best "
+          "anchor's)");
+ABSL_FLAG(double, anchor_threshold, sparsebalance::kDefaultAnchorThreshold,
+          "tau of --selection=anchor, in (0, 1]");
 ABSL_FLAG(bool, keep_jobs, false, "keep the jobs in the planner afterwards (default: delete them)");
 
 namespace sparsebalance {
@@ -176,6 +182,13 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<PlannerClient>> admin = PlannerClient::Connect(options);
   if (!admin.ok()) tools::Fatal(admin.status().ToString());
 
+  SelectionMode selection = SelectionMode::kTopK;
+  if (absl::GetFlag(FLAGS_selection) == "anchor") {
+    selection = SelectionMode::kAnchor;
+  } else if (absl::GetFlag(FLAGS_selection) != "topk") {
+    tools::UsageError(
+        absl::StrCat("--selection=", absl::GetFlag(FLAGS_selection), ": expected topk or anchor"));
+  }
   std::vector<RunResult> results;
   for (Policy policy : policies) {
     PlannerConfig config;
@@ -184,6 +197,8 @@ int Main(int argc, char** argv) {
     config.micro_batch_capacity = absl::GetFlag(FLAGS_capacity);
     config.shape = shape;
     config.policy = policy;
+    config.selection = selection;
+    config.anchor_threshold = absl::GetFlag(FLAGS_anchor_threshold);
     absl::StatusOr<JobHandle> job =
         (*admin)->CreateJob(absl::StrCat("main-job-", PolicyName(policy)), config);
     if (!job.ok()) tools::Fatal(absl::StrCat("CreateJob: ", job.status().ToString()));

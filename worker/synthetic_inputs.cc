@@ -53,6 +53,7 @@ DocumentTensors MakeDocument(uint64_t id, int64_t length, int heads, int head_di
         const int64_t query =
             half + static_cast<int64_t>(rng.Uniform() * static_cast<double>(half - 1));
         needles.push_back({key, query, UnitVector(rng, head_dim)});
+        doc.needle_queries.push_back(query);
       }
     }
     for (int64_t t = 0; t < length; ++t) {

@@ -18,6 +18,9 @@ namespace sparsebalance {
 
 struct DocumentTensors {
   std::vector<float> q, k, v;  // [length, heads, head_dim]
+  // The needle queries' positions, kRetrievalsPerHead per head, head by head (none below 4
+  // tokens): rows whose mass sits on one far-back key (sb-selection-compare measures them).
+  std::vector<int64_t> needle_queries;
 };
 
 // Needle positions per head: `retrievals` keys in the first half of the document, each

@@ -173,6 +173,9 @@ int Main(int argc, char** argv) {
   const int recall_rows = absl::GetFlag(FLAGS_recall_rows);
   runner_options.recall_rows = recall_rows >= 0 ? recall_rows : (device == "cpu" ? 8 : 0);
   runner_options.recall_pair_share = absl::GetFlag(FLAGS_recall_budget);
+  // Block selection is the job's (JobConfig.selection / anchor_threshold), read at join.
+  runner_options.selection = config.selection;
+  runner_options.anchor_threshold = config.anchor_threshold;
   if (recall_rows < -1) tools::UsageError("--recall_rows must be >= 0 (or -1: the default)");
   absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
       MicroBatchRunner::Create(device, config.shape, runner_options);
@@ -210,7 +213,11 @@ int Main(int argc, char** argv) {
   }
   TrainerSession session(client->get(), rank, /*coordinator=*/rank == 0, config);
   std::cerr << "sb-worker: rank " << rank << " of job " << options.job_id << " on "
-            << (*runner)->device_name() << ", from step " << resume << std::endl;
+            << (*runner)->device_name() << " ("
+            << (config.selection == SelectionMode::kAnchor
+                    ? absl::StrCat("anchor selection, tau ", config.anchor_threshold)
+                    : std::string("top-k selection"))
+            << "), from step " << resume << std::endl;
 
   for (int64_t step = resume; step < absl::GetFlag(FLAGS_steps); ++step) {
     absl::StatusOr<std::vector<Sample>> batch = BatchForStep(spec, step);

@@ -2,6 +2,8 @@
 // the transpose exact, recall 1 at density 1 and never above 1; bad input named.
 #include "kernels/block_selection.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -125,6 +127,140 @@ TEST(BlockSelectionTest, AMassThresholdKeepsFewerBlocksAndReachesItsEstimate) {
   }
 }
 
+// The kept blocks of CSR row r.
+std::vector<int32_t> RowOf(const BlockIndex& index, int64_t r) {
+  return std::vector<int32_t>(index.col_idx.begin() + index.row_ptr[r],
+                              index.col_idx.begin() + index.row_ptr[r + 1]);
+}
+
+SelectionOptions AnchorOptions(double tau, int local_blocks = 1) {
+  SelectionOptions options;
+  options.mode = SelectionMode::kAnchor;
+  options.anchor_threshold = tau;
+  options.local_blocks = local_blocks;
+  return options;
+}
+
+TEST(AnchorSelectionTest, KeepsTheAnchorsAndAPrefixOfTopKWithinTheBudget) {
+  // Structured scores: shared directions in q and k give rows real high- and low-scoring blocks.
+  testing::Problem b = testing::MakeProblem({3000, 700, 4096}, 2, 64, 51);
+  for (size_t e = 0; e < b.q.size(); e += 64) {
+    b.q[e] += 2.0f;
+    b.k[e] += static_cast<float>((e / 64 / 2 / 97) % 5) - 2.0f;  // varies by block of keys
+  }
+  const std::vector<double> densities = {0.1, 0.3, 0.5};
+  for (int local_blocks : {0, 1, 2}) {
+    SelectionOptions topk_options;
+    topk_options.local_blocks = local_blocks;
+    absl::StatusOr<Selection> topk =
+        SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, densities, topk_options);
+    ASSERT_TRUE(topk.ok()) << topk.status();
+    int64_t previous_active = 0;
+    for (double tau : {1.0, 0.5, 0.05, 0.001}) {  // lower tau: never fewer blocks
+      absl::StatusOr<Selection> anchor = SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k,
+                                                      densities, AnchorOptions(tau, local_blocks));
+      ASSERT_TRUE(anchor.ok()) << anchor.status();
+      const BlockIndex& index = anchor->index;
+      ASSERT_TRUE(ValidateBlockIndex(index).ok());  // sorted, causal, flags, exact transpose
+      ASSERT_EQ(index.rows(), topk->index.rows());
+      for (int s = 0; s < index.sequences(); ++s) {
+        const int64_t q = QuantizeDensity(densities[s]);
+        for (int h = 0; h < b.heads; ++h) {
+          for (int32_t i = 0; i < index.blocks(s); ++i) {
+            const int64_t r = index.RowId(s, h, i);
+            const std::vector<int32_t> row = RowOf(index, r);
+            const std::vector<int32_t> capped = RowOf(topk->index, r);
+            EXPECT_LE(static_cast<int64_t>(row.size()), KeptBlocks(i, q, local_blocks));
+            EXPECT_EQ(row.front(), 0);  // sink
+            for (int32_t j = std::max(0, i - local_blocks); j <= i; ++j) {
+              EXPECT_TRUE(std::binary_search(row.begin(), row.end(), j)) << "anchor " << j;
+            }
+            // The same order as top-k, stopped earlier: a subset of top-k's row.
+            EXPECT_TRUE(std::includes(capped.begin(), capped.end(), row.begin(), row.end()))
+                << "row " << r << " tau " << tau;
+            EXPECT_LE(anchor->estimated_recall[r], topk->estimated_recall[r] + 1e-6f);
+          }
+        }
+      }
+      EXPECT_GE(index.active_blocks(), previous_active) << "tau " << tau;
+      previous_active = index.active_blocks();
+    }
+    // The thresholds bind on these inputs: tau = 1 keeps fewer blocks than top-k.
+    absl::StatusOr<Selection> strict = SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, densities,
+                                                    AnchorOptions(1.0, local_blocks));
+    ASSERT_TRUE(strict.ok());
+    EXPECT_LT(strict->index.active_blocks(), topk->index.active_blocks());
+  }
+}
+
+TEST(AnchorSelectionTest, AVanishingThresholdIsTopKExactly) {
+  const testing::Problem b = testing::MakeProblem({1000, 1, 333, 2048, 129}, 2, 64, 61);
+  const std::vector<double> densities = {0.1, 0.5, 0.3, 0.05, 1.0};
+  for (int local_blocks : {0, 1, 3}) {
+    SelectionOptions topk_options;
+    topk_options.local_blocks = local_blocks;
+    absl::StatusOr<Selection> topk =
+        SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, densities, topk_options);
+    absl::StatusOr<Selection> anchor = SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, densities,
+                                                    AnchorOptions(1e-30, local_blocks));
+    ASSERT_TRUE(topk.ok() && anchor.ok());
+    EXPECT_EQ(anchor->index.row_ptr, topk->index.row_ptr);
+    EXPECT_EQ(anchor->index.col_idx, topk->index.col_idx);
+    EXPECT_EQ(anchor->index.col_ptr, topk->index.col_ptr);
+    EXPECT_EQ(anchor->index.row_idx, topk->index.row_idx);
+    EXPECT_EQ(anchor->estimated_recall, topk->estimated_recall);
+  }
+}
+
+TEST(AnchorSelectionTest, ThresholdOneKeepsOnlyBlocksScoringAtLeastTheBestAnchor) {
+  // Query block 9, local_blocks 1: anchors 0, 8, 9 (best anchor score 2.0 at block 8).
+  const std::vector<float> scores = {1.0f, 3.0f, 2.0f, -1.0f, 2.5f, 1.9f, 0.0f, 4.0f, 2.0f, 0.5f};
+  std::vector<double> pairs(10, 64.0 * 64.0);
+  pairs[9] = 64.0 * 65.0 / 2;
+  float estimate = 0.0f;
+  // tau = 1: blocks 7 (4.0), 1 (3.0), 4 (2.5) and 2 (2.0, a tie with the anchor) clear it.
+  EXPECT_EQ(SelectRow(9, 1, /*kept_cap=*/10 - 1, 1.0, scores, pairs, &estimate,
+                      SelectionMode::kAnchor, 1.0),
+            (std::vector<int32_t>{0, 1, 2, 4, 7, 8, 9}));
+  // The cap still binds: two blocks beyond the three anchors, the best two.
+  EXPECT_EQ(SelectRow(9, 1, 5, 1.0, scores, pairs, &estimate, SelectionMode::kAnchor, 1.0),
+            (std::vector<int32_t>{0, 1, 7, 8, 9}));
+  // tau = e^-1.5: the floor is 0.5, so block 5 (1.9) joins, blocks 6 (0.0) and 3 (-1.0) do not.
+  EXPECT_EQ(
+      SelectRow(9, 1, 9, 1.0, scores, pairs, &estimate, SelectionMode::kAnchor, std::exp(-1.5)),
+      (std::vector<int32_t>{0, 1, 2, 4, 5, 7, 8, 9}));
+  // A best anchor above every other block keeps the anchors only; top-k keeps the cap.
+  std::vector<float> sink_heavy = scores;
+  sink_heavy[0] = 9.0f;
+  EXPECT_EQ(SelectRow(9, 1, 6, 1.0, sink_heavy, pairs, &estimate, SelectionMode::kAnchor, 0.5),
+            (std::vector<int32_t>{0, 8, 9}));
+  EXPECT_EQ(SelectRow(9, 1, 6, 1.0, sink_heavy, pairs, &estimate).size(), 6u);
+  // A budget of every causal block keeps every block in either mode (a dense row).
+  EXPECT_EQ(
+      SelectRow(9, 1, 10, 1.0, sink_heavy, pairs, &estimate, SelectionMode::kAnchor, 1.0).size(),
+      10u);
+  EXPECT_EQ(estimate, 1.0f);
+}
+
+TEST(AnchorSelectionTest, DeterministicAcrossRunsAndThreadCounts) {
+  const testing::Problem b = testing::MakeProblem({2000, 513, 64}, 3, 64, 71);
+  SelectionOptions one = AnchorOptions(0.2);
+  one.threads = 1;
+  SelectionOptions four = one;
+  four.threads = 4;
+  absl::StatusOr<Selection> a =
+      SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, {0.2, 0.4, 0.1}, one);
+  absl::StatusOr<Selection> c =
+      SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, {0.2, 0.4, 0.1}, four);
+  absl::StatusOr<Selection> d =
+      SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, {0.2, 0.4, 0.1}, four);
+  ASSERT_TRUE(a.ok() && c.ok() && d.ok());
+  EXPECT_EQ(a->index.col_idx, c->index.col_idx);
+  EXPECT_EQ(a->index.row_ptr, c->index.row_ptr);
+  EXPECT_EQ(c->index.col_idx, d->index.col_idx);
+  EXPECT_EQ(a->estimated_recall, c->estimated_recall);
+}
+
 TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
   const testing::Problem b = testing::MakeProblem({100, 50}, 2, 64, 41);
   SelectionOptions ok;
@@ -142,6 +278,10 @@ TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
   threshold.mass_threshold = 0.0;
   SelectionOptions local = ok;
   local.local_blocks = -1;
+  SelectionOptions tau0 = ok;
+  tau0.anchor_threshold = 0.0;
+  SelectionOptions tau_big = ok;
+  tau_big.anchor_threshold = 1.5;
   for (const Case& c : std::vector<Case>{
            {b.cu, 64, {0.5, 1.5}, ok, b.q.size(), "densities[1]=1.5 is outside (0, 1]"},
            {b.cu, 64, {0.0, 0.5}, ok, b.q.size(), "densities[0]=0 is outside (0, 1]"},
@@ -151,6 +291,8 @@ TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
            {b.cu, 64, {0.5, 0.5}, block32, b.q.size(), "block_size=32 is not supported"},
            {b.cu, 64, {0.5, 0.5}, threshold, b.q.size(), "mass_threshold=0"},
            {b.cu, 64, {0.5, 0.5}, local, b.q.size(), "local_blocks=-1"},
+           {b.cu, 64, {0.5, 0.5}, tau0, b.q.size(), "anchor_threshold=0 is outside (0, 1]"},
+           {b.cu, 64, {0.5, 0.5}, tau_big, b.q.size(), "anchor_threshold=1.5 is outside"},
            {b.cu, 64, {0.5, 0.5}, ok, b.q.size() - 1, "q has 19199 elements; expected 19200"},
        }) {
     std::vector<float> q(c.q_size, 0.0f);

@@ -37,6 +37,8 @@ TEST(ConfigFromProtoTest, ZeroFieldsTakeDefaults) {
   EXPECT_EQ(s->planner.policy, Policy::kSparseBalance);
   EXPECT_EQ(s->planner.dst_mode, DstMode::kMean);
   EXPECT_EQ(s->planner.overflow, OverflowPolicy::kError);
+  EXPECT_EQ(s->planner.selection, SelectionMode::kTopK);
+  EXPECT_EQ(s->planner.anchor_threshold, kDefaultAnchorThreshold);
   EXPECT_EQ(s->history_steps, kDefaultHistorySteps);
 }
 
@@ -59,10 +61,30 @@ TEST(ConfigFromProtoTest, RoundTripsEveryField) {
   c.set_history_steps(10);
   c.set_bucket_recall_margin(0.02);
   c.set_document_recall_floor(0.4);
+  c.set_selection(v1::SELECTION_ANCHOR);
+  c.set_anchor_threshold(0.2);
   absl::StatusOr<JobSettings> s = ConfigFromProto(c, WireLimits());
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(ConfigToProto(*s).SerializeAsString(), c.SerializeAsString());
+  EXPECT_EQ(s->planner.selection, SelectionMode::kAnchor);
+  EXPECT_EQ(s->planner.anchor_threshold, 0.2);
   EXPECT_EQ(s->planner.shape.local_blocks, 0);  // an explicit shape keeps local_blocks = 0
+}
+
+TEST(ConfigUpdateFromProtoTest, CarriesTheSelection) {
+  v1::UpdateJobConfigRequest request;
+  request.mutable_config()->set_selection(v1::SELECTION_ANCHOR);
+  request.mutable_config()->set_anchor_threshold(0.3);
+  request.mutable_update_mask()->add_paths("selection");
+  request.mutable_update_mask()->add_paths("anchor_threshold");
+  absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(request);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ(update->values.planner.selection, SelectionMode::kAnchor);
+  EXPECT_EQ(update->values.planner.anchor_threshold, 0.3);
+  request.mutable_config()->set_selection(static_cast<v1::Selection>(9));
+  absl::StatusOr<ConfigUpdate> bad = ConfigUpdateFromProto(request);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("config.selection"));
 }
 
 struct BadConfig {
@@ -115,6 +137,14 @@ INSTANTIATE_TEST_SUITE_P(
                   absl::StatusCode::kInvalidArgument, "config.bucket_recall_margin"},
         BadConfig{"recall_floor", [](v1::JobConfig* c) { c->set_document_recall_floor(1.0); },
                   absl::StatusCode::kInvalidArgument, "config.document_recall_floor"},
+        BadConfig{"anchor_threshold_zero", [](v1::JobConfig* c) { c->set_anchor_threshold(0.0); },
+                  absl::StatusCode::kInvalidArgument, "config.anchor_threshold"},
+        BadConfig{"anchor_threshold_above_one",
+                  [](v1::JobConfig* c) { c->set_anchor_threshold(1.5); },
+                  absl::StatusCode::kInvalidArgument, "config.anchor_threshold"},
+        BadConfig{"unknown_selection",
+                  [](v1::JobConfig* c) { c->set_selection(static_cast<v1::Selection>(7)); },
+                  absl::StatusCode::kInvalidArgument, "config.selection"},
         BadConfig{"unknown_policy",
                   [](v1::JobConfig* c) { c->set_policy(static_cast<v1::Policy>(42)); },
                   absl::StatusCode::kInvalidArgument, "config.policy"},

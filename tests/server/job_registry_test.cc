@@ -385,6 +385,23 @@ TEST_F(JobRegistryTest, UpdateJobConfigChangesTunablesOnly) {
             test_support::SmallJob(2).planner.density_min);
 }
 
+TEST_F(JobRegistryTest, UpdateJobConfigChangesTheSelection) {
+  const std::string id = Create(2);
+  JobSettings update = test_support::SmallJob(2);
+  update.planner.selection = SelectionMode::kAnchor;
+  update.planner.anchor_threshold = 0.1;
+  absl::StatusOr<JobSettings> now =
+      registry_.UpdateJobConfig(id, update, {"selection", "anchor_threshold"});
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->planner.selection, SelectionMode::kAnchor);
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.anchor_threshold, 0.1);
+  update.planner.anchor_threshold = 0.0;  // outside (0, 1]: refused, nothing changes
+  absl::Status bad = registry_.UpdateJobConfig(id, update, {"anchor_threshold"}).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("anchor_threshold"));
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.anchor_threshold, 0.1);
+}
+
 TEST_F(JobRegistryTest, JobLimitListAndDelete) {
   JobRegistry::Options options;
   options.max_jobs = 3;

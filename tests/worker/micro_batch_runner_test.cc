@@ -162,6 +162,41 @@ TEST(MicroBatchRunnerTest, TheRecallProbeReportsEveryDocumentAndLayer) {
             std::string::npos);
 }
 
+TEST(MicroBatchRunnerTest, AnchorSelectionKeepsAtMostTheBudgetAndTopKAtAVanishingThreshold) {
+  const ModelShape shape = SmallShape();
+  auto run = [&](SelectionMode mode, double tau) {
+    MicroBatchRunnerOptions options;
+    options.exact_recall = true;
+    options.selection = mode;
+    options.anchor_threshold = tau;
+    absl::StatusOr<std::unique_ptr<MicroBatchRunner>> runner =
+        MicroBatchRunner::Create("cpu", shape, options);
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    MicroBatchPlan mb;
+    mb.samples = {{21, 2048, 0.3, {}, {}}, {22, 1024, 0.5, {}, {}}};
+    mb.tokens = 3072;
+    absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *r;
+  };
+  const MicroBatchResult topk = run(SelectionMode::kTopK, kDefaultAnchorThreshold);
+  const MicroBatchResult strict = run(SelectionMode::kAnchor, 1.0);
+  const MicroBatchResult loose = run(SelectionMode::kAnchor, 1e-30);
+  EXPECT_EQ(topk.active_blocks, ExpectedBlocks({2048}, 0.3) + ExpectedBlocks({1024}, 0.5));
+  // The worker's inputs have weak blocks: tau = 1 drops some, never adds; recall follows.
+  EXPECT_LT(strict.active_blocks, topk.active_blocks);
+  EXPECT_LT(strict.achieved_density, topk.achieved_density);
+  EXPECT_LE(strict.recall, topk.recall + 1e-12);
+  EXPECT_EQ(loose.active_blocks, topk.active_blocks);
+  EXPECT_EQ(loose.recall, topk.recall);
+  MicroBatchRunnerOptions bad;
+  bad.anchor_threshold = 0.0;
+  absl::StatusOr<std::unique_ptr<MicroBatchRunner>> refused =
+      MicroBatchRunner::Create("cpu", shape, bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("anchor_threshold"), absl::string_view::npos);
+}
+
 TEST(MicroBatchRunnerTest, ASampleThatCannotRunIsRefusedNamingIt) {
   std::unique_ptr<MicroBatchRunner> runner = Runner();
   auto refusal = [&](const MicroBatchPlan& mb) { return runner->Run(mb).status(); };
