@@ -7,15 +7,17 @@ same batches in the same order, with the same initial weights; only attention di
 - sparsebalance: the densities the real planner (sb-planner, policy sparsebalance) gives each
   document, through sparsebalance.torch.Balancer, which also reports the measured recall.
 
-A document holds several key:value pairs spread over its first half (one token each: the pair
-token k*V+v) and queries over its second half and at its end, one token per asked key; the
-answer at a query is the key's value, so it needs attention back to wherever the pair is
-(chance: 1 / values). Lengths are
-log-uniform over [min_length, capacity], so the planner's four length buckets ([1, C/64),
-[C/64, C/16), [C/16, C/4), [C/4, C]) hold about as many documents each. Held-out accuracy is
-the last query of each held-out document, per bucket, with a 95% Wilson interval; the held-out
-documents are packed and given densities by the same planner (the fixed and dense arms run the
-same packing at their own attention).
+A document's first half is filler with one key:value pair token (PAIR + k * VALUES + v) for
+each of --keys keys (2) at uniformly random places; its second half is all query tokens, each
+asking one of the document's keys, with the key's value as target. Every query is supervised
+(the loss is the mean over documents of each document's mean); the last query, at least half
+the document away from any pair, is the held-out answer, so it needs attention back to wherever
+the pair is, content-based (no positions; chance 1 / VALUES = 1/8). Lengths are log-uniform over
+[min_length, capacity] (16..2048), so the planner's four length buckets ([1, C/64), [C/64, C/16),
+[C/16, C/4), [C/4, C]) all hold documents (the longest ones 8-32 blocks of 64). Held-out
+accuracy is per bucket, with a 95% Wilson interval; the held-out documents are packed and given
+densities by the same planner (the fixed and dense arms run the same packing at their own
+attention). AdamW, linear warmup, cosine decay, gradient clipping at 1, the same in every arm.
 
     build/server/sb-planner ... is started by the script on a free port (or --planner=host:port)
     PYTHONPATH=build/client/python .venv/bin/python examples/accuracy/retrieval.py \\
@@ -77,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--planner", default="", help="sb-planner host:port (default: start one)")
     p.add_argument("--planner_binary", default=str(REPO / "build" / "server" / "sb-planner"))
     p.add_argument("--out", default="accuracy-results", help="directory for the results")
-    p.add_argument("--steps", type=int, default=200, help="training steps per arm")
+    p.add_argument("--steps", type=int, default=400, help="training steps per arm")
     p.add_argument("--eval_docs", type=int, default=512, help="held-out documents (>= 500)")
     p.add_argument("--docs", type=int, default=20000, help="training documents")
     p.add_argument("--capacity", type=int, default=2048, help="micro-batch capacity (tokens)")
