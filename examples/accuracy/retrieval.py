@@ -7,15 +7,17 @@ same batches in the same order, with the same initial weights; only attention di
 - sparsebalance: the densities the real planner (sb-planner, policy sparsebalance) gives each
   document, through sparsebalance.torch.Balancer, which also reports the measured recall.
 
-A document holds several key:value pairs spread over its first half (one token each: the pair
-token k*V+v) and queries over its second half and at its end, one token per asked key; the
-answer at a query is the key's value, so it needs attention back to wherever the pair is
-(chance: 1 / values). Lengths are
-log-uniform over [min_length, capacity], so the planner's four length buckets ([1, C/64),
-[C/64, C/16), [C/16, C/4), [C/4, C]) hold about as many documents each. Held-out accuracy is
-the last query of each held-out document, per bucket, with a 95% Wilson interval; the held-out
-documents are packed and given densities by the same planner (the fixed and dense arms run the
-same packing at their own attention).
+A document's first half is filler with one key:value pair token (PAIR + k * VALUES + v) for
+each of --keys keys (2) at uniformly random places; its second half is all query tokens, each
+asking one of the document's keys, with the key's value as target. Every query is supervised
+(the loss is the mean over documents of each document's mean); the last query, at least half
+the document away from any pair, is the held-out answer, so it needs attention back to wherever
+the pair is, content-based (no positions; chance 1 / VALUES = 1/8). Lengths are log-uniform over
+[min_length, capacity] (16..2048), so the planner's four length buckets ([1, C/64), [C/64, C/16),
+[C/16, C/4), [C/4, C]) all hold documents (the longest ones 8-32 blocks of 64). Held-out
+accuracy is per bucket, with a 95% Wilson interval; the held-out documents are packed and given
+densities by the same planner (the fixed and dense arms run the same packing at their own
+attention). AdamW, linear warmup, cosine decay, gradient clipping at 1, the same in every arm.
 
     build/server/sb-planner ... is started by the script on a free port (or --planner=host:port)
     PYTHONPATH=build/client/python .venv/bin/python examples/accuracy/retrieval.py \\
@@ -53,13 +55,22 @@ ARMS = ("dense", "fixed", "sparsebalance")
 
 # Vocabulary: BOS, filler, pair tokens (key k, value v: PAIR + k * VALUES + v), query tokens
 # (QUERY + k), answers (ANSWER + v).
-KEYS, VALUES, FILLERS = 16, 8, 32
+KEYS, VALUES, FILLERS = 2, 8, 32
 BOS, FILLER = 0, 1
 PAIR = FILLER + FILLERS
-QUERY = PAIR + KEYS * VALUES
-ANSWER = QUERY + KEYS
-VOCAB = ANSWER + VALUES
 IGNORE = -100
+
+
+def set_keys(keys):
+    """The vocabulary for `keys` keys (--keys): sets KEYS, QUERY, ANSWER, VOCAB."""
+    global KEYS, QUERY, ANSWER, VOCAB
+    KEYS = keys
+    QUERY = PAIR + KEYS * VALUES
+    ANSWER = QUERY + KEYS
+    VOCAB = ANSWER + VALUES
+
+
+set_keys(KEYS)
 
 
 def parse_args(argv=None):
@@ -68,18 +79,21 @@ def parse_args(argv=None):
     p.add_argument("--planner", default="", help="sb-planner host:port (default: start one)")
     p.add_argument("--planner_binary", default=str(REPO / "build" / "server" / "sb-planner"))
     p.add_argument("--out", default="accuracy-results", help="directory for the results")
-    p.add_argument("--steps", type=int, default=300, help="training steps per arm")
-    p.add_argument("--eval_docs", type=int, default=1024, help="held-out documents (>= 500)")
+    p.add_argument("--steps", type=int, default=400, help="training steps per arm")
+    p.add_argument("--eval_docs", type=int, default=512, help="held-out documents (>= 500)")
     p.add_argument("--docs", type=int, default=20000, help="training documents")
-    p.add_argument("--capacity", type=int, default=4096, help="micro-batch capacity (tokens)")
+    p.add_argument("--capacity", type=int, default=2048, help="micro-batch capacity (tokens)")
     p.add_argument("--micro_batches", type=int, default=2)
-    p.add_argument("--min_length", type=int, default=8)
+    p.add_argument("--min_length", type=int, default=16)
+    p.add_argument("--keys", type=int, default=KEYS, help="key:value pairs per document")
     p.add_argument("--density", type=float, default=0.3, help="the job's default density")
     p.add_argument("--block_size", type=int, default=64, choices=[64, 128])
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=2, help="of head_dim dim / heads: 64 or 128")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak (AdamW, linear warmup, cosine "
+                   "decay to a tenth)")
+    p.add_argument("--warmup", type=int, default=30, help="warmup steps")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kernel", default="sdpa", choices=["sdpa", "flex"],
@@ -95,11 +109,13 @@ def parse_args(argv=None):
 # Data.
 
 class RetrievalDataset:
-    """Document i (ids from first_id): BOS and filler; key:value pair tokens at random places
-    in its first half (distinct keys), query tokens at random places in its second half, one
-    per 8 tokens, each asking one of the document's keys, and always as its last token. The
-    targets at the queries are the asked keys' answers (IGNORE elsewhere); held-out accuracy
-    is the last query's."""
+    """Document i (ids from first_id): BOS, then its first half holds filler and one
+    key:value pair token (PAIR + k * VALUES + v) for each of KEYS keys (min(KEYS, half - 1) in
+    short documents) at uniformly random places, the values drawn at random; its second half is
+    all query tokens (QUERY + k), each asking one of the document's keys at random, with the
+    key's answer (ANSWER + v) as target (IGNORE elsewhere). Every query is supervised; held-out
+    accuracy is the last query's, at least half the document away from any pair, so it needs
+    attention back to wherever the pair is (chance: 1 / VALUES)."""
 
     def __init__(self, docs, seed, min_length, capacity, first_id=0):
         g = torch.Generator().manual_seed(seed * 7919 + first_id)
@@ -114,11 +130,9 @@ class RetrievalDataset:
 
     @staticmethod
     def layout(n):
-        """(pairs, queries) of a document of n >= 8 tokens."""
+        """(pairs, queries) of a document of n >= 4 tokens."""
         half = n // 2
-        pairs = min(KEYS, max(2, 2 + n // 128), half - 1)
-        queries = max(1, (n - half) // 8)
-        return pairs, queries
+        return min(KEYS, half - 1), n - half
 
     def __getitem__(self, i):
         n = self.lengths[i]
@@ -130,12 +144,10 @@ class RetrievalDataset:
         keys = torch.randperm(KEYS, generator=g)[:pairs]
         values = torch.randint(VALUES, (pairs,), generator=g)
         tokens[1 + torch.randperm(half - 1, generator=g)[:pairs]] = PAIR + keys * VALUES + values
-        places = torch.cat([half + torch.randperm(n - 1 - half, generator=g)[:queries - 1],
-                            torch.tensor([n - 1])])
         asked = torch.randint(pairs, (queries,), generator=g)
         targets = torch.full((n,), IGNORE)
-        tokens[places] = QUERY + keys[asked]
-        targets[places] = ANSWER + values[asked]
+        tokens[half:] = QUERY + keys[asked]
+        targets[half:] = ANSWER + values[asked]
         return {"tokens": tokens, "targets": targets}
 
 
@@ -265,6 +277,23 @@ class Planner:
 # ---------------------------------------------------------------------------------------------
 # Training and evaluation.
 
+def document_loss(logits, targets, cu):
+    """The mean over a micro-batch's documents of each document's mean cross entropy over its
+    supervised tokens (a short document counts as much as a long one)."""
+    per_token = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+    supervised = (targets != IGNORE).float()
+    losses = [per_token[s:e].sum() / supervised[s:e].sum().clamp(min=1)
+              for s, e in zip(cu[:-1], cu[1:])]
+    return torch.stack(losses).mean()
+
+
+def cu_of(dataset, ids):
+    cu = [0]
+    for i in ids:
+        cu.append(cu[-1] + dataset.lengths[i])
+    return cu
+
+
 def micro_batch_tokens(dataset, ids):
     items = [dataset[i] for i in ids]
     return (torch.cat([it["tokens"] for it in items]), torch.cat([it["targets"] for it in items]))
@@ -287,12 +316,31 @@ def arm_attention(arm, samples, args, plan=None):
     return sdpa_attend(cu, None if arm == "dense" else plan.select)
 
 
+def make_optimizer(model, args):
+    """AdamW with a linear warmup over --warmup steps and a cosine decay to lr / 10 at --steps
+    (the same in every arm)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    def factor(step):
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+        return min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * cosine)
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def optimizer_step(model, optimizer, schedule):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def train_sparsebalance(args, dataset, planner):
     """The sparsebalance arm through sbt.Balancer; returns the model, the micro-batches it ran
     (the other arms replay them), the held-out packing, and the reported recall."""
     torch.manual_seed(args.seed)
     model = Decoder(args.dim, args.heads, args.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer, schedule = make_optimizer(model, args)
     balancer = sbt.Balancer(planner, dataset.lengths, seed=args.seed, layers=args.layers,
                             heads=args.heads, head_dim=args.dim // args.heads,
                             block_size=args.block_size, capacity=args.capacity,
@@ -308,7 +356,7 @@ def train_sparsebalance(args, dataset, planner):
                 samples = [(s.id, s.length, s.density) for s in mb.samples]
                 logits = model(tokens, arm_attention("sparsebalance", samples, args,
                                                      mb.attention))
-                loss = F.cross_entropy(logits, targets, ignore_index=IGNORE)
+                loss = document_loss(logits, targets, cu_of(dataset, mb.ids))
                 (loss * mb.document_weight).backward()
             documents, _ = mb.document_recall()
             recall += [(s.length, d.recall) for s, d in zip(mb.samples, documents)]
@@ -316,8 +364,7 @@ def train_sparsebalance(args, dataset, planner):
             record.append({"step": step.step, "weight": mb.document_weight,
                            "samples": [(s.id, s.length, s.density) for s in mb.samples]})
             losses.append((step.step, loss.item()))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(model, optimizer, schedule)
     step_number = balancer.next_step
     balancer.close()
     # The held-out documents as the planner packs and densifies them (no training, no reports).
@@ -360,17 +407,17 @@ def held_out_plan(args, balancer, first_step):
 def train_replay(arm, args, dataset, record):
     torch.manual_seed(args.seed)
     model = Decoder(args.dim, args.heads, args.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer, schedule = make_optimizer(model, args)
     losses = []
     for n, entry in enumerate(record):
         tokens, targets = micro_batch_tokens(dataset, [i for i, _, _ in entry["samples"]])
         logits = model(tokens, arm_attention(arm, entry["samples"], args))
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE)
+        loss = document_loss(logits, targets, cu_of(dataset, [i for i, _, _ in
+                                                              entry["samples"]]))
         (loss * entry["weight"]).backward()
         losses.append((entry["step"], loss.item()))
         if n + 1 == len(record) or record[n + 1]["step"] != entry["step"]:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(model, optimizer, schedule)
     return model, losses
 
 
@@ -493,6 +540,7 @@ def svg_plot(summary, capacity, title):
 
 def main(argv=None):
     args = parse_args(argv)
+    set_keys(args.keys)
     torch.set_num_threads(args.threads)
     arms = [a for a in args.arms.split(",") if a]
     if any(a not in ARMS for a in arms):
@@ -557,7 +605,7 @@ def main(argv=None):
     }
     (out_dir / "results.json").write_text(json.dumps(report, indent=1))
     (out_dir / "table.md").write_text(table)
-    title = (f"multi-key retrieval, {args.layers} layers d={args.dim}, block {args.block_size}, "
+    title = (f"{args.keys}-key retrieval, {args.layers} layers d={args.dim}, block {args.block_size}, "
              f"capacity {args.capacity}, {args.steps} steps")
     (out_dir / "accuracy.svg").write_text(svg_plot(summary, args.capacity, title))
     print(table, end="")

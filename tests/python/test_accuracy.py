@@ -1,8 +1,8 @@
 """examples/accuracy/retrieval.py, shortened: the three arms (dense, fixed density,
 sparsebalance through a real sb-planner) train on the very same micro-batches, the table and the
-plot cover every length bucket, every arm's loss goes down, and the planner's densities and the
-measured recall are sane. Accuracy itself is the full run's (README): a run this short does not
-get above chance."""
+plot cover every length bucket, every arm's loss goes down, and the planner's densities and the measured recall are sane. The
+accuracy comparison itself is the full run's (README): 40 steps are too few to get the loss
+reliably below ln 8 (where retrieval starts)."""
 
 import json
 import os
@@ -23,7 +23,8 @@ def test_short_run_of_the_three_arms(tmp_path):
     out = tmp_path / "results"
     result = subprocess.run(
         [sys.executable, str(SCRIPT), f"--out={out}", f"--planner_binary={planner_binary()}",
-         "--steps=40", "--eval_docs=128", "--capacity=1024", "--threads=1"],
+         "--steps=40", "--eval_docs=128", "--capacity=1024", "--min_length=8",
+         "--threads=1"],
         capture_output=True, text=True, timeout=550, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads((out / "results.json").read_text())
