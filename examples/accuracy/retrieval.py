@@ -32,11 +32,7 @@ import json
 import math
 import os
 import pathlib
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -49,6 +45,7 @@ from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
 import sparsebalance.torch as sbt  # noqa: E402
 from sparsebalance import _C  # noqa: E402
 from sparsebalance.attention import flex_attention, kernel_plan  # noqa: E402
+from sparsebalance.local_planner import LocalPlanner  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ARMS = ("dense", "fixed", "sparsebalance")
@@ -240,39 +237,6 @@ def sdpa_attend(cu, select=None):
 
 # ---------------------------------------------------------------------------------------------
 # The planner.
-
-class Planner:
-    """sb-planner on a free port with a state directory of its own (stopped at exit)."""
-
-    def __init__(self, binary):
-        if not os.access(binary, os.X_OK):
-            sys.exit(f"no sb-planner at {binary}: cmake --build build --target sb-planner, or "
-                     "--planner_binary=")
-        self.state = tempfile.TemporaryDirectory(prefix="sb-accuracy-")
-        self.process = subprocess.Popen(
-            [binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-             f"--state_dir={self.state.name}", "--drain_seconds=1"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.address = None
-        for line in self.process.stdout:
-            if "listening on " in line:
-                self.address = line.split("listening on ", 1)[1].split()[0].rstrip(";,")
-                break
-        if self.address is None:
-            self.process.kill()
-            sys.exit("sb-planner did not print its address")
-        threading.Thread(target=lambda: [None for _ in self.process.stdout], daemon=True).start()
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.state.cleanup()
-
 
 # ---------------------------------------------------------------------------------------------
 # Training and evaluation.
@@ -552,7 +516,10 @@ def main(argv=None):
     started = time.perf_counter()
     planner = None
     if not args.planner:
-        planner = Planner(args.planner_binary)
+        try:
+            planner = LocalPlanner(args.planner_binary)
+        except (FileNotFoundError, RuntimeError) as e:
+            sys.exit(f"--planner_binary: {e}")
         args.planner = planner.address
     dataset = RetrievalDataset(args.docs, args.seed, args.min_length, args.capacity)
     results, timings, losses, batches = {}, {}, {}, {}

@@ -7,9 +7,6 @@ hand: build/server/sb-planner).
 
 import os
 import pathlib
-import signal
-import subprocess
-import threading
 
 import pytest
 
@@ -24,36 +21,10 @@ def planner_binary():
     return path
 
 
-class Planner:
-    """An sb-planner on a free port with its own state directory."""
-
-    def __init__(self, state_dir):
-        self.process = subprocess.Popen(
-            [planner_binary(), "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-             f"--state_dir={state_dir}", "--drain_seconds=1"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.address = None
-        for line in self.process.stdout:
-            if "listening on " in line:
-                self.address = line.split("listening on ", 1)[1].split()[0].rstrip(";,")
-                break
-        if self.address is None:
-            self.process.kill()
-            pytest.fail("sb-planner did not print its address")
-        threading.Thread(target=lambda: [None for _ in self.process.stdout], daemon=True).start()
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 @pytest.fixture
 def planner(tmp_path):
-    p = Planner(tmp_path / "state")
+    from sparsebalance.local_planner import LocalPlanner
+
+    p = LocalPlanner(planner_binary(), tmp_path / "state")
     yield p
     p.stop()
