@@ -24,6 +24,7 @@
 #include "client/python/record.h"
 #include "contract/block_geometry.h"
 #include "contract/profile_format.h"
+#include "contract/selection_mode.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/block_index.h"
 #include "kernels/block_selection.h"
@@ -148,16 +149,42 @@ void* MutablePointer(uintptr_t address) {
   return reinterpret_cast<void*>(address);  // NOLINT(performance-no-int-to-ptr)
 }
 
+// The selection mode a Python argument names: "topk" or "anchor" (or a SelectionMode); a
+// ValueError naming `name` otherwise.
+SelectionMode SelectionModeArg(const py::object& value, const char* name) {
+  if (py::isinstance<py::str>(value)) {
+    const std::string text = value.cast<std::string>();
+    if (text == "topk") return SelectionMode::kTopK;
+    if (text == "anchor") return SelectionMode::kAnchor;
+    throw py::value_error(
+        absl::StrCat(name, ": '", text, "' is not a selection mode ('topk' or 'anchor')"));
+  }
+  try {
+    return value.cast<SelectionMode>();
+  } catch (const py::cast_error&) {
+    throw py::value_error(absl::StrCat(name, ": ", py::str(py::repr(value)).cast<std::string>(),
+                                       " is not a selection mode ('topk' or 'anchor')"));
+  }
+}
+
 // The block selection settings select_blocks and cuda_select_blocks take (threads: CPU only,
-// 0 = the hardware concurrency).
+// 0 = the hardware concurrency). ValueError naming the argument for a bad mode or threshold.
 kernels::SelectionOptions MakeSelectionOptions(int block_size, int local_blocks,
                                                double mass_threshold, float softmax_scale,
+                                               const py::object& selection, double anchor_threshold,
                                                int threads = 0) {
   kernels::SelectionOptions options;
   options.block_size = block_size;
   options.local_blocks = local_blocks;
   options.mass_threshold = mass_threshold;
   options.softmax_scale = softmax_scale;
+  options.mode = SelectionModeArg(selection, "selection");
+  if (!(anchor_threshold > 0.0 && anchor_threshold <= 1.0)) {
+    throw py::value_error(absl::StrCat("anchor_threshold: ", anchor_threshold,
+                                       " is not in (0, 1] (tau: a kept block's estimated weight "
+                                       "relative to the best anchor block's)"));
+  }
+  options.anchor_threshold = anchor_threshold;
   options.threads = threads;
   return options;
 }
@@ -244,10 +271,12 @@ void BindCpuKernels(py::module_& m) {
       "select_blocks",
       [](const std::vector<int32_t>& cu_seqlens, int heads, int head_dim, const py::buffer& q,
          const py::buffer& k, const std::vector<double>& densities, int block_size,
-         int local_blocks, double mass_threshold, float softmax_scale, int threads) {
-        In qv(q, "q", false), kv(k, "k", false);
+         int local_blocks, double mass_threshold, float softmax_scale, int threads,
+         const py::object& selection_mode, double anchor_threshold) {
         const kernels::SelectionOptions options =
-            MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale, threads);
+            MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale,
+                                 selection_mode, anchor_threshold, threads);
+        In qv(q, "q", false), kv(k, "k", false);
         absl::StatusOr<Selection> selection = WithoutGil([&] {
           return kernels::SelectBlocks(cu_seqlens, heads, head_dim, qv.span(), kv.span(), densities,
                                        options);
@@ -257,8 +286,11 @@ void BindCpuKernels(py::module_& m) {
       py::arg("cu_seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
       py::arg("densities"), py::arg("block_size") = 64, py::arg("local_blocks") = 1,
       py::arg("mass_threshold") = 1.0, py::arg("softmax_scale") = 0.0f, py::arg("threads") = 0,
+      py::arg("selection") = "topk", py::arg("anchor_threshold") = kDefaultAnchorThreshold,
       "Selects the kept key blocks of every row on the CPU. q, k: float32 [total_tokens, heads, "
-      "head_dim]; densities: one per sequence, in (0, 1].");
+      "head_dim]; densities: one per sequence, in (0, 1]. selection: 'topk' (k_i blocks per "
+      "row) or 'anchor' (at most k_i, only blocks scoring >= the best anchor's + "
+      "ln(anchor_threshold)).");
 
   m.def(
       "make_selection",
@@ -361,9 +393,11 @@ void BindCudaKernels(py::module_& m) {
       "cuda_select_blocks",
       [](const std::vector<int32_t>& cu_seqlens, int heads, int head_dim, uintptr_t q, uintptr_t k,
          const std::vector<double>& densities, int block_size, int local_blocks,
-         double mass_threshold, float softmax_scale) {
+         double mass_threshold, float softmax_scale, const py::object& selection_mode,
+         double anchor_threshold) {
         const kernels::SelectionOptions options =
-            MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale);
+            MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale,
+                                 selection_mode, anchor_threshold);
         absl::StatusOr<Selection> selection = WithoutGil([&] {
           return cuda::SelectBlocks(cu_seqlens, heads, head_dim, Pointer(q), Pointer(k), densities,
                                     options);
@@ -373,7 +407,9 @@ void BindCudaKernels(py::module_& m) {
       py::arg("cu_seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
       py::arg("densities"), py::arg("block_size") = 64, py::arg("local_blocks") = 1,
       py::arg("mass_threshold") = 1.0, py::arg("softmax_scale") = 0.0f,
-      "Block selection on the GPU; q, k: device addresses of bf16 [total_tokens, heads, "
+      py::arg("selection") = "topk", py::arg("anchor_threshold") = kDefaultAnchorThreshold,
+      "Block selection on the GPU (selection, anchor_threshold: as select_blocks); q, k: device "
+      "addresses of bf16 [total_tokens, heads, "
       "head_dim] tensors (tensor.data_ptr()).");
 
   m.def(

@@ -64,6 +64,21 @@ void BindPlanTypes(py::module_& m) {
     return ValueOrThrow(ParseOverflowPolicy(name), ErrorKind::kPlanner);
   });
 
+  py::enum_<SelectionMode> selection(
+      m, "SelectionMode",
+      "How a query block chooses key blocks within its budget (contract/selection_mode.h).");
+  selection.value("TOPK", SelectionMode::kTopK).value("ANCHOR", SelectionMode::kAnchor);
+  selection.def_property_readonly(
+      "label",
+      [](SelectionMode s) { return std::string(s == SelectionMode::kAnchor ? "anchor" : "topk"); },
+      "The name select_blocks takes: 'topk' or 'anchor'.");
+  AcceptNames(selection, [](const std::string& name) {
+    if (name == "topk") return SelectionMode::kTopK;
+    if (name == "anchor") return SelectionMode::kAnchor;
+    throw py::value_error(
+        absl::StrCat("selection: '", name, "' is not a selection mode ('topk' or 'anchor')"));
+  });
+
   Record<Sample>(m, "Sample", "A document of the global batch (or a pre-packed sequence).")
       .Field("id", &Sample::id, "index into the dataset shared by all ranks; unique in a batch")
       .Field("length", &Sample::length, "tokens")
@@ -93,6 +108,11 @@ void BindPlanTypes(py::module_& m) {
       .Field("dst_mode", &PlannerConfig::dst_mode, "DstMode (or its name)")
       .Field("dst_quantile", &PlannerConfig::dst_quantile, "for DstMode.QUANTILE, in [0, 1]")
       .Field("overflow", &PlannerConfig::overflow, "OverflowPolicy (or its name)")
+      .Field("selection", &PlannerConfig::selection,
+             "SelectionMode (or 'topk' / 'anchor'): how workers select blocks in a budget")
+      .Field("anchor_threshold", &PlannerConfig::anchor_threshold,
+             "tau of SelectionMode.ANCHOR, in (0, 1]: a kept block's estimated weight relative "
+             "to the best anchor block's")
       .Def(
           "validate",
           [](const PlannerConfig& c) { ThrowIfError(ValidateConfig(c), ErrorKind::kPlanner); },

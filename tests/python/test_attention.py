@@ -18,7 +18,8 @@ flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import sparsebalance as sb  # noqa: E402
 from sparsebalance import _C  # noqa: E402
 from sparsebalance.attention import (  # noqa: E402
-    flex_block_mask, from_flex_layout, kernel_plan, profile, select_blocks, to_flex_layout)
+    flex_block_mask, from_flex_layout, kernel_plan, measure_recall, profile, select_blocks,
+    to_flex_layout)
 from sparsebalance.ops import dense_mask, reference_attention, sparse_attention  # noqa: E402
 
 FP32_TOL = 1e-4
@@ -306,3 +307,128 @@ def test_a_kernel_plans_block_mask_is_the_selections():
     expected = flex_block_mask(select_blocks(q, k, [0, 300, 500], [0.3, 1.0]), [0, 300, 500])
     assert torch.equal(mask.to_dense(), expected.to_dense())
     assert mask.shape[-2:] == (500, 500)
+
+
+# Anchor-guided thresholding (selection="anchor"): q, k with a shared direction and a strength
+# per key block, so that pooled block scores are about the strength: uniform in [-4, 4) nats,
+# and 6 for the first 64 tokens (the first document's sink block), so that every threshold tau
+# in [0.05, 0.9] (ln tau >= -3) drops some of top-k's blocks, and a vanishing one none.
+def anchor_qkv(tokens, block_size=64, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.randn((1, HEADS, HEAD_DIM), generator=g)
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    q = 0.5 * torch.randn((tokens, HEADS, HEAD_DIM), generator=g) + 8.0 * direction
+    strength = 8.0 * torch.rand((tokens + block_size - 1) // block_size, generator=g) - 4.0
+    strength[0] = 6.0
+    per_token = strength.repeat_interleave(block_size)[:tokens, None, None]
+    k = 0.5 * torch.randn((tokens, HEADS, HEAD_DIM), generator=g) + per_token * direction
+    return q, k
+
+
+ANCHOR_CU = [0, 1500, 1501, 2200, 2277]
+ANCHOR_DENSITIES = [0.3, 1.0, 0.5, 0.1]
+
+
+def kept_rows(selection):
+    row_ptr, col_idx = selection.row_ptr, selection.col_idx
+    return [set(col_idx[row_ptr[r]:row_ptr[r + 1]].tolist()) for r in range(selection.rows)]
+
+
+def rows_with_geometry(selection, densities, local_blocks=1):
+    """(row id, query block i, budget k_i) of every row."""
+    cu_blocks = selection.cu_blocks.tolist()
+    for s, density in enumerate(densities):
+        blocks = cu_blocks[s + 1] - cu_blocks[s]
+        budget = _C.kept_blocks_per_row(blocks * selection.block_size, density,
+                                        selection.block_size, local_blocks)
+        for h in range(selection.heads):
+            for i in range(blocks):
+                yield selection.row_id(s, h, i), i, int(budget[i])
+
+
+def test_anchor_with_a_vanishing_threshold_is_topk():
+    q, k = anchor_qkv(ANCHOR_CU[-1])
+    topk = select_blocks(q, k, ANCHOR_CU, ANCHOR_DENSITIES, selection="topk")
+    anchor = select_blocks(q, k, ANCHOR_CU, ANCHOR_DENSITIES, selection="anchor",
+                           anchor_threshold=1e-30)
+    assert anchor.row_ptr.tolist() == topk.row_ptr.tolist()
+    assert anchor.col_idx.tolist() == topk.col_idx.tolist()
+    # The default tau (0.05) does drop blocks on these inputs: the comparison above is not moot.
+    assert select_blocks(q, k, ANCHOR_CU, ANCHOR_DENSITIES, selection="anchor").active_blocks < \
+        topk.active_blocks
+
+
+def test_anchor_rows_are_nested_subsets_of_topk_within_the_budget():
+    q, k = anchor_qkv(ANCHOR_CU[-1])
+    topk = select_blocks(q, k, ANCHOR_CU, ANCHOR_DENSITIES)
+    top_rows = kept_rows(topk)
+    previous = top_rows
+    for tau in (0.05, 0.3, 0.9):
+        anchor = select_blocks(q, k, ANCHOR_CU, ANCHOR_DENSITIES, selection="anchor",
+                               anchor_threshold=tau)
+        rows = kept_rows(anchor)
+        dropped = 0
+        for row, i, budget in rows_with_geometry(anchor, ANCHOR_DENSITIES):
+            anchors = {0} | set(range(max(1, i - 1), i + 1))
+            assert anchors <= rows[row] <= top_rows[row], (tau, row)
+            assert len(rows[row]) <= budget
+            if budget == i + 1:  # a budget covering every causal block stays dense
+                assert rows[row] == set(range(i + 1))
+            # Higher tau keeps a prefix of the same score order: a subset of lower tau's row.
+            assert rows[row] <= previous[row], (tau, row)
+            dropped += len(top_rows[row]) - len(rows[row])
+        assert dropped > 0, tau
+        previous = rows
+
+
+def test_kernel_plan_carries_the_selection_mode():
+    plan = [sb.PlannedSample(id=1, length=1500, density=0.3),
+            sb.PlannedSample(id=2, length=777, density=0.5)]
+    q, k = anchor_qkv(2277)
+    kp = kernel_plan(plan, selection="anchor", anchor_threshold=0.3)
+    assert (kp.selection_mode, kp.anchor_threshold) == ("anchor", 0.3)
+    expected = select_blocks(q, k, [0, 1500, 2277], [0.3, 0.5], selection="anchor",
+                             anchor_threshold=0.3)
+    got = kp.select(q, k)
+    assert got.col_idx.tolist() == expected.col_idx.tolist()
+    assert got.active_blocks < kernel_plan(plan).select(q, k).active_blocks
+    # measure_recall selects with the plan's mode when not given the selection.
+    assert torch.equal(measure_recall(q, k, kp, 16).recall,
+                       measure_recall(q, k, kp, 16, selection=expected).recall)
+    assert kernel_plan(plan, selection=sb.SelectionMode.ANCHOR).selection_mode == "anchor"
+    # sparse_attention runs the same selection.
+    _, _, selection = sparse_attention(q, k, k, [0, 1500, 2277], [0.3, 0.5], selection="anchor",
+                                       anchor_threshold=0.3, return_selection=True)
+    assert selection.col_idx.tolist() == expected.col_idx.tolist()
+
+
+@pytest.mark.parametrize("tau", [0.0, -0.1, 1.5, float("nan")])
+def test_bad_anchor_threshold_raises_naming_it(tau):
+    q, k = anchor_qkv(200)
+    calls = [
+        lambda: select_blocks(q, k, [0, 200], [0.3], selection="anchor", anchor_threshold=tau),
+        lambda: _C.select_blocks([0, 200], HEADS, HEAD_DIM, q.numpy(), k.numpy(), [0.3],
+                                 selection="anchor", anchor_threshold=tau),
+        lambda: sparse_attention(q, k, k, [0, 200], [0.3], anchor_threshold=tau),
+        lambda: kernel_plan([sb.PlannedSample(id=1, length=200, density=0.3)],
+                            anchor_threshold=tau),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="anchor_threshold"):
+            call()
+    with pytest.raises(sb.PlannerError, match="anchor_threshold"):
+        sb.PlannerConfig(anchor_threshold=tau).validate()
+
+
+def test_bad_selection_mode_raises_naming_it():
+    q, k = anchor_qkv(200)
+    for mode in ("top-k", "", 3):
+        with pytest.raises(ValueError, match="selection"):
+            select_blocks(q, k, [0, 200], [0.3], selection=mode)
+        with pytest.raises(ValueError, match="selection"):
+            _C.select_blocks([0, 200], HEADS, HEAD_DIM, q.numpy(), k.numpy(), [0.3],
+                             selection=mode)
+        with pytest.raises(ValueError, match="selection"):
+            sparse_attention(q, k, k, [0, 200], [0.3], selection=mode)
+    config = sb.PlannerConfig(selection="anchor", anchor_threshold=0.2)
+    assert (config.selection, config.selection.label) == (sb.SelectionMode.ANCHOR, "anchor")

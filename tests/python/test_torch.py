@@ -274,3 +274,18 @@ def test_two_gloo_ranks_share_one_job_and_split_each_batch(planner, tmp_path):
         # Token weights over both ranks sum to the world size (DDP then averages).
         assert sum(a["weights"]) + sum(b["weights"]) == pytest.approx(2.0)
     assert all(r["delivered"] for r in results)
+
+
+def test_the_jobs_selection_mode_reaches_the_kernel_plan(planner):
+    # The job's config (as the planner stored it) sets the mode mb.attention.select runs.
+    balancer = sbt.Balancer(planner.address, LENGTHS,
+                            **small(selection="anchor", anchor_threshold=0.25))
+    assert (balancer.config.selection.label, balancer.config.anchor_threshold) == ("anchor", 0.25)
+    step = next(iter(balancer.batches(Tokens(), steps=1)))
+    plans = [mb.attention for mb in step if mb.num_tokens]
+    assert plans and all((p.selection_mode, p.anchor_threshold) == ("anchor", 0.25)
+                         for p in plans)
+    default = sbt.Balancer(planner.address, LENGTHS, **small())
+    assert default.config.selection == sb.SelectionMode.TOPK
+    step = next(iter(default.batches(Tokens(), steps=1)))
+    assert all(mb.attention.selection_mode == "topk" for mb in step)

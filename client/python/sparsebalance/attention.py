@@ -35,7 +35,8 @@ import warnings
 import torch
 
 from . import _C
-from .ops import _as_list, _check_inputs, _cuda_unavailable_reason, _sync_default_stream
+from .ops import (_as_list, _check_inputs, _cuda_unavailable_reason, _selection_args,
+                  _sync_default_stream)
 
 __all__ = ["KernelPlan", "RecallMeasurement", "flex_attention", "flex_block_mask",
            "from_flex_layout", "kernel_plan", "measure_recall", "profile", "recall_rows",
@@ -56,6 +57,9 @@ class KernelPlan:
       kept: int32 [documents, max query blocks]: kept[d, i] = k_i, the key blocks query block i
         of document d keeps (the top-k budget), 0 beyond the document's query blocks.
       query_blocks: int32 [documents], ceil(length / block_size).
+      selection_mode, anchor_threshold: the block selection ``select`` runs, 'topk' (``topk(doc)``
+        blocks per query block) or 'anchor' (anchor-guided thresholding: at most that many, see
+        ``select_blocks``), and its tau (the job's PlannerConfig.selection / anchor_threshold).
       on_select: optional ``on_select(q, k, selection)``, called by ``select`` (and so
         ``block_mask``) with every selection it makes (sparsebalance.torch measures recall through it); not compared.
     """
@@ -68,6 +72,8 @@ class KernelPlan:
     local_blocks: int
     kept: torch.Tensor
     query_blocks: torch.Tensor
+    selection_mode: str = "topk"
+    anchor_threshold: float = 0.05
     on_select: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -88,7 +94,11 @@ class KernelPlan:
 
     def select(self, q, k, **options):
         """Our block selection of this micro-batch for one layer's q, k ([tokens, heads,
-        head_dim]): the top-k blocks by pooled score, ``topk(doc)`` per query block."""
+        head_dim]): the top-k blocks by pooled score, ``topk(doc)`` per query block (in the
+        plan's ``selection_mode``: 'anchor' keeps at most that many). ``options``: of
+        ``select_blocks``, overriding the plan's."""
+        options.setdefault("selection", self.selection_mode)
+        options.setdefault("anchor_threshold", self.anchor_threshold)
         selection = select_blocks(q, k, self.cu_seqlens.cpu(), self.densities.tolist(),
                                   self.block_size, self.local_blocks, **options)
         if self.on_select is not None:
@@ -130,7 +140,8 @@ def _check_density(value, name):
         raise ValueError(f"{name}: {value!r} is not in (0, 1]")
 
 
-def kernel_plan(plan, block_size=64, local_blocks=1, *, layer=None, device="cpu"):
+def kernel_plan(plan, block_size=64, local_blocks=1, *, layer=None, device="cpu",
+                selection="topk", anchor_threshold=0.05):
     """The varlen layout and per-query-block top-k budgets of a micro-batch plan.
 
     Args:
@@ -139,6 +150,8 @@ def kernel_plan(plan, block_size=64, local_blocks=1, *, layer=None, device="cpu"
         that the budgets are the blocks the planner costed); local_blocks: likewise.
       layer: with a layer index, a sample's ``layer_densities[layer]`` where it has them.
       device: where the tensors go (cu_seqlens on the GPU for a CUDA kernel).
+      selection, anchor_threshold: the selection mode the plan's ``select`` runs ('topk' or
+        'anchor', or a SelectionMode) and its tau in (0, 1] (the job's PlannerConfig fields).
 
     Returns a KernelPlan; k_i = clamp(ceil(rho * (i+1)), anchors_i, i+1) with rho quantized to
     1/65536, computed by the C++ rule the planner and our kernels use.
@@ -147,6 +160,7 @@ def kernel_plan(plan, block_size=64, local_blocks=1, *, layer=None, device="cpu"
         raise ValueError(f"block_size: {block_size!r} is not a positive integer")
     if not isinstance(local_blocks, int) or local_blocks < 0:
         raise ValueError(f"local_blocks: {local_blocks!r} is not a non-negative integer")
+    selection, anchor_threshold = _selection_args(selection, anchor_threshold)
     cu, densities, ids, kept_rows = [0], [], [], []
     for n, sample in enumerate(_samples_of(plan)):
         density = sample.density
@@ -179,18 +193,26 @@ def kernel_plan(plan, block_size=64, local_blocks=1, *, layer=None, device="cpu"
                       max_seqlen=max(lengths, default=0),
                       densities=torch.tensor(densities, dtype=torch.float64, device=device),
                       sample_ids=tuple(ids), block_size=block_size, local_blocks=local_blocks,
-                      kept=kept.to(device), query_blocks=query_blocks.to(device))
+                      kept=kept.to(device), query_blocks=query_blocks.to(device),
+                      selection_mode=selection, anchor_threshold=anchor_threshold)
+
 
 
 def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
-                  softmax_scale=None, mass_threshold=1.0, threads=None):
+                  softmax_scale=None, mass_threshold=1.0, threads=None, selection="topk",
+                  anchor_threshold=0.05):
     """Runs our block selection alone (no attention): the Selection that ``sparse_attention``
     with the same arguments makes, for a kernel of the trainer's own (``flex_block_mask``).
 
     q, k: [total_tokens, heads, head_dim] on the CPU (selected in float32) or a CUDA device
     (bf16, needs the CUDA build). Other arguments as in ``ops.sparse_attention``; with
-    mass_threshold 1 every query block keeps exactly ``KernelPlan.topk`` blocks.
+    mass_threshold 1 and selection 'topk' every query block keeps exactly ``KernelPlan.topk``
+    blocks. selection 'anchor' (anchor-guided thresholding) keeps, of those, in the same order
+    (descending pooled score), only the blocks whose score is at least the best anchor block's
+    (sink block 0, the diagonal and its local blocks) + ln(anchor_threshold): a subset of the
+    top-k row, anchors always kept; a row whose budget covers every causal block stays dense.
     """
+    mode, tau = _selection_args(selection, anchor_threshold)
     cu = _as_list(cu_seqlens, "cu_seqlens", int)
     dens = _as_list(densities, "densities", float)
     _check_inputs(q, k, k, cu, dens)
@@ -205,13 +227,13 @@ def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
             qb, kb = (t.detach().to(torch.bfloat16).contiguous() for t in (q, k))
             return _C.cuda_select_blocks(cu, heads, head_dim, qb.data_ptr(), kb.data_ptr(), dens,
                                          int(block_size), int(local_blocks),
-                                         float(mass_threshold), scale)
+                                         float(mass_threshold), scale, mode, tau)
     if q.device.type != "cpu":
         raise ValueError(f"q: tensors on {q.device} are not supported (CPU or CUDA)")
     threads = torch.get_num_threads() if threads is None else int(threads)
     q32, k32 = (t.detach().to(torch.float32).contiguous() for t in (q, k))
     return _C.select_blocks(cu, heads, head_dim, q32.numpy(), k32.numpy(), dens, int(block_size),
-                            int(local_blocks), float(mass_threshold), scale, threads)
+                            int(local_blocks), float(mass_threshold), scale, threads, mode, tau)
 
 
 def recall_rows(length, rows=8):
@@ -303,7 +325,8 @@ def measure_recall(q, k, plan, rows=8, *, selection=None, softmax_scale=None):
         raise ValueError(f"q: {q.shape[0]} tokens where plan.cu_seqlens holds {cu[-1]}")
     if selection is None:  # the plan's selection (not plan.select: that would call on_select)
         selection = select_blocks(q, k, cu, plan.densities.tolist(), plan.block_size,
-                                  plan.local_blocks)
+                                  plan.local_blocks, selection=plan.selection_mode,
+                                  anchor_threshold=plan.anchor_threshold)
     elif not isinstance(selection, _C.Selection):
         raise TypeError(f"selection: a sparsebalance Selection is needed, got "
                         f"{type(selection).__name__}")

@@ -79,11 +79,12 @@ class _SparseAttentionCpu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, densities, options, timer, outputs):
         tokens, heads, head_dim = q.shape
-        block_size, local_blocks, scale, mass_threshold, threads = options
+        block_size, local_blocks, scale, mass_threshold, threads, mode, tau = options
         qn, kn, vn = q.detach().numpy(), k.detach().numpy(), v.detach().numpy()
         with _timed(timer):
             selection = _C.select_blocks(cu_seqlens, heads, head_dim, qn, kn, densities,
-                                         block_size, local_blocks, mass_threshold, scale, threads)
+                                         block_size, local_blocks, mass_threshold, scale, threads,
+                                         mode, tau)
             out = torch.empty((tokens, heads, head_dim), dtype=torch.float32)
             lse = torch.empty((heads, tokens), dtype=torch.float32)
             _C.attention_forward(selection, head_dim, qn, kn, vn, out.numpy(), lse.numpy(), scale,
@@ -113,11 +114,11 @@ class _SparseAttentionCuda(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, densities, options, timer, outputs):
         tokens, heads, head_dim = q.shape
-        block_size, local_blocks, scale, mass_threshold, _ = options
+        block_size, local_blocks, scale, mass_threshold, _, mode, tau = options
         with _timed(timer):
             selection = _C.cuda_select_blocks(cu_seqlens, heads, head_dim, q.data_ptr(),
                                               k.data_ptr(), densities, block_size, local_blocks,
-                                              mass_threshold, scale)
+                                              mass_threshold, scale, mode, tau)
             index = _C.CudaBlockIndex(selection)
             out = torch.empty_like(q)
             lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
@@ -169,6 +170,22 @@ def _as_list(values, name, convert):
         raise TypeError(f"{name}: a sequence of numbers is needed, got {type(values).__name__}")
 
 
+_SELECTION_MODES = ("topk", "anchor")
+
+
+def _selection_args(selection, anchor_threshold):
+    """(mode name, tau) checked: ValueError naming the argument."""
+    if isinstance(selection, _C.SelectionMode):
+        selection = selection.label
+    if selection not in _SELECTION_MODES:
+        raise ValueError(f"selection: {selection!r} is not a selection mode ('topk' or "
+                         "'anchor')")
+    if isinstance(anchor_threshold, bool) or not isinstance(anchor_threshold, (int, float)) or \
+            not 0.0 < anchor_threshold <= 1.0:
+        raise ValueError(f"anchor_threshold: {anchor_threshold!r} is not in (0, 1]")
+    return selection, float(anchor_threshold)
+
+
 def _check_inputs(q, k, v, cu_seqlens, densities):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -191,7 +208,8 @@ def _check_inputs(q, k, v, cu_seqlens, densities):
 
 def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks=1, *,
                      softmax_scale=None, exact=False, mass_threshold=1.0, threads=None,
-                     timer=None, return_selection=False):
+                     timer=None, return_selection=False, selection="topk",
+                     anchor_threshold=0.05):
     """Block-sparse causal attention over a varlen batch.
 
     Args:
@@ -207,6 +225,10 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
         block scores' estimate.
       mass_threshold: stop adding blocks to a row once its estimated kept mass reaches it.
       threads: CPU kernel threads (default torch.get_num_threads()).
+      selection: 'topk' (each query block keeps its density's budget k_i of best-scoring key
+        blocks) or 'anchor' (anchor-guided thresholding: of those, only the blocks whose pooled
+        score is at least the best anchor block's + ln(anchor_threshold); never more).
+      anchor_threshold: tau of 'anchor', in (0, 1].
       timer: an AttentionTimer that adds the kernel seconds of forward and backward.
       return_selection: also return the Selection (kept blocks per row, see block_mask).
 
@@ -221,7 +243,9 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
     scale = 0.0 if softmax_scale is None else float(softmax_scale)
     if threads is None:
         threads = torch.get_num_threads()
-    options = (int(block_size), int(local_blocks), scale, float(mass_threshold), int(threads))
+    mode, tau = _selection_args(selection, anchor_threshold)
+    options = (int(block_size), int(local_blocks), scale, float(mass_threshold), int(threads),
+               mode, tau)
     outputs = _Outputs()
     if q.is_cuda:
         reason = _cuda_unavailable_reason()

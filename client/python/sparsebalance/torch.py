@@ -94,9 +94,11 @@ class MicroBatch:
     """
 
     def __init__(self, step, index, samples, tokens, device, loss_weight, document_weight,
-                 shape, recall_rows=0, recall_layers=None):
+                 shape, recall_rows=0, recall_layers=None, selection="topk",
+                 anchor_threshold=0.05):
         self.step, self.index, self.samples = step, index, list(samples)
         self._shape = shape
+        self._selection = (selection, anchor_threshold)  # the job's selection mode and tau
         self.ids = [s.id for s in self.samples]
         cu, densities = varlen_layout(self.samples)
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
@@ -120,14 +122,16 @@ class MicroBatch:
     @property
     def attention(self):
         """The plan in a kernel's terms (sparsebalance.attention.KernelPlan, in the job's block
-        geometry): cu_seqlens, densities, per-document top-k budgets (``topk(doc)``), and
-        ``block_mask(q, k)``, one layer's FlexAttention BlockMask."""
+        geometry and selection mode): cu_seqlens, densities, per-document top-k budgets
+        (``topk(doc)``), and ``block_mask(q, k)``, one layer's FlexAttention BlockMask."""
         if self._attention is None:
             from .attention import kernel_plan
 
             self._attention = kernel_plan(self.samples, block_size=self._shape.block_size,
                                           local_blocks=self._shape.local_blocks,
-                                          device=self.cu_seqlens.device)
+                                          device=self.cu_seqlens.device,
+                                          selection=self._selection[0],
+                                          anchor_threshold=self._selection[1])
             if self._recall_rows:
                 self._attention = dataclasses.replace(self._attention,
                                                       on_select=self._on_select)
@@ -439,7 +443,8 @@ class Balancer:
                 step, m, mb.samples, self._load(dataset, mb.samples), self.device,
                 self.world * tokens / max(1, global_tokens),
                 self.world * docs / max(1, global_docs), self.config.shape,
-                self._recall_rows, self._recall_layers))
+                self._recall_rows, self._recall_layers, self.config.selection.label,
+                self.config.anchor_threshold))
         return out
 
     def _load(self, dataset, samples):
