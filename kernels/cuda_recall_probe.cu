@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kProbeThreads) ProbeKernel(ProbeParams p) {
   const int32_t t = p.row_token[e];
   const int32_t block = t / p.block_size;
   const int32_t blocks = p.cu_blocks[s + 1] - p.cu_blocks[s];
-  const int64_t r = static_cast<int64_t>(p.cu_blocks[s]) * p.heads +
-                    static_cast<int64_t>(h) * blocks + block;
+  const int64_t r =
+      static_cast<int64_t>(p.cu_blocks[s]) * p.heads + static_cast<int64_t>(h) * blocks + block;
   const int64_t first = p.row_ptr[r];
   const int64_t kept_blocks = p.row_ptr[r + 1] - first;
   if (kept_blocks == static_cast<int64_t>(block) + 1) {  // every causal block kept
@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kProbeThreads) ProbeKernel(ProbeParams p) {
   for (int32_t u = threadIdx.x; u <= t; u += blockDim.x) {
     const bf16* key = p.k + base + u * stride;
     float dot = 0.0f;
-    for (int d = 0; d < p.head_dim; ++d) dot += __bfloat162float(query[d]) * __bfloat162float(key[d]);
+    for (int d = 0; d < p.head_dim; ++d)
+      dot += __bfloat162float(query[d]) * __bfloat162float(key[d]);
     const float logit = dot * p.scale;
     if (logit > m) {
       const double rescale = exp(static_cast<double>(m) - logit);  // 0 while m is -inf
@@ -118,8 +119,8 @@ __global__ void __launch_bounds__(kProbeThreads) ProbeKernel(ProbeParams p) {
 
 }  // namespace
 
-absl::StatusOr<RecallProbe> ProbeRecall(const DeviceBlockIndex& index, int head_dim,
-                                        const void* q, const void* k, const RecallRows& rows,
+absl::StatusOr<RecallProbe> ProbeRecall(const DeviceBlockIndex& index, int head_dim, const void* q,
+                                        const void* k, const RecallRows& rows,
                                         float softmax_scale) {
   const BlockIndex& host = index.host();
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
@@ -164,8 +165,7 @@ absl::StatusOr<RecallProbe> ProbeRecall(const DeviceBlockIndex& index, int head_
     p.heads = host.heads;
     p.head_dim = head_dim;
     p.block_size = host.block_size;
-    p.scale =
-        softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+    p.scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
     p.q = static_cast<const bf16*>(q);
     p.k = static_cast<const bf16*>(k);
     p.recall = static_cast<double*>(recall->data());

@@ -58,8 +58,9 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
 // Per-layer densities of one sample that DST gave `density`, from the job's per-layer recall
 // curves: the densities in [floor, density_max] whose mean is `density` (so the attention cost
 // stays about the same) and whose mean recall over the layers is the highest (water-filling:
-// each layer gets density until an extra block buys the same recall in every layer). Empty when the model has no layer curves, the
-// curves of the sample's layers are about equal (within 5%), or the shape has one layer.
+// each layer gets density until an extra block buys the same recall in every layer). Empty when the
+// model has no layer curves, the curves of the sample's layers are about equal (within 5%), or the
+// shape has one layer.
 std::vector<double> LayerDensities(const Sample& sample, double density, double floor,
                                    const PlannerConfig& config, const RecallModel& recall);
 
