@@ -8,6 +8,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/planner.h"
@@ -620,7 +621,11 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
   }
   // The recall model learns from the measured document recalls, independently of the latency
   // model: a step whose times cannot be folded still says what its densities kept.
-  if (absl::Status s = FoldRecall(job, record); !s.ok()) {
+  const std::vector<RecallObservation> recall_observations = RecallObservationsOf(record);
+  // Steps without measurements (workers that do not measure) leave the curves as they are.
+  if (absl::Status s = recall_observations.empty() ? absl::OkStatus()
+                                                   : job.recall.ObserveStep(recall_observations);
+      !s.ok()) {
     ++job.unfolded_steps;
     job.fold_failure = absl::StrCat("step ", step, ": recall: ", s.message()).substr(0, 1024);
     if (options_.on_fold_failure) options_.on_fold_failure(id, step, s);
@@ -657,17 +662,13 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
       for (const MicroBatchTiming& m : reports) {
         stats.recall_seconds += m.recall_seconds;
         stats.attention_seconds += m.attention_seconds;
-        const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
-        for (const DocumentRecallMeasurement& d : m.documents) {
-          for (const PlannedSample& p : planned.samples) {
-            if (p.id != d.sample_id) continue;
-            const int64_t length = p.segments.empty() ? p.length : p.segments[d.document];
-            const int b = RecallBucket(length, capacity);
-            weighted[b] += static_cast<double>(length) * d.recall;
-            tokens[b] += static_cast<double>(length);
-          }
-        }
       }
+    }
+    for (const RecallObservation& o : recall_observations) {
+      if (o.layer != -1) continue;
+      const int b = RecallBucket(o.length, capacity);
+      weighted[b] += static_cast<double>(o.length) * o.recall;
+      tokens[b] += static_cast<double>(o.length);
     }
     for (int b = 0; b < kRecallBuckets; ++b) {
       if (tokens[b] > 0) {
@@ -681,33 +682,31 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
   // fold cost a file create and rename (and ext4's flush-on-rename) per step.
 }
 
-absl::Status JobRegistry::FoldRecall(Job& job, const StepRecord& record) {
+std::vector<RecallObservation> JobRegistry::RecallObservationsOf(const StepRecord& record) {
   std::vector<RecallObservation> observations;
   for (const auto& [rank, reports] : record.reports) {
     for (const MicroBatchTiming& m : reports) {
+      if (m.documents.empty()) continue;
       const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
+      absl::flat_hash_map<uint64_t, const PlannedSample*> by_id;
+      for (const PlannedSample& p : planned.samples) by_id.emplace(p.id, &p);
       for (const DocumentRecallMeasurement& d : m.documents) {
-        // ValidateReport has checked that the sample is planned here and the document exists.
-        const PlannedSample* sample = nullptr;
-        for (const PlannedSample& p : planned.samples) {
-          if (p.id == d.sample_id) sample = &p;
-        }
-        if (sample == nullptr) continue;
+        auto it = by_id.find(d.sample_id);
+        if (it == by_id.end()) continue;
+        const PlannedSample& sample = *it->second;
         const int64_t length =
-            sample->segments.empty() ? sample->length : sample->segments[d.document];
-        observations.push_back({length, -1, sample->density, d.recall});
+            sample.segments.empty() ? sample.length : sample.segments[d.document];
+        observations.push_back({length, -1, sample.density, d.recall});
         for (size_t l = 0; l < d.layer_recall.size(); ++l) {
-          const double density = sample->layer_densities.size() == d.layer_recall.size()
-                                     ? sample->layer_densities[l]
-                                     : sample->density;
+          const double density = sample.layer_densities.size() == d.layer_recall.size()
+                                     ? sample.layer_densities[l]
+                                     : sample.density;
           observations.push_back({length, static_cast<int>(l), density, d.layer_recall[l]});
         }
       }
     }
   }
-  // Steps without measurements (workers that do not measure) leave the curves as they are.
-  if (observations.empty()) return absl::OkStatus();
-  return job.recall.ObserveStep(observations);
+  return observations;
 }
 
 absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,

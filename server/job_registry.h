@@ -244,9 +244,10 @@ class JobRegistry {
   absl::Status Stored(absl::Status status) const;
   // Builds and validates one job from its files (Restore).
   absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
-  // Folds a fully reported step's measured document recalls into the job's recall model.
-  static absl::Status FoldRecall(Job& job, const StepRecord& record)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // The measured document recalls of a fully reported step as the recall model's
+  // observations: per document one for all layers (layer -1) and one per measured layer, each at
+  // the density the plan gave it. ValidateReport has checked every sample and document index.
+  static std::vector<RecallObservation> RecallObservationsOf(const StepRecord& record);
   // Drops the oldest steps beyond history_steps (and their files).
   void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // What the store keeps of the job (its job.pb).
