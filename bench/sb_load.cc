@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -331,6 +332,19 @@ v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
     r->set_tokens(mb.tokens());
     r->set_achieved_density(mb.default_density());
     r->set_recall(0.9);
+    // Measured recall per document, as sb-worker's probe sends it: a hidden curve
+    // 1-(1-density)^4 of the planned density, so the planner's recall model has data to fit.
+    for (const v1::PlannedSample& sample : mb.samples()) {
+      const int documents = std::max(1, sample.segments_size());
+      for (int d = 0; d < documents; ++d) {
+        v1::DocumentRecall* recall = r->add_documents();
+        recall->set_sample_id(sample.id());
+        recall->set_document(d);
+        recall->set_recall(1.0 - std::pow(1.0 - sample.density(), 4.0));
+        recall->set_rows(8);
+      }
+    }
+    r->set_recall_seconds(r->attention_seconds() * 0.005);
   }
   return request;
 }
