@@ -117,6 +117,15 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
   return total;
 }
 
+int64_t ActiveBlocksInRows(int64_t first_row, int64_t end_row, double density, int local_blocks) {
+  first_row = std::clamp<int64_t>(first_row, 0, kMaxBlockMathRows);
+  end_row = std::clamp<int64_t>(end_row, 0, kMaxBlockMathRows);
+  if (end_row <= first_row) return 0;
+  // With block size 1, a "length" of n is n rows: the prefix sums of k_i.
+  return ActiveBlocks(end_row, density, 1, local_blocks) -
+         ActiveBlocks(first_row, density, 1, local_blocks);
+}
+
 int64_t ActiveBlocksBySum(int64_t length, double density, int block_size, int local_blocks) {
   const int64_t rows = std::min(QueryBlocks(length, block_size), kMaxBlockMathRows);
   const int64_t q = QuantizeDensity(density);

@@ -52,6 +52,12 @@ int64_t KeptBlocks(int64_t query_block, int64_t q, int local_blocks);
 // local_blocks in [0, kMaxLocalBlocks] (clamped). The result is below 2^62.
 int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_blocks);
 
+// Active blocks of query blocks [first_row, end_row) of a document at `density`: the part of
+// A(L, rho) that one shard of a document split at block boundaries runs (context parallelism).
+// k_i depends on i alone, so this is a difference of two prefix sums. Rows are clamped into
+// [0, kMaxBlockMathRows]; an empty or reversed range gives 0.
+int64_t ActiveBlocksInRows(int64_t first_row, int64_t end_row, double density, int local_blocks);
+
 // The same by direct summation, O(blocks): the definition, used to test the closed form.
 // Same domain and clamps as ActiveBlocks.
 int64_t ActiveBlocksBySum(int64_t length, double density, int block_size, int local_blocks);

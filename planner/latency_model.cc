@@ -20,6 +20,8 @@ constexpr double kPriorVariance = 1.0;
 // micro-batches (balanced plans excite the model poorly) cannot make the weights swing: at
 // 1e4 the prediction error of balanced policies in sb-sim rose from 2% to 16%.
 constexpr double kMaxVariance = 100;
+// Weight of the exchange rate's prior, in measured micro-batches.
+constexpr double kExchangePriorObservations = 4.0;
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -49,7 +51,7 @@ MicroBatchFeatures Features(const ModelShape& shape, int64_t length,
 }  // namespace
 
 LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoefficients& prior,
-                           const LatencyModelOptions& options)
+                           const LatencyModelOptions& options, double exchange_seconds_per_byte)
     : shape_(shape), prior_(prior), options_(options) {
   // Scales make the fit well conditioned: each feature's weight is about 1. A term whose prior
   // is zero (the micro-batch overhead; the profile cannot see it) gets a scale of 2% of a
@@ -70,6 +72,22 @@ LatencyModel::LatencyModel(const ModelShape& shape, int ranks, const CostCoeffic
     state_.covariance[i * kFeatures + i] = prior_coef[i] > 0 ? kPriorVariance : kMaxVariance;
   }
   state_.speed_factors.assign(std::max(ranks, 1), 1.0);
+  // Four observations at the prior rate (u = bytes per second).
+  if (exchange_seconds_per_byte > 0 && std::isfinite(exchange_seconds_per_byte)) {
+    const double u = 1.0 / exchange_seconds_per_byte;
+    state_.exchange_u = kExchangePriorObservations * u;
+    state_.exchange_uu = kExchangePriorObservations * u * u;
+  }
+}
+
+void LatencyModel::set_state(const LatencyModelState& state) {
+  const double u = state_.exchange_u;
+  const double uu = state_.exchange_uu;
+  state_ = state;
+  if (!(state_.exchange_uu > 0)) {  // a snapshot from before the exchange was learned
+    state_.exchange_u = u;
+    state_.exchange_uu = uu;
+  }
 }
 
 double LatencyModel::rank_error_sd() const { return std::sqrt(state_.rank_error_variance); }
@@ -83,7 +101,33 @@ MicroBatchFeatures LatencyModel::SampleFeatures(const Sample& sample, double den
   return Features(shape_, sample.length, sample.segments, density);
 }
 
+double ShardExchangeBytes(const ModelShape& shape, int64_t shard_begin) {
+  const double kv_bytes_per_token = 2.0 * shape.heads * shape.head_dim * 2.0;  // K and V, bf16
+  return 2.0 * static_cast<double>(std::max<int64_t>(shard_begin, 0)) * kv_bytes_per_token *
+         shape.layers;
+}
+
 MicroBatchFeatures LatencyModel::PlannedSampleFeatures(const PlannedSample& p) const {
+  if (p.sharded()) {
+    // The shard's rows of its one document (shard_begin is block-aligned), with the exchange.
+    const int64_t first_row = QueryBlocks(p.shard_begin, shape_.block_size);
+    const int64_t end_row = QueryBlocks(p.shard_end, shape_.block_size);
+    auto blocks = [&](double density) {
+      return static_cast<double>(
+          ActiveBlocksInRows(first_row, end_row, density, shape_.local_blocks));
+    };
+    MicroBatchFeatures f;
+    f.tokens = static_cast<double>(p.QueryTokens());
+    f.documents = 1.0;
+    f.exchange_bytes = ShardExchangeBytes(shape_, p.shard_begin);
+    if (p.layer_densities.empty()) {
+      f.active_blocks = blocks(p.density);
+    } else {
+      for (double d : p.layer_densities) f.active_blocks += blocks(d);
+      f.active_blocks /= static_cast<double>(p.layer_densities.size());
+    }
+    return f;
+  }
   if (p.layer_densities.empty()) return Features(shape_, p.length, p.segments, p.density);
   MicroBatchFeatures f = Features(shape_, p.length, p.segments, p.layer_densities[0]);
   for (size_t l = 1; l < p.layer_densities.size(); ++l) {
@@ -100,6 +144,7 @@ MicroBatchFeatures LatencyModel::PlanFeatures(const MicroBatchPlan& micro_batch)
     sum.active_blocks += f.active_blocks;
     sum.tokens += f.tokens;
     sum.documents += f.documents;
+    sum.exchange_bytes += f.exchange_bytes;
   }
   return sum;
 }
@@ -116,11 +161,19 @@ double LatencyModel::SampleSeconds(const Sample& sample, double density) const {
          f.tokens * scale_[1] * state_.weights[1] + f.documents * scale_[2] * state_.weights[2];
 }
 
-double LatencyModel::Seconds(const MicroBatchFeatures& features) const {
+double LatencyModel::ComputeSeconds(const MicroBatchFeatures& features) const {
   const std::array<double, 4> z = Scaled(features);
   double t = 0;
   for (int i = 0; i < kFeatures; ++i) t += z[i] * state_.weights[i];
   return t;
+}
+
+double LatencyModel::Seconds(const MicroBatchFeatures& features) const {
+  return ComputeSeconds(features) + ExchangeSeconds(features);
+}
+
+double LatencyModel::exchange_seconds_per_byte() const {
+  return state_.exchange_uu > 0 ? state_.exchange_u / state_.exchange_uu : 0.0;
 }
 
 absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
@@ -133,16 +186,22 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
           absl::StrCat(where, ": measured_seconds ", o.measured_seconds,
                        " is not a positive finite number; the step was not folded in"));
     }
+    if (!(o.exchange_seconds >= 0 && o.exchange_seconds < o.measured_seconds)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": exchange_seconds ", o.exchange_seconds, " is outside [0, measured_seconds ",
+          o.measured_seconds, "); the step was not folded in"));
+    }
     if (o.rank < 0 || o.rank >= ranks()) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": rank is outside [0, ", ranks(), ")"));
     }
     const MicroBatchFeatures& f = o.features;
     if (!(f.active_blocks >= 0) || !(f.tokens > 0) || !(f.documents >= 1) ||
-        !std::isfinite(f.active_blocks) || !std::isfinite(f.tokens) ||
-        !std::isfinite(f.documents)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": features need active_blocks >= 0, tokens > 0 and documents >= 1"));
+        !(f.exchange_bytes >= 0) || !std::isfinite(f.active_blocks) || !std::isfinite(f.tokens) ||
+        !std::isfinite(f.documents) || !std::isfinite(f.exchange_bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(where,
+                                                     ": features need active_blocks >= 0, tokens > "
+                                                     "0, documents >= 1 and exchange_bytes >= 0"));
     }
   }
   if (observations.empty()) return absl::OkStatus();
@@ -150,10 +209,12 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
   // repeated keys) is folded in identically.
   std::sort(observations.begin(), observations.end(),
             [](const Observation& a, const Observation& b) {
-              return std::tie(a.rank, a.micro_batch, a.measured_seconds, a.features.active_blocks,
-                              a.features.tokens, a.features.documents) <
-                     std::tie(b.rank, b.micro_batch, b.measured_seconds, b.features.active_blocks,
-                              b.features.tokens, b.features.documents);
+              return std::tie(a.rank, a.micro_batch, a.measured_seconds, a.exchange_seconds,
+                              a.features.active_blocks, a.features.tokens, a.features.documents,
+                              a.features.exchange_bytes) <
+                     std::tie(b.rank, b.micro_batch, b.measured_seconds, b.exchange_seconds,
+                              b.features.active_blocks, b.features.tokens, b.features.documents,
+                              b.features.exchange_bytes);
             });
 
   // 0. How wrong the model was on this step, before learning from it; and which ranks run at
@@ -163,15 +224,21 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
   {
     std::vector<double> measured(ranks(), 0.0);
     std::vector<double> predicted(ranks(), 0.0);
+    std::vector<double> measured_compute(ranks(), 0.0);
+    std::vector<double> predicted_compute(ranks(), 0.0);
     for (const Observation& o : observations) {
       measured[o.rank] += o.measured_seconds;
       predicted[o.rank] += PredictSeconds(o.rank, o.features);
+      measured_compute[o.rank] += o.measured_seconds - o.exchange_seconds;
+      predicted_compute[o.rank] += speed_factor(o.rank) * ComputeSeconds(o.features);
     }
     double sum = 0.0;
     int count = 0;
     for (int r = 0; r < ranks(); ++r) {
       if (measured[r] <= 0 || predicted[r] <= 0) continue;
-      const double speed = state_.speed_factors[r] * measured[r] / predicted[r];
+      const double speed = predicted_compute[r] > 0 ? state_.speed_factors[r] *
+                                                          measured_compute[r] / predicted_compute[r]
+                                                    : state_.speed_factors[r];
       out_of_bounds[r] = speed < options_.speed_min || speed > options_.speed_max;
       const double e = measured[r] / predicted[r] - 1.0;
       sum += e * e;
@@ -194,7 +261,7 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
     if (out_of_bounds[o.rank]) continue;
     const double h = state_.speed_factors[o.rank];
     const std::array<double, 4> z = Scaled(o.features);
-    const double y = o.measured_seconds / h;
+    const double y = (o.measured_seconds - o.exchange_seconds) / h;
     // Relative-error weighting: divide the row by its target so long and short micro-batches
     // count alike.
     std::array<double, 4> x;
@@ -230,12 +297,28 @@ absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
     }
   }
 
-  // 2. Speed factors: EWMA of measured / predicted rank time, bounded.
+  // 1b. The exchange rate: each micro-batch that exchanged bytes is one point u = bytes / s.
+  // Forgotten only in steps that measured an exchange, so that the sums of a job without
+  // context parallelism never decay to zero (the ratio is unchanged by the scaling).
+  bool forgotten = false;
+  for (const Observation& o : observations) {
+    if (o.features.exchange_bytes <= 0 || o.exchange_seconds <= 0) continue;
+    if (!forgotten) {
+      state_.exchange_u *= options_.forgetting;
+      state_.exchange_uu *= options_.forgetting;
+      forgotten = true;
+    }
+    const double u = o.features.exchange_bytes / o.exchange_seconds;
+    state_.exchange_u += u;
+    state_.exchange_uu += u * u;
+  }
+
+  // 2. Speed factors: EWMA of measured / predicted compute time per rank, bounded.
   std::vector<double> measured(ranks(), 0.0);
   std::vector<double> predicted(ranks(), 0.0);
   for (const Observation& o : observations) {
-    measured[o.rank] += o.measured_seconds;
-    predicted[o.rank] += Seconds(o.features);
+    measured[o.rank] += o.measured_seconds - o.exchange_seconds;
+    predicted[o.rank] += ComputeSeconds(o.features);
   }
   for (int r = 0; r < ranks(); ++r) {
     if (measured[r] <= 0 || predicted[r] <= 0) continue;

@@ -27,22 +27,35 @@ namespace sparsebalance {
 // planner service and the client's local fallback both start from it.
 inline constexpr CostCoefficients kDefaultCostPrior{1.7e-5, 1e-4, 2e-3, 0.05};
 
+// The prior of the key/value exchange of context parallelism: seconds per byte a shard sends
+// or receives, 1 / (25 GB/s), about what one GPU gets of an InfiniBand NDR link in a ring.
+inline constexpr double kDefaultExchangeSecondsPerByte = 1.0 / 25e9;
+
 // What the model sees of a micro-batch.
 struct MicroBatchFeatures {
-  double active_blocks = 0.0;  // sum over documents of A(L, rho)
-  double tokens = 0.0;
-  double documents = 0.0;  // segments of pre-packed samples count separately
+  double active_blocks = 0.0;   // sum over documents of A(L, rho) (a shard: its rows' part)
+  double tokens = 0.0;          // query tokens
+  double documents = 0.0;       // segments of pre-packed samples count separately; a shard is one
+  double exchange_bytes = 0.0;  // key/value exchange of its shards (ShardExchangeBytes)
   bool operator==(const MicroBatchFeatures& o) const {
-    return active_blocks == o.active_blocks && tokens == o.tokens && documents == o.documents;
+    return active_blocks == o.active_blocks && tokens == o.tokens && documents == o.documents &&
+           exchange_bytes == o.exchange_bytes;
   }
 };
+
+// Bytes one shard of a split document exchanges with its group in a step: it receives the keys
+// and values of the document's `shard_begin` tokens before it (forward) and sends back their
+// gradients (backward), bf16, in every layer: 2 x shard_begin x (2 x heads x head_dim x 2 B) x
+// layers. Selection needs only the pooled keys (one vector per block), which is left out.
+double ShardExchangeBytes(const ModelShape& shape, int64_t shard_begin);
 
 // One measured micro-batch of one rank.
 struct Observation {
   int rank = 0;
   int micro_batch = 0;
   MicroBatchFeatures features;
-  double measured_seconds = 0.0;  // compute time of the micro-batch
+  double measured_seconds = 0.0;  // compute time of the micro-batch (exchange included)
+  double exchange_seconds = 0.0;  // the part of it its shards spent exchanging
 };
 
 struct LatencyModelOptions {
@@ -62,24 +75,36 @@ struct LatencyModelState {
   // folded in (out of sample); its root is the noise DST leaves room for.
   double rank_error_variance = 0.0;
   int64_t steps_observed = 0;
+  // Key/value exchange of context parallelism, learned apart from the compute coefficients
+  // (workers report it apart): a least-squares fit through the origin, relative-error
+  // weighted, of measured exchange seconds on exchanged bytes. With u = bytes / seconds of
+  // each measured micro-batch, seconds per byte = exchange_u / exchange_uu; both sums start as
+  // four observations at the prior and are forgotten like the coefficients.
+  double exchange_u = 0.0;
+  double exchange_uu = 0.0;
 };
 
 class LatencyModel {
  public:
   LatencyModel(const ModelShape& shape, int ranks, const CostCoefficients& prior,
-               const LatencyModelOptions& options = {});
+               const LatencyModelOptions& options = {},
+               double exchange_seconds_per_byte = kDefaultExchangeSecondsPerByte);
 
   const ModelShape& shape() const { return shape_; }
   // The coefficients the model started from (with state(), enough to rebuild it).
   const CostCoefficients& prior() const { return prior_; }
   int ranks() const { return static_cast<int>(state_.speed_factors.size()); }
   CostCoefficients coefficients() const;
+  // Learned seconds per exchanged byte (context parallelism), speed factors not applied: the
+  // network is not the GPU.
+  double exchange_seconds_per_byte() const;
   double speed_factor(int rank) const { return state_.speed_factors[rank]; }
   const std::vector<double>& speed_factors() const { return state_.speed_factors; }
   // Typical relative error of a predicted rank time (0 before the first observed step).
   double rank_error_sd() const;
   const LatencyModelState& state() const { return state_; }
-  void set_state(const LatencyModelState& state) { state_ = state; }
+  // A state without exchange sums (a snapshot older than them) keeps the prior's.
+  void set_state(const LatencyModelState& state);
 
   // Features of one sample at `density` (its documents at the same density).
   MicroBatchFeatures SampleFeatures(const Sample& sample, double density) const;
@@ -90,16 +115,24 @@ class LatencyModel {
   MicroBatchFeatures PlanFeatures(const MicroBatchPlan& micro_batch) const;
   // Seconds of one sample at `density` without the speed factor and micro-batch overhead.
   double SampleSeconds(const Sample& sample, double density) const;
-  // Seconds of a micro-batch without the speed factor (0 for an empty one).
+  // Seconds of a micro-batch without the speed factor (0 for an empty one), exchange included.
   double Seconds(const MicroBatchFeatures& features) const;
+  // The compute part of Seconds (the part the speed factor scales) and the exchange part.
+  double ComputeSeconds(const MicroBatchFeatures& features) const;
+  double ExchangeSeconds(const MicroBatchFeatures& features) const {
+    return features.exchange_bytes * exchange_seconds_per_byte();
+  }
   double PredictSeconds(int rank, const MicroBatchFeatures& features) const {
-    return speed_factor(rank) * Seconds(features);
+    return speed_factor(rank) * ComputeSeconds(features) + ExchangeSeconds(features);
   }
 
   // Folds one step's measurements in. The whole step is refused, naming the offending entry,
-  // if a time is NaN, infinite, zero or negative, a rank is out of range, or features are
-  // negative; nothing is folded in then. Observations are applied in (rank, micro_batch)
-  // order whatever order they arrive in, so every replica learns the same model.
+  // if a time is NaN, infinite, zero or negative, an exchange time is outside
+  // [0, measured_seconds), a rank is out of range, or features are negative; nothing is folded
+  // in then. The compute coefficients and speed factors learn from measured less exchange
+  // seconds; the exchange rate from the micro-batches with exchanged bytes. Observations are
+  // applied in (rank, micro_batch) order whatever order they arrive in, so every replica learns the
+  // same model.
   absl::Status ObserveStep(std::vector<Observation> observations);
 
  private:

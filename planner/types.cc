@@ -1,5 +1,6 @@
 #include "planner/types.h"
 
+#include <algorithm>
 #include <cmath>
 #include <iterator>
 #include <string>
@@ -138,6 +139,20 @@ absl::Status ValidateConfig(const PlannerConfig& c) {
     return bad("anchor_threshold", c.anchor_threshold,
                "need (0, 1] (a kept block's weight relative to the best anchor's)");
   }
+  if (c.max_shards < 1 || c.max_shards > std::min(c.ranks, kMaxShards)) {
+    return bad("max_shards", c.max_shards,
+               absl::StrCat("need [1, min(ranks ", c.ranks, ", ", kMaxShards,
+                            ")]: the ranks one document may be split over (1: no splitting)"));
+  }
+  if (c.shard_policy != ShardPolicy::kSparse && c.shard_policy != ShardPolicy::kDense &&
+      c.shard_policy != ShardPolicy::kStatic) {
+    return bad("shard_policy", static_cast<int>(c.shard_policy), "need sparse, dense or static");
+  }
+  if (c.shard_min_length < 0 || c.shard_min_length > kMaxMicroBatchCapacity) {
+    return bad("shard_min_length", c.shard_min_length,
+               absl::StrCat("need [0, ", kMaxMicroBatchCapacity,
+                            "] tokens (0: half the micro-batch capacity)"));
+  }
   return absl::OkStatus();
 }
 
@@ -178,6 +193,25 @@ absl::StatusOr<DstMode> ParseDstMode(absl::string_view text, double* quantile) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown DST mode \"", text, "\"; choose one of: min, mean, max, quantile:Q"));
+}
+
+absl::string_view ShardPolicyName(ShardPolicy policy) {
+  switch (policy) {
+    case ShardPolicy::kDense:
+      return "dense";
+    case ShardPolicy::kStatic:
+      return "static";
+    default:
+      return "sparse";
+  }
+}
+
+absl::StatusOr<ShardPolicy> ParseShardPolicy(absl::string_view name) {
+  if (name == "sparse") return ShardPolicy::kSparse;
+  if (name == "dense") return ShardPolicy::kDense;
+  if (name == "static") return ShardPolicy::kStatic;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown shard policy \"", name, "\"; choose sparse, dense or static"));
 }
 
 absl::string_view OverflowPolicyName(OverflowPolicy policy) {

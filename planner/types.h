@@ -49,6 +49,24 @@ enum class DstMode {
   kQuantile,  // cut towards the `dst_quantile` of rank times
 };
 
+// How documents are split over groups of ranks when PlannerConfig::max_shards > 1 (context
+// parallelism, context_parallel.h). A document longer than the micro-batch capacity is split
+// under every shard policy; the policies differ in which other documents are split, into how
+// many shards, where the cuts fall and which ranks form a group.
+enum class ShardPolicy {
+  // Per document and step, by predicted sparse cost (at the planned density, with the
+  // key/value exchange): a document is split when its cost would exceed about half a rank's
+  // mean load, over as few ranks as bring each shard below that; cuts balance the shards'
+  // sparse cost plus exchange; groups are the least loaded ranks. The default.
+  kSparse,
+  // The same with dense cost (density 1) for every choice, as Megatron-style dynamic context
+  // parallelism does; the plan then runs at the planned densities.
+  kDense,
+  // Every document of at least `shard_min_length` tokens over `max_shards` ranks, equal-token
+  // cuts, fixed groups of consecutive ranks (static context parallelism).
+  kStatic,
+};
+
 // What happens when the batch does not fit in ranks x micro-batches x capacity.
 enum class OverflowPolicy {
   kError,  // INVALID_ARGUMENT naming the capacity
@@ -80,7 +98,18 @@ struct PlannerConfig {
   // density.
   SelectionMode selection = SelectionMode::kTopK;
   double anchor_threshold = kDefaultAnchorThreshold;
+  // Context parallelism: the most ranks one document may be split over, in
+  // [1, min(ranks, kMaxShards)]; 1 turns splitting off (a document longer than the capacity is
+  // then an error). Only documents without segments are split.
+  int max_shards = 1;
+  ShardPolicy shard_policy = ShardPolicy::kSparse;
+  // kStatic only: documents of at least this many tokens are split; 0 means half the
+  // micro-batch capacity.
+  int64_t shard_min_length = 0;
 };
+
+// The most ranks one document may be split over: 64 (ProLong's 512K stage uses 8).
+inline constexpr int kMaxShards = 64;
 
 // Upper bounds on what a config and a batch may hold. Each is far above any real training
 // job yet small enough that every integer the planner computes from accepted values provably
@@ -125,22 +154,37 @@ struct PlannedSample {
   // Optional: one density per layer, each in (0, 1]; empty means `density` in every layer.
   // The planner does not vary densities by layer (yet); trainers that do may fill it.
   std::vector<double> layer_densities;
+  // Context parallelism (ShardPolicy): set when this is one shard of a document split over a
+  // group of ranks. The shard's queries are the sample's tokens [shard_begin, shard_end)
+  // (shard_begin a multiple of the block size); its keys and values are the document's tokens
+  // [0, shard_end), held by the group: shard_group[j] is the rank that runs shard j (ring
+  // order), shard_index is this shard's j. Every rank of the group runs its shard in the same
+  // micro-batch, before the micro-batch's unsplit samples, sharded samples in ascending id.
+  // Empty shard_group: the whole sample runs on this rank (shard_begin = shard_end = 0).
+  int64_t shard_begin = 0;
+  int64_t shard_end = 0;
+  int shard_index = 0;
+  std::vector<int> shard_group;
 
+  bool sharded() const { return !shard_group.empty(); }
+  // Query tokens this rank runs: the shard's, or the whole sample's.
+  int64_t QueryTokens() const { return sharded() ? shard_end - shard_begin : length; }
   // The documents the kernels run, in order: `segments`, or {length} for one document.
   std::vector<int64_t> Documents() const {
     return segments.empty() ? std::vector<int64_t>{length} : segments;
   }
   bool operator==(const PlannedSample& o) const {
     return id == o.id && length == o.length && density == o.density && segments == o.segments &&
-           layer_densities == o.layer_densities;
+           layer_densities == o.layer_densities && shard_begin == o.shard_begin &&
+           shard_end == o.shard_end && shard_index == o.shard_index && shard_group == o.shard_group;
   }
 };
 
 struct MicroBatchPlan {
   std::vector<PlannedSample> samples;  // in placement order
   double default_density = 0.0;        // the job's default density at planning time
-  int64_t tokens = 0;                  // sum of the samples' lengths
-  double predicted_seconds = 0.0;      // including the rank's speed factor
+  int64_t tokens = 0;                  // sum of the samples' QueryTokens()
+  double predicted_seconds = 0.0;      // including the rank's speed factor (and key/value exchange)
 };
 
 struct RankPlan {
@@ -173,6 +217,9 @@ struct MicroBatchTiming {
   // the wire): what the planner learns its recall curves from. Optional.
   std::vector<DocumentRecallMeasurement> documents;
   double recall_seconds = 0.0;  // time spent measuring them, not part of compute_seconds
+  // Context parallelism: time the micro-batch's shards spent exchanging keys, values and their
+  // gradients with their groups (part of compute_seconds). 0 without shards.
+  double exchange_seconds = 0.0;
 };
 
 // Predicted recall of one length bucket in a plan (recall_model.h's buckets).
@@ -214,6 +261,9 @@ absl::StatusOr<Policy> ParsePolicy(absl::string_view name);
 absl::string_view DstModeName(DstMode mode);
 // Accepts "min", "mean", "max" and "quantile:Q" (Q in [0,1]); sets `quantile` for the last.
 absl::StatusOr<DstMode> ParseDstMode(absl::string_view text, double* quantile);
+absl::string_view ShardPolicyName(ShardPolicy policy);
+// "sparse", "dense" or "static"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<ShardPolicy> ParseShardPolicy(absl::string_view name);
 absl::string_view OverflowPolicyName(OverflowPolicy policy);
 absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name);
 

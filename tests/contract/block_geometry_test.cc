@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "planner/random.h"
@@ -146,6 +147,34 @@ TEST(ActiveBlocksTest, ClosedFormMatchesDirectSummation) {
         << "length=" << length << " density=" << density << " block=" << block
         << " local=" << local;
   }
+}
+
+TEST(ActiveBlocksTest, RowRangesAreTheKeptBlocksOfThoseRowsAndAddUpToTheDocument) {
+  Rng rng(11);
+  for (int c = 0; c < 500; ++c) {
+    const int64_t rows = 1 + static_cast<int64_t>(rng.NextU64() % 3000);
+    const double density = RandomDensity(rng);
+    const int local = static_cast<int>(rng.NextU64() % 4);
+    const int64_t q = QuantizeDensity(density);
+    // Three cuts split the document into four shards; their blocks are the rows' k_i and sum
+    // to the whole document's A(L, rho).
+    std::vector<int64_t> cuts = {0, static_cast<int64_t>(rng.NextU64() % (rows + 1)),
+                                 static_cast<int64_t>(rng.NextU64() % (rows + 1)),
+                                 static_cast<int64_t>(rng.NextU64() % (rows + 1)), rows};
+    std::sort(cuts.begin(), cuts.end());
+    int64_t total = 0;
+    for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+      int64_t by_sum = 0;
+      for (int64_t i = cuts[j]; i < cuts[j + 1]; ++i) by_sum += KeptBlocks(i, q, local);
+      const int64_t shard = ActiveBlocksInRows(cuts[j], cuts[j + 1], density, local);
+      ASSERT_EQ(shard, by_sum) << "rows [" << cuts[j] << ", " << cuts[j + 1] << ")";
+      total += shard;
+    }
+    ASSERT_EQ(total, ActiveBlocks(rows * 64, density, 64, local)) << "rows=" << rows;
+  }
+  EXPECT_EQ(ActiveBlocksInRows(5, 5, 0.3, 1), 0);
+  EXPECT_EQ(ActiveBlocksInRows(7, 3, 0.3, 1), 0);
+  EXPECT_EQ(ActiveBlocksInRows(-4, 2, 1.0, 1), 3);  // rows 0 and 1 keep 1 and 2 blocks
 }
 
 TEST(ActiveBlocksTest, ClosedFormMatchesDirectSummationForMillionTokenDocuments) {

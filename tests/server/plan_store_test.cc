@@ -234,7 +234,7 @@ StoredReport Report(int i, int micro_batches = 4) {
   report.rank = i;
   report.wait_seconds = i;
   for (int m = 0; m < micro_batches; ++m) {
-    report.micro_batches.push_back({m, 0.5 + m, 0.25, 65536, 0.5, 0.99, {}, 0.0});
+    report.micro_batches.push_back({m, 0.5 + m, 0.25, 65536, 0.5, 0.99, {}, 0.0, 0.0});
   }
   return report;
 }

@@ -192,7 +192,7 @@ TEST_F(RegistryFaultsTest, APoisonedJobFromAnOlderPlannerIsQuarantinedAndOthersA
   StoredReport report;
   report.rank = 0;
   report.micro_batches.push_back(
-      {0, 1.0, 0.0, std::numeric_limits<int64_t>::max(), 0.0, 0.0, {}, 0.0});
+      {0, 1.0, 0.0, std::numeric_limits<int64_t>::max(), 0.0, 0.0, {}, 0.0, 0.0});
   ASSERT_TRUE(store_->AppendReport(poisoned, 0, report).ok());
 
   for (int restart = 0; restart < 2; ++restart) {
@@ -286,7 +286,7 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
        [](RegistryFaultsTest* t, const std::string& d) {
          std::filesystem::remove(d + "/step-0.reports");
          StoredReport r;
-         r.micro_batches.push_back({5, 0.0, 0.0, 0, 0.0, 0.0, {}, 0.0});
+         r.micro_batches.push_back({5, 0.0, 0.0, 0, 0.0, 0.0, {}, 0.0, 0.0});
          ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, r).ok());
        }},
       {"non-finite model weight", "not finite",
