@@ -168,7 +168,8 @@ absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
   return std::vector<uint64_t>(response->deferred_ids().begin(), response->deferred_ids().end());
 }
 
-absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) {
+absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank, int world_size,
+                                                        int block_size) {
   v1::GetRankPlanRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_step(step);
@@ -184,7 +185,8 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank) 
   out.predicted_makespan_seconds = plan.figures().makespan_seconds();
   out.local_fallback = plan.planned_locally();
   out.deferred_ids.assign(response->deferred_ids().begin(), response->deferred_ids().end());
-  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches = MicroBatchesFromProto(plan);
+  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
+      MicroBatchesFromProto(plan, PlanContext{world_size, block_size});
   if (!micro_batches.ok()) {
     return absl::InternalError(absl::StrCat("GetRankPlan: the planner's plan of step ", step,
                                             " is malformed: ", micro_batches.status().message()));

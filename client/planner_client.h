@@ -88,8 +88,12 @@ class PlannerClient {
   // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part. A
   // planner older than PlannedSample sends no lengths: they are 0 until CompletePlannedSamples
   // (planner.h) fills them from the batch, as TrainerSession::Plan does. INTERNAL for a plan
-  // that fails MicroBatchFromProto's checks.
-  absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank);
+  // that fails MicroBatchFromProto's checks. A shard of a split document comes with its token
+  // range, group and index (PlannedSample::shard_*); given the job's world size and block
+  // size (TrainerSession passes its config's), its group's ranks and its first token are
+  // checked against them too.
+  absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank, int world_size = 0,
+                                           int block_size = 0);
   // Returns true when the planner had this (step, rank) already.
   absl::StatusOr<bool> ReportStep(int64_t step, int rank,
                                   const std::vector<MicroBatchTiming>& micro_batches,

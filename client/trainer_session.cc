@@ -109,7 +109,8 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
       return submitted.status();
     }
   }
-  absl::StatusOr<RankStepPlan> plan = client_->GetRankPlan(step, rank_);
+  absl::StatusOr<RankStepPlan> plan =
+      client_->GetRankPlan(step, rank_, config_.ranks, config_.shape.block_size);
   if (!plan.ok() && IsUnreachable(plan.status())) return fall_back(plan.status());
   if (!plan.ok()) return plan;
   fallback_reason_ = absl::OkStatus();

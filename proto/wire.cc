@@ -31,6 +31,61 @@ absl::Status CheckLayerDensities(const std::vector<double>& densities, absl::str
   return absl::OkStatus();
 }
 
+// A planned sample's shard from the wire into `p` (whose length and segments are read), with
+// the checks MicroBatchFromProto (wire.h) lists; `where` names the sample, e.g. "samples[2]".
+absl::Status ReadShard(const v1::Shard& shard, int rank, const PlanContext& job,
+                       const std::string& where, PlannedSample* p) {
+  const std::string at = where + ".shard";
+  if (!p->segments.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".segments: a shard's sample is one document; this one has ",
+                     p->segments.size(), " segments"));
+  }
+  if (shard.begin() < 0 || shard.begin() >= shard.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".begin: ", shard.begin(), " is outside [0, end ", shard.end(), ")"));
+  }
+  if (shard.end() > p->length) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".end: ", shard.end(), " is past the sample's length ", p->length));
+  }
+  if (job.block_size > 0 && shard.begin() % job.block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        at, ".begin: ", shard.begin(), " is not a multiple of the block size ", job.block_size));
+  }
+  if (shard.group_size() < 1 || shard.group_size() > kMaxShards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".group: ", shard.group_size(), " ranks; need [1, ", kMaxShards, "]"));
+  }
+  std::set<int> ranks;
+  for (int j = 0; j < shard.group_size(); ++j) {
+    const int r = shard.group(j);
+    if (r < 0 || (job.world_size > 0 && r >= job.world_size)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".group[", j, "]: rank ", r, " is outside [0, ",
+          job.world_size > 0 ? absl::StrCat(job.world_size, ")") : std::string("world size)")));
+    }
+    if (!ranks.insert(r).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".group[", j, "]: rank ", r, " is in the group twice"));
+    }
+  }
+  if (shard.index() < 0 || shard.index() >= shard.group_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".index: ", shard.index(), " is outside [0, ", shard.group_size(), ")"));
+  }
+  if (rank >= 0 && shard.group(shard.index()) != rank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".group[", shard.index(), "]: rank ", shard.group(shard.index()),
+                     " runs this shard, but this is rank ", rank, "'s plan"));
+  }
+  p->shard_begin = shard.begin();
+  p->shard_end = shard.end();
+  p->shard_index = shard.index();
+  p->shard_group.assign(shard.group().begin(), shard.group().end());
+  return absl::OkStatus();
+}
+
 // One value of an enum on both sides of the wire. An enum's table lists every value once, and
 // last what the wire's zero value (*_UNSPECIFIED) means: the planner's default.
 template <typename Ours, typename Wire>
@@ -65,6 +120,13 @@ constexpr EnumRow<SelectionMode, v1::Selection> kSelections[] = {
     {SelectionMode::kTopK, v1::SELECTION_TOPK},
     {SelectionMode::kAnchor, v1::SELECTION_ANCHOR},
     {SelectionMode::kTopK, v1::SELECTION_UNSPECIFIED},  // the planner's default
+};
+
+constexpr EnumRow<ShardPolicy, v1::ShardPolicy> kShardPolicies[] = {
+    {ShardPolicy::kSparse, v1::SHARD_POLICY_SPARSE},
+    {ShardPolicy::kDense, v1::SHARD_POLICY_DENSE},
+    {ShardPolicy::kStatic, v1::SHARD_POLICY_STATIC},
+    {ShardPolicy::kSparse, v1::SHARD_POLICY_UNSPECIFIED},  // the planner's default
 };
 
 // `value` read from the wire; one the table lacks is INVALID_ARGUMENT naming `field`.
@@ -131,6 +193,16 @@ absl::StatusOr<JobSettings> ConfigFromProto(const v1::JobConfig& in, const WireL
   if (!selection.ok()) return selection.status();
   c.selection = *selection;
   if (in.has_anchor_threshold()) c.anchor_threshold = in.anchor_threshold();
+  if (in.max_shards() < 0) {
+    return ConfigError("max_shards",
+                       absl::StrCat(in.max_shards(), "; need >= 1 (0: 1, no splitting)"));
+  }
+  c.max_shards = in.max_shards() == 0 ? 1 : in.max_shards();
+  absl::StatusOr<ShardPolicy> shard_policy =
+      ShardPolicyFromProto(in.shard_policy(), "config.shard_policy");
+  if (!shard_policy.ok()) return shard_policy.status();
+  c.shard_policy = *shard_policy;
+  c.shard_min_length = in.shard_min_length();
   absl::StatusOr<OverflowPolicy> overflow = OverflowFromProto(in.overflow(), "config.overflow");
   if (!overflow.ok()) return overflow.status();
   c.overflow = *overflow;
@@ -163,6 +235,12 @@ absl::StatusOr<OverflowPolicy> OverflowFromProto(v1::OverflowPolicy policy,
 absl::StatusOr<SelectionMode> SelectionFromProto(v1::Selection selection, absl::string_view field) {
   return FromWire(kSelections, selection, field);
 }
+
+absl::StatusOr<ShardPolicy> ShardPolicyFromProto(v1::ShardPolicy policy, absl::string_view field) {
+  return FromWire(kShardPolicies, policy, field);
+}
+
+v1::ShardPolicy ShardPolicyToProto(ShardPolicy policy) { return ToWire(kShardPolicies, policy); }
 
 v1::Policy PolicyToProto(Policy policy) { return ToWire(kPolicies, policy); }
 
@@ -198,6 +276,9 @@ v1::JobConfig ConfigToProto(const JobSettings& settings) {
   out.set_document_recall_floor(c.document_recall_floor);
   out.set_selection(SelectionToProto(c.selection));
   out.set_anchor_threshold(c.anchor_threshold);
+  out.set_max_shards(c.max_shards);
+  out.set_shard_policy(ShardPolicyToProto(c.shard_policy));
+  out.set_shard_min_length(c.shard_min_length);
   return out;
 }
 
@@ -212,6 +293,8 @@ absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequ
   c.bucket_recall_margin = in.bucket_recall_margin();
   c.document_recall_floor = in.document_recall_floor();
   c.anchor_threshold = in.anchor_threshold();
+  c.max_shards = in.max_shards() == 0 ? 1 : in.max_shards();  // as at creation: 0 is no splitting
+  c.shard_min_length = in.shard_min_length();
   out.values.history_steps = in.history_steps();
   out.fields.assign(request.update_mask().paths().begin(), request.update_mask().paths().end());
   for (const std::string& field : out.fields) {
@@ -232,6 +315,11 @@ absl::StatusOr<ConfigUpdate> ConfigUpdateFromProto(const v1::UpdateJobConfigRequ
           SelectionFromProto(in.selection(), "config.selection");
       if (!selection.ok()) return selection.status();
       c.selection = *selection;
+    } else if (field == "shard_policy") {
+      absl::StatusOr<ShardPolicy> policy =
+          ShardPolicyFromProto(in.shard_policy(), "config.shard_policy");
+      if (!policy.ok()) return policy.status();
+      c.shard_policy = *policy;
     }
   }
   return out;
@@ -288,6 +376,7 @@ void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out) {
     m->set_rows(d.rows);
   }
   out->set_recall_seconds(timing.recall_seconds);
+  out->set_exchange_seconds(timing.exchange_seconds);
 }
 
 MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report) {
@@ -309,6 +398,7 @@ MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report) {
     t.documents.push_back(std::move(d));
   }
   t.recall_seconds = report.recall_seconds();
+  t.exchange_seconds = report.exchange_seconds();
   return t;
 }
 
@@ -408,6 +498,13 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
       sample->set_density(p.density);
       sample->mutable_segments()->Assign(p.segments.begin(), p.segments.end());
       sample->mutable_layer_densities()->Assign(p.layer_densities.begin(), p.layer_densities.end());
+      if (p.sharded()) {
+        v1::Shard* shard = sample->mutable_shard();
+        shard->set_begin(p.shard_begin);
+        shard->set_end(p.shard_end);
+        shard->set_index(p.shard_index);
+        shard->mutable_group()->Assign(p.shard_group.begin(), p.shard_group.end());
+      }
       // The old form, for readers older than `samples`.
       m->add_sample_ids(p.id);
       m->add_densities(p.density);
@@ -428,7 +525,8 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
   out.set_planned_locally(plan.planned_locally);
 }
 
-absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& m) {
+absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& m, int rank,
+                                                   const PlanContext& job) {
   MicroBatchPlan mb;
   mb.default_density = m.default_density();
   mb.tokens = m.tokens();
@@ -457,6 +555,9 @@ absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& m) {
       if (absl::Status s = CheckLayerDensities(p.layer_densities, where + ".layer_densities");
           !s.ok()) {
         return s;
+      }
+      if (in.has_shard()) {
+        if (absl::Status s = ReadShard(in.shard(), rank, job, where, &p); !s.ok()) return s;
       }
     }
     return mb;
@@ -494,11 +595,13 @@ absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& m) {
   return mb;
 }
 
-absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::RankPlan& plan) {
+absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::RankPlan& plan,
+                                                                  const PlanContext& job) {
   std::vector<MicroBatchPlan> out;
   out.reserve(plan.micro_batches_size());
   for (int m = 0; m < plan.micro_batches_size(); ++m) {
-    absl::StatusOr<MicroBatchPlan> mb = MicroBatchFromProto(plan.micro_batches(m));
+    absl::StatusOr<MicroBatchPlan> mb =
+        MicroBatchFromProto(plan.micro_batches(m), plan.rank(), job);
     if (!mb.ok()) {
       return absl::Status(mb.status().code(),
                           absl::StrCat("micro_batches[", m, "].", mb.status().message()));

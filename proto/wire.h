@@ -75,9 +75,12 @@ v1::DstMode DstModeToProto(DstMode mode);
 v1::OverflowPolicy OverflowToProto(OverflowPolicy policy);
 absl::StatusOr<SelectionMode> SelectionFromProto(v1::Selection selection, absl::string_view field);
 v1::Selection SelectionToProto(SelectionMode selection);
+absl::StatusOr<ShardPolicy> ShardPolicyFromProto(v1::ShardPolicy policy, absl::string_view field);
+v1::ShardPolicy ShardPolicyToProto(ShardPolicy policy);
 
-// Both ways with the measured recall (documents, recall_seconds); TimingFromProto converts
-// without checking: ValidateMeasuredRecall (and the registry's ValidateReport) check.
+// Both ways with the measured recall (documents, recall_seconds) and exchange_seconds;
+// TimingFromProto converts without checking: ValidateMeasuredRecall (and the registry's
+// ValidateReport, which also checks exchange_seconds against the plan) check.
 void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out);
 MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report);
 
@@ -97,15 +100,30 @@ v1::PlanFigures FiguresToProto(const StepPlan& plan);
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
 // The same into `out` (e.g. a message on an arena, or a response being built).
 void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out);
+// What a reader of a rank plan knows of its job, for the checks of shards that need it; 0: not
+// known, and that check is left to a reader that knows the job (the service checks stored
+// plans against the job's config: server/job_state.h ValidateStoredPlan; TrainerSession passes
+// its config).
+struct PlanContext {
+  int world_size = 0;  // shard groups' ranks must be in [0, world_size)
+  int block_size = 0;  // a shard's first token must be a multiple of it
+};
+
 // A micro-batch from the wire, checked: `samples` when present; otherwise (an older planner's
 // message) the ids and densities, with length 0 (unknown) for CompletePlannedSamples
 // (planner.h) to fill from the step's batch. Lengths in [1, kMaxMicroBatchCapacity] (or 0 in
 // the old form), segments as ValidateSegments requires, densities and layer densities in
-// (0, 1]. INVALID_ARGUMENT naming `samples[k].<field>` (`densities` or `sample_ids` in the old
-// form).
-absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& micro_batch);
-// Every micro-batch of a rank plan, the same way; messages name `micro_batches[m]` first.
-absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::RankPlan& plan);
+// (0, 1]. A shard: no segments, 0 <= shard.begin < shard.end <= length, shard.begin a multiple
+// of job.block_size (when known), shard.group's ranks distinct, >= 0 and below job.world_size
+// (when known), at most kMaxShards of them, shard.index in range and shard.group[index] ==
+// `rank` (when `rank` >= 0: the rank whose plan it is). INVALID_ARGUMENT naming
+// `samples[k].<field>` (`densities` or `sample_ids` in the old form; `shard.begin` etc.).
+absl::StatusOr<MicroBatchPlan> MicroBatchFromProto(const v1::MicroBatch& micro_batch, int rank = -1,
+                                                   const PlanContext& job = {});
+// Every micro-batch of a rank plan (its shards checked against plan.rank()), the same way;
+// messages name `micro_batches[m]` first.
+absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::RankPlan& plan,
+                                                                  const PlanContext& job = {});
 
 // Machine-readable reasons an error can carry (ErrorInfo.reason in planner.proto), as an
 // absl::Status payload on this side and in the gRPC status details on the wire.

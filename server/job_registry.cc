@@ -48,6 +48,9 @@ constexpr RuntimeSetting kRuntimeSettings[] = {
     {"document_recall_floor", &CopyPlannerSetting<&PlannerConfig::document_recall_floor>},
     {"selection", &CopyPlannerSetting<&PlannerConfig::selection>},
     {"anchor_threshold", &CopyPlannerSetting<&PlannerConfig::anchor_threshold>},
+    {"max_shards", &CopyPlannerSetting<&PlannerConfig::max_shards>},
+    {"shard_policy", &CopyPlannerSetting<&PlannerConfig::shard_policy>},
+    {"shard_min_length", &CopyPlannerSetting<&PlannerConfig::shard_min_length>},
     {"history_steps", &CopyHistorySteps},
 };
 
@@ -58,6 +61,15 @@ const RuntimeSetting* FindRuntimeSetting(const std::string& name) {
   }
   return nullptr;
 }
+
+}  // namespace
+
+double ExchangeBytesPerSecond(const LatencyModel& model) {
+  const double seconds_per_byte = model.exchange_seconds_per_byte();
+  return seconds_per_byte > 0 ? 1.0 / seconds_per_byte : 0.0;
+}
+
+namespace {
 
 absl::Status NotFound(const std::string& job_id) {
   return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" does not exist"));
@@ -420,6 +432,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
     }
     result.deferred_ids = record.plan->deferred_ids;
     result.plan = *record.plan;
+    result.exchange_bytes_per_second = ExchangeBytesPerSecond(job->model);
     return result;
   }
   if (step > job->next_step && !planned_locally) {
@@ -452,6 +465,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   SaveJob(job_id, *job, /*sync=*/false).IgnoreError();
   SubmitResult result{step, plan->deferred_ids, *std::move(plan), false};
   result.skipped_steps = skipped;
+  result.exchange_bytes_per_second = ExchangeBytesPerSecond(job->model);
   return result;
 }
 
@@ -517,6 +531,7 @@ std::string ReportDifference(const std::vector<MicroBatchTiming>& before, double
     compare(at + "tokens", a.tokens, b.tokens);
     compare(at + "achieved_density", a.achieved_density, b.achieved_density);
     compare(at + "recall", a.recall, b.recall);
+    compare(at + "exchange_seconds", a.exchange_seconds, b.exchange_seconds);
   }
   compare("wait_seconds", wait_before, wait_now);
   return differs;
@@ -616,6 +631,7 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
       o.micro_batch = m.micro_batch;
       o.features = job.model.PlanFeatures(record.plan->ranks[rank].micro_batches[m.micro_batch]);
       o.measured_seconds = m.compute_seconds;
+      o.exchange_seconds = m.exchange_seconds;
       observations.push_back(o);
     }
   }
@@ -655,6 +671,7 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
       stats.wait_seconds.push_back(wait == record.waits.end() ? 0.0 : wait->second);
     }
     stats.speed_factors = job.model.speed_factors();
+    stats.exchange_bytes_per_second = ExchangeBytesPerSecond(job.model);
     const int64_t capacity = job.config.get().micro_batch_capacity;
     std::array<double, kRecallBuckets> weighted{};
     std::array<double, kRecallBuckets> tokens{};
@@ -791,6 +808,7 @@ JobView JobRegistry::View(const std::string& id, const Job& job) {
     v.last_plan = job.history.rbegin()->second.plan;
   }
   v.speed_factors = job.model.speed_factors();
+  v.exchange_bytes_per_second = ExchangeBytesPerSecond(job.model);
   v.coefficients = job.model.coefficients();
   v.steps_folded = job.model.state().steps_observed;
   v.recall_curves = job.recall.Curves();

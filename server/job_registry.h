@@ -51,6 +51,7 @@ struct StepStats {
   std::vector<double> densities;               // achieved, per micro-batch
   std::vector<double> recalls;                 // per micro-batch
   std::vector<double> speed_factors;           // the model's, after folding the step
+  double exchange_bytes_per_second = 0.0;      // the model's learned rate, after the step
   double planned_makespan_seconds = 0.0;
   // Measured document recall, token-weighted, per length bucket label (recall_model.h) of the
   // documents whose recall was reported; empty when none was.
@@ -74,6 +75,8 @@ struct SubmitResult {
   // existing plan of the step was replaced by the trainer's local one.
   int64_t skipped_steps = 0;
   bool switched_to_local = false;
+  // The job's learned key/value exchange rate (bytes per second) when the step was answered.
+  double exchange_bytes_per_second = 0.0;
 };
 
 struct JobView {
@@ -90,12 +93,17 @@ struct JobView {
   bool has_plan = false;
   std::shared_ptr<const StepPlan> last_plan;  // shared with the history: plans are immutable
   std::vector<double> speed_factors;
+  // The latency model's learned key/value exchange rate (context parallelism), bytes per second.
+  double exchange_bytes_per_second = 0.0;
   CostCoefficients coefficients;
   int64_t steps_folded = 0;  // fully reported steps the latency model has learned from
   std::vector<RecallCurveSummary> recall_curves;  // the learned recall model's curves
   int64_t micro_batch_capacity = 0;               // for the curves' bucket labels
   int64_t unfolded_steps = 0;  // fully reported steps that could not be folded (kept)
 };
+
+// A latency model's learned key/value exchange rate in bytes per second (0 when it has none).
+double ExchangeBytesPerSecond(const LatencyModel& model);
 
 // Steps are numbered from 0 and below this bound (so that step + 1 and step differences never
 // overflow; 2^48 steps of a millisecond each are 8,900 years).

@@ -14,6 +14,60 @@ namespace {
 
 bool Positive(double x) { return std::isfinite(x) && x > 0.0; }
 
+bool HoldsShard(const MicroBatchPlan& micro_batch) {
+  return std::any_of(micro_batch.samples.begin(), micro_batch.samples.end(),
+                     [](const PlannedSample& p) { return p.sharded(); });
+}
+
+// Where one shard of a split document was found in a stored plan.
+struct StoredShard {
+  int rank = 0;
+  int micro_batch = 0;
+  const PlannedSample* sample = nullptr;
+};
+
+// The shards of one split document, as a stored plan holds them: one per rank of the group
+// (shard j on group[j], all with the same group), all in one micro-batch index, their token
+// ranges tiling [0, length) with block-aligned cuts. DATA_LOSS naming the sample.
+absl::Status CheckStoredShards(uint64_t id, std::vector<StoredShard> shards, int block_size) {
+  const std::string what = absl::StrCat("split sample id ", id);
+  const PlannedSample& first = *shards.front().sample;
+  if (shards.size() != first.shard_group.size()) {
+    return absl::DataLossError(absl::StrCat(what, ": ", shards.size(), " shards for a group of ",
+                                            first.shard_group.size(), " ranks"));
+  }
+  std::sort(shards.begin(), shards.end(), [](const StoredShard& a, const StoredShard& b) {
+    return a.sample->shard_begin < b.sample->shard_begin;
+  });
+  std::vector<bool> indices(first.shard_group.size(), false);
+  int64_t next = 0;
+  for (const StoredShard& s : shards) {
+    const PlannedSample& p = *s.sample;
+    if (p.shard_group != first.shard_group || p.length != first.length) {
+      return absl::DataLossError(absl::StrCat(what, ": its shards disagree on the group"));
+    }
+    if (p.shard_index < 0 || p.shard_index >= static_cast<int>(indices.size()) ||
+        indices[p.shard_index] || p.shard_group[p.shard_index] != s.rank) {
+      return absl::DataLossError(absl::StrCat(what, ": shard ", p.shard_index, " on rank ", s.rank,
+                                              " does not fit its group"));
+    }
+    indices[p.shard_index] = true;
+    if (s.micro_batch != shards.front().micro_batch) {
+      return absl::DataLossError(absl::StrCat(what, ": its shards are in different micro-batches"));
+    }
+    if (p.shard_begin != next || p.shard_end <= p.shard_begin || p.shard_begin % block_size != 0) {
+      return absl::DataLossError(absl::StrCat(what, ": shard [", p.shard_begin, ", ", p.shard_end,
+                                              ") leaves a gap, overlaps or is not block-aligned"));
+    }
+    next = p.shard_end;
+  }
+  if (next != first.length) {
+    return absl::DataLossError(
+        absl::StrCat(what, ": its shards end at token ", next, " of ", first.length));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 bool StateFinite(const LatencyModelState& st) {
@@ -26,7 +80,8 @@ bool StateFinite(const LatencyModelState& st) {
   for (double v : st.speed_factors) {
     if (!Positive(v)) return false;
   }
-  return std::isfinite(st.rank_error_variance);
+  return std::isfinite(st.rank_error_variance) && std::isfinite(st.exchange_u) &&
+         std::isfinite(st.exchange_uu);
 }
 
 // The measured recalls of one micro-batch: their own rules (proto/wire.h's
@@ -96,6 +151,21 @@ absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
       return absl::InvalidArgumentError(absl::StrCat(
           where, ".attention_seconds: ", m.attention_seconds, " is not in [0, compute_seconds]"));
     }
+    // Part of compute_seconds, and (as the latency model needs) less than all of it.
+    if (!std::isfinite(m.exchange_seconds) || m.exchange_seconds < 0 ||
+        (m.exchange_seconds > 0 && m.exchange_seconds >= m.compute_seconds)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".exchange_seconds: ", m.exchange_seconds,
+                       " is not in [0, compute_seconds ", m.compute_seconds, ")"));
+    }
+    if (m.exchange_seconds > 0 && !HoldsShard(planned[m.micro_batch])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".exchange_seconds: ", m.exchange_seconds,
+                       " is a report for a shard that was not "
+                       "planned: micro-batch ",
+                       m.micro_batch, " of rank ", rank,
+                       "'s plan holds no shard of a split document; report 0"));
+    }
     if (!(m.recall >= 0.0 && m.recall <= 1.0)) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ".recall: ", m.recall, " is outside [0, 1]"));
@@ -136,6 +206,7 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
   }
   std::map<uint64_t, bool> placed;
   for (const Sample& s : batch) placed[s.id] = false;
+  std::map<uint64_t, std::vector<StoredShard>> split;  // id -> its shards
   for (int r = 0; r < config.ranks; ++r) {
     RankPlan& rank = plan.ranks[r];
     if (static_cast<int>(rank.micro_batches.size()) != config.micro_batches) {
@@ -155,15 +226,26 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
       const std::string where = absl::StrCat("plan rank ", r, " micro-batch ", k);
       int64_t tokens = 0;
       for (const PlannedSample& p : mb.samples) {
-        if (placed[p.id]) {
+        if (p.sharded()) {
+          // Its group's ranks: in range of this job (MicroBatchesFromProto did not know it).
+          for (int g : p.shard_group) {
+            if (g >= config.ranks) {
+              return absl::DataLossError(
+                  absl::StrCat(where, ": sample id ", p.id, "'s shard group names rank ", g));
+            }
+          }
+          split[p.id].push_back({r, static_cast<int>(k), &p});
+        } else if (placed[p.id]) {
           return absl::DataLossError(absl::StrCat(where, ": sample id ", p.id, " is placed twice"));
+        } else {
+          placed[p.id] = true;
         }
-        placed[p.id] = true;
         if (!(p.density > 0.0 && p.density <= 1.0)) {
           return absl::DataLossError(
               absl::StrCat(where, ": density ", p.density, " is outside (0, 1]"));
         }
-        tokens += p.length;  // the batch's lengths, which are bounded (ValidateBatch)
+        // The batch's lengths, which are bounded (ValidateBatch); a shard's query tokens.
+        tokens += p.QueryTokens();
       }
       if (tokens != mb.tokens) {
         return absl::DataLossError(
@@ -173,6 +255,13 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
         return absl::DataLossError(absl::StrCat(where, ": a figure is not finite"));
       }
     }
+  }
+  for (const auto& [id, shards] : split) {
+    if (placed[id]) {
+      return absl::DataLossError(absl::StrCat("sample id ", id, " is placed whole and split"));
+    }
+    placed[id] = true;
+    if (absl::Status s = CheckStoredShards(id, shards, config.shape.block_size); !s.ok()) return s;
   }
   for (uint64_t id : plan.deferred_ids) {
     auto it = placed.find(id);

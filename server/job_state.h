@@ -24,7 +24,9 @@ inline constexpr double kMaxReportedSeconds = 1e6;
 bool StateFinite(const LatencyModelState& state);
 
 // Checks one rank's report of a step against the step's plan: micro-batch indices, each
-// reported once, tokens as planned, times finite and bounded, density and recall in [0, 1],
+// reported once, tokens as planned, times finite and bounded, exchange_seconds in
+// [0, compute_seconds) and 0 unless the micro-batch's plan holds a shard (a report for a shard
+// that was not planned is refused), density and recall in [0, 1],
 // measured document recalls for samples of that micro-batch's plan (each document once, its
 // index in range, recalls in [0, 1], layer_recall empty or one per model layer of `layers`,
 // rows >= 1); with `complete`, every non-empty planned micro-batch must be there.
@@ -35,8 +37,10 @@ absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
 // Joins a plan read back from the state directory to its batch and checks it against the
 // batch and config. A plan stored by an older planner has no lengths: they and the segments
 // are filled from the batch (CompletePlannedSamples); a newer plan's must equal the batch's.
-// Then: rank and micro-batch counts, every sample placed at most once, densities in (0, 1],
-// tokens as summed, figures finite. DATA_LOSS naming what is wrong.
+// Then: rank and micro-batch counts, every sample placed at most once (a split document: as
+// one shard per rank of its group, all in one micro-batch index, tiling [0, length) at
+// block-aligned cuts, the group's ranks in the job), densities in (0, 1], tokens as summed
+// (a shard's query tokens), figures finite. DATA_LOSS naming what is wrong.
 absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
                                 StepPlan* plan);
 

@@ -75,6 +75,7 @@ struct PlannerMetrics::JobSeries {
   prometheus::Counter* stragglers = nullptr;
   prometheus::Counter* local_plan_steps = nullptr;
   prometheus::Counter* skipped_steps = nullptr;
+  prometheus::Gauge* exchange_rate = nullptr;
   std::vector<prometheus::Gauge*> rank_seconds;
   std::vector<prometheus::Gauge*> speed_factors;
   // Per length bucket label (at most kRecallBuckets each), added as buckets first show up.
@@ -173,6 +174,11 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                         .Name("sparsebalance_rank_speed_factor")
                         .Help("Learned speed factor per rank, median 1 (small jobs only)")
                         .Register(*registry_)),
+      exchange_rate_(prometheus::BuildGauge()
+                         .Name("sparsebalance_exchange_bytes_per_second")
+                         .Help("Learned key/value exchange rate of context parallelism per "
+                               "shard (the prior until workers report exchange times)")
+                         .Register(*registry_)),
       jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_jobs",
                    "Jobs this planner holds")),
       state_write_failures_(Single(prometheus::BuildCounter(), *registry_,
@@ -229,6 +235,7 @@ PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
     series->stragglers = series->Add(stragglers_, job);
     series->local_plan_steps = series->Add(local_plan_steps_, job);
     series->skipped_steps = series->Add(skipped_steps_, job);
+    series->exchange_rate = series->Add(exchange_rate_, job);
   }
   return *series;
 }
@@ -254,6 +261,11 @@ void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan
   }
 }
 
+void PlannerMetrics::SetExchangeRate(const std::string& job_id, double bytes_per_second) {
+  absl::MutexLock lock(&mu_);
+  Series(job_id).exchange_rate->Set(bytes_per_second);
+}
+
 void PlannerMetrics::ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps) {
   absl::MutexLock lock(&mu_);
   JobSeries& series = Series(job_id);
@@ -269,6 +281,7 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
   series.makespan->Set(slowest);
   series.imbalance->Set(ImbalanceRatio(stats.rank_seconds));
   series.bubble->Set(BubbleRatio(stats.rank_seconds));
+  series.exchange_rate->Set(stats.exchange_bytes_per_second);
   for (size_t r = 0; r < stats.rank_seconds.size(); ++r) {
     const double measured = stats.rank_seconds[r];
     if (measured > 0) {

@@ -40,6 +40,9 @@ class PlannerMetrics {
   // A step recorded with the trainer's local fallback plan, after `skipped_steps` steps the
   // planner never saw.
   void ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps);
+  // The job's learned key/value exchange rate of context parallelism (bytes per second), set
+  // with every planned step (and every fully reported one, through StepStats).
+  void SetExchangeRate(const std::string& job_id, double bytes_per_second);
   // A step whose every rank has reported: what the ranks measured.
   void ObserveStep(const std::string& job_id, const StepStats& stats);
   // A write to --state_dir that failed (the call, if any, returned INTERNAL or
@@ -81,6 +84,7 @@ class PlannerMetrics {
   prometheus::Family<prometheus::Counter>& skipped_steps_;
   prometheus::Family<prometheus::Gauge>& rank_seconds_;
   prometheus::Family<prometheus::Gauge>& speed_factor_;
+  prometheus::Family<prometheus::Gauge>& exchange_rate_;
   prometheus::Gauge& jobs_;
   prometheus::Counter& state_write_failures_;
   prometheus::Gauge& state_dir_writable_;

@@ -60,6 +60,7 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
   out->set_failure(view.failure);
   out->set_unfolded_steps(view.unfolded_steps);
   out->set_steps_folded(view.steps_folded);
+  out->set_exchange_bytes_per_second(view.exchange_bytes_per_second);
   for (const RecallCurveSummary& c : view.recall_curves) {
     v1::RecallCurve* curve = out->add_recall_curves();
     curve->set_bucket(RecallBucketLabel(c.bucket, view.micro_batch_capacity));
@@ -289,6 +290,7 @@ absl::Status PlannerServiceImpl::OnSubmitBatch(const v1::SubmitBatchRequest& req
   if (options_.metrics != nullptr) {
     if (!result->repeated) {
       options_.metrics->ObservePlan(request.job_id(), result->plan, SecondsSince(plan_start));
+      options_.metrics->SetExchangeRate(request.job_id(), result->exchange_bytes_per_second);
     }
     if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
       options_.metrics->ObserveLocalPlan(request.job_id(), result->skipped_steps);

@@ -32,6 +32,8 @@ state::v1::ModelState EncodeModel(const LatencyModelState& st, const CostCoeffic
   out.set_rank_error_variance(st.rank_error_variance);
   out.set_steps_observed(st.steps_observed);
   for (double c : {p.per_block, p.per_token, p.per_sample, p.per_micro_batch}) out.add_prior(c);
+  out.set_exchange_u(st.exchange_u);
+  out.set_exchange_uu(st.exchange_uu);
   return out;
 }
 
@@ -58,6 +60,12 @@ absl::Status DecodeModel(const state::v1::ModelState& in, int ranks, StoredJob* 
                                               in.speed_factors(r), " is not positive and finite"));
     }
   }
+  // Both 0 in a snapshot of a planner older than them (LatencyModel::set_state keeps the prior).
+  if (!(std::isfinite(in.exchange_u()) && in.exchange_u() >= 0 && std::isfinite(in.exchange_uu()) &&
+        in.exchange_uu() >= 0)) {
+    return absl::DataLossError(absl::StrCat("job.pb model: exchange sums ", in.exchange_u(), ", ",
+                                            in.exchange_uu(), " are not finite and >= 0"));
+  }
   for (double c : in.prior()) {
     if (!(c >= 0)) return absl::DataLossError("job.pb model: a prior coefficient is negative");
   }
@@ -68,6 +76,8 @@ absl::Status DecodeModel(const state::v1::ModelState& in, int ranks, StoredJob* 
   st.speed_factors.assign(in.speed_factors().begin(), in.speed_factors().end());
   st.rank_error_variance = in.rank_error_variance();
   st.steps_observed = in.steps_observed();
+  st.exchange_u = in.exchange_u();
+  st.exchange_uu = in.exchange_uu();
   return absl::OkStatus();
 }
 

@@ -150,11 +150,15 @@ Every call has a deadline; UNAVAILABLE is retried with backoff. Errors raise Pla
           "Submits a step's global batch (coordinator rank); returns the deferred sample ids.")
       .def(
           "get_rank_plan",
-          [](PlannerClient& c, int64_t step, int rank) {
-            return ValueOrThrow(c.GetRankPlan(step, rank), ErrorKind::kPlanner);
+          [](PlannerClient& c, int64_t step, int rank, int world_size, int block_size) {
+            return ValueOrThrow(c.GetRankPlan(step, rank, world_size, block_size),
+                                ErrorKind::kPlanner);
           },
-          py::arg("step"), py::arg("rank"), Release(),
-          "Waits (up to plan_timeout_seconds) for the step's plan; returns this rank's part.")
+          py::arg("step"), py::arg("rank"), py::arg("world_size") = 0, py::arg("block_size") = 0,
+          Release(),
+          "Waits (up to plan_timeout_seconds) for the step's plan; returns this rank's part. "
+          "Given the job's world_size and block_size, shards of split documents are checked "
+          "against them too.")
       .def(
           "report_step",
           [](PlannerClient& c, int64_t step, int rank,

@@ -79,6 +79,20 @@ void BindPlanTypes(py::module_& m) {
         absl::StrCat("selection: '", name, "' is not a selection mode ('topk' or 'anchor')"));
   });
 
+  py::enum_<ShardPolicy> shard_policy(
+      m, "ShardPolicy",
+      "How documents are split over groups of ranks when PlannerConfig.max_shards > 1 "
+      "(context parallelism).");
+  shard_policy.value("SPARSE", ShardPolicy::kSparse)
+      .value("DENSE", ShardPolicy::kDense)
+      .value("STATIC", ShardPolicy::kStatic);
+  shard_policy.def_property_readonly(
+      "label", [](ShardPolicy p) { return std::string(ShardPolicyName(p)); },
+      "The planner's name: 'sparse', 'dense' or 'static'.");
+  AcceptNames(shard_policy, [](const std::string& name) {
+    return ValueOrThrow(ParseShardPolicy(name), ErrorKind::kPlanner);
+  });
+
   Record<Sample>(m, "Sample", "A document of the global batch (or a pre-packed sequence).")
       .Field("id", &Sample::id, "index into the dataset shared by all ranks; unique in a batch")
       .Field("length", &Sample::length, "tokens")
@@ -113,6 +127,14 @@ void BindPlanTypes(py::module_& m) {
       .Field("anchor_threshold", &PlannerConfig::anchor_threshold,
              "tau of SelectionMode.ANCHOR, in (0, 1]: a kept block's estimated weight relative "
              "to the best anchor block's")
+      .Field("max_shards", &PlannerConfig::max_shards,
+             "context parallelism: the most ranks one document may be split over, in "
+             "[1, min(ranks, 64)]; 1: no splitting")
+      .Field("shard_policy", &PlannerConfig::shard_policy,
+             "ShardPolicy (or 'sparse' / 'dense' / 'static'): which documents are split, how")
+      .Field("shard_min_length", &PlannerConfig::shard_min_length,
+             "ShardPolicy.STATIC only: documents of at least this many tokens are split; 0: half "
+             "the micro-batch capacity")
       .Def(
           "validate",
           [](const PlannerConfig& c) { ThrowIfError(ValidateConfig(c), ErrorKind::kPlanner); },
@@ -128,14 +150,27 @@ void BindPlanTypes(py::module_& m) {
              "document lengths inside a pre-packed sample (sum = length); empty: one document")
       .Field("layer_densities", &PlannedSample::layer_densities,
              "optional, one per layer; empty: density in every layer")
+      .Field("shard_begin", &PlannedSample::shard_begin,
+             "a shard of a split document: its first query token (a multiple of the block size)")
+      .Field(
+          "shard_end", &PlannedSample::shard_end,
+          "a shard: its query tokens end here (exclusive); keys/values are tokens [0, shard_end)")
+      .Field("shard_index", &PlannedSample::shard_index, "a shard: its position in shard_group")
+      .Field("shard_group", &PlannedSample::shard_group,
+             "a shard: the ranks running shards 0, 1, ... (ring order); empty: not split")
       .Def("documents", &PlannedSample::Documents,
            "The documents the kernels run (tokens each): segments, or [length].")
+      .Def("sharded", &PlannedSample::sharded,
+           "True when this is one shard of a document split over shard_group.")
+      .Def("query_tokens", &PlannedSample::QueryTokens,
+           "Query tokens this rank runs: shard_end - shard_begin for a shard, else length.")
       .Done();
 
   Record<MicroBatchPlan>(m, "MicroBatchPlan", "One micro-batch of a rank's step plan.")
       .Field("samples", &MicroBatchPlan::samples, "list of PlannedSample, in placement order")
       .Field("default_density", &MicroBatchPlan::default_density, "the job's default density")
-      .Field("tokens", &MicroBatchPlan::tokens, "tokens in the micro-batch")
+      .Field("tokens", &MicroBatchPlan::tokens,
+             "query tokens in the micro-batch (a shard counts shard_end - shard_begin)")
       .Field("predicted_seconds", &MicroBatchPlan::predicted_seconds,
              "with the rank's speed factor")
       .Done();
@@ -172,6 +207,9 @@ void BindPlanTypes(py::module_& m) {
              "the planner learns its recall curves from); optional")
       .Field("recall_seconds", &MicroBatchTiming::recall_seconds,
              "time spent measuring them, not part of compute_seconds")
+      .Field("exchange_seconds", &MicroBatchTiming::exchange_seconds,
+             "the part of compute_seconds the micro-batch's shards spent exchanging keys, values "
+             "and their gradients with their groups; 0 without shards")
       .Done();
 
   Record<StepPlan>(m, "StepPlan", "A whole step's plan (every rank), e.g. plan_step_locally's.")

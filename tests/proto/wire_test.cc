@@ -40,6 +40,31 @@ TEST(ConfigFromProtoTest, ZeroFieldsTakeDefaults) {
   EXPECT_EQ(s->planner.selection, SelectionMode::kTopK);
   EXPECT_EQ(s->planner.anchor_threshold, kDefaultAnchorThreshold);
   EXPECT_EQ(s->history_steps, kDefaultHistorySteps);
+  // A config of a client older than context parallelism: no splitting, the sparse policy.
+  EXPECT_EQ(s->planner.max_shards, 1);
+  EXPECT_EQ(s->planner.shard_policy, ShardPolicy::kSparse);
+  EXPECT_EQ(s->planner.shard_min_length, 0);
+}
+
+TEST(ConfigUpdateFromProtoTest, CarriesTheShardSettings) {
+  v1::UpdateJobConfigRequest request;
+  request.mutable_config()->set_max_shards(2);
+  request.mutable_config()->set_shard_policy(v1::SHARD_POLICY_DENSE);
+  request.mutable_config()->set_shard_min_length(4096);
+  for (const char* f : {"max_shards", "shard_policy", "shard_min_length"}) {
+    request.mutable_update_mask()->add_paths(f);
+  }
+  absl::StatusOr<ConfigUpdate> update = ConfigUpdateFromProto(request);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ(update->values.planner.max_shards, 2);
+  EXPECT_EQ(update->values.planner.shard_policy, ShardPolicy::kDense);
+  EXPECT_EQ(update->values.planner.shard_min_length, 4096);
+  request.mutable_config()->set_max_shards(0);  // as at creation: no splitting
+  EXPECT_EQ(ConfigUpdateFromProto(request)->values.planner.max_shards, 1);
+  request.mutable_config()->set_shard_policy(static_cast<v1::ShardPolicy>(12));
+  absl::StatusOr<ConfigUpdate> bad = ConfigUpdateFromProto(request);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("config.shard_policy"));
 }
 
 TEST(ConfigFromProtoTest, RoundTripsEveryField) {
@@ -63,9 +88,15 @@ TEST(ConfigFromProtoTest, RoundTripsEveryField) {
   c.set_document_recall_floor(0.4);
   c.set_selection(v1::SELECTION_ANCHOR);
   c.set_anchor_threshold(0.2);
+  c.set_max_shards(4);
+  c.set_shard_policy(v1::SHARD_POLICY_STATIC);
+  c.set_shard_min_length(8192);
   absl::StatusOr<JobSettings> s = ConfigFromProto(c, WireLimits());
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(ConfigToProto(*s).SerializeAsString(), c.SerializeAsString());
+  EXPECT_EQ(s->planner.max_shards, 4);
+  EXPECT_EQ(s->planner.shard_policy, ShardPolicy::kStatic);
+  EXPECT_EQ(s->planner.shard_min_length, 8192);
   EXPECT_EQ(s->planner.selection, SelectionMode::kAnchor);
   EXPECT_EQ(s->planner.anchor_threshold, 0.2);
   EXPECT_EQ(s->planner.shape.local_blocks, 0);  // an explicit shape keeps local_blocks = 0
@@ -152,7 +183,18 @@ INSTANTIATE_TEST_SUITE_P(
                   [](v1::JobConfig* c) { c->set_dst_mode(static_cast<v1::DstMode>(9)); },
                   absl::StatusCode::kInvalidArgument, "config.dst_mode"},
         BadConfig{"history", [](v1::JobConfig* c) { c->set_history_steps(-1); },
-                  absl::StatusCode::kInvalidArgument, "config.history_steps"}),
+                  absl::StatusCode::kInvalidArgument, "config.history_steps"},
+        // MinimalConfig has 4 ranks: a document cannot be split over more.
+        BadConfig{"max_shards_above_world", [](v1::JobConfig* c) { c->set_max_shards(5); },
+                  absl::StatusCode::kInvalidArgument, "config.max_shards = 5"},
+        BadConfig{"negative_max_shards", [](v1::JobConfig* c) { c->set_max_shards(-2); },
+                  absl::StatusCode::kInvalidArgument, "config.max_shards"},
+        BadConfig{"unknown_shard_policy",
+                  [](v1::JobConfig* c) { c->set_shard_policy(static_cast<v1::ShardPolicy>(8)); },
+                  absl::StatusCode::kInvalidArgument, "config.shard_policy"},
+        BadConfig{"negative_shard_min_length",
+                  [](v1::JobConfig* c) { c->set_shard_min_length(-1); },
+                  absl::StatusCode::kInvalidArgument, "config.shard_min_length"}),
     [](const ::testing::TestParamInfo<BadConfig>& info) { return info.param.name; });
 
 google::protobuf::RepeatedPtrField<v1::Sample> Samples(std::vector<Sample> samples) {
@@ -251,6 +293,18 @@ TEST(RankPlanToProtoTest, CarriesTheRanksMicroBatchesAndTheStepFigures) {
   EXPECT_EQ(seen, batch.size());
 }
 
+// A planned sample (not a shard) with its segments and layer densities.
+PlannedSample Planned(uint64_t id, int64_t length, double density,
+                      std::vector<int64_t> segments = {}, std::vector<double> layers = {}) {
+  PlannedSample p;
+  p.id = id;
+  p.length = length;
+  p.density = density;
+  p.segments = std::move(segments);
+  p.layer_densities = std::move(layers);
+  return p;
+}
+
 // A one-rank plan holding `samples` in its only micro-batch.
 StepPlan OneMicroBatchPlan(std::vector<PlannedSample> samples) {
   StepPlan plan;
@@ -263,9 +317,9 @@ StepPlan OneMicroBatchPlan(std::vector<PlannedSample> samples) {
 }
 
 TEST(MicroBatchFromProtoTest, RoundTripsSegmentsAndLayerDensities) {
-  const StepPlan plan = OneMicroBatchPlan({{7, 3000, 0.25, {1000, 1500, 500}, {0.5, 0.25, 1.0}},
-                                           {9, 64, 1.0, {}, {}},
-                                           {11, 100, 0.1, {99, 1}, {}}});
+  const StepPlan plan =
+      OneMicroBatchPlan({Planned(7, 3000, 0.25, {1000, 1500, 500}, {0.5, 0.25, 1.0}),
+                         Planned(9, 64, 1.0, {}, {}), Planned(11, 100, 0.1, {99, 1}, {})});
   const v1::RankPlan wire = RankPlanToProto(plan, 3, 0);
   // Old readers still find ids, densities and (one entry per sample) layer densities.
   const v1::MicroBatch& m = wire.micro_batches(0);
@@ -336,21 +390,22 @@ TEST(MicroBatchFromProtoTest, BadPlannedSamplesNameTheMicroBatchSampleAndField) 
     EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
     return std::string(got.status().message());
   };
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {}, {}}, {2, 0, 0.3, {}, {}}})),
-              HasSubstr("micro_batches[0].samples[1].length: 0 tokens"));
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, -5, 0.3, {}, {}}})),
+  EXPECT_THAT(
+      error_of(OneMicroBatchPlan({Planned(1, 10, 0.3, {}, {}), Planned(2, 0, 0.3, {}, {})})),
+      HasSubstr("micro_batches[0].samples[1].length: 0 tokens"));
+  EXPECT_THAT(error_of(OneMicroBatchPlan({Planned(1, -5, 0.3, {}, {})})),
               HasSubstr("micro_batches[0].samples[0].length: -5"));
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.0, {}, {}}})),
+  EXPECT_THAT(error_of(OneMicroBatchPlan({Planned(1, 10, 0.0, {}, {})})),
               HasSubstr("micro_batches[0].samples[0].density: 0 is outside (0, 1]"));
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, std::nan(""), {}, {}}})),
+  EXPECT_THAT(error_of(OneMicroBatchPlan({Planned(1, 10, std::nan(""), {}, {})})),
               HasSubstr("micro_batches[0].samples[0].density"));
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {4, 0, 6}, {}}})),
+  EXPECT_THAT(error_of(OneMicroBatchPlan({Planned(1, 10, 0.3, {4, 0, 6}, {})})),
               HasSubstr("micro_batches[0].samples[0].segments[1]: 0 tokens"));
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {4, 5}, {}}})),
+  EXPECT_THAT(error_of(OneMicroBatchPlan({Planned(1, 10, 0.3, {4, 5}, {})})),
               HasSubstr("micro_batches[0].samples[0].segments: sum to 9 tokens but length is 10"));
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {8, 8}, {}}})),
+  EXPECT_THAT(error_of(OneMicroBatchPlan({Planned(1, 10, 0.3, {8, 8}, {})})),
               HasSubstr("micro_batches[0].samples[0].segments[1]"));
-  EXPECT_THAT(error_of(OneMicroBatchPlan({{1, 10, 0.3, {}, {0.5, 1.5}}})),
+  EXPECT_THAT(error_of(OneMicroBatchPlan({Planned(1, 10, 0.3, {}, {0.5, 1.5})})),
               HasSubstr("micro_batches[0].samples[0].layer_densities[1]: 1.5"));
   // The old form's own checks.
   v1::RankPlan old;
@@ -370,6 +425,146 @@ TEST(MicroBatchFromProtoTest, BadPlannedSamplesNameTheMicroBatchSampleAndField) 
   m->add_layer_densities()->add_densities(2.0);
   EXPECT_THAT(std::string(MicroBatchesFromProto(old).status().message()),
               HasSubstr("micro_batches[0].layer_densities[1].densities[0]: 2"));
+}
+
+// A document of 1000 tokens split over ranks {2, 0, 3} at tokens 384 and 768 (blocks of 64),
+// each rank's shard (if any) and then an unsplit sample in its one micro-batch.
+StepPlan ShardedPlan() {
+  const std::vector<int> group = {2, 0, 3};
+  const int64_t cuts[] = {0, 384, 768, 1000};
+  StepPlan plan;
+  plan.ranks.resize(4);
+  for (int r = 0; r < 4; ++r) {
+    MicroBatchPlan& mb = plan.ranks[r].micro_batches.emplace_back();
+    mb.default_density = 0.3;
+    for (int j = 0; j < 3; ++j) {
+      if (group[j] != r) continue;
+      PlannedSample p = Planned(5, 1000, 0.25);
+      p.shard_begin = cuts[j];
+      p.shard_end = cuts[j + 1];
+      p.shard_index = j;
+      p.shard_group = group;
+      mb.samples.push_back(p);
+    }
+    mb.samples.push_back(Planned(static_cast<uint64_t>(10 + r), 200, 0.5, {120, 80}, {}));
+    for (const PlannedSample& p : mb.samples) mb.tokens += p.QueryTokens();
+  }
+  return plan;
+}
+
+TEST(MicroBatchFromProtoTest, ShardsRoundTripByteIdentical) {
+  const StepPlan plan = ShardedPlan();
+  for (int r : {0, 2, 3}) {
+    const v1::RankPlan wire = RankPlanToProto(plan, 8, r);
+    const v1::PlannedSample& shard = wire.micro_batches(0).samples(0);
+    ASSERT_TRUE(shard.has_shard());
+    EXPECT_EQ(shard.shard().group_size(), 3);
+    EXPECT_EQ(shard.shard().group(shard.shard().index()), r);
+    EXPECT_FALSE(wire.micro_batches(0).samples(1).has_shard());
+    v1::RankPlan read;
+    ASSERT_TRUE(read.ParseFromString(wire.SerializeAsString()));
+    absl::StatusOr<std::vector<MicroBatchPlan>> got =
+        MicroBatchesFromProto(read, PlanContext{4, 64});
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size(), 1u);
+    const MicroBatchPlan& want = plan.ranks[r].micro_batches[0];
+    EXPECT_EQ((*got)[0].samples, want.samples);  // every field, the shard's included
+    EXPECT_EQ((*got)[0].tokens, want.tokens);
+    // And back to the wire: the same bytes.
+    StepPlan again = plan;
+    again.ranks[r].micro_batches = *got;
+    EXPECT_EQ(RankPlanToProto(again, 8, r).SerializeAsString(), wire.SerializeAsString());
+  }
+  // Rank 1 holds no shard: its samples read unsharded.
+  absl::StatusOr<std::vector<MicroBatchPlan>> one =
+      MicroBatchesFromProto(RankPlanToProto(plan, 8, 1), PlanContext{4, 64});
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ((*one)[0].samples.size(), 1u);
+  EXPECT_FALSE((*one)[0].samples[0].sharded());
+  EXPECT_EQ((*one)[0].samples[0].QueryTokens(), 200);
+}
+
+TEST(MicroBatchFromProtoTest, OldReadersSeeShardsAsTheirSamplesAndNewReadersOldMessagesUnsharded) {
+  // A reader older than shards parses the message without the field: it still finds every
+  // sample's id, length and density, in `samples` and in the old form.
+  const v1::RankPlan wire = RankPlanToProto(ShardedPlan(), 8, 3);
+  v1::RankPlan old = wire;
+  for (v1::MicroBatch& m : *old.mutable_micro_batches()) {
+    for (v1::PlannedSample& p : *m.mutable_samples()) p.clear_shard();  // what it cannot see
+  }
+  const v1::MicroBatch& m = old.micro_batches(0);
+  ASSERT_EQ(m.samples_size(), 2);
+  EXPECT_EQ(m.samples(0).id(), 5u);
+  EXPECT_EQ(m.samples(0).length(), 1000);
+  EXPECT_EQ(m.samples(0).density(), 0.25);
+  EXPECT_EQ(m.sample_ids(0), 5u);
+  EXPECT_EQ(m.densities(0), 0.25);
+  EXPECT_EQ(m.sample_ids(1), 13u);
+  // A message without the field (an older planner's) reads as unsharded samples.
+  absl::StatusOr<std::vector<MicroBatchPlan>> got = MicroBatchesFromProto(old, PlanContext{4, 64});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_FALSE((*got)[0].samples[0].sharded());
+  EXPECT_EQ((*got)[0].samples[0].QueryTokens(), 1000);
+  EXPECT_EQ((*got)[0].samples[0].shard_begin, 0);
+  EXPECT_EQ((*got)[0].samples[0].shard_end, 0);
+}
+
+TEST(MicroBatchFromProtoTest, BadShardsNameTheMicroBatchSampleAndField) {
+  struct Case {
+    void (*mutate)(v1::Shard*, v1::PlannedSample*);
+    const char* message;
+  };
+  // Rank 0's plan holds shard 1 ([384, 768)) of sample 5, group {2, 0, 3}.
+  const Case cases[] = {
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_begin(-64); },
+       "micro_batches[0].samples[0].shard.begin: -64 is outside [0, end 768)"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_begin(768); },
+       "micro_batches[0].samples[0].shard.begin: 768 is outside [0, end 768)"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_end(1064); },
+       "micro_batches[0].samples[0].shard.end: 1064 is past the sample's length 1000"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_begin(400); },
+       "micro_batches[0].samples[0].shard.begin: 400 is not a multiple of the block size 64"},
+      {[](v1::Shard*, v1::PlannedSample* p) {
+         p->add_segments(500);
+         p->add_segments(500);
+       },
+       "micro_batches[0].samples[0].segments: a shard's sample is one document"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_group(2, 0); },
+       "micro_batches[0].samples[0].shard.group[2]: rank 0 is in the group twice"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_group(2, 4); },
+       "micro_batches[0].samples[0].shard.group[2]: rank 4 is outside [0, 4)"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_group(0, -1); },
+       "micro_batches[0].samples[0].shard.group[0]: rank -1 is outside [0, 4)"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->clear_group(); },
+       "micro_batches[0].samples[0].shard.group: 0 ranks; need [1, 64]"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_index(3); },
+       "micro_batches[0].samples[0].shard.index: 3 is outside [0, 3)"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_index(-1); },
+       "micro_batches[0].samples[0].shard.index: -1 is outside [0, 3)"},
+      {[](v1::Shard* s, v1::PlannedSample*) { s->set_index(2); },
+       "micro_batches[0].samples[0].shard.group[2]: rank 3 runs this shard, but this is rank "
+       "0's plan"},
+  };
+  for (const Case& c : cases) {
+    v1::RankPlan wire = RankPlanToProto(ShardedPlan(), 8, 0);
+    v1::PlannedSample* p = wire.mutable_micro_batches(0)->mutable_samples(0);
+    c.mutate(p->mutable_shard(), p);
+    absl::StatusOr<std::vector<MicroBatchPlan>> got = MicroBatchesFromProto(wire, {4, 64});
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(std::string(got.status().message()), HasSubstr(c.message));
+  }
+  // A reader that does not know the job skips the checks that need it, and says so in
+  // wire.h; the others still hold.
+  v1::RankPlan wire = RankPlanToProto(ShardedPlan(), 8, 0);
+  wire.mutable_micro_batches(0)->mutable_samples(0)->mutable_shard()->set_begin(400);
+  EXPECT_TRUE(MicroBatchesFromProto(wire).ok());
+  wire.mutable_micro_batches(0)->mutable_samples(0)->mutable_shard()->set_group(2, 9);
+  EXPECT_TRUE(MicroBatchesFromProto(wire).ok());
+  EXPECT_THAT(std::string(MicroBatchesFromProto(wire, {4, 0}).status().message()),
+              HasSubstr("shard.group[2]: rank 9 is outside [0, 4)"));
+  wire.mutable_micro_batches(0)->mutable_samples(0)->mutable_shard()->set_group(2, -9);
+  EXPECT_THAT(std::string(MicroBatchesFromProto(wire).status().message()),
+              HasSubstr("shard.group[2]: rank -9 is outside [0, world size)"));
 }
 
 MicroBatchTiming MeasuredTiming() {
@@ -402,7 +597,14 @@ TEST(TimingProtoTest, MeasuredRecallRoundTripsEveryField) {
   EXPECT_EQ(back.recall, t.recall);
   EXPECT_EQ(back.documents, t.documents);
   EXPECT_EQ(back.recall_seconds, t.recall_seconds);
+  EXPECT_EQ(back.exchange_seconds, 0.0);  // no shards measured
   EXPECT_TRUE(ValidateMeasuredRecall({t, back}, /*layers=*/2).ok());
+  MicroBatchTiming exchanged = t;
+  exchanged.exchange_seconds = 0.125;
+  v1::MicroBatchReport with_exchange;
+  TimingToProto(exchanged, &with_exchange);
+  EXPECT_EQ(with_exchange.exchange_seconds(), 0.125);
+  EXPECT_EQ(TimingFromProto(with_exchange).exchange_seconds, 0.125);
   // A report without measurements (an older worker, or --recall_rows=0) stays valid.
   MicroBatchTiming plain = t;
   plain.documents.clear();

@@ -261,6 +261,84 @@ TEST_F(JobRegistryTest, BadReportsNameTheFieldAndLeaveTheRankUnreported) {
   EXPECT_FALSE(*ok);
 }
 
+// Context parallelism: an exchange time is part of compute_seconds, and only a micro-batch
+// that holds a shard exchanged anything. A report for a shard that was not planned is refused
+// whole; what was accepted before stays.
+TEST_F(JobRegistryTest, ExchangeTimesOutsideShardsAreRefusedAndAcceptedReportsStay) {
+  const std::string id = Create(2);
+  JoinAll(id, 2);
+  absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
+  ASSERT_TRUE(step.ok());
+  ASSERT_TRUE(registry_.ReportStep(id, 0, 1, Measure(step->plan, 1), 0.0).ok());
+  const std::vector<MicroBatchTiming> good = Measure(step->plan, 0);
+  ASSERT_FALSE(good.empty());
+  struct Case {
+    void (*mutate)(std::vector<MicroBatchTiming>*);
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* m) { m->back().exchange_seconds = 0.001; },
+       ".exchange_seconds: 0.001 is a report for a shard that was not planned"},
+      {[](auto* m) { (*m)[0].exchange_seconds = -0.5; },
+       "micro_batches[0].exchange_seconds: -0.5 is not in [0, compute_seconds"},
+      {[](auto* m) { (*m)[0].exchange_seconds = std::nan(""); },
+       "micro_batches[0].exchange_seconds: nan"},
+      {[](auto* m) { (*m)[0].exchange_seconds = (*m)[0].compute_seconds; },
+       "micro_batches[0].exchange_seconds"},
+  };
+  for (const Case& c : cases) {
+    std::vector<MicroBatchTiming> bad = good;
+    c.mutate(&bad);
+    const absl::Status status = registry_.ReportStep(id, 0, 0, bad, 0.0).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.message));
+  }
+  // Nothing folded; rank 1's report is still the acknowledged one (a repeat), rank 0 is still
+  // unreported, and its good report completes the step.
+  EXPECT_EQ(registry_.GetJob(id)->steps_folded, 0);
+  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 0, 1, Measure(step->plan, 1), 0.0);
+  ASSERT_TRUE(repeat.ok());
+  EXPECT_TRUE(*repeat);
+  absl::StatusOr<bool> fresh = registry_.ReportStep(id, 0, 0, good, 0.0);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_FALSE(*fresh);
+  EXPECT_EQ(registry_.GetJob(id)->steps_folded, 1);
+  // A repeat that differs only in its exchange time is not the acknowledged report.
+  std::vector<MicroBatchTiming> differs = good;
+  differs[0].exchange_seconds = 0.001;
+  const absl::Status again = registry_.ReportStep(id, 0, 0, differs, 0.0).status();
+  EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(again.message()), HasSubstr("micro_batches[0].exchange_seconds"));
+}
+
+TEST_F(JobRegistryTest, ShardSettingsChangeAtRunTimeWithinTheWorldSize) {
+  const std::string id = Create(4);
+  // The prior exchange rate until workers report exchanges.
+  EXPECT_DOUBLE_EQ(registry_.GetJob(id)->exchange_bytes_per_second,
+                   1.0 / kDefaultExchangeSecondsPerByte);
+  JobSettings update = test_support::SmallJob(4);
+  update.planner.max_shards = 4;
+  update.planner.shard_policy = ShardPolicy::kStatic;
+  update.planner.shard_min_length = 16384;
+  absl::StatusOr<JobSettings> now =
+      registry_.UpdateJobConfig(id, update, {"max_shards", "shard_policy", "shard_min_length"});
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.max_shards, 4);
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.shard_policy, ShardPolicy::kStatic);
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.shard_min_length, 16384);
+  update.planner.max_shards = 5;  // above the world size: refused, nothing changes
+  const absl::Status bad = registry_.UpdateJobConfig(id, update, {"max_shards"}).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("config.max_shards = 5"));
+  EXPECT_EQ(registry_.GetJob(id)->settings.planner.max_shards, 4);
+  // And at creation.
+  JobSettings wide = test_support::SmallJob(2);
+  wide.planner.max_shards = 3;
+  const absl::Status create = registry_.CreateJob("wide", wide, "").status();
+  EXPECT_EQ(create.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(create.message()), HasSubstr("config.max_shards"));
+}
+
 // Measured times plus a recall for every document of the rank's plan, as if each document's
 // true curve were 1 - (1 - rho)^g.
 std::vector<MicroBatchTiming> MeasureWithRecall(const StepPlan& plan, int rank, double g) {

@@ -19,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
@@ -171,6 +172,142 @@ TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
   EXPECT_EQ(after.speed_factors, before.speed_factors);
 }
 
+// Context parallelism through the store: a stored plan with a split document is restored and
+// served with its shards; exchange times are accepted only where shards were planned; the
+// exchange rate learned from them survives restarts (refolded from the report log, and from the
+// snapshot once one carries the fold).
+TEST(PlanStoreTest, SplitDocumentsAndTheLearnedExchangeRateSurviveRestarts) {
+  const StoredOptions stored = OptionsWithStore(TempDir(), false);
+  ASSERT_NE(stored.store, nullptr);
+  constexpr int kRanks = 4;
+  CreatedJob job;
+  const std::string& id = job.job_id;
+  const JobSettings settings = test_support::SmallJob(kRanks);
+  const LatencyModel prior(settings.planner.shape, kRanks, kDefaultCostPrior);
+  const test_support::ShardedStep sharded = test_support::MakeShardedStep(prior, kRanks);
+  {
+    JobRegistry registry(stored.options, CountingHex());
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "split", kRanks, 8, &job));
+    // As if the planner had planned it (the planner's own choices are not what is tested).
+    ASSERT_TRUE(stored.store->SaveStep(id, 0, sharded.batch, sharded.plan, /*folded=*/false).ok());
+  }
+  constexpr double kMeasuredRate = 5e9;  // bytes per second, the prior is 25e9
+  double learned = 0;
+  {
+    JobRegistry restored(stored.options, CountingHex());
+    ASSERT_TRUE(restored.Restore().ok());
+    ASSERT_TRUE(restored.failed_jobs().empty());
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = restored.GetPlan(id, 0, 0, &ready);
+    ASSERT_TRUE(plan.ok() && ready) << plan.status();
+    for (int r = 0; r < kRanks; ++r) {
+      for (int m = 0; m < 2; ++m) {
+        EXPECT_EQ((*plan)->ranks[r].micro_batches[m].samples,
+                  sharded.plan.ranks[r].micro_batches[m].samples);
+      }
+    }
+    EXPECT_TRUE((*plan)->ranks[0].micro_batches[0].samples[0].sharded());
+    EXPECT_DOUBLE_EQ(restored.GetJob(id)->exchange_bytes_per_second, 25e9);
+    // Rank 1 holds no shard: an exchange time on its micro-batch is refused.
+    std::vector<MicroBatchTiming> rank1 =
+        test_support::TimingsOf(sharded.plan.ranks[1].micro_batches);
+    std::vector<MicroBatchTiming> bad = rank1;
+    bad[0].exchange_seconds = 0.01;
+    const absl::Status refused = restored.ReportStep(id, 0, 1, bad, 0.0).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(refused.message()),
+                ::testing::HasSubstr("a report for a shard that was not planned"));
+    ASSERT_TRUE(restored.ReportStep(id, 0, 1, rank1, 0.0).ok());
+    for (int r : sharded.group) {
+      const std::vector<MicroBatchTiming> timings =
+          test_support::ShardedTimings(sharded, prior, r, kMeasuredRate);
+      ASSERT_TRUE(restored.ReportStep(id, 0, r, timings, 0.0).ok()) << "rank " << r;
+    }
+    const JobView view = *restored.GetJob(id);
+    EXPECT_EQ(view.steps_folded, 1);
+    EXPECT_EQ(view.unfolded_steps, 0) << view.failure;
+    learned = view.exchange_bytes_per_second;
+    EXPECT_LT(learned, 25e9);  // moved towards what was measured
+    EXPECT_GT(learned, kMeasuredRate);
+  }
+  {
+    // No snapshot carries the fold yet: the restart refolds step 0 from its report log.
+    JobRegistry restored(stored.options, CountingHex());
+    ASSERT_TRUE(restored.Restore().ok());
+    EXPECT_EQ(restored.GetJob(id)->exchange_bytes_per_second, learned);
+    EXPECT_EQ(restored.GetJob(id)->steps_folded, 1);
+    // The next step's snapshot carries the model with its exchange sums.
+    ASSERT_TRUE(restored.SubmitBatch(id, 1, Batch(40, kRanks)).ok());
+  }
+  JobRegistry restored(stored.options, CountingHex());
+  ASSERT_TRUE(restored.Restore().ok());
+  EXPECT_EQ(restored.GetJob(id)->exchange_bytes_per_second, learned);
+  EXPECT_EQ(restored.GetJob(id)->steps_folded, 1);
+}
+
+// A stored plan whose shards do not tile their document, or sit where their group says they do
+// not, quarantines the job (DATA_LOSS) rather than being served.
+TEST(PlanStoreTest, MalformedStoredShardsQuarantineTheJob) {
+  constexpr int kRanks = 4;
+  const JobSettings settings = test_support::SmallJob(kRanks);
+  const LatencyModel prior(settings.planner.shape, kRanks, kDefaultCostPrior);
+  struct Case {
+    void (*mutate)(StepPlan*);
+    const char* reason;
+  };
+  const Case cases[] = {
+      {[](StepPlan* p) {
+         p->ranks[0].micro_batches[0].samples[0].shard_end -= 64;
+         p->ranks[0].micro_batches[0].tokens -= 64;
+       },
+       "leaves a gap"},
+      {[](StepPlan* p) {
+         p->ranks[3].micro_batches[0].samples[0].shard_end = 39000;
+         p->ranks[3].micro_batches[0].tokens -= 1000;
+       },
+       "its shards end at token 39000 of 40000"},
+      {[](StepPlan* p) {
+         // Rank 3's shard moved to its second micro-batch.
+         auto& mbs = p->ranks[3].micro_batches;
+         mbs[1].samples.insert(mbs[1].samples.begin(), mbs[0].samples[0]);
+         mbs[1].tokens += mbs[0].tokens;
+         mbs[0] = MicroBatchPlan{};
+       },
+       "different micro-batches"},
+      {[](StepPlan* p) {
+         // Rank 3's shard dropped: the group has a rank without its shard.
+         auto& mb = p->ranks[3].micro_batches[0];
+         mb.samples.clear();
+         mb.tokens = 0;
+       },
+       "2 shards for a group of 3 ranks"},
+      {[](StepPlan* p) {
+         p->ranks[0].micro_batches[0].samples[0].shard_begin = 13300;
+         p->ranks[0].micro_batches[0].tokens += 12;
+       },
+       "not block-aligned"},
+  };
+  for (const Case& c : cases) {
+    const StoredOptions stored = OptionsWithStore(TempDir(), false);
+    ASSERT_NE(stored.store, nullptr);
+    CreatedJob job;
+    test_support::ShardedStep sharded = test_support::MakeShardedStep(prior, kRanks);
+    c.mutate(&sharded.plan);
+    {
+      JobRegistry registry(stored.options, CountingHex());
+      ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "split", kRanks, 8, &job));
+      ASSERT_TRUE(
+          stored.store->SaveStep(job.job_id, 0, sharded.batch, sharded.plan, /*folded=*/false)
+              .ok());
+    }
+    JobRegistry restored(stored.options, CountingHex());
+    ASSERT_TRUE(restored.Restore().ok());
+    const std::vector<JobView> failed = restored.failed_jobs();
+    ASSERT_EQ(failed.size(), 1u) << c.reason;
+    EXPECT_THAT(failed[0].failure, ::testing::HasSubstr(c.reason));
+  }
+}
+
 TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   const std::string dir = TempDir();
   const StoredOptions stored = OptionsWithStore(dir, true);
@@ -313,6 +450,10 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   job.recall.curves[3].recall[5] = 9.0;
   job.recall.curves[3].density[5] = 3.3;
   job.recall.steps_observed = 5;
+  job.model.exchange_u = 3.5e10;
+  job.model.exchange_uu = 4.25e20;
+  job.settings.planner.max_shards = 2;
+  job.settings.planner.shard_policy = ShardPolicy::kDense;
   absl::StatusOr<StoredJob> back = DecodeJob(EncodeJob(job));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->job_id, job.job_id);
@@ -331,6 +472,23 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   EXPECT_EQ(back->recall.steps_observed, 5);
   EXPECT_EQ(back->settings.planner.bucket_recall_margin, 0.02);
   EXPECT_EQ(back->settings.planner.document_recall_floor, 0.5);
+  EXPECT_EQ(back->model.exchange_u, 3.5e10);
+  EXPECT_EQ(back->model.exchange_uu, 4.25e20);
+  EXPECT_EQ(back->settings.planner.max_shards, 2);
+  EXPECT_EQ(back->settings.planner.shard_policy, ShardPolicy::kDense);
+  {
+    // A snapshot of a planner older than the exchange sums: the model keeps its prior rate.
+    state::v1::JobSnapshot old = EncodeJob(job);
+    old.mutable_model()->clear_exchange_u();
+    old.mutable_model()->clear_exchange_uu();
+    absl::StatusOr<StoredJob> older = DecodeJob(old);
+    ASSERT_TRUE(older.ok()) << older.status();
+    LatencyModel model(job.settings.planner.shape, 2, older->prior);
+    model.set_state(older->model);
+    EXPECT_DOUBLE_EQ(model.exchange_seconds_per_byte(), kDefaultExchangeSecondsPerByte);
+    old.mutable_model()->set_exchange_uu(-1.0);
+    EXPECT_EQ(DecodeJob(old).status().code(), absl::StatusCode::kDataLoss);
+  }
   // A model whose size is not the job's does not decode.
   job.model.speed_factors = {1.0};
   EXPECT_EQ(DecodeJob(EncodeJob(job)).status().code(), absl::StatusCode::kDataLoss);
@@ -354,8 +512,10 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   EXPECT_NE(bad.message().find("ranks[0].micro_batches[0].samples[0].density"), std::string::npos)
       << bad;
 
-  const StoredReport report = Report(1, 3);
+  StoredReport report = Report(1, 3);
+  report.micro_batches[1].exchange_seconds = 0.125;
   const StoredReport report_back = DecodeReport(EncodeReport(report));
+  EXPECT_EQ(report_back.micro_batches[1].exchange_seconds, 0.125);
   EXPECT_EQ(report_back.rank, 1);
   EXPECT_EQ(report_back.wait_seconds, 1.0);
   ASSERT_EQ(report_back.micro_batches.size(), 3u);

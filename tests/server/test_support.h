@@ -4,6 +4,7 @@
 #ifndef SPARSEBALANCE_TESTS_SERVER_TEST_SUPPORT_H_
 #define SPARSEBALANCE_TESTS_SERVER_TEST_SUPPORT_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "planner/latency_model.h"
 #include "planner/traces.h"
 #include "planner/types.h"
 #include "proto/wire.h"
@@ -87,6 +89,74 @@ inline std::vector<MicroBatchTiming> TimingsOf(const std::vector<MicroBatchPlan>
     t.achieved_density = 0.3;
     t.recall = 0.9;
     out.push_back(t);
+  }
+  return out;
+}
+
+// A step of a job of `ranks` >= 4 ranks (SmallJob: 2 micro-batches of 65536 tokens, blocks of
+// 64) whose plan splits document 1 (40,000 tokens) over ranks {2, 0, 3} (ring order) at tokens
+// 13,312 and 26,624, in micro-batch 0 of each, and gives every rank one unsplit document in
+// micro-batch 1: a plan of context parallelism made by hand, so that tests of the contract do
+// not depend on the planner's choices. Predictions from `model`.
+struct ShardedStep {
+  std::vector<Sample> batch;
+  StepPlan plan;
+  std::vector<int> group = {2, 0, 3};
+};
+inline ShardedStep MakeShardedStep(const LatencyModel& model, int ranks) {
+  ShardedStep out;
+  const int64_t cuts[] = {0, 13312, 26624, 40000};
+  out.batch.push_back({1, 40000, 0.0, 0, {}});
+  out.plan.ranks.resize(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    const uint64_t id = 100 + static_cast<uint64_t>(r);
+    out.batch.push_back({id, 8000 + 1000 * r, 0.0, 0, {}});
+    RankPlan& rank = out.plan.ranks[r];
+    rank.micro_batches.resize(2);
+    for (int j = 0; j < 3; ++j) {
+      if (out.group[j] != r) continue;
+      PlannedSample p;
+      p.id = 1;
+      p.length = 40000;
+      p.density = 0.3;
+      p.shard_begin = cuts[j];
+      p.shard_end = cuts[j + 1];
+      p.shard_index = j;
+      p.shard_group = out.group;
+      rank.micro_batches[0].samples.push_back(p);
+    }
+    PlannedSample whole;
+    whole.id = id;
+    whole.length = 8000 + 1000 * r;
+    whole.density = 0.3;
+    rank.micro_batches[1].samples.push_back(whole);
+    for (MicroBatchPlan& mb : rank.micro_batches) {
+      mb.default_density = 0.3;
+      for (const PlannedSample& p : mb.samples) mb.tokens += p.QueryTokens();
+      mb.predicted_seconds =
+          mb.samples.empty() ? 0.0 : model.PredictSeconds(r, model.PlanFeatures(mb));
+      rank.predicted_seconds += mb.predicted_seconds;
+    }
+    out.plan.makespan_seconds = std::max(out.plan.makespan_seconds, rank.predicted_seconds);
+  }
+  out.plan.lower_bound_seconds = out.plan.makespan_seconds;
+  out.plan.mean_density = 0.3;
+  return out;
+}
+
+// Timings of rank `rank` in a ShardedStep's plan: the predictions, and on a shard's micro-batch
+// an exchange of its bytes at `bytes_per_second` on top (part of compute_seconds).
+inline std::vector<MicroBatchTiming> ShardedTimings(const ShardedStep& step,
+                                                    const LatencyModel& model, int rank,
+                                                    double bytes_per_second) {
+  std::vector<MicroBatchTiming> out = TimingsOf(step.plan.ranks[rank].micro_batches);
+  for (MicroBatchTiming& t : out) {
+    const MicroBatchFeatures f =
+        model.PlanFeatures(step.plan.ranks[rank].micro_batches[t.micro_batch]);
+    if (f.exchange_bytes <= 0) continue;
+    t.exchange_seconds = f.exchange_bytes / bytes_per_second;
+    t.compute_seconds =
+        model.PredictSeconds(rank, f) - model.ExchangeSeconds(f) + t.exchange_seconds;
   }
   return out;
 }
