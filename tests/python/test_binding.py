@@ -55,6 +55,66 @@ def test_plan_types_read_like_dataclasses():
     assert sb.MicroBatchPlan(samples=[p]).samples == [p]
 
 
+def test_shard_fields_read_and_set_like_the_other_fields():
+    # A shard of a document split over ranks [2, 0, 3]: this rank (0) runs tokens [384, 768).
+    p = sb.PlannedSample(id=5, length=1000, density=0.25, shard_begin=384, shard_end=768,
+                         shard_index=1, shard_group=[2, 0, 3])
+    assert (p.shard_begin, p.shard_end, p.shard_index, p.shard_group) == (384, 768, 1, [2, 0, 3])
+    assert p.sharded() and p.query_tokens() == 384 and p.documents() == [1000]
+    whole = sb.PlannedSample(id=6, length=200, density=0.5)
+    assert not whole.sharded() and whole.query_tokens() == 200 and whole.shard_group == []
+    assert pickle.loads(pickle.dumps(p)) == p and p != whole
+    assert "shard_group=[2, 0, 3]" in repr(p)
+    config = sb.PlannerConfig(ranks=4, max_shards=4, shard_policy="static", shard_min_length=2048)
+    assert (config.max_shards, config.shard_min_length) == (4, 2048)
+    assert config.shard_policy == sb.ShardPolicy.STATIC and config.shard_policy.label == "static"
+    config.shard_policy = "dense"
+    assert config.shard_policy == sb.ShardPolicy.DENSE
+    assert sb.PlannerConfig().max_shards == 1 and sb.PlannerConfig().shard_policy.label == "sparse"
+    config.validate()
+    config.max_shards = 5  # above the world size
+    with pytest.raises(sb.PlannerError, match="config.max_shards") as e:
+        config.validate()
+    assert e.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(sb.PlannerError):
+        sb.PlannerConfig(shard_policy="ring")
+    t = sb.MicroBatchTiming(compute_seconds=1.0, exchange_seconds=0.25)
+    assert t.exchange_seconds == 0.25 and sb.MicroBatchTiming().exchange_seconds == 0.0
+
+
+def test_shard_settings_and_exchange_times_cross_the_wire(planner):
+    client = sb.connect(planner.address, call_timeout_seconds=5)
+    config = small_config(ranks=2)
+    config.max_shards = 2
+    config.shard_policy = "static"
+    config.shard_min_length = 4096  # no document of the batch below is that long: none split
+    job = client.create_job("cp-binding-test", config)
+    assert (job.config.max_shards, job.config.shard_policy.label,
+            job.config.shard_min_length) == (2, "static", 4096)
+    joined, _, _ = client.join_job(0)
+    assert joined == job.config
+    rank1 = sb.connect(planner.address, job_id=job.job_id, token=job.token)
+    rank1.join_job(1)
+    assert client.submit_batch(0, batch_of([1000, 500, 300])) == []
+    plans = [client.get_rank_plan(0, 0, world_size=2, block_size=64), rank1.get_rank_plan(0, 1)]
+    for rank, (c, plan) in enumerate(zip((client, rank1), plans)):
+        timings = [sb.MicroBatchTiming(micro_batch=m, compute_seconds=0.5, tokens=mb.tokens)
+                   for m, mb in enumerate(plan.micro_batches) if mb.samples]
+        assert not any(s.sharded() for mb in plan.micro_batches for s in mb.samples)
+        # An exchange time where no shard was planned is refused, naming the field; the rank
+        # stays unreported and its good report is then accepted.
+        timings[0].exchange_seconds = 0.1
+        with pytest.raises(sb.PlannerError, match=r"micro_batches\[0\]\.exchange_seconds") as e:
+            c.report_step(0, rank, timings, wait_seconds=0.0)
+        assert e.value.code == "INVALID_ARGUMENT"
+        timings[0].exchange_seconds = 0.0
+        assert c.report_step(0, rank, timings, wait_seconds=0.0) is False
+    config.max_shards = 3  # above the world size
+    with pytest.raises(sb.PlannerError, match="config.max_shards") as e:
+        client.create_job("too-wide", config)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
 def test_round_trip_create_join_submit_plan_report(planner):
     client = sb.connect(planner.address, call_timeout_seconds=5)
     job = client.create_job("binding-test", small_config(), history_steps=16)

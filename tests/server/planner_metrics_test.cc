@@ -80,6 +80,24 @@ TEST(PlannerMetricsTest, RecallIsExportedPerLengthBucketAndGoesWithTheJob) {
   EXPECT_THAT(Exposition(*registry), Not(HasSubstr("job_id=\"j\"")));
 }
 
+// The learned exchange rate is exported for every job the planner planned for, sharded or not
+// (the prior until workers report exchanges), and goes with the job.
+TEST(PlannerMetricsTest, TheExchangeRateFollowsThePlansAndTheFoldedSteps) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, /*max_rank_series=*/4);
+  metrics.ObservePlan("j", StepPlan{}, 0.001);
+  metrics.SetExchangeRate("j", 25e9);
+  EXPECT_THAT(Exposition(*registry),
+              HasSubstr("sparsebalance_exchange_bytes_per_second{job_id=\"j\"} 25000000000"));
+  StepStats stats = Stats(2);
+  stats.exchange_bytes_per_second = 7.5e9;
+  metrics.ObserveStep("j", stats);
+  EXPECT_THAT(Exposition(*registry),
+              HasSubstr("sparsebalance_exchange_bytes_per_second{job_id=\"j\"} 7500000000"));
+  metrics.ForgetJob("j");
+  EXPECT_THAT(Exposition(*registry), Not(HasSubstr("exchange_bytes_per_second{")));
+}
+
 TEST(PlannerMetricsTest, LargeJobsExportNoPerRankSeriesAndDeletedJobsNone) {
   auto registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(registry, /*max_rank_series=*/4);

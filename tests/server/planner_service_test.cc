@@ -186,6 +186,8 @@ TEST_F(PlannerServiceTest, AStepEndToEnd) {
   EXPECT_EQ(got.job().next_step(), 1);
   EXPECT_EQ(got.job().joined_ranks(), 2);
   EXPECT_EQ(got.job().speed_factors_size(), 2);
+  // No shard was planned: the exchange rate is still the prior's.
+  EXPECT_DOUBLE_EQ(got.job().exchange_bytes_per_second(), 1.0 / kDefaultExchangeSecondsPerByte);
 }
 
 TEST_F(PlannerServiceTest, ErrorCodesFollowTheContract) {
