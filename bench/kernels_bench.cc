@@ -14,6 +14,7 @@
 #include "kernels/block_selection.h"
 #include "kernels/cuda_attention.h"
 #include "kernels/parallel.h"
+#include "kernels/shard_attention.h"
 
 namespace sparsebalance {
 namespace kernels {
@@ -107,6 +108,72 @@ BENCHMARK(BM_SelectBlocks)
     ->Args({131072, 100})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+
+// Context parallelism on the CPU: one document, selection + forward + backward, unsplit
+// (shards = 1: SelectBlocks, AttentionForward, AttentionBackward) or split into `shards` even
+// block-aligned shards run one after another in this process by ShardedAttentionReference
+// (pooled-key gather, per-shard selection, per-chunk partials merged, per-chunk backward,
+// memory copies for the exchange). Counters: key/value bytes the shards receive, whole prefix
+// and only the needed blocks.
+//   sb-kernels-bench --benchmark_filter=Document
+void BM_Document(benchmark::State& state) {
+  const int32_t length = static_cast<int32_t>(state.range(0));
+  const int shards = static_cast<int>(state.range(1));
+  const double density = static_cast<double>(state.range(2)) / 1000.0;
+  constexpr int kDocHeads = 8;
+  constexpr int kHeadDim = 128;
+  constexpr int kBlock = 64;
+  const size_t n = static_cast<size_t>(length) * kDocHeads * kHeadDim;
+  const std::vector<float> q = Values(n, 1), k = Values(n, 2), v = Values(n, 3),
+                           dout = Values(n, 4);
+  SelectionOptions select;
+  select.block_size = kBlock;
+  AttentionOptions options;
+  std::vector<int32_t> cuts = {0};
+  const int32_t blocks = length / kBlock;
+  for (int j = 1; j < shards; ++j) cuts.push_back(blocks * j / shards * kBlock);
+  cuts.push_back(length);
+  std::vector<float> out(n), lse(static_cast<size_t>(length) * kDocHeads), dq(n), dk(n), dv(n);
+  for (auto _ : state) {
+    if (shards == 1) {
+      absl::StatusOr<Selection> sel =
+          SelectBlocks({0, length}, kDocHeads, kHeadDim, q, k, {density}, select);
+      absl::Status s = sel.status();
+      if (s.ok()) {
+        s = AttentionForward(sel->index, kHeadDim, q, k, v, options, absl::MakeSpan(out),
+                             absl::MakeSpan(lse));
+      }
+      if (s.ok()) {
+        s = AttentionBackward(sel->index, kHeadDim, q, k, v, out, lse, dout, options,
+                              absl::MakeSpan(dq), absl::MakeSpan(dk), absl::MakeSpan(dv));
+      }
+      if (!s.ok()) {
+        state.SkipWithError(std::string(s.message()).c_str());
+        break;
+      }
+      benchmark::DoNotOptimize(dq.data());
+    } else {
+      absl::StatusOr<ShardedAttentionResult> r = ShardedAttentionReference(
+          cuts, kDocHeads, kHeadDim, q, k, v, dout, density, select, options);
+      if (!r.ok()) {
+        state.SkipWithError(std::string(r.status().message()).c_str());
+        break;
+      }
+      state.counters["prefix_bytes"] = static_cast<double>(r->prefix_exchange_bytes);
+      state.counters["needed_bytes"] = static_cast<double>(r->needed_exchange_bytes);
+      benchmark::DoNotOptimize(r->dq.data());
+    }
+  }
+}
+BENCHMARK(BM_Document)
+    ->ArgNames({"length", "shards", "density_permille"})
+    ->Args({16384, 1, 300})
+    ->Args({16384, 4, 300})
+    ->Args({16384, 4, 100})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MeasureProcessCPUTime()
+    ->Iterations(1);
 
 // GPU (sm_90, bf16): forward and backward separately, one document of 32 heads x 128, timed
 // by synchronising the device around each call. Counters: TFLOP/s against the dense causal

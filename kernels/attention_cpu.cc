@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <initializer_list>
-#include <memory>
 #include <utility>
 #include <vector>
 
@@ -15,49 +13,6 @@
 namespace sparsebalance {
 namespace kernels {
 namespace {
-
-using HeadFn = void (*)(const HeadTask&);
-
-// The widest tile code this CPU runs.
-bool UseAvx2() {
-#if defined(__x86_64__) && defined(SB_KERNELS_HAVE_AVX2_TILES)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return avx2;
-#else
-  return false;
-#endif
-}
-
-HeadFn ForwardFn() {
-#if defined(SB_KERNELS_HAVE_AVX2_TILES)
-  if (UseAvx2()) return &avx2::ForwardHead;
-#endif
-  return &generic::ForwardHead;
-}
-
-HeadFn BackwardFn() {
-#if defined(SB_KERNELS_HAVE_AVX2_TILES)
-  if (UseAvx2()) return &avx2::BackwardHead;
-#endif
-  return &generic::BackwardHead;
-}
-
-// 64-byte aligned float scratch, reused across the heads one worker runs.
-struct Workspace {
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  std::unique_ptr<float, Free> data;
-  int64_t floats = 0;
-  float* Get(int64_t n) {
-    if (n > floats) {
-      const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
-      data.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-      floats = n;
-    }
-    return data.get();
-  }
-};
 
 // Tensors to check: name and size (floats).
 using NamedSizes = std::initializer_list<std::pair<const char*, size_t>>;
@@ -90,7 +45,7 @@ void RunHeads(const BlockIndex& index, int head_dim, const AttentionOptions& opt
   std::stable_sort(order.begin(), order.end(),
                    [&](int a, int b) { return index.length(a) > index.length(b); });
   const int workers = ResolveThreads(options.threads);
-  std::vector<Workspace> workspaces(workers);
+  std::vector<TileWorkspace> workspaces(workers);
   const float scale = options.softmax_scale > 0.0f ? options.softmax_scale
                                                    : 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t stride = int64_t{heads} * head_dim;
@@ -106,6 +61,7 @@ void RunHeads(const BlockIndex& index, int head_dim, const AttentionOptions& opt
     task.head_dim = head_dim;
     task.length = index.length(s);
     task.blocks = index.blocks(s);
+    task.key_blocks = task.blocks;
     task.scale = scale;
     task.token_stride = stride;
     task.row_ptr = index.row_ptr.data() + row0;
@@ -126,8 +82,8 @@ void RunHeads(const BlockIndex& index, int head_dim, const AttentionOptions& opt
     task.dv = shift(base.dv);
     task.lse_in = base.lse_in == nullptr ? nullptr : base.lse_in + lse_offset;
     task.lse_w = base.lse_w == nullptr ? nullptr : base.lse_w + lse_offset;
-    task.workspace =
-        workspaces[worker].Get(WorkspaceFloats(index.block_size, head_dim, task.blocks, backward));
+    task.workspace = workspaces[worker].Get(
+        WorkspaceFloats(index.block_size, head_dim, task.blocks, task.blocks, backward));
     fn(task);
   });
 }
@@ -140,7 +96,7 @@ absl::Status CheckAndRunHeads(const BlockIndex& index, int head_dim,
   if (absl::Status s = ValidateArguments(index, head_dim, options, tensors, lse_size); !s.ok()) {
     return s;
   }
-  RunHeads(index, head_dim, options, backward, base, backward ? BackwardFn() : ForwardFn());
+  RunHeads(index, head_dim, options, backward, base, backward ? BackwardHeadFn() : ForwardHeadFn());
   return absl::OkStatus();
 }
 
@@ -156,15 +112,45 @@ HeadTask InputTask(absl::Span<const float> q, absl::Span<const float> k,
 
 }  // namespace
 
-int64_t WorkspaceFloats(int block_size, int head_dim, int32_t blocks, bool backward) {
+namespace {
+
+// The widest tile code this CPU runs.
+bool UseAvx2() {
+#if defined(__x86_64__) && defined(SB_KERNELS_HAVE_AVX2_TILES)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+HeadFn ForwardHeadFn() {
+#if defined(SB_KERNELS_HAVE_AVX2_TILES)
+  if (UseAvx2()) return &avx2::ForwardHead;
+#endif
+  return &generic::ForwardHead;
+}
+
+HeadFn BackwardHeadFn() {
+#if defined(SB_KERNELS_HAVE_AVX2_TILES)
+  if (UseAvx2()) return &avx2::BackwardHead;
+#endif
+  return &generic::BackwardHead;
+}
+
+int64_t WorkspaceFloats(int block_size, int head_dim, int32_t query_blocks, int32_t key_blocks,
+                        bool backward) {
   auto align = [](int64_t n) { return (n + 15) / 16 * 16; };
   const int64_t b = block_size;
-  const int64_t padded = int64_t{blocks} * b;
+  const int64_t q_padded = int64_t{query_blocks} * b;
+  const int64_t k_padded = int64_t{key_blocks} * b;
   if (!backward) {
-    return 2 * align(padded * head_dim) + 2 * align(b * head_dim) + align(b * b) + 2 * align(b);
+    return 2 * align(k_padded * head_dim) + 2 * align(b * head_dim) + align(b * b) + 2 * align(b);
   }
-  return 6 * align(padded * head_dim) + 2 * align(padded) + 2 * align(b * b) +
-         2 * align(b * head_dim);
+  return 3 * align(q_padded * head_dim) + 3 * align(k_padded * head_dim) + 2 * align(q_padded) +
+         2 * align(b * b) + 2 * align(b * head_dim);
 }
 
 absl::Status AttentionForward(const BlockIndex& index, int head_dim, absl::Span<const float> q,

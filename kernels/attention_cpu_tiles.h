@@ -4,24 +4,35 @@
 #define SPARSEBALANCE_KERNELS_ATTENTION_CPU_TILES_H_
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 
 namespace sparsebalance {
 namespace kernels {
 
-// One (sequence, head): index slices start at its first row; tensor pointers at its first
-// token for its head (consecutive tokens are `token_stride` floats apart); lse at its first
-// token with stride 1.
+// One (sequence, head), or one piece of it: the query blocks [query_block0, query_block0 +
+// blocks) against the key blocks [key_block0, key_block0 + key_blocks) of a sequence of `length`
+// tokens (a whole sequence: both start at 0 and key_blocks == blocks; a context-parallel shard
+// over one owner's key chunk otherwise, kernels/shard_attention.h). Index slices start at the
+// piece's first row (CSR) and first column (CSC); col_idx and row_idx hold block numbers within
+// the sequence. q, out, dout, dq point at the first query token for the head, k, v, dk, dv at
+// the first key token (consecutive tokens are `token_stride` floats apart); lse at the first
+// query token with stride 1.
 struct HeadTask {
   int block_size = 64;               // tokens, 64 or 128
   int head_dim = 64;                 // 64 or 128
-  int32_t length = 0;                // tokens
-  int32_t blocks = 0;                // ceil(length / block_size)
+  int32_t length = 0;                // tokens of the sequence (masks the causal diagonal and end)
+  int32_t blocks = 0;                // query blocks of the piece
+  int32_t query_block0 = 0;          // first query block, within the sequence
+  int32_t key_block0 = 0;            // first key block, within the sequence
+  int32_t key_blocks = 0;            // key blocks of the piece
+  bool accumulate = false;           // backward: add to dq, dk, dv instead of writing them
   float scale = 0.0f;                // softmax scale
   int64_t token_stride = 0;          // floats
   const int64_t* row_ptr = nullptr;  // blocks + 1 entries (absolute offsets)
   const int32_t* col_idx = nullptr;
   const uint8_t* flags = nullptr;
-  const int64_t* col_ptr = nullptr;  // blocks + 1 entries (absolute offsets)
+  const int64_t* col_ptr = nullptr;  // key_blocks + 1 entries (absolute offsets)
   const int32_t* row_idx = nullptr;
   const uint8_t* col_flags = nullptr;
   const float* q = nullptr;
@@ -38,8 +49,32 @@ struct HeadTask {
   float* workspace = nullptr;  // WorkspaceFloats(...) floats, 64-byte aligned
 };
 
-// Floats of workspace one worker needs for a head of `blocks` blocks.
-int64_t WorkspaceFloats(int block_size, int head_dim, int32_t blocks, bool backward);
+// 64-byte aligned float scratch, reused across the pieces one worker runs.
+struct TileWorkspace {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> data;
+  int64_t floats = 0;
+  float* Get(int64_t n) {
+    if (n > floats) {
+      const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
+      data.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      floats = n;
+    }
+    return data.get();
+  }
+};
+
+using HeadFn = void (*)(const HeadTask&);
+
+// The widest tile code this CPU runs (AVX2+FMA when CPUID has them, else the generic copy).
+HeadFn ForwardHeadFn();
+HeadFn BackwardHeadFn();
+
+// Floats of workspace one worker needs for a piece of `query_blocks` x `key_blocks` blocks.
+int64_t WorkspaceFloats(int block_size, int head_dim, int32_t query_blocks, int32_t key_blocks,
+                        bool backward);
 
 namespace generic {
 void ForwardHead(const HeadTask& task);

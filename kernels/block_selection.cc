@@ -18,6 +18,27 @@ float ResolveScale(float softmax_scale, int head_dim) {
 
 }  // namespace
 
+void MeanPoolBlocks(const float* x, int64_t token_stride, int32_t tokens, int block_size,
+                    int head_dim, float* pooled) {
+  const int32_t blocks = static_cast<int32_t>(QueryBlocks(tokens, block_size));
+  std::fill(pooled, pooled + int64_t{blocks} * head_dim, 0.0f);
+  for (int32_t t = 0; t < tokens; ++t) {
+    const float* row = x + t * token_stride;
+    float* mean = pooled + int64_t{t / block_size} * head_dim;
+    for (int d = 0; d < head_dim; ++d) mean[d] += row[d];
+  }
+  for (int32_t b = 0; b < blocks; ++b) {
+    const float inv = 1.0f / static_cast<float>(std::min(block_size, tokens - b * block_size));
+    for (int d = 0; d < head_dim; ++d) pooled[int64_t{b} * head_dim + d] *= inv;
+  }
+}
+
+float PooledScore(const float* q_mean, const float* k_mean, int head_dim, float scale) {
+  float dot = 0.0f;
+  for (int d = 0; d < head_dim; ++d) dot += q_mean[d] * k_mean[d];
+  return dot * scale;
+}
+
 double VisiblePairs(int32_t length, int block_size, int32_t query_block, int32_t key_block) {
   const int64_t rows = std::min<int64_t>(block_size, length - int64_t{query_block} * block_size);
   if (key_block < query_block) return static_cast<double>(rows) * block_size;  // a whole block
@@ -123,6 +144,18 @@ std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t ke
   return kept;
 }
 
+std::vector<int32_t> SelectDocumentRow(int32_t length, int32_t query_block, int64_t density_q,
+                                       const SelectionOptions& options,
+                                       absl::Span<const float> scores, absl::Span<double> pairs,
+                                       float* estimated_recall) {
+  for (int32_t j = 0; j <= query_block; ++j) {
+    pairs[j] = VisiblePairs(length, options.block_size, query_block, j);
+  }
+  return SelectRow(query_block, options.local_blocks,
+                   KeptBlocks(query_block, density_q, options.local_blocks), options.mass_threshold,
+                   scores, pairs, estimated_recall, options.mode, options.anchor_threshold);
+}
+
 absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int heads,
                                        int head_dim, absl::Span<const float> q,
                                        absl::Span<const float> k,
@@ -143,33 +176,16 @@ absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int
         const int32_t length = cu_seqlens[s + 1] - cu_seqlens[s];
         const int32_t blocks = static_cast<int32_t>(QueryBlocks(length, block_size));
         // Mean-pooled Q and K per block.
-        std::vector<float> q_mean(int64_t{blocks} * head_dim, 0.0f);
-        std::vector<float> k_mean(int64_t{blocks} * head_dim, 0.0f);
-        for (int32_t t = 0; t < length; ++t) {
-          const int64_t offset = (int64_t{cu_seqlens[s]} + t) * row_stride + int64_t{h} * head_dim;
-          float* qm = &q_mean[int64_t{t / block_size} * head_dim];
-          float* km = &k_mean[int64_t{t / block_size} * head_dim];
-          for (int d = 0; d < head_dim; ++d) {
-            qm[d] += q[offset + d];
-            km[d] += k[offset + d];
-          }
-        }
-        for (int32_t b = 0; b < blocks; ++b) {
-          const float inv =
-              1.0f / static_cast<float>(std::min(block_size, length - b * block_size));
-          for (int d = 0; d < head_dim; ++d) {
-            q_mean[int64_t{b} * head_dim + d] *= inv;
-            k_mean[int64_t{b} * head_dim + d] *= inv;
-          }
-        }
+        std::vector<float> q_mean(int64_t{blocks} * head_dim);
+        std::vector<float> k_mean(int64_t{blocks} * head_dim);
+        const int64_t offset = int64_t{cu_seqlens[s]} * row_stride + int64_t{h} * head_dim;
+        MeanPoolBlocks(q.data() + offset, row_stride, length, block_size, head_dim, q_mean.data());
+        MeanPoolBlocks(k.data() + offset, row_stride, length, block_size, head_dim, k_mean.data());
         std::vector<float> scores(blocks);
         for (int32_t i = 0; i < blocks; ++i) {
           for (int32_t j = 0; j <= i; ++j) {
-            float dot = 0.0f;
-            for (int d = 0; d < head_dim; ++d) {
-              dot += q_mean[int64_t{i} * head_dim + d] * k_mean[int64_t{j} * head_dim + d];
-            }
-            scores[j] = dot * scale;
+            scores[j] = PooledScore(&q_mean[int64_t{i} * head_dim], &k_mean[int64_t{j} * head_dim],
+                                    head_dim, scale);
           }
           keep_row(i, absl::MakeConstSpan(scores.data(), i + 1));
         }
@@ -198,12 +214,9 @@ absl::StatusOr<Selection> SelectFromScores(
     const int64_t density_q = QuantizeDensity(densities[s]);
     std::vector<double> pairs(blocks);
     score_rows(s, h, [&](int32_t i, absl::Span<const float> scores) {
-      for (int32_t j = 0; j <= i; ++j) pairs[j] = VisiblePairs(length, block_size, i, j);
       const int64_t row = int64_t{cu_blocks[s]} * heads + int64_t{h} * blocks + i;
-      kept[row] =
-          SelectRow(i, options.local_blocks, KeptBlocks(i, density_q, options.local_blocks),
-                    options.mass_threshold, scores, absl::MakeConstSpan(pairs.data(), i + 1),
-                    &recall[row], options.mode, options.anchor_threshold);
+      kept[row] = SelectDocumentRow(length, i, density_q, options, scores,
+                                    absl::MakeSpan(pairs.data(), i + 1), &recall[row]);
     });
   });
   absl::StatusOr<BlockIndex> index = MakeBlockIndex(cu_seqlens, heads, block_size, kept);

@@ -72,6 +72,15 @@ std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t ke
                                SelectionMode mode = SelectionMode::kTopK,
                                double anchor_threshold = 1.0);
 
+// The row rule of SelectFromScores for query block `query_block` of a document of `length`
+// tokens at the quantized density `density_q` (QuantizeDensity): SelectRow with the
+// VisiblePairs of each key block (written to `pairs`, query_block + 1 entries) and the
+// KeptBlocks cap. `scores` holds the query_block + 1 logits of key blocks 0..query_block.
+std::vector<int32_t> SelectDocumentRow(int32_t length, int32_t query_block, int64_t density_q,
+                                       const SelectionOptions& options,
+                                       absl::Span<const float> scores, absl::Span<double> pairs,
+                                       float* estimated_recall);
+
 // Scores of one row for SelectFromScores: the i + 1 softmax logits of query block i's key
 // blocks 0..i.
 using KeepRow = std::function<void(int32_t query_block, absl::Span<const float> scores)>;
@@ -84,6 +93,17 @@ absl::StatusOr<Selection> SelectFromScores(
     absl::Span<const int32_t> cu_seqlens, int heads, absl::Span<const double> densities,
     const SelectionOptions& options,
     const std::function<void(int sequence, int head, const KeepRow& keep_row)>& score_rows);
+
+// The pooling of SelectBlocks for one head: pooled[b * head_dim + d] is the mean of
+// x[t * token_stride + d] over the tokens t of block b of [0, tokens) (blocks start at token 0;
+// the last may be short), summed in token order. A rank that pools its own block-aligned tokens
+// this way gets the same bits as SelectBlocks pooling the whole document.
+void MeanPoolBlocks(const float* x, int64_t token_stride, int32_t tokens, int block_size,
+                    int head_dim, float* pooled);
+
+// The score of SelectBlocks for a (query block, key block) pair of pooled rows:
+// scale * dot(q_mean, k_mean), summed over d in order.
+float PooledScore(const float* q_mean, const float* k_mean, int head_dim, float scale);
 
 // Visible (query, key) token pairs of query block i and key block j <= i of a sequence of
 // `length` tokens: the weight of a block score in the estimated mass.
