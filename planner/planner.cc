@@ -6,6 +6,8 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -14,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "contract/step_figures.h"
+#include "planner/context_parallel.h"
 #include "planner/recall_model.h"
 #include "planner/sparsity_tuner.h"
 
@@ -27,20 +30,20 @@ absl::Status SampleError(size_t i, absl::string_view field, absl::string_view wh
   return absl::InvalidArgumentError(absl::StrCat("samples[", i, "].", field, ": ", what));
 }
 
-// Token-weighted predicted recall per length bucket of the documents of the samples with a
-// non-zero weight (`weights` empty: all); a bucket without documents gets -1.
-std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
-                                  const std::vector<double>& densities, const RecallModel& recall,
-                                  const std::vector<double>& weights) {
-  std::vector<double> weighted(kRecallBuckets, 0.0);
-  std::vector<double> tokens(kRecallBuckets, 0.0);
+// Per length bucket, the tokens and the token-weighted predicted recall sum of the documents of
+// the samples with a non-zero weight (`weights` empty: all).
+void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                  const RecallModel& recall, const std::vector<double>& weights,
+                  std::vector<double>* tokens, std::vector<double>* weighted) {
+  tokens->assign(kRecallBuckets, 0.0);
+  weighted->assign(kRecallBuckets, 0.0);
   for (size_t i = 0; i < batch.size(); ++i) {
     if (!weights.empty() && weights[i] == 0.0) continue;
     const double r = recall.SampleRecall(batch[i], densities[i]);
     auto add = [&](int64_t length) {
       const int b = RecallBucket(length, recall.capacity());
-      weighted[b] += static_cast<double>(length) * r;
-      tokens[b] += static_cast<double>(length);
+      (*weighted)[b] += static_cast<double>(length) * r;
+      (*tokens)[b] += static_cast<double>(length);
     };
     if (batch[i].segments.empty()) {
       add(batch[i].length);
@@ -48,10 +51,59 @@ std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
       for (int64_t segment : batch[i].segments) add(segment);
     }
   }
+}
+
+// Token-weighted predicted recall per length bucket of the documents of the samples with a
+// non-zero weight (`weights` empty: all); a bucket without documents gets -1.
+std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
+                                  const std::vector<double>& densities, const RecallModel& recall,
+                                  const std::vector<double>& weights) {
+  std::vector<double> tokens;
+  std::vector<double> weighted;
+  BucketTotals(batch, densities, recall, weights, &tokens, &weighted);
   for (int b = 0; b < kRecallBuckets; ++b) {
     weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : -1.0;
   }
   return weighted;
+}
+
+// The recall guards of the per-rank tuning when some documents are split: DST tunes only the
+// unsplit samples (`items`, weight 1), the shards keep their densities. Given the placed
+// samples' minimum total recall `keep` and per-bucket minimums (`minimum`, -1 unguarded), the
+// items must make up what the shards leave: per total and per bucket, (minimum x placed tokens
+// - shards' recall sum) / items' tokens (-1 for a bucket without items).
+void ItemMinimums(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                  const RecallModel& recall, const std::vector<double>& placed,
+                  const std::vector<double>& items, double* keep, std::vector<double>* minimum) {
+  std::vector<double> shards(batch.size(), 0.0);
+  for (size_t i = 0; i < batch.size(); ++i) shards[i] = placed[i] - items[i];
+  auto total = [&](const std::vector<double>& weights, double* tokens) {
+    double weighted = 0.0;
+    *tokens = 0.0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const double w = static_cast<double>(batch[i].length) * weights[i];
+      weighted += w * recall.SampleRecall(batch[i], densities[i]);
+      *tokens += w;
+    }
+    return weighted;
+  };
+  double placed_tokens = 0.0;
+  double item_tokens = 0.0;
+  double shard_tokens = 0.0;
+  total(placed, &placed_tokens);
+  total(items, &item_tokens);
+  const double shard_recall = total(shards, &shard_tokens);
+  if (item_tokens > 0) *keep = (*keep * placed_tokens - shard_recall) / item_tokens;
+  if (minimum->empty()) return;
+  std::vector<double> p_tokens, p_sum, i_tokens, i_sum, s_tokens, s_sum;
+  BucketTotals(batch, densities, recall, placed, &p_tokens, &p_sum);
+  BucketTotals(batch, densities, recall, items, &i_tokens, &i_sum);
+  BucketTotals(batch, densities, recall, shards, &s_tokens, &s_sum);
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    double& m = (*minimum)[b];
+    if (m < 0) continue;
+    m = i_tokens[b] > 0 ? (m * p_tokens[b] - s_sum[b]) / i_tokens[b] : -1.0;
+  }
 }
 
 // The per-bucket guard's minimums: each bucket's recall at the default densities less `margin`
@@ -62,6 +114,89 @@ std::vector<double> BucketMinimums(const std::vector<double>& at_default, double
     if (at_default[b] >= 0) minimum[b] = at_default[b] - margin;
   }
   return minimum;
+}
+
+// One shard of a split document as CheckPlan finds it.
+struct PlacedShard {
+  const PlannedSample* planned = nullptr;
+  int rank = 0;
+  int micro_batch = 0;
+};
+
+template <typename... Parts>
+absl::Status ShardError(uint64_t id, const Parts&... what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("plan check: split sample id ", id, ": ", what...));
+}
+
+absl::Status NoteShard(const PlannedSample& p, size_t index, int rank, int micro_batch,
+                       std::map<size_t, std::vector<PlacedShard>>* shards_of) {
+  if (p.shard_index < 0 || p.shard_index >= static_cast<int>(p.shard_group.size()) ||
+      p.shard_group[p.shard_index] != rank) {
+    return ShardError(p.id, "rank ", rank, " holds shard_index ", p.shard_index,
+                      " but shard_group is [", absl::StrJoin(p.shard_group, ","), "]");
+  }
+  (*shards_of)[index].push_back({&p, rank, micro_batch});
+  return absl::OkStatus();
+}
+
+// The shards of one split document: a group of 2..max_shards distinct ranks, shard j on
+// group[j], all in one micro-batch with one density, block-aligned cuts that cover
+// [0, length) exactly once in shard order, each within the capacity.
+absl::Status CheckShards(const Sample& s, const PlannerConfig& config,
+                         std::vector<PlacedShard>* shards) {
+  const PlannedSample& first = *shards->front().planned;
+  const std::vector<int>& group = first.shard_group;
+  const int count = static_cast<int>(group.size());
+  if (!s.segments.empty()) return ShardError(s.id, "a pre-packed sample is never split");
+  if (count < 2 || count > config.max_shards) {
+    return ShardError(s.id, "a group of ", count, " ranks; need 2..max_shards (", config.max_shards,
+                      ")");
+  }
+  std::set<int> distinct;
+  for (int r : group) {
+    if (r < 0 || r >= config.ranks || !distinct.insert(r).second) {
+      return ShardError(s.id, "shard_group [", absl::StrJoin(group, ","),
+                        "] repeats a rank or names one outside [0, ", config.ranks, ")");
+    }
+  }
+  std::sort(shards->begin(), shards->end(), [](const PlacedShard& a, const PlacedShard& b) {
+    return a.planned->shard_index < b.planned->shard_index;
+  });
+  int64_t next = 0;
+  for (int j = 0; j < static_cast<int>(shards->size()); ++j) {
+    const PlacedShard& at = (*shards)[j];
+    const PlannedSample& p = *at.planned;
+    if (p.shard_index != j) {
+      return ShardError(s.id, "shard ", j, " is ", p.shard_index < j ? "planned twice" : "missing");
+    }
+    if (p.shard_group != group || at.micro_batch != shards->front().micro_batch ||
+        p.density != first.density || p.layer_densities != first.layer_densities) {
+      return ShardError(s.id, "shard ", j,
+                        " differs from shard 0 in its group, micro-batch or "
+                        "densities");
+    }
+    if (p.shard_begin != next) {
+      return ShardError(s.id, "shard ", j, " starts at token ", p.shard_begin, " where shard ",
+                        j - 1, " ended at ", next,
+                        p.shard_begin > next ? " (tokens missed)" : " (tokens repeated)");
+    }
+    if (p.shard_end <= p.shard_begin || p.shard_end > s.length ||
+        p.shard_begin % config.shape.block_size != 0) {
+      return ShardError(s.id, "shard ", j, " covers [", p.shard_begin, ", ", p.shard_end,
+                        "): need a non-empty range within the ", s.length,
+                        " tokens starting at a multiple of the block size ",
+                        config.shape.block_size);
+    }
+    next = p.shard_end;
+  }
+  if (static_cast<int>(shards->size()) != count) {
+    return ShardError(s.id, shards->size(), " shards planned for a group of ", count);
+  }
+  if (next != s.length) {
+    return ShardError(s.id, "the shards end at token ", next, " of ", s.length, " (tokens missed)");
+  }
+  return absl::OkStatus();
 }
 
 bool MeetsMinimums(const std::vector<double>& recall, const std::vector<double>& minimum) {
@@ -184,9 +319,10 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
   }
   absl::flat_hash_set<uint64_t> ids;
   ids.reserve(batch.size());
-  // Each length is checked to be in [1, micro_batch_capacity] before it is added, and a valid
-  // config's capacity is at most kMaxMicroBatchCapacity (2^30), so with at most 2^24 samples
-  // the total stays below 2^54: no overflow.
+  // Each length is checked to be in [1, max_shards x micro_batch_capacity] before it is added,
+  // and a valid config's capacity is at most kMaxMicroBatchCapacity (2^30) and max_shards at
+  // most kMaxShards (2^6), so with at most 2^24 samples the total stays below 2^60: no
+  // overflow. A document's rows stay below 2^36 / 64 = 2^30 (blocks of at least 64 tokens).
   int64_t total = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const Sample& s = batch[i];
@@ -196,11 +332,26 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
     if (s.length < 1) {
       return SampleError(i, "length", absl::StrCat(s.length, " tokens; need at least 1"));
     }
-    if (s.length > config.micro_batch_capacity) {
+    // With context parallelism a document (no segments) may be up to max_shards capacities
+    // long: it is split over that many ranks (context_parallel.h).
+    const int64_t longest = s.segments.empty() ? config.max_shards * config.micro_batch_capacity
+                                               : config.micro_batch_capacity;
+    if (s.length > longest) {
       return SampleError(
           i, "length",
-          absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds micro_batch_capacity ",
-                       config.micro_batch_capacity, "; split the document or raise the capacity"));
+          config.max_shards > 1
+              ? absl::StrCat(
+                    s.length, " tokens (id ", s.id, ") exceeds ",
+                    s.segments.empty()
+                        ? absl::StrCat("max_shards x micro_batch_capacity = ", config.max_shards,
+                                       " x ", config.micro_batch_capacity)
+                        : absl::StrCat("micro_batch_capacity ", config.micro_batch_capacity,
+                                       " (a pre-packed sample is never split)"),
+                    "; raise max_shards or the capacity, or split the document")
+              : absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds micro_batch_capacity ",
+                             config.micro_batch_capacity,
+                             "; split the document, raise the capacity, or set max_shards > 1 "
+                             "to split it over ranks"));
     }
     if (!(s.sensitivity >= 0.0 && s.sensitivity <= 1.0)) {
       return SampleError(i, "sensitivity", absl::StrCat(s.sensitivity, " is outside [0, 1]"));
@@ -297,7 +448,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     // samples do not count: they are planned next step.
     double keep = default_recall;
     std::vector<double> placed;
-    if (!assignment->deferred.empty()) {
+    if (!assignment->deferred.empty() || !assignment->shards.empty()) {
       placed.assign(batch.size(), 1.0);
       for (int i : assignment->deferred) placed[i] = 0.0;
       keep = TokenWeightedRecall(batch, defaults, recall, placed);
@@ -314,6 +465,13 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     if ((!placed.empty() && TokenWeightedRecall(batch, densities, recall, placed) < keep) ||
         (guarded && !MeetsMinimums(BucketRecalls(batch, densities, recall, placed), minimum))) {
       densities = defaults;
+    }
+    if (!assignment->shards.empty()) {
+      // DST tunes the unsplit samples; the split documents' recall counts towards the guards
+      // at the densities they keep.
+      std::vector<double> items = placed;
+      for (const ShardedDocument& d : assignment->shards) items[d.sample] = 0.0;
+      ItemMinimums(batch, densities, recall, placed, items, &keep, &minimum);
     }
     densities = TuneDensities(batch, *assignment, config, model, recall, densities, keep, minimum);
   }
@@ -345,37 +503,67 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
   plan.ranks.resize(assignment.ranks.size());
   for (RankPlan& rank : plan.ranks) rank.micro_batches.reserve(config.micro_batches);
   double total_raw = 0.0;       // seconds, speed excluded
+  double total_exchange = 0.0;  // the shards' key/value exchange in it
   double largest_sample = 0.0;  // seconds, speed excluded, alone in a micro-batch
   double weighted_density = 0.0;
   double weighted_recall = 0.0;
   double tokens = 0.0;
+  // Shards by (rank, micro-batch): (sample id, split document, shard) in ascending id, the
+  // order every rank of a group runs them in.
+  std::map<std::pair<int, int>, std::vector<std::tuple<uint64_t, int, int>>> shards_at;
+  for (size_t k = 0; k < assignment.shards.size(); ++k) {
+    const ShardedDocument& d = assignment.shards[k];
+    for (size_t j = 0; j < d.group.size(); ++j) {
+      shards_at[{d.group[j], d.micro_batch}].emplace_back(batch[d.sample].id, static_cast<int>(k),
+                                                          static_cast<int>(j));
+    }
+  }
+  for (auto& [at, list] : shards_at) std::sort(list.begin(), list.end());
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankPlan& rank = plan.ranks[r];
-    for (const std::vector<int>& members : assignment.ranks[r]) {
+    for (size_t m = 0; m < assignment.ranks[r].size(); ++m) {
+      const std::vector<int>& members = assignment.ranks[r][m];
       MicroBatchPlan mb;
       mb.default_density = config.density_default;
       mb.samples.reserve(members.size());
       MicroBatchFeatures features;
-      for (int i : members) {
+      // One planned sample (a whole sample, or shard `shard` of split document `split`).
+      auto add = [&](int i, const ShardedDocument* split, int shard) {
         const Sample& s = batch[i];
         PlannedSample& planned = mb.samples.emplace_back();
         planned.id = s.id;
         planned.length = s.length;
         planned.density = densities[i];
         planned.segments = s.segments;
+        if (split != nullptr) {
+          planned.shard_begin = split->cuts[shard];
+          planned.shard_end = split->cuts[shard + 1];
+          planned.shard_index = shard;
+          planned.shard_group = split->group;
+        }
         if (per_layer) {
           planned.layer_densities = LayerDensities(
               s, densities[i], std::min(DensityFloor(s.sensitivity, config), densities[i]), config,
               recall);
         }
-        mb.tokens += s.length;
+        mb.tokens += planned.QueryTokens();
         const MicroBatchFeatures f = model.PlannedSampleFeatures(planned);
         features.active_blocks += f.active_blocks;
         features.tokens += f.tokens;
         features.documents += f.documents;
-        largest_sample =
-            std::max(largest_sample, model.Seconds(f) /* includes the micro-batch term */);
-        const double w = static_cast<double>(s.length);
+        features.exchange_bytes += f.exchange_bytes;
+        total_exchange += model.ExchangeSeconds(f);
+        // The largest indivisible piece: a whole sample, or with splitting allowed a
+        // splittable document's share of it on max_shards ranks (a lower bound on its largest
+        // shard: the exchange and per-shard overheads only add).
+        double piece = model.Seconds(f) /* includes the micro-batch term */;
+        if (config.max_shards > 1 && Splittable(s)) {
+          piece = model.SampleSeconds(s, densities[i]) / config.max_shards;
+        }
+        largest_sample = std::max(largest_sample, piece);
+        // Figures weigh each planned sample by its query tokens: a split document's shards
+        // add up to its length.
+        const double w = static_cast<double>(planned.QueryTokens());
         weighted_density += w * densities[i];
         const double sample_recall = recall.SampleRecall(s, densities[i]);
         weighted_recall += w * sample_recall;
@@ -384,12 +572,20 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         const double g = recall.SampleExponent(s);
         for (int64_t length : planned.Documents()) {
           BucketRecallFigures& b = buckets[RecallBucket(length, config.micro_batch_capacity)];
-          b.tokens += length;
-          const double dw = static_cast<double>(length);
+          const int64_t t = split != nullptr ? planned.QueryTokens() : length;
+          b.tokens += t;
+          const double dw = static_cast<double>(t);
           b.predicted_recall += dw * RecallAt(g, densities[i]);
           b.default_recall += dw * RecallAt(g, defaults[i]);
         }
+      };
+      if (auto it = shards_at.find({static_cast<int>(r), static_cast<int>(m)});
+          it != shards_at.end()) {
+        for (const auto& [id, k, j] : it->second) {
+          add(assignment.shards[k].sample, &assignment.shards[k], j);
+        }
       }
+      for (int i : members) add(i, nullptr, 0);
       const double raw = model.Seconds(features);
       total_raw += raw;
       mb.predicted_seconds = model.speed_factor(static_cast<int>(r)) * raw;
@@ -405,7 +601,10 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     rank_seconds.push_back(plan.ranks[r].predicted_seconds);
     speed_factors.push_back(model.speed_factor(r));
   }
-  plan.lower_bound_seconds = MakespanLowerBound(total_raw, largest_sample, speed_factors);
+  // With splitting allowed the bound's work leaves out the exchange (a plan that splits less
+  // exchanges less) and its largest piece is a splittable document's share (see above).
+  plan.lower_bound_seconds =
+      MakespanLowerBound(total_raw - total_exchange, largest_sample, speed_factors);
   plan.gap =
       plan.lower_bound_seconds > 0 ? plan.makespan_seconds / plan.lower_bound_seconds - 1.0 : 0.0;
   plan.imbalance_ratio = ImbalanceRatio(rank_seconds);
@@ -436,6 +635,7 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
   for (size_t i = 0; i < batch.size(); ++i) index_of[batch[i].id] = i;
   std::vector<int> seen(batch.size(), 0);
   std::map<uint64_t, int> rank_of_group;
+  std::map<size_t, std::vector<PlacedShard>> shards_of;  // by batch index
   if (static_cast<int>(plan.ranks.size()) != config.ranks) {
     return fail("plan has ", plan.ranks.size(), " ranks, config has ", config.ranks);
   }
@@ -456,13 +656,21 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
                       " that is not in the batch");
         }
         const Sample& s = batch[it->second];
-        ++seen[it->second];
+        if (p.sharded()) {
+          if (absl::Status st =
+                  NoteShard(p, it->second, static_cast<int>(r), static_cast<int>(m), &shards_of);
+              !st.ok()) {
+            return st;
+          }
+        } else {
+          ++seen[it->second];
+        }
         if (p.length != s.length || p.segments != s.segments) {
           return fail("sample id ", s.id, " is planned with ", p.length, " tokens in ",
                       p.segments.size(), " segments; the batch has ", s.length, " in ",
                       s.segments.size());
         }
-        tokens += p.length;
+        tokens += p.QueryTokens();
         const double rho = p.density;
         const double floor = DensityFloor(s.sensitivity, config);
         if (!(rho >= floor - kDensitySlack && rho <= config.density_max + kDensitySlack)) {
@@ -496,6 +704,11 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
       }
     }
   }
+  // Every split document: its shards cover its tokens once, in order, on its group.
+  for (auto& [i, shards] : shards_of) {
+    if (absl::Status st = CheckShards(batch[i], config, &shards); !st.ok()) return st;
+    ++seen[i];
+  }
   for (uint64_t id : plan.deferred_ids) {
     auto it = index_of.find(id);
     if (it == index_of.end()) return fail("deferred id ", id, " is not in the batch");
@@ -522,6 +735,10 @@ std::string CanonicalPlanText(const StepPlan& plan) {
         if (!p.segments.empty()) absl::StrAppend(&out, "[", absl::StrJoin(p.segments, ","), "]");
         absl::StrAppend(&out, absl::StrFormat("@%a", p.density));
         for (double d : p.layer_densities) absl::StrAppend(&out, absl::StrFormat("/%a", d));
+        if (p.sharded()) {
+          absl::StrAppend(&out, "{", p.shard_begin, "-", p.shard_end, "#", p.shard_index, "@",
+                          absl::StrJoin(p.shard_group, ","), "}");
+        }
       }
       out += "\n";
     }

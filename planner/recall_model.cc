@@ -217,8 +217,10 @@ absl::Status RecallModel::ObserveStep(const std::vector<RecallObservation>& obse
       return absl::InvalidArgumentError(
           absl::StrCat("observations[", i, "].", field, ": ", what...));
     };
-    if (o.length < 1 || o.length > capacity_) {
-      return error("length", o.length, " tokens is outside [1, ", capacity_, "]");
+    // A document split over ranks (context parallelism) may be up to kMaxShards capacities.
+    if (o.length < 1 || o.length > capacity_ * kMaxShards) {
+      return error("length", o.length, " tokens is outside [1, ", kMaxShards, " x ", capacity_,
+                   "]");
     }
     if (o.layer < -1 || o.layer >= layers_) {
       return error("layer", o.layer, " is outside [-1, ", layers_, ")");

@@ -69,7 +69,7 @@ std::string RecallBucketLabel(int bucket, int64_t capacity);
 
 // One document's measured recall, as the planner folds it in.
 struct RecallObservation {
-  int64_t length = 0;    // the document's tokens, [1, capacity]
+  int64_t length = 0;    // the document's tokens, [1, kMaxShards x capacity]
   int layer = -1;        // 0-based model layer, or -1: all layers together
   double density = 0.0;  // (0, 1]: the density the plan gave it (in that layer)
   double recall = 0.0;   // [0, 1]: measured softmax mass kept
@@ -136,8 +136,9 @@ class RecallModel {
 
   // Folds one step's measurements in (after forgetting the older ones by one step). The whole
   // step is refused, naming observations[i] and the field, if a length is outside
-  // [1, capacity], a layer outside [-1, layers), a density outside (0, 1] or a recall outside
-  // [0, 1] (or not finite); nothing is folded in then.
+  // [1, kMaxShards x capacity] (a split document may exceed the capacity), a layer outside [-1,
+  // layers), a density outside (0, 1] or a recall outside [0, 1] (or not finite); nothing is folded
+  // in then.
   absl::Status ObserveStep(const std::vector<RecallObservation>& observations);
 
   std::vector<RecallCurveSummary> Curves() const;

@@ -175,7 +175,8 @@ struct Tally {
 };
 
 struct RankState {
-  double load = 0.0;  // sum of unit costs
+  double base = 0.0;  // the shards' load, placed before the units (context parallelism)
+  double load = 0.0;  // base plus the sum of unit costs
   double rigid = 0.0;
   double speed = 1.0;    // speed factor h_r: time = speed * load
   int64_t max_free = 0;  // tokens, the most free of one micro-batch
@@ -349,8 +350,11 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
 class Placer {
  public:
   // Places the units of ws (BuildUnits) and keeps its state in ws.
+  // `prefill`, when given, holds the shards already placed (their load and tokens stay), and
+  // `original` the batch index of each of `batch`'s samples (for error messages).
   Placer(const std::vector<Sample>& batch, const PlannerConfig& config,
-         const std::vector<double>& speed, Workspace* ws)
+         const std::vector<double>& speed, Workspace* ws, const ShardLayout* prefill = nullptr,
+         const std::vector<int>* original = nullptr)
       : batch_(batch),
         config_(config),
         micro_batches_(config.micro_batches),
@@ -361,13 +365,22 @@ class Placer {
         placed_(ws->placed),
         placements_(ws->placements),
         least_loaded_(ws->least_loaded),
-        most_loaded_(ws->most_loaded) {
+        most_loaded_(ws->most_loaded),
+        original_(original) {
     ranks_.assign(config.ranks, RankState{});
     for (int r = 0; r < config.ranks; ++r) {
       ranks_[r].speed = speed[r];
       ranks_[r].max_free = config.micro_batch_capacity;
     }
     free_.assign(static_cast<size_t>(config.ranks) * micro_batches_, config.micro_batch_capacity);
+    if (prefill != nullptr) {
+      for (size_t k = 0; k < free_.size(); ++k) free_[k] -= prefill->tokens[k];
+      for (int r = 0; r < config.ranks; ++r) {
+        // Shards keep their density (DST does not tune them): rigid work.
+        ranks_[r].base = ranks_[r].load = ranks_[r].rigid = prefill->rank_load[r];
+        Updated(r);
+      }
+    }
     placed_.assign(free_.size(), 0);
     placements_.clear();
   }
@@ -416,8 +429,9 @@ class Placer {
   std::vector<int64_t>& free_;
   std::vector<int>& placed_;
   std::vector<int>& placements_;
-  RankHeap<false>& least_loaded_;  // kept while balancing (Sequential never reads it)
-  RankHeap<true>& most_loaded_;    // ImproveMaxRank's, which keeps it up to date itself
+  RankHeap<false>& least_loaded_;     // kept while balancing (Sequential never reads it)
+  RankHeap<true>& most_loaded_;       // ImproveMaxRank's, which keeps it up to date itself
+  const std::vector<int>* original_;  // batch index of each sample of batch_, or null
   bool balancing_ = false;
   absl::Status error_;  // the first InRange failure
   // Small scratch reused across calls of the methods below.
@@ -542,7 +556,9 @@ void Placer::Remove(int u, int r) {
   }
   rank.load -= unit.cost;
   rank.rigid -= unit.rigid;
-  if (rank.units == 1) rank.load = rank.rigid = 0.0;  // no drift from +/- rounding
+  if (rank.units == 1) {  // no drift from +/- rounding
+    rank.load = rank.rigid = rank.base;
+  }
   (unit.prev >= 0 ? units_[unit.prev].next : rank.head) = unit.next;
   (unit.next >= 0 ? units_[unit.next].prev : rank.tail) = unit.prev;
   unit.rank = unit.placement = unit.prev = unit.next = -1;
@@ -568,8 +584,8 @@ absl::Status Placer::Overflow(int u, std::vector<int>* deferred) const {
   int64_t total = 0;
   for (const Sample& s : batch_) total += s.length;
   return absl::InvalidArgumentError(absl::StrCat(
-      "samples[", i, "] (id ", batch_[i].id, ", ", batch_[i].length, " tokens",
-      unit.size > 1 ? absl::StrCat(", group ", batch_[i].group) : "",
+      "samples[", original_ != nullptr ? (*original_)[i] : i, "] (id ", batch_[i].id, ", ",
+      batch_[i].length, " tokens", unit.size > 1 ? absl::StrCat(", group ", batch_[i].group) : "",
       ") does not fit: ranks x micro_batches x micro_batch_capacity = ", config_.ranks, " x ",
       config_.micro_batches, " x ", config_.micro_batch_capacity, " tokens for a batch of ", total,
       " tokens; raise micro_batches or micro_batch_capacity, or use overflow policy "
@@ -610,6 +626,9 @@ absl::StatusOr<Assignment> Placer::Sequential() {
 absl::StatusOr<Assignment> Placer::Balanced() {
   balancing_ = true;
   least_loaded_.Reset(config_.ranks);
+  for (int r = 0; r < config_.ranks; ++r) {
+    if (ranks_[r].load > 0) least_loaded_.Update(r, Time(r));  // shards placed before
+  }
   std::vector<int> deferred;
   std::vector<int> candidates;
   // Units come largest first (BuildUnits).
@@ -827,6 +846,44 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
   }
   // Per thread: no sharing between concurrent calls (see Workspace).
   thread_local Workspace workspace;
+  if (config.max_shards > 1) {
+    absl::StatusOr<ShardLayout> layout = PlanShards(batch, config, model, densities, speed);
+    if (!layout.ok()) return layout.status();
+    if (!layout->documents.empty() || !layout->unplaced.empty()) {
+      // The other samples, placed around the shards; indices mapped back to the batch.
+      std::vector<int> original;
+      std::vector<Sample> rest;
+      std::vector<double> rest_densities;
+      std::vector<char> unplaced(batch.size(), 0);
+      for (int i : layout->unplaced) unplaced[i] = 1;
+      for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
+        if (layout->sharded[i] != 0 || unplaced[i] != 0) continue;
+        original.push_back(i);
+        rest.push_back(batch[i]);
+        rest_densities.push_back(densities[i]);
+      }
+      Assignment out;
+      if (rest.empty()) {
+        out.ranks.assign(config.ranks, std::vector<std::vector<int>>(config.micro_batches));
+      } else {
+        BuildUnits(rest, config, model, rest_densities, /*largest_first=*/!sequential, &workspace);
+        Placer placer(rest, config, speed, &workspace, &*layout, &original);
+        absl::StatusOr<Assignment> placed = sequential ? placer.Sequential() : placer.Balanced();
+        if (!placed.ok()) return placed.status();
+        out = *std::move(placed);
+        for (auto& rank : out.ranks) {
+          for (auto& micro_batch : rank) {
+            for (int& i : micro_batch) i = original[i];
+          }
+        }
+        for (int& i : out.deferred) i = original[i];
+      }
+      out.deferred.insert(out.deferred.end(), layout->unplaced.begin(), layout->unplaced.end());
+      std::sort(out.deferred.begin(), out.deferred.end());
+      out.shards = std::move(layout->documents);
+      return out;
+    }
+  }
   BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, &workspace);
   Placer placer(batch, config, speed, &workspace);
   if (sequential) return placer.Sequential();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "planner/context_parallel.h"
 #include "planner/latency_model.h"
 #include "planner/types.h"
 
@@ -16,9 +17,11 @@ namespace sparsebalance {
 
 struct Assignment {
   // ranks[r][m]: indices into the batch of the samples in micro-batch m of rank r, in
-  // placement order.
+  // placement order. A split document is in none of them but in `shards`.
   std::vector<std::vector<std::vector<int>>> ranks;
   std::vector<int> deferred;  // indices of samples left for the next step (kDefer), ascending
+  // Documents split over groups of ranks (context_parallel.h), when config.max_shards > 1.
+  std::vector<ShardedDocument> shards;
 };
 
 // Places every sample (or defers what does not fit under kDefer) by `config.policy`:
@@ -30,7 +33,9 @@ struct Assignment {
 // Balancing policies place the largest first on the rank that minimises its resulting time
 // within token capacity, keep groups on one rank, break near-ties towards the rank with the
 // least untunable (sensitive) work, then improve by moves and swaps between the most and the
-// least loaded rank. The batch and config must be valid (ValidateBatch, ValidateConfig).
+// least loaded rank. With config.max_shards > 1 the documents PlanShards splits are placed
+// first, and the other samples around them. The batch and config must be valid (ValidateBatch,
+// ValidateConfig).
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities);

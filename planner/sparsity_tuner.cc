@@ -4,6 +4,8 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "contract/block_geometry.h"
@@ -252,6 +254,21 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   first_item.back() = items.size();
   for (size_t r = 0; r < ranks_.size(); ++r) {
     ranks_[r].items = ItemRange(items.data() + first_item[r], items.data() + first_item[r + 1]);
+  }
+  // Shards of split documents keep their density: fixed work on each rank of their group, and
+  // the overhead of a micro-batch that holds nothing else.
+  std::set<std::pair<int, int>> shard_only;  // (rank, micro-batch) holding shards alone
+  for (const ShardedDocument& d : assignment.shards) {
+    const Sample& s = batch[d.sample];
+    for (size_t j = 0; j < d.group.size(); ++j) {
+      const int r = d.group[j];
+      RankWork& rank = ranks_[r];
+      rank.fixed += ShardSeconds(model, s.length, d.cuts[j], d.cuts[j + 1], base[d.sample]);
+      if (assignment.ranks[r][d.micro_batch].empty() &&
+          shard_only.insert({r, d.micro_batch}).second) {
+        rank.fixed += coef.per_micro_batch;
+      }
+    }
   }
 }
 

@@ -1,4 +1,5 @@
 // sb-sim: compares batching policies on a simulated cluster. `sb-sim --help` explains.
+#include <algorithm>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -10,18 +11,6 @@
 #include "planner/traces.h"
 #include "sim/simulator.h"
 #include "tools/tool_support.h"
-
-namespace sparsebalance {
-namespace {
-
-std::string AllPolicyNames() {
-  std::vector<std::string> names;
-  for (Policy p : AllPolicies()) names.emplace_back(PolicyName(p));
-  return absl::StrJoin(names, ",");
-}
-
-}  // namespace
-}  // namespace sparsebalance
 
 // Defaults are SimOptions' (sim/simulator.h).
 // Scenario
@@ -61,9 +50,20 @@ ABSL_FLAG(double, bucket_recall_margin, sparsebalance::SimOptions().bucket_recal
           "recall at the default density (1 turns the guard off)");
 ABSL_FLAG(double, document_recall_floor, sparsebalance::SimOptions().document_recall_floor,
           "recall guard: each document's predicted recall at least this, in [0, 1); 0 = off");
-ABSL_FLAG(std::string, policies, sparsebalance::AllPolicyNames(),
-          "the policies to compare, comma-separated, from "
-          "sequential,tokens,flops,sab,dst,sparsebalance");
+ABSL_FLAG(std::string, policies, "",
+          "the policies to compare, comma-separated, from sequential,tokens,flops,sab,dst,"
+          "sparsebalance and the context-parallel rows static-cp, dense-cp and <policy>-cp "
+          "(e.g. sparsebalance-cp); empty: all six, and with --max_shards > 1 the three "
+          "context-parallel rows static-cp,dense-cp,sparsebalance-cp");
+ABSL_FLAG(int, max_shards, sparsebalance::SimOptions().max_shards,
+          "context parallelism of the -cp rows: the most ranks one document is split over "
+          "(1: none). Documents are cut to max_shards x capacity tokens; rows without context "
+          "parallelism cut them to the capacity");
+ABSL_FLAG(double, exchange_gbps, sparsebalance::SimOptions().exchange_bandwidth / 1e9,
+          "hidden truth of the key/value exchange: GB/s per rank (the planner's prior is 25)");
+ABSL_FLAG(double, exchange_latency_us, sparsebalance::SimOptions().exchange_latency * 1e6,
+          "hidden truth of the key/value exchange: microseconds per message (one per layer and "
+          "ring step, each way)");
 ABSL_FLAG(std::string, mode, "mean", "DST target: min | mean | max | quantile:Q");
 ABSL_FLAG(double, density, sparsebalance::SimOptions().density_default,
           "default density every sample gets without tuning");
@@ -129,13 +129,24 @@ Recall truth (hidden; not the planner's form 1 - (1 - rho)^g)
   recall is the hidden true recall, token-weighted, in all and per length bucket, next to the
   planner's prediction. DST floors: density_min + s*(1 - density_min) for the s it is told.
 
+Context parallelism (--max_shards > 1): the -cp rows split documents over groups of ranks
+(planner/context_parallel.h): static-cp splits every document of at least half the capacity
+over max_shards consecutive ranks in equal-token shards (flops placement); dense-cp chooses
+shards and cuts per document and step by dense cost (Megatron-style, flops placement);
+<policy>-cp by predicted sparse cost with the exchange. Hidden exchange truth per shard j:
+2 j layers messages of --exchange_latency_us plus 2 x (tokens before it) x 4 heads head_dim B x
+layers over --exchange_gbps, not scaled by the rank's speed; a micro-batch holding shards starts
+when its group's ranks have all finished their previous micro-batch.
+
 Columns: step = mean step time (slowest rank, seconds); imbalance = max/mean rank compute;
 bubble = idle share of ranks x step time; gap = planned makespan over the lower bound
 (median); recall = hidden true recall (true/predicted per length bucket in the second table);
 pred err = median |predicted - measured| / measured rank time after step 20.
 
 Example (scenario S1 of the README):
-  sb-sim --trace=pretrain --ranks=32 --micro_batches=4 --capacity=131072 --fill=0.85)";
+  sb-sim --trace=pretrain --ranks=32 --micro_batches=4 --capacity=131072 --fill=0.85
+Context parallelism (scenario CP1 of the README):
+  sb-sim --ranks=256 --micro_batches=2 --max_shards=8 --policies=sab,sparsebalance,static-cp,dense-cp,sparsebalance-cp)";
 
 // The options the flags give; a wrong value is a usage error that names its flag.
 SimOptions OptionsFromFlags() {
@@ -166,15 +177,26 @@ SimOptions OptionsFromFlags() {
   o.bucket_recall_margin = absl::GetFlag(FLAGS_bucket_recall_margin);
   o.document_recall_floor = absl::GetFlag(FLAGS_document_recall_floor);
   if (o.recall_rows < 1) tools::UsageError("--recall_rows must be at least 1");
+  o.max_shards = absl::GetFlag(FLAGS_max_shards);
+  if (o.max_shards < 1 || o.max_shards > std::min(o.ranks, kMaxShards)) {
+    tools::UsageError(absl::StrCat("--max_shards=", o.max_shards, " needs [1, min(--ranks ",
+                                   o.ranks, ", ", kMaxShards, ")]"));
+  }
+  o.exchange_bandwidth = absl::GetFlag(FLAGS_exchange_gbps) * 1e9;
+  o.exchange_latency = absl::GetFlag(FLAGS_exchange_latency_us) * 1e-6;
+  if (!(o.exchange_bandwidth > 0) || !(o.exchange_latency >= 0)) {
+    tools::UsageError("--exchange_gbps needs > 0 and --exchange_latency_us >= 0");
+  }
   o.policies.clear();
   const std::string policies = absl::GetFlag(FLAGS_policies);
   for (absl::string_view p : absl::StrSplit(policies, ',', absl::SkipEmpty())) {
-    absl::StatusOr<Policy> policy = ParsePolicy(p);
+    absl::StatusOr<SimPolicy> policy = ParseSimPolicy(p);
     if (!policy.ok()) {
       tools::UsageError(absl::StrCat("--policies=", policies, ": ", policy.status().message()));
     }
     o.policies.push_back(*policy);
   }
+  if (o.policies.empty()) o.policies = DefaultSimPolicies(o.max_shards);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   absl::StatusOr<DstMode> dst_mode = ParseDstMode(mode, &o.quantile);
   if (!dst_mode.ok()) {

@@ -17,6 +17,11 @@
 namespace sparsebalance {
 namespace {
 
+// The row's name: the policy's, or the name the simulator gave a context-parallel row.
+std::string RowName(const PolicyResult& r) {
+  return r.name.empty() ? std::string(PolicyName(r.policy)) : r.name;
+}
+
 // ----------------------------------------------------------------------------------------------
 // Shared number helpers.
 
@@ -110,12 +115,13 @@ Json ScenarioJson(const SimScenario& s) {
   out["recall_rows"] = s.recall_rows;
   out["bucket_recall_margin"] = s.bucket_recall_margin;
   out["document_recall_floor"] = s.document_recall_floor;
+  out["max_shards"] = s.max_shards;
   return out;
 }
 
 Json ResultJson(const PolicyResult& r) {
   Json out;
-  out["policy"] = std::string(PolicyName(r.policy));
+  out["policy"] = RowName(r);
   out["mean_step_seconds"] = r.mean_step_seconds;
   out["speedup_vs_sequential"] = r.speedup_vs_sequential;
   out["speedup_vs_flops"] = r.speedup_vs_flops;
@@ -140,6 +146,8 @@ Json ResultJson(const PolicyResult& r) {
   out["median_gap"] = r.median_gap;
   out["median_prediction_error"] = r.median_prediction_error;
   out["mean_plan_seconds"] = r.mean_plan_seconds;
+  out["split_documents"] = r.split_documents;
+  out["exchange_share"] = r.exchange_share;
   out["step_seconds"] = r.step_seconds;
   out["learned_speed_factors"] = r.learned_speed_factors;
   out["timeline"] = r.timeline;
@@ -291,7 +299,7 @@ void AppendTimelinePanel(const PolicyResult& result, const Axis& axis, double* y
   const PolicyColour colour = ColourOf(result.policy);
   const std::vector<size_t> ranks = DrawnRanks(result.timeline);
   std::string title = absl::StrCat(
-      "<tspan font-weight=\"bold\">", XmlEscape(PolicyName(result.policy)), "</tspan>  last step ",
+      "<tspan font-weight=\"bold\">", XmlEscape(RowName(result)), "</tspan>  last step ",
       std::isfinite(result.timeline_step_seconds)
           ? absl::StrCat(TableSeconds(result.timeline_step_seconds), " s")
           : "not measured");
@@ -394,8 +402,8 @@ void AppendStepChart(const SimReport& report, double* y, std::string* out) {
     absl::StrAppend(out, "<line x1=\"", Px(x), "\" y1=\"", Px(row_y), "\" x2=\"", Px(x + 18),
                     "\" y2=\"", Px(row_y), "\" stroke=\"", ColourOf(result.policy).dark,
                     "\" stroke-width=\"3\"/><text x=\"", Px(x + 23), "\" y=\"", Px(row_y + 4),
-                    "\">", XmlEscape(PolicyName(result.policy)), " ",
-                    TableSeconds(result.mean_step_seconds), " s</text>\n");
+                    "\">", XmlEscape(RowName(result)), " ", TableSeconds(result.mean_step_seconds),
+                    " s</text>\n");
   }
   const size_t legend_rows = (report.results.size() + per_row - 1) / per_row;
   *y += static_cast<double>(legend_rows) * 16 + 10;
@@ -481,7 +489,49 @@ std::string ScenarioDetails(const SimScenario& s) {
                                           s.cost_truth, s.sensitivity_prior, s.recall_rows,
                                           s.bucket_recall_margin, s.document_recall_floor));
   }
+  if (s.max_shards > 1) {
+    absl::StrAppend(&out, absl::StrFormat("; context parallelism up to %d ranks", s.max_shards));
+  }
   return out;
+}
+
+// Context parallelism: for each row that splits documents, the documents split per step and
+// the exchange's share of rank time; then sparsebalance-cp against sparsebalance and dense-cp,
+// and its gap to the bound with splitting, when those rows ran.
+void AppendContextParallelLines(const SimReport& report, std::string* out) {
+  const PolicyResult* cp = nullptr;
+  const PolicyResult* plain = nullptr;
+  const PolicyResult* dense = nullptr;
+  std::vector<std::vector<std::string>> rows = {
+      {"context parallel", "split docs/step", "exchange share", "gap(median)"}};
+  for (const PolicyResult& r : report.results) {
+    const std::string name = RowName(r);
+    if (name == "sparsebalance-cp") cp = &r;
+    if (name == "sparsebalance") plain = &r;
+    if (name == "dense-cp") dense = &r;
+    if (name.size() > 3 && name.substr(name.size() - 3) == "-cp") {
+      rows.push_back({name, absl::StrFormat("%.1f", r.split_documents),
+                      TablePercent(r.exchange_share), TablePercent(r.median_gap)});
+    }
+  }
+  if (rows.size() == 1) return;
+  absl::StrAppend(out, "\n");
+  AppendAlignedRows(rows, out);
+  if (cp != nullptr) {
+    std::string line = "sparsebalance-cp:";
+    if (plain != nullptr) {
+      absl::StrAppend(&line, absl::StrFormat(" %.3fx faster than sparsebalance;",
+                                             plain->mean_step_seconds / cp->mean_step_seconds));
+    }
+    if (dense != nullptr) {
+      absl::StrAppend(&line, absl::StrFormat(" %.3fx faster than dense-cp;",
+                                             dense->mean_step_seconds / cp->mean_step_seconds));
+    }
+    absl::StrAppend(&line, absl::StrFormat(" planned makespan %s above the bound with splitting "
+                                           "(median)\n",
+                                           TablePercent(cp->median_gap)));
+    absl::StrAppend(out, line);
+  }
 }
 
 // The per-bucket recall table: for each policy and length bucket the hidden true recall and,
@@ -491,7 +541,7 @@ void AppendBucketTable(const SimReport& report, std::string* out) {
   std::vector<int> shown;
   const PolicyResult* sequential = nullptr;
   for (const PolicyResult& r : report.results) {
-    if (r.policy == Policy::kSequential) sequential = &r;
+    if (r.policy == Policy::kSequential && RowName(r) == PolicyName(r.policy)) sequential = &r;
   }
   if (report.results.empty()) return;
   const size_t buckets = report.results.front().buckets.size();
@@ -511,7 +561,7 @@ void AppendBucketTable(const SimReport& report, std::string* out) {
   if (sequential != nullptr) header.push_back("worst vs seq");
   std::vector<std::vector<std::string>> rows = {header};
   for (const PolicyResult& r : report.results) {
-    std::vector<std::string> row = {std::string(PolicyName(r.policy))};
+    std::vector<std::string> row = {RowName(r)};
     double worst = std::numeric_limits<double>::infinity();
     for (int b : shown) {
       if (static_cast<size_t>(b) >= r.buckets.size() || !(r.buckets[b].tokens > 0.0)) {
@@ -552,7 +602,7 @@ std::string FormatTable(const SimReport& report) {
                                                  "imbalance", "bubble", "density", "recall",
                                                  "gap(median)", "pred err(median)", "plan ms"}};
   for (const PolicyResult& r : report.results) {
-    const std::string name(PolicyName(r.policy));
+    const std::string name = RowName(r);
     rows.push_back({name, TableSeconds(r.mean_step_seconds), TableRatio(r.speedup_vs_sequential, 2),
                     r.speedup_vs_flops == 0.0 ? "-" : TableRatio(r.speedup_vs_flops, 2),
                     TableRatio(r.imbalance_ratio, 3), TablePercent(r.bubble_ratio),
@@ -569,6 +619,7 @@ std::string FormatTable(const SimReport& report) {
       "bubble: idle share\nof ranks x step time; density, recall: token-weighted (recall: the "
       "hidden true recall);\ngap: planned makespan over lower bound; pred err: |predicted - "
       "measured| / measured rank\ntime; plan ms: planner wall time per step.\n");
+  AppendContextParallelLines(report, &out);
   AppendBucketTable(report, &out);
   return out;
 }

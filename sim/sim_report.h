@@ -33,6 +33,7 @@ struct SimScenario {
   int recall_rows = 0;                // query rows per simulated recall measurement
   double bucket_recall_margin = 0.0;  // the planner's recall guards
   double document_recall_floor = 0.0;
+  int max_shards = 1;  // context parallelism of the "-cp" rows
 };
 
 // Recall of one length bucket (planner/recall_model.h's buckets) under one policy, over all
@@ -54,20 +55,25 @@ struct BucketRecallResult {
 // Results of one policy, measured by the simulator's hidden ground truth.
 struct PolicyResult {
   Policy policy = Policy::kSequential;
+  std::string name;                  // the row's name (SimPolicyName); empty: PolicyName(policy)
   std::vector<double> step_seconds;  // measured step time (slowest rank) per step
   double mean_step_seconds = 0.0;
-  double speedup_vs_sequential = 0.0;         // mean step time of sequential / this
-  double speedup_vs_flops = 0.0;              // 0 when flops did not run
-  double imbalance_ratio = 0.0;               // mean over steps of max/mean rank compute
-  double bubble_ratio = 0.0;                  // mean over steps of idle / (ranks x step time)
-  double mean_density = 0.0;                  // token-weighted, over all steps
-  double mean_recall = 0.0;                   // token-weighted hidden TRUE recall, over all steps
-  double mean_predicted_recall = 0.0;         // token-weighted, the planner's recall model
-  std::vector<BucketRecallResult> buckets;    // all kRecallBuckets, ascending
-  double median_gap = 0.0;                    // median over steps of planned makespan / bound - 1
-  double median_prediction_error = 0.0;       // median |predicted - measured| / measured rank time,
-                                              // over steps after the warm-up (see sb-sim --help)
-  double mean_plan_seconds = 0.0;             // wall time of the planner per step
+  double speedup_vs_sequential = 0.0;       // mean step time of sequential / this
+  double speedup_vs_flops = 0.0;            // 0 when flops did not run
+  double imbalance_ratio = 0.0;             // mean over steps of max/mean rank compute
+  double bubble_ratio = 0.0;                // mean over steps of idle / (ranks x step time)
+  double mean_density = 0.0;                // token-weighted, over all steps
+  double mean_recall = 0.0;                 // token-weighted hidden TRUE recall, over all steps
+  double mean_predicted_recall = 0.0;       // token-weighted, the planner's recall model
+  std::vector<BucketRecallResult> buckets;  // all kRecallBuckets, ascending
+  double median_gap = 0.0;                  // median over steps of planned makespan / bound - 1
+  double median_prediction_error = 0.0;     // median |predicted - measured| / measured rank time,
+                                            // over steps after the warm-up (see sb-sim --help)
+  double mean_plan_seconds = 0.0;           // wall time of the planner per step
+  // Context parallelism: split documents per step (mean) and the share of rank time spent
+  // exchanging keys and values.
+  double split_documents = 0.0;
+  double exchange_share = 0.0;
   std::vector<double> learned_speed_factors;  // per rank, at the end of the run
   // One step's timeline (the last): [rank][micro_batch] measured seconds, run back to back.
   std::vector<std::vector<double>> timeline;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "contract/block_geometry.h"
 #include "contract/step_figures.h"
@@ -40,13 +42,15 @@ struct BucketTotals {
 constexpr RecallModelOptions kTruthFit{/*forgetting=*/1.0, /*prior_documents=*/0.0};
 
 struct PolicyRun {
-  PolicyRun(Policy policy, const ValidConfig& config, const CostCoefficients& prior)
-      : policy(policy),
+  PolicyRun(const SimPolicy& row, const ValidConfig& config, const CostCoefficients& prior)
+      : policy(row.policy),
+        row(row),
         config(config),
         model(config.get().shape, config.get().ranks, prior),
         recall(config.get().micro_batch_capacity, config.get().shape.layers),
         truth_fit(config.get().micro_batch_capacity, config.get().shape.layers, kTruthFit) {}
   Policy policy;
+  SimPolicy row;
   ValidConfig config;
   LatencyModel model;
   RecallModel recall;
@@ -63,6 +67,9 @@ struct PolicyRun {
   double weighted_density = 0.0;
   double weighted_recall = 0.0;
   double weighted_predicted_recall = 0.0;
+  double split_documents = 0.0;  // over all steps
+  double exchange_seconds = 0.0;
+  double compute_seconds = 0.0;
 };
 
 // Seconds of the attention of one document of the efficiency truth, over a A(L, rho).
@@ -80,6 +87,43 @@ double LayerDensity(const PlannedSample& p, int layer) {
 }
 
 }  // namespace
+
+std::string SimPolicyName(const SimPolicy& p) {
+  if (!p.context_parallel) return std::string(PolicyName(p.policy));
+  if (p.policy == Policy::kFlops && p.shard_policy == ShardPolicy::kStatic) return "static-cp";
+  if (p.policy == Policy::kFlops && p.shard_policy == ShardPolicy::kDense) return "dense-cp";
+  return absl::StrCat(PolicyName(p.policy), "-cp",
+                      p.shard_policy == ShardPolicy::kSparse
+                          ? ""
+                          : absl::StrCat(":", ShardPolicyName(p.shard_policy)));
+}
+
+absl::StatusOr<SimPolicy> ParseSimPolicy(absl::string_view name) {
+  if (name == "static-cp") return SimPolicy(Policy::kFlops, ShardPolicy::kStatic);
+  if (name == "dense-cp") return SimPolicy(Policy::kFlops, ShardPolicy::kDense);
+  if (absl::EndsWith(name, "-cp")) {
+    absl::StatusOr<Policy> p = ParsePolicy(name.substr(0, name.size() - 3));
+    if (p.ok()) return SimPolicy(*p, ShardPolicy::kSparse);
+  } else if (absl::StatusOr<Policy> p = ParsePolicy(name); p.ok()) {
+    return SimPolicy(*p);
+  }
+  std::vector<std::string> names;
+  for (Policy p : AllPolicies()) names.emplace_back(PolicyName(p));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown policy \"", name, "\"; choose one of: ", absl::StrJoin(names, ", "),
+      ", static-cp, dense-cp, or a policy with -cp (sparse-cost context parallelism, e.g. "
+      "sparsebalance-cp)"));
+}
+
+std::vector<SimPolicy> DefaultSimPolicies(int max_shards) {
+  std::vector<SimPolicy> out(AllPolicies().begin(), AllPolicies().end());
+  if (max_shards > 1) {
+    out.emplace_back(Policy::kFlops, ShardPolicy::kStatic);
+    out.emplace_back(Policy::kFlops, ShardPolicy::kDense);
+    out.emplace_back(Policy::kSparseBalance, ShardPolicy::kSparse);
+  }
+  return out;
+}
 
 absl::string_view CostTruthName(CostTruth truth) {
   return truth == CostTruth::kLinear ? "linear" : "efficiency";
@@ -129,6 +173,23 @@ double TrueOtherSeconds(const SimOptions& o, const CostCoefficients& c, int64_t 
 double TrueDocumentSeconds(const SimOptions& o, int64_t length, double density) {
   const CostCoefficients c = GroundTruthCoefficients(o);
   return TrueAttentionSeconds(o, c, length, density) + TrueOtherSeconds(o, c, length);
+}
+
+double TrueShardSeconds(const SimOptions& o, int64_t length, int64_t begin, int64_t end,
+                        double density) {
+  const CostCoefficients c = GroundTruthCoefficients(o);
+  const int block = o.shape.block_size;
+  const double blocks = static_cast<double>(ActiveBlocksInRows(
+      begin / block, QueryBlocks(std::min(end, length), block), density, o.shape.local_blocks));
+  const double attention = o.cost_truth == CostTruth::kLinear
+                               ? c.per_block * blocks
+                               : c.per_block * blocks * EfficiencyFactor(length, density);
+  return attention + TrueOtherSeconds(o, c, end - begin);
+}
+
+double TrueExchangeSeconds(const SimOptions& o, int index, int64_t begin) {
+  return 2.0 * index * o.shape.layers * o.exchange_latency +
+         ShardExchangeBytes(o.shape, begin) / o.exchange_bandwidth;
 }
 
 HiddenRecallCurve DrawHiddenRecallCurve(uint64_t seed, uint64_t sample_id, int document,
@@ -230,6 +291,20 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   if (!(o.noise >= 0.0 && o.noise < 1.0)) return absl::InvalidArgumentError("--noise needs [0, 1)");
   if (!(o.slow_factor > 0.0)) return absl::InvalidArgumentError("--slow_factor needs > 0");
   if (o.policies.empty()) return absl::InvalidArgumentError("--policies names no policy");
+  if (o.max_shards < 1 || o.max_shards > std::min(o.ranks, kMaxShards)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_shards=", o.max_shards, " needs [1, min(--ranks ", o.ranks, ", ", kMaxShards, ")]"));
+  }
+  if (!(o.exchange_bandwidth > 0) || !(o.exchange_latency >= 0)) {
+    return absl::InvalidArgumentError(
+        "the exchange truth needs a bandwidth > 0 and a latency >= 0");
+  }
+  for (const SimPolicy& p : o.policies) {
+    if (p.context_parallel && o.max_shards < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--policies names ", SimPolicyName(p), ", which splits documents: set --max_shards > 1"));
+    }
+  }
   if (o.recall_rows < 1) return absl::InvalidArgumentError("--recall_rows must be at least 1");
   if (!(o.sensitivity_noise >= 0.0 && std::isfinite(o.sensitivity_noise))) {
     return absl::InvalidArgumentError("--sensitivity_prior=noisy:SD needs SD >= 0");
@@ -258,9 +333,13 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
 
   std::vector<PolicyRun> runs;
   runs.reserve(o.policies.size());
-  for (Policy p : o.policies) {
+  for (const SimPolicy& p : o.policies) {
     PlannerConfig c = planner_config;
-    c.policy = p;
+    c.policy = p.policy;
+    if (p.context_parallel) {
+      c.max_shards = o.max_shards;
+      c.shard_policy = p.shard_policy;
+    }
     absl::StatusOr<ValidConfig> valid = ValidConfig::Check(c);
     if (!valid.ok()) return valid.status();
     runs.emplace_back(p, *valid, *prior);
@@ -271,10 +350,11 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   for (int step = 0; step < o.steps; ++step) {
     std::vector<Sample> fresh = generator->NextBatch(budget);
     for (Sample& s : fresh) {
-      // Documents longer than a micro-batch cannot be trained on as they are; a real pipeline
-      // truncates them, and so does the simulator.
-      if (s.length > o.capacity) {
-        s.length = o.capacity;
+      // Documents longer than the longest a row can train (max_shards micro-batches) are cut
+      // to it, as a real pipeline truncates them; rows without context parallelism cut them
+      // further to one micro-batch below.
+      if (s.length > o.max_shards * o.capacity) {
+        s.length = o.max_shards * o.capacity;
         s.segments.clear();
       }
       // The planner is told the sensitivity only as --sensitivity_prior says.
@@ -297,6 +377,14 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       std::vector<Sample> batch = std::move(run.carried);
       run.carried.clear();
       batch.insert(batch.end(), fresh.begin(), fresh.end());
+      if (!run.row.context_parallel) {
+        for (Sample& s : batch) {
+          if (s.length > o.capacity) {
+            s.length = o.capacity;
+            s.segments.clear();
+          }
+        }
+      }
       std::map<uint64_t, const Sample*> by_id;  // to carry deferred samples to the next step
       for (const Sample& s : batch) by_id[s.id] = &s;
 
@@ -314,30 +402,38 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
       // Execute with the hidden truth. Noise per micro-batch and per recall measurement comes
       // from streams that depend on the seed, the step and the policy only (not on which other
       // policies run), so a policy's figures are the same whatever --policies lists.
-      Rng noise(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 1000),
-                         static_cast<uint64_t>(run.policy)));
-      Rng measurement(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 500000),
-                               static_cast<uint64_t>(run.policy)));
+      // A context-parallel row has a stream of its own (its policy number plus 16 per shard
+      // policy), so the rows without it keep their figures.
+      const uint64_t stream =
+          static_cast<uint64_t>(run.policy) +
+          (run.row.context_parallel ? 16 * (static_cast<uint64_t>(run.row.shard_policy) + 1) : 0);
+      Rng noise(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 1000), stream));
+      Rng measurement(Rng::Mix(Rng::Mix(o.seed, static_cast<uint64_t>(step) + 500000), stream));
       std::vector<Observation> observations;
       std::vector<RecallObservation> recall_observations;
       std::vector<RecallObservation> true_observations;
       std::vector<double> compute(o.ranks, 0.0);
       double placed_tokens = 0.0;
       std::vector<std::vector<double>> timeline(o.ranks);
+      std::vector<std::vector<double>> seconds_of(o.ranks);  // [rank][micro-batch]
       for (int r = 0; r < o.ranks; ++r) {
         const RankPlan& rank = plan->ranks[r];
+        seconds_of[r].assign(rank.micro_batches.size(), 0.0);
         for (size_t m = 0; m < rank.micro_batches.size(); ++m) {
           const MicroBatchPlan& mb = rank.micro_batches[m];
           double truth_seconds = 0.0;
+          double exchange_seconds = 0.0;
           for (const PlannedSample& ps : mb.samples) {
             const Sample& sample = *by_id[ps.id];
             const double planner_sensitivity = sample.sensitivity;
             const double sensitivity = hidden_sensitivity[ps.id];
             const int layers = ps.layer_densities.empty() ? 0 : o.shape.layers;
             const std::vector<int64_t> documents = ps.Documents();
+            if (ps.sharded() && ps.shard_index == 0) run.split_documents += 1.0;
             for (size_t d = 0; d < documents.size(); ++d) {
               const int64_t length = documents[d];
-              const double w = static_cast<double>(length);
+              // A shard weighs its query tokens: a split document's shards add up to it.
+              const double w = static_cast<double>(ps.sharded() ? ps.QueryTokens() : length);
               const HiddenRecallCurve curve =
                   DrawHiddenRecallCurve(o.seed, ps.id, static_cast<int>(d), length, sensitivity);
               // Cost and recall in every layer: one pass at `density`, or the layers' mean.
@@ -347,11 +443,18 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
               for (int l = 0; l < passes; ++l) {
                 const double rho = LayerDensity(ps, layers > 0 ? l : -1);
                 recall += TrueRecall(curve, KeptShare(length, rho, o.shape));
-                attention += TrueAttentionSeconds(o, truth_coef, length, rho);
+                attention += ps.sharded()
+                                 ? TrueShardSeconds(o, length, ps.shard_begin, ps.shard_end, rho)
+                                 : TrueAttentionSeconds(o, truth_coef, length, rho);
               }
               recall /= passes;
               attention /= passes;
-              truth_seconds += attention + TrueOtherSeconds(o, truth_coef, length);
+              if (ps.sharded()) {  // TrueShardSeconds counts the shard's other work already
+                truth_seconds += attention;
+                exchange_seconds += TrueExchangeSeconds(o, ps.shard_index, ps.shard_begin);
+              } else {
+                truth_seconds += attention + TrueOtherSeconds(o, truth_coef, length);
+              }
               const double predicted =
                   RecallAt(run.recall.Exponent(length, planner_sensitivity), ps.density);
               run.weighted_density += w * ps.density;
@@ -373,15 +476,42 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
           double seconds = 0.0;
           if (!mb.samples.empty()) {
             const double factor = std::max(kMinNoiseFactor, 1.0 + o.noise * noise.Normal());
-            seconds = speed[r] * (truth_seconds + truth_coef.per_micro_batch) * factor;
-            observations.push_back({r, static_cast<int>(m), run.model.PlanFeatures(mb), seconds});
+            // The network is not the GPU: the exchange is not scaled by the rank's speed.
+            seconds = speed[r] * (truth_seconds + truth_coef.per_micro_batch) * factor +
+                      exchange_seconds * factor;
+            observations.push_back({r, static_cast<int>(m), run.model.PlanFeatures(mb), seconds,
+                                    exchange_seconds * factor});
+            run.exchange_seconds += exchange_seconds * factor;
           }
           compute[r] += seconds;
+          seconds_of[r][m] = seconds;
           timeline[r].push_back(seconds);
         }
       }
+      run.compute_seconds += std::accumulate(compute.begin(), compute.end(), 0.0);
       run.tokens += placed_tokens;
-      const double step_seconds = *std::max_element(compute.begin(), compute.end());
+      // The step ends when the last rank does. A micro-batch that holds shards starts when every
+      // rank of its groups (and of groups linked to them through a shared rank) has finished
+      // its previous micro-batch: the shards exchange with each other from their start.
+      std::vector<double> finish(o.ranks, 0.0);
+      const size_t micro_batches = static_cast<size_t>(o.micro_batches);
+      for (size_t m = 0; m < micro_batches; ++m) {
+        std::vector<int> parent(o.ranks);
+        for (int r = 0; r < o.ranks; ++r) parent[r] = r;
+        auto find = [&](int r) {
+          while (parent[r] != r) r = parent[r] = parent[parent[r]];
+          return r;
+        };
+        for (int r = 0; r < o.ranks; ++r) {
+          for (const PlannedSample& ps : plan->ranks[r].micro_batches[m].samples) {
+            for (int peer : ps.shard_group) parent[find(peer)] = find(r);
+          }
+        }
+        std::vector<double> start(o.ranks, 0.0);
+        for (int r = 0; r < o.ranks; ++r) start[find(r)] = std::max(start[find(r)], finish[r]);
+        for (int r = 0; r < o.ranks; ++r) finish[r] = start[find(r)] + seconds_of[r][m];
+      }
+      const double step_seconds = *std::max_element(finish.begin(), finish.end());
       run.result.step_seconds.push_back(step_seconds);
       run.imbalance.push_back(ImbalanceRatio(compute));
       run.bubble.push_back(BubbleRatio(compute));
@@ -429,6 +559,7 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   sc.recall_rows = o.recall_rows;
   sc.bucket_recall_margin = o.bucket_recall_margin;
   sc.document_recall_floor = o.document_recall_floor;
+  sc.max_shards = o.max_shards;
   double sequential_mean = 0.0;
   double flops_mean = 0.0;
   for (PolicyRun& run : runs) {
@@ -463,9 +594,14 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
     r.median_gap = Quantile(run.gaps, 0.5);
     r.median_prediction_error = Quantile(run.errors, 0.5);
     r.mean_plan_seconds = run.plan_seconds / o.steps;
+    r.name = SimPolicyName(run.row);
+    r.split_documents = run.split_documents / o.steps;
+    r.exchange_share = run.compute_seconds > 0 ? run.exchange_seconds / run.compute_seconds : 0.0;
     r.learned_speed_factors = run.model.speed_factors();
-    if (run.policy == Policy::kSequential) sequential_mean = r.mean_step_seconds;
-    if (run.policy == Policy::kFlops) flops_mean = r.mean_step_seconds;
+    if (!run.row.context_parallel && run.policy == Policy::kSequential) {
+      sequential_mean = r.mean_step_seconds;
+    }
+    if (!run.row.context_parallel && run.policy == Policy::kFlops) flops_mean = r.mean_step_seconds;
   }
   for (PolicyRun& run : runs) {
     PolicyResult& r = run.result;

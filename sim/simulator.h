@@ -61,6 +61,27 @@ absl::StatusOr<CostTruth> ParseCostTruth(absl::string_view text);
 // --sensitivity_prior otherwise.
 absl::StatusOr<SensitivityPrior> ParseSensitivityPrior(absl::string_view text, double* sd);
 
+// A row of the comparison: a placement policy, alone or with context parallelism (documents
+// split over up to SimOptions::max_shards ranks by a ShardPolicy). A Policy alone converts.
+struct SimPolicy {
+  SimPolicy(Policy p = Policy::kSparseBalance)  // NOLINT(google-explicit-constructor): a row
+      : policy(p) {}
+  SimPolicy(Policy p, ShardPolicy shards)
+      : policy(p), context_parallel(true), shard_policy(shards) {}
+  Policy policy;
+  bool context_parallel = false;
+  ShardPolicy shard_policy = ShardPolicy::kSparse;
+};
+// "sequential", ..., "sparsebalance" alone; "static-cp" (flops placement, static context
+// parallelism), "dense-cp" (flops placement, dense-cost dynamic context parallelism, as
+// Megatron's), and "<policy>-cp" (the policy with sparse-cost context parallelism, e.g.
+// "sparsebalance-cp").
+std::string SimPolicyName(const SimPolicy& policy);
+// INVALID_ARGUMENT naming the choices otherwise.
+absl::StatusOr<SimPolicy> ParseSimPolicy(absl::string_view name);
+// All policies, then with max_shards > 1 static-cp, dense-cp and sparsebalance-cp.
+std::vector<SimPolicy> DefaultSimPolicies(int max_shards);
+
 struct SimOptions {
   std::string trace = "pretrain";          // built-in name, or a label for `trace_records`
   std::vector<TraceRecord> trace_records;  // when non-empty, the trace (from a file)
@@ -70,7 +91,15 @@ struct SimOptions {
   int64_t capacity = 131072;  // tokens per micro-batch
   double fill = 0.85;         // share of ranks x micro-batches x capacity per step
   int steps = 30;
-  std::vector<Policy> policies = AllPolicies();
+  std::vector<SimPolicy> policies = DefaultSimPolicies(1);
+  // Context parallelism of the "-cp" rows: the most ranks a document is split over. The
+  // trace's documents are cut to max_shards x capacity tokens (a row without context
+  // parallelism cuts them to the capacity: what it can train).
+  int max_shards = 1;
+  // The hidden truth of the key/value exchange: bytes per second per rank and seconds per
+  // message (one per layer and ring step, each way).
+  double exchange_bandwidth = 40e9;
+  double exchange_latency = 20e-6;
   DstMode mode = DstMode::kMean;
   double quantile = 0.5;
   int slow_ranks = 0;
@@ -122,6 +151,16 @@ double TrueRecall(const HiddenRecallCurve& curve, double kept_share);
 
 // The profile table the planner starts from when none is given (see SimOptions::profile).
 ProfileTable SyntheticProfile(const SimOptions& options);
+// The truth's seconds of shard [begin, end) of a document of `length` tokens at `density`
+// (block-aligned begin): its rows' attention, its tokens' other work and a per-document
+// overhead (as TrueDocumentSeconds), without the exchange.
+double TrueShardSeconds(const SimOptions& options, int64_t length, int64_t begin, int64_t end,
+                        double density);
+// The truth's exchange seconds of shard `index` of a document whose shard starts at token
+// `begin`: 2 x index x layers messages of exchange_latency, plus ShardExchangeBytes over
+// exchange_bandwidth.
+double TrueExchangeSeconds(const SimOptions& options, int index, int64_t begin);
+
 // Ranks that run slow_factor times slower: spread evenly over the ranks.
 std::vector<int> SlowRanks(const SimOptions& options);
 

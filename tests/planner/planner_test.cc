@@ -482,8 +482,8 @@ TEST(CompletePlannedSamplesTest, FillsAnOlderPlannersSamplesFromTheBatch) {
   batch[1].segments = {600, 400};
   // As MicroBatchFromProto reads an older planner's message: ids and densities only.
   std::vector<MicroBatchPlan> plan(2);
-  plan[0].samples = {{101, 0, 0.3, {}, {}}, {100, 0, 0.5, {}, {}}};
-  plan[1].samples = {{102, 0, 0.2, {}, {}}};
+  plan[0].samples = {{101, 0, 0.3, {}, {}, 0, 0, 0, {}}, {100, 0, 0.5, {}, {}, 0, 0, 0, {}}};
+  plan[1].samples = {{102, 0, 0.2, {}, {}, 0, 0, 0, {}}};
   ASSERT_TRUE(CompletePlannedSamples(batch, &plan).ok());
   EXPECT_EQ(plan[0].samples[0].length, 1000);
   EXPECT_EQ(plan[0].samples[0].segments, (std::vector<int64_t>{600, 400}));
@@ -500,14 +500,14 @@ TEST(CompletePlannedSamplesTest, FillsAnOlderPlannersSamplesFromTheBatch) {
 TEST(CompletePlannedSamplesTest, ErrorsNameTheMicroBatchSampleAndField) {
   const std::vector<Sample> batch = UniformBatch(2, 1000);
   std::vector<MicroBatchPlan> plan(2);
-  plan[1].samples = {{100, 1000, 0.3, {}, {}}, {999, 0, 0.3, {}, {}}};
+  plan[1].samples = {{100, 1000, 0.3, {}, {}, 0, 0, 0, {}}, {999, 0, 0.3, {}, {}, 0, 0, 0, {}}};
   EXPECT_THAT(std::string(CompletePlannedSamples(batch, &plan).message()),
               AllOf(HasSubstr("micro_batches[1].samples[1].id"), HasSubstr("999")));
-  plan[1].samples[1] = {101, 1200, 0.3, {}, {}};
+  plan[1].samples[1] = {101, 1200, 0.3, {}, {}, 0, 0, 0, {}};
   EXPECT_THAT(
       std::string(CompletePlannedSamples(batch, &plan).message()),
       AllOf(HasSubstr("micro_batches[1].samples[1].length"), HasSubstr("1200"), HasSubstr("1000")));
-  plan[1].samples[1] = {101, 1000, 0.3, {400, 600}, {}};
+  plan[1].samples[1] = {101, 1000, 0.3, {400, 600}, {}, 0, 0, 0, {}};
   EXPECT_THAT(std::string(CompletePlannedSamples(batch, &plan).message()),
               AllOf(HasSubstr("micro_batches[1].samples[1].segments"), HasSubstr("[400,600]")));
 }

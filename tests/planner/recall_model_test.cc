@@ -110,14 +110,15 @@ TEST(RecallModelTest, RefusesABadObservationNamingItAndKeepsTheState) {
     RecallObservation o;
     const char* field;
   };
-  for (const Bad& bad : std::vector<Bad>{{{0, -1, 0.3, 0.5}, "observations[1].length"},
-                                         {{kCapacity + 1, -1, 0.3, 0.5}, "observations[1].length"},
-                                         {{100, 4, 0.3, 0.5}, "observations[1].layer"},
-                                         {{100, -2, 0.3, 0.5}, "observations[1].layer"},
-                                         {{100, -1, 0.0, 0.5}, "observations[1].density"},
-                                         {{100, -1, NAN, 0.5}, "observations[1].density"},
-                                         {{100, -1, 0.3, 1.5}, "observations[1].recall"},
-                                         {{100, -1, 0.3, NAN}, "observations[1].recall"}}) {
+  for (const Bad& bad :
+       std::vector<Bad>{{{0, -1, 0.3, 0.5}, "observations[1].length"},
+                        {{kMaxShards * kCapacity + 1, -1, 0.3, 0.5}, "observations[1].length"},
+                        {{100, 4, 0.3, 0.5}, "observations[1].layer"},
+                        {{100, -2, 0.3, 0.5}, "observations[1].layer"},
+                        {{100, -1, 0.0, 0.5}, "observations[1].density"},
+                        {{100, -1, NAN, 0.5}, "observations[1].density"},
+                        {{100, -1, 0.3, 1.5}, "observations[1].recall"},
+                        {{100, -1, 0.3, NAN}, "observations[1].recall"}}) {
     const absl::Status s = model.ObserveStep({{100, -1, 0.3, 0.5}, bad.o});
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find(bad.field), absl::string_view::npos) << s.message();

@@ -340,12 +340,26 @@ TEST(FormatJsonTest, ParsesAndHasEveryField) {
   ASSERT_TRUE(json.is_object()) << FormatJson(report);
   ASSERT_TRUE(json.contains("scenario"));
   const Json& scenario = json["scenario"];
-  EXPECT_EQ(Keys(scenario),
-            (std::vector<std::string>{"trace", "pack_length", "ranks", "micro_batches", "capacity",
-                                      "fill", "steps", "mode", "slow_ranks", "slow_factor", "noise",
-                                      "seed", "density_default", "density_min", "cost_truth",
-                                      "sensitivity_prior", "recall_rows", "bucket_recall_margin",
-                                      "document_recall_floor"}));
+  EXPECT_EQ(Keys(scenario), (std::vector<std::string>{"trace",
+                                                      "pack_length",
+                                                      "ranks",
+                                                      "micro_batches",
+                                                      "capacity",
+                                                      "fill",
+                                                      "steps",
+                                                      "mode",
+                                                      "slow_ranks",
+                                                      "slow_factor",
+                                                      "noise",
+                                                      "seed",
+                                                      "density_default",
+                                                      "density_min",
+                                                      "cost_truth",
+                                                      "sensitivity_prior",
+                                                      "recall_rows",
+                                                      "bucket_recall_margin",
+                                                      "document_recall_floor",
+                                                      "max_shards"}));
   EXPECT_EQ(scenario["mode"], "quantile:0.75");
   EXPECT_EQ(scenario["capacity"], 131072);
 
@@ -359,8 +373,8 @@ TEST(FormatJsonTest, ParsesAndHasEveryField) {
                   "policy", "mean_step_seconds", "speedup_vs_sequential", "speedup_vs_flops",
                   "imbalance_ratio", "bubble_ratio", "mean_density", "mean_recall",
                   "mean_predicted_recall", "buckets", "median_gap", "median_prediction_error",
-                  "mean_plan_seconds", "step_seconds", "learned_speed_factors", "timeline",
-                  "timeline_step_seconds"}));
+                  "mean_plan_seconds", "split_documents", "exchange_share", "step_seconds",
+                  "learned_speed_factors", "timeline", "timeline_step_seconds"}));
     EXPECT_EQ(result["policy"], std::string(PolicyName(report.results[i].policy)));
     EXPECT_EQ(result["step_seconds"].size(), 5u);
     EXPECT_EQ(result["learned_speed_factors"].size(), 4u);

@@ -44,7 +44,7 @@ int64_t ExpectedBlocks(const std::vector<int64_t>& lengths, double density) {
 
 TEST(MicroBatchRunnerTest, APackedSampleKeepsTheBlocksOfItsDocumentsNotOfOneSequence) {
   const std::vector<int64_t> segments = {640, 320, 64};
-  absl::StatusOr<MicroBatchResult> r = Runner()->Run(OneSample({7, 1024, 0.3, segments, {}}));
+  absl::StatusOr<MicroBatchResult> r = Runner()->Run(OneSample({7, 1024, 0.3, segments, {}, 0, 0, 0, {}}));
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->samples.size(), 1u);
   EXPECT_EQ(r->tokens, 1024);
@@ -59,9 +59,10 @@ TEST(MicroBatchRunnerTest, APackedSampleMeasuresWhatItsDocumentsMeasureAsSamples
   const uint64_t id = 11;
   const uint64_t second = id ^ 0x9E3779B97F4A7C15ULL;
   std::unique_ptr<MicroBatchRunner> runner = Runner(/*exact_recall=*/true);
-  absl::StatusOr<MicroBatchResult> packed = runner->Run(OneSample({id, 768, 0.25, {512, 256}, {}}));
+  absl::StatusOr<MicroBatchResult> packed =
+      runner->Run(OneSample({id, 768, 0.25, {512, 256}, {}, 0, 0, 0, {}}));
   MicroBatchPlan apart;
-  apart.samples = {{id, 512, 0.25, {}, {}}, {second, 256, 0.25, {}, {}}};
+  apart.samples = {{id, 512, 0.25, {}, {}, 0, 0, 0, {}}, {second, 256, 0.25, {}, {}, 0, 0, 0, {}}};
   apart.tokens = 768;
   absl::StatusOr<MicroBatchResult> separate = runner->Run(apart);
   ASSERT_TRUE(packed.ok() && separate.ok()) << packed.status() << separate.status();
@@ -77,7 +78,8 @@ TEST(MicroBatchRunnerTest, APackedSampleMeasuresWhatItsDocumentsMeasureAsSamples
 }
 
 TEST(MicroBatchRunnerTest, PerLayerDensitiesRunLayerByLayer) {
-  absl::StatusOr<MicroBatchResult> r = Runner()->Run(OneSample({3, 1024, 0.5, {}, {1.0, 0.1}}));
+  absl::StatusOr<MicroBatchResult> r =
+      Runner()->Run(OneSample({3, 1024, 0.5, {}, {1.0, 0.1}, 0, 0, 0, {}}));
   ASSERT_TRUE(r.ok()) << r.status();
   const ModelShape shape = SmallShape();
   const int64_t dense = ActiveBlocks(1024, 1.0, shape.block_size, shape.local_blocks);
@@ -90,7 +92,7 @@ TEST(MicroBatchRunnerTest, PerLayerDensitiesRunLayerByLayer) {
 
 TEST(MicroBatchRunnerTest, ExactRecallIsOneAtFullDensity) {
   absl::StatusOr<MicroBatchResult> r =
-      Runner(/*exact_recall=*/true)->Run(OneSample({5, 512, 1.0, {}, {}}));
+      Runner(/*exact_recall=*/true)->Run(OneSample({5, 512, 1.0, {}, {}, 0, 0, 0, {}}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_NEAR(r->recall, 1.0, 1e-6);
   EXPECT_DOUBLE_EQ(r->achieved_density, 1.0);
@@ -109,8 +111,9 @@ std::unique_ptr<MicroBatchRunner> ProbingRunner(int rows = 8) {
 
 TEST(MicroBatchRunnerTest, TheRecallProbeReportsEveryDocumentAndLayer) {
   MicroBatchPlan mb;
-  mb.samples = {
-      {21, 1024, 0.2, {640, 384}, {0.2, 1.0}}, {22, 900, 0.1, {}, {}}, {23, 1, 1.0, {}, {}}};
+  mb.samples = {{21, 1024, 0.2, {640, 384}, {0.2, 1.0}, 0, 0, 0, {}},
+                {22, 900, 0.1, {}, {}, 0, 0, 0, {}},
+                {23, 1, 1.0, {}, {}, 0, 0, 0, {}}};
   mb.tokens = 1925;
   absl::StatusOr<MicroBatchResult> r = ProbingRunner()->Run(mb, /*recall_seed=*/5);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -173,7 +176,7 @@ TEST(MicroBatchRunnerTest, AnchorSelectionKeepsAtMostTheBudgetAndTopKAtAVanishin
         MicroBatchRunner::Create("cpu", shape, options);
     EXPECT_TRUE(runner.ok()) << runner.status();
     MicroBatchPlan mb;
-    mb.samples = {{21, 2048, 0.3, {}, {}}, {22, 1024, 0.5, {}, {}}};
+    mb.samples = {{21, 2048, 0.3, {}, {}, 0, 0, 0, {}}, {22, 1024, 0.5, {}, {}, 0, 0, 0, {}}};
     mb.tokens = 3072;
     absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -201,17 +204,17 @@ TEST(MicroBatchRunnerTest, ASampleThatCannotRunIsRefusedNamingIt) {
   std::unique_ptr<MicroBatchRunner> runner = Runner();
   auto refusal = [&](const MicroBatchPlan& mb) { return runner->Run(mb).status(); };
   EXPECT_EQ(refusal(MicroBatchPlan()).code(), absl::StatusCode::kInvalidArgument);
-  MicroBatchPlan mb = OneSample({1, 256, 0.3, {}, {}});
-  mb.samples.push_back({2, 128, 0.0, {}, {}});
+  MicroBatchPlan mb = OneSample({1, 256, 0.3, {}, {}, 0, 0, 0, {}});
+  mb.samples.push_back({2, 128, 0.0, {}, {}, 0, 0, 0, {}});
   absl::Status density = refusal(mb);
   EXPECT_EQ(density.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(density.message().find("samples[1].density"), std::string::npos) << density;
-  absl::Status layers = refusal(OneSample({1, 256, 0.3, {}, {0.5, 0.5, 0.5}}));
+  absl::Status layers = refusal(OneSample({1, 256, 0.3, {}, {0.5, 0.5, 0.5}, 0, 0, 0, {}}));
   EXPECT_NE(layers.message().find("samples[0].layer_densities: 3 values"), std::string::npos)
       << layers;
-  absl::Status segments = refusal(OneSample({1, 256, 0.3, {200, 100}, {}}));
+  absl::Status segments = refusal(OneSample({1, 256, 0.3, {200, 100}, {}, 0, 0, 0, {}}));
   EXPECT_NE(segments.message().find("samples[0].segments"), std::string::npos) << segments;
-  absl::Status length = refusal(OneSample({1, 0, 0.3, {}, {}}));
+  absl::Status length = refusal(OneSample({1, 0, 0.3, {}, {}, 0, 0, 0, {}}));
   EXPECT_NE(length.message().find("samples[0].length"), std::string::npos) << length;
 }
 

@@ -70,8 +70,9 @@ TEST(StepInputsTest, AnEmptyBudgetOrRangeIsRefusedNamingIt) {
 
 MicroBatchPlan PackedMicroBatch() {
   MicroBatchPlan mb;
-  mb.samples = {
-      {10, 500, 0.3, {}, {}}, {11, 1000, 0.7, {600, 300, 100}, {}}, {12, 64, 1.0, {}, {}}};
+  mb.samples = {{10, 500, 0.3, {}, {}, 0, 0, 0, {}},
+                {11, 1000, 0.7, {600, 300, 100}, {}, 0, 0, 0, {}},
+                {12, 64, 1.0, {}, {}, 0, 0, 0, {}}};
   mb.tokens = 1564;
   return mb;
 }
