@@ -44,7 +44,8 @@ int64_t ExpectedBlocks(const std::vector<int64_t>& lengths, double density) {
 
 TEST(MicroBatchRunnerTest, APackedSampleKeepsTheBlocksOfItsDocumentsNotOfOneSequence) {
   const std::vector<int64_t> segments = {640, 320, 64};
-  absl::StatusOr<MicroBatchResult> r = Runner()->Run(OneSample({7, 1024, 0.3, segments, {}, 0, 0, 0, {}}));
+  absl::StatusOr<MicroBatchResult> r =
+      Runner()->Run(OneSample({7, 1024, 0.3, segments, {}, 0, 0, 0, {}}));
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->samples.size(), 1u);
   EXPECT_EQ(r->tokens, 1024);
