@@ -14,10 +14,6 @@
 namespace sparsebalance {
 namespace {
 
-// A document is split (kSparse, kDense) when its cost exceeds this share of the mean rank's
-// load, into as few shards as bring each below it: pieces of at most half a rank leave the
-// placer room to even the ranks out with the other documents.
-constexpr double kShardTargetShare = 0.5;
 // Bisection steps of CostBalancedCuts: the largest shard to within 2^-30 of the first guess.
 constexpr int kCutIterations = 30;
 
@@ -224,7 +220,7 @@ std::vector<int64_t> EqualTokenCuts(int64_t length, int block_size, int shards, 
 absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
                                        const PlannerConfig& config, const LatencyModel& model,
                                        const std::vector<double>& densities,
-                                       const std::vector<double>& speed) {
+                                       const std::vector<double>& speed, double target_share) {
   ShardLayout layout;
   layout.sharded.assign(batch.size(), 0);
   ShardPlacer placer(config, speed, &layout);
@@ -298,10 +294,17 @@ absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
     }
     double inverse_speed = 0.0;
     for (int r = 0; r < config.ranks; ++r) inverse_speed += dense ? 1.0 : 1.0 / speed[r];
-    const double target = kShardTargetShare * total / inverse_speed;
+    const double target = target_share * total / inverse_speed;
+    // Pieces also hold at most the same share of the mean rank's tokens: on ranks whose
+    // micro-batches are nearly full, large pieces find no group with room.
+    int64_t tokens = 0;
+    for (const Sample& s : batch) tokens += s.length;
+    const int64_t token_cap = std::min<int64_t>(
+        capacity,
+        std::max<int64_t>(block, static_cast<int64_t>(target_share * tokens / config.ranks)));
     for (int i = 0; i < n; ++i) {
       const Sample& s = batch[i];
-      if (!Splittable(s) || (cost[i] <= target && !must_split(s))) continue;
+      if (!Splittable(s) || (cost[i] <= target && s.length <= token_cap)) continue;
       const int least =
           static_cast<int>(std::max<int64_t>(2, (s.length + capacity - 1) / capacity));
       if (least > config.max_shards) {
@@ -317,16 +320,20 @@ absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
       double best_largest = 0.0;
       const int guess = static_cast<int>(
           std::min<double>(config.max_shards, std::ceil(cost[i] / std::max(target, 1e-300))));
-      for (int p = std::max(least, guess); p <= config.max_shards; ++p) {
-        double largest = 0.0;
-        std::vector<int64_t> cuts =
-            CostBalancedCuts(model, s.length, choice_density(i), p, capacity, &largest);
-        if (cuts.empty()) continue;
-        if (best.empty() || largest < best_largest) {
-          best = std::move(cuts);
-          best_largest = largest;
+      // Cuts within the token cap where max_shards allows, else within the capacity.
+      for (int64_t cap : {token_cap, capacity}) {
+        for (int p = std::max(least, guess); p <= config.max_shards; ++p) {
+          double largest = 0.0;
+          std::vector<int64_t> cuts =
+              CostBalancedCuts(model, s.length, choice_density(i), p, cap, &largest);
+          if (cuts.empty()) continue;
+          if (best.empty() || largest < best_largest) {
+            best = std::move(cuts);
+            best_largest = largest;
+          }
+          if (best_largest <= target) break;
         }
-        if (best_largest <= target) break;
+        if (!best.empty()) break;
       }
       // Splitting a document that fits one micro-batch must make its largest piece cheaper
       // than the whole (the exchange can outweigh the rows it spreads).

@@ -52,13 +52,16 @@ struct ShardLayout {
 
 // Chooses and places the step's shards under config.shard_policy (types.h). `densities` are
 // the samples' planned densities, `speed` the ranks' speed factors (1 for policies that ignore
-// them). Only documents without segments are split. A document longer than the
-// capacity that no group can hold is an INVALID_ARGUMENT naming it under OverflowPolicy::kError
-// and is listed in `unplaced` under kDefer. The batch and config must be valid.
+// them). kSparse and kDense split a document whose cost exceeds `target_share` of the mean
+// rank's load, into as few shards as bring each below it (or as even as max_shards allows);
+// AssignSamples tries a few shares and keeps the best placement. Only documents without segments
+// are split. A document longer than the capacity that no group can hold is an INVALID_ARGUMENT
+// naming it under OverflowPolicy::kError and is listed in `unplaced` under kDefer. The batch and
+// config must be valid.
 absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
                                        const PlannerConfig& config, const LatencyModel& model,
                                        const std::vector<double>& densities,
-                                       const std::vector<double>& speed);
+                                       const std::vector<double>& speed, double target_share = 1.0);
 
 // Predicted seconds of shard [begin, end) (tokens; begin a multiple of the block size) of a
 // document of `length` tokens at `density`: its rows' attention, tokens and per-document

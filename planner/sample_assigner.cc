@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -833,6 +834,97 @@ Assignment Placer::Collect(std::vector<int> deferred) const {
   return out;
 }
 
+// One placement with context parallelism: PlanShards at `share`, then the other samples
+// around the shards (indices mapped back to the batch).
+absl::StatusOr<Assignment> AssignAroundShards(
+    const std::vector<Sample>& batch, const PlannerConfig& config, const LatencyModel& model,
+    const std::vector<double>& densities, const std::vector<double>& speed, bool sequential,
+    absl::StatusOr<ShardLayout> layout, Workspace* workspace) {
+  if (!layout.ok()) return layout.status();
+  if (layout->documents.empty() && layout->unplaced.empty()) {
+    BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, workspace);
+    Placer placer(batch, config, speed, workspace);
+    return sequential ? placer.Sequential() : placer.Balanced();
+  }
+  std::vector<int> original;
+  std::vector<Sample> rest;
+  std::vector<double> rest_densities;
+  std::vector<char> unplaced(batch.size(), 0);
+  for (int i : layout->unplaced) unplaced[i] = 1;
+  for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
+    if (layout->sharded[i] != 0 || unplaced[i] != 0) continue;
+    original.push_back(i);
+    rest.push_back(batch[i]);
+    rest_densities.push_back(densities[i]);
+  }
+  Assignment out;
+  if (rest.empty()) {
+    out.ranks.assign(config.ranks, std::vector<std::vector<int>>(config.micro_batches));
+  } else {
+    BuildUnits(rest, config, model, rest_densities, /*largest_first=*/!sequential, workspace);
+    Placer placer(rest, config, speed, workspace, &*layout, &original);
+    absl::StatusOr<Assignment> placed = sequential ? placer.Sequential() : placer.Balanced();
+    if (!placed.ok()) return placed.status();
+    out = *std::move(placed);
+    for (auto& rank : out.ranks) {
+      for (auto& micro_batch : rank) {
+        for (int& i : micro_batch) i = original[i];
+      }
+    }
+    for (int& i : out.deferred) i = original[i];
+  }
+  out.deferred.insert(out.deferred.end(), layout->unplaced.begin(), layout->unplaced.end());
+  std::sort(out.deferred.begin(), out.deferred.end());
+  out.shards = std::move(layout->documents);
+  return out;
+}
+
+// The predicted makespan of an assignment in the policy's balancing metric (speed factors
+// applied, micro-batch overheads left out): what AssignSamples compares its candidates by.
+double PlacedMakespan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                      const LatencyModel& model, const std::vector<double>& densities,
+                      const std::vector<double>& speed, const Assignment& a) {
+  auto cost = [&](int i, double density) {
+    switch (config.policy) {
+      case Policy::kTokens:
+        return static_cast<double>(batch[i].length);
+      case Policy::kFlops:
+        return model.SampleSeconds(batch[i], 1.0);
+      default:
+        return model.SampleSeconds(batch[i], density);
+    }
+  };
+  std::vector<double> load(config.ranks, 0.0);
+  for (int r = 0; r < config.ranks; ++r) {
+    for (const std::vector<int>& micro_batch : a.ranks[r]) {
+      for (int i : micro_batch) load[r] += cost(i, densities[i]);
+    }
+  }
+  for (const ShardedDocument& d : a.shards) {
+    const Sample& s = batch[d.sample];
+    for (size_t j = 0; j < d.group.size(); ++j) {
+      const int64_t begin = d.cuts[j];
+      const int64_t end = d.cuts[j + 1];
+      double c = 0.0;
+      switch (config.policy) {
+        case Policy::kTokens:
+          c = static_cast<double>(end - begin);
+          break;
+        case Policy::kFlops:
+          c = ShardSeconds(model, s.length, begin, end, 1.0);
+          break;
+        default:
+          c = ShardSeconds(model, s.length, begin, end, densities[d.sample]);
+          break;
+      }
+      load[d.group[j]] += c;
+    }
+  }
+  double makespan = 0.0;
+  for (int r = 0; r < config.ranks; ++r) makespan = std::max(makespan, speed[r] * load[r]);
+  return makespan;
+}
+
 }  // namespace
 
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
@@ -847,42 +939,32 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
   // Per thread: no sharing between concurrent calls (see Workspace).
   thread_local Workspace workspace;
   if (config.max_shards > 1) {
-    absl::StatusOr<ShardLayout> layout = PlanShards(batch, config, model, densities, speed);
-    if (!layout.ok()) return layout.status();
-    if (!layout->documents.empty() || !layout->unplaced.empty()) {
-      // The other samples, placed around the shards; indices mapped back to the batch.
-      std::vector<int> original;
-      std::vector<Sample> rest;
-      std::vector<double> rest_densities;
-      std::vector<char> unplaced(batch.size(), 0);
-      for (int i : layout->unplaced) unplaced[i] = 1;
-      for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
-        if (layout->sharded[i] != 0 || unplaced[i] != 0) continue;
-        original.push_back(i);
-        rest.push_back(batch[i]);
-        rest_densities.push_back(densities[i]);
+    // Splitting fewer documents exchanges less; splitting more evens out steps whose ranks are
+    // capacity-bound or too few for their longest documents. Shards are tried at pieces of at
+    // most 1, 1/2 and 1/4 of the mean rank (static: once), and the placement with the least
+    // predicted makespan in the policy's metric is kept (ties: fewer splits).
+    const bool adaptive = config.shard_policy != ShardPolicy::kStatic;
+    std::optional<Assignment> best;
+    double best_makespan = 0.0;
+    bool unsplit_tried = false;  // a layout without shards places like no splitting at all
+    for (double share : {1.0, 0.5, 0.25}) {
+      absl::StatusOr<ShardLayout> layout =
+          PlanShards(batch, config, model, densities, speed, share);
+      if (!layout.ok()) return layout.status();
+      const bool unsplit = layout->documents.empty() && layout->unplaced.empty();
+      if (unsplit && unsplit_tried) continue;
+      unsplit_tried = unsplit_tried || unsplit;
+      absl::StatusOr<Assignment> candidate = AssignAroundShards(
+          batch, config, model, densities, speed, sequential, std::move(layout), &workspace);
+      if (!candidate.ok()) return candidate.status();
+      const double makespan = PlacedMakespan(batch, config, model, densities, speed, *candidate);
+      if (!best.has_value() || makespan < best_makespan * (1.0 - 1e-9)) {
+        best = *std::move(candidate);
+        best_makespan = makespan;
       }
-      Assignment out;
-      if (rest.empty()) {
-        out.ranks.assign(config.ranks, std::vector<std::vector<int>>(config.micro_batches));
-      } else {
-        BuildUnits(rest, config, model, rest_densities, /*largest_first=*/!sequential, &workspace);
-        Placer placer(rest, config, speed, &workspace, &*layout, &original);
-        absl::StatusOr<Assignment> placed = sequential ? placer.Sequential() : placer.Balanced();
-        if (!placed.ok()) return placed.status();
-        out = *std::move(placed);
-        for (auto& rank : out.ranks) {
-          for (auto& micro_batch : rank) {
-            for (int& i : micro_batch) i = original[i];
-          }
-        }
-        for (int& i : out.deferred) i = original[i];
-      }
-      out.deferred.insert(out.deferred.end(), layout->unplaced.begin(), layout->unplaced.end());
-      std::sort(out.deferred.begin(), out.deferred.end());
-      out.shards = std::move(layout->documents);
-      return out;
+      if (!adaptive) break;
     }
+    return *std::move(best);
   }
   BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, &workspace);
   Placer placer(batch, config, speed, &workspace);
