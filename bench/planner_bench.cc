@@ -13,7 +13,8 @@ namespace {
 
 // `samples` documents from the pretrain trace over `ranks` ranks with 4 micro-batches of
 // 131072 tokens each (the bars: 512 over 64 and 65,536 over 4,096).
-void BM_PlanStep(benchmark::State& state, Policy policy) {
+// With `max_shards` > 1, context parallelism (sparse-cost shards, planner/context_parallel.h).
+void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
   PlannerConfig config;
@@ -21,6 +22,7 @@ void BM_PlanStep(benchmark::State& state, Policy policy) {
   config.micro_batches = 4;
   config.micro_batch_capacity = 131072;
   config.policy = policy;
+  config.max_shards = max_shards;
   absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", 7);
   std::vector<Sample> batch;
   for (int i = 0; i < samples; ++i) batch.push_back(gen->Next());
@@ -38,19 +40,20 @@ void BM_PlanStep(benchmark::State& state, Policy policy) {
                                                    benchmark::Counter::kIsIterationInvariantRate);
 }
 
-#define SB_PLAN_BENCH(name, policy)            \
-  BENCHMARK_CAPTURE(BM_PlanStep, name, policy) \
-      ->Args({512, 64})                        \
-      ->Args({8192, 512})                      \
-      ->Args({16384, 1024})                    \
-      ->Args({65536, 4096})                    \
+#define SB_PLAN_BENCH(name, policy, max_shards)            \
+  BENCHMARK_CAPTURE(BM_PlanStep, name, policy, max_shards) \
+      ->Args({512, 64})                                    \
+      ->Args({8192, 512})                                  \
+      ->Args({16384, 1024})                                \
+      ->Args({65536, 4096})                                \
       ->Unit(benchmark::kMillisecond)
 
-SB_PLAN_BENCH(sequential, Policy::kSequential);
-SB_PLAN_BENCH(flops, Policy::kFlops);
-SB_PLAN_BENCH(sab, Policy::kSab);
-SB_PLAN_BENCH(dst, Policy::kDst);
-SB_PLAN_BENCH(sparsebalance, Policy::kSparseBalance);
+SB_PLAN_BENCH(sequential, Policy::kSequential, 1);
+SB_PLAN_BENCH(flops, Policy::kFlops, 1);
+SB_PLAN_BENCH(sab, Policy::kSab, 1);
+SB_PLAN_BENCH(dst, Policy::kDst, 1);
+SB_PLAN_BENCH(sparsebalance, Policy::kSparseBalance, 1);
+SB_PLAN_BENCH(sparsebalance_cp8, Policy::kSparseBalance, 8);
 
 }  // namespace
 }  // namespace sparsebalance
