@@ -6,7 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/layer_runner.h"
+#include "kernels/linear_cpu.h"
 #include "planner/planner.h"
+#include "worker/shard_layer.h"
 #include "worker/step_inputs.h"
 #include "worker/synthetic_inputs.h"
 
@@ -26,6 +28,16 @@ absl::Status CheckPlan(const MicroBatchPlan& micro_batch, int layers) {
     if (!(p.density > 0.0 && p.density <= 1.0)) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ".density: ", p.density, " is outside (0, 1]"));
+    }
+    if (p.sharded()) {
+      const int shards = static_cast<int>(p.shard_group.size());
+      if (shards < 2 || p.shard_index < 0 || p.shard_index >= shards || !p.segments.empty() ||
+          p.shard_begin < 0 || p.shard_end <= p.shard_begin || p.shard_end > p.length) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": shard ", p.shard_index, " of ", shards, " ranks, tokens [", p.shard_begin,
+            ", ", p.shard_end, ") of ", p.length,
+            " is not a shard (2+ ranks, an index among them, a token range, no segments)"));
+      }
     }
     if (!p.layer_densities.empty() && static_cast<int>(p.layer_densities.size()) != layers) {
       return absl::InvalidArgumentError(absl::StrCat(where,
@@ -65,8 +77,8 @@ uint64_t Mix(uint64_t x) {
 class LayerwiseRunner : public MicroBatchRunner {
  public:
   LayerwiseRunner(std::unique_ptr<kernels::LayerRunner> layer, const ModelShape& shape,
-                  const MicroBatchRunnerOptions& options)
-      : layer_(std::move(layer)), shape_(shape) {
+                  const MicroBatchRunnerOptions& options, bool cpu)
+      : layer_(std::move(layer)), shape_(shape), cpu_(cpu) {
     run_.exact_recall = options.exact_recall;
     run_.probe_recall = !options.exact_recall && options.recall_rows > 0;
     run_.sampling.rows = std::max(1, options.recall_rows);
@@ -79,8 +91,163 @@ class LayerwiseRunner : public MicroBatchRunner {
   std::string device_name() const override { return layer_->device_name(); }
 
   absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch,
-                                       uint64_t recall_seed) override {
+                                       const MicroBatchContext& context) override {
     if (absl::Status s = CheckPlan(micro_batch, shape_.layers); !s.ok()) return s;
+    std::vector<size_t> sharded, unsplit;
+    for (size_t k = 0; k < micro_batch.samples.size(); ++k) {
+      (micro_batch.samples[k].sharded() ? sharded : unsplit).push_back(k);
+    }
+    if (sharded.empty()) return RunUnsplit(micro_batch, context.recall_seed);
+    if (!cpu_) {
+      return absl::UnimplementedError(
+          absl::StrCat("samples[", sharded[0],
+                       "] is a shard of a split document: context parallelism runs on the CPU "
+                       "only so far (the NCCL send/recv path is not built)"));
+    }
+    if (context.exchange == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "samples[", sharded[0],
+          "] is a shard of a split document but this rank has no shard exchange (CPU ranks "
+          "of a job with max_shards > 1 need --sync)"));
+    }
+    // The plan's order (ascending id), kept even if a plan lists them otherwise.
+    std::stable_sort(sharded.begin(), sharded.end(), [&](size_t a, size_t b) {
+      return micro_batch.samples[a].id < micro_batch.samples[b].id;
+    });
+    MicroBatchResult result;
+    result.samples.resize(micro_batch.samples.size());
+    double density_sum = 0.0, recall_sum = 0.0, estimate_sum = 0.0;
+    for (size_t k : sharded) {
+      absl::Status s = RunShard(micro_batch.samples[k], context, &result, &result.samples[k],
+                                &density_sum, &estimate_sum);
+      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("samples[", k, "]: ", s.message()));
+      recall_sum += result.samples[k].recall * result.samples[k].tokens * shape_.layers;
+    }
+    if (!unsplit.empty()) {
+      MicroBatchPlan rest;
+      for (size_t k : unsplit) rest.samples.push_back(micro_batch.samples[k]);
+      absl::StatusOr<MicroBatchResult> r = RunUnsplit(rest, context.recall_seed);
+      if (!r.ok()) return r.status();
+      for (size_t i = 0; i < unsplit.size(); ++i) {
+        const SampleResult& sample = r->samples[i];
+        result.samples[unsplit[i]] = sample;
+        density_sum += sample.achieved_density * sample.tokens * shape_.layers;
+        recall_sum += sample.recall * sample.tokens * shape_.layers;
+      }
+      estimate_sum += r->estimated_recall * static_cast<double>(r->tokens) * shape_.layers;
+      result.compute_seconds += r->compute_seconds;
+      result.attention_seconds += r->attention_seconds;
+      result.recall_seconds += r->recall_seconds;
+      result.documents = std::move(r->documents);
+    }
+    for (const SampleResult& sample : result.samples) {
+      result.tokens += sample.tokens;
+      result.active_blocks += sample.active_blocks;
+      result.causal_blocks += sample.causal_blocks;
+    }
+    const double weight = static_cast<double>(result.tokens) * shape_.layers;
+    result.achieved_density = density_sum / weight;
+    result.recall = std::clamp(recall_sum / weight, 0.0, 1.0);
+    result.estimated_recall = std::clamp(estimate_sum / weight, 0.0, 1.0);
+    return result;
+  }
+
+ private:
+  // Runs one shard of a split document over every layer through the exchange; adds its times
+  // to `mb` and its figures to `sample` (and the token- and layer-weighted sums).
+  absl::Status RunShard(const PlannedSample& p, const MicroBatchContext& context,
+                        MicroBatchResult* mb, SampleResult* sample, double* density_sum,
+                        double* estimate_sum) {
+    // The unsplit document's tensors (DocumentsOf: its first document's id is the sample's),
+    // this shard's rows; made before any clock starts, like the unsplit inputs.
+    const DocumentTensors doc = MakeDocument(p.id, p.length, shape_.heads, shape_.head_dim);
+    const int64_t stride = int64_t{shape_.heads} * shape_.head_dim;
+    auto rows = [&](const std::vector<float>& x) {
+      return std::vector<float>(x.begin() + p.shard_begin * stride,
+                                x.begin() + p.shard_end * stride);
+    };
+    const std::vector<float> q = rows(doc.q), k = rows(doc.k), v = rows(doc.v);
+    // The gradient of the document's mean output, as the unsplit runner's.
+    const std::vector<float> dout(q.size(), 1.0f / static_cast<float>(p.length));
+    const int64_t tokens = p.QueryTokens();
+    const int64_t hidden = stride;
+    std::vector<float> x(static_cast<size_t>(tokens * 4 * hidden), 0.01f), y(x.size()),
+        dx(x.size()), w(static_cast<size_t>(4 * hidden * hidden), 0.01f), wt(w.size(), 0.01f);
+    ShardLayerInput in;
+    in.key.step = context.step;
+    in.key.micro_batch = context.micro_batch;
+    in.key.sample_id = p.id;
+    in.group = p.shard_group;
+    in.shard_index = p.shard_index;
+    in.document_length = static_cast<int32_t>(p.length);
+    in.shard_begin = static_cast<int32_t>(p.shard_begin);
+    in.shard_end = static_cast<int32_t>(p.shard_end);
+    in.heads = shape_.heads;
+    in.head_dim = shape_.head_dim;
+    in.selection.block_size = shape_.block_size;
+    in.selection.local_blocks = shape_.local_blocks;
+    in.selection.mode = run_.selection;
+    in.selection.anchor_threshold = run_.anchor_threshold;
+    in.selection.threads = 1;
+    in.attention.threads = 1;
+    in.q = q;
+    in.k = k;
+    in.v = v;
+    in.dout = dout;
+    sample->tokens = tokens;
+    const int block_size = shape_.block_size;
+    for (int layer = 0; layer < shape_.layers; ++layer) {
+      in.key.layer = layer;
+      in.density = p.layer_densities.empty() ? p.density : p.layer_densities[layer];
+      const double start = ThreadCpuSeconds();
+      absl::StatusOr<ShardLayerResult> r = RunShardLayer(*context.exchange, in);
+      if (!r.ok()) return r.status();
+      const double middle = ThreadCpuSeconds();
+      // The shard's linear part: the layer runner's GEMMs on its tokens.
+      for (auto [in_dim, out_dim] : {std::pair<int64_t, int64_t>{hidden, 3 * hidden},
+                                     {hidden, hidden},
+                                     {hidden, 4 * hidden},
+                                     {4 * hidden, hidden}}) {
+        kernels::MatmulCpu(tokens, out_dim, in_dim, x.data(), in_dim, 1, w.data(), y.data(), 1);
+        kernels::MatmulCpu(tokens, in_dim, out_dim, y.data(), out_dim, 1, wt.data(), dx.data(), 1);
+        kernels::MatmulCpu(in_dim, out_dim, tokens, x.data(), 1, in_dim, y.data(), w.data(), 1);
+      }
+      const double end = ThreadCpuSeconds();
+      // Own compute on the thread's CPU clock; the exchange on the wall clock.
+      const double attention = (middle - start) - r->exchange_cpu_seconds + r->exchange_seconds;
+      mb->attention_seconds += attention;
+      mb->compute_seconds += attention + (end - middle);
+      mb->exchange_seconds += r->exchange_seconds;
+      sample->exchange_seconds += r->exchange_seconds;
+      sample->exchange_bytes += r->key_value_bytes_received;
+      // Figures of the shard's rows, as the layer runner's Summarize of the same rows.
+      const kernels::ShardSelection& sel = r->selection;
+      double kept_share = 0.0, estimate = 0.0, weight = 0.0;
+      for (int h = 0; h < sel.heads; ++h) {
+        for (int32_t i = sel.first_block(); i < sel.first_block() + sel.query_blocks(); ++i) {
+          const int64_t row = sel.Row(h, i);
+          const double row_tokens =
+              std::min<int64_t>(int64_t{i + 1} * block_size, p.shard_end) - int64_t{i} * block_size;
+          const int64_t kept = sel.row_ptr[row + 1] - sel.row_ptr[row];
+          kept_share += row_tokens * static_cast<double>(kept) / (i + 1);
+          estimate += row_tokens * sel.estimated_recall[row];
+          weight += row_tokens;
+          sample->active_blocks += kept;
+          sample->causal_blocks += i + 1;
+        }
+      }
+      const double achieved = weight > 0 ? kept_share / weight : 1.0;
+      const double recall = weight > 0 ? std::clamp(estimate / weight, 0.0, 1.0) : 1.0;
+      *density_sum += achieved * static_cast<double>(tokens);
+      *estimate_sum += recall * static_cast<double>(tokens);
+      sample->achieved_density += achieved / shape_.layers;
+      sample->recall += recall / shape_.layers;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<MicroBatchResult> RunUnsplit(const MicroBatchPlan& micro_batch,
+                                              uint64_t recall_seed) {
     const MicroBatchDocuments docs = DocumentsOf(micro_batch);
     std::vector<double> densities = DensitiesAt(micro_batch, docs, 0);
     // Each document's index inside its sample (DocumentRecall.document).
@@ -176,9 +343,9 @@ class LayerwiseRunner : public MicroBatchRunner {
     return result;
   }
 
- private:
   std::unique_ptr<kernels::LayerRunner> layer_;
   ModelShape shape_;
+  bool cpu_;
   kernels::RunOptions run_;  // how a layer at fresh densities measures recall
 };
 
@@ -224,7 +391,7 @@ absl::StatusOr<std::unique_ptr<MicroBatchRunner>> MicroBatchRunner::Create(
                         absl::StrCat("--device=", device, ": ", layer.status().message()));
   }
   return std::unique_ptr<MicroBatchRunner>(
-      new LayerwiseRunner(*std::move(layer), shape, runner_options));
+      new LayerwiseRunner(*std::move(layer), shape, runner_options, device == "cpu"));
 }
 
 }  // namespace sparsebalance

@@ -15,6 +15,15 @@
 //   absl::StatusOr<MicroBatchResult> r = (*runner)->Run(plan.micro_batches[m],
 //   /*recall_seed=*/step);
 //
+// Context parallelism: a planned sample that is a shard of a split document
+// (PlannedSample::sharded()) runs on the CPU through the shard exchange of the context
+// (worker/shard_layer.h), every layer, before the micro-batch's unsplit samples, shards in
+// ascending id (the plan's order; every rank of a group does the same, so none deadlocks). Its
+// inputs are the rows [shard_begin, shard_end) of the unsplit document's (MakeDocument of the
+// sample id), so a split document computes what the unsplit one would. Its time is the thread's
+// CPU time of its own compute plus the wall time of the exchange (exchange_seconds); its
+// recall is the block scores' estimate on its own rows.
+//
 // Recall: by default the block scores' estimate; with MicroBatchRunnerOptions::recall_rows
 // the true kept softmax mass on sampled rows of every document (per layer), timed apart.
 #ifndef SPARSEBALANCE_WORKER_MICRO_BATCH_RUNNER_H_
@@ -32,6 +41,8 @@
 
 namespace sparsebalance {
 
+class ShardExchange;
+
 // What one planned sample measured, over its documents and the model's layers.
 struct SampleResult {
   int64_t tokens = 0;
@@ -39,6 +50,10 @@ struct SampleResult {
   int64_t causal_blocks = 0;      // all causal pairs, all heads and layers
   double achieved_density = 0.0;  // active / causal blocks
   double recall = 0.0;            // token- and layer-averaged attention recall, [0, 1]
+  // A shard of a split document: its exchange time (part of the micro-batch's compute) and the
+  // key/value bytes it received from its group, all layers.
+  double exchange_seconds = 0.0;
+  int64_t exchange_bytes = 0;
 };
 
 struct MicroBatchResult {
@@ -55,6 +70,18 @@ struct MicroBatchResult {
   // order, then their documents), its recall in every layer.
   std::vector<DocumentRecallMeasurement> documents;
   double recall_seconds = 0.0;  // the probe's time, on the compute clock, not in compute_seconds
+  // The shards' exchange with their groups (wall time), part of compute_seconds and of
+  // attention_seconds; 0 without shards.
+  double exchange_seconds = 0.0;
+};
+
+// Where a micro-batch runs: what keys its exchange messages and seeds its recall probe.
+struct MicroBatchContext {
+  uint64_t recall_seed = 0;  // e.g. the step
+  int64_t step = 0;
+  int micro_batch = 0;  // index in the rank's plan
+  // Needed when a sample is a shard of a split document (CPU ranks); not owned.
+  ShardExchange* exchange = nullptr;
 };
 
 struct MicroBatchRunnerOptions {
@@ -93,8 +120,15 @@ class MicroBatchRunner {
   // The same; the probe's rows of each document are drawn from `recall_seed` (e.g. the step),
   // the sample's id and the document's index, so that any rank running the sample in that step
   // probes the same rows.
+  absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch, uint64_t recall_seed) {
+    MicroBatchContext context;
+    context.recall_seed = recall_seed;
+    return Run(micro_batch, context);
+  }
+  // The same within a step: shards of split documents exchange through context.exchange
+  // (FAILED_PRECONDITION naming the sample without one; UNIMPLEMENTED on cuda).
   virtual absl::StatusOr<MicroBatchResult> Run(const MicroBatchPlan& micro_batch,
-                                               uint64_t recall_seed) = 0;
+                                               const MicroBatchContext& context) = 0;
   virtual std::string device_name() const = 0;
 };
 

@@ -59,6 +59,11 @@ ABSL_FLAG(std::string, selection, "topk",
           "anchor's)");
 ABSL_FLAG(double, anchor_threshold, sparsebalance::kDefaultAnchorThreshold,
           "tau of --selection=anchor, in (0, 1]");
+ABSL_FLAG(int, long_document_factor, 0,
+          "context parallelism: above 1, every step's batch also holds one document of this "
+          "many times --capacity tokens, and the jobs split documents over up to this many ranks "
+          "(max_shards; at most --workers); each step prints how it was split and its exchange "
+          "time");
 ABSL_FLAG(bool, keep_jobs, false, "keep the jobs in the planner afterwards (default: delete them)");
 
 namespace sparsebalance {
@@ -112,6 +117,43 @@ absl::Status CheckProfile(const std::string& path, const ModelShape& shape) {
   return FitProfile(*table, shape).status();
 }
 
+// Per step, how each split document ran: its shards' ranks and token ranges, and the
+// exchange time (the slowest shard's, over all layers).
+std::string SplitReport(const RunResult& run) {
+  std::string out;
+  for (const auto& [step, lines] : run.steps) {
+    struct Split {
+      int64_t length = 0;
+      std::map<int, std::pair<int, std::string>> shards;  // index -> rank, token range
+      double exchange = 0.0;
+    };
+    std::map<uint64_t, Split> splits;
+    for (const StepLine& line : lines) {
+      for (const ShardLine& shard : line.shards) {
+        Split& split = splits[shard.sample];
+        split.length = shard.length;
+        split.shards[shard.index] = {line.rank,
+                                     absl::StrCat("[", shard.begin, ", ", shard.end, ")")};
+        split.exchange = std::max(split.exchange, shard.exchange_seconds);
+      }
+    }
+    if (splits.empty()) {
+      out += absl::StrFormat("  step %d: no document split\n", step);
+      continue;
+    }
+    for (const auto& [sample, split] : splits) {
+      std::string where;
+      for (const auto& [index, shard] : split.shards) {
+        absl::StrAppend(&where, where.empty() ? "" : ", ", "rank ", shard.first, " ", shard.second);
+      }
+      out += absl::StrFormat(
+          "  step %d: document %d (%d tokens) split into %d shards: %s; exchange %.4f s\n", step,
+          sample, split.length, split.shards.size(), where, split.exchange);
+    }
+  }
+  return out;
+}
+
 int Main(int argc, char** argv) {
   tools::InitTool(
       argc, argv,
@@ -128,6 +170,13 @@ int Main(int argc, char** argv) {
     if (!p.ok()) tools::Fatal(absl::StrCat("--policies: ", p.status().message()));
     policies.push_back(*p);
   }
+  const int long_factor = absl::GetFlag(FLAGS_long_document_factor);
+  if (long_factor != 0 && (long_factor < 2 || long_factor > workers)) {
+    tools::UsageError(absl::StrCat("--long_document_factor=", long_factor,
+                                   ": must be 0 (off) or in [2, --workers=", workers, "]"));
+  }
+  const int64_t long_document =
+      long_factor > 0 ? long_factor * absl::GetFlag(FLAGS_capacity) : int64_t{0};
   const std::string out_dir = absl::GetFlag(FLAGS_out);
   std::filesystem::create_directories(out_dir);
 
@@ -199,6 +248,7 @@ int Main(int argc, char** argv) {
     config.policy = policy;
     config.selection = selection;
     config.anchor_threshold = absl::GetFlag(FLAGS_anchor_threshold);
+    if (long_factor > 0) config.max_shards = long_factor;
     absl::StatusOr<JobHandle> job =
         (*admin)->CreateJob(absl::StrCat("main-job-", PolicyName(policy)), config);
     if (!job.ok()) tools::Fatal(absl::StrCat("CreateJob: ", job.status().ToString()));
@@ -231,6 +281,7 @@ int Main(int argc, char** argv) {
                                        "--out=" + lines};
       if (!profile.empty()) args.push_back("--profile=" + profile);
       if (absl::GetFlag(FLAGS_exact_recall)) args.push_back("--exact_recall");
+      if (long_document > 0) args.push_back(absl::StrCat("--long_document=", long_document));
       ranks.push_back(Start(
           args, {"/dev/null", absl::StrCat(out_dir, "/", PolicyName(policy), ".rank", r, ".log")}));
     }
@@ -245,6 +296,7 @@ int Main(int argc, char** argv) {
     absl::StatusOr<RunResult> result =
         SummarizeRun(std::string(PolicyName(policy)), lines, workers);
     if (!result.ok()) tools::Fatal(result.status().ToString());
+    if (long_document > 0) std::cout << SplitReport(*result);
     results.push_back(*std::move(result));
     if (!absl::GetFlag(FLAGS_keep_jobs)) {
       if (absl::Status s = (*admin)->DeleteJob(job->job_id); !s.ok()) {

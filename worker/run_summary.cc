@@ -60,6 +60,23 @@ std::string FormatStepLine(const StepLine& s) {
   json["wall_end"] = Round6(s.wall_end);
   json["estimated_recall"] = Round6(s.estimated_recall);
   json["recall_seconds"] = Round6(s.recall_seconds);
+  json["exchange_seconds"] = Round6(s.exchange_seconds);
+  if (!s.shards.empty()) {
+    Json shards = Json::array();
+    for (const ShardLine& shard : s.shards) {
+      Json j;
+      j["sample"] = shard.sample;
+      j["index"] = shard.index;
+      j["shards"] = shard.shards;
+      j["begin"] = shard.begin;
+      j["end"] = shard.end;
+      j["length"] = shard.length;
+      j["exchange_seconds"] = Round6(shard.exchange_seconds);
+      j["exchange_bytes"] = shard.exchange_bytes;
+      shards.push_back(std::move(j));
+    }
+    json["shards"] = std::move(shards);
+  }
   return json.dump();
 }
 
@@ -86,6 +103,27 @@ absl::StatusOr<StepLine> ParseStepLine(const std::string& line) {
   Get(json, "wall_end", &s.wall_end).IgnoreError();
   Get(json, "estimated_recall", &s.estimated_recall).IgnoreError();
   Get(json, "recall_seconds", &s.recall_seconds).IgnoreError();
+  Get(json, "exchange_seconds", &s.exchange_seconds).IgnoreError();
+  if (const auto it = json.find("shards"); it != json.end()) {
+    if (!it->is_array()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step line: field shards is not a list in: ", line));
+    }
+    for (size_t i = 0; i < it->size(); ++i) {
+      const Json& j = (*it)[i];
+      ShardLine shard;
+      for (absl::Status status : {Get(j, "sample", &shard.sample), Get(j, "index", &shard.index),
+                                  Get(j, "shards", &shard.shards), Get(j, "begin", &shard.begin),
+                                  Get(j, "end", &shard.end), Get(j, "length", &shard.length),
+                                  Get(j, "exchange_seconds", &shard.exchange_seconds),
+                                  Get(j, "exchange_bytes", &shard.exchange_bytes)}) {
+        if (!status.ok()) {
+          return absl::Status(status.code(), absl::StrCat("shards[", i, "]: ", status.message()));
+        }
+      }
+      s.shards.push_back(shard);
+    }
+  }
   return s;
 }
 

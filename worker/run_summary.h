@@ -16,6 +16,18 @@
 
 namespace sparsebalance {
 
+// A shard of a split document that a rank ran in a step (context parallelism).
+struct ShardLine {
+  uint64_t sample = 0;  // the document's sample id
+  int index = 0;        // shard index in its group
+  int shards = 0;       // the group's size
+  int64_t begin = 0;    // query tokens [begin, end) of the document
+  int64_t end = 0;
+  int64_t length = 0;             // the document's tokens
+  double exchange_seconds = 0.0;  // its exchange, all layers
+  int64_t exchange_bytes = 0;     // key/value bytes it received, all layers
+};
+
 // One worker's line for one step (worker_main.cc writes them with FormatStepLine).
 struct StepLine {
   int64_t step = 0;
@@ -34,6 +46,8 @@ struct StepLine {
   double wall_end = 0.0;          // Unix seconds: its report was sent (or buffered)
   double estimated_recall = 0.0;  // token-weighted: the block scores' estimate
   double recall_seconds = 0.0;    // the recall probe's time, not part of compute_seconds
+  double exchange_seconds = 0.0;  // the shards' exchange, part of compute_seconds (reported)
+  std::vector<ShardLine> shards;  // the shards this rank ran (written only when there are any)
 };
 
 // One line of JSON (no newline): {"step": 3, "rank": 0, "compute_seconds": 0.25, ...}, the

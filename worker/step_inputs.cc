@@ -19,7 +19,14 @@ absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t 
   if (!gen.ok()) return gen.status();
   std::vector<Sample> batch;
   int64_t total = 0;
-  for (int draws = 0; draws < 1000000; ++draws) {
+  if (spec.long_document > 0) {
+    Sample s;
+    s.id = LongDocumentId(step);
+    s.length = spec.long_document;
+    batch.push_back(s);
+    total = s.length;
+  }
+  for (int draws = 0; draws < 999999; ++draws) {
     Sample s = gen->Next();
     if (s.length > spec.max_length || s.length < spec.min_length) continue;
     if (total + s.length > spec.token_budget) break;
@@ -33,6 +40,8 @@ absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t 
   }
   return batch;
 }
+
+uint64_t LongDocumentId(int64_t step) { return static_cast<uint64_t>(step) * 1000000 + 999999; }
 
 std::string PlanDigest(const std::vector<MicroBatchPlan>& micro_batches) {
   uint64_t hash = 1469598103934665603ULL;
@@ -57,6 +66,12 @@ std::string PlanDigest(const std::vector<MicroBatchPlan>& micro_batches) {
       mix_double(p.density);
       mix(p.layer_densities.size());
       for (double d : p.layer_densities) mix_double(d);
+      if (p.sharded()) {  // unsplit samples hash as before shards existed
+        mix(static_cast<uint64_t>(p.shard_begin));
+        mix(static_cast<uint64_t>(p.shard_end));
+        mix(static_cast<uint64_t>(p.shard_index));
+        for (int r : p.shard_group) mix(static_cast<uint64_t>(r));
+      }
     }
   }
   return absl::StrFormat("%016x", hash);

@@ -23,7 +23,14 @@ struct BatchSpec {
   int64_t token_budget = 0;  // tokens per step (e.g. fill x ranks x micro-batches x capacity)
   int64_t max_length = 0;    // documents longer than this are skipped (the micro-batch capacity)
   int64_t min_length = 1;    // and shorter ones too
+  // Context parallelism: above 0, every step's batch also holds one document of this many
+  // tokens (longer than max_length is the point: it trains split over ranks), drawn first and
+  // counted in the budget, id LongDocumentId(step).
+  int64_t long_document = 0;
 };
+
+// The id of a step's long document (BatchSpec::long_document): step * 10^6 + 999999.
+uint64_t LongDocumentId(int64_t step);
 
 // The batch of `step`: documents drawn from the trace seeded by (seed, step) until the next
 // would pass the budget. Ids are unique across steps (step * 10^6 + draw index).

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -95,6 +96,7 @@ void StepSyncHub::Serve() {
   std::map<int, Peer> peers;      // by fd
   std::map<int, int> fd_of_rank;  // the live connection of each rank
   std::map<std::pair<int64_t, int>, Round> rounds;
+  std::map<int, std::string> addresses;  // shard-exchange listen addresses by rank
   auto release = [&](const std::pair<int64_t, int>& key, const Round& round) {
     const std::string line = absl::StrCat("RELEASE ", key.first, " ", key.second, " ",
                                           FormatValue(round.max_value), "\n");
@@ -111,6 +113,18 @@ void StepSyncHub::Serve() {
       peer.rank = rank;
       fd_of_rank[rank] = fd;
       return true;
+    }
+    if ((parts.size() == 3 && parts[0] == "ADDRESS") ||
+        (parts.size() == 2 && parts[0] == "WHERE")) {
+      int rank = -1;
+      if (!absl::SimpleAtoi(parts[1], &rank) || rank < 0 || rank >= ranks_) return false;
+      if (parts[0] == "ADDRESS") {
+        addresses[rank] = parts[2];
+        return SendAll(fd, "OK\n");
+      }
+      auto it = addresses.find(rank);
+      return SendAll(
+          fd, absl::StrCat("AT ", rank, " ", it == addresses.end() ? "-" : it->second, "\n"));
     }
     int64_t step = 0;
     int phase = 0;
@@ -180,6 +194,101 @@ void StepSyncHub::Serve() {
     }
   }
   for (const auto& [fd, peer] : peers) close(fd);
+}
+
+namespace {
+
+// The IPv4 socket address of "host:port".
+absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
+      port <= 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("address ", address, " is not host:port"));
+  }
+  const std::string host = address.substr(0, colon);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("address ", address, ": ", host, " is not an IPv4 address"));
+  }
+  return addr;
+}
+
+// Sends one line to the hub on a fresh connection and returns its one-line answer.
+absl::StatusOr<std::string> AskHub(const std::string& hub_address, const std::string& line,
+                                   double timeout_seconds) {
+  absl::StatusOr<sockaddr_in> addr = ParseAddress(hub_address);
+  if (!addr.ok()) return addr.status();
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError("step sync: socket() failed");
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0 ||
+      !SendAll(fd, line)) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("step sync: cannot reach the hub at ", hub_address));
+  }
+  std::string answer;
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  while (answer.find('\n') == std::string::npos) {
+    const int64_t left_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    pollfd p{fd, POLLIN, 0};
+    if (left_ms <= 0 || poll(&p, 1, static_cast<int>(left_ms)) <= 0) {
+      close(fd);
+      return absl::DeadlineExceededError(
+          absl::StrCat("step sync: the hub at ", hub_address, " did not answer"));
+    }
+    char chunk[256];
+    const ssize_t n = recv(fd, chunk, sizeof chunk, 0);
+    if (n <= 0) {
+      close(fd);
+      return absl::UnavailableError(
+          absl::StrCat("step sync: the hub at ", hub_address, " closed the connection"));
+    }
+    answer.append(chunk, static_cast<size_t>(n));
+  }
+  close(fd);
+  return answer.substr(0, answer.find('\n'));
+}
+
+}  // namespace
+
+absl::Status RegisterRankAddress(const std::string& hub_address, int rank,
+                                 const std::string& address, double timeout_seconds) {
+  absl::StatusOr<std::string> answer =
+      AskHub(hub_address, absl::StrCat("ADDRESS ", rank, " ", address, "\n"), timeout_seconds);
+  if (!answer.ok()) return answer.status();
+  if (*answer != "OK") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step sync: the hub refused rank ", rank, "'s address ", address));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address, int rank,
+                                              double timeout_seconds) {
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  const std::string want = absl::StrCat("AT ", rank, " ");
+  while (true) {
+    absl::StatusOr<std::string> answer =
+        AskHub(hub_address, absl::StrCat("WHERE ", rank, "\n"), std::max(1.0, timeout_seconds));
+    if (!answer.ok()) return answer.status();
+    if (answer->rfind(want, 0) != 0) {
+      return absl::DataLossError(absl::StrCat("step sync: bad answer from the hub: ", *answer));
+    }
+    const std::string address = answer->substr(want.size());
+    if (address != "-") return address;
+    if (Clock::now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rank ", rank, " did not register its shard-exchange address with the hub at ",
+          hub_address, " within ", timeout_seconds, " s (is it running?)"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 absl::StatusOr<std::unique_ptr<StepSyncClient>> StepSyncClient::Connect(const std::string& address,

@@ -11,6 +11,14 @@
 // is harmless and, once released, answered at once. Phases: kPlanPhase (all-reduce of "I fell
 // back to the local plan") and kGradientPhase (the step's end).
 //
+// The hub is also the address book of the ranks' shard exchange (worker/shard_exchange.h), on
+// connections of their own (no HELLO, so they never replace a rank's step-sync connection):
+//
+//   rank -> hub   ADDRESS <rank> <host:port>        (registers; a restarted rank replaces it)
+//   hub  -> rank  OK
+//   rank -> hub   WHERE <rank>
+//   hub  -> rank  AT <rank> <host:port>  or  AT <rank> -   (not registered yet)
+//
 //   StepSyncHub hub(/*ranks=*/4);          // in the launcher
 //   auto sync = StepSyncClient::Connect(hub.address(), rank);
 //   absl::StatusOr<double> any = sync->AllReduceMax(step, kPlanPhase, fell_back ? 1 : 0);
@@ -49,6 +57,14 @@ class StepSyncHub {
   int wake_fds_[2] = {-1, -1};  // a pipe that ends Serve()
   std::thread thread_;
 };
+
+// Registers `rank`'s shard-exchange listen address with the hub at `hub_address`.
+absl::Status RegisterRankAddress(const std::string& hub_address, int rank,
+                                 const std::string& address, double timeout_seconds = 60);
+// The address `rank` registered, asking again until it has or `timeout_seconds` passed
+// (DEADLINE_EXCEEDED naming the rank).
+absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address, int rank,
+                                              double timeout_seconds = 60);
 
 class StepSyncClient {
  public:

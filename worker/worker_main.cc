@@ -24,6 +24,7 @@
 #include "worker/micro_batch_runner.h"
 #include "worker/nccl_sync.h"
 #include "worker/run_summary.h"
+#include "worker/shard_exchange.h"
 #include "worker/step_inputs.h"
 #include "worker/step_sync.h"
 
@@ -59,6 +60,13 @@ ABSL_FLAG(std::string, out, "", "append one JSON line per step here");
 ABSL_FLAG(double, call_timeout, 2.0, "seconds: deadline of planner calls before falling back");
 ABSL_FLAG(double, plan_timeout, 60.0, "seconds a rank waits for the coordinator's plan");
 ABSL_FLAG(int64_t, gradient_bytes, 64 << 20, "cuda: bytes all-reduced each step");
+ABSL_FLAG(int64_t, long_document, 0,
+          "context parallelism: add one document of this many tokens to every step's batch "
+          "(every rank must pass the same; the job needs max_shards > 1 when it exceeds the "
+          "micro-batch capacity)");
+ABSL_FLAG(double, exchange_timeout, 120.0,
+          "CPU ranks of a job with max_shards > 1: seconds a shard waits for one message of its "
+          "group before failing with an error naming the peer");
 
 namespace sparsebalance {
 namespace {
@@ -198,11 +206,24 @@ int Main(int argc, char** argv) {
     barrier = std::make_unique<NoBarrier>();
   }
 
+  // Context parallelism on CPU ranks: the shard exchange, its address at the hub.
+  std::unique_ptr<ShardExchange> exchange;
+  if (config.max_shards > 1 && config.ranks > 1 && device == "cpu") {
+    ShardExchangeOptions exchange_options;
+    exchange_options.timeout_seconds = absl::GetFlag(FLAGS_exchange_timeout);
+    absl::StatusOr<std::unique_ptr<ShardExchange>> started =
+        ShardExchange::Start(rank, absl::GetFlag(FLAGS_sync), exchange_options);
+    if (!started.ok()) tools::Fatal(absl::StrCat("--sync: ", started.status().message()));
+    exchange = *std::move(started);
+  }
+
   BatchSpec spec;
   spec.trace = absl::GetFlag(FLAGS_trace);
   spec.seed = absl::GetFlag(FLAGS_seed);
   spec.max_length = config.micro_batch_capacity;
   spec.min_length = std::min<int64_t>(absl::GetFlag(FLAGS_min_length), spec.max_length);
+  spec.long_document = absl::GetFlag(FLAGS_long_document);
+  if (spec.long_document < 0) tools::UsageError("--long_document must be >= 0 tokens");
   spec.token_budget =
       static_cast<int64_t>(absl::GetFlag(FLAGS_fill) * config.ranks * config.micro_batches *
                            static_cast<double>(config.micro_batch_capacity));
@@ -234,12 +255,18 @@ int Main(int argc, char** argv) {
     }
     std::vector<MicroBatchTiming> timings;
     double compute = 0.0, attention = 0.0, density_tokens = 0.0, recall_tokens = 0.0;
-    double estimate_tokens = 0.0, recall_seconds = 0.0;
+    double estimate_tokens = 0.0, recall_seconds = 0.0, exchange_seconds = 0.0;
     int64_t tokens = 0;
+    std::vector<ShardLine> shards;
     for (size_t m = 0; m < plan->micro_batches.size(); ++m) {
       const MicroBatchPlan& mb = plan->micro_batches[m];
       if (mb.samples.empty()) continue;
-      absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb, static_cast<uint64_t>(step));
+      MicroBatchContext context;
+      context.recall_seed = static_cast<uint64_t>(step);
+      context.step = step;
+      context.micro_batch = static_cast<int>(m);
+      context.exchange = exchange.get();
+      absl::StatusOr<MicroBatchResult> r = (*runner)->Run(mb, context);
       if (!r.ok())
         tools::Fatal(absl::StrCat("step ", step, " micro-batch ", m, ": ", r.status().ToString()));
       MicroBatchTiming t;
@@ -251,6 +278,15 @@ int Main(int argc, char** argv) {
       t.recall = r->recall;
       t.documents = std::move(r->documents);
       t.recall_seconds = r->recall_seconds;
+      t.exchange_seconds = r->exchange_seconds;
+      for (size_t k = 0; k < mb.samples.size(); ++k) {
+        const PlannedSample& p = mb.samples[k];
+        if (!p.sharded()) continue;
+        shards.push_back({p.id, p.shard_index, static_cast<int>(p.shard_group.size()),
+                          p.shard_begin, p.shard_end, p.length, r->samples[k].exchange_seconds,
+                          r->samples[k].exchange_bytes});
+      }
+      exchange_seconds += r->exchange_seconds;
       timings.push_back(std::move(t));
       compute += r->compute_seconds;
       attention += r->attention_seconds;
@@ -279,6 +315,8 @@ int Main(int argc, char** argv) {
       line.recall = tokens > 0 ? recall_tokens / tokens : 0.0;
       line.estimated_recall = tokens > 0 ? estimate_tokens / tokens : 0.0;
       line.recall_seconds = recall_seconds;
+      line.exchange_seconds = exchange_seconds;
+      line.shards = shards;
       line.local_fallback = plan->local_fallback;
       line.acked = acked;
       line.plan_digest = PlanDigest(plan->micro_batches);

@@ -1,7 +1,8 @@
 // End to end, with real processes: sb-planner, sb-worker ranks (CPU kernels) synchronised by
 // the step-sync hub, and sb-run (the main job). The planner is killed with SIGKILL mid-run and
 // restarted on its state directory; a worker is killed and restarted; the main job's measured
-// figures favour sparsebalance over sequential.
+// figures favour sparsebalance over sequential; a document of 4x the capacity trains split over
+// the 4 ranks (context parallelism).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -308,6 +309,64 @@ TEST(EndToEndTest, TheMainJobIsMoreBalancedWithSparseBalanceAndRecallIsNotLower)
   EXPECT_LT(balanced->imbalance, sequential->imbalance - 0.05) << summary;
   EXPECT_GE(balanced->mean_recall, sequential->mean_recall - 0.02) << summary;
   EXPECT_TRUE(std::filesystem::exists(out + "/timeline.svg"));
+}
+
+// Context parallelism end to end (issue 15): sb-run with --long_document_factor=4 gives every
+// step a document of 4x the micro-batch capacity, which only trains split over the 4 CPU
+// ranks. Through the real planner and real workers exchanging keys, values and gradients over
+// TCP: every step completes on the planner's plans, the long document runs as 4 shards on 4
+// distinct ranks covering its tokens once, and the reports (acknowledged by the planner,
+// which refuses exchange_seconds outside [0, compute) or without a shard) carry an exchange
+// time > 0 for them. No prior profile, few steps, small shapes: it checks the path, not speed.
+TEST(EndToEndTest, TheMainJobTrainsADocumentOfFourTimesTheCapacityOverFourRanks) {
+  constexpr int kSteps = 3;
+  constexpr int64_t kCapacity = 1024;
+  TempDir dir;
+  const std::string out = dir.path() + "/out";
+  std::unique_ptr<tools::ChildProcess> run =
+      Start({SB_RUN_PATH, "--planner_listen=127.0.0.1:0", "--state_dir=" + dir.path() + "/state",
+             "--out=" + out, "--workers=4", absl::StrCat("--steps=", kSteps),
+             absl::StrCat("--capacity=", kCapacity), "--micro_batches=2", "--fill=0.6",
+             "--policies=sparsebalance", "--profile=none", "--long_document_factor=4"},
+            dir.path() + "/run.log");
+  ASSERT_NE(run, nullptr);
+  ASSERT_EQ(run->WaitFor(300), 0) << ReadAll(dir.path() + "/run.log");
+  const std::string log = ReadAll(dir.path() + "/run.log");
+  absl::StatusOr<RunResult> result =
+      SummarizeRun("sparsebalance", out + "/sparsebalance.steps.jsonl", 4);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->steps.size(), static_cast<size_t>(kSteps)) << log;
+  EXPECT_EQ(result->local_plan_steps, 0) << "the planner's plans, not the local fallback";
+  for (const auto& [step, lines] : result->steps) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    std::set<int> ranks;
+    std::map<int, std::pair<int64_t, int64_t>> ranges;  // shard index -> tokens
+    for (const StepLine& line : lines) {
+      EXPECT_TRUE(line.acked) << "rank " << line.rank << "'s report was refused or lost";
+      EXPECT_LT(line.exchange_seconds, line.compute_seconds);
+      for (const ShardLine& shard : line.shards) {
+        if (shard.sample != LongDocumentId(step)) continue;
+        EXPECT_EQ(shard.length, 4 * kCapacity);
+        EXPECT_EQ(shard.shards, 4);
+        EXPECT_GT(shard.exchange_seconds, 0.0);
+        EXPECT_GT(line.exchange_seconds, 0.0);
+        ranks.insert(line.rank);
+        ranges[shard.index] = {shard.begin, shard.end};
+      }
+    }
+    EXPECT_EQ(ranks.size(), 4u) << "the long document's 4 shards on 4 distinct ranks";
+    ASSERT_EQ(ranges.size(), 4u);
+    int64_t next = 0;
+    for (const auto& [index, range] : ranges) {
+      EXPECT_EQ(range.first, next) << "shard " << index;
+      next = range.second;
+    }
+    EXPECT_EQ(next, 4 * kCapacity);
+    EXPECT_NE(log.find(absl::StrCat("step ", step, ": document ", LongDocumentId(step), " (",
+                                    4 * kCapacity, " tokens) split into 4 shards")),
+              std::string::npos)
+        << log;
+  }
 }
 
 }  // namespace

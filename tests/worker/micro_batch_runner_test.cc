@@ -1,9 +1,12 @@
 // MicroBatchRunner on the CPU reference kernels: a planned sample runs as its documents (a
 // pre-packed sample's segments never attend across a boundary, so it keeps exactly the blocks
 // of its documents run alone and measures the same recall), per-layer densities run layer by
-// layer, and a sample that cannot run is refused naming it.
+// layer, and a sample that cannot run is refused naming it. A shard of a split document runs
+// through the shard exchange (ranks as threads): the shards together keep the unsplit
+// document's blocks, and each reports an exchange time inside its compute time.
 #include "worker/micro_batch_runner.h"
 
+#include <future>
 #include <memory>
 #include <vector>
 
@@ -11,6 +14,8 @@
 #include "gtest/gtest.h"
 #include "planner/types.h"
 #include "tests/support/small_shape.h"
+#include "worker/shard_exchange.h"
+#include "worker/step_sync.h"
 
 namespace sparsebalance {
 namespace {
@@ -217,6 +222,76 @@ TEST(MicroBatchRunnerTest, ASampleThatCannotRunIsRefusedNamingIt) {
   EXPECT_NE(segments.message().find("samples[0].segments"), std::string::npos) << segments;
   absl::Status length = refusal(OneSample({1, 0, 0.3, {}, {}, 0, 0, 0, {}}));
   EXPECT_NE(length.message().find("samples[0].length"), std::string::npos) << length;
+}
+
+PlannedSample Shard(uint64_t id, int64_t length, int64_t begin, int64_t end, int index,
+                    std::vector<int> group) {
+  PlannedSample p;
+  p.id = id;
+  p.length = length;
+  p.density = 0.3;
+  p.shard_begin = begin;
+  p.shard_end = end;
+  p.shard_index = index;
+  p.shard_group = std::move(group);
+  return p;
+}
+
+TEST(MicroBatchRunnerTest, ShardsOfASplitDocumentKeepItsBlocksAndReportTheirExchange) {
+  constexpr int64_t kLength = 1024;
+  absl::StatusOr<MicroBatchResult> whole =
+      Runner()->Run(OneSample(Shard(21, kLength, 0, 0, 0, {})));
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(2);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  // Rank 1 runs shard 0 with an unsplit sample after it; rank 0 runs shard 1.
+  std::vector<std::future<absl::StatusOr<MicroBatchResult>>> runs;
+  for (int rank = 0; rank < 2; ++rank) {
+    runs.push_back(std::async(std::launch::async, [&, rank]() -> absl::StatusOr<MicroBatchResult> {
+      absl::StatusOr<std::unique_ptr<ShardExchange>> ex =
+          ShardExchange::Start(rank, (*hub)->address());
+      if (!ex.ok()) return ex.status();
+      MicroBatchPlan mb;
+      if (rank == 1) {
+        PlannedSample other = Shard(5, 256, 0, 0, 0, {});
+        mb.samples = {Shard(21, kLength, 0, 512, 0, {1, 0}), other};
+      } else {
+        mb.samples = {Shard(21, kLength, 512, kLength, 1, {1, 0})};
+      }
+      MicroBatchContext context;
+      context.step = 4;
+      context.exchange = ex->get();
+      return Runner()->Run(mb, context);
+    }));
+  }
+  absl::StatusOr<MicroBatchResult> r0 = runs[0].get(), r1 = runs[1].get();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_EQ(r0->samples[0].tokens, 512);
+  EXPECT_EQ(r1->samples[0].tokens, 512);
+  EXPECT_EQ(r1->samples[1].tokens, 256);
+  EXPECT_EQ(r1->tokens, 768);
+  EXPECT_EQ(r0->samples[0].active_blocks + r1->samples[0].active_blocks,
+            whole->samples[0].active_blocks);
+  EXPECT_EQ(r0->samples[0].causal_blocks + r1->samples[0].causal_blocks,
+            whole->samples[0].causal_blocks);
+  EXPECT_EQ(r1->samples[1].active_blocks, ExpectedBlocks({256}, 0.3));
+  for (const MicroBatchResult* r : {&*r0, &*r1}) {
+    EXPECT_GT(r->exchange_seconds, 0.0);
+    EXPECT_LT(r->exchange_seconds, r->compute_seconds);
+    EXPECT_LE(r->attention_seconds, r->compute_seconds);
+  }
+  EXPECT_GT(r0->samples[0].exchange_bytes, 0) << "shard 1 receives shard 0's blocks";
+  EXPECT_EQ(r1->samples[0].exchange_bytes, 0) << "shard 0 receives none";
+}
+
+TEST(MicroBatchRunnerTest, AShardWithoutAnExchangeIsRefusedNamingIt) {
+  absl::StatusOr<MicroBatchResult> r = Runner()->Run(OneSample(Shard(3, 1024, 0, 512, 0, {0, 1})));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("samples[0]"), std::string::npos) << r.status();
+  r = Runner()->Run(OneSample(Shard(3, 1024, 0, 2048, 0, {0, 1})));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("samples[0]"), std::string::npos) << r.status();
 }
 
 }  // namespace

@@ -1,0 +1,263 @@
+// The shard exchange over loopback with ranks as threads (addresses through a real step-sync
+// hub), and RunShardLayer on it: a document split over 4 ranks gives the unsplit document's
+// attention outputs and gradients, and a shard whose peer never arrives fails with an error
+// naming the peer instead of hanging.
+//
+// Tolerance (tests/kernels/shard_attention_test.cc establishes it): the sharded pass groups
+// the same fp32 products by chunk and merges partials in double, so it differs from the
+// unsplit pass by rounding only; |sharded - unsplit| <= 1e-5 x the largest unsplit magnitude
+// (for lse, of max(1, max |lse|)).
+#include "worker/shard_exchange.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/attention_cpu.h"
+#include "kernels/block_selection.h"
+#include "worker/shard_layer.h"
+#include "worker/step_sync.h"
+#include "worker/synthetic_inputs.h"
+
+namespace sparsebalance {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr double kTolerance = 1e-5;
+
+std::unique_ptr<StepSyncHub> StartHub(int ranks) {
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks);
+  EXPECT_TRUE(hub.ok()) << hub.status();
+  return hub.ok() ? *std::move(hub) : nullptr;
+}
+
+std::unique_ptr<ShardExchange> StartExchange(int rank, const std::string& hub,
+                                             double timeout_seconds = 30) {
+  ShardExchangeOptions options;
+  options.timeout_seconds = timeout_seconds;
+  absl::StatusOr<std::unique_ptr<ShardExchange>> ex = ShardExchange::Start(rank, hub, options);
+  EXPECT_TRUE(ex.ok()) << ex.status();
+  return ex.ok() ? *std::move(ex) : nullptr;
+}
+
+ExchangeKey Key(uint64_t sample, ExchangeKind kind, int layer = 0) {
+  ExchangeKey key;
+  key.step = 3;
+  key.micro_batch = 1;
+  key.sample_id = sample;
+  key.layer = layer;
+  key.kind = kind;
+  return key;
+}
+
+TEST(ShardExchangeTest, MessagesArriveByPeerAndKeyWhateverTheOrder) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(3);
+  ASSERT_NE(hub, nullptr);
+  std::unique_ptr<ShardExchange> a = StartExchange(0, hub->address());
+  std::unique_ptr<ShardExchange> b = StartExchange(1, hub->address());
+  std::unique_ptr<ShardExchange> c = StartExchange(2, hub->address());
+  ASSERT_TRUE(a && b && c);
+  const std::string big(3 << 20, 'x');  // larger than any socket buffer
+  ASSERT_TRUE(a->Send(1, Key(7, ExchangeKind::kPooledKeys), "pooled-7").ok());
+  ASSERT_TRUE(a->Send(1, Key(7, ExchangeKind::kKeyValues), big).ok());
+  ASSERT_TRUE(a->Send(1, Key(8, ExchangeKind::kPooledKeys), "pooled-8").ok());
+  ASSERT_TRUE(c->Send(1, Key(7, ExchangeKind::kPooledKeys), "from-c").ok());
+  ASSERT_TRUE(a->Send(1, Key(7, ExchangeKind::kPooledKeys, /*layer=*/1), "layer-1").ok());
+  ASSERT_TRUE(a->Send(1, Key(7, ExchangeKind::kPooledKeys), "pooled-7-again").ok());
+  // Received in another order than sent; each (peer, key) in its own order.
+  EXPECT_EQ(*b->Receive(0, Key(8, ExchangeKind::kPooledKeys)), "pooled-8");
+  EXPECT_EQ(*b->Receive(2, Key(7, ExchangeKind::kPooledKeys)), "from-c");
+  EXPECT_EQ(*b->Receive(0, Key(7, ExchangeKind::kPooledKeys, 1)), "layer-1");
+  EXPECT_EQ(*b->Receive(0, Key(7, ExchangeKind::kKeyValues)), big);
+  EXPECT_EQ(*b->Receive(0, Key(7, ExchangeKind::kPooledKeys)), "pooled-7");
+  EXPECT_EQ(*b->Receive(0, Key(7, ExchangeKind::kPooledKeys)), "pooled-7-again");
+  EXPECT_EQ(b->bytes_received(), a->bytes_sent() + c->bytes_sent());
+}
+
+TEST(ShardExchangeTest, AMissingMessageOrPeerFailsNamingThePeer) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(4);
+  ASSERT_NE(hub, nullptr);
+  std::unique_ptr<ShardExchange> a = StartExchange(0, hub->address(), /*timeout_seconds=*/0.3);
+  std::unique_ptr<ShardExchange> b = StartExchange(1, hub->address(), 0.3);
+  ASSERT_TRUE(a && b);
+  absl::StatusOr<std::string> got = a->Receive(1, Key(5, ExchangeKind::kGradients));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(got.status().message(), HasSubstr("from rank 1"));
+  EXPECT_THAT(got.status().message(), HasSubstr("key/value gradients of sample 5"));
+  // Rank 3 never registered: sending to it fails naming it.
+  absl::Status sent = a->Send(3, Key(5, ExchangeKind::kPooledKeys), "x");
+  EXPECT_EQ(sent.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(sent.message(), HasSubstr("rank 3 did not register"));
+  // A peer that went away: the error says its connection closed.
+  ASSERT_TRUE(b->Send(0, Key(5, ExchangeKind::kPooledKeys), "x").ok());
+  ASSERT_TRUE(a->Receive(1, Key(5, ExchangeKind::kPooledKeys)).ok());
+  b.reset();
+  got = a->Receive(1, Key(5, ExchangeKind::kKeyValues));
+  EXPECT_THAT(got.status().message(), HasSubstr("connection closed"));
+  EXPECT_FALSE(a->Send(0, Key(5, ExchangeKind::kPooledKeys), "to myself").ok());
+}
+
+// One document of `length` tokens (the worker's synthetic inputs) split at `cuts` over ranks
+// `group` (threads with real exchanges), each rank holding only its rows.
+struct SplitRun {
+  std::vector<absl::StatusOr<ShardLayerResult>> results;
+};
+
+SplitRun RunSplit(const DocumentTensors& doc, const std::vector<float>& dout, int heads,
+                  int head_dim, const std::vector<int32_t>& cuts, double density,
+                  const kernels::SelectionOptions& select, int running_ranks,
+                  double timeout_seconds) {
+  const int shards = static_cast<int>(cuts.size()) - 1;
+  std::unique_ptr<StepSyncHub> hub = StartHub(shards);
+  const int64_t stride = int64_t{heads} * head_dim;
+  auto rows = [&](const std::vector<float>& x, int r) {
+    return std::vector<float>(x.begin() + cuts[r] * stride, x.begin() + cuts[r + 1] * stride);
+  };
+  std::vector<int> group(shards);
+  for (int r = 0; r < shards; ++r) group[r] = (r * 3 + 1) % shards;  // not 0..P-1 in order
+  std::vector<std::future<absl::StatusOr<ShardLayerResult>>> futures;
+  for (int j = 0; j < running_ranks; ++j) {
+    futures.push_back(std::async(std::launch::async, [&, j]() -> absl::StatusOr<ShardLayerResult> {
+      std::unique_ptr<ShardExchange> ex = StartExchange(group[j], hub->address(), timeout_seconds);
+      if (ex == nullptr) return absl::InternalError("no exchange");
+      const std::vector<float> q = rows(doc.q, j), k = rows(doc.k, j), v = rows(doc.v, j),
+                               d = rows(dout, j);
+      ShardLayerInput in;
+      in.key = Key(42, ExchangeKind::kPooledKeys, /*layer=*/2);
+      in.group = group;
+      in.shard_index = j;
+      in.document_length = cuts.back();
+      in.shard_begin = cuts[j];
+      in.shard_end = cuts[j + 1];
+      in.heads = heads;
+      in.head_dim = head_dim;
+      in.density = density;
+      in.selection = select;
+      in.q = q;
+      in.k = k;
+      in.v = v;
+      in.dout = d;
+      return RunShardLayer(*ex, in);
+    }));
+  }
+  SplitRun run;
+  for (auto& f : futures) run.results.push_back(f.get());
+  return run;
+}
+
+double MaxAbs(const std::vector<float>& x, size_t begin, size_t end) {
+  double m = 0.0;
+  for (size_t i = begin; i < end; ++i) m = std::max(m, std::fabs(double{x[i]}));
+  return m;
+}
+
+TEST(ShardLayerTest, ADocumentSplitOverFourRanksEqualsTheUnsplitDocument) {
+  constexpr int kHeads = 2, kHeadDim = 64, kBlock = 64;
+  constexpr int32_t kLength = 1984;  // 31 blocks, the last one full; uneven cuts below
+  const std::vector<int32_t> cuts = {0, 768, 1280, 1664, kLength};
+  const DocumentTensors doc = MakeDocument(/*id=*/901, kLength, kHeads, kHeadDim);
+  std::vector<float> dout(doc.q.size());
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (float& x : dout) x = normal(rng);
+  kernels::SelectionOptions select;
+  select.block_size = kBlock;
+  select.threads = 1;
+  for (double density : {0.3, 1.0}) {
+    SCOPED_TRACE(density);
+    // Unsplit, on the whole document.
+    absl::StatusOr<kernels::Selection> sel = kernels::SelectBlocks(
+        std::vector<int32_t>{0, kLength}, kHeads, kHeadDim, doc.q, doc.k, {density}, select);
+    ASSERT_TRUE(sel.ok()) << sel.status();
+    const size_t n = doc.q.size();
+    std::vector<float> out(n), lse(static_cast<size_t>(kLength) * kHeads), dq(n), dk(n), dv(n);
+    kernels::AttentionOptions attention;
+    ASSERT_TRUE(kernels::AttentionForward(sel->index, kHeadDim, doc.q, doc.k, doc.v, attention,
+                                          absl::MakeSpan(out), absl::MakeSpan(lse))
+                    .ok());
+    ASSERT_TRUE(kernels::AttentionBackward(sel->index, kHeadDim, doc.q, doc.k, doc.v, out, lse,
+                                           dout, attention, absl::MakeSpan(dq), absl::MakeSpan(dk),
+                                           absl::MakeSpan(dv))
+                    .ok());
+    const SplitRun run = RunSplit(doc, dout, kHeads, kHeadDim, cuts, density, select, 4, 30);
+    const int64_t stride = kHeads * kHeadDim;
+    const double lse_scale = std::max(1.0, MaxAbs(lse, 0, lse.size()));
+    int64_t active = 0, received = 0;
+    for (int j = 0; j < 4; ++j) {
+      ASSERT_TRUE(run.results[j].ok()) << "shard " << j << ": " << run.results[j].status();
+      const ShardLayerResult& r = *run.results[j];
+      active += r.selection.active_blocks();
+      received += r.key_value_bytes_received;
+      EXPECT_EQ(r.key_value_bytes_received > 0, j > 0) << "shard " << j;
+      EXPECT_GT(r.exchange_seconds, 0.0);
+      const size_t first = cuts[j] * stride, last = cuts[j + 1] * stride;
+      for (auto [name, got, want] :
+           {std::tuple<const char*, const std::vector<float>*, const std::vector<float>*>{
+                "out", &r.out, &out},
+            {"dq", &r.dq, &dq},
+            {"dk", &r.dk, &dk},
+            {"dv", &r.dv, &dv}}) {
+        const double scale = MaxAbs(*want, 0, want->size());
+        ASSERT_EQ(got->size(), last - first) << name;
+        double diff = 0.0;
+        for (size_t x = first; x < last; ++x) {
+          diff = std::max(diff, std::fabs(double{(*got)[x - first]} - (*want)[x]));
+        }
+        EXPECT_LE(diff, kTolerance * scale) << name << " of shard " << j;
+      }
+      const int32_t tokens = cuts[j + 1] - cuts[j];
+      double diff = 0.0;
+      for (int h = 0; h < kHeads; ++h) {
+        for (int32_t t = 0; t < tokens; ++t) {
+          diff = std::max(
+              diff, std::fabs(double{r.lse[h * tokens + t]} - lse[h * kLength + cuts[j] + t]));
+        }
+      }
+      EXPECT_LE(diff, kTolerance * lse_scale) << "lse of shard " << j;
+    }
+    EXPECT_EQ(active, sel->index.active_blocks()) << "the shards keep the unsplit blocks";
+    // Only the needed blocks travel: at density 0.3 less than every earlier chunk whole.
+    int64_t prefix = 0;
+    for (int j = 1; j < 4; ++j) prefix += int64_t{cuts[j]} * stride * 2 * 4;
+    if (density < 1.0) {
+      EXPECT_LT(received, prefix);
+    } else {
+      EXPECT_EQ(received, prefix);
+    }
+  }
+}
+
+TEST(ShardLayerTest, AShardWhosePeerNeverArrivesFailsNamingItInsteadOfHanging) {
+  constexpr int kHeads = 1, kHeadDim = 64;
+  const std::vector<int32_t> cuts = {0, 256, 512, 768, 1024};
+  const DocumentTensors doc = MakeDocument(/*id=*/3, 1024, kHeads, kHeadDim);
+  const std::vector<float> dout(doc.q.size(), 1e-3f);
+  kernels::SelectionOptions select;
+  select.threads = 1;
+  const auto start = std::chrono::steady_clock::now();
+  // Shards 0-2 run; shard 3's rank never starts.
+  const SplitRun run = RunSplit(doc, dout, kHeads, kHeadDim, cuts, 0.5, select,
+                                /*running_ranks=*/3, /*timeout_seconds=*/0.5);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 60.0) << "bounded by the timeouts, not hanging";
+  const int missing = (3 * 3 + 1) % 4;  // group[3]
+  for (int j = 0; j < 3; ++j) {
+    ASSERT_FALSE(run.results[j].ok()) << "shard " << j;
+    EXPECT_EQ(run.results[j].status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(run.results[j].status().message(), HasSubstr(absl::StrCat("rank ", missing)))
+        << run.results[j].status();
+    EXPECT_THAT(run.results[j].status().message(), HasSubstr("sample 42"));
+  }
+}
+
+}  // namespace
+}  // namespace sparsebalance

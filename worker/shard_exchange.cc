@@ -1,0 +1,282 @@
+#include "worker/shard_exchange.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "worker/step_sync.h"
+
+namespace sparsebalance {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kMagic = 0x31584253;  // "SBX1" little-endian
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  int32_t from;
+  int64_t step;
+  int32_t micro_batch;
+  int32_t layer;
+  uint64_t sample_id;
+  int32_t kind;
+  int32_t reserved;
+  uint64_t bytes;
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 48, "the frame header is 48 bytes");
+
+// Frames beyond this are refused (a corrupt header must not allocate the world).
+constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 34;
+
+bool SendAll(int fd, const char* data, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = send(fd, data + done, size - done, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool RecvAll(int fd, char* data, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = recv(fd, data + done, size - done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+const char* ExchangeKindName(ExchangeKind kind) {
+  switch (kind) {
+    case ExchangeKind::kPooledKeys:
+      return "pooled keys";
+    case ExchangeKind::kKeyRequest:
+      return "key block request";
+    case ExchangeKind::kKeyValues:
+      return "key/value blocks";
+    case ExchangeKind::kGradients:
+      return "key/value gradients";
+  }
+  return "unknown message";
+}
+
+std::string ExchangeKey::ToString() const {
+  return absl::StrCat(ExchangeKindName(kind), " of sample ", sample_id, " (step ", step,
+                      ", micro-batch ", micro_batch, ", layer ", layer, ")");
+}
+
+absl::StatusOr<std::unique_ptr<ShardExchange>> ShardExchange::Start(
+    int rank, const std::string& hub_address, const ShardExchangeOptions& options) {
+  if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " < 0"));
+  if (!(options.timeout_seconds > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout_seconds: ", options.timeout_seconds, " must be positive"));
+  }
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError("shard exchange: socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(fd, 64) != 0) {
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("shard exchange: rank ", rank, " cannot listen: ", std::strerror(errno)));
+  }
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::unique_ptr<ShardExchange> ex(
+      new ShardExchange(rank, hub_address, options, fd, ntohs(addr.sin_port)));
+  ex->acceptor_ = std::thread([e = ex.get()] { e->AcceptLoop(); });
+  if (absl::Status s =
+          RegisterRankAddress(hub_address, rank, ex->address(), options.timeout_seconds);
+      !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("shard exchange: rank ", rank, ": ", s.message()));
+  }
+  return ex;
+}
+
+ShardExchange::ShardExchange(int rank, std::string hub_address, const ShardExchangeOptions& options,
+                             int listen_fd, int port)
+    : rank_(rank),
+      hub_address_(std::move(hub_address)),
+      options_(options),
+      listen_fd_(listen_fd),
+      port_(port) {}
+
+ShardExchange::~ShardExchange() {
+  stopping_ = true;
+  shutdown(listen_fd_, SHUT_RDWR);
+  if (acceptor_.joinable()) acceptor_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int fd : in_fds_) shutdown(fd, SHUT_RDWR);
+  }
+  for (std::thread& t : readers_) {
+    if (t.joinable()) t.join();
+  }
+  close(listen_fd_);
+  for (int fd : in_fds_) close(fd);
+  for (const auto& [peer, fd] : out_fds_) close(fd);
+}
+
+std::string ShardExchange::address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+void ShardExchange::AcceptLoop() {
+  while (!stopping_) {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      return;  // shut down
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      close(fd);
+      return;
+    }
+    in_fds_.insert(fd);
+    readers_.emplace_back([this, fd] { ReadLoop(fd); });
+  }
+}
+
+void ShardExchange::ReadLoop(int fd) {
+  int from = -1;
+  while (true) {
+    FrameHeader h;
+    if (!RecvAll(fd, reinterpret_cast<char*>(&h), sizeof h) || h.magic != kMagic ||
+        h.bytes > kMaxFrameBytes || h.from < 0 || (from >= 0 && h.from != from)) {
+      break;
+    }
+    from = h.from;
+    std::string payload(h.bytes, '\0');
+    if (!RecvAll(fd, payload.data(), payload.size())) break;
+    bytes_received_ += static_cast<int64_t>(sizeof h + h.bytes);
+    ExchangeKey key;
+    key.step = h.step;
+    key.micro_batch = h.micro_batch;
+    key.layer = h.layer;
+    key.sample_id = h.sample_id;
+    key.kind = static_cast<ExchangeKind>(h.kind);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_peers_.erase(from);
+      mailbox_[{from, key}].push_back(std::move(payload));
+    }
+    arrived_.notify_all();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (from >= 0) closed_peers_.insert(from);
+  arrived_.notify_all();
+}
+
+absl::StatusOr<int> ShardExchange::Connection(int peer) {
+  auto it = out_fds_.find(peer);
+  if (it != out_fds_.end()) return it->second;
+  absl::StatusOr<std::string> address =
+      LookupRankAddress(hub_address_, peer, options_.timeout_seconds);
+  if (!address.ok()) return address.status();
+  const size_t colon = address->rfind(':');
+  int port = 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address->substr(colon + 1), &port) ||
+      inet_pton(AF_INET, address->substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    return absl::DataLossError(
+        absl::StrCat("rank ", peer, " registered the bad address ", *address));
+  }
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError("shard exchange: socket() failed");
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot connect to rank ", peer, " at ", *address,
+                                               ": ", std::strerror(errno)));
+  }
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  out_fds_[peer] = fd;
+  return fd;
+}
+
+absl::Status ShardExchange::Send(int peer, const ExchangeKey& key, absl::string_view payload) {
+  if (peer < 0 || peer == rank_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard exchange: rank ", rank_, " cannot send to rank ", peer));
+  }
+  FrameHeader h{};
+  h.magic = kMagic;
+  h.from = rank_;
+  h.step = key.step;
+  h.micro_batch = key.micro_batch;
+  h.layer = key.layer;
+  h.sample_id = key.sample_id;
+  h.kind = static_cast<int32_t>(key.kind);
+  h.bytes = payload.size();
+  std::lock_guard<std::mutex> lock(send_mu_);
+  absl::Status last;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    absl::StatusOr<int> fd = Connection(peer);
+    if (!fd.ok()) {
+      last = fd.status();
+      break;
+    }
+    if (SendAll(*fd, reinterpret_cast<const char*>(&h), sizeof h) &&
+        SendAll(*fd, payload.data(), payload.size())) {
+      bytes_sent_ += static_cast<int64_t>(sizeof h + payload.size());
+      return absl::OkStatus();
+    }
+    // Broken (the peer restarted?): forget the connection and look its address up again.
+    close(*fd);
+    out_fds_.erase(peer);
+    last = absl::UnavailableError(absl::StrCat("the connection to rank ", peer, " broke"));
+  }
+  return absl::Status(last.code(),
+                      absl::StrCat("shard exchange: rank ", rank_, " sending ", key.ToString(),
+                                   " to rank ", peer, ": ", last.message()));
+}
+
+absl::StatusOr<std::string> ShardExchange::Receive(int peer, const ExchangeKey& key) {
+  const Clock::time_point deadline =
+      Clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000));
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::pair<int, ExchangeKey> slot{peer, key};
+  while (true) {
+    auto it = mailbox_.find(slot);
+    if (it != mailbox_.end() && !it->second.empty()) {
+      std::string payload = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) mailbox_.erase(it);
+      return payload;
+    }
+    if (arrived_.wait_until(lock, deadline) == std::cv_status::timeout &&
+        Clock::now() >= deadline) {
+      const bool closed = closed_peers_.count(peer) > 0;
+      return absl::DeadlineExceededError(absl::StrCat(
+          "shard exchange: rank ", rank_, " waited ", options_.timeout_seconds, " s for ",
+          key.ToString(), " from rank ", peer, " in vain",
+          closed ? " (its connection closed: did it fail?)" : " (is it running that sample?)"));
+    }
+  }
+}
+
+}  // namespace sparsebalance

@@ -1,0 +1,123 @@
+// The tensor transport of context parallelism between CPU ranks (issue 15, DESIGN.md section
+// 9): direct rank-to-rank TCP connections, their addresses exchanged through the step-sync hub
+// (worker/step_sync.h: ADDRESS / WHERE). Each rank listens on 127.0.0.1 (a free port),
+// registers its address, connects to a peer on its first message to it and keeps the
+// connection. A message is a binary frame, a fixed header then the payload:
+//
+//   magic "SBX1" (u32) | from rank (i32) | step (i64) | micro-batch (i32) | layer (i32) |
+//   sample id (u64) | kind (i32) | reserved (i32) | payload bytes (u64) | payload
+//
+// (host byte order: the ranks share a machine). Received frames go to a mailbox keyed by
+// (from rank, ExchangeKey) on the receiver's reader threads, so a send never waits for the
+// receiver to ask: a rank may send everything its peers need before it waits for anything,
+// and messages of different steps, micro-batches, samples, layers and kinds never mix.
+// Receive waits for one message at most the exchange's timeout, then DEADLINE_EXCEEDED naming
+// the peer, the kind and the key (a peer that never arrives fails, never hangs).
+//
+//   auto ex = ShardExchange::Start(rank, hub->address());
+//   ExchangeKey key{step, micro_batch, sample_id, layer, ExchangeKind::kPooledKeys};
+//   (*ex)->Send(peer, key, bytes);
+//   absl::StatusOr<std::string> got = (*ex)->Receive(peer, key);
+#ifndef SPARSEBALANCE_WORKER_SHARD_EXCHANGE_H_
+#define SPARSEBALANCE_WORKER_SHARD_EXCHANGE_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace sparsebalance {
+
+enum class ExchangeKind : int32_t {
+  kPooledKeys = 1,  // a shard's pooled key blocks and its token range, to the later shards
+  kKeyRequest = 2,  // the key blocks a shard needs of an owner's chunk
+  kKeyValues = 3,   // those blocks' keys and values, owner to shard
+  kGradients = 4,   // their key and value gradients, shard back to the owner
+};
+const char* ExchangeKindName(ExchangeKind kind);
+
+struct ExchangeKey {
+  int64_t step = 0;
+  int32_t micro_batch = 0;
+  uint64_t sample_id = 0;
+  int32_t layer = 0;
+  ExchangeKind kind = ExchangeKind::kPooledKeys;
+
+  auto Tie() const { return std::tie(step, micro_batch, sample_id, layer, kind); }
+  bool operator<(const ExchangeKey& o) const { return Tie() < o.Tie(); }
+  bool operator==(const ExchangeKey& o) const { return Tie() == o.Tie(); }
+  // "pooled keys of sample 7 (step 3, micro-batch 0, layer 1)"
+  std::string ToString() const;
+};
+
+struct ShardExchangeOptions {
+  // Longest wait for one message (and for a peer's address at the hub), seconds.
+  double timeout_seconds = 120.0;
+};
+
+class ShardExchange {
+ public:
+  // Listens on 127.0.0.1 and registers the address as `rank`'s with the hub at `hub_address`.
+  static absl::StatusOr<std::unique_ptr<ShardExchange>> Start(
+      int rank, const std::string& hub_address, const ShardExchangeOptions& options = {});
+  ~ShardExchange();
+  ShardExchange(const ShardExchange&) = delete;
+  ShardExchange& operator=(const ShardExchange&) = delete;
+
+  int rank() const { return rank_; }
+  std::string address() const;  // host:port this rank listens on
+  const ShardExchangeOptions& options() const { return options_; }
+
+  // Sends one message to `peer` (connecting first if needed: its address from the hub). A
+  // broken connection is replaced once (the peer may have restarted). UNAVAILABLE or
+  // DEADLINE_EXCEEDED naming the peer when it cannot be reached.
+  absl::Status Send(int peer, const ExchangeKey& key, absl::string_view payload);
+  // The oldest message from `peer` under `key`, waiting up to the timeout.
+  absl::StatusOr<std::string> Receive(int peer, const ExchangeKey& key);
+
+  int64_t bytes_sent() const { return bytes_sent_.load(); }
+  int64_t bytes_received() const { return bytes_received_.load(); }
+
+ private:
+  ShardExchange(int rank, std::string hub_address, const ShardExchangeOptions& options,
+                int listen_fd, int port);
+  void AcceptLoop();
+  void ReadLoop(int fd);
+  absl::StatusOr<int> Connection(int peer);  // under send_mu_
+
+  const int rank_;
+  const std::string hub_address_;
+  const ShardExchangeOptions options_;
+  const int listen_fd_;
+  const int port_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> bytes_sent_{0};
+  std::atomic<int64_t> bytes_received_{0};
+
+  std::mutex send_mu_;
+  std::map<int, int> out_fds_;  // peer -> connected socket
+
+  std::mutex mu_;  // guards what follows
+  std::condition_variable arrived_;
+  std::map<std::pair<int, ExchangeKey>, std::deque<std::string>> mailbox_;
+  std::set<int> in_fds_;
+  std::set<int> closed_peers_;  // peers whose connection to us closed (a hint in errors)
+  std::vector<std::thread> readers_;
+  std::thread acceptor_;
+};
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_WORKER_SHARD_EXCHANGE_H_
