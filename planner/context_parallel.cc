@@ -230,7 +230,8 @@ std::vector<int64_t> EqualTokenCuts(int64_t length, int block_size, int shards, 
 absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
                                        const PlannerConfig& config, const LatencyModel& model,
                                        const std::vector<double>& densities,
-                                       const std::vector<double>& speed, double target_share) {
+                                       const std::vector<double>& speed, double target_share,
+                                       const std::vector<double>* costs) {
   ShardLayout layout;
   layout.sharded.assign(batch.size(), 0);
   ShardPlacer placer(config, speed, &layout);
@@ -299,7 +300,7 @@ absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
     double total = 0.0;
     std::vector<double> cost(n);
     for (int i = 0; i < n; ++i) {
-      cost[i] = model.SampleSeconds(batch[i], choice_density(i));
+      cost[i] = costs != nullptr ? (*costs)[i] : model.SampleSeconds(batch[i], choice_density(i));
       total += cost[i];
     }
     double inverse_speed = 0.0;

@@ -54,14 +54,17 @@ struct ShardLayout {
 // the samples' planned densities, `speed` the ranks' speed factors (1 for policies that ignore
 // them). kSparse and kDense split a document whose cost exceeds `target_share` of the mean
 // rank's load, into as few shards as bring each below it (or as even as max_shards allows);
-// AssignSamples tries a few shares and keeps the best placement. Only documents without segments
-// are split. A document longer than the capacity that no group can hold is an INVALID_ARGUMENT
-// naming it under OverflowPolicy::kError and is listed in `unplaced` under kDefer. The batch and
-// config must be valid.
+// AssignSamples tries a few shares and keeps the best placement. `costs`, when given, are the
+// samples' costs in the metric PlanShards chooses by (SampleSeconds at the planned density, or at
+// 1 for kDense), which the caller has already. Only documents without segments are split. A
+// document longer than the capacity that no group can hold is an INVALID_ARGUMENT naming it under
+// OverflowPolicy::kError and is listed in `unplaced` under kDefer. The batch and config must be
+// valid.
 absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
                                        const PlannerConfig& config, const LatencyModel& model,
                                        const std::vector<double>& densities,
-                                       const std::vector<double>& speed, double target_share = 1.0);
+                                       const std::vector<double>& speed, double target_share = 1.0,
+                                       const std::vector<double>* costs = nullptr);
 
 // Predicted seconds of shard [begin, end) (tokens; begin a multiple of the block size) of a
 // document of `length` tokens at `density`: its rows' attention, tokens and per-document

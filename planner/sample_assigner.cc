@@ -879,25 +879,30 @@ absl::StatusOr<Assignment> AssignAroundShards(
   return out;
 }
 
-// The predicted makespan of an assignment in the policy's balancing metric (speed factors
+// A sample's cost in the policy's balancing metric (BuildUnits' costs).
+double MetricCost(const std::vector<Sample>& batch, const PlannerConfig& config,
+                  const LatencyModel& model, int i, double density) {
+  switch (config.policy) {
+    case Policy::kTokens:
+      return static_cast<double>(batch[i].length);
+    case Policy::kFlops:
+      return model.SampleSeconds(batch[i], 1.0);
+    default:
+      return model.SampleSeconds(batch[i], density);
+  }
+}
+
+// The predicted makespan of an assignment in the policy's balancing metric (`metric`: each
+// sample's MetricCost) (speed factors
 // applied, micro-batch overheads left out): what AssignSamples compares its candidates by.
 double PlacedMakespan(const std::vector<Sample>& batch, const PlannerConfig& config,
                       const LatencyModel& model, const std::vector<double>& densities,
-                      const std::vector<double>& speed, const Assignment& a) {
-  auto cost = [&](int i, double density) {
-    switch (config.policy) {
-      case Policy::kTokens:
-        return static_cast<double>(batch[i].length);
-      case Policy::kFlops:
-        return model.SampleSeconds(batch[i], 1.0);
-      default:
-        return model.SampleSeconds(batch[i], density);
-    }
-  };
+                      const std::vector<double>& speed, const std::vector<double>& metric,
+                      const Assignment& a) {
   std::vector<double> load(config.ranks, 0.0);
   for (int r = 0; r < config.ranks; ++r) {
     for (const std::vector<int>& micro_batch : a.ranks[r]) {
-      for (int i : micro_batch) load[r] += cost(i, densities[i]);
+      for (int i : micro_batch) load[r] += metric[i];
     }
   }
   for (const ShardedDocument& d : a.shards) {
@@ -944,12 +949,29 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
     // most 1, 1/2 and 1/4 of the mean rank (static: once), and the placement with the least
     // predicted makespan in the policy's metric is kept (ties: fewer splits).
     const bool adaptive = config.shard_policy != ShardPolicy::kStatic;
+    // Each sample's cost in the policy's metric, once for all candidates; and what no placement
+    // can beat in it (splitting allowed): a candidate within 1% of that ends the search.
+    const int n = static_cast<int>(batch.size());
+    std::vector<double> metric(n);
+    double total = 0.0;
+    double piece = 0.0;
+    for (int i = 0; i < n; ++i) {
+      metric[i] = MetricCost(batch, config, model, i, densities[i]);
+      total += metric[i];
+      piece = std::max(piece, Splittable(batch[i]) ? metric[i] / config.max_shards : metric[i]);
+    }
+    const double bound = MakespanLowerBound(total, piece, speed);
+    // PlanShards chooses by the same costs when its metric is the placer's.
+    const bool same_metric =
+        config.shard_policy == ShardPolicy::kDense
+            ? config.policy == Policy::kFlops
+            : config.policy != Policy::kTokens && config.policy != Policy::kFlops;
     std::optional<Assignment> best;
     double best_makespan = 0.0;
     bool unsplit_tried = false;  // a layout without shards places like no splitting at all
     for (double share : {1.0, 0.5, 0.25}) {
-      absl::StatusOr<ShardLayout> layout =
-          PlanShards(batch, config, model, densities, speed, share);
+      absl::StatusOr<ShardLayout> layout = PlanShards(batch, config, model, densities, speed, share,
+                                                      same_metric ? &metric : nullptr);
       if (!layout.ok()) return layout.status();
       const bool unsplit = layout->documents.empty() && layout->unplaced.empty();
       if (unsplit && unsplit_tried) continue;
@@ -957,12 +979,13 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
       absl::StatusOr<Assignment> candidate = AssignAroundShards(
           batch, config, model, densities, speed, sequential, std::move(layout), &workspace);
       if (!candidate.ok()) return candidate.status();
-      const double makespan = PlacedMakespan(batch, config, model, densities, speed, *candidate);
+      const double makespan =
+          PlacedMakespan(batch, config, model, densities, speed, metric, *candidate);
       if (!best.has_value() || makespan < best_makespan * (1.0 - 1e-9)) {
         best = *std::move(candidate);
         best_makespan = makespan;
       }
-      if (!adaptive) break;
+      if (!adaptive || best_makespan <= bound * 1.01) break;
     }
     return *std::move(best);
   }
