@@ -70,18 +70,7 @@ void RunHeads(const BlockIndex& index, int head_dim, const AttentionOptions& opt
     task.col_ptr = index.col_ptr.data() + row0;
     task.row_idx = index.row_idx.data();
     task.col_flags = index.col_flags.data();
-    auto shift = [&](auto* p) { return p == nullptr ? p : p + offset; };
-    task.q = shift(base.q);
-    task.k = shift(base.k);
-    task.v = shift(base.v);
-    task.out = shift(base.out);
-    task.dout = shift(base.dout);
-    task.out_w = shift(base.out_w);
-    task.dq = shift(base.dq);
-    task.dk = shift(base.dk);
-    task.dv = shift(base.dv);
-    task.lse_in = base.lse_in == nullptr ? nullptr : base.lse_in + lse_offset;
-    task.lse_w = base.lse_w == nullptr ? nullptr : base.lse_w + lse_offset;
+    task.SetTensors(base, offset, lse_offset);
     task.workspace = workspaces[worker].Get(
         WorkspaceFloats(index.block_size, head_dim, task.blocks, task.blocks, backward));
     fn(task);

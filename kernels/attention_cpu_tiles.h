@@ -47,6 +47,23 @@ struct HeadTask {
   float* dk = nullptr;
   float* dv = nullptr;
   float* workspace = nullptr;  // WorkspaceFloats(...) floats, 64-byte aligned
+
+  // Points the tensors at one head's part of `base`'s: `offset` floats into the token-major
+  // tensors, `lse_offset` into the head-major LSE (null pointers stay null).
+  void SetTensors(const HeadTask& base, int64_t offset, int64_t lse_offset) {
+    auto shift = [&](auto* p) { return p == nullptr ? p : p + offset; };
+    q = shift(base.q);
+    k = shift(base.k);
+    v = shift(base.v);
+    out = shift(base.out);
+    dout = shift(base.dout);
+    out_w = shift(base.out_w);
+    dq = shift(base.dq);
+    dk = shift(base.dk);
+    dv = shift(base.dv);
+    lse_in = base.lse_in == nullptr ? nullptr : base.lse_in + lse_offset;
+    lse_w = base.lse_w == nullptr ? nullptr : base.lse_w + lse_offset;
+  }
 };
 
 // 64-byte aligned float scratch, reused across the pieces one worker runs.

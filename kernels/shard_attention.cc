@@ -134,20 +134,7 @@ void RunChunkHeads(const ShardSelection& selection, const ChunkIndex& chunk, int
     task.col_ptr = chunk.col_ptr.data() + h * chunk.key_blocks;
     task.row_idx = chunk.row_idx.data();
     task.col_flags = chunk.col_flags.data();
-    const int64_t offset = h * head_dim;
-    auto shift = [&](auto* p) { return p == nullptr ? p : p + offset; };
-    task.q = shift(base.q);
-    task.k = shift(base.k);
-    task.v = shift(base.v);
-    task.out = shift(base.out);
-    task.dout = shift(base.dout);
-    task.out_w = shift(base.out_w);
-    task.dq = shift(base.dq);
-    task.dk = shift(base.dk);
-    task.dv = shift(base.dv);
-    const int64_t lse_offset = h * selection.tokens();
-    task.lse_in = base.lse_in == nullptr ? nullptr : base.lse_in + lse_offset;
-    task.lse_w = base.lse_w == nullptr ? nullptr : base.lse_w + lse_offset;
+    task.SetTensors(base, h * head_dim, h * selection.tokens());
     task.workspace = workspaces[worker].Get(
         WorkspaceFloats(selection.block_size, head_dim, query_blocks, chunk.key_blocks, backward));
     fn(task);
@@ -158,7 +145,7 @@ void RunChunkHeads(const ShardSelection& selection, const ChunkIndex& chunk, int
 absl::Status ValidateChunkCall(const ShardSelection& selection, int head_dim, int32_t chunk_begin,
                                int32_t chunk_end, const AttentionOptions& options,
                                absl::Span<const float> q, absl::Span<const float> k_chunk,
-                               absl::Span<const float> v_chunk) {
+                               absl::Span<const float> v_chunk, size_t out_size, size_t lse_size) {
   if (absl::Status s = ValidateShardSelection(selection); !s.ok()) return s;
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
   if (absl::Status s = ValidateSoftmaxScale(options.softmax_scale); !s.ok()) return s;
@@ -169,7 +156,9 @@ absl::Status ValidateChunkCall(const ShardSelection& selection, int head_dim, in
   }
   const size_t chunk_floats = static_cast<size_t>(chunk_end - chunk_begin) * token_floats;
   if (absl::Status s = CheckSize("k_chunk", k_chunk.size(), chunk_floats); !s.ok()) return s;
-  return CheckSize("v_chunk", v_chunk.size(), chunk_floats);
+  if (absl::Status s = CheckSize("v_chunk", v_chunk.size(), chunk_floats); !s.ok()) return s;
+  if (absl::Status s = CheckSize("out", out_size, q.size()); !s.ok()) return s;
+  return CheckSize("lse", lse_size, static_cast<size_t>(selection.tokens()) * selection.heads);
 }
 
 }  // namespace
@@ -401,13 +390,7 @@ absl::Status ShardForwardChunk(const ShardSelection& selection, int head_dim,
                                const AttentionOptions& options, absl::Span<float> out,
                                absl::Span<float> lse) {
   if (absl::Status s = ValidateChunkCall(selection, head_dim, chunk_begin, chunk_end, options, q,
-                                         k_chunk, v_chunk);
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = CheckSize("out", out.size(), q.size()); !s.ok()) return s;
-  if (absl::Status s =
-          CheckSize("lse", lse.size(), static_cast<size_t>(selection.tokens()) * selection.heads);
+                                         k_chunk, v_chunk, out.size(), lse.size());
       !s.ok()) {
     return s;
   }
@@ -472,13 +455,7 @@ absl::Status ShardBackwardChunk(const ShardSelection& selection, int head_dim,
                                 absl::Span<float> dq, absl::Span<float> dk_chunk,
                                 absl::Span<float> dv_chunk) {
   if (absl::Status s = ValidateChunkCall(selection, head_dim, chunk_begin, chunk_end, options, q,
-                                         k_chunk, v_chunk);
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = CheckSize("out", out.size(), q.size()); !s.ok()) return s;
-  if (absl::Status s =
-          CheckSize("lse", lse.size(), static_cast<size_t>(selection.tokens()) * selection.heads);
+                                         k_chunk, v_chunk, out.size(), lse.size());
       !s.ok()) {
     return s;
   }

@@ -294,19 +294,11 @@ absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address, in
 absl::StatusOr<std::unique_ptr<StepSyncClient>> StepSyncClient::Connect(const std::string& address,
                                                                         int rank,
                                                                         double timeout_seconds) {
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError(absl::StrCat("sync address: ", address, " is not host:port"));
+  absl::StatusOr<sockaddr_in> parsed = ParseAddress(address);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("sync ", parsed.status().message()));
   }
-  const std::string host = address.substr(0, colon);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sync address: ", host, " is not an IPv4 address"));
-  }
+  sockaddr_in addr = *parsed;
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   while (true) {
