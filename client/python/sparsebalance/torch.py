@@ -307,6 +307,13 @@ class Balancer:
             warn=self._warn)
         self._c = _C.Balancer.start(options)
         self.config = self._c.config
+        if self.config.max_shards > 1:
+            # A split document's shards need the key/value exchange between ranks, which only
+            # sb-worker runs so far; running a shard as a whole document would train it twice.
+            self._c.finish(0)
+            raise ValueError(f"max_shards: {self.config.max_shards}: sparsebalance.torch does "
+                             "not run documents split over ranks yet (sb-worker does); use "
+                             "max_shards=1")
         capacity = self.config.micro_batch_capacity
         room = self.world * self.config.micro_batches * capacity
         if tokens_per_step is None:
