@@ -112,11 +112,12 @@ absl::StatusOr<StepLine> ParseStepLine(const std::string& line) {
     for (size_t i = 0; i < it->size(); ++i) {
       const Json& j = (*it)[i];
       ShardLine shard;
-      for (absl::Status status : {Get(j, "sample", &shard.sample), Get(j, "index", &shard.index),
-                                  Get(j, "shards", &shard.shards), Get(j, "begin", &shard.begin),
-                                  Get(j, "end", &shard.end), Get(j, "length", &shard.length),
-                                  Get(j, "exchange_seconds", &shard.exchange_seconds),
-                                  Get(j, "exchange_bytes", &shard.exchange_bytes)}) {
+      for (const absl::Status& status :
+           {Get(j, "sample", &shard.sample), Get(j, "index", &shard.index),
+            Get(j, "shards", &shard.shards), Get(j, "begin", &shard.begin),
+            Get(j, "end", &shard.end), Get(j, "length", &shard.length),
+            Get(j, "exchange_seconds", &shard.exchange_seconds),
+            Get(j, "exchange_bytes", &shard.exchange_bytes)}) {
         if (!status.ok()) {
           return absl::Status(status.code(), absl::StrCat("shards[", i, "]: ", status.message()));
         }
