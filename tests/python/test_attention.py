@@ -255,9 +255,14 @@ def test_profile_of_a_trainers_attention_parses_and_uploads(planner):
     assert table.shape.heads == HEADS and table.shape.head_dim == HEAD_DIM
     assert table.device.startswith("cpu")
     assert all(r.seconds > 0 for r in table.rows)
-    seconds = {(r.length, r.density): r.seconds for r in table.rows}
-    for density in densities:  # 64x the attention work and 8x the GEMMs
-        assert seconds[(1024, density)] > seconds[(128, density)]
+    # The breakdown counts the work each row timed: 1024 tokens keep more blocks than 128 at
+    # every density. (Not the seconds: a test never compares wall-clock times, and one repeat of
+    # a 25 ms call on a loaded machine can come out either way.)
+    blocks = {(int(f[1]), float(f[2])): int(f[5]) for f in
+              (line.split() for line in text.splitlines()) if len(f) == 6 and f[0] == "#"
+              and f[1].isdigit()}
+    for density in densities:
+        assert blocks[(1024, density)] > blocks[(128, density)] > 0
     again = _C.format_profile_table(table)
     assert _C.parse_profile_table(again) == table
     # The breakdown comments carry the kept blocks over all heads.
