@@ -4,6 +4,8 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "planner/planner.h"
@@ -88,24 +90,29 @@ bool StateFinite(const LatencyModelState& st) {
 // ValidateMeasuredRecall), then against the micro-batch's plan: each for a planned sample, its
 // document index within the sample's documents.
 absl::Status ValidateDocumentRecalls(const MicroBatchPlan& planned, int layers,
-                                     const MicroBatchTiming& timing, const std::string& where) {
+                                     const MicroBatchTiming& timing, absl::string_view where) {
   if (absl::Status s = ValidateMeasuredRecall(timing, layers, where); !s.ok()) return s;
-  std::map<uint64_t, size_t> documents_of;  // planned sample id -> its document count
+  if (timing.documents.empty()) return absl::OkStatus();
+  // (planned sample id, its document count), sorted by id: a binary search per document.
+  std::vector<std::pair<uint64_t, size_t>> documents_of;
+  documents_of.reserve(planned.samples.size());
   for (const PlannedSample& p : planned.samples) {
-    documents_of[p.id] = p.segments.empty() ? 1 : p.segments.size();
+    documents_of.emplace_back(p.id, p.segments.empty() ? 1 : p.segments.size());
   }
+  std::sort(documents_of.begin(), documents_of.end());
   for (size_t k = 0; k < timing.documents.size(); ++k) {
     const DocumentRecallMeasurement& d = timing.documents[k];
-    const std::string at = absl::StrCat(where, ".documents[", k, "]");
-    auto it = documents_of.find(d.sample_id);
-    if (it == documents_of.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(at, ".sample_id: ", d.sample_id, " is not planned in this micro-batch"));
+    auto it = std::lower_bound(documents_of.begin(), documents_of.end(),
+                               std::make_pair(d.sample_id, size_t{0}));
+    if (it == documents_of.end() || it->first != d.sample_id) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".documents[", k,
+                                                     "].sample_id: ", d.sample_id,
+                                                     " is not planned in this micro-batch"));
     }
     if (static_cast<size_t>(d.document) >= it->second) {
-      return absl::InvalidArgumentError(absl::StrCat(at, ".document: ", d.document,
-                                                     " is outside [0, ", it->second,
-                                                     ") for sample id ", d.sample_id));
+      return absl::InvalidArgumentError(absl::StrCat(where, ".documents[", k,
+                                                     "].document: ", d.document, " is outside [0, ",
+                                                     it->second, ") for sample id ", d.sample_id));
     }
   }
   return absl::OkStatus();

@@ -1,0 +1,271 @@
+// What the planner service does per step, without the network: JobRegistry::SubmitBatch (plan
+// with the job's learned model, store the step) and every rank's ReportStep (validate, store,
+// and on the last one fold the step into the latency and recall models), with a real PlanStore
+// in a temporary directory, on a job whose model has already learned from kWarmSteps steps.
+//
+//   sb-server-bench --benchmark_filter='ServerStep' --benchmark_repetitions=3
+//
+// Counters per step, in the calling thread's CPU time: submit_ms (plan, and store the step when the
+// third argument is 1), reports_ms (all ranks' ReportStep), fold_ms (the last rank's ReportStep:
+// validate, store, fold), report_us (mean of the other ranks' ReportStep, microseconds). The same
+// job without a store (third argument 0) separates planning and folding from storing. README
+// "Planning speed" reports them.
+//
+// The batch is the pretrain trace at a realistic fill: `samples` documents over `ranks` ranks,
+// two micro-batches per rank whose capacity puts the batch at 85% of the step's tokens
+// (documents longer than the capacity are cut to it). Timings come from a hidden truth the
+// model does not share (other coefficients, 5% of the ranks 1.3x slower, 5% noise), and every
+// document reports a measured recall, as sb-worker does.
+#include <time.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "benchmark/benchmark.h"
+#include "planner/latency_model.h"
+#include "planner/planner.h"
+#include "planner/traces.h"
+#include "server/job_registry.h"
+#include "server/plan_store.h"
+
+namespace sparsebalance {
+namespace {
+
+constexpr int kWarmSteps = 6;
+constexpr int kMicroBatches = 2;
+constexpr double kFill = 0.85;
+
+// The calling thread's CPU time: the counters measure the planner's work, not how busy the
+// machine is (the registry runs each call on the caller's thread).
+struct Clock {
+  using time_point = double;  // seconds
+  static double now() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  }
+};
+
+double Millis(double seconds) { return 1e3 * seconds; }
+
+// A job, its store and a batch generator; steps are submitted and reported in order.
+class ServerStep {
+ public:
+  ServerStep(int samples, int ranks, bool with_store) : ranks_(ranks) {
+    JobRegistry::Options options;
+    if (with_store) {
+      dir_ = std::filesystem::temp_directory_path() /
+             absl::StrCat("sb-server-bench-", getpid(), "-", samples, "-", ranks);
+      std::filesystem::remove_all(dir_);
+      absl::StatusOr<std::unique_ptr<PlanStore>> store =
+          PlanStore::Open(dir_.string(), /*fsync_reports=*/false);
+      if (!store.ok()) {
+        error_ = std::string(store.status().message());
+        return;
+      }
+      store_ = *std::move(store);
+      options.store = store_.get();
+    }
+    registry_ = std::make_unique<JobRegistry>(options, [this](int n) {
+      std::string s;
+      for (int i = 0; i < n; ++i) s.push_back("0123456789abcdef"[rng_() % 16]);
+      return s;
+    });
+    absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", 7);
+    // Capacity for an 85% fill of this many documents (block-aligned).
+    std::vector<Sample> probe;
+    int64_t tokens = 0;
+    for (int i = 0; i < samples; ++i) {
+      probe.push_back(gen->Next());
+      tokens += probe.back().length;
+    }
+    const int64_t raw = static_cast<int64_t>(
+        std::ceil(static_cast<double>(tokens) / (kFill * ranks * kMicroBatches)));
+    capacity_ = std::max<int64_t>(4096, (raw + 63) / 64 * 64);
+    samples_ = samples;
+    generator_ = std::make_unique<TraceGenerator>(*std::move(gen));
+
+    JobSettings settings;
+    settings.planner.ranks = ranks;
+    settings.planner.micro_batches = kMicroBatches;
+    settings.planner.micro_batch_capacity = capacity_;
+    settings.planner.overflow = OverflowPolicy::kDefer;
+    absl::StatusOr<CreatedJob> job = registry_->CreateJob("bench", settings, "");
+    if (!job.ok()) {
+      error_ = std::string(job.status().message());
+      return;
+    }
+    id_ = job->job_id;
+    for (int r = 0; r < ranks; ++r) {
+      if (!registry_->JoinJob(id_, r).ok()) {
+        error_ = "join failed";
+        return;
+      }
+    }
+    // The hidden truth: another cost than the model's prior, slow ranks, noise.
+    truth_ = std::make_unique<LatencyModel>(settings.planner.shape, ranks,
+                                            CostCoefficients{2.6e-5, 0.8e-4, 3e-3, 0.04});
+    for (int r = 0; r < ranks; ++r) slow_.push_back(r % 20 == 7 ? 1.3 : 1.0);
+  }
+  ~ServerStep() {
+    registry_.reset();
+    store_.reset();
+    std::error_code ignored;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ignored);
+  }
+  const std::string& error() const { return error_; }
+  int64_t capacity() const { return capacity_; }
+
+  std::vector<Sample> NextBatch() {
+    std::vector<Sample> batch;
+    for (int i = 0; i < samples_; ++i) {
+      Sample s = generator_->Next();
+      if (s.length > capacity_) {
+        s.length = capacity_;
+        s.segments.clear();
+      }
+      batch.push_back(std::move(s));
+    }
+    return batch;
+  }
+
+  // Submits the next step; its plan and how long the call took.
+  absl::StatusOr<std::shared_ptr<const StepPlan>> Submit(const std::vector<Sample>& batch,
+                                                         double* ms) {
+    const Clock::time_point start = Clock::now();
+    absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(id_, step_, batch);
+    *ms = Millis(Clock::now() - start);
+    if (!result.ok()) return result.status();
+    return std::make_shared<const StepPlan>(std::move(result->plan));
+  }
+
+  // What rank r measured in the step (the hidden truth).
+  std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int r) {
+    std::vector<MicroBatchTiming> out;
+    const auto& micro_batches = plan.ranks[r].micro_batches;
+    std::normal_distribution<double> noise(0.0, 0.05);
+    for (size_t m = 0; m < micro_batches.size(); ++m) {
+      const MicroBatchPlan& mb = micro_batches[m];
+      if (mb.samples.empty()) continue;
+      const MicroBatchFeatures f = truth_->PlanFeatures(mb);
+      MicroBatchTiming t;
+      t.micro_batch = static_cast<int>(m);
+      t.compute_seconds = truth_->PredictSeconds(r, f) * slow_[r] * std::exp(noise(rng_));
+      t.attention_seconds = 0.4 * t.compute_seconds;
+      t.tokens = mb.tokens;
+      double weighted = 0.0;
+      for (const PlannedSample& s : mb.samples) {
+        weighted += s.density * static_cast<double>(s.QueryTokens());
+      }
+      t.achieved_density =
+          std::min(1.0, weighted / static_cast<double>(std::max<int64_t>(1, mb.tokens)));
+      t.recall = 0.9;
+      for (const PlannedSample& s : mb.samples) {
+        DocumentRecallMeasurement d;
+        d.sample_id = s.id;
+        d.document = 0;
+        d.recall = 1.0 - std::pow(1.0 - s.density, 4.0);
+        d.rows = 8;
+        t.documents.push_back(d);
+      }
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  // Every rank's report of the step just submitted; the last rank's call (the fold) apart.
+  absl::Status ReportAll(const StepPlan& plan, double* others_ms, double* last_ms) {
+    std::vector<std::vector<MicroBatchTiming>> reports(ranks_);
+    for (int r = 0; r < ranks_; ++r) reports[r] = Measure(plan, r);
+    const Clock::time_point start = Clock::now();
+    for (int r = 0; r + 1 < ranks_; ++r) {
+      absl::StatusOr<bool> ok = registry_->ReportStep(id_, step_, r, reports[r], 0.01);
+      if (!ok.ok()) return ok.status();
+    }
+    const Clock::time_point last = Clock::now();
+    absl::StatusOr<bool> ok = registry_->ReportStep(id_, step_, ranks_ - 1, reports.back(), 0.01);
+    if (!ok.ok()) return ok.status();
+    *others_ms = Millis(last - start);
+    *last_ms = Millis(Clock::now() - last);
+    ++step_;
+    return absl::OkStatus();
+  }
+
+  // One whole step; false (with error()) on failure.
+  bool Step(double* submit_ms, double* others_ms, double* last_ms) {
+    const std::vector<Sample> batch = NextBatch();
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = Submit(batch, submit_ms);
+    if (!plan.ok()) {
+      error_ = std::string(plan.status().message());
+      return false;
+    }
+    if (absl::Status s = ReportAll(**plan, others_ms, last_ms); !s.ok()) {
+      error_ = std::string(s.message());
+      return false;
+    }
+    return true;
+  }
+
+ private:
+  int ranks_ = 0;
+  int samples_ = 0;
+  int64_t capacity_ = 0;
+  int64_t step_ = 0;
+  std::filesystem::path dir_;
+  std::unique_ptr<PlanStore> store_;
+  std::unique_ptr<JobRegistry> registry_;
+  std::unique_ptr<TraceGenerator> generator_;
+  std::unique_ptr<LatencyModel> truth_;
+  std::vector<double> slow_;
+  std::string id_;
+  std::string error_;
+  std::mt19937_64 rng_{42};
+};
+
+void BM_ServerStep(benchmark::State& state) {
+  const int samples = static_cast<int>(state.range(0));
+  const int ranks = static_cast<int>(state.range(1));
+  ServerStep job(samples, ranks, state.range(2) != 0);
+  double submit = 0.0, others = 0.0, last = 0.0;
+  for (int i = 0; i < kWarmSteps && job.error().empty(); ++i) job.Step(&submit, &others, &last);
+  if (!job.error().empty()) {
+    state.SkipWithError(job.error().c_str());
+    return;
+  }
+  double submit_sum = 0.0, others_sum = 0.0, last_sum = 0.0;
+  for (auto _ : state) {
+    if (!job.Step(&submit, &others, &last)) {
+      state.SkipWithError(job.error().c_str());
+      return;
+    }
+    submit_sum += submit;
+    others_sum += others;
+    last_sum += last;
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["submit_ms"] = submit_sum / n;
+  state.counters["reports_ms"] = (others_sum + last_sum) / n;
+  state.counters["fold_ms"] = last_sum / n;
+  state.counters["report_us"] = 1e3 * others_sum / n / std::max(1, ranks - 1);
+  state.counters["capacity"] = static_cast<double>(job.capacity());
+}
+
+BENCHMARK(BM_ServerStep)
+    ->ArgsProduct({{512}, {64}, {0, 1}})
+    ->ArgsProduct({{16384}, {1024}, {0, 1}})
+    ->ArgsProduct({{65536}, {4096}, {0, 1}})
+    ->ArgNames({"samples", "ranks", "store"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+}  // namespace
+}  // namespace sparsebalance
+
+BENCHMARK_MAIN();
