@@ -1,7 +1,8 @@
 // What the planner service does per step, without the network: JobRegistry::SubmitBatch (plan
 // with the job's learned model, store the step) and every rank's ReportStep (validate, store,
 // and on the last one fold the step into the latency and recall models), with a real PlanStore
-// in a temporary directory, on a job whose model has already learned from kWarmSteps steps.
+// in a temporary directory, on a job whose model has already learned from kWarmSteps steps and
+// goes on learning (learn 1), or that plans with its prior and is never reported to (learn 0).
 //
 //   sb-server-bench --benchmark_filter='ServerStep' --benchmark_repetitions=3
 //
@@ -198,13 +199,18 @@ class ServerStep {
     return absl::OkStatus();
   }
 
-  // One whole step; false (with error()) on failure.
-  bool Step(double* submit_ms, double* others_ms, double* last_ms) {
+  // One whole step (without reports when `report` is false: the model stays as it is); false
+  // (with error()) on failure.
+  bool Step(double* submit_ms, double* others_ms, double* last_ms, bool report = true) {
     const std::vector<Sample> batch = NextBatch();
     absl::StatusOr<std::shared_ptr<const StepPlan>> plan = Submit(batch, submit_ms);
     if (!plan.ok()) {
       error_ = std::string(plan.status().message());
       return false;
+    }
+    if (!report) {
+      ++step_;
+      return true;
     }
     if (absl::Status s = ReportAll(**plan, others_ms, last_ms); !s.ok()) {
       error_ = std::string(s.message());
@@ -234,14 +240,17 @@ void BM_ServerStep(benchmark::State& state) {
   const int ranks = static_cast<int>(state.range(1));
   ServerStep job(samples, ranks, state.range(2) != 0);
   double submit = 0.0, others = 0.0, last = 0.0;
-  for (int i = 0; i < kWarmSteps && job.error().empty(); ++i) job.Step(&submit, &others, &last);
+  const bool learn = state.range(3) != 0;
+  for (int i = 0; learn && i < kWarmSteps && job.error().empty(); ++i) {
+    job.Step(&submit, &others, &last);
+  }
   if (!job.error().empty()) {
     state.SkipWithError(job.error().c_str());
     return;
   }
   double submit_sum = 0.0, others_sum = 0.0, last_sum = 0.0;
   for (auto _ : state) {
-    if (!job.Step(&submit, &others, &last)) {
+    if (!job.Step(&submit, &others, &last, learn)) {
       state.SkipWithError(job.error().c_str());
       return;
     }
@@ -258,10 +267,12 @@ void BM_ServerStep(benchmark::State& state) {
 }
 
 BENCHMARK(BM_ServerStep)
-    ->ArgsProduct({{512}, {64}, {0, 1}})
-    ->ArgsProduct({{16384}, {1024}, {0, 1}})
-    ->ArgsProduct({{65536}, {4096}, {0, 1}})
-    ->ArgNames({"samples", "ranks", "store"})
+    ->ArgsProduct({{512}, {64}, {0, 1}, {1}})
+    ->ArgsProduct({{16384}, {1024}, {0, 1}, {1}})
+    ->ArgsProduct({{65536}, {4096}, {0, 1}, {1}})
+    // Planning with the prior model, nothing reported (learn 0), against the learned one.
+    ->Args({16384, 1024, 0, 0})
+    ->ArgNames({"samples", "ranks", "store", "learn"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -28,6 +28,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,6 +49,25 @@ inline constexpr double kLearnedExponentMax = 64.0;
 double RecallExponent(double sensitivity);
 // 1 - (1 - rho)^g, in [0, 1].
 double RecallAt(double exponent, double density);
+// RecallAt that keeps its last answer: the planner's loops over a batch call it with few
+// distinct (exponent, density) pairs (one per length bucket and base density), and each call
+// costs a DetLog and a DetExp. Exact: a repeat returns the value computed for the same bits.
+class RecallAtMemo {
+ public:
+  double operator()(double exponent, double density) {
+    if (!(exponent == exponent_ && density == density_)) {  // NaN at first: a miss
+      exponent_ = exponent;
+      density_ = density;
+      value_ = RecallAt(exponent, density);
+    }
+    return value_;
+  }
+
+ private:
+  double exponent_ = std::numeric_limits<double>::quiet_NaN();
+  double density_ = std::numeric_limits<double>::quiet_NaN();
+  double value_ = 0.0;
+};
 // 1 - (1 - rho)^g(s): the prior's recall.
 double PredictedRecall(double sensitivity, double density);
 // The density in [0, 1] at which 1 - (1 - rho)^g reaches `recall` (1 for recall >= 1).

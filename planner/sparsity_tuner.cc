@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <set>
 #include <utility>
 #include <vector>
@@ -200,6 +201,21 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
   std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
+  // log(1 - min(rho, kAlmostDense)), with its last two arguments kept: floors and bases take a
+  // few values over a batch (one per sensitivity), and each DetLog costs a table walk.
+  double memo_rho[2] = {std::numeric_limits<double>::quiet_NaN(),
+                        std::numeric_limits<double>::quiet_NaN()};
+  double memo_log[2] = {0.0, 0.0};
+  auto log_one_minus = [&](double rho) {
+    for (int k = 0; k < 2; ++k) {
+      if (rho == memo_rho[k]) return memo_log[k];
+    }
+    memo_rho[1] = memo_rho[0];
+    memo_log[1] = memo_log[0];
+    memo_rho[0] = rho;
+    memo_log[0] = DetLog(1.0 - std::min(rho, kAlmostDense));
+    return memo_log[0];
+  };
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankWork& rank = ranks_[r];
     first_item[r] = items.size();
@@ -224,8 +240,8 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         item.floor = std::min(floor, base[i]);
         item.base = base[i];
         item.inv_g1 = 1.0 / item.g_minus_1;
-        item.log_floor = DetLog(1.0 - std::min(item.floor, kAlmostDense));
-        item.log_base = DetLog(1.0 - std::min(item.base, kAlmostDense));
+        item.log_floor = log_one_minus(item.floor);
+        item.log_base = log_one_minus(item.base);
         item.doc_begin = static_cast<int>(docs_.size());
         double triangle = 0.0;
         auto add_doc = [&](int64_t length) {
@@ -559,8 +575,9 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
 std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
   std::array<double, kRecallBuckets> weighted{};
   std::array<double, kRecallBuckets> tokens{};
+  RecallAtMemo recall_at;  // tuned densities often sit at a floor or the base: repeats
   for (const Item& item : storage_->items) {
-    const double recall = RecallAt(item.g_minus_1 + 1.0, densities[item.index]);
+    const double recall = recall_at(item.g_minus_1 + 1.0, densities[item.index]);
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       const double w = static_cast<double>(doc_tokens_[d]);
       weighted[doc_buckets_[d]] += w * recall;
@@ -667,9 +684,10 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 double Tuner::Recall(const std::vector<double>& densities) const {
   double weighted = 0.0;
   double tokens = 0.0;
+  RecallAtMemo recall_at;
   for (const RankWork& rank : ranks_) {
     for (const Item& item : rank.items) {
-      weighted += item.weight * RecallAt(item.g_minus_1 + 1.0, densities[item.index]);
+      weighted += item.weight * recall_at(item.g_minus_1 + 1.0, densities[item.index]);
       tokens += item.weight;
     }
   }
