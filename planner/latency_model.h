@@ -31,17 +31,8 @@ inline constexpr CostCoefficients kDefaultCostPrior{1.7e-5, 1e-4, 2e-3, 0.05};
 // or receives, 1 / (25 GB/s), about what one GPU gets of an InfiniBand NDR link in a ring.
 inline constexpr double kDefaultExchangeSecondsPerByte = 1.0 / 25e9;
 
-// What the model sees of a micro-batch.
-struct MicroBatchFeatures {
-  double active_blocks = 0.0;   // sum over documents of A(L, rho) (a shard: its rows' part)
-  double tokens = 0.0;          // query tokens
-  double documents = 0.0;       // segments of pre-packed samples count separately; a shard is one
-  double exchange_bytes = 0.0;  // key/value exchange of its shards (ShardExchangeBytes)
-  bool operator==(const MicroBatchFeatures& o) const {
-    return active_blocks == o.active_blocks && tokens == o.tokens && documents == o.documents &&
-           exchange_bytes == o.exchange_bytes;
-  }
-};
+// MicroBatchFeatures (what the model sees of a micro-batch) is in planner/types.h: plans carry
+// them.
 
 // Bytes one shard of a split document exchanges with its group in a step: it receives the keys
 // and values of the document's `shard_begin` tokens before it (forward) and sends back their

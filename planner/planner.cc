@@ -596,6 +596,8 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         }
       }
       for (int i : members) add(i, nullptr, 0);
+      mb.features = features;
+      mb.features_known = true;
       const double raw = model.Seconds(features);
       total_raw += raw;
       mb.predicted_seconds = model.speed_factor(static_cast<int>(r)) * raw;

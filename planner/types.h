@@ -180,11 +180,28 @@ struct PlannedSample {
   }
 };
 
+// What the model sees of a micro-batch.
+struct MicroBatchFeatures {
+  double active_blocks = 0.0;   // sum over documents of A(L, rho) (a shard: its rows' part)
+  double tokens = 0.0;          // query tokens
+  double documents = 0.0;       // segments of pre-packed samples count separately; a shard is one
+  double exchange_bytes = 0.0;  // key/value exchange of its shards (ShardExchangeBytes)
+  bool operator==(const MicroBatchFeatures& o) const {
+    return active_blocks == o.active_blocks && tokens == o.tokens && documents == o.documents &&
+           exchange_bytes == o.exchange_bytes;
+  }
+};
+
 struct MicroBatchPlan {
   std::vector<PlannedSample> samples;  // in placement order
   double default_density = 0.0;        // the job's default density at planning time
   int64_t tokens = 0;                  // sum of the samples' QueryTokens()
   double predicted_seconds = 0.0;      // including the rank's speed factor (and key/value exchange)
+  // What BuildPlan summed for the prediction (LatencyModel::PlanFeatures of the samples, in
+  // their order), so that folding the step's reports need not compute it again. Not on the wire
+  // nor in the store: a plan read back has features_known false.
+  MicroBatchFeatures features;
+  bool features_known = false;
 };
 
 struct RankPlan {

@@ -8,7 +8,6 @@
 #include <set>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/planner.h"
@@ -629,7 +628,9 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
       Observation o;
       o.rank = rank;
       o.micro_batch = m.micro_batch;
-      o.features = job.model.PlanFeatures(record.plan->ranks[rank].micro_batches[m.micro_batch]);
+      const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
+      // BuildPlan's sum when the plan was made here; a plan read back from the store has none.
+      o.features = planned.features_known ? planned.features : job.model.PlanFeatures(planned);
       o.measured_seconds = m.compute_seconds;
       o.exchange_seconds = m.exchange_seconds;
       observations.push_back(o);
@@ -701,15 +702,28 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
 
 std::vector<RecallObservation> JobRegistry::RecallObservationsOf(const StepRecord& record) {
   std::vector<RecallObservation> observations;
+  size_t count = 0;
+  for (const auto& [rank, reports] : record.reports) {
+    for (const MicroBatchTiming& m : reports) {
+      for (const DocumentRecallMeasurement& d : m.documents) count += 1 + d.layer_recall.size();
+    }
+  }
+  observations.reserve(count);
+  // A micro-batch's planned samples by id: one vector reused for every micro-batch, sorted and
+  // searched (a hash map per micro-batch cost more in allocations than the lookups).
+  std::vector<std::pair<uint64_t, const PlannedSample*>> by_id;
+  auto by_first = [](const auto& a, const auto& b) { return a.first < b.first; };
   for (const auto& [rank, reports] : record.reports) {
     for (const MicroBatchTiming& m : reports) {
       if (m.documents.empty()) continue;
       const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
-      absl::flat_hash_map<uint64_t, const PlannedSample*> by_id;
-      for (const PlannedSample& p : planned.samples) by_id.emplace(p.id, &p);
+      by_id.clear();
+      for (const PlannedSample& p : planned.samples) by_id.emplace_back(p.id, &p);
+      std::sort(by_id.begin(), by_id.end(), by_first);
       for (const DocumentRecallMeasurement& d : m.documents) {
-        auto it = by_id.find(d.sample_id);
-        if (it == by_id.end()) continue;
+        auto it = std::lower_bound(by_id.begin(), by_id.end(), std::make_pair(d.sample_id, nullptr),
+                                   by_first);
+        if (it == by_id.end() || it->first != d.sample_id) continue;
         const PlannedSample& sample = *it->second;
         const int64_t length =
             sample.segments.empty() ? sample.length : sample.segments[d.document];
