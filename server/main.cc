@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
@@ -24,10 +23,12 @@
 #include "prometheus/registry.h"
 #include "server/planner_metrics.h"
 #include "server/planner_service.h"
+#include "tools/listen_address.h"
 #include "tools/tool_support.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
-          "host:port for gRPC (port 0 picks a free port; the chosen address is printed)");
+          "host:port for gRPC: IPv4, [IPv6] or a host name, port 1-65535 (0 picks a free port; "
+          "the chosen address is printed), or unix:PATH. Anything else is refused at start");
 ABSL_FLAG(std::string, state_dir, "sb-planner-state",
           "directory for jobs, plans and reports (created, mode 0700: it holds job tokens); "
           "a restarted planner reloads every job from it");
@@ -35,7 +36,8 @@ ABSL_FLAG(bool, fsync_reports, false,
           "also fsync every report before acknowledging it (survives machine crashes, not just "
           "planner crashes; costs a disk flush per report)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9151",
-          "host:port of the Prometheus endpoint /metrics (port 0 picks a free port)");
+          "IP:port of the Prometheus endpoint /metrics: IPv4 or [IPv6], port 1-65535 (0 picks a "
+          "free port)");
 ABSL_FLAG(int, max_rank_series, 64, "jobs of at most this many ranks also export per-rank series");
 ABSL_FLAG(std::string, admin_token_file, "",
           "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it. "
@@ -53,8 +55,11 @@ ABSL_FLAG(int, max_samples, 1 << 20, "samples per SubmitBatch (RESOURCE_EXHAUSTE
 ABSL_FLAG(int, max_world_size, 65536, "ranks per job (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_message_bytes, 256 << 20, "largest request accepted, bytes");
 ABSL_FLAG(std::string, health_listen, "",
-          "also serve grpc.health.v1 alone, in plaintext, on this host:port (for Kubernetes "
-          "gRPC probes, which cannot speak TLS, when --listen serves TLS); empty: off");
+          "also serve grpc.health.v1 alone, in plaintext, on this host:port (as --listen; port 0 "
+          "picks a free port): for probes, which need no TLS, and it stays open for the whole "
+          "drain (--listen closes after --drain_notice_seconds). Service \"\" is SERVING until "
+          "the process exits (liveness), sparsebalance.planner.v1.PlannerService follows "
+          "readiness; empty: off");
 ABSL_FLAG(double, drain_seconds, 10.0,
           "on SIGTERM/SIGINT: health turns NOT_SERVING and calls in flight get this long");
 ABSL_FLAG(double, drain_notice_seconds, 2.0,
@@ -99,14 +104,13 @@ std::string RandomHex(int n) {
   return out;
 }
 
-// Whether `listen` (host:port) is reachable from this machine only.
-bool IsLoopback(const std::string& listen) {
-  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) return true;
-  std::string host = listen.substr(0, listen.rfind(':'));
-  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
-    host = host.substr(1, host.size() - 2);
-  }
-  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+// The value of a listen flag, checked strictly (tools/listen_address.h): a wrong one ends the
+// process with kExitUsage and a message naming the flag.
+tools::ListenAddress CheckedListenFlag(absl::string_view flag, const std::string& value,
+                                       const tools::ListenAddressRules& rules) {
+  absl::StatusOr<tools::ListenAddress> parsed = tools::ParseListenAddress(flag, value, rules);
+  if (!parsed.ok()) tools::UsageError(parsed.status().message());
+  return *std::move(parsed);
 }
 
 // Health follows the state directory: NOT_SERVING while it cannot be written (a store failure
@@ -220,6 +224,18 @@ int Main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  // Every listen address is checked before anything starts: gRPC and civetweb would otherwise
+  // bind something else without a word (`--listen=:99999` bound a random port).
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  const tools::ListenAddress listen_address = CheckedListenFlag("listen", listen, {});
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  tools::ListenAddressRules ip_only;  // civetweb binds IP addresses only
+  ip_only.allow_host_names = false;
+  ip_only.allow_unix_sockets = false;
+  CheckedListenFlag("metrics_listen", metrics_listen, ip_only);
+  const std::string health_listen = absl::GetFlag(FLAGS_health_listen);
+  if (!health_listen.empty()) CheckedListenFlag("health_listen", health_listen, {});
+
   std::string admin_token;
   if (const std::string path = absl::GetFlag(FLAGS_admin_token_file); !path.empty()) {
     absl::StatusOr<std::string> token = ReadFlagFile("admin_token_file", path);
@@ -229,8 +245,8 @@ int Main(int argc, char** argv) {
       tools::Fatal(absl::StrCat("--admin_token_file=", path, " is empty"), tools::kExitUsage);
     }
   }
-  const std::string listen = absl::GetFlag(FLAGS_listen);
-  if (admin_token.empty() && !IsLoopback(listen) && !absl::GetFlag(FLAGS_insecure_no_admin_token)) {
+  if (admin_token.empty() && !listen_address.loopback &&
+      !absl::GetFlag(FLAGS_insecure_no_admin_token)) {
     tools::Fatal(absl::StrCat("--listen=", listen,
                               " is reachable beyond this machine but no --admin_token_file is "
                               "set: anyone could create, list and delete every job. Give an "
@@ -251,7 +267,6 @@ int Main(int argc, char** argv) {
   auto metrics_registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series));
   std::unique_ptr<prometheus::Exposer> exposer;
-  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   try {  // prometheus-cpp reports a busy port by throwing
     exposer = std::make_unique<prometheus::Exposer>(metrics_listen);
   } catch (const std::exception& e) {
@@ -336,9 +351,10 @@ int Main(int argc, char** argv) {
   }
   server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   // The health-only listener: a second server that registers nothing but the default health
-  // service (enabled above for every server), kept in step with the main one.
+  // service (enabled above for every server). kServiceName follows the main one (readiness);
+  // "" (the default service's own entry, SERVING) stays so until the process exits, since this
+  // server closes only after the drain (liveness: a drain is not a crash).
   int health_port = 0;
-  const std::string health_listen = absl::GetFlag(FLAGS_health_listen);
   if (!health_listen.empty()) {
     grpc::ServerBuilder health_builder;
     health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(), &health_port);
@@ -382,6 +398,7 @@ int Main(int argc, char** argv) {
                         std::chrono::milliseconds(static_cast<int64_t>((drain - notice) * 1000));
   server->Shutdown(deadline);
   server->Wait();
+  // Only now does the health-only listener close: probes of "" on it pass for the whole drain.
   if (health_server != nullptr) {
     health_server->Shutdown(std::chrono::system_clock::now());
     health_server->Wait();

@@ -1,27 +1,19 @@
 #!/bin/bash
-# Container health check for sb-planner (the image has no gRPC health client): the metrics
-# endpoint answers with sb-planner's metrics, and the gRPC port accepts a TCP connection. Reads
-# the ports from SB_METRICS_LISTEN and SB_LISTEN (as the entrypoint does). Exit 0 = healthy.
+# The image's HEALTHCHECK: liveness, i.e. "the planner process answers gRPC health", with
+# sb-health (one grpc.health.v1 Check, exit 0 when SERVING) for service "" on the health-only
+# listener SB_HEALTH_LISTEN (the image sets 0.0.0.0:50152; a wildcard host means this machine).
+#
+# Why "" and why that listener: a drain is not a crash. On SIGTERM the planner turns
+# sparsebalance.planner.v1.PlannerService NOT_SERVING (readiness: load balancers and Kubernetes
+# move traffic away) and closes SB_LISTEN after SB_DRAIN_NOTICE_SECONDS, but "" on the health
+# listener stays SERVING until the process exits, so Docker never marks a draining planner
+# unhealthy (nor restarts it, under an orchestrator that restarts unhealthy containers). Nor does
+# an unwritable state directory make it unhealthy: a restart would not fix it; it shows as
+# readiness NOT_SERVING and sparsebalance_state_dir_writable 0. Readiness by hand:
+#   sb-health --address=127.0.0.1:50152 --service=sparsebalance.planner.v1.PlannerService
+# Without SB_HEALTH_LISTEN this probes SB_LISTEN (plaintext only; fails late in a drain).
 set -uo pipefail
 
-host_of() {  # the address to connect to for a listen address: 0.0.0.0 / [::] -> loopback
-  local host=${1%:*}
-  case "$host" in "" | 0.0.0.0 | "[::]" | "::") echo 127.0.0.1 ;; *) echo "${host#[}" | tr -d ']' ;; esac
-}
-metrics=${SB_METRICS_LISTEN:-127.0.0.1:9151}
-grpc=${SB_LISTEN:-127.0.0.1:50151}
-
-if ! timeout 3 bash -c '
-  exec 3<>"/dev/tcp/$1/$2" || exit 1
-  printf "GET /metrics HTTP/1.0\r\nHost: %s\r\n\r\n" "$1" >&3
-  reply=$(cat <&3)
-  [[ $reply == "HTTP/1."?" 200"* && $reply == *sparsebalance_build_info* ]]
-' sb-planner-healthcheck "$(host_of "$metrics")" "${metrics##*:}"; then
-  echo "sb-planner-healthcheck: no sparsebalance metrics on http://$metrics/metrics" >&2
-  exit 1
-fi
-if ! timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' sb-planner-healthcheck "$(host_of "$grpc")" "${grpc##*:}"; then
-  echo "sb-planner-healthcheck: gRPC port $grpc refuses connections" >&2
-  exit 1
-fi
-exit 0
+probe=${SB_HEALTH_BIN:-/usr/local/bin/sb-health}
+address=${SB_HEALTH_LISTEN:-${SB_LISTEN:-127.0.0.1:50151}}
+exec "$probe" --address="$address" --service= --timeout_seconds=3

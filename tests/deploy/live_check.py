@@ -92,9 +92,13 @@ def main():
         health = subprocess.run(
             ["bash", f"{args.deploy}/docker/healthcheck.sh"], capture_output=True, text=True,
             timeout=10, env=dict(os.environ, SB_LISTEN=planner.grpc,
-                                 SB_METRICS_LISTEN=planner.metrics))
+                                 SB_METRICS_LISTEN=planner.metrics,
+                                 # sb-health is built next to sb-planner
+                                 SB_HEALTH_BIN=os.path.join(os.path.dirname(args.sb_planner),
+                                                            "sb-health")))
         if health.returncode != 0:
-            sbdeploy.fail(f"deploy/docker/healthcheck.sh says unhealthy: {health.stderr}")
+            sbdeploy.fail(f"deploy/docker/healthcheck.sh says unhealthy: {health.stdout}"
+                          f"{health.stderr}")
 
         # Steps keep coming for longer than this check runs (it stops them at the end), so that
         # rates and histogram quantiles over the last seconds have data.

@@ -2,13 +2,18 @@
 sb-planner flag they set (directly or as an SB_* variable through the image's entrypoint) is in
 `sb-planner --helpfull`, and every sb-load flag in `sb-load --helpfull`; ports match across the
 ConfigMap, containers, probes, Service, ServiceMonitor, Dockerfile, compose and prometheus.yml;
-the probes name server/main.cc's kServiceName; image tags are pinned; referenced paths exist;
+the readiness probe names server/main.cc's kServiceName and liveness asks "" on the health-only
+listener; base images are pinned by digest (the planner's own image by tag, pinned after a push
+by scripts/pin-images.sh); no Secret is in the kustomization (the admin token is created once
+by hand, as deploy/README.md shows); the PodDisruptionBudget, NetworkPolicy and ServiceAccount
+select the planner's pods and ports; referenced paths exist;
 the drain fits in the grace period; the PrometheusRule equals rules.yml; the dashboard and the
 rules use only metrics server/planner_metrics.cc defines; the runtime image installs the
 packages of the libraries the binaries link. Finally the entrypoint starts the real planner with
-the ConfigMap's settings and the health check script passes against it.
+the ConfigMap's settings, the health check script (sb-health) passes against it, and fails once
+it has stopped.
 
-    manifests_test.py --sb-planner BIN [--sb-load BIN]
+    manifests_test.py --sb-planner BIN [--sb-health BIN] [--sb-load BIN]
     manifests_test.py --write-prometheusrule   # regenerate deploy/k8s/prometheusrule.yaml
 """
 import argparse
@@ -52,6 +57,10 @@ def load_yaml(path):
 
 def port_of(address):
     return int(address.rsplit(":", 1)[1])
+
+
+# IMAGE:TAG@sha256:DIGEST (the tag says which release, the digest is what is pulled).
+PINNED_IMAGE = re.compile(r"^[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}$")
 
 
 def help_flags(binary):
@@ -121,6 +130,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sb-planner")
     parser.add_argument("--sb-load")
+    parser.add_argument("--sb-health")
     parser.add_argument("--write-prometheusrule", action="store_true")
     args = parser.parse_args()
     if args.write_prometheusrule:
@@ -175,13 +185,27 @@ def main():
             check(var in env_flags, f"Dockerfile sets {var}, which entrypoint.sh ignores")
     exposed = {int(p) for instr, rest in docker if instr == "EXPOSE" for p in rest.split()}
     grpc_port, metrics_port = port_of(env["SB_LISTEN"]), port_of(env["SB_METRICS_LISTEN"])
-    check(exposed == {grpc_port, metrics_port},
-          f"Dockerfile EXPOSE {sorted(exposed)} != SB_LISTEN/SB_METRICS_LISTEN ports")
+    health_port = port_of(env.get("SB_HEALTH_LISTEN", ":0"))
+    check(health_port > 0, "the image sets no SB_HEALTH_LISTEN: its HEALTHCHECK (liveness) needs "
+          "the health-only listener, which stays open for the whole drain")
+    check(exposed == {grpc_port, metrics_port, health_port},
+          f"Dockerfile EXPOSE {sorted(exposed)} != SB_LISTEN/SB_METRICS_LISTEN/SB_HEALTH_LISTEN ports")
+    healthchecks = [rest for instr, rest in docker if instr == "HEALTHCHECK"]
+    check(len(healthchecks) == 1 and "/usr/local/bin/sb-planner-healthcheck" in healthchecks[0],
+          f"Dockerfile HEALTHCHECK {healthchecks} does not run healthcheck.sh")
+    with open(f"{DEPLOY}/docker/healthcheck.sh") as f:
+        healthcheck = f.read()
+    check(re.search(r"^exec .*--service=(\s|$)", healthcheck, re.M) and
+          "/usr/local/bin/sb-health" in healthcheck and "SB_HEALTH_LISTEN" in healthcheck,
+          "healthcheck.sh must ask sb-health for service \"\" (liveness) on SB_HEALTH_LISTEN")
+    check("/build/server/sb-health" in " ".join(rest for instr, rest in docker if instr == "COPY"),
+          "the image does not install sb-health, which healthcheck.sh runs")
     volumes = [v for instr, rest in docker if instr == "VOLUME" for v in json.loads(rest)]
     check(any(env["SB_STATE_DIR"].startswith(v + "/") for v in volumes),
           f"SB_STATE_DIR={env['SB_STATE_DIR']} is not on a VOLUME {volumes}")
     for image in [rest.split()[0] for instr, rest in docker if instr == "FROM"]:
-        check(":" in image and not image.endswith(":latest"), f"Dockerfile FROM {image}: pin a tag")
+        check(PINNED_IMAGE.match(image) and ":latest@" not in image,
+              f"Dockerfile FROM {image}: pin it by digest, IMAGE:TAG@sha256:... (scripts/pin-images.sh)")
     with open(f"{ROOT}/scripts/install-deps.sh") as f:
         deps = set(re.search(r"packages=\((.*?)\)", f.read(), re.S).group(1).split())
     stages = [rest for instr, rest in docker if instr == "RUN" and "apt-get install" in rest]
@@ -190,7 +214,7 @@ def main():
           f"lacks: {sorted(build_packages - deps)}")
     if shutil.which("dpkg-query") and shutil.which("ldd"):
         closure = installed_closure(runtime_packages)
-        binaries = [args.sb_planner] + ([args.sb_load] if args.sb_load else [])
+        binaries = [args.sb_planner] + [b for b in (args.sb_load, args.sb_health) if b]
         libs = re.findall(r"=> (\S+) \(", subprocess.run(["ldd"] + binaries, capture_output=True,
                                                       text=True).stdout)
         libs = sorted(set(libs))
@@ -215,8 +239,13 @@ def main():
           f"compose builds {build['dockerfile']}, which does not exist")
     for name, service in services.items():
         image = service.get("image", "")
-        check(re.search(r":[\w.-]+$", image) and not image.endswith(":latest"),
-              f"compose service {name}: image {image!r} has no pinned tag")
+        if "build" in service:  # built here from the pinned Dockerfile: a tag is all there is
+            check(re.search(r":[\w.-]+$", image) and not image.endswith(":latest"),
+                  f"compose service {name}: image {image!r} has no pinned tag")
+        else:
+            check(PINNED_IMAGE.match(image) and ":latest@" not in image,
+                  f"compose service {name}: image {image!r} is not pinned by digest "
+                  "(IMAGE:TAG@sha256:..., scripts/pin-images.sh)")
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("."):
@@ -289,9 +318,22 @@ def main():
     listed_files = set(kustomization["resources"]) | {"kustomization.yaml"}
     for path in glob.glob(f"{DEPLOY}/k8s/*.yaml"):
         check(os.path.basename(path) in listed_files, f"kustomization does not list {path}")
+    with open(f"{DEPLOY}/k8s/kustomization.yaml") as f:
+        kustomization_text = f.read()
     for image in kustomization.get("images", []):
-        check(image.get("newTag") not in (None, "latest"),
-              f"kustomization image {image['name']} unpinned")
+        # Pinned by digest, or (the planner's own image, whose digest exists only once the user
+        # has pushed it) by tag with the documented way to pin it.
+        by_digest = re.fullmatch(r"sha256:[0-9a-f]{64}", image.get("digest", ""))
+        by_tag = (image["name"] == "sparsebalance/sb-planner" and
+                  image.get("newTag") not in (None, "latest") and
+                  "pin-images.sh --kustomize" in kustomization_text and
+                  os.access(f"{ROOT}/scripts/pin-images.sh", os.X_OK))
+        check(by_digest or by_tag, f"kustomization image {image['name']} is not pinned by digest")
+    check(not any(kind == "Secret" for kind, _ in objects),
+          "kustomization lists a Secret: every `kubectl apply -k` would reset it (create it "
+          "once by hand, deploy/README.md)")
+    for name in ("serviceaccount.yaml", "poddisruptionbudget.yaml", "networkpolicy.yaml"):
+        check(name in kustomization["resources"], f"kustomization does not list {name}")
     deployment = objects[("Deployment", "sb-planner")]
     config = objects[("ConfigMap", "sb-planner-config")]["data"]
     for var in config:
@@ -312,16 +354,23 @@ def main():
             check(flag in planner_flags, f"Deployment passes --{flag}, which sb-planner lacks")
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     k_grpc, k_metrics = port_of(config["SB_LISTEN"]), port_of(config["SB_METRICS_LISTEN"])
-    check(ports == {"grpc": k_grpc, "metrics": k_metrics},
-          f"container ports {ports} != ConfigMap's listen ports {k_grpc}, {k_metrics}")
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    check(ports == {"grpc": k_grpc, "metrics": k_metrics,
+                    "health": port_of(config.get("SB_HEALTH_LISTEN", ":0"))},
+          f"container ports {ports} != ConfigMap's listen ports")
+    k_health = port_of(config.get("SB_HEALTH_LISTEN", ":0"))
+    check(k_health > 0, "the ConfigMap sets no SB_HEALTH_LISTEN: the probes need the health-only "
+          "listener (plaintext, open for the whole drain)")
+    # Readiness asks the planner's service (NOT_SERVING while it drains or cannot write its
+    # state); startup and liveness ask "" (SERVING until the process exits: a drain is not a
+    # crash), all on the health-only listener.
+    for probe, want in (("startupProbe", ""), ("readinessProbe", service_name),
+                        ("livenessProbe", "")):
         grpc = container.get(probe, {}).get("grpc")
         if check(grpc is not None, f"{probe} is not a native gRPC probe"):
-            check(grpc["port"] == k_grpc,
-                  f"{probe} probes port {grpc['port']}, gRPC is on {k_grpc}")
-            check(grpc.get("service") == service_name,
-                  f"{probe} asks for service {grpc.get('service')!r}, "
-                  f"main.cc serves {service_name!r}")
+            check(grpc["port"] == k_health,
+                  f"{probe} probes port {grpc['port']}, the health listener is on {k_health}")
+            check(grpc.get("service", "") == want,
+                  f"{probe} asks for service {grpc.get('service', '')!r}, want {want!r}")
     check(container["resources"].get("requests") and container["resources"].get("limits"),
           "the container needs resource requests and limits")
     k_drain = float(config.get("SB_DRAIN_SECONDS", env.get("SB_DRAIN_SECONDS", 10)))
@@ -337,14 +386,27 @@ def main():
             check(("PersistentVolumeClaim", claim) in objects, f"PVC {claim} is not listed")
             check(config["SB_STATE_DIR"].startswith(mounts[name] + "/"),
                   f"SB_STATE_DIR {config['SB_STATE_DIR']} is not on the PVC mount {mounts[name]}")
+    # Secrets are created by hand, once (not in the kustomization, which would reset them):
+    # deploy/README.md must show how, with the key the planner reads.
+    with open(f"{DEPLOY}/README.md") as f:
+        readme = f.read()
+    for name, volume in volumes.items():
         if "secret" in volume:
-            secret = objects.get(("Secret", volume["secret"]["secretName"]))
-            check(secret is not None, f"Secret {volume['secret']['secretName']} is not listed")
+            secret = volume["secret"]["secretName"]
+            check(f"create secret generic {secret}" in readme or
+                  f"create secret tls {secret}" in readme,
+                  f"deploy/README.md does not show how to create Secret {secret}")
     admin_dir, admin_key = os.path.split(config["SB_ADMIN_TOKEN_FILE"])
     admin_volume = [n for n, p in mounts.items() if p == admin_dir]
-    check(admin_volume and admin_key in
-          objects[("Secret", volumes[admin_volume[0]]["secret"]["secretName"])]["stringData"],
-          f"SB_ADMIN_TOKEN_FILE {config['SB_ADMIN_TOKEN_FILE']} is not a key of a mounted Secret")
+    if check(admin_volume, f"SB_ADMIN_TOKEN_FILE {config['SB_ADMIN_TOKEN_FILE']} is not on a "
+             "mounted volume"):
+        admin_secret = volumes[admin_volume[0]].get("secret", {})
+        check(admin_secret.get("secretName") and not admin_secret.get("optional", False),
+              "the admin token must come from a required Secret (the pod waits for it)")
+        check(re.search(rf"create secret generic {admin_secret.get('secretName')}\b[^\n]*\n?"
+                        rf"[^\n]*--from-literal={admin_key}=", readme),
+              f"deploy/README.md does not create Secret {admin_secret.get('secretName')} with key "
+              f"{admin_key} (SB_ADMIN_TOKEN_FILE)")
     service = objects[("Service", "sb-planner")]
     service_ports = {p["name"]: p for p in service["spec"]["ports"]}
     check(set(service_ports) == {"grpc", "metrics"}, f"Service ports {sorted(service_ports)}")
@@ -354,6 +416,42 @@ def main():
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     check(all(labels.get(k) == v for k, v in service["spec"]["selector"].items()),
           "the Service selector does not match the pod labels")
+
+    def selects_pods(selector, what):
+        match = selector.get("matchLabels", {})
+        check(match and all(labels.get(k) == v for k, v in match.items()),
+              f"{what} selector {match} does not match the pod labels {labels}")
+
+    account = objects.get(("ServiceAccount", pod.get("serviceAccountName", "default")))
+    if check(account is not None, "the Deployment's serviceAccountName is not a listed "
+             "ServiceAccount"):
+        check(account.get("automountServiceAccountToken") is False and
+              pod.get("automountServiceAccountToken") is False,
+              "the planner calls no Kubernetes API: automountServiceAccountToken must be false")
+    pdb = next((o for (kind, _), o in objects.items() if kind == "PodDisruptionBudget"), None)
+    if check(pdb is not None, "no PodDisruptionBudget"):
+        check(pdb["apiVersion"] == "policy/v1", "PodDisruptionBudget apiVersion")
+        selects_pods(pdb["spec"]["selector"], "the PodDisruptionBudget")
+        check(pdb["spec"].get("minAvailable") == spec["replicas"] or
+              pdb["spec"].get("maxUnavailable") in (0, 1),
+              f"PodDisruptionBudget {pdb['spec']} does not fit {spec['replicas']} replica(s)")
+    policy = next((o for (kind, _), o in objects.items() if kind == "NetworkPolicy"), None)
+    if check(policy is not None, "no NetworkPolicy"):
+        selects_pods(policy["spec"]["podSelector"], "the NetworkPolicy")
+        check("Ingress" in policy["spec"].get("policyTypes", []),
+              "the NetworkPolicy does not restrict ingress")
+        allowed = {}
+        for rule in policy["spec"].get("ingress", []):
+            rule_ports = rule.get("ports")
+            check(rule_ports, f"NetworkPolicy rule {rule} opens every port")
+            for p in rule_ports or []:
+                port = ports.get(p["port"], p["port"])  # a name refers to a container port
+                allowed[port] = rule.get("from")
+        check(set(allowed) == {k_grpc, k_metrics},
+              f"the NetworkPolicy admits ports {sorted(allowed)}, want gRPC {k_grpc} and "
+              f"metrics {k_metrics} only (probes come from the node, never blocked)")
+        check(allowed.get(k_metrics), "the NetworkPolicy admits the metrics port from anywhere: "
+              "restrict it to Prometheus (a from: selector)")
     monitor = objects[("ServiceMonitor", "sb-planner")]
     check(monitor["apiVersion"] == "monitoring.coreos.com/v1", "ServiceMonitor apiVersion")
     check(all(service["metadata"]["labels"].get(k) == v
@@ -411,22 +509,33 @@ def main():
         run_env = dict(os.environ, SB_PLANNER_BIN=args.sb_planner)
         run_env.update({k: v for k, v in config.items()})
         run_env.update(SB_LISTEN="127.0.0.1:0", SB_METRICS_LISTEN="127.0.0.1:0",
+                       SB_HEALTH_LISTEN=f"127.0.0.1:{sbdeploy.free_port()}",
                        SB_STATE_DIR=f"{tmp}/state", SB_ADMIN_TOKEN_FILE=f"{tmp}/admin-token",
                        SB_DRAIN_SECONDS="1")
         started = sbdeploy.start_planner(procs, ["bash", f"{DEPLOY}/docker/entrypoint.sh"],
                                          "deploy/docker/entrypoint.sh", env=run_env)
-        health = subprocess.run(["bash", f"{DEPLOY}/docker/healthcheck.sh"], capture_output=True,
-                                text=True, timeout=10,
-                                env=dict(os.environ, SB_LISTEN=started.grpc,
-                                         SB_METRICS_LISTEN=started.metrics))
-        check(health.returncode == 0,
-              f"healthcheck.sh fails on the entrypoint's planner: {health.stderr}")
+
+        def healthcheck():
+            return subprocess.run(
+                ["bash", f"{DEPLOY}/docker/healthcheck.sh"], capture_output=True, text=True,
+                timeout=10, env=dict(os.environ, SB_HEALTH_BIN=args.sb_health or "sb-health",
+                                     SB_LISTEN=started.grpc,
+                                     SB_HEALTH_LISTEN=run_env["SB_HEALTH_LISTEN"]))
+        if check(args.sb_health, "--sb-health is needed to run healthcheck.sh"):
+            health = healthcheck()
+            check(health.returncode == 0 and "SERVING" in health.stdout,
+                  f"healthcheck.sh fails on the entrypoint's planner: {health.stdout}"
+                  f"{health.stderr}")
         started.proc.send_signal(signal.SIGTERM)  # the entrypoint exec'd: the planner is this pid
         try:
             code = started.proc.wait(timeout=10)
             check(code == 0, f"the planner exited {code} on SIGTERM")
         except subprocess.TimeoutExpired:
             check(False, "the planner did not stop within 10 s of SIGTERM (entrypoint must exec)")
+        if args.sb_health:
+            health = healthcheck()
+            check(health.returncode == 1,
+                  f"healthcheck.sh passes with the planner stopped: {health.stdout}")
 
     sbdeploy.finish(failures, f"manifests consistent: {len(objects)} Kubernetes objects, "
                               f"{len(services)} compose services, {len(env_flags)} SB_* variables, "
