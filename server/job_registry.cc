@@ -9,7 +9,6 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/planner.h"
@@ -126,22 +125,6 @@ std::vector<SlowRank> SlowestRanks(const std::vector<double>& speed_factors,
     out.push_back({r, known ? (*hosts)[r] : std::string(), speed_factors[r]});
   }
   return out;
-}
-
-absl::Status ValidateHostName(const std::string& host) {
-  if (static_cast<int>(host.size()) > kMaxHostName) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host: ", host.size(), " characters; at most ", kMaxHostName));
-  }
-  for (size_t i = 0; i < host.size(); ++i) {
-    const char c = host[i];
-    if (!(absl::ascii_isalnum(c) || c == '.' || c == '-' || c == '_' || c == ':')) {
-      return absl::InvalidArgumentError(absl::StrCat("host: character ", i, " (byte ",
-                                                     static_cast<int>(static_cast<uint8_t>(c)),
-                                                     ") is not one of [A-Za-z0-9._:-]"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 bool ConstantTimeEquals(const std::string& a, const std::string& b) {

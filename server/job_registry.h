@@ -78,11 +78,6 @@ struct SlowRank {
 std::vector<SlowRank> SlowestRanks(const std::vector<double>& speed_factors,
                                    const std::vector<std::string>* hosts, int k);
 
-// Checks a worker's host name (JoinJobRequest.host): empty, or at most kMaxHostName
-// characters of [A-Za-z0-9._:-]. INVALID_ARGUMENT naming the field "host".
-inline constexpr int kMaxHostName = 253;
-absl::Status ValidateHostName(const std::string& host);
-
 struct CreatedJob {
   std::string job_id;
   std::string job_token;
