@@ -1,5 +1,7 @@
 #include "client/planner_client.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <utility>
 
@@ -26,6 +28,12 @@ constexpr char kServiceConfig[] = R"({
 })";
 
 }  // namespace
+
+std::string LocalHostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "";
+  return SanitizeHostName(name);
+}
 
 bool IsUnreachable(const absl::Status& status) {
   return status.code() == absl::StatusCode::kUnavailable ||
@@ -71,6 +79,7 @@ const ClientOptions& PlannerClient::options() const { return impl_->options; }
 absl::StatusOr<std::unique_ptr<PlannerClient>> PlannerClient::Connect(
     const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target: empty; e.g. host:50151");
+  if (absl::Status s = ValidateHostName(options.host_name, "host_name"); !s.ok()) return s;
   if (!(options.call_timeout_seconds > 0) || !(options.plan_timeout_seconds > 0)) {
     return absl::InvalidArgumentError("call_timeout_seconds and plan_timeout_seconds must be > 0");
   }
@@ -129,7 +138,9 @@ absl::StatusOr<JobHandle> PlannerClient::CreateJob(const std::string& name,
 absl::Status PlannerClient::DeleteJob(const std::string& job_id) {
   v1::DeleteJobRequest request;
   request.set_job_id(job_id);
-  return impl_->Call(&Impl::Stub::DeleteJob, request, Impl::Token::kAdmin).status();
+  const Impl::Token token =
+      impl_->options.admin_token.empty() ? Impl::Token::kJob : Impl::Token::kAdmin;
+  return impl_->Call(&Impl::Stub::DeleteJob, request, token).status();
 }
 
 absl::StatusOr<std::string> PlannerClient::UploadProfile(const std::string& profile_text) {
@@ -147,6 +158,7 @@ absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int ran
   v1::JoinJobRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_rank(rank);
+  request.set_host(impl_->options.host_name.empty() ? LocalHostName() : impl_->options.host_name);
   absl::StatusOr<v1::JoinJobResponse> response = impl_->Call(&Impl::Stub::JoinJob, request);
   if (!response.ok()) return response.status();
   absl::StatusOr<JobSettings> settings = ConfigFromProto(response->config(), WireLimits());

@@ -36,7 +36,15 @@ struct ClientOptions {
   std::string cert_chain_pem;
   std::string private_key_pem;
   int max_buffered_reports = 4096;  // reports kept while the planner is away
+  // This worker's host name, sent with JoinJob (GetJob's slowest ranks and the slow-rank
+  // metrics name it): at most 253 characters of [A-Za-z0-9._:-]. Empty: the machine's
+  // (LocalHostName).
+  std::string host_name;
 };
+
+// The machine's host name (gethostname) in the form JoinJob accepts (characters outside
+// [A-Za-z0-9._:-] become '-'); "" when it has none.
+std::string LocalHostName();
 
 // A job as CreateJob made it.
 struct JobHandle {
@@ -71,9 +79,11 @@ class PlannerClient {
   // Creates a job; afterwards this client speaks for it (its id and token are set).
   absl::StatusOr<JobHandle> CreateJob(const std::string& name, const PlannerConfig& config,
                                       int history_steps = 0);
-  // Deletes a job and its state (admin token when the planner has one).
+  // Deletes a job and its state. Sends the admin token when the options hold one, else the
+  // job token: a job deletes itself without the admin token.
   absl::Status DeleteJob(const std::string& job_id);
-  // Announces `rank`; returns the job's config and the next step the planner will plan. With
+  // Announces `rank` (and options.host_name, or the machine's); returns the job's config and
+  // the next step the planner will plan. With
   // `rank_next_step`, also the first kept step this rank has not reported (where a restarted
   // rank resumes).
   absl::StatusOr<std::pair<PlannerConfig, int64_t>> JoinJob(int rank,

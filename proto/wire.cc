@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
@@ -681,6 +682,36 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
     }
   }
   return out;
+}
+
+namespace {
+bool HostNameChar(char c) {
+  return absl::ascii_isalnum(c) || c == '.' || c == '-' || c == '_' || c == ':';
+}
+}  // namespace
+
+absl::Status ValidateHostName(const std::string& host, absl::string_view field) {
+  if (static_cast<int>(host.size()) > kMaxHostName) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", host.size(), " characters; at most ", kMaxHostName));
+  }
+  for (size_t i = 0; i < host.size(); ++i) {
+    const char c = host[i];
+    if (!HostNameChar(c)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": character ", i, " (byte ",
+                                                     static_cast<int>(static_cast<uint8_t>(c)),
+                                                     ") is not one of [A-Za-z0-9._:-]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string SanitizeHostName(std::string host) {
+  if (static_cast<int>(host.size()) > kMaxHostName) host.resize(kMaxHostName);
+  for (char& c : host) {
+    if (!HostNameChar(c)) c = '-';
+  }
+  return host;
 }
 
 }  // namespace sparsebalance

@@ -34,6 +34,13 @@ struct WireLimits {
   int max_history_steps = 4096;
 };
 
+// Checks a worker's host name (JoinJobRequest.host, ClientOptions::host_name): empty, or at
+// most kMaxHostName characters of [A-Za-z0-9._:-]. INVALID_ARGUMENT naming `field`.
+inline constexpr int kMaxHostName = 253;
+absl::Status ValidateHostName(const std::string& host, absl::string_view field = "host");
+// `host` made valid for ValidateHostName: other characters become '-', cut to kMaxHostName.
+std::string SanitizeHostName(std::string host);
+
 // A job config with its bounded history length (the planner's PlannerConfig has no history).
 struct JobSettings {
   PlannerConfig planner;

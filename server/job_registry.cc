@@ -74,6 +74,9 @@ absl::Status NotFound(const std::string& job_id) {
   return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" does not exist"));
 }
 
+// Expired jobs remembered for their late callers' error message.
+constexpr size_t kMaxExpiredIds = 4096;
+
 template <typename T>
 void Append(std::string* out, T value) {
   char bytes[sizeof(T)];
@@ -100,6 +103,25 @@ std::string BatchFingerprint(const std::vector<Sample>& batch) {
     Append(&out, s.group);
     Append(&out, static_cast<uint64_t>(s.segments.size()));
     for (int64_t segment : s.segments) Append(&out, segment);
+  }
+  return out;
+}
+
+std::vector<SlowRank> SlowestRanks(const std::vector<double>& speed_factors,
+                                   const std::vector<std::string>* hosts, int k) {
+  const int n = static_cast<int>(speed_factors.size());
+  k = std::clamp(k, 0, n);
+  std::vector<int> order(n);
+  for (int r = 0; r < n; ++r) order[r] = r;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+    return speed_factors[a] != speed_factors[b] ? speed_factors[a] > speed_factors[b] : a < b;
+  });
+  std::vector<SlowRank> out;
+  out.reserve(k);
+  for (int i = 0; i < k; ++i) {
+    const int r = order[i];
+    const bool known = hosts != nullptr && r < static_cast<int>(hosts->size());
+    out.push_back({r, known ? (*hosts)[r] : std::string(), speed_factors[r]});
   }
   return out;
 }
@@ -192,6 +214,8 @@ absl::Status JobRegistry::Restore() {
     failed[l.job_id] = {reason, path};
   }
   absl::MutexLock lock(&mu_);
+  // A reloaded job's idle time counts from now: the planner did not see it while down.
+  for (auto& [id, job] : jobs) job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);
   for (auto& [id, job] : jobs) jobs_[id] = std::move(job);
   for (auto& [id, f] : failed) failed_[id] = std::move(f);
   return absl::OkStatus();
@@ -324,6 +348,7 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
   auto job = std::make_shared<Job>(*config, settings.history_steps, prior);
   job->name = name;
   job->token = random_hex_(kTokenHexChars);
+  job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);
   absl::MutexLock lock(&mu_);
   if (static_cast<int>(jobs_.size() + failed_.size()) >= options_.max_jobs) {
     return absl::ResourceExhaustedError(
@@ -345,7 +370,16 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
 
 absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string& token) const {
   std::shared_ptr<Job> job = Find(job_id);
-  if (job == nullptr) return NotFound(job_id);
+  if (job == nullptr) {
+    absl::MutexLock lock(&mu_);
+    if (expired_.count(job_id) > 0) {
+      return absl::NotFoundError(absl::StrCat(
+          "job \"", job_id,
+          "\" was deleted: no call carried its token for the planner's --job_idle_ttl; create "
+          "a new job"));
+    }
+    return NotFound(job_id);
+  }
   if (token.empty()) {
     return absl::UnauthenticatedError(
         "no job token: send the token CreateJob returned as \"authorization: Bearer <token>\"");
@@ -353,13 +387,16 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
   if (!ConstantTimeEquals(token, job->token)) {
     return absl::PermissionDeniedError(absl::StrCat("the token is not job ", job_id, "'s"));
   }
+  job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&job->mu);
   return LiveOrNotFound(job_id, *job);
 }
 
 absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::string& job_id,
                                                                      int rank,
-                                                                     int64_t* rank_next_step) {
+                                                                     int64_t* rank_next_step,
+                                                                     const std::string& host) {
+  if (absl::Status s = ValidateHostName(host); !s.ok()) return s;
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
@@ -367,6 +404,14 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
   if (rank < 0 || rank >= job->config.get().ranks) {
     return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is outside [0, ",
                                                    job->config.get().ranks, ") of job ", job_id));
+  }
+  if (!host.empty() &&
+      (rank >= static_cast<int>(job->hosts->size()) || (*job->hosts)[rank] != host)) {
+    // Copied, not changed in place: views and step stats hold the old vector.
+    auto hosts = std::make_shared<std::vector<std::string>>(*job->hosts);
+    hosts->resize(std::max<size_t>(hosts->size(), job->config.get().ranks));
+    (*hosts)[rank] = host;
+    job->hosts = std::move(hosts);
   }
   if (!job->joined[rank]) {
     job->joined[rank] = true;
@@ -672,6 +717,7 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
       stats.wait_seconds.push_back(wait == record.waits.end() ? 0.0 : wait->second);
     }
     stats.speed_factors = job.model.speed_factors();
+    stats.hosts = job.hosts;
     stats.exchange_bytes_per_second = ExchangeBytesPerSecond(job.model);
     const int64_t capacity = job.config.get().micro_batch_capacity;
     std::array<double, kRecallBuckets> weighted{};
@@ -829,6 +875,7 @@ JobView JobRegistry::View(const std::string& id, const Job& job) {
   v.micro_batch_capacity = job.config.get().micro_batch_capacity;
   v.unfolded_steps = job.unfolded_steps;
   v.failure = job.fold_failure;
+  v.hosts = job.hosts;
   return v;
 }
 
@@ -893,10 +940,53 @@ absl::Status JobRegistry::DeleteJob(const std::string& job_id) {
     failed_.erase(job_id);
     return absl::OkStatus();
   }
+  return DeleteLiveJob(job_id, job, nullptr);
+}
+
+int64_t JobRegistry::NowNanos() const {
+  const std::chrono::steady_clock::time_point now =
+      options_.now ? options_.now() : std::chrono::steady_clock::now();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+}
+
+std::vector<std::string> JobRegistry::ExpireIdleJobs(std::chrono::nanoseconds ttl) {
+  const int64_t idle_before = NowNanos() - ttl.count();
+  std::vector<std::pair<std::string, std::shared_ptr<Job>>> idle;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) {
+      if (job->last_active_ns.load(std::memory_order_relaxed) < idle_before) {
+        idle.emplace_back(id, job);
+      }
+    }
+  }
+  std::vector<std::string> expired;
+  for (const auto& [id, job] : idle) {
+    // Not deleted: called meanwhile, already deleted, or the store failed (reported through
+    // on_store_failure; the next sweep tries again).
+    if (!DeleteLiveJob(id, job, &idle_before).ok()) continue;
+    expired.push_back(id);
+    absl::MutexLock lock(&mu_);
+    if (expired_.insert(id).second) expired_order_.push_back(id);
+    if (expired_order_.size() > kMaxExpiredIds) {
+      expired_.erase(expired_order_.front());
+      expired_order_.pop_front();
+    }
+  }
+  return expired;
+}
+
+absl::Status JobRegistry::DeleteLiveJob(const std::string& job_id, const std::shared_ptr<Job>& job,
+                                        const int64_t* idle_before_ns) {
   std::map<int64_t, StepRecord> doomed;  // freed after the lock is released
   {
     absl::MutexLock lock(&job->mu);
     if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
+    if (idle_before_ns != nullptr &&
+        job->last_active_ns.load(std::memory_order_relaxed) >= *idle_before_ns) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job \"", job_id, "\" was called while it expired; kept"));
+    }
     // The folder is renamed away atomically, so a restart never loads it again; then no writer
     // can reach it: every one checks `deleted` under this lock first.
     if (options_.store != nullptr) {

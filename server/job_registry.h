@@ -22,10 +22,14 @@
 #ifndef SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
 #define SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -58,7 +62,21 @@ struct StepStats {
   std::map<std::string, double> measured_bucket_recall;
   double recall_seconds = 0.0;     // spent measuring recall, summed over the step's reports
   double attention_seconds = 0.0;  // attention time, summed over the step's reports
+  // Host name per rank, as JoinJob gave it ("" unknown); shared with the job, never null.
+  std::shared_ptr<const std::vector<std::string>> hosts;
 };
+
+// A rank the latency model finds slow (SlowestRanks).
+struct SlowRank {
+  int rank = 0;
+  std::string host;           // "" when the rank sent none
+  double speed_factor = 0.0;  // learned, median rank 1; larger is slower
+};
+
+// The `k` ranks with the largest speed factors, slowest first (ties: lower rank first), with
+// their host names (`hosts` may be shorter or null: "" then). O(ranks log k).
+std::vector<SlowRank> SlowestRanks(const std::vector<double>& speed_factors,
+                                   const std::vector<std::string>* hosts, int k);
 
 struct CreatedJob {
   std::string job_id;
@@ -100,6 +118,8 @@ struct JobView {
   std::vector<RecallCurveSummary> recall_curves;  // the learned recall model's curves
   int64_t micro_batch_capacity = 0;               // for the curves' bucket labels
   int64_t unfolded_steps = 0;  // fully reported steps that could not be folded (kept)
+  // Host name per rank, as JoinJob gave it ("" unknown); null for a failed job.
+  std::shared_ptr<const std::vector<std::string>> hosts;
 };
 
 // A latency model's learned key/value exchange rate in bytes per second (0 when it has none).
@@ -128,6 +148,8 @@ class JobRegistry {
     std::function<void(const absl::Status& failure)> on_store_failure;
     // A planned_locally SubmitBatch may jump at most this many steps past the next one.
     int64_t max_skipped_steps = int64_t{1} << 20;
+    // The clock of the idle TTL (ExpireIdleJobs); null: std::chrono::steady_clock::now.
+    std::function<std::chrono::steady_clock::time_point()> now;
   };
   // `random_hex(n)` returns n random hexadecimal characters (from a CSPRNG in production):
   // job ids and tokens are drawn from it.
@@ -146,13 +168,18 @@ class JobRegistry {
                                        const std::string& profile);
   // OK when `token` is the job's token (compared in constant time); UNAUTHENTICATED when it is
   // empty, PERMISSION_DENIED when it is another; NOT_FOUND for an unknown job.
+  // A job expired by ExpireIdleJobs (recently) is NOT_FOUND saying so. An authorized call
+  // counts as the job's activity for the idle TTL.
   absl::Status Authorize(const std::string& job_id, const std::string& token) const;
 
   // Marks `rank` joined; returns the settings and the next step to plan.
   // With `rank_next_step`, also the first kept step this rank has not reported (or the next
-  // step): where a restarted rank resumes.
+  // step): where a restarted rank resumes. `host` is the worker's host name (ValidateHostName;
+  // "" keeps the one the rank gave before); kept in memory only, a restart forgets it until
+  // the rank joins again.
   absl::StatusOr<std::pair<JobSettings, int64_t>> JoinJob(const std::string& job_id, int rank,
-                                                          int64_t* rank_next_step = nullptr);
+                                                          int64_t* rank_next_step = nullptr,
+                                                          const std::string& host = "");
   // Checks `batch` against the job's config (ValidateBatch: INVALID_ARGUMENT naming
   // "samples[i].<field>") and plans `step` (steps in order). With `planned_locally` the step's plan
   // is the trainer's fallback plan (PlanStepLocally), a step past the next one is accepted (the
@@ -195,6 +222,10 @@ class JobRegistry {
   // it can land), retires its folder atomically, and removes its files without any lock held.
   // Also removes a failed job's quarantined files.
   absl::Status DeleteJob(const std::string& job_id);
+  // Deletes, as DeleteJob does, every job with no authorized call (Authorize) for `ttl` (since
+  // it was created or reloaded when it had none); returns their ids. A job called while it is
+  // being checked stays. Failed jobs are left for DeleteJob.
+  std::vector<std::string> ExpireIdleJobs(std::chrono::nanoseconds ttl);
   int job_count() const;
 
  private:
@@ -215,7 +246,8 @@ class JobRegistry {
         : config(c),
           history_steps(history),
           model(c.get().shape, c.get().ranks, prior),
-          recall(c.get().micro_batch_capacity, c.get().shape.layers) {}
+          recall(c.get().micro_batch_capacity, c.get().shape.layers),
+          hosts(std::make_shared<const std::vector<std::string>>(c.get().ranks)) {}
     // The settings as JobSettings (views, snapshots, replies).
     JobSettings settings() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
       return {config.get(), history_steps};
@@ -237,6 +269,11 @@ class JobRegistry {
     bool deleted ABSL_GUARDED_BY(mu) = false;
     int64_t unfolded_steps ABSL_GUARDED_BY(mu) = 0;
     std::string fold_failure ABSL_GUARDED_BY(mu);
+    // Host name per rank (JoinJob); replaced, not changed, so views and StepStats share it.
+    std::shared_ptr<const std::vector<std::string>> hosts ABSL_GUARDED_BY(mu);
+    // The idle TTL's clock (Options::now) at the last authorized call, nanoseconds since its
+    // epoch. Written without the lock (Authorize holds none).
+    std::atomic<int64_t> last_active_ns{0};
   };
   struct FailedJob {
     std::string reason;
@@ -266,6 +303,12 @@ class JobRegistry {
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
   static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);
+  // Options::now in nanoseconds since its epoch.
+  int64_t NowNanos() const;
+  // DeleteJob of a live job; with `idle_before_ns`, only if its last activity is before it
+  // (FAILED_PRECONDITION otherwise: it was called meanwhile).
+  absl::Status DeleteLiveJob(const std::string& job_id, const std::shared_ptr<Job>& job,
+                             const int64_t* idle_before_ns);
   // Replaces a step's plan by `plan` (the trainer's local fallback plan) and saves the step
   // record; on failure the record is unchanged.
   absl::Status ReplacePlan(const std::string& id, int64_t step, StepRecord& record,
@@ -281,6 +324,10 @@ class JobRegistry {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, FailedJob> failed_ ABSL_GUARDED_BY(mu_);
+  // Ids of the last jobs ExpireIdleJobs deleted (at most 4096, oldest dropped first), so that
+  // their late callers learn why the job is gone.
+  std::set<std::string> expired_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> expired_order_ ABSL_GUARDED_BY(mu_);
 };
 
 // Canonical bytes of a batch (ids, lengths, sensitivities, groups, segments): equal batches,

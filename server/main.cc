@@ -39,6 +39,12 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9151",
           "IP:port of the Prometheus endpoint /metrics: IPv4 or [IPv6], port 1-65535 (0 picks a "
           "free port)");
 ABSL_FLAG(int, max_rank_series, 64, "jobs of at most this many ranks also export per-rank series");
+ABSL_FLAG(int, slow_rank_series, 8,
+          "export this many of each job's slowest ranks (sparsebalance_slowest_rank_speed_factor, "
+          "labelled with position, rank and host), for jobs of any size; 0 to 64");
+ABSL_FLAG(absl::Duration, job_idle_ttl, absl::Hours(24),
+          "delete a job (state files, waiting calls, metric series) when no call has carried its "
+          "token for this long, e.g. 24h, 30m; 0 keeps jobs until DeleteJob");
 ABSL_FLAG(std::string, admin_token_file, "",
           "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it. "
           "Required when --listen is not a loopback address (see --insecure_no_admin_token)");
@@ -174,6 +180,51 @@ class StateDirHealth {
   std::thread thread_;
 };
 
+// Deletes idle jobs (PlannerServiceImpl::ExpireIdleJobs) every `period` until stopped.
+class IdleJobSweeper {
+ public:
+  IdleJobSweeper(PlannerServiceImpl* service, absl::Duration ttl)
+      : service_(service),
+        ttl_(ttl),
+        period_(std::clamp(ttl / 10, absl::Seconds(1), absl::Seconds(60))) {}
+  ~IdleJobSweeper() { Stop(); }
+  void Start() {
+    if (ttl_ > absl::ZeroDuration()) thread_ = std::thread([this] { Run(); });
+  }
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      wake_.Signal();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Run() {
+    absl::MutexLock lock(&mu_);
+    while (!stop_) {
+      wake_.WaitWithTimeout(&mu_, period_);
+      if (stop_) break;
+      mu_.Unlock();
+      for (const std::string& job_id : service_->ExpireIdleJobs(absl::ToChronoNanoseconds(ttl_))) {
+        std::cout << "sb-planner: job " << job_id
+                  << " deleted: idle for --job_idle_ttl=" << absl::FormatDuration(ttl_)
+                  << std::endl;
+      }
+      mu_.Lock();
+    }
+  }
+
+  PlannerServiceImpl* const service_;
+  const absl::Duration ttl_;
+  const absl::Duration period_;
+  absl::Mutex mu_;
+  absl::CondVar wake_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials() {
   const std::string cert = absl::GetFlag(FLAGS_tls_cert);
   const std::string key = absl::GetFlag(FLAGS_tls_key);
@@ -264,8 +315,19 @@ int Main(int argc, char** argv) {
     tools::Fatal(absl::StrCat("--state_dir=", state_dir, ": ", store.status().message()),
                  tools::kExitUsage);
   }
+  const absl::Duration idle_ttl = absl::GetFlag(FLAGS_job_idle_ttl);
+  if (idle_ttl < absl::ZeroDuration()) {
+    tools::Fatal(absl::StrCat("--job_idle_ttl=", absl::FormatDuration(idle_ttl),
+                              " is negative; give a duration such as 24h, or 0 to keep jobs"),
+                 tools::kExitUsage);
+  }
+  const int slow_rank_series = absl::GetFlag(FLAGS_slow_rank_series);
+  if (slow_rank_series < 0 || slow_rank_series > 64) {
+    tools::Fatal(absl::StrCat("--slow_rank_series=", slow_rank_series, " is outside [0, 64]"),
+                 tools::kExitUsage);
+  }
   auto metrics_registry = std::make_shared<prometheus::Registry>();
-  PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series));
+  PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series), slow_rank_series);
   std::unique_ptr<prometheus::Exposer> exposer;
   try {  // prometheus-cpp reports a busy port by throwing
     exposer = std::make_unique<prometheus::Exposer>(metrics_listen);
@@ -329,6 +391,7 @@ int Main(int argc, char** argv) {
   service_options.metrics = &metrics;
   service_options.max_waiting_calls = absl::GetFlag(FLAGS_max_waiting_calls);
   PlannerServiceImpl service(&registry, service_options);
+  IdleJobSweeper sweeper(&service, idle_ttl);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -367,6 +430,7 @@ int Main(int argc, char** argv) {
     health_server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   }
   state_health.Start();
+  sweeper.Start();
   const std::string host = listen.substr(0, listen.rfind(':'));
   std::cout << "sb-planner: listening on " << host << ":" << port
             << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)" : " (TLS)")
@@ -385,6 +449,7 @@ int Main(int argc, char** argv) {
   std::cout << "sb-planner: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT") << ", draining for "
             << absl::GetFlag(FLAGS_drain_seconds) << " s" << std::endl;
   state_health.Stop();  // health stays NOT_SERVING from here on
+  sweeper.Stop();       // no job expires during the drain
   server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
   if (health_server != nullptr) {
     health_server->GetHealthCheckService()->SetServingStatus(kServiceName, false);

@@ -20,6 +20,15 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {  // seconds
       0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
   return *kBuckets;
 }
+const prometheus::Histogram::BucketBoundaries& RpcBuckets() {  // seconds
+  // LatencyBuckets and then up to 120 s: GetRankPlan waits up to 60 s for its step.
+  static const auto* const kBuckets = [] {
+    auto* buckets = new prometheus::Histogram::BucketBoundaries(LatencyBuckets());
+    buckets->insert(buckets->end(), {30, 60, 120});
+    return buckets;
+  }();
+  return *kBuckets;
+}
 const prometheus::Histogram::BucketBoundaries& UnitBuckets() {  // ratios in [0, 1]
   static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
       0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0};
@@ -82,11 +91,21 @@ struct PlannerMetrics::JobSeries {
   std::map<std::string, prometheus::Gauge*> predicted_bucket_recall;
   std::map<std::string, prometheus::Gauge*> measured_bucket_recall;
   prometheus::Gauge* recall_cost = nullptr;  // added with the first step that measured recall
+  // The slowest ranks' series by position (1 first), replaced when the rank or host changes;
+  // removed by ForgetJob (not through `removals`: a replaced one is gone already).
+  struct Slow {
+    int rank = -1;
+    std::string host;
+    prometheus::Gauge* gauge = nullptr;
+  };
+  std::vector<Slow> slowest;
 };
 
-PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series)
+PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series,
+                               int slow_rank_series)
     : registry_(std::move(registry)),
       max_rank_series_(max_rank_series),
+      slow_rank_series_(std::max(0, slow_rank_series)),
       rpcs_(prometheus::BuildCounter()
                 .Name("sparsebalance_rpcs_total")
                 .Help("PlannerService calls by method and status code")
@@ -179,6 +198,12 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                          .Help("Learned key/value exchange rate of context parallelism per "
                                "shard (the prior until workers report exchange times)")
                          .Register(*registry_)),
+      slowest_rank_(prometheus::BuildGauge()
+                        .Name("sparsebalance_slowest_rank_speed_factor")
+                        .Help("Learned speed factor of the job's slowest ranks (position 1 is the "
+                              "slowest; median rank 1), with their rank and host, after the last "
+                              "fully reported step; --slow_rank_series positions")
+                        .Register(*registry_)),
       jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_jobs",
                    "Jobs this planner holds")),
       state_write_failures_(Single(prometheus::BuildCounter(), *registry_,
@@ -194,7 +219,11 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                              "the latency model (kept; see GetJob's failure)")),
       failed_jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_failed_jobs",
                           "Jobs whose state files could not be loaded, quarantined in "
-                          "<state_dir>/quarantine (ListJobs shows them as FAILED)")) {
+                          "<state_dir>/quarantine (ListJobs shows them as FAILED)")),
+      jobs_expired_(Single(prometheus::BuildCounter(), *registry_,
+                           "sparsebalance_jobs_expired_total",
+                           "Jobs deleted because no call carried their token for "
+                           "--job_idle_ttl")) {
   state_dir_writable_.Set(1);
   prometheus::BuildGauge()
       .Name("sparsebalance_build_info")
@@ -214,7 +243,7 @@ void PlannerMetrics::ObserveRpc(const std::string& method, absl::StatusCode code
   }
   counter->Increment();
   prometheus::Histogram*& histogram = rpc_histograms_[method];
-  if (histogram == nullptr) histogram = &rpc_seconds_.Add({{"method", method}}, LatencyBuckets());
+  if (histogram == nullptr) histogram = &rpc_seconds_.Add({{"method", method}}, RpcBuckets());
   histogram->Observe(seconds);
 }
 
@@ -224,11 +253,6 @@ PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
     series = std::make_unique<JobSeries>();
     const prometheus::Labels job{{"job_id", job_id}};
     series->steps = series->Add(steps_, job);
-    series->predicted_makespan = series->Add(predicted_makespan_, job);
-    series->predicted_gap = series->Add(predicted_gap_, job);
-    series->makespan = series->Add(makespan_, job);
-    series->imbalance = series->Add(imbalance_, job);
-    series->bubble = series->Add(bubble_, job);
     series->prediction_error = series->Add(prediction_error_, job, ErrorBuckets());
     series->density = series->Add(density_, job, UnitBuckets());
     series->recall = series->Add(recall_, job, UnitBuckets());
@@ -250,6 +274,11 @@ void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan
   histogram->Observe(seconds);
   JobSeries& series = Series(job_id);
   series.steps->Increment();
+  if (series.predicted_makespan == nullptr) {  // no 0 before the first plan
+    const prometheus::Labels job{{"job_id", job_id}};
+    series.predicted_makespan = series.Add(predicted_makespan_, job);
+    series.predicted_gap = series.Add(predicted_gap_, job);
+  }
   series.predicted_makespan->Set(plan.makespan_seconds);
   series.predicted_gap->Set(plan.gap);
   for (const BucketRecallFigures& b : plan.buckets) {
@@ -277,6 +306,12 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
   if (stats.rank_seconds.empty()) return;
   absl::MutexLock lock(&mu_);
   JobSeries& series = Series(job_id);
+  if (series.makespan == nullptr) {  // absent until the first step: a ratio >= 1 is never 0
+    const prometheus::Labels job{{"job_id", job_id}};
+    series.makespan = series.Add(makespan_, job);
+    series.imbalance = series.Add(imbalance_, job);
+    series.bubble = series.Add(bubble_, job);
+  }
   const double slowest = *std::max_element(stats.rank_seconds.begin(), stats.rank_seconds.end());
   series.makespan->Set(slowest);
   series.imbalance->Set(ImbalanceRatio(stats.rank_seconds));
@@ -306,6 +341,28 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
       series.recall_cost = series.Add(recall_cost_, {{"job_id", job_id}});
     }
     series.recall_cost->Set(stats.recall_seconds / stats.attention_seconds);
+  }
+  const std::vector<SlowRank> slowest_ranks =
+      SlowestRanks(stats.speed_factors, stats.hosts.get(), slow_rank_series_);
+  series.slowest.resize(std::max(series.slowest.size(), slowest_ranks.size()));
+  for (size_t i = 0; i < series.slowest.size(); ++i) {
+    JobSeries::Slow& slot = series.slowest[i];
+    const SlowRank* now = i < slowest_ranks.size() ? &slowest_ranks[i] : nullptr;
+    if (slot.gauge != nullptr &&
+        (now == nullptr || now->rank != slot.rank || now->host != slot.host)) {
+      slowest_rank_.Remove(slot.gauge);
+      slot = JobSeries::Slow{};
+    }
+    if (now == nullptr) continue;
+    if (slot.gauge == nullptr) {
+      slot.rank = now->rank;
+      slot.host = now->host;
+      slot.gauge = &slowest_rank_.Add({{"job_id", job_id},
+                                       {"position", absl::StrCat(i + 1)},
+                                       {"rank", absl::StrCat(now->rank)},
+                                       {"host", now->host}});
+    }
+    slot.gauge->Set(now->speed_factor);
   }
   const int ranks = static_cast<int>(stats.rank_seconds.size());
   if (ranks <= max_rank_series_) {
@@ -342,7 +399,12 @@ void PlannerMetrics::ForgetJob(const std::string& job_id) {
   auto it = jobs_series_.find(job_id);
   if (it == jobs_series_.end()) return;
   for (const std::function<void()>& remove : it->second->removals) remove();
+  for (const JobSeries::Slow& slot : it->second->slowest) {
+    if (slot.gauge != nullptr) slowest_rank_.Remove(slot.gauge);
+  }
   jobs_series_.erase(it);
 }
+
+void PlannerMetrics::ObserveExpiredJob() { jobs_expired_.Increment(); }
 
 }  // namespace sparsebalance

@@ -2,7 +2,10 @@
 // main serves on its own port. Labels are bounded: job_id (at most --max_jobs; not `job`,
 // which Prometheus keeps for the scrape job), method, code,
 // policy; nothing per step, and per-rank series only for jobs of at most `max_rank_series`
-// ranks. The README's metrics table lists every series.
+// ranks; for jobs of any size the `slow_rank_series` slowest ranks, by position (rank and host
+// labels change with the set, the old series is removed). A job's step gauges appear with its
+// first fully reported step; every series of a job goes with ForgetJob. The README's metrics
+// table lists every series.
 //
 //   auto registry = std::make_shared<prometheus::Registry>();
 //   PlannerMetrics metrics(registry, /*max_rank_series=*/64);
@@ -30,7 +33,8 @@ namespace sparsebalance {
 
 class PlannerMetrics {
  public:
-  PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series);
+  PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series,
+                 int slow_rank_series = 8);
   ~PlannerMetrics();
 
   // One RPC: its method, status code and wall time in seconds.
@@ -55,8 +59,10 @@ class PlannerMetrics {
   void SetJobs(int jobs);
   // Jobs whose state files could not be loaded (quarantined).
   void SetFailedJobs(int jobs);
-  // Drops a deleted job's series.
+  // Drops a deleted (or expired) job's series.
   void ForgetJob(const std::string& job_id);
+  // A job deleted by the idle TTL (--job_idle_ttl).
+  void ObserveExpiredJob();
 
  private:
   struct JobSeries;
@@ -64,6 +70,7 @@ class PlannerMetrics {
 
   std::shared_ptr<prometheus::Registry> registry_;
   const int max_rank_series_;
+  const int slow_rank_series_;
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Histogram>& rpc_seconds_;
   prometheus::Family<prometheus::Histogram>& plan_seconds_;
@@ -85,11 +92,13 @@ class PlannerMetrics {
   prometheus::Family<prometheus::Gauge>& rank_seconds_;
   prometheus::Family<prometheus::Gauge>& speed_factor_;
   prometheus::Family<prometheus::Gauge>& exchange_rate_;
+  prometheus::Family<prometheus::Gauge>& slowest_rank_;
   prometheus::Gauge& jobs_;
   prometheus::Counter& state_write_failures_;
   prometheus::Gauge& state_dir_writable_;
   prometheus::Counter& unfolded_steps_;
   prometheus::Gauge& failed_jobs_;
+  prometheus::Counter& jobs_expired_;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobSeries>> jobs_series_ ABSL_GUARDED_BY(mu_);

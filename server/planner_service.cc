@@ -39,6 +39,10 @@ int MethodIndex(const char* method) {
   return found->index();
 }
 
+// GetJobRequest.slowest_ranks: 0 means the default; above the bound is INVALID_ARGUMENT.
+constexpr int kDefaultSlowestRanks = 8;
+constexpr int kMaxSlowestRanks = 64;
+
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -165,7 +169,7 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
   Serve<Caller::kJob>("UpdateJobConfig", &PlannerServiceImpl::OnUpdateJobConfig);
   Serve<Caller::kJob>("GetJob", &PlannerServiceImpl::OnGetJob);
   Serve<Caller::kAdmin>("ListJobs", &PlannerServiceImpl::OnListJobs);
-  Serve<Caller::kAdmin>("DeleteJob", &PlannerServiceImpl::OnDeleteJob);
+  Serve<Caller::kAdminOrJob>("DeleteJob", &PlannerServiceImpl::OnDeleteJob);
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::Finish(grpc::CallbackServerContext* context,
@@ -223,6 +227,25 @@ absl::Status PlannerServiceImpl::AuthorizeAdmin(grpc::CallbackServerContext* con
   return absl::OkStatus();
 }
 
+absl::Status PlannerServiceImpl::AuthorizeAdminOrJob(grpc::CallbackServerContext* context,
+                                                     const std::string& job_id) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id: empty");
+  if (options_.admin_token.empty()) return absl::OkStatus();
+  const std::string token = BearerToken(*context);
+  if (token.empty()) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "no token: send \"authorization: Bearer <token>\" with the planner's admin token or job ",
+        job_id, "'s own token"));
+  }
+  if (ConstantTimeEquals(token, options_.admin_token)) return absl::OkStatus();
+  absl::Status own = registry_->Authorize(job_id, token);
+  if (absl::IsPermissionDenied(own)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the token is neither this planner's admin token nor job ", job_id, "'s own token"));
+  }
+  return own;
+}
+
 template <typename Request, typename Response>
 void PlannerServiceImpl::Register(const char* method,
                                   std::function<grpc::ServerUnaryReactor*(
@@ -244,6 +267,8 @@ void PlannerServiceImpl::Serve(const char* method,
           absl::Status status;
           if constexpr (caller == Caller::kAdmin) {
             status = AuthorizeAdmin(context);
+          } else if constexpr (caller == Caller::kAdminOrJob) {
+            status = AuthorizeAdminOrJob(context, request->job_id());
           } else {
             status = AuthorizeJob(context, request->job_id());
           }
@@ -270,7 +295,8 @@ absl::Status PlannerServiceImpl::OnCreateJob(const v1::CreateJobRequest& request
 absl::Status PlannerServiceImpl::OnJoinJob(const v1::JoinJobRequest& request,
                                            v1::JoinJobResponse* response) {
   int64_t rank_next_step = 0;
-  auto joined = registry_->JoinJob(request.job_id(), request.rank(), &rank_next_step);
+  auto joined =
+      registry_->JoinJob(request.job_id(), request.rank(), &rank_next_step, request.host());
   if (!joined.ok()) return joined.status();
   *response->mutable_config() = ConfigToProto(joined->first);
   response->set_next_step(joined->second);
@@ -366,7 +392,7 @@ void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
   Complete(std::move(woken));
 }
 
-void PlannerServiceImpl::WakeJob(const std::string& job_id) {
+void PlannerServiceImpl::WakeJob(const std::string& job_id, const absl::Status& why) {
   std::vector<std::shared_ptr<Wait>> woken;
   {
     absl::MutexLock lock(&waiters_mu_);
@@ -378,7 +404,27 @@ void PlannerServiceImpl::WakeJob(const std::string& job_id) {
     }
     waiting_per_job_.erase(job_id);
   }
-  Complete(std::move(woken));
+  for (const std::shared_ptr<Wait>& wait : woken) wait->Complete(why, nullptr);
+}
+
+void PlannerServiceImpl::Forget(const std::string& job_id, const absl::Status& why) {
+  WakeJob(job_id, why);  // its waiting ranks learn now, not at their deadline
+  if (options_.metrics != nullptr) {
+    options_.metrics->ForgetJob(job_id);
+    options_.metrics->SetJobs(registry_->job_count());
+  }
+}
+
+std::vector<std::string> PlannerServiceImpl::ExpireIdleJobs(std::chrono::nanoseconds ttl) {
+  std::vector<std::string> expired = registry_->ExpireIdleJobs(ttl);
+  for (const std::string& job_id : expired) {
+    Forget(job_id, absl::NotFoundError(
+                       absl::StrCat("job \"", job_id,
+                                    "\" was deleted: no call carried its token for the planner's "
+                                    "--job_idle_ttl; create a new job")));
+    if (options_.metrics != nullptr) options_.metrics->ObserveExpiredJob();
+  }
+  return expired;
 }
 
 void PlannerServiceImpl::Complete(std::vector<std::shared_ptr<Wait>> all) {
@@ -477,9 +523,21 @@ absl::Status PlannerServiceImpl::OnUpdateJobConfig(const v1::UpdateJobConfigRequ
 
 absl::Status PlannerServiceImpl::OnGetJob(const v1::GetJobRequest& request,
                                           v1::GetJobResponse* response) {
+  if (request.slowest_ranks() < 0 || request.slowest_ranks() > kMaxSlowestRanks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slowest_ranks: ", request.slowest_ranks(), " is outside [0, ",
+                     kMaxSlowestRanks, "] (0: the default, ", kDefaultSlowestRanks, ")"));
+  }
   absl::StatusOr<JobView> view = registry_->GetJob(request.job_id());
   if (!view.ok()) return view.status();
   SummaryToProto(*view, response->mutable_job());
+  const int k = request.slowest_ranks() == 0 ? kDefaultSlowestRanks : request.slowest_ranks();
+  for (const SlowRank& slow : SlowestRanks(view->speed_factors, view->hosts.get(), k)) {
+    v1::SlowRank* out = response->mutable_job()->add_slowest_ranks();
+    out->set_rank(slow.rank);
+    out->set_host(slow.host);
+    out->set_speed_factor(slow.speed_factor);
+  }
   return absl::OkStatus();
 }
 
@@ -504,11 +562,9 @@ absl::Status PlannerServiceImpl::OnDeleteJob(const v1::DeleteJobRequest& request
                                              v1::DeleteJobResponse* /*response*/) {
   absl::Status deleted = registry_->DeleteJob(request.job_id());
   if (!deleted.ok()) return deleted;
-  WakeJob(request.job_id());  // its waiting ranks get NOT_FOUND now, not at their deadline
-  if (options_.metrics != nullptr) {
-    options_.metrics->ForgetJob(request.job_id());
-    options_.metrics->SetJobs(registry_->job_count());
-  }
+  Forget(request.job_id(),
+         absl::NotFoundError(absl::StrCat("job \"", request.job_id(),
+                                          "\" was deleted (DeleteJob) while this call waited")));
   return absl::OkStatus();
 }
 

@@ -30,7 +30,8 @@ namespace sparsebalance {
 class PlannerServiceImpl final : public v1::PlannerService::Service {
  public:
   struct Options {
-    // When non-empty, CreateJob, ListJobs and DeleteJob need "authorization: Bearer <it>".
+    // When non-empty, CreateJob, ListJobs and DeleteJob need "authorization: Bearer <it>"
+    // (DeleteJob also takes the job's own token).
     std::string admin_token;
     WireLimits limits;
     int default_page_size = 100;
@@ -47,14 +48,18 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
 
   // GetRankPlan calls parked now (for tests and metrics).
   int waiting_calls() const;
+  // Deletes the jobs idle for `ttl` (JobRegistry::ExpireIdleJobs) as DeleteJob would: their
+  // waiting calls get NOT_FOUND saying why, their series go, and they are counted in
+  // sparsebalance_jobs_expired_total. Returns their ids. sb-planner calls it periodically.
+  std::vector<std::string> ExpireIdleJobs(std::chrono::nanoseconds ttl);
 
   // A parked GetRankPlan call (defined in the .cc).
   struct Wait;
 
  private:
   using Clock = std::chrono::steady_clock;
-  // Whose token a call must carry: its job's, or the planner's admin token.
-  enum class Caller { kJob, kAdmin };
+  // Whose token a call must carry: its job's, the planner's admin token, or either.
+  enum class Caller { kJob, kAdmin, kAdminOrJob };
 
   // Answers the calls of PlannerService's method `method` (its name in planner.proto) with
   // `on_call`, which returns the call's reactor: what the generated CallbackService does for
@@ -93,10 +98,14 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   void Record(const char* method, Clock::time_point start, const absl::Status& status) const;
   absl::Status AuthorizeJob(grpc::CallbackServerContext* context, const std::string& job_id);
   absl::Status AuthorizeAdmin(grpc::CallbackServerContext* context) const;
+  // The admin token (or none configured), or `job_id`'s own token.
+  absl::Status AuthorizeAdminOrJob(grpc::CallbackServerContext* context, const std::string& job_id);
   // Finishes every call parked on (job_id, step).
   void WakeWaiters(const std::string& job_id, int64_t step);
-  // Finishes every call parked on any step of `job_id` (a deleted job: NOT_FOUND).
-  void WakeJob(const std::string& job_id);
+  // Finishes every call parked on any step of `job_id` with `why` (a deleted job: NOT_FOUND).
+  void WakeJob(const std::string& job_id, const absl::Status& why);
+  // What follows a job's deletion: its waiting calls get `why`, its series go.
+  void Forget(const std::string& job_id, const absl::Status& why);
   void Complete(std::vector<std::shared_ptr<Wait>> waits);
   // Parks `wait` unless the caps are reached (RESOURCE_EXHAUSTED, naming the cap).
   absl::Status Park(const std::shared_ptr<Wait>& wait, int world_size);

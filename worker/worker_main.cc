@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "client/planner_client.h"
@@ -32,6 +33,9 @@ ABSL_FLAG(std::string, planner, "127.0.0.1:50151", "sb-planner address host:port
 ABSL_FLAG(std::string, job, "", "job id (CreateJob's answer)");
 ABSL_FLAG(int, rank, -1, "this rank, in [0, world_size)");
 ABSL_FLAG(std::string, token_file, "", "file holding the job token (CreateJob's answer)");
+ABSL_FLAG(std::string, host_name, "",
+          "this worker's host name for the planner (GetJob's slowest ranks, the slow-rank "
+          "metrics); empty: the machine's");
 ABSL_FLAG(std::string, device, "cpu",
           "cpu: the fp32 reference kernels, one thread, timed by the thread's CPU time (fair "
           "when ranks share cores); cuda: the sm_90 kernels, timed by CUDA events, ranks "
@@ -151,8 +155,13 @@ int Main(int argc, char** argv) {
   options.token = token;
   options.call_timeout_seconds = absl::GetFlag(FLAGS_call_timeout);
   options.plan_timeout_seconds = absl::GetFlag(FLAGS_plan_timeout);
+  options.host_name = absl::GetFlag(FLAGS_host_name);
   absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
-  if (!client.ok()) tools::Fatal(absl::StrCat("--planner: ", client.status().message()));
+  if (!client.ok()) {
+    const std::string flag =
+        absl::StrContains(client.status().message(), "host_name") ? "--host_name" : "--planner";
+    tools::Fatal(absl::StrCat(flag, ": ", client.status().message()));
+  }
 
   // Join, waiting for a planner that is still starting (up to a minute).
   int64_t resume = 0;

@@ -68,6 +68,9 @@ void BindClient(py::module_& m) {
       .Field("root_certs_pem", &ClientOptions::root_certs_pem, "PEM roots: the channel is TLS")
       .Field("cert_chain_pem", &ClientOptions::cert_chain_pem, "client certificate (mutual TLS)")
       .Field("private_key_pem", &ClientOptions::private_key_pem, "its key", true)
+      .Field("host_name", &ClientOptions::host_name,
+             "this worker's host name for JoinJob (GetJob's slowest ranks); empty: the "
+             "machine's")
       .Field("max_buffered_reports", &ClientOptions::max_buffered_reports,
              "reports kept while the planner is away")
       .Done();
@@ -119,7 +122,9 @@ Every call has a deadline; UNAVAILABLE is retried with backoff. Errors raise Pla
           [](PlannerClient& c, const std::string& job_id) {
             ThrowIfError(c.DeleteJob(job_id), ErrorKind::kPlanner);
           },
-          py::arg("job_id"), Release(), "Deletes a job and its state.")
+          py::arg("job_id"), Release(),
+          "Deletes a job and its state: with admin_token when the options hold one, else with "
+          "the job token (a job deletes itself).")
       .def(
           "join_job",
           [](PlannerClient& c, int rank) {

@@ -492,6 +492,18 @@ def main():
         for job in re.findall(r'\bjob="([^"]+)"', expr):
             check(job == scrape_job,
                   f"{where} selects job={job!r}, the scrape job is {scrape_job!r}")
+    # Every alert links its runbook: a section of deploy/runbooks.md (GitHub's heading anchor).
+    with open(f"{DEPLOY}/runbooks.md") as f:
+        anchors = {h.strip().lower() for h in re.findall(r"^## (.+)$", f.read(), re.M)}
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            url = r.get("annotations", {}).get("runbook_url", "")
+            check(re.match(r"https://\S+/deploy/runbooks\.md#\S+$", url) is not None,
+                  f"rules.yml {r['alert']}: runbook_url {url!r} is not a link into "
+                  "deploy/runbooks.md")
+            check(url.rpartition("#")[2] in anchors,
+                  f"rules.yml {r['alert']}: deploy/runbooks.md has no section "
+                  f"{url.rpartition('#')[2]!r}")
     check(dashboard.get("uid") == "sparsebalance-planner", "the dashboard's uid must stay fixed")
     check(variables.get("datasource", {}).get("type") == "datasource", "no datasource variable")
     check("job" in variables, "no job variable")

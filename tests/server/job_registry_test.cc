@@ -1,5 +1,11 @@
 #include "server/job_registry.h"
 
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -9,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
+#include "server/plan_store.h"
 #include "tests/server/test_support.h"
 
 namespace sparsebalance {
@@ -527,6 +534,98 @@ TEST_F(JobRegistryTest, ProfilesAreValidated) {
   absl::Status bad = registry_.UploadProfile(id, "sparsebalance-profile 1\n").status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.message()), HasSubstr("profile"));
+}
+
+// A steady clock the test moves by hand.
+struct ManualClock {
+  std::shared_ptr<std::atomic<int64_t>> seconds = std::make_shared<std::atomic<int64_t>>(1000);
+  std::function<std::chrono::steady_clock::time_point()> Now() const {
+    return
+        [s = seconds] { return std::chrono::steady_clock::time_point(std::chrono::seconds(*s)); };
+  }
+  void Advance(std::chrono::seconds by) { *seconds += by.count(); }
+};
+
+bool Exists(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0;
+}
+
+TEST(JobRegistryIdleTest, JobsWithoutAuthorizedCallsForTheTtlAreDeletedWithTheirFiles) {
+  std::string dir = ::testing::TempDir() + "idle_ttl_XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ManualClock clock;
+  JobRegistry::Options options;
+  options.store = store->get();
+  options.now = clock.Now();
+  JobRegistry registry(options, CountingHex());
+  absl::StatusOr<CreatedJob> busy = registry.CreateJob("busy", test_support::SmallJob(2), "");
+  absl::StatusOr<CreatedJob> idle = registry.CreateJob("idle", test_support::SmallJob(2), "");
+  ASSERT_TRUE(busy.ok() && idle.ok());
+  ASSERT_TRUE(registry.SubmitBatch(idle->job_id, 0, Batch(1, 2)).ok());
+  ASSERT_TRUE(Exists(dir + "/" + idle->job_id));
+  constexpr std::chrono::seconds kTtl(3600);
+  clock.Advance(std::chrono::seconds(3000));
+  EXPECT_TRUE(registry.ExpireIdleJobs(kTtl).empty());  // neither idle for an hour yet
+  ASSERT_TRUE(registry.Authorize(busy->job_id, busy->job_token).ok());  // busy's activity
+  // A wrong token is no activity.
+  EXPECT_FALSE(registry.Authorize(idle->job_id, busy->job_token).ok());
+  clock.Advance(std::chrono::seconds(601));
+  EXPECT_EQ(registry.ExpireIdleJobs(kTtl), std::vector<std::string>{idle->job_id});
+  EXPECT_EQ(registry.job_count(), 1);
+  EXPECT_FALSE(Exists(dir + "/" + idle->job_id));
+  EXPECT_TRUE(Exists(dir + "/" + busy->job_id));
+  absl::Status late = registry.Authorize(idle->job_id, idle->job_token);
+  EXPECT_EQ(late.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(late.message()), HasSubstr("--job_idle_ttl"));
+  EXPECT_EQ(registry.GetJob(idle->job_id).status().code(), absl::StatusCode::kNotFound);
+  // Busy's hour runs from its last call.
+  EXPECT_TRUE(registry.ExpireIdleJobs(kTtl).empty());
+  clock.Advance(std::chrono::seconds(3001));
+  EXPECT_EQ(registry.ExpireIdleJobs(kTtl), std::vector<std::string>{busy->job_id});
+  EXPECT_EQ(registry.job_count(), 0);
+  // A restarted planner counts idle time from its start: nothing expired is reloaded, and a
+  // job reloaded after a long downtime is not expired at once.
+  absl::StatusOr<CreatedJob> kept = registry.CreateJob("kept", test_support::SmallJob(2), "");
+  ASSERT_TRUE(kept.ok());
+  clock.Advance(std::chrono::seconds(86400));
+  JobRegistry restarted(options, CountingHex());
+  ASSERT_TRUE(restarted.Restore().ok());
+  EXPECT_EQ(restarted.job_count(), 1);
+  EXPECT_TRUE(restarted.ExpireIdleJobs(kTtl).empty());
+}
+
+TEST_F(JobRegistryTest, HostNamesAreCheckedAndNameTheSlowestRanks) {
+  const std::string id = Create(4);
+  absl::Status bad = registry_.JoinJob(id, 0, nullptr, "node 1").status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("host: character 4"));
+  bad = registry_.JoinJob(id, 0, nullptr, std::string(kMaxHostName + 1, 'a')).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("host: 254 characters"));
+  EXPECT_EQ(registry_.GetJob(id)->joined_ranks, 0);  // refused before anything changed
+  ASSERT_TRUE(registry_.JoinJob(id, 0, nullptr, "gpu-node-01.cluster").ok());
+  ASSERT_TRUE(registry_.JoinJob(id, 2, nullptr, "[::1]").status().code() ==
+              absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(registry_.JoinJob(id, 2, nullptr, "10.0.0.7").ok());
+  ASSERT_TRUE(registry_.JoinJob(id, 2).ok());  // a rejoin without a host keeps the known one
+  absl::StatusOr<JobView> view = registry_.GetJob(id);
+  ASSERT_TRUE(view.ok());
+  ASSERT_NE(view->hosts, nullptr);
+  EXPECT_EQ(*view->hosts, (std::vector<std::string>{"gpu-node-01.cluster", "", "10.0.0.7", ""}));
+
+  const std::vector<SlowRank> slowest =
+      SlowestRanks({1.0, 3.0, 2.0, 3.0}, view->hosts.get(), /*k=*/3);
+  ASSERT_EQ(slowest.size(), 3u);
+  EXPECT_EQ(slowest[0].rank, 1);  // ties: the lower rank first
+  EXPECT_EQ(slowest[1].rank, 3);
+  EXPECT_EQ(slowest[2].rank, 2);
+  EXPECT_EQ(slowest[2].host, "10.0.0.7");
+  EXPECT_DOUBLE_EQ(slowest[2].speed_factor, 2.0);
+  EXPECT_EQ(SlowestRanks({1.0, 2.0}, nullptr, 8).size(), 2u);  // k beyond the ranks
+  EXPECT_TRUE(SlowestRanks({1.0, 2.0}, nullptr, -1).empty());
 }
 
 }  // namespace

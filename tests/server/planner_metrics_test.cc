@@ -146,5 +146,70 @@ TEST(PlannerMetricsTest, CodeLabelsAreTheNamesDashboardsAndAlertsMatch) {
   EXPECT_EQ(StatusCodeLabel(static_cast<absl::StatusCode>(99)), "OTHER");
 }
 
+TEST(PlannerMetricsTest, StepGaugesAreAbsentUntilTheJobsFirstStep) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  metrics.SetExchangeRate("j", 1e9);  // the job's series exist from here on
+  std::string text = Exposition(*registry);
+  EXPECT_THAT(text, HasSubstr("sparsebalance_exchange_bytes_per_second{job_id=\"j\"}"));
+  for (const char* gauge : {"step_imbalance_ratio", "step_bubble_ratio", "step_makespan_seconds",
+                            "predicted_makespan_seconds", "plan_gap_ratio"}) {
+    EXPECT_THAT(text, Not(HasSubstr(absl::StrCat("sparsebalance_", gauge, "{job_id=\"j\"}"))))
+        << gauge;
+  }
+  StepPlan plan;
+  plan.makespan_seconds = 5.0;
+  plan.gap = 0.02;
+  metrics.ObservePlan("j", plan, 0.001);
+  text = Exposition(*registry);
+  EXPECT_THAT(text, HasSubstr("sparsebalance_plan_gap_ratio{job_id=\"j\"} 0.02"));
+  EXPECT_THAT(text, Not(HasSubstr("sparsebalance_step_imbalance_ratio{job_id=\"j\"}")));
+  metrics.ObserveStep("j", Stats(4));
+  EXPECT_THAT(Exposition(*registry),
+              HasSubstr("sparsebalance_step_imbalance_ratio{job_id=\"j\"} 1.333333"));
+}
+
+TEST(PlannerMetricsTest, RpcLatencyBucketsCoverTheLongPoll) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  metrics.ObserveRpc("GetRankPlan", absl::StatusCode::kOk, 59.0);  // waited for its step
+  metrics.ObserveRpc("GetRankPlan", absl::StatusCode::kOk, 0.003);
+  ExpectExposed(Exposition(*registry),
+                {"sparsebalance_rpc_duration_seconds_bucket{method=\"GetRankPlan\",le=\"30\"} 1",
+                 "sparsebalance_rpc_duration_seconds_bucket{method=\"GetRankPlan\",le=\"60\"} 2",
+                 "sparsebalance_rpc_duration_seconds_bucket{method=\"GetRankPlan\",le=\"120\"} 2"});
+}
+
+TEST(PlannerMetricsTest, SlowestRanksFollowTheSetWithBoundedLabelsAndGoWithTheJob) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, /*max_rank_series=*/4, /*slow_rank_series=*/2);
+  StepStats stats = Stats(1000);  // far above max_rank_series: the slow ranks still show
+  stats.speed_factors.assign(1000, 1.0);
+  stats.speed_factors[700] = 1.8;
+  stats.speed_factors[3] = 1.5;
+  stats.speed_factors[9] = 1.2;
+  auto hosts = std::make_shared<std::vector<std::string>>(1000);
+  (*hosts)[700] = "node-7";
+  (*hosts)[3] = "node-0";
+  stats.hosts = hosts;
+  metrics.ObserveStep("big", stats);
+  std::string text = Exposition(*registry);
+  ExpectExposed(text, {"sparsebalance_slowest_rank_speed_factor{host=\"node-7\",job_id=\"big\","
+                       "position=\"1\",rank=\"700\"} 1.8",
+                       "sparsebalance_slowest_rank_speed_factor{host=\"node-0\",job_id=\"big\","
+                       "position=\"2\",rank=\"3\"} 1.5"});
+  EXPECT_THAT(text, Not(HasSubstr("rank=\"9\"")));
+  EXPECT_THAT(text, Not(HasSubstr("sparsebalance_rank_speed_factor{job_id=\"big\"")));
+  // Rank 3 recovers: position 2 is rank 9 now, and rank 3's series is gone (not left stale).
+  stats.speed_factors[3] = 1.0;
+  metrics.ObserveStep("big", stats);
+  text = Exposition(*registry);
+  EXPECT_THAT(text, HasSubstr("position=\"2\",rank=\"9\"} 1.2"));
+  EXPECT_THAT(text, Not(HasSubstr("rank=\"3\"")));
+  EXPECT_THAT(text, HasSubstr("position=\"1\",rank=\"700\"} 1.8"));
+  metrics.ForgetJob("big");
+  EXPECT_THAT(Exposition(*registry), Not(HasSubstr("job_id=\"big\"")));
+}
+
 }  // namespace
 }  // namespace sparsebalance

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,7 +21,9 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "prometheus/text_serializer.h"
 #include "server/plan_store.h"
+#include "server/planner_metrics.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 
@@ -28,6 +31,7 @@ namespace sparsebalance {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using test_support::CountingHex;
 
@@ -475,6 +479,126 @@ TEST_F(PlannerServiceTest, AStoreFailureReachesTheClientWithItsReason) {
   service_.reset();
   registry_.reset();
   store->reset();
+}
+
+// A job deletes itself with its own token; another job's token is refused, saying why.
+TEST_F(PlannerServiceTest, AJobDeletesItselfWithItsOwnToken) {
+  const v1::CreateJobResponse job = Create(2);
+  const v1::CreateJobResponse other = Create(2);
+  auto delete_with = [&](const std::string& token) {
+    v1::DeleteJobRequest request;
+    request.set_job_id(job.job_id());
+    v1::DeleteJobResponse response;
+    grpc::ClientContext context;
+    Auth(&context, token);
+    return stub_->DeleteJob(&context, request, &response);
+  };
+  grpc::Status wrong = delete_with(other.job_token());
+  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(wrong.error_message(), HasSubstr("neither this planner's admin token nor job"));
+  EXPECT_EQ(delete_with("").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  ASSERT_TRUE(delete_with(job.job_token()).ok());
+  EXPECT_EQ(Submit(Batch(job.job_id(), 0, 4), job.job_token()).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(Delete(other.job_id()).ok());  // the admin token still deletes any job
+}
+
+// An idle job expires like a deleted one: its waiting ranks are answered at once, saying why,
+// its per-job series leave /metrics, and it is counted.
+TEST_F(PlannerServiceTest, IdleJobsExpireWithTheirWaitingCallsAndSeries) {
+  auto clock = std::make_shared<std::atomic<int64_t>>(1000);  // seconds
+  JobRegistry::Options registry_options;
+  registry_options.now = [clock] {
+    return std::chrono::steady_clock::time_point(std::chrono::seconds(clock->load()));
+  };
+  auto metrics_registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(metrics_registry, /*max_rank_series=*/64);
+  PlannerServiceImpl::Options options;
+  options.metrics = &metrics;
+  Start(registry_options, options);
+  auto exposition = [&] {
+    std::ostringstream out;
+    prometheus::TextSerializer().Serialize(out, metrics_registry->Collect());
+    return out.str();
+  };
+  const v1::CreateJobResponse idle = Create(1);
+  const v1::CreateJobResponse busy = Create(1);
+  ASSERT_TRUE(Submit(Batch(idle.job_id(), 0, 4), idle.job_token()).ok());
+  ASSERT_TRUE(Submit(Batch(busy.job_id(), 0, 4), busy.job_token()).ok());
+  const std::string idle_series = absl::StrCat("job_id=\"", idle.job_id(), "\"");
+  ASSERT_THAT(exposition(), HasSubstr(idle_series));
+  grpc::Status waited;
+  std::thread rank([&] {
+    v1::GetRankPlanResponse plan;
+    waited = GetPlan(idle.job_id(), idle.job_token(), 1, 0, &plan, /*deadline_ms=*/600000);
+  });
+  for (int i = 0; i < 6000 && service_->waiting_calls() < 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(service_->waiting_calls(), 1);
+  constexpr std::chrono::hours kTtl(1);
+  *clock += 3000;
+  ASSERT_TRUE(Submit(Batch(busy.job_id(), 1, 4), busy.job_token()).ok());  // busy is active
+  EXPECT_TRUE(service_->ExpireIdleJobs(kTtl).empty());
+  *clock += 601;
+  EXPECT_EQ(service_->ExpireIdleJobs(kTtl), std::vector<std::string>{idle.job_id()});
+  rank.join();  // a 10-minute deadline: it returns because the job expired
+  EXPECT_EQ(waited.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(waited.error_message(), HasSubstr("--job_idle_ttl"));
+  EXPECT_EQ(service_->waiting_calls(), 0);
+  const std::string text = exposition();
+  EXPECT_THAT(text, Not(HasSubstr(idle_series)));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("job_id=\"", busy.job_id(), "\"")));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_jobs_expired_total 1"));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_jobs 1"));
+  // A late call of the expired job learns why it is gone.
+  grpc::Status late = Submit(Batch(idle.job_id(), 1, 4), idle.job_token());
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(late.error_message(), HasSubstr("--job_idle_ttl"));
+  server_->Shutdown(std::chrono::system_clock::now());  // before `metrics` goes
+  server_.reset();
+}
+
+// Workers name their host in JoinJob; GetJob lists the slowest ranks with it.
+TEST_F(PlannerServiceTest, GetJobListsTheSlowestRanksWithTheirHosts) {
+  const v1::CreateJobResponse job = Create(12);
+  auto join = [&](int rank, const std::string& host) {
+    v1::JoinJobRequest request;
+    request.set_job_id(job.job_id());
+    request.set_rank(rank);
+    request.set_host(host);
+    v1::JoinJobResponse response;
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    return stub_->JoinJob(&context, request, &response);
+  };
+  grpc::Status bad = join(0, "node/1");
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(), HasSubstr("host: character 4"));
+  for (int r = 0; r < 12; ++r) ASSERT_TRUE(join(r, absl::StrCat("node-", r)).ok());
+  auto get = [&](int k, v1::GetJobResponse* response) {
+    v1::GetJobRequest request;
+    request.set_job_id(job.job_id());
+    request.set_slowest_ranks(k);
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    return stub_->GetJob(&context, request, response);
+  };
+  v1::GetJobResponse response;
+  ASSERT_TRUE(get(0, &response).ok());
+  ASSERT_EQ(response.job().slowest_ranks_size(), 8);  // the default
+  for (int i = 0; i < 8; ++i) {
+    const v1::SlowRank& slow = response.job().slowest_ranks(i);
+    EXPECT_EQ(slow.host(), absl::StrCat("node-", slow.rank()));
+    if (i > 0) {
+      EXPECT_GE(response.job().slowest_ranks(i - 1).speed_factor(), slow.speed_factor());
+    }
+  }
+  ASSERT_TRUE(get(64, &response).ok());
+  EXPECT_EQ(response.job().slowest_ranks_size(), 12);  // every rank of a 12-rank job
+  grpc::Status too_many = get(65, &response);
+  EXPECT_EQ(too_many.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(too_many.error_message(), HasSubstr("slowest_ranks: 65"));
 }
 
 }  // namespace

@@ -266,6 +266,8 @@ class Balancer:
       group: the process group (default: the global one). device: where tokens go (default:
         cuda:LOCAL_RANK when CUDA is available, else cpu).
       call_timeout_seconds, plan_timeout_seconds: planner deadlines before falling back.
+      host_name: this rank's host name for the planner (``GetJob``'s slowest ranks, the
+        slow-rank metrics); default: the machine's.
       warn: called with each fallback warning (default: warnings.warn), at most once a minute.
       measure_recall: measure recall through ``mb.attention.block_mask`` (True by default; see
         the module's docstring); recall_rows: query rows sampled per document (8);
@@ -276,7 +278,8 @@ class Balancer:
                  config=None, job=None, token=None, admin_token="", name=None,
                  allow_offline_start=False, prefetch=True, group=None, device=None,
                  call_timeout_seconds=2.0, plan_timeout_seconds=60.0, warn=None,
-                 measure_recall=True, recall_rows=8, recall_layers=None, **config_fields):
+                 measure_recall=True, recall_rows=8, recall_layers=None, host_name=None,
+                 **config_fields):
         if lengths is None:
             raise ValueError("lengths: the dataset's token count per item is needed (e.g. "
                              "lengths=dataset.lengths)")
@@ -299,7 +302,8 @@ class Balancer:
             client=_C.ClientOptions(target=planner or "127.0.0.1:1", token=token or "",
                                     admin_token=admin_token or "",
                                     call_timeout_seconds=call_timeout_seconds,
-                                    plan_timeout_seconds=plan_timeout_seconds),
+                                    plan_timeout_seconds=plan_timeout_seconds,
+                                    host_name=host_name or ""),
             rank=self.rank, world=self.world, job_id=job or "",
             job_name=name or f"torch-{os.getpid()}", config=config,
             allow_offline_start=allow_offline_start or not planner, prefetch=prefetch,
