@@ -1,7 +1,9 @@
 #include "contract/block_geometry.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 namespace sparsebalance {
@@ -12,6 +14,10 @@ constexpr int kDensityShift = 16;
 static_assert(int64_t{1} << kDensityShift == kDensityQuantum);
 // Up to this many rows ActiveBlocks sums directly instead of calling FloorSum.
 constexpr int64_t kDirectSumRows = 96;
+
+// ActiveBlocks past its checks: `rows` query blocks at quantized density q, `anchors` kept
+// blocks per row (sink, diagonal and local).
+int64_t ActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors);
 
 }  // namespace
 
@@ -94,6 +100,31 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
   if (rows == 0) return 0;
   const int64_t q = QuantizeDensity(density);
   const int64_t anchors = static_cast<int64_t>(std::clamp(local_blocks, 0, kMaxLocalBlocks)) + 2;
+  // The planner asks for the same (rows, density, anchors) many times a step (placement, tuning,
+  // the plan's figures, each over tens of thousands of documents of a few thousand distinct row
+  // counts): answers are kept per thread in a small direct-mapped table. The function is pure,
+  // so a hit returns exactly what the sum below would.
+  struct Entry {
+    int64_t rows = -1;
+    int64_t density_anchors = -1;  // q << 26 | anchors: q <= 2^16, anchors <= 2^24 + 2
+    int64_t total = 0;
+  };
+  constexpr int kCacheBits = 12;
+  thread_local std::array<Entry, size_t{1} << kCacheBits> cache;
+  const int64_t density_anchors = (q << 26) | anchors;
+  const uint64_t hash = static_cast<uint64_t>(rows) * 0x9E3779B97F4A7C15ULL ^
+                        static_cast<uint64_t>(density_anchors) * 0xC2B2AE3D27D4EB4FULL;
+  Entry& entry = cache[hash >> (64 - kCacheBits)];
+  if (entry.rows == rows && entry.density_anchors == density_anchors) return entry.total;
+  entry.rows = rows;
+  entry.density_anchors = density_anchors;
+  entry.total = ActiveBlocksOfRows(rows, q, anchors);
+  return entry.total;
+}
+
+namespace {
+
+int64_t ActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors) {
   // With n = i+1: rows n <= anchors keep all n blocks. Beyond, k = max(anchors, ceil(q*n/Q)),
   // and ceil(q*n/Q) > anchors exactly when n >= n_free = floor(anchors*Q/q) + 1.
   const int64_t full = std::min(rows, anchors);
@@ -116,6 +147,8 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
   }
   return total;
 }
+
+}  // namespace
 
 int64_t ActiveBlocksInRows(int64_t first_row, int64_t end_row, double density, int local_blocks) {
   first_row = std::clamp<int64_t>(first_row, 0, kMaxBlockMathRows);

@@ -576,17 +576,25 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         weighted_density += w * densities[i];
         const double g = recall.SampleExponent(s);
         const double sample_recall = predicted_at(g, densities[i]);  // SampleRecall
-        const double default_recall = default_at(g, defaults[i]);
+        // Untuned samples (every sample of an untuned policy) keep their default density.
+        const double default_recall =
+            defaults[i] == densities[i] ? sample_recall : default_at(g, defaults[i]);
         weighted_recall += w * sample_recall;
         tokens += w;
-        // Buckets are per document: a pre-packed sample's documents may fall in several.
-        for (int64_t length : planned.Documents()) {
+        // Buckets are per document: a pre-packed sample's documents may fall in several (the
+        // documents are walked in place: PlannedSample::Documents() allocates).
+        auto add_document = [&](int64_t length) {
           BucketRecallFigures& b = buckets[RecallBucket(length, config.micro_batch_capacity)];
           const int64_t t = split != nullptr ? planned.QueryTokens() : length;
           b.tokens += t;
           const double dw = static_cast<double>(t);
           b.predicted_recall += dw * sample_recall;
           b.default_recall += dw * default_recall;
+        };
+        if (planned.segments.empty()) {
+          add_document(planned.length);
+        } else {
+          for (int64_t length : planned.segments) add_document(length);
         }
       };
       if (auto it = shards_at.find({static_cast<int>(r), static_cast<int>(m)});

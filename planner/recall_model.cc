@@ -86,6 +86,12 @@ RecallModel::RecallModel(int64_t capacity, int layers, const RecallModelOptions&
     : capacity_(capacity), layers_(std::max(layers, 0)), options_(options) {
   state_.curves.assign(static_cast<size_t>(layers_ + 1) * kRecallBuckets, RecallCurveSums{});
   fitted_.assign(state_.curves.size(), 0.0);
+  documents_.assign(state_.curves.size(), 0.0);
+}
+
+void RecallModel::CountDocuments() {
+  documents_.resize(state_.curves.size());
+  for (size_t i = 0; i < state_.curves.size(); ++i) documents_[i] = state_.curves[i].Documents();
 }
 
 absl::Status RecallModel::set_state(const RecallModelState& state) {
@@ -110,6 +116,7 @@ absl::Status RecallModel::set_state(const RecallModelState& state) {
   }
   state_ = state;
   for (size_t i = 0; i < state_.curves.size(); ++i) Fit(i);
+  CountDocuments();
   return absl::OkStatus();
 }
 
@@ -174,7 +181,7 @@ void RecallModel::Fit(size_t curve) {
 }
 
 double RecallModel::Mixed(size_t curve, double prior_exponent) const {
-  const double documents = state_.curves[curve].Documents();
+  const double documents = documents_[curve];
   if (!(fitted_[curve] > 0.0) || !(documents > 0.0)) return prior_exponent;
   const double w0 = options_.prior_documents;
   return (w0 * prior_exponent + documents * fitted_[curve]) / (w0 + documents);
@@ -192,7 +199,7 @@ double RecallModel::LayerExponent(int64_t length, double sensitivity, int layer)
 
 bool RecallModel::HasLayerCurves() const {
   for (size_t i = kRecallBuckets; i < state_.curves.size(); ++i) {
-    if (state_.curves[i].Documents() > 0.0) return true;
+    if (documents_[i] > 0.0) return true;
   }
   return false;
 }
@@ -255,6 +262,7 @@ absl::Status RecallModel::ObserveStep(const std::vector<RecallObservation>& obse
   for (size_t i = 0; i < touched.size(); ++i) {
     if (touched[i]) Fit(i);
   }
+  CountDocuments();  // every curve's weights decayed
   ++state_.steps_observed;
   return absl::OkStatus();
 }

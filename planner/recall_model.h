@@ -168,12 +168,18 @@ class RecallModel {
   double Mixed(size_t curve, double prior_exponent) const;
   // Refits fitted_[curve] from its sums.
   void Fit(size_t curve);
+  // documents_ from the sums, every curve (after any change of them).
+  void CountDocuments();
 
   int64_t capacity_;
   int layers_;
   RecallModelOptions options_;
   RecallModelState state_;
   std::vector<double> fitted_;  // per curve: the least-squares g of its bins (0: no data)
+  // Per curve: its sums' Documents(), kept with them: Mixed runs for every exponent the planner
+  // asks for (several per sample and step), and summing the bins each time cost more than the
+  // rest of it.
+  std::vector<double> documents_;
 };
 
 }  // namespace sparsebalance
