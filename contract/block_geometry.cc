@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 
 namespace sparsebalance {
 namespace {
@@ -110,7 +111,13 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
     int64_t total = 0;
   };
   constexpr int kCacheBits = 12;
-  thread_local std::array<Entry, size_t{1} << kCacheBits> cache;
+  using Table = std::array<Entry, size_t{1} << kCacheBits>;
+  // On the heap, one per thread that asks: 96 KiB of static TLS would be reserved in every
+  // thread's stack, and threads made with small stacks (civetweb's, which serve /metrics in
+  // sb-planner) then fail to start.
+  thread_local std::unique_ptr<Table> table;
+  if (table == nullptr) table = std::make_unique<Table>();
+  Table& cache = *table;
   const int64_t density_anchors = (q << 26) | anchors;
   const uint64_t hash = static_cast<uint64_t>(rows) * 0x9E3779B97F4A7C15ULL ^
                         static_cast<uint64_t>(density_anchors) * 0xC2B2AE3D27D4EB4FULL;
