@@ -18,6 +18,7 @@
 #include "contract/step_figures.h"
 #include "planner/context_parallel.h"
 #include "planner/recall_model.h"
+#include "planner/sample_table.h"
 #include "planner/sparsity_tuner.h"
 
 namespace sparsebalance {
@@ -33,16 +34,15 @@ absl::Status SampleError(size_t i, absl::string_view field, absl::string_view wh
 // Per length bucket, the tokens and the token-weighted predicted recall sum of the documents of
 // the samples with a non-zero weight (`weights` empty: all).
 void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
-                  const RecallModel& recall, const std::vector<double>& weights,
+                  const SampleTable& table, int64_t capacity, const std::vector<double>& weights,
                   std::vector<double>* tokens, std::vector<double>* weighted) {
   tokens->assign(kRecallBuckets, 0.0);
   weighted->assign(kRecallBuckets, 0.0);
-  RecallAtMemo recall_at;  // SampleRecall, with repeats of (exponent, density) kept
   for (size_t i = 0; i < batch.size(); ++i) {
     if (!weights.empty() && weights[i] == 0.0) continue;
-    const double r = recall_at(recall.SampleExponent(batch[i]), densities[i]);
+    const double r = table.Recall(i, densities[i]);
     auto add = [&](int64_t length) {
-      const int b = RecallBucket(length, recall.capacity());
+      const int b = RecallBucket(length, capacity);
       (*weighted)[b] += static_cast<double>(length) * r;
       (*tokens)[b] += static_cast<double>(length);
     };
@@ -57,11 +57,11 @@ void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& d
 // Token-weighted predicted recall per length bucket of the documents of the samples with a
 // non-zero weight (`weights` empty: all); a bucket without documents gets -1.
 std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
-                                  const std::vector<double>& densities, const RecallModel& recall,
-                                  const std::vector<double>& weights) {
+                                  const std::vector<double>& densities, const SampleTable& table,
+                                  int64_t capacity, const std::vector<double>& weights) {
   std::vector<double> tokens;
   std::vector<double> weighted;
-  BucketTotals(batch, densities, recall, weights, &tokens, &weighted);
+  BucketTotals(batch, densities, table, capacity, weights, &tokens, &weighted);
   for (int b = 0; b < kRecallBuckets; ++b) {
     weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : -1.0;
   }
@@ -74,17 +74,16 @@ std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
 // items must make up what the shards leave: per total and per bucket, (minimum x placed tokens
 // - shards' recall sum) / items' tokens (-1 for a bucket without items).
 void ItemMinimums(const std::vector<Sample>& batch, const std::vector<double>& densities,
-                  const RecallModel& recall, const std::vector<double>& placed,
+                  const SampleTable& table, int64_t capacity, const std::vector<double>& placed,
                   const std::vector<double>& items, double* keep, std::vector<double>* minimum) {
   std::vector<double> shards(batch.size(), 0.0);
   for (size_t i = 0; i < batch.size(); ++i) shards[i] = placed[i] - items[i];
   auto total = [&](const std::vector<double>& weights, double* tokens) {
     double weighted = 0.0;
     *tokens = 0.0;
-    RecallAtMemo recall_at;
     for (size_t i = 0; i < batch.size(); ++i) {
       const double w = static_cast<double>(batch[i].length) * weights[i];
-      weighted += w * recall_at(recall.SampleExponent(batch[i]), densities[i]);
+      weighted += w * table.Recall(i, densities[i]);
       *tokens += w;
     }
     return weighted;
@@ -98,9 +97,9 @@ void ItemMinimums(const std::vector<Sample>& batch, const std::vector<double>& d
   if (item_tokens > 0) *keep = (*keep * placed_tokens - shard_recall) / item_tokens;
   if (minimum->empty()) return;
   std::vector<double> p_tokens, p_sum, i_tokens, i_sum, s_tokens, s_sum;
-  BucketTotals(batch, densities, recall, placed, &p_tokens, &p_sum);
-  BucketTotals(batch, densities, recall, items, &i_tokens, &i_sum);
-  BucketTotals(batch, densities, recall, shards, &s_tokens, &s_sum);
+  BucketTotals(batch, densities, table, capacity, placed, &p_tokens, &p_sum);
+  BucketTotals(batch, densities, table, capacity, items, &i_tokens, &i_sum);
+  BucketTotals(batch, densities, table, capacity, shards, &s_tokens, &s_sum);
   for (int b = 0; b < kRecallBuckets; ++b) {
     double& m = (*minimum)[b];
     if (m < 0) continue;
@@ -199,6 +198,19 @@ absl::Status CheckShards(const Sample& s, const PlannerConfig& config,
     return ShardError(s.id, "the shards end at token ", next, " of ", s.length, " (tokens missed)");
   }
   return absl::OkStatus();
+}
+
+// TokenWeightedRecall with the step's table.
+double TableRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                   const SampleTable& table, const std::vector<double>& weights = {}) {
+  double weighted = 0.0;
+  double tokens = 0.0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const double w = static_cast<double>(batch[i].length) * (weights.empty() ? 1.0 : weights[i]);
+    weighted += w * table.Recall(i, densities[i]);
+    tokens += w;
+  }
+  return tokens > 0 ? weighted / tokens : 0.0;
 }
 
 bool MeetsMinimums(const std::vector<double>& recall, const std::vector<double>& minimum) {
@@ -426,25 +438,19 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
         " layers but the config has ", config.micro_batch_capacity, " and ", config.shape.layers));
   }
   if (absl::Status status = ValidateBatch(batch, valid); !status.ok()) return status;
-  std::vector<double> densities(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) {
-    densities[i] = BaseDensity(batch[i].sensitivity, config);
-    if (config.document_recall_floor > 0) {
-      // Every policy keeps the document recall floor (where density_max reaches it).
-      densities[i] =
-          std::max(densities[i],
-                   std::min(config.density_max, DensityForRecall(recall.SampleExponent(batch[i]),
-                                                                 config.document_recall_floor)));
-    }
-  }
+  // Every policy keeps the document recall floor (where density_max reaches it): the table's
+  // base densities include it.
+  const SampleTable table(batch, config, model, recall);
+  const int64_t capacity = config.micro_batch_capacity;
+  std::vector<double> densities = table.BaseDensities();
   const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
   // bucket_recall_margin 1 turns the bucket guard off (no bucket can lose more than 1).
   const bool guarded =
       tuned && config.dst_mode != DstMode::kMin && config.bucket_recall_margin < 1.0;
   const std::vector<double> defaults = densities;
-  const double default_recall = tuned ? TokenWeightedRecall(batch, defaults, recall) : 0.0;
+  const double default_recall = tuned ? TableRecall(batch, defaults, table) : 0.0;
   if (config.policy == Policy::kSparseBalance) {
-    densities = AllocateDensities(batch, config, model, recall, defaults, default_recall,
+    densities = AllocateDensities(batch, config, model, table, defaults, default_recall,
                                   /*per_bucket=*/guarded);
   }
   absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities);
@@ -458,19 +464,20 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     if (!assignment->deferred.empty() || !assignment->shards.empty()) {
       placed.assign(batch.size(), 1.0);
       for (int i : assignment->deferred) placed[i] = 0.0;
-      keep = TokenWeightedRecall(batch, defaults, recall, placed);
+      keep = TableRecall(batch, defaults, table, placed);
     }
     std::vector<double> minimum;
     if (guarded) {
-      minimum = BucketMinimums(BucketRecalls(batch, defaults, recall, placed),
+      minimum = BucketMinimums(BucketRecalls(batch, defaults, table, capacity, placed),
                                config.bucket_recall_margin);
     }
     // The step-level allocation was made for the whole batch; if deferring left the placed
     // samples with less recall than their defaults (in total), or a bucket below its minimum
     // (a pre-packed sample's documents may sit in buckets other than the one it was allocated
     // with), tune from the defaults instead: the guards' fallbacks need a base that meets them.
-    if ((!placed.empty() && TokenWeightedRecall(batch, densities, recall, placed) < keep) ||
-        (guarded && !MeetsMinimums(BucketRecalls(batch, densities, recall, placed), minimum))) {
+    if ((!placed.empty() && TableRecall(batch, densities, table, placed) < keep) ||
+        (guarded &&
+         !MeetsMinimums(BucketRecalls(batch, densities, table, capacity, placed), minimum))) {
       densities = defaults;
     }
     if (!assignment->shards.empty()) {
@@ -478,11 +485,11 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
       // at the densities they keep.
       std::vector<double> items = placed;
       for (const ShardedDocument& d : assignment->shards) items[d.sample] = 0.0;
-      ItemMinimums(batch, densities, recall, placed, items, &keep, &minimum);
+      ItemMinimums(batch, densities, table, capacity, placed, items, &keep, &minimum);
     }
-    densities = TuneDensities(batch, *assignment, config, model, recall, densities, keep, minimum);
+    densities = TuneDensities(batch, *assignment, config, model, table, densities, keep, minimum);
   }
-  return BuildPlan(batch, config, model, recall, *assignment, densities, defaults);
+  return BuildPlan(batch, config, model, recall, table, *assignment, densities, defaults);
 }
 
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
@@ -498,6 +505,14 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
 
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
                    const LatencyModel& model, const RecallModel& recall,
+                   const Assignment& assignment, const std::vector<double>& densities,
+                   const std::vector<double>& defaults) {
+  const SampleTable table(batch, config, model, recall);
+  return BuildPlan(batch, config, model, recall, table, assignment, densities, defaults);
+}
+
+StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                   const LatencyModel& model, const RecallModel& recall, const SampleTable& table,
                    const Assignment& assignment, const std::vector<double>& densities,
                    const std::vector<double>& defaults) {
   std::vector<BucketRecallFigures> buckets(kRecallBuckets);
@@ -526,8 +541,6 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     }
   }
   for (auto& [at, list] : shards_at) std::sort(list.begin(), list.end());
-  RecallAtMemo predicted_at;
-  RecallAtMemo default_at;
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankPlan& rank = plan.ranks[r];
     for (size_t m = 0; m < assignment.ranks[r].size(); ++m) {
@@ -574,11 +587,10 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         // add up to its length.
         const double w = static_cast<double>(planned.QueryTokens());
         weighted_density += w * densities[i];
-        const double g = recall.SampleExponent(s);
-        const double sample_recall = predicted_at(g, densities[i]);  // SampleRecall
+        const double sample_recall = table.Recall(i, densities[i]);  // SampleRecall
         // Untuned samples (every sample of an untuned policy) keep their default density.
         const double default_recall =
-            defaults[i] == densities[i] ? sample_recall : default_at(g, defaults[i]);
+            defaults[i] == densities[i] ? sample_recall : table.Recall(i, defaults[i]);
         weighted_recall += w * sample_recall;
         tokens += w;
         // Buckets are per document: a pre-packed sample's documents may fall in several (the

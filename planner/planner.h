@@ -18,6 +18,7 @@
 #include "planner/latency_model.h"
 #include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
+#include "planner/sample_table.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
@@ -87,6 +88,11 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
                    const std::vector<double>& densities);
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
                    const LatencyModel& model, const RecallModel& recall,
+                   const Assignment& assignment, const std::vector<double>& densities,
+                   const std::vector<double>& defaults);
+// The same with the step's SampleTable (built from the same batch, config, model and recall).
+StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
+                   const LatencyModel& model, const RecallModel& recall, const SampleTable& table,
                    const Assignment& assignment, const std::vector<double>& densities,
                    const std::vector<double>& defaults);
 

@@ -13,13 +13,11 @@
 #include "contract/step_figures.h"
 #include "planner/det_math.h"
 #include "planner/recall_model.h"
+#include "planner/sample_table.h"
 
 namespace sparsebalance {
 namespace {
 
-// Highest density used where density_max is 1: the recall slope vanishes at 1, so the
-// multiplier that reaches exactly 1 is 0 (log -inf).
-constexpr double kAlmostDense = 1.0 - 1e-9;
 constexpr int kMaxSolverIterations = 60;
 // Ranks whose estimated time is within this share of the largest are recounted exactly.
 constexpr double kNearMaxShare = 0.01;
@@ -55,14 +53,15 @@ bool NewtonStep(double f, double derivative, double a, double b, double scale, d
 }
 
 struct Item {
-  int index = 0;           // into the batch
-  double weight = 0.0;     // tokens: recall is token-weighted
-  double floor = 0.0;      // lowest density allowed
-  double base = 0.0;       // density without tuning
-  double g_minus_1 = 0.0;  // recall exponent - 1
-  double inv_g1 = 0.0;     // 1 / (g - 1)
-  double log_floor = 0.0;  // log(1 - floor)
-  double log_base = 0.0;   // log(1 - base)
+  int index = 0;             // into the batch
+  double weight = 0.0;       // tokens: recall is token-weighted
+  double floor = 0.0;        // lowest density allowed
+  double base = 0.0;         // density without tuning
+  double g_minus_1 = 0.0;    // recall exponent - 1
+  double inv_g1 = 0.0;       // 1 / (g - 1)
+  double log_floor = 0.0;    // log(1 - floor)
+  double log_base = 0.0;     // log(1 - base)
+  double base_recall = 0.0;  // predicted recall at base
   // log(per_block * tri / (weight * g)): where the multiplier sits. `offset` subtracts the log
   // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
   double offset = 0.0;
@@ -107,7 +106,7 @@ struct TunerStorage {
 class Tuner {
  public:
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
-        const LatencyModel& model, const RecallModel& recall, const std::vector<double>& base);
+        const LatencyModel& model, const SampleTable& table, const std::vector<double>& base);
   ~Tuner() { storage_->in_use = false; }
   Tuner(const Tuner&) = delete;
   Tuner& operator=(const Tuner&) = delete;
@@ -120,6 +119,10 @@ class Tuner {
   // most recall there is); the recall reached goes to `achieved`.
   std::vector<double> SolveForRecall(double target, double* achieved) const;
   double Recall(const std::vector<double>& densities) const;
+  // An item's predicted recall at density rho (known at its base).
+  static double ItemRecall(const Item& item, double rho) {
+    return rho == item.base ? item.base_recall : RecallAt(item.g_minus_1 + 1.0, rho);
+  }
   // Token-weighted recall per length bucket (0 for a bucket without documents).
   std::array<double, kRecallBuckets> BucketRecall(const std::vector<double>& densities) const;
   // Buckets whose recall at `densities` is below `minimum` (entries < 0: unguarded).
@@ -176,7 +179,7 @@ TunerStorage& SharedStorage() {
 }
 
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
-             const PlannerConfig& config, const LatencyModel& model, const RecallModel& recall,
+             const PlannerConfig& config, const LatencyModel& model, const SampleTable& table,
              const std::vector<double>& base)
     : batch_(batch),
       config_(config),
@@ -197,24 +200,20 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
   const int block = config.shape.block_size;
-  log_max_ = DetLog(1.0 - std::min(config.density_max, kAlmostDense));
+  log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
   std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
-  // log(1 - min(rho, kAlmostDense)), with its last two arguments kept: floors and bases take a
-  // few values over a batch (one per sensitivity), and each DetLog costs a table walk.
-  double memo_rho[2] = {std::numeric_limits<double>::quiet_NaN(),
-                        std::numeric_limits<double>::quiet_NaN()};
-  double memo_log[2] = {0.0, 0.0};
+  // LogOneMinus of the bases, with the last argument kept: a base is the table's (whose
+  // logarithm is known only for its floor) or an allocated density, and repeats come in runs.
+  double memo_rho = std::numeric_limits<double>::quiet_NaN();
+  double memo_log = 0.0;
   auto log_one_minus = [&](double rho) {
-    for (int k = 0; k < 2; ++k) {
-      if (rho == memo_rho[k]) return memo_log[k];
+    if (rho != memo_rho) {
+      memo_rho = rho;
+      memo_log = LogOneMinus(rho);
     }
-    memo_rho[1] = memo_rho[0];
-    memo_log[1] = memo_log[0];
-    memo_rho[0] = rho;
-    memo_log[0] = DetLog(1.0 - std::min(rho, kAlmostDense));
-    return memo_log[0];
+    return memo_log;
   };
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankWork& rank = ranks_[r];
@@ -225,31 +224,30 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
       for (int i : micro_batch) {
         const Sample& s = batch[i];
-        Item item;
+        const SampleTerms& terms = table[i];
+        Item& item = items.emplace_back();
         item.index = i;
         item.weight = static_cast<double>(s.length);
-        item.g_minus_1 = recall.SampleExponent(s) - 1.0;
-        // The sensitivity's floor, raised to the density that keeps the document recall floor
-        // (where density_max reaches it), never above base.
-        double floor = DensityFloor(s.sensitivity, config);
-        if (config.document_recall_floor > 0) {
-          floor = std::max(
-              floor, std::min(config.density_max, DensityForRecall(item.g_minus_1 + 1.0,
-                                                                   config.document_recall_floor)));
-        }
-        item.floor = std::min(floor, base[i]);
-        item.base = base[i];
+        item.g_minus_1 = terms.exponent - 1.0;
         item.inv_g1 = 1.0 / item.g_minus_1;
-        item.log_floor = log_one_minus(item.floor);
+        item.base = base[i];
         item.log_base = log_one_minus(item.base);
+        // The recall guards read every sample's recall a few times, most at base.
+        item.base_recall =
+            item.base == terms.base ? terms.base_recall : RecallAt(terms.exponent, item.base);
+        // Never above base: a sample whose floor is above what it was given stays there.
+        if (terms.floor < item.base) {
+          item.floor = terms.floor;
+          item.log_floor = terms.log_floor;
+        } else {
+          item.floor = item.base;
+          item.log_floor = item.log_base;
+        }
         item.doc_begin = static_cast<int>(docs_.size());
-        double triangle = 0.0;
         auto add_doc = [&](int64_t length) {
-          const int64_t rows = QueryBlocks(length, block);
-          docs_.push_back(rows);
+          docs_.push_back(QueryBlocks(length, block));
           doc_tokens_.push_back(length);
           doc_buckets_.push_back(RecallBucket(length, config.micro_batch_capacity));
-          triangle += 0.5 * static_cast<double>(rows) * static_cast<double>(rows + 1);
         };
         if (s.segments.empty()) {
           add_doc(s.length);
@@ -259,11 +257,8 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         item.doc_end = static_cast<int>(docs_.size());
         const double docs = static_cast<double>(item.doc_end - item.doc_begin);
         rank.fixed += coef.per_token * item.weight + coef.per_sample * docs;
-        const double price = per_block_ * triangle;  // seconds per unit of density, about
-        item.price_offset =
-            DetLog(std::max(price, 1e-300) / (item.weight * (item.g_minus_1 + 1.0)));
+        item.price_offset = terms.price_offset;
         item.offset = item.price_offset;
-        items.push_back(item);
       }
     }
   }
@@ -575,9 +570,8 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
 std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
   std::array<double, kRecallBuckets> weighted{};
   std::array<double, kRecallBuckets> tokens{};
-  RecallAtMemo recall_at;  // tuned densities often sit at a floor or the base: repeats
   for (const Item& item : storage_->items) {
-    const double recall = recall_at(item.g_minus_1 + 1.0, densities[item.index]);
+    const double recall = ItemRecall(item, densities[item.index]);
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       const double w = static_cast<double>(doc_tokens_[d]);
       weighted[doc_buckets_[d]] += w * recall;
@@ -684,10 +678,9 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 double Tuner::Recall(const std::vector<double>& densities) const {
   double weighted = 0.0;
   double tokens = 0.0;
-  RecallAtMemo recall_at;
   for (const RankWork& rank : ranks_) {
     for (const Item& item : rank.items) {
-      weighted += item.weight * recall_at(item.g_minus_1 + 1.0, densities[item.index]);
+      weighted += item.weight * ItemRecall(item, densities[item.index]);
       tokens += item.weight;
     }
   }
@@ -698,6 +691,14 @@ double Tuner::Recall(const std::vector<double>& densities) const {
 
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
                                       const LatencyModel& model, const RecallModel& recall,
+                                      const std::vector<double>& base, double base_recall,
+                                      bool per_bucket) {
+  const SampleTable table(batch, config, model, recall);
+  return AllocateDensities(batch, config, model, table, base, base_recall, per_bucket);
+}
+
+std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                      const LatencyModel& model, const SampleTable& table,
                                       const std::vector<double>& base, double base_recall,
                                       bool per_bucket) {
   // The samples solved together: all of them, or those of one length bucket at a time (a
@@ -711,7 +712,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     if (members.empty()) continue;
     Assignment group;
     group.ranks.assign(1, std::vector<std::vector<int>>(1, members));
-    Tuner tuner(batch, group, config, model, recall, base);
+    Tuner tuner(batch, group, config, model, table, base);
     const double keep = per_bucket ? tuner.Recall(base) : base_recall;
     // Aim a little above: the per-rank tuning that follows moves densities away from this
     // optimum, which costs a little recall (it is concave), and should not have to back off.
@@ -785,7 +786,16 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const RecallModel& recall, const std::vector<double>& base,
                                   double min_recall, const std::vector<double>& bucket_min_recall) {
-  Tuner tuner(batch, assignment, config, model, recall, base);
+  const SampleTable table(batch, config, model, recall);
+  return TuneDensities(batch, assignment, config, model, table, base, min_recall,
+                       bucket_min_recall);
+}
+
+std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
+                                  const PlannerConfig& config, const LatencyModel& model,
+                                  const SampleTable& table, const std::vector<double>& base,
+                                  double min_recall, const std::vector<double>& bucket_min_recall) {
+  Tuner tuner(batch, assignment, config, model, table, base);
   if (tuner.ranks().empty()) return base;
   // Rank times at base, blocks counted exactly (as the plan's figures count them: MAX mode
   // must not exceed the base makespan). The floors only bound the target from below, so

@@ -12,6 +12,7 @@
 #include "planner/latency_model.h"
 #include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
+#include "planner/sample_table.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
@@ -32,6 +33,11 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
                                       const LatencyModel& model, const RecallModel& recall,
                                       const std::vector<double>& base, double base_recall,
                                       bool per_bucket = false);
+// The same with the step's SampleTable (PlanStep builds one for all phases).
+std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
+                                      const LatencyModel& model, const SampleTable& table,
+                                      const std::vector<double>& base, double base_recall,
+                                      bool per_bucket);
 
 // The per-rank half of DST: a density per batch sample (deferred samples keep `base`).
 //
@@ -54,6 +60,11 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
                                   const RecallModel& recall, const std::vector<double>& base,
                                   double min_recall,
                                   const std::vector<double>& bucket_min_recall = {});
+// The same with the step's SampleTable (PlanStep builds one for all phases).
+std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
+                                  const PlannerConfig& config, const LatencyModel& model,
+                                  const SampleTable& table, const std::vector<double>& base,
+                                  double min_recall, const std::vector<double>& bucket_min_recall);
 
 // Per-layer densities of one sample that DST gave `density`, from the job's per-layer recall
 // curves: the densities in [floor, density_max] whose mean is `density` (so the attention cost

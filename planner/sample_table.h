@@ -1,0 +1,64 @@
+// What planning reads of every sample that a step does not change: its recall exponent under
+// the job's recall model, its density floor, its default density and the recall there, and the
+// terms of its attention price. PlanStep builds one table per step and every phase reads it
+// (AllocateDensities, TuneDensities, BuildPlan and the recall guards), instead of each phase
+// computing them again: with a learned model every sample has its own exponent, and each
+// recall costs a DetLog and a DetExp, a dozen times per sample and step before the table.
+//
+//   const SampleTable table(batch, config, model, recall);
+//   double g = table[i].exponent;
+#ifndef SPARSEBALANCE_PLANNER_SAMPLE_TABLE_H_
+#define SPARSEBALANCE_PLANNER_SAMPLE_TABLE_H_
+
+#include <cstddef>
+#include <vector>
+
+#include "planner/latency_model.h"
+#include "planner/recall_model.h"
+#include "planner/types.h"
+
+namespace sparsebalance {
+
+// Highest density the tuner's logarithms use where density_max is 1: the recall slope vanishes
+// at 1, so the multiplier that reaches exactly 1 is 0 (log -inf).
+inline constexpr double kAlmostDense = 1.0 - 1e-9;
+
+// log(1 - min(rho, kAlmostDense)) (det_math.h).
+double LogOneMinus(double rho);
+
+struct SampleTerms {
+  double exponent = 0.0;  // g: RecallModel::SampleExponent
+  // The lowest density DST may give the sample: its sensitivity's floor, raised to the density
+  // that keeps the document recall floor (where density_max reaches it). May exceed `base`.
+  double floor = 0.0;
+  double log_floor = 0.0;  // LogOneMinus(floor)
+  // What every policy gives it without tuning: BaseDensity, raised to the document recall
+  // floor's density (where density_max reaches it).
+  double base = 0.0;
+  double base_recall = 0.0;  // RecallAt(exponent, base)
+  // log(per_block x query-block triangle / (tokens x g)): where the tuner's multiplier for the
+  // sample sits (sparsity_tuner.cc).
+  double price_offset = 0.0;
+};
+
+class SampleTable {
+ public:
+  SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
+              const LatencyModel& model, const RecallModel& recall);
+  const SampleTerms& operator[](size_t i) const { return terms_[i]; }
+  size_t size() const { return terms_.size(); }
+  // Sample i's predicted recall at density rho: RecallAt(exponent, rho), known at its base.
+  double Recall(size_t i, double rho) const {
+    const SampleTerms& t = terms_[i];
+    return rho == t.base ? t.base_recall : RecallAt(t.exponent, rho);
+  }
+  // Every sample's base density (SampleTerms::base), in batch order.
+  std::vector<double> BaseDensities() const;
+
+ private:
+  std::vector<SampleTerms> terms_;
+};
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PLANNER_SAMPLE_TABLE_H_
