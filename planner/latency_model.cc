@@ -156,7 +156,10 @@ std::array<double, 4> LatencyModel::Scaled(const MicroBatchFeatures& f) const {
 }
 
 double LatencyModel::SampleSeconds(const Sample& sample, double density) const {
-  const MicroBatchFeatures f = SampleFeatures(sample, density);
+  return SampleSeconds(SampleFeatures(sample, density));
+}
+
+double LatencyModel::SampleSeconds(const MicroBatchFeatures& f) const {
   return f.active_blocks * scale_[0] * state_.weights[0] +
          f.tokens * scale_[1] * state_.weights[1] + f.documents * scale_[2] * state_.weights[2];
 }

@@ -106,6 +106,8 @@ class LatencyModel {
   MicroBatchFeatures PlanFeatures(const MicroBatchPlan& micro_batch) const;
   // Seconds of one sample at `density` without the speed factor and micro-batch overhead.
   double SampleSeconds(const Sample& sample, double density) const;
+  // The same from the sample's features (SampleFeatures, or a SampleTable's).
+  double SampleSeconds(const MicroBatchFeatures& sample) const;
   // Seconds of a micro-batch without the speed factor (0 for an empty one), exchange included.
   double Seconds(const MicroBatchFeatures& features) const;
   // The compute part of Seconds (the part the speed factor scales) and the exchange part.

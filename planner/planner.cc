@@ -455,7 +455,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     densities = AllocateDensities(batch, config, model, table, defaults, default_recall,
                                   /*per_bucket=*/guarded);
   }
-  absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities);
+  absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities, &table);
   if (!assignment.ok()) return assignment.status();
   if (tuned) {
     // The recall every tuned plan keeps (but in kMin): that of the samples it places, at the
@@ -582,7 +582,10 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
               recall);
         }
         mb.tokens += planned.QueryTokens();
-        const MicroBatchFeatures f = model.PlannedSampleFeatures(planned);
+        // A whole sample at one density has the features placement and tuning counted last.
+        const MicroBatchFeatures f = split == nullptr && planned.layer_densities.empty()
+                                         ? table.FeaturesAt(s, i, densities[i])
+                                         : model.PlannedSampleFeatures(planned);
         features.active_blocks += f.active_blocks;
         features.tokens += f.tokens;
         features.documents += f.documents;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "contract/step_figures.h"
 #include "planner/recall_model.h"
+#include "planner/sample_table.h"
 
 namespace sparsebalance {
 namespace {
@@ -261,7 +262,7 @@ void LargestFirst(const std::vector<Tally>& tallies, Workspace* ws, std::vector<
 // order, then stably longest first.
 void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
                 const LatencyModel& model, const std::vector<double>& densities, bool largest_first,
-                Workspace* ws) {
+                Workspace* ws, const SampleTable* table = nullptr) {
   const int n = static_cast<int>(batch.size());
   // Units in arrival order: groups (keyed by group id, ordered by first appearance) and single
   // samples. unit_of[i] first holds the sample's leader, the first sample of its group (sorted
@@ -301,7 +302,8 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
         cost = model.SampleSeconds(s, 1.0);
         break;
       default:
-        cost = model.SampleSeconds(s, densities[i]);
+        cost = table != nullptr ? model.SampleSeconds(table->FeaturesAt(s, i, densities[i]))
+                                : model.SampleSeconds(s, densities[i]);
         break;
     }
     ++unit.size;
@@ -935,6 +937,13 @@ double PlacedMakespan(const std::vector<Sample>& batch, const PlannerConfig& con
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities) {
+  return AssignSamples(batch, config, model, densities, nullptr);
+}
+
+absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
+                                         const PlannerConfig& config, const LatencyModel& model,
+                                         const std::vector<double>& densities,
+                                         const SampleTable* table) {
   const Policy policy = config.policy;
   const bool sequential = policy == Policy::kSequential || policy == Policy::kDst;
   std::vector<double> speed(config.ranks, 1.0);
@@ -989,7 +998,7 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
     }
     return *std::move(best);
   }
-  BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, &workspace);
+  BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, &workspace, table);
   Placer placer(batch, config, speed, &workspace);
   if (sequential) return placer.Sequential();
   return placer.Balanced();

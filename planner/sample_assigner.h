@@ -15,6 +15,8 @@
 
 namespace sparsebalance {
 
+class SampleTable;  // sample_table.h
+
 struct Assignment {
   // ranks[r][m]: indices into the batch of the samples in micro-batch m of rank r, in
   // placement order. A split document is in none of them but in `shards`.
@@ -39,6 +41,12 @@ struct Assignment {
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities);
+// The same, counting blocks through the step's SampleTable when given (PlanStep's), which
+// keeps them for the phases after placement. Without context parallelism only.
+absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
+                                         const PlannerConfig& config, const LatencyModel& model,
+                                         const std::vector<double>& densities,
+                                         const SampleTable* table);
 
 }  // namespace sparsebalance
 

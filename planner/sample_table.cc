@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "contract/block_geometry.h"
@@ -14,6 +15,9 @@ double LogOneMinus(double rho) { return DetLog(1.0 - std::min(rho, kAlmostDense)
 SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
                          const LatencyModel& model, const RecallModel& recall) {
   terms_.resize(batch.size());
+  block_size_ = config.shape.block_size;
+  local_blocks_ = config.shape.local_blocks;
+  blocks_.assign(batch.size(), Blocks{std::numeric_limits<double>::quiet_NaN(), 0.0});
   const double per_block = model.coefficients().per_block;
   const int block = config.shape.block_size;
   // Floors and bases take few values over a batch without a document recall floor (the
@@ -52,6 +56,27 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
     const double price = per_block * triangle;
     t.price_offset = DetLog(std::max(price, 1e-300) / (static_cast<double>(s.length) * t.exponent));
   }
+}
+
+MicroBatchFeatures SampleTable::FeaturesAt(const Sample& sample, size_t i, double rho) const {
+  Blocks& memo = blocks_[i];
+  if (!(memo.density == rho)) {
+    // As LatencyModel::SampleFeatures counts them (whole-number sums: exact in any order).
+    double blocks = 0.0;
+    if (sample.segments.empty()) {
+      blocks = static_cast<double>(ActiveBlocks(sample.length, rho, block_size_, local_blocks_));
+    } else {
+      for (int64_t segment : sample.segments) {
+        blocks += static_cast<double>(ActiveBlocks(segment, rho, block_size_, local_blocks_));
+      }
+    }
+    memo = {rho, blocks};
+  }
+  MicroBatchFeatures f;
+  f.active_blocks = memo.active_blocks;
+  f.tokens = static_cast<double>(sample.length);
+  f.documents = sample.segments.empty() ? 1.0 : static_cast<double>(sample.segments.size());
+  return f;
 }
 
 std::vector<double> SampleTable::BaseDensities() const {

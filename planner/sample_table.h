@@ -54,9 +54,21 @@ class SampleTable {
   }
   // Every sample's base density (SampleTerms::base), in batch order.
   std::vector<double> BaseDensities() const;
+  // LatencyModel::SampleFeatures of sample i (`sample`, batch[i]) at density rho. The last
+  // answer per sample is kept: placement, the tuner's rank times at base and the plan's
+  // figures all count a sample's blocks at the same density, and counting them
+  // (ActiveBlocks) cost a sixth of planning. Not thread-safe (one table per PlanStep call).
+  MicroBatchFeatures FeaturesAt(const Sample& sample, size_t i, double rho) const;
 
  private:
+  struct Blocks {
+    double density;
+    double active_blocks;
+  };
   std::vector<SampleTerms> terms_;
+  int block_size_ = 0;
+  int local_blocks_ = 0;
+  mutable std::vector<Blocks> blocks_;  // per sample, the last FeaturesAt (density NaN: none)
 };
 
 }  // namespace sparsebalance

@@ -161,6 +161,8 @@ class Tuner {
 
   const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
+  // Active blocks are counted through it (SampleTable::FeaturesAt keeps the last count).
+  const SampleTable& table_;
   const std::vector<double>& base_;
   double per_block_ = 0.0;
   double anchors_ = 0.0;
@@ -186,6 +188,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
              const std::vector<double>& base)
     : batch_(batch),
       config_(config),
+      table_(table),
       base_(base),
       storage_(SharedStorage().in_use ? &own_ : &SharedStorage()),
       docs_(storage_->docs),
@@ -352,25 +355,19 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
 }
 
 double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
-  const int block = config_.shape.block_size;
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    for (int d = item.doc_begin; d < item.doc_end; ++d) {
-      blocks += static_cast<double>(ActiveBlocks(
-          docs_[d] * block, at_floor ? item.floor : item.base, block, config_.shape.local_blocks));
-    }
+    blocks += table_.FeaturesAt(batch_[item.index], item.index, at_floor ? item.floor : item.base)
+                  .active_blocks;
   }
   return rank.speed * (rank.fixed + per_block_ * blocks);
 }
 
 double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const {
-  const int block = config_.shape.block_size;
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    for (int d = item.doc_begin; d < item.doc_end; ++d) {
-      blocks += static_cast<double>(
-          ActiveBlocks(docs_[d] * block, densities[item.index], block, config_.shape.local_blocks));
-    }
+    blocks +=
+        table_.FeaturesAt(batch_[item.index], item.index, densities[item.index]).active_blocks;
   }
   return blocks;
 }
