@@ -641,7 +641,7 @@ std::string ReportDifference(const std::vector<MicroBatchTiming>& before, double
 }  // namespace
 
 absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t step, int rank,
-                                             const std::vector<MicroBatchTiming>& micro_batches,
+                                             std::vector<MicroBatchTiming> micro_batches,
                                              double wait_seconds, bool planned_locally,
                                              bool* switched_to_local) {
   if (switched_to_local != nullptr) *switched_to_local = false;
@@ -702,14 +702,13 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
     if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) return s;
     if (switched_to_local != nullptr) *switched_to_local = true;
   }
+  StoredReport report{rank, std::move(micro_batches), wait_seconds};
   if (options_.store != nullptr) {
-    if (absl::Status s =
-            Stored(options_.store->AppendReport(job_id, step, {rank, micro_batches, wait_seconds}));
-        !s.ok()) {
+    if (absl::Status s = Stored(options_.store->AppendReport(job_id, step, report)); !s.ok()) {
       return s;
     }
   }
-  record.reports[rank] = micro_batches;
+  record.reports[rank] = std::move(report.micro_batches);
   record.waits[rank] = wait_seconds;
   if (static_cast<int>(record.reports.size()) == config.ranks && !record.folded) {
     Fold(job_id, *job, step, record);

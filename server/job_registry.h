@@ -202,10 +202,10 @@ class JobRegistry {
   // planner's plan and no report switches to the local plan, and a step whose reports are
   // against the other plan is FAILED_PRECONDITION. `switched_to_local` (when given) says whether
   // this report made that switch (the step then counts as run on a local plan).
+  // `micro_batches` is taken by value: the registry keeps it (move it in).
   absl::StatusOr<bool> ReportStep(const std::string& job_id, int64_t step, int rank,
-                                  const std::vector<MicroBatchTiming>& micro_batches,
-                                  double wait_seconds, bool planned_locally = false,
-                                  bool* switched_to_local = nullptr);
+                                  std::vector<MicroBatchTiming> micro_batches, double wait_seconds,
+                                  bool planned_locally = false, bool* switched_to_local = nullptr);
   // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.
   absl::StatusOr<CostCoefficients> UploadProfile(const std::string& job_id,
                                                  const std::string& profile);
