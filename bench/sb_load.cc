@@ -9,6 +9,10 @@
 //            arrives. Time from the SubmitBatch call to the last report's answer, --steps times.
 //   soak     --soak_steps whole steps of a --soak_ranks job; the planner's resident memory is
 //            sampled as it goes (needs the planner's pid: started here, or --planner_pid).
+//   floor    The reports scenario's calls without their work: --reports grpc.health.v1 Check
+//            calls from --clients connections, one in flight each. What a bare unary call costs
+//            the planner here, the part of a report that is gRPC's and the kernel's (run on its
+//            own; not part of `all`).
 //
 // Calls use gRPC's callback API directly (not the client library's blocking calls) so that
 // one load process can keep a thousand calls in flight on a 2-core machine.
@@ -37,6 +41,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "contract/step_figures.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "planner/random.h"
@@ -51,7 +56,7 @@ ABSL_FLAG(std::string, sb_planner, "",
           "the sb-planner binary to start (default: ../server/sb-planner next to sb-load)");
 ABSL_FLAG(int, planner_pid, 0, "pid of the --planner process, for the soak's memory figures");
 ABSL_FLAG(std::string, admin_token_file, "", "file holding the planner's admin token, if any");
-ABSL_FLAG(std::string, scenario, "all", "reports | step | soak | all");
+ABSL_FLAG(std::string, scenario, "all", "reports | step | soak | all | floor (not in all)");
 ABSL_FLAG(int, clients, 64, "reports: concurrent clients (a connection and a rank each)");
 ABSL_FLAG(int, reports, 40000, "reports: ReportStep calls in all");
 ABSL_FLAG(int, ranks, 1024, "step: ranks of the job");
@@ -148,15 +153,20 @@ class Connections {
       grpc::ChannelArguments args;
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
       args.SetMaxReceiveMessageSize(64 << 20);
-      stubs_.push_back(v1::PlannerService::NewStub(
-          grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args)));
+      std::shared_ptr<grpc::Channel> channel =
+          grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+      stubs_.push_back(v1::PlannerService::NewStub(channel));
+      generic_.push_back(std::make_unique<grpc::GenericStub>(channel));
     }
   }
   v1::PlannerService::Stub* operator[](size_t i) { return stubs_[i % stubs_.size()].get(); }
+  // The same connection for calls by method name (the floor scenario's health checks).
+  grpc::GenericStub* generic(size_t i) { return generic_[i % generic_.size()].get(); }
   size_t size() const { return stubs_.size(); }
 
  private:
   std::vector<std::unique_ptr<v1::PlannerService::Stub>> stubs_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> generic_;
 };
 
 // Counts down callbacks; Wait() returns when every one has come back.
@@ -475,6 +485,45 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
   DeleteJob(connections[0], admin, job);
 }
 
+void RunFloor(const std::string& target, int pid, Figures* figures) {
+  const int clients = absl::GetFlag(FLAGS_clients);
+  const int64_t calls = absl::GetFlag(FLAGS_reports);
+  Connections connections(target, clients);
+  // HealthCheckRequest{service: ""} is the empty message.
+  const grpc::ByteBuffer request(nullptr, 0);
+  auto check = [&](int64_t i, const Done& done) {
+    struct Call {
+      grpc::ClientContext context;
+      grpc::ByteBuffer response;
+    };
+    auto call = std::make_shared<Call>();
+    Authorize(&call->context, "", 60);
+    connections.generic(i % clients)
+        ->UnaryCall(&call->context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                    &call->response, [call, done](const grpc::Status& s) { done(s); });
+  };
+  Tally warm;  // connections up before the clock starts
+  RunAsync(clients, clients, &warm, check);
+  warm.CheckOk("Health/Check");
+  Tally tally;
+  const double cpu_start = CpuSeconds(pid);
+  const Clock::time_point start = Clock::now();
+  RunAsync(calls, clients, &tally, check);
+  const double seconds = Seconds(start, Clock::now());
+  const double planner_cpu = CpuSeconds(pid) - cpu_start;
+  tally.CheckOk("Health/Check");
+  std::cout << absl::StrFormat(
+      "floor: %d grpc.health.v1 Check calls from %d clients in %.2f s: %.0f per second (latency "
+      "p50 %.2f ms)\n",
+      calls, clients, seconds, static_cast<double>(calls) / seconds, tally.Quantile(0.5) * 1e3);
+  if (cpu_start >= 0) {
+    const double per_call = planner_cpu / static_cast<double>(calls);
+    std::cout << absl::StrFormat("floor: the planner used %.1f us of CPU per call\n",
+                                 per_call * 1e6);
+    figures->Add("planner_cpu_us_per_bare_call", per_call * 1e6);
+  }
+}
+
 void RunStep(const std::string& target, const std::string& admin, Figures* figures) {
   const int ranks = absl::GetFlag(FLAGS_ranks);
   const int samples = absl::GetFlag(FLAGS_samples);
@@ -582,11 +631,13 @@ int Main(int argc, char** argv) {
                   "load generator for sb-planner: ReportStep throughput, one large step, and a\n"
                   "memory soak (README \"Service load\"); starts the planner it measures unless\n"
                   "--planner names one.\n\n"
-                  "  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all] ...");
+                  "  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all|floor] ...");
   tools::StopChildrenOnSignals();
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
-  if (scenario != "reports" && scenario != "step" && scenario != "soak" && scenario != "all") {
-    tools::Fatal(absl::StrCat("--scenario=", scenario, ": expected reports, step, soak or all"));
+  if (scenario != "reports" && scenario != "step" && scenario != "soak" && scenario != "all" &&
+      scenario != "floor") {
+    tools::Fatal(
+        absl::StrCat("--scenario=", scenario, ": expected reports, step, soak, all or floor"));
   }
   std::string admin;
   if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
@@ -613,6 +664,7 @@ int Main(int argc, char** argv) {
   if (scenario == "reports" || scenario == "all") RunReports(target, admin, pid, &figures);
   if (scenario == "step" || scenario == "all") RunStep(target, admin, &figures);
   if (scenario == "soak" || scenario == "all") RunSoak(target, admin, pid, &figures);
+  if (scenario == "floor") RunFloor(target, pid, &figures);
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     if (absl::Status s = tools::WriteFile(path, figures.values.dump() + "\n"); !s.ok()) {
       tools::Fatal(absl::StrCat("--json: ", s.message()));

@@ -17,6 +17,7 @@
 // (documents longer than the capacity are cut to it). Timings come from a hidden truth the
 // model does not share (other coefficients, 5% of the ranks 1.3x slower, 5% noise), and every
 // document reports a measured recall, as sb-worker does.
+#include <malloc.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -275,6 +276,78 @@ BENCHMARK(BM_ServerStep)
     ->ArgNames({"samples", "ranks", "store", "learn"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+
+// Bytes the process has allocated and not freed (glibc's count; the history's own bytes are
+// the difference over a run).
+int64_t HeapBytesInUse() { return static_cast<int64_t>(mallinfo2().uordblks); }
+
+// The memory a job's kept history holds: sb-load's step scenario without the network (its
+// batch: `samples` documents of 256-4,096 tokens, uniform; `ranks` ranks of 4 micro-batches of
+// 65,536 tokens; every rank reporting its plan 5% slower than predicted, with a measured recall
+// per document), run for the job's default history of 64 steps plus 6, so that old steps have
+// been dropped. history_mib: heap bytes in use after the run minus before the job's first step;
+// step_kib: per kept step. One iteration; memory, not time, is the figure.
+void BM_History(benchmark::State& state) {
+  const int samples = static_cast<int>(state.range(0));
+  const int ranks = static_cast<int>(state.range(1));
+  JobRegistry registry(JobRegistry::Options{}, [](int n) { return std::string(n, 'a'); });
+  JobSettings settings;
+  settings.planner.ranks = ranks;
+  settings.planner.micro_batches = 4;
+  settings.planner.micro_batch_capacity = 65536;
+  absl::StatusOr<CreatedJob> job = registry.CreateJob("history", settings, "");
+  if (!job.ok()) return state.SkipWithError(std::string(job.status().message()).c_str());
+  for (int r = 0; r < ranks; ++r) registry.JoinJob(job->job_id, r).IgnoreError();
+  const int steps = settings.history_steps + 6;
+  const int64_t before = HeapBytesInUse();
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (auto _ : state) {
+    for (int step = 0; step < steps; ++step) {
+      std::vector<Sample> batch(samples);
+      for (int i = 0; i < samples; ++i) {
+        batch[i].id = static_cast<uint64_t>(step) * 1000000 + static_cast<uint64_t>(i);
+        batch[i].length = 256 + static_cast<int64_t>(uniform(rng) * 3840);
+      }
+      absl::StatusOr<SubmitResult> planned = registry.SubmitBatch(job->job_id, step, batch);
+      if (!planned.ok())
+        return state.SkipWithError(std::string(planned.status().message()).c_str());
+      for (int r = 0; r < ranks; ++r) {
+        std::vector<MicroBatchTiming> report;
+        const auto& micro_batches = planned->plan.ranks[r].micro_batches;
+        for (size_t m = 0; m < micro_batches.size(); ++m) {
+          const MicroBatchPlan& mb = micro_batches[m];
+          if (mb.samples.empty()) continue;
+          MicroBatchTiming t;
+          t.micro_batch = static_cast<int>(m);
+          t.compute_seconds = std::max(1e-3, mb.predicted_seconds * 1.05);
+          t.attention_seconds = 0.5 * t.compute_seconds;
+          t.tokens = mb.tokens;
+          t.achieved_density = mb.default_density;
+          t.recall = 0.9;
+          for (const PlannedSample& s : mb.samples) {
+            t.documents.push_back({s.id, 0, 1.0 - std::pow(1.0 - s.density, 4.0), {}, 8});
+          }
+          t.recall_seconds = 0.005 * t.attention_seconds;
+          report.push_back(std::move(t));
+        }
+        absl::StatusOr<bool> reported = registry.ReportStep(job->job_id, step, r, report, 0.01);
+        if (!reported.ok()) {
+          return state.SkipWithError(std::string(reported.status().message()).c_str());
+        }
+      }
+    }
+  }
+  const double bytes = static_cast<double>(HeapBytesInUse() - before);
+  state.counters["history_mib"] = bytes / 1048576.0;
+  state.counters["step_kib"] = bytes / 1024.0 / settings.history_steps;
+}
+
+BENCHMARK(BM_History)
+    ->Args({16384, 1024})
+    ->ArgNames({"samples", "ranks"})
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond);
 
 }  // namespace
 }  // namespace sparsebalance

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "planner/planner.h"
 #include "planner/profile_table.h"
+#include "server/step_pack.h"
 
 namespace sparsebalance {
 namespace {
@@ -193,6 +194,60 @@ void JobRegistry::TrimHistory(const std::string& id, Job& job) {
   }
 }
 
+absl::Status JobRegistry::Unpack(StepRecord& record) {
+  if (!record.is_packed()) return absl::OkStatus();
+  absl::StatusOr<PackedStepContents> step = UnpackStep(record.packed);
+  if (!step.ok()) return step.status();
+  record.batch = std::move(step->batch);
+  record.plan = std::make_shared<const StepPlan>(std::move(step->plan));
+  record.reports = std::move(step->reports);
+  record.waits = std::move(step->waits);
+  std::string().swap(record.packed);
+  std::vector<bool>().swap(record.reported);
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Packs an unpacked record (JobRegistry::StepRecord) and frees its values. A folded step's
+// reports go without their documents' measured recalls: only the fold reads them (a repeated
+// report is compared without them, ReportDifference), and they are most of a report's bytes.
+template <typename Record>
+void Pack(Record& record) {
+  if (record.folded) {
+    for (auto& [rank, timings] : record.reports) {
+      for (MicroBatchTiming& m : timings)
+        std::vector<DocumentRecallMeasurement>().swap(m.documents);
+    }
+  }
+  record.packed = PackStep(record.batch, *record.plan, record.reports, record.waits);
+  record.reported.assign(record.reports.empty() ? 0 : record.reports.rbegin()->first + 1, false);
+  for (const auto& [rank, timings] : record.reports) record.reported[rank] = true;
+  std::vector<Sample>().swap(record.batch);
+  record.plan.reset();
+  record.reports.clear();
+  record.waits.clear();
+}
+
+}  // namespace
+
+void JobRegistry::PackIfOld(Job& job, int64_t step) {
+  auto newest = job.history.rbegin();
+  for (int i = 0; i < kUnpackedSteps && newest != job.history.rend(); ++i, ++newest) {
+    if (newest->first == step) return;
+  }
+  auto it = job.history.find(step);
+  if (it != job.history.end() && !it->second.is_packed()) Pack(it->second);
+}
+
+void JobRegistry::PackOldSteps(Job& job) {
+  const int old = static_cast<int>(job.history.size()) - kUnpackedSteps;
+  auto it = job.history.begin();
+  for (int i = 0; i < old; ++i, ++it) {
+    if (!it->second.is_packed()) Pack(it->second);
+  }
+}
+
 absl::Status JobRegistry::Restore() {
   if (options_.store == nullptr) return absl::OkStatus();
   absl::StatusOr<PlanStore::Loaded> loaded = options_.store->LoadAll();
@@ -273,7 +328,6 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
     if (absl::Status s = ValidateBatch(record.batch, *batch_config); !s.ok()) {
       return absl::DataLossError(absl::StrCat(where, s.message()));
     }
-    record.batch_fingerprint = BatchFingerprint(record.batch);
     // Fills the lengths of a plan stored by an older planner from this batch.
     if (absl::Status s = ValidateStoredPlan(record.batch, config, &step.plan); !s.ok()) {
       return absl::DataLossError(absl::StrCat(where, s.message()));
@@ -305,6 +359,7 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
       Fold(id, *job, n, record);
     }
   }
+  PackOldSteps(*job);
   return job;
 }
 
@@ -423,7 +478,7 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
   if (rank_next_step != nullptr) {
     *rank_next_step = job->next_step;
     for (const auto& [step, record] : job->history) {
-      if (record.reports.count(rank) == 0) {
+      if (!record.HasReport(rank)) {
         *rank_next_step = step;
         break;
       }
@@ -454,7 +509,8 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
                        " steps kept; the next step is ", job->next_step));
     }
     StepRecord& record = it->second;
-    if (record.batch_fingerprint != BatchFingerprint(batch)) {
+    if (absl::Status s = Unpack(record); !s.ok()) return s;
+    if (BatchFingerprint(record.batch) != BatchFingerprint(batch)) {
       return absl::AlreadyExistsError(
           absl::StrCat("step ", step, " was planned with a different batch; submit step ",
                        job->next_step, " next"));
@@ -495,7 +551,6 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
                                       : PlanStep(batch, job->config, job->model, job->recall);
   if (!plan.ok()) return plan.status();
   StepRecord record;
-  record.batch_fingerprint = BatchFingerprint(batch);
   record.batch = batch;
   record.plan = std::make_shared<const StepPlan>(*plan);
   // Durable before it is acknowledged: the step record (fsync'ed).
@@ -503,6 +558,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   job->history[step] = std::move(record);
   job->next_step = step + 1;
   TrimHistory(job_id, *job);
+  PackOldSteps(*job);
   // The snapshot after it only moves next_step (which Restore also takes from the step
   // records) and carries the model (which Restore refolds from the report logs): the step is
   // acknowledged even when it cannot be written (on_store_failure reports that).
@@ -545,6 +601,7 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> JobRegistry::GetPlan(const std::
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step, " is older than the steps kept; the next step is ", job->next_step));
   }
+  if (absl::Status s = Unpack(it->second); !s.ok()) return s;
   *ready = true;
   return it->second.plan;
 }
@@ -584,7 +641,7 @@ std::string ReportDifference(const std::vector<MicroBatchTiming>& before, double
 }  // namespace
 
 absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t step, int rank,
-                                             const std::vector<MicroBatchTiming>& micro_batches,
+                                             std::vector<MicroBatchTiming> micro_batches,
                                              double wait_seconds, bool planned_locally,
                                              bool* switched_to_local) {
   if (switched_to_local != nullptr) *switched_to_local = false;
@@ -613,6 +670,7 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
             : absl::StrCat("step ", step, " is older than the steps kept"));
   }
   StepRecord& record = it->second;
+  if (absl::Status s = Unpack(record); !s.ok()) return s;
   if (auto done = record.reports.find(rank); done != record.reports.end()) {
     const std::string differs =
         ReportDifference(done->second, record.waits[rank], micro_batches, wait_seconds);
@@ -644,17 +702,18 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
     if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) return s;
     if (switched_to_local != nullptr) *switched_to_local = true;
   }
+  StoredReport report{rank, std::move(micro_batches), wait_seconds};
   if (options_.store != nullptr) {
-    if (absl::Status s =
-            Stored(options_.store->AppendReport(job_id, step, {rank, micro_batches, wait_seconds}));
-        !s.ok()) {
+    if (absl::Status s = Stored(options_.store->AppendReport(job_id, step, report)); !s.ok()) {
       return s;
     }
   }
-  record.reports[rank] = micro_batches;
+  record.reports[rank] = std::move(report.micro_batches);
   record.waits[rank] = wait_seconds;
   if (static_cast<int>(record.reports.size()) == config.ranks && !record.folded) {
     Fold(job_id, *job, step, record);
+    // A late step (one before the newest two) is not needed unpacked once folded.
+    PackIfOld(*job, step);
   }
   return false;
 }

@@ -202,10 +202,10 @@ class JobRegistry {
   // planner's plan and no report switches to the local plan, and a step whose reports are
   // against the other plan is FAILED_PRECONDITION. `switched_to_local` (when given) says whether
   // this report made that switch (the step then counts as run on a local plan).
+  // `micro_batches` is taken by value: the registry keeps it (move it in).
   absl::StatusOr<bool> ReportStep(const std::string& job_id, int64_t step, int rank,
-                                  const std::vector<MicroBatchTiming>& micro_batches,
-                                  double wait_seconds, bool planned_locally = false,
-                                  bool* switched_to_local = nullptr);
+                                  std::vector<MicroBatchTiming> micro_batches, double wait_seconds,
+                                  bool planned_locally = false, bool* switched_to_local = nullptr);
   // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.
   absl::StatusOr<CostCoefficients> UploadProfile(const std::string& job_id,
                                                  const std::string& profile);
@@ -229,18 +229,37 @@ class JobRegistry {
   int job_count() const;
 
  private:
+  // A kept step. The newest kUnpackedSteps steps of a job, and any older one a call has
+  // needed since the last SubmitBatch, hold their batch, plan and reports as values; the others
+  // hold them packed (step_pack.h: about a tenth of the memory) and are unpacked (Unpack) by
+  // the calls that need them. Packing changes nothing a caller can see: it keeps every value
+  // but a folded step's documents' measured recalls (MicroBatchTiming::documents), which only
+  // the fold reads.
   struct StepRecord {
-    std::string batch_fingerprint;  // canonical bytes of the submitted batch
     std::vector<Sample> batch;
     // Immutable once made; shared with waiting GetRankPlan calls instead of copied (a plan of
-    // 16,384 samples copied for each of 1,024 ranks costs more than the planning).
+    // 16,384 samples copied for each of 1,024 ranks costs more than the planning). Null while
+    // the step is packed.
     std::shared_ptr<const StepPlan> plan;
     std::map<int, std::vector<MicroBatchTiming>> reports;  // by rank
     std::map<int, double> waits;                           // by rank, seconds
+    // While packed: the batch, plan, reports and waits (PackStep), and which ranks reported.
+    std::string packed;
+    std::vector<bool> reported;
     // The step's reports are in the model, or could not be folded (counted in the job's
     // unfolded_steps): either way they are not folded again.
     bool folded = false;
+
+    bool is_packed() const { return plan == nullptr; }
+    bool HasReport(int rank) const {
+      return is_packed() ? rank < static_cast<int>(reported.size()) && reported[rank]
+                         : reports.count(rank) > 0;
+    }
   };
+  // Steps a job keeps unpacked whatever is asked of the older ones: the newest two, so that a
+  // trainer that plans a step ahead (reports of step N arriving after step N+1 is planned)
+  // never waits for an unpack.
+  static constexpr int kUnpackedSteps = 2;
   struct Job {
     Job(const ValidConfig& c, int history, const CostCoefficients& prior)
         : config(c),
@@ -295,6 +314,13 @@ class JobRegistry {
   static std::vector<RecallObservation> RecallObservationsOf(const StepRecord& record);
   // Drops the oldest steps beyond history_steps (and their files).
   void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // A packed step's values back (no-op for an unpacked one); INTERNAL (never expected) when the
+  // packed bytes do not unpack, and then the record is left as it was.
+  static absl::Status Unpack(StepRecord& record);
+  // Packs `step` unless it is one of the job's kUnpackedSteps newest (or packed already).
+  static void PackIfOld(Job& job, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // PackIfOld for every kept step.
+  static void PackOldSteps(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // What the store keeps of the job (its job.pb).
   static StoredJob Snapshot(const std::string& id, const Job& job)
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);

@@ -91,16 +91,22 @@ absl::Status SyncDir(const std::string& path) {
   return status;
 }
 
-absl::Status WriteAll(int fd, absl::string_view bytes, const std::string& path) {
+// Writes all of `bytes`; 0, or the errno of the write that failed.
+int WriteAllOrErrno(int fd, absl::string_view bytes) {
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return IoFailure("cannot write", path, errno);
-    if (n == 0) return IoFailure("cannot write", path, EIO);
+    if (n < 0) return errno;
+    if (n == 0) return EIO;
     done += static_cast<size_t>(n);
   }
-  return absl::OkStatus();
+  return 0;
+}
+
+absl::Status WriteAll(int fd, absl::string_view bytes, const std::string& path) {
+  const int err = WriteAllOrErrno(fd, bytes);
+  return err == 0 ? absl::OkStatus() : IoFailure("cannot write", path, err);
 }
 
 // Write to a temporary file, fsync, rename over `path`, fsync the folder. Without `sync` only
@@ -467,7 +473,14 @@ absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): step not saved"));
   }
+  if (status.ok()) CreateReportLog(job_id, step);
   return status;
+}
+
+void PlanStore::CreateReportLog(const std::string& job_id, int64_t step) const {
+  const std::string path = StepPath(JobDir(job_id), step, ".reports");
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+  if (fd >= 0) close(fd);
 }
 
 absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string& job_id,
@@ -527,7 +540,6 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
         absl::StrCat("report: ", body.size(), " bytes; at most ", kMaxRecordBytes));
   }
   const std::string record = EncodeRecord(body);
-  const std::string path = StepPath(JobDir(job_id), step, ".reports");
   absl::MutexLock lock(&logs_mu_);
   auto it = report_logs_.find({job_id, step});
   if (it == report_logs_.end()) {
@@ -540,14 +552,19 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
     it = report_logs_.emplace(std::make_pair(job_id, step), *log).first;
   }
   ReportLog& log = it->second;
-  absl::Status status = WriteAll(log.fd, record, path);
-  if (status.ok() && fsync_reports_ && fsync(log.fd) != 0) {
-    status = IoFailure("cannot fsync", path, errno);
+  int err = WriteAllOrErrno(log.fd, record);
+  const char* failed = err != 0 ? "cannot write" : nullptr;
+  if (err == 0 && fsync_reports_ && fsync(log.fd) != 0) {
+    err = errno;
+    failed = "cannot fsync";
   }
-  if (status.ok()) {
+  if (failed == nullptr) {
     log.size += static_cast<off_t>(record.size());
-    return status;
+    return absl::OkStatus();
   }
+  // The log's path only names it in the error: built when there is one.
+  const std::string path = StepPath(JobDir(job_id), step, ".reports");
+  absl::Status status = IoFailure(failed, path, err);
   // Cut off what part of the record landed, so that the next append (once space is back)
   // starts on a record boundary instead of after a torn record.
   if (ftruncate(log.fd, log.size) != 0) {

@@ -485,7 +485,7 @@ absl::Status PlannerServiceImpl::OnReportStep(const v1::ReportStepRequest& reque
   }
   bool switched_to_local = false;
   absl::StatusOr<bool> duplicate =
-      registry_->ReportStep(request.job_id(), request.step(), request.rank(), measured,
+      registry_->ReportStep(request.job_id(), request.step(), request.rank(), std::move(measured),
                             request.wait_seconds(), request.planned_locally(), &switched_to_local);
   // A rank's report moved the step to the local plan (before the coordinator resubmitted it);
   // counted even when the report itself then failed to be stored: the switch stays.

@@ -450,6 +450,88 @@ TEST_F(JobRegistryTest, HistoryIsBounded) {
   EXPECT_TRUE(registry_.SubmitBatch(id, 5, batches[5])->repeated);
 }
 
+// Steps older than the newest two are kept packed (step_pack.h) and unpacked by the calls that
+// need them; nothing a caller sees differs from a step kept as values: old plans are served as
+// they were planned, late reports are checked, acknowledged once, compared when repeated and
+// folded, repeated batches get the stored answer, and a restarted rank learns its first
+// unreported step.
+TEST_F(JobRegistryTest, OldStepsAreServedAsTheyWerePlanned) {
+  const int ranks = 3;
+  const std::string id = Create(ranks, /*history=*/8);
+  JoinAll(id, ranks);
+  std::vector<std::vector<Sample>> batches;
+  std::vector<SubmitResult> planned;
+  for (int step = 0; step < 6; ++step) {
+    batches.push_back(Batch(200 + step, ranks));
+    absl::StatusOr<SubmitResult> result = registry_.SubmitBatch(id, step, batches.back());
+    ASSERT_TRUE(result.ok()) << result.status();
+    planned.push_back(*std::move(result));
+    // Every step but 1 fully reported as it goes, step 2 by ranks 0 and 1 only; documents
+    // measured, so that folding a late step uses them.
+    for (int r = 0; r < ranks; ++r) {
+      if (step == 1 || (step == 2 && r == 2)) continue;
+      std::vector<MicroBatchTiming> report = Measure(planned[step].plan, r);
+      for (MicroBatchTiming& m : report) {
+        const PlannedSample& s =
+            planned[step].plan.ranks[r].micro_batches[m.micro_batch].samples[0];
+        m.documents.push_back({s.id, 0, 0.95, {}, 4});
+      }
+      ASSERT_TRUE(registry_.ReportStep(id, step, r, report, 0.2).ok());
+    }
+  }
+  EXPECT_EQ(registry_.GetJob(id)->steps_folded, 4);
+  // Every kept step's plan, as SubmitBatch answered it, twice (the second from the unpacked
+  // step).
+  for (int step = 0; step < 6; ++step) {
+    for (int pass = 0; pass < 2; ++pass) {
+      bool ready = false;
+      absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_.GetPlan(id, step, 1, &ready);
+      ASSERT_TRUE(plan.ok() && ready) << plan.status();
+      EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(planned[step].plan)) << step;
+    }
+  }
+  // A restarted rank resumes at its first unreported step: 1 (and 2 for rank 2).
+  int64_t next = -1;
+  ASSERT_TRUE(registry_.JoinJob(id, 0, &next).ok());
+  EXPECT_EQ(next, 1);
+  ASSERT_TRUE(registry_.SubmitBatch(id, 6, Batch(206, ranks)).ok());  // packs the old steps
+  ASSERT_TRUE(registry_.JoinJob(id, 2, &next).ok());
+  EXPECT_EQ(next, 1);
+  // Repeated batches of old steps: the stored answer; another batch is ALREADY_EXISTS.
+  absl::StatusOr<SubmitResult> again = registry_.SubmitBatch(id, 0, batches[0]);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->repeated);
+  EXPECT_EQ(CanonicalPlanText(again->plan), CanonicalPlanText(planned[0].plan));
+  EXPECT_EQ(again->deferred_ids, planned[0].deferred_ids);
+  EXPECT_EQ(registry_.SubmitBatch(id, 3, batches[4]).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(registry_.SubmitBatch(id, 7, Batch(207, ranks)).ok());
+  // Repeats of reports of packed, folded steps: the same is a duplicate, another differs.
+  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 3, 1, Measure(planned[3].plan, 1), 0.2);
+  ASSERT_TRUE(repeat.ok()) << repeat.status();
+  EXPECT_TRUE(*repeat);
+  absl::Status differs = registry_.ReportStep(id, 4, 1, Measure(planned[4].plan, 1), 0.3).status();
+  EXPECT_EQ(differs.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(differs.message()), HasSubstr("wait_seconds: 0.3"));
+  // Late reports: checked against the old plan, then accepted and folded (step 2 first, as its
+  // last rank reports, then step 1).
+  std::vector<MicroBatchTiming> wrong = Measure(planned[2].plan, 2);
+  wrong[0].micro_batch = 7;
+  EXPECT_EQ(registry_.ReportStep(id, 2, 2, wrong, 0.2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(registry_.ReportStep(id, 2, 2, Measure(planned[2].plan, 2), 0.2).ok());
+  EXPECT_EQ(registry_.GetJob(id)->steps_folded, 5);
+  ASSERT_TRUE(registry_.SubmitBatch(id, 8, Batch(208, ranks)).ok());
+  for (int r = 0; r < ranks; ++r) {
+    absl::StatusOr<bool> late = registry_.ReportStep(id, 1, r, Measure(planned[1].plan, r), 0.2);
+    ASSERT_TRUE(late.ok()) << late.status();
+    EXPECT_FALSE(*late);
+  }
+  EXPECT_EQ(registry_.GetJob(id)->steps_folded, 6);
+  ASSERT_TRUE(registry_.JoinJob(id, 2, &next).ok());
+  EXPECT_EQ(next, 6);
+}
+
 TEST_F(JobRegistryTest, UpdateJobConfigChangesTunablesOnly) {
   const std::string id = Create(2);
   JobSettings update = test_support::SmallJob(2);
