@@ -26,8 +26,6 @@ namespace {
 
 // Densities in plans may sit this far outside their bounds (rounding in the tuner).
 constexpr double kDensitySlack = 1e-9;
-// Samples ahead whose data BuildPlan asks the CPU to fetch (a hint: results do not change).
-constexpr size_t kFetchAhead = 12;
 
 absl::Status SampleError(size_t i, absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("samples[", i, "].", field, ": ", what));
@@ -543,16 +541,8 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     }
   }
   for (auto& [at, list] : shards_at) std::sort(list.begin(), list.end());
-  // The placed samples in the order they are planned, so that each one's sample, terms and
-  // densities can be fetched from memory ahead of it: the assignment scatters them over the
-  // batch, and at 65,536 samples waiting for each read is most of the time spent here.
-  std::vector<int> order;
-  order.reserve(batch.size());
-  for (const auto& micro_batches : assignment.ranks) {
-    for (const std::vector<int>& members : micro_batches) {
-      order.insert(order.end(), members.begin(), members.end());
-    }
-  }
+  // The placed samples in the order they are planned, fetched ahead (PrefetchAhead).
+  const std::vector<int> order = PlacedOrder(assignment.ranks);
   size_t next = 0;  // index in `order` of the sample planned next
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankPlan& rank = plan.ranks[r];
@@ -632,14 +622,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         }
       }
       for (int i : members) {
-        if (next + kFetchAhead < order.size()) {
-          const int ahead = order[next + kFetchAhead];
-          __builtin_prefetch(&batch[ahead]);
-          __builtin_prefetch(&table[ahead]);
-          __builtin_prefetch(&densities[ahead]);
-          __builtin_prefetch(&defaults[ahead]);
-        }
-        ++next;
+        PrefetchAhead(order, next++, batch, table, densities);
         add(i, nullptr, 0);
       }
       mb.features = features;

@@ -79,6 +79,16 @@ MicroBatchFeatures SampleTable::FeaturesAt(const Sample& sample, size_t i, doubl
   return f;
 }
 
+std::vector<int> PlacedOrder(const std::vector<std::vector<std::vector<int>>>& ranks) {
+  std::vector<int> order;
+  for (const auto& micro_batches : ranks) {
+    for (const std::vector<int>& members : micro_batches) {
+      order.insert(order.end(), members.begin(), members.end());
+    }
+  }
+  return order;
+}
+
 std::vector<double> SampleTable::BaseDensities() const {
   std::vector<double> out(terms_.size());
   for (size_t i = 0; i < terms_.size(); ++i) out[i] = terms_[i].base;

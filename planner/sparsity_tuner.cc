@@ -19,8 +19,6 @@ namespace sparsebalance {
 namespace {
 
 constexpr int kMaxSolverIterations = 60;
-// Items ahead whose sample the set-up asks the CPU to fetch (a hint: results do not change).
-constexpr size_t kFetchAhead = 12;
 // Ranks whose estimated time is within this share of the largest are recounted exactly.
 constexpr double kNearMaxShare = 0.01;
 // Solves per rank at most, each correcting the continuous estimate by the exact block count.
@@ -102,7 +100,6 @@ struct TunerStorage {
   std::vector<int64_t> docs;  // query blocks per document
   std::vector<int64_t> doc_tokens;
   std::vector<int> doc_buckets;  // recall_model.h's length buckets
-  std::vector<int> order;        // batch indices in item order
   bool in_use = false;
 };
 
@@ -221,16 +218,8 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
     }
     return memo_log;
   };
-  // The samples in the order the items are built (rank by rank), so that each one's sample,
-  // terms and base can be fetched from memory well before it is read: the assignment scatters
-  // them over the batch, and at 65,536 samples waiting for each read cost half the set-up.
-  std::vector<int>& order = storage_->order;
-  order.clear();
-  for (const auto& micro_batches : assignment.ranks) {
-    for (const std::vector<int>& micro_batch : micro_batches) {
-      order.insert(order.end(), micro_batch.begin(), micro_batch.end());
-    }
-  }
+  // The samples in the order the items are built, fetched ahead (PrefetchAhead).
+  const std::vector<int> order = PlacedOrder(assignment.ranks);
   size_t next = 0;  // index in `order` of the item built next
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     RankWork& rank = ranks_[r];
@@ -240,13 +229,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
       if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
       for (int i : micro_batch) {
-        if (next + kFetchAhead < order.size()) {
-          const int ahead = order[next + kFetchAhead];
-          __builtin_prefetch(&batch[ahead]);
-          __builtin_prefetch(&table[ahead]);
-          __builtin_prefetch(&base[ahead]);
-        }
-        ++next;
+        PrefetchAhead(order, next++, batch, table, base);
         const Sample& s = batch[i];
         const SampleTerms& terms = table[i];
         Item& item = items.emplace_back();
