@@ -90,6 +90,12 @@ struct RankWork {
   double speed = 1.0;
   double fixed = 0.0;  // seconds (speed excluded) that do not depend on density
   ItemRange items;
+  // The multiplier x of the rank's last solve (NaN before the first): the next solve starts
+  // there. The recall guard solves every rank again for a dozen nearby targets, and the exact
+  // passes for budgets a few blocks apart; from the last root Newton needs two or three steps
+  // where the bracket's midpoint needs six or more. Only the search's path depends on it: a
+  // solve ends within the same tolerance of its root from any start.
+  mutable double last_x = std::numeric_limits<double>::quiet_NaN();
 };
 
 // The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
@@ -155,6 +161,14 @@ class Tuner {
                      std::vector<double>* densities) const;
   // Exact active blocks of a rank's items at `densities` (what the plan will count).
   double ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const;
+
+  // Per item of the rank being solved: its bounds and the multipliers x at which it reaches
+  // them (x_hi: at or below, the upper bound; x_lo: at or above, the lower one), so the search
+  // skips exp() there. SolveRankOnce's scratch, kept so that a solve does not allocate.
+  struct Bounds {
+    double lo, hi, x_hi, x_lo;
+  };
+  mutable std::vector<Bounds> bounds_;
 
   const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
@@ -358,12 +372,8 @@ double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densi
 void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
                           std::vector<double>* densities) const {
   const size_t n = rank.items.size();
-  // Per item: its bounds and the multipliers x at which it reaches them (x_hi: at or below,
-  // the upper bound; x_lo: at or above, the lower one), so the search skips exp() there.
-  struct Bounds {
-    double lo, hi, x_hi, x_lo;
-  };
-  std::vector<Bounds> bounds(n);
+  std::vector<Bounds>& bounds = bounds_;
+  bounds.resize(n);
   double x_min = 0.0;
   double x_max = 0.0;
   for (size_t k = 0; k < n; ++k) {
@@ -400,20 +410,33 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     if (derivative != nullptr) *derivative = per_block_ * d;
     return per_block_ * blocks - budget;
   };
-  double x = x_min;
-  if (n == 0 || excess(x_min, nullptr) <= 0) {
-    x = x_min;  // everything at its upper bound fits
+  if (n == 0) return;
+  // Safeguarded Newton on the (decreasing) excess over the bracket [a, b]: bisect whenever a
+  // step leaves it. At x_min every item sits at its upper bound, at x_max at its lower one;
+  // when the one at x_min fits, or the one at x_max does not, that bound is the answer (the
+  // best this rank can do). A warm start inside the bracket (last_x) is evaluated first, and
+  // its sign says which of the two ends can be the answer.
+  double a = x_min;
+  double b = x_max;
+  double x = 0.5 * (a + b);
+  double f = 0.0;
+  double derivative = 0.0;
+  bool evaluated = false;  // f and derivative are those at x
+  if (rank.last_x > a && rank.last_x < b) {
+    x = rank.last_x;
+    f = excess(x, &derivative);
+    evaluated = true;
+    if (f > 0 && excess(x_max, nullptr) >= 0) x = x_max;
+    if (f <= 0 && excess(x_min, nullptr) <= 0) x = x_min;
+  } else if (excess(x_min, nullptr) <= 0) {
+    x = x_min;
   } else if (excess(x_max, nullptr) >= 0) {
-    x = x_max;  // even the lower bounds do not fit: that is the best this rank can do
-  } else {
-    // Safeguarded Newton on the (decreasing) excess: bisect whenever a step leaves the
-    // bracket.
-    double a = x_min;
-    double b = x_max;
-    x = 0.5 * (a + b);
+    x = x_max;
+  }
+  if (x != x_min && x != x_max) {
     for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
-      double derivative = 0.0;
-      const double f = excess(x, &derivative);
+      if (!evaluated) f = excess(x, &derivative);
+      evaluated = true;
       if (std::fabs(f) <= kBudgetTolerance * budget) break;
       if (f > 0) {
         a = x;
@@ -421,9 +444,12 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
         b = x;
       }
       if (!NewtonStep(f, derivative, a, b, /*scale=*/x, &x)) break;
+      evaluated = false;
     }
     // End on the feasible side so the rank does not overshoot its budget.
-    if (excess(x, nullptr) > 0) x = b;
+    if (!evaluated) f = excess(x, nullptr);
+    if (f > 0) x = b;
+    rank.last_x = x;
   }
   for (size_t k = 0; k < n; ++k) (*densities)[rank.items[k].index] = density_at(k, x);
 }
@@ -848,7 +874,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
     // recall) that keeps the recall.
     double lo = target;
     double hi = base_max;
-    std::vector<double> best = tuner.Solve(hi, at_base, cut);
+    std::vector<double> best;  // at hi, once a target below base_max kept the recall
     for (int iter = 0; iter < kRecallGuardIterations; ++iter) {
       const double mid = 0.5 * (lo + hi);
       std::vector<double> candidate = tuner.Solve(mid, at_base, cut);
@@ -859,7 +885,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
         lo = mid;
       }
     }
-    return best;
+    return best.empty() ? tuner.Solve(base_max, at_base, cut) : best;
   };
   std::vector<double> densities = solve();
   if (bucket_min_recall.empty()) return densities;
