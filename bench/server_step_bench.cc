@@ -145,7 +145,7 @@ class ServerStep {
     absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(id_, step_, batch);
     *ms = Millis(Clock::now() - start);
     if (!result.ok()) return result.status();
-    return std::make_shared<const StepPlan>(std::move(result->plan));
+    return std::move(result->plan);
   }
 
   // What rank r measured in the step (the hidden truth).
@@ -314,7 +314,7 @@ void BM_History(benchmark::State& state) {
         return state.SkipWithError(std::string(planned.status().message()).c_str());
       for (int r = 0; r < ranks; ++r) {
         std::vector<MicroBatchTiming> report;
-        const auto& micro_batches = planned->plan.ranks[r].micro_batches;
+        const auto& micro_batches = planned->plan->ranks[r].micro_batches;
         for (size_t m = 0; m < micro_batches.size(); ++m) {
           const MicroBatchPlan& mb = micro_batches[m];
           if (mb.samples.empty()) continue;

@@ -531,7 +531,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
       result.switched_to_local = true;
     }
     result.deferred_ids = record.plan->deferred_ids;
-    result.plan = *record.plan;
+    result.plan = record.plan;
     result.exchange_bytes_per_second = ExchangeBytesPerSecond(job->model);
     return result;
   }
@@ -552,7 +552,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   if (!plan.ok()) return plan.status();
   StepRecord record;
   record.batch = batch;
-  record.plan = std::make_shared<const StepPlan>(*plan);
+  record.plan = std::make_shared<const StepPlan>(*std::move(plan));
   // Durable before it is acknowledged: the step record (fsync'ed).
   if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
   job->history[step] = std::move(record);
@@ -563,7 +563,8 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   // records) and carries the model (which Restore refolds from the report logs): the step is
   // acknowledged even when it cannot be written (on_store_failure reports that).
   SaveJob(job_id, *job, /*sync=*/false).IgnoreError();
-  SubmitResult result{step, plan->deferred_ids, *std::move(plan), false};
+  const std::shared_ptr<const StepPlan>& planned = job->history[step].plan;
+  SubmitResult result{step, planned->deferred_ids, planned, false};
   result.skipped_steps = skipped;
   result.exchange_bytes_per_second = ExchangeBytesPerSecond(job->model);
   return result;

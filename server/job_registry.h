@@ -87,7 +87,8 @@ struct CreatedJob {
 struct SubmitResult {
   int64_t step = 0;
   std::vector<uint64_t> deferred_ids;
-  StepPlan plan;          // the whole step's plan
+  // The whole step's plan: the one the registry keeps (shared, never copied per submit).
+  std::shared_ptr<const StepPlan> plan;
   bool repeated = false;  // the step had been planned with this batch before
   // planned_locally submissions: steps jumped over (never planned here), and whether an
   // existing plan of the step was replaced by the trainer's local one.

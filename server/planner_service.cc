@@ -315,17 +315,17 @@ absl::Status PlannerServiceImpl::OnSubmitBatch(const v1::SubmitBatchRequest& req
   if (!result.ok()) return result.status();
   if (options_.metrics != nullptr) {
     if (!result->repeated) {
-      options_.metrics->ObservePlan(request.job_id(), result->plan, SecondsSince(plan_start));
+      options_.metrics->ObservePlan(request.job_id(), *result->plan, SecondsSince(plan_start));
       options_.metrics->SetExchangeRate(request.job_id(), result->exchange_bytes_per_second);
     }
-    if ((!result->repeated && result->plan.planned_locally) || result->switched_to_local) {
+    if ((!result->repeated && result->plan->planned_locally) || result->switched_to_local) {
       options_.metrics->ObserveLocalPlan(request.job_id(), result->skipped_steps);
     }
   }
   response->set_step(result->step);
   response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
                                            result->deferred_ids.end());
-  *response->mutable_figures() = FiguresToProto(result->plan);
+  *response->mutable_figures() = FiguresToProto(*result->plan);
   // Also after a repeat: the first attempt may have planned the step and failed after.
   WakeWaiters(request.job_id(), request.step());
   return absl::OkStatus();

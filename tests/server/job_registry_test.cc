@@ -74,12 +74,12 @@ TEST_F(JobRegistryTest, StepsArePlannedInOrderAndRepeatsAreIdempotent) {
   absl::StatusOr<SubmitResult> first = registry_.SubmitBatch(id, 0, b0);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_FALSE(first->repeated);
-  ASSERT_TRUE(CheckPlan(first->plan, b0, test_support::SmallJob(4).planner).ok());
+  ASSERT_TRUE(CheckPlan(*first->plan, b0, test_support::SmallJob(4).planner).ok());
   // The same batch again: the same answer, nothing planned anew.
   absl::StatusOr<SubmitResult> again = registry_.SubmitBatch(id, 0, b0);
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->repeated);
-  EXPECT_EQ(CanonicalPlanText(again->plan), CanonicalPlanText(first->plan));
+  EXPECT_EQ(CanonicalPlanText(*again->plan), CanonicalPlanText(*first->plan));
   // A different batch for a planned step.
   std::vector<Sample> other = b0;
   other.pop_back();
@@ -158,15 +158,15 @@ TEST_F(JobRegistryTest, ReportsAreAcceptedOnceAndFoldedWhenEveryRankReported) {
   absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, batch);
   ASSERT_TRUE(step.ok());
   // Not joined yet.
-  EXPECT_EQ(registry_.ReportStep(id, 0, 0, Measure(step->plan, 0), 0.5).status().code(),
+  EXPECT_EQ(registry_.ReportStep(id, 0, 0, Measure(*step->plan, 0), 0.5).status().code(),
             absl::StatusCode::kFailedPrecondition);
   JoinAll(id, 3);
   // Not planned.
-  EXPECT_EQ(registry_.ReportStep(id, 1, 0, Measure(step->plan, 0), 0.5).status().code(),
+  EXPECT_EQ(registry_.ReportStep(id, 1, 0, Measure(*step->plan, 0), 0.5).status().code(),
             absl::StatusCode::kFailedPrecondition);
   const double per_token_before = registry_.GetJob(id)->coefficients.per_token;
   for (int r = 0; r < 3; ++r) {
-    absl::StatusOr<bool> duplicate = registry_.ReportStep(id, 0, r, Measure(step->plan, r), 0.1);
+    absl::StatusOr<bool> duplicate = registry_.ReportStep(id, 0, r, Measure(*step->plan, r), 0.1);
     ASSERT_TRUE(duplicate.ok()) << duplicate.status();
     EXPECT_FALSE(*duplicate);
     if (r < 2) {  // nothing is folded before the last rank has reported
@@ -176,7 +176,7 @@ TEST_F(JobRegistryTest, ReportsAreAcceptedOnceAndFoldedWhenEveryRankReported) {
   // Folded once, after the last rank: the model saw everything 10% slower than predicted.
   const JobView view = *registry_.GetJob(id);
   EXPECT_NE(view.coefficients.per_token, per_token_before);
-  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 0, 1, Measure(step->plan, 1), 0.1);
+  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 0, 1, Measure(*step->plan, 1), 0.1);
   ASSERT_TRUE(repeat.ok());
   EXPECT_TRUE(*repeat);
   EXPECT_EQ(registry_.GetJob(id)->coefficients.per_token, view.coefficients.per_token);
@@ -196,22 +196,22 @@ TEST_F(JobRegistryTest, LocallyPlannedStepsAreRecordedAsTheTrainerRanThem) {
   absl::StatusOr<SubmitResult> local = registry_.SubmitBatch(id, 3, Batch(4, 2), true);
   ASSERT_TRUE(local.ok()) << local.status();
   EXPECT_EQ(local->skipped_steps, 2);
-  EXPECT_TRUE(local->plan.planned_locally);
+  EXPECT_TRUE(local->plan->planned_locally);
   absl::StatusOr<StepPlan> expected = PlanStepLocally(Batch(4, 2), settings.planner);
   ASSERT_TRUE(expected.ok());
-  EXPECT_EQ(CanonicalPlanText(local->plan), CanonicalPlanText(*expected));
+  EXPECT_EQ(CanonicalPlanText(*local->plan), CanonicalPlanText(*expected));
   EXPECT_EQ(registry_.GetJob(id)->next_step, 4);
   // Reports against the local plan fit it and are folded; a planner's-plan report does not.
-  EXPECT_EQ(registry_.ReportStep(id, 3, 0, Measure(local->plan, 0), 0.0, false).status().code(),
+  EXPECT_EQ(registry_.ReportStep(id, 3, 0, Measure(*local->plan, 0), 0.0, false).status().code(),
             absl::StatusCode::kFailedPrecondition);
   for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(registry_.ReportStep(id, 3, r, Measure(local->plan, r), 0.0, true).ok());
+    ASSERT_TRUE(registry_.ReportStep(id, 3, r, Measure(*local->plan, r), 0.0, true).ok());
   }
   // Step 4 was planned by the planner, but the ranks ran their local plan: the first local
   // report switches the record (no report yet), and a later planner's-plan report is refused.
   absl::StatusOr<SubmitResult> planned = registry_.SubmitBatch(id, 4, Batch(5, 2));
   ASSERT_TRUE(planned.ok());
-  EXPECT_FALSE(planned->plan.planned_locally);
+  EXPECT_FALSE(planned->plan->planned_locally);
   absl::StatusOr<StepPlan> local4 = PlanStepLocally(Batch(5, 2), settings.planner);
   ASSERT_TRUE(local4.ok());
   ASSERT_TRUE(registry_.ReportStep(id, 4, 1, Measure(*local4, 1), 0.0, true).ok());
@@ -219,14 +219,14 @@ TEST_F(JobRegistryTest, LocallyPlannedStepsAreRecordedAsTheTrainerRanThem) {
   absl::StatusOr<std::shared_ptr<const StepPlan>> served = registry_.GetPlan(id, 4, 0, &ready);
   ASSERT_TRUE(served.ok() && ready);
   EXPECT_EQ(CanonicalPlanText(**served), CanonicalPlanText(*local4));
-  EXPECT_EQ(registry_.ReportStep(id, 4, 0, Measure(planned->plan, 0), 0.0, false).status().code(),
+  EXPECT_EQ(registry_.ReportStep(id, 4, 0, Measure(*planned->plan, 0), 0.0, false).status().code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(registry_.ReportStep(id, 4, 0, Measure(*local4, 0), 0.0, true).ok());
   EXPECT_EQ(registry_.GetJob(id)->steps_folded, 2);
   // A step with reports against one plan cannot be switched by a resubmission.
   absl::StatusOr<SubmitResult> step5 = registry_.SubmitBatch(id, 5, Batch(6, 2));
   ASSERT_TRUE(step5.ok());
-  ASSERT_TRUE(registry_.ReportStep(id, 5, 0, Measure(step5->plan, 0), 0.0).ok());
+  ASSERT_TRUE(registry_.ReportStep(id, 5, 0, Measure(*step5->plan, 0), 0.0).ok());
   EXPECT_EQ(registry_.SubmitBatch(id, 5, Batch(6, 2), true).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
@@ -236,7 +236,7 @@ TEST_F(JobRegistryTest, BadReportsNameTheFieldAndLeaveTheRankUnreported) {
   JoinAll(id, 2);
   absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
   ASSERT_TRUE(step.ok());
-  const std::vector<MicroBatchTiming> good = Measure(step->plan, 0);
+  const std::vector<MicroBatchTiming> good = Measure(*step->plan, 0);
   ASSERT_FALSE(good.empty());
   struct Case {
     void (*mutate)(std::vector<MicroBatchTiming>*);
@@ -276,8 +276,8 @@ TEST_F(JobRegistryTest, ExchangeTimesOutsideShardsAreRefusedAndAcceptedReportsSt
   JoinAll(id, 2);
   absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
   ASSERT_TRUE(step.ok());
-  ASSERT_TRUE(registry_.ReportStep(id, 0, 1, Measure(step->plan, 1), 0.0).ok());
-  const std::vector<MicroBatchTiming> good = Measure(step->plan, 0);
+  ASSERT_TRUE(registry_.ReportStep(id, 0, 1, Measure(*step->plan, 1), 0.0).ok());
+  const std::vector<MicroBatchTiming> good = Measure(*step->plan, 0);
   ASSERT_FALSE(good.empty());
   struct Case {
     void (*mutate)(std::vector<MicroBatchTiming>*);
@@ -303,7 +303,7 @@ TEST_F(JobRegistryTest, ExchangeTimesOutsideShardsAreRefusedAndAcceptedReportsSt
   // Nothing folded; rank 1's report is still the acknowledged one (a repeat), rank 0 is still
   // unreported, and its good report completes the step.
   EXPECT_EQ(registry_.GetJob(id)->steps_folded, 0);
-  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 0, 1, Measure(step->plan, 1), 0.0);
+  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 0, 1, Measure(*step->plan, 1), 0.0);
   ASSERT_TRUE(repeat.ok());
   EXPECT_TRUE(*repeat);
   absl::StatusOr<bool> fresh = registry_.ReportStep(id, 0, 0, good, 0.0);
@@ -374,7 +374,7 @@ TEST_F(JobRegistryTest, MeasuredRecallTeachesTheJobsRecallCurves) {
     absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, s, Batch(10 + s, 2));
     ASSERT_TRUE(step.ok()) << step.status();
     for (int r = 0; r < 2; ++r) {
-      ASSERT_TRUE(registry_.ReportStep(id, s, r, MeasureWithRecall(step->plan, r, 2.0), 0).ok());
+      ASSERT_TRUE(registry_.ReportStep(id, s, r, MeasureWithRecall(*step->plan, r, 2.0), 0).ok());
     }
   }
   const JobView view = *registry_.GetJob(id);
@@ -391,8 +391,8 @@ TEST_F(JobRegistryTest, MeasuredRecallTeachesTheJobsRecallCurves) {
   // The plans now carry the learned curve's recall per bucket.
   absl::StatusOr<SubmitResult> next = registry_.SubmitBatch(id, 6, Batch(20, 2));
   ASSERT_TRUE(next.ok());
-  ASSERT_FALSE(next->plan.buckets.empty());
-  for (const BucketRecallFigures& b : next->plan.buckets) {
+  ASSERT_FALSE(next->plan->buckets.empty());
+  for (const BucketRecallFigures& b : next->plan->buckets) {
     EXPECT_LT(b.default_recall, PredictedRecall(0.0, 0.3) - 0.01) << b.label;
   }
 }
@@ -402,7 +402,7 @@ TEST_F(JobRegistryTest, BadDocumentRecallsNameTheFieldAndLeaveTheRankUnreported)
   JoinAll(id, 2);
   absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
   ASSERT_TRUE(step.ok());
-  const std::vector<MicroBatchTiming> good = MeasureWithRecall(step->plan, 0, 3.0);
+  const std::vector<MicroBatchTiming> good = MeasureWithRecall(*step->plan, 0, 3.0);
   ASSERT_FALSE(good.empty());
   ASSERT_FALSE(good[0].documents.empty());
   struct Case {
@@ -470,10 +470,10 @@ TEST_F(JobRegistryTest, OldStepsAreServedAsTheyWerePlanned) {
     // measured, so that folding a late step uses them.
     for (int r = 0; r < ranks; ++r) {
       if (step == 1 || (step == 2 && r == 2)) continue;
-      std::vector<MicroBatchTiming> report = Measure(planned[step].plan, r);
+      std::vector<MicroBatchTiming> report = Measure(*planned[step].plan, r);
       for (MicroBatchTiming& m : report) {
         const PlannedSample& s =
-            planned[step].plan.ranks[r].micro_batches[m.micro_batch].samples[0];
+            planned[step].plan->ranks[r].micro_batches[m.micro_batch].samples[0];
         m.documents.push_back({s.id, 0, 0.95, {}, 4});
       }
       ASSERT_TRUE(registry_.ReportStep(id, step, r, report, 0.2).ok());
@@ -487,7 +487,7 @@ TEST_F(JobRegistryTest, OldStepsAreServedAsTheyWerePlanned) {
       bool ready = false;
       absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_.GetPlan(id, step, 1, &ready);
       ASSERT_TRUE(plan.ok() && ready) << plan.status();
-      EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(planned[step].plan)) << step;
+      EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(*planned[step].plan)) << step;
     }
   }
   // A restarted rank resumes at its first unreported step: 1 (and 2 for rank 2).
@@ -501,29 +501,29 @@ TEST_F(JobRegistryTest, OldStepsAreServedAsTheyWerePlanned) {
   absl::StatusOr<SubmitResult> again = registry_.SubmitBatch(id, 0, batches[0]);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(again->repeated);
-  EXPECT_EQ(CanonicalPlanText(again->plan), CanonicalPlanText(planned[0].plan));
+  EXPECT_EQ(CanonicalPlanText(*again->plan), CanonicalPlanText(*planned[0].plan));
   EXPECT_EQ(again->deferred_ids, planned[0].deferred_ids);
   EXPECT_EQ(registry_.SubmitBatch(id, 3, batches[4]).status().code(),
             absl::StatusCode::kAlreadyExists);
   ASSERT_TRUE(registry_.SubmitBatch(id, 7, Batch(207, ranks)).ok());
   // Repeats of reports of packed, folded steps: the same is a duplicate, another differs.
-  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 3, 1, Measure(planned[3].plan, 1), 0.2);
+  absl::StatusOr<bool> repeat = registry_.ReportStep(id, 3, 1, Measure(*planned[3].plan, 1), 0.2);
   ASSERT_TRUE(repeat.ok()) << repeat.status();
   EXPECT_TRUE(*repeat);
-  absl::Status differs = registry_.ReportStep(id, 4, 1, Measure(planned[4].plan, 1), 0.3).status();
+  absl::Status differs = registry_.ReportStep(id, 4, 1, Measure(*planned[4].plan, 1), 0.3).status();
   EXPECT_EQ(differs.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(std::string(differs.message()), HasSubstr("wait_seconds: 0.3"));
   // Late reports: checked against the old plan, then accepted and folded (step 2 first, as its
   // last rank reports, then step 1).
-  std::vector<MicroBatchTiming> wrong = Measure(planned[2].plan, 2);
+  std::vector<MicroBatchTiming> wrong = Measure(*planned[2].plan, 2);
   wrong[0].micro_batch = 7;
   EXPECT_EQ(registry_.ReportStep(id, 2, 2, wrong, 0.2).status().code(),
             absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(registry_.ReportStep(id, 2, 2, Measure(planned[2].plan, 2), 0.2).ok());
+  ASSERT_TRUE(registry_.ReportStep(id, 2, 2, Measure(*planned[2].plan, 2), 0.2).ok());
   EXPECT_EQ(registry_.GetJob(id)->steps_folded, 5);
   ASSERT_TRUE(registry_.SubmitBatch(id, 8, Batch(208, ranks)).ok());
   for (int r = 0; r < ranks; ++r) {
-    absl::StatusOr<bool> late = registry_.ReportStep(id, 1, r, Measure(planned[1].plan, r), 0.2);
+    absl::StatusOr<bool> late = registry_.ReportStep(id, 1, r, Measure(*planned[1].plan, r), 0.2);
     ASSERT_TRUE(late.ok()) << late.status();
     EXPECT_FALSE(*late);
   }
@@ -541,7 +541,7 @@ TEST_F(JobRegistryTest, UpdateJobConfigChangesTunablesOnly) {
   ASSERT_TRUE(now.ok()) << now.status();
   EXPECT_EQ(now->planner.policy, Policy::kTokens);
   EXPECT_EQ(now->planner.ranks, 2);
-  EXPECT_EQ(registry_.SubmitBatch(id, 0, Batch(7, 2))->plan.policy, Policy::kTokens);
+  EXPECT_EQ(registry_.SubmitBatch(id, 0, Batch(7, 2))->plan->policy, Policy::kTokens);
   absl::Status frozen = registry_.UpdateJobConfig(id, update, {"world_size"}).status();
   EXPECT_EQ(frozen.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(frozen.message()), HasSubstr("world_size"));
@@ -600,7 +600,7 @@ TEST_F(JobRegistryTest, ConcurrentReportsAreAllAcceptedAndFoldedOnce) {
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       for (int repeat = 0; repeat < 3; ++repeat) {
-        absl::StatusOr<bool> d = registry_.ReportStep(id, 0, r, Measure(step->plan, r), 0.0);
+        absl::StatusOr<bool> d = registry_.ReportStep(id, 0, r, Measure(*step->plan, r), 0.0);
         if (d.ok() && !*d) ++fresh[r];
       }
     });

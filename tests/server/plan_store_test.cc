@@ -101,11 +101,11 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
       batches.push_back(Batch(10 + step, kRanks));
       absl::StatusOr<SubmitResult> result = registry.SubmitBatch(id, step, batches.back());
       ASSERT_TRUE(result.ok()) << result.status();
-      plans.push_back(CanonicalPlanText(result->plan));
+      plans.push_back(CanonicalPlanText(*result->plan));
       // Steps 0 and 1 fully reported (folded into the model), step 2 by rank 0 only.
       const int reporters = step < 2 ? kRanks : 1;
       for (int r = 0; r < reporters; ++r) {
-        ASSERT_TRUE(registry.ReportStep(id, step, r, Measure(result->plan, r), 0.0).ok());
+        ASSERT_TRUE(registry.ReportStep(id, step, r, Measure(*result->plan, r), 0.0).ok());
       }
     }
     before = *registry.GetJob(id);
@@ -157,7 +157,7 @@ TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
           registry.SubmitBatch(id, step, Batch(30 + step, kRanks));
       ASSERT_TRUE(result.ok());
       for (int r = 0; r < kRanks; ++r) {
-        ASSERT_TRUE(registry.ReportStep(id, step, r, Measure(result->plan, r), 0.0).ok());
+        ASSERT_TRUE(registry.ReportStep(id, step, r, Measure(*result->plan, r), 0.0).ok());
       }
     }
     before = *registry.GetJob(id);
@@ -318,7 +318,7 @@ TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   const std::string& id = job.job_id;
   absl::StatusOr<SubmitResult> s0 = registry.SubmitBatch(id, 0, Batch(1, 2));
   ASSERT_TRUE(s0.ok());
-  ASSERT_TRUE(registry.ReportStep(id, 0, 0, Measure(s0->plan, 0), 0.0).ok());
+  ASSERT_TRUE(registry.ReportStep(id, 0, 0, Measure(*s0->plan, 0), 0.0).ok());
   // A crash in the middle of the next append leaves half a record.
   const std::string log = dir + "/" + id + "/step-0.reports";
   const int fd = open(log.c_str(), O_WRONLY | O_APPEND);
@@ -327,8 +327,8 @@ TEST(PlanStoreTest, ATornReportIsDroppedAndHistoryAndDeleteRemoveFiles) {
   close(fd);
   JobRegistry restored(stored.options, CountingHex());
   ASSERT_TRUE(restored.Restore().ok());
-  EXPECT_TRUE(*restored.ReportStep(id, 0, 0, Measure(s0->plan, 0), 0.0));   // kept
-  EXPECT_FALSE(*restored.ReportStep(id, 0, 1, Measure(s0->plan, 1), 0.0));  // not torn in
+  EXPECT_TRUE(*restored.ReportStep(id, 0, 0, Measure(*s0->plan, 0), 0.0));   // kept
+  EXPECT_FALSE(*restored.ReportStep(id, 0, 1, Measure(*s0->plan, 1), 0.0));  // not torn in
   // History of 2: step 0's files go when step 2 is planned.
   ASSERT_TRUE(restored.SubmitBatch(id, 1, Batch(2, 2)).ok());
   ASSERT_TRUE(restored.SubmitBatch(id, 2, Batch(3, 2)).ok());

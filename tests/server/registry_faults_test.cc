@@ -121,10 +121,10 @@ class RegistryFaultsTest : public ::testing::Test {
     EXPECT_TRUE(submitted.ok()) << submitted.status();
     for (int r = 0; r < ranks; ++r) {
       absl::StatusOr<bool> reported = registry_->ReportStep(
-          id, step, r, test_support::TimingsOf(submitted->plan.ranks[r].micro_batches, 1.1), 0.01);
+          id, step, r, test_support::TimingsOf(submitted->plan->ranks[r].micro_batches, 1.1), 0.01);
       EXPECT_TRUE(reported.ok()) << reported.status();
     }
-    return submitted->plan;
+    return *submitted->plan;
   }
 
   std::string JobDir(const std::string& id) const { return dir_ + "/" + id; }
@@ -360,7 +360,7 @@ TEST_F(RegistryFaultsTest, AnOlderPlannersStoredPlanRestoresWithLengthsFromItsBa
   ASSERT_GT(packed, 0);
   absl::StatusOr<SubmitResult> submitted = registry_->SubmitBatch(id, 0, batch);
   ASSERT_TRUE(submitted.ok()) << submitted.status();
-  const StepPlan planned = submitted->plan;
+  const StepPlan planned = *submitted->plan;
   // Rank 0 reports now; rank 1 after the restart, which folds the step from the old-form plan.
   ASSERT_TRUE(Answered(
       registry_->ReportStep(id, 0, 0, test_support::TimingsOf(planned.ranks[0].micro_batches), 0),
@@ -404,10 +404,10 @@ TEST_F(RegistryFaultsTest, TheLearnedRecallCurvesSurviveARestart) {
     ASSERT_TRUE(submitted.ok()) << submitted.status();
     for (int r = 0; r < kRanks; ++r) {
       std::vector<MicroBatchTiming> timings =
-          test_support::TimingsOf(submitted->plan.ranks[r].micro_batches, 1.0);
+          test_support::TimingsOf(submitted->plan->ranks[r].micro_batches, 1.0);
       for (MicroBatchTiming& m : timings) {
         for (const PlannedSample& p :
-             submitted->plan.ranks[r].micro_batches[m.micro_batch].samples) {
+             submitted->plan->ranks[r].micro_batches[m.micro_batch].samples) {
           m.documents.push_back({p.id, 0, RecallAt(2.0, p.density), {}, 2});
         }
       }
@@ -480,7 +480,7 @@ TEST_F(RegistryFaultsTest, ARepeatThatDiffersAndAnIncompleteReportAreRefused) {
       registry_->SubmitBatch(id, 0, test_support::PretrainBatch(6, kRanks));
   ASSERT_TRUE(submitted.ok());
   const std::vector<MicroBatchTiming> timings =
-      test_support::TimingsOf(submitted->plan.ranks[0].micro_batches, 1.1);
+      test_support::TimingsOf(submitted->plan->ranks[0].micro_batches, 1.1);
   ASSERT_GE(timings.size(), 1u);
   absl::StatusOr<bool> empty = registry_->ReportStep(id, 0, 1, {}, 0.0);
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
