@@ -815,22 +815,34 @@ std::vector<RecallObservation> JobRegistry::RecallObservationsOf(const StepRecor
     }
   }
   observations.reserve(count);
-  // A micro-batch's planned samples by id: one vector reused for every micro-batch, sorted and
-  // searched (a hash map per micro-batch cost more in allocations than the lookups).
+  // Workers measure a micro-batch's documents in its planned order, so each is looked for
+  // first at the planned sample of the one before it, then at the next; only a report in
+  // another order builds the micro-batch's samples sorted by id (one vector reused for every
+  // micro-batch; a hash map per micro-batch cost more in allocations than the lookups).
   std::vector<std::pair<uint64_t, const PlannedSample*>> by_id;
   auto by_first = [](const auto& a, const auto& b) { return a.first < b.first; };
   for (const auto& [rank, reports] : record.reports) {
     for (const MicroBatchTiming& m : reports) {
       if (m.documents.empty()) continue;
-      const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
+      const std::vector<PlannedSample>& samples =
+          record.plan->ranks[rank].micro_batches[m.micro_batch].samples;
       by_id.clear();
-      for (const PlannedSample& p : planned.samples) by_id.emplace_back(p.id, &p);
-      std::sort(by_id.begin(), by_id.end(), by_first);
+      size_t next = 0;  // the planned sample after the last one found in order
+      auto find = [&](uint64_t id) -> const PlannedSample* {
+        if (next > 0 && samples[next - 1].id == id) return &samples[next - 1];
+        if (next < samples.size() && samples[next].id == id) return &samples[next++];
+        if (by_id.empty()) {
+          for (const PlannedSample& p : samples) by_id.emplace_back(p.id, &p);
+          std::sort(by_id.begin(), by_id.end(), by_first);
+        }
+        auto it =
+            std::lower_bound(by_id.begin(), by_id.end(), std::make_pair(id, nullptr), by_first);
+        return it == by_id.end() || it->first != id ? nullptr : it->second;
+      };
       for (const DocumentRecallMeasurement& d : m.documents) {
-        auto it = std::lower_bound(by_id.begin(), by_id.end(), std::make_pair(d.sample_id, nullptr),
-                                   by_first);
-        if (it == by_id.end() || it->first != d.sample_id) continue;
-        const PlannedSample& sample = *it->second;
+        const PlannedSample* found = find(d.sample_id);
+        if (found == nullptr) continue;
+        const PlannedSample& sample = *found;
         const int64_t length =
             sample.segments.empty() ? sample.length : sample.segments[d.document];
         observations.push_back({length, -1, sample.density, d.recall});

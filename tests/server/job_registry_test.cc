@@ -397,6 +397,39 @@ TEST_F(JobRegistryTest, MeasuredRecallTeachesTheJobsRecallCurves) {
   }
 }
 
+// The fold finds a measured document's planned sample whatever order the report lists them
+// in: reversed reports teach the same curves as reports in the planned order.
+TEST_F(JobRegistryTest, DocumentRecallsAreMatchedInAnyOrder) {
+  const std::string in_order = Create(2);
+  const std::string reversed = Create(2);
+  JoinAll(in_order, 2);
+  JoinAll(reversed, 2);
+  for (int64_t s = 0; s < 4; ++s) {
+    absl::StatusOr<SubmitResult> a = registry_.SubmitBatch(in_order, s, Batch(30 + s, 2));
+    absl::StatusOr<SubmitResult> b = registry_.SubmitBatch(reversed, s, Batch(30 + s, 2));
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(
+          registry_.ReportStep(in_order, s, r, MeasureWithRecall(*a->plan, r, 2.0), 0).ok());
+      std::vector<MicroBatchTiming> report = MeasureWithRecall(*b->plan, r, 2.0);
+      for (MicroBatchTiming& m : report) std::reverse(m.documents.begin(), m.documents.end());
+      ASSERT_TRUE(registry_.ReportStep(reversed, s, r, report, 0).ok());
+    }
+  }
+  const std::vector<RecallCurveSummary> want = registry_.GetJob(in_order)->recall_curves;
+  const std::vector<RecallCurveSummary> got = registry_.GetJob(reversed)->recall_curves;
+  ASSERT_EQ(got.size(), want.size());
+  double measured = 0.0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(got[k].documents, want[k].documents) << k;
+    // Equal up to summation order (the curves' sums take the documents in report order).
+    EXPECT_NEAR(got[k].exponent, want[k].exponent, 1e-6) << k;
+    EXPECT_NEAR(got[k].measured_recall, want[k].measured_recall, 1e-6) << k;
+    measured += want[k].documents;
+  }
+  EXPECT_GT(measured, 0.0);
+}
+
 TEST_F(JobRegistryTest, BadDocumentRecallsNameTheFieldAndLeaveTheRankUnreported) {
   const std::string id = Create(2);
   JoinAll(id, 2);
