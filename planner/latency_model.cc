@@ -182,27 +182,30 @@ double LatencyModel::exchange_seconds_per_byte() const {
 absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {
   for (size_t i = 0; i < observations.size(); ++i) {
     const Observation& o = observations[i];
-    const std::string where =
-        absl::StrCat("observation ", i, " (rank ", o.rank, ", micro_batch ", o.micro_batch, ")");
+    // Named only when one is refused (a step has tens of thousands).
+    auto where = [&] {
+      return absl::StrCat("observation ", i, " (rank ", o.rank, ", micro_batch ", o.micro_batch,
+                          ")");
+    };
     if (!std::isfinite(o.measured_seconds) || o.measured_seconds <= 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": measured_seconds ", o.measured_seconds,
+          absl::StrCat(where(), ": measured_seconds ", o.measured_seconds,
                        " is not a positive finite number; the step was not folded in"));
     }
     if (!(o.exchange_seconds >= 0 && o.exchange_seconds < o.measured_seconds)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ": exchange_seconds ", o.exchange_seconds, " is outside [0, measured_seconds ",
+          where(), ": exchange_seconds ", o.exchange_seconds, " is outside [0, measured_seconds ",
           o.measured_seconds, "); the step was not folded in"));
     }
     if (o.rank < 0 || o.rank >= ranks()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": rank is outside [0, ", ranks(), ")"));
+          absl::StrCat(where(), ": rank is outside [0, ", ranks(), ")"));
     }
     const MicroBatchFeatures& f = o.features;
     if (!(f.active_blocks >= 0) || !(f.tokens > 0) || !(f.documents >= 1) ||
         !(f.exchange_bytes >= 0) || !std::isfinite(f.active_blocks) || !std::isfinite(f.tokens) ||
         !std::isfinite(f.documents) || !std::isfinite(f.exchange_bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat(where,
+      return absl::InvalidArgumentError(absl::StrCat(where(),
                                                      ": features need active_blocks >= 0, tokens > "
                                                      "0, documents >= 1 and exchange_bytes >= 0"));
     }

@@ -728,6 +728,9 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
     if (options_.on_fold_failure) options_.on_fold_failure(id, step, why);
   };
   std::vector<Observation> observations;
+  size_t count = 0;
+  for (const auto& [rank, reports] : record.reports) count += reports.size();
+  observations.reserve(count);
   for (const auto& [rank, reports] : record.reports) {
     for (const MicroBatchTiming& m : reports) {
       Observation o;
