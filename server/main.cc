@@ -4,6 +4,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -119,22 +120,12 @@ tools::ListenAddress CheckedListenFlag(absl::string_view flag, const std::string
   return *std::move(parsed);
 }
 
-// Health follows the state directory: NOT_SERVING while it cannot be written (a store failure
-// or a failed probe), SERVING again once a probe can write it. Probes every `check_seconds`,
-// every second while failing, and at once after a store failure.
-class StateDirHealth {
+// A background thread that runs a loop body until Stop(). Between rounds the body calls
+// Wait, which returns false once Stop() was called (Stop wakes it at once).
+class BackgroundLoop {
  public:
-  StateDirHealth(PlanStore* store, double check_seconds, std::function<void(bool)> set_serving)
-      : store_(store), check_seconds_(check_seconds), set_serving_(std::move(set_serving)) {}
-  ~StateDirHealth() { Stop(); }
-  void Start() {
-    thread_ = std::thread([this] { Run(); });
-  }
-  void OnStoreFailure() {
-    absl::MutexLock lock(&mu_);
-    failed_write_ = true;
-    wake_.Signal();
-  }
+  ~BackgroundLoop() { Stop(); }
+  void Start(std::function<void()> body) { thread_ = std::thread(std::move(body)); }
   void Stop() {
     {
       absl::MutexLock lock(&mu_);
@@ -143,21 +134,46 @@ class StateDirHealth {
     }
     if (thread_.joinable()) thread_.join();
   }
+  // Sleeps up to `timeout`, or less when Wake() or Stop() is called meanwhile. With
+  // `take_wake`, a Wake() made before the call ends it at once. False once stopping.
+  bool Wait(absl::Duration timeout, bool take_wake) {
+    absl::MutexLock lock(&mu_);
+    if (!stop_ && !(take_wake && woken_)) wake_.WaitWithTimeout(&mu_, timeout);
+    woken_ = false;
+    return !stop_;
+  }
+  void Wake() {
+    absl::MutexLock lock(&mu_);
+    woken_ = true;
+    wake_.Signal();
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::CondVar wake_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool woken_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+// Health follows the state directory: NOT_SERVING while it cannot be written (a store failure
+// or a failed probe), SERVING again once a probe can write it. Probes every `check_seconds`,
+// every second while failing, and at once after a store failure while SERVING.
+class StateDirHealth {
+ public:
+  StateDirHealth(PlanStore* store, double check_seconds, std::function<void(bool)> set_serving)
+      : store_(store), check_seconds_(check_seconds), set_serving_(std::move(set_serving)) {}
+  void Start() {
+    loop_.Start([this] { Run(); });
+  }
+  void OnStoreFailure() { loop_.Wake(); }
+  void Stop() { loop_.Stop(); }
 
  private:
   void Run() {
     bool writable = true;
-    absl::MutexLock lock(&mu_);
-    while (!stop_) {
-      if (!(writable && failed_write_)) {
-        wake_.WaitWithTimeout(&mu_, absl::Seconds(writable ? check_seconds_ : 1.0));
-      }
-      if (stop_) break;
-      failed_write_ = false;
-      mu_.Unlock();
+    while (loop_.Wait(absl::Seconds(writable ? check_seconds_ : 1.0), /*take_wake=*/writable)) {
       const absl::Status probe = store_->CheckWritable();
-      mu_.Lock();
-      if (stop_) break;
       if (probe.ok() != writable) {
         writable = probe.ok();
         std::cout << "sb-planner: "
@@ -173,11 +189,7 @@ class StateDirHealth {
   PlanStore* const store_;
   const double check_seconds_;
   const std::function<void(bool)> set_serving_;
-  absl::Mutex mu_;
-  absl::CondVar wake_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool failed_write_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
+  BackgroundLoop loop_;  // last: stopped (joined) before the members its thread reads go
 };
 
 // Deletes idle jobs (PlannerServiceImpl::ExpireIdleJobs) every `period` until stopped.
@@ -187,42 +199,26 @@ class IdleJobSweeper {
       : service_(service),
         ttl_(ttl),
         period_(std::clamp(ttl / 10, absl::Seconds(1), absl::Seconds(60))) {}
-  ~IdleJobSweeper() { Stop(); }
   void Start() {
-    if (ttl_ > absl::ZeroDuration()) thread_ = std::thread([this] { Run(); });
+    if (ttl_ > absl::ZeroDuration()) loop_.Start([this] { Run(); });
   }
-  void Stop() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-      wake_.Signal();
-    }
-    if (thread_.joinable()) thread_.join();
-  }
+  void Stop() { loop_.Stop(); }
 
  private:
   void Run() {
-    absl::MutexLock lock(&mu_);
-    while (!stop_) {
-      wake_.WaitWithTimeout(&mu_, period_);
-      if (stop_) break;
-      mu_.Unlock();
+    while (loop_.Wait(period_, /*take_wake=*/false)) {
       for (const std::string& job_id : service_->ExpireIdleJobs(absl::ToChronoNanoseconds(ttl_))) {
         std::cout << "sb-planner: job " << job_id
                   << " deleted: idle for --job_idle_ttl=" << absl::FormatDuration(ttl_)
                   << std::endl;
       }
-      mu_.Lock();
     }
   }
 
   PlannerServiceImpl* const service_;
   const absl::Duration ttl_;
   const absl::Duration period_;
-  absl::Mutex mu_;
-  absl::CondVar wake_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
+  BackgroundLoop loop_;  // last: stopped (joined) before the members its thread reads go
 };
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials() {

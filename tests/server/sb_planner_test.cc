@@ -129,6 +129,31 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
 
 std::string ReadText(const std::string& path) { return tools::ReadFile(path).value_or(""); }
 
+// The sweeper thread of --job_idle_ttl (a period of a tenth of the TTL, at least a second)
+// deletes a job nobody calls for, counts it and says so; the planner still stops cleanly.
+TEST(SbPlannerTest, AnIdleJobIsDeletedByTheSweeper) {
+  std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(StateDir(), {"--job_idle_ttl=1s"});
+  ASSERT_NE(planner, nullptr);
+  auto stub = v1::PlannerService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", planner->port()), grpc::InsecureChannelCredentials()));
+  v1::CreateJobResponse job;
+  ASSERT_TRUE(CreateJob(*stub, /*world_size=*/2, &job).ok());
+  const absl::StatusOr<std::string> line = planner->WaitForLine("deleted: idle", 15.0);
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_NE(line->find(job.job_id()), std::string::npos) << *line;
+  EXPECT_NE(line->find("--job_idle_ttl=1s"), std::string::npos) << *line;
+  const std::string scraped = Scrape(planner->metrics_port());
+  EXPECT_NE(scraped.find("sparsebalance_jobs 0"), std::string::npos) << scraped;
+  EXPECT_NE(scraped.find("sparsebalance_jobs_expired_total 1"), std::string::npos) << scraped;
+  v1::GetJobRequest get;
+  get.set_job_id(job.job_id());
+  v1::GetJobResponse got;
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer " + job.job_token());
+  EXPECT_EQ(stub->GetJob(&context, get, &got).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(planner->Stop(), 0);
+}
+
 TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
   // A throwaway CA, a server certificate for localhost/127.0.0.1 and a client certificate.
   std::string pattern = ::testing::TempDir() + "sb_tls_XXXXXX";
