@@ -603,7 +603,12 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
       } else {
         b = x;
       }
-      if (!NewtonStep(f, derivative, a, b, /*scale=*/a, &x)) break;
+      // Newton aims at the middle of the accepted band [target, target + tolerance]: aimed at
+      // the target itself, it approaches from whichever side the curvature puts it on, and
+      // from below it never lands in the band (it took eight or nine steps where two do).
+      if (!NewtonStep(r - (target + 0.5 * kRecallTolerance), derivative, a, b, /*scale=*/a, &x)) {
+        break;
+      }
     }
     x = a;
     recall = recall_a;
