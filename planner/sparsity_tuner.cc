@@ -458,13 +458,19 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
       if (!evaluated) f = excess(x, &derivative);
       evaluated = true;
-      if (std::fabs(f) <= kBudgetTolerance * budget) break;
+      // Accepted: within the budget by at most its tolerance. Newton aims at the middle of
+      // that band; aimed at the budget itself it converges from whichever side the curvature
+      // puts it on, and from above it would end over the budget (then at b below, which can
+      // be far from the root).
+      if (f <= 0 && f >= -kBudgetTolerance * budget) break;
       if (f > 0) {
         a = x;
       } else {
         b = x;
       }
-      if (!NewtonStep(f, derivative, a, b, /*scale=*/x, &x)) break;
+      if (!NewtonStep(f + 0.5 * kBudgetTolerance * budget, derivative, a, b, /*scale=*/x, &x)) {
+        break;
+      }
       evaluated = false;
     }
     // End on the feasible side so the rank does not overshoot its budget.
