@@ -282,7 +282,7 @@ class Harness {
           return;
         }
         if (job == nullptr) Fail("SubmitBatch succeeded for a job that never existed");
-        const std::string text = PlanText(result->plan);
+        const std::string text = PlanText(*result->plan);
         auto known = job->plans.find(step);
         if (result->repeated && !result->switched_to_local && known != job->plans.end() &&
             known->second != text) {
