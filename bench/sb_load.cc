@@ -7,6 +7,12 @@
 //   step     One step of a --ranks job: --ranks GetRankPlan calls wait first, then one
 //            SubmitBatch of --samples samples, then every rank reports as soon as its plan
 //            arrives. Time from the SubmitBatch call to the last report's answer, --steps times.
+//   prefetch The client's default flow (client/balancer.h, prefetch on) over --steps steps of
+//            a --ranks job: once a step's plans are out, the next step's batch is submitted and
+//            every rank asks for its plan of it while the step trains (--step_seconds, a sleep:
+//            the GPUs' time); at the step's end each rank reports it and takes its prefetched
+//            plan. What the planner costs the ranks is how long each then waits for a plan not
+//            in yet, and how soon after a step starts all of the next step's plans are in.
 //   soak     --soak_steps whole steps of a --soak_ranks job; the planner's resident memory is
 //            sampled as it goes (needs the planner's pid: started here, or --planner_pid).
 //   floor    The reports scenario's calls without their work: --reports grpc.health.v1 Check
@@ -56,13 +62,17 @@ ABSL_FLAG(std::string, sb_planner, "",
           "the sb-planner binary to start (default: ../server/sb-planner next to sb-load)");
 ABSL_FLAG(int, planner_pid, 0, "pid of the --planner process, for the soak's memory figures");
 ABSL_FLAG(std::string, admin_token_file, "", "file holding the planner's admin token, if any");
-ABSL_FLAG(std::string, scenario, "all", "reports | step | soak | all | floor (not in all)");
+ABSL_FLAG(std::string, scenario, "all",
+          "reports | step | prefetch | soak | all | floor (not in all)");
 ABSL_FLAG(int, clients, 64, "reports: concurrent clients (a connection and a rank each)");
 ABSL_FLAG(int, reports, 40000, "reports: ReportStep calls in all");
-ABSL_FLAG(int, ranks, 1024, "step: ranks of the job");
-ABSL_FLAG(int, samples, 16384, "step: samples per SubmitBatch");
-ABSL_FLAG(int, steps, 5, "step: steps measured (the median and the slowest are reported)");
-ABSL_FLAG(int, connections, 64, "step: connections the ranks share");
+ABSL_FLAG(int, ranks, 1024, "step, prefetch: ranks of the job");
+ABSL_FLAG(int, samples, 16384, "step, prefetch: samples per SubmitBatch");
+ABSL_FLAG(int, steps, 5,
+          "step, prefetch: steps measured (step: the median and the slowest are reported)");
+ABSL_FLAG(int, connections, 64, "step, prefetch: connections the ranks share");
+ABSL_FLAG(double, step_seconds, 1.0,
+          "prefetch: seconds each step trains (a sleep) while the next one is planned");
 ABSL_FLAG(int, soak_steps, 10000, "soak: steps");
 ABSL_FLAG(int, soak_ranks, 8, "soak: ranks of the job");
 ABSL_FLAG(std::string, json, "", "also write the figures to this file as JSON");
@@ -584,6 +594,112 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
   DeleteJob(connections[0], admin, job);
 }
 
+// The prefetch scenario (see the top of the file). Step 0 is planned and fetched before the
+// clock starts (a first step is never prefetched); steps 1..--steps are measured.
+void RunPrefetch(const std::string& target, const std::string& admin, Figures* figures) {
+  const int ranks = absl::GetFlag(FLAGS_ranks);
+  const int samples = absl::GetFlag(FLAGS_samples);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const double step_seconds = absl::GetFlag(FLAGS_step_seconds);
+  if (!(step_seconds >= 0 && step_seconds <= 600)) {
+    tools::Fatal(absl::StrCat("--step_seconds=", step_seconds, ": expected 0 to 600 seconds"));
+  }
+  Connections connections(target, absl::GetFlag(FLAGS_connections));
+  const Job job = CreateJob(connections[0], admin, ranks, 4, 0);
+  Join(connections, job, ranks);
+  // Each rank's plan of a step and when it arrived; GetRankPlan waits for a step not planned.
+  struct Fetched {
+    std::vector<v1::RankPlan> plans;
+    std::vector<Clock::time_point> arrived;
+    Tally tally;
+    std::unique_ptr<Latch> latch;
+  };
+  const auto fetch = [&](int64_t step, Fetched* out) {
+    out->plans.assign(ranks, v1::RankPlan());
+    out->arrived.assign(ranks, Clock::time_point());
+    out->latch = std::make_unique<Latch>(ranks);
+    for (int rank = 0; rank < ranks; ++rank) {
+      auto call = NewRankCall<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(job);
+      call->request.set_step(step);
+      call->request.set_rank(rank);
+      connections[rank]->async()->GetRankPlan(&call->context, &call->request, &call->response,
+                                              [out, call, rank](const grpc::Status& s) {
+                                                out->arrived[rank] = Clock::now();
+                                                if (s.ok())
+                                                  out->plans[rank] =
+                                                      std::move(*call->response.mutable_plan());
+                                                out->tally.Add(s, 0.0);
+                                                out->latch->Done();
+                                              });
+    }
+  };
+  auto current = std::make_unique<Fetched>();
+  Submit(connections[0], job, Batch(job, 0, samples, 7));
+  fetch(0, current.get());
+  current->latch->Wait();
+  current->tally.CheckOk("GetRankPlan");
+  std::vector<double> waits;      // seconds, per (step, rank): plan arrival past the step's end
+  std::vector<double> all_in;     // seconds from a step's start to its successor's last plan
+  std::vector<double> submitted;  // seconds from a step's start to the next SubmitBatch's answer
+  for (int64_t step = 0; step < steps; ++step) {
+    // The step starts: rank 0 submits the next batch, every rank prefetches its next plan.
+    const Clock::time_point start = Clock::now();
+    auto next = std::make_unique<Fetched>();
+    fetch(step + 1, next.get());
+    Clock::time_point answered;
+    std::thread submit([&] {
+      Submit(connections[0], job, Batch(job, step + 1, samples, 8 + step));
+      answered = Clock::now();
+    });
+    std::this_thread::sleep_for(std::chrono::duration<double>(step_seconds));
+    const Clock::time_point trained = Clock::now();
+    // The step ends: every rank reports it (in the background, as the client does) and takes
+    // its prefetched plan of the next step.
+    Tally reports;
+    Latch reported(ranks);
+    for (int rank = 0; rank < ranks; ++rank) {
+      auto call = NewRankCall<v1::ReportStepRequest, v1::ReportStepResponse>(job);
+      call->request = ReportFor(job, current->plans[rank]);
+      connections[rank]->async()->ReportStep(&call->context, &call->request, &call->response,
+                                             [&, call](const grpc::Status& s) {
+                                               reports.Add(s, 0.0);
+                                               reported.Done();
+                                             });
+    }
+    next->latch->Wait();
+    submit.join();
+    next->tally.CheckOk("GetRankPlan");
+    Clock::time_point last = start;
+    for (const Clock::time_point& t : next->arrived) {
+      waits.push_back(std::max(0.0, Seconds(trained, t)));
+      last = std::max(last, t);
+    }
+    all_in.push_back(Seconds(start, last));
+    submitted.push_back(Seconds(start, answered));
+    reported.Wait();
+    reports.CheckOk("ReportStep");
+    current = std::move(next);
+  }
+  const int64_t waited = std::count_if(waits.begin(), waits.end(), [](double w) { return w > 0; });
+  std::cout << absl::StrFormat(
+      "prefetch: %d ranks, %d samples, steps of %.2f s: ranks waited for their plans %.1f ms "
+      "median, %.1f ms p99, %.1f ms at most (%d of %d plans were not in when the step before "
+      "ended); "
+      "the next step's plans were all in %.1f ms median, %.1f ms at most after a step started "
+      "(SubmitBatch answered at %.1f ms median), over %d steps\n",
+      ranks, samples, step_seconds, sparsebalance::Quantile(waits, 0.5) * 1e3,
+      sparsebalance::Quantile(waits, 0.99) * 1e3, sparsebalance::Quantile(waits, 1.0) * 1e3, waited,
+      waits.size(), sparsebalance::Quantile(all_in, 0.5) * 1e3,
+      sparsebalance::Quantile(all_in, 1.0) * 1e3, sparsebalance::Quantile(submitted, 0.5) * 1e3,
+      steps);
+  figures->Add("prefetch_wait_ms_median", sparsebalance::Quantile(waits, 0.5) * 1e3);
+  figures->Add("prefetch_wait_ms_p99", sparsebalance::Quantile(waits, 0.99) * 1e3);
+  figures->Add("prefetch_wait_ms_max", sparsebalance::Quantile(waits, 1.0) * 1e3);
+  figures->Add("prefetch_all_in_ms_median", sparsebalance::Quantile(all_in, 0.5) * 1e3);
+  figures->Add("prefetch_all_in_ms_max", sparsebalance::Quantile(all_in, 1.0) * 1e3);
+  DeleteJob(connections[0], admin, job);
+}
+
 void RunSoak(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int ranks = absl::GetFlag(FLAGS_soak_ranks);
   const int steps = absl::GetFlag(FLAGS_soak_steps);
@@ -627,17 +743,18 @@ void RunSoak(const std::string& target, const std::string& admin, int pid, Figur
 }
 
 int Main(int argc, char** argv) {
-  tools::InitTool(argc, argv,
-                  "load generator for sb-planner: ReportStep throughput, one large step, and a\n"
-                  "memory soak (README \"Service load\"); starts the planner it measures unless\n"
-                  "--planner names one.\n\n"
-                  "  sb-load [--planner=HOST:PORT] [--scenario=reports|step|soak|all|floor] ...");
+  tools::InitTool(
+      argc, argv,
+      "load generator for sb-planner: ReportStep throughput, one large step, steps\n"
+      "planned ahead as the client does, and a memory soak (README \"Service load\");\n"
+      "starts the planner it measures unless --planner names one.\n\n"
+      "  sb-load [--planner=HOST:PORT] [--scenario=reports|step|prefetch|soak|all|floor] ...");
   tools::StopChildrenOnSignals();
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
-  if (scenario != "reports" && scenario != "step" && scenario != "soak" && scenario != "all" &&
-      scenario != "floor") {
-    tools::Fatal(
-        absl::StrCat("--scenario=", scenario, ": expected reports, step, soak, all or floor"));
+  if (scenario != "reports" && scenario != "step" && scenario != "prefetch" && scenario != "soak" &&
+      scenario != "all" && scenario != "floor") {
+    tools::Fatal(absl::StrCat("--scenario=", scenario,
+                              ": expected reports, step, prefetch, soak, all or floor"));
   }
   std::string admin;
   if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
@@ -663,6 +780,7 @@ int Main(int argc, char** argv) {
   Figures figures;
   if (scenario == "reports" || scenario == "all") RunReports(target, admin, pid, &figures);
   if (scenario == "step" || scenario == "all") RunStep(target, admin, &figures);
+  if (scenario == "prefetch" || scenario == "all") RunPrefetch(target, admin, &figures);
   if (scenario == "soak" || scenario == "all") RunSoak(target, admin, pid, &figures);
   if (scenario == "floor") RunFloor(target, pid, &figures);
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
