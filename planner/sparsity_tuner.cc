@@ -40,6 +40,9 @@ constexpr double kNoiseMarginZ = 1.0;
 constexpr double kMaxNoiseMargin = 0.2;
 // Relative precision of a rank's time budget in the per-rank solve.
 constexpr double kBudgetTolerance = 1e-6;
+// A rank's exact time over its budget by at most this share of it is rounding (the budget and
+// the blocks' price are summed in other orders), not over.
+constexpr double kRoundingShare = 1e-12;
 // Absolute precision of the token-weighted recall in the step-level allocation.
 constexpr double kRecallTolerance = 1e-6;
 
@@ -166,8 +169,13 @@ class Tuner {
   // excluded), when the bounds allow.
   void SolveRank(const RankWork& rank, double budget, bool lower,
                  std::vector<double>* densities) const;
-  void SolveRankOnce(const RankWork& rank, double budget, bool lower,
-                     std::vector<double>* densities) const;
+  // Returns the multiplier x it settled on (see DensityAt).
+  double SolveRankOnce(const RankWork& rank, double budget, bool lower,
+                       std::vector<double>* densities) const;
+  // After SolveRankOnce of `rank` (bounds_ and x_max_ are the rank's): the density of its k-th
+  // item at multiplier e^x, and every item's.
+  double DensityAt(const RankWork& rank, size_t k, double x) const;
+  void DensitiesAt(const RankWork& rank, double x, std::vector<double>* densities) const;
   // Exact active blocks of a rank's items at `densities` (what the plan will count).
   double ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const;
 
@@ -178,6 +186,8 @@ class Tuner {
     double lo, hi, x_hi, x_lo;
   };
   mutable std::vector<Bounds> bounds_;
+  // The multiplier at and above which every item of the rank sits at its lower bound.
+  mutable double x_max_ = 0.0;
 
   const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
@@ -346,17 +356,53 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
   // The search works on a continuous estimate of the active blocks; the plan counts them
   // exactly. Shrink the budget by any exact overshoot and solve again (once or twice at most:
   // the estimate is within a block per row).
+  const auto over = [&] { return per_block_ * ExactBlocks(rank, *densities) - budget; };
+  const double rounding = kRoundingShare * budget;
   double target = budget;
+  double x = 0.0;
   for (int pass = 0; pass < kExactPasses; ++pass) {
-    SolveRankOnce(rank, target, lower, densities);
-    const double over = per_block_ * ExactBlocks(rank, *densities) - budget;
-    if (over <= 0) return;
+    x = SolveRankOnce(rank, target, lower, densities);
+    const double excess = over();
+    if (excess <= rounding) return;
     // Overshoot a little: the exact count moves in whole blocks.
-    target -= 1.5 * over + kBudgetTolerance * budget;
+    target -= 1.5 * excess + kBudgetTolerance * budget;
   }
-  // Still over (a rounding corner): a raised rank keeps its base densities, which fit.
-  if (!lower) {
-    for (const Item& item : rank.items) (*densities)[item.index] = item.base;
+  // Still over: each document's exact count jumps by whole blocks where the estimate is smooth,
+  // and the corrections above can keep landing past a jump. The exact time only falls as x
+  // grows, so bisect x between the last one tried (over) and x_max_, where every item sits at
+  // its lower bound: a raise's base densities, which fit, or a cut's floors, the most the rank
+  // can cut (kept when even they are over). It stops within a block of the budget. (Before, a
+  // raised rank fell back to its base densities and lost its whole raise.)
+  double over_x = x;
+  double fit_x = x_max_;
+  DensitiesAt(rank, fit_x, densities);
+  if (over() > rounding) return;
+  for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
+    if (fit_x - over_x <= 1e-12 * std::max(1.0, std::fabs(fit_x))) break;
+    const double mid = 0.5 * (over_x + fit_x);
+    DensitiesAt(rank, mid, densities);
+    const double excess = over();
+    if (excess > rounding) {
+      over_x = mid;
+      continue;
+    }
+    fit_x = mid;
+    if (excess >= -(per_block_ + kBudgetTolerance * budget)) return;  // densities are at fit_x
+  }
+  DensitiesAt(rank, fit_x, densities);
+}
+
+double Tuner::DensityAt(const RankWork& rank, size_t k, double x) const {
+  const Bounds& b = bounds_[k];
+  if (x <= b.x_hi) return b.hi;
+  if (x >= b.x_lo) return b.lo;
+  const Item& item = rank.items[k];
+  return std::clamp(1.0 - DetExp((x + item.offset) * item.inv_g1), b.lo, b.hi);
+}
+
+void Tuner::DensitiesAt(const RankWork& rank, double x, std::vector<double>* densities) const {
+  for (size_t k = 0; k < rank.items.size(); ++k) {
+    (*densities)[rank.items[k].index] = DensityAt(rank, k, x);
   }
 }
 
@@ -378,8 +424,8 @@ double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densi
   return blocks;
 }
 
-void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
-                          std::vector<double>* densities) const {
+double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
+                            std::vector<double>* densities) const {
   const size_t n = rank.items.size();
   std::vector<Bounds>& bounds = bounds_;
   bounds.resize(n);
@@ -397,15 +443,10 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     x_min = k == 0 ? b.x_hi : std::min(x_min, b.x_hi);
     x_max = k == 0 ? b.x_lo : std::max(x_max, b.x_lo);
   }
+  x_max_ = x_max;
   // The density of item k at multiplier e^x: stationarity of
   // weight * recall(rho) - e^x * price * rho gives (1 - rho)^(g-1) = e^(x + offset).
-  auto density_at = [&](size_t k, double x) {
-    const Bounds& b = bounds[k];
-    if (x <= b.x_hi) return b.hi;
-    if (x >= b.x_lo) return b.lo;
-    const Item& item = rank.items[k];
-    return std::clamp(1.0 - DetExp((x + item.offset) * item.inv_g1), b.lo, b.hi);
-  };
+  auto density_at = [&](size_t k, double x) { return DensityAt(rank, k, x); };
   auto excess = [&](double x, double* derivative) {
     double blocks = 0.0;
     double d = 0.0;
@@ -419,7 +460,7 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     if (derivative != nullptr) *derivative = per_block_ * d;
     return per_block_ * blocks - budget;
   };
-  if (n == 0) return;
+  if (n == 0) return x_max;
   // excess(x_min) (at = 0: every item at its upper bound) or excess(x_max) (at = 1: at its
   // lower bound), summed as excess sums them, once per rank and direction.
   auto excess_at_bound = [&](int at) {
@@ -478,7 +519,8 @@ void Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     if (f > 0) x = b;
     rank.last_x = x;
   }
-  for (size_t k = 0; k < n; ++k) (*densities)[rank.items[k].index] = density_at(k, x);
+  DensitiesAt(rank, x, densities);
+  return x;
 }
 
 double Tuner::RankSeconds(const RankWork& rank, bool at_floor) const {
@@ -818,8 +860,13 @@ std::vector<double> LayerDensities(const Sample& sample, double density, double 
     return sum / layers;
   };
   std::vector<double> rho(layers);
-  // Bracket: at mu = max g every layer sits at lo (density 0 or below), at a tiny mu at hi.
-  double a = -60.0;                // mean >= density
+  // Bracket: at mu = max g every layer sits at lo (density 0 or below); at log mu = a every
+  // layer's density is at least `density`: rho_l is `density` at log g_l + (g_l - 1) log(1 -
+  // density), and -60 alone is not low enough next to density 1 (a layer of exponent 8 sat
+  // near 0.96 there, and the mean fell short).
+  const double log_gap = DetLog(1.0 - density);  // finite: density < hi <= 1
+  double a = -60.0;                              // mean >= density
+  for (int l = 0; l < layers; ++l) a = std::min(a, DetLog(g[l]) + (g[l] - 1.0) * log_gap - 1.0);
   double b = DetLog(*hi_g) + 1.0;  // mean <= density
   for (int iter = 0; iter < kMaxSolverIterations && b - a > 1e-12; ++iter) {
     const double mid = 0.5 * (a + b);

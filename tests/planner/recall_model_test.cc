@@ -273,6 +273,26 @@ TEST(LayerDensitiesTest, SpendTheSameDensityWhereRecallFallsFastest) {
   EXPECT_TRUE(LayerDensities(s, 0.3, 0.05, config, same).empty());
 }
 
+// Densities next to 1 (DST raises up to 1 - 1e-9 when density_max is 1): the per-layer split
+// still averages to the sample's density. Its search once started at a fixed multiplier where a
+// layer with a steep curve (exponent 8 here) sat near 0.96, and returned that.
+TEST(LayerDensitiesTest, KeepTheMeanNextToDensityOne) {
+  PlannerConfig config;
+  config.shape.layers = 2;
+  config.density_max = 1.0;
+  const RecallModel recall = LayersDiffer(config);
+  Sample s;
+  s.id = 1;
+  s.length = 65536;
+  for (double density : {0.99, 0.9999, 1.0 - 1e-6, 1.0 - 1e-9}) {
+    const std::vector<double> rho = LayerDensities(s, density, config.density_min, config, recall);
+    if (rho.empty()) continue;  // both layers at the bound: one density
+    ASSERT_EQ(rho.size(), 2u);
+    EXPECT_NEAR(0.5 * (rho[0] + rho[1]), density, 1e-9) << "density " << density;
+    EXPECT_LE(std::max(rho[0], rho[1]), 1.0);
+  }
+}
+
 TEST(LayerDensitiesTest, TunedPlansCarryThemAndStayValid) {
   int with_layers = 0;  // over all seeds (a small batch may sit at density_max everywhere)
   for (uint64_t seed = 1; seed <= 10; ++seed) {
