@@ -18,6 +18,7 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   block_size_ = config.shape.block_size;
   local_blocks_ = config.shape.local_blocks;
   blocks_.assign(batch.size(), Blocks{std::numeric_limits<double>::quiet_NaN(), 0.0});
+  recalls_.assign(batch.size(), Memo{std::numeric_limits<double>::quiet_NaN(), 0.0});
   const double per_block = model.coefficients().per_block;
   const int block = config.shape.block_size;
   // Floors and bases take few values over a batch without a document recall floor (the

@@ -47,10 +47,15 @@ class SampleTable {
               const LatencyModel& model, const RecallModel& recall);
   const SampleTerms& operator[](size_t i) const { return terms_[i]; }
   size_t size() const { return terms_.size(); }
-  // Sample i's predicted recall at density rho: RecallAt(exponent, rho), known at its base.
+  // Sample i's predicted recall at density rho: RecallAt(exponent, rho), known at its base. The
+  // last other answer per sample is kept: the recall guards and the plan's figures all ask for
+  // the tuned densities' recalls, a DetLog and a DetExp each. Not thread-safe (see FeaturesAt).
   double Recall(size_t i, double rho) const {
     const SampleTerms& t = terms_[i];
-    return rho == t.base ? t.base_recall : RecallAt(t.exponent, rho);
+    if (rho == t.base) return t.base_recall;
+    Memo& memo = recalls_[i];
+    if (!(memo.density == rho)) memo = {rho, RecallAt(t.exponent, rho)};
+    return memo.value;
   }
   // Every sample's base density (SampleTerms::base), in batch order.
   std::vector<double> BaseDensities() const;
@@ -65,7 +70,12 @@ class SampleTable {
     double density;
     double active_blocks;
   };
+  struct Memo {
+    double density;
+    double value;
+  };
   std::vector<SampleTerms> terms_;
+  mutable std::vector<Memo> recalls_;  // per sample, the last Recall off its base (NaN: none)
   int block_size_ = 0;
   int local_blocks_ = 0;
   mutable std::vector<Blocks> blocks_;  // per sample, the last FeaturesAt (density NaN: none)
