@@ -596,7 +596,7 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
 
 // The prefetch scenario (see the top of the file). Step 0 is planned and fetched before the
 // clock starts (a first step is never prefetched); steps 1..--steps are measured.
-void RunPrefetch(const std::string& target, const std::string& admin, Figures* figures) {
+void RunPrefetch(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int ranks = absl::GetFlag(FLAGS_ranks);
   const int samples = absl::GetFlag(FLAGS_samples);
   const int steps = absl::GetFlag(FLAGS_steps);
@@ -641,6 +641,7 @@ void RunPrefetch(const std::string& target, const std::string& admin, Figures* f
   std::vector<double> waits;      // seconds, per (step, rank): plan arrival past the step's end
   std::vector<double> all_in;     // seconds from a step's start to its successor's last plan
   std::vector<double> submitted;  // seconds from a step's start to the next SubmitBatch's answer
+  const double cpu_before = CpuSeconds(pid);
   for (int64_t step = 0; step < steps; ++step) {
     // The step starts: rank 0 submits the next batch, every rank prefetches its next plan.
     const Clock::time_point start = Clock::now();
@@ -680,6 +681,7 @@ void RunPrefetch(const std::string& target, const std::string& admin, Figures* f
     reports.CheckOk("ReportStep");
     current = std::move(next);
   }
+  const double cpu = CpuSeconds(pid) - cpu_before;  // planning, answers and reports of each step
   const int64_t waited = std::count_if(waits.begin(), waits.end(), [](double w) { return w > 0; });
   std::cout << absl::StrFormat(
       "prefetch: %d ranks, %d samples, steps of %.2f s: ranks waited for their plans %.1f ms "
@@ -692,6 +694,13 @@ void RunPrefetch(const std::string& target, const std::string& admin, Figures* f
       waits.size(), sparsebalance::Quantile(all_in, 0.5) * 1e3,
       sparsebalance::Quantile(all_in, 1.0) * 1e3, sparsebalance::Quantile(submitted, 0.5) * 1e3,
       steps);
+  if (pid > 0 && cpu_before >= 0) {
+    std::cout << absl::StrFormat(
+        "prefetch: the planner used %.2f CPU-seconds a step (planning, storing, %d plans "
+        "answered and %d reports)\n",
+        cpu / steps, ranks, ranks);
+    figures->Add("prefetch_planner_cpu_s_per_step", cpu / steps);
+  }
   figures->Add("prefetch_wait_ms_median", sparsebalance::Quantile(waits, 0.5) * 1e3);
   figures->Add("prefetch_wait_ms_p99", sparsebalance::Quantile(waits, 0.99) * 1e3);
   figures->Add("prefetch_wait_ms_max", sparsebalance::Quantile(waits, 1.0) * 1e3);
@@ -780,7 +789,7 @@ int Main(int argc, char** argv) {
   Figures figures;
   if (scenario == "reports" || scenario == "all") RunReports(target, admin, pid, &figures);
   if (scenario == "step" || scenario == "all") RunStep(target, admin, &figures);
-  if (scenario == "prefetch" || scenario == "all") RunPrefetch(target, admin, &figures);
+  if (scenario == "prefetch" || scenario == "all") RunPrefetch(target, admin, pid, &figures);
   if (scenario == "soak" || scenario == "all") RunSoak(target, admin, pid, &figures);
   if (scenario == "floor") RunFloor(target, pid, &figures);
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
