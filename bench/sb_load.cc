@@ -622,15 +622,16 @@ void RunPrefetch(const std::string& target, const std::string& admin, int pid, F
       auto call = NewRankCall<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(job);
       call->request.set_step(step);
       call->request.set_rank(rank);
-      connections[rank]->async()->GetRankPlan(&call->context, &call->request, &call->response,
-                                              [out, call, rank](const grpc::Status& s) {
-                                                out->arrived[rank] = Clock::now();
-                                                if (s.ok())
-                                                  out->plans[rank] =
-                                                      std::move(*call->response.mutable_plan());
-                                                out->tally.Add(s, 0.0);
-                                                out->latch->Done();
-                                              });
+      connections[rank]->async()->GetRankPlan(
+          &call->context, &call->request, &call->response,
+          [out, call, rank](const grpc::Status& s) {
+            out->arrived[rank] = Clock::now();
+            if (s.ok()) {
+              out->plans[rank].Swap(call->response.mutable_plan());
+            }
+            out->tally.Add(s, 0.0);
+            out->latch->Done();
+          });
     }
   };
   auto current = std::make_unique<Fetched>();
@@ -686,8 +687,8 @@ void RunPrefetch(const std::string& target, const std::string& admin, int pid, F
   std::cout << absl::StrFormat(
       "prefetch: %d ranks, %d samples, steps of %.2f s: ranks waited for their plans %.1f ms "
       "median, %.1f ms p99, %.1f ms at most (%d of %d plans were not in when the step before "
-      "ended); "
-      "the next step's plans were all in %.1f ms median, %.1f ms at most after a step started "
+      "ended); the next step's plans were all in %.1f ms median, %.1f ms at most after a step "
+      "started "
       "(SubmitBatch answered at %.1f ms median), over %d steps\n",
       ranks, samples, step_seconds, sparsebalance::Quantile(waits, 0.5) * 1e3,
       sparsebalance::Quantile(waits, 0.99) * 1e3, sparsebalance::Quantile(waits, 1.0) * 1e3, waited,

@@ -17,8 +17,9 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   terms_.resize(batch.size());
   block_size_ = config.shape.block_size;
   local_blocks_ = config.shape.local_blocks;
-  blocks_.assign(batch.size(), Blocks{std::numeric_limits<double>::quiet_NaN(), 0.0});
-  recalls_.assign(batch.size(), Memo{std::numeric_limits<double>::quiet_NaN(), 0.0});
+  const Memo none{std::numeric_limits<double>::quiet_NaN(), 0.0};
+  blocks_.assign(batch.size(), none);
+  recalls_.assign(batch.size(), none);
   const double per_block = model.coefficients().per_block;
   const int block = config.shape.block_size;
   // Floors and bases take few values over a batch without a document recall floor (the
@@ -60,7 +61,7 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
 }
 
 MicroBatchFeatures SampleTable::FeaturesAt(const Sample& sample, size_t i, double rho) const {
-  Blocks& memo = blocks_[i];
+  Memo& memo = blocks_[i];
   if (!(memo.density == rho)) {
     // As LatencyModel::SampleFeatures counts them (whole-number sums: exact in any order).
     double blocks = 0.0;
@@ -74,7 +75,7 @@ MicroBatchFeatures SampleTable::FeaturesAt(const Sample& sample, size_t i, doubl
     memo = {rho, blocks};
   }
   MicroBatchFeatures f;
-  f.active_blocks = memo.active_blocks;
+  f.active_blocks = memo.value;
   f.tokens = static_cast<double>(sample.length);
   f.documents = sample.segments.empty() ? 1.0 : static_cast<double>(sample.segments.size());
   return f;

@@ -66,19 +66,16 @@ class SampleTable {
   MicroBatchFeatures FeaturesAt(const Sample& sample, size_t i, double rho) const;
 
  private:
-  struct Blocks {
-    double density;
-    double active_blocks;
-  };
+  // A per-sample answer kept for the density it was asked at (NaN: none yet).
   struct Memo {
     double density;
     double value;
   };
   std::vector<SampleTerms> terms_;
-  mutable std::vector<Memo> recalls_;  // per sample, the last Recall off its base (NaN: none)
+  mutable std::vector<Memo> recalls_;  // per sample, the last Recall off its base
   int block_size_ = 0;
   int local_blocks_ = 0;
-  mutable std::vector<Blocks> blocks_;  // per sample, the last FeaturesAt (density NaN: none)
+  mutable std::vector<Memo> blocks_;  // per sample, the last FeaturesAt's active blocks
 };
 
 // The batch indices of an assignment's placed samples, rank by rank and micro-batch by

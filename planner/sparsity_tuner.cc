@@ -446,13 +446,12 @@ double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
   x_max_ = x_max;
   // The density of item k at multiplier e^x: stationarity of
   // weight * recall(rho) - e^x * price * rho gives (1 - rho)^(g-1) = e^(x + offset).
-  auto density_at = [&](size_t k, double x) { return DensityAt(rank, k, x); };
   auto excess = [&](double x, double* derivative) {
     double blocks = 0.0;
     double d = 0.0;
     for (size_t k = 0; k < n; ++k) {
       const Item& item = rank.items[k];
-      const double rho = density_at(k, x);
+      const double rho = DensityAt(rank, k, x);
       double slope = 0.0;
       blocks += ItemBlocks(item, rho, &slope);
       if (rho > bounds[k].lo && rho < bounds[k].hi) d -= slope * (1.0 - rho) * item.inv_g1;
