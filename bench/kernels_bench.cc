@@ -213,8 +213,8 @@ void BM_CudaAttention(benchmark::State& state) {
       return;
     }
   }
-  absl::StatusOr<Selection> sel =
-      cuda::SelectBlocks({0, length}, kGpuHeads, kHeadDim, q->data(), k->data(), {density}, {});
+  absl::StatusOr<Selection> sel = cuda::SelectBlocks({0, length}, kGpuHeads, kHeadDim, q->data(),
+                                                     k->data(), {density}, {}, cuda::Stream{});
   if (!sel.ok()) {
     state.SkipWithError(std::string(sel.status().message()).c_str());
     return;
@@ -226,19 +226,19 @@ void BM_CudaAttention(benchmark::State& state) {
   }
   auto forward = [&] {
     return cuda::Forward(*index, kHeadDim, q->data(), k->data(), v->data(), 0.0f, out->data(),
-                         static_cast<float*>(lse->data()));
+                         static_cast<float*>(lse->data()), cuda::Stream{});
   };
   if (absl::Status s = forward(); !s.ok()) {  // also the LSE the backward needs
     state.SkipWithError(std::string(s.message()).c_str());
     return;
   }
   for (auto _ : state) {
-    absl::Status s =
-        backward
-            ? cuda::Backward(*index, kHeadDim, q->data(), k->data(), v->data(), out->data(),
-                             static_cast<float*>(lse->data()), dout->data(), 0.0f,
-                             static_cast<float*>(delta->data()), dq->data(), dk->data(), dv->data())
-            : forward();
+    absl::Status s = backward
+                         ? cuda::Backward(*index, kHeadDim, q->data(), k->data(), v->data(),
+                                          out->data(), static_cast<float*>(lse->data()),
+                                          dout->data(), 0.0f, static_cast<float*>(delta->data()),
+                                          dq->data(), dk->data(), dv->data(), cuda::Stream{})
+                         : forward();
     if (s.ok()) s = cuda::Synchronize();
     if (!s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());

@@ -23,40 +23,44 @@ int DeviceCount(std::string* why) {
 }
 
 absl::StatusOr<std::string> DeviceName() { return NotBuilt(); }
-absl::Status Synchronize() { return NotBuilt(); }
+absl::Status Synchronize(Stream) { return NotBuilt(); }
 
 DeviceBuffer::~DeviceBuffer() = default;
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept = default;
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept = default;
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t) { return NotBuilt(); }
-absl::Status DeviceBuffer::CopyFromHost(const void*, size_t) { return NotBuilt(); }
-absl::Status DeviceBuffer::CopyToHost(void*, size_t) const { return NotBuilt(); }
-absl::Status DeviceBuffer::Zero() { return NotBuilt(); }
+absl::Status DeviceBuffer::CopyFromHost(const void*, size_t, Stream) { return NotBuilt(); }
+absl::Status DeviceBuffer::CopyToHost(void*, size_t, Stream) const { return NotBuilt(); }
+absl::Status DeviceBuffer::Zero(Stream) { return NotBuilt(); }
 
-absl::StatusOr<DeviceBlockIndex> DeviceBlockIndex::Upload(const BlockIndex&) { return NotBuilt(); }
+absl::StatusOr<DeviceBlockIndex> DeviceBlockIndex::Upload(const BlockIndex&, Stream) {
+  return NotBuilt();
+}
 
 absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t>, int, int, const void*,
                                        const void*, absl::Span<const double>,
-                                       const SelectionOptions&) {
+                                       const SelectionOptions&, Stream) {
   return NotBuilt();
 }
 
 absl::Status Forward(const DeviceBlockIndex&, int, const void*, const void*, const void*, float,
-                     void*, float*) {
+                     void*, float*, Stream) {
   return NotBuilt();
 }
 
 absl::Status Backward(const DeviceBlockIndex&, int, const void*, const void*, const void*,
-                      const void*, const float*, const void*, float, float*, void*, void*, void*) {
+                      const void*, const float*, const void*, float, float*, void*, void*, void*,
+                      Stream) {
   return NotBuilt();
 }
 
 absl::StatusOr<RecallProbe> ProbeRecall(const DeviceBlockIndex&, int, const void*, const void*,
-                                        const RecallRows&, float) {
+                                        const RecallRows&, Stream, float) {
   return NotBuilt();
 }
 
-absl::Status MatmulBf16(int64_t, int64_t, int64_t, const void*, bool, const void*, bool, void*) {
+absl::Status MatmulBf16(int64_t, int64_t, int64_t, const void*, bool, const void*, bool, void*,
+                        Stream) {
   return NotBuilt();
 }
 

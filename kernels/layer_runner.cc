@@ -341,8 +341,15 @@ class CudaLayerRunner : public BatchRunner {
     for (cudaEvent_t event : {start_, middle_, stop_}) {
       if (event != nullptr) cudaEventDestroy(event);
     }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
+  // Its own stream, which does not wait for (or hold up) the legacy default stream.
   absl::Status Init() {
+    if (absl::Status s = CudaCheck(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                                   "cudaStreamCreateWithFlags");
+        !s.ok()) {
+      return s;
+    }
     for (cudaEvent_t* event : {&start_, &middle_, &stop_}) {
       if (absl::Status s = CudaCheck(cudaEventCreate(event), "cudaEventCreate"); !s.ok()) return s;
     }
@@ -363,14 +370,16 @@ class CudaLayerRunner : public BatchRunner {
       for (size_t i = 0; i < host.size(); ++i) bf16[i] = FloatToBf16(host[i]);
       absl::StatusOr<DeviceBuffer> buffer = DeviceBuffer::Allocate(bf16.size() * 2);
       if (!buffer.ok()) return buffer.status();
-      if (absl::Status s = buffer->CopyFromHost(bf16.data(), bf16.size() * 2); !s.ok()) return s;
+      if (absl::Status s = buffer->CopyFromHost(bf16.data(), bf16.size() * 2, stream()); !s.ok()) {
+        return s;
+      }
       *out = *std::move(buffer);
       return absl::OkStatus();
     };
     auto zeros = [&](size_t bytes, DeviceBuffer* out) -> absl::Status {
       absl::StatusOr<DeviceBuffer> buffer = DeviceBuffer::Allocate(bytes);
       if (!buffer.ok()) return buffer.status();
-      if (absl::Status s = buffer->Zero(); !s.ok()) return s;
+      if (absl::Status s = buffer->Zero(stream()); !s.ok()) return s;
       *out = *std::move(buffer);
       return absl::OkStatus();
     };
@@ -392,7 +401,7 @@ class CudaLayerRunner : public BatchRunner {
                                  {&w_, static_cast<size_t>(4 * hidden * hidden) * 2}}) {
       if (absl::Status s = zeros(bytes, buffer); !s.ok()) return s;
     }
-    return cuda::Synchronize();
+    return cuda::Synchronize(stream());
   }
 
   absl::StatusOr<LayerMeasurement> Run(const RunOptions& options) override {
@@ -408,34 +417,44 @@ class CudaLayerRunner : public BatchRunner {
     select.anchor_threshold = options.anchor_threshold;
     const int64_t tokens = cu_seqlens_.back();
     const int64_t hidden = int64_t{shape_.heads} * shape_.head_dim;
-    if (absl::Status s = CudaCheck(cudaEventRecord(start_), "cudaEventRecord"); !s.ok()) return s;
+    const cuda::Stream on = stream();
+    if (absl::Status s = CudaCheck(cudaEventRecord(start_, stream_), "cudaEventRecord"); !s.ok()) {
+      return s;
+    }
     absl::StatusOr<Selection> selection = cuda::SelectBlocks(
-        cu_seqlens_, shape_.heads, shape_.head_dim, q_.data(), k_.data(), densities_, select);
+        cu_seqlens_, shape_.heads, shape_.head_dim, q_.data(), k_.data(), densities_, select, on);
     if (!selection.ok()) return selection.status();
-    absl::StatusOr<cuda::DeviceBlockIndex> index = cuda::DeviceBlockIndex::Upload(selection->index);
+    absl::StatusOr<cuda::DeviceBlockIndex> index =
+        cuda::DeviceBlockIndex::Upload(selection->index, on);
     if (!index.ok()) return index.status();
     if (absl::Status s = cuda::Forward(*index, shape_.head_dim, q_.data(), k_.data(), v_.data(),
-                                       0.0f, out_.data(), static_cast<float*>(lse_.data()));
+                                       0.0f, out_.data(), static_cast<float*>(lse_.data()), on);
         !s.ok()) {
       return s;
     }
-    if (absl::Status s =
-            cuda::Backward(*index, shape_.head_dim, q_.data(), k_.data(), v_.data(), out_.data(),
-                           static_cast<const float*>(lse_.data()), dout_.data(), 0.0f,
-                           static_cast<float*>(delta_.data()), dq_.data(), dk_.data(), dv_.data());
+    if (absl::Status s = cuda::Backward(*index, shape_.head_dim, q_.data(), k_.data(), v_.data(),
+                                        out_.data(), static_cast<const float*>(lse_.data()),
+                                        dout_.data(), 0.0f, static_cast<float*>(delta_.data()),
+                                        dq_.data(), dk_.data(), dv_.data(), on);
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = CudaCheck(cudaEventRecord(middle_), "cudaEventRecord"); !s.ok()) return s;
+    if (absl::Status s = CudaCheck(cudaEventRecord(middle_, stream_), "cudaEventRecord"); !s.ok()) {
+      return s;
+    }
     for (const Linear& l : LayerLinears(hidden)) {
-      for (absl::Status s :
-           {cuda::MatmulBf16(tokens, l.out, l.in, x_.data(), false, w_.data(), false, y_.data()),
-            cuda::MatmulBf16(tokens, l.in, l.out, y_.data(), false, w_.data(), true, dx_.data()),
-            cuda::MatmulBf16(l.in, l.out, tokens, x_.data(), true, y_.data(), false, w_.data())}) {
+      for (absl::Status s : {cuda::MatmulBf16(tokens, l.out, l.in, x_.data(), false, w_.data(),
+                                              false, y_.data(), on),
+                             cuda::MatmulBf16(tokens, l.in, l.out, y_.data(), false, w_.data(),
+                                              true, dx_.data(), on),
+                             cuda::MatmulBf16(l.in, l.out, tokens, x_.data(), true, y_.data(),
+                                              false, w_.data(), on)}) {
         if (!s.ok()) return s;
       }
     }
-    if (absl::Status s = CudaCheck(cudaEventRecord(stop_), "cudaEventRecord"); !s.ok()) return s;
+    if (absl::Status s = CudaCheck(cudaEventRecord(stop_, stream_), "cudaEventRecord"); !s.ok()) {
+      return s;
+    }
     if (absl::Status s = CudaCheck(cudaEventSynchronize(stop_), "cudaEventSynchronize"); !s.ok()) {
       return s;
     }
@@ -452,7 +471,7 @@ class CudaLayerRunner : public BatchRunner {
       const auto probe_start = std::chrono::steady_clock::now();
       const RecallRows rows = SampleRecallRows(selection->index, seeds_, options.sampling);
       absl::StatusOr<RecallProbe> probe =
-          cuda::ProbeRecall(*index, shape_.head_dim, q_.data(), k_.data(), rows);
+          cuda::ProbeRecall(*index, shape_.head_dim, q_.data(), k_.data(), rows, on);
       if (!probe.ok()) return probe.status();
       m.recall_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
@@ -462,6 +481,9 @@ class CudaLayerRunner : public BatchRunner {
   }
 
  private:
+  cuda::Stream stream() const { return cuda::Stream{stream_}; }
+
+  cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr;
   cudaEvent_t middle_ = nullptr;
   cudaEvent_t stop_ = nullptr;

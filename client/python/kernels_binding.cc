@@ -381,26 +381,28 @@ void BindCudaKernels(py::module_& m) {
 
   py::class_<cuda::DeviceBlockIndex, std::unique_ptr<cuda::DeviceBlockIndex>>(
       m, "CudaBlockIndex", "A Selection's block index copied to the GPU.")
-      .def(py::init([](const Selection& selection) {
-             absl::StatusOr<cuda::DeviceBlockIndex> index =
-                 WithoutGil([&] { return cuda::DeviceBlockIndex::Upload(selection.index); });
+      .def(py::init([](const Selection& selection, uintptr_t stream) {
+             absl::StatusOr<cuda::DeviceBlockIndex> index = WithoutGil([&] {
+               return cuda::DeviceBlockIndex::Upload(selection.index,
+                                                     cuda::Stream{MutablePointer(stream)});
+             });
              return std::make_unique<cuda::DeviceBlockIndex>(
                  ValueOrThrow(std::move(index), ErrorKind::kKernel));
            }),
-           py::arg("selection"));
+           py::arg("selection"), py::arg("stream") = 0);
 
   m.def(
       "cuda_select_blocks",
       [](const std::vector<int32_t>& cu_seqlens, int heads, int head_dim, uintptr_t q, uintptr_t k,
          const std::vector<double>& densities, int block_size, int local_blocks,
          double mass_threshold, float softmax_scale, const py::object& selection_mode,
-         double anchor_threshold) {
+         double anchor_threshold, uintptr_t stream) {
         const kernels::SelectionOptions options =
             MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale,
                                  selection_mode, anchor_threshold);
         absl::StatusOr<Selection> selection = WithoutGil([&] {
           return cuda::SelectBlocks(cu_seqlens, heads, head_dim, Pointer(q), Pointer(k), densities,
-                                    options);
+                                    options, cuda::Stream{MutablePointer(stream)});
         });
         return std::make_shared<Selection>(ValueOrThrow(std::move(selection), ErrorKind::kKernel));
       },
@@ -408,6 +410,7 @@ void BindCudaKernels(py::module_& m) {
       py::arg("densities"), py::arg("block_size") = 64, py::arg("local_blocks") = 1,
       py::arg("mass_threshold") = 1.0, py::arg("softmax_scale") = 0.0f,
       py::arg("selection") = "topk", py::arg("anchor_threshold") = kDefaultAnchorThreshold,
+      py::arg("stream") = 0,
       "Block selection on the GPU (selection, anchor_threshold: as select_blocks); q, k: device "
       "addresses of bf16 [total_tokens, heads, "
       "head_dim] tensors (tensor.data_ptr()).");
@@ -415,34 +418,38 @@ void BindCudaKernels(py::module_& m) {
   m.def(
       "cuda_forward",
       [](const cuda::DeviceBlockIndex& index, int head_dim, uintptr_t q, uintptr_t k, uintptr_t v,
-         float softmax_scale, uintptr_t out, uintptr_t lse) {
+         float softmax_scale, uintptr_t out, uintptr_t lse, uintptr_t stream) {
         absl::Status status = WithoutGil([&] {
           return cuda::Forward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), softmax_scale,
-                               MutablePointer(out), static_cast<float*>(MutablePointer(lse)));
+                               MutablePointer(out), static_cast<float*>(MutablePointer(lse)),
+                               cuda::Stream{MutablePointer(stream)});
         });
         ThrowIfError(status, ErrorKind::kKernel);
       },
       py::arg("index"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
-      py::arg("softmax_scale"), py::arg("out"), py::arg("lse"),
-      "Forward on the default stream: out bf16, lse fp32 [heads, total_tokens] (addresses).");
+      py::arg("softmax_scale"), py::arg("out"), py::arg("lse"), py::arg("stream") = 0,
+      "Forward on `stream` (a cudaStream_t address: torch.cuda.current_stream().cuda_stream; 0 "
+      "the legacy default stream): out bf16, lse fp32 [heads, total_tokens] (addresses).");
 
   m.def(
       "cuda_backward",
       [](const cuda::DeviceBlockIndex& index, int head_dim, uintptr_t q, uintptr_t k, uintptr_t v,
          uintptr_t out, uintptr_t lse, uintptr_t dout, float softmax_scale, uintptr_t delta,
-         uintptr_t dq, uintptr_t dk, uintptr_t dv) {
+         uintptr_t dq, uintptr_t dk, uintptr_t dv, uintptr_t stream) {
         absl::Status status = WithoutGil([&] {
           return cuda::Backward(index, head_dim, Pointer(q), Pointer(k), Pointer(v), Pointer(out),
                                 static_cast<const float*>(Pointer(lse)), Pointer(dout),
                                 softmax_scale, static_cast<float*>(MutablePointer(delta)),
-                                MutablePointer(dq), MutablePointer(dk), MutablePointer(dv));
+                                MutablePointer(dq), MutablePointer(dk), MutablePointer(dv),
+                                cuda::Stream{MutablePointer(stream)});
         });
         ThrowIfError(status, ErrorKind::kKernel);
       },
       py::arg("index"), py::arg("head_dim"), py::arg("q"), py::arg("k"), py::arg("v"),
       py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("softmax_scale"), py::arg("delta"),
-      py::arg("dq"), py::arg("dk"), py::arg("dv"),
-      "Backward on the default stream: dq, dk, dv bf16; delta fp32 scratch [heads, total_tokens].");
+      py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("stream") = 0,
+      "Backward on `stream` (as cuda_forward): dq, dk, dv bf16; delta fp32 scratch [heads, "
+      "total_tokens].");
 }
 
 void BindGeometry(py::module_& m) {

@@ -35,8 +35,8 @@ import warnings
 import torch
 
 from . import _C
-from .ops import (_as_list, _check_inputs, _cuda_unavailable_reason, _selection_args,
-                  _sync_default_stream)
+from .ops import (_as_list, _check_inputs, _cuda_unavailable_reason, _current_stream,
+                  _selection_args)
 
 __all__ = ["KernelPlan", "RecallMeasurement", "flex_attention", "flex_block_mask",
            "from_flex_layout", "kernel_plan", "measure_recall", "profile", "recall_rows",
@@ -222,12 +222,12 @@ def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
         reason = _cuda_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"select_blocks: q is on {q.device} but {reason}")
-        _sync_default_stream(q.device)
         with torch.cuda.device(q.device):
             qb, kb = (t.detach().to(torch.bfloat16).contiguous() for t in (q, k))
             return _C.cuda_select_blocks(cu, heads, head_dim, qb.data_ptr(), kb.data_ptr(), dens,
                                          int(block_size), int(local_blocks),
-                                         float(mass_threshold), scale, mode, tau)
+                                         float(mass_threshold), scale, mode, tau,
+                                         _current_stream(q.device))
     if q.device.type != "cpu":
         raise ValueError(f"q: tensors on {q.device} are not supported (CPU or CUDA)")
     threads = torch.get_num_threads() if threads is None else int(threads)

@@ -116,14 +116,15 @@ class _SparseAttentionCuda(torch.autograd.Function):
         tokens, heads, head_dim = q.shape
         block_size, local_blocks, scale, mass_threshold, _, mode, tau = options
         with _timed(timer):
+            stream = _current_stream(q.device)
             selection = _C.cuda_select_blocks(cu_seqlens, heads, head_dim, q.data_ptr(),
                                               k.data_ptr(), densities, block_size, local_blocks,
-                                              mass_threshold, scale, mode, tau)
-            index = _C.CudaBlockIndex(selection)
+                                              mass_threshold, scale, mode, tau, stream)
+            index = _C.CudaBlockIndex(selection, stream)
             out = torch.empty_like(q)
             lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
             _C.cuda_forward(index, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale,
-                            out.data_ptr(), lse.data_ptr())
+                            out.data_ptr(), lse.data_ptr(), stream)
         _keep_for_backward(ctx, (q, k, v, out, lse), timer, outputs, selection,
                            index=index, scale=scale)
         return out
@@ -132,22 +133,21 @@ class _SparseAttentionCuda(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        _sync_default_stream(q.device)
         dout = dout.to(torch.bfloat16).contiguous()
         delta = torch.empty_like(lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with _timed(ctx.timer):
             _C.cuda_backward(ctx.index, q.shape[2], q.data_ptr(), k.data_ptr(), v.data_ptr(),
                              out.data_ptr(), lse.data_ptr(), dout.data_ptr(), ctx.scale,
-                             delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+                             delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                             _current_stream(q.device))
         return (dq, dk, dv) + _NO_GRADIENTS
 
 
-def _sync_default_stream(device):
-    # The kernels run on the default stream; work queued on another current stream must be done.
-    with torch.cuda.device(device):
-        if torch.cuda.current_stream() != torch.cuda.default_stream():
-            torch.cuda.current_stream().synchronize()
+def _current_stream(device):
+    # The kernels queue their work on the stream they are given: PyTorch's current stream on
+    # `device`, so that they are ordered with the work that made and will read the tensors.
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _cuda_unavailable_reason():
@@ -255,7 +255,6 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
             raise ValueError("sparse_attention: exact=True is CPU only (the CUDA path reports "
                              "the block scores' estimate)")
         dtype = q.dtype
-        _sync_default_stream(q.device)
         with torch.cuda.device(q.device):
             qb, kb, vb = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
             out = _SparseAttentionCuda.apply(qb, kb, vb, cu, dens, options, timer, outputs)

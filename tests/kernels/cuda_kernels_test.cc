@@ -1,0 +1,483 @@
+// The CUDA kernels against the CPU reference, on two executors of the same kernel source
+// (kernels/cuda_attention_impl.inc): the GPU (kernels::cuda, skipped without a device) and the
+// host emulator (kernels::cuda_emulated, one fiber per CUDA thread), which runs everywhere, so
+// every test command exercises the kernels' indexing, masking, barriers and launch code.
+//
+// Tolerances, from the error of what is compared. Both sides read the same bf16 inputs (as
+// fp32); the kernels accumulate in fp32 in another order than the reference (relative error
+// about sqrt(n) * 2^-24 of the summed magnitudes, below 1e-5 here) and round each output to
+// bf16 (at most 2^-9 of its value, 2^-9 / sqrt(3) = 1.1e-3 as an RMS over many values). So
+// every element must be within 2^-8 of its reference value plus 1e-4 of the tensor's largest,
+// and the relative L2 error at most 2e-3; the LSE (fp32) within 1e-4. The backward is compared
+// with the reference run on the kernels' own (bf16) forward output and LSE, so that its error
+// is its own, not the forward's rounding passed on through rowsum(dO * O).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "contract/block_geometry.h"
+#include "gtest/gtest.h"
+#include "kernels/attention_cpu.h"
+#include "kernels/bf16.h"
+#include "kernels/block_index.h"
+#include "kernels/block_selection.h"
+#include "kernels/cuda_attention.h"
+#include "kernels/cuda_emulated.h"
+#include "kernels/cuda_emulator.h"
+#include "kernels/recall_probe.h"
+#include "reference.h"
+
+namespace sparsebalance {
+namespace kernels {
+namespace {
+
+// One executor's API (the namespaces share their declarations, kernels/cuda_api.inc).
+#define SB_KERNEL_API(Name, ns)                                                            \
+  struct Name {                                                                            \
+    using Buffer = ns::DeviceBuffer;                                                       \
+    using Index = ns::DeviceBlockIndex;                                                    \
+    using Stream = ns::Stream;                                                             \
+    static constexpr bool kEmulated = std::is_same_v<Buffer, cuda_emulated::DeviceBuffer>; \
+    static int DeviceCount(std::string* why) { return ns::DeviceCount(why); }              \
+    template <typename... A>                                                               \
+    static auto SelectBlocks(A&&... a) {                                                   \
+      return ns::SelectBlocks(std::forward<A>(a)...);                                      \
+    }                                                                                      \
+    template <typename... A>                                                               \
+    static auto Forward(A&&... a) {                                                        \
+      return ns::Forward(std::forward<A>(a)...);                                           \
+    }                                                                                      \
+    template <typename... A>                                                               \
+    static auto Backward(A&&... a) {                                                       \
+      return ns::Backward(std::forward<A>(a)...);                                          \
+    }                                                                                      \
+    template <typename... A>                                                               \
+    static auto ProbeRecall(A&&... a) {                                                    \
+      return ns::ProbeRecall(std::forward<A>(a)...);                                       \
+    }                                                                                      \
+    template <typename... A>                                                               \
+    static auto MatmulBf16(A&&... a) {                                                     \
+      return ns::MatmulBf16(std::forward<A>(a)...);                                        \
+    }                                                                                      \
+    static absl::Status Synchronize() { return ns::Synchronize(ns::Stream{}); }            \
+  };
+SB_KERNEL_API(Device, cuda)
+SB_KERNEL_API(Emulated, cuda_emulated)
+#undef SB_KERNEL_API
+
+// fp32 values rounded to bf16 (what the kernels see), and their bf16 bits.
+struct Bf16Tensor {
+  std::vector<float> values;
+  std::vector<uint16_t> bits;
+};
+
+Bf16Tensor ToBf16(std::vector<float> values) {
+  Bf16Tensor t;
+  t.bits.resize(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    t.bits[i] = FloatToBf16(values[i]);
+    values[i] = Bf16ToFloat(t.bits[i]);
+  }
+  t.values = std::move(values);
+  return t;
+}
+
+// Each element within 2^-8 of the reference plus 1e-4 of the reference's largest magnitude,
+// and the relative L2 error at most 2e-3 (see the top of the file).
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
+                 const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double largest = 0.0;
+  for (float w : want) largest = std::max(largest, std::fabs(static_cast<double>(w)));
+  int64_t bad = 0;
+  size_t first_bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double limit = std::ldexp(std::fabs(static_cast<double>(want[i])), -8) + 1e-4 * largest;
+    if (!(std::fabs(static_cast<double>(got[i]) - want[i]) <= limit)) {
+      if (bad++ == 0) first_bad = i;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size()
+                    << " elements out of tolerance, the first at " << first_bad << " ("
+                    << (bad > 0 ? got[first_bad] : 0.0f) << " vs "
+                    << (bad > 0 ? want[first_bad] : 0.0f) << ")";
+  EXPECT_LE(testing::RelativeL2(got, want), 2e-3) << what;
+}
+
+template <typename Api>
+class CudaKernelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (Api::DeviceCount(&why) == 0) GTEST_SKIP() << "no CUDA device (" << why << ")";
+  }
+
+  typename Api::Buffer Upload(const void* data, size_t bytes) {
+    absl::StatusOr<typename Api::Buffer> buffer = Api::Buffer::Allocate(bytes);
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    EXPECT_TRUE(buffer->CopyFromHost(data, bytes).ok());
+    return *std::move(buffer);
+  }
+  typename Api::Buffer Scratch(size_t bytes) {
+    absl::StatusOr<typename Api::Buffer> buffer = Api::Buffer::Allocate(bytes);
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    return *std::move(buffer);
+  }
+  std::vector<float> DownloadBf16(const typename Api::Buffer& buffer, size_t n) {
+    std::vector<uint16_t> bits(n);
+    EXPECT_TRUE(buffer.CopyToHost(bits.data(), n * 2).ok());
+    std::vector<float> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(bits[i]);
+    return out;
+  }
+  std::vector<float> DownloadFloat(const typename Api::Buffer& buffer, size_t n) {
+    std::vector<float> out(n);
+    EXPECT_TRUE(buffer.CopyToHost(out.data(), n * 4).ok());
+    return out;
+  }
+
+  // Forward and backward over `index` on the executor and on the CPU reference.
+  void CompareAttention(const BlockIndex& index, int head_dim, const Bf16Tensor& q,
+                        const Bf16Tensor& k, const Bf16Tensor& v, const Bf16Tensor& dout) {
+    const size_t n = q.values.size();
+    const size_t n_lse = static_cast<size_t>(index.total_tokens()) * index.heads;
+    typename Api::Buffer dq_in = Upload(q.bits.data(), n * 2), dk_in = Upload(k.bits.data(), n * 2),
+                         dv_in = Upload(v.bits.data(), n * 2),
+                         ddout = Upload(dout.bits.data(), n * 2);
+    typename Api::Buffer out = Scratch(n * 2), lse = Scratch(n_lse * 4), delta = Scratch(n_lse * 4),
+                         gq = Scratch(n * 2), gk = Scratch(n * 2), gv = Scratch(n * 2);
+    const typename Api::Stream stream{};
+    absl::StatusOr<typename Api::Index> dindex = Api::Index::Upload(index, stream);
+    ASSERT_TRUE(dindex.ok()) << dindex.status();
+    ASSERT_TRUE(Api::Forward(*dindex, head_dim, dq_in.data(), dk_in.data(), dv_in.data(), 0.0f,
+                             out.data(), static_cast<float*>(lse.data()), stream)
+                    .ok());
+    ASSERT_TRUE(Api::Backward(*dindex, head_dim, dq_in.data(), dk_in.data(), dv_in.data(),
+                              out.data(), static_cast<const float*>(lse.data()), ddout.data(), 0.0f,
+                              static_cast<float*>(delta.data()), gq.data(), gk.data(), gv.data(),
+                              stream)
+                    .ok());
+    ASSERT_TRUE(Api::Synchronize().ok());
+    const std::vector<float> g_out = DownloadBf16(out, n), g_lse = DownloadFloat(lse, n_lse);
+
+    std::vector<float> c_out(n), c_lse(n_lse), c_dq(n), c_dk(n), c_dv(n);
+    ASSERT_TRUE(AttentionForward(index, head_dim, q.values, k.values, v.values, {},
+                                 absl::MakeSpan(c_out), absl::MakeSpan(c_lse))
+                    .ok());
+    ExpectClose(g_out, c_out, "out");
+    for (size_t i = 0; i < n_lse; ++i) {
+      if (std::isinf(c_lse[i])) {
+        EXPECT_EQ(g_lse[i], c_lse[i]) << "lse " << i << " (a row without kept keys)";
+      } else {
+        EXPECT_NEAR(g_lse[i], c_lse[i], 1e-4 * std::max(1.0f, std::fabs(c_lse[i]))) << "lse " << i;
+      }
+    }
+    // The reference backward on the kernels' own forward output.
+    ASSERT_TRUE(AttentionBackward(index, head_dim, q.values, k.values, v.values, g_out, g_lse,
+                                  dout.values, {}, absl::MakeSpan(c_dq), absl::MakeSpan(c_dk),
+                                  absl::MakeSpan(c_dv))
+                    .ok());
+    ExpectClose(DownloadBf16(gq, n), c_dq, "dq");
+    ExpectClose(DownloadBf16(gk, n), c_dk, "dk");
+    ExpectClose(DownloadBf16(gv, n), c_dv, "dv");
+  }
+
+  // Selection on the executor (its index) against the CPU's selection from the same values:
+  // the same blocks, since the pooled scores are computed with the same roundings.
+  BlockIndex SelectAndCompare(const std::vector<int32_t>& cu, int heads, int head_dim,
+                              const Bf16Tensor& q, const Bf16Tensor& k,
+                              const std::vector<double>& densities,
+                              const SelectionOptions& options) {
+    const size_t n = q.values.size();
+    typename Api::Buffer dq_in = Upload(q.bits.data(), n * 2), dk_in = Upload(k.bits.data(), n * 2);
+    absl::StatusOr<Selection> got =
+        Api::SelectBlocks(cu, heads, head_dim, dq_in.data(), dk_in.data(), densities, options,
+                          typename Api::Stream{});
+    EXPECT_TRUE(got.ok()) << got.status();
+    absl::StatusOr<Selection> want =
+        SelectBlocks(cu, heads, head_dim, q.values, k.values, densities, options);
+    EXPECT_TRUE(want.ok()) << want.status();
+    if (!got.ok() || !want.ok()) return {};
+    EXPECT_TRUE(ValidateBlockIndex(got->index).ok());
+    EXPECT_EQ(got->index.row_ptr, want->index.row_ptr);
+    EXPECT_EQ(got->index.col_idx, want->index.col_idx);
+    EXPECT_EQ(got->index.flags, want->index.flags);
+    EXPECT_EQ(got->estimated_recall, want->estimated_recall);
+    return got->index;
+  }
+
+  void SelectAndRun(const std::vector<int32_t>& lengths, int heads, int head_dim, int block_size,
+                    double density, float input_scale = 1.0f) {
+    SCOPED_TRACE(::testing::Message() << "head_dim " << head_dim << ", block " << block_size
+                                      << ", density " << density << ", scale " << input_scale);
+    const std::vector<int32_t> cu = testing::CuSeqlens(lengths);
+    const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+    const Bf16Tensor q = ToBf16(testing::RandomTensor(n, 1, input_scale)),
+                     k = ToBf16(testing::RandomTensor(n, 2, input_scale)),
+                     v = ToBf16(testing::RandomTensor(n, 3)),
+                     dout = ToBf16(testing::RandomTensor(n, 4));
+    SelectionOptions options;
+    options.block_size = block_size;
+    const BlockIndex index = SelectAndCompare(
+        cu, heads, head_dim, q, k, std::vector<double>(lengths.size(), density), options);
+    if (::testing::Test::HasFailure()) return;
+    CompareAttention(index, head_dim, q, k, v, dout);
+  }
+};
+
+using Executors = ::testing::Types<Device, Emulated>;
+class ExecutorNames {
+ public:
+  template <typename T>
+  static std::string GetName(int) {
+    return T::kEmulated ? "Emulated" : "Device";
+  }
+};
+TYPED_TEST_SUITE(CudaKernelsTest, Executors, ExecutorNames);
+
+TYPED_TEST(CudaKernelsTest, DenseVarlenMatchesTheCpuReference) {
+  for (int head_dim : {64, 128}) {
+    for (int block_size : {64, 128}) {
+      this->SelectAndRun({1, 200, 64, 333, 129}, 2, head_dim, block_size, 1.0);
+    }
+  }
+}
+
+TYPED_TEST(CudaKernelsTest, SparseVarlenMatchesTheCpuReference) {
+  this->SelectAndRun({700, 65, 1, 390}, 2, 128, 64, 0.3);
+  this->SelectAndRun({600, 300}, 2, 64, 128, 0.1);
+}
+
+TYPED_TEST(CudaKernelsTest, OneTokenDocuments) {
+  this->SelectAndRun({1, 1, 65, 1, 2}, 3, 64, 64, 1.0);
+}
+
+// Large logits (inputs x 3: logits with a standard deviation near 9) and needles, keys equal to
+// an earlier query x 4: rows whose softmax sits on one or two keys, where the online max and
+// the rescaling decide every digit.
+TYPED_TEST(CudaKernelsTest, SharpSoftmaxWithNeedles) {
+  const std::vector<int32_t> lengths = {300, 129};
+  const int heads = 2;
+  for (int head_dim : {64, 128}) {
+    SCOPED_TRACE(::testing::Message() << "head_dim " << head_dim);
+    const std::vector<int32_t> cu = testing::CuSeqlens(lengths);
+    const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+    std::vector<float> q = testing::RandomTensor(n, 11, 3.0f),
+                       k = testing::RandomTensor(n, 12, 3.0f);
+    const int64_t stride = int64_t{heads} * head_dim;
+    for (int32_t needle : {5, 70, 250, 310, 400}) {  // key token (batch), query 3..40 later
+      const int32_t query = std::min(needle + 3 + needle % 37, cu.back() - 1);
+      for (int h = 0; h < heads; ++h) {
+        for (int d = 0; d < head_dim; ++d) {
+          k[needle * stride + h * head_dim + d] = 4.0f * q[query * stride + h * head_dim + d];
+        }
+      }
+    }
+    const BlockIndex index = this->SelectAndCompare(cu, heads, head_dim, ToBf16(q), ToBf16(k),
+                                                    {0.5, 1.0}, SelectionOptions{});
+    if (::testing::Test::HasFailure()) return;
+    this->CompareAttention(index, head_dim, ToBf16(q), ToBf16(k),
+                           ToBf16(testing::RandomTensor(n, 13)),
+                           ToBf16(testing::RandomTensor(n, 14)));
+  }
+}
+
+// A hand-made index: rows without their diagonal, rows keeping one far block, and empty rows
+// (out 0, LSE -inf, no gradient), which selection never makes but the format allows.
+TYPED_TEST(CudaKernelsTest, EmptyRowsAndRowsWithoutTheDiagonal) {
+  const std::vector<int32_t> cu = testing::CuSeqlens({300, 100});
+  const int heads = 2;
+  const int head_dim = 64;
+  const int block_size = 64;
+  std::vector<std::vector<int32_t>> rows;
+  for (int s = 0; s < 2; ++s) {
+    const int32_t blocks = static_cast<int32_t>(QueryBlocks(cu[s + 1] - cu[s], block_size));
+    for (int h = 0; h < heads; ++h) {
+      for (int32_t i = 0; i < blocks; ++i) {
+        switch ((i + h + s) % 4) {
+          case 0:
+            rows.push_back({});
+            break;
+          case 1:
+            rows.push_back({0});
+            break;
+          case 2:
+            rows.push_back(i > 1 ? std::vector<int32_t>{0, i - 1} : std::vector<int32_t>{0});
+            break;
+          default:
+            rows.push_back({i});
+            break;
+        }
+      }
+    }
+  }
+  absl::StatusOr<BlockIndex> index = MakeBlockIndex(cu, heads, block_size, rows);
+  ASSERT_TRUE(index.ok()) << index.status();
+  const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+  this->CompareAttention(*index, head_dim, ToBf16(testing::RandomTensor(n, 21)),
+                         ToBf16(testing::RandomTensor(n, 22)), ToBf16(testing::RandomTensor(n, 23)),
+                         ToBf16(testing::RandomTensor(n, 24)));
+}
+
+TYPED_TEST(CudaKernelsTest, RecallProbeMatchesTheCpuProbe) {
+  const std::vector<int32_t> cu = testing::CuSeqlens({1, 700, 300, 65});
+  const int heads = 2;
+  const int head_dim = 64;
+  const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+  const Bf16Tensor q = ToBf16(testing::RandomTensor(n, 7)), k = ToBf16(testing::RandomTensor(n, 8));
+  typename TypeParam::Buffer dq = this->Upload(q.bits.data(), n * 2),
+                             dk = this->Upload(k.bits.data(), n * 2);
+  absl::StatusOr<Selection> sel =
+      SelectBlocks(cu, heads, head_dim, q.values, k.values, {1.0, 0.1, 0.3, 0.5}, {});
+  ASSERT_TRUE(sel.ok());
+  RecallSampling sampling;
+  sampling.rows = 16;
+  const RecallRows rows = SampleRecallRows(sel->index, {1, 2, 3, 4}, sampling);
+  absl::StatusOr<RecallProbe> cpu = ProbeRecall(sel->index, head_dim, q.values, k.values, rows);
+  ASSERT_TRUE(cpu.ok());
+  absl::StatusOr<typename TypeParam::Index> dindex = TypeParam::Index::Upload(sel->index, {});
+  ASSERT_TRUE(dindex.ok());
+  absl::StatusOr<RecallProbe> got = TypeParam::ProbeRecall(*dindex, head_dim, dq.data(), dk.data(),
+                                                           rows, typename TypeParam::Stream{});
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->row_recall.size(), cpu->row_recall.size());
+  for (size_t e = 0; e < cpu->row_recall.size(); ++e) {
+    EXPECT_NEAR(got->row_recall[e], cpu->row_recall[e], 1e-5) << "row " << e;
+  }
+  for (size_t s = 0; s < cpu->document_recall.size(); ++s) {
+    EXPECT_NEAR(got->document_recall[s], cpu->document_recall[s], 1e-5) << "document " << s;
+  }
+  EXPECT_EQ(got->document_recall[0], 1.0);
+}
+
+// Row-major C = op(A) op(B) through cuBLAS's column-major GEMM, every transpose combination,
+// against a plain loop (bf16 inputs, fp32 sums, one bf16 rounding: 2^-8 relative).
+TYPED_TEST(CudaKernelsTest, MatmulBf16MatchesALoop) {
+  const int64_t m = 5, n = 7, k = 33;
+  for (bool at : {false, true}) {
+    for (bool bt : {false, true}) {
+      const Bf16Tensor a = ToBf16(testing::RandomTensor(m * k, 31)),
+                       b = ToBf16(testing::RandomTensor(k * n, 32));
+      typename TypeParam::Buffer da = this->Upload(a.bits.data(), a.bits.size() * 2),
+                                 db = this->Upload(b.bits.data(), b.bits.size() * 2),
+                                 dc = this->Scratch(m * n * 2);
+      ASSERT_TRUE(TypeParam::MatmulBf16(m, n, k, da.data(), at, db.data(), bt, dc.data(),
+                                        typename TypeParam::Stream{})
+                      .ok());
+      const std::vector<float> c = this->DownloadBf16(dc, m * n);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          double want = 0.0;
+          for (int64_t l = 0; l < k; ++l) {
+            want += static_cast<double>(at ? a.values[l * m + i] : a.values[i * k + l]) *
+                    (bt ? b.values[j * k + l] : b.values[l * n + j]);
+          }
+          EXPECT_NEAR(c[i * n + j], want, std::ldexp(std::fabs(want), -8) + 1e-5)
+              << "a_transposed " << at << " b_transposed " << bt << " at " << i << ", " << j;
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(CudaKernelsTest, BadInputIsAnErrorNotACrash) {
+  const std::vector<int32_t> cu = {0, 100, 90};
+  EXPECT_EQ(TypeParam::SelectBlocks(cu, 1, 64, nullptr, nullptr, std::vector<double>{0.5, 0.5},
+                                    SelectionOptions{}, typename TypeParam::Stream{})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TypeParam::SelectBlocks(std::vector<int32_t>{0, 100}, 1, 64, nullptr, nullptr,
+                                    std::vector<double>{1.5}, SelectionOptions{},
+                                    typename TypeParam::Stream{})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CudaBuildTest, BuildFlagAgreesWithTheLibrary) {
+#if defined(SB_KERNELS_WITH_CUDA)
+  EXPECT_TRUE(cuda::Compiled());
+#else
+  EXPECT_FALSE(cuda::Compiled());
+  EXPECT_EQ(cuda::DeviceCount(), 0);
+  EXPECT_EQ(cuda::DeviceBuffer::Allocate(16).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cuda::ProbeRecall(cuda::DeviceBlockIndex{}, 64, nullptr, nullptr, RecallRows{},
+                              cuda::Stream{})
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+#endif
+  EXPECT_TRUE(cuda_emulated::Compiled());
+}
+
+// The emulator's own checks: a launch above the shared-memory limit fails as the driver's would,
+// and threads waiting at different barriers are reported, not hung.
+TEST(CudaEmulatorTest, RefusesWhatTheDriverRefuses) {
+  emu::LaunchShape shape;
+  shape.grid = {2, 1, 1};
+  shape.block = {64, 1, 1};
+  shape.dynamic_shared = 64 * 1024;  // the limit was not raised: 48 KiB
+  absl::Status s = emu::Run("TooMuchShared", shape, [] {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("TooMuchShared"), std::string::npos) << s;
+  shape.dynamic_shared = 0;
+  shape.block = {1025, 1, 1};
+  EXPECT_EQ(emu::Run("TooManyThreads", shape, [] {}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CudaEmulatorTest, ReportsThreadsStuckAtDifferentBarriers) {
+  emu::LaunchShape shape;
+  shape.block = {32, 1, 1};
+  absl::Status s = emu::Run("Divergent", shape, [] {
+    if (emu::Current().thread.x < 16) {
+      emu::SyncThreads();  // half the warp here, half at the exchange: neither can go on
+    } else {
+      uint64_t lanes[32];
+      emu::WarpExchange(1, lanes);
+      emu::SyncThreads();
+    }
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+}
+
+TEST(CudaEmulatorTest, BarriersAndWarpExchangesOrderTheThreads) {
+  emu::LaunchShape shape;
+  shape.grid = {3, 1, 1};
+  shape.block = {96, 1, 1};
+  std::vector<int> sums(3 * 96, -1);
+  std::vector<uint64_t> lane_sums(3 * 96, 0);
+  ASSERT_TRUE(emu::Run("Ordered", shape, [&] {
+                static const char key = 0;
+                int* shared = static_cast<int*>(emu::StaticShared(&key, 96 * sizeof(int)));
+                const unsigned t = emu::Current().thread.x;
+                const unsigned b = emu::Current().block.x;
+                shared[t] = static_cast<int>(t + b);
+                emu::SyncThreads();  // every thread's value is in before any is read
+                int sum = 0;
+                for (int i = 0; i < 96; ++i) sum += shared[i];
+                sums[b * 96 + t] = sum;
+                uint64_t lanes[32];
+                for (int round = 0; round < 3; ++round) {  // slots reused across exchanges
+                  emu::WarpExchange(t * 10 + round, lanes);
+                  for (uint64_t v : lanes)
+                    lane_sums[b * 96 + t] +=
+                        v % 10 == static_cast<uint64_t>(round) ? v / 10 : 1000000;
+                }
+              }).ok());
+  for (unsigned b = 0; b < 3; ++b) {
+    for (unsigned t = 0; t < 96; ++t) {
+      EXPECT_EQ(sums[b * 96 + t], 96 * 95 / 2 + 96 * static_cast<int>(b));
+      const uint64_t warp = t / 32;
+      EXPECT_EQ(lane_sums[b * 96 + t], 3 * (32 * warp * 32 + 32 * 31 / 2));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace sparsebalance
