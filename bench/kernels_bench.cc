@@ -213,17 +213,13 @@ void BM_CudaAttention(benchmark::State& state) {
       return;
     }
   }
-  absl::StatusOr<Selection> sel = cuda::SelectBlocks({0, length}, kGpuHeads, kHeadDim, q->data(),
-                                                     k->data(), {density}, {}, cuda::Stream{});
+  absl::StatusOr<cuda::DeviceSelection> sel = cuda::SelectBlocks(
+      {0, length}, kGpuHeads, kHeadDim, q->data(), k->data(), {density}, {}, cuda::Stream{});
   if (!sel.ok()) {
     state.SkipWithError(std::string(sel.status().message()).c_str());
     return;
   }
-  absl::StatusOr<cuda::DeviceBlockIndex> index = cuda::DeviceBlockIndex::Upload(sel->index);
-  if (!index.ok()) {
-    state.SkipWithError(std::string(index.status().message()).c_str());
-    return;
-  }
+  const cuda::DeviceBlockIndex* index = &sel->index;
   auto forward = [&] {
     return cuda::Forward(*index, kHeadDim, q->data(), k->data(), v->data(), 0.0f, out->data(),
                          static_cast<float*>(lse->data()), cuda::Stream{});

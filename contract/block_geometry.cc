@@ -35,25 +35,6 @@ int64_t QueryBlocks(int64_t length, int block_size) {
   return length / block + (length % block != 0 ? 1 : 0);
 }
 
-int64_t AnchorBlocks(int64_t query_block, int local_blocks) {
-  if (query_block < 0) return 0;
-  const int64_t anchors = static_cast<int64_t>(std::max(local_blocks, 0)) + 2;
-  // query_block + 1 would overflow at INT64_MAX: compare first.
-  return query_block < anchors ? query_block + 1 : anchors;
-}
-
-int64_t KeptBlocks(int64_t query_block, int64_t q, int local_blocks) {
-  if (query_block < 0) return 0;
-  const int64_t n = std::min(query_block, std::numeric_limits<int64_t>::max() - 1) + 1;
-  q = std::clamp<int64_t>(q, 1, kDensityQuantum);
-  // ceil(q * n / Q) without forming q * n: n = hi * Q + lo gives hi * q + ceil(lo * q / Q),
-  // where hi * q <= n and lo * q < 2^32.
-  const int64_t hi = n >> kDensityShift;
-  const int64_t lo = n & (kDensityQuantum - 1);
-  const int64_t by_density = hi * q + ((lo * q + kDensityQuantum - 1) >> kDensityShift);
-  return std::clamp(by_density, AnchorBlocks(query_block, local_blocks), n);
-}
-
 int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b) {
   if (n <= 0) return 0;
   m = std::max<int64_t>(m, 1);

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "contract/host_device.h"
 #include "contract/layer_shape.h"
 
 namespace sparsebalance {
@@ -40,12 +41,30 @@ int64_t QueryBlocks(int64_t length, int block_size);
 
 // Anchor blocks of query block i (0-based): the sink block 0, the diagonal and up to
 // `local_blocks` blocks before it, without double counting: min(i+1, local_blocks+2).
-// Negative i gives 0; negative local_blocks count as 0.
-int64_t AnchorBlocks(int64_t query_block, int local_blocks);
+// Negative i gives 0; negative local_blocks count as 0. Inline for the device too.
+SB_HOST_DEVICE inline int64_t AnchorBlocks(int64_t query_block, int local_blocks) {
+  if (query_block < 0) return 0;
+  const int64_t anchors = static_cast<int64_t>(local_blocks > 0 ? local_blocks : 0) + 2;
+  // query_block + 1 would overflow at INT64_MAX: compare first.
+  return query_block < anchors ? query_block + 1 : anchors;
+}
 
 // Key blocks kept for query block i at a quantized density q. Exact for every i >= 0 (i is
 // capped at INT64_MAX - 1); q is clamped into [1, kDensityQuantum]; negative i gives 0.
-int64_t KeptBlocks(int64_t query_block, int64_t q, int local_blocks);
+// Inline for the device too (the block selection of kernels/cuda_attention_impl.inc).
+SB_HOST_DEVICE inline int64_t KeptBlocks(int64_t query_block, int64_t q, int local_blocks) {
+  if (query_block < 0) return 0;
+  constexpr int64_t kLargest = INT64_MAX - 1;
+  const int64_t n = (query_block < kLargest ? query_block : kLargest) + 1;
+  q = q < 1 ? 1 : (q > kDensityQuantum ? kDensityQuantum : q);
+  // ceil(q * n / Q) without forming q * n: n = hi * Q + lo gives hi * q + ceil(lo * q / Q),
+  // where hi * q <= n and lo * q < 2^32. (Q = 2^16.)
+  const int64_t hi = n >> 16;
+  const int64_t lo = n & (kDensityQuantum - 1);
+  const int64_t by_density = hi * q + ((lo * q + kDensityQuantum - 1) >> 16);
+  const int64_t anchors = AnchorBlocks(query_block, local_blocks);
+  return by_density < anchors ? anchors : (by_density > n ? n : by_density);
+}
 
 // A(L, rho): the sum of KeptBlocks over the document's query blocks (closed form). Domain:
 // QueryBlocks(length, block_size) <= kMaxBlockMathRows (longer documents are clamped to it),

@@ -6,11 +6,6 @@
 namespace sparsebalance {
 namespace kernels {
 
-BlockFlag FlagOf(int32_t length, int block_size, int32_t query_block, int32_t key_block) {
-  const int64_t key_end = (int64_t{key_block} + 1) * block_size;
-  return key_block == query_block || key_end > length ? kBlockPartial : kBlockFull;
-}
-
 absl::Status ValidateCuSeqlens(absl::Span<const int32_t> cu_seqlens) {
   if (cu_seqlens.size() < 2) {
     return absl::InvalidArgumentError(

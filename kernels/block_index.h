@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "contract/host_device.h"
 
 namespace sparsebalance {
 namespace kernels {
@@ -63,7 +64,12 @@ struct BlockIndex {
 };
 
 // The flag of the kept pair (query block i, key block j) of a sequence of `length` tokens.
-BlockFlag FlagOf(int32_t length, int block_size, int32_t query_block, int32_t key_block);
+// Inline for the device too.
+SB_HOST_DEVICE inline BlockFlag FlagOf(int32_t length, int block_size, int32_t query_block,
+                                       int32_t key_block) {
+  const int64_t key_end = (int64_t{key_block} + 1) * block_size;
+  return key_block == query_block || key_end > length ? kBlockPartial : kBlockFull;
+}
 
 // Input checks shared by every kernel entry point; each error names the field and index.
 absl::Status ValidateCuSeqlens(absl::Span<const int32_t> cu_seqlens);

@@ -39,12 +39,6 @@ float PooledScore(const float* q_mean, const float* k_mean, int head_dim, float 
   return dot * scale;
 }
 
-double VisiblePairs(int32_t length, int block_size, int32_t query_block, int32_t key_block) {
-  const int64_t rows = std::min<int64_t>(block_size, length - int64_t{query_block} * block_size);
-  if (key_block < query_block) return static_cast<double>(rows) * block_size;  // a whole block
-  return static_cast<double>(rows) * (rows + 1) / 2;                           // causal triangle
-}
-
 absl::Status ValidateSelectionInputs(absl::Span<const int32_t> cu_seqlens, int heads, int head_dim,
                                      absl::Span<const double> densities,
                                      const SelectionOptions& options) {

@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "contract/host_device.h"
 #include "contract/selection_mode.h"
 #include "kernels/block_index.h"
 
@@ -106,8 +107,14 @@ void MeanPoolBlocks(const float* x, int64_t token_stride, int32_t tokens, int bl
 float PooledScore(const float* q_mean, const float* k_mean, int head_dim, float scale);
 
 // Visible (query, key) token pairs of query block i and key block j <= i of a sequence of
-// `length` tokens: the weight of a block score in the estimated mass.
-double VisiblePairs(int32_t length, int block_size, int32_t query_block, int32_t key_block);
+// `length` tokens: the weight of a block score in the estimated mass. Inline for the device too.
+SB_HOST_DEVICE inline double VisiblePairs(int32_t length, int block_size, int32_t query_block,
+                                          int32_t key_block) {
+  const int64_t left = length - int64_t{query_block} * block_size;
+  const int64_t rows = left < block_size ? left : block_size;
+  if (key_block < query_block) return static_cast<double>(rows) * block_size;  // a whole block
+  return static_cast<double>(rows) * (rows + 1) / 2;                           // causal triangle
+}
 
 // Exact recall per CSR row: for each query token the softmax mass (over all its causal keys in
 // its document) that falls inside the row's kept blocks, averaged over the row's tokens.

@@ -37,11 +37,14 @@ absl::StatusOr<DeviceBlockIndex> DeviceBlockIndex::Upload(const BlockIndex&, Str
   return NotBuilt();
 }
 
-absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t>, int, int, const void*,
-                                       const void*, absl::Span<const double>,
-                                       const SelectionOptions&, Stream) {
+absl::StatusOr<DeviceSelection> SelectBlocks(absl::Span<const int32_t>, int, int, const void*,
+                                             const void*, absl::Span<const double>,
+                                             const SelectionOptions&, Stream) {
   return NotBuilt();
 }
+
+absl::StatusOr<BlockIndex> DeviceBlockIndex::Download(Stream) const { return NotBuilt(); }
+absl::StatusOr<Selection> DeviceSelection::Download(Stream) const { return NotBuilt(); }
 
 absl::Status Forward(const DeviceBlockIndex&, int, const void*, const void*, const void*, float,
                      void*, float*, Stream) {

@@ -391,6 +391,41 @@ void BindCudaKernels(py::module_& m) {
            }),
            py::arg("selection"), py::arg("stream") = 0);
 
+  py::class_<cuda::DeviceSelection, std::shared_ptr<cuda::DeviceSelection>>(
+      m, "CudaSelection", R"(What cuda_select_blocks keeps, on the GPU: the block index (`index`,
+for cuda_forward/cuda_backward) and each row's estimated recall. Only counts come to the host
+unless asked: `recall()` reads the per-row estimates, `download()` the whole selection.)")
+      .def_property_readonly(
+          "index", [](const cuda::DeviceSelection& s) { return &s.index; },
+          py::return_value_policy::reference_internal, "the CudaBlockIndex on the GPU")
+      .def_property_readonly(
+          "active_blocks", [](const cuda::DeviceSelection& s) { return s.index.active_blocks(); },
+          "kept (query block, key block) pairs over all rows")
+      .def(
+          "recall",
+          [](const cuda::DeviceSelection& s, uintptr_t stream) {
+            std::vector<float> rows(static_cast<size_t>(s.index.shape().rows()));
+            absl::Status status = WithoutGil([&] {
+              return rows.empty()
+                         ? absl::OkStatus()
+                         : s.estimated_recall.CopyToHost(rows.data(), rows.size() * sizeof(float),
+                                                         cuda::Stream{MutablePointer(stream)});
+            });
+            ThrowIfError(status, ErrorKind::kKernel);
+            return TokenWeighted(s.index.shape(), rows);
+          },
+          py::arg("stream") = 0,
+          "Token-weighted estimated recall (as Selection.recall); waits for `stream`.")
+      .def(
+          "download",
+          [](const cuda::DeviceSelection& s, uintptr_t stream) {
+            absl::StatusOr<Selection> host =
+                WithoutGil([&] { return s.Download(cuda::Stream{MutablePointer(stream)}); });
+            return std::make_shared<Selection>(ValueOrThrow(std::move(host), ErrorKind::kKernel));
+          },
+          py::arg("stream") = 0,
+          "The whole selection on the host (a Selection); waits for `stream`.");
+
   m.def(
       "cuda_select_blocks",
       [](const std::vector<int32_t>& cu_seqlens, int heads, int head_dim, uintptr_t q, uintptr_t k,
@@ -400,20 +435,22 @@ void BindCudaKernels(py::module_& m) {
         const kernels::SelectionOptions options =
             MakeSelectionOptions(block_size, local_blocks, mass_threshold, softmax_scale,
                                  selection_mode, anchor_threshold);
-        absl::StatusOr<Selection> selection = WithoutGil([&] {
+        absl::StatusOr<cuda::DeviceSelection> selection = WithoutGil([&] {
           return cuda::SelectBlocks(cu_seqlens, heads, head_dim, Pointer(q), Pointer(k), densities,
                                     options, cuda::Stream{MutablePointer(stream)});
         });
-        return std::make_shared<Selection>(ValueOrThrow(std::move(selection), ErrorKind::kKernel));
+        return std::make_shared<cuda::DeviceSelection>(
+            ValueOrThrow(std::move(selection), ErrorKind::kKernel));
       },
       py::arg("cu_seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("q"), py::arg("k"),
       py::arg("densities"), py::arg("block_size") = 64, py::arg("local_blocks") = 1,
       py::arg("mass_threshold") = 1.0, py::arg("softmax_scale") = 0.0f,
       py::arg("selection") = "topk", py::arg("anchor_threshold") = kDefaultAnchorThreshold,
       py::arg("stream") = 0,
-      "Block selection on the GPU (selection, anchor_threshold: as select_blocks); q, k: device "
-      "addresses of bf16 [total_tokens, heads, "
-      "head_dim] tensors (tensor.data_ptr()).");
+      "Block selection on the GPU, entirely there (selection, anchor_threshold: as "
+      "select_blocks): returns a CudaSelection. q, k: device addresses of bf16 [total_tokens, "
+      "heads, head_dim] tensors (tensor.data_ptr()); stream: a cudaStream_t address "
+      "(torch.cuda.current_stream().cuda_stream; 0 the legacy default stream).");
 
   m.def(
       "cuda_forward",

@@ -40,6 +40,7 @@ namespace {
     using Buffer = ns::DeviceBuffer;                                                       \
     using Index = ns::DeviceBlockIndex;                                                    \
     using Stream = ns::Stream;                                                             \
+    using Selection = ns::DeviceSelection;                                                 \
     static constexpr bool kEmulated = std::is_same_v<Buffer, cuda_emulated::DeviceBuffer>; \
     static int DeviceCount(std::string* why) { return ns::DeviceCount(why); }              \
     template <typename... A>                                                               \
@@ -105,6 +106,15 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
                     << (bad > 0 ? got[first_bad] : 0.0f) << " vs "
                     << (bad > 0 ? want[first_bad] : 0.0f) << ")";
   EXPECT_LE(testing::RelativeL2(got, want), 2e-3) << what;
+}
+
+// cu_blocks of a batch: prefix sums of each sequence's query blocks.
+std::vector<int32_t> QueryBlockOffsets(const std::vector<int32_t>& cu, int block_size) {
+  std::vector<int32_t> out(1, 0);
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    out.push_back(out.back() + static_cast<int32_t>(QueryBlocks(cu[s + 1] - cu[s], block_size)));
+  }
+  return out;
 }
 
 template <typename Api>
@@ -193,9 +203,14 @@ class CudaKernelsTest : public ::testing::Test {
                               const SelectionOptions& options) {
     const size_t n = q.values.size();
     typename Api::Buffer dq_in = Upload(q.bits.data(), n * 2), dk_in = Upload(k.bits.data(), n * 2);
-    absl::StatusOr<Selection> got =
+    absl::StatusOr<typename Api::Selection> on_device =
         Api::SelectBlocks(cu, heads, head_dim, dq_in.data(), dk_in.data(), densities, options,
                           typename Api::Stream{});
+    EXPECT_TRUE(on_device.ok()) << on_device.status();
+    if (!on_device.ok()) return {};
+    EXPECT_EQ(on_device->index.shape().cu_blocks, QueryBlockOffsets(cu, options.block_size));
+    EXPECT_TRUE(on_device->index.shape().row_ptr.empty());  // the CSR stays on the device
+    absl::StatusOr<Selection> got = on_device->Download();
     EXPECT_TRUE(got.ok()) << got.status();
     absl::StatusOr<Selection> want =
         SelectBlocks(cu, heads, head_dim, q.values, k.values, densities, options);
@@ -249,6 +264,30 @@ TYPED_TEST(CudaKernelsTest, DenseVarlenMatchesTheCpuReference) {
 TYPED_TEST(CudaKernelsTest, SparseVarlenMatchesTheCpuReference) {
   this->SelectAndRun({700, 65, 1, 390}, 2, 128, 64, 0.3);
   this->SelectAndRun({600, 300}, 2, 64, 128, 0.1);
+}
+
+// The selection's other rules on the same scores: anchor-guided thresholding, a mass threshold,
+// no local blocks and several of them, one density per document.
+TYPED_TEST(CudaKernelsTest, SelectionModesKeepTheCpusBlocks) {
+  const std::vector<int32_t> cu = testing::CuSeqlens({900, 1, 333, 520});
+  const int heads = 2;
+  const int head_dim = 64;
+  const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+  const Bf16Tensor q = ToBf16(testing::RandomTensor(n, 41, 2.0f)),
+                   k = ToBf16(testing::RandomTensor(n, 42, 2.0f));
+  const std::vector<double> densities = {0.2, 1.0, 0.5, 0.05};
+  for (int variant = 0; variant < 4; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "variant " << variant);
+    SelectionOptions options;
+    options.block_size = variant == 3 ? 128 : 64;
+    options.local_blocks = variant == 1 ? 0 : (variant == 2 ? 3 : 1);
+    if (variant == 0 || variant == 3) {
+      options.mode = SelectionMode::kAnchor;
+      options.anchor_threshold = variant == 0 ? 0.05 : 0.5;
+    }
+    if (variant >= 2) options.mass_threshold = 0.9;
+    this->SelectAndCompare(cu, heads, head_dim, q, k, densities, options);
+  }
 }
 
 TYPED_TEST(CudaKernelsTest, OneTokenDocuments) {
@@ -413,6 +452,53 @@ TEST(CudaBuildTest, BuildFlagAgreesWithTheLibrary) {
             absl::StatusCode::kFailedPrecondition);
 #endif
   EXPECT_TRUE(cuda_emulated::Compiled());
+}
+
+// The device path keeps scores and index on the device: selection reads back one count (the
+// index's size) and uploads only the batch's shape; the forward and backward copy nothing.
+TEST(CudaEmulatedTest, SelectionAndAttentionKeepTheirDataOnTheDevice) {
+  const std::vector<int32_t> cu = testing::CuSeqlens({500, 64, 300});
+  const int heads = 2;
+  const int head_dim = 64;
+  const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+  const size_t n_lse = static_cast<size_t>(cu.back()) * heads;
+  std::vector<uint16_t> bits(n);
+  const std::vector<float> values = testing::RandomTensor(n, 51);
+  for (size_t i = 0; i < n; ++i) bits[i] = FloatToBf16(values[i]);
+  std::vector<cuda_emulated::DeviceBuffer> buffers;
+  for (size_t bytes :
+       {n * 2, n * 2, n * 2, n * 2, n * 2, n * 2, n * 2, n * 2, n_lse * 4, n_lse * 4}) {
+    absl::StatusOr<cuda_emulated::DeviceBuffer> b = cuda_emulated::DeviceBuffer::Allocate(bytes);
+    ASSERT_TRUE(b.ok());
+    buffers.push_back(*std::move(b));
+  }
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(buffers[i].CopyFromHost(bits.data(), n * 2).ok());
+  auto* q = buffers[0].data();
+  auto* k = buffers[1].data();
+  auto* v = buffers[2].data();
+  auto* dout = buffers[3].data();
+  const cuda_emulated::Stream stream{};
+  emu::ResetTransfers();
+  absl::StatusOr<cuda_emulated::DeviceSelection> selection = cuda_emulated::SelectBlocks(
+      cu, heads, head_dim, q, k, {0.3, 1.0, 0.5}, SelectionOptions{}, stream);
+  ASSERT_TRUE(selection.ok()) << selection.status();
+  emu::TransferStats moved = emu::Transfers();
+  EXPECT_EQ(moved.to_host_copies, 1);
+  EXPECT_EQ(moved.to_host_bytes, 8);
+  // cu_seqlens and cu_blocks (int32), triangle offsets (int64) and quantized densities (int64).
+  EXPECT_EQ(moved.to_device_bytes, static_cast<int64_t>(cu.size() * (4 + 4 + 8) + 3 * 8));
+  EXPECT_GT(selection->index.active_blocks(), 0);
+  emu::ResetTransfers();
+  ASSERT_TRUE(cuda_emulated::Forward(selection->index, head_dim, q, k, v, 0.0f, buffers[4].data(),
+                                     static_cast<float*>(buffers[8].data()), stream)
+                  .ok());
+  ASSERT_TRUE(cuda_emulated::Backward(selection->index, head_dim, q, k, v, buffers[4].data(),
+                                      static_cast<const float*>(buffers[8].data()), dout, 0.0f,
+                                      static_cast<float*>(buffers[9].data()), buffers[5].data(),
+                                      buffers[6].data(), buffers[7].data(), stream)
+                  .ok());
+  moved = emu::Transfers();
+  EXPECT_EQ(moved.to_host_copies + moved.to_device_copies, 0);
 }
 
 // The emulator's own checks: a launch above the shared-memory limit fails as the driver's would,

@@ -224,10 +224,11 @@ def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
             raise RuntimeError(f"select_blocks: q is on {q.device} but {reason}")
         with torch.cuda.device(q.device):
             qb, kb = (t.detach().to(torch.bfloat16).contiguous() for t in (q, k))
-            return _C.cuda_select_blocks(cu, heads, head_dim, qb.data_ptr(), kb.data_ptr(), dens,
-                                         int(block_size), int(local_blocks),
-                                         float(mass_threshold), scale, mode, tau,
-                                         _current_stream(q.device))
+            stream = _current_stream(q.device)
+            selection = _C.cuda_select_blocks(cu, heads, head_dim, qb.data_ptr(), kb.data_ptr(),
+                                              dens, int(block_size), int(local_blocks),
+                                              float(mass_threshold), scale, mode, tau, stream)
+            return selection.download(stream)
     if q.device.type != "cpu":
         raise ValueError(f"q: tensors on {q.device} are not supported (CPU or CUDA)")
     threads = torch.get_num_threads() if threads is None else int(threads)

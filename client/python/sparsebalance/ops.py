@@ -120,7 +120,7 @@ class _SparseAttentionCuda(torch.autograd.Function):
             selection = _C.cuda_select_blocks(cu_seqlens, heads, head_dim, q.data_ptr(),
                                               k.data_ptr(), densities, block_size, local_blocks,
                                               mass_threshold, scale, mode, tau, stream)
-            index = _C.CudaBlockIndex(selection, stream)
+            index = selection.index
             out = torch.empty_like(q)
             lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
             _C.cuda_forward(index, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale,
@@ -259,8 +259,13 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
             qb, kb, vb = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
             out = _SparseAttentionCuda.apply(qb, kb, vb, cu, dens, options, timer, outputs)
         out = out.to(dtype)
-        selection = outputs.selection
-        recall = selection.recall
+        # The selection stays on the GPU: its per-row estimates come to the host for the
+        # recall, the whole index only when the caller asks for it.
+        stream = _current_stream(q.device)
+        recall = outputs.selection.recall(stream)
+        if return_selection:
+            return out, recall, outputs.selection.download(stream)
+        return out, recall
     else:
         if q.device.type != "cpu":
             raise RuntimeError(f"sparse_attention: tensors on {q.device} are not supported "
