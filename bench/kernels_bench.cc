@@ -175,10 +175,12 @@ BENCHMARK(BM_Document)
     ->MeasureProcessCPUTime()
     ->Iterations(1);
 
-// GPU (sm_90, bf16): forward and backward separately, one document of 32 heads x 128, timed
-// by synchronising the device around each call. Counters: TFLOP/s against the dense causal
-// equivalent (what the same attention would cost dense: 4 * L^2/2 * d * heads forward, 2.5x
-// backward), and against the kept blocks. Skips without a device.
+// GPU (sm_90, bf16): block selection, forward and backward separately, one document of 32
+// heads x 128, timed by synchronising the device around each call, on the tensor-core kernels
+// (tensor_cores:1) or the scalar reference kernels (tensor_cores:0, up to 32K tokens: they are
+// far slower). Counters: TFLOP/s against the dense causal equivalent (what the same attention
+// would cost dense: 4 * L^2/2 * d * heads forward, 2.5x backward), and against the kept blocks
+// (what the kernels compute). Skips without a device.
 //   sb-kernels-bench --benchmark_filter=Cuda
 void BM_CudaAttention(benchmark::State& state) {
   std::string why;
@@ -189,6 +191,8 @@ void BM_CudaAttention(benchmark::State& state) {
   const int32_t length = static_cast<int32_t>(state.range(0));
   const double density = static_cast<double>(state.range(1)) / 1000.0;
   const bool backward = state.range(2) != 0;
+  const cuda::KernelPath path =
+      state.range(3) != 0 ? cuda::KernelPath::kTensorCore : cuda::KernelPath::kScalar;
   constexpr int kGpuHeads = 32;
   constexpr int kHeadDim = 128;
   const size_t n = static_cast<size_t>(length) * kGpuHeads * kHeadDim;
@@ -222,7 +226,7 @@ void BM_CudaAttention(benchmark::State& state) {
   const cuda::DeviceBlockIndex* index = &sel->index;
   auto forward = [&] {
     return cuda::Forward(*index, kHeadDim, q->data(), k->data(), v->data(), 0.0f, out->data(),
-                         static_cast<float*>(lse->data()), cuda::Stream{});
+                         static_cast<float*>(lse->data()), cuda::Stream{}, path);
   };
   if (absl::Status s = forward(); !s.ok()) {  // also the LSE the backward needs
     state.SkipWithError(std::string(s.message()).c_str());
@@ -233,7 +237,7 @@ void BM_CudaAttention(benchmark::State& state) {
                          ? cuda::Backward(*index, kHeadDim, q->data(), k->data(), v->data(),
                                           out->data(), static_cast<float*>(lse->data()),
                                           dout->data(), 0.0f, static_cast<float*>(delta->data()),
-                                          dq->data(), dk->data(), dv->data(), cuda::Stream{})
+                                          dq->data(), dk->data(), dv->data(), cuda::Stream{}, path)
                          : forward();
     if (s.ok()) s = cuda::Synchronize();
     if (!s.ok()) {
@@ -253,8 +257,56 @@ void BM_CudaAttention(benchmark::State& state) {
       benchmark::Counter(blocks * per_block * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_CudaAttention)
-    ->ArgNames({"length", "density_permille", "backward"})
-    ->ArgsProduct({{8192, 32768, 131072}, {1000, 300, 100}, {0, 1}})
+    ->ArgNames({"length", "density_permille", "backward", "tensor_cores"})
+    ->ArgsProduct({{8192, 32768, 131072}, {1000, 300, 100}, {0, 1}, {1}})
+    ->ArgsProduct({{8192, 32768}, {1000, 300, 100}, {0, 1}, {0}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// GPU block selection alone (pooling, scores, each row's choice, the CSR/CSC index), 32 heads x
+// 128, one document.
+void BM_CudaSelection(benchmark::State& state) {
+  std::string why;
+  if (cuda::DeviceCount(&why) == 0) {
+    state.SkipWithError(("no CUDA device: " + why).c_str());
+    return;
+  }
+  const int32_t length = static_cast<int32_t>(state.range(0));
+  const double density = static_cast<double>(state.range(1)) / 1000.0;
+  constexpr int kGpuHeads = 32;
+  constexpr int kHeadDim = 128;
+  const size_t n = static_cast<size_t>(length) * kGpuHeads * kHeadDim;
+  std::vector<uint16_t> bf16(n);
+  absl::StatusOr<cuda::DeviceBuffer> q = cuda::DeviceBuffer::Allocate(n * 2);
+  absl::StatusOr<cuda::DeviceBuffer> k = cuda::DeviceBuffer::Allocate(n * 2);
+  if (!q.ok() || !k.ok()) {
+    state.SkipWithError("cannot allocate q and k");
+    return;
+  }
+  for (auto [buffer, seed] : {std::pair<cuda::DeviceBuffer*, uint32_t>{&*q, 1}, {&*k, 2}}) {
+    const std::vector<float> host = Values(n, seed);
+    for (size_t i = 0; i < n; ++i) bf16[i] = FloatToBf16(host[i]);
+    if (!buffer->CopyFromHost(bf16.data(), n * 2).ok()) {
+      state.SkipWithError("cannot upload q and k");
+      return;
+    }
+  }
+  int64_t blocks = 0;
+  for (auto _ : state) {
+    absl::StatusOr<cuda::DeviceSelection> sel = cuda::SelectBlocks(
+        {0, length}, kGpuHeads, kHeadDim, q->data(), k->data(), {density}, {}, cuda::Stream{});
+    absl::Status s = sel.ok() ? cuda::Synchronize() : sel.status();
+    if (!s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      break;
+    }
+    blocks = sel->index.active_blocks();
+  }
+  state.counters["active_blocks"] = static_cast<double>(blocks);
+}
+BENCHMARK(BM_CudaSelection)
+    ->ArgNames({"length", "density_permille"})
+    ->ArgsProduct({{8192, 32768, 131072}, {1000, 300, 100}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

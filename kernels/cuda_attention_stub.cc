@@ -47,13 +47,13 @@ absl::StatusOr<BlockIndex> DeviceBlockIndex::Download(Stream) const { return Not
 absl::StatusOr<Selection> DeviceSelection::Download(Stream) const { return NotBuilt(); }
 
 absl::Status Forward(const DeviceBlockIndex&, int, const void*, const void*, const void*, float,
-                     void*, float*, Stream) {
+                     void*, float*, Stream, KernelPath) {
   return NotBuilt();
 }
 
 absl::Status Backward(const DeviceBlockIndex&, int, const void*, const void*, const void*,
                       const void*, const float*, const void*, float, float*, void*, void*, void*,
-                      Stream) {
+                      Stream, KernelPath) {
   return NotBuilt();
 }
 

@@ -23,6 +23,8 @@ constexpr unsigned kWarpSize = 32;
 constexpr unsigned kMaxThreadsPerBlock = 1024;
 // Each thread's stack: the kernels keep a head_dim-long row or two in registers (local arrays).
 constexpr size_t kStackBytes = 128 * 1024;
+// The most one lane passes in a warp exchange (an MMA's A and B fragments: 24 bytes).
+constexpr size_t kMaxShareBytes = 32;
 
 enum class Wait { kNone, kBlock, kWarp, kDone };
 
@@ -51,7 +53,9 @@ class Runner {
     if (array.empty()) array.assign(std::max<size_t>(bytes, 1), 0);
     return array.data();
   }
-  uint64_t* slots(unsigned warp, unsigned set) { return &slots_[(warp * 2 + set) * kWarpSize]; }
+  unsigned char* slots(unsigned warp, unsigned set) {
+    return &slots_[(warp * 2 + set) * kWarpSize * kMaxShareBytes];
+  }
 
  private:
   static void Entry();
@@ -63,7 +67,7 @@ class Runner {
   const std::function<void()>* thread_ = nullptr;
   std::vector<unsigned char> dynamic_;
   std::map<const void*, std::vector<unsigned char>> static_;
-  std::vector<uint64_t> slots_;  // per warp, two sets of 32 exchange slots
+  std::vector<unsigned char> slots_;  // per warp, two sets of 32 exchange slots
 };
 
 thread_local Runner* runner = nullptr;
@@ -88,7 +92,7 @@ absl::Status Runner::RunCta(const char* name, const LaunchShape& shape, const In
   while (stacks_.size() < threads) stacks_.push_back(std::make_unique<char[]>(kStackBytes));
   dynamic_.assign(std::max<size_t>(shape.dynamic_shared, 1), 0);
   static_.clear();
-  slots_.assign(static_cast<size_t>(warps) * 2 * kWarpSize, 0);
+  slots_.assign(static_cast<size_t>(warps) * 2 * kWarpSize * kMaxShareBytes, 0);
   thread_ = &thread;
   runner = this;
   for (unsigned t = 0; t < threads; ++t) {
@@ -160,7 +164,7 @@ const ThreadIds& Current() { return runner->current().ids; }
 
 void SyncThreads() { runner->Yield(Wait::kBlock); }
 
-void WarpExchange(uint64_t value, uint64_t (&lanes)[32]) {
+void WarpShare(const void* mine, size_t bytes, void* lanes) {
   Runner& r = *runner;
   Fiber& f = r.current();
   const unsigned t =
@@ -168,11 +172,120 @@ void WarpExchange(uint64_t value, uint64_t (&lanes)[32]) {
   const unsigned warp = t / kWarpSize;
   // Two slot sets taken in turn: a lane may reach its next exchange (and write) before a slower
   // lane has read this one, but not its next-but-one.
-  uint64_t* slots = r.slots(warp, f.exchanges % 2);
+  unsigned char* slots = r.slots(warp, f.exchanges % 2);
   ++f.exchanges;
-  slots[t % kWarpSize] = value;
+  std::memcpy(slots + (t % kWarpSize) * kMaxShareBytes, mine, bytes);
   r.Yield(Wait::kWarp);
-  std::memcpy(lanes, slots, sizeof(lanes));
+  for (unsigned lane = 0; lane < kWarpSize; ++lane) {
+    std::memcpy(static_cast<unsigned char*>(lanes) + lane * bytes, slots + lane * kMaxShareBytes,
+                bytes);
+  }
+}
+
+void WarpExchange(uint64_t value, uint64_t (&lanes)[32]) {
+  WarpShare(&value, sizeof(value), lanes);
+}
+
+unsigned LaneId() {
+  const ThreadIds& ids = Current();
+  return (ids.thread.x + ids.block_dim.x * (ids.thread.y + ids.block_dim.y * ids.thread.z)) %
+         kWarpSize;
+}
+
+float ShflXor(float value, unsigned lane_mask) {
+  float lanes[kWarpSize];
+  WarpShare(&value, sizeof(value), lanes);
+  return lanes[LaneId() ^ (lane_mask % kWarpSize)];
+}
+
+namespace {
+
+float Bf16Half(uint32_t pair, int half) {
+  return Bf16ToFloat(static_cast<uint16_t>(half == 0 ? pair & 0xffffu : pair >> 16));
+}
+
+}  // namespace
+
+void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+  struct Fragments {
+    uint32_t a[4];
+    uint32_t b[2];
+  };
+  Fragments mine;
+  std::memcpy(mine.a, a, sizeof(mine.a));
+  std::memcpy(mine.b, b, sizeof(mine.b));
+  Fragments all[kWarpSize];
+  WarpShare(&mine, sizeof(mine), all);
+  // The whole A (16 x 16) and B (16 x 8) from their fragments (PTX ISA, mma.m16n8k16, .bf16):
+  // lane = 4 * group + index; A's registers 0..3 hold rows (group, group + 8, group, group + 8)
+  // and columns (2 index, 2 index, 2 index + 8, 2 index + 8) and the next column; B's
+  // registers 0..1 hold rows (2 index, 2 index + 8) and the next row, column group.
+  float am[16][16];
+  float bm[16][8];
+  for (unsigned lane = 0; lane < kWarpSize; ++lane) {
+    const unsigned group = lane / 4;
+    const unsigned index = lane % 4;
+    for (int reg = 0; reg < 4; ++reg) {
+      const unsigned row = group + (reg % 2) * 8;
+      const unsigned col = 2 * index + (reg / 2) * 8;
+      am[row][col] = Bf16Half(all[lane].a[reg], 0);
+      am[row][col + 1] = Bf16Half(all[lane].a[reg], 1);
+    }
+    for (int reg = 0; reg < 2; ++reg) {
+      const unsigned row = 2 * index + reg * 8;
+      bm[row][group] = Bf16Half(all[lane].b[reg], 0);
+      bm[row + 1][group] = Bf16Half(all[lane].b[reg], 1);
+    }
+  }
+  // D's registers 0..3: rows (group, group, group + 8, group + 8), columns 2 index (+ 1).
+  const unsigned lane = LaneId();
+  for (int reg = 0; reg < 4; ++reg) {
+    const unsigned row = lane / 4 + (reg / 2) * 8;
+    const unsigned col = 2 * (lane % 4) + reg % 2;
+    float sum = 0.0f;
+    for (int k = 0; k < 16; ++k) sum += am[row][k] * bm[k][col];  // exact products in fp32
+    d[reg] = c[reg] + sum;
+  }
+}
+
+void LdMatrixX4(uint32_t (&r)[4], const void* row, bool transposed) {
+  const uint16_t* mine = static_cast<const uint16_t*>(row);
+  const uint16_t* rows[kWarpSize];
+  WarpShare(&mine, sizeof(mine), rows);
+  // Matrix i's rows come from lanes 8 i .. 8 i + 7. Each lane gets, of every matrix, row
+  // lane / 4 at columns 2 (lane % 4) and the next (transposed: those rows, column lane / 4).
+  const unsigned lane = LaneId();
+  const unsigned group = lane / 4;
+  const unsigned index = lane % 4;
+  for (unsigned i = 0; i < 4; ++i) {
+    uint16_t lo = 0;
+    uint16_t hi = 0;
+    if (transposed) {
+      lo = rows[i * 8 + 2 * index][group];
+      hi = rows[i * 8 + 2 * index + 1][group];
+    } else {
+      lo = rows[i * 8 + group][2 * index];
+      hi = rows[i * 8 + group][2 * index + 1];
+    }
+    r[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+}
+
+void AtomicAdd(float* address, float value) {
+  // CTAs run on several OS threads: a compare-and-swap loop on the float's bits.
+  uint32_t expected = 0;
+  __atomic_load(reinterpret_cast<uint32_t*>(address), &expected, __ATOMIC_RELAXED);
+  while (true) {
+    float current = 0.0f;
+    std::memcpy(&current, &expected, sizeof(current));
+    const float next = current + value;
+    uint32_t desired = 0;
+    std::memcpy(&desired, &next, sizeof(desired));
+    if (__atomic_compare_exchange(reinterpret_cast<uint32_t*>(address), &expected, &desired, false,
+                                  __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+      return;
+    }
+  }
 }
 
 void* DynamicShared() { return runner->dynamic_shared(); }

@@ -57,6 +57,28 @@ void SyncThreads();
 // lanes[l] the value of lane l (lanes that returned from the kernel leave 0).
 void WarpExchange(uint64_t value, uint64_t (&lanes)[32]);
 
+// The general form: every live lane passes `bytes` (at most 32) at `mine`; `lanes` receives
+// 32 x `bytes`, lane by lane.
+void WarpShare(const void* mine, size_t bytes, void* lanes);
+
+// The calling thread's lane in its warp.
+unsigned LaneId();
+
+// __shfl_xor_sync(0xffffffff, value, lane_mask).
+float ShflXor(float value, unsigned lane_mask);
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: D = A B + C for the warp's 16 x 8 tile,
+// each lane holding the fragments of the PTX ISA's layout (bf16 pairs, the lower column in the
+// low half). Products are exact in fp32; the 16 are summed in order, then C is added.
+void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]);
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane l passes the address of row l % 8 of
+// matrix l / 8 (8 bf16 each) and receives one bf16 pair of each of the 4 matrices.
+void LdMatrixX4(uint32_t (&r)[4], const void* row, bool transposed);
+
+// atomicAdd on a float in device memory.
+void AtomicAdd(float* address, float value);
+
 // The CTA's dynamic shared memory, and a static __shared__ array of `bytes` named by `key` (the
 // address of a static object at the declaration: one array per declaration and CTA).
 void* DynamicShared();

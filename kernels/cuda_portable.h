@@ -16,6 +16,7 @@
 #define SPARSEBALANCE_KERNELS_CUDA_PORTABLE_H_
 
 #include <math.h>
+#include <string.h>
 
 #include <cstdint>
 
@@ -49,6 +50,48 @@ SB_DEVICE SB_INLINE Bf16 ToBf16(float x) { return __float2bfloat16(x); }
 // equal the host's bit for bit (block scores, which decide the selection).
 SB_DEVICE SB_INLINE float AddRn(float a, float b) { return __fadd_rn(a, b); }
 SB_DEVICE SB_INLINE float MulRn(float a, float b) { return __fmul_rn(a, b); }
+
+// The tensor-core path's warp-level operations (PTX ISA: mma.sync m16n8k16 bf16 with fp32
+// accumulation, ldmatrix .x4, shuffles): the emulator implements the same fragment layouts.
+SB_DEVICE SB_INLINE unsigned LaneId() { return threadIdx.x % 32; }
+SB_DEVICE SB_INLINE float ShflXor(float value, unsigned lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, value, static_cast<int>(lane_mask));
+}
+SB_DEVICE SB_INLINE void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                 const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]));
+}
+// Lane l passes the shared-memory address of row l % 8 of matrix l / 8.
+SB_DEVICE SB_INLINE void LdMatrixX4(uint32_t (&r)[4], const void* row) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+SB_DEVICE SB_INLINE void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+// Two floats as a bf16 pair (round to nearest even), `lo` in the low half.
+SB_DEVICE SB_INLINE uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &pair, sizeof(bits));
+  return bits;
+}
+SB_DEVICE SB_INLINE void AtomicAdd(float* address, float value) { atomicAdd(address, value); }
+// 16 bytes from `src` to `dst`, both 16-byte aligned (bf16 x 8).
+SB_DEVICE SB_INLINE void Copy16(void* dst, const void* src) {
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+}
+SB_DEVICE SB_INLINE void Zero16(void* dst) { *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0); }
 
 }  // namespace gpu
 }  // namespace kernels
@@ -88,6 +131,20 @@ inline float ToFloat(Bf16 x) { return emu::ToFloat(x); }
 inline Bf16 ToBf16(float x) { return emu::ToBf16(x); }
 inline float AddRn(float a, float b) { return a + b; }
 inline float MulRn(float a, float b) { return a * b; }
+inline unsigned LaneId() { return emu::LaneId(); }
+inline float ShflXor(float value, unsigned lane_mask) { return emu::ShflXor(value, lane_mask); }
+inline void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                    const float (&c)[4]) {
+  emu::MmaBf16(d, a, b, c);
+}
+inline void LdMatrixX4(uint32_t (&r)[4], const void* row) { emu::LdMatrixX4(r, row, false); }
+inline void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) { emu::LdMatrixX4(r, row, true); }
+inline uint32_t PackBf16(float lo, float hi) {
+  return static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
+}
+inline void AtomicAdd(float* address, float value) { emu::AtomicAdd(address, value); }
+inline void Copy16(void* dst, const void* src) { memcpy(dst, src, 16); }
+inline void Zero16(void* dst) { memset(dst, 0, 16); }
 
 }  // namespace gpu
 }  // namespace kernels

@@ -86,9 +86,26 @@ absl::StatusOr<std::unique_ptr<NcclSync>> NcclSync::Create(int rank, int ranks,
   if (absl::Status s = sync->Init(rank, ranks, gradient_bytes); !s.ok()) return s;
   return std::unique_ptr<NcclSync>(std::move(sync));
 }
+
+absl::Status NcclSync::SelectDevice(int rank) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError("no CUDA device for --device=cuda");
+  }
+  if (const cudaError_t e = cudaSetDevice(rank % devices); e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cudaSetDevice(", rank % devices, "): ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
 #else
 absl::StatusOr<std::unique_ptr<NcclSync>> NcclSync::Create(int, int, int64_t) {
   return absl::FailedPreconditionError("NCCL: this build has no CUDA (SB_WITH_CUDA=OFF)");
+}
+
+absl::Status NcclSync::SelectDevice(int) {
+  return absl::FailedPreconditionError("--device=cuda: this build has no CUDA (SB_WITH_CUDA=OFF)");
 }
 #endif
 

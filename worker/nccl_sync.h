@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace sparsebalance {
@@ -18,6 +19,9 @@ class NcclSync {
   // `gradient_bytes`: the size of the buffer all-reduced each step.
   static absl::StatusOr<std::unique_ptr<NcclSync>> Create(int rank, int ranks,
                                                           int64_t gradient_bytes);
+  // Makes device rank % (devices visible) this process's CUDA device: ranks on one multi-GPU
+  // host each get their own (NCCL refuses two ranks on one device). Call before any CUDA work.
+  static absl::Status SelectDevice(int rank);
   virtual ~NcclSync() = default;
   // All-reduce (max) of one value across ranks.
   virtual absl::StatusOr<double> AllReduceMax(double value) = 0;

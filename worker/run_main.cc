@@ -1,13 +1,19 @@
 // sb-run: the main job. Starts sb-planner (its embedded defaults unless told otherwise), a
-// step-sync hub and N CPU sb-worker processes, and runs the same short training-like run once
+// step-sync hub and N CPU sb-worker processes (or N GPU workers synchronised by NCCL with
+// --device=cuda, one device per rank), and runs the same short training-like run once
 // per policy (by default `sequential`, then `sparsebalance`). Each run is a job of its own.
 // Prints a side-by-side summary of what the workers measured and writes a picture (per-rank
 // timeline of the steps, before and after) and the raw per-step lines. Stops everything it
 // started, also on errors and Ctrl-C.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -37,6 +43,11 @@ ABSL_FLAG(std::string, bin_dir, "",
           "folder holding sb-planner, sb-worker and sb-profile (default: found next to sb-run "
           "in the build tree or the install prefix)");
 ABSL_FLAG(int, workers, 4, "ranks (one sb-worker process each)");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu: the workers run the fp32 reference kernels, synchronised by a local hub; cuda: "
+          "the CUDA kernels, one device per rank (rank % devices), synchronised by NCCL on "
+          "NCCL_COMM_ID (default: 127.0.0.1 and a free port); the auto profile is measured on "
+          "the same device");
 ABSL_FLAG(int, steps, 8, "steps per run");
 ABSL_FLAG(std::string, policies, "sequential,sparsebalance", "one run per policy, in order");
 ABSL_FLAG(int, layers, 2, "model layers");
@@ -154,16 +165,44 @@ std::string SplitReport(const RunResult& run) {
   return out;
 }
 
+// A TCP port free on the loopback interface now (the kernel's pick for port 0).
+int FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) tools::Fatal("socket() failed while picking a port for NCCL_COMM_ID");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    close(fd);
+    tools::Fatal("could not pick a free port for NCCL_COMM_ID: set it yourself");
+  }
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
 int Main(int argc, char** argv) {
   tools::InitTool(
       argc, argv,
-      "the SparseBalance main job: sb-planner, N CPU workers, one short run per policy on\n"
+      "the SparseBalance main job: sb-planner, N workers (CPU, or GPU with --device=cuda), one\n"
+      "short run per policy on\n"
       "the same batches, and a side-by-side summary of what the workers measured\n"
       "(summary.txt, summary.json, timeline.svg and the workers' step lines in --out).\n\n"
       "  sb-run [--workers=4] [--steps=8] [--policies=sequential,sparsebalance] [--out=DIR]");
   tools::StopChildrenOnSignals();
   const int workers = absl::GetFlag(FLAGS_workers);
   if (workers < 1 || workers > 64) tools::Fatal("--workers: must be in [1, 64]");
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && device != "cuda") {
+    tools::UsageError(absl::StrCat("--device=", device, ": must be cpu or cuda"));
+  }
+  if (device == "cuda" && std::getenv("NCCL_COMM_ID") == nullptr) {
+    // The workers inherit it: NCCL's bootstrap root (rank 0) listens there.
+    const std::string comm_id = absl::StrCat("127.0.0.1:", FreeLoopbackPort());
+    setenv("NCCL_COMM_ID", comm_id.c_str(), 1);
+  }
   std::vector<Policy> policies;
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_policies), ',')) {
     absl::StatusOr<Policy> p = ParsePolicy(name);
@@ -188,7 +227,7 @@ int Main(int argc, char** argv) {
   shape.block_size = absl::GetFlag(FLAGS_block_size);
   std::string profile = absl::GetFlag(FLAGS_profile);
   if (profile == "auto") {
-    profile = out_dir + "/cpu.profile";
+    profile = out_dir + "/" + device + ".profile";
     // A noisy table (other processes on the cores still perturb one thread's CPU time through
     // caches) can give a degenerate fit, which the planner rejects: measure again.
     constexpr int kProfileAttempts = 3;
@@ -196,7 +235,8 @@ int Main(int argc, char** argv) {
     for (int attempt = 1; attempt <= kProfileAttempts; ++attempt) {
       const Clock::time_point t0 = Clock::now();
       std::unique_ptr<tools::ChildProcess> sb_profile =
-          Start({FindBinary("sb-profile"), "--device=cpu", "--threads=1",
+          Start({FindBinary("sb-profile"), "--device=" + device,
+                 device == "cpu" ? "--threads=1" : "--repeats=3",
                  absl::StrCat("--heads=", shape.heads), absl::StrCat("--head_dim=", shape.head_dim),
                  absl::StrCat("--block_size=", shape.block_size),
                  absl::StrCat("--lengths=512,1024,2048,",
@@ -260,8 +300,13 @@ int Main(int argc, char** argv) {
     chmod(token_file.c_str(), 0600);
     const std::string lines = absl::StrCat(out_dir, "/", PolicyName(policy), ".steps.jsonl");
     std::filesystem::remove(lines);
-    absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(workers);
-    if (!hub.ok()) tools::Fatal(hub.status().ToString());
+    // CPU ranks meet at a local hub; GPU ranks all-reduce through NCCL instead.
+    std::unique_ptr<StepSyncHub> hub;
+    if (device == "cpu") {
+      absl::StatusOr<std::unique_ptr<StepSyncHub>> started = StepSyncHub::Start(workers);
+      if (!started.ok()) tools::Fatal(started.status().ToString());
+      hub = *std::move(started);
+    }
     std::cout << "sb-run: " << PolicyName(policy) << ": job " << job->job_id << ", " << workers
               << " workers, " << absl::GetFlag(FLAGS_steps) << " steps ..." << std::flush;
     const Clock::time_point t0 = Clock::now();
@@ -272,13 +317,13 @@ int Main(int argc, char** argv) {
                                        "--job=" + job->job_id,
                                        absl::StrCat("--rank=", r),
                                        "--token_file=" + token_file,
-                                       "--device=cpu",
-                                       "--sync=" + (*hub)->address(),
+                                       "--device=" + device,
                                        absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
                                        "--trace=" + absl::GetFlag(FLAGS_trace),
                                        absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed)),
                                        absl::StrCat("--fill=", absl::GetFlag(FLAGS_fill)),
                                        "--out=" + lines};
+      if (hub != nullptr) args.push_back("--sync=" + hub->address());
       if (!profile.empty()) args.push_back("--profile=" + profile);
       if (absl::GetFlag(FLAGS_exact_recall)) args.push_back("--exact_recall");
       if (long_document > 0) args.push_back(absl::StrCat("--long_document=", long_document));

@@ -184,6 +184,11 @@ int Main(int argc, char** argv) {
   }
 
   const std::string device = absl::GetFlag(FLAGS_device);
+  if (device == "cuda") {
+    if (absl::Status s = NcclSync::SelectDevice(rank); !s.ok()) {
+      tools::Fatal(std::string(s.message()));
+    }
+  }
   MicroBatchRunnerOptions runner_options;
   runner_options.exact_recall = absl::GetFlag(FLAGS_exact_recall);
   // The device probe has not been checked on a GPU yet: opt in there.
