@@ -82,6 +82,15 @@ absl::Status Allocate(void** pointer, size_t bytes) {
 
 void Free(void* pointer) { cudaFree(pointer); }
 
+// Stream-ordered allocation (the device's default memory pool): usable by work queued on
+// `stream` after this call, returned to the pool once the stream's earlier work is done.
+absl::Status AllocateAsync(void** pointer, size_t bytes, Stream stream) {
+  return Check(cudaMallocAsync(pointer, bytes, ToCuda(stream)),
+               absl::StrCat("cudaMallocAsync of ", bytes, " bytes"));
+}
+
+void FreeAsync(void* pointer, Stream stream) { cudaFreeAsync(pointer, ToCuda(stream)); }
+
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream stream) {
   // From pageable memory the call returns once `src` has been staged: the caller may reuse it.
   return Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ToCuda(stream)),

@@ -45,6 +45,10 @@ absl::StatusOr<DeviceSelection> SelectBlocks(absl::Span<const int32_t>, int, int
 
 absl::StatusOr<BlockIndex> DeviceBlockIndex::Download(Stream) const { return NotBuilt(); }
 absl::StatusOr<Selection> DeviceSelection::Download(Stream) const { return NotBuilt(); }
+absl::Status DeviceSelection::DownloadCounts(std::vector<int64_t>*, std::vector<float>*,
+                                             Stream) const {
+  return NotBuilt();
+}
 
 absl::Status Forward(const DeviceBlockIndex&, int, const void*, const void*, const void*, float,
                      void*, float*, Stream, KernelPath) {

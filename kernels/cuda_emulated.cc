@@ -45,6 +45,13 @@ absl::Status Allocate(void** pointer, size_t bytes) {
 
 void Free(void* pointer) { emu::Free(pointer); }
 
+// Every launch has finished when it returns: stream order is program order.
+absl::Status AllocateAsync(void** pointer, size_t bytes, Stream) {
+  return Allocate(pointer, bytes);
+}
+
+void FreeAsync(void* pointer, Stream) { emu::Free(pointer); }
+
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream) {
   emu::CopyToDevice(dst, src, bytes);
   return absl::OkStatus();

@@ -463,14 +463,18 @@ class CudaLayerRunner : public BatchRunner {
     LayerMeasurement m;
     m.attention_seconds = attention_ms * 1e-3;
     m.linear_seconds = linear_ms * 1e-3;
-    // The figures need every row: the index comes to the host after the timed part.
-    absl::StatusOr<Selection> selection = chosen->Download(on);
-    if (!selection.ok()) return selection.status();
-    Summarize(selection->index, selection->estimated_recall, &m);
+    // The figures need each row's count and estimated recall, not its blocks: only those come
+    // to the host (after the timed part).
+    BlockIndex counts = chosen->index.shape();
+    std::vector<float> estimated_recall;
+    if (absl::Status s = chosen->DownloadCounts(&counts.row_ptr, &estimated_recall, on); !s.ok()) {
+      return s;
+    }
+    Summarize(counts, estimated_recall, &m);
     if (options.probe_recall) {
       // Synchronous (it copies its result back): the host's wall clock times it.
       const auto probe_start = std::chrono::steady_clock::now();
-      const RecallRows rows = SampleRecallRows(selection->index, seeds_, options.sampling);
+      const RecallRows rows = SampleRecallRows(counts, seeds_, options.sampling);
       absl::StatusOr<RecallProbe> probe =
           cuda::ProbeRecall(*index, shape_.head_dim, q_.data(), k_.data(), rows, on);
       if (!probe.ok()) return probe.status();

@@ -538,6 +538,17 @@ TEST(CudaEmulatedTest, SelectionAndAttentionKeepTheirDataOnTheDevice) {
                   .ok());
   moved = emu::Transfers();
   EXPECT_EQ(moved.to_host_copies + moved.to_device_copies, 0);
+  // The per-document figures read each row's count and estimate, never the blocks.
+  emu::ResetTransfers();
+  std::vector<int64_t> row_ptr;
+  std::vector<float> estimated_recall;
+  ASSERT_TRUE(selection->DownloadCounts(&row_ptr, &estimated_recall, stream).ok());
+  const int64_t rows = selection->index.shape().rows();
+  EXPECT_EQ(emu::Transfers().to_host_bytes, (rows + 1) * 8 + rows * 4);
+  absl::StatusOr<Selection> whole = selection->Download(stream);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(row_ptr, whole->index.row_ptr);
+  EXPECT_EQ(estimated_recall, whole->estimated_recall);
 }
 
 // The emulator's own checks: a launch above the shared-memory limit fails as the driver's would,
