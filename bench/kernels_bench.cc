@@ -182,28 +182,37 @@ BENCHMARK(BM_Document)
 // would cost dense: 4 * L^2/2 * d * heads forward, 2.5x backward), and against the kept blocks
 // (what the kernels compute). Skips without a device.
 //   sb-kernels-bench --benchmark_filter=Cuda
-void BM_CudaAttention(benchmark::State& state) {
+constexpr int kGpuHeads = 32;
+constexpr int kHeadDim = 128;
+
+// False (the benchmark skipped, saying why) without a CUDA device.
+bool HaveDevice(benchmark::State& state) {
   std::string why;
-  if (cuda::DeviceCount(&why) == 0) {
-    state.SkipWithError(("no CUDA device: " + why).c_str());
-    return;
-  }
+  if (cuda::DeviceCount(&why) > 0) return true;
+  state.SkipWithError(("no CUDA device: " + why).c_str());
+  return false;
+}
+
+// `n` bf16 values of Values(n, seed) on the device.
+absl::StatusOr<cuda::DeviceBuffer> DeviceValues(size_t n, uint32_t seed) {
+  const std::vector<float> host = Values(n, seed);
+  std::vector<uint16_t> bf16(n);
+  for (size_t i = 0; i < n; ++i) bf16[i] = FloatToBf16(host[i]);
+  absl::StatusOr<cuda::DeviceBuffer> buffer = cuda::DeviceBuffer::Allocate(n * 2);
+  if (!buffer.ok()) return buffer;
+  if (absl::Status s = buffer->CopyFromHost(bf16.data(), n * 2); !s.ok()) return s;
+  return buffer;
+}
+
+void BM_CudaAttention(benchmark::State& state) {
+  if (!HaveDevice(state)) return;
   const int32_t length = static_cast<int32_t>(state.range(0));
   const double density = static_cast<double>(state.range(1)) / 1000.0;
   const bool backward = state.range(2) != 0;
   const cuda::KernelPath path =
       state.range(3) != 0 ? cuda::KernelPath::kTensorCore : cuda::KernelPath::kScalar;
-  constexpr int kGpuHeads = 32;
-  constexpr int kHeadDim = 128;
   const size_t n = static_cast<size_t>(length) * kGpuHeads * kHeadDim;
-  auto device = [&](uint32_t seed) {
-    const std::vector<float> host = Values(n, seed);
-    std::vector<uint16_t> bf16(n);
-    for (size_t i = 0; i < n; ++i) bf16[i] = FloatToBf16(host[i]);
-    absl::StatusOr<cuda::DeviceBuffer> buffer = cuda::DeviceBuffer::Allocate(n * 2);
-    if (buffer.ok()) buffer->CopyFromHost(bf16.data(), n * 2).IgnoreError();
-    return buffer;
-  };
+  auto device = [&](uint32_t seed) { return DeviceValues(n, seed); };
   absl::StatusOr<cuda::DeviceBuffer> q = device(1), k = device(2), v = device(3), dout = device(4),
                                      out = device(5), dq = device(6), dk = device(7),
                                      dv = device(8);
@@ -266,30 +275,14 @@ BENCHMARK(BM_CudaAttention)
 // GPU block selection alone (pooling, scores, each row's choice, the CSR/CSC index), 32 heads x
 // 128, one document.
 void BM_CudaSelection(benchmark::State& state) {
-  std::string why;
-  if (cuda::DeviceCount(&why) == 0) {
-    state.SkipWithError(("no CUDA device: " + why).c_str());
-    return;
-  }
+  if (!HaveDevice(state)) return;
   const int32_t length = static_cast<int32_t>(state.range(0));
   const double density = static_cast<double>(state.range(1)) / 1000.0;
-  constexpr int kGpuHeads = 32;
-  constexpr int kHeadDim = 128;
   const size_t n = static_cast<size_t>(length) * kGpuHeads * kHeadDim;
-  std::vector<uint16_t> bf16(n);
-  absl::StatusOr<cuda::DeviceBuffer> q = cuda::DeviceBuffer::Allocate(n * 2);
-  absl::StatusOr<cuda::DeviceBuffer> k = cuda::DeviceBuffer::Allocate(n * 2);
+  absl::StatusOr<cuda::DeviceBuffer> q = DeviceValues(n, 1), k = DeviceValues(n, 2);
   if (!q.ok() || !k.ok()) {
-    state.SkipWithError("cannot allocate q and k");
+    state.SkipWithError(std::string((q.ok() ? k : q).status().message()).c_str());
     return;
-  }
-  for (auto [buffer, seed] : {std::pair<cuda::DeviceBuffer*, uint32_t>{&*q, 1}, {&*k, 2}}) {
-    const std::vector<float> host = Values(n, seed);
-    for (size_t i = 0; i < n; ++i) bf16[i] = FloatToBf16(host[i]);
-    if (!buffer->CopyFromHost(bf16.data(), n * 2).ok()) {
-      state.SkipWithError("cannot upload q and k");
-      return;
-    }
   }
   int64_t blocks = 0;
   for (auto _ : state) {
