@@ -89,7 +89,8 @@ absl::Status Runner::RunCta(const char* name, const LaunchShape& shape, const In
   const unsigned threads = shape.block.x * shape.block.y * shape.block.z;
   const unsigned warps = (threads + kWarpSize - 1) / kWarpSize;
   if (fibers_.size() < threads) fibers_.resize(threads);
-  while (stacks_.size() < threads) stacks_.push_back(std::make_unique<char[]>(kStackBytes));
+  // Not zeroed: a fiber touches only the pages of its stack that it uses.
+  while (stacks_.size() < threads) stacks_.emplace_back(new char[kStackBytes]);
   dynamic_.assign(std::max<size_t>(shape.dynamic_shared, 1), 0);
   static_.clear();
   slots_.assign(static_cast<size_t>(warps) * 2 * kWarpSize * kMaxShareBytes, 0);
