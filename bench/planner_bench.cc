@@ -1,4 +1,5 @@
-// Planning speed: one PlanStep of a pretrain batch, per policy and scale.
+// Planning speed: one PlanStep of a pretrain batch, per policy, scale and planning threads
+// (the third number: 1 plans on the calling thread, more split the work, plan_threads.h).
 //   sb-planner-bench --benchmark_filter='sparsebalance'
 // README "Planning speed" lists the figures measured on the 2-core development machine.
 #include <cstdint>
@@ -17,6 +18,7 @@ namespace {
 void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
+  const int threads = static_cast<int>(state.range(2));
   PlannerConfig config;
   config.ranks = ranks;
   config.micro_batches = 4;
@@ -28,8 +30,15 @@ void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
   for (int i = 0; i < samples; ++i) batch.push_back(gen->Next());
   const CostCoefficients prior{1.7e-5, 1e-4, 2e-3, 0.05};
   LatencyModel model(config.shape, ranks, prior);
+  const RecallModel recall(config.micro_batch_capacity, config.shape.layers);
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  if (!valid.ok()) {
+    state.SkipWithError(std::string(valid.status().message()).c_str());
+    return;
+  }
+  PlanThreads pool(threads);
   for (auto _ : state) {
-    absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, *valid, model, recall, &pool);
     if (!plan.ok()) {
       state.SkipWithError(std::string(plan.status().message()).c_str());
       break;
@@ -42,17 +51,21 @@ void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
 
 #define SB_PLAN_BENCH(name, policy, max_shards)            \
   BENCHMARK_CAPTURE(BM_PlanStep, name, policy, max_shards) \
-      ->Args({512, 64})                                    \
-      ->Args({8192, 512})                                  \
-      ->Args({16384, 1024})                                \
-      ->Args({65536, 4096})                                \
-      ->Unit(benchmark::kMillisecond)
+      ->Args({512, 64, 1})                                 \
+      ->Args({8192, 512, 1})                               \
+      ->Args({16384, 1024, 1})                             \
+      ->Args({65536, 4096, 1})                             \
+      ->Unit(benchmark::kMillisecond)                      \
+      ->UseRealTime()
 
 SB_PLAN_BENCH(sequential, Policy::kSequential, 1);
 SB_PLAN_BENCH(flops, Policy::kFlops, 1);
 SB_PLAN_BENCH(sab, Policy::kSab, 1);
 SB_PLAN_BENCH(dst, Policy::kDst, 1);
-SB_PLAN_BENCH(sparsebalance, Policy::kSparseBalance, 1);
+SB_PLAN_BENCH(sparsebalance, Policy::kSparseBalance, 1)
+    ->Args({16384, 1024, 2})
+    ->Args({65536, 4096, 2})
+    ->Args({65536, 4096, 4});
 SB_PLAN_BENCH(sparsebalance_cp8, Policy::kSparseBalance, 8);
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "contract/step_figures.h"
 #include "planner/context_parallel.h"
+#include "planner/plan_threads.h"
 #include "planner/recall_model.h"
 #include "planner/sample_table.h"
 #include "planner/sparsity_tuner.h"
@@ -426,7 +427,8 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
 }
 
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& valid,
-                                  const LatencyModel& model, const RecallModel& recall) {
+                                  const LatencyModel& model, const RecallModel& recall,
+                                  PlanThreads* threads) {
   const PlannerConfig& config = valid.get();
   if (model.ranks() != config.ranks) {
     return absl::InvalidArgumentError(absl::StrCat("the latency model has ", model.ranks(),
@@ -440,7 +442,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   if (absl::Status status = ValidateBatch(batch, valid); !status.ok()) return status;
   // Every policy keeps the document recall floor (where density_max reaches it): the table's
   // base densities include it.
-  const SampleTable table(batch, config, model, recall);
+  const SampleTable table(batch, config, model, recall, threads);
   const int64_t capacity = config.micro_batch_capacity;
   std::vector<double> densities = table.BaseDensities();
   const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
@@ -489,7 +491,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     }
     densities = TuneDensities(batch, *assignment, config, model, table, densities, keep, minimum);
   }
-  return BuildPlan(batch, config, model, recall, table, *assignment, densities, defaults);
+  return BuildPlan(batch, config, model, recall, table, *assignment, densities, defaults, threads);
 }
 
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
@@ -514,7 +516,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
                    const LatencyModel& model, const RecallModel& recall, const SampleTable& table,
                    const Assignment& assignment, const std::vector<double>& densities,
-                   const std::vector<double>& defaults) {
+                   const std::vector<double>& defaults, PlanThreads* threads) {
   std::vector<BucketRecallFigures> buckets(kRecallBuckets);
   // DST spreads a sample's density over the layers when the job has learned per-layer curves.
   const bool per_layer =
@@ -523,13 +525,6 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
   StepPlan plan;
   plan.policy = config.policy;
   plan.ranks.resize(assignment.ranks.size());
-  for (RankPlan& rank : plan.ranks) rank.micro_batches.reserve(config.micro_batches);
-  double total_raw = 0.0;       // seconds, speed excluded
-  double total_exchange = 0.0;  // the shards' key/value exchange in it
-  double largest_sample = 0.0;  // seconds, speed excluded, alone in a micro-batch
-  double weighted_density = 0.0;
-  double weighted_recall = 0.0;
-  double tokens = 0.0;
   // Shards by (rank, micro-batch): (sample id, split document, shard) in ascending id, the
   // order every rank of a group runs them in.
   std::map<std::pair<int, int>, std::vector<std::tuple<uint64_t, int, int>>> shards_at;
@@ -541,19 +536,48 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     }
   }
   for (auto& [at, list] : shards_at) std::sort(list.begin(), list.end());
-  // The placed samples in the order they are planned, fetched ahead (PrefetchAhead).
+  // A split document sits on several ranks, which may be built on different threads: its
+  // recalls are read here, once, so that the table's per-sample memo is not written from two.
+  std::vector<std::pair<double, double>> shard_recalls(assignment.shards.size());
+  for (size_t k = 0; k < assignment.shards.size(); ++k) {
+    const int i = assignment.shards[k].sample;
+    const double at = table.Recall(i, densities[i]);
+    shard_recalls[k] = {at, defaults[i] == densities[i] ? at : table.Recall(i, defaults[i])};
+  }
+  // What each planned sample adds to the plan's figures, rank by rank in the order it is
+  // planned: the ranks are built apart (on `threads`), the sums taken after in plan order.
+  struct Addend {
+    double exchange = 0.0;  // seconds
+    double piece = 0.0;     // seconds, speed excluded: the largest indivisible piece
+    double sample_recall = 0.0;
+    double default_recall = 0.0;
+  };
+  std::vector<std::vector<Addend>> addends(assignment.ranks.size());
+  std::vector<std::vector<double>> raw_seconds(assignment.ranks.size());  // per micro-batch
+  // The placed samples in the order they are planned, fetched ahead (PrefetchAhead); a rank's
+  // walk starts at its first sample there.
   const std::vector<int> order = PlacedOrder(assignment.ranks);
-  size_t next = 0;  // index in `order` of the sample planned next
+  std::vector<size_t> first_in_order(assignment.ranks.size() + 1, 0);
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
+    size_t count = 0;
+    for (const std::vector<int>& members : assignment.ranks[r]) count += members.size();
+    first_in_order[r + 1] = first_in_order[r] + count;
+  }
+  auto build_rank = [&](size_t r) {
     RankPlan& rank = plan.ranks[r];
+    rank.micro_batches.reserve(config.micro_batches);
+    std::vector<Addend>& adds = addends[r];
+    raw_seconds[r].reserve(assignment.ranks[r].size());
+    size_t next = first_in_order[r];  // index in `order` of the sample planned next
     for (size_t m = 0; m < assignment.ranks[r].size(); ++m) {
       const std::vector<int>& members = assignment.ranks[r][m];
       MicroBatchPlan mb;
       mb.default_density = config.density_default;
       mb.samples.reserve(members.size());
       MicroBatchFeatures features;
-      // One planned sample (a whole sample, or shard `shard` of split document `split`).
-      auto add = [&](int i, const ShardedDocument* split, int shard) {
+      // One planned sample (a whole sample, or shard `shard` of split document `split`, the
+      // assignment's shards[k]).
+      auto add = [&](int i, const ShardedDocument* split, int shard, size_t k) {
         const Sample& s = batch[i];
         PlannedSample& planned = mb.samples.emplace_back();
         planned.id = s.id;
@@ -580,58 +604,81 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         features.tokens += f.tokens;
         features.documents += f.documents;
         features.exchange_bytes += f.exchange_bytes;
-        total_exchange += model.ExchangeSeconds(f);
+        Addend& add = adds.emplace_back();
+        add.exchange = model.ExchangeSeconds(f);
         // The largest indivisible piece: a whole sample, or with splitting allowed a
         // splittable document's share of it on max_shards ranks (a lower bound on its largest
         // shard: the exchange and per-shard overheads only add).
-        double piece = model.Seconds(f) /* includes the micro-batch term */;
+        add.piece = model.Seconds(f) /* includes the micro-batch term */;
         if (config.max_shards > 1 && Splittable(s)) {
-          piece = model.SampleSeconds(s, densities[i]) / config.max_shards;
+          add.piece = model.SampleSeconds(s, densities[i]) / config.max_shards;
         }
-        largest_sample = std::max(largest_sample, piece);
+        if (split != nullptr) {
+          std::tie(add.sample_recall, add.default_recall) = shard_recalls[k];
+        } else {
+          add.sample_recall = table.Recall(i, densities[i]);  // SampleRecall
+          // Untuned samples (every sample of an untuned policy) keep their default density.
+          add.default_recall =
+              defaults[i] == densities[i] ? add.sample_recall : table.Recall(i, defaults[i]);
+        }
+      };
+      if (auto it = shards_at.find({static_cast<int>(r), static_cast<int>(m)});
+          it != shards_at.end()) {
+        for (const auto& [id, k, j] : it->second) {
+          add(assignment.shards[k].sample, &assignment.shards[k], j, k);
+        }
+      }
+      for (int i : members) {
+        PrefetchAhead(order, next++, batch, table, densities);
+        add(i, nullptr, 0, 0);
+      }
+      mb.features = features;
+      mb.features_known = true;
+      const double raw = model.Seconds(features);
+      raw_seconds[r].push_back(raw);
+      mb.predicted_seconds = model.speed_factor(static_cast<int>(r)) * raw;
+      rank.predicted_seconds += mb.predicted_seconds;
+      rank.micro_batches.push_back(std::move(mb));
+    }
+  };
+  ParallelFor(threads, assignment.ranks.size(), [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) build_rank(r);
+  });
+  double total_raw = 0.0;       // seconds, speed excluded
+  double total_exchange = 0.0;  // the shards' key/value exchange in it
+  double largest_sample = 0.0;  // seconds, speed excluded, alone in a micro-batch
+  double weighted_density = 0.0;
+  double weighted_recall = 0.0;
+  double tokens = 0.0;
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    const Addend* add = addends[r].data();
+    for (size_t m = 0; m < plan.ranks[r].micro_batches.size(); ++m) {
+      for (const PlannedSample& planned : plan.ranks[r].micro_batches[m].samples) {
+        total_exchange += add->exchange;
+        largest_sample = std::max(largest_sample, add->piece);
         // Figures weigh each planned sample by its query tokens: a split document's shards
         // add up to its length.
         const double w = static_cast<double>(planned.QueryTokens());
-        weighted_density += w * densities[i];
-        const double sample_recall = table.Recall(i, densities[i]);  // SampleRecall
-        // Untuned samples (every sample of an untuned policy) keep their default density.
-        const double default_recall =
-            defaults[i] == densities[i] ? sample_recall : table.Recall(i, defaults[i]);
-        weighted_recall += w * sample_recall;
+        weighted_density += w * planned.density;
+        weighted_recall += w * add->sample_recall;
         tokens += w;
-        // Buckets are per document: a pre-packed sample's documents may fall in several (the
-        // documents are walked in place: PlannedSample::Documents() allocates).
+        // Buckets are per document: a pre-packed sample's documents may fall in several.
         auto add_document = [&](int64_t length) {
           BucketRecallFigures& b = buckets[RecallBucket(length, config.micro_batch_capacity)];
-          const int64_t t = split != nullptr ? planned.QueryTokens() : length;
+          const int64_t t = planned.sharded() ? planned.QueryTokens() : length;
           b.tokens += t;
           const double dw = static_cast<double>(t);
-          b.predicted_recall += dw * sample_recall;
-          b.default_recall += dw * default_recall;
+          b.predicted_recall += dw * add->sample_recall;
+          b.default_recall += dw * add->default_recall;
         };
         if (planned.segments.empty()) {
           add_document(planned.length);
         } else {
           for (int64_t length : planned.segments) add_document(length);
         }
-      };
-      if (auto it = shards_at.find({static_cast<int>(r), static_cast<int>(m)});
-          it != shards_at.end()) {
-        for (const auto& [id, k, j] : it->second) {
-          add(assignment.shards[k].sample, &assignment.shards[k], j);
-        }
+        ++add;
       }
-      for (int i : members) {
-        PrefetchAhead(order, next++, batch, table, densities);
-        add(i, nullptr, 0);
-      }
-      mb.features = features;
-      mb.features_known = true;
-      const double raw = model.Seconds(features);
-      total_raw += raw;
-      mb.predicted_seconds = model.speed_factor(static_cast<int>(r)) * raw;
-      rank.predicted_seconds += mb.predicted_seconds;
-      rank.micro_batches.push_back(std::move(mb));
+      total_raw += raw_seconds[r][m];
     }
   }
   for (int i : assignment.deferred) plan.deferred_ids.push_back(batch[i].id);

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "planner/latency_model.h"
+#include "planner/plan_threads.h"
 #include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
 #include "planner/sample_table.h"
@@ -74,13 +75,16 @@ absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
 // Plans one step with `config.policy`. The model must have `config.ranks` ranks; `recall` is
 // the job's learned recall model (its capacity and layers must match the config's). Without
 // one the recall prior alone is used (a RecallModel with no measurements). The batch is
-// checked (ValidateBatch) either way; the config only when it is not a ValidConfig.
+// checked (ValidateBatch) either way; the config only when it is not a ValidConfig. With
+// `threads`, its per-sample and per-rank work is split over them (plan_threads.h): the plan is
+// the same bytes with any number of threads.
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
                                   const LatencyModel& model);
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& config,
                                   const LatencyModel& model);
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& config,
-                                  const LatencyModel& model, const RecallModel& recall);
+                                  const LatencyModel& model, const RecallModel& recall,
+                                  PlanThreads* threads = nullptr);
 
 // Turns an assignment and densities into a plan with its predicted figures.
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
@@ -90,11 +94,12 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
                    const LatencyModel& model, const RecallModel& recall,
                    const Assignment& assignment, const std::vector<double>& densities,
                    const std::vector<double>& defaults);
-// The same with the step's SampleTable (built from the same batch, config, model and recall).
+// The same with the step's SampleTable (built from the same batch, config, model and recall),
+// the ranks built on `threads` when given.
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
                    const LatencyModel& model, const RecallModel& recall, const SampleTable& table,
                    const Assignment& assignment, const std::vector<double>& densities,
-                   const std::vector<double>& defaults);
+                   const std::vector<double>& defaults, PlanThreads* threads = nullptr);
 
 // Verifies a plan's invariants against its batch: every sample exactly once (placed or
 // deferred) with the batch's length and segments, config.micro_batches per rank, micro-batch

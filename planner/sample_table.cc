@@ -7,13 +7,15 @@
 
 #include "contract/block_geometry.h"
 #include "planner/det_math.h"
+#include "planner/plan_threads.h"
 
 namespace sparsebalance {
 
 double LogOneMinus(double rho) { return DetLog(1.0 - std::min(rho, kAlmostDense)); }
 
 SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
-                         const LatencyModel& model, const RecallModel& recall) {
+                         const LatencyModel& model, const RecallModel& recall,
+                         PlanThreads* threads) {
   terms_.resize(batch.size());
   block_size_ = config.shape.block_size;
   local_blocks_ = config.shape.local_blocks;
@@ -22,42 +24,45 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   recalls_.assign(batch.size(), none);
   const double per_block = model.coefficients().per_block;
   const int block = config.shape.block_size;
-  // Floors and bases take few values over a batch without a document recall floor (the
-  // default density, or one floor per sensitivity), so their logarithms keep the last one.
-  double last_floor = -1.0;
-  double last_log_floor = 0.0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const Sample& s = batch[i];
-    SampleTerms& t = terms_[i];
-    t.exponent = recall.SampleExponent(s);
-    t.floor = DensityFloor(s.sensitivity, config);
-    t.base = BaseDensity(s.sensitivity, config);
-    if (config.document_recall_floor > 0) {
-      const double keep =
-          std::min(config.density_max, DensityForRecall(t.exponent, config.document_recall_floor));
-      t.floor = std::max(t.floor, keep);
-      t.base = std::max(t.base, keep);
+  ParallelFor(threads, batch.size(), [&](size_t begin, size_t end) {
+    // Floors and bases take few values over a batch without a document recall floor (the
+    // default density, or one floor per sensitivity), so their logarithms keep the last one.
+    double last_floor = -1.0;
+    double last_log_floor = 0.0;
+    for (size_t i = begin; i < end; ++i) {
+      const Sample& s = batch[i];
+      SampleTerms& t = terms_[i];
+      t.exponent = recall.SampleExponent(s);
+      t.floor = DensityFloor(s.sensitivity, config);
+      t.base = BaseDensity(s.sensitivity, config);
+      if (config.document_recall_floor > 0) {
+        const double keep = std::min(config.density_max,
+                                     DensityForRecall(t.exponent, config.document_recall_floor));
+        t.floor = std::max(t.floor, keep);
+        t.base = std::max(t.base, keep);
+      }
+      if (t.floor != last_floor) {
+        last_floor = t.floor;
+        last_log_floor = LogOneMinus(t.floor);
+      }
+      t.log_floor = last_log_floor;
+      t.base_recall = RecallAt(t.exponent, t.base);
+      double triangle = 0.0;
+      auto add_doc = [&](int64_t length) {
+        const double rows = static_cast<double>(QueryBlocks(length, block));
+        triangle += 0.5 * rows * (rows + 1.0);
+      };
+      if (s.segments.empty()) {
+        add_doc(s.length);
+      } else {
+        for (int64_t segment : s.segments) add_doc(segment);
+      }
+      // Seconds per unit of density, about.
+      const double price = per_block * triangle;
+      t.price_offset =
+          DetLog(std::max(price, 1e-300) / (static_cast<double>(s.length) * t.exponent));
     }
-    if (t.floor != last_floor) {
-      last_floor = t.floor;
-      last_log_floor = LogOneMinus(t.floor);
-    }
-    t.log_floor = last_log_floor;
-    t.base_recall = RecallAt(t.exponent, t.base);
-    double triangle = 0.0;
-    auto add_doc = [&](int64_t length) {
-      const double rows = static_cast<double>(QueryBlocks(length, block));
-      triangle += 0.5 * rows * (rows + 1.0);
-    };
-    if (s.segments.empty()) {
-      add_doc(s.length);
-    } else {
-      for (int64_t segment : s.segments) add_doc(segment);
-    }
-    // Seconds per unit of density, about.
-    const double price = per_block * triangle;
-    t.price_offset = DetLog(std::max(price, 1e-300) / (static_cast<double>(s.length) * t.exponent));
-  }
+  });
 }
 
 MicroBatchFeatures SampleTable::FeaturesAt(const Sample& sample, size_t i, double rho) const {

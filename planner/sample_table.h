@@ -19,6 +19,8 @@
 
 namespace sparsebalance {
 
+class PlanThreads;
+
 // Highest density the tuner's logarithms use where density_max is 1: the recall slope vanishes
 // at 1, so the multiplier that reaches exactly 1 is 0 (log -inf).
 inline constexpr double kAlmostDense = 1.0 - 1e-9;
@@ -43,8 +45,9 @@ struct SampleTerms {
 
 class SampleTable {
  public:
+  // With `threads`, the samples' terms are worked out on them (plan_threads.h).
   SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
-              const LatencyModel& model, const RecallModel& recall);
+              const LatencyModel& model, const RecallModel& recall, PlanThreads* threads = nullptr);
   const SampleTerms& operator[](size_t i) const { return terms_[i]; }
   size_t size() const { return terms_.size(); }
   // Sample i's predicted recall at density rho: RecallAt(exponent, rho), known at its base. The

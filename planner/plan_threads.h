@@ -1,0 +1,67 @@
+// A few threads that planning's independent loops (per sample, per rank) are split over. Each
+// loop body writes only what belongs to its own indices, and every sum over them is taken
+// afterwards in index order, so a plan is the same bytes whatever the number of threads: the
+// planner plans on several, the client's local fallback on one, and both must agree.
+//
+//   PlanThreads threads(4);                      // the caller and 3 helpers
+//   ParallelFor(&threads, n, [&](size_t begin, size_t end) { ... });
+//   ParallelFor(nullptr, n, body);                // the same on the calling thread
+//
+// One loop runs at a time: a ParallelFor that finds the helpers busy with another call's loop
+// (two jobs planning at once) runs its own loop on its calling thread.
+#ifndef SPARSEBALANCE_PLANNER_PLAN_THREADS_H_
+#define SPARSEBALANCE_PLANNER_PLAN_THREADS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/synchronization/mutex.h"
+
+namespace sparsebalance {
+
+// The most threads a PlanThreads takes (the caller included).
+inline constexpr int kMaxPlanThreads = 64;
+
+class PlanThreads {
+ public:
+  // `threads` in [1, kMaxPlanThreads] (clamped): the calling thread plus threads - 1 helpers.
+  explicit PlanThreads(int threads);
+  ~PlanThreads();
+  PlanThreads(const PlanThreads&) = delete;
+  PlanThreads& operator=(const PlanThreads&) = delete;
+
+  int size() const { return static_cast<int>(helpers_.size()) + 1; }
+
+  // Calls body(begin, end) on consecutive ranges that cover [0, n) once, at most `chunks` of
+  // them, on the helpers and the calling thread; returns when all have returned.
+  void Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body);
+
+ private:
+  struct Loop;
+  void Help();
+  // Claims and runs the loop's ranges until none is left.
+  static void Drain(Loop& loop);
+
+  absl::Mutex mu_;
+  Loop* loop_ ABSL_GUARDED_BY(mu_) = nullptr;  // the loop being run, if any
+  uint64_t loops_ ABSL_GUARDED_BY(mu_) = 0;    // loops shared so far: loop_'s number
+  int active_ ABSL_GUARDED_BY(mu_) = 0;        // helpers inside loop_
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> helpers_;
+};
+
+// Loops of fewer items than this run on the calling thread: handing them over costs more.
+inline constexpr size_t kMinParallelItems = 512;
+
+// body(begin, end) over [0, n) in ranges: on `threads` (when given and the loop is large
+// enough) or on the calling thread as one range. The body must write only its own indices'
+// results.
+void ParallelFor(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t, size_t)> body);
+
+}  // namespace sparsebalance
+
+#endif  // SPARSEBALANCE_PLANNER_PLAN_THREADS_H_

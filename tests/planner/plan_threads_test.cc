@@ -1,0 +1,160 @@
+// PlanThreads: every index of a loop runs once, loops from two callers at once both finish, and
+// a plan is the same bytes with any number of planning threads (the client's local fallback
+// plans on one thread and must agree with the planner, which plans on several).
+#include "planner/plan_threads.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+#include "planner/recall_model.h"
+#include "random_cases.h"
+
+namespace sparsebalance {
+namespace {
+
+using test_util::FailureBudget;
+using test_util::MakeModel;
+using test_util::MakeRandomCase;
+using test_util::RandomCase;
+
+TEST(PlanThreadsTest, EveryIndexRunsOnce) {
+  for (int threads : {1, 2, 3, 8}) {
+    PlanThreads pool(threads);
+    EXPECT_EQ(pool.size(), threads);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{511}, size_t{512}, size_t{513}, size_t{10007}}) {
+      std::vector<std::atomic<int>> runs(n);
+      ParallelFor(&pool, n, [&](size_t begin, size_t end) {
+        ASSERT_LE(begin, end);
+        ASSERT_LE(end, n);
+        for (size_t i = begin; i < end; ++i) runs[i].fetch_add(1);
+      });
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(runs[i].load(), 1)
+            << "index " << i << " of " << n << ", " << threads << " threads";
+      }
+    }
+  }
+}
+
+TEST(PlanThreadsTest, SizeIsClamped) {
+  EXPECT_EQ(PlanThreads(0).size(), 1);
+  EXPECT_EQ(PlanThreads(-3).size(), 1);
+  EXPECT_EQ(PlanThreads(kMaxPlanThreads + 5).size(), kMaxPlanThreads);
+}
+
+// Two jobs planning at once share the pool: the second caller runs its loop alone, and both
+// loops cover their indices once.
+TEST(PlanThreadsTest, ConcurrentCallersBothFinish) {
+  PlanThreads pool(3);
+  constexpr size_t kItems = 4096;
+  constexpr int kLoops = 200;
+  auto caller = [&](std::vector<std::atomic<int>>* runs) {
+    for (int loop = 0; loop < kLoops; ++loop) {
+      ParallelFor(&pool, kItems, [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) (*runs)[i].fetch_add(1);
+      });
+    }
+  };
+  std::vector<std::atomic<int>> a(kItems), b(kItems);
+  std::thread other(caller, &b);
+  caller(&a);
+  other.join();
+  for (size_t i = 0; i < kItems; ++i) {
+    ASSERT_EQ(a[i].load(), kLoops) << i;
+    ASSERT_EQ(b[i].load(), kLoops) << i;
+  }
+}
+
+// A recall model that has learned per-layer curves (so that plans carry layer densities) and
+// other exponents per length bucket than the prior's.
+RecallModel LearnedRecall(const PlannerConfig& config) {
+  RecallModel model(config.micro_batch_capacity, config.shape.layers);
+  std::vector<RecallObservation> observations;
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    const int64_t length = RecallBucketRange(b, config.micro_batch_capacity).min;
+    for (int layer = -1; layer < config.shape.layers; ++layer) {
+      const double g = layer < 0 ? 3.0 : 1.5 + 6.0 * layer / config.shape.layers + 0.3 * b;
+      for (int k = 1; k <= 20; ++k) {
+        const double rho = 0.05 * k;
+        observations.push_back({length, layer, rho, 1.0 - std::pow(1.0 - rho, g)});
+      }
+    }
+  }
+  EXPECT_TRUE(model.ObserveStep(observations).ok());
+  return model;
+}
+
+// A random case's config (policy, DST mode, densities, block shape, overflow, slow ranks)
+// scaled to enough ranks that planning's per-rank loops are split (kMinParallelItems), with a
+// trace batch that has groups, pre-packed samples, sensitivities and, with splitting, documents
+// longer than the capacity.
+RandomCase LargeCase(uint64_t seed) {
+  RandomCase c = MakeRandomCase(seed, /*max_samples=*/1);
+  PlannerConfig& config = c.config;
+  config.ranks = 520 + static_cast<int>((seed * 389) % 700);
+  config.micro_batches = 1 + static_cast<int>(seed % 4);
+  config.micro_batch_capacity = 16384;
+  config.max_shards = seed % 3 == 0 ? 8 : 1;
+  config.shape.layers = seed % 2 == 0 ? 4 : 2;
+  const double fill = 0.4 + 0.1 * static_cast<double>(seed % 8);  // 0.4-1.1: some overflow
+  c.batch = test_util::TraceBatch(config, seed, fill);
+  const int64_t longest = config.max_shards * config.micro_batch_capacity;
+  for (size_t i = 0; i < c.batch.size(); ++i) {
+    Sample& s = c.batch[i];
+    s.length = std::min(s.length, longest);
+    if (config.max_shards == 1) s.length = std::min(s.length, config.micro_batch_capacity);
+    s.sensitivity = static_cast<double>((i * 7919 + seed) % 101) / 100.0;
+    if (i % 13 == 5) s.group = 1 + i % 97;
+    if (i % 11 == 3 && s.length >= 2 && s.length <= config.micro_batch_capacity) {
+      s.segments = {s.length / 2, s.length - s.length / 2};
+    }
+  }
+  c.speed.assign(config.ranks, 1.0);
+  for (int r = 0; r < config.ranks; r += 17) c.speed[r] = 0.7 + 0.05 * (r % 13);
+  return c;
+}
+
+// Plans of random large cases (every policy and DST mode, groups, pre-packed samples, overflow,
+// slow ranks), with and without context parallelism and a learned recall model, at 1-8 threads.
+TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
+  PlanThreads two(2), three(3), eight(8);
+  FailureBudget budget;
+  int planned = 0;
+  int split = 0;
+  for (uint64_t seed = 1; seed <= 12; ++seed) {
+    const RandomCase c = LargeCase(seed);
+    const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(c.config);
+    ASSERT_TRUE(valid.ok()) << valid.status();
+    const LatencyModel model = MakeModel(c.config, c.speed);
+    const RecallModel recall =
+        seed % 2 == 0 ? LearnedRecall(c.config)
+                      : RecallModel(c.config.micro_batch_capacity, c.config.shape.layers);
+    const absl::StatusOr<StepPlan> alone = PlanStep(c.batch, *valid, model, recall);
+    if (!alone.ok()) continue;  // an overflowing kError case: nothing to compare
+    ++planned;
+    const std::string expected = CanonicalPlanText(*alone);
+    if (expected.find('{') != std::string::npos) ++split;
+    for (PlanThreads* pool : {&two, &three, &eight}) {
+      budget.Run([&] {
+        const absl::StatusOr<StepPlan> plan = PlanStep(c.batch, *valid, model, recall, pool);
+        ASSERT_TRUE(plan.ok()) << test_util::Describe(c) << ": " << plan.status();
+        EXPECT_EQ(CanonicalPlanText(*plan), expected)
+            << test_util::Describe(c) << ", " << pool->size() << " threads";
+      });
+    }
+  }
+  budget.Summarize();
+  EXPECT_GE(planned, 8);
+  EXPECT_GE(split, 2);  // some plans split documents over ranks
+}
+
+}  // namespace
+}  // namespace sparsebalance
