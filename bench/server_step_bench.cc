@@ -9,8 +9,10 @@
 // Counters per step, in the calling thread's CPU time: submit_ms (plan, and store the step when the
 // third argument is 1), reports_ms (all ranks' ReportStep), fold_ms (the last rank's ReportStep:
 // validate, store, fold), report_us (mean of the other ranks' ReportStep, microseconds). The same
-// job without a store (third argument 0) separates planning and folding from storing. README
-// "Planning speed" reports them.
+// job without a store (third argument 0) separates planning and folding from storing. The fifth
+// argument is the planning threads (JobRegistry::Options::plan_threads, as sb-planner's
+// --plan_threads); with more than one, submit_wall_ms is what the submit took on the clock (the
+// helpers' CPU is not the calling thread's). README "Planning speed" reports them.
 //
 // The batch is the pretrain trace at a realistic fill: `samples` documents over `ranks` ranks,
 // two micro-batches per rank whose capacity puts the batch at 85% of the step's tokens
@@ -21,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -32,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
 #include "planner/latency_model.h"
+#include "planner/plan_threads.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
 #include "server/job_registry.h"
@@ -60,8 +64,10 @@ double Millis(double seconds) { return 1e3 * seconds; }
 // A job, its store and a batch generator; steps are submitted and reported in order.
 class ServerStep {
  public:
-  ServerStep(int samples, int ranks, bool with_store) : ranks_(ranks) {
+  ServerStep(int samples, int ranks, bool with_store, int threads)
+      : ranks_(ranks), threads_(threads) {
     JobRegistry::Options options;
+    options.plan_threads = &threads_;
     if (with_store) {
       dir_ = std::filesystem::temp_directory_path() /
              absl::StrCat("sb-server-bench-", getpid(), "-", samples, "-", ranks);
@@ -140,10 +146,13 @@ class ServerStep {
 
   // Submits the next step; its plan and how long the call took.
   absl::StatusOr<std::shared_ptr<const StepPlan>> Submit(const std::vector<Sample>& batch,
-                                                         double* ms) {
+                                                         double* ms, double* wall_ms) {
     const Clock::time_point start = Clock::now();
+    const auto wall = std::chrono::steady_clock::now();
     absl::StatusOr<SubmitResult> result = registry_->SubmitBatch(id_, step_, batch);
     *ms = Millis(Clock::now() - start);
+    *wall_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall).count();
     if (!result.ok()) return result.status();
     return std::move(result->plan);
   }
@@ -202,9 +211,10 @@ class ServerStep {
 
   // One whole step (without reports when `report` is false: the model stays as it is); false
   // (with error()) on failure.
-  bool Step(double* submit_ms, double* others_ms, double* last_ms, bool report = true) {
+  bool Step(double* submit_ms, double* submit_wall_ms, double* others_ms, double* last_ms,
+            bool report = true) {
     const std::vector<Sample> batch = NextBatch();
-    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = Submit(batch, submit_ms);
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = Submit(batch, submit_ms, submit_wall_ms);
     if (!plan.ok()) {
       error_ = std::string(plan.status().message());
       return false;
@@ -222,6 +232,7 @@ class ServerStep {
 
  private:
   int ranks_ = 0;
+  PlanThreads threads_;
   int samples_ = 0;
   int64_t capacity_ = 0;
   int64_t step_ = 0;
@@ -239,28 +250,30 @@ class ServerStep {
 void BM_ServerStep(benchmark::State& state) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
-  ServerStep job(samples, ranks, state.range(2) != 0);
-  double submit = 0.0, others = 0.0, last = 0.0;
+  ServerStep job(samples, ranks, state.range(2) != 0, static_cast<int>(state.range(4)));
+  double submit = 0.0, submit_wall = 0.0, others = 0.0, last = 0.0;
   const bool learn = state.range(3) != 0;
   for (int i = 0; learn && i < kWarmSteps && job.error().empty(); ++i) {
-    job.Step(&submit, &others, &last);
+    job.Step(&submit, &submit_wall, &others, &last);
   }
   if (!job.error().empty()) {
     state.SkipWithError(job.error().c_str());
     return;
   }
-  double submit_sum = 0.0, others_sum = 0.0, last_sum = 0.0;
+  double submit_sum = 0.0, submit_wall_sum = 0.0, others_sum = 0.0, last_sum = 0.0;
   for (auto _ : state) {
-    if (!job.Step(&submit, &others, &last, learn)) {
+    if (!job.Step(&submit, &submit_wall, &others, &last, learn)) {
       state.SkipWithError(job.error().c_str());
       return;
     }
     submit_sum += submit;
+    submit_wall_sum += submit_wall;
     others_sum += others;
     last_sum += last;
   }
   const double n = static_cast<double>(state.iterations());
   state.counters["submit_ms"] = submit_sum / n;
+  state.counters["submit_wall_ms"] = submit_wall_sum / n;
   state.counters["reports_ms"] = (others_sum + last_sum) / n;
   state.counters["fold_ms"] = last_sum / n;
   state.counters["report_us"] = 1e3 * others_sum / n / std::max(1, ranks - 1);
@@ -268,12 +281,12 @@ void BM_ServerStep(benchmark::State& state) {
 }
 
 BENCHMARK(BM_ServerStep)
-    ->ArgsProduct({{512}, {64}, {0, 1}, {1}})
-    ->ArgsProduct({{16384}, {1024}, {0, 1}, {1}})
-    ->ArgsProduct({{65536}, {4096}, {0, 1}, {1}})
+    ->ArgsProduct({{512}, {64}, {0, 1}, {1}, {1}})
+    ->ArgsProduct({{16384}, {1024}, {0, 1}, {1}, {1, 2}})
+    ->ArgsProduct({{65536}, {4096}, {0, 1}, {1}, {1, 2}})
     // Planning with the prior model, nothing reported (learn 0), against the learned one.
-    ->Args({16384, 1024, 0, 0})
-    ->ArgNames({"samples", "ranks", "store", "learn"})
+    ->Args({16384, 1024, 0, 0, 1})
+    ->ArgNames({"samples", "ranks", "store", "learn", "threads"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -9,8 +9,7 @@
 namespace sparsebalance {
 
 // One ParallelFor in flight: its ranges are claimed through `next`, and `done` counts those
-// that have returned. It lives on the caller's stack; the caller leaves only once every range
-// is done and no helper is inside it (PlanThreads::active_).
+// that have returned. It lives on the caller's stack.
 struct PlanThreads::Loop {
   absl::FunctionRef<void(size_t, size_t)> body;
   size_t n = 0;
@@ -18,6 +17,23 @@ struct PlanThreads::Loop {
   std::atomic<size_t> next{0};
   std::atomic<size_t> done{0};
 };
+
+namespace {
+
+// How long a helper keeps looking for the next loop before it sleeps: a plan runs a few dozen
+// loops back to back, and waking a sleeping thread takes longer than most of them (tens of
+// microseconds on a virtual machine).
+constexpr int kSpins = 20000;
+
+void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+}  // namespace
 
 PlanThreads::PlanThreads(int threads) {
   const int helpers = std::clamp(threads, 1, kMaxPlanThreads) - 1;
@@ -29,6 +45,7 @@ PlanThreads::~PlanThreads() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    wake_.SignalAll();
   }
   for (std::thread& t : helpers_) t.join();
 }
@@ -44,62 +61,66 @@ void PlanThreads::Drain(Loop& loop) {
 }
 
 void PlanThreads::Help() {
-  // Loops live on their callers' stacks, so a new one may have an old one's address: they are
-  // told apart by number.
-  uint64_t seen = 0;
-  while (true) {
-    Loop* loop = nullptr;
-    {
+  uint64_t seen = 0;  // loops_ when this helper last looked at loop_
+  while (!stop_) {
+    for (int spin = 0; spin < kSpins && loops_.load() == seen && !stop_; ++spin) Pause();
+    if (loops_.load() == seen) {
       absl::MutexLock lock(&mu_);
-      auto work = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || (loop_ != nullptr && loops_ != seen);
-      };
-      mu_.Await(absl::Condition(&work));
-      if (stop_) return;
-      loop = loop_;
-      seen = loops_;
-      ++active_;
+      while (loops_.load() == seen && !stop_) wake_.Wait(&mu_);
+      continue;
     }
-    Drain(*loop);
-    absl::MutexLock lock(&mu_);
-    --active_;
+    const uint64_t announced = loops_.load();
+    // Counted in before the loop is read: a caller that withdraws its loop after this waits
+    // for us to leave, and one that withdrew it before leaves a null here. Draining a loop
+    // whose ranges are all claimed does nothing.
+    active_.fetch_add(1);
+    if (Loop* loop = loop_.load(); loop != nullptr) Drain(*loop);
+    active_.fetch_sub(1);
+    seen = announced;
   }
 }
 
 void PlanThreads::Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body) {
   Loop loop{body, n, std::max<size_t>(1, std::min(chunks, n))};
-  bool shared = false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (loop_ == nullptr && !helpers_.empty()) {
-      loop_ = &loop;
-      ++loops_;
-      shared = true;
-    }
-  }
-  if (!shared) {  // the helpers are busy with another caller's loop
-    body(0, n);
+  Loop* none = nullptr;
+  if (helpers_.empty() || !loop_.compare_exchange_strong(none, &loop)) {
+    body(0, n);  // alone, or the helpers are busy with another caller's loop
     return;
   }
+  {
+    absl::MutexLock lock(&mu_);
+    loops_.fetch_add(1);  // only the caller holding loop_ moves it
+    wake_.SignalAll();
+  }
   Drain(loop);
-  absl::MutexLock lock(&mu_);
-  auto finished = [this, &loop]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return loop.done.load() == loop.chunks && active_ == 0;
-  };
-  // A helper that has not yet woken for this loop sees loop_ cleared and keeps waiting; one
-  // inside it holds active_ until it has left.
-  loop_ = nullptr;
-  mu_.Await(absl::Condition(&finished));
+  loop_.store(nullptr);
+  // Every range has been claimed; wait for those still running and for helpers that may hold
+  // the loop (a few microseconds: the ranges are short).
+  while (loop.done.load() != loop.chunks || active_.load() != 0) Pause();
+}
+
+size_t ChunkCount(const PlanThreads* threads, size_t n) {
+  if (n == 0) return 0;
+  if (threads == nullptr || threads->size() == 1 || n < kMinParallelItems) return 1;
+  // A few ranges per thread, so that a thread slowed by the machine does not hold up the rest.
+  return std::min(n, static_cast<size_t>(threads->size()) * 4);
+}
+
+void ParallelChunks(PlanThreads* threads, size_t n,
+                    absl::FunctionRef<void(size_t, size_t, size_t)> body) {
+  const size_t chunks = ChunkCount(threads, n);
+  if (chunks <= 1) {
+    if (n > 0) body(0, 0, n);
+    return;
+  }
+  // Run over chunk numbers: each range is one chunk.
+  threads->Run(chunks, chunks, [&](size_t first, size_t last) {
+    for (size_t c = first; c < last; ++c) body(c, c * n / chunks, (c + 1) * n / chunks);
+  });
 }
 
 void ParallelFor(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t, size_t)> body) {
-  if (n == 0) return;
-  if (threads == nullptr || threads->size() == 1 || n < kMinParallelItems) {
-    body(0, n);
-    return;
-  }
-  // A few ranges per thread, so that a thread slowed by the machine does not hold up the rest.
-  threads->Run(n, static_cast<size_t>(threads->size()) * 4, body);
+  ParallelChunks(threads, n, [&](size_t, size_t begin, size_t end) { body(begin, end); });
 }
 
 }  // namespace sparsebalance

@@ -12,12 +12,12 @@
 #ifndef SPARSEBALANCE_PLANNER_PLAN_THREADS_H_
 #define SPARSEBALANCE_PLANNER_PLAN_THREADS_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 
@@ -46,11 +46,15 @@ class PlanThreads {
   // Claims and runs the loop's ranges until none is left.
   static void Drain(Loop& loop);
 
+  // The loop being shared, if any, and the helpers that may be reading it: a caller leaves
+  // only once it has withdrawn its loop and no helper is inside (see Help).
+  std::atomic<Loop*> loop_{nullptr};
+  std::atomic<int> active_{0};
+  std::atomic<uint64_t> loops_{0};  // loops shared so far: loop_'s number
+  std::atomic<bool> stop_{false};
+  // Helpers that found no loop for a while sleep here until the next one.
   absl::Mutex mu_;
-  Loop* loop_ ABSL_GUARDED_BY(mu_) = nullptr;  // the loop being run, if any
-  uint64_t loops_ ABSL_GUARDED_BY(mu_) = 0;    // loops shared so far: loop_'s number
-  int active_ ABSL_GUARDED_BY(mu_) = 0;        // helpers inside loop_
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::CondVar wake_;
   std::vector<std::thread> helpers_;
 };
 
@@ -61,6 +65,16 @@ inline constexpr size_t kMinParallelItems = 512;
 // enough) or on the calling thread as one range. The body must write only its own indices'
 // results.
 void ParallelFor(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t, size_t)> body);
+
+// How many ranges ParallelChunks splits a loop of n items into on `threads`: 1 where
+// ParallelFor would run it on the calling thread.
+size_t ChunkCount(const PlanThreads* threads, size_t n);
+
+// body(chunk, begin, end) for each of ChunkCount(threads, n) ranges of [0, n), range c being
+// [c n / chunks, (c + 1) n / chunks): for loops whose output has no fixed place per index,
+// which each range writes to its own buffer and the caller joins in range order.
+void ParallelChunks(PlanThreads* threads, size_t n,
+                    absl::FunctionRef<void(size_t, size_t, size_t)> body);
 
 }  // namespace sparsebalance
 

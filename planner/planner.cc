@@ -453,9 +453,10 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   const double default_recall = tuned ? TableRecall(batch, defaults, table) : 0.0;
   if (config.policy == Policy::kSparseBalance) {
     densities = AllocateDensities(batch, config, model, table, defaults, default_recall,
-                                  /*per_bucket=*/guarded);
+                                  /*per_bucket=*/guarded, threads);
   }
-  absl::StatusOr<Assignment> assignment = AssignSamples(batch, config, model, densities, &table);
+  absl::StatusOr<Assignment> assignment =
+      AssignSamples(batch, config, model, densities, &table, threads);
   if (!assignment.ok()) return assignment.status();
   if (tuned) {
     // The recall every tuned plan keeps (but in kMin): that of the samples it places, at the
@@ -489,7 +490,8 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
       for (const ShardedDocument& d : assignment->shards) items[d.sample] = 0.0;
       ItemMinimums(batch, densities, table, capacity, placed, items, &keep, &minimum);
     }
-    densities = TuneDensities(batch, *assignment, config, model, table, densities, keep, minimum);
+    densities =
+        TuneDensities(batch, *assignment, config, model, table, densities, keep, minimum, threads);
   }
   return BuildPlan(batch, config, model, recall, table, *assignment, densities, defaults, threads);
 }
@@ -552,22 +554,28 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     double sample_recall = 0.0;
     double default_recall = 0.0;
   };
-  std::vector<std::vector<Addend>> addends(assignment.ranks.size());
-  std::vector<std::vector<double>> raw_seconds(assignment.ranks.size());  // per micro-batch
   // The placed samples in the order they are planned, fetched ahead (PrefetchAhead); a rank's
-  // walk starts at its first sample there.
+  // walk starts at its first sample there. Its addends follow its shards' and the earlier
+  // ranks', and its micro-batches' seconds (speed excluded) the earlier ranks'.
   const std::vector<int> order = PlacedOrder(assignment.ranks);
   std::vector<size_t> first_in_order(assignment.ranks.size() + 1, 0);
+  std::vector<size_t> first_addend(assignment.ranks.size() + 1, 0);
+  std::vector<size_t> first_micro_batch(assignment.ranks.size() + 1, 0);
+  std::vector<size_t> shards_on(assignment.ranks.size(), 0);
+  for (const auto& [at, list] : shards_at) shards_on[at.first] += list.size();
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     size_t count = 0;
     for (const std::vector<int>& members : assignment.ranks[r]) count += members.size();
     first_in_order[r + 1] = first_in_order[r] + count;
+    first_addend[r + 1] = first_addend[r] + count + shards_on[r];
+    first_micro_batch[r + 1] = first_micro_batch[r] + assignment.ranks[r].size();
   }
+  std::vector<Addend> addends(first_addend.back());
+  std::vector<double> raw_seconds(first_micro_batch.back());
   auto build_rank = [&](size_t r) {
     RankPlan& rank = plan.ranks[r];
     rank.micro_batches.reserve(config.micro_batches);
-    std::vector<Addend>& adds = addends[r];
-    raw_seconds[r].reserve(assignment.ranks[r].size());
+    Addend* next_addend = addends.data() + first_addend[r];
     size_t next = first_in_order[r];  // index in `order` of the sample planned next
     for (size_t m = 0; m < assignment.ranks[r].size(); ++m) {
       const std::vector<int>& members = assignment.ranks[r][m];
@@ -604,7 +612,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         features.tokens += f.tokens;
         features.documents += f.documents;
         features.exchange_bytes += f.exchange_bytes;
-        Addend& add = adds.emplace_back();
+        Addend& add = *next_addend++;
         add.exchange = model.ExchangeSeconds(f);
         // The largest indivisible piece: a whole sample, or with splitting allowed a
         // splittable document's share of it on max_shards ranks (a lower bound on its largest
@@ -635,7 +643,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
       mb.features = features;
       mb.features_known = true;
       const double raw = model.Seconds(features);
-      raw_seconds[r].push_back(raw);
+      raw_seconds[first_micro_batch[r] + m] = raw;
       mb.predicted_seconds = model.speed_factor(static_cast<int>(r)) * raw;
       rank.predicted_seconds += mb.predicted_seconds;
       rank.micro_batches.push_back(std::move(mb));
@@ -651,7 +659,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
   double weighted_recall = 0.0;
   double tokens = 0.0;
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
-    const Addend* add = addends[r].data();
+    const Addend* add = addends.data() + first_addend[r];
     for (size_t m = 0; m < plan.ranks[r].micro_batches.size(); ++m) {
       for (const PlannedSample& planned : plan.ranks[r].micro_batches[m].samples) {
         total_exchange += add->exchange;
@@ -678,7 +686,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         }
         ++add;
       }
-      total_raw += raw_seconds[r][m];
+      total_raw += raw_seconds[first_micro_batch[r] + m];
     }
   }
   for (int i : assignment.deferred) plan.deferred_ids.push_back(batch[i].id);

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "contract/step_figures.h"
+#include "planner/plan_threads.h"
 #include "planner/recall_model.h"
 #include "planner/sample_table.h"
 
@@ -198,6 +199,7 @@ struct Workspace {
   std::vector<int> unit_of;                       // per sample
   std::vector<std::pair<uint64_t, int>> grouped;  // (group, sample) of grouped samples
   std::vector<Tally> tallies;                     // units in arrival order
+  std::vector<double> costs;                      // per sample, in the policy's metric
   std::vector<std::pair<uint64_t, int>> keys;     // LargestFirst's (sort key, unit) and
   std::vector<std::pair<uint64_t, int>> sorted;   // its second buffer
   std::vector<int> order;                         // placement order of arrival units
@@ -262,7 +264,7 @@ void LargestFirst(const std::vector<Tally>& tallies, Workspace* ws, std::vector<
 // order, then stably longest first.
 void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
                 const LatencyModel& model, const std::vector<double>& densities, bool largest_first,
-                Workspace* ws, const SampleTable* table = nullptr) {
+                Workspace* ws, const SampleTable* table = nullptr, PlanThreads* threads = nullptr) {
   const int n = static_cast<int>(batch.size());
   // Units in arrival order: groups (keyed by group id, ordered by first appearance) and single
   // samples. unit_of[i] first holds the sample's leader, the first sample of its group (sorted
@@ -281,6 +283,26 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
       unit_of[grouped[k].second] = unit_of[grouped[k - 1].second];
     }
   }
+  // Each sample's cost on the threads (the table's memo is per sample), summed per unit below.
+  std::vector<double>& costs = ws->costs;
+  costs.resize(n);
+  ParallelFor(threads, n, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const Sample& s = batch[i];
+      switch (config.policy) {
+        case Policy::kTokens:
+          costs[i] = static_cast<double>(s.length);
+          break;
+        case Policy::kFlops:
+          costs[i] = model.SampleSeconds(s, 1.0);
+          break;
+        default:
+          costs[i] = table != nullptr ? model.SampleSeconds(table->FeaturesAt(s, i, densities[i]))
+                                      : model.SampleSeconds(s, densities[i]);
+          break;
+      }
+    }
+  });
   std::vector<Tally>& tallies = ws->tallies;
   tallies.clear();
   for (int i = 0; i < n; ++i) {
@@ -293,19 +315,7 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
       unit_of[i] = unit_of[unit_of[i]];
     }
     Tally& unit = tallies[unit_of[i]];
-    double cost = 0.0;
-    switch (config.policy) {
-      case Policy::kTokens:
-        cost = static_cast<double>(s.length);
-        break;
-      case Policy::kFlops:
-        cost = model.SampleSeconds(s, 1.0);
-        break;
-      default:
-        cost = table != nullptr ? model.SampleSeconds(table->FeaturesAt(s, i, densities[i]))
-                                : model.SampleSeconds(s, densities[i]);
-        break;
-    }
+    const double cost = costs[i];
     ++unit.size;
     unit.cost += cost;
     if (DensityFloor(s.sensitivity, config) >= densities[i]) unit.rigid += cost;
@@ -943,7 +953,7 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities,
-                                         const SampleTable* table) {
+                                         const SampleTable* table, PlanThreads* threads) {
   const Policy policy = config.policy;
   const bool sequential = policy == Policy::kSequential || policy == Policy::kDst;
   std::vector<double> speed(config.ranks, 1.0);
@@ -998,7 +1008,8 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
     }
     return *std::move(best);
   }
-  BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, &workspace, table);
+  BuildUnits(batch, config, model, densities, /*largest_first=*/!sequential, &workspace, table,
+             threads);
   Placer placer(batch, config, speed, &workspace);
   if (sequential) return placer.Sequential();
   return placer.Balanced();

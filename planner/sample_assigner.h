@@ -15,6 +15,8 @@
 
 namespace sparsebalance {
 
+class PlanThreads;
+
 class SampleTable;  // sample_table.h
 
 struct Assignment {
@@ -42,11 +44,12 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities);
 // The same, counting blocks through the step's SampleTable when given (PlanStep's), which
-// keeps them for the phases after placement. Without context parallelism only.
+// keeps them for the phases after placement. Without context parallelism only. The samples'
+// costs are counted on `threads` when given (the placement does not depend on them).
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities,
-                                         const SampleTable* table);
+                                         const SampleTable* table, PlanThreads* threads = nullptr);
 
 }  // namespace sparsebalance
 

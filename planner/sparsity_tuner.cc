@@ -114,17 +114,31 @@ struct RankWork {
 // tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
 // it uses, so nothing carries over but capacity.
 struct TunerStorage {
+  // The documents of a range of items, as one thread lists them (Tuner::Tuner).
+  struct Documents {
+    std::vector<int64_t> blocks;  // query blocks per document
+    std::vector<int64_t> tokens;
+    std::vector<int> buckets;  // recall_model.h's length buckets
+    void clear() {
+      blocks.clear();
+      tokens.clear();
+      buckets.clear();
+    }
+  };
   std::vector<Item> items;
   std::vector<int64_t> docs;  // query blocks per document
   std::vector<int64_t> doc_tokens;
-  std::vector<int> doc_buckets;  // recall_model.h's length buckets
+  std::vector<int> doc_buckets;       // recall_model.h's length buckets
+  std::vector<Documents> chunk_docs;  // per range of items while they are built
   bool in_use = false;
 };
 
 class Tuner {
  public:
+  // With `threads`, the items are built and the ranks solved on them (plan_threads.h).
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
-        const LatencyModel& model, const SampleTable& table, const std::vector<double>& base);
+        const LatencyModel& model, const SampleTable& table, const std::vector<double>& base,
+        PlanThreads* threads = nullptr);
   ~Tuner() { storage_->in_use = false; }
   Tuner(const Tuner&) = delete;
   Tuner& operator=(const Tuner&) = delete;
@@ -158,8 +172,22 @@ class Tuner {
   double ExactRankSeconds(const RankWork& rank, bool at_floor) const;
 
   const std::vector<RankWork>& ranks() const { return ranks_; }
+  PlanThreads* threads() const { return threads_; }
 
  private:
+  // Per item of the rank being solved: its bounds and the multipliers x at which it reaches
+  // them (x_hi: at or below, the upper bound; x_lo: at or above, the lower one), so the search
+  // skips exp() there; and the multiplier at and above which every item of the rank sits at its
+  // lower bound. One solve's scratch: each thread that solves ranks has its own, kept so that a
+  // solve does not allocate.
+  struct Bounds {
+    double lo, hi, x_hi, x_lo;
+  };
+  struct SolveScratch {
+    std::vector<Bounds> bounds;
+    double x_max = 0.0;
+  };
+
   // Surrogate active blocks of one document of `rows` query blocks at density rho:
   // ceil(rho*n) ~ rho*n + 1/2, continuous and monotone in rho (the exact count is used for
   // the plan's figures). Its derivative in rho goes to `slope`.
@@ -167,33 +195,25 @@ class Tuner {
   double ItemBlocks(const Item& item, double rho, double* slope) const;
   // Densities of one rank's items whose exact attention time fits `budget` seconds (speed
   // excluded), when the bounds allow.
-  void SolveRank(const RankWork& rank, double budget, bool lower,
+  void SolveRank(const RankWork& rank, double budget, bool lower, SolveScratch& scratch,
                  std::vector<double>* densities) const;
   // Returns the multiplier x it settled on (see DensityAt).
-  double SolveRankOnce(const RankWork& rank, double budget, bool lower,
+  double SolveRankOnce(const RankWork& rank, double budget, bool lower, SolveScratch& scratch,
                        std::vector<double>* densities) const;
-  // After SolveRankOnce of `rank` (bounds_ and x_max_ are the rank's): the density of its k-th
-  // item at multiplier e^x, and every item's.
-  double DensityAt(const RankWork& rank, size_t k, double x) const;
-  void DensitiesAt(const RankWork& rank, double x, std::vector<double>* densities) const;
+  // After SolveRankOnce of `rank` (the scratch is the rank's): the density of its k-th item at
+  // multiplier e^x, and every item's.
+  double DensityAt(const RankWork& rank, const SolveScratch& scratch, size_t k, double x) const;
+  void DensitiesAt(const RankWork& rank, const SolveScratch& scratch, double x,
+                   std::vector<double>* densities) const;
   // Exact active blocks of a rank's items at `densities` (what the plan will count).
   double ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const;
-
-  // Per item of the rank being solved: its bounds and the multipliers x at which it reaches
-  // them (x_hi: at or below, the upper bound; x_lo: at or above, the lower one), so the search
-  // skips exp() there. SolveRankOnce's scratch, kept so that a solve does not allocate.
-  struct Bounds {
-    double lo, hi, x_hi, x_lo;
-  };
-  mutable std::vector<Bounds> bounds_;
-  // The multiplier at and above which every item of the rank sits at its lower bound.
-  mutable double x_max_ = 0.0;
 
   const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
   // Active blocks are counted through it (SampleTable::FeaturesAt keeps the last count).
   const SampleTable& table_;
   const std::vector<double>& base_;
+  PlanThreads* threads_ = nullptr;
   double per_block_ = 0.0;
   double anchors_ = 0.0;
   double log_max_ = 0.0;       // log(1 - density_max)
@@ -215,23 +235,18 @@ TunerStorage& SharedStorage() {
 
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
              const PlannerConfig& config, const LatencyModel& model, const SampleTable& table,
-             const std::vector<double>& base)
+             const std::vector<double>& base, PlanThreads* threads)
     : batch_(batch),
       config_(config),
       table_(table),
       base_(base),
+      threads_(threads),
       storage_(SharedStorage().in_use ? &own_ : &SharedStorage()),
       docs_(storage_->docs),
       doc_tokens_(storage_->doc_tokens),
       doc_buckets_(storage_->doc_buckets) {
   storage_->in_use = true;
   std::vector<Item>& items = storage_->items;
-  items.clear();
-  docs_.clear();
-  doc_tokens_.clear();
-  doc_buckets_.clear();
-  items.reserve(batch.size());
-  docs_.reserve(batch.size());
   const CostCoefficients coef = model.coefficients();
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
@@ -239,73 +254,106 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
-  std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
-  // LogOneMinus of the bases, with the last argument kept: a base is the table's (whose
-  // logarithm is known only for its floor) or an allocated density, and repeats come in runs.
-  double memo_rho = std::numeric_limits<double>::quiet_NaN();
-  double memo_log = 0.0;
-  auto log_one_minus = [&](double rho) {
-    if (rho != memo_rho) {
-      memo_rho = rho;
-      memo_log = LogOneMinus(rho);
-    }
-    return memo_log;
-  };
-  // The samples in the order the items are built, fetched ahead (PrefetchAhead).
+  // Items in the order of the placed samples, rank by rank and micro-batch by micro-batch; a
+  // rank's items start at first_item[r].
   const std::vector<int> order = PlacedOrder(assignment.ranks);
-  size_t next = 0;  // index in `order` of the item built next
+  std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
-    RankWork& rank = ranks_[r];
-    first_item[r] = items.size();
-    rank.speed =
-        r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
-    for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
-      if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
-      for (int i : micro_batch) {
-        PrefetchAhead(order, next++, batch, table, base);
-        const Sample& s = batch[i];
-        const SampleTerms& terms = table[i];
-        Item& item = items.emplace_back();
-        item.index = i;
-        item.weight = static_cast<double>(s.length);
-        item.g_minus_1 = terms.exponent - 1.0;
-        item.inv_g1 = 1.0 / item.g_minus_1;
-        item.base = base[i];
-        item.log_base = log_one_minus(item.base);
-        // The recall guards read every sample's recall a few times, most at base.
-        item.base_recall =
-            item.base == terms.base ? terms.base_recall : RecallAt(terms.exponent, item.base);
-        // Never above base: a sample whose floor is above what it was given stays there.
-        if (terms.floor < item.base) {
-          item.floor = terms.floor;
-          item.log_floor = terms.log_floor;
-        } else {
-          item.floor = item.base;
-          item.log_floor = item.log_base;
+    size_t count = 0;
+    for (const std::vector<int>& micro_batch : assignment.ranks[r]) count += micro_batch.size();
+    first_item[r + 1] = first_item[r] + count;
+  }
+  items.resize(order.size());
+  // Each item from its sample; its documents go to its range's list (doc_begin and doc_end
+  // count within it), and the lists are joined in range order after.
+  std::vector<TunerStorage::Documents>& chunk_docs = storage_->chunk_docs;
+  chunk_docs.resize(std::max(chunk_docs.size(), ChunkCount(threads_, order.size())));
+  ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
+    TunerStorage::Documents& documents = chunk_docs[chunk];
+    documents.clear();
+    // LogOneMinus of the bases, with the last argument kept: a base is the table's (whose
+    // logarithm is known only for its floor) or an allocated density, and repeats come in runs.
+    double memo_rho = std::numeric_limits<double>::quiet_NaN();
+    double memo_log = 0.0;
+    auto log_one_minus = [&](double rho) {
+      if (rho != memo_rho) {
+        memo_rho = rho;
+        memo_log = LogOneMinus(rho);
+      }
+      return memo_log;
+    };
+    for (size_t k = begin; k < end; ++k) {
+      PrefetchAhead(order, k, batch, table, base);  // the samples lie scattered over the batch
+      const int i = order[k];
+      const Sample& s = batch[i];
+      const SampleTerms& terms = table[i];
+      Item& item = items[k];
+      item.index = i;
+      item.weight = static_cast<double>(s.length);
+      item.g_minus_1 = terms.exponent - 1.0;
+      item.inv_g1 = 1.0 / item.g_minus_1;
+      item.base = base[i];
+      item.log_base = log_one_minus(item.base);
+      // The recall guards read every sample's recall a few times, most at base.
+      item.base_recall =
+          item.base == terms.base ? terms.base_recall : RecallAt(terms.exponent, item.base);
+      // Never above base: a sample whose floor is above what it was given stays there.
+      if (terms.floor < item.base) {
+        item.floor = terms.floor;
+        item.log_floor = terms.log_floor;
+      } else {
+        item.floor = item.base;
+        item.log_floor = item.log_base;
+      }
+      item.doc_begin = static_cast<int>(documents.blocks.size());
+      auto add_doc = [&](int64_t length) {
+        documents.blocks.push_back(QueryBlocks(length, block));
+        documents.tokens.push_back(length);
+        documents.buckets.push_back(RecallBucket(length, config.micro_batch_capacity));
+      };
+      if (s.segments.empty()) {
+        add_doc(s.length);
+      } else {
+        for (int64_t segment : s.segments) add_doc(segment);
+      }
+      item.doc_end = static_cast<int>(documents.blocks.size());
+      item.price_offset = terms.price_offset;
+      item.offset = item.price_offset;
+    }
+  });
+  docs_.clear();
+  doc_tokens_.clear();
+  doc_buckets_.clear();
+  const size_t chunks = ChunkCount(threads_, order.size());
+  for (size_t c = 0; c < chunks; ++c) {
+    const size_t begin = c * order.size() / chunks;
+    const size_t end = (c + 1) * order.size() / chunks;
+    const int shift = static_cast<int>(docs_.size());
+    for (size_t k = begin; k < end; ++k) {
+      items[k].doc_begin += shift;
+      items[k].doc_end += shift;
+    }
+    const TunerStorage::Documents& documents = chunk_docs[c];
+    docs_.insert(docs_.end(), documents.blocks.begin(), documents.blocks.end());
+    doc_tokens_.insert(doc_tokens_.end(), documents.tokens.begin(), documents.tokens.end());
+    doc_buckets_.insert(doc_buckets_.end(), documents.buckets.begin(), documents.buckets.end());
+  }
+  ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) {
+      RankWork& rank = ranks_[r];
+      rank.items = ItemRange(items.data() + first_item[r], items.data() + first_item[r + 1]);
+      rank.speed =
+          r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
+      const Item* item = rank.items.begin();
+      for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
+        if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
+        for (size_t k = 0; k < micro_batch.size(); ++k, ++item) {
+          const double documents = static_cast<double>(item->doc_end - item->doc_begin);
+          rank.fixed += coef.per_token * item->weight + coef.per_sample * documents;
         }
-        item.doc_begin = static_cast<int>(docs_.size());
-        auto add_doc = [&](int64_t length) {
-          docs_.push_back(QueryBlocks(length, block));
-          doc_tokens_.push_back(length);
-          doc_buckets_.push_back(RecallBucket(length, config.micro_batch_capacity));
-        };
-        if (s.segments.empty()) {
-          add_doc(s.length);
-        } else {
-          for (int64_t segment : s.segments) add_doc(segment);
-        }
-        item.doc_end = static_cast<int>(docs_.size());
-        const double docs = static_cast<double>(item.doc_end - item.doc_begin);
-        rank.fixed += coef.per_token * item.weight + coef.per_sample * docs;
-        item.price_offset = terms.price_offset;
-        item.offset = item.price_offset;
       }
     }
-  }
-  first_item.back() = items.size();
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    ranks_[r].items = ItemRange(items.data() + first_item[r], items.data() + first_item[r + 1]);
-  }
+  });
   // Shards of split documents keep their density: fixed work on each rank of their group, and
   // the overhead of a micro-batch that holds nothing else.
   std::set<std::pair<int, int>> shard_only;  // (rank, micro-batch) holding shards alone
@@ -351,7 +399,7 @@ double Tuner::ItemBlocks(const Item& item, double rho, double* slope) const {
   return blocks;
 }
 
-void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
+void Tuner::SolveRank(const RankWork& rank, double budget, bool lower, SolveScratch& scratch,
                       std::vector<double>* densities) const {
   // The search works on a continuous estimate of the active blocks; the plan counts them
   // exactly. Shrink the budget by any exact overshoot and solve again (once or twice at most:
@@ -361,7 +409,7 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
   double target = budget;
   double x = 0.0;
   for (int pass = 0; pass < kExactPasses; ++pass) {
-    x = SolveRankOnce(rank, target, lower, densities);
+    x = SolveRankOnce(rank, target, lower, scratch, densities);
     const double excess = over();
     if (excess <= rounding) return;
     // Overshoot a little: the exact count moves in whole blocks.
@@ -369,18 +417,18 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
   }
   // Still over: each document's exact count jumps by whole blocks where the estimate is smooth,
   // and the corrections above can keep landing past a jump. The exact time only falls as x
-  // grows, so bisect x between the last one tried (over) and x_max_, where every item sits at
+  // grows, so bisect x between the last one tried (over) and x_max, where every item sits at
   // its lower bound: a raise's base densities, which fit, or a cut's floors, the most the rank
   // can cut (kept when even they are over). It stops within a block of the budget. (Before, a
   // raised rank fell back to its base densities and lost its whole raise.)
   double over_x = x;
-  double fit_x = x_max_;
-  DensitiesAt(rank, fit_x, densities);
+  double fit_x = scratch.x_max;
+  DensitiesAt(rank, scratch, fit_x, densities);
   if (over() > rounding) return;
   for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
     if (fit_x - over_x <= 1e-12 * std::max(1.0, std::fabs(fit_x))) break;
     const double mid = 0.5 * (over_x + fit_x);
-    DensitiesAt(rank, mid, densities);
+    DensitiesAt(rank, scratch, mid, densities);
     const double excess = over();
     if (excess > rounding) {
       over_x = mid;
@@ -389,20 +437,22 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower,
     fit_x = mid;
     if (excess >= -(per_block_ + kBudgetTolerance * budget)) return;  // densities are at fit_x
   }
-  DensitiesAt(rank, fit_x, densities);
+  DensitiesAt(rank, scratch, fit_x, densities);
 }
 
-double Tuner::DensityAt(const RankWork& rank, size_t k, double x) const {
-  const Bounds& b = bounds_[k];
+double Tuner::DensityAt(const RankWork& rank, const SolveScratch& scratch, size_t k,
+                        double x) const {
+  const Bounds& b = scratch.bounds[k];
   if (x <= b.x_hi) return b.hi;
   if (x >= b.x_lo) return b.lo;
   const Item& item = rank.items[k];
   return std::clamp(1.0 - DetExp((x + item.offset) * item.inv_g1), b.lo, b.hi);
 }
 
-void Tuner::DensitiesAt(const RankWork& rank, double x, std::vector<double>* densities) const {
+void Tuner::DensitiesAt(const RankWork& rank, const SolveScratch& scratch, double x,
+                        std::vector<double>* densities) const {
   for (size_t k = 0; k < rank.items.size(); ++k) {
-    (*densities)[rank.items[k].index] = DensityAt(rank, k, x);
+    (*densities)[rank.items[k].index] = DensityAt(rank, scratch, k, x);
   }
 }
 
@@ -424,10 +474,10 @@ double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densi
   return blocks;
 }
 
-double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
+double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower, SolveScratch& scratch,
                             std::vector<double>* densities) const {
   const size_t n = rank.items.size();
-  std::vector<Bounds>& bounds = bounds_;
+  std::vector<Bounds>& bounds = scratch.bounds;
   bounds.resize(n);
   double x_min = 0.0;
   double x_max = 0.0;
@@ -443,7 +493,7 @@ double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     x_min = k == 0 ? b.x_hi : std::min(x_min, b.x_hi);
     x_max = k == 0 ? b.x_lo : std::max(x_max, b.x_lo);
   }
-  x_max_ = x_max;
+  scratch.x_max = x_max;
   // The density of item k at multiplier e^x: stationarity of
   // weight * recall(rho) - e^x * price * rho gives (1 - rho)^(g-1) = e^(x + offset).
   auto excess = [&](double x, double* derivative) {
@@ -451,7 +501,7 @@ double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     double d = 0.0;
     for (size_t k = 0; k < n; ++k) {
       const Item& item = rank.items[k];
-      const double rho = DensityAt(rank, k, x);
+      const double rho = DensityAt(rank, scratch, k, x);
       double slope = 0.0;
       blocks += ItemBlocks(item, rho, &slope);
       if (rho > bounds[k].lo && rho < bounds[k].hi) d -= slope * (1.0 - rho) * item.inv_g1;
@@ -518,7 +568,7 @@ double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower,
     if (f > 0) x = b;
     rank.last_x = x;
   }
-  DensitiesAt(rank, x, densities);
+  DensitiesAt(rank, scratch, x, densities);
   return x;
 }
 
@@ -537,16 +587,20 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   // raised exactly to T is as likely as not to finish after it, and with many ranks at T
   // the slowest of them sets a step time well above T.
   const double raise_to = target * (1.0 - noise_margin_);
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    const RankWork& rank = ranks_[r];
-    if (rank.items.empty()) continue;
-    const double now = at_base[r];
-    if (now > target && cut) {
-      SolveRank(rank, target / rank.speed - rank.fixed, /*lower=*/true, &densities);
-    } else if (now < raise_to) {
-      SolveRank(rank, raise_to / rank.speed - rank.fixed, /*lower=*/false, &densities);
+  // Each rank writes only its own items' densities.
+  ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
+    SolveScratch scratch;
+    for (size_t r = begin; r < end; ++r) {
+      const RankWork& rank = ranks_[r];
+      if (rank.items.empty()) continue;
+      const double now = at_base[r];
+      if (now > target && cut) {
+        SolveRank(rank, target / rank.speed - rank.fixed, /*lower=*/true, scratch, &densities);
+      } else if (now < raise_to) {
+        SolveRank(rank, raise_to / rank.speed - rank.fixed, /*lower=*/false, scratch, &densities);
+      }
     }
-  }
+  });
   return densities;
 }
 
@@ -567,17 +621,15 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   };
   const double hi_density = config_.density_max;
   const double log_hi = log_max_;
-  std::vector<Term> terms;
-  terms.reserve(batch_.size());
-  double tokens = 0.0;
-  double x_start = 0.0;  // token-weighted mean of the multipliers at base density
-  double x_min = 0.0;
-  double x_max = 0.0;
-  for (const RankWork& rank : ranks_) {
-    for (const Item& item : rank.items) {
+  // The items of every rank, in order (they are contiguous).
+  const std::vector<Item>& items = storage_->items;
+  std::vector<Term> terms(items.size());
+  ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
+    for (size_t k = begin; k < end; ++k) {
+      const Item& item = items[k];
       const double g = item.g_minus_1 + 1.0;
       const double log_lo = item.log_floor;
-      Term t;
+      Term& t = terms[k];
       t.index = item.index;
       t.weight = item.weight;
       t.offset = item.offset;
@@ -589,12 +641,19 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
       t.recall_hi = hi_density >= 1.0 ? 1.0 : 1.0 - DetExp(g * log_hi);
       t.scale = DetExp(item.offset);
       t.floor = item.floor;
-      x_start += t.weight * (item.g_minus_1 * item.log_base - item.offset);
-      x_min = terms.empty() ? t.x_at_hi : std::min(x_min, t.x_at_hi);
-      x_max = terms.empty() ? t.x_at_lo : std::max(x_max, t.x_at_lo);
-      tokens += t.weight;
-      terms.push_back(t);
     }
+  });
+  double tokens = 0.0;
+  double x_start = 0.0;  // token-weighted mean of the multipliers at base density
+  double x_min = 0.0;
+  double x_max = 0.0;
+  for (size_t k = 0; k < terms.size(); ++k) {
+    const Item& item = items[k];
+    const Term& t = terms[k];
+    x_start += t.weight * (item.g_minus_1 * item.log_base - item.offset);
+    x_min = k == 0 ? t.x_at_hi : std::min(x_min, t.x_at_hi);
+    x_max = k == 0 ? t.x_at_lo : std::max(x_max, t.x_at_lo);
+    tokens += t.weight;
   }
   std::vector<double> densities = base_;
   if (terms.empty()) {
@@ -604,20 +663,33 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
   // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
   // d recall / d rho = g e^x scale: one exp per item that is not at a bound.
+  // The items off their bounds are worked out on the threads (their recall and slope terms),
+  // and summed after in item order.
+  std::vector<std::pair<double, double>> inside(terms.size());
   auto recall_at = [&](double x, double* derivative) {
     const double ex = DetExp(x);
+    ParallelFor(threads_, terms.size(), [&](size_t begin, size_t end) {
+      for (size_t k = begin; k < end; ++k) {
+        const Term& t = terms[k];
+        if (x <= t.x_at_hi || x >= t.x_at_lo) continue;
+        const double u = DetExp((x + t.offset) * t.inv_g1);  // 1 - rho
+        const double pow_g_minus_1 = ex * t.scale;           // (1-rho)^(g-1)
+        // d rho / dx = -(1-rho)/(g-1)
+        inside[k] = {t.weight * (1.0 - u * pow_g_minus_1),
+                     t.weight * t.g_over_g1 * pow_g_minus_1 * u};
+      }
+    });
     double weighted = 0.0;
     double slope = 0.0;
-    for (const Term& t : terms) {
+    for (size_t k = 0; k < terms.size(); ++k) {
+      const Term& t = terms[k];
       if (x <= t.x_at_hi) {
         weighted += t.weight * t.recall_hi;
       } else if (x >= t.x_at_lo) {
         weighted += t.weight * t.recall_lo;
       } else {
-        const double u = DetExp((x + t.offset) * t.inv_g1);  // 1 - rho
-        const double pow_g_minus_1 = ex * t.scale;           // (1-rho)^(g-1)
-        weighted += t.weight * (1.0 - u * pow_g_minus_1);
-        slope -= t.weight * t.g_over_g1 * pow_g_minus_1 * u;  // d rho / dx = -(1-rho)/(g-1)
+        weighted += inside[k].first;
+        slope -= inside[k].second;
       }
     }
     if (derivative != nullptr) *derivative = slope / tokens;
@@ -660,9 +732,12 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
     x = a;
     recall = recall_a;
   }
-  for (const Term& t : terms) {
-    densities[t.index] = std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
-  }
+  ParallelFor(threads_, terms.size(), [&](size_t begin, size_t end) {
+    for (size_t k = begin; k < end; ++k) {
+      const Term& t = terms[k];
+      densities[t.index] = std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
+    }
+  });
   *achieved = recall;
   return densities;
 }
@@ -776,13 +851,19 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 }
 
 double Tuner::Recall(const std::vector<double>& densities) const {
+  // The items of every rank in order (they are contiguous): their recalls on the threads, the
+  // sums after in item order.
+  const std::vector<Item>& items = storage_->items;
+  std::vector<double> recalls(items.size());
+  ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
+    for (size_t k = begin; k < end; ++k)
+      recalls[k] = ItemRecall(items[k], densities[items[k].index]);
+  });
   double weighted = 0.0;
   double tokens = 0.0;
-  for (const RankWork& rank : ranks_) {
-    for (const Item& item : rank.items) {
-      weighted += item.weight * ItemRecall(item, densities[item.index]);
-      tokens += item.weight;
-    }
+  for (size_t k = 0; k < items.size(); ++k) {
+    weighted += items[k].weight * recalls[k];
+    tokens += items[k].weight;
   }
   return tokens > 0 ? weighted / tokens : 0.0;
 }
@@ -800,7 +881,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
                                       const LatencyModel& model, const SampleTable& table,
                                       const std::vector<double>& base, double base_recall,
-                                      bool per_bucket) {
+                                      bool per_bucket, PlanThreads* threads) {
   // The samples solved together: all of them, or those of one length bucket at a time (a
   // pre-packed sample goes with the bucket that holds most of its tokens).
   std::vector<std::vector<int>> groups(per_bucket ? kRecallBuckets : 1);
@@ -812,7 +893,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     if (members.empty()) continue;
     Assignment group;
     group.ranks.assign(1, std::vector<std::vector<int>>(1, members));
-    Tuner tuner(batch, group, config, model, table, base);
+    Tuner tuner(batch, group, config, model, table, base, threads);
     const double keep = per_bucket ? tuner.Recall(base) : base_recall;
     // Aim a little above: the per-rank tuning that follows moves densities away from this
     // optimum, which costs a little recall (it is concave), and should not have to back off.
@@ -899,18 +980,21 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const SampleTable& table, const std::vector<double>& base,
-                                  double min_recall, const std::vector<double>& bucket_min_recall) {
-  Tuner tuner(batch, assignment, config, model, table, base);
+                                  double min_recall, const std::vector<double>& bucket_min_recall,
+                                  PlanThreads* threads) {
+  Tuner tuner(batch, assignment, config, model, table, base, threads);
   if (tuner.ranks().empty()) return base;
   // Rank times at base, blocks counted exactly (as the plan's figures count them: MAX mode
   // must not exceed the base makespan). The floors only bound the target from below, so
   // they are estimated and recounted exactly over the ranks near their maximum.
-  std::vector<double> at_base;
-  std::vector<double> at_floor;
-  for (const RankWork& rank : tuner.ranks()) {
-    at_base.push_back(tuner.ExactRankSeconds(rank, /*at_floor=*/false));
-    at_floor.push_back(tuner.RankSeconds(rank, /*at_floor=*/true));
-  }
+  std::vector<double> at_base(tuner.ranks().size());
+  std::vector<double> at_floor(tuner.ranks().size());
+  ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) {
+      at_base[r] = tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/false);
+      at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
+    }
+  });
   const double base_max = *std::max_element(at_base.begin(), at_base.end());
   const double floor_estimate = *std::max_element(at_floor.begin(), at_floor.end());
   double at_floor_max = 0.0;

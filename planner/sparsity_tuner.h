@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "planner/latency_model.h"
+#include "planner/plan_threads.h"
 #include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
 #include "planner/sample_table.h"
@@ -33,11 +34,12 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
                                       const LatencyModel& model, const RecallModel& recall,
                                       const std::vector<double>& base, double base_recall,
                                       bool per_bucket = false);
-// The same with the step's SampleTable (PlanStep builds one for all phases).
+// The same with the step's SampleTable (PlanStep builds one for all phases), the per-sample
+// work split over `threads` when given (the result does not depend on them).
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
                                       const LatencyModel& model, const SampleTable& table,
                                       const std::vector<double>& base, double base_recall,
-                                      bool per_bucket);
+                                      bool per_bucket, PlanThreads* threads = nullptr);
 
 // The per-rank half of DST: a density per batch sample (deferred samples keep `base`).
 //
@@ -60,11 +62,13 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
                                   const RecallModel& recall, const std::vector<double>& base,
                                   double min_recall,
                                   const std::vector<double>& bucket_min_recall = {});
-// The same with the step's SampleTable (PlanStep builds one for all phases).
+// The same with the step's SampleTable (PlanStep builds one for all phases), the per-sample and
+// per-rank work split over `threads` when given (the result does not depend on them).
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const SampleTable& table, const std::vector<double>& base,
-                                  double min_recall, const std::vector<double>& bucket_min_recall);
+                                  double min_recall, const std::vector<double>& bucket_min_recall,
+                                  PlanThreads* threads = nullptr);
 
 // Per-layer densities of one sample that DST gave `density`, from the job's per-layer recall
 // curves: the densities in [floor, density_max] whose mean is `density` (so the attention cost

@@ -546,9 +546,9 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
         "step: ", step, " would skip ", skipped, " steps after step ", job->next_step - 1,
         "; a planned_locally submit may skip at most ", options_.max_skipped_steps));
   }
-  absl::StatusOr<StepPlan> plan = planned_locally
-                                      ? PlanStepLocally(batch, job->config)
-                                      : PlanStep(batch, job->config, job->model, job->recall);
+  absl::StatusOr<StepPlan> plan = planned_locally ? PlanStepLocally(batch, job->config)
+                                                  : PlanStep(batch, job->config, job->model,
+                                                             job->recall, options_.plan_threads);
   if (!plan.ok()) return plan.status();
   StepRecord record;
   record.batch = batch;

@@ -151,6 +151,9 @@ class JobRegistry {
     int64_t max_skipped_steps = int64_t{1} << 20;
     // The clock of the idle TTL (ExpireIdleJobs); null: std::chrono::steady_clock::now.
     std::function<std::chrono::steady_clock::time_point()> now;
+    // Threads each SubmitBatch's planning is split over (plans do not depend on them); null:
+    // the calling thread alone. Not owned.
+    PlanThreads* plan_threads = nullptr;
   };
   // `random_hex(n)` returns n random hexadecimal characters (from a CSPRNG in production):
   // job ids and tokens are drawn from it.

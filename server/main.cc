@@ -20,6 +20,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "planner/plan_threads.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 #include "server/planner_metrics.h"
@@ -75,6 +76,9 @@ ABSL_FLAG(double, drain_notice_seconds, 2.0,
 ABSL_FLAG(double, state_check_seconds, 5.0,
           "probe that --state_dir can be written this often (every second while it cannot); "
           "health is NOT_SERVING while it cannot, and SERVING again once it can");
+ABSL_FLAG(int, plan_threads, 0,
+          "threads each step's planning is split over, 1-64 (0: this machine's cores, at most 8); "
+          "plans are the same bytes with any number");
 ABSL_FLAG(int, max_waiting_calls, 16384,
           "GetRankPlan calls waiting for their step at once (RESOURCE_EXHAUSTED above); per job "
           "at most 2 per rank + 64");
@@ -322,6 +326,16 @@ int Main(int argc, char** argv) {
     tools::Fatal(absl::StrCat("--slow_rank_series=", slow_rank_series, " is outside [0, 64]"),
                  tools::kExitUsage);
   }
+  int plan_threads = absl::GetFlag(FLAGS_plan_threads);
+  if (plan_threads < 0 || plan_threads > kMaxPlanThreads) {
+    tools::Fatal(absl::StrCat("--plan_threads=", plan_threads, " is outside [0, ", kMaxPlanThreads,
+                              "]; 0 takes this machine's cores (at most 8)"),
+                 tools::kExitUsage);
+  }
+  if (plan_threads == 0) {
+    plan_threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
+  }
+  PlanThreads planning(plan_threads);
   auto metrics_registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series), slow_rank_series);
   std::unique_ptr<prometheus::Exposer> exposer;
@@ -364,6 +378,7 @@ int Main(int argc, char** argv) {
     metrics.ObserveStep(job_id, stats);
   };
   registry_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  registry_options.plan_threads = &planning;
   registry_options.limits.max_samples = absl::GetFlag(FLAGS_max_samples);
   registry_options.limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   JobRegistry registry(registry_options, RandomHex);

@@ -315,6 +315,25 @@ TEST(SbPlannerTest, RefusesToListenBeyondLoopbackWithoutAnAdminToken) {
   EXPECT_EQ(planner->Stop(), 0);
 }
 
+// --plan_threads outside [0, 64] is a usage error naming the flag and its range; in range the
+// planner serves (the plans' independence of it: plan_threads_test).
+TEST(SbPlannerTest, PlanThreadsOutsideItsRangeIsAUsageError) {
+  const std::string state = StateDir();
+  for (const char* bad : {"-1", "65"}) {
+    const auto [code, output] = RunPlanner(
+        std::string("--listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 --plan_threads=") + bad +
+        " --state_dir=" + state);
+    EXPECT_EQ(code, 2) << output;
+    EXPECT_NE(output.find(std::string("--plan_threads=") + bad + " is outside [0, 64]"),
+              std::string::npos)
+        << output;
+  }
+  std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(state, {"--plan_threads=3"});
+  ASSERT_NE(planner, nullptr);
+  EXPECT_GT(planner->port(), 0) << planner->listening_line();
+  EXPECT_EQ(planner->Stop(), 0);
+}
+
 // Issue 11: NOT_SERVING during the drain was visible only on an already open Watch stream (the
 // port closed at once). Now health checks see it for --drain_notice_seconds first.
 TEST(SbPlannerTest, HealthChecksSeeNotServingDuringTheDrain) {
