@@ -558,7 +558,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   job->history[step] = std::move(record);
   job->next_step = step + 1;
   TrimHistory(job_id, *job);
-  PackOldSteps(*job);
+  if (options_.pack_in_submit) PackOldSteps(*job);
   // The snapshot after it only moves next_step (which Restore also takes from the step
   // records) and carries the model (which Restore refolds from the report logs): the step is
   // acknowledged even when it cannot be written (on_store_failure reports that).
@@ -1002,6 +1002,22 @@ std::vector<JobView> JobRegistry::ListJobs(const std::string& after, int limit) 
 int JobRegistry::job_count() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(jobs_.size());
+}
+
+void JobRegistry::PackHistory(const std::string& job_id) {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return;
+  absl::MutexLock lock(&job->mu);
+  PackOldSteps(*job);
+}
+
+int JobRegistry::PackedSteps(const std::string& job_id) const {
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return 0;
+  absl::MutexLock lock(&job->mu);
+  int packed = 0;
+  for (const auto& [step, record] : job->history) packed += record.is_packed() ? 1 : 0;
+  return packed;
 }
 
 absl::Status JobRegistry::DeleteJob(const std::string& job_id) {

@@ -154,6 +154,10 @@ class JobRegistry {
     // Threads each SubmitBatch's planning is split over (plans do not depend on them); null:
     // the calling thread alone. Not owned.
     PlanThreads* plan_threads = nullptr;
+    // SubmitBatch packs the steps that leave the newest kUnpackedSteps (3-5 ms at 1,024 ranks).
+    // false: the caller calls PackHistory after it, once the step's waiting ranks have their
+    // plans (sb-planner does), so that their wait does not include it.
+    bool pack_in_submit = true;
   };
   // `random_hex(n)` returns n random hexadecimal characters (from a CSPRNG in production):
   // job ids and tokens are drawn from it.
@@ -231,6 +235,10 @@ class JobRegistry {
   // being checked stays. Failed jobs are left for DeleteJob.
   std::vector<std::string> ExpireIdleJobs(std::chrono::nanoseconds ttl);
   int job_count() const;
+  // Packs the job's steps older than its kUnpackedSteps newest (see Options::pack_in_submit);
+  // nothing for an unknown job. Steps packed (for tests) by PackedSteps.
+  void PackHistory(const std::string& job_id);
+  int PackedSteps(const std::string& job_id) const;
 
  private:
   // A kept step. The newest kUnpackedSteps steps of a job, and any older one a call has

@@ -379,6 +379,7 @@ int Main(int argc, char** argv) {
   };
   registry_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
   registry_options.plan_threads = &planning;
+  registry_options.pack_in_submit = false;  // the service packs after waking the ranks
   registry_options.limits.max_samples = absl::GetFlag(FLAGS_max_samples);
   registry_options.limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   JobRegistry registry(registry_options, RandomHex);

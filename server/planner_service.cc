@@ -375,6 +375,8 @@ absl::Status PlannerServiceImpl::OnSubmitBatch(const v1::SubmitBatchRequest& req
   *response->mutable_figures() = FiguresToProto(*result->plan);
   // Also after a repeat: the first attempt may have planned the step and failed after.
   WakeWaiters(request.job_id(), request.step());
+  // Older steps are packed once the waiting ranks have their plans (pack_in_submit false).
+  registry_->PackHistory(request.job_id());
   return absl::OkStatus();
 }
 

@@ -483,6 +483,41 @@ TEST_F(JobRegistryTest, HistoryIsBounded) {
   EXPECT_TRUE(registry_.SubmitBatch(id, 5, batches[5])->repeated);
 }
 
+// Packing leaves SubmitBatch with pack_in_submit false (sb-planner packs after waking the
+// ranks): nothing is packed until PackHistory, which packs all but the newest two, and the packed
+// steps' plans are served as they were planned. With the default the submits pack.
+TEST(JobRegistryPackingTest, PackHistoryPacksWhatSubmitLeft) {
+  for (bool in_submit : {true, false}) {
+    JobRegistry::Options options;
+    options.pack_in_submit = in_submit;
+    JobRegistry registry(options, CountingHex());
+    absl::StatusOr<CreatedJob> job =
+        registry.CreateJob("test", test_support::SmallJob(2, /*history=*/8), "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    std::vector<std::string> plans;
+    for (int step = 0; step < 5; ++step) {
+      absl::StatusOr<SubmitResult> result =
+          registry.SubmitBatch(job->job_id, step, Batch(300 + step, 2));
+      ASSERT_TRUE(result.ok()) << result.status();
+      plans.push_back(CanonicalPlanText(*result->plan));
+    }
+    EXPECT_EQ(registry.PackedSteps(job->job_id), in_submit ? 3 : 0) << in_submit;
+    registry.PackHistory(job->job_id);
+    EXPECT_EQ(registry.PackedSteps(job->job_id), 3);
+    for (int step = 0; step < 5; ++step) {
+      bool ready = false;
+      absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+          registry.GetPlan(job->job_id, step, 0, &ready);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      ASSERT_TRUE(ready);
+      EXPECT_EQ(CanonicalPlanText(**plan), plans[step]) << "step " << step;
+    }
+  }
+  JobRegistry registry(JobRegistry::Options{}, CountingHex());
+  registry.PackHistory("no-such-job");  // nothing to do, no crash
+  EXPECT_EQ(registry.PackedSteps("no-such-job"), 0);
+}
+
 // Steps older than the newest two are kept packed (step_pack.h) and unpacked by the calls that
 // need them; nothing a caller sees differs from a step kept as values: old plans are served as
 // they were planned, late reports are checked, acknowledged once, compared when repeated and
