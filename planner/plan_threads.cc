@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <thread>
@@ -20,10 +21,11 @@ struct PlanThreads::Loop {
 
 namespace {
 
-// How long a helper keeps looking for the next loop before it sleeps: a plan runs a few dozen
-// loops back to back, and waking a sleeping thread takes longer than most of them (tens of
-// microseconds on a virtual machine).
-constexpr int kSpins = 20000;
+// How long a helper keeps looking for the next loop before it sleeps: a plan runs some 60 loops,
+// most of them back to back, and waking a sleeping thread takes longer than many of them (tens
+// of microseconds on a virtual machine). Between plans, and during placement (serial, about 20
+// ms at 65,536 samples), the helpers sleep.
+constexpr std::chrono::microseconds kSpinFor(200);
 
 void Pause() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -63,7 +65,10 @@ void PlanThreads::Drain(Loop& loop) {
 void PlanThreads::Help() {
   uint64_t seen = 0;  // loops_ when this helper last looked at loop_
   while (!stop_) {
-    for (int spin = 0; spin < kSpins && loops_.load() == seen && !stop_; ++spin) Pause();
+    const auto until = std::chrono::steady_clock::now() + kSpinFor;
+    while (loops_.load() == seen && !stop_ && std::chrono::steady_clock::now() < until) {
+      for (int i = 0; i < 64; ++i) Pause();
+    }
     if (loops_.load() == seen) {
       absl::MutexLock lock(&mu_);
       while (loops_.load() == seen && !stop_) wake_.Wait(&mu_);
