@@ -5,18 +5,23 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <thread>
 
 namespace sparsebalance {
 
 // One ParallelFor in flight: its ranges are claimed through `next`, and `done` counts those
-// that have returned. It lives on the caller's stack.
+// that have returned. It lives on the caller's stack. A range that throws (std::bad_alloc in a
+// large plan) leaves its exception in `error` for the caller to rethrow: on a helper thread it
+// would end the process.
 struct PlanThreads::Loop {
   absl::FunctionRef<void(size_t, size_t)> body;
   size_t n = 0;
   size_t chunks = 0;
   std::atomic<size_t> next{0};
   std::atomic<size_t> done{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // written once, by whoever set `failed`
 };
 
 namespace {
@@ -57,7 +62,16 @@ void PlanThreads::Drain(Loop& loop) {
     // Range c of `chunks` near-equal ranges: [c n / chunks, (c + 1) n / chunks).
     const size_t begin = c * loop.n / loop.chunks;
     const size_t end = (c + 1) * loop.n / loop.chunks;
-    if (begin < end) loop.body(begin, end);
+    if (begin < end) {
+      try {
+        loop.body(begin, end);
+      } catch (...) {
+        bool expected = false;
+        if (loop.failed.compare_exchange_strong(expected, true)) {
+          loop.error = std::current_exception();
+        }
+      }
+    }
     loop.done.fetch_add(1);
   }
 }
@@ -86,7 +100,7 @@ void PlanThreads::Help() {
 }
 
 void PlanThreads::Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body) {
-  Loop loop{body, n, std::max<size_t>(1, std::min(chunks, n))};
+  Loop loop{body, n, std::max<size_t>(1, std::min(chunks, n)), {0}, {0}, {false}, nullptr};
   Loop* none = nullptr;
   if (helpers_.empty() || !loop_.compare_exchange_strong(none, &loop)) {
     body(0, n);  // alone, or the helpers are busy with another caller's loop
@@ -100,8 +114,10 @@ void PlanThreads::Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, si
   Drain(loop);
   loop_.store(nullptr);
   // Every range has been claimed; wait for those still running and for helpers that may hold
-  // the loop (a few microseconds: the ranges are short).
+  // the loop (a few microseconds: the ranges are short). A helper counted in active_ may be in
+  // another caller's loop that started since: that one ends as quickly.
   while (loop.done.load() != loop.chunks || active_.load() != 0) Pause();
+  if (loop.error != nullptr) std::rethrow_exception(loop.error);
 }
 
 size_t ChunkCount(const PlanThreads* threads, size_t n) {

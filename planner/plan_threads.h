@@ -37,7 +37,8 @@ class PlanThreads {
   int size() const { return static_cast<int>(helpers_.size()) + 1; }
 
   // Calls body(begin, end) on consecutive ranges that cover [0, n) once, at most `chunks` of
-  // them, on the helpers and the calling thread; returns when all have returned.
+  // them, on the helpers and the calling thread; returns when all have returned. An exception
+  // thrown by a range is rethrown here (the first, once every range has returned).
   void Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body);
 
  private:

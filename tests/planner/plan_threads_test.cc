@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,6 +71,28 @@ TEST(PlanThreadsTest, ConcurrentCallersBothFinish) {
   for (size_t i = 0; i < kItems; ++i) {
     ASSERT_EQ(a[i].load(), kLoops) << i;
     ASSERT_EQ(b[i].load(), kLoops) << i;
+  }
+}
+
+// A range that throws (std::bad_alloc in a plan too large for memory) must not end the process
+// from a helper thread: the caller gets the exception once every range has returned, and the
+// pool goes on working.
+TEST(PlanThreadsTest, AnExceptionInARangeReachesTheCaller) {
+  PlanThreads pool(3);
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    std::atomic<int> ran{0};
+    EXPECT_THROW(ParallelFor(&pool, 10000,
+                             [&](size_t begin, size_t end) {
+                               ran.fetch_add(static_cast<int>(end - begin));
+                               if (begin <= 7777 && 7777 < end) throw std::bad_alloc();
+                             }),
+                 std::bad_alloc);
+    EXPECT_EQ(ran.load(), 10000);  // every range ran: nothing is left touching the loop
+    std::vector<std::atomic<int>> runs(4096);
+    ParallelFor(&pool, runs.size(), [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) runs[i].fetch_add(1);
+    });
+    for (size_t i = 0; i < runs.size(); ++i) ASSERT_EQ(runs[i].load(), 1) << i;
   }
 }
 
