@@ -77,8 +77,9 @@ ABSL_FLAG(double, state_check_seconds, 5.0,
           "probe that --state_dir can be written this often (every second while it cannot); "
           "health is NOT_SERVING while it cannot, and SERVING again once it can");
 ABSL_FLAG(int, plan_threads, 0,
-          "threads each step's planning is split over, 1-64 (0: this machine's cores, at most 8); "
-          "plans are the same bytes with any number");
+          "threads each step's planning is split over, 1-64 (0: the CPUs this process may use, "
+          "after its affinity and its cgroup's CPU limit, at most 8); plans are the same bytes "
+          "with any number");
 ABSL_FLAG(int, max_waiting_calls, 16384,
           "GetRankPlan calls waiting for their step at once (RESOURCE_EXHAUSTED above); per job "
           "at most 2 per rank + 64");
@@ -332,9 +333,7 @@ int Main(int argc, char** argv) {
                               "]; 0 takes this machine's cores (at most 8)"),
                  tools::kExitUsage);
   }
-  if (plan_threads == 0) {
-    plan_threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
-  }
+  if (plan_threads == 0) plan_threads = std::min(tools::UsableCpus(), 8);
   PlanThreads planning(plan_threads);
   auto metrics_registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series), slow_rank_series);
@@ -449,7 +448,8 @@ int Main(int argc, char** argv) {
             << "; health service " << kServiceName << "; state in " << state_dir << " (" << jobs
             << " jobs reloaded); metrics on http://"
             << metrics_listen.substr(0, metrics_listen.rfind(':')) << ":"
-            << exposer->GetListeningPorts().front() << "/metrics" << std::endl;
+            << exposer->GetListeningPorts().front() << "/metrics; planning on " << planning.size()
+            << (planning.size() == 1 ? " thread" : " threads") << std::endl;
   if (health_server != nullptr) {
     std::cout << "sb-planner: health only (plaintext) on "
               << health_listen.substr(0, health_listen.rfind(':')) << ":" << health_port

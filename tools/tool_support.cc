@@ -1,10 +1,15 @@
 #include "tools/tool_support.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
@@ -13,8 +18,10 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "tools/child_process.h"
 
 namespace sparsebalance::tools {
@@ -142,6 +149,29 @@ absl::Status WriteFile(const std::string& path, absl::string_view text) {
     return absl::ErrnoToStatus(errno != 0 ? errno : EIO, absl::StrCat("cannot write ", path));
   }
   return absl::OkStatus();
+}
+
+int CpusUnderLimit(int cpus, absl::string_view cpu_max) {
+  const std::vector<absl::string_view> fields =
+      absl::StrSplit(cpu_max, absl::ByAnyChar(" \n"), absl::SkipEmpty());
+  int64_t quota = 0;
+  int64_t period = 0;
+  if (fields.size() != 2 || !absl::SimpleAtoi(fields[0], &quota) ||
+      !absl::SimpleAtoi(fields[1], &period) || quota <= 0 || period <= 0) {
+    return cpus;  // "max": no limit (or a file this does not understand)
+  }
+  return static_cast<int>(std::min<int64_t>(cpus, (quota + period - 1) / period));
+}
+
+int UsableCpus() {
+  int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = CPU_COUNT(&set);
+  if (absl::StatusOr<std::string> max = ReadFile("/sys/fs/cgroup/cpu.max"); max.ok()) {
+    cpus = CpusUnderLimit(cpus, *max);
+  }
+  return std::max(cpus, 1);
 }
 
 }  // namespace sparsebalance::tools

@@ -41,6 +41,15 @@ absl::StatusOr<std::string> ReadFile(const std::string& path);
 // Replaces the file with `text`; the error names the path.
 absl::Status WriteFile(const std::string& path, absl::string_view text);
 
+// The CPUs this process may use: its affinity mask, and under a cgroup v2 CPU limit (a
+// container's `cpus`, a pod's limits.cpu; /sys/fs/cgroup/cpu.max) that limit rounded up.
+// std::thread::hardware_concurrency counts the host's, and threads beyond the quota are only
+// throttled. At least 1.
+int UsableCpus();
+// `cpus` capped by the text of a cgroup v2 cpu.max file ("max 100000": no limit, or
+// "QUOTA PERIOD" in microseconds: ceil(QUOTA / PERIOD)); anything else leaves `cpus` as it is.
+int CpusUnderLimit(int cpus, absl::string_view cpu_max);
+
 }  // namespace sparsebalance::tools
 
 #endif  // SPARSEBALANCE_TOOLS_TOOL_SUPPORT_H_

@@ -108,5 +108,18 @@ TEST(WriteFileTest, AnUnwritablePathIsAnErrorNamingIt) {
   EXPECT_NE(status.message().find(path), absl::string_view::npos) << status;
 }
 
+// sb-planner's default --plan_threads: a container's CPU limit caps the host's CPUs.
+TEST(UsableCpusTest, ACgroupLimitCapsTheCpus) {
+  EXPECT_EQ(CpusUnderLimit(64, "max 100000\n"), 64);
+  EXPECT_EQ(CpusUnderLimit(64, "200000 100000\n"), 2);
+  EXPECT_EQ(CpusUnderLimit(64, "150000 100000"), 2);  // 1.5 CPUs: two threads, each throttled
+  EXPECT_EQ(CpusUnderLimit(64, "50000 100000\n"), 1);
+  EXPECT_EQ(CpusUnderLimit(2, "800000 100000\n"), 2);  // a limit above the CPUs there are
+  EXPECT_EQ(CpusUnderLimit(8, ""), 8);
+  EXPECT_EQ(CpusUnderLimit(8, "garbage"), 8);
+  EXPECT_EQ(CpusUnderLimit(8, "-1 100000"), 8);
+  EXPECT_GE(UsableCpus(), 1);
+}
+
 }  // namespace
 }  // namespace sparsebalance::tools
