@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdint>
 #include <new>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -115,17 +117,19 @@ RecallModel LearnedRecall(const PlannerConfig& config) {
   return model;
 }
 
-// A random case's config (policy, DST mode, densities, block shape, overflow, slow ranks)
-// scaled to enough ranks that planning's per-rank loops are split (kMinParallelItems), with a
-// trace batch that has groups, pre-packed samples, sensitivities and, with splitting, documents
-// longer than the capacity.
+// A random case's config (densities, block shape, overflow, slow ranks) with policy and DST mode
+// taken in turn (every pair within 24 seeds), scaled to enough ranks that planning's per-rank
+// loops are split (kMinParallelItems), with a trace batch that has groups, pre-packed samples,
+// sensitivities and, with splitting, documents longer than the capacity.
 RandomCase LargeCase(uint64_t seed) {
   RandomCase c = MakeRandomCase(seed, /*max_samples=*/1);
   PlannerConfig& config = c.config;
+  config.policy = AllPolicies()[seed % AllPolicies().size()];
+  config.dst_mode = test_util::AllDstModes()[(seed / AllPolicies().size()) % 4];
   config.ranks = 520 + static_cast<int>((seed * 389) % 700);
   config.micro_batches = 1 + static_cast<int>(seed % 4);
   config.micro_batch_capacity = 16384;
-  config.max_shards = seed % 3 == 0 ? 8 : 1;
+  config.max_shards = (seed / 2) % 2 == 0 ? 8 : 1;  // every policy, with and without
   config.shape.layers = seed % 2 == 0 ? 4 : 2;
   const double fill = 0.4 + 0.1 * static_cast<double>(seed % 8);  // 0.4-1.1: some overflow
   c.batch = test_util::TraceBatch(config, seed, fill);
@@ -152,7 +156,8 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
   FailureBudget budget;
   int planned = 0;
   int split = 0;
-  for (uint64_t seed = 1; seed <= 12; ++seed) {
+  std::set<std::pair<Policy, DstMode>> covered;
+  for (uint64_t seed = 0; seed < 24; ++seed) {
     const RandomCase c = LargeCase(seed);
     const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(c.config);
     ASSERT_TRUE(valid.ok()) << valid.status();
@@ -163,6 +168,7 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
     const absl::StatusOr<StepPlan> alone = PlanStep(c.batch, *valid, model, recall);
     if (!alone.ok()) continue;  // an overflowing kError case: nothing to compare
     ++planned;
+    covered.insert({c.config.policy, c.config.dst_mode});
     const std::string expected = CanonicalPlanText(*alone);
     if (expected.find('{') != std::string::npos) ++split;
     for (PlanThreads* pool : {&two, &three, &eight}) {
@@ -175,8 +181,9 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
     }
   }
   budget.Summarize();
-  EXPECT_GE(planned, 8);
-  EXPECT_GE(split, 2);  // some plans split documents over ranks
+  EXPECT_GE(planned, 16);
+  EXPECT_GE(covered.size(), 16u);  // most policy and mode pairs planned (not only refused)
+  EXPECT_GE(split, 2);             // some plans split documents over ranks
 }
 
 }  // namespace
