@@ -6,7 +6,9 @@
 //            validated, appended to the state directory and folded into the model).
 //   step     One step of a --ranks job: --ranks GetRankPlan calls wait first, then one
 //            SubmitBatch of --samples samples, then every rank reports as soon as its plan
-//            arrives. Time from the SubmitBatch call to the last report's answer, --steps times.
+//            arrives. Time from the SubmitBatch call to the last report's answer, --steps times;
+//            and the CPU each step took the planner (knowing its pid) and this process: when
+//            both share a machine, a round cannot take less than their sum over its cores.
 //   prefetch The client's default flow (client/balancer.h, prefetch on) over --steps steps of
 //            a --ranks job: once a step's plans are out, the next step's batch is submitted and
 //            every rank asks for its plan of it while the step trains (--step_seconds, a sleep:
@@ -534,7 +536,7 @@ void RunFloor(const std::string& target, int pid, Figures* figures) {
   }
 }
 
-void RunStep(const std::string& target, const std::string& admin, Figures* figures) {
+void RunStep(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int ranks = absl::GetFlag(FLAGS_ranks);
   const int samples = absl::GetFlag(FLAGS_samples);
   const int steps = absl::GetFlag(FLAGS_steps);
@@ -544,6 +546,9 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
   std::vector<double> totals;
   double submit_sum = 0.0;
   double plans_sum = 0.0;
+  // CPU seconds over the steps (the job's creation and joins left out).
+  const double planner_before = CpuSeconds(pid);
+  const double load_before = CpuSeconds(getpid());
   for (int step = 0; step < steps; ++step) {
     const v1::SubmitBatchRequest batch = Batch(job, step, samples, 7 + step);
     Tally plans;
@@ -580,6 +585,9 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
     submit_sum += Seconds(start, submitted);
     plans_sum += Seconds(start, last_plan);
   }
+  const double load_cpu = (CpuSeconds(getpid()) - load_before) / steps;
+  const double planner_cpu =
+      pid > 0 && planner_before >= 0 ? (CpuSeconds(pid) - planner_before) / steps : -1.0;
   const double median = sparsebalance::Quantile(totals, 0.5);
   const double slowest = sparsebalance::Quantile(totals, 1.0);
   std::cout << absl::StrFormat(
@@ -587,6 +595,16 @@ void RunStep(const std::string& target, const std::string& admin, Figures* figur
       "%.1f ms slowest of %d (SubmitBatch %.1f ms, last plan served at %.1f ms, mean)\n",
       ranks, samples, connections.size(), median * 1e3, slowest * 1e3, steps,
       submit_sum / steps * 1e3, plans_sum / steps * 1e3);
+  if (planner_cpu >= 0) {
+    // Parking the next step's GetRankPlan calls is in the step's CPU but before its clock.
+    const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    std::cout << absl::StrFormat(
+        "step: CPU per step: the planner %.1f ms, sb-load %.1f ms; on one machine that is %.1f "
+        "ms of all its %d cores\n",
+        planner_cpu * 1e3, load_cpu * 1e3, (planner_cpu + load_cpu) / cores * 1e3, cores);
+    figures->Add("step_planner_cpu_ms", planner_cpu * 1e3);
+    figures->Add("step_load_cpu_ms", load_cpu * 1e3);
+  }
   figures->Add("step_ms_median", median * 1e3);
   figures->Add("step_ms_max", slowest * 1e3);
   figures->Add("step_submit_ms_mean", submit_sum / steps * 1e3);
@@ -789,7 +807,7 @@ int Main(int argc, char** argv) {
   }
   Figures figures;
   if (scenario == "reports" || scenario == "all") RunReports(target, admin, pid, &figures);
-  if (scenario == "step" || scenario == "all") RunStep(target, admin, &figures);
+  if (scenario == "step" || scenario == "all") RunStep(target, admin, pid, &figures);
   if (scenario == "prefetch" || scenario == "all") RunPrefetch(target, admin, pid, &figures);
   if (scenario == "soak" || scenario == "all") RunSoak(target, admin, pid, &figures);
   if (scenario == "floor") RunFloor(target, pid, &figures);
