@@ -670,7 +670,8 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         weighted_density += w * planned.density;
         weighted_recall += w * add->sample_recall;
         tokens += w;
-        // Buckets are per document: a pre-packed sample's documents may fall in several.
+        // Buckets are per document: a pre-packed sample's documents may fall in several (the
+        // documents are walked in place: PlannedSample::Documents() allocates).
         auto add_document = [&](int64_t length) {
           BucketRecallFigures& b = buckets[RecallBucket(length, config.micro_batch_capacity)];
           const int64_t t = planned.sharded() ? planned.QueryTokens() : length;

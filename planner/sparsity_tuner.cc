@@ -114,8 +114,10 @@ struct RankWork {
 // tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
 // it uses, so nothing carries over but capacity.
 struct TunerStorage {
-  // The documents of a range of items, as one thread lists them (Tuner::Tuner).
+  // The documents of the items [first, end), as one thread lists them (Tuner::Tuner).
   struct Documents {
+    size_t first = 0;
+    size_t end = 0;
     std::vector<int64_t> blocks;  // query blocks per document
     std::vector<int64_t> tokens;
     std::vector<int> buckets;  // recall_model.h's length buckets
@@ -172,7 +174,6 @@ class Tuner {
   double ExactRankSeconds(const RankWork& rank, bool at_floor) const;
 
   const std::vector<RankWork>& ranks() const { return ranks_; }
-  PlanThreads* threads() const { return threads_; }
 
  private:
   // Per item of the rank being solved: its bounds and the multipliers x at which it reaches
@@ -268,10 +269,13 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   // Each item from its sample; its documents go to its range's list (doc_begin and doc_end
   // count within it), and the lists are joined in range order after.
   std::vector<TunerStorage::Documents>& chunk_docs = storage_->chunk_docs;
-  chunk_docs.resize(std::max(chunk_docs.size(), ChunkCount(threads_, order.size())));
+  const size_t chunks = ChunkCount(threads_, order.size());
+  chunk_docs.resize(std::max(chunk_docs.size(), chunks));
   ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
     TunerStorage::Documents& documents = chunk_docs[chunk];
     documents.clear();
+    documents.first = begin;
+    documents.end = end;
     // LogOneMinus of the bases, with the last argument kept: a base is the table's (whose
     // logarithm is known only for its floor) or an allocated density, and repeats come in runs.
     double memo_rho = std::numeric_limits<double>::quiet_NaN();
@@ -326,16 +330,13 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   docs_.clear();
   doc_tokens_.clear();
   doc_buckets_.clear();
-  const size_t chunks = ChunkCount(threads_, order.size());
   for (size_t c = 0; c < chunks; ++c) {
-    const size_t begin = c * order.size() / chunks;
-    const size_t end = (c + 1) * order.size() / chunks;
+    const TunerStorage::Documents& documents = chunk_docs[c];
     const int shift = static_cast<int>(docs_.size());
-    for (size_t k = begin; k < end; ++k) {
+    for (size_t k = documents.first; k < documents.end; ++k) {
       items[k].doc_begin += shift;
       items[k].doc_end += shift;
     }
-    const TunerStorage::Documents& documents = chunk_docs[c];
     docs_.insert(docs_.end(), documents.blocks.begin(), documents.blocks.end());
     doc_tokens_.insert(doc_tokens_.end(), documents.tokens.begin(), documents.tokens.end());
     doc_buckets_.insert(doc_buckets_.end(), documents.buckets.begin(), documents.buckets.end());

@@ -330,7 +330,7 @@ int Main(int argc, char** argv) {
   int plan_threads = absl::GetFlag(FLAGS_plan_threads);
   if (plan_threads < 0 || plan_threads > kMaxPlanThreads) {
     tools::Fatal(absl::StrCat("--plan_threads=", plan_threads, " is outside [0, ", kMaxPlanThreads,
-                              "]; 0 takes this machine's cores (at most 8)"),
+                              "]; 0 takes the CPUs this process may use (at most 8)"),
                  tools::kExitUsage);
   }
   if (plan_threads == 0) plan_threads = std::min(tools::UsableCpus(), 8);
