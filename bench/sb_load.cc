@@ -75,6 +75,9 @@ ABSL_FLAG(int, steps, 5,
 ABSL_FLAG(int, connections, 64, "step, prefetch: connections the ranks share");
 ABSL_FLAG(double, step_seconds, 1.0,
           "prefetch: seconds each step trains (a sleep) while the next one is planned");
+ABSL_FLAG(bool, report_stream, true,
+          "reports, step: each rank reports on its own ReportSteps stream, opened before the "
+          "clock starts, as the client library does; false: unary ReportStep calls");
 ABSL_FLAG(int, soak_steps, 10000, "soak: steps");
 ABSL_FLAG(int, soak_ranks, 8, "soak: ranks of the job");
 ABSL_FLAG(std::string, json, "", "also write the figures to this file as JSON");
@@ -381,12 +384,104 @@ struct Figures {
   }
 };
 
+// One rank's ReportSteps stream, open from construction to Close, one report in flight:
+// Send writes a report and hands its answer's status (the result's own error, or UNAVAILABLE
+// for a stream that ended) and latency to `done`, on a gRPC thread.
+class ReportStream final
+    : public grpc::ClientBidiReactor<v1::ReportStepRequest, v1::ReportStepResult> {
+ public:
+  ReportStream(v1::PlannerService::Stub* stub, const Job& job) {
+    Authorize(&context_, job.token, 24 * 3600);
+    stub->async()->ReportSteps(&context_, this);
+    AddHold();  // the call stays until Close, whatever the planner does
+    StartCall();
+  }
+  ~ReportStream() override { Close(); }
+
+  // `request` must live until `done` is called; `done` may Send the next report.
+  void Send(const v1::ReportStepRequest* request,
+            std::function<void(const grpc::Status&, double)> done) {
+    absl::MutexLock lock(&mu_);
+    done_ = std::move(done);
+    start_ = Clock::now();
+    if (writing_) {  // the last report's write has not called back yet (its answer has)
+      queued_ = request;
+    } else {
+      writing_ = true;
+      StartWrite(request);
+    }
+    StartRead(&result_);
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return;
+    closed_ = true;
+    StartWritesDone();
+    RemoveHold();
+    mu_.Await(absl::Condition(&finished_));
+  }
+
+  void OnWriteDone(bool /*ok*/) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = queued_ != nullptr;
+    if (queued_ != nullptr) StartWrite(std::exchange(queued_, nullptr));
+  }
+  void OnReadDone(bool ok) override {
+    std::function<void(const grpc::Status&, double)> done;
+    grpc::Status status;
+    double seconds = 0.0;
+    {
+      absl::MutexLock lock(&mu_);
+      done = std::move(done_);
+      seconds = Seconds(start_, Clock::now());
+      if (!ok) {
+        status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the report stream ended");
+      } else if (result_.status().code() != 0) {
+        status = grpc::Status(static_cast<grpc::StatusCode>(result_.status().code()),
+                              result_.status().message());
+      } else if (result_.response().duplicate()) {
+        status =
+            grpc::Status(grpc::StatusCode::INTERNAL, "a fresh report came back as a duplicate");
+      }
+    }
+    if (done) done(status, seconds);
+  }
+  void OnDone(const grpc::Status& /*status*/) override {
+    absl::MutexLock lock(&mu_);
+    finished_ = true;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  absl::Mutex mu_;
+  v1::ReportStepResult result_;
+  std::function<void(const grpc::Status&, double)> done_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point start_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  const v1::ReportStepRequest* queued_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A ReportSteps stream per rank on the rank's connection, or none without --report_stream.
+std::vector<std::unique_ptr<ReportStream>> OpenReportStreams(Connections& connections,
+                                                             const Job& job, int ranks) {
+  std::vector<std::unique_ptr<ReportStream>> streams;
+  if (!absl::GetFlag(FLAGS_report_stream)) return streams;
+  for (int rank = 0; rank < ranks; ++rank) {
+    streams.push_back(std::make_unique<ReportStream>(connections[rank], job));
+  }
+  return streams;
+}
+
 // One rank's part of a step: GetRankPlan (which waits for the plan), then the ReportStep of that
 // plan. `on_plan`, if set, sees the plan call's status and latency (seconds); `on_done` sees the
 // report's status and latency, or the failed plan call's status and -1.
+// With `stream`, the report goes on it.
 void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step, int rank,
                     std::function<void(const grpc::Status&, double)> on_plan,
-                    std::function<void(const grpc::Status&, double)> on_done) {
+                    std::function<void(const grpc::Status&, double)> on_done,
+                    ReportStream* stream = nullptr) {
   struct Call {
     grpc::ClientContext context;
     v1::GetRankPlanRequest request;
@@ -404,11 +499,15 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
   const Clock::time_point t0 = Clock::now();
   stub->async()->GetRankPlan(
       &call->context, &call->request, &call->response,
-      [&job, call, stub, t0, on_plan = std::move(on_plan),
+      [&job, call, stub, t0, stream, on_plan = std::move(on_plan),
        on_done = std::move(on_done)](const grpc::Status& s) {
         if (on_plan) on_plan(s, Seconds(t0, Clock::now()));
         if (!s.ok()) return on_done(s, -1.0);
         call->report = ReportFor(job, call->response.plan());
+        if (stream != nullptr) {
+          return stream->Send(&call->report,
+                              [call, on_done](const grpc::Status& r, double t) { on_done(r, t); });
+        }
         const Clock::time_point t1 = Clock::now();
         stub->async()->ReportStep(
             &call->report_context, &call->report, &call->report_response,
@@ -441,7 +540,9 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
         });
   });
   fetch.CheckOk("GetRankPlan");
-  // Timed: client c sends (step, c) for step 0, 1, ... with one call in flight.
+  // Timed: client c sends (step, c) for step 0, 1, ... with one call (or one report on its
+  // stream) in flight.
+  std::vector<std::unique_ptr<ReportStream>> streams = OpenReportStreams(connections, job, clients);
   Tally tally;
   Latch latch(static_cast<int64_t>(reports.size()));
   std::vector<std::function<void(int)>> chains(clients);
@@ -449,6 +550,14 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
   for (int c = 0; c < clients; ++c) {
     chains[c] = [&, c](int step) {
       if (step >= steps) return;
+      if (!streams.empty()) {
+        return streams[c]->Send(&reports[static_cast<size_t>(step) * clients + c],
+                                [&, c, step](const grpc::Status& s, double seconds) {
+                                  tally.Add(s, seconds);
+                                  chains[c](step + 1);
+                                  latch.Done();
+                                });
+      }
       struct Call {
         grpc::ClientContext context;
         v1::ReportStepResponse response;
@@ -476,12 +585,14 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
   const double seconds = Seconds(start, Clock::now());
   const double planner_cpu = CpuSeconds(pid) - cpu_start;
   tally.CheckOk("ReportStep");
+  streams.clear();
   const double rate = static_cast<double>(reports.size()) / seconds;
   std::cout << absl::StrFormat(
-      "reports: %d ReportStep calls from %d clients in %.2f s: %.0f per second "
+      "reports: %d reports from %d clients %s in %.2f s: %.0f per second "
       "(latency p50 %.2f ms, p99 %.2f ms)\n",
-      reports.size(), clients, seconds, rate, tally.Quantile(0.5) * 1e3,
-      tally.Quantile(0.99) * 1e3);
+      reports.size(), clients,
+      absl::GetFlag(FLAGS_report_stream) ? "on ReportSteps streams" : "by ReportStep calls",
+      seconds, rate, tally.Quantile(0.5) * 1e3, tally.Quantile(0.99) * 1e3);
   if (cpu_start >= 0) {
     // What the planner itself spends, apart from the load generator on the same cores.
     const double per_report = planner_cpu / static_cast<double>(reports.size());
@@ -543,6 +654,7 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
   Connections connections(target, absl::GetFlag(FLAGS_connections));
   const Job job = CreateJob(connections[0], admin, ranks, 4, 0);
   Join(connections, job, ranks);
+  std::vector<std::unique_ptr<ReportStream>> streams = OpenReportStreams(connections, job, ranks);
   std::vector<double> totals;
   double submit_sum = 0.0;
   double plans_sum = 0.0;
@@ -568,7 +680,8 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
           [&](const grpc::Status& s, double report_seconds) {
             if (report_seconds >= 0) reports.Add(s, report_seconds);
             done.Done();
-          });
+          },
+          streams.empty() ? nullptr : streams[rank].get());
       waiting.Done();
     }
     waiting.Wait();
@@ -588,13 +701,16 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
   const double load_cpu = (CpuSeconds(getpid()) - load_before) / steps;
   const double planner_cpu =
       pid > 0 && planner_before >= 0 ? (CpuSeconds(pid) - planner_before) / steps : -1.0;
+  const bool streams_used = !streams.empty();
+  streams.clear();
   const double median = sparsebalance::Quantile(totals, 0.5);
   const double slowest = sparsebalance::Quantile(totals, 1.0);
   std::cout << absl::StrFormat(
-      "step: %d ranks, %d samples, %d connections: SubmitBatch to last report %.1f ms median, "
-      "%.1f ms slowest of %d (SubmitBatch %.1f ms, last plan served at %.1f ms, mean)\n",
-      ranks, samples, connections.size(), median * 1e3, slowest * 1e3, steps,
-      submit_sum / steps * 1e3, plans_sum / steps * 1e3);
+      "step: %d ranks, %d samples, %d connections, reports %s: SubmitBatch to last report "
+      "%.1f ms median, %.1f ms slowest of %d (SubmitBatch %.1f ms, last plan served at %.1f ms, "
+      "mean)\n",
+      ranks, samples, connections.size(), streams_used ? "on streams" : "by unary calls",
+      median * 1e3, slowest * 1e3, steps, submit_sum / steps * 1e3, plans_sum / steps * 1e3);
   if (planner_cpu >= 0) {
     // Parking the next step's GetRankPlan calls is in the step's CPU but before its clock.
     const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));

@@ -2,10 +2,17 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <memory>
+#include <optional>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/wire.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
@@ -26,6 +33,99 @@ constexpr char kServiceConfig[] = R"({
     }
   }]
 })";
+
+// One report at a time on a ReportSteps stream, on gRPC's callback API. A hold keeps the call
+// open until Close, whatever the planner does, so the stream operations below never meet a
+// finished call; Close then waits for OnDone, which brings the stream's final status.
+class ReportStream final
+    : public grpc::ClientBidiReactor<v1::ReportStepRequest, v1::ReportStepResult> {
+ public:
+  ReportStream(v1::PlannerService::Stub* stub, const std::string& token) {
+    if (!token.empty()) context_.AddMetadata("authorization", "Bearer " + token);
+    stub->async()->ReportSteps(&context_, this);
+    AddHold();
+    StartCall();
+  }
+  ~ReportStream() override {
+    absl::MutexLock lock(&mu_);
+    CloseLocked(/*cancel=*/false);
+  }
+  ReportStream(const ReportStream&) = delete;
+  ReportStream& operator=(const ReportStream&) = delete;
+
+  // Sends `request` and waits up to `timeout` for its result. An error means the stream
+  // failed and is closed: its final status (UNAVAILABLE when it ended without one), or
+  // DEADLINE_EXCEEDED.
+  absl::StatusOr<v1::ReportStepResult> Exchange(const v1::ReportStepRequest& request,
+                                                absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return absl::UnavailableError("ReportSteps: the stream is closed");
+    request_ = request;
+    read_done_ = write_done_ = read_ok_ = false;
+    StartWrite(&request_);
+    StartRead(&result_);
+    const auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return read_done_ && write_done_;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&answered), timeout)) {
+      CloseLocked(/*cancel=*/true);
+      return absl::DeadlineExceededError(absl::StrCat(
+          "ReportStep: no answer on the report stream within ", absl::FormatDuration(timeout)));
+    }
+    if (read_ok_) return result_;
+    CloseLocked(/*cancel=*/false);
+    if (final_.ok()) return absl::UnavailableError("ReportSteps: the planner ended the stream");
+    return final_;
+  }
+
+  void OnWriteDone(bool /*ok*/) override {
+    absl::MutexLock lock(&mu_);
+    write_done_ = true;
+  }
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    read_done_ = true;
+    read_ok_ = ok;
+  }
+  void OnDone(const grpc::Status& status) override {
+    absl::MutexLock lock(&mu_);
+    final_ = FromGrpcStatus(status);
+    done_ = true;
+  }
+
+ private:
+  // Ends the call (cancelled, or with the client's side closed, which the planner answers by
+  // finishing it) and waits for OnDone; the reads and writes started complete before it.
+  void CloseLocked(bool cancel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (closed_) {
+      mu_.Await(absl::Condition(&done_));
+      return;
+    }
+    closed_ = true;
+    if (cancel) {
+      context_.TryCancel();
+    } else {
+      StartWritesDone();
+    }
+    RemoveHold();
+    // A planner that does not finish the call after the client's side closed is cancelled.
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), absl::Seconds(5))) {
+      context_.TryCancel();
+      mu_.Await(absl::Condition(&done_));
+    }
+  }
+
+  grpc::ClientContext context_;
+  absl::Mutex mu_;
+  v1::ReportStepRequest request_ ABSL_GUARDED_BY(mu_);
+  v1::ReportStepResult result_ ABSL_GUARDED_BY(mu_);
+  bool write_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_ok_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;  // CloseLocked ran (RemoveHold called)
+  bool done_ ABSL_GUARDED_BY(mu_) = false;    // OnDone ran: final_ is set
+  absl::Status final_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace
 
@@ -69,6 +169,38 @@ struct PlannerClient::Impl {
     if (!status.ok()) return status;
     return response;
   }
+
+  // The report's answer on the report stream (opened here when there is none), or nullopt
+  // when it is not to be used now: options.report_stream off, another report on it, or a
+  // failed stream's backoff. After a failure the stream is closed; the next one opens after
+  // 1 s, doubling to 60 s while they keep failing (never again for UNIMPLEMENTED: a planner
+  // without ReportSteps).
+  std::optional<absl::StatusOr<v1::ReportStepResult>> Stream(const v1::ReportStepRequest& request)
+      ABSL_LOCKS_EXCLUDED(stream_mu) {
+    if (!options.report_stream || !stream_mu.TryLock()) return std::nullopt;
+    std::optional<absl::StatusOr<v1::ReportStepResult>> out;
+    const absl::Time now = absl::Now();
+    if (!stream_unsupported && now >= stream_retry_at) {
+      if (stream == nullptr) stream = std::make_unique<ReportStream>(stub.get(), options.token);
+      out = stream->Exchange(request, absl::Seconds(options.call_timeout_seconds));
+      if (out->ok()) {
+        stream_backoff = absl::Seconds(1);
+      } else {
+        stream.reset();
+        stream_unsupported = absl::IsUnimplemented(out->status());
+        stream_retry_at = now + stream_backoff;
+        stream_backoff = std::min(2 * stream_backoff, absl::Seconds(60));
+      }
+    }
+    stream_mu.Unlock();
+    return out;
+  }
+
+  absl::Mutex stream_mu;  // held by the report using the stream
+  std::unique_ptr<ReportStream> stream ABSL_GUARDED_BY(stream_mu);
+  bool stream_unsupported ABSL_GUARDED_BY(stream_mu) = false;
+  absl::Time stream_retry_at ABSL_GUARDED_BY(stream_mu) = absl::InfinitePast();
+  absl::Duration stream_backoff ABSL_GUARDED_BY(stream_mu) = absl::Seconds(1);
 };
 
 PlannerClient::PlannerClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -217,6 +349,16 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
   request.set_rank(rank);
   request.set_wait_seconds(wait_seconds);
   for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, request.add_micro_batches());
+  if (std::optional<absl::StatusOr<v1::ReportStepResult>> streamed = impl_->Stream(request)) {
+    if (streamed->ok()) {
+      if (absl::Status status = FromRpcStatus((*streamed)->status()); !status.ok()) return status;
+      return (*streamed)->response().duplicate();
+    }
+    // A planner that does not answer in time would not answer a unary call sooner.
+    if (absl::IsDeadlineExceeded(streamed->status())) return streamed->status();
+    // Otherwise the stream failed before the answer: the report goes again by a unary call
+    // (retried while UNAVAILABLE); a copy that did arrive makes it a duplicate.
+  }
   absl::StatusOr<v1::ReportStepResponse> response = impl_->Call(&Impl::Stub::ReportStep, request);
   if (!response.ok()) return response.status();
   return response->duplicate();

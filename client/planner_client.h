@@ -36,6 +36,9 @@ struct ClientOptions {
   std::string cert_chain_pem;
   std::string private_key_pem;
   int max_buffered_reports = 4096;  // reports kept while the planner is away
+  // Report over one long-lived ReportSteps stream (a report costs the planner about a third of
+  // a unary call); false, a planner without it, or a refused stream: unary ReportStep calls.
+  bool report_stream = true;
   // This worker's host name, sent with JoinJob (GetJob's slowest ranks and the slow-rank
   // metrics name it): at most 253 characters of [A-Za-z0-9._:-]. Empty: the machine's
   // (LocalHostName).
@@ -104,7 +107,12 @@ class PlannerClient {
   // checked against them too.
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank, int world_size = 0,
                                            int block_size = 0);
-  // Returns true when the planner had this (step, rank) already.
+  // Returns true when the planner had this (step, rank) already. Sent on the client's
+  // ReportSteps stream (opened on the first report) when options.report_stream is set and no
+  // other report is using it; a report whose stream fails before its answer (the planner
+  // restarted, drained or lacks the method) is sent again by a unary call, which the planner
+  // answers as a duplicate if the first copy arrived. A stream past call_timeout_seconds
+  // without an answer is cancelled: DEADLINE_EXCEEDED, and the next report opens a new one.
   absl::StatusOr<bool> ReportStep(int64_t step, int rank,
                                   const std::vector<MicroBatchTiming>& micro_batches,
                                   double wait_seconds, bool planned_locally = false);

@@ -83,6 +83,10 @@ ABSL_FLAG(int, plan_threads, 0,
 ABSL_FLAG(int, max_waiting_calls, 16384,
           "GetRankPlan calls waiting for their step at once (RESOURCE_EXHAUSTED above); per job "
           "at most 2 per rank + 64");
+ABSL_FLAG(int, max_report_streams, 16384,
+          "ReportSteps streams (one per reporting rank) open at once, 0-1048576; one more is "
+          "refused with RESOURCE_EXHAUSTED and its client reports by unary ReportStep calls "
+          "(0: every client does)");
 
 namespace sparsebalance {
 namespace {
@@ -327,6 +331,12 @@ int Main(int argc, char** argv) {
     tools::Fatal(absl::StrCat("--slow_rank_series=", slow_rank_series, " is outside [0, 64]"),
                  tools::kExitUsage);
   }
+  const int max_report_streams = absl::GetFlag(FLAGS_max_report_streams);
+  if (max_report_streams < 0 || max_report_streams > (1 << 20)) {
+    tools::Fatal(
+        absl::StrCat("--max_report_streams=", max_report_streams, " is outside [0, 1048576]"),
+        tools::kExitUsage);
+  }
   int plan_threads = absl::GetFlag(FLAGS_plan_threads);
   if (plan_threads < 0 || plan_threads > kMaxPlanThreads) {
     tools::Fatal(absl::StrCat("--plan_threads=", plan_threads, " is outside [0, ", kMaxPlanThreads,
@@ -401,6 +411,7 @@ int Main(int argc, char** argv) {
   service_options.limits = registry_options.limits;
   service_options.metrics = &metrics;
   service_options.max_waiting_calls = absl::GetFlag(FLAGS_max_waiting_calls);
+  service_options.max_report_streams = max_report_streams;
   PlannerServiceImpl service(&registry, service_options);
   IdleJobSweeper sweeper(&service, idle_ttl);
 
@@ -473,6 +484,9 @@ int Main(int argc, char** argv) {
   absl::SleepFor(absl::Seconds(notice));
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>((drain - notice) * 1000));
+  // Report streams end between reports (their clients go on by unary ReportStep calls, which
+  // are refused from here on like any new call); the shutdown would otherwise wait on them.
+  service.CloseReportStreams();
   server->Shutdown(deadline);
   server->Wait();
   // Only now does the health-only listener close: probes of "" on it pass for the whole drain.

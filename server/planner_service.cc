@@ -168,6 +168,10 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
         return OnGetRankPlan(context, request, response);
       });
   Serve<Caller::kJob>("ReportStep", &PlannerServiceImpl::OnReportStep);
+  MarkMethodCallback(
+      MethodIndex<v1::ReportStepRequest, v1::ReportStepResult>("ReportSteps"),
+      new grpc::internal::CallbackBidiHandler<v1::ReportStepRequest, v1::ReportStepResult>(
+          [this](grpc::CallbackServerContext* context) { return OpenReportStream(context); }));
   Serve<Caller::kJob>("UploadProfile", &PlannerServiceImpl::OnUploadProfile);
   Serve<Caller::kJob>("UpdateJobConfig", &PlannerServiceImpl::OnUpdateJobConfig);
   Serve<Caller::kJob>("GetJob", &PlannerServiceImpl::OnGetJob);
@@ -489,6 +493,148 @@ void PlannerServiceImpl::Complete(std::vector<std::shared_ptr<Wait>> all) {
   });
   for (size_t i = 0; i < half; ++i) TryComplete(all[i]);
   helper.join();
+}
+
+// One ReportSteps stream. It reads a report, answers it as a ReportStep call would (the same
+// token check, handler and metrics, under method "ReportStep"), writes the result and only
+// then reads the next: one report in flight, results in order. Finish is called once, under
+// mu_: when the client closes its side or a write fails, or by Close (the drain) when the
+// stream waits for a report, else after the report being answered. The reactor deletes itself
+// in OnDone, which gRPC runs after Finish and every reaction, and which first takes the
+// service's streams_mu_ (CloseReportStreams holds it while it calls Close) and then mu_.
+class PlannerServiceImpl::ReportStream final
+    : public grpc::ServerBidiReactor<v1::ReportStepRequest, v1::ReportStepResult> {
+ public:
+  ReportStream(PlannerServiceImpl* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {}
+
+  // Starts reading, or ends the stream at once with `refusal`.
+  void Start(const absl::Status& refusal) {
+    absl::MutexLock lock(&mu_);
+    if (!refusal.ok()) {
+      service_->Record("ReportSteps", Clock::now(), refusal);
+      FinishOnce(refusal);
+      return;
+    }
+    reading_ = true;
+    StartRead(&request_);
+  }
+
+  void Close(const absl::Status& why) {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    closing_ = why;
+    if (reading_) FinishOnce(why);  // the pending read then completes with ok = false
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client closed its side, the call ended, or Close finished it
+      absl::MutexLock lock(&mu_);
+      FinishOnce(closing_);
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+    }
+    const Clock::time_point start = Clock::now();
+    absl::Status status;
+    result_.Clear();
+    try {
+      status = service_->AuthorizeJob(context_, request_.job_id());
+      if (status.ok()) status = service_->OnReportStep(request_, result_.mutable_response());
+    } catch (const std::bad_alloc&) {  // as Guarded answers a unary call
+      status =
+          absl::ResourceExhaustedError("ReportStep: the planner ran out of memory for this call");
+      std::cerr << "sb-planner: " << status.message() << std::endl;
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat("ReportStep: ", e.what()));
+      std::cerr << "sb-planner: " << status.message() << std::endl;
+    }
+    service_->Record("ReportStep", start, status);
+    if (!status.ok()) {
+      result_.clear_response();
+      *result_.mutable_status() = ToRpcStatus(status);
+    }
+    result_.set_step(request_.step());
+    result_.set_rank(request_.rank());
+    StartWrite(&result_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (!ok) {  // the call is gone; Finish releases it
+      FinishOnce(absl::CancelledError("ReportSteps: the client went away"));
+      return;
+    }
+    if (!closing_.ok()) {
+      FinishOnce(closing_);
+      return;
+    }
+    reading_ = true;
+    StartRead(&request_);
+  }
+
+  void OnDone() override {
+    service_->ForgetReportStream(this);
+    { absl::MutexLock lock(&mu_); }  // a Close still inside it has returned
+    delete this;
+  }
+
+ private:
+  void FinishOnce(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(ToGrpcStatus(status));
+  }
+
+  PlannerServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;
+  v1::ReportStepRequest request_;
+  v1::ReportStepResult result_;
+  absl::Mutex mu_;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;   // a read is pending: between reports
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called
+  absl::Status closing_ ABSL_GUARDED_BY(mu_);   // Close's reason, OK until then
+};
+
+grpc::ServerBidiReactor<v1::ReportStepRequest, v1::ReportStepResult>*
+PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
+  auto* stream = new ReportStream(this, context);
+  absl::Status refusal;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    if (streams_closed_) {
+      refusal = absl::UnavailableError(
+          "ReportSteps: the planner is shutting down; report by ReportStep (to its successor)");
+    } else if (static_cast<int>(streams_.size()) >= options_.max_report_streams) {
+      refusal = absl::ResourceExhaustedError(absl::StrCat(
+          "ReportSteps: ", streams_.size(), " report streams are open, the planner's limit ",
+          "(--max_report_streams); report by ReportStep"));
+    } else {
+      streams_.insert(stream);
+    }
+  }
+  stream->Start(refusal);
+  return stream;
+}
+
+void PlannerServiceImpl::ForgetReportStream(ReportStream* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.erase(stream);
+}
+
+int PlannerServiceImpl::report_streams() const {
+  absl::MutexLock lock(&streams_mu_);
+  return static_cast<int>(streams_.size());
+}
+
+void PlannerServiceImpl::CloseReportStreams() {
+  absl::MutexLock lock(&streams_mu_);
+  streams_closed_ = true;
+  const absl::Status why = absl::UnavailableError(
+      "ReportSteps: the planner is shutting down; report by ReportStep (to its successor)");
+  for (ReportStream* stream : streams_) stream->Close(why);
 }
 
 int PlannerServiceImpl::waiting_calls() const {

@@ -40,6 +40,9 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
     // rank); one more is RESOURCE_EXHAUSTED. A parked call holds about 16 KiB.
     int max_waiting_calls = 16384;
     int max_waiting_calls_per_job_extra = 64;
+    // ReportSteps streams open at once; one more is refused with RESOURCE_EXHAUSTED (its
+    // client then reports by ReportStep). An open stream holds about 2 KiB.
+    int max_report_streams = 16384;
   };
 
   // Serves every method of the service on gRPC's callback API (see Serve in the .cc).
@@ -52,9 +55,16 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // waiting calls get NOT_FOUND saying why, their series go, and they are counted in
   // sparsebalance_jobs_expired_total. Returns their ids. sb-planner calls it periodically.
   std::vector<std::string> ExpireIdleJobs(std::chrono::nanoseconds ttl);
+  // ReportSteps streams open now (for tests and metrics).
+  int report_streams() const;
+  // For the drain: ends every ReportSteps stream with UNAVAILABLE as soon as it is between
+  // reports (a report being answered is answered first), and refuses new ones, so that the
+  // server's shutdown does not wait on idle streams; their clients report by ReportStep.
+  void CloseReportStreams();
 
-  // A parked GetRankPlan call (defined in the .cc).
+  // A parked GetRankPlan call and a ReportSteps stream (defined in the .cc).
   struct Wait;
+  class ReportStream;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -86,6 +96,10 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
                                           const v1::GetRankPlanRequest* request,
                                           v1::GetRankPlanResponse* response);
   absl::Status OnReportStep(const v1::ReportStepRequest&, v1::ReportStepResponse*);
+  // A new ReportSteps stream's reactor (one refusing it past the cap or while draining).
+  grpc::ServerBidiReactor<v1::ReportStepRequest, v1::ReportStepResult>* OpenReportStream(
+      grpc::CallbackServerContext* context);
+  void ForgetReportStream(ReportStream* stream);
   absl::Status OnUploadProfile(const v1::UploadProfileRequest&, v1::UploadProfileResponse*);
   absl::Status OnUpdateJobConfig(const v1::UpdateJobConfigRequest&, v1::UpdateJobConfigResponse*);
   absl::Status OnGetJob(const v1::GetJobRequest&, v1::GetJobResponse*);
@@ -127,6 +141,11 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
       ABSL_GUARDED_BY(waiters_mu_);
   std::map<std::string, int> waiting_per_job_ ABSL_GUARDED_BY(waiters_mu_);
   int waiting_ ABSL_GUARDED_BY(waiters_mu_) = 0;
+  // Open ReportSteps streams; each removes itself in its OnDone, under streams_mu_, so a stream
+  // listed here is alive while the mutex is held.
+  mutable absl::Mutex streams_mu_;
+  std::set<ReportStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  bool streams_closed_ ABSL_GUARDED_BY(streams_mu_) = false;
 };
 
 // The bearer token of a call's "authorization" metadata, or "" when there is none.

@@ -73,6 +73,8 @@ void BindClient(py::module_& m) {
              "machine's")
       .Field("max_buffered_reports", &ClientOptions::max_buffered_reports,
              "reports kept while the planner is away")
+      .Field("report_stream", &ClientOptions::report_stream,
+             "report on one ReportSteps stream (False: unary ReportStep calls)")
       .Done();
 
   Record<JobHandle>(m, "JobHandle", "A job as create_job made it.")

@@ -31,6 +31,7 @@ flag SB_INSECURE_NO_ADMIN_TOKEN insecure_no_admin_token
 flag SB_DRAIN_NOTICE_SECONDS drain_notice_seconds
 flag SB_STATE_CHECK_SECONDS state_check_seconds
 flag SB_MAX_WAITING_CALLS max_waiting_calls
+flag SB_MAX_REPORT_STREAMS max_report_streams
 flag SB_PLAN_THREADS plan_threads
 flag SB_JOB_IDLE_TTL job_idle_ttl
 flag SB_SLOW_RANK_SERIES slow_rank_series

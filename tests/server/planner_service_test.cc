@@ -55,6 +55,7 @@ class PlannerServiceTest : public ::testing::Test {
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port, 0);
+    port_ = port;
     channel_ =
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
     stub_ = v1::PlannerService::NewStub(channel_);
@@ -125,6 +126,45 @@ class PlannerServiceTest : public ::testing::Test {
     return stub_->GetRankPlan(&context, request, response);
   }
 
+  // Joins every rank of a `ranks`-rank job and plans its step 0 (12 samples).
+  void PlanFirstStep(const v1::CreateJobResponse& job, int ranks) {
+    for (int r = 0; r < ranks; ++r) {
+      v1::JoinJobRequest join;
+      join.set_job_id(job.job_id());
+      join.set_rank(r);
+      v1::JoinJobResponse joined;
+      grpc::ClientContext context;
+      Auth(&context, job.job_token());
+      ASSERT_TRUE(stub_->JoinJob(&context, join, &joined).ok());
+    }
+    const grpc::Status status = Submit(Batch(job.job_id(), 0, 12), job.job_token());
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+
+  // The report of `rank` for planned step `step`: its plan's micro-batches at their predicted
+  // times.
+  v1::ReportStepRequest PlannedReport(const v1::CreateJobResponse& job, int64_t step, int rank) {
+    v1::GetRankPlanResponse plan;
+    EXPECT_TRUE(GetPlan(job.job_id(), job.job_token(), step, rank, &plan).ok());
+    v1::ReportStepRequest report;
+    report.set_job_id(job.job_id());
+    report.set_step(step);
+    report.set_rank(rank);
+    for (int m = 0; m < plan.plan().micro_batches_size(); ++m) {
+      const v1::MicroBatch& mb = plan.plan().micro_batches(m);
+      if (mb.samples_size() == 0) continue;
+      v1::MicroBatchReport* x = report.add_micro_batches();
+      x->set_micro_batch(m);
+      x->set_compute_seconds(mb.predicted_seconds());
+      x->set_attention_seconds(0.2 * mb.predicted_seconds());
+      x->set_tokens(mb.tokens());
+      x->set_achieved_density(0.3);
+      x->set_recall(0.9);
+    }
+    return report;
+  }
+
+  int port_ = 0;
   std::unique_ptr<JobRegistry> registry_;
   std::unique_ptr<PlannerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -599,6 +639,162 @@ TEST_F(PlannerServiceTest, GetJobListsTheSlowestRanksWithTheirHosts) {
   grpc::Status too_many = get(65, &response);
   EXPECT_EQ(too_many.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(too_many.error_message(), HasSubstr("slowest_ranks: 65"));
+}
+
+// ReportSteps answers each report as ReportStep would, in order, with errors in the result
+// and the stream still open after them.
+TEST_F(PlannerServiceTest, AReportStreamAnswersEachReportInOrderAsReportStepWould) {
+  const v1::CreateJobResponse job = Create(2);
+  const v1::CreateJobResponse other = Create(2);
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 2));
+  grpc::ClientContext context;
+  Auth(&context, job.job_token());
+  auto stream = stub_->ReportSteps(&context);
+  const v1::ReportStepRequest first = PlannedReport(job, 0, 0);
+  v1::ReportStepRequest out_of_range = first;
+  out_of_range.set_rank(7);
+  v1::ReportStepRequest others = first;
+  others.set_job_id(other.job_id());  // this stream's token is not that job's
+  v1::ReportStepRequest no_job = first;
+  no_job.clear_job_id();
+  // Written before any answer is read: the answers still come one per report, in order.
+  for (const v1::ReportStepRequest* report :
+       std::vector<const v1::ReportStepRequest*>{&first, &first, &out_of_range, &others, &no_job}) {
+    ASSERT_TRUE(stream->Write(*report));
+  }
+  v1::ReportStepResult result;
+  ASSERT_TRUE(stream->Read(&result));
+  EXPECT_EQ(result.status().code(), 0) << result.status().message();
+  EXPECT_FALSE(result.response().duplicate());
+  EXPECT_EQ(result.step(), 0);
+  EXPECT_EQ(result.rank(), 0);
+  ASSERT_TRUE(stream->Read(&result));
+  EXPECT_EQ(result.status().code(), 0);
+  EXPECT_TRUE(result.response().duplicate());
+  ASSERT_TRUE(stream->Read(&result));
+  EXPECT_EQ(result.status().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(result.status().message(), HasSubstr("rank"));
+  EXPECT_EQ(result.rank(), 7);
+  ASSERT_TRUE(stream->Read(&result));
+  EXPECT_EQ(result.status().code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  ASSERT_TRUE(stream->Read(&result));
+  EXPECT_EQ(result.status().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(result.status().message(), HasSubstr("job_id"));
+  EXPECT_EQ(service_->report_streams(), 1);
+  // The errors left the stream open: rank 1's report completes the step.
+  ASSERT_TRUE(stream->Write(PlannedReport(job, 0, 1)));
+  ASSERT_TRUE(stream->Read(&result));
+  EXPECT_EQ(result.status().code(), 0) << result.status().message();
+  ASSERT_TRUE(stream->WritesDone());
+  EXPECT_FALSE(stream->Read(&result));
+  const grpc::Status finished = stream->Finish();
+  EXPECT_TRUE(finished.ok()) << finished.error_message();
+  v1::GetJobRequest get;
+  get.set_job_id(job.job_id());
+  v1::GetJobResponse got;
+  grpc::ClientContext get_context;
+  Auth(&get_context, job.job_token());
+  ASSERT_TRUE(stub_->GetJob(&get_context, get, &got).ok());
+  EXPECT_EQ(got.job().steps_folded(), 1);  // both reports arrived and were folded
+  for (int i = 0; i < 100 && service_->report_streams() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(service_->report_streams(), 0);
+}
+
+// Streams past the cap are refused, and the drain ends the open ones between reports and
+// refuses new ones, each with a code that sends the client to unary ReportStep calls.
+TEST_F(PlannerServiceTest, ReportStreamsAreCappedAndEndedByTheDrain) {
+  PlannerServiceImpl::Options options;
+  options.max_report_streams = 1;
+  Start(JobRegistry::Options{}, options);
+  const v1::CreateJobResponse job = Create(2);
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 2));
+  grpc::ClientContext open_context;
+  Auth(&open_context, job.job_token());
+  auto open = stub_->ReportSteps(&open_context);
+  ASSERT_TRUE(open->Write(PlannedReport(job, 0, 0)));
+  v1::ReportStepResult result;
+  ASSERT_TRUE(open->Read(&result));  // the stream is established and counted
+  EXPECT_EQ(result.status().code(), 0) << result.status().message();
+
+  grpc::ClientContext refused_context;
+  Auth(&refused_context, job.job_token());
+  auto refused = stub_->ReportSteps(&refused_context);
+  refused->Write(PlannedReport(job, 0, 1));
+  EXPECT_FALSE(refused->Read(&result));
+  const grpc::Status capped = refused->Finish();
+  EXPECT_EQ(capped.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(capped.error_message(), HasSubstr("--max_report_streams"));
+
+  service_->CloseReportStreams();
+  EXPECT_FALSE(open->Read(&result));  // ended while it waited for a report
+  const grpc::Status drained = open->Finish();
+  EXPECT_EQ(drained.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(drained.error_message(), HasSubstr("shutting down"));
+  grpc::ClientContext late_context;
+  Auth(&late_context, job.job_token());
+  auto late = stub_->ReportSteps(&late_context);
+  EXPECT_FALSE(late->Read(&result));
+  EXPECT_EQ(late->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  // Unary reports are still answered (the server itself is not shutting down here).
+  v1::ReportStepResponse reported;
+  grpc::ClientContext unary_context;
+  Auth(&unary_context, job.job_token());
+  EXPECT_TRUE(stub_->ReportStep(&unary_context, PlannedReport(job, 0, 1), &reported).ok());
+}
+
+// The client library reports on its stream, gets each report's own error back as a status,
+// and carries on by unary calls when the planner ends its stream.
+TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
+  const v1::CreateJobResponse job = Create(3);
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 3));
+  auto report_of = [&](int rank, std::vector<MicroBatchTiming>* timings) {
+    const v1::ReportStepRequest report = PlannedReport(job, 0, rank);
+    for (const v1::MicroBatchReport& m : report.micro_batches()) {
+      timings->push_back(TimingFromProto(m));
+    }
+  };
+  for (bool use_stream : {false, true}) {
+    ClientOptions options;
+    options.target = absl::StrCat("127.0.0.1:", port_);
+    options.job_id = job.job_id();
+    options.token = job.job_token();
+    options.report_stream = use_stream;
+    absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    std::vector<MicroBatchTiming> timings;
+    report_of(0, &timings);
+    absl::StatusOr<bool> duplicate = (*client)->ReportStep(0, 0, timings, 0.0);
+    ASSERT_TRUE(duplicate.ok()) << duplicate.status();
+    EXPECT_EQ(*duplicate, use_stream);  // the second client repeats the first's report
+    EXPECT_EQ(service_->report_streams(), use_stream ? 1 : 0);
+  }
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port_);
+  options.job_id = job.job_id();
+  options.token = job.job_token();
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<MicroBatchTiming> timings;
+  report_of(1, &timings);
+  const absl::StatusOr<bool> bad = (*client)->ReportStep(0, 9, timings, 0.0);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("rank"));
+  ASSERT_TRUE((*client)->ReportStep(0, 1, timings, 0.0).ok());  // the same stream goes on
+  EXPECT_EQ(service_->report_streams(), 1);
+  service_->CloseReportStreams();
+  timings.clear();
+  report_of(2, &timings);
+  const absl::StatusOr<bool> after = (*client)->ReportStep(0, 2, timings, 0.0);
+  ASSERT_TRUE(after.ok()) << after.status();  // sent again by a unary call
+  v1::GetJobRequest get;
+  get.set_job_id(job.job_id());
+  v1::GetJobResponse got;
+  grpc::ClientContext get_context;
+  Auth(&get_context, job.job_token());
+  ASSERT_TRUE(stub_->GetJob(&get_context, get, &got).ok());
+  EXPECT_EQ(got.job().steps_folded(), 1);
 }
 
 }  // namespace

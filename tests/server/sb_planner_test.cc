@@ -129,6 +129,48 @@ TEST(SbPlannerTest, ServesReportsHealthAndDrainsOnSigterm) {
 
 std::string ReadText(const std::string& path) { return tools::ReadFile(path).value_or(""); }
 
+// A rank reporting through the client library holds a ReportSteps stream open between
+// reports. The drain ends it (UNAVAILABLE) instead of waiting on it: with a 60 s drain the
+// planner still exits by itself, within the 20 s Stop allows before it kills.
+TEST(SbPlannerTest, TheDrainEndsOpenReportStreams) {
+  std::unique_ptr<tools::PlannerProcess> planner =
+      StartPlanner(StateDir(), {"--drain_seconds=60", "--drain_notice_seconds=0.1"});
+  ASSERT_NE(planner, nullptr);
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", planner->port());
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  PlannerConfig config;
+  config.ranks = 1;
+  ASSERT_TRUE((*client)->CreateJob("drain", config).ok());
+  ASSERT_TRUE((*client)->JoinJob(0).ok());
+  std::vector<Sample> batch;
+  for (int i = 0; i < 4; ++i) {
+    Sample s;
+    s.id = static_cast<uint64_t>(i);
+    s.length = 1000 + 500 * i;
+    batch.push_back(s);
+  }
+  ASSERT_TRUE((*client)->SubmitBatch(0, batch).ok());
+  absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(0, 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<MicroBatchTiming> timings;
+  for (size_t m = 0; m < plan->micro_batches.size(); ++m) {
+    if (plan->micro_batches[m].samples.empty()) continue;
+    MicroBatchTiming t;
+    t.micro_batch = static_cast<int>(m);
+    t.compute_seconds = 0.5;
+    t.attention_seconds = 0.2;
+    t.tokens = plan->micro_batches[m].tokens;
+    t.achieved_density = 0.3;
+    t.recall = 0.9;
+    timings.push_back(t);
+  }
+  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, timings, 0.0);
+  ASSERT_TRUE(reported.ok()) << reported.status();  // the stream is open now, and stays
+  EXPECT_EQ(planner->Stop(/*grace_seconds=*/20), 0) << ReadText(planner->log_path());
+}
+
 // The sweeper thread of --job_idle_ttl (a period of a tenth of the TTL, at least a second)
 // deletes a job nobody calls for, counts it and says so; the planner still stops cleanly.
 TEST(SbPlannerTest, AnIdleJobIsDeletedByTheSweeper) {
