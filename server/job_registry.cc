@@ -147,7 +147,7 @@ std::shared_ptr<JobRegistry::Job> JobRegistry::Find(const std::string& job_id) c
 }
 
 absl::Status JobRegistry::LiveOrNotFound(const std::string& job_id, const Job& job) {
-  return job.deleted ? NotFound(job_id) : absl::OkStatus();
+  return job.deleted.load(std::memory_order_relaxed) ? NotFound(job_id) : absl::OkStatus();
 }
 
 absl::Status JobRegistry::Stored(absl::Status status) const {
@@ -443,8 +443,7 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
     return absl::PermissionDeniedError(absl::StrCat("the token is not job ", job_id, "'s"));
   }
   job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);
-  absl::ReaderMutexLock lock(&job->mu);
-  return LiveOrNotFound(job_id, *job);
+  return job->deleted.load(std::memory_order_acquire) ? NotFound(job_id) : absl::OkStatus();
 }
 
 absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::string& job_id,
@@ -993,7 +992,7 @@ std::vector<JobView> JobRegistry::ListJobs(const std::string& after, int limit) 
       continue;
     }
     absl::ReaderMutexLock lock(&job->mu);
-    if (job->deleted) continue;
+    if (job->deleted.load(std::memory_order_relaxed)) continue;
     out.push_back(View(id, *job));
   }
   return out;
@@ -1083,7 +1082,7 @@ absl::Status JobRegistry::DeleteLiveJob(const std::string& job_id, const std::sh
     if (options_.store != nullptr) {
       if (absl::Status s = Stored(options_.store->RetireJob(job_id)); !s.ok()) return s;
     }
-    job->deleted = true;
+    job->deleted.store(true, std::memory_order_release);
     doomed.swap(job->history);
   }
   {

@@ -296,8 +296,11 @@ class JobRegistry {
     std::vector<bool> joined ABSL_GUARDED_BY(mu);
     int64_t next_step ABSL_GUARDED_BY(mu) = 0;
     std::map<int64_t, StepRecord> history ABSL_GUARDED_BY(mu);
-    // Set by DeleteJob before the job's files go: every call that finds it answers NOT_FOUND.
-    bool deleted ABSL_GUARDED_BY(mu) = false;
+    // Set by DeleteJob, under mu, before the job's files go: every call that finds it answers
+    // NOT_FOUND. Writers read it under mu; Authorize reads it without (its answer is advisory:
+    // the call it admits checks again under mu), so that a token check never waits for the
+    // job's lock, held through each report's append to its log.
+    std::atomic<bool> deleted{false};
     int64_t unfolded_steps ABSL_GUARDED_BY(mu) = 0;
     std::string fold_failure ABSL_GUARDED_BY(mu);
     // Host name per rank (JoinJob); replaced, not changed, so views and StepStats share it.
