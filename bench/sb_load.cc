@@ -385,10 +385,10 @@ struct Figures {
 };
 
 // One rank's ReportSteps stream, open from construction to Close, one report in flight:
-// Send writes a report and hands its answer's status (the result's own error, or UNAVAILABLE
-// for a stream that ended) and latency to `done`, on a gRPC thread.
+// Send writes a report and hands its answer's status (UNAVAILABLE for a stream that ended,
+// as a report's error ends it) and latency to `done`, on a gRPC thread.
 class ReportStream final
-    : public grpc::ClientBidiReactor<v1::ReportStepRequest, v1::ReportStepResult> {
+    : public grpc::ClientBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse> {
  public:
   ReportStream(v1::PlannerService::Stub* stub, const Job& job) {
     Authorize(&context_, job.token, 24 * 3600);
@@ -399,7 +399,7 @@ class ReportStream final
   ~ReportStream() override { Close(); }
 
   // `request` must live until `done` is called; `done` may Send the next report.
-  void Send(const v1::ReportStepRequest* request,
+  void Send(const v1::ReportStepsRequest* request,
             std::function<void(const grpc::Status&, double)> done) {
     absl::MutexLock lock(&mu_);
     done_ = std::move(done);
@@ -410,7 +410,7 @@ class ReportStream final
       writing_ = true;
       StartWrite(request);
     }
-    StartRead(&result_);
+    StartRead(&response_);
   }
   void Close() {
     absl::MutexLock lock(&mu_);
@@ -434,12 +434,10 @@ class ReportStream final
       absl::MutexLock lock(&mu_);
       done = std::move(done_);
       seconds = Seconds(start_, Clock::now());
-      if (!ok) {
-        status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the report stream ended");
-      } else if (result_.status().code() != 0) {
-        status = grpc::Status(static_cast<grpc::StatusCode>(result_.status().code()),
-                              result_.status().message());
-      } else if (result_.response().duplicate()) {
+      if (!ok) {  // a report's error ends the stream; the planner's log says which
+        status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                              "the report stream ended before the report's answer");
+      } else if (response_.response().duplicate()) {
         status =
             grpc::Status(grpc::StatusCode::INTERNAL, "a fresh report came back as a duplicate");
       }
@@ -454,11 +452,11 @@ class ReportStream final
  private:
   grpc::ClientContext context_;
   absl::Mutex mu_;
-  v1::ReportStepResult result_;
+  v1::ReportStepsResponse response_;
   std::function<void(const grpc::Status&, double)> done_ ABSL_GUARDED_BY(mu_);
   Clock::time_point start_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  const v1::ReportStepRequest* queued_ ABSL_GUARDED_BY(mu_) = nullptr;
+  const v1::ReportStepsRequest* queued_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -489,6 +487,7 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
     grpc::ClientContext report_context;
     v1::ReportStepRequest report;
     v1::ReportStepResponse report_response;
+    v1::ReportStepsRequest streamed;  // the report as a stream sends it
   };
   auto call = std::make_shared<Call>();
   Authorize(&call->context, job.token, 60);
@@ -503,11 +502,12 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
        on_done = std::move(on_done)](const grpc::Status& s) {
         if (on_plan) on_plan(s, Seconds(t0, Clock::now()));
         if (!s.ok()) return on_done(s, -1.0);
-        call->report = ReportFor(job, call->response.plan());
         if (stream != nullptr) {
-          return stream->Send(&call->report,
+          *call->streamed.mutable_report() = ReportFor(job, call->response.plan());
+          return stream->Send(&call->streamed,
                               [call, on_done](const grpc::Status& r, double t) { on_done(r, t); });
         }
+        call->report = ReportFor(job, call->response.plan());
         const Clock::time_point t1 = Clock::now();
         stub->async()->ReportStep(
             &call->report_context, &call->report, &call->report_response,
@@ -543,6 +543,8 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
   // Timed: client c sends (step, c) for step 0, 1, ... with one call (or one report on its
   // stream) in flight.
   std::vector<std::unique_ptr<ReportStream>> streams = OpenReportStreams(connections, job, clients);
+  std::vector<v1::ReportStepsRequest> streamed(streams.empty() ? 0 : reports.size());
+  for (size_t i = 0; i < streamed.size(); ++i) *streamed[i].mutable_report() = reports[i];
   Tally tally;
   Latch latch(static_cast<int64_t>(reports.size()));
   std::vector<std::function<void(int)>> chains(clients);
@@ -551,7 +553,7 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
     chains[c] = [&, c](int step) {
       if (step >= steps) return;
       if (!streams.empty()) {
-        return streams[c]->Send(&reports[static_cast<size_t>(step) * clients + c],
+        return streams[c]->Send(&streamed[static_cast<size_t>(step) * clients + c],
                                 [&, c, step](const grpc::Status& s, double seconds) {
                                   tally.Add(s, seconds);
                                   chains[c](step + 1);

@@ -34,11 +34,20 @@ constexpr char kServiceConfig[] = R"({
   }]
 })";
 
+// Whether a report stream's final status says the stream failed, rather than answering the
+// report with an error of its own: the planner cannot serve now or is draining (UNAVAILABLE),
+// lacks the method (UNIMPLEMENTED), refused the stream at its cap (REPORT_STREAMS_FULL), or
+// the call was cancelled. The report is then sent again by a unary call.
+bool StreamFailed(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsUnimplemented(status) ||
+         absl::IsCancelled(status) || ErrorReason(status) == kReasonReportStreamsFull;
+}
+
 // One report at a time on a ReportSteps stream, on gRPC's callback API. A hold keeps the call
 // open until Close, whatever the planner does, so the stream operations below never meet a
 // finished call; Close then waits for OnDone, which brings the stream's final status.
 class ReportStream final
-    : public grpc::ClientBidiReactor<v1::ReportStepRequest, v1::ReportStepResult> {
+    : public grpc::ClientBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse> {
  public:
   ReportStream(v1::PlannerService::Stub* stub, const std::string& token) {
     if (!token.empty()) context_.AddMetadata("authorization", "Bearer " + token);
@@ -53,17 +62,17 @@ class ReportStream final
   ReportStream(const ReportStream&) = delete;
   ReportStream& operator=(const ReportStream&) = delete;
 
-  // Sends `request` and waits up to `timeout` for its result. An error means the stream
-  // failed and is closed: its final status (UNAVAILABLE when it ended without one), or
-  // DEADLINE_EXCEEDED.
-  absl::StatusOr<v1::ReportStepResult> Exchange(const v1::ReportStepRequest& request,
-                                                absl::Duration timeout) {
+  // Sends `report` and waits up to `timeout` for its answer. An error closes the stream: the
+  // stream's final status (the report's own error, or why the stream failed; UNAVAILABLE when
+  // it ended without one), or DEADLINE_EXCEEDED.
+  absl::StatusOr<v1::ReportStepResponse> Exchange(const v1::ReportStepRequest& report,
+                                                  absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::UnavailableError("ReportSteps: the stream is closed");
-    request_ = request;
+    *request_.mutable_report() = report;
     read_done_ = write_done_ = read_ok_ = false;
     StartWrite(&request_);
-    StartRead(&result_);
+    StartRead(&response_);
     const auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return read_done_ && write_done_;
     };
@@ -72,7 +81,7 @@ class ReportStream final
       return absl::DeadlineExceededError(absl::StrCat(
           "ReportStep: no answer on the report stream within ", absl::FormatDuration(timeout)));
     }
-    if (read_ok_) return result_;
+    if (read_ok_) return response_.response();
     CloseLocked(/*cancel=*/false);
     if (final_.ok()) return absl::UnavailableError("ReportSteps: the planner ended the stream");
     return final_;
@@ -117,8 +126,8 @@ class ReportStream final
 
   grpc::ClientContext context_;
   absl::Mutex mu_;
-  v1::ReportStepRequest request_ ABSL_GUARDED_BY(mu_);
-  v1::ReportStepResult result_ ABSL_GUARDED_BY(mu_);
+  v1::ReportStepsRequest request_ ABSL_GUARDED_BY(mu_);
+  v1::ReportStepsResponse response_ ABSL_GUARDED_BY(mu_);
   bool write_done_ ABSL_GUARDED_BY(mu_) = false;
   bool read_done_ ABSL_GUARDED_BY(mu_) = false;
   bool read_ok_ ABSL_GUARDED_BY(mu_) = false;
@@ -171,22 +180,23 @@ struct PlannerClient::Impl {
   }
 
   // The report's answer on the report stream (opened here when there is none), or nullopt
-  // when it is not to be used now: options.report_stream off, another report on it, or a
-  // failed stream's backoff. After a failure the stream is closed; the next one opens after
-  // 1 s, doubling to 60 s while they keep failing (never again for UNIMPLEMENTED: a planner
-  // without ReportSteps).
-  std::optional<absl::StatusOr<v1::ReportStepResult>> Stream(const v1::ReportStepRequest& request)
+  // when the stream is not to be used now: options.report_stream off, another report on it,
+  // or a failed stream's backoff. A report's own error closes the stream and is returned; the
+  // next report opens a new one. A stream that failed as a stream (StreamFailed) is closed
+  // too, and the next one opens after 1 s, doubling to 60 s while they keep failing (never
+  // again for UNIMPLEMENTED: a planner without ReportSteps).
+  std::optional<absl::StatusOr<v1::ReportStepResponse>> Stream(const v1::ReportStepRequest& report)
       ABSL_LOCKS_EXCLUDED(stream_mu) {
     if (!options.report_stream || !stream_mu.TryLock()) return std::nullopt;
-    std::optional<absl::StatusOr<v1::ReportStepResult>> out;
+    std::optional<absl::StatusOr<v1::ReportStepResponse>> out;
     const absl::Time now = absl::Now();
     if (!stream_unsupported && now >= stream_retry_at) {
       if (stream == nullptr) stream = std::make_unique<ReportStream>(stub.get(), options.token);
-      out = stream->Exchange(request, absl::Seconds(options.call_timeout_seconds));
-      if (out->ok()) {
+      out = stream->Exchange(report, absl::Seconds(options.call_timeout_seconds));
+      if (!out->ok()) stream.reset();
+      if (out->ok() || !StreamFailed(out->status())) {
         stream_backoff = absl::Seconds(1);
       } else {
-        stream.reset();
         stream_unsupported = absl::IsUnimplemented(out->status());
         stream_retry_at = now + stream_backoff;
         stream_backoff = std::min(2 * stream_backoff, absl::Seconds(60));
@@ -349,15 +359,13 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
   request.set_rank(rank);
   request.set_wait_seconds(wait_seconds);
   for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, request.add_micro_batches());
-  if (std::optional<absl::StatusOr<v1::ReportStepResult>> streamed = impl_->Stream(request)) {
-    if (streamed->ok()) {
-      if (absl::Status status = FromRpcStatus((*streamed)->status()); !status.ok()) return status;
-      return (*streamed)->response().duplicate();
-    }
-    // A planner that does not answer in time would not answer a unary call sooner.
-    if (absl::IsDeadlineExceeded(streamed->status())) return streamed->status();
-    // Otherwise the stream failed before the answer: the report goes again by a unary call
-    // (retried while UNAVAILABLE); a copy that did arrive makes it a duplicate.
+  if (std::optional<absl::StatusOr<v1::ReportStepResponse>> streamed = impl_->Stream(request)) {
+    if (streamed->ok()) return (*streamed)->duplicate();
+    // The stream failed before the answer: the report goes again by a unary call (retried
+    // while UNAVAILABLE); a copy that did arrive makes it a duplicate. Any other error is the
+    // report's own answer, DEADLINE_EXCEEDED included (a planner that does not answer in time
+    // would not answer a unary call sooner).
+    if (!StreamFailed(streamed->status())) return streamed->status();
   }
   absl::StatusOr<v1::ReportStepResponse> response = impl_->Call(&Impl::Stub::ReportStep, request);
   if (!response.ok()) return response.status();

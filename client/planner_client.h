@@ -108,11 +108,12 @@ class PlannerClient {
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank, int world_size = 0,
                                            int block_size = 0);
   // Returns true when the planner had this (step, rank) already. Sent on the client's
-  // ReportSteps stream (opened on the first report) when options.report_stream is set and no
-  // other report is using it; a report whose stream fails before its answer (the planner
-  // restarted, drained or lacks the method) is sent again by a unary call, which the planner
-  // answers as a duplicate if the first copy arrived. A stream past call_timeout_seconds
-  // without an answer is cancelled: DEADLINE_EXCEEDED, and the next report opens a new one.
+  // ReportSteps stream (opened on the first report, and again after a report's error) when
+  // options.report_stream is set and no other report is using it; a report whose stream fails
+  // before its answer (the planner restarted, drained, refused the stream or lacks the method)
+  // is sent again by a unary call, which the planner answers as a duplicate if the first copy
+  // arrived. A stream past call_timeout_seconds without an answer is cancelled:
+  // DEADLINE_EXCEEDED.
   absl::StatusOr<bool> ReportStep(int64_t step, int rank,
                                   const std::vector<MicroBatchTiming>& micro_batches,
                                   double wait_seconds, bool planned_locally = false);

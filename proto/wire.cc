@@ -651,44 +651,22 @@ std::string ErrorReason(const absl::Status& status) {
   return reason.has_value() ? std::string(*reason) : std::string();
 }
 
-v1::RpcStatus ToRpcStatus(const absl::Status& status) {
-  v1::RpcStatus out;
-  if (status.ok()) return out;
-  // absl and gRPC share the canonical code numbers.
-  out.set_code(static_cast<int>(status.code()));
-  out.set_message(std::string(status.message()));
-  const std::string reason = ErrorReason(status);
-  if (!reason.empty()) {
-    v1::ErrorInfo info;
-    info.set_reason(reason);
-    info.set_domain(kErrorDomain);
-    google::protobuf::Any* any = out.add_details();
-    any->set_type_url(kErrorInfoUrl);
-    any->set_value(info.SerializeAsString());
-  }
-  return out;
-}
-
-absl::Status FromRpcStatus(const v1::RpcStatus& status) {
-  if (status.code() == 0) return absl::OkStatus();
-  const bool known = status.code() > 0 && status.code() <= 16;
-  absl::Status out(
-      known ? static_cast<absl::StatusCode>(status.code()) : absl::StatusCode::kUnknown,
-      status.message());
-  for (const google::protobuf::Any& any : status.details()) {
-    v1::ErrorInfo info;
-    if (any.type_url() == kErrorInfoUrl && info.ParseFromString(any.value())) {
-      out = WithErrorReason(std::move(out), info.reason());
-    }
-  }
-  return out;
-}
-
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbers.
   const auto code = static_cast<grpc::StatusCode>(status.code());
-  if (ErrorReason(status).empty()) return grpc::Status(code, std::string(status.message()));
-  return grpc::Status(code, std::string(status.message()), ToRpcStatus(status).SerializeAsString());
+  const std::string reason = ErrorReason(status);
+  if (reason.empty()) return grpc::Status(code, std::string(status.message()));
+  v1::RpcStatus details;
+  details.set_code(static_cast<int>(status.code()));
+  details.set_message(std::string(status.message()));
+  v1::ErrorInfo info;
+  info.set_reason(reason);
+  info.set_domain(kErrorDomain);
+  google::protobuf::Any* any = details.add_details();
+  any->set_type_url(kErrorInfoUrl);
+  any->set_value(info.SerializeAsString());
+  return grpc::Status(code, std::string(status.message()), details.SerializeAsString());
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

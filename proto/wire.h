@@ -135,16 +135,13 @@ absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::Rank
 // Machine-readable reasons an error can carry (ErrorInfo.reason in planner.proto), as an
 // absl::Status payload on this side and in the gRPC status details on the wire.
 inline constexpr char kReasonStateDirFailure[] = "STATE_DIR_FAILURE";
+// A ReportSteps stream refused at the planner's --max_report_streams: report by ReportStep.
+inline constexpr char kReasonReportStreamsFull[] = "REPORT_STREAMS_FULL";
 // `status` with `reason` attached (an OK status stays OK).
 absl::Status WithErrorReason(absl::Status status, absl::string_view reason);
 // The reason attached to `status`, or "" when it carries none.
 std::string ErrorReason(const absl::Status& status);
 
-// An absl::Status as the RpcStatus message (code, message, and its reason as an ErrorInfo in
-// the details; OK is code 0), as ReportSteps' results carry it, and back (a code outside the
-// canonical ones reads as UNKNOWN).
-v1::RpcStatus ToRpcStatus(const absl::Status& status);
-absl::Status FromRpcStatus(const v1::RpcStatus& status);
 // The gRPC status for an absl::Status (same code and message, and its reason as an RpcStatus
 // with an ErrorInfo in the details); gRPC 1.51 has no converter.
 grpc::Status ToGrpcStatus(const absl::Status& status);

@@ -169,8 +169,8 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
       });
   Serve<Caller::kJob>("ReportStep", &PlannerServiceImpl::OnReportStep);
   MarkMethodCallback(
-      MethodIndex<v1::ReportStepRequest, v1::ReportStepResult>("ReportSteps"),
-      new grpc::internal::CallbackBidiHandler<v1::ReportStepRequest, v1::ReportStepResult>(
+      MethodIndex<v1::ReportStepsRequest, v1::ReportStepsResponse>("ReportSteps"),
+      new grpc::internal::CallbackBidiHandler<v1::ReportStepsRequest, v1::ReportStepsResponse>(
           [this](grpc::CallbackServerContext* context) { return OpenReportStream(context); }));
   Serve<Caller::kJob>("UploadProfile", &PlannerServiceImpl::OnUploadProfile);
   Serve<Caller::kJob>("UpdateJobConfig", &PlannerServiceImpl::OnUpdateJobConfig);
@@ -496,14 +496,15 @@ void PlannerServiceImpl::Complete(std::vector<std::shared_ptr<Wait>> all) {
 }
 
 // One ReportSteps stream. It reads a report, answers it as a ReportStep call would (the same
-// token check, handler and metrics, under method "ReportStep"), writes the result and only
-// then reads the next: one report in flight, results in order. Finish is called once, under
-// mu_: when the client closes its side or a write fails, or by Close (the drain) when the
-// stream waits for a report, else after the report being answered. The reactor deletes itself
-// in OnDone, which gRPC runs after Finish and every reaction, and which first takes the
-// service's streams_mu_ (CloseReportStreams holds it while it calls Close) and then mu_.
+// token check, handler and metrics, under method "ReportStep"), writes the answer and only
+// then reads the next: one report in flight, answers in order. A report's error ends the
+// stream with that error as its status. Finish is called once, under mu_: for such an error,
+// when the client closes its side or a write fails, or by Close (the drain) when the stream
+// waits for a report, else after the report being answered. The reactor deletes itself in
+// OnDone, which gRPC runs after Finish and every reaction, and which first takes the service's
+// streams_mu_ (CloseReportStreams holds it while it calls Close) and then mu_.
 class PlannerServiceImpl::ReportStream final
-    : public grpc::ServerBidiReactor<v1::ReportStepRequest, v1::ReportStepResult> {
+    : public grpc::ServerBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse> {
  public:
   ReportStream(PlannerServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {}
@@ -535,14 +536,18 @@ class PlannerServiceImpl::ReportStream final
     }
     {
       absl::MutexLock lock(&mu_);
+      // Close finished the stream as this read completed: the report goes unanswered (nothing
+      // may be written after Finish), and its client sends it again by a unary call.
+      if (finished_) return;
       reading_ = false;
     }
+    const v1::ReportStepRequest& report = request_.report();
     const Clock::time_point start = Clock::now();
     absl::Status status;
-    result_.Clear();
+    response_.Clear();
     try {
-      status = service_->AuthorizeJob(context_, request_.job_id());
-      if (status.ok()) status = service_->OnReportStep(request_, result_.mutable_response());
+      status = service_->AuthorizeJob(context_, report.job_id());
+      if (status.ok()) status = service_->OnReportStep(report, response_.mutable_response());
     } catch (const std::bad_alloc&) {  // as Guarded answers a unary call
       status =
           absl::ResourceExhaustedError("ReportStep: the planner ran out of memory for this call");
@@ -553,12 +558,13 @@ class PlannerServiceImpl::ReportStream final
     }
     service_->Record("ReportStep", start, status);
     if (!status.ok()) {
-      result_.clear_response();
-      *result_.mutable_status() = ToRpcStatus(status);
+      absl::MutexLock lock(&mu_);
+      FinishOnce(status);
+      return;
     }
-    result_.set_step(request_.step());
-    result_.set_rank(request_.rank());
-    StartWrite(&result_);
+    response_.set_step(report.step());
+    response_.set_rank(report.rank());
+    StartWrite(&response_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -590,15 +596,15 @@ class PlannerServiceImpl::ReportStream final
 
   PlannerServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
-  v1::ReportStepRequest request_;
-  v1::ReportStepResult result_;
+  v1::ReportStepsRequest request_;
+  v1::ReportStepsResponse response_;
   absl::Mutex mu_;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;   // a read is pending: between reports
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called
   absl::Status closing_ ABSL_GUARDED_BY(mu_);   // Close's reason, OK until then
 };
 
-grpc::ServerBidiReactor<v1::ReportStepRequest, v1::ReportStepResult>*
+grpc::ServerBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse>*
 PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
   auto* stream = new ReportStream(this, context);
   absl::Status refusal;
@@ -608,9 +614,11 @@ PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
       refusal = absl::UnavailableError(
           "ReportSteps: the planner is shutting down; report by ReportStep (to its successor)");
     } else if (static_cast<int>(streams_.size()) >= options_.max_report_streams) {
-      refusal = absl::ResourceExhaustedError(absl::StrCat(
-          "ReportSteps: ", streams_.size(), " report streams are open, the planner's limit ",
-          "(--max_report_streams); report by ReportStep"));
+      refusal = WithErrorReason(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "ReportSteps: ", streams_.size(), " report streams are open, the planner's limit ",
+              "(--max_report_streams); report by ReportStep")),
+          kReasonReportStreamsFull);
     } else {
       streams_.insert(stream);
     }

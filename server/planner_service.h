@@ -97,7 +97,7 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
                                           v1::GetRankPlanResponse* response);
   absl::Status OnReportStep(const v1::ReportStepRequest&, v1::ReportStepResponse*);
   // A new ReportSteps stream's reactor (one refusing it past the cap or while draining).
-  grpc::ServerBidiReactor<v1::ReportStepRequest, v1::ReportStepResult>* OpenReportStream(
+  grpc::ServerBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse>* OpenReportStream(
       grpc::CallbackServerContext* context);
   void ForgetReportStream(ReportStream* stream);
   absl::Status OnUploadProfile(const v1::UploadProfileRequest&, v1::UploadProfileResponse*);

@@ -164,6 +164,15 @@ class PlannerServiceTest : public ::testing::Test {
     return report;
   }
 
+  // The ReportSteps streams open, once `expected` (a stream's end reaches the service a little
+  // after its client sees it), or after 2 s.
+  int ReportStreams(int expected) {
+    for (int i = 0; i < 200 && service_->report_streams() != expected; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return service_->report_streams();
+  }
+
   int port_ = 0;
   std::unique_ptr<JobRegistry> registry_;
   std::unique_ptr<PlannerServiceImpl> service_;
@@ -641,54 +650,60 @@ TEST_F(PlannerServiceTest, GetJobListsTheSlowestRanksWithTheirHosts) {
   EXPECT_THAT(too_many.error_message(), HasSubstr("slowest_ranks: 65"));
 }
 
-// ReportSteps answers each report as ReportStep would, in order, with errors in the result
-// and the stream still open after them.
+// ReportSteps answers each report as ReportStep would, in order; a report's error ends its
+// stream with that error as the status, as a unary call would end.
 TEST_F(PlannerServiceTest, AReportStreamAnswersEachReportInOrderAsReportStepWould) {
   const v1::CreateJobResponse job = Create(2);
   const v1::CreateJobResponse other = Create(2);
   ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 2));
-  grpc::ClientContext context;
-  Auth(&context, job.job_token());
-  auto stream = stub_->ReportSteps(&context);
   const v1::ReportStepRequest first = PlannedReport(job, 0, 0);
+  auto wrap = [](const v1::ReportStepRequest& report) {
+    v1::ReportStepsRequest request;
+    *request.mutable_report() = report;
+    return request;
+  };
+  // The stream's whole life: `reports` written before any answer is read, the answers read
+  // into `answers`, and the status it ended with.
+  auto stream_of = [&](const std::vector<v1::ReportStepRequest>& reports,
+                       std::vector<v1::ReportStepsResponse>* answers) {
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    auto stream = stub_->ReportSteps(&context);
+    for (const v1::ReportStepRequest& report : reports) stream->Write(wrap(report));
+    stream->WritesDone();
+    v1::ReportStepsResponse answer;
+    while (stream->Read(&answer)) answers->push_back(answer);
+    return stream->Finish();
+  };
   v1::ReportStepRequest out_of_range = first;
   out_of_range.set_rank(7);
+  std::vector<v1::ReportStepsResponse> answers;
+  grpc::Status ended = stream_of({first, first, out_of_range, PlannedReport(job, 0, 1)}, &answers);
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ended.error_message();
+  EXPECT_THAT(ended.error_message(), HasSubstr("rank: 7"));
+  ASSERT_EQ(answers.size(), 2u);  // nothing after the error was answered (or taken)
+  EXPECT_FALSE(answers[0].response().duplicate());
+  EXPECT_EQ(answers[0].step(), 0);
+  EXPECT_EQ(answers[0].rank(), 0);
+  EXPECT_TRUE(answers[1].response().duplicate());
+
   v1::ReportStepRequest others = first;
   others.set_job_id(other.job_id());  // this stream's token is not that job's
+  answers.clear();
+  ended = stream_of({others}, &answers);
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::PERMISSION_DENIED) << ended.error_message();
   v1::ReportStepRequest no_job = first;
   no_job.clear_job_id();
-  // Written before any answer is read: the answers still come one per report, in order.
-  for (const v1::ReportStepRequest* report :
-       std::vector<const v1::ReportStepRequest*>{&first, &first, &out_of_range, &others, &no_job}) {
-    ASSERT_TRUE(stream->Write(*report));
-  }
-  v1::ReportStepResult result;
-  ASSERT_TRUE(stream->Read(&result));
-  EXPECT_EQ(result.status().code(), 0) << result.status().message();
-  EXPECT_FALSE(result.response().duplicate());
-  EXPECT_EQ(result.step(), 0);
-  EXPECT_EQ(result.rank(), 0);
-  ASSERT_TRUE(stream->Read(&result));
-  EXPECT_EQ(result.status().code(), 0);
-  EXPECT_TRUE(result.response().duplicate());
-  ASSERT_TRUE(stream->Read(&result));
-  EXPECT_EQ(result.status().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(result.status().message(), HasSubstr("rank"));
-  EXPECT_EQ(result.rank(), 7);
-  ASSERT_TRUE(stream->Read(&result));
-  EXPECT_EQ(result.status().code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
-  ASSERT_TRUE(stream->Read(&result));
-  EXPECT_EQ(result.status().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(result.status().message(), HasSubstr("job_id"));
-  EXPECT_EQ(service_->report_streams(), 1);
-  // The errors left the stream open: rank 1's report completes the step.
-  ASSERT_TRUE(stream->Write(PlannedReport(job, 0, 1)));
-  ASSERT_TRUE(stream->Read(&result));
-  EXPECT_EQ(result.status().code(), 0) << result.status().message();
-  ASSERT_TRUE(stream->WritesDone());
-  EXPECT_FALSE(stream->Read(&result));
-  const grpc::Status finished = stream->Finish();
-  EXPECT_TRUE(finished.ok()) << finished.error_message();
+  ended = stream_of({no_job}, &answers);
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ended.error_message();
+  EXPECT_THAT(ended.error_message(), HasSubstr("job_id"));
+  EXPECT_TRUE(answers.empty());
+
+  // Rank 1's report, which the first stream never took, completes the step.
+  ended = stream_of({PlannedReport(job, 0, 1)}, &answers);
+  EXPECT_TRUE(ended.ok()) << ended.error_message();
+  ASSERT_EQ(answers.size(), 1u);
+  EXPECT_FALSE(answers[0].response().duplicate());
   v1::GetJobRequest get;
   get.set_job_id(job.job_id());
   v1::GetJobResponse got;
@@ -696,46 +711,47 @@ TEST_F(PlannerServiceTest, AReportStreamAnswersEachReportInOrderAsReportStepWoul
   Auth(&get_context, job.job_token());
   ASSERT_TRUE(stub_->GetJob(&get_context, get, &got).ok());
   EXPECT_EQ(got.job().steps_folded(), 1);  // both reports arrived and were folded
-  for (int i = 0; i < 100 && service_->report_streams() > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(service_->report_streams(), 0);
+  EXPECT_EQ(ReportStreams(0), 0);
 }
 
 // Streams past the cap are refused, and the drain ends the open ones between reports and
-// refuses new ones, each with a code that sends the client to unary ReportStep calls.
+// refuses new ones, each with a status that sends the client to unary ReportStep calls.
 TEST_F(PlannerServiceTest, ReportStreamsAreCappedAndEndedByTheDrain) {
   PlannerServiceImpl::Options options;
   options.max_report_streams = 1;
   Start(JobRegistry::Options{}, options);
   const v1::CreateJobResponse job = Create(2);
   ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 2));
+  v1::ReportStepsRequest request;
+  *request.mutable_report() = PlannedReport(job, 0, 0);
   grpc::ClientContext open_context;
   Auth(&open_context, job.job_token());
   auto open = stub_->ReportSteps(&open_context);
-  ASSERT_TRUE(open->Write(PlannedReport(job, 0, 0)));
-  v1::ReportStepResult result;
-  ASSERT_TRUE(open->Read(&result));  // the stream is established and counted
-  EXPECT_EQ(result.status().code(), 0) << result.status().message();
+  ASSERT_TRUE(open->Write(request));
+  v1::ReportStepsResponse answer;
+  ASSERT_TRUE(open->Read(&answer));  // the stream is established and counted
+  EXPECT_EQ(ReportStreams(1), 1);
 
   grpc::ClientContext refused_context;
   Auth(&refused_context, job.job_token());
   auto refused = stub_->ReportSteps(&refused_context);
-  refused->Write(PlannedReport(job, 0, 1));
-  EXPECT_FALSE(refused->Read(&result));
+  *request.mutable_report() = PlannedReport(job, 0, 1);
+  refused->Write(request);
+  EXPECT_FALSE(refused->Read(&answer));
   const grpc::Status capped = refused->Finish();
   EXPECT_EQ(capped.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(capped.error_message(), HasSubstr("--max_report_streams"));
+  EXPECT_EQ(ErrorReason(FromGrpcStatus(capped)), kReasonReportStreamsFull);
 
   service_->CloseReportStreams();
-  EXPECT_FALSE(open->Read(&result));  // ended while it waited for a report
+  EXPECT_FALSE(open->Read(&answer));  // ended while it waited for a report
   const grpc::Status drained = open->Finish();
   EXPECT_EQ(drained.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(drained.error_message(), HasSubstr("shutting down"));
   grpc::ClientContext late_context;
   Auth(&late_context, job.job_token());
   auto late = stub_->ReportSteps(&late_context);
-  EXPECT_FALSE(late->Read(&result));
+  EXPECT_FALSE(late->Read(&answer));
   EXPECT_EQ(late->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
   // Unary reports are still answered (the server itself is not shutting down here).
   v1::ReportStepResponse reported;
@@ -768,7 +784,7 @@ TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
     absl::StatusOr<bool> duplicate = (*client)->ReportStep(0, 0, timings, 0.0);
     ASSERT_TRUE(duplicate.ok()) << duplicate.status();
     EXPECT_EQ(*duplicate, use_stream);  // the second client repeats the first's report
-    EXPECT_EQ(service_->report_streams(), use_stream ? 1 : 0);
+    EXPECT_EQ(ReportStreams(use_stream ? 1 : 0), use_stream ? 1 : 0);
   }
   ClientOptions options;
   options.target = absl::StrCat("127.0.0.1:", port_);
@@ -780,9 +796,9 @@ TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
   report_of(1, &timings);
   const absl::StatusOr<bool> bad = (*client)->ReportStep(0, 9, timings, 0.0);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.status().message(), HasSubstr("rank"));
-  ASSERT_TRUE((*client)->ReportStep(0, 1, timings, 0.0).ok());  // the same stream goes on
-  EXPECT_EQ(service_->report_streams(), 1);
+  EXPECT_THAT(bad.status().message(), HasSubstr("rank: 9"));
+  ASSERT_TRUE((*client)->ReportStep(0, 1, timings, 0.0).ok());  // on a new stream, at once
+  EXPECT_EQ(ReportStreams(1), 1);
   service_->CloseReportStreams();
   timings.clear();
   report_of(2, &timings);
