@@ -126,8 +126,8 @@ class PlannerServiceTest : public ::testing::Test {
     return stub_->GetRankPlan(&context, request, response);
   }
 
-  // Joins every rank of a `ranks`-rank job and plans its step 0 (12 samples).
-  void PlanFirstStep(const v1::CreateJobResponse& job, int ranks) {
+  // Joins every rank of a new `ranks`-rank job, each told to start at step 0.
+  void JoinAll(const v1::CreateJobResponse& job, int ranks) {
     for (int r = 0; r < ranks; ++r) {
       v1::JoinJobRequest join;
       join.set_job_id(job.job_id());
@@ -136,22 +136,25 @@ class PlannerServiceTest : public ::testing::Test {
       grpc::ClientContext context;
       Auth(&context, job.job_token());
       ASSERT_TRUE(stub_->JoinJob(&context, join, &joined).ok());
+      EXPECT_EQ(joined.next_step(), 0);
     }
+  }
+
+  // Joins every rank of a `ranks`-rank job and plans its step 0 (12 samples).
+  void PlanFirstStep(const v1::CreateJobResponse& job, int ranks) {
+    ASSERT_NO_FATAL_FAILURE(JoinAll(job, ranks));
     const grpc::Status status = Submit(Batch(job.job_id(), 0, 12), job.job_token());
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
 
-  // The report of `rank` for planned step `step`: its plan's micro-batches at their predicted
-  // times.
-  v1::ReportStepRequest PlannedReport(const v1::CreateJobResponse& job, int64_t step, int rank) {
-    v1::GetRankPlanResponse plan;
-    EXPECT_TRUE(GetPlan(job.job_id(), job.job_token(), step, rank, &plan).ok());
+  // The report of `plan`'s rank: its micro-batches at their predicted times.
+  static v1::ReportStepRequest ReportOf(const std::string& job_id, const v1::RankPlan& plan) {
     v1::ReportStepRequest report;
-    report.set_job_id(job.job_id());
-    report.set_step(step);
-    report.set_rank(rank);
-    for (int m = 0; m < plan.plan().micro_batches_size(); ++m) {
-      const v1::MicroBatch& mb = plan.plan().micro_batches(m);
+    report.set_job_id(job_id);
+    report.set_step(plan.step());
+    report.set_rank(plan.rank());
+    for (int m = 0; m < plan.micro_batches_size(); ++m) {
+      const v1::MicroBatch& mb = plan.micro_batches(m);
       if (mb.samples_size() == 0) continue;
       v1::MicroBatchReport* x = report.add_micro_batches();
       x->set_micro_batch(m);
@@ -162,6 +165,25 @@ class PlannerServiceTest : public ::testing::Test {
       x->set_recall(0.9);
     }
     return report;
+  }
+
+  // The report of `rank` for planned step `step` (ReportOf its plan).
+  v1::ReportStepRequest PlannedReport(const v1::CreateJobResponse& job, int64_t step, int rank) {
+    v1::GetRankPlanResponse plan;
+    EXPECT_TRUE(GetPlan(job.job_id(), job.job_token(), step, rank, &plan).ok());
+    return ReportOf(job.job_id(), plan.plan());
+  }
+
+  // GetJob's summary of `job`, asked with its token.
+  v1::JobSummary Summary(const v1::CreateJobResponse& job) {
+    v1::GetJobRequest get;
+    get.set_job_id(job.job_id());
+    v1::GetJobResponse got;
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    const grpc::Status status = stub_->GetJob(&context, get, &got);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return got.job();
   }
 
   // The ReportSteps streams open, once `expected` (a stream's end reaches the service a little
@@ -185,16 +207,7 @@ TEST_F(PlannerServiceTest, AStepEndToEnd) {
   const v1::CreateJobResponse job = Create(2);
   EXPECT_EQ(job.config().world_size(), 2);
   EXPECT_EQ(job.config().policy(), v1::POLICY_SPARSEBALANCE);  // default filled in
-  for (int r = 0; r < 2; ++r) {
-    v1::JoinJobRequest join;
-    join.set_job_id(job.job_id());
-    join.set_rank(r);
-    v1::JoinJobResponse joined;
-    grpc::ClientContext context;
-    Auth(&context, job.job_token());
-    ASSERT_TRUE(stub_->JoinJob(&context, join, &joined).ok());
-    EXPECT_EQ(joined.next_step(), 0);
-  }
+  ASSERT_NO_FATAL_FAILURE(JoinAll(job, 2));
   v1::SubmitBatchResponse submitted;
   const grpc::Status status = Submit(Batch(job.job_id(), 0, 12), job.job_token(), &submitted);
   ASSERT_TRUE(status.ok()) << status.error_message();
@@ -205,22 +218,8 @@ TEST_F(PlannerServiceTest, AStepEndToEnd) {
     ASSERT_TRUE(GetPlan(job.job_id(), job.job_token(), 0, r, &plan).ok());
     EXPECT_EQ(plan.plan().rank(), r);
     ASSERT_EQ(plan.plan().micro_batches_size(), 2);
-    v1::ReportStepRequest report;
-    report.set_job_id(job.job_id());
-    report.set_step(0);
-    report.set_rank(r);
-    for (int m = 0; m < 2; ++m) {
-      const v1::MicroBatch& mb = plan.plan().micro_batches(m);
-      placed += mb.samples_size();
-      if (mb.samples_size() == 0) continue;
-      v1::MicroBatchReport* x = report.add_micro_batches();
-      x->set_micro_batch(m);
-      x->set_compute_seconds(mb.predicted_seconds());
-      x->set_attention_seconds(0.2 * mb.predicted_seconds());
-      x->set_tokens(mb.tokens());
-      x->set_achieved_density(0.3);
-      x->set_recall(0.9);
-    }
+    for (const v1::MicroBatch& mb : plan.plan().micro_batches()) placed += mb.samples_size();
+    const v1::ReportStepRequest report = ReportOf(job.job_id(), plan.plan());
     for (bool expect_duplicate : {false, true}) {
       v1::ReportStepResponse reported;
       grpc::ClientContext context;
@@ -230,17 +229,12 @@ TEST_F(PlannerServiceTest, AStepEndToEnd) {
     }
   }
   EXPECT_EQ(placed, 12);
-  v1::GetJobRequest get;
-  get.set_job_id(job.job_id());
-  v1::GetJobResponse got;
-  grpc::ClientContext context;
-  Auth(&context, job.job_token());
-  ASSERT_TRUE(stub_->GetJob(&context, get, &got).ok());
-  EXPECT_EQ(got.job().next_step(), 1);
-  EXPECT_EQ(got.job().joined_ranks(), 2);
-  EXPECT_EQ(got.job().speed_factors_size(), 2);
+  const v1::JobSummary got = Summary(job);
+  EXPECT_EQ(got.next_step(), 1);
+  EXPECT_EQ(got.joined_ranks(), 2);
+  EXPECT_EQ(got.speed_factors_size(), 2);
   // No shard was planned: the exchange rate is still the prior's.
-  EXPECT_DOUBLE_EQ(got.job().exchange_bytes_per_second(), 1.0 / kDefaultExchangeSecondsPerByte);
+  EXPECT_DOUBLE_EQ(got.exchange_bytes_per_second(), 1.0 / kDefaultExchangeSecondsPerByte);
 }
 
 TEST_F(PlannerServiceTest, ErrorCodesFollowTheContract) {
@@ -704,13 +698,7 @@ TEST_F(PlannerServiceTest, AReportStreamAnswersEachReportInOrderAsReportStepWoul
   EXPECT_TRUE(ended.ok()) << ended.error_message();
   ASSERT_EQ(answers.size(), 1u);
   EXPECT_FALSE(answers[0].response().duplicate());
-  v1::GetJobRequest get;
-  get.set_job_id(job.job_id());
-  v1::GetJobResponse got;
-  grpc::ClientContext get_context;
-  Auth(&get_context, job.job_token());
-  ASSERT_TRUE(stub_->GetJob(&get_context, get, &got).ok());
-  EXPECT_EQ(got.job().steps_folded(), 1);  // both reports arrived and were folded
+  EXPECT_EQ(Summary(job).steps_folded(), 1);
   EXPECT_EQ(ReportStreams(0), 0);
 }
 
@@ -771,13 +759,16 @@ TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
       timings->push_back(TimingFromProto(m));
     }
   };
-  for (bool use_stream : {false, true}) {
+  auto connect = [&](bool use_stream) {
     ClientOptions options;
     options.target = absl::StrCat("127.0.0.1:", port_);
     options.job_id = job.job_id();
     options.token = job.job_token();
     options.report_stream = use_stream;
-    absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+    return PlannerClient::Connect(options);
+  };
+  for (bool use_stream : {false, true}) {
+    absl::StatusOr<std::unique_ptr<PlannerClient>> client = connect(use_stream);
     ASSERT_TRUE(client.ok()) << client.status();
     std::vector<MicroBatchTiming> timings;
     report_of(0, &timings);
@@ -786,11 +777,7 @@ TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
     EXPECT_EQ(*duplicate, use_stream);  // the second client repeats the first's report
     EXPECT_EQ(ReportStreams(use_stream ? 1 : 0), use_stream ? 1 : 0);
   }
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", port_);
-  options.job_id = job.job_id();
-  options.token = job.job_token();
-  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = connect(/*use_stream=*/true);
   ASSERT_TRUE(client.ok()) << client.status();
   std::vector<MicroBatchTiming> timings;
   report_of(1, &timings);
@@ -804,13 +791,7 @@ TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
   report_of(2, &timings);
   const absl::StatusOr<bool> after = (*client)->ReportStep(0, 2, timings, 0.0);
   ASSERT_TRUE(after.ok()) << after.status();  // sent again by a unary call
-  v1::GetJobRequest get;
-  get.set_job_id(job.job_id());
-  v1::GetJobResponse got;
-  grpc::ClientContext get_context;
-  Auth(&get_context, job.job_token());
-  ASSERT_TRUE(stub_->GetJob(&get_context, get, &got).ok());
-  EXPECT_EQ(got.job().steps_folded(), 1);
+  EXPECT_EQ(Summary(job).steps_folded(), 1);
 }
 
 }  // namespace
