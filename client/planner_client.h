@@ -36,8 +36,8 @@ struct ClientOptions {
   std::string cert_chain_pem;
   std::string private_key_pem;
   int max_buffered_reports = 4096;  // reports kept while the planner is away
-  // Report over one long-lived ReportSteps stream (a report costs the planner about a third of
-  // a unary call); false, a planner without it, or a refused stream: unary ReportStep calls.
+  // Report over one long-lived ReportSteps stream (no call to set up per report); false, a
+  // planner without it, or a refused stream: unary ReportStep calls.
   bool report_stream = true;
   // This worker's host name, sent with JoinJob (GetJob's slowest ranks and the slow-rank
   // metrics name it): at most 253 characters of [A-Za-z0-9._:-]. Empty: the machine's
