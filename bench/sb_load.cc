@@ -75,9 +75,10 @@ ABSL_FLAG(int, steps, 5,
 ABSL_FLAG(int, connections, 64, "step, prefetch: connections the ranks share");
 ABSL_FLAG(double, step_seconds, 1.0,
           "prefetch: seconds each step trains (a sleep) while the next one is planned");
-ABSL_FLAG(bool, report_stream, true,
+ABSL_FLAG(bool, report_stream, false,
           "reports, step: each rank reports on its own ReportSteps stream, opened before the "
-          "clock starts, as the client library does; false: unary ReportStep calls");
+          "clock starts (the client library's ClientOptions::report_stream); false, the "
+          "default as in the client library: unary ReportStep calls");
 ABSL_FLAG(int, soak_steps, 10000, "soak: steps");
 ABSL_FLAG(int, soak_ranks, 8, "soak: ranks of the job");
 ABSL_FLAG(std::string, json, "", "also write the figures to this file as JSON");

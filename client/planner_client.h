@@ -36,9 +36,11 @@ struct ClientOptions {
   std::string cert_chain_pem;
   std::string private_key_pem;
   int max_buffered_reports = 4096;  // reports kept while the planner is away
-  // Report over one long-lived ReportSteps stream (no call to set up per report); false, a
-  // planner without it, or a refused stream: unary ReportStep calls.
-  bool report_stream = true;
+  // Report over one long-lived ReportSteps stream instead of a unary ReportStep call per
+  // report (a planner without it, or a refused stream: unary calls). Off by default: on the
+  // planner's side a streamed report costs as much CPU as a call, or more with thousands of
+  // ranks (README, Service load); the stream saves only the sender's call set-up.
+  bool report_stream = false;
   // This worker's host name, sent with JoinJob (GetJob's slowest ranks and the slow-rank
   // metrics name it): at most 253 characters of [A-Za-z0-9._:-]. Empty: the machine's
   // (LocalHostName).

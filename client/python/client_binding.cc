@@ -74,7 +74,7 @@ void BindClient(py::module_& m) {
       .Field("max_buffered_reports", &ClientOptions::max_buffered_reports,
              "reports kept while the planner is away")
       .Field("report_stream", &ClientOptions::report_stream,
-             "report on one ReportSteps stream (False: unary ReportStep calls)")
+             "report on one ReportSteps stream instead of unary ReportStep calls (default False)")
       .Done();
 
   Record<JobHandle>(m, "JobHandle", "A job as create_job made it.")

@@ -47,10 +47,10 @@ PlannerConfig Config(int ranks) {
 }
 
 std::unique_ptr<PlannerClient> Connect(int port, const std::string& job = "",
-                                       const std::string& token = "") {
+                                       const std::string& token = "", bool report_stream = false) {
   // Ranks wait for the coordinator under load.
   return test_support::ConnectLoopback(port, job, token, /*call_timeout_seconds=*/2,
-                                       /*plan_timeout_seconds=*/20);
+                                       /*plan_timeout_seconds=*/20, report_stream);
 }
 
 // Every test runs against a planner of its own.
@@ -60,6 +60,9 @@ class TrainerSessionTest : public ::testing::Test {
   absl::StatusOr<JobHandle> CreateJob(const std::string& name, int ranks) {
     return Connect(planner_.port())->CreateJob(name, Config(ranks));
   }
+  // A rank reports step 0 while the planner is away and step 1 once it is back (reporting on a
+  // ReportSteps stream with `report_stream`): the first report is kept and delivered first.
+  void ReportThroughAnOutage(bool report_stream);
 
   Planner planner_;
 };
@@ -181,12 +184,12 @@ TEST_F(TrainerSessionTest, WithThePlannerDownEveryRankAgreesOnTheLocalPlan) {
   for (const Sample& s : batch) EXPECT_EQ(placed.count(s.id), 1u) << s.id;
 }
 
-TEST_F(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack) {
+void TrainerSessionTest::ReportThroughAnOutage(bool report_stream) {
   constexpr int kRanks = 1;
   const int port = planner_.port();
   absl::StatusOr<JobHandle> job = CreateJob("away", kRanks);
   ASSERT_TRUE(job.ok());
-  std::unique_ptr<PlannerClient> client = Connect(port, job->job_id, job->token);
+  std::unique_ptr<PlannerClient> client = Connect(port, job->job_id, job->token, report_stream);
   ASSERT_TRUE(client->JoinJob(0).ok());
   TrainerSession session(client.get(), 0, true, Config(kRanks));
   absl::StatusOr<RankStepPlan> plan = session.Plan(0, Batch(3, kRanks));
@@ -202,9 +205,29 @@ TEST_F(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsB
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_TRUE(session.Report(1, Timings(*next), 0.0).ok());
   EXPECT_EQ(session.buffered_reports(), 0u);
+  if (report_stream) {
+    // Past the 1 s the client waits after a failed stream before it opens another.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  }
   absl::StatusOr<bool> repeat = client->ReportStep(0, 0, Timings(*plan), 0.0);
   ASSERT_TRUE(repeat.ok());
   EXPECT_TRUE(*repeat);  // the planner has it
+  if (report_stream) {   // and that answer came on a new stream, still open
+    for (int i = 0; i < 200 && planner_.service().report_streams() != 1; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(planner_.service().report_streams(), 1);
+  }
+}
+
+TEST_F(TrainerSessionTest, ReportsMadeWhileThePlannerIsAwayAreDeliveredWhenItIsBack) {
+  ReportThroughAnOutage(/*report_stream=*/false);
+}
+
+// The same on a report stream: the stream to the stopped planner fails, the report is kept,
+// and a new stream to the restarted one delivers it.
+TEST_F(TrainerSessionTest, ReportsOnAStreamSurviveThePlannerGoingAway) {
+  ReportThroughAnOutage(/*report_stream=*/true);
 }
 
 // The planner goes away for three steps and comes back: the ranks run local plans, the

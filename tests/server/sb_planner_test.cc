@@ -138,6 +138,7 @@ TEST(SbPlannerTest, TheDrainEndsOpenReportStreams) {
   ASSERT_NE(planner, nullptr);
   ClientOptions options;
   options.target = absl::StrCat("127.0.0.1:", planner->port());
+  options.report_stream = true;
   absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
   ASSERT_TRUE(client.ok()) << client.status();
   PlannerConfig config;

@@ -20,12 +20,15 @@ namespace sparsebalance::test_support {
 
 // A client of the planner on 127.0.0.1:`port`, calling as job `job_id` with `token` (both
 // empty: admin calls only), with `call_timeout_seconds` on every call and `plan_timeout_seconds` on
-// GetRankPlan (0: the client's default). Null, and a test failure, when it cannot be made.
+// GetRankPlan (0: the client's default), reporting on a ReportSteps stream with
+// `report_stream`. Null, and a test failure, when it cannot be made.
 inline std::unique_ptr<PlannerClient> ConnectLoopback(int port, const std::string& job_id,
                                                       const std::string& token,
                                                       double call_timeout_seconds,
-                                                      double plan_timeout_seconds = 0.0) {
+                                                      double plan_timeout_seconds = 0.0,
+                                                      bool report_stream = false) {
   ClientOptions options;
+  options.report_stream = report_stream;
   options.target = absl::StrCat("127.0.0.1:", port);
   options.job_id = job_id;
   options.token = token;

@@ -58,6 +58,7 @@ class RestartablePlanner {
   int port() const { return port_; }
   std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
   JobRegistry& registry() { return registry_; }
+  PlannerServiceImpl& service() { return service_; }
 
   // The value of counter `name` for job `job_id` (0 when it has no series yet).
   double Counter(const std::string& name, const std::string& job_id) {
