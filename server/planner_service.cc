@@ -562,8 +562,6 @@ class PlannerServiceImpl::ReportStream final
       FinishOnce(status);
       return;
     }
-    response_.set_step(report.step());
-    response_.set_rank(report.rank());
     StartWrite(&response_);
   }
 

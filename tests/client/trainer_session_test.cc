@@ -200,9 +200,17 @@ void TrainerSessionTest::ReportThroughAnOutage(bool report_stream) {
   EXPECT_EQ(session.buffered_reports(), 1u);
   planner_.Start(port);
   ASSERT_EQ(planner_.port(), port);
-  // The next report flushes the buffered one first; step 0 is then known to the planner_.
+  // Once the client has reconnected (under load its channel may still be backing off, and
+  // step 1 would then run on a local plan, whose reports wait for its resubmission), the next
+  // report flushes the buffered one first; step 0 is then known to the planner.
+  absl::Status joined;
+  for (int i = 0; i < 100 && !(joined = client->JoinJob(0).status()).ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(joined.ok()) << joined;
   absl::StatusOr<RankStepPlan> next = session.Plan(1, Batch(4, kRanks));
   ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_FALSE(next->local_fallback);
   EXPECT_TRUE(session.Report(1, Timings(*next), 0.0).ok());
   EXPECT_EQ(session.buffered_reports(), 0u);
   if (report_stream) {
@@ -213,10 +221,7 @@ void TrainerSessionTest::ReportThroughAnOutage(bool report_stream) {
   ASSERT_TRUE(repeat.ok());
   EXPECT_TRUE(*repeat);  // the planner has it
   if (report_stream) {   // and that answer came on a new stream, still open
-    for (int i = 0; i < 200 && planner_.service().report_streams() != 1; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    EXPECT_EQ(planner_.service().report_streams(), 1);
+    EXPECT_EQ(test_support::Settled(1, [&] { return planner_.service().report_streams(); }), 1);
   }
 }
 

@@ -6,12 +6,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +36,16 @@ inline std::string ReadBytes(const std::string& path) {
 inline void WriteBytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << bytes;
+}
+
+// count()'s value once it is `expected` (a change another thread makes a little later, such
+// as a stream's end reaching the service after its client saw it), or after 2 s.
+template <typename Count>
+int Settled(int expected, Count count) {
+  for (int i = 0; i < 200 && count() != expected; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return count();
 }
 
 // Stands in for the CSPRNG: "aaa..1", "aaa..2", ... (thread-safe).
