@@ -223,7 +223,20 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
       jobs_expired_(Single(prometheus::BuildCounter(), *registry_,
                            "sparsebalance_jobs_expired_total",
                            "Jobs deleted because no call carried their token for "
-                           "--job_idle_ttl")) {
+                           "--job_idle_ttl")),
+      waiting_calls_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_waiting_calls",
+                            "GetRankPlan calls parked now, waiting for their step's plan")),
+      waiting_calls_limit_(Single(prometheus::BuildGauge(), *registry_,
+                                  "sparsebalance_waiting_calls_limit",
+                                  "Parked GetRankPlan calls the planner takes at once "
+                                  "(--max_waiting_calls); one more is RESOURCE_EXHAUSTED")),
+      report_streams_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_report_streams",
+                             "ReportSteps streams open now")),
+      report_streams_limit_(Single(prometheus::BuildGauge(), *registry_,
+                                   "sparsebalance_report_streams_limit",
+                                   "ReportSteps streams the planner keeps open at once "
+                                   "(--max_report_streams); one more is refused (its client "
+                                   "reports by ReportStep)")) {
   state_dir_writable_.Set(1);
   prometheus::BuildGauge()
       .Name("sparsebalance_build_info")
@@ -406,5 +419,14 @@ void PlannerMetrics::ForgetJob(const std::string& job_id) {
 }
 
 void PlannerMetrics::ObserveExpiredJob() { jobs_expired_.Increment(); }
+
+void PlannerMetrics::SetCallLimits(int max_waiting_calls, int max_report_streams) {
+  waiting_calls_limit_.Set(max_waiting_calls);
+  report_streams_limit_.Set(max_report_streams);
+}
+
+void PlannerMetrics::SetWaitingCalls(int calls) { waiting_calls_.Set(calls); }
+
+void PlannerMetrics::SetReportStreams(int streams) { report_streams_.Set(streams); }
 
 }  // namespace sparsebalance

@@ -63,6 +63,12 @@ class PlannerMetrics {
   void ForgetJob(const std::string& job_id);
   // A job deleted by the idle TTL (--job_idle_ttl).
   void ObserveExpiredJob();
+  // The service's capped resources, now and at their caps (set once, at start-up):
+  // GetRankPlan calls parked for their step (--max_waiting_calls) and open ReportSteps streams
+  // (--max_report_streams). Past a cap the next call is refused with RESOURCE_EXHAUSTED.
+  void SetCallLimits(int max_waiting_calls, int max_report_streams);
+  void SetWaitingCalls(int calls);
+  void SetReportStreams(int streams);
 
  private:
   struct JobSeries;
@@ -99,6 +105,10 @@ class PlannerMetrics {
   prometheus::Counter& unfolded_steps_;
   prometheus::Gauge& failed_jobs_;
   prometheus::Counter& jobs_expired_;
+  prometheus::Gauge& waiting_calls_;
+  prometheus::Gauge& waiting_calls_limit_;
+  prometheus::Gauge& report_streams_;
+  prometheus::Gauge& report_streams_limit_;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobSeries>> jobs_series_ ABSL_GUARDED_BY(mu_);

@@ -159,7 +159,12 @@ std::string BearerToken(const grpc::CallbackServerContext& context) {
 
 PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
     : registry_(registry), options_(std::move(options)) {
-  if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
+  if (options_.metrics != nullptr) {
+    options_.metrics->SetJobs(registry_->job_count());
+    options_.metrics->SetCallLimits(options_.max_waiting_calls, options_.max_report_streams);
+    options_.metrics->SetWaitingCalls(0);
+    options_.metrics->SetReportStreams(0);
+  }
   Serve<Caller::kAdmin>("CreateJob", &PlannerServiceImpl::OnCreateJob);
   Serve<Caller::kJob>("JoinJob", &PlannerServiceImpl::OnJoinJob);
   Serve<Caller::kJob>("SubmitBatch", &PlannerServiceImpl::OnSubmitBatch);
@@ -416,6 +421,7 @@ absl::Status PlannerServiceImpl::Park(const std::shared_ptr<Wait>& wait, int wor
   if (waiters_[{wait->job_id, wait->step}].insert(wait).second) {
     ++of_job;
     ++waiting_;
+    WaitingChanged();
   }
   return absl::OkStatus();
 }
@@ -427,6 +433,7 @@ void PlannerServiceImpl::Unpark(const std::shared_ptr<Wait>& wait) {
   if (it->second.empty()) waiters_.erase(it);
   --waiting_;
   if (--waiting_per_job_[wait->job_id] <= 0) waiting_per_job_.erase(wait->job_id);
+  WaitingChanged();
 }
 
 void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
@@ -441,6 +448,7 @@ void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
     if ((waiting_per_job_[job_id] -= static_cast<int>(woken.size())) <= 0) {
       waiting_per_job_.erase(job_id);
     }
+    WaitingChanged();
   }
   Complete(std::move(woken));
 }
@@ -456,6 +464,7 @@ void PlannerServiceImpl::WakeJob(const std::string& job_id, const absl::Status& 
       it = waiters_.erase(it);
     }
     waiting_per_job_.erase(job_id);
+    WaitingChanged();
   }
   for (const std::shared_ptr<Wait>& wait : woken) wait->Complete(why, nullptr);
 }
@@ -619,6 +628,7 @@ PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
           kReasonReportStreamsFull);
     } else {
       streams_.insert(stream);
+      StreamsChanged();
     }
   }
   stream->Start(refusal);
@@ -628,6 +638,7 @@ PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
 void PlannerServiceImpl::ForgetReportStream(ReportStream* stream) {
   absl::MutexLock lock(&streams_mu_);
   streams_.erase(stream);
+  StreamsChanged();
 }
 
 int PlannerServiceImpl::report_streams() const {
@@ -641,6 +652,16 @@ void PlannerServiceImpl::CloseReportStreams() {
   const absl::Status why = absl::UnavailableError(
       "ReportSteps: the planner is shutting down; report by ReportStep (to its successor)");
   for (ReportStream* stream : streams_) stream->Close(why);
+}
+
+void PlannerServiceImpl::WaitingChanged() {
+  if (options_.metrics != nullptr) options_.metrics->SetWaitingCalls(waiting_);
+}
+
+void PlannerServiceImpl::StreamsChanged() {
+  if (options_.metrics != nullptr) {
+    options_.metrics->SetReportStreams(static_cast<int>(streams_.size()));
+  }
 }
 
 int PlannerServiceImpl::waiting_calls() const {

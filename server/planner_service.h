@@ -124,6 +124,9 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // Parks `wait` unless the caps are reached (RESOURCE_EXHAUSTED, naming the cap).
   absl::Status Park(const std::shared_ptr<Wait>& wait, int world_size);
   void Unpark(const std::shared_ptr<Wait>& wait);
+  // The gauges of parked calls and open streams (PlannerMetrics), after each change.
+  void WaitingChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(waiters_mu_);
+  void StreamsChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(streams_mu_);
   // Completes `wait` if its plan exists (or can never exist); false if it must keep waiting
   // (then `world_size`, when given, is the job's).
   bool TryComplete(const std::shared_ptr<Wait>& wait, int* world_size = nullptr);

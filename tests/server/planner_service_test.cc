@@ -191,7 +191,24 @@ class PlannerServiceTest : public ::testing::Test {
     return test_support::Settled(expected, [this] { return service_->report_streams(); });
   }
 
+  // The value of the unlabelled gauge `name` in metrics_ (Start with options.metrics =
+  // &metrics_), once `expected` (test_support::Settled); -1 when there is no such gauge.
+  int Gauge(const std::string& name, int expected) {
+    return test_support::Settled(expected, [&] {
+      for (const prometheus::MetricFamily& family : metrics_registry_->Collect()) {
+        if (family.name == name && family.metric.size() == 1) {
+          return static_cast<int>(family.metric[0].gauge.value);
+        }
+      }
+      return -1;
+    });
+  }
+
   int port_ = 0;
+  // Before the service and the server, which use them until they go.
+  std::shared_ptr<prometheus::Registry> metrics_registry_ =
+      std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics_{metrics_registry_, /*max_rank_series=*/64};
   std::unique_ptr<JobRegistry> registry_;
   std::unique_ptr<PlannerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -399,7 +416,10 @@ TEST_F(PlannerServiceTest, ParkedCallsAreCappedPerJobAndInAll) {
   PlannerServiceImpl::Options options;
   options.max_waiting_calls = 6;
   options.max_waiting_calls_per_job_extra = 2;  // a 1-rank job: 2 + 2 x 1 = 4
+  options.metrics = &metrics_;
   Start(JobRegistry::Options{}, options);
+  EXPECT_EQ(Gauge("sparsebalance_waiting_calls_limit", 6), 6);
+  EXPECT_EQ(Gauge("sparsebalance_waiting_calls", 0), 0);
   const v1::CreateJobResponse a = Create(1);
   const v1::CreateJobResponse b = Create(1);
   std::vector<std::thread> waiting;
@@ -418,12 +438,14 @@ TEST_F(PlannerServiceTest, ParkedCallsAreCappedPerJobAndInAll) {
   };
   for (int i = 0; i < 4; ++i) park(a);
   wait_for(4);
+  EXPECT_EQ(Gauge("sparsebalance_waiting_calls", 4), 4);
   v1::GetRankPlanResponse plan;
   grpc::Status over_job = GetPlan(a.job_id(), a.job_token(), 0, 0, &plan);
   EXPECT_EQ(over_job.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(over_job.error_message(), HasSubstr("its limit"));
   for (int i = 0; i < 2; ++i) park(b);
   wait_for(6);
+  EXPECT_EQ(Gauge("sparsebalance_waiting_calls", 6), 6);
   grpc::Status over_all = GetPlan(b.job_id(), b.job_token(), 0, 0, &plan);
   EXPECT_EQ(over_all.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(over_all.error_message(), HasSubstr("this planner's limit"));
@@ -433,6 +455,7 @@ TEST_F(PlannerServiceTest, ParkedCallsAreCappedPerJobAndInAll) {
   for (std::thread& t : waiting) t.join();
   EXPECT_EQ(served.load(), 6);
   EXPECT_EQ(service_->waiting_calls(), 0);
+  EXPECT_EQ(Gauge("sparsebalance_waiting_calls", 0), 0);
 }
 
 // Deleting a job answers its waiting ranks NOT_FOUND at once, not at their deadline.
@@ -701,7 +724,9 @@ TEST_F(PlannerServiceTest, AReportStreamAnswersEachReportInOrderAsReportStepWoul
 TEST_F(PlannerServiceTest, ReportStreamsAreCappedAndEndedByTheDrain) {
   PlannerServiceImpl::Options options;
   options.max_report_streams = 1;
+  options.metrics = &metrics_;
   Start(JobRegistry::Options{}, options);
+  EXPECT_EQ(Gauge("sparsebalance_report_streams_limit", 1), 1);
   const v1::CreateJobResponse job = Create(2);
   ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 2));
   v1::ReportStepsRequest request;
@@ -713,6 +738,7 @@ TEST_F(PlannerServiceTest, ReportStreamsAreCappedAndEndedByTheDrain) {
   v1::ReportStepsResponse answer;
   ASSERT_TRUE(open->Read(&answer));  // the stream is established and counted
   EXPECT_EQ(ReportStreams(1), 1);
+  EXPECT_EQ(Gauge("sparsebalance_report_streams", 1), 1);
 
   grpc::ClientContext refused_context;
   Auth(&refused_context, job.job_token());
@@ -730,6 +756,7 @@ TEST_F(PlannerServiceTest, ReportStreamsAreCappedAndEndedByTheDrain) {
   const grpc::Status drained = open->Finish();
   EXPECT_EQ(drained.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(drained.error_message(), HasSubstr("shutting down"));
+  EXPECT_EQ(Gauge("sparsebalance_report_streams", 0), 0);
   grpc::ClientContext late_context;
   Auth(&late_context, job.job_token());
   auto late = stub_->ReportSteps(&late_context);
