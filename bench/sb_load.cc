@@ -30,6 +30,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -49,6 +50,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "contract/step_figures.h"
+#include "google/protobuf/arena.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
@@ -473,6 +475,32 @@ std::vector<std::unique_ptr<ReportStream>> OpenReportStreams(Connections& connec
   return streams;
 }
 
+// The messages on one arena that starts inside the call: a rank's plan is some hundred small
+// messages, and allocating each on the heap is CPU that sb-load takes from the planner it
+// measures (the planner's own calls do the same). PlanThenReport's state.
+struct PlanThenReportCall {
+  PlanThenReportCall() : arena(ArenaOptions(block)) {}
+  static google::protobuf::ArenaOptions ArenaOptions(char* block) {
+    google::protobuf::ArenaOptions options;
+    options.initial_block = block;
+    options.initial_block_size = sizeof(PlanThenReportCall::block);
+    return options;
+  }
+  template <typename Message>
+  Message* New() {
+    return google::protobuf::Arena::CreateMessage<Message>(&arena);
+  }
+  alignas(std::max_align_t) char block[16384];
+  google::protobuf::Arena arena;  // after the block it starts in
+  grpc::ClientContext context;
+  v1::GetRankPlanRequest* request = New<v1::GetRankPlanRequest>();
+  v1::GetRankPlanResponse* response = New<v1::GetRankPlanResponse>();
+  grpc::ClientContext report_context;
+  v1::ReportStepRequest* report = New<v1::ReportStepRequest>();
+  v1::ReportStepResponse* report_response = New<v1::ReportStepResponse>();
+  v1::ReportStepsRequest* streamed = New<v1::ReportStepsRequest>();  // as a stream sends it
+};
+
 // One rank's part of a step: GetRankPlan (which waits for the plan), then the ReportStep of that
 // plan. `on_plan`, if set, sees the plan call's status and latency (seconds); `on_done` sees the
 // report's status and latency, or the failed plan call's status and -1.
@@ -481,37 +509,28 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
                     std::function<void(const grpc::Status&, double)> on_plan,
                     std::function<void(const grpc::Status&, double)> on_done,
                     ReportStream* stream = nullptr) {
-  struct Call {
-    grpc::ClientContext context;
-    v1::GetRankPlanRequest request;
-    v1::GetRankPlanResponse response;
-    grpc::ClientContext report_context;
-    v1::ReportStepRequest report;
-    v1::ReportStepResponse report_response;
-    v1::ReportStepsRequest streamed;  // the report as a stream sends it
-  };
-  auto call = std::make_shared<Call>();
+  auto call = std::make_shared<PlanThenReportCall>();
   Authorize(&call->context, job.token, 60);
   Authorize(&call->report_context, job.token, 60);
-  call->request.set_job_id(job.id);
-  call->request.set_step(step);
-  call->request.set_rank(rank);
+  call->request->set_job_id(job.id);
+  call->request->set_step(step);
+  call->request->set_rank(rank);
   const Clock::time_point t0 = Clock::now();
   stub->async()->GetRankPlan(
-      &call->context, &call->request, &call->response,
+      &call->context, call->request, call->response,
       [&job, call, stub, t0, stream, on_plan = std::move(on_plan),
        on_done = std::move(on_done)](const grpc::Status& s) {
         if (on_plan) on_plan(s, Seconds(t0, Clock::now()));
         if (!s.ok()) return on_done(s, -1.0);
         if (stream != nullptr) {
-          *call->streamed.mutable_report() = ReportFor(job, call->response.plan());
-          return stream->Send(&call->streamed,
+          *call->streamed->mutable_report() = ReportFor(job, call->response->plan());
+          return stream->Send(call->streamed,
                               [call, on_done](const grpc::Status& r, double t) { on_done(r, t); });
         }
-        call->report = ReportFor(job, call->response.plan());
+        *call->report = ReportFor(job, call->response->plan());
         const Clock::time_point t1 = Clock::now();
         stub->async()->ReportStep(
-            &call->report_context, &call->report, &call->report_response,
+            &call->report_context, call->report, call->report_response,
             [call, t1, on_done](const grpc::Status& r) { on_done(r, Seconds(t1, Clock::now())); });
       });
 }
@@ -890,6 +909,10 @@ void RunSoak(const std::string& target, const std::string& admin, int pid, Figur
 }
 
 int Main(int argc, char** argv) {
+  // As sb-planner: absl::Mutex's deadlock detection (on in Debian's build) costs a graph update
+  // per lock of gRPC's own mutexes, CPU that sb-load takes from the planner it measures on the
+  // same cores.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   tools::InitTool(
       argc, argv,
       "load generator for sb-planner: ReportStep throughput, one large step, steps\n"
