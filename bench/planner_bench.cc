@@ -2,7 +2,9 @@
 // (the third number: 1 plans on the calling thread, more split the work, plan_threads.h).
 //   sb-planner-bench --benchmark_filter='sparsebalance'
 // README "Planning speed" lists the figures measured on the 2-core development machine.
+#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -48,6 +50,46 @@ void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
   state.counters["samples/s"] = benchmark::Counter(static_cast<double>(samples),
                                                    benchmark::Counter::kIsIterationInvariantRate);
 }
+
+// PlanStep's phases (PlanPhaseSeconds), for where a plan's time goes: the sparsebalance
+// policy's plan of BM_PlanStep, with each phase's mean wall time per plan as a counter (ms).
+//   sb-planner-bench --benchmark_filter=PlanPhases
+void BM_PlanPhases(benchmark::State& state) {
+  const int samples = static_cast<int>(state.range(0));
+  const int ranks = static_cast<int>(state.range(1));
+  PlannerConfig config;
+  config.ranks = ranks;
+  config.micro_batches = 4;
+  config.micro_batch_capacity = 131072;
+  config.policy = Policy::kSparseBalance;
+  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", 7);
+  std::vector<Sample> batch;
+  for (int i = 0; i < samples; ++i) batch.push_back(gen->Next());
+  const LatencyModel model(config.shape, ranks, CostCoefficients{1.7e-5, 1e-4, 2e-3, 0.05});
+  const RecallModel recall(config.micro_batch_capacity, config.shape.layers);
+  const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  PlanThreads pool(static_cast<int>(state.range(2)));
+  PlanPhaseSeconds total{};
+  for (auto _ : state) {
+    PlanPhaseSeconds phases{};
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, *valid, model, recall, &pool, &phases);
+    if (!plan.ok()) {
+      state.SkipWithError(std::string(plan.status().message()).c_str());
+      break;
+    }
+    for (int k = 0; k < kPlanPhases; ++k) total[k] += phases[k];
+  }
+  const double plans = static_cast<double>(std::max<int64_t>(1, state.iterations()));
+  for (int k = 0; k < kPlanPhases; ++k) {
+    state.counters[std::string(kPlanPhaseNames[k]) + "_ms"] = 1e3 * total[k] / plans;
+  }
+}
+BENCHMARK(BM_PlanPhases)
+    ->Args({16384, 1024, 1})
+    ->Args({65536, 4096, 1})
+    ->Args({65536, 4096, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 #define SB_PLAN_BENCH(name, policy, max_shards)            \
   BENCHMARK_CAPTURE(BM_PlanStep, name, policy, max_shards) \

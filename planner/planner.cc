@@ -1,6 +1,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -428,8 +429,22 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
 
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& valid,
                                   const LatencyModel& model, const RecallModel& recall,
-                                  PlanThreads* threads) {
+                                  PlanThreads* threads, PlanPhaseSeconds* phases) {
   const PlannerConfig& config = valid.get();
+  // Phase(k) ends phase k (kPlanPhaseNames) where the last one ended: a clock read per phase,
+  // and none without `phases`.
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point phase_start;
+  if (phases != nullptr) {
+    phases->fill(0.0);
+    phase_start = Clock::now();
+  }
+  auto phase = [&](int k) {
+    if (phases == nullptr) return;
+    const Clock::time_point now = Clock::now();
+    (*phases)[k] = std::chrono::duration<double>(now - phase_start).count();
+    phase_start = now;
+  };
   if (model.ranks() != config.ranks) {
     return absl::InvalidArgumentError(absl::StrCat("the latency model has ", model.ranks(),
                                                    " ranks but config.ranks is ", config.ranks));
@@ -440,6 +455,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
         " layers but the config has ", config.micro_batch_capacity, " and ", config.shape.layers));
   }
   if (absl::Status status = ValidateBatch(batch, valid); !status.ok()) return status;
+  phase(0);
   // Every policy keeps the document recall floor (where density_max reaches it): the table's
   // base densities include it.
   const SampleTable table(batch, config, model, recall, threads);
@@ -451,13 +467,16 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
       tuned && config.dst_mode != DstMode::kMin && config.bucket_recall_margin < 1.0;
   const std::vector<double> defaults = densities;
   const double default_recall = tuned ? TableRecall(batch, defaults, table) : 0.0;
+  phase(1);
   if (config.policy == Policy::kSparseBalance) {
     densities = AllocateDensities(batch, config, model, table, defaults, default_recall,
                                   /*per_bucket=*/guarded, threads);
   }
+  phase(2);
   absl::StatusOr<Assignment> assignment =
       AssignSamples(batch, config, model, densities, &table, threads);
   if (!assignment.ok()) return assignment.status();
+  phase(3);
   if (tuned) {
     // The recall every tuned plan keeps (but in kMin): that of the samples it places, at the
     // default densities, in total and per length bucket (less the bucket margin). Deferred
@@ -490,10 +509,15 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
       for (const ShardedDocument& d : assignment->shards) items[d.sample] = 0.0;
       ItemMinimums(batch, densities, table, capacity, placed, items, &keep, &minimum);
     }
+    phase(4);
     densities =
         TuneDensities(batch, *assignment, config, model, table, densities, keep, minimum, threads);
+    phase(5);
   }
-  return BuildPlan(batch, config, model, recall, table, *assignment, densities, defaults, threads);
+  StepPlan plan =
+      BuildPlan(batch, config, model, recall, table, *assignment, densities, defaults, threads);
+  phase(6);
+  return plan;
 }
 
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,

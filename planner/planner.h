@@ -9,6 +9,7 @@
 #ifndef SPARSEBALANCE_PLANNER_PLANNER_H_
 #define SPARSEBALANCE_PLANNER_PLANNER_H_
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -72,19 +73,31 @@ absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
 absl::StatusOr<StepPlan> PlanStepLocally(const std::vector<Sample>& batch,
                                          const ValidConfig& config);
 
+// Where one PlanStep call's wall time went, in seconds, phase by phase in the order they run
+// (PlanStep fills it when asked): checking the batch; the step's SampleTable and the recall
+// at base densities; the step-level allocation (sparsebalance); placement (AssignSamples); the
+// recall guards' minimums for the placed samples; the per-rank tuning (dst, sparsebalance);
+// and BuildPlan. Phases a policy skips stay 0.
+inline constexpr int kPlanPhases = 7;
+inline constexpr std::array<const char*, kPlanPhases> kPlanPhaseNames = {
+    "validate", "table", "allocate", "place", "guards", "tune", "build"};
+using PlanPhaseSeconds = std::array<double, kPlanPhases>;
+
 // Plans one step with `config.policy`. The model must have `config.ranks` ranks; `recall` is
 // the job's learned recall model (its capacity and layers must match the config's). Without
 // one the recall prior alone is used (a RecallModel with no measurements). The batch is
 // checked (ValidateBatch) either way; the config only when it is not a ValidConfig. With
 // `threads`, its per-sample and per-rank work is split over them (plan_threads.h): the plan is
-// the same bytes with any number of threads.
+// the same bytes with any number of threads. With `phases`, the wall time of each phase goes
+// there (the plan does not depend on it).
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const PlannerConfig& config,
                                   const LatencyModel& model);
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& config,
                                   const LatencyModel& model);
 absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidConfig& config,
                                   const LatencyModel& model, const RecallModel& recall,
-                                  PlanThreads* threads = nullptr);
+                                  PlanThreads* threads = nullptr,
+                                  PlanPhaseSeconds* phases = nullptr);
 
 // Turns an assignment and densities into a plan with its predicted figures.
 StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config,

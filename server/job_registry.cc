@@ -545,9 +545,11 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
         "step: ", step, " would skip ", skipped, " steps after step ", job->next_step - 1,
         "; a planned_locally submit may skip at most ", options_.max_skipped_steps));
   }
-  absl::StatusOr<StepPlan> plan = planned_locally ? PlanStepLocally(batch, job->config)
-                                                  : PlanStep(batch, job->config, job->model,
-                                                             job->recall, options_.plan_threads);
+  PlanPhaseSeconds phases{};
+  absl::StatusOr<StepPlan> plan =
+      planned_locally
+          ? PlanStepLocally(batch, job->config)
+          : PlanStep(batch, job->config, job->model, job->recall, options_.plan_threads, &phases);
   if (!plan.ok()) return plan.status();
   StepRecord record;
   record.batch = batch;
@@ -566,6 +568,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   SubmitResult result{step, planned->deferred_ids, planned, false};
   result.skipped_steps = skipped;
   result.exchange_bytes_per_second = ExchangeBytesPerSecond(job->model);
+  result.plan_phases = phases;
   return result;
 }
 

@@ -96,6 +96,9 @@ struct SubmitResult {
   bool switched_to_local = false;
   // The job's learned key/value exchange rate (bytes per second) when the step was answered.
   double exchange_bytes_per_second = 0.0;
+  // Where the planning's wall time went (PlanStep's phases), for a step planned by this
+  // call; all 0 for a repeat or a trainer's local plan.
+  PlanPhaseSeconds plan_phases{};
 };
 
 struct JobView {

@@ -29,6 +29,12 @@ const prometheus::Histogram::BucketBoundaries& RpcBuckets() {  // seconds
   }();
   return *kBuckets;
 }
+const prometheus::Histogram::BucketBoundaries& PhaseBuckets() {  // seconds
+  // A phase of a small step takes microseconds, of a 65,536-sample step tens of milliseconds.
+  static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1};
+  return *kBuckets;
+}
 const prometheus::Histogram::BucketBoundaries& UnitBuckets() {  // ratios in [0, 1]
   static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
       0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0};
@@ -118,6 +124,11 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                         .Name("sparsebalance_plan_duration_seconds")
                         .Help("Time to plan a step (SAB + DST) and store it, by policy")
                         .Register(*registry_)),
+      plan_phase_seconds_(prometheus::BuildHistogram()
+                              .Name("sparsebalance_plan_phase_duration_seconds")
+                              .Help("Wall time of each phase of planning a step (validate, table, "
+                                    "allocate, place, guards, tune, build), all jobs")
+                              .Register(*registry_)),
       predicted_makespan_(prometheus::BuildGauge()
                               .Name("sparsebalance_predicted_makespan_seconds")
                               .Help("Planned step time (slowest rank) of the last step")
@@ -238,6 +249,10 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                                    "(--max_report_streams); one more is refused (its client "
                                    "reports by ReportStep)")) {
   state_dir_writable_.Set(1);
+  for (int k = 0; k < kPlanPhases; ++k) {
+    plan_phase_histograms_[k] =
+        &plan_phase_seconds_.Add({{"phase", kPlanPhaseNames[k]}}, PhaseBuckets());
+  }
   prometheus::BuildGauge()
       .Name("sparsebalance_build_info")
       .Help("Constant 1, labelled with the version")
@@ -277,7 +292,11 @@ PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
   return *series;
 }
 
-void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds) {
+void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds,
+                                 const PlanPhaseSeconds* phases) {
+  if (phases != nullptr) {
+    for (int k = 0; k < kPlanPhases; ++k) plan_phase_histograms_[k]->Observe((*phases)[k]);
+  }
   absl::MutexLock lock(&mu_);
   const std::string policy(PolicyName(plan.policy));
   prometheus::Histogram*& histogram = plan_histograms_[policy];

@@ -13,6 +13,7 @@
 #ifndef SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
 #define SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -21,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "planner/planner.h"
 #include "planner/types.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -39,8 +41,10 @@ class PlannerMetrics {
 
   // One RPC: its method, status code and wall time in seconds.
   void ObserveRpc(const std::string& method, absl::StatusCode code, double seconds);
-  // A newly planned step: planning wall time (seconds) and the plan's predicted figures.
-  void ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds);
+  // A newly planned step: planning wall time (seconds) and the plan's predicted figures; with
+  // `phases` (a step planned here, not a trainer's local plan), where the planning went.
+  void ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds,
+                   const PlanPhaseSeconds* phases = nullptr);
   // A step recorded with the trainer's local fallback plan, after `skipped_steps` steps the
   // planner never saw.
   void ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps);
@@ -80,6 +84,7 @@ class PlannerMetrics {
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Histogram>& rpc_seconds_;
   prometheus::Family<prometheus::Histogram>& plan_seconds_;
+  prometheus::Family<prometheus::Histogram>& plan_phase_seconds_;
   prometheus::Family<prometheus::Gauge>& predicted_makespan_;
   prometheus::Family<prometheus::Gauge>& predicted_gap_;
   prometheus::Family<prometheus::Counter>& steps_;
@@ -115,6 +120,7 @@ class PlannerMetrics {
   std::map<std::pair<std::string, int>, prometheus::Counter*> rpc_counters_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, prometheus::Histogram*> rpc_histograms_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, prometheus::Histogram*> plan_histograms_ ABSL_GUARDED_BY(mu_);
+  std::array<prometheus::Histogram*, kPlanPhases> plan_phase_histograms_{};  // made at start
 };
 
 // The `code` label: absl::StatusCodeToString ("OK", "INVALID_ARGUMENT", ..., the names gRPC

@@ -371,7 +371,8 @@ absl::Status PlannerServiceImpl::OnSubmitBatch(const v1::SubmitBatchRequest& req
   if (!result.ok()) return result.status();
   if (options_.metrics != nullptr) {
     if (!result->repeated) {
-      options_.metrics->ObservePlan(request.job_id(), *result->plan, SecondsSince(plan_start));
+      options_.metrics->ObservePlan(request.job_id(), *result->plan, SecondsSince(plan_start),
+                                    result->plan->planned_locally ? nullptr : &result->plan_phases);
       options_.metrics->SetExchangeRate(request.job_id(), result->exchange_bytes_per_second);
     }
     if ((!result->repeated && result->plan->planned_locally) || result->switched_to_local) {

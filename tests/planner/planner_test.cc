@@ -1,6 +1,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -192,6 +193,48 @@ TEST(PlanStepTest, PlansAreDeterministicAcrossRunsCopiesAndModels) {
       ASSERT_EQ(CanonicalPlanText(*first), CanonicalPlanText(*third)) << Describe(c);
     }
   }
+}
+
+// PlanStep's phase timings: the same plan with and without them, each phase's time within the
+// call's, and the phases a policy skips at 0 (times are only bounded, never compared to a
+// speed).
+TEST(PlanStepTest, PhaseTimesAddUpWithinTheCallAndLeaveThePlanAsItIs) {
+  PlannerConfig config = test_util::StepConfig(16, 4, 131072);
+  const LatencyModel model = MakeModel(config);
+  const RecallModel recall(config.micro_batch_capacity, config.shape.layers);
+  const std::vector<Sample> batch = test_util::TraceBatch(config, 3, 0.85);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+    ASSERT_TRUE(valid.ok());
+    PlanPhaseSeconds phases;
+    phases.fill(-1.0);  // every phase is written, skipped ones with 0
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<StepPlan> timed = PlanStep(batch, *valid, model, recall, nullptr, &phases);
+    const double call =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ASSERT_TRUE(timed.ok()) << timed.status();
+    absl::StatusOr<StepPlan> untimed = PlanStep(batch, *valid, model, recall);
+    ASSERT_TRUE(untimed.ok());
+    EXPECT_EQ(CanonicalPlanText(*timed), CanonicalPlanText(*untimed)) << PolicyName(policy);
+    double sum = 0.0;
+    for (int k = 0; k < kPlanPhases; ++k) {
+      EXPECT_GE(phases[k], 0.0) << kPlanPhaseNames[k];
+      sum += phases[k];
+    }
+    EXPECT_LE(sum, call) << PolicyName(policy);
+    EXPECT_GT(phases[3], 0.0) << "every policy places";
+    EXPECT_GT(phases[6], 0.0) << "every policy builds a plan";
+    const bool tuned = policy == Policy::kDst || policy == Policy::kSparseBalance;
+    EXPECT_EQ(phases[4] > 0.0, tuned) << PolicyName(policy) << " guards";
+    EXPECT_EQ(phases[5] > 0.0, tuned) << PolicyName(policy) << " tune";
+  }
+  // A batch that fails validation leaves the phases it did not reach at 0.
+  PlanPhaseSeconds phases;
+  phases.fill(-1.0);
+  const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  ASSERT_FALSE(PlanStep({}, *valid, model, recall, nullptr, &phases).ok());
+  for (int k = 0; k < kPlanPhases; ++k) EXPECT_EQ(phases[k], 0.0) << kPlanPhaseNames[k];
 }
 
 TEST(PlanStepTest, CanonicalTextSeesEveryDensity) {

@@ -135,6 +135,32 @@ TEST(PlannerMetricsTest, RpcsAndPlansAreCountedByBoundedLabels) {
                  "sparsebalance_state_write_failures_total 1", "sparsebalance_jobs 3"});
 }
 
+// Planning's phases: one histogram series per phase from the start, one observation per plan
+// made here, none for a trainer's local plan (ObservePlan without phases).
+TEST(PlannerMetricsTest, PlanPhasesAreObservedPerPhaseForPlansMadeHere) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  std::string text = Exposition(*registry);
+  for (const char* phase : kPlanPhaseNames) {
+    EXPECT_THAT(text,
+                HasSubstr(absl::StrCat("sparsebalance_plan_phase_duration_seconds_count{phase=\"",
+                                       phase, "\"} 0")));
+  }
+  PlanPhaseSeconds phases{};
+  phases[3] = 0.03;  // place
+  phases[5] = 0.2;   // tune
+  metrics.ObservePlan("j", StepPlan{}, 0.3, &phases);
+  metrics.ObservePlan("j", StepPlan{}, 0.3);  // a local plan
+  ExpectExposed(Exposition(*registry),
+                {"sparsebalance_plan_phase_duration_seconds_count{phase=\"place\"} 1",
+                 "sparsebalance_plan_phase_duration_seconds_sum{phase=\"place\"} 0.03",
+                 "sparsebalance_plan_phase_duration_seconds_bucket{phase=\"place\",le=\"0.025\"} 0",
+                 "sparsebalance_plan_phase_duration_seconds_bucket{phase=\"place\",le=\"0.05\"} 1",
+                 "sparsebalance_plan_phase_duration_seconds_sum{phase=\"tune\"} 0.2",
+                 "sparsebalance_plan_phase_duration_seconds_count{phase=\"validate\"} 1",
+                 "sparsebalance_plan_duration_seconds_count{policy=\"sparsebalance\"} 2"});
+}
+
 TEST(PlannerMetricsTest, CodeLabelsAreTheNamesDashboardsAndAlertsMatch) {
   // deploy/prometheus rules and the Grafana dashboards select on these spellings.
   EXPECT_EQ(StatusCodeLabel(absl::StatusCode::kOk), "OK");

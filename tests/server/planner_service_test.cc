@@ -458,6 +458,35 @@ TEST_F(PlannerServiceTest, ParkedCallsAreCappedPerJobAndInAll) {
   EXPECT_EQ(Gauge("sparsebalance_waiting_calls", 0), 0);
 }
 
+// A step planned here records where its planning went, phase by phase; a repeated submit and a
+// trainer's local plan plan nothing here and record nothing.
+TEST_F(PlannerServiceTest, APlannedStepRecordsItsPlanningPhases) {
+  PlannerServiceImpl::Options options;
+  options.metrics = &metrics_;
+  Start(JobRegistry::Options{}, options);
+  auto count = [&](const char* phase) {
+    for (const prometheus::MetricFamily& family : metrics_registry_->Collect()) {
+      if (family.name != "sparsebalance_plan_phase_duration_seconds") continue;
+      for (const prometheus::ClientMetric& metric : family.metric) {
+        if (!metric.label.empty() && metric.label[0].value == phase) {
+          return static_cast<int>(metric.histogram.sample_count);
+        }
+      }
+    }
+    return -1;
+  };
+  const v1::CreateJobResponse job = Create(2);
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 0, 8), job.job_token()).ok());
+  for (const char* phase : kPlanPhaseNames) EXPECT_EQ(count(phase), 1) << phase;
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 0, 8), job.job_token()).ok());  // a repeat
+  v1::SubmitBatchRequest local = Batch(job.job_id(), 1, 8);
+  local.set_planned_locally(true);
+  ASSERT_TRUE(Submit(local, job.job_token()).ok());
+  for (const char* phase : kPlanPhaseNames) EXPECT_EQ(count(phase), 1) << phase;
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 2, 8), job.job_token()).ok());
+  for (const char* phase : kPlanPhaseNames) EXPECT_EQ(count(phase), 2) << phase;
+}
+
 // Deleting a job answers its waiting ranks NOT_FOUND at once, not at their deadline.
 TEST_F(PlannerServiceTest, DeletingAJobAnswersItsWaitingRanksNotFound) {
   const v1::CreateJobResponse job = Create(2);
