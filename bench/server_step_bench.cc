@@ -154,8 +154,12 @@ class ServerStep {
     *wall_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall).count();
     if (!result.ok()) return result.status();
+    phases_ = result->plan_phases;
     return std::move(result->plan);
   }
+
+  // The phases of the last step's planning (wall time, PlanStep's PlanPhaseSeconds).
+  const PlanPhaseSeconds& phases() const { return phases_; }
 
   // What rank r measured in the step (the hidden truth).
   std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int r) {
@@ -245,6 +249,7 @@ class ServerStep {
   std::string id_;
   std::string error_;
   std::mt19937_64 rng_{42};
+  PlanPhaseSeconds phases_{};
 };
 
 void BM_ServerStep(benchmark::State& state) {
@@ -261,11 +266,13 @@ void BM_ServerStep(benchmark::State& state) {
     return;
   }
   double submit_sum = 0.0, submit_wall_sum = 0.0, others_sum = 0.0, last_sum = 0.0;
+  PlanPhaseSeconds phase_sums{};
   for (auto _ : state) {
     if (!job.Step(&submit, &submit_wall, &others, &last, learn)) {
       state.SkipWithError(job.error().c_str());
       return;
     }
+    for (int k = 0; k < kPlanPhases; ++k) phase_sums[k] += job.phases()[k];
     submit_sum += submit;
     submit_wall_sum += submit_wall;
     others_sum += others;
@@ -278,6 +285,10 @@ void BM_ServerStep(benchmark::State& state) {
   state.counters["fold_ms"] = last_sum / n;
   state.counters["report_us"] = 1e3 * others_sum / n / std::max(1, ranks - 1);
   state.counters["capacity"] = static_cast<double>(job.capacity());
+  // Where the planning inside the submit went (wall time, ms): see BM_PlanPhases.
+  for (int k = 0; k < kPlanPhases; ++k) {
+    state.counters[std::string("plan_") + kPlanPhaseNames[k] + "_ms"] = 1e3 * phase_sums[k] / n;
+  }
 }
 
 BENCHMARK(BM_ServerStep)
