@@ -15,9 +15,11 @@ namespace sparsebalance {
 namespace {
 
 // `samples` documents from the pretrain trace over `ranks` ranks with 4 micro-batches of
-// 131072 tokens each (the bars: 512 over 64 and 65,536 over 4,096).
-// With `max_shards` > 1, context parallelism (sparse-cost shards, planner/context_parallel.h).
-void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
+// 131072 tokens each (the bars: 512 over 64 and 65,536 over 4,096), planned with `policy` on
+// state.range(2) threads. With `max_shards` > 1, context parallelism (sparse-cost shards,
+// planner/context_parallel.h). With `phases`, each of PlanStep's phases (PlanPhaseSeconds) gets
+// a counter: its mean wall time per plan (ms).
+void PlanPretrainBatch(benchmark::State& state, Policy policy, int max_shards, bool phases) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
   const int threads = static_cast<int>(state.range(2));
@@ -39,50 +41,35 @@ void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
     return;
   }
   PlanThreads pool(threads);
+  PlanPhaseSeconds step{};
+  PlanPhaseSeconds total{};
   for (auto _ : state) {
-    absl::StatusOr<StepPlan> plan = PlanStep(batch, *valid, model, recall, &pool);
+    absl::StatusOr<StepPlan> plan =
+        PlanStep(batch, *valid, model, recall, &pool, phases ? &step : nullptr);
     if (!plan.ok()) {
       state.SkipWithError(std::string(plan.status().message()).c_str());
       break;
     }
     benchmark::DoNotOptimize(plan->makespan_seconds);
+    for (int k = 0; k < kPlanPhases; ++k) total[k] += step[k];
   }
   state.counters["samples/s"] = benchmark::Counter(static_cast<double>(samples),
                                                    benchmark::Counter::kIsIterationInvariantRate);
-}
-
-// PlanStep's phases (PlanPhaseSeconds), for where a plan's time goes: the sparsebalance
-// policy's plan of BM_PlanStep, with each phase's mean wall time per plan as a counter (ms).
-//   sb-planner-bench --benchmark_filter=PlanPhases
-void BM_PlanPhases(benchmark::State& state) {
-  const int samples = static_cast<int>(state.range(0));
-  const int ranks = static_cast<int>(state.range(1));
-  PlannerConfig config;
-  config.ranks = ranks;
-  config.micro_batches = 4;
-  config.micro_batch_capacity = 131072;
-  config.policy = Policy::kSparseBalance;
-  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", 7);
-  std::vector<Sample> batch;
-  for (int i = 0; i < samples; ++i) batch.push_back(gen->Next());
-  const LatencyModel model(config.shape, ranks, CostCoefficients{1.7e-5, 1e-4, 2e-3, 0.05});
-  const RecallModel recall(config.micro_batch_capacity, config.shape.layers);
-  const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
-  PlanThreads pool(static_cast<int>(state.range(2)));
-  PlanPhaseSeconds total{};
-  for (auto _ : state) {
-    PlanPhaseSeconds phases{};
-    absl::StatusOr<StepPlan> plan = PlanStep(batch, *valid, model, recall, &pool, &phases);
-    if (!plan.ok()) {
-      state.SkipWithError(std::string(plan.status().message()).c_str());
-      break;
-    }
-    for (int k = 0; k < kPlanPhases; ++k) total[k] += phases[k];
-  }
+  if (!phases) return;
   const double plans = static_cast<double>(std::max<int64_t>(1, state.iterations()));
   for (int k = 0; k < kPlanPhases; ++k) {
     state.counters[std::string(kPlanPhaseNames[k]) + "_ms"] = 1e3 * total[k] / plans;
   }
+}
+
+void BM_PlanStep(benchmark::State& state, Policy policy, int max_shards) {
+  PlanPretrainBatch(state, policy, max_shards, /*phases=*/false);
+}
+
+// Where a plan's time goes: the sparsebalance plan of BM_PlanStep, phase by phase.
+//   sb-planner-bench --benchmark_filter=PlanPhases
+void BM_PlanPhases(benchmark::State& state) {
+  PlanPretrainBatch(state, Policy::kSparseBalance, /*max_shards=*/1, /*phases=*/true);
 }
 BENCHMARK(BM_PlanPhases)
     ->Args({16384, 1024, 1})
