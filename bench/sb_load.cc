@@ -81,6 +81,10 @@ ABSL_FLAG(bool, report_stream, false,
           "reports, step: each rank reports on its own ReportSteps stream, opened before the "
           "clock starts (the client library's ClientOptions::report_stream); false, the "
           "default as in the client library: unary ReportStep calls");
+ABSL_FLAG(bool, document_curves, false,
+          "the recall the ranks report for each document: false, one hidden curve for all, "
+          "1 - (1 - density)^4 (the figures in README); true, each document its own exponent "
+          "in [2, 8] drawn from its sample id, as documents of different sensitivity differ");
 ABSL_FLAG(int, soak_steps, 10000, "soak: steps");
 ABSL_FLAG(int, soak_ranks, 8, "soak: ranks of the job");
 ABSL_FLAG(std::string, json, "", "also write the figures to this file as JSON");
@@ -345,6 +349,7 @@ v1::SubmitBatchResponse Submit(v1::PlannerService::Stub* stub, const Job& job,
 
 // The report a rank would send for its plan: 5% slower than predicted.
 v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
+  static const bool document_curves = absl::GetFlag(FLAGS_document_curves);
   v1::ReportStepRequest request;
   request.set_job_id(job.id);
   request.set_step(plan.step());
@@ -361,14 +366,23 @@ v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
     r->set_achieved_density(mb.default_density());
     r->set_recall(0.9);
     // Measured recall per document, as sb-worker's probe sends it: a hidden curve
-    // 1-(1-density)^4 of the planned density, so the planner's recall model has data to fit.
+    // 1-(1-density)^g of the planned density, so the planner's recall model has data to fit.
+    // g is 4 for every document, or (--document_curves) the document's own, from a hash of its
+    // sample id and index that the planner does not know.
     for (const v1::PlannedSample& sample : mb.samples()) {
       const int documents = std::max(1, sample.segments_size());
       for (int d = 0; d < documents; ++d) {
         v1::DocumentRecall* recall = r->add_documents();
         recall->set_sample_id(sample.id());
         recall->set_document(d);
-        recall->set_recall(1.0 - std::pow(1.0 - sample.density(), 4.0));
+        double g = 4.0;
+        if (document_curves) {
+          uint64_t h = (sample.id() + 1) * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(d);
+          h = (h ^ (h >> 31)) * 0xbf58476d1ce4e5b9ULL;
+          h ^= h >> 29;
+          g = 2.0 + 6.0 * static_cast<double>(h >> 11) / 9007199254740992.0;  // [2, 8)
+        }
+        recall->set_recall(1.0 - std::pow(1.0 - sample.density(), g));
         recall->set_rows(8);
       }
     }
