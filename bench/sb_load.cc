@@ -375,13 +375,10 @@ v1::ReportStepRequest ReportFor(const Job& job, const v1::RankPlan& plan) {
         v1::DocumentRecall* recall = r->add_documents();
         recall->set_sample_id(sample.id());
         recall->set_document(d);
-        double g = 4.0;
-        if (document_curves) {
-          uint64_t h = (sample.id() + 1) * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(d);
-          h = (h ^ (h >> 31)) * 0xbf58476d1ce4e5b9ULL;
-          h ^= h >> 29;
-          g = 2.0 + 6.0 * static_cast<double>(h >> 11) / 9007199254740992.0;  // [2, 8)
-        }
+        const double g =
+            document_curves
+                ? 2.0 + 6.0 * Rng(Rng::Mix(sample.id(), static_cast<uint64_t>(d))).Uniform()
+                : 4.0;
         recall->set_recall(1.0 - std::pow(1.0 - sample.density(), g));
         recall->set_rows(8);
       }

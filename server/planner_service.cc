@@ -162,8 +162,6 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
   if (options_.metrics != nullptr) {
     options_.metrics->SetJobs(registry_->job_count());
     options_.metrics->SetCallLimits(options_.max_waiting_calls, options_.max_report_streams);
-    options_.metrics->SetWaitingCalls(0);
-    options_.metrics->SetReportStreams(0);
   }
   Serve<Caller::kAdmin>("CreateJob", &PlannerServiceImpl::OnCreateJob);
   Serve<Caller::kJob>("JoinJob", &PlannerServiceImpl::OnJoinJob);
