@@ -807,6 +807,78 @@ TEST(PlanStoreTest, OpenSweepsTmpFilesAndFinishesInterruptedRemovals) {
   EXPECT_FALSE(Exists(dir + "/" + kJobC));
 }
 
+TEST(PlanStoreTest, ADroppedStepsRecordIsWrittenOverByTheNextStepAndCutToItsLength) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const std::string job_dir = dir + "/" + kJobA;
+  const std::string spare = job_dir + "/spare-step.pb.tmp";
+  // Step 1: a large record (a batch of 64 ranks' samples), then dropped.
+  StepPlan plan;
+  plan.deferred_ids = {3};
+  ASSERT_TRUE(store->SaveStep(kJobA, 1, Batch(5, 64), plan, /*folded=*/true).ok());
+  const int64_t large = FileSize(job_dir + "/step-1.pb");
+  ASSERT_TRUE(store->DropStep(kJobA, 1).ok());
+  EXPECT_FALSE(Exists(job_dir + "/step-1.pb"));
+  struct stat dropped;
+  ASSERT_EQ(lstat(spare.c_str(), &dropped), 0);
+  EXPECT_EQ(dropped.st_size, large);
+  // Step 2, a small record, is written into the dropped file and cut to its own length: the
+  // same bytes as the same record in a new file (job B has no spare).
+  ASSERT_TRUE(SaveStep(*store, kJobA, 2).ok());
+  ASSERT_TRUE(store->CreateJob(Snapshot(kJobB)).ok());
+  ASSERT_TRUE(SaveStep(*store, kJobB, 2).ok());
+  EXPECT_FALSE(Exists(spare));
+  struct stat written;
+  ASSERT_EQ(lstat((job_dir + "/step-2.pb").c_str(), &written), 0);
+  EXPECT_EQ(written.st_ino, dropped.st_ino);
+  EXPECT_LT(written.st_size, large);
+  const std::string over = ReadBytes(job_dir + "/step-2.pb");
+  const std::string fresh = ReadBytes(dir + "/" + kJobB + "/step-2.pb");
+  EXPECT_EQ(over.size(), fresh.size());
+  EXPECT_TRUE(over == fresh) << "the record written over the spare differs from a new one";
+  // No spare now: the next step goes to a new file.
+  ASSERT_TRUE(SaveStep(*store, kJobA, 3).ok());
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 2u);
+  EXPECT_TRUE(loaded->failed.empty());
+  std::vector<int64_t> steps;
+  for (const PlanStore::LoadedStep& step : loaded->jobs[0].steps) {
+    steps.push_back(step.step);
+    EXPECT_TRUE(step.batch.empty()) << "step " << step.step;
+    EXPECT_EQ(step.plan.deferred_ids, (std::vector<uint64_t>{7})) << "step " << step.step;
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{0, 2, 3}));
+
+  // A spare that is not a regular file is left alone and the step goes to a new file: a
+  // folder, and a symlink (not followed to what it names).
+  ASSERT_EQ(mkdir(spare.c_str(), 0700), 0);
+  ASSERT_TRUE(SaveStep(*store, kJobA, 4).ok());
+  struct stat st;
+  ASSERT_EQ(lstat(spare.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  ASSERT_EQ(rmdir(spare.c_str()), 0);
+  const std::string outside = dir + "-outside";
+  WriteBytes(outside, "not the store's");
+  ASSERT_EQ(symlink(outside.c_str(), spare.c_str()), 0);
+  ASSERT_TRUE(SaveStep(*store, kJobA, 5).ok());
+  EXPECT_EQ(ReadBytes(outside), "not the store's");
+  ASSERT_EQ(lstat(spare.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
+  ASSERT_EQ(lstat((job_dir + "/step-5.pb").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->jobs[0].steps.back().step, 5);
+  // A restart sweeps the spare with the other temporary files.
+  ASSERT_TRUE(store->DropStep(kJobA, 2).ok());
+  ASSERT_TRUE(Exists(spare));
+  store.reset();
+  ASSERT_TRUE(PlanStore::Open(dir, false).ok());
+  EXPECT_FALSE(Exists(spare));
+}
+
 TEST(PlanStoreTest, CreateJobNeverReusesAFolderAndNothingRecreatesARetiredJob) {
   const std::string dir = TempDir();
   std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
