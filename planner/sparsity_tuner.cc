@@ -38,6 +38,12 @@ constexpr double kBucketWeightGrowth = 4.0;
 // kMaxNoiseMargin of it.
 constexpr double kNoiseMarginZ = 1.0;
 constexpr double kMaxNoiseMargin = 0.2;
+// The exact search of a rank's multiplier x (Tuner::SolveRank) ends once its bracket is this
+// narrow relative to max(1, |x|): densities then move by well under the density quantum
+// (2^-16) across it (d rho / dx = (1 - rho) / (g - 1)), so no exact count can change inside.
+// Several documents' counts often jump at one x, leaving no x within a block of the budget;
+// at 1e-12 the search then spent some forty evaluations closing in on the jump.
+constexpr double kExactSearchWidth = 1e-7;
 // Relative precision of a rank's time budget in the per-rank solve.
 constexpr double kBudgetTolerance = 1e-6;
 // A rank's exact time over its budget by at most this share of it is rounding (the budget and
@@ -411,34 +417,52 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower, SolveScra
   const double rounding = kRoundingShare * budget;
   double target = budget;
   double x = 0.0;
+  double excess = 0.0;
   for (int pass = 0; pass < kExactPasses; ++pass) {
     x = SolveRankOnce(rank, target, lower, scratch, densities);
-    const double excess = over();
+    excess = over();
     if (excess <= rounding) return;
     // Overshoot a little: the exact count moves in whole blocks.
     target -= 1.5 * excess + kBudgetTolerance * budget;
   }
   // Still over: each document's exact count jumps by whole blocks where the estimate is smooth,
   // and the corrections above can keep landing past a jump. The exact time only falls as x
-  // grows, so bisect x between the last one tried (over) and x_max, where every item sits at
+  // grows, so search x between the last one tried (over) and x_max, where every item sits at
   // its lower bound: a raise's base densities, which fit, or a cut's floors, the most the rank
-  // can cut (kept when even they are over). It stops within a block of the budget. (Before, a
-  // raised rank fell back to its base densities and lost its whole raise.)
+  // can cut (kept when even they are over). It stops within a block of the budget, or at a jump
+  // of several blocks (kExactSearchWidth). (Before, a raised rank fell back to its base
+  // densities and lost its whole raise.) The steps are regula
+  // falsi (Illinois) on the excess, aimed at half a block under the budget: the exact count
+  // follows the smooth estimate within a block per row, so it lands in a few evaluations where
+  // bisection took some twenty (each a pass over the rank's items and their exact counts).
+  const double band = per_block_ + kBudgetTolerance * budget;  // accepted: this far under
+  const double aim = -0.5 * per_block_;
   double over_x = x;
+  double over_g = excess - aim;  // > 0
   double fit_x = scratch.x_max;
   DensitiesAt(rank, scratch, fit_x, densities);
-  if (over() > rounding) return;
+  const double at_max = over();
+  if (at_max > rounding || at_max >= -band) return;  // over at best, or already close enough
+  double fit_g = at_max - aim;                       // < 0
+  int kept = 0;  // +1: the over end kept (the fit end moved) in a row; -1: the fit end kept
   for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
-    if (fit_x - over_x <= 1e-12 * std::max(1.0, std::fabs(fit_x))) break;
-    const double mid = 0.5 * (over_x + fit_x);
+    if (fit_x - over_x <= kExactSearchWidth * std::max(1.0, std::fabs(fit_x))) break;
+    double mid = over_x + (fit_x - over_x) * over_g / (over_g - fit_g);
+    if (!(mid > over_x && mid < fit_x)) mid = 0.5 * (over_x + fit_x);
     DensitiesAt(rank, scratch, mid, densities);
-    const double excess = over();
-    if (excess > rounding) {
+    const double e = over();
+    if (e > rounding) {
       over_x = mid;
+      over_g = e - aim;
+      if (kept < 0) fit_g *= 0.5;
+      kept = std::min(kept, 0) - 1;
       continue;
     }
     fit_x = mid;
-    if (excess >= -(per_block_ + kBudgetTolerance * budget)) return;  // densities are at fit_x
+    if (e >= -band) return;  // densities are at fit_x
+    fit_g = e - aim;
+    if (kept > 0) over_g *= 0.5;
+    kept = std::max(kept, 0) + 1;
   }
   DensitiesAt(rank, scratch, fit_x, densities);
 }
