@@ -7,6 +7,7 @@
 #ifndef SPARSEBALANCE_PLANNER_SPARSITY_TUNER_H_
 #define SPARSEBALANCE_PLANNER_SPARSITY_TUNER_H_
 
+#include <cstdint>
 #include <vector>
 
 #include "planner/latency_model.h"
@@ -78,6 +79,13 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
 // shape has one layer.
 std::vector<double> LayerDensities(const Sample& sample, double density, double floor,
                                    const PlannerConfig& config, const RecallModel& recall);
+
+// The tuner's continuous estimate of ActiveBlocks for a document of `rows` query blocks at
+// density rho in (0, 1], `anchors` (local_blocks + 2) blocks kept per row: row n keeps
+// max(anchors, rho*n + 1/2) blocks (the exact count keeps max(anchors, ceil(rho*n))), summed
+// over the rows. Continuous and monotone in rho, within half a block per row of the exact
+// count and unbiased over densities; its derivative in rho goes to `slope` when given.
+double EstimatedActiveBlocks(int64_t rows, double rho, double anchors, double* slope = nullptr);
 
 }  // namespace sparsebalance
 
