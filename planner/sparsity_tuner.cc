@@ -39,10 +39,11 @@ constexpr double kBucketWeightGrowth = 4.0;
 constexpr double kNoiseMarginZ = 1.0;
 constexpr double kMaxNoiseMargin = 0.2;
 // The exact search of a rank's multiplier x (Tuner::SolveRank) ends once its bracket is this
-// narrow relative to max(1, |x|): densities then move by well under the density quantum
-// (2^-16) across it (d rho / dx = (1 - rho) / (g - 1)), so no exact count can change inside.
-// Several documents' counts often jump at one x, leaving no x within a block of the budget;
-// at 1e-12 the search then spent some forty evaluations closing in on the jump.
+// narrow relative to max(1, |x|). Across it densities move by under the density quantum (2^-16)
+// for recall exponents g of 1.25 and up (the prior's range; d rho / dx = (1 - rho) / (g - 1)),
+// so no exact count can change inside; for flatter curves it ends a little further under the
+// budget, never over. Several documents' counts often jump at one x, leaving no x within a
+// block of the budget; at 1e-12 the search then spent some forty evaluations closing in on it.
 constexpr double kExactSearchWidth = 1e-7;
 // Relative precision of a rank's time budget in the per-rank solve.
 constexpr double kBudgetTolerance = 1e-6;
@@ -420,10 +421,10 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower, SolveScra
   // its lower bound: a raise's base densities, which fit, or a cut's floors, the most the rank
   // can cut (kept when even they are over). It stops within a block of the budget, or at a jump
   // of several blocks (kExactSearchWidth). (Before, a raised rank fell back to its base
-  // densities and lost its whole raise.) The steps are regula
-  // falsi (Illinois) on the excess, aimed at half a block under the budget: the exact count
-  // follows the smooth estimate within a block per row, so it lands in a few evaluations where
-  // bisection took some twenty (each a pass over the rank's items and their exact counts).
+  // densities and lost its whole raise.) The steps are regula falsi (Illinois) on the excess,
+  // aimed at half a block under the budget: the exact count follows the smooth estimate within
+  // a block per row, so it lands in a few evaluations where bisection took some twenty (each a
+  // pass over the rank's items and their exact counts).
   const double band = per_block_ + kBudgetTolerance * budget;  // accepted: this far under
   const double aim = -0.5 * per_block_;
   double over_x = x;
