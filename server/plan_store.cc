@@ -364,6 +364,11 @@ std::string StepPath(const std::string& job_dir, int64_t step, absl::string_view
   return absl::StrCat(job_dir, "/step-", step, suffix);
 }
 
+// The job's spare step record (kSpareStepName).
+std::string SparePath(const std::string& job_dir) {
+  return absl::StrCat(job_dir, "/", kSpareStepName);
+}
+
 absl::Status CheckJobId(absl::string_view id) {
   if (IsValidJobId(id)) return absl::OkStatus();
   return absl::InvalidArgumentError(
@@ -500,7 +505,7 @@ absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
   auto* record = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
   EncodeStep(step, batch, plan, folded, record);
   const std::string job_dir = JobDir(job_id);
-  const std::string spare = absl::StrCat(job_dir, "/", kSpareStepName);
+  const std::string spare = SparePath(job_dir);
   // Serialized straight into the file (into a spare's cached pages when there is one): a
   // string of the whole record would be megabytes of new pages a step.
   absl::Status status =
@@ -642,7 +647,7 @@ absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
   // The record becomes the job's spare (kSpareStepName), to be written over by a later step;
   // one that cannot be moved there is removed.
   const std::string record = StepPath(job_dir, step, ".pb");
-  const std::string spare = absl::StrCat(job_dir, "/", kSpareStepName);
+  const std::string spare = SparePath(job_dir);
   if (rename(record.c_str(), spare.c_str()) != 0 && errno != ENOENT &&
       unlink(record.c_str()) != 0 && errno != ENOENT) {
     return IoFailure("cannot remove", record, errno);
