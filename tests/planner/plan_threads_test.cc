@@ -150,12 +150,14 @@ RandomCase LargeCase(uint64_t seed) {
 }
 
 // Plans of random large cases (every policy and DST mode, groups, pre-packed samples, overflow,
-// slow ranks), with and without context parallelism and a learned recall model, at 1-8 threads.
+// slow ranks), with and without context parallelism and a learned recall model, at 1-8 threads;
+// some of over 1,024 ranks, whose placement is split into parts.
 TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
   PlanThreads two(2), three(3), eight(8);
   FailureBudget budget;
   int planned = 0;
   int split = 0;
+  int in_parts = 0;
   std::set<std::pair<Policy, DstMode>> covered;
   for (uint64_t seed = 0; seed < 24; ++seed) {
     const RandomCase c = LargeCase(seed);
@@ -171,6 +173,12 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
     covered.insert({c.config.policy, c.config.dst_mode});
     const std::string expected = CanonicalPlanText(*alone);
     if (expected.find('{') != std::string::npos) ++split;
+    // Placed in parts (sample_assigner.cc's kRanksPerPart), the parts on the threads.
+    const bool balanced = c.config.policy != Policy::kSequential && c.config.policy != Policy::kDst;
+    if (balanced && c.config.max_shards == 1 && c.config.ranks >= 1024 &&
+        c.batch.size() >= 5 * static_cast<size_t>(c.config.ranks)) {
+      ++in_parts;
+    }
     for (PlanThreads* pool : {&two, &three, &eight}) {
       budget.Run([&] {
         const absl::StatusOr<StepPlan> plan = PlanStep(c.batch, *valid, model, recall, pool);
@@ -184,6 +192,7 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
   EXPECT_GE(planned, 16);
   EXPECT_GE(covered.size(), 16u);  // most policy and mode pairs planned (not only refused)
   EXPECT_GE(split, 2);             // some plans split documents over ranks
+  EXPECT_GE(in_parts, 1);          // some placed in parts
 }
 
 }  // namespace
