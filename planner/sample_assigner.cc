@@ -33,8 +33,10 @@ constexpr double kTieShare = 0.005;
 // kMinUnitsPerRank units a rank (fewer leave the parts' loads too coarse to even out). The
 // count depends on the job alone, never on the threads, so a plan is the same bytes on any
 // number of them. At 65,536 samples over 4,096 ranks a whole-job placement was the only serial
-// phase of planning, and its heap of 4,096 ranks outgrew the first-level cache.
-constexpr int kRanksPerPart = 512;
+// phase of planning, and its heap of 4,096 ranks outgrew the first-level cache. Parts of 256
+// ranks planned a little faster than parts of 512 on one thread and two, and left a smaller
+// gap to the lower bound in sb-sim at 1,024 ranks (0.8-1.5% against 1.1-1.9%).
+constexpr int kRanksPerPart = 256;
 constexpr int kMaxParts = 8;
 constexpr int kMinUnitsPerRank = 4;
 

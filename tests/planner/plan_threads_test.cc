@@ -151,7 +151,7 @@ RandomCase LargeCase(uint64_t seed) {
 
 // Plans of random large cases (every policy and DST mode, groups, pre-packed samples, overflow,
 // slow ranks), with and without context parallelism and a learned recall model, at 1-8 threads;
-// some of over 1,024 ranks, whose placement is split into parts.
+// most of over 512 ranks with 5 samples a rank, whose placement is split into parts.
 TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
   PlanThreads two(2), three(3), eight(8);
   FailureBudget budget;
@@ -175,7 +175,7 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
     if (expected.find('{') != std::string::npos) ++split;
     // Placed in parts (sample_assigner.cc's kRanksPerPart), the parts on the threads.
     const bool balanced = c.config.policy != Policy::kSequential && c.config.policy != Policy::kDst;
-    if (balanced && c.config.max_shards == 1 && c.config.ranks >= 1024 &&
+    if (balanced && c.config.max_shards == 1 && c.config.ranks >= 512 &&
         c.batch.size() >= 5 * static_cast<size_t>(c.config.ranks)) {
       ++in_parts;
     }
@@ -192,7 +192,7 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
   EXPECT_GE(planned, 16);
   EXPECT_GE(covered.size(), 16u);  // most policy and mode pairs planned (not only refused)
   EXPECT_GE(split, 2);             // some plans split documents over ranks
-  EXPECT_GE(in_parts, 1);          // some placed in parts
+  EXPECT_GE(in_parts, 4);          // some placed in parts
 }
 
 }  // namespace

@@ -240,11 +240,11 @@ TEST(AssignSamplesTest, BalancingPoliciesMeetTheGreedyBoundWhenEverythingFits) {
   }
 }
 
-// Jobs of 1,024 ranks and more with at least 4 samples a rank are placed in parts of 512
-// ranks (sample_assigner.cc, kRanksPerPart), each part on its own; the samples that fit none of
+// Jobs of 512 ranks and more with at least 4 samples a rank are placed in parts of 256 ranks
+// (sample_assigner.cc, kRanksPerPart), each part on its own; the samples that fit none of
 // their part's ranks, and the moves and swaps after, see every rank. Against the lower bound
 // (the work spread over every rank by speed, or the largest sample on the fastest rank), with
-// slow ranks, mixed lengths and a capacity that some steps overflow. (The gaps were 0.12-0.25%
+// slow ranks, mixed lengths and a capacity that some steps overflow. (The gaps were 0.11-0.25%
 // placed in parts, 0.23-0.27% over the whole job before. The overfull 4,096-rank case took
 // 9.6 s to place before a sample that fits nowhere stopped walking every rank; 0.24 s now.)
 TEST(AssignSamplesTest, JobsPlacedInPartsStayNearTheBoundAndValid) {
