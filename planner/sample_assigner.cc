@@ -189,6 +189,7 @@ struct Unit {
 struct Tally {
   double cost = 0.0;
   double rigid = 0.0;
+  int64_t length = 0;  // tokens, when the unit is one sample (set without groups only)
   int first = 0;
   int size = 0;
   int next_member = 0;  // where its next member goes in Workspace::members
@@ -395,8 +396,13 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
     }
   }
   // Each sample's cost on the threads (the table's memo is per sample), summed per unit below.
+  // Without groups every sample is its own unit, numbered by its index, and its tally is
+  // written there too.
+  const bool ungrouped = grouped.empty();
   std::vector<double>& costs = ws->costs;
+  std::vector<Tally>& tallies = ws->tallies;
   costs.resize(n);
+  if (ungrouped) tallies.resize(n);
   ParallelFor(threads, n, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
       const Sample& s = batch[i];
@@ -412,11 +418,19 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
                                       : model.SampleSeconds(s, densities[i]);
           break;
       }
+      if (ungrouped) {  // as the loop below would tally it
+        Tally& unit = tallies[i];
+        unit = Tally{};
+        unit.first = static_cast<int>(i);
+        unit.size = 1;
+        unit.cost += costs[i];
+        if (DensityFloor(s.sensitivity, config) >= densities[i]) unit.rigid += costs[i];
+        unit.length = s.length;
+      }
     }
   });
-  std::vector<Tally>& tallies = ws->tallies;
-  tallies.clear();
-  for (int i = 0; i < n; ++i) {
+  if (!ungrouped) tallies.clear();
+  for (int i = 0; i < n && !ungrouped; ++i) {
     const Sample& s = batch[i];
     if (unit_of[i] == i) {  // a leader opens a unit
       unit_of[i] = static_cast<int>(tallies.size());
@@ -446,7 +460,26 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
     ws->part_begin.assign({0, unit_count});
   }
   std::vector<Unit>& units = ws->units;
+  std::vector<Member>& members = ws->members;
   units.resize(unit_count);
+  members.resize(n);
+  if (ungrouped) {  // unit p is sample order[p], its only member members[p]
+    ParallelFor(threads, unit_count, [&](size_t begin, size_t end) {
+      for (size_t p = begin; p < end; ++p) {
+        const Tally& tally = tallies[order[p]];
+        Unit& unit = units[p];
+        unit = Unit{};
+        unit.cost = tally.cost;
+        unit.rigid = tally.rigid;
+        unit.first = tally.first;
+        unit.begin = static_cast<int>(p);
+        unit.size = 1;
+        unit.longest = tally.length;
+        members[p] = Member{tally.first, -1, tally.length};
+      }
+    });
+    return;
+  }
   int begin = 0;
   for (int p = 0; p < unit_count; ++p) {
     Tally& tally = tallies[order[p]];
@@ -461,8 +494,6 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
     begin += tally.size;
   }
   // Samples in arrival order, so each unit's members are too.
-  std::vector<Member>& members = ws->members;
-  members.resize(n);
   for (int i = 0; i < n; ++i) {
     members[tallies[unit_of[i]].next_member++] = Member{i, -1, batch[i].length};
   }
