@@ -144,10 +144,13 @@ struct TunerStorage {
 
 class Tuner {
  public:
-  // With `threads`, the items are built and the ranks solved on them (plan_threads.h).
+  // With `threads`, the items are built and the ranks solved on them (plan_threads.h). With
+  // `recall_only`, only Recall and SolveForRecall may be called (AllocateDensities): the
+  // documents' lists and the ranks' fixed seconds, which only the rank solves and the bucket
+  // recalls read, are not built (they were half the set-up of the step's allocation).
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
         const LatencyModel& model, const SampleTable& table, const std::vector<double>& base,
-        PlanThreads* threads = nullptr);
+        PlanThreads* threads = nullptr, bool recall_only = false);
   ~Tuner() { storage_->in_use = false; }
   Tuner(const Tuner&) = delete;
   Tuner& operator=(const Tuner&) = delete;
@@ -243,7 +246,7 @@ TunerStorage& SharedStorage() {
 
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
              const PlannerConfig& config, const LatencyModel& model, const SampleTable& table,
-             const std::vector<double>& base, PlanThreads* threads)
+             const std::vector<double>& base, PlanThreads* threads, bool recall_only)
     : batch_(batch),
       config_(config),
       table_(table),
@@ -322,7 +325,9 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         documents.tokens.push_back(length);
         documents.buckets.push_back(RecallBucket(length, config.micro_batch_capacity));
       };
-      if (s.segments.empty()) {
+      if (recall_only) {
+        // No documents.
+      } else if (s.segments.empty()) {
         add_doc(s.length);
       } else {
         for (int64_t segment : s.segments) add_doc(segment);
@@ -353,6 +358,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       rank.items = ItemRange(items.data() + first_item[r], items.data() + first_item[r + 1]);
       rank.speed =
           r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
+      if (recall_only) continue;  // no fixed seconds: no rank solves
       const Item* item = rank.items.begin();
       for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
         if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
@@ -907,7 +913,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     if (members.empty()) continue;
     Assignment group;
     group.ranks.assign(1, std::vector<std::vector<int>>(1, members));
-    Tuner tuner(batch, group, config, model, table, base, threads);
+    Tuner tuner(batch, group, config, model, table, base, threads, /*recall_only=*/true);
     const double keep = per_bucket ? tuner.Recall(base) : base_recall;
     // Aim a little above: the per-rank tuning that follows moves densities away from this
     // optimum, which costs a little recall (it is concave), and should not have to back off.
