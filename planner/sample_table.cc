@@ -29,6 +29,8 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
     // default density, or one floor per sensitivity), so their logarithms keep the last one.
     double last_floor = -1.0;
     double last_log_floor = 0.0;
+    double last_base = -1.0;
+    double last_log_base = 0.0;
     for (size_t i = begin; i < end; ++i) {
       const Sample& s = batch[i];
       SampleTerms& t = terms_[i];
@@ -46,7 +48,17 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
         last_log_floor = LogOneMinus(t.floor);
       }
       t.log_floor = last_log_floor;
-      t.base_recall = RecallAt(t.exponent, t.base);
+      // RecallAt is 1 - e^(g log(1 - base)); below kAlmostDense its logarithm is LogOneMinus's,
+      // so the base's kept logarithm gives the same bits without a DetLog per sample.
+      if (t.base >= 0.0 && t.base < kAlmostDense) {
+        if (t.base != last_base) {
+          last_base = t.base;
+          last_log_base = LogOneMinus(t.base);
+        }
+        t.base_recall = 1.0 - DetExp(t.exponent * last_log_base);
+      } else {
+        t.base_recall = RecallAt(t.exponent, t.base);
+      }
       double triangle = 0.0;
       auto add_doc = [&](int64_t length) {
         const double rows = static_cast<double>(QueryBlocks(length, block));

@@ -1,0 +1,98 @@
+#include "planner/sample_table.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "planner/latency_model.h"
+#include "planner/plan_threads.h"
+#include "planner/recall_model.h"
+#include "planner/types.h"
+#include "tests/planner/random_cases.h"
+
+namespace sparsebalance {
+namespace {
+
+// A recall model with its own exponent per length bucket (so samples' exponents vary with their
+// documents, not only with their sensitivity).
+RecallModel LearnedRecall(const PlannerConfig& config) {
+  RecallModel model(config.micro_batch_capacity, config.shape.layers);
+  std::vector<RecallObservation> observations;
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    const int64_t length = RecallBucketRange(b, config.micro_batch_capacity).min;
+    const double g = 1.6 + 0.9 * b;
+    for (int k = 1; k <= 20; ++k) {
+      const double rho = 0.05 * k;
+      observations.push_back({length, -1, rho, 1.0 - std::pow(1.0 - rho, g)});
+    }
+  }
+  EXPECT_TRUE(model.ObserveStep(observations).ok());
+  return model;
+}
+
+// Every sample's terms are what their definitions give, bit for bit: the table computes some of
+// them by shortcuts (logarithms kept while floors and bases repeat, the recall at base from the
+// base's logarithm), which must not change a plan. Densities up to 1 (where the shortcut does
+// not apply), a document recall floor, pre-packed samples, prior and learned exponents, and the
+// table built on one thread and on two.
+TEST(SampleTableTest, TermsAreTheirDefinitionsBitForBit) {
+  PlanThreads two(2);
+  int cases = 0;
+  for (double density_default : {0.3, 0.999999999, 1.0}) {
+    for (double recall_floor : {0.0, 0.6}) {
+      for (bool learned : {false, true}) {
+        PlannerConfig config = test_util::StepConfig(64, 2, 16384);
+        config.density_default = density_default;
+        config.document_recall_floor = recall_floor;
+        std::vector<Sample> batch = test_util::TraceBatch(config, 11 + cases, 0.9);
+        ASSERT_GT(batch.size(), 100u);
+        for (size_t i = 0; i < batch.size(); ++i) {
+          Sample& s = batch[i];
+          s.sensitivity = static_cast<double>((i * 37) % 101) / 100.0;
+          if (i % 7 == 3 && s.length >= 2) s.segments = {s.length / 2, s.length - s.length / 2};
+        }
+        const LatencyModel model = test_util::MakeModel(config);
+        const RecallModel recall =
+            learned ? LearnedRecall(config)
+                    : RecallModel(config.micro_batch_capacity, config.shape.layers);
+        const SampleTable alone(batch, config, model, recall);
+        const SampleTable split(batch, config, model, recall, &two);
+        ASSERT_EQ(alone.size(), batch.size());
+        for (size_t i = 0; i < batch.size(); ++i) {
+          SCOPED_TRACE(absl::StrCat("case ", cases, ", samples[", i, "]"));
+          const Sample& s = batch[i];
+          const SampleTerms& t = alone[i];
+          const double g = recall.SampleExponent(s);
+          double floor = DensityFloor(s.sensitivity, config);
+          double base = BaseDensity(s.sensitivity, config);
+          if (recall_floor > 0) {
+            const double keep = std::min(config.density_max, DensityForRecall(g, recall_floor));
+            floor = std::max(floor, keep);
+            base = std::max(base, keep);
+          }
+          EXPECT_EQ(t.exponent, g);
+          EXPECT_EQ(t.floor, floor);
+          EXPECT_EQ(t.base, base);
+          EXPECT_EQ(t.log_floor, LogOneMinus(floor));
+          EXPECT_EQ(t.base_recall, RecallAt(g, base));
+          EXPECT_TRUE(std::isfinite(t.price_offset));
+          EXPECT_EQ(alone.Recall(i, base), RecallAt(g, base));
+          EXPECT_EQ(alone.Recall(i, 0.5 * base), RecallAt(g, 0.5 * base));
+          const SampleTerms& u = split[i];
+          EXPECT_EQ(u.exponent, t.exponent);
+          EXPECT_EQ(u.base_recall, t.base_recall);
+          EXPECT_EQ(u.log_floor, t.log_floor);
+          EXPECT_EQ(u.price_offset, t.price_offset);
+        }
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 12);
+}
+
+}  // namespace
+}  // namespace sparsebalance
