@@ -14,6 +14,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -34,37 +35,73 @@ absl::Status SampleError(size_t i, absl::string_view field, absl::string_view wh
   return absl::InvalidArgumentError(absl::StrCat("samples[", i, "].", field, ": ", what));
 }
 
+// Samples per block of BlockSums.
+constexpr size_t kSumBlock = 4096;
+
+// N sums over samples [0, n): add(i, sums) adds sample i's terms to its block's sums; the
+// blocks of kSumBlock samples run on `threads`, and their sums are added after in block order.
+// The blocks do not depend on the threads, so neither do the sums' bits.
+template <size_t N>
+std::array<double, N> BlockSums(size_t n, PlanThreads* threads,
+                                absl::FunctionRef<void(size_t, std::array<double, N>&)> add) {
+  const size_t blocks = (n + kSumBlock - 1) / kSumBlock;
+  std::vector<std::array<double, N>> partial(blocks);
+  auto run = [&](size_t first, size_t last) {
+    for (size_t b = first; b < last; ++b) {
+      partial[b].fill(0.0);
+      const size_t end = std::min(n, (b + 1) * kSumBlock);
+      for (size_t i = b * kSumBlock; i < end; ++i) add(i, partial[b]);
+    }
+  };
+  if (threads != nullptr && threads->size() > 1 && blocks > 1) {
+    threads->Run(blocks, blocks, run);
+  } else {
+    run(0, blocks);
+  }
+  std::array<double, N> total{};
+  for (const std::array<double, N>& sums : partial) {
+    for (size_t k = 0; k < N; ++k) total[k] += sums[k];
+  }
+  return total;
+}
+
 // Per length bucket, the tokens and the token-weighted predicted recall sum of the documents of
-// the samples with a non-zero weight (`weights` empty: all).
+// the samples with a non-zero weight (`weights` empty: all). With `threads`, the samples'
+// recalls must be kept in the table already (SampleTable::WarmRecalls): its memo is written
+// from one thread per sample only.
 void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
                   const SampleTable& table, int64_t capacity, const std::vector<double>& weights,
-                  std::vector<double>* tokens, std::vector<double>* weighted) {
-  tokens->assign(kRecallBuckets, 0.0);
-  weighted->assign(kRecallBuckets, 0.0);
-  for (size_t i = 0; i < batch.size(); ++i) {
-    if (!weights.empty() && weights[i] == 0.0) continue;
-    const double r = table.Recall(i, densities[i]);
-    auto add = [&](int64_t length) {
-      const int b = RecallBucket(length, capacity);
-      (*weighted)[b] += static_cast<double>(length) * r;
-      (*tokens)[b] += static_cast<double>(length);
-    };
-    if (batch[i].segments.empty()) {
-      add(batch[i].length);
-    } else {
-      for (int64_t segment : batch[i].segments) add(segment);
-    }
-  }
+                  std::vector<double>* tokens, std::vector<double>* weighted,
+                  PlanThreads* threads = nullptr) {
+  // [b]: bucket b's recall sum, [kRecallBuckets + b] its tokens.
+  const std::array<double, 2 * kRecallBuckets> sums = BlockSums<2 * kRecallBuckets>(
+      batch.size(), threads, [&](size_t i, std::array<double, 2 * kRecallBuckets>& sum) {
+        if (!weights.empty() && weights[i] == 0.0) return;
+        const double r = table.Recall(i, densities[i]);
+        auto add = [&](int64_t length) {
+          const int b = RecallBucket(length, capacity);
+          sum[b] += static_cast<double>(length) * r;
+          sum[kRecallBuckets + b] += static_cast<double>(length);
+        };
+        if (batch[i].segments.empty()) {
+          add(batch[i].length);
+        } else {
+          for (int64_t segment : batch[i].segments) add(segment);
+        }
+      });
+  weighted->assign(sums.begin(), sums.begin() + kRecallBuckets);
+  tokens->assign(sums.begin() + kRecallBuckets, sums.end());
 }
 
 // Token-weighted predicted recall per length bucket of the documents of the samples with a
 // non-zero weight (`weights` empty: all); a bucket without documents gets -1.
 std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
                                   const std::vector<double>& densities, const SampleTable& table,
-                                  int64_t capacity, const std::vector<double>& weights) {
+                                  int64_t capacity, const std::vector<double>& weights,
+                                  PlanThreads* threads = nullptr) {
   std::vector<double> tokens;
   std::vector<double> weighted;
-  BucketTotals(batch, densities, table, capacity, weights, &tokens, &weighted);
+  BucketTotals(batch, densities, table, capacity, weights, &tokens, &weighted, threads);
   for (int b = 0; b < kRecallBuckets; ++b) {
     weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : -1.0;
   }
@@ -203,17 +240,19 @@ absl::Status CheckShards(const Sample& s, const PlannerConfig& config,
   return absl::OkStatus();
 }
 
-// TokenWeightedRecall with the step's table.
+// TokenWeightedRecall with the step's table (in blocks: BlockSums; with `threads`, as
+// BucketTotals).
 double TableRecall(const std::vector<Sample>& batch, const std::vector<double>& densities,
-                   const SampleTable& table, const std::vector<double>& weights = {}) {
-  double weighted = 0.0;
-  double tokens = 0.0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const double w = static_cast<double>(batch[i].length) * (weights.empty() ? 1.0 : weights[i]);
-    weighted += w * table.Recall(i, densities[i]);
-    tokens += w;
-  }
-  return tokens > 0 ? weighted / tokens : 0.0;
+                   const SampleTable& table, const std::vector<double>& weights = {},
+                   PlanThreads* threads = nullptr) {
+  const std::array<double, 2> sums =
+      BlockSums<2>(batch.size(), threads, [&](size_t i, std::array<double, 2>& sum) {
+        const double w =
+            static_cast<double>(batch[i].length) * (weights.empty() ? 1.0 : weights[i]);
+        sum[0] += w * table.Recall(i, densities[i]);
+        sum[1] += w;
+      });
+  return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
 }
 
 bool MeetsMinimums(const std::vector<double>& recall, const std::vector<double>& minimum) {
@@ -467,7 +506,8 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   const bool guarded =
       tuned && config.dst_mode != DstMode::kMin && config.bucket_recall_margin < 1.0;
   const std::vector<double> defaults = densities;
-  const double default_recall = tuned ? TableRecall(batch, defaults, table) : 0.0;
+  // At the defaults every recall is the table's own (its base), so the sums may run on threads.
+  const double default_recall = tuned ? TableRecall(batch, defaults, table, {}, threads) : 0.0;
   phase(1);
   if (config.policy == Policy::kSparseBalance) {
     densities = AllocateDensities(batch, config, model, table, defaults, default_recall,
@@ -479,6 +519,9 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   if (!assignment.ok()) return assignment.status();
   phase(3);
   if (tuned) {
+    // The guards below sum the allocated densities' recalls in batch order: worked out on the
+    // threads first (a DetLog and a DetExp each, 2.4 ms serial at 65,536 samples).
+    table.WarmRecalls(densities, threads);
     // The recall every tuned plan keeps (but in kMin): that of the samples it places, at the
     // default densities, in total and per length bucket (less the bucket margin). Deferred
     // samples do not count: they are planned next step.
@@ -487,20 +530,21 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     if (!assignment->deferred.empty() || !assignment->shards.empty()) {
       placed.assign(batch.size(), 1.0);
       for (int i : assignment->deferred) placed[i] = 0.0;
-      keep = TableRecall(batch, defaults, table, placed);
+      keep = TableRecall(batch, defaults, table, placed, threads);
     }
     std::vector<double> minimum;
     if (guarded) {
-      minimum = BucketMinimums(BucketRecalls(batch, defaults, table, capacity, placed),
+      minimum = BucketMinimums(BucketRecalls(batch, defaults, table, capacity, placed, threads),
                                config.bucket_recall_margin);
     }
     // The step-level allocation was made for the whole batch; if deferring left the placed
     // samples with less recall than their defaults (in total), or a bucket below its minimum
     // (a pre-packed sample's documents may sit in buckets other than the one it was allocated
     // with), tune from the defaults instead: the guards' fallbacks need a base that meets them.
-    if ((!placed.empty() && TableRecall(batch, densities, table, placed) < keep) ||
+    if ((!placed.empty() && TableRecall(batch, densities, table, placed, threads) < keep) ||
         (guarded &&
-         !MeetsMinimums(BucketRecalls(batch, densities, table, capacity, placed), minimum))) {
+         !MeetsMinimums(BucketRecalls(batch, densities, table, capacity, placed, threads),
+                        minimum))) {
       densities = defaults;
     }
     if (!assignment->shards.empty()) {

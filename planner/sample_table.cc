@@ -77,6 +77,12 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   });
 }
 
+void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const {
+  ParallelFor(threads, terms_.size(), [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) Recall(i, densities[i]);
+  });
+}
+
 MicroBatchFeatures SampleTable::FeaturesAt(const Sample& sample, size_t i, double rho) const {
   Memo& memo = blocks_[i];
   if (!(memo.density == rho)) {

@@ -60,6 +60,9 @@ class SampleTable {
     if (!(memo.density == rho)) memo = {rho, RecallAt(t.exponent, rho)};
     return memo.value;
   }
+  // Asks Recall(i, densities[i]) for every sample, on `threads` (each sample's memo from its
+  // own thread), so that the serial sums that follow (the recall guards') find them kept.
+  void WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const;
   // Every sample's base density (SampleTerms::base), in batch order.
   std::vector<double> BaseDensities() const;
   // LatencyModel::SampleFeatures of sample i (`sample`, batch[i]) at density rho. The last
