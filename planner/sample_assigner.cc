@@ -614,7 +614,9 @@ class Placer {
   absl::Status Overflow(int u, std::vector<int>* deferred) const;
   bool FitsAfterSwap(int u, int v, int r) const;
   void ImproveMaxRank();
-  Assignment Collect(std::vector<int> deferred) const;
+  // The assignment, rank by rank in placement order. With `threads`, the ranks' lists are made
+  // on them, and each part's placements (part_placed_) gathered on them too.
+  Assignment Collect(std::vector<int> deferred, PlanThreads* threads = nullptr) const;
 
   const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
@@ -637,6 +639,8 @@ class Placer {
   mutable std::vector<int64_t> swap_free_;  // FitsAfterSwap's free tokens
   mutable std::vector<int> arrival_;        // FitInOrder's member places in arrival order
   std::vector<int> candidates_;             // PlaceBalanced's over every rank
+  // With parts: where each part's placements begin in placements_, and where the rest begin.
+  std::vector<int> part_placed_;
   // The whole placement's lane; its heap is least_loaded_ once Balanced starts.
   Lane whole_{nullptr, 0, &placements_, &fit_free_, &candidates_, &error_};
 };
@@ -904,11 +908,13 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
   }
   // The parts' placements part by part (each rank's in its order), and every rank's time in
   // the whole placement's heap.
+  part_placed_.assign(1, 0);
   for (const Workspace::Part& part : parts_) {
     for (int u : part.placements) {
       units_[u].placement = static_cast<int>(placements_.size());
       placements_.push_back(u);
     }
+    part_placed_.push_back(static_cast<int>(placements_.size()));
   }
   for (int r = 0; r < config_.ranks; ++r) least_loaded_.Update(r, Time(r));
   // What is left, in the order of the whole placement: largest first, ties in arrival order.
@@ -951,7 +957,7 @@ absl::StatusOr<Assignment> Placer::Balanced(PlanThreads* threads) {
   ImproveMaxRank();
   if (!error_.ok()) return error_;
   std::sort(deferred.begin(), deferred.end());
-  return Collect(std::move(deferred));
+  return Collect(std::move(deferred), threads);
 }
 
 bool Placer::FitsAfterSwap(int u, int v, int r) const {
@@ -1082,27 +1088,48 @@ void Placer::ImproveMaxRank() {
   }
 }
 
-Assignment Placer::Collect(std::vector<int> deferred) const {
+Assignment Placer::Collect(std::vector<int> deferred, PlanThreads* threads) const {
   Assignment out;
   out.ranks.resize(config_.ranks);
-  for (int r = 0; r < config_.ranks; ++r) {
-    std::vector<std::vector<int>>& rank = out.ranks[r];
-    rank.resize(micro_batches_);
-    for (int m = 0; m < micro_batches_; ++m) {
-      rank[m].reserve(placed_[static_cast<size_t>(r) * micro_batches_ + m]);
+  ParallelFor(threads, config_.ranks, [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) {
+      std::vector<std::vector<int>>& rank = out.ranks[r];
+      rank.resize(micro_batches_);
+      for (int m = 0; m < micro_batches_; ++m) {
+        rank[m].reserve(placed_[r * micro_batches_ + m]);
+      }
     }
-  }
+  });
   // In placement order, which is each rank's order of its units (a moved unit last on its new
   // rank): a pass over the placements rather than a walk of each rank's list, whose every
   // step waits for the previous one.
-  for (int p = 0; p < static_cast<int>(placements_.size()); ++p) {
-    const Unit& unit = units_[placements_[p]];
-    if (unit.placement != p) continue;
-    std::vector<std::vector<int>>& rank = out.ranks[unit.rank];
-    for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
-      rank[members_[k].slot].push_back(members_[k].index);
+  auto gather = [&](int first, int last) {
+    for (int p = first; p < last; ++p) {
+      const Unit& unit = units_[placements_[p]];
+      if (unit.placement != p) continue;
+      std::vector<std::vector<int>>& rank = out.ranks[unit.rank];
+      for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
+        rank[members_[k].slot].push_back(members_[k].index);
+      }
     }
+  };
+  // A part's placements that are still live (not moved since) lie on the part's ranks alone,
+  // and come before every later placement of those ranks: the parts' on the threads, then the
+  // rest (the units placed after the parts, and the moves) in order.
+  int rest = 0;
+  if (part_placed_.size() > 1) {
+    const int parts = static_cast<int>(part_placed_.size()) - 1;
+    auto gather_parts = [&](size_t first, size_t last) {
+      for (size_t q = first; q < last; ++q) gather(part_placed_[q], part_placed_[q + 1]);
+    };
+    if (threads != nullptr && threads->size() > 1) {
+      threads->Run(parts, parts, gather_parts);
+    } else {
+      gather_parts(0, parts);
+    }
+    rest = part_placed_.back();
   }
+  gather(rest, static_cast<int>(placements_.size()));
   out.deferred = std::move(deferred);
   return out;
 }
