@@ -98,25 +98,6 @@ TEST(PlanThreadsTest, AnExceptionInARangeReachesTheCaller) {
   }
 }
 
-// A recall model that has learned per-layer curves (so that plans carry layer densities) and
-// other exponents per length bucket than the prior's.
-RecallModel LearnedRecall(const PlannerConfig& config) {
-  RecallModel model(config.micro_batch_capacity, config.shape.layers);
-  std::vector<RecallObservation> observations;
-  for (int b = 0; b < kRecallBuckets; ++b) {
-    const int64_t length = RecallBucketRange(b, config.micro_batch_capacity).min;
-    for (int layer = -1; layer < config.shape.layers; ++layer) {
-      const double g = layer < 0 ? 3.0 : 1.5 + 6.0 * layer / config.shape.layers + 0.3 * b;
-      for (int k = 1; k <= 20; ++k) {
-        const double rho = 0.05 * k;
-        observations.push_back({length, layer, rho, 1.0 - std::pow(1.0 - rho, g)});
-      }
-    }
-  }
-  EXPECT_TRUE(model.ObserveStep(observations).ok());
-  return model;
-}
-
 // A random case's config (densities, block shape, overflow, slow ranks) with policy and DST mode
 // taken in turn (every pair within 24 seeds), scaled to enough ranks that planning's per-rank
 // loops are split (kMinParallelItems), with a trace batch that has groups, pre-packed samples,
@@ -165,7 +146,7 @@ TEST(PlanThreadsTest, PlansAreTheSameBytesWithAnyNumberOfThreads) {
     ASSERT_TRUE(valid.ok()) << valid.status();
     const LatencyModel model = MakeModel(c.config, c.speed);
     const RecallModel recall =
-        seed % 2 == 0 ? LearnedRecall(c.config)
+        seed % 2 == 0 ? test_util::LearnedRecall(c.config)
                       : RecallModel(c.config.micro_batch_capacity, c.config.shape.layers);
     const absl::StatusOr<StepPlan> alone = PlanStep(c.batch, *valid, model, recall);
     if (!alone.ok()) continue;  // an overflowing kError case: nothing to compare

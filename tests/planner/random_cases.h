@@ -166,6 +166,25 @@ inline std::vector<double> BaseDensities(const std::vector<Sample>& batch,
   return base;
 }
 
+// A recall model that has learned per-layer curves (so that plans carry layer densities) and
+// other exponents per length bucket than the prior's.
+inline RecallModel LearnedRecall(const PlannerConfig& config) {
+  RecallModel model(config.micro_batch_capacity, config.shape.layers);
+  std::vector<RecallObservation> observations;
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    const int64_t length = RecallBucketRange(b, config.micro_batch_capacity).min;
+    for (int layer = -1; layer < config.shape.layers; ++layer) {
+      const double g = layer < 0 ? 3.0 : 1.5 + 6.0 * layer / config.shape.layers + 0.3 * b;
+      for (int k = 1; k <= 20; ++k) {
+        const double rho = 0.05 * k;
+        observations.push_back({length, layer, rho, 1.0 - std::pow(1.0 - rho, g)});
+      }
+    }
+  }
+  EXPECT_TRUE(model.ObserveStep(observations).ok());
+  return model;
+}
+
 // One step of the built-in pretraining trace filling `fill` of the step's tokens.
 inline std::vector<Sample> TraceBatch(const PlannerConfig& config, uint64_t seed, double fill,
                                       const std::string& trace = "pretrain") {

@@ -16,23 +16,6 @@
 namespace sparsebalance {
 namespace {
 
-// A recall model with its own exponent per length bucket (so samples' exponents vary with their
-// documents, not only with their sensitivity).
-RecallModel LearnedRecall(const PlannerConfig& config) {
-  RecallModel model(config.micro_batch_capacity, config.shape.layers);
-  std::vector<RecallObservation> observations;
-  for (int b = 0; b < kRecallBuckets; ++b) {
-    const int64_t length = RecallBucketRange(b, config.micro_batch_capacity).min;
-    const double g = 1.6 + 0.9 * b;
-    for (int k = 1; k <= 20; ++k) {
-      const double rho = 0.05 * k;
-      observations.push_back({length, -1, rho, 1.0 - std::pow(1.0 - rho, g)});
-    }
-  }
-  EXPECT_TRUE(model.ObserveStep(observations).ok());
-  return model;
-}
-
 // Every sample's terms are what their definitions give, bit for bit: the table computes some of
 // them by shortcuts (logarithms kept while floors and bases repeat, the recall at base from the
 // base's logarithm), which must not change a plan. Densities up to 1 (where the shortcut does
@@ -56,7 +39,7 @@ TEST(SampleTableTest, TermsAreTheirDefinitionsBitForBit) {
         }
         const LatencyModel model = test_util::MakeModel(config);
         const RecallModel recall =
-            learned ? LearnedRecall(config)
+            learned ? test_util::LearnedRecall(config)
                     : RecallModel(config.micro_batch_capacity, config.shape.layers);
         const SampleTable alone(batch, config, model, recall);
         const SampleTable split(batch, config, model, recall, &two);
