@@ -219,8 +219,10 @@ def test_the_trainers_own_attention_is_profiled_and_uploaded(planner):
     grid = {(n, d) for n in (512, 1024, 2048) for d in (1.0, 0.1)}
     assert {(r.length, r.density) for r in table.rows} == grid
     assert set(calls) == grid  # the trainer's callable ran at every grid point
-    by = {(r.length, r.density): r.seconds for r in table.rows}
-    assert by[(2048, 1.0)] > by[(512, 1.0)] > 0  # measured, not made up
+    # Measured, not made up; the times are not compared with each other (a test never compares
+    # wall-clock times). The upload inside profile() passed the planner's fit, which refuses
+    # times that do not grow with the kept blocks.
+    assert all(r.seconds > 0 for r in table.rows)
     balancer.close()
 
 
