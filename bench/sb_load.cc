@@ -686,7 +686,18 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
   const int steps = absl::GetFlag(FLAGS_steps);
   Connections connections(target, absl::GetFlag(FLAGS_connections));
   const Job job = CreateJob(connections[0], admin, ranks, 4, 0);
+  // Every rank's first JoinJob, 64 in flight: what a job's start costs the planner.
+  const double join_cpu_before = CpuSeconds(pid);
+  const Clock::time_point join_start = Clock::now();
   Join(connections, job, ranks);
+  const double join_seconds = Seconds(join_start, Clock::now());
+  const double join_cpu =
+      pid > 0 && join_cpu_before >= 0 ? CpuSeconds(pid) - join_cpu_before : -1.0;
+  std::cout << absl::StrFormat(
+      "step: %d ranks joined in %.1f ms%s\n", ranks, join_seconds * 1e3,
+      join_cpu >= 0 ? absl::StrFormat(" (the planner's CPU %.1f ms)", join_cpu * 1e3) : "");
+  figures->Add("step_join_ms", join_seconds * 1e3);
+  if (join_cpu >= 0) figures->Add("step_join_planner_cpu_ms", join_cpu * 1e3);
   std::vector<std::unique_ptr<ReportStream>> streams = OpenReportStreams(connections, job, ranks);
   std::vector<double> totals;
   double submit_sum = 0.0;

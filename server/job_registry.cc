@@ -453,37 +453,62 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
   if (absl::Status s = ValidateHostName(host); !s.ok()) return s;
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return NotFound(job_id);
-  absl::MutexLock lock(&job->mu);
-  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
-  if (rank < 0 || rank >= job->config.get().ranks) {
-    return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is outside [0, ",
-                                                   job->config.get().ranks, ") of job ", job_id));
-  }
-  if (!host.empty() &&
-      (rank >= static_cast<int>(job->hosts->size()) || (*job->hosts)[rank] != host)) {
-    // Copied, not changed in place: views and step stats hold the old vector.
-    auto hosts = std::make_shared<std::vector<std::string>>(*job->hosts);
-    hosts->resize(std::max<size_t>(hosts->size(), job->config.get().ranks));
-    (*hosts)[rank] = host;
-    job->hosts = std::move(hosts);
-  }
-  if (!job->joined[rank]) {
+  std::pair<JobSettings, int64_t> joined;
+  int64_t durable_end = 0;  // the joins.log bytes this answer promises durable
+  bool appended = false;
+  {
+    absl::MutexLock lock(&job->mu);
+    if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
+    if (rank < 0 || rank >= job->config.get().ranks) {
+      return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is outside [0, ",
+                                                     job->config.get().ranks, ") of job ", job_id));
+    }
+    if (!host.empty() &&
+        (rank >= static_cast<int>(job->hosts->size()) || (*job->hosts)[rank] != host)) {
+      // Copied when a view or a step's stats hold it (they keep what they saw), else changed
+      // in place: copying it at every join made a job's joins quadratic in its ranks. Only
+      // the holder of mu makes new holders, so a count of 1 read under it stays 1.
+      if (job->hosts.use_count() > 1) {
+        job->hosts = std::make_shared<std::vector<std::string>>(*job->hosts);
+      }
+      job->hosts->resize(std::max<size_t>(job->hosts->size(), job->config.get().ranks));
+      (*job->hosts)[rank] = host;
+    }
+    if (!job->joined[rank] && options_.store != nullptr) {
+      // One record appended to the job's joins.log, not a rewrite of its snapshot: a job's
+      // joins are linear in its ranks, not quadratic. Synced below, outside the lock.
+      absl::StatusOr<int64_t> end = options_.store->AppendJoin(job_id, rank);
+      if (!end.ok()) return Stored(end.status());
+      job->joins_appended = std::max(job->joins_appended, *end);
+      appended = true;
+    }
     job->joined[rank] = true;
-    if (absl::Status s = SaveJob(job_id, *job); !s.ok()) {
-      job->joined[rank] = false;
+    // A rank that finds itself joined answers once every join appended so far is durable
+    // (its own may be one that another call is still syncing).
+    durable_end = job->joins_appended;
+    if (rank_next_step != nullptr) {
+      *rank_next_step = job->next_step;
+      for (const auto& [step, record] : job->history) {
+        if (!record.HasReport(rank)) {
+          *rank_next_step = step;
+          break;
+        }
+      }
+    }
+    joined = std::make_pair(job->settings(), job->next_step);
+  }
+  if (durable_end > 0) {
+    // Outside the job's lock, so that the ranks joining meanwhile append theirs and one fsync
+    // covers them all (PlanStore::SyncJoins).
+    if (absl::Status s = Stored(options_.store->SyncJoins(job_id, durable_end)); !s.ok()) {
+      if (appended) {
+        absl::MutexLock lock(&job->mu);
+        job->joined[rank] = false;  // not acknowledged: it joins again
+      }
       return s;
     }
   }
-  if (rank_next_step != nullptr) {
-    *rank_next_step = job->next_step;
-    for (const auto& [step, record] : job->history) {
-      if (!record.HasReport(rank)) {
-        *rank_next_step = step;
-        break;
-      }
-    }
-  }
-  return std::make_pair(job->settings(), job->next_step);
+  return joined;
 }
 
 absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id, int64_t step,

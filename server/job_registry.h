@@ -281,7 +281,7 @@ class JobRegistry {
           history_steps(history),
           model(c.get().shape, c.get().ranks, prior),
           recall(c.get().micro_batch_capacity, c.get().shape.layers),
-          hosts(std::make_shared<const std::vector<std::string>>(c.get().ranks)) {}
+          hosts(std::make_shared<std::vector<std::string>>(c.get().ranks)) {}
     // The settings as JobSettings (views, snapshots, replies).
     JobSettings settings() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
       return {config.get(), history_steps};
@@ -306,8 +306,12 @@ class JobRegistry {
     std::atomic<bool> deleted{false};
     int64_t unfolded_steps ABSL_GUARDED_BY(mu) = 0;
     std::string fold_failure ABSL_GUARDED_BY(mu);
-    // Host name per rank (JoinJob); replaced, not changed, so views and StepStats share it.
-    std::shared_ptr<const std::vector<std::string>> hosts ABSL_GUARDED_BY(mu);
+    // Host name per rank (JoinJob). Views and StepStats share it: JoinJob changes it in place
+    // only while nothing else holds it, and replaces it otherwise.
+    std::shared_ptr<std::vector<std::string>> hosts ABSL_GUARDED_BY(mu);
+    // Where this process's last append to the job's joins.log ended (PlanStore::AppendJoin):
+    // a JoinJob answers once the log is durable that far. 0: none appended.
+    int64_t joins_appended ABSL_GUARDED_BY(mu) = 0;
     // The idle TTL's clock (Options::now) at the last authorized call, nanoseconds since its
     // epoch. Written without the lock (Authorize holds none).
     std::atomic<int64_t> last_active_ns{0};

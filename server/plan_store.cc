@@ -304,10 +304,14 @@ struct ParsedLog {
   int framed = 0;  // records whose header and checksum held (parsed or not)
 };
 
-// A log of framed records. What does not frame or check is skipped up to the next magic word:
-// the length of a damaged record is never trusted, so the records after it are found.
-ParsedLog ParseFramedLog(absl::string_view log) {
-  ParsedLog out;
+// The records of a log of framed records: take(body) for each that frames and checks, in
+// order; it returns false for a body that does not parse (its bytes count as skipped). What
+// does not frame or check is skipped up to the next magic word: the length of a damaged record
+// is never trusted, so the records after it are found. Returns the bytes skipped; `framed`
+// counts the records whose header and checksum held (parsed or not).
+int64_t ScanFramedLog(absl::string_view log, absl::FunctionRef<bool(absl::string_view)> take,
+                      int* framed) {
+  int64_t skipped = 0;
   size_t at = 0;
   while (at < log.size()) {
     if (log.size() - at >= kHeaderBytes && log.substr(at, 4) == kMagic) {
@@ -315,13 +319,8 @@ ParsedLog ParseFramedLog(absl::string_view log) {
       if (size <= kMaxRecordBytes && size <= log.size() - at - kHeaderBytes) {
         const absl::string_view body = log.substr(at + kHeaderBytes, size);
         if (GetLe32(log.data() + at + 8) == RecordCrc(log.substr(at + 4, 4), body)) {
-          ++out.framed;
-          state::v1::ReportRecord report;
-          if (report.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
-            out.reports.push_back(std::move(report));
-          } else {
-            out.skipped_bytes += static_cast<int64_t>(kHeaderBytes + size);
-          }
+          ++*framed;
+          if (!take(body)) skipped += static_cast<int64_t>(kHeaderBytes + size);
           at += kHeaderBytes + size;
           continue;
         }
@@ -329,9 +328,24 @@ ParsedLog ParseFramedLog(absl::string_view log) {
     }
     size_t next = log.find(kMagic, at + 1);
     if (next == absl::string_view::npos) next = log.size();
-    out.skipped_bytes += static_cast<int64_t>(next - at);
+    skipped += static_cast<int64_t>(next - at);
     at = next;
   }
+  return skipped;
+}
+
+// A report log of framed records (ScanFramedLog).
+ParsedLog ParseFramedLog(absl::string_view log) {
+  ParsedLog out;
+  out.skipped_bytes = ScanFramedLog(
+      log,
+      [&](absl::string_view body) {
+        state::v1::ReportRecord report;
+        if (!report.ParseFromArray(body.data(), static_cast<int>(body.size()))) return false;
+        out.reports.push_back(std::move(report));
+        return true;
+      },
+      &out.framed);
   return out;
 }
 
@@ -365,6 +379,8 @@ std::string StepPath(const std::string& job_dir, int64_t step, absl::string_view
 }
 
 // The job's spare step record (kSpareStepName).
+std::string JoinsPath(const std::string& job_dir) { return job_dir + "/joins.log"; }
+
 std::string SparePath(const std::string& job_dir) {
   return absl::StrCat(job_dir, "/", kSpareStepName);
 }
@@ -622,6 +638,85 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
   return status;
 }
 
+absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int rank) {
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  state::v1::JoinRecord join;
+  join.set_rank(rank);
+  const std::string record = EncodeRecord(join.SerializeAsString());
+  const std::string job_dir = JobDir(job_id);
+  const std::string path = JoinsPath(job_dir);
+  // Not kept open: a rank joins once. O_NONBLOCK: a FIFO in its place fails instead of
+  // blocking.
+  absl::MutexLock lock(&logs_mu_);  // no append while the folder moves (RetireJob, Quarantine)
+  const int fd =
+      open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    if (IsGone(job_dir)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): join not saved"));
+    }
+    return IoFailure("cannot open", path, err);
+  }
+  absl::StatusOr<struct stat> st = StatOpenFile(fd, path);
+  if (!st.ok()) return st.status();
+  if (!S_ISREG(st->st_mode)) {
+    close(fd);
+    return StoreFailure(absl::StatusCode::kInternal,
+                        absl::StrCat(path, " is not a regular file: cannot append to it"));
+  }
+  const int err = WriteAllOrErrno(fd, record);
+  if (err == 0) {
+    close(fd);
+    return static_cast<int64_t>(st->st_size) + static_cast<int64_t>(record.size());
+  }
+  absl::Status status = IoFailure("cannot write", path, err);
+  // As for a report: the next append starts on a record boundary.
+  if (ftruncate(fd, st->st_size) != 0) {
+    status = WithMore(status, absl::StrCat("; then cannot cut ", path, " back to ", st->st_size,
+                                           " bytes: ", std::strerror(errno)));
+  }
+  close(fd);
+  return status;
+}
+
+absl::Status PlanStore::SyncJoins(const std::string& job_id, int64_t end) {
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  // Callers wait here while one syncs; the bytes a sync finds cover every append that ended
+  // before it began, so most of them find their join synced already.
+  absl::MutexLock lock(&joins_sync_mu_);
+  const auto known = joins_synced_.find(job_id);
+  int64_t synced = known != joins_synced_.end() ? known->second : 0;
+  if (synced >= end) return absl::OkStatus();
+  const std::string job_dir = JobDir(job_id);
+  const std::string path = JoinsPath(job_dir);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    if (IsGone(job_dir)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): join not saved"));
+    }
+    return IoFailure("cannot open", path, err);
+  }
+  absl::StatusOr<struct stat> st = StatOpenFile(fd, path);
+  if (!st.ok()) return st.status();
+  if (fsync(fd) != 0) {
+    const int err = errno;
+    close(fd);
+    return IoFailure("cannot fsync", path, err);
+  }
+  close(fd);
+  synced = std::max<int64_t>(synced, st->st_size);
+  joins_synced_[job_id] = synced;  // only for a folder that was there (RetireJob forgets it)
+  if (synced < end) {              // shorter than an append said it ended: it was cut back
+    return StoreFailure(absl::StatusCode::kInternal,
+                        absl::StrCat(path, " holds ", st->st_size, " bytes, not the ", end,
+                                     " its last join ended at"));
+  }
+  return absl::OkStatus();
+}
+
 PlanStore::~PlanStore() {
   absl::MutexLock lock(&logs_mu_);
   for (const auto& [key, log] : report_logs_) close(log.fd);
@@ -661,6 +756,10 @@ absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
 
 absl::Status PlanStore::RetireJob(const std::string& job_id) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  {
+    absl::MutexLock lock(&joins_sync_mu_);
+    joins_synced_.erase(job_id);
+  }
   const std::string from = JobDir(job_id);
   const std::string retired_name = absl::StrCat(kDeletedPrefix, job_id);
   {
@@ -746,6 +845,26 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
   absl::StatusOr<StoredJob> decoded = DecodeJob(snapshot);
   if (!decoded.ok()) return decoded.status();
   job.job = *std::move(decoded);
+  if (files.count("joins.log") > 0) {
+    absl::StatusOr<std::string> log = ReadFile(JoinsPath(job_dir));
+    if (!log.ok()) return log.status();
+    std::vector<bool>& joined = job.job.joined;
+    const int ranks = job.job.settings.planner.ranks;
+    int framed = 0;
+    job.joins_skipped_bytes = ScanFramedLog(
+        *log,
+        [&](absl::string_view body) {
+          state::v1::JoinRecord join;
+          if (!join.ParseFromArray(body.data(), static_cast<int>(body.size())) || join.rank() < 0 ||
+              join.rank() >= ranks) {
+            return false;
+          }
+          if (joined.size() < static_cast<size_t>(ranks)) joined.resize(ranks, false);
+          joined[join.rank()] = true;
+          return true;
+        },
+        &framed);
+  }
   std::vector<int64_t> steps;
   for (const std::string& file : files) {
     absl::string_view name = file;

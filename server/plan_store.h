@@ -3,6 +3,7 @@
 //   <state_dir>/<job_id>/job.pb             JobSnapshot: config, token, model, next step
 //   <state_dir>/<job_id>/step-<n>.pb        StepRecord: the batch and the whole plan
 //   <state_dir>/<job_id>/step-<n>.reports   ReportRecords, appended (framed, below)
+//   <state_dir>/<job_id>/joins.log          JoinRecords: ranks that joined since job.pb said so
 //
 // Callers hand the store C++ values (StoredJob, a step's batch and plan, StoredReport) and get
 // C++ values back; the store alone turns them into the storage protos of state.proto and bytes
@@ -17,13 +18,18 @@
 // acknowledged: they survive the planner process dying (SIGKILL, OOM); `--fsync_reports` also
 // syncs each append, for machine crashes, at a cost per report; the job snapshot written after
 // each SubmitBatch (the model with its folded steps) is synced under the same flag, and a step
-// folded since is refolded from its reports on load.
+// folded since is refolded from its reports on load. A rank's first JoinJob is appended to the
+// job's joins.log and synced before it is acknowledged, ranks joining at once sharing an fsync
+// (one record, not a rewrite of job.pb: rewriting and syncing the snapshot, which grows with
+// the ranks, for every join made a 4,096-rank job's joins cost the planner seconds); the ranks
+// joined are those job.pb lists and those joins.log adds.
 //
-// A report log is a sequence of records, each
+// A report log (and the joins log) is a sequence of records, each
 //
 //   magic (4 bytes: E2 9C 53 B7) | length of body (uint32 LE) | crc (uint32 LE) | body
 //
-// where crc is the CRC32C of the 4 length bytes and the body (a serialized ReportRecord). An
+// where crc is the CRC32C of the 4 length bytes and the body (a serialized ReportRecord, or a
+// JoinRecord in joins.log). An
 // append that fails part-way (ENOSPC after half a record) is cut off again with ftruncate() to
 // the size before it, so the next append starts on a record boundary. A crash mid-append can
 // still leave a torn record; the loader skips what does not frame or check (counting the bytes
@@ -116,9 +122,10 @@ class PlanStore {
     int64_t skipped_bytes = 0;          // torn or corrupt bytes of the report log that were skipped
   };
   struct LoadedJob {
-    std::string job_id;  // the folder's name, never the snapshot's contents
-    StoredJob job;
-    std::vector<LoadedStep> steps;  // ascending step
+    std::string job_id;               // the folder's name, never the snapshot's contents
+    StoredJob job;                    // `joined` includes the ranks of joins.log
+    std::vector<LoadedStep> steps;    // ascending step
+    int64_t joins_skipped_bytes = 0;  // torn or corrupt bytes of joins.log that were skipped
   };
   struct FailedJob {
     std::string job_id;
@@ -154,6 +161,14 @@ class PlanStore {
                         const StepPlan& plan, bool folded);
   // Appends one framed record; on failure the log is cut back to its size before the call.
   absl::Status AppendReport(const std::string& job_id, int64_t step, const StoredReport& report);
+  // Records that `rank` joined the job: one framed JoinRecord appended to its joins.log (on
+  // failure the log is cut back to its size before the call). Returns the log's size after it,
+  // for SyncJoins. FAILED_PRECONDITION when the job's folder is gone.
+  absl::StatusOr<int64_t> AppendJoin(const std::string& job_id, int rank);
+  // Makes the job's joins.log durable up to byte `end` (an AppendJoin's answer): one fsync
+  // covers every join appended before it, so ranks joining at once share a few (a group
+  // commit). Call it without holding a lock that other joins need.
+  absl::Status SyncJoins(const std::string& job_id, int64_t end);
   // Removes a step that left the job's history. Its record stays in the job's folder as a
   // spare (a `*.tmp` file, never loaded) for the next SaveStep of the job to write over: on
   // the machines measured, writing over cached pages costs a fraction of new ones.
@@ -216,6 +231,9 @@ class PlanStore {
   static constexpr size_t kMaxOpenReportLogs = 64;
   absl::Mutex logs_mu_;
   std::map<std::pair<std::string, int64_t>, ReportLog> report_logs_ ABSL_GUARDED_BY(logs_mu_);
+  // Per job, the bytes of its joins.log known durable (SyncJoins); held through each sync.
+  absl::Mutex joins_sync_mu_;
+  std::map<std::string, int64_t> joins_synced_ ABSL_GUARDED_BY(joins_sync_mu_);
 };
 
 }  // namespace sparsebalance

@@ -765,6 +765,12 @@ TEST_F(JobRegistryTest, HostNamesAreCheckedAndNameTheSlowestRanks) {
   ASSERT_TRUE(view.ok());
   ASSERT_NE(view->hosts, nullptr);
   EXPECT_EQ(*view->hosts, (std::vector<std::string>{"gpu-node-01.cluster", "", "10.0.0.7", ""}));
+  // A rank that comes back on another host: a view taken before keeps what it saw (the names
+  // are changed in place only while no view holds them), later views see the new name.
+  ASSERT_TRUE(registry_.JoinJob(id, 2, nullptr, "10.0.0.8").ok());
+  EXPECT_EQ((*view->hosts)[2], "10.0.0.7");
+  EXPECT_EQ((*registry_.GetJob(id)->hosts)[2], "10.0.0.8");
+  ASSERT_TRUE(registry_.JoinJob(id, 2, nullptr, "10.0.0.7").ok());
 
   const std::vector<SlowRank> slowest =
       SlowestRanks({1.0, 3.0, 2.0, 3.0}, view->hosts.get(), /*k=*/3);

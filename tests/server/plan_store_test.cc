@@ -140,6 +140,47 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
   EXPECT_TRUE(restored.SubmitBatch(id, 3, Batch(20, kRanks)).ok());
 }
 
+// A join appends one record to the job's joins.log and leaves job.pb alone (rewriting and
+// syncing the snapshot per join made a 4,096-rank job's joins cost the planner seconds): ranks
+// that joined and were acknowledged are joined after a restart, with no snapshot written since
+// the job was created, and their reports are taken.
+TEST(PlanStoreTest, JoinsSurviveARestartWithoutASnapshotAfterThem) {
+  const std::string dir = TempDir();
+  const StoredOptions stored = OptionsWithStore(dir, false);
+  ASSERT_NE(stored.store, nullptr);
+  constexpr int kRanks = 4;
+  CreatedJob job;
+  std::string snapshot_before_joins;
+  {
+    JobRegistry registry(stored.options, CountingHex());
+    absl::StatusOr<CreatedJob> created =
+        registry.CreateJob("joins", test_support::SmallJob(kRanks, 8), "");
+    ASSERT_TRUE(created.ok()) << created.status();
+    job = *created;
+    snapshot_before_joins = ReadBytes(dir + "/" + job.job_id + "/job.pb");
+    // Ranks 3 and 1 join (1 twice: a repeat appends nothing), 0 and 2 do not.
+    for (int r : {3, 1, 1}) ASSERT_TRUE(registry.JoinJob(job.job_id, r).ok());
+    EXPECT_EQ(ReadBytes(dir + "/" + job.job_id + "/job.pb"), snapshot_before_joins);
+  }  // the planner "dies"
+  absl::StatusOr<PlanStore::Loaded> loaded = stored.store->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(loaded->jobs[0].job.joined, (std::vector<bool>{false, true, false, true}));
+  EXPECT_EQ(loaded->jobs[0].joins_skipped_bytes, 0);
+
+  JobRegistry restored(stored.options, CountingHex());
+  ASSERT_TRUE(restored.Restore().ok());
+  EXPECT_EQ(restored.GetJob(job.job_id)->joined_ranks, 2);
+  for (int r : {0, 2}) ASSERT_TRUE(restored.JoinJob(job.job_id, r).ok());
+  const std::vector<Sample> batch = Batch(3, kRanks);
+  absl::StatusOr<SubmitResult> result = restored.SubmitBatch(job.job_id, 0, batch);
+  ASSERT_TRUE(result.ok()) << result.status();
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_TRUE(restored.ReportStep(job.job_id, 0, r, Measure(*result->plan, r), 0.0).ok())
+        << "rank " << r;
+  }
+}
+
 // A fold writes no snapshot (the next SubmitBatch's carries it): a planner that dies after a
 // step's last report but before the next submit refolds the step from its report log.
 TEST(PlanStoreTest, AStepFoldedAfterTheLastSnapshotIsRefoldedOnRestore) {
@@ -557,9 +598,16 @@ TEST(PlanStoreTest, EveryMethodRefusesAJobIdThatIsNotAFolderName) {
         std::string(".."), std::string(""), std::string("AAAAAAAA1"), std::string("quarantine")}) {
     SCOPED_TRACE(id);
     const std::vector<absl::Status> results = {
-        store.CreateJob(Snapshot(id)),        store.SaveJob(Snapshot(id)), SaveStep(store, id, 0),
-        store.AppendReport(id, 0, Report(0)), store.DropStep(id, 0),       store.RetireJob(id),
-        store.Quarantine(id, "test"),         store.DeleteQuarantined(id),
+        store.CreateJob(Snapshot(id)),
+        store.SaveJob(Snapshot(id)),
+        SaveStep(store, id, 0),
+        store.AppendReport(id, 0, Report(0)),
+        store.DropStep(id, 0),
+        store.RetireJob(id),
+        store.Quarantine(id, "test"),
+        store.DeleteQuarantined(id),
+        store.AppendJoin(id, 0).status(),
+        store.SyncJoins(id, 1),
     };
     for (const absl::Status& s : results) {
       EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -635,6 +683,72 @@ TEST(PlanStoreTest, ALogOfThePreviousFormatLoadsAndIsRewrittenOnAppend) {
   ASSERT_TRUE(loaded.ok());
   EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
+}
+
+// joins.log: ranks the snapshot lists and ranks the log adds are joined; a sync vouches only
+// for bytes the log holds; a torn record loses only itself, a record naming a rank the job does
+// not have is skipped, a join appended part way is cut back, and a retired job's folder is
+// never re-created by a join.
+TEST(PlanStoreTest, TheJoinsLogAddsRanksAndSurvivesTornAndFailedAppends) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  StoredJob snapshot = Snapshot(kJobA);
+  snapshot.settings.planner.ranks = 6;
+  snapshot.model.speed_factors.assign(6, 1.0);
+  snapshot.joined = {true, false, false, false, false, false};
+  ASSERT_TRUE(store->SaveJob(snapshot).ok());
+  const std::string log = dir + "/" + kJobA + "/joins.log";
+  std::vector<std::string> records;
+  int64_t end = 0;
+  for (int rank : {2, 3, 9, 4}) {  // 9: not a rank of the job
+    const int64_t size = std::max<int64_t>(FileSize(log), 0);
+    absl::StatusOr<int64_t> appended = store->AppendJoin(kJobA, rank);
+    ASSERT_TRUE(appended.ok()) << appended.status();
+    EXPECT_EQ(*appended, FileSize(log));
+    end = *appended;
+    records.push_back(ReadBytes(log).substr(size));
+  }
+  EXPECT_TRUE(store->SyncJoins(kJobA, end).ok());
+  // A log shorter than an append said it ended (cut back under it) is not called durable.
+  const absl::Status short_log = store->SyncJoins(kJobA, end + 1);
+  EXPECT_TRUE(IsStoreFailure(short_log)) << short_log;
+  ASSERT_EQ(records[0].substr(0, 4), "\xE2\x9C\x53\xB7");
+  // Rank 3's record torn after half its bytes.
+  const std::string torn = records[1].substr(0, records[1].size() / 2);
+  WriteBytes(log, records[0] + torn + records[2] + records[3]);
+
+  // A join whose write lands in part (the file size limit, as for reports) is cut back.
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = saved;
+  const int64_t before = FileSize(log);
+  limit.rlim_cur = static_cast<rlim_t>(before + 3);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  const absl::Status failed = store->AppendJoin(kJobA, 5).status();
+  const int64_t after = FileSize(log);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  signal(SIGXFSZ, saved_handler);
+  EXPECT_TRUE(IsStoreFailure(failed)) << failed;
+  EXPECT_TRUE(absl::StrContains(failed.message(), log)) << failed;
+  EXPECT_EQ(after, before);
+
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_TRUE(loaded->failed.empty());
+  EXPECT_EQ(loaded->jobs[0].job.joined, (std::vector<bool>{true, false, true, false, true, false}));
+  EXPECT_EQ(loaded->jobs[0].joins_skipped_bytes,
+            static_cast<int64_t>(torn.size() + records[2].size()));
+
+  ASSERT_TRUE(store->RetireJob(kJobA).ok());
+  const absl::Status gone = store->AppendJoin(kJobA, 1).status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kFailedPrecondition) << gone;
+  EXPECT_FALSE(IsStoreFailure(gone));
+  const absl::Status gone_sync = store->SyncJoins(kJobA, end);
+  EXPECT_EQ(gone_sync.code(), absl::StatusCode::kFailedPrecondition) << gone_sync;
+  EXPECT_FALSE(Exists(dir + "/" + kJobA));
 }
 
 // A write that lands only in part (here the file size limit, EFBIG: deterministic and needs no
