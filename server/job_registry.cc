@@ -309,6 +309,9 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
   for (int r = 0; r < static_cast<int>(stored.joined.size()) && r < config.ranks; ++r) {
     job->joined[r] = stored.joined[r];
   }
+  // A join the last process appended but never synced (it died first, so never acknowledged
+  // it) is synced before the rank's retry is answered: as if this process had appended it.
+  job->joins_appended = l.joins_log_bytes;
   job->next_step = stored.next_step;
   const std::set<int64_t> folded(stored.folded_steps.begin(), stored.folded_steps.end());
   // Batches of the history are checked without the step capacity: overflow may have been

@@ -848,6 +848,7 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
   if (files.count("joins.log") > 0) {
     absl::StatusOr<std::string> log = ReadFile(JoinsPath(job_dir));
     if (!log.ok()) return log.status();
+    job.joins_log_bytes = static_cast<int64_t>(log->size());
     std::vector<bool>& joined = job.job.joined;
     const int ranks = job.job.settings.planner.ranks;
     int framed = 0;

@@ -125,6 +125,7 @@ class PlanStore {
     std::string job_id;               // the folder's name, never the snapshot's contents
     StoredJob job;                    // `joined` includes the ranks of joins.log
     std::vector<LoadedStep> steps;    // ascending step
+    int64_t joins_log_bytes = 0;      // the size of its joins.log (0: none)
     int64_t joins_skipped_bytes = 0;  // torn or corrupt bytes of joins.log that were skipped
   };
   struct FailedJob {

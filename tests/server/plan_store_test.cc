@@ -167,6 +167,9 @@ TEST(PlanStoreTest, JoinsSurviveARestartWithoutASnapshotAfterThem) {
   ASSERT_EQ(loaded->jobs.size(), 1u);
   EXPECT_EQ(loaded->jobs[0].job.joined, (std::vector<bool>{false, true, false, true}));
   EXPECT_EQ(loaded->jobs[0].joins_skipped_bytes, 0);
+  EXPECT_EQ(loaded->jobs[0].joins_log_bytes,
+            static_cast<int64_t>(ReadBytes(dir + "/" + job.job_id + "/joins.log").size()));
+  EXPECT_GT(loaded->jobs[0].joins_log_bytes, 0);
 
   JobRegistry restored(stored.options, CountingHex());
   ASSERT_TRUE(restored.Restore().ok());
