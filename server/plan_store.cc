@@ -638,19 +638,13 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
   return status;
 }
 
-absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int rank) {
-  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
-  state::v1::JoinRecord join;
-  join.set_rank(rank);
-  const std::string record = EncodeRecord(join.SerializeAsString());
+absl::StatusOr<struct stat> PlanStore::OpenJoinsLog(const std::string& job_id, int flags,
+                                                    int* fd) const {
   const std::string job_dir = JobDir(job_id);
   const std::string path = JoinsPath(job_dir);
-  // Not kept open: a rank joins once. O_NONBLOCK: a FIFO in its place fails instead of
-  // blocking.
-  absl::MutexLock lock(&logs_mu_);  // no append while the folder moves (RetireJob, Quarantine)
-  const int fd =
-      open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
-  if (fd < 0) {
+  // O_NONBLOCK: a FIFO in its place fails (or is refused below) instead of blocking.
+  *fd = open(path.c_str(), flags | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+  if (*fd < 0) {
     const int err = errno;
     if (IsGone(job_dir)) {
       return absl::FailedPreconditionError(
@@ -658,13 +652,28 @@ absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int ran
     }
     return IoFailure("cannot open", path, err);
   }
-  absl::StatusOr<struct stat> st = StatOpenFile(fd, path);
+  absl::StatusOr<struct stat> st = StatOpenFile(*fd, path);  // closes it on failure
   if (!st.ok()) return st.status();
   if (!S_ISREG(st->st_mode)) {
-    close(fd);
+    close(*fd);
     return StoreFailure(absl::StatusCode::kInternal,
                         absl::StrCat(path, " is not a regular file: cannot append to it"));
   }
+  return st;
+}
+
+absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int rank) {
+  if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
+  state::v1::JoinRecord join;
+  join.set_rank(rank);
+  const std::string record = EncodeRecord(join.SerializeAsString());
+  const std::string job_dir = JobDir(job_id);
+  const std::string path = JoinsPath(job_dir);
+  // Not kept open: a rank joins once.
+  absl::MutexLock lock(&logs_mu_);  // no append while the folder moves (RetireJob, Quarantine)
+  int fd = -1;
+  absl::StatusOr<struct stat> st = OpenJoinsLog(job_id, O_WRONLY | O_CREAT | O_APPEND, &fd);
+  if (!st.ok()) return st.status();
   const int err = WriteAllOrErrno(fd, record);
   if (err == 0) {
     close(fd);
@@ -688,18 +697,9 @@ absl::Status PlanStore::SyncJoins(const std::string& job_id, int64_t end) {
   const auto known = joins_synced_.find(job_id);
   int64_t synced = known != joins_synced_.end() ? known->second : 0;
   if (synced >= end) return absl::OkStatus();
-  const std::string job_dir = JobDir(job_id);
-  const std::string path = JoinsPath(job_dir);
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) {
-    const int err = errno;
-    if (IsGone(job_dir)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): join not saved"));
-    }
-    return IoFailure("cannot open", path, err);
-  }
-  absl::StatusOr<struct stat> st = StatOpenFile(fd, path);
+  const std::string path = JoinsPath(JobDir(job_id));
+  int fd = -1;
+  absl::StatusOr<struct stat> st = OpenJoinsLog(job_id, O_RDONLY, &fd);
   if (!st.ok()) return st.status();
   if (fsync(fd) != 0) {
     const int err = errno;

@@ -51,6 +51,7 @@
 #ifndef SPARSEBALANCE_SERVER_PLAN_STORE_H_
 #define SPARSEBALANCE_SERVER_PLAN_STORE_H_
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -217,6 +218,10 @@ class PlanStore {
   // kept open: nothing holds the file before a report. A failure is left to the first append,
   // which opens the log itself and reports what fails.
   void CreateReportLog(const std::string& job_id, int64_t step) const;
+  // Opens the job's joins.log with `flags` (O_WRONLY | O_CREAT | O_APPEND, or O_RDONLY) into
+  // *fd and stats it: FAILED_PRECONDITION when the job's folder is gone, a store failure when
+  // it cannot be opened or is not a regular file (*fd closed then).
+  absl::StatusOr<struct stat> OpenJoinsLog(const std::string& job_id, int flags, int* fd) const;
   // Closes the report logs held open for `job_id` (all steps, or only `step` when >= 0).
   void CloseReportLogsLocked(const std::string& job_id, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(logs_mu_);
