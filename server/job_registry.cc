@@ -757,26 +757,13 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
     job.fold_failure = absl::StrCat("step ", step, ": ", why.message()).substr(0, 1024);
     if (options_.on_fold_failure) options_.on_fold_failure(id, step, why);
   };
+  // Both models' observations in one walk over the reports and their planned micro-batches
+  // (two walks read the plan's micro-batches twice, out of cache the second time).
   std::vector<Observation> observations;
-  size_t count = 0;
-  for (const auto& [rank, reports] : record.reports) count += reports.size();
-  observations.reserve(count);
-  for (const auto& [rank, reports] : record.reports) {
-    for (const MicroBatchTiming& m : reports) {
-      Observation o;
-      o.rank = rank;
-      o.micro_batch = m.micro_batch;
-      const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
-      // BuildPlan's sum when the plan was made here; a plan read back from the store has none.
-      o.features = planned.features_known ? planned.features : job.model.PlanFeatures(planned);
-      o.measured_seconds = m.compute_seconds;
-      o.exchange_seconds = m.exchange_seconds;
-      observations.push_back(o);
-    }
-  }
+  std::vector<RecallObservation> recall_observations;
+  ObservationsOf(record, job.model, &observations, &recall_observations);
   // The recall model learns from the measured document recalls, independently of the latency
   // model: a step whose times cannot be folded still says what its densities kept.
-  const std::vector<RecallObservation> recall_observations = RecallObservationsOf(record);
   // Steps without measurements (workers that do not measure) leave the curves as they are.
   if (absl::Status s = recall_observations.empty() ? absl::OkStatus()
                                                    : job.recall.ObserveStep(recall_observations);
@@ -839,15 +826,19 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
   // fold cost a file create and rename (and ext4's flush-on-rename) per step.
 }
 
-std::vector<RecallObservation> JobRegistry::RecallObservationsOf(const StepRecord& record) {
-  std::vector<RecallObservation> observations;
+void JobRegistry::ObservationsOf(const StepRecord& record, const LatencyModel& model,
+                                 std::vector<Observation>* observations,
+                                 std::vector<RecallObservation>* recall_observations) {
   size_t count = 0;
+  size_t documents = 0;
   for (const auto& [rank, reports] : record.reports) {
+    count += reports.size();
     for (const MicroBatchTiming& m : reports) {
-      for (const DocumentRecallMeasurement& d : m.documents) count += 1 + d.layer_recall.size();
+      for (const DocumentRecallMeasurement& d : m.documents) documents += 1 + d.layer_recall.size();
     }
   }
-  observations.reserve(count);
+  observations->reserve(count);
+  recall_observations->reserve(documents);
   // Workers measure a micro-batch's documents in its planned order, so each is looked for
   // first at the planned sample of the one before it, then at the next; only a report in
   // another order builds the micro-batch's samples sorted by id (one vector reused for every
@@ -856,9 +847,17 @@ std::vector<RecallObservation> JobRegistry::RecallObservationsOf(const StepRecor
   auto by_first = [](const auto& a, const auto& b) { return a.first < b.first; };
   for (const auto& [rank, reports] : record.reports) {
     for (const MicroBatchTiming& m : reports) {
+      const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
+      Observation o;
+      o.rank = rank;
+      o.micro_batch = m.micro_batch;
+      // BuildPlan's sum when the plan was made here; a plan read back from the store has none.
+      o.features = planned.features_known ? planned.features : model.PlanFeatures(planned);
+      o.measured_seconds = m.compute_seconds;
+      o.exchange_seconds = m.exchange_seconds;
+      observations->push_back(o);
       if (m.documents.empty()) continue;
-      const std::vector<PlannedSample>& samples =
-          record.plan->ranks[rank].micro_batches[m.micro_batch].samples;
+      const std::vector<PlannedSample>& samples = planned.samples;
       by_id.clear();
       size_t next = 0;  // the planned sample after the last one found in order
       auto find = [&](uint64_t id) -> const PlannedSample* {
@@ -878,17 +877,16 @@ std::vector<RecallObservation> JobRegistry::RecallObservationsOf(const StepRecor
         const PlannedSample& sample = *found;
         const int64_t length =
             sample.segments.empty() ? sample.length : sample.segments[d.document];
-        observations.push_back({length, -1, sample.density, d.recall});
+        recall_observations->push_back({length, -1, sample.density, d.recall});
         for (size_t l = 0; l < d.layer_recall.size(); ++l) {
           const double density = sample.layer_densities.size() == d.layer_recall.size()
                                      ? sample.layer_densities[l]
                                      : sample.density;
-          observations.push_back({length, static_cast<int>(l), density, d.layer_recall[l]});
+          recall_observations->push_back({length, static_cast<int>(l), density, d.layer_recall[l]});
         }
       }
     }
   }
-  return observations;
 }
 
 absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,

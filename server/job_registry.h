@@ -330,10 +330,14 @@ class JobRegistry {
   absl::Status Stored(absl::Status status) const;
   // Builds and validates one job from its files (Restore).
   absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
-  // The measured document recalls of a fully reported step as the recall model's
-  // observations: per document one for all layers (layer -1) and one per measured layer, each at
-  // the density the plan gave it. ValidateReport has checked every sample and document index.
-  static std::vector<RecallObservation> RecallObservationsOf(const StepRecord& record);
+  // A fully reported step's reports as the models' observations, in one walk: per reported
+  // micro-batch its time against its planned features (`model` counts them for a plan read
+  // back from the store), and per measured document one recall for all layers (layer -1) and
+  // one per measured layer, each at the density the plan gave it. ValidateReport has checked
+  // every micro-batch, sample and document index.
+  static void ObservationsOf(const StepRecord& record, const LatencyModel& model,
+                             std::vector<Observation>* observations,
+                             std::vector<RecallObservation>* recall_observations);
   // Drops the oldest steps beyond history_steps (and their files).
   void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // A packed step's values back (no-op for an unpacked one); INTERNAL (never expected) when the
