@@ -504,10 +504,10 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
     // Outside the job's lock, so that the ranks joining meanwhile append theirs and one fsync
     // covers them all (PlanStore::SyncJoins).
     if (absl::Status s = Stored(options_.store->SyncJoins(job_id, durable_end)); !s.ok()) {
-      if (appended) {
-        absl::MutexLock lock(&job->mu);
-        job->joined[rank] = false;  // not acknowledged: it joins again
-      }
+      absl::MutexLock lock(&job->mu);
+      // Deleted meanwhile (its folder gone): NOT_FOUND, as every call on a deleted job.
+      if (job->deleted.load(std::memory_order_relaxed)) return NotFound(job_id);
+      if (appended) job->joined[rank] = false;  // not acknowledged: it joins again
       return s;
     }
   }
