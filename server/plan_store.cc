@@ -657,7 +657,7 @@ absl::StatusOr<struct stat> PlanStore::OpenJoinsLog(const std::string& job_id, i
   if (!S_ISREG(st->st_mode)) {
     close(*fd);
     return StoreFailure(absl::StatusCode::kInternal,
-                        absl::StrCat(path, " is not a regular file: cannot append to it"));
+                        absl::StrCat(path, " is not a regular file: cannot use it"));
   }
   return st;
 }
@@ -851,6 +851,7 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
     job.joins_log_bytes = static_cast<int64_t>(log->size());
     std::vector<bool>& joined = job.job.joined;
     const int ranks = job.job.settings.planner.ranks;
+    if (joined.size() < static_cast<size_t>(ranks)) joined.resize(ranks, false);
     int framed = 0;
     job.joins_skipped_bytes = ScanFramedLog(
         *log,
@@ -860,7 +861,6 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
               join.rank() >= ranks) {
             return false;
           }
-          if (joined.size() < static_cast<size_t>(ranks)) joined.resize(ranks, false);
           joined[join.rank()] = true;
           return true;
         },
