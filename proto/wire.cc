@@ -480,6 +480,12 @@ absl::Status ValidateMeasuredRecall(const std::vector<MicroBatchTiming>& micro_b
 
 v1::PlanFigures FiguresToProto(const StepPlan& plan) {
   v1::PlanFigures out;
+  FiguresToProto(plan, &out);
+  return out;
+}
+
+void FiguresToProto(const StepPlan& plan, v1::PlanFigures* out_ptr) {
+  v1::PlanFigures& out = *out_ptr;
   out.set_makespan_seconds(plan.makespan_seconds);
   out.set_lower_bound_seconds(plan.lower_bound_seconds);
   out.set_gap(plan.gap);
@@ -487,6 +493,7 @@ v1::PlanFigures FiguresToProto(const StepPlan& plan) {
   out.set_bubble_ratio(plan.bubble_ratio);
   out.set_mean_density(plan.mean_density);
   out.set_predicted_recall(plan.predicted_recall);
+  out.mutable_buckets()->Reserve(static_cast<int>(plan.buckets.size()));
   for (const BucketRecallFigures& b : plan.buckets) {
     v1::BucketRecall* bucket = out.add_buckets();
     bucket->set_bucket(b.label);
@@ -496,7 +503,6 @@ v1::PlanFigures FiguresToProto(const StepPlan& plan) {
     bucket->set_predicted_recall(b.predicted_recall);
     bucket->set_default_recall(b.default_recall);
   }
-  return out;
 }
 
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
@@ -505,22 +511,33 @@ v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
   return out;
 }
 
-void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out_ptr) {
+void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out_ptr,
+                     bool figures) {
   v1::RankPlan& out = *out_ptr;
   out.set_step(step);
   out.set_rank(rank);
   out.set_policy(PolicyToProto(plan.policy));
   const RankPlan& r = plan.ranks[rank];
+  out.mutable_micro_batches()->Reserve(static_cast<int>(r.micro_batches.size()));
   for (const MicroBatchPlan& mb : r.micro_batches) {
     v1::MicroBatch* m = out.add_micro_batches();
+    const int n = static_cast<int>(mb.samples.size());
+    m->mutable_samples()->Reserve(n);
+    m->mutable_sample_ids()->Reserve(n);
+    m->mutable_densities()->Reserve(n);
     bool layered = false;
     for (const PlannedSample& p : mb.samples) {
       v1::PlannedSample* sample = m->add_samples();
       sample->set_id(p.id);
       sample->set_length(p.length);
       sample->set_density(p.density);
-      sample->mutable_segments()->Assign(p.segments.begin(), p.segments.end());
-      sample->mutable_layer_densities()->Assign(p.layer_densities.begin(), p.layer_densities.end());
+      if (!p.segments.empty()) {
+        sample->mutable_segments()->Assign(p.segments.begin(), p.segments.end());
+      }
+      if (!p.layer_densities.empty()) {
+        sample->mutable_layer_densities()->Assign(p.layer_densities.begin(),
+                                                  p.layer_densities.end());
+      }
       if (p.sharded()) {
         v1::Shard* shard = sample->mutable_shard();
         shard->set_begin(p.shard_begin);
@@ -544,7 +561,7 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
     m->set_predicted_seconds(mb.predicted_seconds);
   }
   out.set_predicted_seconds(r.predicted_seconds);
-  *out.mutable_figures() = FiguresToProto(plan);
+  if (figures) FiguresToProto(plan, out.mutable_figures());
   out.set_planned_locally(plan.planned_locally);
 }
 

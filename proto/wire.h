@@ -103,10 +103,14 @@ absl::Status ValidateMeasuredRecall(const MicroBatchTiming& timing, int layers,
 absl::Status ValidateMeasuredRecall(const std::vector<MicroBatchTiming>& micro_batches, int layers);
 
 v1::PlanFigures FiguresToProto(const StepPlan& plan);
+// The same into `out` (a message on an arena stays on it: no copy).
+void FiguresToProto(const StepPlan& plan, v1::PlanFigures* out);
 // One rank's part of a step plan.
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
-// The same into `out` (e.g. a message on an arena, or a response being built).
-void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out);
+// The same into `out` (e.g. a message on an arena, or a response being built). Without
+// `figures` the step's figures (the same in every rank's part) are left out.
+void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out,
+                     bool figures = true);
 // What a reader of a rank plan knows of its job, for the checks of shards that need it; 0: not
 // known, and that check is left to a reader that knows the job (the service checks stored
 // plans against the job's config: server/job_state.h ValidateStoredPlan; TrainerSession passes

@@ -61,7 +61,7 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
   *out->mutable_config() = ConfigToProto(view.settings);
   out->set_next_step(view.next_step);
   out->set_joined_ranks(view.joined_ranks);
-  if (view.has_plan) *out->mutable_last_figures() = FiguresToProto(*view.last_plan);
+  if (view.has_plan) FiguresToProto(*view.last_plan, out->mutable_last_figures());
   out->mutable_speed_factors()->Assign(view.speed_factors.begin(), view.speed_factors.end());
   out->set_state(v1::JOB_STATE_ACTIVE);
   out->set_failure(view.failure);
@@ -380,7 +380,7 @@ absl::Status PlannerServiceImpl::OnSubmitBatch(const v1::SubmitBatchRequest& req
   response->set_step(result->step);
   response->mutable_deferred_ids()->Assign(result->deferred_ids.begin(),
                                            result->deferred_ids.end());
-  *response->mutable_figures() = FiguresToProto(*result->plan);
+  FiguresToProto(*result->plan, response->mutable_figures());
   // Also after a repeat: the first attempt may have planned the step and failed after.
   WakeWaiters(request.job_id(), request.step());
   // Older steps are packed once the waiting ranks have their plans (pack_in_submit false).

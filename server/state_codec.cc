@@ -144,8 +144,11 @@ void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& 
                 state::v1::StepRecord* out) {
   out->set_step(step);
   for (const Sample& s : batch) SampleToProto(s, out->add_batch());
+  out->mutable_ranks()->Reserve(static_cast<int>(plan.ranks.size()));
   for (int r = 0; r < static_cast<int>(plan.ranks.size()); ++r) {
-    RankPlanToProto(plan, step, r, out->add_ranks());
+    // The step's figures once, in ranks[0] (DecodeStep reads them there): each rank's part of
+    // the wire carries them, but a record of 1,024 ranks would hold 1,024 copies.
+    RankPlanToProto(plan, step, r, out->add_ranks(), /*figures=*/r == 0);
   }
   out->mutable_deferred_ids()->Assign(plan.deferred_ids.begin(), plan.deferred_ids.end());
   out->set_folded(folded);

@@ -549,6 +549,16 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   EXPECT_TRUE(step.folded);
   EXPECT_EQ(BatchFingerprint(step.batch), BatchFingerprint(batch));
   EXPECT_EQ(CanonicalPlanText(step.plan), CanonicalPlanText(*plan));
+  // The step's figures are stored once, in ranks[0]; a record of an older planner, which
+  // repeats them in every rank, reads the same.
+  ASSERT_EQ(record.ranks_size(), 2);
+  EXPECT_TRUE(record.ranks(0).has_figures());
+  EXPECT_FALSE(record.ranks(1).has_figures());
+  state::v1::StepRecord older = record;
+  *older.mutable_ranks(1)->mutable_figures() = record.ranks(0).figures();
+  absl::StatusOr<PlanStore::LoadedStep> older_decoded = DecodeStep(older);
+  ASSERT_TRUE(older_decoded.ok()) << older_decoded.status();
+  EXPECT_EQ(CanonicalPlanText(older_decoded->plan), CanonicalPlanText(*plan));
   // A malformed planned sample does not decode, and the error names it.
   record.mutable_ranks(0)->mutable_micro_batches(0)->mutable_samples(0)->set_density(2.0);
   absl::Status bad = DecodeStep(record).status();
