@@ -935,6 +935,9 @@ int Main(int argc, char** argv) {
   // per lock of gRPC's own mutexes, CPU that sb-load takes from the planner it measures on the
   // same cores.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // Each line as it is written, also into a pipe: a script (or a person watching a long step
+  // scenario) sees the join line before the steps end, not everything at exit.
+  std::cout << std::unitbuf;
   tools::InitTool(
       argc, argv,
       "load generator for sb-planner: ReportStep throughput, one large step, steps\n"
