@@ -289,12 +289,32 @@ uint32_t RecordCrc(absl::string_view length_bytes, absl::string_view body) {
   return ~Crc32cUpdate(Crc32cUpdate(~uint32_t{0}, length_bytes), body);
 }
 
+// Fills a record's header from the body that follows it in `record`.
+void FrameRecord(std::string* record) {
+  const absl::string_view body = absl::string_view(*record).substr(kHeaderBytes);
+  std::memcpy(record->data(), kMagicBytes, 4);
+  PutLe32(&(*record)[4], static_cast<uint32_t>(body.size()));
+  PutLe32(&(*record)[8], RecordCrc(absl::string_view(*record).substr(4, 4), body));
+}
+
 std::string EncodeRecord(absl::string_view body) {
   std::string record(kHeaderBytes, '\0');
-  std::memcpy(record.data(), kMagicBytes, 4);
-  PutLe32(&record[4], static_cast<uint32_t>(body.size()));
-  PutLe32(&record[8], RecordCrc(absl::string_view(record).substr(4, 4), body));
   record.append(body.data(), body.size());
+  FrameRecord(&record);
+  return record;
+}
+
+// The same with `body` serialized straight after the header (no copy of it). Empty when the
+// body would be over kMaxRecordBytes; its size then goes to *too_large.
+std::string EncodeRecord(const google::protobuf::MessageLite& body, size_t* too_large) {
+  const size_t size = body.ByteSizeLong();
+  if (size > kMaxRecordBytes) {
+    *too_large = size;
+    return std::string();
+  }
+  std::string record(kHeaderBytes + size, '\0');
+  body.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(&record[kHeaderBytes]));
+  FrameRecord(&record);
   return record;
 }
 
@@ -596,12 +616,20 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
                                      const StoredReport& report) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
   if (absl::Status s = CheckStep(step); !s.ok()) return s;
-  const std::string body = EncodeReport(report).SerializeAsString();
-  if (body.size() > kMaxRecordBytes) {
+  // Built on a stack block (a report is a few hundred bytes) and serialized into the record.
+  alignas(8) char block[4096];
+  google::protobuf::ArenaOptions arena_options;
+  arena_options.initial_block = block;
+  arena_options.initial_block_size = sizeof(block);
+  google::protobuf::Arena arena(arena_options);
+  auto* encoded = google::protobuf::Arena::CreateMessage<state::v1::ReportRecord>(&arena);
+  EncodeReport(report, encoded);
+  size_t too_large = 0;
+  const std::string record = EncodeRecord(*encoded, &too_large);
+  if (record.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("report: ", body.size(), " bytes; at most ", kMaxRecordBytes));
+        absl::StrCat("report: ", too_large, " bytes; at most ", kMaxRecordBytes));
   }
-  const std::string record = EncodeRecord(body);
   absl::MutexLock lock(&logs_mu_);
   auto it = report_logs_.find({job_id, step});
   if (it == report_logs_.end()) {

@@ -208,10 +208,15 @@ absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in
 
 state::v1::ReportRecord EncodeReport(const StoredReport& report) {
   state::v1::ReportRecord out;
-  out.set_rank(report.rank);
-  out.set_wait_seconds(report.wait_seconds);
-  for (const MicroBatchTiming& m : report.micro_batches) TimingToProto(m, out.add_micro_batches());
+  EncodeReport(report, &out);
   return out;
+}
+
+void EncodeReport(const StoredReport& report, state::v1::ReportRecord* out) {
+  out->set_rank(report.rank);
+  out->set_wait_seconds(report.wait_seconds);
+  out->mutable_micro_batches()->Reserve(static_cast<int>(report.micro_batches.size()));
+  for (const MicroBatchTiming& m : report.micro_batches) TimingToProto(m, out->add_micro_batches());
 }
 
 StoredReport DecodeReport(const state::v1::ReportRecord& in) {

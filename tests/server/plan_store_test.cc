@@ -665,6 +665,31 @@ TEST(PlanStoreTest, ATornRecordInTheMiddleLosesOnlyItself) {
   EXPECT_EQ(step.reports[2].micro_batches.size(), 4u);
 }
 
+// A report whose record would be over 64 MiB (the loader's limit on a record) is refused with
+// its size, before anything is written; the log keeps what it had and takes the next one.
+TEST(PlanStoreTest, AReportOverTheRecordLimitIsRefusedAndTheLogKeepsWhatItHad) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const std::string log = dir + "/" + kJobA + "/step-0.reports";
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(0)).ok());
+  const int64_t size = FileSize(log);
+  StoredReport huge = Report(1, 1);
+  DocumentRecallMeasurement& d = huge.micro_batches[0].documents.emplace_back();
+  d.rows = 1;
+  d.layer_recall.assign((64 << 20) / 8 + 1, 0.5);  // 8 bytes each, packed
+  const absl::Status refused = store->AppendReport(kJobA, 0, huge);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("report: "), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("at most 67108864"), std::string::npos) << refused;
+  EXPECT_EQ(FileSize(log), size);
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(2)).ok());
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), (std::vector<int>{0, 2}));
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
+}
+
 TEST(PlanStoreTest, ALogOfThePreviousFormatLoadsAndIsRewrittenOnAppend) {
   const std::string dir = TempDir();
   std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
