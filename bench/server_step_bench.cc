@@ -70,6 +70,31 @@ struct Clock {
 
 double Millis(double seconds) { return 1e3 * seconds; }
 
+// What sb-load's rank r reports (bench/sb_load.cc PlanThenReport): its plan 5% slower than
+// predicted, half of it attention, each document's recall on the curve 1 - (1 - rho)^4. The
+// planner's own prediction as the "truth" is no test of its accuracy, and none is made here:
+// RoundStep and History time and weigh that round (its steps come out as balanced as there).
+std::vector<MicroBatchTiming> RoundReport(const StepPlan& plan, int r) {
+  std::vector<MicroBatchTiming> out;
+  const auto& micro_batches = plan.ranks[r].micro_batches;
+  for (size_t m = 0; m < micro_batches.size(); ++m) {
+    const MicroBatchPlan& mb = micro_batches[m];
+    if (mb.samples.empty()) continue;
+    MicroBatchTiming& t = out.emplace_back();
+    t.micro_batch = static_cast<int>(m);
+    t.compute_seconds = std::max(1e-3, mb.predicted_seconds * 1.05);
+    t.attention_seconds = 0.5 * t.compute_seconds;
+    t.tokens = mb.tokens;
+    t.achieved_density = mb.default_density;
+    t.recall = 0.9;
+    for (const PlannedSample& s : mb.samples) {
+      t.documents.push_back({s.id, 0, 1.0 - std::pow(1.0 - s.density, 4.0), {}, 8});
+    }
+    t.recall_seconds = 0.005 * t.attention_seconds;
+  }
+  return out;
+}
+
 // A job, its store and a batch generator; steps are submitted and reported in order.
 class ServerStep {
  public:
@@ -211,31 +236,6 @@ class ServerStep {
         t.documents.push_back(d);
       }
       out.push_back(std::move(t));
-    }
-    return out;
-  }
-
-  // What sb-load's rank r reports (bench/sb_load.cc PlanThenReport): its plan 5% slower than
-  // predicted, half of it attention, each document's recall on the curve 1 - (1 - rho)^4. The
-  // planner's own prediction as the "truth" is no test of its accuracy, and none is made here:
-  // this is the round whose cost the benchmark times (its steps come out as balanced as there).
-  static std::vector<MicroBatchTiming> RoundReport(const StepPlan& plan, int r) {
-    std::vector<MicroBatchTiming> out;
-    const auto& micro_batches = plan.ranks[r].micro_batches;
-    for (size_t m = 0; m < micro_batches.size(); ++m) {
-      const MicroBatchPlan& mb = micro_batches[m];
-      if (mb.samples.empty()) continue;
-      MicroBatchTiming& t = out.emplace_back();
-      t.micro_batch = static_cast<int>(m);
-      t.compute_seconds = std::max(1e-3, mb.predicted_seconds * 1.05);
-      t.attention_seconds = 0.5 * t.compute_seconds;
-      t.tokens = mb.tokens;
-      t.achieved_density = mb.default_density;
-      t.recall = 0.9;
-      for (const PlannedSample& s : mb.samples) {
-        t.documents.push_back({s.id, 0, 1.0 - std::pow(1.0 - s.density, 4.0), {}, 8});
-      }
-      t.recall_seconds = 0.005 * t.attention_seconds;
     }
     return out;
   }
@@ -394,24 +394,7 @@ void BM_History(benchmark::State& state) {
       if (!planned.ok())
         return state.SkipWithError(std::string(planned.status().message()).c_str());
       for (int r = 0; r < ranks; ++r) {
-        std::vector<MicroBatchTiming> report;
-        const auto& micro_batches = planned->plan->ranks[r].micro_batches;
-        for (size_t m = 0; m < micro_batches.size(); ++m) {
-          const MicroBatchPlan& mb = micro_batches[m];
-          if (mb.samples.empty()) continue;
-          MicroBatchTiming t;
-          t.micro_batch = static_cast<int>(m);
-          t.compute_seconds = std::max(1e-3, mb.predicted_seconds * 1.05);
-          t.attention_seconds = 0.5 * t.compute_seconds;
-          t.tokens = mb.tokens;
-          t.achieved_density = mb.default_density;
-          t.recall = 0.9;
-          for (const PlannedSample& s : mb.samples) {
-            t.documents.push_back({s.id, 0, 1.0 - std::pow(1.0 - s.density, 4.0), {}, 8});
-          }
-          t.recall_seconds = 0.005 * t.attention_seconds;
-          report.push_back(std::move(t));
-        }
+        const std::vector<MicroBatchTiming> report = RoundReport(*planned->plan, r);
         absl::StatusOr<bool> reported = registry.ReportStep(job->job_id, step, r, report, 0.01);
         if (!reported.ok()) {
           return state.SkipWithError(std::string(reported.status().message()).c_str());

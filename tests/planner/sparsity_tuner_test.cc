@@ -253,6 +253,14 @@ Scene MakeScene(const std::vector<std::vector<Sample>>& per_rank) {
   return s;
 }
 
+// The scene's densities tuned in `mode`, from its base densities and their recall.
+std::vector<double> TuneScene(const Scene& s, DstMode mode, const LatencyModel& model) {
+  PlannerConfig config = s.config;
+  config.dst_mode = mode;
+  return TuneDensities(s.batch, s.assignment, config, model, Prior(config), s.base,
+                       TokenWeightedRecall(s.batch, s.base));
+}
+
 Sample Doc(int64_t length, double sensitivity) {
   Sample s;
   s.length = length;
@@ -267,9 +275,7 @@ TEST(TuneDensitiesTest, MeanModeCutsTheStragglerAndRaisesTheOthers) {
                              {Doc(16384, 0.2)},
                              {Doc(4096, 0.0), Doc(4096, 0.5), Doc(4096, 0.05)}});
   const LatencyModel model = MakeModel(s.config);
-  const std::vector<double> rho =
-      TuneDensities(s.batch, s.assignment, s.config, model, Prior(s.config), s.base,
-                    TokenWeightedRecall(s.batch, s.base));
+  const std::vector<double> rho = TuneScene(s, s.config.dst_mode, model);
   EXPECT_LT(rho[0], s.base[0]);
   int raised = 0;
   for (size_t i = 1; i < rho.size(); ++i) {
@@ -299,18 +305,14 @@ TEST(TuneDensitiesTest, ANearlyBalancedStepIsRaisedNotCut) {
   ASSERT_GT(base.makespan_seconds, mean);
   ASSERT_LT(base.makespan_seconds - mean, 1e-3 * base.makespan_seconds) << "not nearly balanced";
   for (DstMode mode : {DstMode::kMean, DstMode::kQuantile}) {
-    PlannerConfig config = s.config;
-    config.dst_mode = mode;
-    const std::vector<double> rho =
-        TuneDensities(s.batch, s.assignment, config, model, Prior(config), s.base,
-                      TokenWeightedRecall(s.batch, s.base));
+    const std::vector<double> rho = TuneScene(s, mode, model);
     int raised = 0;
     for (size_t i = 0; i < rho.size(); ++i) {
       EXPECT_GE(rho[i], s.base[i]) << DstModeName(mode) << " sample " << i;
       if (rho[i] > s.base[i]) ++raised;
     }
     EXPECT_GT(raised, 0) << DstModeName(mode);
-    const StepPlan tuned = BuildPlan(s.batch, config, model, s.assignment, rho);
+    const StepPlan tuned = BuildPlan(s.batch, s.config, model, s.assignment, rho);
     EXPECT_LE(tuned.makespan_seconds, base.makespan_seconds * (1.0 + 1e-9)) << DstModeName(mode);
   }
 }
@@ -325,11 +327,7 @@ TEST(TuneDensitiesTest, CutsFallFirstOnLongInsensitiveDocuments) {
                  {Doc(32768, 0.0), Doc(16384, 0.0)}});
   const LatencyModel model = MakeModel(s.config);
   for (DstMode mode : {DstMode::kMean, DstMode::kQuantile}) {
-    PlannerConfig config = s.config;
-    config.dst_mode = mode;
-    const std::vector<double> rho =
-        TuneDensities(s.batch, s.assignment, config, model, Prior(config), s.base,
-                      TokenWeightedRecall(s.batch, s.base));
+    const std::vector<double> rho = TuneScene(s, mode, model);
     const double long_drop = s.base[0] - rho[0];
     EXPECT_GT(long_drop, 0.0) << DstModeName(mode);
     for (int i = 1; i <= 4; ++i) {
