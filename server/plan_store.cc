@@ -289,32 +289,16 @@ uint32_t RecordCrc(absl::string_view length_bytes, absl::string_view body) {
   return ~Crc32cUpdate(Crc32cUpdate(~uint32_t{0}, length_bytes), body);
 }
 
-// Fills a record's header from the body that follows it in `record`.
-void FrameRecord(std::string* record) {
-  const absl::string_view body = absl::string_view(*record).substr(kHeaderBytes);
-  std::memcpy(record->data(), kMagicBytes, 4);
-  PutLe32(&(*record)[4], static_cast<uint32_t>(body.size()));
-  PutLe32(&(*record)[8], RecordCrc(absl::string_view(*record).substr(4, 4), body));
-}
-
-std::string EncodeRecord(absl::string_view body) {
-  std::string record(kHeaderBytes, '\0');
-  record.append(body.data(), body.size());
-  FrameRecord(&record);
-  return record;
-}
-
-// The same with `body` serialized straight after the header (no copy of it). Empty when the
-// body would be over kMaxRecordBytes; its size then goes to *too_large.
-std::string EncodeRecord(const google::protobuf::MessageLite& body, size_t* too_large) {
+// A framed record of `body`: magic, length and checksum, then the body serialized straight
+// after them (no copy of it).
+std::string EncodeRecord(const google::protobuf::MessageLite& body) {
   const size_t size = body.ByteSizeLong();
-  if (size > kMaxRecordBytes) {
-    *too_large = size;
-    return std::string();
-  }
   std::string record(kHeaderBytes + size, '\0');
   body.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(&record[kHeaderBytes]));
-  FrameRecord(&record);
+  std::memcpy(record.data(), kMagicBytes, 4);
+  PutLe32(&record[4], static_cast<uint32_t>(size));
+  PutLe32(&record[8], RecordCrc(absl::string_view(record).substr(4, 4),
+                                absl::string_view(record).substr(kHeaderBytes)));
   return record;
 }
 
@@ -605,7 +589,7 @@ absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string&
   if (legacy) {
     std::string framed;
     for (const state::v1::ReportRecord& report : parsed.reports) {
-      framed += EncodeRecord(report.SerializeAsString());
+      framed += EncodeRecord(report);
     }
     if (absl::Status s = WriteFileDurably(job_dir, path, framed, /*sync=*/true); !s.ok()) return s;
   }
@@ -624,11 +608,10 @@ absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
   google::protobuf::Arena arena(arena_options);
   auto* encoded = google::protobuf::Arena::CreateMessage<state::v1::ReportRecord>(&arena);
   EncodeReport(report, encoded);
-  size_t too_large = 0;
-  const std::string record = EncodeRecord(*encoded, &too_large);
-  if (record.empty()) {
+  const std::string record = EncodeRecord(*encoded);
+  if (const size_t body = record.size() - kHeaderBytes; body > kMaxRecordBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("report: ", too_large, " bytes; at most ", kMaxRecordBytes));
+        absl::StrCat("report: ", body, " bytes; at most ", kMaxRecordBytes));
   }
   absl::MutexLock lock(&logs_mu_);
   auto it = report_logs_.find({job_id, step});
@@ -694,7 +677,7 @@ absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int ran
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
   state::v1::JoinRecord join;
   join.set_rank(rank);
-  const std::string record = EncodeRecord(join.SerializeAsString());
+  const std::string record = EncodeRecord(join);
   const std::string job_dir = JobDir(job_id);
   const std::string path = JoinsPath(job_dir);
   // Not kept open: a rank joins once.
