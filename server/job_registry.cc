@@ -201,7 +201,6 @@ absl::Status JobRegistry::Unpack(StepRecord& record) {
   record.batch = std::move(step->batch);
   record.plan = std::make_shared<const StepPlan>(std::move(step->plan));
   record.reports = std::move(step->reports);
-  record.waits = std::move(step->waits);
   std::string().swap(record.packed);
   std::vector<bool>().swap(record.reported);
   return absl::OkStatus();
@@ -215,18 +214,20 @@ namespace {
 template <typename Record>
 void Pack(Record& record) {
   if (record.folded) {
-    for (auto& [rank, timings] : record.reports) {
-      for (MicroBatchTiming& m : timings)
+    for (int rank = 0; rank < record.reports.slots(); ++rank) {
+      if (!record.reports.has(rank)) continue;
+      for (MicroBatchTiming& m : record.reports.timings(rank))
         std::vector<DocumentRecallMeasurement>().swap(m.documents);
     }
   }
-  record.packed = PackStep(record.batch, *record.plan, record.reports, record.waits);
-  record.reported.assign(record.reports.empty() ? 0 : record.reports.rbegin()->first + 1, false);
-  for (const auto& [rank, timings] : record.reports) record.reported[rank] = true;
+  record.packed = PackStep(record.batch, *record.plan, record.reports);
+  record.reported.assign(record.reports.slots(), false);
+  for (int rank = 0; rank < record.reports.slots(); ++rank) {
+    record.reported[rank] = record.reports.has(rank);
+  }
   std::vector<Sample>().swap(record.batch);
   record.plan.reset();
-  record.reports.clear();
-  record.waits.clear();
+  record.reports.Clear();
 }
 
 }  // namespace
@@ -347,9 +348,8 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
       }
       // The first acknowledged report of a rank counts (a later one cannot have been
       // acknowledged: ReportStep answers repeats from memory).
-      if (record.reports.count(report.rank) > 0) continue;
-      record.reports[report.rank] = std::move(report.micro_batches);
-      record.waits[report.rank] = report.wait_seconds;
+      if (record.reports.has(report.rank)) continue;
+      record.reports.Put(report.rank, std::move(report.micro_batches), report.wait_seconds);
     }
     // A step record written just before a crash that kept the snapshot from landing.
     job->next_step = std::max(job->next_step, n + 1);
@@ -358,7 +358,7 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
   TrimHistory(id, *job);
   // Steps whose last report landed but whose fold's snapshot did not (a crash in between).
   for (auto& [n, record] : job->history) {
-    if (!record.folded && static_cast<int>(record.reports.size()) == config.ranks) {
+    if (!record.folded && record.reports.count() == config.ranks) {
       Fold(id, *job, n, record);
     }
   }
@@ -702,9 +702,10 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   }
   StepRecord& record = it->second;
   if (absl::Status s = Unpack(record); !s.ok()) return s;
-  if (auto done = record.reports.find(rank); done != record.reports.end()) {
+  if (record.reports.has(rank)) {
     const std::string differs =
-        ReportDifference(done->second, record.waits[rank], micro_batches, wait_seconds);
+        ReportDifference(record.reports.timings(rank), record.reports.wait_seconds(rank),
+                         micro_batches, wait_seconds);
     if (differs.empty() && planned_locally == record.plan->planned_locally) return true;
     return absl::AlreadyExistsError(absl::StrCat("rank ", rank, "'s report of step ", step,
                                                  " was acknowledged already and this one differs: ",
@@ -739,9 +740,9 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
       return s;
     }
   }
-  record.reports[rank] = std::move(report.micro_batches);
-  record.waits[rank] = wait_seconds;
-  if (static_cast<int>(record.reports.size()) == config.ranks && !record.folded) {
+  record.reports.Reserve(config.ranks);
+  record.reports.Put(rank, std::move(report.micro_batches), wait_seconds);
+  if (record.reports.count() == config.ranks && !record.folded) {
     Fold(job_id, *job, step, record);
     // A late step (one before the newest two) is not needed unpacked once folded.
     PackIfOld(*job, step);
@@ -784,17 +785,17 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
     stats.step = step;
     stats.policy = record.plan->policy;
     stats.planned_makespan_seconds = record.plan->makespan_seconds;
-    for (const auto& [rank, reports] : record.reports) {
+    for (int rank = 0; rank < record.reports.slots(); ++rank) {
+      if (!record.reports.has(rank)) continue;
       double seconds = 0.0;
-      for (const MicroBatchTiming& m : reports) {
+      for (const MicroBatchTiming& m : record.reports.timings(rank)) {
         seconds += m.compute_seconds;
         stats.densities.push_back(m.achieved_density);
         stats.recalls.push_back(m.recall);
       }
       stats.rank_seconds.push_back(seconds);
       stats.predicted_rank_seconds.push_back(record.plan->ranks[rank].predicted_seconds);
-      auto wait = record.waits.find(rank);
-      stats.wait_seconds.push_back(wait == record.waits.end() ? 0.0 : wait->second);
+      stats.wait_seconds.push_back(record.reports.wait_seconds(rank));
     }
     stats.speed_factors = job.model.speed_factors();
     stats.hosts = job.hosts;
@@ -802,8 +803,9 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
     const int64_t capacity = job.config.get().micro_batch_capacity;
     std::array<double, kRecallBuckets> weighted{};
     std::array<double, kRecallBuckets> tokens{};
-    for (const auto& [rank, reports] : record.reports) {
-      for (const MicroBatchTiming& m : reports) {
+    for (int rank = 0; rank < record.reports.slots(); ++rank) {
+      if (!record.reports.has(rank)) continue;
+      for (const MicroBatchTiming& m : record.reports.timings(rank)) {
         stats.recall_seconds += m.recall_seconds;
         stats.attention_seconds += m.attention_seconds;
       }
@@ -829,24 +831,25 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
 void JobRegistry::ObservationsOf(const StepRecord& record, const LatencyModel& model,
                                  std::vector<Observation>* observations,
                                  std::vector<RecallObservation>* recall_observations) {
+  // Room for a micro-batch per timing and a document per sample of the batch (more documents,
+  // or per-layer recalls, grow the vector). Counting the documents first cost a walk of their
+  // own over the reports' scattered vectors.
   size_t count = 0;
-  size_t documents = 0;
-  for (const auto& [rank, reports] : record.reports) {
-    count += reports.size();
-    for (const MicroBatchTiming& m : reports) {
-      for (const DocumentRecallMeasurement& d : m.documents) documents += 1 + d.layer_recall.size();
-    }
+  const StepReports& reports = record.reports;
+  for (int rank = 0; rank < reports.slots(); ++rank) {
+    if (reports.has(rank)) count += reports.timings(rank).size();
   }
   observations->reserve(count);
-  recall_observations->reserve(documents);
+  recall_observations->reserve(record.batch.size());
   // Workers measure a micro-batch's documents in its planned order, so each is looked for
   // first at the planned sample of the one before it, then at the next; only a report in
   // another order builds the micro-batch's samples sorted by id (one vector reused for every
   // micro-batch; a hash map per micro-batch cost more in allocations than the lookups).
   std::vector<std::pair<uint64_t, const PlannedSample*>> by_id;
   auto by_first = [](const auto& a, const auto& b) { return a.first < b.first; };
-  for (const auto& [rank, reports] : record.reports) {
-    for (const MicroBatchTiming& m : reports) {
+  for (int rank = 0; rank < reports.slots(); ++rank) {
+    if (!reports.has(rank)) continue;
+    for (const MicroBatchTiming& m : reports.timings(rank)) {
       const MicroBatchPlan& planned = record.plan->ranks[rank].micro_batches[m.micro_batch];
       Observation o;
       o.rank = rank;

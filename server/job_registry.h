@@ -42,6 +42,7 @@
 #include "proto/wire.h"
 #include "server/job_state.h"
 #include "server/plan_store.h"
+#include "server/step_reports.h"
 
 namespace sparsebalance {
 
@@ -256,8 +257,7 @@ class JobRegistry {
     // 16,384 samples copied for each of 1,024 ranks costs more than the planning). Null while
     // the step is packed.
     std::shared_ptr<const StepPlan> plan;
-    std::map<int, std::vector<MicroBatchTiming>> reports;  // by rank
-    std::map<int, double> waits;                           // by rank, seconds
+    StepReports reports;  // by rank, with the seconds each waited
     // While packed: the batch, plan, reports and waits (PackStep), and which ranks reported.
     std::string packed;
     std::vector<bool> reported;
@@ -268,7 +268,7 @@ class JobRegistry {
     bool is_packed() const { return plan == nullptr; }
     bool HasReport(int rank) const {
       return is_packed() ? rank < static_cast<int>(reported.size()) && reported[rank]
-                         : reports.count(rank) > 0;
+                         : reports.has(rank);
     }
   };
   // Steps a job keeps unpacked whatever is asked of the older ones: the newest two, so that a

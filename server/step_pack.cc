@@ -346,12 +346,15 @@ bool GetPlan(Reader& r, StepPlan* plan) {
   return true;
 }
 
-void PutReports(const std::map<int, std::vector<MicroBatchTiming>>& reports,
-                const std::map<int, double>& waits, Writer& w) {
-  w.Varint(reports.size());
+// The ranks that reported, in rank order: each with its timings and its wait.
+void PutReports(const StepReports& reports, Writer& w) {
+  w.Varint(static_cast<uint64_t>(reports.count()));
   uint64_t last_id = 0;
-  for (const auto& [rank, timings] : reports) {
+  for (int rank = 0; rank < reports.slots(); ++rank) {
+    if (!reports.has(rank)) continue;
+    const std::vector<MicroBatchTiming>& timings = reports.timings(rank);
     w.Signed(rank);
+    w.Double(reports.wait_seconds(rank));
     w.Varint(timings.size());
     for (const MicroBatchTiming& m : timings) {
       w.Signed(m.micro_batch);
@@ -371,24 +374,23 @@ void PutReports(const std::map<int, std::vector<MicroBatchTiming>>& reports,
       }
     }
   }
-  w.Varint(waits.size());
-  for (const auto& [rank, seconds] : waits) {
-    w.Signed(rank);
-    w.Double(seconds);
-  }
 }
 
-bool GetReports(Reader& r, std::map<int, std::vector<MicroBatchTiming>>* reports,
-                std::map<int, double>* waits) {
+// Ranks ascend and none is negative or repeated: what PutReports writes.
+bool GetReports(Reader& r, StepReports* reports) {
   size_t ranks = 0;
   if (!r.Count(&ranks)) return false;
   uint64_t last_id = 0;
+  int last_rank = -1;
   for (size_t i = 0; i < ranks; ++i) {
     int rank = 0;
+    double wait_seconds = 0.0;
     size_t n = 0;
-    if (!r.SignedAs(&rank) || !r.Count(&n)) return false;
-    std::vector<MicroBatchTiming>& timings = (*reports)[rank];
-    timings.resize(n);
+    if (!r.SignedAs(&rank) || rank <= last_rank || !r.Double(&wait_seconds) || !r.Count(&n)) {
+      return false;
+    }
+    last_rank = rank;
+    std::vector<MicroBatchTiming> timings(n);
     for (MicroBatchTiming& m : timings) {
       if (!r.SignedAs(&m.micro_batch) || !r.Double(&m.compute_seconds) ||
           !r.Double(&m.attention_seconds) || !r.Double(&m.achieved_density) ||
@@ -408,12 +410,7 @@ bool GetReports(Reader& r, std::map<int, std::vector<MicroBatchTiming>>* reports
         }
       }
     }
-  }
-  size_t n = 0;
-  if (!r.Count(&n)) return false;
-  for (size_t i = 0; i < n; ++i) {
-    int rank = 0;
-    if (!r.SignedAs(&rank) || !r.Double(&(*waits)[rank])) return false;
+    reports->Put(rank, std::move(timings), wait_seconds);
   }
   return true;
 }
@@ -421,12 +418,11 @@ bool GetReports(Reader& r, std::map<int, std::vector<MicroBatchTiming>>* reports
 }  // namespace
 
 std::string PackStep(const std::vector<Sample>& batch, const StepPlan& plan,
-                     const std::map<int, std::vector<MicroBatchTiming>>& reports,
-                     const std::map<int, double>& waits) {
+                     const StepReports& reports) {
   Writer w;
   PutBatch(batch, w);
   PutPlan(plan, w);
-  PutReports(reports, waits, w);
+  PutReports(reports, w);
   std::string bytes = w.Take();
   bytes.shrink_to_fit();
   return bytes;
@@ -435,8 +431,8 @@ std::string PackStep(const std::vector<Sample>& batch, const StepPlan& plan,
 absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes) {
   PackedStepContents step;
   Reader r(bytes);
-  if (!GetBatch(r, &step.batch) || !GetPlan(r, &step.plan) ||
-      !GetReports(r, &step.reports, &step.waits) || !r.done()) {
+  if (!GetBatch(r, &step.batch) || !GetPlan(r, &step.plan) || !GetReports(r, &step.reports) ||
+      !r.done()) {
     return absl::InternalError(absl::StrCat("a packed step of ", bytes.size(),
                                             " bytes does not unpack (at byte ",
                                             std::min(r.pos(), bytes.size()), ")"));

@@ -4,7 +4,7 @@
 // SubmitBatch). A StepPlan of 16,384 samples is some 2 MB of vectors and a step's reports with
 // their measured recalls 1.4 MB more; packed, the three take about a tenth of that.
 //
-//   std::string bytes = PackStep(batch, plan, reports, waits);
+//   std::string bytes = PackStep(batch, plan, reports);
 //   absl::StatusOr<PackedStepContents> back = UnpackStep(bytes);  // the same, field for field
 //
 // Lossless: every field of every value comes back equal, doubles bit for bit (-0.0, NaN
@@ -15,13 +15,13 @@
 #ifndef SPARSEBALANCE_SERVER_STEP_PACK_H_
 #define SPARSEBALANCE_SERVER_STEP_PACK_H_
 
-#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "planner/types.h"
+#include "server/step_reports.h"
 
 namespace sparsebalance {
 
@@ -29,13 +29,11 @@ namespace sparsebalance {
 struct PackedStepContents {
   std::vector<Sample> batch;
   StepPlan plan;
-  std::map<int, std::vector<MicroBatchTiming>> reports;  // by rank
-  std::map<int, double> waits;                           // by rank, seconds
+  StepReports reports;  // by rank, with their waits
 };
 
 std::string PackStep(const std::vector<Sample>& batch, const StepPlan& plan,
-                     const std::map<int, std::vector<MicroBatchTiming>>& reports,
-                     const std::map<int, double>& waits);
+                     const StepReports& reports);
 // INTERNAL when `bytes` is not what PackStep wrote (truncated or altered in memory).
 absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes);
 

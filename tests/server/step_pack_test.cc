@@ -1,10 +1,10 @@
 #include "server/step_pack.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -64,12 +64,14 @@ void ExpectSameBatch(const std::vector<Sample>& a, const std::vector<Sample>& b)
   }
 }
 
-void ExpectSameReports(const std::map<int, std::vector<MicroBatchTiming>>& a,
-                       const std::map<int, std::vector<MicroBatchTiming>>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (const auto& [rank, timings] : a) {
-    ASSERT_EQ(b.count(rank), 1u) << "rank " << rank;
-    const std::vector<MicroBatchTiming>& other = b.at(rank);
+void ExpectSameReports(const StepReports& a, const StepReports& b) {
+  ASSERT_EQ(a.count(), b.count());
+  for (int rank = 0; rank < std::max(a.slots(), b.slots()); ++rank) {
+    ASSERT_EQ(a.has(rank), b.has(rank)) << "rank " << rank;
+    if (!a.has(rank)) continue;
+    EXPECT_EQ(Bits(a.wait_seconds(rank)), Bits(b.wait_seconds(rank))) << "rank " << rank;
+    const std::vector<MicroBatchTiming>& timings = a.timings(rank);
+    const std::vector<MicroBatchTiming>& other = b.timings(rank);
     ASSERT_EQ(timings.size(), other.size());
     for (size_t k = 0; k < timings.size(); ++k) {
       const MicroBatchTiming& x = timings[k];
@@ -128,9 +130,9 @@ PackedStepContents RichStep() {
   step.plan.ranks[2].micro_batches[0].features_known = true;
   step.plan.ranks[2].micro_batches[0].features.exchange_bytes = -1e300;
 
+  std::vector<std::vector<MicroBatchTiming>> timings(4);
   for (int r = 0; r < 4; ++r) {
-    step.reports[r] = test_support::TimingsOf(step.plan.ranks[r].micro_batches, 1.1);
-    step.waits[r] = 0.01 * r;
+    timings[r] = test_support::TimingsOf(step.plan.ranks[r].micro_batches, 1.1);
   }
   DocumentRecallMeasurement d;
   d.sample_id = std::numeric_limits<uint64_t>::max();
@@ -138,44 +140,45 @@ PackedStepContents RichStep() {
   d.recall = 0.875;
   d.layer_recall = {0.5, 0.9375, 1.0 / 3.0};
   d.rows = 8;
-  step.reports[1].back().documents.push_back(d);
-  step.reports[1].back().documents.push_back({101, 0, 0.1, {}, 1});
-  step.reports[2][0].exchange_seconds = 1e-7;
-  step.reports[2][0].recall_seconds = -0.0;
-  step.waits[3] = std::numeric_limits<double>::infinity();
-  step.waits[2] = std::nan("7");
-  step.reports[-3] = {};  // a key the codec must keep, empty or not
+  timings[1].back().documents.push_back(d);
+  timings[1].back().documents.push_back({101, 0, 0.1, {}, 1});
+  timings[2][0].exchange_seconds = 1e-7;
+  timings[2][0].recall_seconds = -0.0;
+  const std::vector<double> waits = {0.0, 0.01, std::nan("7"),
+                                     std::numeric_limits<double>::infinity()};
+  // Ranks out of order, with a gap (rank 4 did not report) and an empty report (rank 5's).
+  step.reports.Put(5, {}, -0.0);
+  for (int r : {2, 0, 3, 1}) step.reports.Put(r, timings[r], waits[r]);
   return step;
 }
 
 TEST(StepPackTest, EveryFieldComesBackBitForBit) {
   const PackedStepContents step = RichStep();
   ASSERT_TRUE(step.plan.ranks[0].micro_batches[0].samples[0].sharded());
-  const std::string bytes = PackStep(step.batch, step.plan, step.reports, step.waits);
+  const std::string bytes = PackStep(step.batch, step.plan, step.reports);
   absl::StatusOr<PackedStepContents> back = UnpackStep(bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   ExpectSameBatch(step.batch, back->batch);
   ExpectSamePlan(step.plan, back->plan);
+  ASSERT_EQ(back->reports.count(), 5);
+  EXPECT_FALSE(back->reports.has(4));
   ExpectSameReports(step.reports, back->reports);
-  ASSERT_EQ(step.waits.size(), back->waits.size());
-  for (const auto& [rank, seconds] : step.waits) EXPECT_EQ(Bits(seconds), Bits(back->waits[rank]));
   // Packing what was unpacked gives the same bytes.
-  EXPECT_EQ(PackStep(back->batch, back->plan, back->reports, back->waits), bytes);
+  EXPECT_EQ(PackStep(back->batch, back->plan, back->reports), bytes);
 }
 
 TEST(StepPackTest, AnEmptyStepRoundTrips) {
-  const std::string bytes = PackStep({}, StepPlan{}, {}, {});
+  const std::string bytes = PackStep({}, StepPlan{}, {});
   absl::StatusOr<PackedStepContents> back = UnpackStep(bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(back->batch.empty());
   ExpectSamePlan(StepPlan{}, back->plan);
   EXPECT_TRUE(back->reports.empty());
-  EXPECT_TRUE(back->waits.empty());
 }
 
 TEST(StepPackTest, CutOrExtendedBytesDoNotUnpack) {
   const PackedStepContents step = RichStep();
-  const std::string bytes = PackStep(step.batch, step.plan, step.reports, step.waits);
+  const std::string bytes = PackStep(step.batch, step.plan, step.reports);
   for (size_t n = 0; n < bytes.size(); ++n) {
     absl::StatusOr<PackedStepContents> back = UnpackStep(absl::string_view(bytes).substr(0, n));
     EXPECT_EQ(back.status().code(), absl::StatusCode::kInternal) << "first " << n << " bytes";
@@ -195,8 +198,7 @@ TEST(StepPackTest, APlannedStepPacksIntoUnderAQuarterOfItsValues) {
   LatencyModel model(settings.planner.shape, ranks, kDefaultCostPrior);
   absl::StatusOr<StepPlan> plan = PlanStep(batch, *config, model);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  std::map<int, std::vector<MicroBatchTiming>> reports;
-  std::map<int, double> waits;
+  StepReports reports;
   size_t bytes = sizeof(PackedStepContents) + batch.size() * sizeof(Sample) +
                  plan->ranks.size() * sizeof(RankPlan);
   for (const Sample& s : batch) bytes += s.segments.size() * sizeof(int64_t);
@@ -208,15 +210,41 @@ TEST(StepPackTest, APlannedStepPacksIntoUnderAQuarterOfItsValues) {
                  p.shard_group.size() * sizeof(int);
       }
     }
-    reports[r] = test_support::TimingsOf(plan->ranks[r].micro_batches, 1.05);
-    waits[r] = 0.002 * r;
-    bytes += reports[r].size() * sizeof(MicroBatchTiming) + sizeof(double);
+    reports.Put(r, test_support::TimingsOf(plan->ranks[r].micro_batches, 1.05), 0.002 * r);
+    bytes += reports.timings(r).size() * sizeof(MicroBatchTiming) + sizeof(double);
   }
-  const std::string packed = PackStep(batch, *plan, reports, waits);
+  const std::string packed = PackStep(batch, *plan, reports);
   EXPECT_LT(4 * packed.size(), bytes) << packed.size() << " bytes packed, " << bytes << " unpacked";
   absl::StatusOr<PackedStepContents> back = UnpackStep(packed);
   ASSERT_TRUE(back.ok()) << back.status();
   ExpectSamePlan(*plan, back->plan);
+}
+
+TEST(StepReportsTest, SlotsCountRanksOnceAndKeepTheLatestReport) {
+  StepReports reports;
+  EXPECT_TRUE(reports.empty());
+  EXPECT_FALSE(reports.has(0));
+  EXPECT_FALSE(reports.has(-1));
+  reports.Reserve(8);
+  EXPECT_EQ(reports.slots(), 8);
+  EXPECT_EQ(reports.count(), 0);
+  EXPECT_FALSE(reports.has(7));
+  reports.Put(7, {MicroBatchTiming{}}, 0.5);
+  reports.Put(7, {MicroBatchTiming{}, MicroBatchTiming{}}, 0.25);  // replaces, counted once
+  reports.Put(10, {}, 1.0);                                        // grows the slots
+  EXPECT_EQ(reports.count(), 2);
+  EXPECT_EQ(reports.slots(), 11);
+  EXPECT_TRUE(reports.has(7));
+  EXPECT_TRUE(reports.has(10));
+  EXPECT_FALSE(reports.has(9));
+  EXPECT_FALSE(reports.has(11));
+  EXPECT_EQ(reports.timings(7).size(), 2u);
+  EXPECT_EQ(reports.wait_seconds(7), 0.25);
+  EXPECT_TRUE(reports.timings(10).empty());
+  reports.Clear();
+  EXPECT_TRUE(reports.empty());
+  EXPECT_EQ(reports.slots(), 0);
+  EXPECT_FALSE(reports.has(7));
 }
 
 }  // namespace
