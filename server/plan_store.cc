@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/arena.h"
 #include "google/protobuf/io/zero_copy_stream_impl.h"
+#include "server/crc32c.h"
 #include "server/state_codec.h"
 
 namespace sparsebalance {
@@ -268,25 +269,9 @@ uint32_t GetLe32(const char* in) {
   return value;
 }
 
-// Raw CRC32C register update (no pre/post inversion), a byte at a time from a table.
-uint32_t Crc32cUpdate(uint32_t crc, absl::string_view data) {
-  static const std::array<uint32_t, 256> kTable = [] {
-    std::array<uint32_t, 256> table{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) != 0 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-      table[i] = c;
-    }
-    return table;
-  }();
-  for (const char ch : data)
-    crc = kTable[(crc ^ static_cast<unsigned char>(ch)) & 0xff] ^ (crc >> 8);
-  return crc;
-}
-
 // The checksum of a record: over its 4 length bytes and its body.
 uint32_t RecordCrc(absl::string_view length_bytes, absl::string_view body) {
-  return ~Crc32cUpdate(Crc32cUpdate(~uint32_t{0}, length_bytes), body);
+  return ~Crc32cExtend(Crc32cExtend(~uint32_t{0}, length_bytes), body);
 }
 
 // A framed record of `body`: magic, length and checksum, then the body serialized straight
@@ -417,8 +402,6 @@ bool IsValidJobId(absl::string_view id) {
   return std::all_of(id.begin(), id.end(),
                      [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z'); });
 }
-
-uint32_t Crc32c(absl::string_view data) { return ~Crc32cUpdate(~uint32_t{0}, data); }
 
 absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& dir,
                                                            bool fsync_reports) {

@@ -86,9 +86,6 @@ bool IsStoreFailure(const absl::Status& status);
 // refused before it is used in a path (no '/', '.', '..').
 bool IsValidJobId(absl::string_view id);
 
-// CRC32C (Castagnoli, as in iSCSI and ext4) of `data`: the checksum of report log records.
-uint32_t Crc32c(absl::string_view data);
-
 // A job as job.pb holds it: everything but its steps.
 struct StoredJob {
   std::string job_id;
