@@ -406,16 +406,17 @@ MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report) {
 }
 
 absl::Status ValidateMeasuredRecall(const MicroBatchTiming& timing, int layers,
-                                    absl::string_view where) {
+                                    absl::FunctionRef<std::string()> where) {
   if (!std::isfinite(timing.recall_seconds) || timing.recall_seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ".recall_seconds: ", timing.recall_seconds, " is not a finite number >= 0"));
+        where(), ".recall_seconds: ", timing.recall_seconds, " is not a finite number >= 0"));
   }
   // Error prefixes are built only for the document that fails: a report of a micro-batch of
   // hundreds of documents is checked on every ReportStep.
-  for (size_t k = 0; k < timing.documents.size(); ++k) {
-    const DocumentRecallMeasurement& d = timing.documents[k];
-    auto at = [&] { return absl::StrCat(where, ".documents[", k, "]"); };
+  const std::vector<DocumentRecallMeasurement>& documents = timing.documents;
+  for (size_t k = 0; k < documents.size(); ++k) {
+    const DocumentRecallMeasurement& d = documents[k];
+    auto at = [&] { return absl::StrCat(where(), ".documents[", k, "]"); };
     if (d.document < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(at(), ".document: ", d.document, " is negative"));
@@ -440,28 +441,42 @@ absl::Status ValidateMeasuredRecall(const MicroBatchTiming& timing, int layers,
           absl::StrCat(at(), ".rows: ", d.rows, " must be at least 1 (rows measured per layer)"));
     }
   }
-  // Repeats: (sample, document, position) sorted, so the first repeat found is the one at the
-  // lowest position after its original, as a scan in order would name it.
-  if (timing.documents.size() > 1) {
+  // Repeats: the first one named is the one at the lowest position after its original, as a
+  // scan in order finds it. Up to kPairwise documents (a micro-batch's usual count) every pair
+  // is compared in place; more are sorted by (sample, document, position).
+  constexpr size_t kPairwise = 32;
+  size_t repeat = documents.size();
+  auto same = [](const DocumentRecallMeasurement& a, const DocumentRecallMeasurement& b) {
+    return a.sample_id == b.sample_id && a.document == b.document;
+  };
+  if (documents.size() <= kPairwise) {
+    for (size_t k = 1; k < documents.size() && repeat == documents.size(); ++k) {
+      for (size_t i = 0; i < k; ++i) {
+        if (same(documents[i], documents[k])) {
+          repeat = k;
+          break;
+        }
+      }
+    }
+  } else {
     std::vector<std::tuple<uint64_t, int, size_t>> keys;
-    keys.reserve(timing.documents.size());
-    for (size_t k = 0; k < timing.documents.size(); ++k) {
-      keys.emplace_back(timing.documents[k].sample_id, timing.documents[k].document, k);
+    keys.reserve(documents.size());
+    for (size_t k = 0; k < documents.size(); ++k) {
+      keys.emplace_back(documents[k].sample_id, documents[k].document, k);
     }
     std::sort(keys.begin(), keys.end());
-    size_t repeat = timing.documents.size();
     for (size_t i = 1; i < keys.size(); ++i) {
       if (std::get<0>(keys[i]) == std::get<0>(keys[i - 1]) &&
           std::get<1>(keys[i]) == std::get<1>(keys[i - 1])) {
         repeat = std::min(repeat, std::get<2>(keys[i]));
       }
     }
-    if (repeat < timing.documents.size()) {
-      const DocumentRecallMeasurement& d = timing.documents[repeat];
-      return absl::InvalidArgumentError(absl::StrCat(where, ".documents[", repeat, "]: sample ",
-                                                     d.sample_id, " document ", d.document,
-                                                     " is reported twice"));
-    }
+  }
+  if (repeat < documents.size()) {
+    const DocumentRecallMeasurement& d = documents[repeat];
+    return absl::InvalidArgumentError(absl::StrCat(where(), ".documents[", repeat, "]: sample ",
+                                                   d.sample_id, " document ", d.document,
+                                                   " is reported twice"));
   }
   return absl::OkStatus();
 }
@@ -469,8 +484,8 @@ absl::Status ValidateMeasuredRecall(const MicroBatchTiming& timing, int layers,
 absl::Status ValidateMeasuredRecall(const std::vector<MicroBatchTiming>& micro_batches,
                                     int layers) {
   for (size_t m = 0; m < micro_batches.size(); ++m) {
-    if (absl::Status s = ValidateMeasuredRecall(micro_batches[m], layers,
-                                                absl::StrCat("micro_batches[", m, "]"));
+    if (absl::Status s = ValidateMeasuredRecall(
+            micro_batches[m], layers, [m] { return absl::StrCat("micro_batches[", m, "]"); });
         !s.ok()) {
       return s;
     }

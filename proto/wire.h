@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "grpcpp/support/status.h"
@@ -95,10 +96,11 @@ MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report);
 // finite and >= 0; per document, a non-negative index, (sample_id, document) reported once,
 // recall in [0, 1], layer_recall empty or one per layer (each in [0, 1]), rows >= 1.
 // INVALID_ARGUMENT naming `<where>.documents[k].<field>`, e.g.
-// "micro_batches[0].documents[2].recall: 1.5 is outside [0, 1]". Which samples the plan gave
-// the micro-batch is the registry's to check.
+// "micro_batches[0].documents[2].recall: 1.5 is outside [0, 1]"; `where` is called only for a
+// message (a report is checked on every ReportStep). Which samples the plan gave the
+// micro-batch is the registry's to check.
 absl::Status ValidateMeasuredRecall(const MicroBatchTiming& timing, int layers,
-                                    absl::string_view where);
+                                    absl::FunctionRef<std::string()> where);
 // The same for every micro-batch of a report, `where` being "micro_batches[m]".
 absl::Status ValidateMeasuredRecall(const std::vector<MicroBatchTiming>& micro_batches, int layers);
 

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "planner/planner.h"
 #include "proto/wire.h"
@@ -88,29 +89,44 @@ bool StateFinite(const LatencyModelState& st) {
 
 // The measured recalls of one micro-batch: their own rules (proto/wire.h's
 // ValidateMeasuredRecall), then against the micro-batch's plan: each for a planned sample, its
-// document index within the sample's documents.
+// document index within the sample's documents. `where` names the micro-batch in a message.
 absl::Status ValidateDocumentRecalls(const MicroBatchPlan& planned, int layers,
-                                     const MicroBatchTiming& timing, absl::string_view where) {
+                                     const MicroBatchTiming& timing,
+                                     absl::FunctionRef<std::string()> where) {
   if (absl::Status s = ValidateMeasuredRecall(timing, layers, where); !s.ok()) return s;
   if (timing.documents.empty()) return absl::OkStatus();
+  const std::vector<PlannedSample>& samples = planned.samples;
+  auto documents_in = [](const PlannedSample& p) {
+    return p.segments.empty() ? size_t{1} : p.segments.size();
+  };
+  // Workers measure a micro-batch's documents in its planned order: each is then at the planned
+  // sample of the one before it or at the next one, and in range. A report in another order
+  // looks each document up below.
+  bool in_order = true;
+  size_t at = 0;  // the planned sample of the document before
+  for (size_t k = 0; k < timing.documents.size() && in_order; ++k) {
+    const DocumentRecallMeasurement& d = timing.documents[k];
+    if (k > 0 && samples[at].id != d.sample_id) ++at;
+    in_order = at < samples.size() && samples[at].id == d.sample_id &&
+               static_cast<size_t>(d.document) < documents_in(samples[at]);
+  }
+  if (in_order) return absl::OkStatus();
   // (planned sample id, its document count), sorted by id: a binary search per document.
   std::vector<std::pair<uint64_t, size_t>> documents_of;
-  documents_of.reserve(planned.samples.size());
-  for (const PlannedSample& p : planned.samples) {
-    documents_of.emplace_back(p.id, p.segments.empty() ? 1 : p.segments.size());
-  }
+  documents_of.reserve(samples.size());
+  for (const PlannedSample& p : samples) documents_of.emplace_back(p.id, documents_in(p));
   std::sort(documents_of.begin(), documents_of.end());
   for (size_t k = 0; k < timing.documents.size(); ++k) {
     const DocumentRecallMeasurement& d = timing.documents[k];
     auto it = std::lower_bound(documents_of.begin(), documents_of.end(),
                                std::make_pair(d.sample_id, size_t{0}));
     if (it == documents_of.end() || it->first != d.sample_id) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".documents[", k,
+      return absl::InvalidArgumentError(absl::StrCat(where(), ".documents[", k,
                                                      "].sample_id: ", d.sample_id,
                                                      " is not planned in this micro-batch"));
     }
     if (static_cast<size_t>(d.document) >= it->second) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".documents[", k,
+      return absl::InvalidArgumentError(absl::StrCat(where(), ".documents[", k,
                                                      "].document: ", d.document, " is outside [0, ",
                                                      it->second, ") for sample id ", d.sample_id));
     }
@@ -134,40 +150,41 @@ absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
   std::vector<bool> seen(planned.size(), false);
   for (size_t k = 0; k < micro_batches.size(); ++k) {
     const MicroBatchTiming& m = micro_batches[k];
-    const std::string where = absl::StrCat("micro_batches[", k, "]");
+    // Built only for a message: this runs on every ReportStep.
+    auto where = [k] { return absl::StrCat("micro_batches[", k, "]"); };
     if (m.micro_batch < 0 || m.micro_batch >= static_cast<int>(planned.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+      return absl::InvalidArgumentError(absl::StrCat(where(), ".micro_batch: ", m.micro_batch,
                                                      " is outside [0, ", planned.size(), ")"));
     }
     if (seen[m.micro_batch]) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ".micro_batch: ", m.micro_batch, " is reported twice"));
+          absl::StrCat(where(), ".micro_batch: ", m.micro_batch, " is reported twice"));
     }
     seen[m.micro_batch] = true;
     if (planned[m.micro_batch].samples.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".micro_batch: ", m.micro_batch,
+      return absl::InvalidArgumentError(absl::StrCat(where(), ".micro_batch: ", m.micro_batch,
                                                      " was planned empty; do not report it"));
     }
     if (!Positive(m.compute_seconds) || m.compute_seconds > kMaxReportedSeconds) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".compute_seconds: ", m.compute_seconds,
-                                                     " is not a finite number in (0, ",
-                                                     kMaxReportedSeconds, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ".compute_seconds: ", m.compute_seconds,
+                       " is not a finite number in (0, ", kMaxReportedSeconds, "]"));
     }
     if (!std::isfinite(m.attention_seconds) || m.attention_seconds < 0 ||
         m.attention_seconds > m.compute_seconds) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ".attention_seconds: ", m.attention_seconds, " is not in [0, compute_seconds]"));
+          where(), ".attention_seconds: ", m.attention_seconds, " is not in [0, compute_seconds]"));
     }
     // Part of compute_seconds, and (as the latency model needs) less than all of it.
     if (!std::isfinite(m.exchange_seconds) || m.exchange_seconds < 0 ||
         (m.exchange_seconds > 0 && m.exchange_seconds >= m.compute_seconds)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ".exchange_seconds: ", m.exchange_seconds,
+          absl::StrCat(where(), ".exchange_seconds: ", m.exchange_seconds,
                        " is not in [0, compute_seconds ", m.compute_seconds, ")"));
     }
     if (m.exchange_seconds > 0 && !HoldsShard(planned[m.micro_batch])) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ".exchange_seconds: ", m.exchange_seconds,
+          absl::StrCat(where(), ".exchange_seconds: ", m.exchange_seconds,
                        " is a report for a shard that was not "
                        "planned: micro-batch ",
                        m.micro_batch, " of rank ", rank,
@@ -175,15 +192,15 @@ absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
     }
     if (!(m.recall >= 0.0 && m.recall <= 1.0)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ".recall: ", m.recall, " is outside [0, 1]"));
+          absl::StrCat(where(), ".recall: ", m.recall, " is outside [0, 1]"));
     }
     if (!(m.achieved_density >= 0.0 && m.achieved_density <= 1.0)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ".achieved_density: ", m.achieved_density, " is outside [0, 1]"));
+          absl::StrCat(where(), ".achieved_density: ", m.achieved_density, " is outside [0, 1]"));
     }
     if (m.tokens != planned[m.micro_batch].tokens) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
+          where(), ".tokens: ", m.tokens, " but the plan has ", planned[m.micro_batch].tokens));
     }
     if (absl::Status s = ValidateDocumentRecalls(planned[m.micro_batch], layers, m, where);
         !s.ok()) {

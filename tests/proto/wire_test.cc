@@ -653,6 +653,29 @@ TEST(TimingProtoTest, BadMeasuredRecallNamesTheMicroBatchDocumentAndField) {
   }
 }
 
+// Repeats are found pairwise in a micro-batch of up to 32 documents and by sorting in a larger
+// one: both name the repeat at the lowest position after its original.
+TEST(MeasuredRecallTest, TheFirstRepeatIsNamedInSmallAndLargeMicroBatches) {
+  for (int count : {8, 32, 33, 200}) {
+    MicroBatchTiming t = MeasuredTiming();
+    t.documents.clear();
+    for (int k = 0; k < count; ++k) {
+      t.documents.push_back({static_cast<uint64_t>(100 + k / 2), k % 2, 0.5, {}, 1});
+    }
+    EXPECT_TRUE(ValidateMeasuredRecall({t}, 2).ok()) << count << " documents";
+    // Two repeats: of documents[3] at count - 2, of documents[0] at count - 1 (later).
+    t.documents[count - 2] = t.documents[3];
+    t.documents[count - 1] = t.documents[0];
+    const absl::Status s = ValidateMeasuredRecall({t}, 2);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << count;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr(absl::StrCat("micro_batches[0].documents[", count - 2,
+                                       "]: sample 101 "
+                                       "document 1 is reported twice")))
+        << count;
+  }
+}
+
 TEST(StatusConversionTest, KeepsCodeAndMessageBothWays) {
   for (absl::StatusCode code :
        {absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,

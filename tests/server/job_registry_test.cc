@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -461,6 +462,41 @@ TEST_F(JobRegistryTest, BadDocumentRecallsNameTheFieldAndLeaveTheRankUnreported)
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
     EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
   }
+  absl::StatusOr<bool> ok = registry_.ReportStep(id, 0, 0, good, 0.0);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_FALSE(*ok);
+}
+
+// Workers report a micro-batch's documents in planned order, which the registry checks in one
+// walk; any other order is checked by looking each document up, and is as valid.
+TEST_F(JobRegistryTest, DocumentRecallsInAnyOrderAreCheckedAgainstThePlan) {
+  const std::string id = Create(2);
+  JoinAll(id, 2);
+  absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, 0, Batch(5, 2));
+  ASSERT_TRUE(step.ok());
+  std::vector<MicroBatchTiming> good = MeasureWithRecall(*step->plan, 0, 3.0);
+  size_t with_two = good.size();  // a micro-batch with at least two documents
+  for (size_t m = 0; m < good.size(); ++m) {
+    if (good[m].documents.size() >= 2) with_two = m;
+  }
+  ASSERT_LT(with_two, good.size());
+  const std::string where = absl::StrCat("micro_batches[", with_two, "].documents[1]");
+  // A bad last document after good ones in order; the same reversed.
+  std::vector<MicroBatchTiming> bad = good;
+  bad[with_two].documents[1].document = 9;
+  absl::Status status = registry_.ReportStep(id, 0, 0, bad, 0.0).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr(where + ".document: 9 is outside"));
+  bad = good;
+  bad[with_two].documents[1].sample_id = 999999999;
+  std::swap(bad[with_two].documents[0], bad[with_two].documents[1]);
+  status = registry_.ReportStep(id, 0, 0, bad, 0.0).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr(absl::StrCat("micro_batches[", with_two,
+                                     "].documents[0].sample_id: 999999999 is not planned")));
+  // Every micro-batch's documents reversed: accepted.
+  for (MicroBatchTiming& m : good) std::reverse(m.documents.begin(), m.documents.end());
   absl::StatusOr<bool> ok = registry_.ReportStep(id, 0, 0, good, 0.0);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_FALSE(*ok);
