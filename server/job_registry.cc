@@ -841,12 +841,9 @@ void JobRegistry::ObservationsOf(const StepRecord& record, const LatencyModel& m
   }
   observations->reserve(count);
   recall_observations->reserve(record.batch.size());
-  // Workers measure a micro-batch's documents in its planned order, so each is looked for
-  // first at the planned sample of the one before it, then at the next; only a report in
-  // another order builds the micro-batch's samples sorted by id (one vector reused for every
-  // micro-batch; a hash map per micro-batch cost more in allocations than the lookups).
-  std::vector<std::pair<uint64_t, const PlannedSample*>> by_id;
-  auto by_first = [](const auto& a, const auto& b) { return a.first < b.first; };
+  // One finder for every micro-batch (its sorted ids' room reused; a hash map per micro-batch
+  // cost more in allocations than the lookups).
+  PlannedSampleFinder finder;
   for (int rank = 0; rank < reports.slots(); ++rank) {
     if (!reports.has(rank)) continue;
     for (const MicroBatchTiming& m : reports.timings(rank)) {
@@ -860,22 +857,9 @@ void JobRegistry::ObservationsOf(const StepRecord& record, const LatencyModel& m
       o.exchange_seconds = m.exchange_seconds;
       observations->push_back(o);
       if (m.documents.empty()) continue;
-      const std::vector<PlannedSample>& samples = planned.samples;
-      by_id.clear();
-      size_t next = 0;  // the planned sample after the last one found in order
-      auto find = [&](uint64_t id) -> const PlannedSample* {
-        if (next > 0 && samples[next - 1].id == id) return &samples[next - 1];
-        if (next < samples.size() && samples[next].id == id) return &samples[next++];
-        if (by_id.empty()) {
-          for (const PlannedSample& p : samples) by_id.emplace_back(p.id, &p);
-          std::sort(by_id.begin(), by_id.end(), by_first);
-        }
-        auto it =
-            std::lower_bound(by_id.begin(), by_id.end(), std::make_pair(id, nullptr), by_first);
-        return it == by_id.end() || it->first != id ? nullptr : it->second;
-      };
+      finder.Reset(&planned.samples);
       for (const DocumentRecallMeasurement& d : m.documents) {
-        const PlannedSample* found = find(d.sample_id);
+        const PlannedSample* found = finder.Find(d.sample_id);
         if (found == nullptr) continue;
         const PlannedSample& sample = *found;
         const int64_t length =

@@ -73,6 +73,19 @@ absl::Status CheckStoredShards(uint64_t id, std::vector<StoredShard> shards, int
 
 }  // namespace
 
+const PlannedSample* PlannedSampleFinder::Find(uint64_t id) {
+  const std::vector<PlannedSample>& samples = *samples_;
+  if (next_ > 0 && samples[next_ - 1].id == id) return &samples[next_ - 1];
+  if (next_ < samples.size() && samples[next_].id == id) return &samples[next_++];
+  auto by_first = [](const auto& a, const auto& b) { return a.first < b.first; };
+  if (by_id_.empty()) {
+    for (const PlannedSample& p : samples) by_id_.emplace_back(p.id, &p);
+    std::sort(by_id_.begin(), by_id_.end(), by_first);
+  }
+  auto it = std::lower_bound(by_id_.begin(), by_id_.end(), std::make_pair(id, nullptr), by_first);
+  return it == by_id_.end() || it->first != id ? nullptr : it->second;
+}
+
 bool StateFinite(const LatencyModelState& st) {
   for (double v : st.weights) {
     if (!std::isfinite(v)) return false;
@@ -94,41 +107,20 @@ absl::Status ValidateDocumentRecalls(const MicroBatchPlan& planned, int layers,
                                      const MicroBatchTiming& timing,
                                      absl::FunctionRef<std::string()> where) {
   if (absl::Status s = ValidateMeasuredRecall(timing, layers, where); !s.ok()) return s;
-  if (timing.documents.empty()) return absl::OkStatus();
-  const std::vector<PlannedSample>& samples = planned.samples;
-  auto documents_in = [](const PlannedSample& p) {
-    return p.segments.empty() ? size_t{1} : p.segments.size();
-  };
-  // Workers measure a micro-batch's documents in its planned order: each is then at the planned
-  // sample of the one before it or at the next one, and in range. A report in another order
-  // looks each document up below.
-  bool in_order = true;
-  size_t at = 0;  // the planned sample of the document before
-  for (size_t k = 0; k < timing.documents.size() && in_order; ++k) {
-    const DocumentRecallMeasurement& d = timing.documents[k];
-    if (k > 0 && samples[at].id != d.sample_id) ++at;
-    in_order = at < samples.size() && samples[at].id == d.sample_id &&
-               static_cast<size_t>(d.document) < documents_in(samples[at]);
-  }
-  if (in_order) return absl::OkStatus();
-  // (planned sample id, its document count), sorted by id: a binary search per document.
-  std::vector<std::pair<uint64_t, size_t>> documents_of;
-  documents_of.reserve(samples.size());
-  for (const PlannedSample& p : samples) documents_of.emplace_back(p.id, documents_in(p));
-  std::sort(documents_of.begin(), documents_of.end());
+  PlannedSampleFinder finder(&planned.samples);
   for (size_t k = 0; k < timing.documents.size(); ++k) {
     const DocumentRecallMeasurement& d = timing.documents[k];
-    auto it = std::lower_bound(documents_of.begin(), documents_of.end(),
-                               std::make_pair(d.sample_id, size_t{0}));
-    if (it == documents_of.end() || it->first != d.sample_id) {
+    const PlannedSample* sample = finder.Find(d.sample_id);
+    if (sample == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ".documents[", k,
                                                      "].sample_id: ", d.sample_id,
                                                      " is not planned in this micro-batch"));
     }
-    if (static_cast<size_t>(d.document) >= it->second) {
+    const size_t documents = sample->segments.empty() ? 1 : sample->segments.size();
+    if (static_cast<size_t>(d.document) >= documents) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ".documents[", k,
                                                      "].document: ", d.document, " is outside [0, ",
-                                                     it->second, ") for sample id ", d.sample_id));
+                                                     documents, ") for sample id ", d.sample_id));
     }
   }
   return absl::OkStatus();

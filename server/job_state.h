@@ -7,6 +7,9 @@
 #ifndef SPARSEBALANCE_SERVER_JOB_STATE_H_
 #define SPARSEBALANCE_SERVER_JOB_STATE_H_
 
+#include <cstddef>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,6 +25,32 @@ inline constexpr double kMaxReportedSeconds = 1e6;
 
 // Every value of a learned state finite (speed factors positive): what a fold must keep.
 bool StateFinite(const LatencyModelState& state);
+
+// Finds a micro-batch's planned samples by id, for the documents of a report (ValidateReport
+// and the fold). Workers measure a micro-batch's documents in planned order, so each is looked
+// for first at the planned sample of the one before it, then at the next; only a report in
+// another order sorts the micro-batch's ids, once, and searches them. Reset rebinds it to
+// another micro-batch and keeps the sorted vector's room.
+//
+//   PlannedSampleFinder finder(&micro_batch.samples);
+//   for (const DocumentRecallMeasurement& d : timing.documents) Use(finder.Find(d.sample_id));
+class PlannedSampleFinder {
+ public:
+  explicit PlannedSampleFinder(const std::vector<PlannedSample>* samples = nullptr)
+      : samples_(samples) {}
+  void Reset(const std::vector<PlannedSample>* samples) {
+    samples_ = samples;
+    next_ = 0;
+    by_id_.clear();
+  }
+  // The planned sample with `id`, or null when the micro-batch has none.
+  const PlannedSample* Find(uint64_t id);
+
+ private:
+  const std::vector<PlannedSample>* samples_;
+  size_t next_ = 0;  // the planned sample after the last one found in order
+  std::vector<std::pair<uint64_t, const PlannedSample*>> by_id_;  // sorted, once needed
+};
 
 // Checks one rank's report of a step against the step's plan: micro-batch indices, each
 // reported once, tokens as planned, times finite and bounded, exchange_seconds in

@@ -206,12 +206,6 @@ absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in
   return out;
 }
 
-state::v1::ReportRecord EncodeReport(const StoredReport& report) {
-  state::v1::ReportRecord out;
-  EncodeReport(report, &out);
-  return out;
-}
-
 void EncodeReport(const StoredReport& report, state::v1::ReportRecord* out) {
   out->set_rank(report.rank);
   out->set_wait_seconds(report.wait_seconds);

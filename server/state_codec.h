@@ -34,8 +34,7 @@ void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& 
 // planned sample.
 absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in);
 
-state::v1::ReportRecord EncodeReport(const StoredReport& report);
-// The same into `out` (a message on an arena stays on it).
+// Into `out`, which may live on an arena (PlanStore::AppendReport builds it on the stack).
 void EncodeReport(const StoredReport& report, state::v1::ReportRecord* out);
 StoredReport DecodeReport(const state::v1::ReportRecord& in);
 

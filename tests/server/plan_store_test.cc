@@ -562,7 +562,9 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
 
   StoredReport report = Report(1, 3);
   report.micro_batches[1].exchange_seconds = 0.125;
-  const StoredReport report_back = DecodeReport(EncodeReport(report));
+  state::v1::ReportRecord encoded;
+  EncodeReport(report, &encoded);
+  const StoredReport report_back = DecodeReport(encoded);
   EXPECT_EQ(report_back.micro_batches[1].exchange_seconds, 0.125);
   EXPECT_EQ(report_back.rank, 1);
   EXPECT_EQ(report_back.wait_seconds, 1.0);
@@ -692,7 +694,9 @@ TEST(PlanStoreTest, ALogOfThePreviousFormatLoadsAndIsRewrittenOnAppend) {
   // record torn by a crash.
   std::string old_log;
   for (int i = 0; i < 3; ++i) {
-    const std::string body = EncodeReport(Report(i)).SerializeAsString();
+    state::v1::ReportRecord encoded;
+    EncodeReport(Report(i), &encoded);
+    const std::string body = encoded.SerializeAsString();
     const uint32_t n = static_cast<uint32_t>(body.size());
     old_log += std::string{static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
                            static_cast<char>((n >> 16) & 0xff), static_cast<char>(n >> 24)};
