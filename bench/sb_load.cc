@@ -77,6 +77,10 @@ ABSL_FLAG(int, steps, 5,
 ABSL_FLAG(int, connections, 64, "step, prefetch: connections the ranks share");
 ABSL_FLAG(double, step_seconds, 1.0,
           "prefetch: seconds each step trains (a sleep) while the next one is planned");
+ABSL_FLAG(int, batch, 1,
+          "reports: reports a call, 1-1024; above 1 each client is the leader of a node of that "
+          "many ranks and sends their reports of a step in one ReportStepBatch call (the job has "
+          "--clients x --batch ranks)");
 ABSL_FLAG(bool, report_stream, false,
           "reports, step: each rank reports on its own ReportSteps stream, opened before the "
           "clock starts (the client library's ClientOptions::report_stream); false, the "
@@ -548,41 +552,81 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
 
 void RunReports(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int clients = absl::GetFlag(FLAGS_clients);
-  const int steps = std::max<int>(1, (absl::GetFlag(FLAGS_reports) + clients - 1) / clients);
-  if (steps > 4096)
-    tools::Fatal("--reports / --clients must be at most 4096 (the planner's history)");
+  const int batch = absl::GetFlag(FLAGS_batch);
+  if (batch < 1 || batch > 1024) tools::Fatal("--batch must be in [1, 1024]");
+  if (batch > 1 && absl::GetFlag(FLAGS_report_stream)) {
+    tools::Fatal("--batch and --report_stream do not go together (batches are unary calls)");
+  }
+  const int ranks = clients * batch;  // client c sends ranks [c * batch, (c + 1) * batch)
+  const int steps = std::max<int>(1, (absl::GetFlag(FLAGS_reports) + ranks - 1) / ranks);
+  if (steps > 4096) {
+    tools::Fatal("--reports / (--clients x --batch) must be at most 4096 (the planner's history)");
+  }
   Connections connections(target, clients);
-  const Job job = CreateJob(connections[0], admin, clients, 1, steps);
-  Join(connections, job, clients);
+  const Job job = CreateJob(connections[0], admin, ranks, 1, steps);
+  Join(connections, job, ranks);
   // Set-up, not timed: every step planned, every rank's plan fetched and its report built.
-  std::vector<v1::ReportStepRequest> reports(static_cast<size_t>(steps) * clients);
+  std::vector<v1::ReportStepRequest> reports(static_cast<size_t>(steps) * ranks);
   for (int step = 0; step < steps; ++step) {
-    Submit(connections[0], job, Batch(job, step, 2 * clients, 1000 + step));
+    Submit(connections[0], job, Batch(job, step, 2 * ranks, 1000 + step));
   }
   Tally fetch;
   RunAsync(static_cast<int64_t>(reports.size()), 64, &fetch, [&](int64_t i, const Done& done) {
     auto call = NewRankCall<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(job);
-    call->request.set_step(i / clients);
-    call->request.set_rank(static_cast<int>(i % clients));
-    connections[i % clients]->async()->GetRankPlan(
+    call->request.set_step(i / ranks);
+    call->request.set_rank(static_cast<int>(i % ranks));
+    connections[i % ranks]->async()->GetRankPlan(
         &call->context, &call->request, &call->response, [&, call, done, i](const grpc::Status& s) {
           if (s.ok()) reports[i] = ReportFor(job, call->response.plan());
           done(s);
         });
   });
   fetch.CheckOk("GetRankPlan");
+  // A node's reports of a step in one request: batches[step * clients + c].
+  std::vector<v1::ReportStepBatchRequest> batches(batch > 1 ? static_cast<size_t>(steps) * clients
+                                                            : 0);
+  for (size_t b = 0; b < batches.size(); ++b) {
+    batches[b].set_job_id(job.id);
+    for (int k = 0; k < batch; ++k) *batches[b].add_reports() = reports[b * batch + k];
+  }
   // Timed: client c sends (step, c) for step 0, 1, ... with one call (or one report on its
-  // stream) in flight.
+  // stream) in flight; with --batch, its node's reports of the step in one call.
   std::vector<std::unique_ptr<ReportStream>> streams = OpenReportStreams(connections, job, clients);
   std::vector<v1::ReportStepsRequest> streamed(streams.empty() ? 0 : reports.size());
   for (size_t i = 0; i < streamed.size(); ++i) *streamed[i].mutable_report() = reports[i];
   Tally tally;
-  Latch latch(static_cast<int64_t>(reports.size()));
+  Latch latch(static_cast<int64_t>(steps) * clients);
   std::vector<std::function<void(int)>> chains(clients);
   const Clock::time_point start = Clock::now();
   for (int c = 0; c < clients; ++c) {
     chains[c] = [&, c](int step) {
       if (step >= steps) return;
+      if (!batches.empty()) {
+        struct Call {
+          grpc::ClientContext context;
+          v1::ReportStepBatchResponse response;
+        };
+        auto call = std::make_shared<Call>();
+        Authorize(&call->context, job.token, 60);
+        const Clock::time_point t0 = Clock::now();
+        connections[c]->async()->ReportStepBatch(
+            &call->context, &batches[static_cast<size_t>(step) * clients + c], &call->response,
+            [&, call, t0, c, step](grpc::Status s) {
+              if (s.ok() && call->response.responses_size() != batch) {
+                s = grpc::Status(grpc::StatusCode::INTERNAL, "answers do not match the reports");
+              }
+              for (int k = 0; s.ok() && k < batch; ++k) {
+                if (call->response.responses(k).duplicate()) {
+                  s = grpc::Status(grpc::StatusCode::INTERNAL,
+                                   "a fresh report came back as a duplicate");
+                }
+              }
+              tally.Add(s, Seconds(t0, Clock::now()));
+              chains[c](step + 1);
+              latch.Done();
+            });
+        return;
+      }
       if (!streams.empty()) {
         return streams[c]->Send(&streamed[static_cast<size_t>(step) * clients + c],
                                 [&, c, step](const grpc::Status& s, double seconds) {
@@ -617,15 +661,17 @@ void RunReports(const std::string& target, const std::string& admin, int pid, Fi
   latch.Wait();
   const double seconds = Seconds(start, Clock::now());
   const double planner_cpu = CpuSeconds(pid) - cpu_start;
-  tally.CheckOk("ReportStep");
+  tally.CheckOk(batch > 1 ? "ReportStepBatch" : "ReportStep");
   streams.clear();
   const double rate = static_cast<double>(reports.size()) / seconds;
+  const std::string how = batch > 1 ? absl::StrCat("by ReportStepBatch calls of ", batch)
+                          : absl::GetFlag(FLAGS_report_stream) ? "on ReportSteps streams"
+                                                               : "by ReportStep calls";
   std::cout << absl::StrFormat(
       "reports: %d reports from %d clients %s in %.2f s: %.0f per second "
-      "(latency p50 %.2f ms, p99 %.2f ms)\n",
-      reports.size(), clients,
-      absl::GetFlag(FLAGS_report_stream) ? "on ReportSteps streams" : "by ReportStep calls",
-      seconds, rate, tally.Quantile(0.5) * 1e3, tally.Quantile(0.99) * 1e3);
+      "(latency of a call p50 %.2f ms, p99 %.2f ms)\n",
+      reports.size(), clients, how, seconds, rate, tally.Quantile(0.5) * 1e3,
+      tally.Quantile(0.99) * 1e3);
   if (cpu_start >= 0) {
     // What the planner itself spends, apart from the load generator on the same cores.
     const double per_report = planner_cpu / static_cast<double>(reports.size());

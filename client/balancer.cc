@@ -9,6 +9,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -19,6 +20,12 @@ namespace sparsebalance {
 namespace {
 
 using SteadyClock = std::chrono::steady_clock;
+
+// What a member hands gather_reports: kGatheredReport then its EncodeRankStepReport, or
+// kGatheredNothing for a step it does not report (SkipReport). Never empty bytes, which are
+// also the encoding of an empty report of step 0 by rank 0.
+constexpr char kGatheredReport[] = "R";
+constexpr char kGatheredNothing[] = "-";
 
 double SecondsSince(SteadyClock::time_point start) {
   return std::chrono::duration<double>(SteadyClock::now() - start).count();
@@ -52,12 +59,6 @@ struct Balancer::State {
     Phase phase = Phase::kQueued;
     Planned planned;
   };
-  struct QueuedReport {
-    int64_t step = 0;
-    std::vector<MicroBatchTiming> timings;
-    double wait_seconds = 0;
-  };
-
   BalancerOptions options;
   std::unique_ptr<PlannerClient> client;
   JobHandle job;
@@ -75,8 +76,9 @@ struct Balancer::State {
   int64_t last_final_step ABSL_GUARDED_BY(mu) = -1;
   std::vector<Sample> carried ABSL_GUARDED_BY(mu);  // deferred by the latest final step
   std::map<int64_t, Prefetched> prefetches ABSL_GUARDED_BY(mu);
-  std::deque<QueuedReport> reports ABSL_GUARDED_BY(mu);
-  bool sending ABSL_GUARDED_BY(mu) = false;  // the worker is sending a report
+  // Reports to send: this rank's, or with gather_reports on the leader its group's.
+  std::deque<RankStepReport> reports ABSL_GUARDED_BY(mu);
+  size_t sending ABSL_GUARDED_BY(mu) = 0;  // reports the worker is handing to the session
   bool stop ABSL_GUARDED_BY(mu) = false;
   Stats stats ABSL_GUARDED_BY(mu);
   int64_t queue_dropped ABSL_GUARDED_BY(mu) = 0;     // reports the queue's bound dropped
@@ -123,6 +125,11 @@ struct Balancer::State {
     NoteSession();
     return planned;
   }
+  // gather_reports with this rank's `payload`; on the leader, the group's reports (a member's
+  // payload that is not a report nor kGatheredNothing is dropped with a warning).
+  std::vector<RankStepReport> Gather(int64_t step, const std::string& payload);
+  // Queues reports for the worker, bounded by ReportLimit (the oldest go).
+  void Queue(std::vector<RankStepReport> queued) ABSL_LOCKS_EXCLUDED(mu);
   bool AnyRunning() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return std::any_of(prefetches.begin(), prefetches.end(),
                        [](const auto& p) { return p.second.phase == Prefetched::Phase::kRunning; });
@@ -267,7 +274,7 @@ void Balancer::Work() {
     int64_t step = 0;
     State::Prefetched* prefetch = nullptr;
     std::vector<Sample> batch;
-    State::QueuedReport report;
+    std::vector<RankStepReport> reports;
     {
       absl::MutexLock lock(&s.mu);
       while (!s.stop && (prefetch = s.Startable(&step)) == nullptr && s.reports.empty()) {
@@ -277,10 +284,11 @@ void Balancer::Work() {
       if (prefetch != nullptr) {  // a step's plan is on the critical path: it goes first
         prefetch->phase = State::Prefetched::Phase::kRunning;
         batch = prefetch->batch;
-      } else {
-        report = std::move(s.reports.front());
-        s.reports.pop_front();
-        s.sending = true;
+      } else {  // every queued report: a backlog, or a group's, goes in batches
+        reports.assign(std::make_move_iterator(s.reports.begin()),
+                       std::make_move_iterator(s.reports.end()));
+        s.reports.clear();
+        s.sending = reports.size();
       }
     }
     if (prefetch != nullptr) {
@@ -294,11 +302,11 @@ void Balancer::Work() {
     absl::Status sent;
     {
       absl::MutexLock lock(&s.session_mu);
-      sent = s.session->Report(report.step, report.timings, report.wait_seconds);
+      sent = s.session->Report(std::move(reports));
       s.NoteSession();
     }
     absl::MutexLock lock(&s.mu);
-    s.sending = false;
+    s.sending = 0;
     if (!sent.ok() && s.refused.ok()) s.refused = sent;  // said by the next Plan or Finish
     s.changed.SignalAll();
   }
@@ -428,13 +436,56 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
 void Balancer::Report(int64_t step, std::vector<MicroBatchTiming> timings, double wait_seconds) {
   State& s = *state_;
   if (s.offline) return;  // no job: nobody to tell
-  absl::MutexLock lock(&s.mu);
-  s.reports.push_back({step, std::move(timings), wait_seconds});
-  while (s.reports.size() > s.ReportLimit()) {
-    s.reports.pop_front();
-    ++s.queue_dropped;
+  RankStepReport own;
+  own.step = step;
+  own.rank = s.options.rank;
+  own.micro_batches = std::move(timings);
+  own.wait_seconds = wait_seconds;
+  std::vector<RankStepReport> reports;
+  if (s.options.gather_reports) {
+    reports = s.Gather(step, absl::StrCat(kGatheredReport, EncodeRankStepReport(own)));
+  } else {
+    reports.push_back(std::move(own));
   }
-  s.changed.SignalAll();
+  s.Queue(std::move(reports));
+}
+
+void Balancer::SkipReport(int64_t step) {
+  State& s = *state_;
+  if (s.offline || !s.options.gather_reports) return;
+  s.Queue(s.Gather(step, kGatheredNothing));
+}
+
+std::vector<RankStepReport> Balancer::State::Gather(int64_t step, const std::string& payload) {
+  // Every member of the group calls it; only the leader gets the reports back.
+  std::vector<RankStepReport> reports;
+  const std::vector<std::string> gathered = options.gather_reports(payload);
+  for (size_t k = 0; k < gathered.size(); ++k) {
+    const std::string& got = gathered[k];
+    if (got == kGatheredNothing) continue;
+    absl::StatusOr<RankStepReport> report =
+        absl::StartsWith(got, kGatheredReport)
+            ? DecodeRankStepReport(got.substr(1))
+            : absl::InvalidArgumentError("it is not what a Balancer hands gather_reports");
+    if (!report.ok()) {
+      options.warn(absl::StrCat("sparsebalance: gather_reports: member ", k, "'s report of step ",
+                                step, " was dropped: ", report.status().message()));
+      continue;
+    }
+    reports.push_back(*std::move(report));
+  }
+  return reports;
+}
+
+void Balancer::State::Queue(std::vector<RankStepReport> queued) {
+  if (queued.empty()) return;
+  absl::MutexLock lock(&mu);
+  for (RankStepReport& report : queued) reports.push_back(std::move(report));
+  while (reports.size() > ReportLimit()) {
+    reports.pop_front();
+    ++queue_dropped;
+  }
+  changed.SignalAll();
 }
 
 absl::Status Balancer::Finish(double timeout_seconds) {
@@ -445,7 +496,7 @@ absl::Status Balancer::Finish(double timeout_seconds) {
   {
     // The queue first: the worker sends it in order.
     absl::MutexLock lock(&s.mu);
-    while ((!s.reports.empty() || s.sending || s.AnyRunning()) &&
+    while ((!s.reports.empty() || s.sending > 0 || s.AnyRunning()) &&
            !s.changed.WaitWithDeadline(&s.mu, deadline)) {
     }
     refused = s.refused;
@@ -466,7 +517,7 @@ absl::Status Balancer::Finish(double timeout_seconds) {
     size_t queued = 0;
     {
       absl::MutexLock lock(&s.mu);
-      queued = s.reports.size() + (s.sending ? 1 : 0);
+      queued = s.reports.size() + s.sending;
     }
     if (reports == 0 && local_steps == 0 && queued == 0) return refused;
     if (absl::Now() >= deadline) {

@@ -51,7 +51,16 @@ struct BalancerOptions {
   std::function<bool(bool)> any_rank;                    // true when any rank passed true
   std::function<JobHandle(const JobHandle&)> share_job;  // rank 0's handle to every rank (empty
                                                          // job_id: offline)
-  std::function<void(const std::string&)> warn;          // default: one line on stderr
+  // Reports through a group leader (optional; usually a node's ranks, the leader its first): a
+  // collective over the group, called by each member from the thread that calls Report (or
+  // SkipReport), with its report encoded (opaque bytes, never empty). It returns to the leader
+  // every member's encoded report, its own included, and to the others an empty vector. The leader
+  // then sends its group's reports of a step in one ReportStepBatch call, on which the planner
+  // spends a fraction of a ReportStep's CPU per report (README, Service load); the others send
+  // none. A leader's buffer (client.max_buffered_reports) counts every rank's reports. It may throw
+  // (the report is then lost). Unset: each rank sends its own reports.
+  std::function<std::vector<std::string>(const std::string&)> gather_reports;
+  std::function<void(const std::string&)> warn;  // default: one line on stderr
   // The clock of warn_interval_seconds (seconds, any origin); default: a steady clock.
   std::function<double()> now_seconds;
 };
@@ -85,6 +94,10 @@ class Balancer {
   // Queues this rank's timings of `step`; the background thread sends them in order (kept while
   // the planner is away, bounded by client.max_buffered_reports). Offline: not kept.
   void Report(int64_t step, std::vector<MicroBatchTiming> timings, double wait_seconds);
+  // With options.gather_reports: takes part in the group's gather of `step` without a report
+  // (a step this rank does not report), so that the other members' reports still go. Without
+  // it, nothing.
+  void SkipReport(int64_t step);
   // Sends everything queued (reports, and on rank 0 the batches of steps run on local plans),
   // retrying for up to `timeout_seconds`. UNAVAILABLE naming what is left (reports, local steps)
   // when the planner is still away or, on ranks > 0, rank 0 has not resubmitted its local steps

@@ -372,4 +372,58 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
   return response->duplicate();
 }
 
+namespace {
+
+void ReportToProto(const RankStepReport& report, v1::ReportStepRequest* out) {
+  out->set_step(report.step);
+  out->set_rank(report.rank);
+  out->set_wait_seconds(report.wait_seconds);
+  out->set_planned_locally(report.planned_locally);
+  for (const MicroBatchTiming& m : report.micro_batches) TimingToProto(m, out->add_micro_batches());
+}
+
+}  // namespace
+
+std::string EncodeRankStepReport(const RankStepReport& report) {
+  v1::ReportStepRequest request;
+  ReportToProto(report, &request);
+  return request.SerializeAsString();
+}
+
+absl::StatusOr<RankStepReport> DecodeRankStepReport(const std::string& bytes) {
+  v1::ReportStepRequest request;
+  if (!request.ParseFromString(bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report: ", bytes.size(), " bytes that are not a ReportStepRequest"));
+  }
+  RankStepReport report;
+  report.step = request.step();
+  report.rank = request.rank();
+  report.wait_seconds = request.wait_seconds();
+  report.planned_locally = request.planned_locally();
+  report.micro_batches.reserve(request.micro_batches_size());
+  for (const v1::MicroBatchReport& m : request.micro_batches()) {
+    report.micro_batches.push_back(TimingFromProto(m));
+  }
+  return report;
+}
+
+absl::StatusOr<std::vector<bool>> PlannerClient::ReportStepBatch(
+    const std::vector<RankStepReport>& reports) {
+  v1::ReportStepBatchRequest request;
+  request.set_job_id(impl_->options.job_id);
+  for (const RankStepReport& report : reports) ReportToProto(report, request.add_reports());
+  absl::StatusOr<v1::ReportStepBatchResponse> response =
+      impl_->Call(&Impl::Stub::ReportStepBatch, request);
+  if (!response.ok()) return response.status();
+  if (response->responses_size() != request.reports_size()) {
+    return absl::InternalError(absl::StrCat("ReportStepBatch: ", response->responses_size(),
+                                            " answers to ", request.reports_size(), " reports"));
+  }
+  std::vector<bool> duplicates;
+  duplicates.reserve(reports.size());
+  for (const v1::ReportStepResponse& r : response->responses()) duplicates.push_back(r.duplicate());
+  return duplicates;
+}
+
 }  // namespace sparsebalance

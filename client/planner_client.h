@@ -51,6 +51,13 @@ struct ClientOptions {
 // [A-Za-z0-9._:-] become '-'); "" when it has none.
 std::string LocalHostName();
 
+// A rank's report as bytes (a serialized ReportStepRequest) to hand to another rank, e.g. the
+// leader of its node that sends the node's reports in one ReportStepBatch call
+// (BalancerOptions::gather_reports), and back. The planner checks the report's contents;
+// Decode refuses only bytes that are not a report: INVALID_ARGUMENT.
+std::string EncodeRankStepReport(const RankStepReport& report);
+absl::StatusOr<RankStepReport> DecodeRankStepReport(const std::string& bytes);
+
 // A job as CreateJob made it.
 struct JobHandle {
   std::string job_id;
@@ -119,6 +126,14 @@ class PlannerClient {
   absl::StatusOr<bool> ReportStep(int64_t step, int rank,
                                   const std::vector<MicroBatchTiming>& micro_batches,
                                   double wait_seconds, bool planned_locally = false);
+
+  // Several reports of the job in one ReportStepBatch call (1 to 1,024: kMaxBatchReports in
+  // proto/wire.h), e.g. a node's ranks gathered to one of them: the planner spends a fraction of
+  // a ReportStep's CPU on each. Returns, per report in order, whether the planner had it
+  // already. The first report the planner refuses ends the call with its error, which names it
+  // (`reports[k]`); the reports before it were accepted, and sending the call again is harmless.
+  // Never on the report stream; UNAVAILABLE is retried as for every call.
+  absl::StatusOr<std::vector<bool>> ReportStepBatch(const std::vector<RankStepReport>& reports);
 
   const ClientOptions& options() const;
 

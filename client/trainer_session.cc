@@ -129,12 +129,30 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
   return plan;
 }
 
+absl::Status TrainerSession::FlushBatches() {
+  constexpr size_t kMaxBatch = 1024;  // kMaxBatchReports (proto/wire.h)
+  while (pending_.size() >= 2 && !batches_refused_) {
+    const size_t count = std::min(pending_.size(), kMaxBatch);
+    const std::vector<RankStepReport> batch(pending_.begin(), pending_.begin() + count);
+    absl::StatusOr<std::vector<bool>> sent = client_->ReportStepBatch(batch);
+    if (!sent.ok()) {
+      if (IsUnreachable(sent.status())) return sent.status();
+      // An older planner: every later report goes by its own call.
+      if (sent.status().code() == absl::StatusCode::kUnimplemented) batches_refused_ = true;
+      return absl::OkStatus();
+    }
+    pending_.erase(pending_.begin(), pending_.begin() + count);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status TrainerSession::FlushPending() {
+  if (absl::Status s = FlushBatches(); !s.ok()) return s;
   absl::Status dropped;
   while (!pending_.empty()) {
-    const PendingReport& r = pending_.front();
+    const RankStepReport& r = pending_.front();
     absl::StatusOr<bool> sent =
-        client_->ReportStep(r.step, rank_, r.micro_batches, r.wait_seconds, r.planned_locally);
+        client_->ReportStep(r.step, r.rank, r.micro_batches, r.wait_seconds, r.planned_locally);
     if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
     // A locally planned step the coordinator has not resubmitted yet: the planner learns of it
     // before it plans any later step, so wait while this rank has no later planner's plan.
@@ -149,7 +167,8 @@ absl::Status TrainerSession::FlushPending() {
       if (dropped.ok()) {
         dropped = absl::Status(
             sent.status().code(),
-            absl::StrCat("report of step ", r.step, " dropped: ", sent.status().message()));
+            absl::StrCat(r.rank == rank_ ? "" : absl::StrCat("rank ", r.rank, "'s "),
+                         "report of step ", r.step, " dropped: ", sent.status().message()));
       }
     }
     pending_.pop_front();
@@ -167,9 +186,22 @@ absl::Status TrainerSession::Flush() {
 absl::Status TrainerSession::Report(int64_t step,
                                     const std::vector<MicroBatchTiming>& micro_batches,
                                     double wait_seconds) {
-  const bool local =
-      std::find(local_steps_.begin(), local_steps_.end(), step) != local_steps_.end();
-  pending_.push_back({step, micro_batches, wait_seconds, local});
+  RankStepReport report;
+  report.step = step;
+  report.rank = rank_;
+  report.micro_batches = micro_batches;
+  report.wait_seconds = wait_seconds;
+  std::vector<RankStepReport> reports;
+  reports.push_back(std::move(report));
+  return Report(std::move(reports));
+}
+
+absl::Status TrainerSession::Report(std::vector<RankStepReport> reports) {
+  for (RankStepReport& report : reports) {
+    report.planned_locally =
+        std::find(local_steps_.begin(), local_steps_.end(), report.step) != local_steps_.end();
+    pending_.push_back(std::move(report));
+  }
   while (pending_.size() > BufferLimit()) {
     pending_.pop_front();
     ++dropped_reports_;

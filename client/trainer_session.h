@@ -69,6 +69,11 @@ class TrainerSession {
   // oldest go first) and sent, in order, before the next report.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
                       double wait_seconds);
+  // Reports of other ranks too (each RankStepReport names its rank), e.g. the reports of this
+  // rank's node that a node leader gathered: kept and sent like this rank's own, several at a
+  // time in one ReportStepBatch call. Each report's planned_locally is set from this rank's
+  // record of the steps it ran locally (every rank of a step runs the same plan).
+  absl::Status Report(std::vector<RankStepReport> reports);
   // Sends what is buffered now (e.g. at the end of training): the coordinator's locally
   // planned steps, then the reports. UNAVAILABLE while the planner is still away (everything
   // stays buffered); reports of steps the coordinator has not resubmitted yet stay too.
@@ -80,13 +85,13 @@ class TrainerSession {
   int64_t dropped_reports() const { return dropped_reports_; }
 
  private:
-  struct PendingReport {
-    int64_t step;
-    std::vector<MicroBatchTiming> micro_batches;
-    double wait_seconds;
-    bool planned_locally;
-  };
   absl::Status FlushPending();
+  // Sends the pending reports (at least two) by ReportStepBatch calls, taking off those the
+  // planner answered. UNAVAILABLE and the like: the planner is away (all stay). Any other
+  // error (a report refused, or a planner without the call) leaves the rest to FlushPending's
+  // one-by-one path, which tells each report's own error apart; the ones the batch took come
+  // back there as duplicates.
+  absl::Status FlushBatches();
   // Coordinator: submits the batches of locally planned steps, oldest first. UNAVAILABLE when
   // the planner is still away (the rest stay queued).
   absl::Status ResubmitLocalSteps();
@@ -102,7 +107,8 @@ class TrainerSession {
   int rank_;
   bool coordinator_;
   PlannerConfig config_;
-  std::deque<PendingReport> pending_;
+  std::deque<RankStepReport> pending_;
+  bool batches_refused_ = false;  // the planner lacks ReportStepBatch: one call per report
   std::deque<std::pair<int64_t, std::vector<Sample>>> local_batches_;  // coordinator only
   std::deque<int64_t> local_steps_;  // steps this rank ran locally, ascending, bounded
   int64_t dropped_reports_ = 0;

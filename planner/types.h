@@ -239,6 +239,16 @@ struct MicroBatchTiming {
   double exchange_seconds = 0.0;
 };
 
+// One rank's report of one step (ReportStepRequest on the wire): what a ReportStepBatch call
+// carries several of.
+struct RankStepReport {
+  int64_t step = 0;
+  int rank = 0;
+  std::vector<MicroBatchTiming> micro_batches;
+  double wait_seconds = 0.0;  // time the rank idled for the others
+  bool planned_locally = false;
+};
+
 // Predicted recall of one length bucket in a plan (recall_model.h's buckets).
 struct BucketRecallFigures {
   int bucket = 0;

@@ -678,6 +678,13 @@ absl::Status WithErrorReason(absl::Status status, absl::string_view reason) {
   return status;
 }
 
+absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
+  absl::Status out(status.code(), message);
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 std::string ErrorReason(const absl::Status& status) {
   absl::optional<absl::Cord> reason = status.GetPayload(kErrorInfoUrl);
   return reason.has_value() ? std::string(*reason) : std::string();

@@ -143,10 +143,15 @@ absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::Rank
 inline constexpr char kReasonStateDirFailure[] = "STATE_DIR_FAILURE";
 // A ReportSteps stream refused at the planner's --max_report_streams: report by ReportStep.
 inline constexpr char kReasonReportStreamsFull[] = "REPORT_STREAMS_FULL";
+// The most reports one ReportStepBatch call may carry.
+inline constexpr int kMaxBatchReports = 1024;
 // `status` with `reason` attached (an OK status stays OK).
 absl::Status WithErrorReason(absl::Status status, absl::string_view reason);
 // The reason attached to `status`, or "" when it carries none.
 std::string ErrorReason(const absl::Status& status);
+// `status` (not OK) with its message replaced by `message`, its code and payloads (the reason)
+// kept: for adding context to an error on its way out.
+absl::Status WithMessage(const absl::Status& status, absl::string_view message);
 
 // The gRPC status for an absl::Status (same code and message, and its reason as an RpcStatus
 // with an ErrorInfo in the details); gRPC 1.51 has no converter.

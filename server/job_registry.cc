@@ -680,7 +680,38 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   if (job == nullptr) return NotFound(job_id);
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
-  const PlannerConfig& config = job->config.get();
+  return ReportLocked(job_id, *job, step, rank, std::move(micro_batches), wait_seconds,
+                      planned_locally, switched_to_local);
+}
+
+absl::Status JobRegistry::ReportSteps(const std::string& job_id,
+                                      std::vector<RankStepReport>& reports,
+                                      std::vector<ReportAnswer>* answers) {
+  answers->clear();
+  std::shared_ptr<Job> job = Find(job_id);
+  if (job == nullptr) return NotFound(job_id);
+  absl::MutexLock lock(&job->mu);
+  if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
+  answers->reserve(reports.size());
+  for (RankStepReport& report : reports) {
+    ReportAnswer answer;
+    absl::StatusOr<bool> duplicate =
+        ReportLocked(job_id, *job, report.step, report.rank, std::move(report.micro_batches),
+                     report.wait_seconds, report.planned_locally, &answer.switched_to_local);
+    answer.duplicate = duplicate.ok() && *duplicate;
+    answers->push_back(answer);
+    if (!duplicate.ok()) return duplicate.status();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> JobRegistry::ReportLocked(const std::string& job_id, Job& job, int64_t step,
+                                               int rank,
+                                               std::vector<MicroBatchTiming> micro_batches,
+                                               double wait_seconds, bool planned_locally,
+                                               bool* switched_to_local) {
+  if (switched_to_local != nullptr) *switched_to_local = false;
+  const PlannerConfig& config = job.config.get();
   if (rank < 0 || rank >= config.ranks) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", rank, " is outside [0, ", config.ranks, ")"));
@@ -688,16 +719,15 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   if (step < 0 || step >= kMaxStep) {
     return absl::InvalidArgumentError(absl::StrCat("step: ", step, " is outside [0, 2^48)"));
   }
-  if (!job->joined[rank]) {
+  if (!job.joined[rank]) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", rank, " has not joined job ", job_id, "; call JoinJob first"));
   }
-  auto it = job->history.find(step);
-  if (it == job->history.end()) {
+  auto it = job.history.find(step);
+  if (it == job.history.end()) {
     return absl::FailedPreconditionError(
-        step >= job->next_step
-            ? absl::StrCat("step ", step, " has not been planned; the next step is ",
-                           job->next_step)
+        step >= job.next_step
+            ? absl::StrCat("step ", step, " has not been planned; the next step is ", job.next_step)
             : absl::StrCat("step ", step, " is older than the steps kept"));
   }
   StepRecord& record = it->second;
@@ -720,12 +750,12 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
           " plan of step ", step, " but the step's other ranks ran the ",
           planned_locally ? "planner's" : "local", " one; all ranks of a step must run one plan"));
     }
-    absl::StatusOr<StepPlan> planned = PlanStepLocally(record.batch, job->config);
+    absl::StatusOr<StepPlan> planned = PlanStepLocally(record.batch, job.config);
     if (!planned.ok()) return planned.status();
     local = *std::move(planned);
   }
   if (absl::Status s = ValidateReport(local.has_value() ? *local : *record.plan, rank,
-                                      job->config.get().shape.layers, micro_batches, wait_seconds,
+                                      job.config.get().shape.layers, micro_batches, wait_seconds,
                                       /*complete=*/true);
       !s.ok()) {
     return s;
@@ -743,9 +773,9 @@ absl::StatusOr<bool> JobRegistry::ReportStep(const std::string& job_id, int64_t 
   record.reports.Reserve(config.ranks);
   record.reports.Put(rank, std::move(report.micro_batches), wait_seconds);
   if (record.reports.count() == config.ranks && !record.folded) {
-    Fold(job_id, *job, step, record);
+    Fold(job_id, job, step, record);
     // A late step (one before the newest two) is not needed unpacked once folded.
-    PackIfOld(*job, step);
+    PackIfOld(job, step);
   }
   return false;
 }

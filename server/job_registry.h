@@ -218,6 +218,18 @@ class JobRegistry {
   absl::StatusOr<bool> ReportStep(const std::string& job_id, int64_t step, int rank,
                                   std::vector<MicroBatchTiming> micro_batches, double wait_seconds,
                                   bool planned_locally = false, bool* switched_to_local = nullptr);
+  // ReportStep's answer to one report of a batch.
+  struct ReportAnswer {
+    bool duplicate = false;
+    bool switched_to_local = false;
+  };
+  // ReportStep for each of `reports` in order, under the job's lock once. `answers` receives
+  // one answer per report looked at. The first report refused ends the call with its error;
+  // its answer is the last (only its switched_to_local means anything: a switch stays even when
+  // the report then failed), the reports before it stay accepted and those after it were not
+  // looked at. The reports' micro-batches are moved from.
+  absl::Status ReportSteps(const std::string& job_id, std::vector<RankStepReport>& reports,
+                           std::vector<ReportAnswer>* answers);
   // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.
   absl::StatusOr<CostCoefficients> UploadProfile(const std::string& job_id,
                                                  const std::string& profile);
@@ -345,6 +357,11 @@ class JobRegistry {
   static absl::Status Unpack(StepRecord& record);
   // Packs `step` unless it is one of the job's kUnpackedSteps newest (or packed already).
   static void PackIfOld(Job& job, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // ReportStep's work on a live job, its lock held.
+  absl::StatusOr<bool> ReportLocked(const std::string& job_id, Job& job, int64_t step, int rank,
+                                    std::vector<MicroBatchTiming> micro_batches,
+                                    double wait_seconds, bool planned_locally,
+                                    bool* switched_to_local) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // PackIfOld for every kept step.
   static void PackOldSteps(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // What the store keeps of the job (its job.pb).

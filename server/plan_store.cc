@@ -59,10 +59,7 @@ absl::Status IoFailure(absl::string_view what, absl::string_view path, int err) 
 // `status` with `more` appended to its message, its code and payloads (the store-failure reason)
 // kept.
 absl::Status WithMore(const absl::Status& status, absl::string_view more) {
-  absl::Status out(status.code(), absl::StrCat(status.message(), more));
-  status.ForEachPayload(
-      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
+  return WithMessage(status, absl::StrCat(status.message(), more));
 }
 
 bool IsFolder(const std::string& path) {

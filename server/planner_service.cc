@@ -171,6 +171,7 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
         return OnGetRankPlan(context, request, response);
       });
   Serve<Caller::kJob>("ReportStep", &PlannerServiceImpl::OnReportStep);
+  Serve<Caller::kJob>("ReportStepBatch", &PlannerServiceImpl::OnReportStepBatch);
   MarkMethodCallback(
       MethodIndex<v1::ReportStepsRequest, v1::ReportStepsResponse>("ReportSteps"),
       new grpc::internal::CallbackBidiHandler<v1::ReportStepsRequest, v1::ReportStepsResponse>(
@@ -715,6 +716,53 @@ absl::Status PlannerServiceImpl::OnReportStep(const v1::ReportStepRequest& reque
   }
   if (!duplicate.ok()) return duplicate.status();
   response->set_duplicate(*duplicate);
+  return absl::OkStatus();
+}
+
+absl::Status PlannerServiceImpl::OnReportStepBatch(const v1::ReportStepBatchRequest& request,
+                                                   v1::ReportStepBatchResponse* response) {
+  const int count = request.reports_size();
+  if (count < 1 || count > kMaxBatchReports) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reports: ", count, " reports; a call carries 1 to ", kMaxBatchReports));
+  }
+  std::vector<RankStepReport> reports(count);
+  for (int k = 0; k < count; ++k) {
+    const v1::ReportStepRequest& r = request.reports(k);
+    if (!r.job_id().empty() && r.job_id() != request.job_id()) {
+      return absl::InvalidArgumentError(absl::StrCat("reports[", k, "].job_id: ", r.job_id(),
+                                                     " is not the call's job ", request.job_id(),
+                                                     " (leave it empty)"));
+    }
+    RankStepReport& report = reports[k];
+    report.step = r.step();
+    report.rank = r.rank();
+    report.wait_seconds = r.wait_seconds();
+    report.planned_locally = r.planned_locally();
+    report.micro_batches.reserve(r.micro_batches_size());
+    for (const v1::MicroBatchReport& m : r.micro_batches()) {
+      report.micro_batches.push_back(TimingFromProto(m));
+    }
+  }
+  std::vector<JobRegistry::ReportAnswer> answers;
+  absl::Status status = registry_->ReportSteps(request.job_id(), reports, &answers);
+  // As OnReportStep: a switch to the local plan counts even when its report then failed.
+  for (const JobRegistry::ReportAnswer& answer : answers) {
+    if (answer.switched_to_local && options_.metrics != nullptr) {
+      options_.metrics->ObserveLocalPlan(request.job_id(), /*skipped_steps=*/0);
+    }
+  }
+  if (!status.ok()) {
+    if (answers.empty()) return status;  // the job itself (NOT_FOUND)
+    const size_t k = answers.size() - 1;
+    return WithMessage(status, absl::StrCat("reports[", k, "] (step ", reports[k].step, ", rank ",
+                                            reports[k].rank, "): ", status.message(), "; the ", k,
+                                            " reports before it were accepted, the ",
+                                            reports.size() - k - 1, " after it not looked at"));
+  }
+  for (const JobRegistry::ReportAnswer& answer : answers) {
+    response->add_responses()->set_duplicate(answer.duplicate);
+  }
   return absl::OkStatus();
 }
 

@@ -96,6 +96,7 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
                                           const v1::GetRankPlanRequest* request,
                                           v1::GetRankPlanResponse* response);
   absl::Status OnReportStep(const v1::ReportStepRequest&, v1::ReportStepResponse*);
+  absl::Status OnReportStepBatch(const v1::ReportStepBatchRequest&, v1::ReportStepBatchResponse*);
   // A new ReportSteps stream's reactor (one refusing it past the cap or while draining).
   grpc::ServerBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse>* OpenReportStream(
       grpc::CallbackServerContext* context);

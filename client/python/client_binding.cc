@@ -243,16 +243,61 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
 
 namespace {
 
+// A Python object that a std::function keeps: released with the GIL held, whichever thread
+// drops the last copy.
+struct GilHeld {
+  py::object object;
+  ~GilHeld() {
+    try {
+      py::gil_scoped_acquire gil;
+      object = py::object();
+    } catch (...) {  // no interpreter left to take the GIL from: nothing to release
+    }
+  }
+};
+
+// BalancerOptions.gather_reports from Python: callable(bytes) -> list of bytes (or None on the
+// members that are not the leader). Reports are bytes, not text: pybind11's own conversion
+// would decode them as UTF-8.
+void SetGatherReports(BalancerOptions& options, py::handle value) {
+  if (value.is_none()) {
+    options.gather_reports = nullptr;
+    return;
+  }
+  if (!PyCallable_Check(value.ptr())) {
+    throw py::type_error("gather_reports: " + py::repr(value).cast<std::string>() +
+                         " is not callable (callable(bytes) -> list of bytes, or None)");
+  }
+  auto held = std::make_shared<GilHeld>();
+  held->object = py::reinterpret_borrow<py::object>(value);
+  options.gather_reports = [held](const std::string& report) {
+    py::gil_scoped_acquire gil;
+    py::object out = held->object(py::bytes(report));
+    std::vector<std::string> gathered;
+    if (out.is_none()) return gathered;
+    for (py::handle item : out) {
+      if (!py::isinstance<py::bytes>(item)) {
+        throw py::type_error("gather_reports: returned " + py::repr(item).cast<std::string>() +
+                             " among the reports; each must be the bytes a member passed");
+      }
+      gathered.push_back(item.cast<std::string>());
+    }
+    return gathered;
+  };
+}
+
 void BindBalancer(py::module_& m) {
   Record<BalancerOptions>(m, "BalancerOptions", R"(How a Balancer starts (see Balancer.start).
 
 Fields: client (ClientOptions: target, timeouts, admin_token, and the job's token to resume),
 rank, world, job_id (resume/join this job; empty: rank 0 creates one from `config`), job_name,
 config (PlannerConfig of a new job, and of the local plans when offline),
-allow_offline_start, prefetch, warn_interval_seconds, and three callables that C++ calls from
-the thread that calls start/plan (with the GIL): any_rank(bool) -> bool (True when any rank
+allow_offline_start, prefetch, warn_interval_seconds, and callables that C++ calls from the
+thread that calls start/plan/report (with the GIL): any_rank(bool) -> bool (True when any rank
 passed True: an all-reduce), share_job(JobHandle) -> JobHandle (rank 0's handle to every rank: a
-broadcast), warn(str) (default: one line on stderr). The collectives may be None for world 1.)")
+broadcast), warn(str) (default: one line on stderr), and optionally gather_reports(bytes) ->
+list of bytes (a gather to a node's leader, which then sends the node's reports in one call).
+The collectives may be None for world 1.)")
       .Field("client", &BalancerOptions::client,
              "ClientOptions: target and timeouts (job_id and token are filled by start)")
       .Field("rank", &BalancerOptions::rank, "this rank")
@@ -275,6 +320,23 @@ broadcast), warn(str) (default: one line on stderr). The collectives may be None
       .Field("warn", &BalancerOptions::warn, "callable(str): a warning line (None: stderr)")
       .Field("now_seconds", &BalancerOptions::now_seconds,
              "callable() -> float: the clock of warn_interval_seconds (None: a steady clock)")
+      .Property(
+          "gather_reports",
+          [](const BalancerOptions& options) -> py::object {
+            if (!options.gather_reports) return py::none();
+            std::function<std::vector<std::string>(const std::string&)> gather =
+                options.gather_reports;
+            return py::cpp_function([gather](const py::bytes& report) {
+              py::list out;
+              for (const std::string& r : gather(std::string(report))) out.append(py::bytes(r));
+              return out;
+            });
+          },
+          SetGatherReports,
+          "callable(bytes) -> list of bytes or None: a collective over this rank's node (or any "
+          "group) that hands the leader every member's encoded report, its own included, and the "
+          "others nothing; the leader then sends the group's reports of a step in one "
+          "ReportStepBatch call (None: each rank sends its own)")
       .Done();
 
   Record<Balancer::Stats>(m, "BalancerStats", "What a Balancer did so far (Balancer.stats).")
@@ -344,7 +406,12 @@ meant for one training thread; a background thread plans prefetched steps and se
           [](Balancer& b, int64_t step, std::vector<MicroBatchTiming> timings,
              double wait_seconds) { b.Report(step, std::move(timings), wait_seconds); },
           py::arg("step"), py::arg("timings"), py::arg("wait_seconds"), Release(),
-          "Queues this rank's MicroBatchTiming list of `step`; sent in the background, in order.")
+          "Queues this rank's MicroBatchTiming list of `step`; sent in the background, in order. "
+          "With options.gather_reports, first gathers it to the group's leader (only the leader "
+          "queues the group's reports).")
+      .def("skip_report", &Balancer::SkipReport, py::arg("step"), Release(),
+           "With options.gather_reports: takes part in the gather of `step` without a report "
+           "(so that the group's other reports still go); without it, nothing.")
       .def(
           "finish",
           [](Balancer& b, double timeout_seconds) {

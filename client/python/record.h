@@ -55,6 +55,18 @@ class Record {
     return *this;
   }
 
+  // A read-write attribute whose Python form is not its C++ type's own conversion:
+  // get(const T&) -> py::object and set(T&, py::handle), the latter also used by the keyword
+  // constructor.
+  template <typename Get, typename Set>
+  Record& Property(const char* name, Get get, Set set, const char* doc) {
+    cls_.def_property(
+        name, [get](const T& t) { return get(t); }, [set](T& t, py::handle v) { set(t, v); }, doc);
+    state_->setters[name] = set;
+    state_->fields.push_back({name, false});
+    return *this;
+  }
+
   template <typename... Extra>
   Record& Def(const char* name, Extra&&... extra) {
     cls_.def(name, std::forward<Extra>(extra)...);

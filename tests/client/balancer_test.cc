@@ -254,6 +254,109 @@ TEST_F(BalancerTest, RanksAsThreadsPlanEveryStepWithOneCollective) {
   EXPECT_EQ(view->steps_folded, kSteps);
 }
 
+// gather_reports for ranks that are threads of this process, in groups ("nodes") of
+// `per_node` consecutive ranks led by the first: each call is a barrier of the node's ranks.
+class NodeGather {
+ public:
+  NodeGather(int world, int per_node) : per_node_(per_node), nodes_(world / per_node) {}
+  std::function<std::vector<std::string>(const std::string&)> For(int rank) {
+    return [this, rank](const std::string& report) { return Gather(rank, report); };
+  }
+
+ private:
+  struct Node {
+    std::vector<std::string> reports;
+    std::vector<std::string> gathered;  // the last round's, for the leader
+    int arrived = 0;
+    int64_t generation = 0;
+  };
+  std::vector<std::string> Gather(int rank, const std::string& report) {
+    absl::MutexLock lock(&mu_);
+    Node& node = nodes_[rank / per_node_];
+    const int64_t generation = node.generation;
+    node.reports.resize(per_node_);
+    node.reports[rank % per_node_] = report;
+    if (++node.arrived == per_node_) {
+      node.gathered = std::move(node.reports);
+      node.reports.clear();
+      node.arrived = 0;
+      ++node.generation;
+      done_.SignalAll();
+    }
+    while (node.generation == generation) done_.Wait(&mu_);
+    return rank % per_node_ == 0 ? node.gathered : std::vector<std::string>{};
+  }
+
+  const int per_node_;
+  absl::Mutex mu_;
+  absl::CondVar done_;
+  std::vector<Node> nodes_ ABSL_GUARDED_BY(mu_);
+};
+
+// With gather_reports each node's leader sends its node's reports in ReportStepBatch calls and
+// no rank calls ReportStep: every report reaches the model. A leader handed bytes that are not a
+// report says so and sends the rest; a member that skips a step's report lets the others' go.
+TEST_F(BalancerTest, NodeLeadersSendTheirNodesReportsInBatches) {
+  constexpr int kRanks = 4;
+  constexpr int kSteps = 4;
+  Ranks ranks(kRanks);
+  NodeGather gather(kRanks, 2);
+  std::vector<std::string> job_ids(kRanks);
+  std::vector<Balancer::Stats> stats(kRanks);
+  absl::Mutex mu;
+  std::vector<std::string> warnings;
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = ranks.Options(r, Options(kRanks));
+    options.gather_reports = [&, r, inner = gather.For(r)](const std::string& report) {
+      std::vector<std::string> gathered = inner(report);
+      if (r == 2 && !gathered.empty()) gathered.push_back("not a report");
+      return gathered;
+    };
+    options.warn = [&](const std::string& line) {
+      absl::MutexLock lock(&mu);
+      warnings.push_back(line);
+    };
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    job_ids[r] = (*b)->job().job_id;
+    for (int64_t step = 0; step < kSteps; ++step) {
+      absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, Batch(700 + step, kRanks));
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_FALSE(plan->local_fallback);
+      if (r == 3 && step == kSteps - 1) {
+        (*b)->SkipReport(step);
+      } else {
+        (*b)->Report(step, Timings(*plan), 0.01 * r);
+      }
+    }
+    absl::Status finished = (*b)->Finish(20);
+    EXPECT_TRUE(finished.ok()) << finished;
+    stats[r] = (*b)->stats();
+  });
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job_ids[0]);
+  ASSERT_TRUE(view.ok());
+  // Every report of every step arrived: the last step lacks only rank 3's.
+  EXPECT_EQ(view->steps_folded, kSteps - 1);
+  absl::StatusOr<bool> rank2_again =
+      planner_.registry().ReportStep(job_ids[0], kSteps - 1, 2, {}, 0.0);
+  EXPECT_EQ(rank2_again.status().code(), absl::StatusCode::kAlreadyExists)
+      << rank2_again.status();  // rank 2's report of the last step is there (and differs)
+  // A lone report goes by ReportStep: at most node 1's of the last step (rank 3 skipped it),
+  // unless its leader had an earlier step's still queued with it.
+  EXPECT_LE(planner_.Calls("ReportStep"), 1);
+  // One call per node and step, or fewer when a leader had several steps queued.
+  EXPECT_GE(planner_.Calls("ReportStepBatch"), 2);
+  EXPECT_LE(planner_.Calls("ReportStepBatch"), 2 * kSteps);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(stats[r].buffered_reports, 0) << "rank " << r;
+    EXPECT_EQ(stats[r].dropped_reports, 0) << "rank " << r;
+  }
+  ASSERT_EQ(warnings.size(), static_cast<size_t>(kSteps));  // rank 2's extra bytes, each step
+  EXPECT_NE(warnings[0].find("gather_reports: member 2's report of step 0 was dropped"),
+            std::string::npos)
+      << warnings[0];
+}
+
 TEST_F(BalancerTest, PrefetchOnAndOffGiveTheSamePlans) {
   constexpr int kRanks = 2;
   constexpr int kSteps = 4;

@@ -100,6 +100,65 @@ TEST_F(TrainerSessionTest, FourRanksTrainThroughThePlanner) {
   EXPECT_EQ(view->next_step, 5);
 }
 
+// A node leader's session sends its node's reports in one ReportStepBatch call. A report the
+// planner refuses in a batch costs only itself: the session sends the batch's reports one by
+// one, drops the refused one and says so, and keeps none of the others from the planner.
+TEST_F(TrainerSessionTest, ANodesReportsGoInOneBatchAndARefusedOneCostsOnlyItself) {
+  constexpr int kRanks = 3;
+  absl::StatusOr<JobHandle> job = CreateJob("node", kRanks);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<std::unique_ptr<PlannerClient>> clients;
+  std::vector<std::vector<MicroBatchTiming>> timings(kRanks);
+  std::unique_ptr<TrainerSession> leader;
+  for (int64_t step = 0; step < 2; ++step) {
+    for (int r = 0; r < kRanks; ++r) {
+      if (step == 0) {
+        clients.push_back(Connect(planner_.port(), job->job_id, job->token));
+        ASSERT_TRUE(clients[r]->JoinJob(r).ok());
+      }
+      // Every rank's plan of the step; rank 0's session is the leader's.
+      TrainerSession session(clients[r].get(), r, /*coordinator=*/r == 0, Config(kRanks));
+      absl::StatusOr<RankStepPlan> plan = session.Plan(step, Batch(900 + step, kRanks));
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      ASSERT_FALSE(plan->local_fallback);
+      timings[r] = Timings(*plan);
+      if (r == 0) {
+        leader = std::make_unique<TrainerSession>(clients[0].get(), 0, true, Config(kRanks));
+        ASSERT_TRUE(leader->Plan(step, Batch(900 + step, kRanks)).ok());
+      }
+    }
+    std::vector<RankStepReport> node(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      node[r].step = step;
+      node[r].rank = r;
+      node[r].micro_batches = timings[r];
+    }
+    if (step == 1) node[1].micro_batches.back().micro_batch = 7;  // no such micro-batch
+    const double batches = planner_.Calls("ReportStepBatch");
+    const double refused = planner_.Calls("ReportStepBatch", "INVALID_ARGUMENT");
+    const absl::Status reported = leader->Report(node);
+    if (step == 0) {
+      ASSERT_TRUE(reported.ok()) << reported;
+      EXPECT_EQ(planner_.Calls("ReportStepBatch"), batches + 1);  // the whole node in one call
+    } else {
+      EXPECT_EQ(reported.code(), absl::StatusCode::kInvalidArgument) << reported;
+      EXPECT_NE(reported.message().find("rank 1's report of step 1 dropped"), std::string::npos)
+          << reported;
+      EXPECT_EQ(planner_.Calls("ReportStepBatch", "INVALID_ARGUMENT"), refused + 1);
+    }
+  }
+  EXPECT_EQ(leader->dropped_reports(), 1);
+  EXPECT_EQ(leader->buffered_reports(), 0u);
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job->job_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->steps_folded, 1);  // step 1 lacks rank 1's report, and has the others'
+  for (int r : {0, 2}) {
+    absl::StatusOr<bool> again = planner_.registry().ReportStep(job->job_id, 1, r, timings[r], 0.0);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(*again) << "rank " << r;  // accepted before
+  }
+}
+
 TEST_F(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {
   constexpr int kRanks = 256;
   constexpr int kSteps = 50;

@@ -691,6 +691,18 @@ TEST(StatusConversionTest, KeepsCodeAndMessageBothWays) {
   EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
 }
 
+// A message rewritten for context (a batch's report) keeps the code and the error reason that
+// tells clients to fall back, and the reason still reaches the wire.
+TEST(StatusConversionTest, ANewMessageKeepsTheCodeAndTheReason) {
+  const absl::Status failed =
+      WithErrorReason(absl::ResourceExhaustedError("append: disk full"), kReasonStateDirFailure);
+  const absl::Status renamed = WithMessage(failed, "reports[2]: append: disk full");
+  EXPECT_EQ(renamed.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(renamed.message(), "reports[2]: append: disk full");
+  EXPECT_EQ(ErrorReason(renamed), kReasonStateDirFailure);
+  EXPECT_EQ(ErrorReason(FromGrpcStatus(ToGrpcStatus(renamed))), kReasonStateDirFailure);
+}
+
 // --- Upper bounds (planner/types.h) as the wire sees them: the attacks that once got through.
 
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();

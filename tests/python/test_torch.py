@@ -278,6 +278,76 @@ def test_two_gloo_ranks_share_one_job_and_split_each_batch(planner, tmp_path):
     assert all(r["delivered"] for r in results)
 
 
+NODE_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import sparsebalance.torch as sbt
+    lengths = json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # Two "nodes" of two ranks on this one machine, told apart by their host names.
+    balancer = sbt.Balancer(sys.argv[1], lengths, capacity=1024, micro_batches=2, layers=1,
+                            heads=2, head_dim=64, tokens_per_step=6000, node_reports=True,
+                            host_name=f"node-{rank // 2}")
+    for step in balancer.batches(None, steps=4):
+        for mb in step:
+            if rank == 3 and step.step == 2:
+                continue  # untimed: rank 3 does not report step 2, its node's leader goes on
+            with balancer.timed(mb):
+                pass
+    print(json.dumps({"job": balancer.job.job_id, "delivered": balancer.close(),
+                      "dropped": balancer.stats.dropped_reports}))
+    dist.destroy_process_group()
+    """)
+
+
+def _metric(metrics_url, series):
+    """The value of `series` (name and labels, as the planner's /metrics writes them); None when
+    it is not there."""
+    import urllib.request
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line[len(series) + 1:])
+    return None
+
+
+def _rpcs(metrics_url, method, code="OK"):
+    return _metric(metrics_url,
+                   f'sparsebalance_rpcs_total{{code="{code}",method="{method}"}}') or 0.0
+
+
+def test_node_reports_go_through_each_nodes_first_rank_in_batches(planner, tmp_path):
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(4):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), planner.address, json.dumps(LENGTHS)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["delivered"] and r["dropped"] == 0 for r in results)
+    job = results[0]["job"]
+    # A step was folded, which takes every rank's report: both leaders sent their members'.
+    # (Steps 0, 1 and 3 have every report; step 2 lacks rank 3's.)
+    assert _metric(planner.metrics_url,
+                   f'sparsebalance_step_imbalance_ratio{{job_id="{job}"}}') is not None
+    # The two leaders sent everything by batches, none refused: no rank called ReportStep but
+    # for a lone report (node-1's of step 2, or none when it went with another step's).
+    assert 2 <= _rpcs(planner.metrics_url, "ReportStepBatch") <= 8
+    assert _rpcs(planner.metrics_url, "ReportStepBatch", "INVALID_ARGUMENT") == 0
+    assert _rpcs(planner.metrics_url, "ReportStep") <= 1
+
+
 def test_the_jobs_selection_mode_reaches_the_kernel_plan(planner):
     # The job's config (as the planner stored it) sets the mode mb.attention.select runs.
     balancer = sbt.Balancer(planner.address, LENGTHS,

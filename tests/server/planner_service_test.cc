@@ -30,6 +30,7 @@
 namespace sparsebalance {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -748,6 +749,79 @@ TEST_F(PlannerServiceTest, AReportStreamAnswersEachReportInOrderAsReportStepWoul
   EXPECT_EQ(ReportStreams(0), 0);
 }
 
+// ReportStepBatch answers each report as ReportStep would, in order, under one token check;
+// the first report refused ends the call with an error naming it and saying how many before it
+// were accepted, and those after it are not taken.
+TEST_F(PlannerServiceTest, AReportBatchAnswersEachReportInOrderAsReportStepWould) {
+  const v1::CreateJobResponse job = Create(3);
+  const v1::CreateJobResponse other = Create(3);
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 3));
+  auto batch_of = [&](const std::vector<v1::ReportStepRequest>& reports,
+                      v1::ReportStepBatchResponse* answer, const std::string& token) {
+    v1::ReportStepBatchRequest request;
+    request.set_job_id(job.job_id());
+    for (const v1::ReportStepRequest& report : reports) *request.add_reports() = report;
+    grpc::ClientContext context;
+    Auth(&context, token);
+    return stub_->ReportStepBatch(&context, request, answer);
+  };
+  auto unary = [&](const v1::ReportStepRequest& report, bool* duplicate) {
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    v1::ReportStepResponse answer;
+    grpc::Status status = stub_->ReportStep(&context, report, &answer);
+    *duplicate = answer.duplicate();
+    return status;
+  };
+  const v1::ReportStepRequest rank0 = PlannedReport(job, 0, 0);
+  const v1::ReportStepRequest rank1 = PlannedReport(job, 0, 1);
+  v1::ReportStepRequest rank2 = PlannedReport(job, 0, 2);
+  rank2.clear_job_id();  // a report in a batch may leave the job to the call
+  v1::ReportStepRequest out_of_range = rank0;
+  out_of_range.set_rank(7);
+
+  v1::ReportStepBatchResponse answer;
+  grpc::Status status = batch_of({rank0, rank0, out_of_range, rank1}, &answer, job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("reports[2] (step 0, rank 7): rank: 7"));
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("the 2 reports before it were accepted, the 1 after it not looked at"));
+  bool duplicate = false;
+  ASSERT_TRUE(unary(rank0, &duplicate).ok());
+  EXPECT_TRUE(duplicate);  // taken by the batch
+  ASSERT_TRUE(unary(rank1, &duplicate).ok());
+  EXPECT_FALSE(duplicate);  // not taken: it came after the refused report
+
+  // Refused as a whole before any report is looked at: no reports, too many, a report of
+  // another job, a token that is not the job's.
+  EXPECT_THAT(batch_of({}, &answer, job.job_token()).error_message(),
+              HasSubstr("reports: 0 reports; a call carries 1 to 1024"));
+  EXPECT_THAT(batch_of(std::vector<v1::ReportStepRequest>(1025, rank2), &answer, job.job_token())
+                  .error_message(),
+              HasSubstr("reports: 1025 reports"));
+  v1::ReportStepRequest others = rank2;
+  others.set_job_id(other.job_id());
+  status = batch_of({rank2, others}, &answer, job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("reports[1].job_id: " + other.job_id()));
+  status = batch_of({rank2}, &answer, other.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << status.error_message();
+  EXPECT_EQ(Summary(job).steps_folded(), 0);  // rank 2 was never taken
+
+  // The last rank's report, twice, completes the step: the second is a duplicate.
+  status = batch_of({rank2, rank2}, &answer, job.job_token());
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answer.responses_size(), 2);
+  EXPECT_FALSE(answer.responses(0).duplicate());
+  EXPECT_TRUE(answer.responses(1).duplicate());
+  EXPECT_EQ(Summary(job).steps_folded(), 1);
+  // Sending the whole batch again changes nothing.
+  status = batch_of({rank0, rank1, rank2}, &answer, job.job_token());
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answer.responses_size(), 3);
+  for (const v1::ReportStepResponse& r : answer.responses()) EXPECT_TRUE(r.duplicate());
+}
+
 // Streams past the cap are refused, and the drain ends the open ones between reports and
 // refuses new ones, each with a status that sends the client to unary ReportStep calls.
 TEST_F(PlannerServiceTest, ReportStreamsAreCappedAndEndedByTheDrain) {
@@ -841,6 +915,40 @@ TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
   report_of(2, &timings);
   const absl::StatusOr<bool> after = (*client)->ReportStep(0, 2, timings, 0.0);
   ASSERT_TRUE(after.ok()) << after.status();  // sent again by a unary call
+  EXPECT_EQ(Summary(job).steps_folded(), 1);
+}
+
+// The client library's batch: every report answered in order, a refused one's error named by
+// its place in the batch.
+TEST_F(PlannerServiceTest, TheClientReportsABatchInOneCall) {
+  const v1::CreateJobResponse job = Create(3);
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 3));
+  auto report_of = [&](int rank) {
+    const v1::ReportStepRequest planned = PlannedReport(job, 0, rank);
+    RankStepReport report;
+    report.step = 0;
+    report.rank = rank;
+    report.wait_seconds = 0.25;
+    for (const v1::MicroBatchReport& m : planned.micro_batches()) {
+      report.micro_batches.push_back(TimingFromProto(m));
+    }
+    return report;
+  };
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port_);
+  options.job_id = job.job_id();
+  options.token = job.job_token();
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  RankStepReport unjoined = report_of(0);
+  unjoined.step = 5;
+  absl::StatusOr<std::vector<bool>> answer =
+      (*client)->ReportStepBatch({report_of(0), unjoined, report_of(1)});
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(answer.status().message(), HasSubstr("reports[1] (step 5, rank 0): step 5"));
+  answer = (*client)->ReportStepBatch({report_of(2), report_of(1), report_of(0)});
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_THAT(*answer, ElementsAre(false, false, true));  // rank 0's came in the first call
   EXPECT_EQ(Summary(job).steps_folded(), 1);
 }
 

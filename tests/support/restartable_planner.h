@@ -71,6 +71,19 @@ class RestartablePlanner {
     }
     return 0;
   }
+  // Calls of `method` that ended with code `code` (e.g. "OK"), as sparsebalance_rpcs_total
+  // counts them (0 when it has no series yet).
+  double Calls(const std::string& method, const std::string& code = "OK") {
+    std::ostringstream text;
+    prometheus::TextSerializer().Serialize(text, metrics_registry_->Collect());
+    const std::string prefix = absl::StrCat("sparsebalance_rpcs_total{code=\"", code,
+                                            "\",method=\"", method, "\"} ");
+    std::istringstream lines(text.str());
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size()));
+    }
+    return 0;
+  }
 
  private:
   static PlannerServiceImpl::Options ServiceOptions(PlannerMetrics* metrics) {

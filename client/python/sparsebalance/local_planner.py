@@ -17,7 +17,8 @@ import threading
 
 
 class LocalPlanner:
-    """Starts ``binary`` (an sb-planner executable); ``address`` is its host:port. Raises
+    """Starts ``binary`` (an sb-planner executable); ``address`` is its host:port and
+    ``metrics_url`` its Prometheus page (``http://host:port/metrics``). Raises
     FileNotFoundError when ``binary`` is not executable and RuntimeError when the planner does
     not print the address it listens on."""
 
@@ -35,9 +36,12 @@ class LocalPlanner:
              f"--state_dir={os.fspath(state_dir)}", "--drain_seconds=1"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.address = None
+        self.metrics_url = None
         for line in self.process.stdout:
             if "listening on " in line:
                 self.address = line.split("listening on ", 1)[1].split()[0].rstrip(";,")
+                if "metrics on " in line:
+                    self.metrics_url = line.split("metrics on ", 1)[1].split()[0].rstrip(";,")
                 break
         if self.address is None:
             self.process.kill()
