@@ -3,12 +3,16 @@
 //
 //   reports  ReportStep throughput: --clients connections, one rank each, one call in flight
 //            per client, --reports calls in all (distinct (step, rank) pairs, so every call is
-//            validated, appended to the state directory and folded into the model).
+//            validated, appended to the state directory and folded into the model). With
+//            --batch, each client is a node leader that sends its node's reports of a step in
+//            one ReportStepBatch call.
 //   step     One step of a --ranks job: --ranks GetRankPlan calls wait first, then one
 //            SubmitBatch of --samples samples, then every rank reports as soon as its plan
 //            arrives. Time from the SubmitBatch call to the last report's answer, --steps times;
 //            and the CPU each step took the planner (knowing its pid) and this process: when
 //            both share a machine, a round cannot take less than their sum over its cores.
+//            With --batch, nodes of that many ranks report together: one ReportStepBatch
+//            call once the node's last plan arrived (a node leader's gather, here in process).
 //   prefetch The client's default flow (client/balancer.h, prefetch on) over --steps steps of
 //            a --ranks job: once a step's plans are out, the next step's batch is submitted and
 //            every rank asks for its plan of it while the step trains (--step_seconds, a sleep:
@@ -78,9 +82,9 @@ ABSL_FLAG(int, connections, 64, "step, prefetch: connections the ranks share");
 ABSL_FLAG(double, step_seconds, 1.0,
           "prefetch: seconds each step trains (a sleep) while the next one is planned");
 ABSL_FLAG(int, batch, 1,
-          "reports: reports a call, 1-1024; above 1 each client is the leader of a node of that "
-          "many ranks and sends their reports of a step in one ReportStepBatch call (the job has "
-          "--clients x --batch ranks)");
+          "reports, step: reports a call, 1-1024; above 1 each node of that many ranks sends "
+          "its reports of a step in one ReportStepBatch call (reports: each client is a node's "
+          "leader, and the job has --clients x --batch ranks)");
 ABSL_FLAG(bool, report_stream, false,
           "reports, step: each rank reports on its own ReportSteps stream, opened before the "
           "clock starts (the client library's ClientOptions::report_stream); false, the "
@@ -516,14 +520,48 @@ struct PlanThenReportCall {
   v1::ReportStepsRequest* streamed = New<v1::ReportStepsRequest>();  // as a stream sends it
 };
 
+// A node's reports of one step (the step scenario's --batch): collected as its ranks' plans
+// arrive, sent in one ReportStepBatch call by the last, whose answer goes to every rank's
+// on_done.
+struct NodeReports {
+  NodeReports(const Job& job, int ranks) : ranks(ranks) {
+    Authorize(&context, job.token, 60);
+    request.set_job_id(job.id);
+  }
+  // Adds a rank's report; the node's last sends them all.
+  void Add(v1::PlannerService::Stub* stub, const v1::ReportStepRequest& report,
+           std::function<void(const grpc::Status&, double)> on_done) {
+    {
+      absl::MutexLock lock(&mu);
+      *request.add_reports() = report;
+      done.push_back(std::move(on_done));
+      if (request.reports_size() < ranks) return;
+    }
+    const Clock::time_point t0 = Clock::now();
+    stub->async()->ReportStepBatch(&context, &request, &response, [this, t0](grpc::Status s) {
+      if (s.ok() && response.responses_size() != ranks) {
+        s = grpc::Status(grpc::StatusCode::INTERNAL, "answers do not match the reports");
+      }
+      const double seconds = Seconds(t0, Clock::now());
+      for (const auto& d : done) d(s, seconds);
+    });
+  }
+  const int ranks;
+  absl::Mutex mu;
+  v1::ReportStepBatchRequest request ABSL_GUARDED_BY(mu);
+  std::vector<std::function<void(const grpc::Status&, double)>> done ABSL_GUARDED_BY(mu);
+  grpc::ClientContext context;
+  v1::ReportStepBatchResponse response;
+};
+
 // One rank's part of a step: GetRankPlan (which waits for the plan), then the ReportStep of that
 // plan. `on_plan`, if set, sees the plan call's status and latency (seconds); `on_done` sees the
 // report's status and latency, or the failed plan call's status and -1.
-// With `stream`, the report goes on it.
+// With `stream`, the report goes on it; with `node`, to the node's batch.
 void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step, int rank,
                     std::function<void(const grpc::Status&, double)> on_plan,
                     std::function<void(const grpc::Status&, double)> on_done,
-                    ReportStream* stream = nullptr) {
+                    ReportStream* stream = nullptr, NodeReports* node = nullptr) {
   auto call = std::make_shared<PlanThenReportCall>();
   Authorize(&call->context, job.token, 60);
   Authorize(&call->report_context, job.token, 60);
@@ -533,10 +571,14 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
   const Clock::time_point t0 = Clock::now();
   stub->async()->GetRankPlan(
       &call->context, call->request, call->response,
-      [&job, call, stub, t0, stream, on_plan = std::move(on_plan),
+      [&job, call, stub, t0, stream, node, on_plan = std::move(on_plan),
        on_done = std::move(on_done)](const grpc::Status& s) {
         if (on_plan) on_plan(s, Seconds(t0, Clock::now()));
         if (!s.ok()) return on_done(s, -1.0);
+        if (node != nullptr) {
+          return node->Add(stub, ReportFor(job, call->response->plan()),
+                           [call, on_done](const grpc::Status& r, double t) { on_done(r, t); });
+        }
         if (stream != nullptr) {
           *call->streamed->mutable_report() = ReportFor(job, call->response->plan());
           return stream->Send(call->streamed,
@@ -730,6 +772,13 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
   const int ranks = absl::GetFlag(FLAGS_ranks);
   const int samples = absl::GetFlag(FLAGS_samples);
   const int steps = absl::GetFlag(FLAGS_steps);
+  const int per_node = absl::GetFlag(FLAGS_batch);
+  if (per_node < 1 || per_node > 1024 || ranks % per_node != 0) {
+    tools::Fatal("--batch must be in [1, 1024] and divide --ranks");
+  }
+  if (per_node > 1 && absl::GetFlag(FLAGS_report_stream)) {
+    tools::Fatal("--batch and --report_stream do not go together (batches are unary calls)");
+  }
   Connections connections(target, absl::GetFlag(FLAGS_connections));
   const Job job = CreateJob(connections[0], admin, ranks, 4, 0);
   // Every rank's first JoinJob, 64 in flight: what a job's start costs the planner.
@@ -759,6 +808,10 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
     Latch done(ranks);     // reports answered
     absl::Mutex mu;
     Clock::time_point last_plan;
+    std::vector<std::unique_ptr<NodeReports>> nodes;
+    for (int n = 0; per_node > 1 && n < ranks / per_node; ++n) {
+      nodes.push_back(std::make_unique<NodeReports>(job, per_node));
+    }
     for (int rank = 0; rank < ranks; ++rank) {
       PlanThenReport(
           connections[rank], job, step, rank,
@@ -771,7 +824,8 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
             if (report_seconds >= 0) reports.Add(s, report_seconds);
             done.Done();
           },
-          streams.empty() ? nullptr : streams[rank].get());
+          streams.empty() ? nullptr : streams[rank].get(),
+          nodes.empty() ? nullptr : nodes[rank / per_node].get());
       waiting.Done();
     }
     waiting.Wait();
@@ -783,7 +837,7 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
     done.Wait();
     const Clock::time_point end = Clock::now();
     plans.CheckOk("GetRankPlan");
-    reports.CheckOk("ReportStep");
+    reports.CheckOk(per_node > 1 ? "ReportStepBatch" : "ReportStep");
     totals.push_back(Seconds(start, end));
     submit_sum += Seconds(start, submitted);
     plans_sum += Seconds(start, last_plan);
@@ -802,7 +856,10 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
       "step: %d ranks, %d samples, %d connections, reports %s: SubmitBatch to last report "
       "%.1f ms median, %.1f ms slowest of %d, %.1f ms the first (SubmitBatch %.1f ms, last plan "
       "served at %.1f ms, mean)\n",
-      ranks, samples, connections.size(), streams_used ? "on streams" : "by unary calls",
+      ranks, samples, connections.size(),
+      per_node > 1   ? absl::StrCat("by node, ", per_node, " ranks a ReportStepBatch call")
+      : streams_used ? "on streams"
+                     : "by unary calls",
       median * 1e3, slowest * 1e3, steps, first * 1e3, submit_sum / steps * 1e3,
       plans_sum / steps * 1e3);
   if (planner_cpu >= 0) {
