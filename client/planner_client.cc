@@ -372,18 +372,6 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
   return response->duplicate();
 }
 
-namespace {
-
-void ReportToProto(const RankStepReport& report, v1::ReportStepRequest* out) {
-  out->set_step(report.step);
-  out->set_rank(report.rank);
-  out->set_wait_seconds(report.wait_seconds);
-  out->set_planned_locally(report.planned_locally);
-  for (const MicroBatchTiming& m : report.micro_batches) TimingToProto(m, out->add_micro_batches());
-}
-
-}  // namespace
-
 std::string EncodeRankStepReport(const RankStepReport& report) {
   v1::ReportStepRequest request;
   ReportToProto(report, &request);
@@ -396,16 +384,7 @@ absl::StatusOr<RankStepReport> DecodeRankStepReport(const std::string& bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("report: ", bytes.size(), " bytes that are not a ReportStepRequest"));
   }
-  RankStepReport report;
-  report.step = request.step();
-  report.rank = request.rank();
-  report.wait_seconds = request.wait_seconds();
-  report.planned_locally = request.planned_locally();
-  report.micro_batches.reserve(request.micro_batches_size());
-  for (const v1::MicroBatchReport& m : request.micro_batches()) {
-    report.micro_batches.push_back(TimingFromProto(m));
-  }
-  return report;
+  return ReportFromProto(request);
 }
 
 absl::StatusOr<std::vector<bool>> PlannerClient::ReportStepBatch(

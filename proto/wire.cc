@@ -382,6 +382,27 @@ void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out) {
   out->set_exchange_seconds(timing.exchange_seconds);
 }
 
+void ReportToProto(const RankStepReport& report, v1::ReportStepRequest* out) {
+  out->set_step(report.step);
+  out->set_rank(report.rank);
+  out->set_wait_seconds(report.wait_seconds);
+  out->set_planned_locally(report.planned_locally);
+  for (const MicroBatchTiming& m : report.micro_batches) TimingToProto(m, out->add_micro_batches());
+}
+
+RankStepReport ReportFromProto(const v1::ReportStepRequest& request) {
+  RankStepReport report;
+  report.step = request.step();
+  report.rank = request.rank();
+  report.wait_seconds = request.wait_seconds();
+  report.planned_locally = request.planned_locally();
+  report.micro_batches.reserve(request.micro_batches_size());
+  for (const v1::MicroBatchReport& m : request.micro_batches()) {
+    report.micro_batches.push_back(TimingFromProto(m));
+  }
+  return report;
+}
+
 MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report) {
   MicroBatchTiming t;
   t.micro_batch = report.micro_batch();

@@ -91,6 +91,10 @@ v1::ShardPolicy ShardPolicyToProto(ShardPolicy policy);
 // ValidateReport, which also checks exchange_seconds against the plan) check.
 void TimingToProto(const MicroBatchTiming& timing, v1::MicroBatchReport* out);
 MicroBatchTiming TimingFromProto(const v1::MicroBatchReport& report);
+// A rank's report of a step and back, without checking (the registry checks it against the
+// plan); the message's job_id is left alone.
+void ReportToProto(const RankStepReport& report, v1::ReportStepRequest* out);
+RankStepReport ReportFromProto(const v1::ReportStepRequest& request);
 
 // Checks a micro-batch's measured recall against a model of `layers` layers: recall_seconds
 // finite and >= 0; per document, a non-negative index, (sample_id, document) reported once,

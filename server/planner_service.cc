@@ -700,15 +700,11 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlan(grpc::CallbackServer
 
 absl::Status PlannerServiceImpl::OnReportStep(const v1::ReportStepRequest& request,
                                               v1::ReportStepResponse* response) {
-  std::vector<MicroBatchTiming> measured;
-  measured.reserve(request.micro_batches_size());
-  for (const v1::MicroBatchReport& m : request.micro_batches()) {
-    measured.push_back(TimingFromProto(m));
-  }
+  RankStepReport report = ReportFromProto(request);
   bool switched_to_local = false;
-  absl::StatusOr<bool> duplicate =
-      registry_->ReportStep(request.job_id(), request.step(), request.rank(), std::move(measured),
-                            request.wait_seconds(), request.planned_locally(), &switched_to_local);
+  absl::StatusOr<bool> duplicate = registry_->ReportStep(
+      request.job_id(), report.step, report.rank, std::move(report.micro_batches),
+      report.wait_seconds, report.planned_locally, &switched_to_local);
   // A rank's report moved the step to the local plan (before the coordinator resubmitted it);
   // counted even when the report itself then failed to be stored: the switch stays.
   if (switched_to_local && options_.metrics != nullptr) {
@@ -734,15 +730,7 @@ absl::Status PlannerServiceImpl::OnReportStepBatch(const v1::ReportStepBatchRequ
                                                      " is not the call's job ", request.job_id(),
                                                      " (leave it empty)"));
     }
-    RankStepReport& report = reports[k];
-    report.step = r.step();
-    report.rank = r.rank();
-    report.wait_seconds = r.wait_seconds();
-    report.planned_locally = r.planned_locally();
-    report.micro_batches.reserve(r.micro_batches_size());
-    for (const v1::MicroBatchReport& m : r.micro_batches()) {
-      report.micro_batches.push_back(TimingFromProto(m));
-    }
+    reports[k] = ReportFromProto(r);
   }
   std::vector<JobRegistry::ReportAnswer> answers;
   absl::Status status = registry_->ReportSteps(request.job_id(), reports, &answers);

@@ -249,24 +249,31 @@ RANK_SCRIPT = textwrap.dedent("""
     """)
 
 
-def test_two_gloo_ranks_share_one_job_and_split_each_batch(planner, tmp_path):
+def _run_ranks(script_text, world, planner, tmp_path, timeout=120):
+    """Runs `script_text` as `world` gloo ranks (processes) against `planner`; returns each
+    one's last line of output, parsed as JSON, in rank order."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
+    script.write_text(script_text)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, str(script), planner.address, json.dumps(LENGTHS)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_two_gloo_ranks_share_one_job_and_split_each_batch(planner, tmp_path):
+    results = _run_ranks(RANK_SCRIPT, 2, planner, tmp_path)
     assert results[0]["job"] == results[1]["job"] != ""  # rank 0 created it, rank 1 was told
     for k in range(4):
         a, b = results[0]["steps"][k], results[1]["steps"][k]
@@ -318,23 +325,7 @@ def _rpcs(metrics_url, method, code="OK"):
 
 
 def test_node_reports_go_through_each_nodes_first_rank_in_batches(planner, tmp_path):
-    script = tmp_path / "node.py"
-    script.write_text(NODE_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(4):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), planner.address, json.dumps(LENGTHS)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = _run_ranks(NODE_SCRIPT, 4, planner, tmp_path, timeout=180)
     assert all(r["delivered"] and r["dropped"] == 0 for r in results)
     job = results[0]["job"]
     # A step was folded, which takes every rank's report: both leaders sent their members'.
