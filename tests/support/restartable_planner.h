@@ -76,8 +76,8 @@ class RestartablePlanner {
   double Calls(const std::string& method, const std::string& code = "OK") {
     std::ostringstream text;
     prometheus::TextSerializer().Serialize(text, metrics_registry_->Collect());
-    const std::string prefix = absl::StrCat("sparsebalance_rpcs_total{code=\"", code,
-                                            "\",method=\"", method, "\"} ");
+    const std::string prefix =
+        absl::StrCat("sparsebalance_rpcs_total{code=\"", code, "\",method=\"", method, "\"} ");
     std::istringstream lines(text.str());
     for (std::string line; std::getline(lines, line);) {
       if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size()));
