@@ -168,6 +168,34 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
             .Restart()
             .GetPlan(0, Step::Raw(0), 1));
   }
+  // A node's reports in one ReportStepBatch: rank 0's, its repeat, rank 1's (the step folds),
+  // then a batch whose second report names a rank outside the job.
+  {
+    const v1::JobConfig c = Config(2, 2, 8192);
+    const std::vector<Sample> batch = Uniform(8, 1500);
+    const PlannerConfig p = Planner(c);
+    auto node = [&](const std::vector<std::string>& reports) {
+      v1::ReportStepBatchRequest request;
+      for (const std::string& r : reports) request.add_reports()->ParseFromString(r);
+      return request.SerializeAsString();
+    };
+    const std::string rank0 = Report(p, batch, 0, 1.0, 0.0, false);
+    const std::string rank1 = Report(p, batch, 1, 1.2, 0.1, false);
+    const std::vector<Sample> next = Uniform(8, 900);
+    v1::ReportStepRequest outside;
+    outside.ParseFromString(Report(p, next, 1, 1.0, 0.0, false));
+    outside.set_rank(7);
+    add("report_batch_of_a_node",
+        JoinedJob(c, {0, 1})
+            .Submit(0, Step::Next(), false, Batch(batch))
+            .ReportBatch(0, Step::Last(), node({rank0, rank0, rank1}))
+            .Submit(0, Step::Next(), false, Batch(next))
+            .ReportBatch(0, Step::Last(),
+                         node({Report(p, next, 0, 1.0, 0.0, false), outside.SerializeAsString(),
+                               Report(p, next, 1, 1.0, 0.0, false)}))
+            .Restart()
+            .GetPlan(0, Step::Raw(0), 1));
+  }
   // A ReportStep with NaN wait_seconds and planned_locally on a step holding the planner's plan.
   {
     const v1::JobConfig c = Config(2, 1, 8192);

@@ -340,6 +340,42 @@ class Harness {
         }
         return;
       }
+      case kReportSteps: {
+        Job* job = PickJob(in);
+        const int64_t step = PickStep(in, IdOf(job));
+        v1::ReportStepBatchRequest request;
+        const bool parsed = request.ParseFromString(in.Blob());
+        Trace(absl::StrCat("ReportSteps ", IdOf(job), " step ", step, " ",
+                           request.ShortDebugString()));
+        if (!parsed) return;
+        std::vector<RankStepReport> reports;
+        bool local = false;
+        for (const v1::ReportStepRequest& r : request.reports()) {
+          reports.push_back(ReportFromProto(r));
+          reports.back().step = step;
+          local = local || r.planned_locally();
+        }
+        std::vector<JobRegistry::ReportAnswer> answers;
+        const absl::Status status = server_.registry->ReportSteps(IdOf(job), reports, &answers);
+        Expect(status, "ReportSteps");
+        // One answer per report looked at: all of them, or up to the refused one.
+        if (answers.size() > reports.size() || (status.ok() && answers.size() != reports.size()) ||
+            (!status.ok() && job != nullptr && answers.empty() && !reports.empty() &&
+             status.code() != absl::StatusCode::kNotFound)) {
+          Fail(absl::StrCat("ReportSteps: ", answers.size(), " answers to ", reports.size(),
+                            " reports, status ", status.ToString()));
+        }
+        if (!status.ok()) Trace(absl::StrCat("  -> ", status.ToString()));
+        // A planned_locally report may switch the step to the local plan, even in a call that
+        // then failed; otherwise nothing a refused batch holds changes the plan.
+        if (job != nullptr && local) {
+          absl::StatusOr<std::string> served = ServedPlan(server_, job->id, step);
+          if (served.ok() && !served->empty()) job->plans[step] = *served;
+        } else if (!status.ok()) {
+          ExpectPlanUnchanged(job, step, "ReportSteps");
+        }
+        return;
+      }
       case kUpdateJobConfig: {
         Job* job = PickJob(in);
         v1::UpdateJobConfigRequest request;

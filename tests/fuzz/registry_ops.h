@@ -32,6 +32,8 @@ enum Op : uint8_t {
   kDeleteJob,        // slot
   kRestart,          // destroy the registry and the store, reopen, Restore()
   kGetJob,           // slot (GetJob and ListJobs)
+  // slot, step, blob ReportStepBatchRequest (each report's step replaced by the op's step)
+  kReportSteps,
   kOpCount,
 };
 
@@ -75,6 +77,9 @@ class RegistryOps {
   RegistryOps& Delete(uint8_t slot) { return Byte(kDeleteJob).Byte(slot); }
   RegistryOps& Restart() { return Byte(kRestart); }
   RegistryOps& Get(uint8_t slot) { return Byte(kGetJob).Byte(slot); }
+  RegistryOps& ReportBatch(uint8_t slot, Step step, const std::string& request) {
+    return Byte(kReportSteps).Byte(slot).StepField(step).Blob(request);
+  }
 
   const std::string& bytes() const { return bytes_; }
 
