@@ -19,6 +19,7 @@
 //            the GPUs' time); at the step's end each rank reports it and takes its prefetched
 //            plan. What the planner costs the ranks is how long each then waits for a plan not
 //            in yet, and how soon after a step starts all of the next step's plans are in.
+//            With --batch, nodes of that many ranks report together, as in the step scenario.
 //   soak     --soak_steps whole steps of a --soak_ranks job; the planner's resident memory is
 //            sampled as it goes (needs the planner's pid: started here, or --planner_pid).
 //   floor    The reports scenario's calls without their work: --reports grpc.health.v1 Check
@@ -82,9 +83,9 @@ ABSL_FLAG(int, connections, 64, "step, prefetch: connections the ranks share");
 ABSL_FLAG(double, step_seconds, 1.0,
           "prefetch: seconds each step trains (a sleep) while the next one is planned");
 ABSL_FLAG(int, batch, 1,
-          "reports, step: reports a call, 1-1024; above 1 each node of that many ranks sends "
-          "its reports of a step in one ReportStepBatch call (reports: each client is a node's "
-          "leader, and the job has --clients x --batch ranks)");
+          "reports, step, prefetch: reports a call, 1-1024; above 1 each node of that many ranks "
+          "sends its reports of a step in one ReportStepBatch call (reports: each client is a "
+          "node's leader, and the job has --clients x --batch ranks)");
 ABSL_FLAG(bool, report_stream, false,
           "reports, step: each rank reports on its own ReportSteps stream, opened before the "
           "clock starts (the client library's ClientOptions::report_stream); false, the "
@@ -887,6 +888,10 @@ void RunPrefetch(const std::string& target, const std::string& admin, int pid, F
   const int samples = absl::GetFlag(FLAGS_samples);
   const int steps = absl::GetFlag(FLAGS_steps);
   const double step_seconds = absl::GetFlag(FLAGS_step_seconds);
+  const int per_node = absl::GetFlag(FLAGS_batch);
+  if (per_node < 1 || per_node > 1024 || ranks % per_node != 0) {
+    tools::Fatal("--batch must be in [1, 1024] and divide --ranks");
+  }
   if (!(step_seconds >= 0 && step_seconds <= 600)) {
     tools::Fatal(absl::StrCat("--step_seconds=", step_seconds, ": expected 0 to 600 seconds"));
   }
@@ -945,7 +950,20 @@ void RunPrefetch(const std::string& target, const std::string& admin, int pid, F
     // its prefetched plan of the next step.
     Tally reports;
     Latch reported(ranks);
+    // With --batch, a node's ranks report through their leader: one call per node.
+    std::vector<std::unique_ptr<NodeReports>> nodes;
+    for (int n = 0; per_node > 1 && n < ranks / per_node; ++n) {
+      nodes.push_back(std::make_unique<NodeReports>(job, per_node));
+    }
     for (int rank = 0; rank < ranks; ++rank) {
+      if (!nodes.empty()) {
+        nodes[rank / per_node]->Add(connections[rank], ReportFor(job, current->plans[rank]),
+                                    [&](const grpc::Status& s, double) {
+                                      reports.Add(s, 0.0);
+                                      reported.Done();
+                                    });
+        continue;
+      }
       auto call = NewRankCall<v1::ReportStepRequest, v1::ReportStepResponse>(job);
       call->request = ReportFor(job, current->plans[rank]);
       connections[rank]->async()->ReportStep(&call->context, &call->request, &call->response,
@@ -965,7 +983,7 @@ void RunPrefetch(const std::string& target, const std::string& admin, int pid, F
     all_in.push_back(Seconds(start, last));
     submitted.push_back(Seconds(start, answered));
     reported.Wait();
-    reports.CheckOk("ReportStep");
+    reports.CheckOk(per_node > 1 ? "ReportStepBatch" : "ReportStep");
     current = std::move(next);
   }
   const double cpu = CpuSeconds(pid) - cpu_before;  // planning, answers and reports of each step
