@@ -12,7 +12,8 @@
 //            and the CPU each step took the planner (knowing its pid) and this process: when
 //            both share a machine, a round cannot take less than their sum over its cores.
 //            With --batch, nodes of that many ranks report together: one ReportStepBatch
-//            call once the node's last plan arrived (a node leader's gather, here in process).
+//            call once the node's last plan arrived (a node leader's gather, here in process);
+//            with --node_plans too, each node takes its ranks' plans in one GetRankPlans call.
 //   prefetch The client's default flow (client/balancer.h, prefetch on) over --steps steps of
 //            a --ranks job: once a step's plans are out, the next step's batch is submitted and
 //            every rank asks for its plan of it while the step trains (--step_seconds, a sleep:
@@ -86,6 +87,9 @@ ABSL_FLAG(int, batch, 1,
           "reports, step, prefetch: reports a call, 1-1024; above 1 each node of that many ranks "
           "sends its reports of a step in one ReportStepBatch call (reports: each client is a "
           "node's leader, and the job has --clients x --batch ranks)");
+ABSL_FLAG(bool, node_plans, false,
+          "step: with --batch, a node's plans come in one GetRankPlans call too (the node's "
+          "leader then hands them out), and its reports go in one ReportStepBatch call");
 ABSL_FLAG(bool, report_stream, false,
           "reports, step: each rank reports on its own ReportSteps stream, opened before the "
           "clock starts (the client library's ClientOptions::report_stream); false, the "
@@ -555,6 +559,45 @@ struct NodeReports {
   v1::ReportStepBatchResponse response;
 };
 
+// A node's part of a step with --node_plans: one GetRankPlans call for ranks [first, first + n)
+// (which waits for the plan), then their reports in one ReportStepBatch call through `node`
+// (which must outlive the reports' answers). `on_plan` and `on_done` are called once per rank,
+// as PlanThenReport calls them.
+void NodePlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step, int first,
+                        int n, NodeReports* node,
+                        std::function<void(const grpc::Status&, double)> on_plan,
+                        std::function<void(const grpc::Status&, double)> on_done) {
+  struct Call {
+    grpc::ClientContext context;
+    v1::GetRankPlansRequest request;
+    v1::GetRankPlansResponse response;
+  };
+  auto call = std::make_shared<Call>();
+  Authorize(&call->context, job.token, 60);
+  call->request.set_job_id(job.id);
+  call->request.set_step(step);
+  for (int r = first; r < first + n; ++r) call->request.add_ranks(r);
+  const Clock::time_point t0 = Clock::now();
+  stub->async()->GetRankPlans(&call->context, &call->request, &call->response,
+                              [&job, call, stub, node, n, t0, on_plan = std::move(on_plan),
+                               on_done = std::move(on_done)](grpc::Status s) {
+                                if (s.ok() && call->response.plans_size() != n) {
+                                  s = grpc::Status(grpc::StatusCode::INTERNAL,
+                                                   "plans do not match the ranks");
+                                }
+                                const double seconds = Seconds(t0, Clock::now());
+                                for (int k = 0; k < n; ++k) {
+                                  if (on_plan) on_plan(s, seconds);
+                                }
+                                if (!s.ok()) {
+                                  for (int k = 0; k < n; ++k) on_done(s, -1.0);
+                                  return;
+                                }
+                                for (int k = 0; k < n; ++k)
+                                  node->Add(stub, ReportFor(job, call->response.plans(k)), on_done);
+                              });
+}
+
 // One rank's part of a step: GetRankPlan (which waits for the plan), then the ReportStep of that
 // plan. `on_plan`, if set, sees the plan call's status and latency (seconds); `on_done` sees the
 // report's status and latency, or the failed plan call's status and -1.
@@ -813,7 +856,22 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
     for (int n = 0; per_node > 1 && n < ranks / per_node; ++n) {
       nodes.push_back(std::make_unique<NodeReports>(job, per_node));
     }
-    for (int rank = 0; rank < ranks; ++rank) {
+    const bool node_plans = per_node > 1 && absl::GetFlag(FLAGS_node_plans);
+    for (int rank = 0; node_plans && rank < ranks; rank += per_node) {
+      NodePlanThenReport(
+          connections[rank / per_node], job, step, rank, per_node, nodes[rank / per_node].get(),
+          [&](const grpc::Status& s, double seconds) {
+            plans.Add(s, seconds);
+            absl::MutexLock lock(&mu);
+            last_plan = std::max(last_plan, Clock::now());
+          },
+          [&](const grpc::Status& s, double report_seconds) {
+            if (report_seconds >= 0) reports.Add(s, report_seconds);
+            done.Done();
+          });
+      for (int k = 0; k < per_node; ++k) waiting.Done();
+    }
+    for (int rank = 0; !node_plans && rank < ranks; ++rank) {
       PlanThenReport(
           connections[rank], job, step, rank,
           [&](const grpc::Status& s, double seconds) {
@@ -837,7 +895,7 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
     const Clock::time_point submitted = Clock::now();
     done.Wait();
     const Clock::time_point end = Clock::now();
-    plans.CheckOk("GetRankPlan");
+    plans.CheckOk(node_plans ? "GetRankPlans" : "GetRankPlan");
     reports.CheckOk(per_node > 1 ? "ReportStepBatch" : "ReportStep");
     totals.push_back(Seconds(start, end));
     submit_sum += Seconds(start, submitted);
@@ -858,7 +916,8 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
       "%.1f ms median, %.1f ms slowest of %d, %.1f ms the first (SubmitBatch %.1f ms, last plan "
       "served at %.1f ms, mean)\n",
       ranks, samples, connections.size(),
-      per_node > 1   ? absl::StrCat("by node, ", per_node, " ranks a ReportStepBatch call")
+      per_node > 1   ? absl::StrCat("by node, ", per_node, " ranks a ReportStepBatch call",
+                                  absl::GetFlag(FLAGS_node_plans) ? " (plans too)" : "")
       : streams_used ? "on streams"
                      : "by unary calls",
       median * 1e3, slowest * 1e3, steps, first * 1e3, submit_sum / steps * 1e3,

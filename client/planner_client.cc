@@ -322,6 +322,32 @@ absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
   return std::vector<uint64_t>(response->deferred_ids().begin(), response->deferred_ids().end());
 }
 
+namespace {
+
+// A rank's plan as GetRankPlan and GetRankPlans answer it; INTERNAL naming `method` for one
+// that fails MicroBatchesFromProto's checks.
+absl::StatusOr<RankStepPlan> RankStepPlanFromProto(
+    const v1::RankPlan& plan, const google::protobuf::RepeatedField<uint64_t>& deferred_ids,
+    int64_t step, int world_size, int block_size, const char* method) {
+  RankStepPlan out;
+  out.step = plan.step();
+  out.rank = plan.rank();
+  out.predicted_seconds = plan.predicted_seconds();
+  out.predicted_makespan_seconds = plan.figures().makespan_seconds();
+  out.local_fallback = plan.planned_locally();
+  out.deferred_ids.assign(deferred_ids.begin(), deferred_ids.end());
+  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
+      MicroBatchesFromProto(plan, PlanContext{world_size, block_size});
+  if (!micro_batches.ok()) {
+    return absl::InternalError(absl::StrCat(method, ": the planner's plan of step ", step,
+                                            " is malformed: ", micro_batches.status().message()));
+  }
+  out.micro_batches = *std::move(micro_batches);
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank, int world_size,
                                                         int block_size) {
   v1::GetRankPlanRequest request;
@@ -331,22 +357,38 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank, 
   absl::StatusOr<v1::GetRankPlanResponse> response = impl_->Call(
       &Impl::Stub::GetRankPlan, request, Impl::Token::kJob, impl_->options.plan_timeout_seconds);
   if (!response.ok()) return response.status();
-  const v1::RankPlan& plan = response->plan();
-  RankStepPlan out;
-  out.step = plan.step();
-  out.rank = plan.rank();
-  out.predicted_seconds = plan.predicted_seconds();
-  out.predicted_makespan_seconds = plan.figures().makespan_seconds();
-  out.local_fallback = plan.planned_locally();
-  out.deferred_ids.assign(response->deferred_ids().begin(), response->deferred_ids().end());
-  absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
-      MicroBatchesFromProto(plan, PlanContext{world_size, block_size});
-  if (!micro_batches.ok()) {
-    return absl::InternalError(absl::StrCat("GetRankPlan: the planner's plan of step ", step,
-                                            " is malformed: ", micro_batches.status().message()));
+  return RankStepPlanFromProto(response->plan(), response->deferred_ids(), step, world_size,
+                               block_size, "GetRankPlan");
+}
+
+absl::StatusOr<std::vector<RankStepPlan>> PlannerClient::GetRankPlans(int64_t step,
+                                                                      const std::vector<int>& ranks,
+                                                                      int world_size,
+                                                                      int block_size) {
+  v1::GetRankPlansRequest request;
+  request.set_job_id(impl_->options.job_id);
+  request.set_step(step);
+  request.mutable_ranks()->Assign(ranks.begin(), ranks.end());
+  absl::StatusOr<v1::GetRankPlansResponse> response = impl_->Call(
+      &Impl::Stub::GetRankPlans, request, Impl::Token::kJob, impl_->options.plan_timeout_seconds);
+  if (!response.ok()) return response.status();
+  if (response->plans_size() != request.ranks_size()) {
+    return absl::InternalError(absl::StrCat("GetRankPlans: ", response->plans_size(), " plans for ",
+                                            request.ranks_size(), " ranks"));
   }
-  out.micro_batches = *std::move(micro_batches);
-  return out;
+  std::vector<RankStepPlan> plans;
+  plans.reserve(ranks.size());
+  for (int k = 0; k < response->plans_size(); ++k) {
+    absl::StatusOr<RankStepPlan> plan = RankStepPlanFromProto(
+        response->plans(k), response->deferred_ids(), step, world_size, block_size, "GetRankPlans");
+    if (!plan.ok()) return plan.status();
+    if (plan->rank != ranks[k]) {
+      return absl::InternalError(absl::StrCat("GetRankPlans: plans[", k, "] is rank ", plan->rank,
+                                              "'s, asked for rank ", ranks[k]));
+    }
+    plans.push_back(*std::move(plan));
+  }
+  return plans;
 }
 
 absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,

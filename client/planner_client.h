@@ -116,6 +116,13 @@ class PlannerClient {
   // checked against them too.
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank, int world_size = 0,
                                            int block_size = 0);
+  // The plans of several ranks of `step` in one GetRankPlans call (1 to 1,024 distinct ranks:
+  // kMaxBatchRanks in proto/wire.h), e.g. a node leader's for its node: waits as GetRankPlan
+  // does and returns them in `ranks`' order, each as GetRankPlan would. The Balancer does not
+  // use it yet (a node's plans would then go to its ranks by a collective).
+  absl::StatusOr<std::vector<RankStepPlan>> GetRankPlans(int64_t step,
+                                                         const std::vector<int>& ranks,
+                                                         int world_size = 0, int block_size = 0);
   // Returns true when the planner had this (step, rank) already. Sent on the client's
   // ReportSteps stream (opened on the first report, and again after a report's error) when
   // options.report_stream is set and no other report is using it; a report whose stream fails

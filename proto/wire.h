@@ -147,8 +147,9 @@ absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::Rank
 inline constexpr char kReasonStateDirFailure[] = "STATE_DIR_FAILURE";
 // A ReportSteps stream refused at the planner's --max_report_streams: report by ReportStep.
 inline constexpr char kReasonReportStreamsFull[] = "REPORT_STREAMS_FULL";
-// The most reports one ReportStepBatch call may carry.
+// The most reports one ReportStepBatch call may carry, and ranks one GetRankPlans may ask for.
 inline constexpr int kMaxBatchReports = 1024;
+inline constexpr int kMaxBatchRanks = 1024;
 // `status` with `reason` attached (an OK status stays OK).
 absl::Status WithErrorReason(absl::Status status, absl::string_view reason);
 // The reason attached to `status`, or "" when it carries none.

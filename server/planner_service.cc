@@ -84,18 +84,22 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
 
 }  // namespace
 
-// A GetRankPlan call waiting for its step. Whoever finishes it first (the SubmitBatch that
-// plans the step, or the call's cancellation or deadline) sets `finished` under `mu`, fills
-// the response and calls Finish; everyone after sees `finished` and leaves the reactor alone.
-// The reactor deletes itself in OnDone, which gRPC runs only after Finish, so it is alive
-// whenever `finished` is false.
+// A GetRankPlan (or GetRankPlans) call waiting for its step. Whoever finishes it first (the
+// SubmitBatch that plans the step, or the call's cancellation or deadline) sets `finished`
+// under `mu`, fills the response and calls Finish; everyone after sees `finished` and leaves
+// the reactor alone. The reactor deletes itself in OnDone, which gRPC runs only after Finish,
+// so it is alive whenever `finished` is false.
 struct PlannerServiceImpl::Wait {
   const PlannerServiceImpl* service = nullptr;
+  const char* method = "GetRankPlan";
   std::chrono::steady_clock::time_point start;
   std::string job_id;
   int64_t step = 0;
   int rank = 0;
   v1::GetRankPlanResponse* response = nullptr;
+  // GetRankPlans: every rank asked for (`rank` is the first), answered into `many`.
+  std::vector<int> ranks;
+  v1::GetRankPlansResponse* many = nullptr;
   grpc::ServerUnaryReactor* reactor = nullptr;
   absl::Mutex mu;
   bool finished ABSL_GUARDED_BY(mu) = false;
@@ -106,17 +110,24 @@ struct PlannerServiceImpl::Wait {
     finished = true;
     if (plan != nullptr) {
       try {  // a large plan's message is the one allocation here that can fail
-        RankPlanToProto(*plan, step, rank, response->mutable_plan());
-        response->mutable_deferred_ids()->Assign(plan->deferred_ids.begin(),
-                                                 plan->deferred_ids.end());
+        if (many != nullptr) {
+          for (int r : ranks) RankPlanToProto(*plan, step, r, many->add_plans());
+          many->mutable_deferred_ids()->Assign(plan->deferred_ids.begin(),
+                                               plan->deferred_ids.end());
+        } else {
+          RankPlanToProto(*plan, step, rank, response->mutable_plan());
+          response->mutable_deferred_ids()->Assign(plan->deferred_ids.begin(),
+                                                   plan->deferred_ids.end());
+        }
       } catch (const std::bad_alloc&) {
-        response->Clear();
+        if (many != nullptr) many->Clear();
+        if (response != nullptr) response->Clear();
         status = absl::ResourceExhaustedError(
-            "GetRankPlan: the planner ran out of memory building the plan message");
+            absl::StrCat(method, ": the planner ran out of memory building the plan message"));
         std::cerr << "sb-planner: " << status.message() << std::endl;
       }
     }
-    service->Record("GetRankPlan", start, status);
+    service->Record(method, start, status);
     reactor->Finish(ToGrpcStatus(status));
   }
 };
@@ -130,8 +141,9 @@ class WaitingReactor : public grpc::ServerUnaryReactor {
       : wait_(std::move(wait)), on_cancel_(std::move(on_cancel)), on_done_(std::move(on_done)) {}
   void OnCancel() override {
     on_cancel_();
-    wait_->Complete(absl::CancelledError("GetRankPlan: cancelled or past its deadline while "
-                                         "waiting for the step's plan"),
+    wait_->Complete(absl::CancelledError(absl::StrCat(wait_->method,
+                                                      ": cancelled or past its deadline while "
+                                                      "waiting for the step's plan")),
                     nullptr);
   }
   void OnDone() override {
@@ -169,6 +181,10 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
   Register<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(
       "GetRankPlan", [this](auto* context, auto* request, auto* response) {
         return OnGetRankPlan(context, request, response);
+      });
+  Register<v1::GetRankPlansRequest, v1::GetRankPlansResponse>(
+      "GetRankPlans", [this](auto* context, auto* request, auto* response) {
+        return OnGetRankPlans(context, request, response);
       });
   Serve<Caller::kJob>("ReportStep", &PlannerServiceImpl::OnReportStep);
   Serve<Caller::kJob>("ReportStepBatch", &PlannerServiceImpl::OnReportStepBatch);
@@ -406,7 +422,7 @@ absl::Status PlannerServiceImpl::Park(const std::shared_ptr<Wait>& wait, int wor
   absl::MutexLock lock(&waiters_mu_);
   if (waiting_ >= options_.max_waiting_calls) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("GetRankPlan: ", waiting_,
+        absl::StrCat(wait->method, ": ", waiting_,
                      " calls are waiting for plans, this planner's limit; ask "
                      "again once the step is submitted"));
   }
@@ -414,7 +430,7 @@ absl::Status PlannerServiceImpl::Park(const std::shared_ptr<Wait>& wait, int wor
   int& of_job = waiting_per_job_[wait->job_id];
   if (of_job >= per_job) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "GetRankPlan: ", of_job, " calls of job ", wait->job_id,
+        wait->method, ": ", of_job, " calls of job ", wait->job_id,
         " are waiting for plans, its limit (2 per rank + ",
         options_.max_waiting_calls_per_job_extra, "); ask again once the step is submitted"));
   }
@@ -696,6 +712,69 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlan(grpc::CallbackServer
     if (TryComplete(wait)) Unpark(wait);
     return reactor;
   });
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlans(grpc::CallbackServerContext* context,
+                                                             const v1::GetRankPlansRequest* request,
+                                                             v1::GetRankPlansResponse* response) {
+  return Guarded(
+      context, "GetRankPlans", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+        if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
+          return Finish(context, "GetRankPlans", start, s);
+        }
+        const int count = request->ranks_size();
+        if (count < 1 || count > kMaxBatchRanks) {
+          return Finish(context, "GetRankPlans", start,
+                        absl::InvalidArgumentError(absl::StrCat(
+                            "ranks: ", count, " ranks; a call asks for 1 to ", kMaxBatchRanks)));
+        }
+        auto wait = std::make_shared<Wait>();
+        wait->service = this;
+        wait->method = "GetRankPlans";
+        wait->start = start;
+        wait->job_id = request->job_id();
+        wait->step = request->step();
+        wait->rank = request->ranks(0);
+        wait->ranks.assign(request->ranks().begin(), request->ranks().end());
+        wait->many = response;
+        auto* reactor = new WaitingReactor(
+            wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
+        wait->reactor = reactor;
+        // The first rank is checked with the step (TryComplete); the others against the job's
+        // ranks here, before anything waits.
+        int world_size = 0;
+        bool ready = false;
+        absl::StatusOr<std::shared_ptr<const StepPlan>> first =
+            registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready, &world_size);
+        if (first.ok()) {
+          std::vector<int> seen(wait->ranks);
+          std::sort(seen.begin(), seen.end());
+          for (int k = 0; k < count; ++k) {
+            const int r = wait->ranks[k];
+            absl::Status bad;
+            if (r < 0 || r >= world_size) {
+              bad = absl::InvalidArgumentError(
+                  absl::StrCat("ranks[", k, "]: ", r, " is outside [0, ", world_size, ")"));
+            } else if (const auto [lo, hi] = std::equal_range(seen.begin(), seen.end(), r);
+                       hi - lo > 1) {
+              bad = absl::InvalidArgumentError(
+                  absl::StrCat("ranks[", k, "]: ", r, " is asked for more than once"));
+            }
+            if (!bad.ok()) {
+              wait->Complete(bad, nullptr);
+              return reactor;
+            }
+          }
+        }
+        if (TryComplete(wait)) return reactor;
+        if (absl::Status parked = Park(wait, world_size); !parked.ok()) {
+          wait->Complete(parked, nullptr);
+          return reactor;
+        }
+        // The step may have been planned (or the job deleted) between the check and parking.
+        if (TryComplete(wait)) Unpark(wait);
+        return reactor;
+      });
 }
 
 absl::Status PlannerServiceImpl::OnReportStep(const v1::ReportStepRequest& request,

@@ -95,6 +95,9 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   grpc::ServerUnaryReactor* OnGetRankPlan(grpc::CallbackServerContext* context,
                                           const v1::GetRankPlanRequest* request,
                                           v1::GetRankPlanResponse* response);
+  grpc::ServerUnaryReactor* OnGetRankPlans(grpc::CallbackServerContext* context,
+                                           const v1::GetRankPlansRequest* request,
+                                           v1::GetRankPlansResponse* response);
   absl::Status OnReportStep(const v1::ReportStepRequest&, v1::ReportStepResponse*);
   absl::Status OnReportStepBatch(const v1::ReportStepBatchRequest&, v1::ReportStepBatchResponse*);
   // A new ReportSteps stream's reactor (one refusing it past the cap or while draining).

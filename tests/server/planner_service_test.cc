@@ -749,6 +749,76 @@ TEST_F(PlannerServiceTest, AReportStreamAnswersEachReportInOrderAsReportStepWoul
   EXPECT_EQ(ReportStreams(0), 0);
 }
 
+// GetRankPlans answers each rank as GetRankPlan would, waits for a step not planned yet as
+// GetRankPlan does, and refuses a bad list of ranks before it waits, naming the entry.
+TEST_F(PlannerServiceTest, GetRankPlansAnswersEachRankAsGetRankPlanWould) {
+  const v1::CreateJobResponse job = Create(4);
+  const v1::CreateJobResponse other = Create(4);
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(job, 4));
+  auto plans_of = [&](int64_t step, const std::vector<int>& ranks, v1::GetRankPlansResponse* answer,
+                      const std::string& token) {
+    v1::GetRankPlansRequest request;
+    request.set_job_id(job.job_id());
+    request.set_step(step);
+    request.mutable_ranks()->Assign(ranks.begin(), ranks.end());
+    grpc::ClientContext context;
+    Auth(&context, token);
+    return stub_->GetRankPlans(&context, request, answer);
+  };
+  v1::GetRankPlansResponse answer;
+  grpc::Status status = plans_of(0, {3, 1}, &answer, job.job_token());
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answer.plans_size(), 2);
+  for (int k = 0; k < 2; ++k) {
+    v1::GetRankPlanResponse one;
+    ASSERT_TRUE(GetPlan(job.job_id(), job.job_token(), 0, k == 0 ? 3 : 1, &one).ok());
+    EXPECT_EQ(answer.plans(k).SerializeAsString(), one.plan().SerializeAsString()) << k;
+    EXPECT_EQ(std::vector<uint64_t>(answer.deferred_ids().begin(), answer.deferred_ids().end()),
+              std::vector<uint64_t>(one.deferred_ids().begin(), one.deferred_ids().end()));
+  }
+
+  // A call for step 1 waits until the step is submitted.
+  v1::GetRankPlansResponse waited;
+  grpc::Status waited_status;
+  std::thread waiter([&] { waited_status = plans_of(1, {0, 1, 2, 3}, &waited, job.job_token()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 1, 12), job.job_token()).ok());
+  waiter.join();
+  ASSERT_TRUE(waited_status.ok()) << waited_status.error_message();
+  ASSERT_EQ(waited.plans_size(), 4);
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(waited.plans(k).rank(), k);
+
+  // Refused before anything waits.
+  EXPECT_THAT(plans_of(2, {}, &answer, job.job_token()).error_message(),
+              HasSubstr("ranks: 0 ranks; a call asks for 1 to 1024"));
+  EXPECT_THAT(plans_of(2, std::vector<int>(1025, 0), &answer, job.job_token()).error_message(),
+              HasSubstr("ranks: 1025 ranks"));
+  status = plans_of(2, {0, 9}, &answer, job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("ranks[1]: 9 is outside [0, 4)"));
+  status = plans_of(2, {0, 1, 1}, &answer, job.job_token());
+  EXPECT_THAT(status.error_message(), HasSubstr("ranks[1]: 1 is asked for more than once"));
+  status = plans_of(0, {0}, &answer, other.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << status.error_message();
+
+  // The client library's call.
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port_);
+  options.job_id = job.job_id();
+  options.token = job.job_token();
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<std::vector<RankStepPlan>> node = (*client)->GetRankPlans(1, {2, 0}, 4);
+  ASSERT_TRUE(node.ok()) << node.status();
+  ASSERT_EQ(node->size(), 2u);
+  EXPECT_EQ((*node)[0].rank, 2);
+  EXPECT_EQ((*node)[1].rank, 0);
+  absl::StatusOr<RankStepPlan> alone = (*client)->GetRankPlan(1, 2, 4);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ((*node)[0].micro_batches.size(), alone->micro_batches.size());
+  EXPECT_EQ((*node)[0].predicted_seconds, alone->predicted_seconds);
+}
+
 // ReportStepBatch answers each report as ReportStep would, in order, under one token check;
 // the first report refused ends the call with an error naming it and saying how many before it
 // were accepted, and those after it are not taken.
