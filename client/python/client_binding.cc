@@ -177,7 +177,27 @@ Every call has a deadline; UNAVAILABLE is retried with backoff. Errors raise Pla
           },
           py::arg("step"), py::arg("rank"), py::arg("micro_batches"), py::arg("wait_seconds"),
           py::arg("planned_locally") = false, Release(),
-          "Reports one rank's timings; returns True when the planner had them already.");
+          "Reports one rank's timings; returns True when the planner had them already.")
+      .def(
+          "get_rank_plans",
+          [](PlannerClient& c, int64_t step, const std::vector<int>& ranks, int world_size,
+             int block_size) {
+            return ValueOrThrow(c.GetRankPlans(step, ranks, world_size, block_size),
+                                ErrorKind::kPlanner);
+          },
+          py::arg("step"), py::arg("ranks"), py::arg("world_size") = 0, py::arg("block_size") = 0,
+          Release(),
+          "The plans of several ranks of the step in one GetRankPlans call (e.g. a node "
+          "leader's), in `ranks`' order, each as get_rank_plan would return it.")
+      .def(
+          "report_step_batch",
+          [](PlannerClient& c, const std::vector<RankStepReport>& reports) {
+            return ValueOrThrow(c.ReportStepBatch(reports), ErrorKind::kPlanner);
+          },
+          py::arg("reports"), Release(),
+          "Several RankStepReport in one ReportStepBatch call (e.g. a node's, through its "
+          "leader); returns per report whether the planner had it already. The first report "
+          "refused raises, naming reports[k]; the ones before it were accepted.");
 
   py::class_<TrainerSession>(m, "TrainerSession", R"(The per-rank step helper (one per rank).
 

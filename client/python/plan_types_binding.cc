@@ -212,6 +212,16 @@ void BindPlanTypes(py::module_& m) {
              "and their gradients with their groups; 0 without shards")
       .Done();
 
+  Record<RankStepReport>(m, "RankStepReport",
+                         "One rank's report of one step (PlannerClient.report_step_batch).")
+      .Field("step", &RankStepReport::step, "the step")
+      .Field("rank", &RankStepReport::rank, "the rank that ran it")
+      .Field("micro_batches", &RankStepReport::micro_batches, "list of MicroBatchTiming")
+      .Field("wait_seconds", &RankStepReport::wait_seconds, "time the rank idled for the others")
+      .Field("planned_locally", &RankStepReport::planned_locally,
+             "the rank ran the step's local fallback plan")
+      .Done();
+
   Record<StepPlan>(m, "StepPlan", "A whole step's plan (every rank), e.g. plan_step_locally's.")
       .Field("policy", &StepPlan::policy, "Policy")
       .Field("ranks", &StepPlan::ranks, "list of RankPlan")

@@ -151,6 +151,16 @@ def test_round_trip_create_join_submit_plan_report(planner):
                    for m, mb in enumerate(plan.micro_batches) if mb.samples]
         assert c.report_step(0, rank, timings, wait_seconds=0.1) is False
         assert c.report_step(0, rank, timings, wait_seconds=0.1) is True  # a repeat
+    # Both ranks' plans in one call, and both reports again in one call (repeats).
+    assert client.get_rank_plans(0, [1, 0]) == [plans[1], plans[0]]
+    node = [sb.RankStepReport(step=0, rank=rank, wait_seconds=0.1, micro_batches=[
+        sb.MicroBatchTiming(micro_batch=m, compute_seconds=0.5, attention_seconds=0.2,
+                            tokens=mb.tokens, achieved_density=0.3, recall=0.9)
+        for m, mb in enumerate(plan.micro_batches) if mb.samples]) for rank, plan in enumerate(plans)]
+    assert client.report_step_batch(node) == [True, True]
+    node[1].rank = 5
+    with pytest.raises(sb.PlannerError, match=r"reports\[1\] \(step 0, rank 5\): rank: 5"):
+        client.report_step_batch(node)
 
     # The step helper: coordinator submits, both get plans, both report.
     config = job.config
