@@ -857,34 +857,25 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
       nodes.push_back(std::make_unique<NodeReports>(job, per_node));
     }
     const bool node_plans = per_node > 1 && absl::GetFlag(FLAGS_node_plans);
+    // Each rank's plan arriving, and its report's answer (or its failed plan call's, -1).
+    const auto on_plan = [&](const grpc::Status& s, double seconds) {
+      plans.Add(s, seconds);
+      absl::MutexLock lock(&mu);
+      last_plan = std::max(last_plan, Clock::now());
+    };
+    const auto on_done = [&](const grpc::Status& s, double report_seconds) {
+      if (report_seconds >= 0) reports.Add(s, report_seconds);
+      done.Done();
+    };
     for (int rank = 0; node_plans && rank < ranks; rank += per_node) {
-      NodePlanThenReport(
-          connections[rank / per_node], job, step, rank, per_node, nodes[rank / per_node].get(),
-          [&](const grpc::Status& s, double seconds) {
-            plans.Add(s, seconds);
-            absl::MutexLock lock(&mu);
-            last_plan = std::max(last_plan, Clock::now());
-          },
-          [&](const grpc::Status& s, double report_seconds) {
-            if (report_seconds >= 0) reports.Add(s, report_seconds);
-            done.Done();
-          });
+      NodePlanThenReport(connections[rank / per_node], job, step, rank, per_node,
+                         nodes[rank / per_node].get(), on_plan, on_done);
       for (int k = 0; k < per_node; ++k) waiting.Done();
     }
     for (int rank = 0; !node_plans && rank < ranks; ++rank) {
-      PlanThenReport(
-          connections[rank], job, step, rank,
-          [&](const grpc::Status& s, double seconds) {
-            plans.Add(s, seconds);
-            absl::MutexLock lock(&mu);
-            last_plan = std::max(last_plan, Clock::now());
-          },
-          [&](const grpc::Status& s, double report_seconds) {
-            if (report_seconds >= 0) reports.Add(s, report_seconds);
-            done.Done();
-          },
-          streams.empty() ? nullptr : streams[rank].get(),
-          nodes.empty() ? nullptr : nodes[rank / per_node].get());
+      PlanThenReport(connections[rank], job, step, rank, on_plan, on_done,
+                     streams.empty() ? nullptr : streams[rank].get(),
+                     nodes.empty() ? nullptr : nodes[rank / per_node].get());
       waiting.Done();
     }
     waiting.Wait();

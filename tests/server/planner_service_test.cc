@@ -176,6 +176,14 @@ class PlannerServiceTest : public ::testing::Test {
   }
 
   // GetJob's summary of `job`, asked with its token.
+  // The client library, speaking for `job` to this server.
+  absl::StatusOr<std::unique_ptr<PlannerClient>> ClientOf(const v1::CreateJobResponse& job) {
+    ClientOptions options;
+    options.target = absl::StrCat("127.0.0.1:", port_);
+    options.job_id = job.job_id();
+    options.token = job.job_token();
+    return PlannerClient::Connect(options);
+  }
   v1::JobSummary Summary(const v1::CreateJobResponse& job) {
     v1::GetJobRequest get;
     get.set_job_id(job.job_id());
@@ -802,11 +810,7 @@ TEST_F(PlannerServiceTest, GetRankPlansAnswersEachRankAsGetRankPlanWould) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << status.error_message();
 
   // The client library's call.
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", port_);
-  options.job_id = job.job_id();
-  options.token = job.job_token();
-  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = ClientOf(job);
   ASSERT_TRUE(client.ok()) << client.status();
   absl::StatusOr<std::vector<RankStepPlan>> node = (*client)->GetRankPlans(1, {2, 0}, 4);
   ASSERT_TRUE(node.ok()) << node.status();
@@ -1004,11 +1008,7 @@ TEST_F(PlannerServiceTest, TheClientReportsABatchInOneCall) {
     }
     return report;
   };
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", port_);
-  options.job_id = job.job_id();
-  options.token = job.job_token();
-  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = ClientOf(job);
   ASSERT_TRUE(client.ok()) << client.status();
   RankStepReport unjoined = report_of(0);
   unjoined.step = 5;
