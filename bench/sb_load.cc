@@ -525,6 +525,19 @@ struct PlanThenReportCall {
   v1::ReportStepsRequest* streamed = New<v1::ReportStepsRequest>();  // as a stream sends it
 };
 
+// --batch, checked: in [1, 1024], a divisor of `ranks` (when not 0), and not with
+// --report_stream (batches are unary calls).
+int NodeSize(int ranks) {
+  const int n = absl::GetFlag(FLAGS_batch);
+  if (n < 1 || n > 1024 || (ranks > 0 && ranks % n != 0)) {
+    tools::Fatal("--batch must be in [1, 1024] and divide --ranks");
+  }
+  if (n > 1 && absl::GetFlag(FLAGS_report_stream)) {
+    tools::Fatal("--batch and --report_stream do not go together (batches are unary calls)");
+  }
+  return n;
+}
+
 // A node's reports of one step (the step scenario's --batch): collected as its ranks' plans
 // arrive, sent in one ReportStepBatch call by the last, whose answer goes to every rank's
 // on_done.
@@ -638,11 +651,7 @@ void PlanThenReport(v1::PlannerService::Stub* stub, const Job& job, int64_t step
 
 void RunReports(const std::string& target, const std::string& admin, int pid, Figures* figures) {
   const int clients = absl::GetFlag(FLAGS_clients);
-  const int batch = absl::GetFlag(FLAGS_batch);
-  if (batch < 1 || batch > 1024) tools::Fatal("--batch must be in [1, 1024]");
-  if (batch > 1 && absl::GetFlag(FLAGS_report_stream)) {
-    tools::Fatal("--batch and --report_stream do not go together (batches are unary calls)");
-  }
+  const int batch = NodeSize(0);
   const int ranks = clients * batch;  // client c sends ranks [c * batch, (c + 1) * batch)
   const int steps = std::max<int>(1, (absl::GetFlag(FLAGS_reports) + ranks - 1) / ranks);
   if (steps > 4096) {
@@ -816,13 +825,7 @@ void RunStep(const std::string& target, const std::string& admin, int pid, Figur
   const int ranks = absl::GetFlag(FLAGS_ranks);
   const int samples = absl::GetFlag(FLAGS_samples);
   const int steps = absl::GetFlag(FLAGS_steps);
-  const int per_node = absl::GetFlag(FLAGS_batch);
-  if (per_node < 1 || per_node > 1024 || ranks % per_node != 0) {
-    tools::Fatal("--batch must be in [1, 1024] and divide --ranks");
-  }
-  if (per_node > 1 && absl::GetFlag(FLAGS_report_stream)) {
-    tools::Fatal("--batch and --report_stream do not go together (batches are unary calls)");
-  }
+  const int per_node = NodeSize(ranks);
   Connections connections(target, absl::GetFlag(FLAGS_connections));
   const Job job = CreateJob(connections[0], admin, ranks, 4, 0);
   // Every rank's first JoinJob, 64 in flight: what a job's start costs the planner.
@@ -938,10 +941,7 @@ void RunPrefetch(const std::string& target, const std::string& admin, int pid, F
   const int samples = absl::GetFlag(FLAGS_samples);
   const int steps = absl::GetFlag(FLAGS_steps);
   const double step_seconds = absl::GetFlag(FLAGS_step_seconds);
-  const int per_node = absl::GetFlag(FLAGS_batch);
-  if (per_node < 1 || per_node > 1024 || ranks % per_node != 0) {
-    tools::Fatal("--batch must be in [1, 1024] and divide --ranks");
-  }
+  const int per_node = NodeSize(ranks);
   if (!(step_seconds >= 0 && step_seconds <= 600)) {
     tools::Fatal(absl::StrCat("--step_seconds=", step_seconds, ": expected 0 to 600 seconds"));
   }

@@ -95,10 +95,10 @@ struct PlannerServiceImpl::Wait {
   std::chrono::steady_clock::time_point start;
   std::string job_id;
   int64_t step = 0;
-  int rank = 0;
-  v1::GetRankPlanResponse* response = nullptr;
-  // GetRankPlans: every rank asked for (`rank` is the first), answered into `many`.
+  // The ranks asked for: one (GetRankPlan, answered into `response`) or several (GetRankPlans,
+  // into `many`).
   std::vector<int> ranks;
+  v1::GetRankPlanResponse* response = nullptr;
   v1::GetRankPlansResponse* many = nullptr;
   grpc::ServerUnaryReactor* reactor = nullptr;
   absl::Mutex mu;
@@ -115,7 +115,7 @@ struct PlannerServiceImpl::Wait {
           many->mutable_deferred_ids()->Assign(plan->deferred_ids.begin(),
                                                plan->deferred_ids.end());
         } else {
-          RankPlanToProto(*plan, step, rank, response->mutable_plan());
+          RankPlanToProto(*plan, step, ranks.front(), response->mutable_plan());
           response->mutable_deferred_ids()->Assign(plan->deferred_ids.begin(),
                                                    plan->deferred_ids.end());
         }
@@ -408,7 +408,7 @@ absl::Status PlannerServiceImpl::OnSubmitBatch(const v1::SubmitBatchRequest& req
 bool PlannerServiceImpl::TryComplete(const std::shared_ptr<Wait>& wait, int* world_size) {
   bool ready = false;
   absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
-      registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready, world_size);
+      registry_->GetPlan(wait->job_id, wait->step, wait->ranks.front(), &ready, world_size);
   if (!plan.ok()) {
     wait->Complete(plan.status(), nullptr);
     return true;
@@ -697,7 +697,7 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlan(grpc::CallbackServer
     wait->start = start;
     wait->job_id = request->job_id();
     wait->step = request->step();
-    wait->rank = request->rank();
+    wait->ranks = {request->rank()};
     wait->response = response;
     auto* reactor = new WaitingReactor(
         wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
@@ -734,39 +734,43 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlans(grpc::CallbackServe
         wait->start = start;
         wait->job_id = request->job_id();
         wait->step = request->step();
-        wait->rank = request->ranks(0);
         wait->ranks.assign(request->ranks().begin(), request->ranks().end());
         wait->many = response;
         auto* reactor = new WaitingReactor(
             wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
         wait->reactor = reactor;
-        // The first rank is checked with the step (TryComplete); the others against the job's
-        // ranks here, before anything waits.
+        // The job, the step and the first rank are checked by the registry's lookup; the other
+        // ranks against the job's here, before anything waits.
         int world_size = 0;
         bool ready = false;
-        absl::StatusOr<std::shared_ptr<const StepPlan>> first =
-            registry_->GetPlan(wait->job_id, wait->step, wait->rank, &ready, &world_size);
-        if (first.ok()) {
-          std::vector<int> seen(wait->ranks);
-          std::sort(seen.begin(), seen.end());
-          for (int k = 0; k < count; ++k) {
-            const int r = wait->ranks[k];
-            absl::Status bad;
-            if (r < 0 || r >= world_size) {
-              bad = absl::InvalidArgumentError(
-                  absl::StrCat("ranks[", k, "]: ", r, " is outside [0, ", world_size, ")"));
-            } else if (const auto [lo, hi] = std::equal_range(seen.begin(), seen.end(), r);
-                       hi - lo > 1) {
-              bad = absl::InvalidArgumentError(
-                  absl::StrCat("ranks[", k, "]: ", r, " is asked for more than once"));
-            }
-            if (!bad.ok()) {
-              wait->Complete(bad, nullptr);
-              return reactor;
-            }
+        absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+            registry_->GetPlan(wait->job_id, wait->step, wait->ranks.front(), &ready, &world_size);
+        if (!plan.ok()) {
+          wait->Complete(plan.status(), nullptr);
+          return reactor;
+        }
+        std::vector<int> seen(wait->ranks);
+        std::sort(seen.begin(), seen.end());
+        for (int k = 0; k < count; ++k) {
+          const int r = wait->ranks[k];
+          absl::Status bad;
+          if (r < 0 || r >= world_size) {
+            bad = absl::InvalidArgumentError(
+                absl::StrCat("ranks[", k, "]: ", r, " is outside [0, ", world_size, ")"));
+          } else if (const auto [lo, hi] = std::equal_range(seen.begin(), seen.end(), r);
+                     hi - lo > 1) {
+            bad = absl::InvalidArgumentError(
+                absl::StrCat("ranks[", k, "]: ", r, " is asked for more than once"));
+          }
+          if (!bad.ok()) {
+            wait->Complete(bad, nullptr);
+            return reactor;
           }
         }
-        if (TryComplete(wait)) return reactor;
+        if (ready) {
+          wait->Complete(absl::OkStatus(), plan->get());
+          return reactor;
+        }
         if (absl::Status parked = Park(wait, world_size); !parked.ok()) {
           wait->Complete(parked, nullptr);
           return reactor;

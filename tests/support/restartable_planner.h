@@ -62,30 +62,27 @@ class RestartablePlanner {
 
   // The value of counter `name` for job `job_id` (0 when it has no series yet).
   double Counter(const std::string& name, const std::string& job_id) {
-    std::ostringstream text;
-    prometheus::TextSerializer().Serialize(text, metrics_registry_->Collect());
-    const std::string prefix = absl::StrCat(name, "{job_id=\"", job_id, "\"} ");
-    std::istringstream lines(text.str());
-    for (std::string line; std::getline(lines, line);) {
-      if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size()));
-    }
-    return 0;
+    return Value(absl::StrCat(name, "{job_id=\"", job_id, "\"}"));
   }
   // Calls of `method` that ended with code `code` (e.g. "OK"), as sparsebalance_rpcs_total
   // counts them (0 when it has no series yet).
   double Calls(const std::string& method, const std::string& code = "OK") {
+    return Value(
+        absl::StrCat("sparsebalance_rpcs_total{code=\"", code, "\",method=\"", method, "\"}"));
+  }
+
+ private:
+  // The value of `series` (name and labels as the text exposition writes them), 0 when absent.
+  double Value(const std::string& series) {
     std::ostringstream text;
     prometheus::TextSerializer().Serialize(text, metrics_registry_->Collect());
-    const std::string prefix =
-        absl::StrCat("sparsebalance_rpcs_total{code=\"", code, "\",method=\"", method, "\"} ");
+    const std::string prefix = series + " ";
     std::istringstream lines(text.str());
     for (std::string line; std::getline(lines, line);) {
       if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size()));
     }
     return 0;
   }
-
- private:
   static PlannerServiceImpl::Options ServiceOptions(PlannerMetrics* metrics) {
     PlannerServiceImpl::Options options;
     options.metrics = metrics;
