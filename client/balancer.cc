@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -27,6 +28,13 @@ using SteadyClock = std::chrono::steady_clock;
 constexpr char kGatheredReport[] = "R";
 constexpr char kGatheredNothing[] = "-";
 
+// What a plan group's leader hands each member by scatter_plans, by its first byte:
+constexpr char kHandedPlan = 'P';       // then the member's plan (GetRankPlans' `encoded`)
+constexpr char kHandedLocal = 'L';      // then why the leader fell back: plan locally
+constexpr char kHandedFetch = 'F';      // a planner without GetRankPlans: fetch your own
+constexpr char kHandedError = 'E';      // then "<absl::StatusCode>:<message>", the leader's error
+constexpr size_t kMaxPlanGroup = 1024;  // kMaxBatchRanks (proto/wire.h)
+
 double SecondsSince(SteadyClock::time_point start) {
   return std::chrono::duration<double>(SteadyClock::now() - start).count();
 }
@@ -42,6 +50,40 @@ bool SameBatch(const std::vector<Sample>& a, const std::vector<Sample>& b) {
   return true;
 }
 
+// plan_group and scatter_plans: both or neither; the group holds this rank, distinct ranks of
+// the job, at most kMaxPlanGroup, and rank 0 leads its group.
+absl::Status CheckPlanGroup(const BalancerOptions& options) {
+  const std::vector<int>& group = options.plan_group;
+  if (!options.scatter_plans) {
+    if (group.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "scatter_plans: unset, but plan_group is given (plans through a group leader need both)");
+  }
+  if (group.empty() || group.size() > kMaxPlanGroup) {
+    return absl::InvalidArgumentError(absl::StrCat("plan_group: ", group.size(), " ranks; 1 to ",
+                                                   kMaxPlanGroup, " with scatter_plans"));
+  }
+  for (size_t k = 0; k < group.size(); ++k) {
+    if (group[k] < 0 || group[k] >= options.world) {
+      return absl::InvalidArgumentError(absl::StrCat("plan_group[", k, "]: ", group[k],
+                                                     " is outside [0, world=", options.world, ")"));
+    }
+    if (std::find(group.begin(), group.begin() + k, group[k]) != group.begin() + k) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan_group[", k, "]: rank ", group[k], " is in the group twice"));
+    }
+  }
+  if (std::find(group.begin(), group.end(), options.rank) == group.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan_group: it does not hold this rank (", options.rank, ")"));
+  }
+  if (group[0] != 0 && std::find(group.begin(), group.end(), 0) != group.end()) {
+    return absl::InvalidArgumentError(
+        "plan_group: rank 0 must lead its group (come first): it submits each step's batch");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct Balancer::State {
@@ -52,6 +94,7 @@ struct Balancer::State {
     absl::StatusOr<RankStepPlan> plan = absl::UnknownError("not planned");
     std::vector<Sample> carried;
     absl::Status why;
+    std::vector<std::string> encoded;  // a plan group leader's: its members' plans
   };
   struct Prefetched {
     enum class Phase { kQueued, kRunning, kDone };
@@ -65,6 +108,8 @@ struct Balancer::State {
   PlannerConfig config;
   bool offline = false;
   std::string offline_reason;
+  bool leads_plans = false;  // scatter_plans, and this rank leads its plan group
+  bool takes_plans = false;  // scatter_plans, and another rank leads this one's group
 
   // Every TrainerSession call holds it. Lock order: session_mu, then mu.
   absl::Mutex session_mu;
@@ -117,6 +162,9 @@ struct Balancer::State {
     if (offline) {
       planned.plan = session->LocalPlan(step, batch);
       planned.why = absl::UnavailableError(offline_reason);
+    } else if (leads_plans) {
+      planned.plan = session->Plan(step, batch, options.plan_group, &planned.encoded);
+      planned.why = session->fallback_reason();
     } else {
       planned.plan = session->Plan(step, batch);
       planned.why = session->fallback_reason();
@@ -125,6 +173,12 @@ struct Balancer::State {
     NoteSession();
     return planned;
   }
+  // A plan group's leader: hands each member its part of `own` (scatter_plans).
+  void HandPlans(const Planned& own) ABSL_LOCKS_EXCLUDED(session_mu, mu);
+  // A plan group's member: its plan of `step` as the leader handed it (scatter_plans), taken
+  // on the session.
+  Planned TakePlan(int64_t step, const std::vector<Sample>& batch)
+      ABSL_LOCKS_EXCLUDED(session_mu, mu);
   // gather_reports with this rank's `payload`; on the leader, the group's reports (a member's
   // payload that is not a report nor kGatheredNothing is dropped with a warning).
   std::vector<RankStepReport> Gather(int64_t step, const std::string& payload);
@@ -166,6 +220,7 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Start(BalancerOptions option
         absl::StrCat("any_rank and share_job: both are needed when world is ", options.world,
                      " (collectives over the trainer's ranks, e.g. torch.distributed)"));
   }
+  if (absl::Status group = CheckPlanGroup(options); !group.ok()) return group;
   if (!options.any_rank) options.any_rank = [](bool mine) { return mine; };
   if (!options.share_job) options.share_job = [](const JobHandle& job) { return job; };
   if (!options.warn) {
@@ -257,6 +312,10 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Start(BalancerOptions option
     state->session = std::make_unique<TrainerSession>(
         state->client.get(), rank, /*coordinator=*/rank == 0 && !state->offline, config);
   }
+  if (options.scatter_plans) {
+    state->leads_plans = options.plan_group[0] == rank;
+    state->takes_plans = !state->leads_plans;
+  }
   {
     absl::MutexLock lock(&state->mu);
     state->next_step = next_step;
@@ -315,6 +374,7 @@ void Balancer::Work() {
 void Balancer::Prefetch(int64_t step, std::vector<Sample> batch) {
   State& s = *state_;
   if (!s.options.prefetch) return;
+  if (s.takes_plans && !s.offline) return;  // the group's leader prefetches this rank's plan
   absl::MutexLock lock(&s.mu);
   if (step <= s.last_final_step) return;  // already final: nothing to plan ahead
   auto [it, inserted] = s.prefetches.try_emplace(step);
@@ -362,7 +422,10 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
     }
   }
   if (!refused.empty()) s.options.warn(absl::StrCat("sparsebalance: ", refused));
-  if (!planned) own = s.PlanOnSession(step, batch);
+  if (!planned) {
+    own = s.takes_plans && !s.offline ? s.TakePlan(step, batch) : s.PlanOnSession(step, batch);
+  }
+  if (s.leads_plans && !s.offline) s.HandPlans(own);
   double wait_seconds = SecondsSince(start);
   // The one collective of the step: every rank runs one plan, the local one if any rank fell
   // back (or failed: then that rank returns its error and the others go on locally).
@@ -454,6 +517,74 @@ void Balancer::SkipReport(int64_t step) {
   State& s = *state_;
   if (s.offline || !s.options.gather_reports) return;
   s.Queue(s.Gather(step, kGatheredNothing));
+}
+
+void Balancer::State::HandPlans(const Planned& own) {
+  const std::vector<int>& group = options.plan_group;
+  std::vector<std::string> payloads(group.size());
+  for (size_t k = 0; k < group.size(); ++k) {
+    if (group[k] == options.rank) continue;  // the leader's own: it has it
+    std::string& p = payloads[k];
+    if (!own.plan.ok()) {
+      p = absl::StrCat(std::string(1, kHandedError), static_cast<int>(own.plan.status().code()),
+                       ":", own.plan.status().message());
+    } else if (!own.encoded.empty()) {
+      p = std::string(1, kHandedPlan) + own.encoded[k];
+    } else if (own.plan->local_fallback && !own.why.ok()) {
+      p = std::string(1, kHandedLocal) + own.why.ToString();
+    } else {
+      p = std::string(1, kHandedFetch);
+    }
+  }
+  options.scatter_plans(payloads);
+}
+
+Balancer::State::Planned Balancer::State::TakePlan(int64_t step, const std::vector<Sample>& batch) {
+  const std::string got = options.scatter_plans({});
+  const std::string rest = got.empty() ? std::string() : got.substr(1);
+  const std::string leader =
+      absl::StrCat("rank ", options.plan_group[0], ", which leads this rank's plan group,");
+  Planned planned;
+  absl::MutexLock lock(&session_mu);
+  switch (got.empty() ? '\0' : got[0]) {
+    case kHandedPlan:
+      planned.plan = session->Adopt(step, batch, rest);
+      if (!planned.plan.ok()) {
+        planned.plan =
+            absl::Status(planned.plan.status().code(),
+                         absl::StrCat("scatter_plans: the plan ", leader, " handed over for step ",
+                                      step, ": ", planned.plan.status().message()));
+      }
+      break;
+    case kHandedLocal:
+      planned.plan = session->LocalPlan(step, batch);
+      planned.why = absl::UnavailableError(absl::StrCat(leader, " fell back: ", rest));
+      break;
+    case kHandedFetch:
+      planned.plan = session->Plan(step, batch);
+      planned.why = session->fallback_reason();
+      break;
+    case kHandedError: {
+      int code = 0;
+      const size_t colon = rest.find(':');
+      if (colon == std::string::npos || !absl::SimpleAtoi(rest.substr(0, colon), &code) ||
+          code <= 0 || code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {
+        code = static_cast<int>(absl::StatusCode::kUnknown);
+      }
+      planned.plan =
+          absl::Status(static_cast<absl::StatusCode>(code),
+                       absl::StrCat(leader, " could not plan step ", step, ": ",
+                                    colon == std::string::npos ? rest : rest.substr(colon + 1)));
+      break;
+    }
+    default:
+      planned.plan = absl::InternalError(
+          absl::StrCat("scatter_plans: handed ", got.size(), " bytes for step ", step,
+                       " that are not what a Balancer's plan group leader hands over"));
+  }
+  planned.carried = session->carried();
+  NoteSession();
+  return planned;
 }
 
 std::vector<RankStepReport> Balancer::State::Gather(int64_t step, const std::string& payload) {

@@ -361,10 +361,9 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank, 
                                block_size, "GetRankPlan");
 }
 
-absl::StatusOr<std::vector<RankStepPlan>> PlannerClient::GetRankPlans(int64_t step,
-                                                                      const std::vector<int>& ranks,
-                                                                      int world_size,
-                                                                      int block_size) {
+absl::StatusOr<std::vector<RankStepPlan>> PlannerClient::GetRankPlans(
+    int64_t step, const std::vector<int>& ranks, int world_size, int block_size,
+    std::vector<std::string>* encoded) {
   v1::GetRankPlansRequest request;
   request.set_job_id(impl_->options.job_id);
   request.set_step(step);
@@ -388,7 +387,29 @@ absl::StatusOr<std::vector<RankStepPlan>> PlannerClient::GetRankPlans(int64_t st
     }
     plans.push_back(*std::move(plan));
   }
+  if (encoded != nullptr) {
+    // Each rank's part as GetRankPlan answers it, for DecodeRankStepPlan on that rank.
+    encoded->clear();
+    encoded->reserve(plans.size());
+    v1::GetRankPlanResponse part;
+    part.mutable_deferred_ids()->CopyFrom(response->deferred_ids());
+    for (const v1::RankPlan& plan : response->plans()) {
+      *part.mutable_plan() = plan;
+      encoded->push_back(part.SerializeAsString());
+    }
+  }
   return plans;
+}
+
+absl::StatusOr<RankStepPlan> DecodeRankStepPlan(const std::string& bytes, int world_size,
+                                                int block_size) {
+  v1::GetRankPlanResponse response;
+  if (!response.ParseFromString(bytes) || !response.has_plan()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan: ", bytes.size(), " bytes that are not a GetRankPlanResponse"));
+  }
+  return RankStepPlanFromProto(response.plan(), response.deferred_ids(), response.plan().step(),
+                               world_size, block_size, "DecodeRankStepPlan");
 }
 
 absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,

@@ -81,6 +81,13 @@ struct RankStepPlan {
   std::vector<uint64_t> deferred_ids;
 };
 
+// A rank's plan that another rank fetched for it (GetRankPlans' `encoded`: a serialized
+// GetRankPlanResponse), checked as GetRankPlan checks its answer (with the job's world size and
+// block size when given). INVALID_ARGUMENT for bytes that are not a plan, INTERNAL for a plan
+// that fails the checks.
+absl::StatusOr<RankStepPlan> DecodeRankStepPlan(const std::string& bytes, int world_size = 0,
+                                                int block_size = 0);
+
 class PlannerClient {
  public:
   static absl::StatusOr<std::unique_ptr<PlannerClient>> Connect(const ClientOptions& options);
@@ -118,11 +125,12 @@ class PlannerClient {
                                            int block_size = 0);
   // The plans of several ranks of `step` in one GetRankPlans call (1 to 1,024 distinct ranks:
   // kMaxBatchRanks in proto/wire.h), e.g. a node leader's for its node: waits as GetRankPlan
-  // does and returns them in `ranks`' order, each as GetRankPlan would. The Balancer does not
-  // use it yet (a node's plans would then go to its ranks by a collective).
-  absl::StatusOr<std::vector<RankStepPlan>> GetRankPlans(int64_t step,
-                                                         const std::vector<int>& ranks,
-                                                         int world_size = 0, int block_size = 0);
+  // does and returns them in `ranks`' order, each as GetRankPlan would. With `encoded`, also
+  // each plan as bytes to hand to its rank (DecodeRankStepPlan reads them back there), as the
+  // Balancer's node plans do (BalancerOptions::scatter_plans).
+  absl::StatusOr<std::vector<RankStepPlan>> GetRankPlans(
+      int64_t step, const std::vector<int>& ranks, int world_size = 0, int block_size = 0,
+      std::vector<std::string>* encoded = nullptr);
   // Returns true when the planner had this (step, rank) already. Sent on the client's
   // ReportSteps stream (opened on the first report, and again after a report's error) when
   // options.report_stream is set and no other report is using it; a report whose stream fails

@@ -96,6 +96,18 @@ absl::Status TrainerSession::ResubmitLocalSteps() {
 }
 
 absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vector<Sample>& batch) {
+  return Plan(step, batch, {}, nullptr);
+}
+
+absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vector<Sample>& batch,
+                                                  const std::vector<int>& group,
+                                                  std::vector<std::string>* encoded) {
+  if (encoded != nullptr) encoded->clear();
+  const auto me = std::find(group.begin(), group.end(), rank_);
+  if (!group.empty() && me == group.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group: it does not hold this rank (", rank_, ")"));
+  }
   const std::vector<Sample> full = StepBatch(step, batch);
   auto fall_back = [&](absl::Status reason) {
     fallback_reason_ = std::move(reason);
@@ -109,20 +121,54 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
       return submitted.status();
     }
   }
-  absl::StatusOr<RankStepPlan> plan =
-      client_->GetRankPlan(step, rank_, config_.ranks, config_.shape.block_size);
+  const int block_size = config_.shape.block_size;
+  absl::StatusOr<RankStepPlan> plan = absl::UnknownError("not fetched");
+  if (!group.empty() && !groups_refused_) {
+    std::vector<std::string> parts;
+    absl::StatusOr<std::vector<RankStepPlan>> plans =
+        client_->GetRankPlans(step, group, config_.ranks, block_size, &parts);
+    if (plans.ok()) {
+      plan = std::move((*plans)[me - group.begin()]);
+      if (encoded != nullptr) *encoded = std::move(parts);
+    } else if (plans.status().code() == absl::StatusCode::kUnimplemented) {
+      groups_refused_ = true;  // an older planner: every rank fetches its own
+    } else {
+      plan = plans.status();
+    }
+  }
+  if (group.empty() || groups_refused_) {
+    plan = client_->GetRankPlan(step, rank_, config_.ranks, block_size);
+  }
   if (!plan.ok() && IsUnreachable(plan.status())) return fall_back(plan.status());
   if (!plan.ok()) return plan;
+  return Take(step, full, *std::move(plan));
+}
+
+absl::StatusOr<RankStepPlan> TrainerSession::Adopt(int64_t step, const std::vector<Sample>& batch,
+                                                   const std::string& encoded) {
+  absl::StatusOr<RankStepPlan> plan =
+      DecodeRankStepPlan(encoded, config_.ranks, config_.shape.block_size);
+  if (!plan.ok()) return plan.status();
+  if (plan->step != step || plan->rank != rank_) {
+    return absl::InvalidArgumentError(absl::StrCat("plan: it is step ", plan->step, " of rank ",
+                                                   plan->rank, ", not step ", step, " of rank ",
+                                                   rank_));
+  }
+  return Take(step, StepBatch(step, batch), *std::move(plan));
+}
+
+absl::StatusOr<RankStepPlan> TrainerSession::Take(int64_t step, const std::vector<Sample>& full,
+                                                  RankStepPlan plan) {
   fallback_reason_ = absl::OkStatus();
   // An older planner's plan has ids and densities only: its lengths and segments come from the
   // batch (and a newer one's must agree with it).
-  if (absl::Status s = CompletePlannedSamples(full, &plan->micro_batches); !s.ok()) {
+  if (absl::Status s = CompletePlannedSamples(full, &plan.micro_batches); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("the planner's plan of step ", step,
                                                       " does not fit the batch: ", s.message()));
   }
   last_planner_step_ = std::max(last_planner_step_, step);
-  Carry(step, full, plan->deferred_ids);
-  if (plan->local_fallback) {
+  Carry(step, full, plan.deferred_ids);
+  if (plan.local_fallback) {
     local_steps_.push_back(step);  // the step was switched to the local plan: report it so
     while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
   }

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,22 @@ class TrainerSession {
   // samples the previous step deferred followed by `batch`; calling Plan again for the same
   // step (a retry) carries the same ones.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
+  // Plan, fetching with this rank's plan those of the other ranks of `group` (e.g. its node's;
+  // `group` holds this rank, at most 1,024 distinct ranks) in one GetRankPlans call. `encoded`
+  // gets every plan of `group`, in its order, as bytes for that rank's Adopt. It is left empty
+  // when the plan returned is not from that call: a local fallback (fallback_reason() says
+  // why), or a planner without GetRankPlans (this rank's plan then came by GetRankPlan, and
+  // the others must fetch their own by Plan). INVALID_ARGUMENT when `group` lacks this rank.
+  absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch,
+                                    const std::vector<int>& group,
+                                    std::vector<std::string>* encoded);
+  // This rank's plan of `step` as another rank fetched it (Plan's `encoded`, e.g. by its node's
+  // leader), taken as Plan takes the planner's: the step's batch is what was carried in plus
+  // `batch`, the plan's lengths come from it, and the step's deferred samples are carried on.
+  // INVALID_ARGUMENT for bytes that are not a plan of this rank's `step`, INTERNAL for a
+  // malformed plan, FAILED_PRECONDITION when it does not fit the batch.
+  absl::StatusOr<RankStepPlan> Adopt(int64_t step, const std::vector<Sample>& batch,
+                                     const std::string& encoded);
   // The locally computed plan of `step` (what every falling-back rank uses), with the same
   // carried samples as Plan. Remembers that this rank ran `step` locally (its report says so;
   // the coordinator resubmits the batch later).
@@ -98,6 +115,10 @@ class TrainerSession {
   size_t BufferLimit() const;
   // The batch `step` plans: the samples carried into it, then `batch` (those not carried).
   std::vector<Sample> StepBatch(int64_t step, const std::vector<Sample>& batch);
+  // The planner's `plan` of `step`, whose whole batch is `full`: its lengths filled in from it,
+  // its deferred samples carried, a step the planner recorded as local remembered.
+  absl::StatusOr<RankStepPlan> Take(int64_t step, const std::vector<Sample>& full,
+                                    RankStepPlan plan);
   // The local plan of a step whose whole batch is `full`.
   absl::StatusOr<RankStepPlan> PlanLocally(int64_t step, const std::vector<Sample>& full);
   // After `step` was planned from `full`: its deferred samples wait for the next step.
@@ -109,6 +130,7 @@ class TrainerSession {
   PlannerConfig config_;
   std::deque<RankStepReport> pending_;
   bool batches_refused_ = false;  // the planner lacks ReportStepBatch: one call per report
+  bool groups_refused_ = false;   // the planner lacks GetRankPlans: GetRankPlan
   std::deque<std::pair<int64_t, std::vector<Sample>>> local_batches_;  // coordinator only
   std::deque<int64_t> local_steps_;  // steps this rank ran locally, ascending, bounded
   int64_t dropped_reports_ = 0;

@@ -306,6 +306,33 @@ void SetGatherReports(BalancerOptions& options, py::handle value) {
   };
 }
 
+// BalancerOptions.scatter_plans from Python: callable(list of bytes) -> bytes (the leader
+// passes one payload per member of plan_group, the others an empty list; each gets its own).
+// Plans are bytes, as reports are.
+void SetScatterPlans(BalancerOptions& options, py::handle value) {
+  if (value.is_none()) {
+    options.scatter_plans = nullptr;
+    return;
+  }
+  if (!PyCallable_Check(value.ptr())) {
+    throw py::type_error("scatter_plans: " + py::repr(value).cast<std::string>() +
+                         " is not callable (callable(list of bytes) -> bytes, or None)");
+  }
+  auto held = std::make_shared<GilHeld>();
+  held->object = py::reinterpret_borrow<py::object>(value);
+  options.scatter_plans = [held](const std::vector<std::string>& payloads) {
+    py::gil_scoped_acquire gil;
+    py::list in;
+    for (const std::string& p : payloads) in.append(py::bytes(p));
+    py::object out = held->object(in);
+    if (!py::isinstance<py::bytes>(out)) {
+      throw py::type_error("scatter_plans: returned " + py::repr(out).cast<std::string>() +
+                           "; it must be the bytes the group's leader passed for this member");
+    }
+    return out.cast<std::string>();
+  };
+}
+
 void BindBalancer(py::module_& m) {
   Record<BalancerOptions>(m, "BalancerOptions", R"(How a Balancer starts (see Balancer.start).
 
@@ -315,8 +342,10 @@ config (PlannerConfig of a new job, and of the local plans when offline),
 allow_offline_start, prefetch, warn_interval_seconds, and callables that C++ calls from the
 thread that calls start/plan/report (with the GIL): any_rank(bool) -> bool (True when any rank
 passed True: an all-reduce), share_job(JobHandle) -> JobHandle (rank 0's handle to every rank: a
-broadcast), warn(str) (default: one line on stderr), and optionally gather_reports(bytes) ->
-list of bytes (a gather to a node's leader, which then sends the node's reports in one call).
+broadcast), warn(str) (default: one line on stderr), optionally gather_reports(bytes) ->
+list of bytes (a gather to a node's leader, which then sends the node's reports in one call),
+and optionally plan_group (this rank's group, leader first) with scatter_plans(list of bytes) ->
+bytes (a scatter from that leader, which fetches the group's plans in one call).
 The collectives may be None for world 1.)")
       .Field("client", &BalancerOptions::client,
              "ClientOptions: target and timeouts (job_id and token are filled by start)")
@@ -357,6 +386,24 @@ The collectives may be None for world 1.)")
           "group) that hands the leader every member's encoded report, its own included, and the "
           "others nothing; the leader then sends the group's reports of a step in one "
           "ReportStepBatch call (None: each rank sends its own)")
+      .Field("plan_group", &BalancerOptions::plan_group,
+             "list of int: this rank's plan group, its leader first (with scatter_plans)")
+      .Property(
+          "scatter_plans",
+          [](const BalancerOptions& options) -> py::object {
+            if (!options.scatter_plans) return py::none();
+            std::function<std::string(const std::vector<std::string>&)> scatter =
+                options.scatter_plans;
+            return py::cpp_function([scatter](const std::vector<py::bytes>& payloads) {
+              std::vector<std::string> in(payloads.begin(), payloads.end());
+              return py::bytes(scatter(in));
+            });
+          },
+          SetScatterPlans,
+          "callable(list of bytes) -> bytes or None: a collective over plan_group in which the "
+          "leader passes one payload per member (in plan_group's order) and the others an empty "
+          "list, and each member gets its own; the leader then fetches the group's plans of a "
+          "step in one GetRankPlans call and hands them over (None: each rank fetches its own)")
       .Done();
 
   Record<Balancer::Stats>(m, "BalancerStats", "What a Balancer did so far (Balancer.stats).")

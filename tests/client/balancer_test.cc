@@ -254,37 +254,56 @@ TEST_F(BalancerTest, RanksAsThreadsPlanEveryStepWithOneCollective) {
   EXPECT_EQ(view->steps_folded, kSteps);
 }
 
-// gather_reports for ranks that are threads of this process, in groups ("nodes") of
-// `per_node` consecutive ranks led by the first: each call is a barrier of the node's ranks.
-class NodeGather {
+// gather_reports, plan_group and scatter_plans for ranks that are threads of this process, in
+// groups ("nodes") of `per_node` consecutive ranks led by the first: each call of a collective
+// is a barrier of the node's ranks.
+class NodeCollectives {
  public:
-  NodeGather(int world, int per_node) : per_node_(per_node), nodes_(world / per_node) {}
-  std::function<std::vector<std::string>(const std::string&)> For(int rank) {
-    return [this, rank](const std::string& report) { return Gather(rank, report); };
+  NodeCollectives(int world, int per_node) : per_node_(per_node), nodes_(world / per_node) {}
+  std::function<std::vector<std::string>(const std::string&)> Gather(int rank) {
+    return [this, rank](const std::string& report) {
+      std::vector<std::vector<std::string>> all = Exchange(rank, {report});
+      std::vector<std::string> gathered;
+      if (rank % per_node_ != 0) return gathered;
+      for (std::vector<std::string>& one : all) gathered.push_back(std::move(one[0]));
+      return gathered;
+    };
+  }
+  std::function<std::string(const std::vector<std::string>&)> Scatter(int rank) {
+    return [this, rank](const std::vector<std::string>& payloads) {
+      return Exchange(rank, payloads)[0].at(rank % per_node_);
+    };
+  }
+  std::vector<int> Group(int rank) const {
+    std::vector<int> group(per_node_);
+    for (int k = 0; k < per_node_; ++k) group[k] = rank / per_node_ * per_node_ + k;
+    return group;
   }
 
  private:
   struct Node {
-    std::vector<std::string> reports;
-    std::vector<std::string> gathered;  // the last round's, for the leader
+    std::vector<std::vector<std::string>> given;
+    std::vector<std::vector<std::string>> last;  // the last round's, by rank in the node
     int arrived = 0;
     int64_t generation = 0;
   };
-  std::vector<std::string> Gather(int rank, const std::string& report) {
+  // Every rank of the node passes `mine`; each gets what every rank passed.
+  std::vector<std::vector<std::string>> Exchange(int rank, std::vector<std::string> mine) {
     absl::MutexLock lock(&mu_);
     Node& node = nodes_[rank / per_node_];
     const int64_t generation = node.generation;
-    node.reports.resize(per_node_);
-    node.reports[rank % per_node_] = report;
+    node.given.resize(per_node_);
+    node.given[rank % per_node_] = std::move(mine);
     if (++node.arrived == per_node_) {
-      node.gathered = std::move(node.reports);
-      node.reports.clear();
+      node.last = std::move(node.given);
+      node.given.clear();
       node.arrived = 0;
       ++node.generation;
       done_.SignalAll();
     }
+    // A result stays until every rank has read it: the next round needs them all again.
     while (node.generation == generation) done_.Wait(&mu_);
-    return rank % per_node_ == 0 ? node.gathered : std::vector<std::string>{};
+    return node.last;
   }
 
   const int per_node_;
@@ -300,14 +319,14 @@ TEST_F(BalancerTest, NodeLeadersSendTheirNodesReportsInBatches) {
   constexpr int kRanks = 4;
   constexpr int kSteps = 4;
   Ranks ranks(kRanks);
-  NodeGather gather(kRanks, 2);
+  NodeCollectives node(kRanks, 2);
   std::vector<std::string> job_ids(kRanks);
   std::vector<Balancer::Stats> stats(kRanks);
   absl::Mutex mu;
   std::vector<std::string> warnings;
   OnRanks(kRanks, [&](int r) {
     BalancerOptions options = ranks.Options(r, Options(kRanks));
-    options.gather_reports = [&, r, inner = gather.For(r)](const std::string& report) {
+    options.gather_reports = [&, r, inner = node.Gather(r)](const std::string& report) {
       std::vector<std::string> gathered = inner(report);
       if (r == 2 && !gathered.empty()) gathered.push_back("not a report");
       return gathered;
@@ -355,6 +374,146 @@ TEST_F(BalancerTest, NodeLeadersSendTheirNodesReportsInBatches) {
   EXPECT_NE(warnings[0].find("gather_reports: member 2's report of step 0 was dropped"),
             std::string::npos)
       << warnings[0];
+}
+
+// With plan_group and scatter_plans each node's leader fetches the node's plans in one
+// GetRankPlans call (prefetched) and hands them over; no rank calls GetRankPlan. Every rank gets
+// the plan GetRankPlan would give it, and the documents an overfull step deferred are carried on
+// every rank and trained exactly once. The node's reports go by its leader too.
+TEST_F(BalancerTest, NodeLeadersFetchTheirNodesPlansInOneCallAndHandThemOver) {
+  constexpr int kRanks = 4;
+  constexpr int kSteps = 5;
+  Ranks ranks(kRanks);
+  NodeCollectives node(kRanks, 2);
+  std::vector<std::vector<Sample>> submitted;
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<Sample> batch = Batch(800 + step, kRanks, step < 2 ? 1.3 : 0.3);
+    for (size_t i = 0; i < batch.size(); ++i) batch[i].id = 1000000 * (step + 1) + i;
+    submitted.push_back(std::move(batch));
+  }
+  absl::Mutex mu;
+  std::map<uint64_t, int> trained;
+  std::map<std::pair<int64_t, int>, std::vector<std::pair<uint64_t, double>>> placements;
+  std::vector<Balancer::Stats> stats(kRanks);
+  JobHandle job;
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = Options(kRanks);
+    options.config.overflow = OverflowPolicy::kDefer;
+    options = ranks.Options(r, options);
+    options.plan_group = node.Group(r);
+    options.scatter_plans = node.Scatter(r);
+    options.gather_reports = node.Gather(r);
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    if (r == 0) job = (*b)->job();
+    for (int64_t step = 0; step < kSteps; ++step) {
+      absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, submitted[step]);
+      ASSERT_TRUE(plan.ok()) << "rank " << r << " step " << step << ": " << plan.status();
+      EXPECT_FALSE(plan->local_fallback);
+      EXPECT_EQ(plan->rank, r);
+      if (step + 1 < kSteps) (*b)->Prefetch(step + 1, submitted[step + 1]);
+      std::set<uint64_t> carried;
+      for (const Sample& s : (*b)->carried()) carried.insert(s.id);
+      EXPECT_EQ(carried, std::set<uint64_t>(plan->deferred_ids.begin(), plan->deferred_ids.end()))
+          << "rank " << r << " step " << step;
+      {
+        absl::MutexLock lock(&mu);
+        for (uint64_t id : Ids(*plan)) ++trained[id];
+        placements[{step, r}] = Placement(*plan);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // "trains"
+      (*b)->Report(step, Timings(*plan), 0.0);
+    }
+    absl::Status finished = (*b)->Finish(20);
+    EXPECT_TRUE(finished.ok()) << finished;
+    stats[r] = (*b)->stats();
+  });
+  ASSERT_FALSE(job.job_id.empty());
+  EXPECT_EQ(planner_.Calls("GetRankPlan"), 0);
+  EXPECT_EQ(planner_.Calls("GetRankPlans"), 2 * kSteps);  // one per node and step
+  EXPECT_EQ(planner_.Calls("ReportStep"), 0);
+  test_support::ExpectTrainedExactlyOnce(submitted, kSteps, trained);
+  EXPECT_GT(stats[0].prefetched_steps, 0);  // the leaders prefetched their nodes' plans
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(stats[r].planned_steps, kSteps) << "rank " << r;
+    EXPECT_EQ(stats[r].local_steps, 0) << "rank " << r;
+    EXPECT_EQ(stats[r].buffered_reports, 0) << "rank " << r;
+  }
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job.job_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->steps_folded, kSteps);
+  // Each rank ran the plan GetRankPlan gives it.
+  ClientOptions client;
+  client.target = planner_.target();
+  client.job_id = job.job_id;
+  client.token = job.token;
+  absl::StatusOr<std::unique_ptr<PlannerClient>> direct = PlannerClient::Connect(client);
+  ASSERT_TRUE(direct.ok());
+  for (int64_t step = 0; step < kSteps; ++step) {
+    for (int r = 0; r < kRanks; ++r) {
+      absl::StatusOr<RankStepPlan> plan = (*direct)->GetRankPlan(step, r);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_EQ(Placement(*plan), (placements[{step, r}])) << "rank " << r << " step " << step;
+    }
+  }
+}
+
+// A plan group's leader that falls back (the planner stopped) has its members plan locally with
+// it, saying whose fallback it was; a leader's error (a batch other than the one rank 0
+// submitted) is its members' error too, with the leader's code, while the other node goes on
+// locally.
+TEST_F(BalancerTest, APlanGroupFallsBackWithItsLeaderAndSharesItsError) {
+  constexpr int kRanks = 4;
+  Ranks ranks(kRanks);
+  NodeCollectives node(kRanks, 2);
+  Ranks step_barrier(kRanks);
+  std::vector<std::vector<absl::Status>> results(kRanks);
+  std::vector<std::vector<bool>> local(kRanks);
+  std::vector<std::string> last_errors(kRanks);
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = ranks.Options(r, Options(kRanks));
+    options.client.call_timeout_seconds = 0.5;
+    options.plan_group = node.Group(r);
+    options.scatter_plans = node.Scatter(r);
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    auto sync = step_barrier.Options(r, {}).any_rank;
+    for (int64_t step = 0; step < 3; ++step) {
+      sync(false);
+      if (r == 0 && step == 2) planner_.Stop();
+      sync(false);
+      // Step 1: rank 2, node 1's leader, passes another batch than rank 0 submitted.
+      absl::StatusOr<RankStepPlan> plan =
+          (*b)->Plan(step, Batch(r == 2 && step == 1 ? 999 : 850 + step, kRanks));
+      results[r].push_back(plan.status());
+      local[r].push_back(plan.ok() && plan->local_fallback);
+      if (step == 2) last_errors[r] = (*b)->stats().last_error;
+    }
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_TRUE(results[r][0].ok()) << "rank " << r << ": " << results[r][0];
+    EXPECT_FALSE(local[r][0]) << "rank " << r;
+    EXPECT_TRUE(results[r][2].ok()) << "rank " << r << ": " << results[r][2];
+    EXPECT_TRUE(local[r][2]) << "rank " << r;  // the planner was away: every rank local
+  }
+  // Step 1: node 1 shares its leader's error; node 0 runs the local plan with it.
+  EXPECT_EQ(results[2][1].code(), absl::StatusCode::kFailedPrecondition) << results[2][1];
+  EXPECT_EQ(results[3][1].code(), absl::StatusCode::kFailedPrecondition) << results[3][1];
+  EXPECT_NE(results[3][1].message().find("rank 2, which leads this rank's plan group, could not "
+                                         "plan step 1: the planner's plan of step 1 does not fit"),
+            std::string::npos)
+      << results[3][1];
+  for (int r : {0, 1}) {
+    EXPECT_TRUE(results[r][1].ok()) << "rank " << r << ": " << results[r][1];
+    EXPECT_TRUE(local[r][1]) << "rank " << r;
+  }
+  // Step 2: the members say their leader fell back.
+  for (int r : {1, 3}) {
+    EXPECT_NE(last_errors[r].find(
+                  absl::StrCat("rank ", r - 1, ", which leads this rank's plan group, fell back")),
+              std::string::npos)
+        << last_errors[r];
+  }
 }
 
 TEST_F(BalancerTest, PrefetchOnAndOffGiveTheSamePlans) {
@@ -671,6 +830,23 @@ TEST_F(BalancerTest, BadOptionsAreErrorsThatNameTheField) {
   absl::Status status = Balancer::Start(options).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("any_rank"), std::string::npos) << status;
+  // Plans through a group leader: the group and the collective, both or neither; a group of
+  // this rank and the job's distinct ranks; rank 0, which submits, leads its group.
+  options = Ranks(4).Options(1, Options(4));
+  auto refused = [&](std::vector<int> group, bool scatter, const std::string& says) {
+    BalancerOptions o = options;
+    o.plan_group = std::move(group);
+    if (scatter) o.scatter_plans = [](const std::vector<std::string>&) { return std::string(); };
+    absl::Status s = Balancer::Start(o).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(says), std::string::npos) << s;
+  };
+  refused({0, 1}, false, "scatter_plans: unset, but plan_group is given");
+  refused({}, true, "plan_group: 0 ranks; 1 to 1024");
+  refused({0, 4}, true, "plan_group[1]: 4 is outside [0, world=4)");
+  refused({1, 2, 1}, true, "plan_group[2]: rank 1 is in the group twice");
+  refused({2, 3}, true, "plan_group: it does not hold this rank (1)");
+  refused({1, 0}, true, "plan_group: rank 0 must lead its group");
 }
 
 }  // namespace

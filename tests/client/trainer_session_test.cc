@@ -10,6 +10,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -157,6 +158,75 @@ TEST_F(TrainerSessionTest, ANodesReportsGoInOneBatchAndARefusedOneCostsOnlyItsel
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_TRUE(*again) << "rank " << r;  // accepted before
   }
+}
+
+// A node's leader fetches the node's plans of a step in one GetRankPlans call and hands each
+// rank its own bytes; each rank's session adopts them as it would take the planner's answer:
+// the same plan GetRankPlan gives it, and the samples the step deferred carried into the next
+// step's batch (without them the next step's plan would not fit that rank's batch).
+TEST_F(TrainerSessionTest, ANodesPlansComeInOneCallAndEachRankAdoptsItsOwn) {
+  constexpr int kRanks = 3;
+  PlannerConfig config = Config(kRanks);
+  config.overflow = OverflowPolicy::kDefer;
+  absl::StatusOr<JobHandle> job = Connect(planner_.port())->CreateJob("node plans", config);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<std::unique_ptr<PlannerClient>> clients;
+  std::vector<std::unique_ptr<TrainerSession>> sessions;
+  for (int r = 0; r < kRanks; ++r) {
+    clients.push_back(Connect(planner_.port(), job->job_id, job->token));
+    ASSERT_TRUE(clients[r]->JoinJob(r).ok());
+    sessions.push_back(std::make_unique<TrainerSession>(clients[r].get(), r, r == 0, config));
+  }
+  auto placement = [](const RankStepPlan& plan) {
+    std::vector<std::tuple<uint64_t, int64_t, double>> out;
+    for (const MicroBatchPlan& mb : plan.micro_batches) {
+      for (const PlannedSample& p : mb.samples) out.emplace_back(p.id, p.length, p.density);
+    }
+    return out;
+  };
+  std::vector<std::string> encoded;
+  for (int64_t step = 0; step < 3; ++step) {
+    // Step 0 overflows: its deferred samples go ahead of step 1's.
+    const std::vector<Sample> batch =
+        test_support::PretrainBatch(950 + step, kRanks, step == 0 ? 1.4 : 0.4);
+    const double groups = planner_.Calls("GetRankPlans");
+    const double singles = planner_.Calls("GetRankPlan");
+    absl::StatusOr<RankStepPlan> own = sessions[0]->Plan(step, batch, {0, 1, 2}, &encoded);
+    ASSERT_TRUE(own.ok()) << own.status();
+    ASSERT_FALSE(own->local_fallback);
+    ASSERT_EQ(encoded.size(), 3u);
+    EXPECT_EQ(planner_.Calls("GetRankPlans"), groups + 1);
+    EXPECT_EQ(planner_.Calls("GetRankPlan"), singles);
+    EXPECT_EQ(own->deferred_ids.empty(), step != 0) << "step " << step;
+    for (int r = 0; r < kRanks; ++r) {
+      absl::StatusOr<RankStepPlan> plan =
+          r == 0 ? own : sessions[r]->Adopt(step, batch, encoded[r]);
+      ASSERT_TRUE(plan.ok()) << "rank " << r << " step " << step << ": " << plan.status();
+      EXPECT_EQ(plan->rank, r);
+      EXPECT_EQ(plan->deferred_ids, own->deferred_ids);
+      absl::StatusOr<RankStepPlan> direct = clients[r]->GetRankPlan(step, r);
+      ASSERT_TRUE(direct.ok()) << direct.status();
+      EXPECT_EQ(placement(*plan), placement(*direct)) << "rank " << r << " step " << step;
+      std::set<uint64_t> carried;
+      for (const Sample& s : sessions[r]->carried()) carried.insert(s.id);
+      EXPECT_EQ(carried, std::set<uint64_t>(own->deferred_ids.begin(), own->deferred_ids.end()))
+          << "rank " << r << " step " << step;
+    }
+  }
+  // Bytes that are not this rank's plan of the step, and a group without this rank.
+  const std::vector<Sample> batch = test_support::PretrainBatch(952, kRanks, 0.4);
+  absl::StatusOr<RankStepPlan> other = sessions[1]->Adopt(2, batch, encoded[2]);
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument) << other.status();
+  EXPECT_NE(other.status().message().find("it is step 2 of rank 2, not step 2 of rank 1"),
+            std::string::npos)
+      << other.status();
+  absl::StatusOr<RankStepPlan> earlier = sessions[1]->Adopt(3, batch, encoded[1]);
+  EXPECT_EQ(earlier.status().code(), absl::StatusCode::kInvalidArgument) << earlier.status();
+  absl::StatusOr<RankStepPlan> garbage = sessions[1]->Adopt(3, batch, "\xff\xff not a plan");
+  EXPECT_EQ(garbage.status().code(), absl::StatusCode::kInvalidArgument) << garbage.status();
+  absl::StatusOr<RankStepPlan> outside = sessions[0]->Plan(3, batch, {1, 2}, &encoded);
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument) << outside.status();
+  EXPECT_TRUE(encoded.empty());
 }
 
 TEST_F(TrainerSessionTest, ManyRanksManyStepsEveryPlanRightNoReportLost) {

@@ -173,3 +173,39 @@ def test_an_error_in_a_callable_reaches_the_caller(planner):
     with pytest.raises(sb.PlannerError) as e:
         sb.Balancer.start(sb.BalancerOptions(world=2, rank=1))
     assert e.value.code == "INVALID_ARGUMENT" and "any_rank" in e.value.message
+
+
+def test_plans_through_a_group_leader_call_the_scatter_from_cpp(planner):
+    # A group of one: its leader fetches the group's plans in one GetRankPlans call and hands
+    # them out through the Python scatter (its own payload comes back to it).
+    calls = Recorder()
+    handed = []
+
+    def scatter(payloads):
+        handed.append(payloads)
+        return payloads[0]
+
+    options = calls.options(planner.address, config=small_config(), prefetch=False,
+                            plan_group=[0], scatter_plans=scatter)
+    assert options.plan_group == [0] and options.scatter_plans is not None
+    balancer = sb.Balancer.start(options)
+    for step in range(2):
+        plan = balancer.plan(step, batch_of([1000, 700, 1500], first_id=10 * step))
+        assert not plan.local_fallback and ids_of(plan) == [10 * step, 10 * step + 1,
+                                                            10 * step + 2]
+    assert handed == [[b""], [b""]]
+    balancer.finish(5)
+    with pytest.raises(TypeError, match="scatter_plans"):
+        sb.BalancerOptions(scatter_plans=42)
+    with pytest.raises(sb.PlannerError) as e:
+        sb.Balancer.start(calls.options(planner.address, config=small_config(),
+                                        plan_group=[1], scatter_plans=scatter))
+    assert e.value.code == "INVALID_ARGUMENT" and "plan_group[0]" in e.value.message
+    # The scatter's own errors reach the caller of plan().
+    failing = calls.options(planner.address, config=small_config(), prefetch=False,
+                            plan_group=[0],
+                            scatter_plans=lambda payloads: (_ for _ in ()).throw(
+                                RuntimeError("the node group is gone")))
+    balancer = sb.Balancer.start(failing)
+    with pytest.raises(RuntimeError, match="node group is gone"):
+        balancer.plan(0, batch_of([100, 200]))

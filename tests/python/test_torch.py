@@ -292,18 +292,23 @@ NODE_SCRIPT = textwrap.dedent("""
     lengths = json.loads(sys.argv[2])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    # Two "nodes" of two ranks on this one machine, told apart by their host names.
+    # Two "nodes" of two ranks on this one machine, told apart by their host names; plans by
+    # node too when NODE_PLANS is set.
     balancer = sbt.Balancer(sys.argv[1], lengths, capacity=1024, micro_batches=2, layers=1,
                             heads=2, head_dim=64, tokens_per_step=6000, node_reports=True,
+                            node_plans=os.environ.get("NODE_PLANS") == "1",
                             host_name=f"node-{rank // 2}")
+    steps = []
     for step in balancer.batches(None, steps=4):
+        steps.append({"ids": [i for mb in step for i in mb.ids],
+                      "local": step.local})
         for mb in step:
             if rank == 3 and step.step == 2:
                 continue  # untimed: rank 3 does not report step 2, its node's leader goes on
             with balancer.timed(mb):
                 pass
     print(json.dumps({"job": balancer.job.job_id, "delivered": balancer.close(),
-                      "dropped": balancer.stats.dropped_reports}))
+                      "dropped": balancer.stats.dropped_reports, "steps": steps}))
     dist.destroy_process_group()
     """)
 
@@ -336,6 +341,21 @@ def test_node_reports_go_through_each_nodes_first_rank_in_batches(planner, tmp_p
     # for a lone report (node-1's of step 2, or none when it went with another step's).
     assert 2 <= _rpcs(planner.metrics_url, "ReportStepBatch") <= 8
     assert _rpcs(planner.metrics_url, "ReportStepBatch", "INVALID_ARGUMENT") == 0
+    assert _rpcs(planner.metrics_url, "ReportStep") <= 1
+
+
+def test_node_plans_come_through_each_nodes_first_rank_in_one_call(planner, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("NODE_PLANS", "1")
+    results = _run_ranks(NODE_SCRIPT, 4, planner, tmp_path, timeout=180)
+    assert all(r["delivered"] and r["dropped"] == 0 for r in results)
+    for k in range(4):
+        assert not any(r["steps"][k]["local"] for r in results)
+        ids = [i for r in results for i in r["steps"][k]["ids"]]
+        assert ids and len(ids) == len(set(ids))  # each document of the step on one rank
+    # Each node's leader took its node's plans in one call a step; no rank asked for its own.
+    assert _rpcs(planner.metrics_url, "GetRankPlans") == 2 * 4
+    assert _rpcs(planner.metrics_url, "GetRankPlan") == 0
     assert _rpcs(planner.metrics_url, "ReportStep") <= 1
 
 
