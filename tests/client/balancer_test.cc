@@ -27,6 +27,7 @@
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
+#include "tests/support/older_planner.h"
 #include "tests/support/restartable_planner.h"
 #include "tests/support/trained_once.h"
 
@@ -514,6 +515,55 @@ TEST_F(BalancerTest, APlanGroupFallsBackWithItsLeaderAndSharesItsError) {
               std::string::npos)
         << last_errors[r];
   }
+}
+
+// Against a planner older than GetRankPlans and ReportStepBatch (both UNIMPLEMENTED), ranks
+// set up to plan and report by node still train on the planner's plans: the leader's first
+// GetRankPlans tells it to fetch its own plan, and its members their own, from then on by
+// GetRankPlan; reports go one call each. Every report reaches the model.
+TEST_F(BalancerTest, AgainstAnOlderPlannerNodeRanksFetchTheirOwnPlans) {
+  constexpr int kRanks = 4;
+  constexpr int kSteps = 3;
+  test_support::OlderPlanner older(planner_.target());
+  Ranks ranks(kRanks);
+  NodeCollectives node(kRanks, 2);
+  absl::Mutex mu;
+  std::map<int64_t, std::multiset<uint64_t>> placed;
+  std::string job_id;
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = ranks.Options(r, Options(kRanks));
+    options.client.target = older.target();
+    options.plan_group = node.Group(r);
+    options.scatter_plans = node.Scatter(r);
+    options.gather_reports = node.Gather(r);
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    if (r == 0) job_id = (*b)->job().job_id;
+    for (int64_t step = 0; step < kSteps; ++step) {
+      if (step + 1 < kSteps) (*b)->Prefetch(step + 1, Batch(870 + step + 1, kRanks));
+      absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, Batch(870 + step, kRanks));
+      ASSERT_TRUE(plan.ok()) << "rank " << r << " step " << step << ": " << plan.status();
+      EXPECT_FALSE(plan->local_fallback) << "rank " << r << " step " << step;
+      {
+        absl::MutexLock lock(&mu);
+        for (uint64_t id : Ids(*plan)) placed[step].insert(id);
+      }
+      (*b)->Report(step, Timings(*plan), 0.0);
+    }
+    absl::Status finished = (*b)->Finish(20);
+    EXPECT_TRUE(finished.ok()) << "rank " << r << ": " << finished;
+  });
+  for (int64_t step = 0; step < kSteps; ++step) {
+    const std::vector<Sample> batch = Batch(870 + step, kRanks);
+    ASSERT_EQ(placed[step].size(), batch.size()) << "step " << step;
+    for (const Sample& s : batch) EXPECT_EQ(placed[step].count(s.id), 1u) << s.id;
+  }
+  EXPECT_EQ(planner_.Calls("GetRankPlans"), 0);  // never reached the planner behind
+  EXPECT_EQ(planner_.Calls("GetRankPlan"), kRanks * kSteps);
+  EXPECT_EQ(planner_.Calls("ReportStep"), kRanks * kSteps);
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->steps_folded, kSteps);
 }
 
 TEST_F(BalancerTest, PrefetchOnAndOffGiveTheSamePlans) {
