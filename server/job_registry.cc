@@ -8,6 +8,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/planner.h"
@@ -693,16 +694,66 @@ absl::Status JobRegistry::ReportSteps(const std::string& job_id,
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   answers->reserve(reports.size());
-  for (RankStepReport& report : reports) {
+  // New reports of one step, checked and not taken yet: taken in one append when a report of
+  // another step, a repeat of one of their ranks, a report that may switch the step to its
+  // local plan, a refused report or the end of the batch comes. A node's reports of a step
+  // thus cost one write (and one fsync) instead of one each.
+  std::vector<StoredReport> pending;
+  absl::flat_hash_set<int> pending_ranks;
+  int64_t pending_step = -1;
+  StepRecord* pending_record = nullptr;
+  size_t pending_first = 0;
+  auto take_pending = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job->mu) {
+    if (pending.empty()) return absl::OkStatus();
+    absl::Status taken =
+        TakeReports(job_id, *job, pending_step, *pending_record, absl::MakeSpan(pending));
+    if (!taken.ok()) answers->resize(pending_first + 1);  // none taken: the first is refused
+    pending.clear();
+    pending_ranks.clear();
+    return taken;
+  };
+  for (size_t k = 0; k < reports.size(); ++k) {
+    RankStepReport& report = reports[k];
+    if (!pending.empty() && (report.step != pending_step || report.planned_locally ||
+                             pending_ranks.contains(report.rank))) {
+      if (absl::Status s = take_pending(); !s.ok()) return s;
+    }
     ReportAnswer answer;
+    StepRecord* record = nullptr;
+    std::optional<StepPlan> local;
     absl::StatusOr<bool> duplicate =
-        ReportLocked(job_id, *job, report.step, report.rank, std::move(report.micro_batches),
-                     report.wait_seconds, report.planned_locally, &answer.switched_to_local);
-    answer.duplicate = duplicate.ok() && *duplicate;
+        CheckReport(job_id, *job, report.step, report.rank, report.micro_batches,
+                    report.wait_seconds, report.planned_locally, &record, &local);
+    if (!duplicate.ok()) {
+      if (absl::Status s = take_pending(); !s.ok()) return s;
+      answers->push_back(answer);
+      return duplicate.status();
+    }
+    answer.duplicate = *duplicate;
+    if (!*duplicate && local.has_value()) {  // nothing pending: see above
+      absl::Status replaced = ReplacePlan(job_id, report.step, *record, *std::move(local));
+      answer.switched_to_local = replaced.ok();
+      answers->push_back(answer);
+      if (!replaced.ok()) return replaced;
+      StoredReport one{report.rank, std::move(report.micro_batches), report.wait_seconds};
+      if (absl::Status s = TakeReports(job_id, *job, report.step, *record, absl::MakeSpan(&one, 1));
+          !s.ok()) {
+        return s;
+      }
+      continue;
+    }
     answers->push_back(answer);
-    if (!duplicate.ok()) return duplicate.status();
+    if (*duplicate) continue;
+    if (pending.empty()) {
+      pending_step = report.step;
+      pending_record = record;
+      pending_first = k;
+    }
+    pending_ranks.insert(report.rank);
+    pending.push_back(
+        StoredReport{report.rank, std::move(report.micro_batches), report.wait_seconds});
   }
-  return absl::OkStatus();
+  return take_pending();
 }
 
 absl::StatusOr<bool> JobRegistry::ReportLocked(const std::string& job_id, Job& job, int64_t step,
@@ -711,6 +762,29 @@ absl::StatusOr<bool> JobRegistry::ReportLocked(const std::string& job_id, Job& j
                                                double wait_seconds, bool planned_locally,
                                                bool* switched_to_local) {
   if (switched_to_local != nullptr) *switched_to_local = false;
+  StepRecord* record = nullptr;
+  std::optional<StepPlan> local;
+  absl::StatusOr<bool> duplicate = CheckReport(job_id, job, step, rank, micro_batches, wait_seconds,
+                                               planned_locally, &record, &local);
+  if (!duplicate.ok() || *duplicate) return duplicate;
+  if (local.has_value()) {
+    if (absl::Status s = ReplacePlan(job_id, step, *record, *std::move(local)); !s.ok()) return s;
+    if (switched_to_local != nullptr) *switched_to_local = true;
+  }
+  StoredReport report{rank, std::move(micro_batches), wait_seconds};
+  if (absl::Status s = TakeReports(job_id, job, step, *record, absl::MakeSpan(&report, 1));
+      !s.ok()) {
+    return s;
+  }
+  return false;
+}
+
+absl::StatusOr<bool> JobRegistry::CheckReport(const std::string& job_id, Job& job, int64_t step,
+                                              int rank,
+                                              const std::vector<MicroBatchTiming>& micro_batches,
+                                              double wait_seconds, bool planned_locally,
+                                              StepRecord** record_out,
+                                              std::optional<StepPlan>* local) {
   const PlannerConfig& config = job.config.get();
   if (rank < 0 || rank >= config.ranks) {
     return absl::InvalidArgumentError(
@@ -742,7 +816,7 @@ absl::StatusOr<bool> JobRegistry::ReportLocked(const std::string& job_id, Job& j
                                                  differs.empty() ? "planned_locally" : differs));
   }
   // Everything is checked before anything changes: against the plan the step will hold.
-  std::optional<StepPlan> local;
+  *record_out = &record;
   if (planned_locally != record.plan->planned_locally) {
     if (!planned_locally || !record.reports.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -752,32 +826,35 @@ absl::StatusOr<bool> JobRegistry::ReportLocked(const std::string& job_id, Job& j
     }
     absl::StatusOr<StepPlan> planned = PlanStepLocally(record.batch, job.config);
     if (!planned.ok()) return planned.status();
-    local = *std::move(planned);
+    *local = *std::move(planned);
   }
-  if (absl::Status s = ValidateReport(local.has_value() ? *local : *record.plan, rank,
+  if (absl::Status s = ValidateReport(local->has_value() ? **local : *record.plan, rank,
                                       job.config.get().shape.layers, micro_batches, wait_seconds,
                                       /*complete=*/true);
       !s.ok()) {
     return s;
   }
-  if (local.has_value()) {
-    if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) return s;
-    if (switched_to_local != nullptr) *switched_to_local = true;
-  }
-  StoredReport report{rank, std::move(micro_batches), wait_seconds};
+  return false;
+}
+
+absl::Status JobRegistry::TakeReports(const std::string& job_id, Job& job, int64_t step,
+                                      StepRecord& record, absl::Span<StoredReport> reports) {
   if (options_.store != nullptr) {
-    if (absl::Status s = Stored(options_.store->AppendReport(job_id, step, report)); !s.ok()) {
+    if (absl::Status s = Stored(options_.store->AppendReports(job_id, step, reports)); !s.ok()) {
       return s;
     }
   }
-  record.reports.Reserve(config.ranks);
-  record.reports.Put(rank, std::move(report.micro_batches), wait_seconds);
-  if (record.reports.count() == config.ranks && !record.folded) {
+  const int ranks = job.config.get().ranks;
+  record.reports.Reserve(ranks);
+  for (StoredReport& report : reports) {
+    record.reports.Put(report.rank, std::move(report.micro_batches), report.wait_seconds);
+  }
+  if (record.reports.count() == ranks && !record.folded) {
     Fold(job_id, job, step, record);
     // A late step (one before the newest two) is not needed unpacked once folded.
     PackIfOld(job, step);
   }
-  return false;
+  return absl::OkStatus();
 }
 
 void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord& record) {

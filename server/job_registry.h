@@ -29,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -36,6 +37,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "planner/latency_model.h"
 #include "planner/planner.h"
 #include "planner/types.h"
@@ -227,7 +229,9 @@ class JobRegistry {
   // one answer per report looked at. The first report refused ends the call with its error;
   // its answer is the last (only its switched_to_local means anything: a switch stays even when
   // the report then failed), the reports before it stay accepted and those after it were not
-  // looked at. The reports' micro-batches are moved from.
+  // looked at. Consecutive new reports of one step are stored in one append (one write, and
+  // with --fsync_reports one fsync); when the store refuses it, the first of them is the one
+  // refused. The reports' micro-batches are moved from.
   absl::Status ReportSteps(const std::string& job_id, std::vector<RankStepReport>& reports,
                            std::vector<ReportAnswer>* answers);
   // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.
@@ -357,11 +361,25 @@ class JobRegistry {
   static absl::Status Unpack(StepRecord& record);
   // Packs `step` unless it is one of the job's kUnpackedSteps newest (or packed already).
   static void PackIfOld(Job& job, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
-  // ReportStep's work on a live job, its lock held.
+  // ReportStep's work on a live job, its lock held: CheckReport, then TakeReports.
   absl::StatusOr<bool> ReportLocked(const std::string& job_id, Job& job, int64_t step, int rank,
                                     std::vector<MicroBatchTiming> micro_batches,
                                     double wait_seconds, bool planned_locally,
                                     bool* switched_to_local) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // ReportStep's checks of a report (everything is checked before anything changes): true for
+  // a repeat of an acknowledged report. Otherwise `record` is the step's, and `local` is set
+  // when the report switches the step to its local plan (a planned_locally report of a step
+  // that holds the planner's plan and no report yet).
+  absl::StatusOr<bool> CheckReport(const std::string& job_id, Job& job, int64_t step, int rank,
+                                   const std::vector<MicroBatchTiming>& micro_batches,
+                                   double wait_seconds, bool planned_locally, StepRecord** record,
+                                   std::optional<StepPlan>* local)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // Takes checked new reports of `step` (distinct ranks, none reported yet): stored in one
+  // append (one write, one fsync), then kept, and the step folded once every rank reported.
+  // When the store refuses them none is kept. Their micro-batches are moved from.
+  absl::Status TakeReports(const std::string& job_id, Job& job, int64_t step, StepRecord& record,
+                           absl::Span<StoredReport> reports) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // PackIfOld for every kept step.
   static void PackOldSteps(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // What the store keeps of the job (its job.pb).

@@ -36,7 +36,8 @@ ABSL_FLAG(std::string, state_dir, "sb-planner-state",
           "a restarted planner reloads every job from it");
 ABSL_FLAG(bool, fsync_reports, false,
           "also fsync every report before acknowledging it (survives machine crashes, not just "
-          "planner crashes; costs a disk flush per report)");
+          "planner crashes; costs a disk flush per report, or per step's reports in one "
+          "ReportStepBatch call)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9151",
           "IP:port of the Prometheus endpoint /metrics: IPv4 or [IPv6], port 1-65535 (0 picks a "
           "free port)");

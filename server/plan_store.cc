@@ -577,21 +577,32 @@ absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string&
 
 absl::Status PlanStore::AppendReport(const std::string& job_id, int64_t step,
                                      const StoredReport& report) {
+  return AppendReports(job_id, step, absl::MakeConstSpan(&report, 1));
+}
+
+absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
+                                      absl::Span<const StoredReport> reports) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
   if (absl::Status s = CheckStep(step); !s.ok()) return s;
-  // Built on a stack block (a report is a few hundred bytes) and serialized into the record.
-  alignas(8) char block[4096];
-  google::protobuf::ArenaOptions arena_options;
-  arena_options.initial_block = block;
-  arena_options.initial_block_size = sizeof(block);
-  google::protobuf::Arena arena(arena_options);
-  auto* encoded = google::protobuf::Arena::CreateMessage<state::v1::ReportRecord>(&arena);
-  EncodeReport(report, encoded);
-  const std::string record = EncodeRecord(*encoded);
-  if (const size_t body = record.size() - kHeaderBytes; body > kMaxRecordBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("report: ", body, " bytes; at most ", kMaxRecordBytes));
+  // Each built on a stack block (a report is a few hundred bytes) and serialized into its
+  // record; the records go in one write.
+  std::string records;
+  for (const StoredReport& report : reports) {
+    alignas(8) char block[4096];
+    google::protobuf::ArenaOptions arena_options;
+    arena_options.initial_block = block;
+    arena_options.initial_block_size = sizeof(block);
+    google::protobuf::Arena arena(arena_options);
+    auto* encoded = google::protobuf::Arena::CreateMessage<state::v1::ReportRecord>(&arena);
+    EncodeReport(report, encoded);
+    const size_t before = records.size();
+    records += EncodeRecord(*encoded);
+    if (const size_t body = records.size() - before - kHeaderBytes; body > kMaxRecordBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("report: ", body, " bytes (rank ", report.rank,
+                                                     "); at most ", kMaxRecordBytes));
+    }
   }
+  const std::string& record = records;
   absl::MutexLock lock(&logs_mu_);
   auto it = report_logs_.find({job_id, step});
   if (it == report_logs_.end()) {

@@ -65,6 +65,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "planner/latency_model.h"
 #include "planner/profile_table.h"
 #include "planner/recall_model.h"
@@ -160,6 +161,11 @@ class PlanStore {
                         const StepPlan& plan, bool folded);
   // Appends one framed record; on failure the log is cut back to its size before the call.
   absl::Status AppendReport(const std::string& job_id, int64_t step, const StoredReport& report);
+  // Appends a framed record per report of step `step` in one write (and with --fsync_reports
+  // one fsync), e.g. a node's reports that came in one ReportStepBatch call: all or none, the
+  // log cut back to its size before the call on failure.
+  absl::Status AppendReports(const std::string& job_id, int64_t step,
+                             absl::Span<const StoredReport> reports);
   // Records that `rank` joined the job: one framed JoinRecord appended to its joins.log (on
   // failure the log is cut back to its size before the call). Returns the log's size after it,
   // for SyncJoins. FAILED_PRECONDITION when the job's folder is gone.

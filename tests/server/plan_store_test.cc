@@ -827,6 +827,44 @@ TEST(PlanStoreTest, APartialAppendIsCutBackSoLaterReportsFollowIt) {
   EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
 }
 
+// Several reports in one append (a node's, from one ReportStepBatch call): all land, in order,
+// or none does: an append that lands only in part (the file size limit midway through its
+// second record) is cut back to the size before it, and the next one follows it cleanly.
+TEST(PlanStoreTest, ReportsAppendedTogetherLandAllOrNone) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const std::string log = dir + "/" + kJobA + "/step-0.reports";
+  const std::vector<StoredReport> first = {Report(0, 40), Report(1, 40)};
+  ASSERT_TRUE(store->AppendReports(kJobA, 0, first).ok());
+  const int64_t before = FileSize(log);
+  const int64_t record = before / 2;
+
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = saved;
+  limit.rlim_cur = static_cast<rlim_t>(before + record + record / 2);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  const std::vector<StoredReport> second = {Report(2, 40), Report(3, 40), Report(4, 40)};
+  const absl::Status failed = store->AppendReports(kJobA, 0, second);
+  const int64_t after = FileSize(log);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  signal(SIGXFSZ, saved_handler);
+
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  EXPECT_TRUE(IsStoreFailure(failed));
+  EXPECT_EQ(after, before);  // a record and a half landed and were cut off again
+  const std::vector<StoredReport> third = {Report(5, 40), Report(6, 40)};
+  ASSERT_TRUE(store->AppendReports(kJobA, 0, third).ok());
+
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), (std::vector<int>{0, 1, 5, 6}));
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
+}
+
 // The incident, for real: a small tmpfs fills up while reports are appended, space comes back,
 // more are appended. Every report acknowledged OK is loaded, none after a torn record.
 TEST(PlanStoreTest, AFullDiskLosesNoAcknowledgedReport) {

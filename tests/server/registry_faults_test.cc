@@ -2,12 +2,14 @@
 // older planner or an attacker wrote, calls that changed state before they were refused, repeats
 // that differ, deletions racing writers, and a state directory that cannot be written. Each
 // test restarts the registry on its directory where durability is the property.
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -565,6 +567,73 @@ TEST_F(RegistryFaultsTest, ADeletedJobStaysDeletedUnderConcurrentWriters) {
     EXPECT_FALSE(std::filesystem::exists(JobDir(id))) << id;
     EXPECT_EQ(registry_->Authorize(id, std::string(64, 'a')).code(), absl::StatusCode::kNotFound);
   }
+}
+
+// A batch's new reports of one step are stored in one append: when it cannot be written (here
+// the file size limit lets a step's log hold two reports, not three), none of them is taken and
+// the first of them is the one refused, while a report of another step before them stays
+// accepted. Sent again once the disk has room, the whole batch is taken, and survives a restart.
+TEST_F(RegistryFaultsTest, ABatchsReportsOfAStepAreStoredTogetherOrNotAtAll) {
+  constexpr int kNode = 4;
+  const std::string id = Create(kNode);
+  std::vector<StepPlan> plans;
+  for (int64_t step = 0; step < 2; ++step) {
+    absl::StatusOr<SubmitResult> submitted =
+        registry_->SubmitBatch(id, step, test_support::PretrainBatch(300 + step, kNode));
+    ASSERT_TRUE(submitted.ok()) << submitted.status();
+    plans.push_back(*submitted->plan);
+  }
+  auto report = [&](int64_t step, int rank) {
+    RankStepReport r;
+    r.step = step;
+    r.rank = rank;
+    r.micro_batches = test_support::TimingsOf(plans[step].ranks[rank].micro_batches, 1.1);
+    r.wait_seconds = 0.01;
+    return r;
+  };
+  ASSERT_TRUE(Answered(registry_->ReportStep(id, 0, 0, report(0, 0).micro_batches, 0.01), false));
+  const std::string log0 = JobDir(id) + "/step-0.reports";
+  const auto one = static_cast<double>(std::filesystem::file_size(log0));
+  auto batch = [&] {
+    return std::vector<RankStepReport>{report(0, 1), report(1, 0), report(1, 1), report(1, 2)};
+  };
+
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = saved;
+  limit.rlim_cur = static_cast<rlim_t>(2.5 * one);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  std::vector<RankStepReport> first = batch();
+  std::vector<JobRegistry::ReportAnswer> answers;
+  const absl::Status failed = registry_->ReportSteps(id, first, &answers);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  signal(SIGXFSZ, saved_handler);
+
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  EXPECT_EQ(ErrorReason(failed), kReasonStateDirFailure) << failed;
+  ASSERT_EQ(answers.size(), 2u);  // reports[1], step 1's first, is the one refused
+  EXPECT_FALSE(answers[0].duplicate);
+  // Step 0's report was taken; none of step 1's was (a new one now, not a repeat).
+  EXPECT_TRUE(Answered(registry_->ReportStep(id, 0, 1, report(0, 1).micro_batches, 0.01), true));
+  EXPECT_TRUE(Answered(registry_->ReportStep(id, 1, 0, report(1, 0).micro_batches, 0.01), false));
+
+  // Again with room: the rest of the batch is taken (rank 0's step 1 report, sent above, is a
+  // repeat now), then survives a restart.
+  std::vector<RankStepReport> again = batch();
+  ASSERT_TRUE(registry_->ReportSteps(id, again, &answers).ok());
+  ASSERT_EQ(answers.size(), 4u);
+  EXPECT_TRUE(answers[0].duplicate);
+  EXPECT_TRUE(answers[1].duplicate);
+  EXPECT_FALSE(answers[2].duplicate);
+  EXPECT_FALSE(answers[3].duplicate);
+  Restart();
+  for (int rank : {0, 1, 2}) {
+    EXPECT_TRUE(
+        Answered(registry_->ReportStep(id, 1, rank, report(1, rank).micro_batches, 0.01), true))
+        << "rank " << rank;
+  }
+  EXPECT_TRUE(Answered(registry_->ReportStep(id, 0, 1, report(0, 1).micro_batches, 0.01), true));
 }
 
 // A state directory that cannot be written: the call fails with the state-dir reason (not
