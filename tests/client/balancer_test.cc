@@ -135,6 +135,15 @@ std::vector<std::pair<uint64_t, double>> Placement(const RankStepPlan& plan) {
   return out;
 }
 
+// What waits for the next step is the step's deferred samples, whether or not the background
+// has planned the next step already.
+void ExpectCarriesWhatItDeferred(const Balancer& balancer, const RankStepPlan& plan) {
+  std::set<uint64_t> carried;
+  for (const Sample& s : balancer.carried()) carried.insert(s.id);
+  EXPECT_EQ(carried, std::set<uint64_t>(plan.deferred_ids.begin(), plan.deferred_ids.end()))
+      << "rank " << plan.rank << " step " << plan.step;
+}
+
 class BalancerTest : public ::testing::Test {
  protected:
   // Options for the planner of this test: a new job of Config(world) unless job_id is given.
@@ -413,10 +422,7 @@ TEST_F(BalancerTest, NodeLeadersFetchTheirNodesPlansInOneCallAndHandThemOver) {
       EXPECT_FALSE(plan->local_fallback);
       EXPECT_EQ(plan->rank, r);
       if (step + 1 < kSteps) (*b)->Prefetch(step + 1, submitted[step + 1]);
-      std::set<uint64_t> carried;
-      for (const Sample& s : (*b)->carried()) carried.insert(s.id);
-      EXPECT_EQ(carried, std::set<uint64_t>(plan->deferred_ids.begin(), plan->deferred_ids.end()))
-          << "rank " << r << " step " << step;
+      ExpectCarriesWhatItDeferred(**b, *plan);
       {
         absl::MutexLock lock(&mu);
         for (uint64_t id : Ids(*plan)) ++trained[id];
@@ -630,12 +636,7 @@ TEST_F(BalancerTest, DeferredDocumentsAreTrainedExactlyOnceWithPrefetch) {
       ASSERT_TRUE(plan.ok()) << "rank " << r << " step " << step << ": " << plan.status();
       const bool more = step + 1 < kOverfullSteps || !(*b)->carried().empty();
       if (more && step + 1 < kMaxSteps) (*b)->Prefetch(step + 1, new_samples[step + 1]);
-      // What waits for the next step is this step's deferred samples, whether or not the
-      // background has planned the next step already.
-      std::set<uint64_t> carried;
-      for (const Sample& s : (*b)->carried()) carried.insert(s.id);
-      EXPECT_EQ(carried, std::set<uint64_t>(plan->deferred_ids.begin(), plan->deferred_ids.end()))
-          << "rank " << r << " step " << step;
+      ExpectCarriesWhatItDeferred(**b, *plan);
       {
         absl::MutexLock lock(&mu);
         for (uint64_t id : Ids(*plan)) ++trained[id];

@@ -7,11 +7,9 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/mount.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -27,6 +25,7 @@
 #include "server/state_codec.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
+#include "tests/support/file_size_limit.h"
 
 namespace sparsebalance {
 namespace {
@@ -755,17 +754,13 @@ TEST(PlanStoreTest, TheJoinsLogAddsRanksAndSurvivesTornAndFailedAppends) {
   WriteBytes(log, records[0] + torn + records[2] + records[3]);
 
   // A join whose write lands in part (the file size limit, as for reports) is cut back.
-  struct rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
-  struct rlimit limit = saved;
   const int64_t before = FileSize(log);
-  limit.rlim_cur = static_cast<rlim_t>(before + 3);
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
-  const absl::Status failed = store->AppendJoin(kJobA, 5).status();
+  absl::Status failed;
+  {
+    test_support::FileSizeLimit limit(before + 3);
+    failed = store->AppendJoin(kJobA, 5).status();
+  }
   const int64_t after = FileSize(log);
-  setrlimit(RLIMIT_FSIZE, &saved);
-  signal(SIGXFSZ, saved_handler);
   EXPECT_TRUE(IsStoreFailure(failed)) << failed;
   EXPECT_TRUE(absl::StrContains(failed.message(), log)) << failed;
   EXPECT_EQ(after, before);
@@ -799,17 +794,14 @@ TEST(PlanStoreTest, APartialAppendIsCutBackSoLaterReportsFollowIt) {
   const int64_t before = FileSize(log);
   const int64_t record = before / 2;
 
-  struct rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
-  struct rlimit limit = saved;
-  limit.rlim_cur = static_cast<rlim_t>(before + record / 2);
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
-  const absl::Status failed = store->AppendReport(kJobA, 0, Report(2, 40));
-  const absl::Status again = store->AppendReport(kJobA, 0, Report(3, 40));
+  absl::Status failed;
+  absl::Status again;
+  {
+    test_support::FileSizeLimit limit(before + record / 2);
+    failed = store->AppendReport(kJobA, 0, Report(2, 40));
+    again = store->AppendReport(kJobA, 0, Report(3, 40));
+  }
   const int64_t after = FileSize(log);
-  setrlimit(RLIMIT_FSIZE, &saved);
-  signal(SIGXFSZ, saved_handler);
 
   EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
   EXPECT_TRUE(IsStoreFailure(failed));
@@ -840,17 +832,13 @@ TEST(PlanStoreTest, ReportsAppendedTogetherLandAllOrNone) {
   const int64_t before = FileSize(log);
   const int64_t record = before / 2;
 
-  struct rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
-  struct rlimit limit = saved;
-  limit.rlim_cur = static_cast<rlim_t>(before + record + record / 2);
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
   const std::vector<StoredReport> second = {Report(2, 40), Report(3, 40), Report(4, 40)};
-  const absl::Status failed = store->AppendReports(kJobA, 0, second);
+  absl::Status failed;
+  {
+    test_support::FileSizeLimit limit(before + record + record / 2);
+    failed = store->AppendReports(kJobA, 0, second);
+  }
   const int64_t after = FileSize(log);
-  setrlimit(RLIMIT_FSIZE, &saved);
-  signal(SIGXFSZ, saved_handler);
 
   EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
   EXPECT_TRUE(IsStoreFailure(failed));

@@ -2,14 +2,12 @@
 // older planner or an attacker wrote, calls that changed state before they were refused, repeats
 // that differ, deletions racing writers, and a state directory that cannot be written. Each
 // test restarts the registry on its directory where durability is the property.
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cmath>
-#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -30,6 +28,7 @@
 #include "sparsebalance/state/v1/state.pb.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
+#include "tests/support/file_size_limit.h"
 
 namespace sparsebalance {
 namespace {
@@ -598,17 +597,13 @@ TEST_F(RegistryFaultsTest, ABatchsReportsOfAStepAreStoredTogetherOrNotAtAll) {
     return std::vector<RankStepReport>{report(0, 1), report(1, 0), report(1, 1), report(1, 2)};
   };
 
-  struct rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
-  struct rlimit limit = saved;
-  limit.rlim_cur = static_cast<rlim_t>(2.5 * one);
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
   std::vector<RankStepReport> first = batch();
   std::vector<JobRegistry::ReportAnswer> answers;
-  const absl::Status failed = registry_->ReportSteps(id, first, &answers);
-  setrlimit(RLIMIT_FSIZE, &saved);
-  signal(SIGXFSZ, saved_handler);
+  absl::Status failed;
+  {
+    test_support::FileSizeLimit limit(static_cast<int64_t>(2.5 * one));
+    failed = registry_->ReportSteps(id, first, &answers);
+  }
 
   EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
   EXPECT_EQ(ErrorReason(failed), kReasonStateDirFailure) << failed;
