@@ -58,6 +58,9 @@ def parse_args(argv=None):
                    help="start even when the planner cannot be reached (local plans)")
     p.add_argument("--no_prefetch", action="store_true",
                    help="plan each step when it starts, not while the previous one trains")
+    p.add_argument("--by_node", action="store_true",
+                   help="each node's first rank fetches the node's plans and sends its reports, "
+                        "one call each a step (node_plans, node_reports): less planner CPU")
     p.add_argument("--ranks", type=int, default=4,
                    help="processes to spawn when not started by torchrun")
     p.add_argument("--steps", type=int, default=40, help="training steps")
@@ -170,7 +173,8 @@ def train(args):
     shape = dict(layers=args.layers, heads=args.dim // args.head_dim, head_dim=args.head_dim)
     balancer = sbt.Balancer(args.planner, dataset.lengths, seed=args.seed, **shape,  # SB
                             capacity=args.capacity, micro_batches=args.micro_batches,  # SB
-                            allow_offline_start=args.offline, prefetch=not args.no_prefetch)  # SB
+                            allow_offline_start=args.offline, prefetch=not args.no_prefetch,  # SB
+                            node_plans=args.by_node, node_reports=args.by_node)  # SB (optional)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(Decoder(args.dim, args.layers, args.head_dim))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
