@@ -719,29 +719,26 @@ absl::Status JobRegistry::ReportSteps(const std::string& job_id,
       if (absl::Status s = take_pending(); !s.ok()) return s;
     }
     ReportAnswer answer;
+    if (report.planned_locally) {  // it may switch the step to its local plan: alone, as ReportStep
+      absl::StatusOr<bool> duplicate =
+          ReportLocked(job_id, *job, report.step, report.rank, std::move(report.micro_batches),
+                       report.wait_seconds, /*planned_locally=*/true, &answer.switched_to_local);
+      answer.duplicate = duplicate.ok() && *duplicate;
+      answers->push_back(answer);
+      if (!duplicate.ok()) return duplicate.status();
+      continue;
+    }
     StepRecord* record = nullptr;
-    std::optional<StepPlan> local;
+    std::optional<StepPlan> local;  // never set: the report is not planned_locally
     absl::StatusOr<bool> duplicate =
         CheckReport(job_id, *job, report.step, report.rank, report.micro_batches,
-                    report.wait_seconds, report.planned_locally, &record, &local);
+                    report.wait_seconds, /*planned_locally=*/false, &record, &local);
     if (!duplicate.ok()) {
       if (absl::Status s = take_pending(); !s.ok()) return s;
       answers->push_back(answer);
       return duplicate.status();
     }
     answer.duplicate = *duplicate;
-    if (!*duplicate && local.has_value()) {  // nothing pending: see above
-      absl::Status replaced = ReplacePlan(job_id, report.step, *record, *std::move(local));
-      answer.switched_to_local = replaced.ok();
-      answers->push_back(answer);
-      if (!replaced.ok()) return replaced;
-      StoredReport one{report.rank, std::move(report.micro_batches), report.wait_seconds};
-      if (absl::Status s = TakeReports(job_id, *job, report.step, *record, absl::MakeSpan(&one, 1));
-          !s.ok()) {
-        return s;
-      }
-      continue;
-    }
     answers->push_back(answer);
     if (*duplicate) continue;
     if (pending.empty()) {

@@ -231,7 +231,8 @@ class JobRegistry {
   // the report then failed), the reports before it stay accepted and those after it were not
   // looked at. Consecutive new reports of one step are stored in one append (one write, and
   // with --fsync_reports one fsync); when the store refuses it, the first of them is the one
-  // refused. The reports' micro-batches are moved from.
+  // refused. A planned_locally report, which may switch its step to the local plan, is taken
+  // alone. The reports' micro-batches are moved from.
   absl::Status ReportSteps(const std::string& job_id, std::vector<RankStepReport>& reports,
                            std::vector<ReportAnswer>* answers);
   // Replaces the model's prior with a fitted profile table; returns the fitted coefficients.

@@ -602,7 +602,6 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
                                                      "); at most ", kMaxRecordBytes));
     }
   }
-  const std::string& record = records;
   absl::MutexLock lock(&logs_mu_);
   auto it = report_logs_.find({job_id, step});
   if (it == report_logs_.end()) {
@@ -615,20 +614,20 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
     it = report_logs_.emplace(std::make_pair(job_id, step), *log).first;
   }
   ReportLog& log = it->second;
-  int err = WriteAllOrErrno(log.fd, record);
+  int err = WriteAllOrErrno(log.fd, records);
   const char* failed = err != 0 ? "cannot write" : nullptr;
   if (err == 0 && fsync_reports_ && fsync(log.fd) != 0) {
     err = errno;
     failed = "cannot fsync";
   }
   if (failed == nullptr) {
-    log.size += static_cast<off_t>(record.size());
+    log.size += static_cast<off_t>(records.size());
     return absl::OkStatus();
   }
   // The log's path only names it in the error: built when there is one.
   const std::string path = StepPath(JobDir(job_id), step, ".reports");
   absl::Status status = IoFailure(failed, path, err);
-  // Cut off what part of the record landed, so that the next append (once space is back)
+  // Cut off what part of the records landed, so that the next append (once space is back)
   // starts on a record boundary instead of after a torn record.
   if (ftruncate(log.fd, log.size) != 0) {
     status = WithMore(status, absl::StrCat("; then cannot cut ", path, " back to ", log.size,

@@ -104,9 +104,8 @@ class _Node:
         return out
 
     def scatter(self, payloads):
-        """scatter_plans: the leader's payloads, one to each rank of the node."""
-        if self.group is None:
-            return payloads[0]
+        """scatter_plans: the leader's payloads, one to each rank of the node (a node of more
+        than one rank: alone, a rank fetches its own plan)."""
         out = [None]
         dist.scatter_object_list(out, payloads if self.me == self.leader else None,
                                  src=self.leader, group=self.group)
