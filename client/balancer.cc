@@ -29,11 +29,12 @@ constexpr char kGatheredReport[] = "R";
 constexpr char kGatheredNothing[] = "-";
 
 // What a plan group's leader hands each member by scatter_plans, by its first byte:
-constexpr char kHandedPlan = 'P';       // then the member's plan (GetRankPlans' `encoded`)
-constexpr char kHandedLocal = 'L';      // then why the leader fell back: plan locally
-constexpr char kHandedFetch = 'F';      // a planner without GetRankPlans: fetch your own
-constexpr char kHandedError = 'E';      // then "<absl::StatusCode>:<message>", the leader's error
-constexpr size_t kMaxPlanGroup = 1024;  // kMaxBatchRanks (proto/wire.h)
+constexpr char kHandedPlan = 'P';        // then the member's plan (GetRankPlans' `encoded`)
+constexpr char kHandedPrefetched = 'Q';  // the same, fetched by the leader's prefetch
+constexpr char kHandedLocal = 'L';       // then why the leader fell back: plan locally
+constexpr char kHandedFetch = 'F';       // a planner without GetRankPlans: fetch your own
+constexpr char kHandedError = 'E';       // then "<absl::StatusCode>:<message>", the leader's error
+constexpr size_t kMaxPlanGroup = 1024;   // kMaxBatchRanks (proto/wire.h)
 
 double SecondsSince(SteadyClock::time_point start) {
   return std::chrono::duration<double>(SteadyClock::now() - start).count();
@@ -95,6 +96,7 @@ struct Balancer::State {
     std::vector<Sample> carried;
     absl::Status why;
     std::vector<std::string> encoded;  // a plan group leader's: its members' plans
+    bool prefetched = false;  // a member's: its leader's prefetch fetched it (kHandedPrefetched)
   };
   struct Prefetched {
     enum class Phase { kQueued, kRunning, kDone };
@@ -173,8 +175,9 @@ struct Balancer::State {
     NoteSession();
     return planned;
   }
-  // A plan group's leader: hands each member its part of `own` (scatter_plans).
-  void HandPlans(const Planned& own) ABSL_LOCKS_EXCLUDED(session_mu, mu);
+  // A plan group's leader: hands each member its part of `own` (scatter_plans), which its
+  // prefetch fetched when `prefetched`.
+  void HandPlans(const Planned& own, bool prefetched) ABSL_LOCKS_EXCLUDED(session_mu, mu);
   // A plan group's member: its plan of `step` as the leader handed it (scatter_plans), taken
   // on the session.
   Planned TakePlan(int64_t step, const std::vector<Sample>& batch)
@@ -425,7 +428,9 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
   if (!planned) {
     own = s.takes_plans && !s.offline ? s.TakePlan(step, batch) : s.PlanOnSession(step, batch);
   }
-  if (s.leads_plans && !s.offline) s.HandPlans(own);
+  if (s.leads_plans && !s.offline) s.HandPlans(own, prefetched);
+  // A member's plan counts as prefetched when its leader's prefetch fetched it.
+  if (s.takes_plans && !s.offline && own.prefetched) prefetched = true;
   double wait_seconds = SecondsSince(start);
   // The one collective of the step: every rank runs one plan, the local one if any rank fell
   // back (or failed: then that rank returns its error and the others go on locally).
@@ -519,7 +524,7 @@ void Balancer::SkipReport(int64_t step) {
   s.Queue(s.Gather(step, kGatheredNothing));
 }
 
-void Balancer::State::HandPlans(const Planned& own) {
+void Balancer::State::HandPlans(const Planned& own, bool prefetched) {
   const std::vector<int>& group = options.plan_group;
   std::vector<std::string> payloads(group.size());
   for (size_t k = 0; k < group.size(); ++k) {
@@ -529,7 +534,7 @@ void Balancer::State::HandPlans(const Planned& own) {
       p = absl::StrCat(std::string(1, kHandedError), static_cast<int>(own.plan.status().code()),
                        ":", own.plan.status().message());
     } else if (!own.encoded.empty()) {
-      p = std::string(1, kHandedPlan) + own.encoded[k];
+      p = std::string(1, prefetched ? kHandedPrefetched : kHandedPlan) + own.encoded[k];
     } else if (own.plan->local_fallback && !own.why.ok()) {
       p = std::string(1, kHandedLocal) + own.why.ToString();
     } else {
@@ -548,6 +553,8 @@ Balancer::State::Planned Balancer::State::TakePlan(int64_t step, const std::vect
   absl::MutexLock lock(&session_mu);
   switch (got.empty() ? '\0' : got[0]) {
     case kHandedPlan:
+    case kHandedPrefetched:
+      planned.prefetched = got[0] == kHandedPrefetched;
       planned.plan = session->Adopt(step, batch, rest);
       if (!planned.plan.ok()) {
         planned.plan =

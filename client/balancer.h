@@ -136,9 +136,11 @@ class Balancer {
   std::vector<Sample> carried() const;
 
   struct Stats {
-    int64_t planned_steps = 0;     // steps whose plan Plan returned
-    int64_t local_steps = 0;       // of them, run on the local plan
-    int64_t prefetched_steps = 0;  // of them, planned in the background by Prefetch
+    int64_t planned_steps = 0;  // steps whose plan Plan returned
+    int64_t local_steps = 0;    // of them, run on the local plan
+    // Of them, planned in the background by Prefetch: on a plan group's member, by its
+    // leader's (the plan it handed over was fetched while the step before trained).
+    int64_t prefetched_steps = 0;
     double plan_wait_seconds = 0;  // total time Plan() blocked waiting for a plan (seconds)
     double last_plan_wait_seconds = 0;
     int64_t buffered_reports = 0;  // queued or kept while the planner is away

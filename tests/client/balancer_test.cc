@@ -442,6 +442,9 @@ TEST_F(BalancerTest, NodeLeadersFetchTheirNodesPlansInOneCallAndHandThemOver) {
   test_support::ExpectTrainedExactlyOnce(submitted, kSteps, trained);
   EXPECT_GT(stats[0].prefetched_steps, 0);  // the leaders prefetched their nodes' plans
   for (int r = 0; r < kRanks; ++r) {
+    // A member's plan counts as prefetched when its leader's prefetch fetched it.
+    EXPECT_EQ(stats[r].prefetched_steps, stats[node.Group(r).front()].prefetched_steps)
+        << "rank " << r;
     EXPECT_EQ(stats[r].planned_steps, kSteps) << "rank " << r;
     EXPECT_EQ(stats[r].local_steps, 0) << "rank " << r;
     EXPECT_EQ(stats[r].buffered_reports, 0) << "rank " << r;
