@@ -124,9 +124,27 @@ struct RankWork {
       {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()}};
 };
 
+// What SolveForRecall's search reads per item, contiguous: it runs a dozen passes over every
+// sample.
+struct RecallTerm {
+  int index;
+  double weight;     // tokens
+  double offset;     // see Item
+  double inv_g1;     // 1 / (g - 1)
+  double g_over_g1;  // g / (g - 1)
+  double x_at_hi;    // at or below this x the item sits at density_max
+  double x_at_lo;    // at or above, at its floor
+  double recall_lo;  // recall at the floor
+  double recall_hi;  // recall at density_max
+  double scale;      // e^offset
+  double floor;
+};
+
 // The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
 // tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
-// it uses, so nothing carries over but capacity.
+// it uses, so nothing carries over but capacity. The per-item scratch arrays only grow
+// (Scratch): a vector resized up again zero-fills what it had shrunk away, serially, and the
+// step's allocation solves groups of different sizes one after another.
 struct TunerStorage {
   // The documents of the items [first, end), as one thread lists them (Tuner::Tuner).
   struct Documents {
@@ -147,8 +165,20 @@ struct TunerStorage {
   std::vector<int64_t> doc_tokens;
   std::vector<int> doc_buckets;       // recall_model.h's length buckets
   std::vector<Documents> chunk_docs;  // per range of items while they are built
+  // SolveForRecall's terms, its items' (weighted recall, slope) pairs and their summands of the
+  // start point; Recall's weighted recalls. Valid up to the items' count, beyond it stale.
+  std::vector<RecallTerm> terms;
+  std::vector<std::pair<double, double>> pairs;
+  std::vector<double> weighted;
   bool in_use = false;
 };
+
+// `v` with room for n entries, grown (never shrunk) so that its first n are not rewritten.
+template <typename T>
+T* Scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
 
 class Tuner {
  public:
@@ -168,7 +198,8 @@ class Tuner {
   std::vector<double> Solve(double target, const std::vector<double>& at_base, bool cut) const;
   // Over all items (of every rank) at once: the densities in [floor, density_max] with the
   // least predicted attention time whose token-weighted recall is at least `target` (or the
-  // most recall there is); the recall reached goes to `achieved`.
+  // most recall there is), in item order (rank by rank, micro-batch by micro-batch); the
+  // recall reached goes to `achieved`.
   std::vector<double> SolveForRecall(double target, double* achieved) const;
   double Recall(const std::vector<double>& densities) const;
   // An item's predicted recall at density rho (known at its base).
@@ -652,31 +683,27 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
 }
 
 std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const {
-  // What the search reads per item, contiguous: it runs a dozen passes over every sample.
-  struct Term {
-    int index;
-    double weight;     // tokens
-    double offset;     // see Item
-    double inv_g1;     // 1 / (g - 1)
-    double g_over_g1;  // g / (g - 1)
-    double x_at_hi;    // at or below this x the item sits at density_max
-    double x_at_lo;    // at or above, at its floor
-    double recall_lo;  // recall at the floor
-    double recall_hi;  // recall at density_max
-    double scale;      // e^offset
-    double floor;
-  };
   const double hi_density = config_.density_max;
   const double log_hi = log_max_;
   // The items of every rank, in order (they are contiguous).
   const std::vector<Item>& items = storage_->items;
-  std::vector<Term> terms(items.size());
-  ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
+  const size_t n = items.size();
+  RecallTerm* terms = Scratch(storage_->terms, n);
+  // Each item's (weighted recall, slope) while the search runs; before it, the item's tokens
+  // and its summand of the start point.
+  std::pair<double, double>* part = Scratch(storage_->pairs, n);
+  // The bounds of the multiplier per range of items, combined after in range order (a min or
+  // max keeps the first extreme it meets, as one pass in item order would).
+  const size_t chunks = ChunkCount(threads_, n);
+  std::vector<std::pair<double, double>> chunk_bounds(chunks);
+  ParallelChunks(threads_, n, [&](size_t chunk, size_t begin, size_t end) {
+    double x_min = 0.0;
+    double x_max = 0.0;
     for (size_t k = begin; k < end; ++k) {
       const Item& item = items[k];
       const double g = item.g_minus_1 + 1.0;
       const double log_lo = item.log_floor;
-      Term& t = terms[k];
+      RecallTerm& t = terms[k];
       t.index = item.index;
       t.weight = item.weight;
       t.offset = item.offset;
@@ -688,24 +715,29 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
       t.recall_hi = hi_density >= 1.0 ? 1.0 : 1.0 - DetExp(g * log_hi);
       t.scale = DetExp(item.offset);
       t.floor = item.floor;
+      part[k] = {t.weight, t.weight * (item.g_minus_1 * item.log_base - item.offset)};
+      x_min = k == begin ? t.x_at_hi : std::min(x_min, t.x_at_hi);
+      x_max = k == begin ? t.x_at_lo : std::max(x_max, t.x_at_lo);
     }
+    chunk_bounds[chunk] = {x_min, x_max};
   });
-  double tokens = 0.0;
-  double x_start = 0.0;  // token-weighted mean of the multipliers at base density
-  double x_min = 0.0;
-  double x_max = 0.0;
-  for (size_t k = 0; k < terms.size(); ++k) {
-    const Item& item = items[k];
-    const Term& t = terms[k];
-    x_start += t.weight * (item.g_minus_1 * item.log_base - item.offset);
-    x_min = k == 0 ? t.x_at_hi : std::min(x_min, t.x_at_hi);
-    x_max = k == 0 ? t.x_at_lo : std::max(x_max, t.x_at_lo);
-    tokens += t.weight;
-  }
-  std::vector<double> densities = base_;
-  if (terms.empty()) {
+  std::vector<double> densities(n);
+  if (n == 0) {
     *achieved = 0.0;
     return densities;
+  }
+  // Summed in item order, from 16 bytes an item rather than its Item and term.
+  double tokens = 0.0;
+  double x_start = 0.0;  // token-weighted mean of the multipliers at base density
+  for (size_t k = 0; k < n; ++k) {
+    x_start += part[k].second;
+    tokens += part[k].first;
+  }
+  double x_min = chunk_bounds[0].first;
+  double x_max = chunk_bounds[0].second;
+  for (const auto& [lo, hi] : chunk_bounds) {
+    x_min = std::min(x_min, lo);
+    x_max = std::max(x_max, hi);
   }
   // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
   // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
@@ -714,12 +746,11 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   // item order from this compact array (the sums read 16 bytes an item, not its whole Term).
   // An item at a bound adds no slope: subtracting its 0 leaves the sum's bits as they are (it
   // starts at +0 and is never -0).
-  std::vector<std::pair<double, double>> part(terms.size());
   auto recall_at = [&](double x, double* derivative) {
     const double ex = DetExp(x);
-    ParallelFor(threads_, terms.size(), [&](size_t begin, size_t end) {
+    ParallelFor(threads_, n, [&](size_t begin, size_t end) {
       for (size_t k = begin; k < end; ++k) {
-        const Term& t = terms[k];
+        const RecallTerm& t = terms[k];
         if (x <= t.x_at_hi) {
           part[k] = {t.weight * t.recall_hi, 0.0};
         } else if (x >= t.x_at_lo) {
@@ -735,9 +766,9 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
     });
     double weighted = 0.0;
     double slope = 0.0;
-    for (const auto& [value, value_slope] : part) {
-      weighted += value;
-      slope -= value_slope;
+    for (size_t k = 0; k < n; ++k) {
+      weighted += part[k].first;
+      slope -= part[k].second;
     }
     if (derivative != nullptr) *derivative = slope / tokens;
     return weighted / tokens;
@@ -779,10 +810,10 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
     x = a;
     recall = recall_a;
   }
-  ParallelFor(threads_, terms.size(), [&](size_t begin, size_t end) {
+  ParallelFor(threads_, n, [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
-      const Term& t = terms[k];
-      densities[t.index] = std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
+      const RecallTerm& t = terms[k];
+      densities[k] = std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
     }
   });
   *achieved = recall;
@@ -901,14 +932,14 @@ double Tuner::Recall(const std::vector<double>& densities) const {
   // The items of every rank in order (they are contiguous): their recalls on the threads, the
   // sums after in item order.
   const std::vector<Item>& items = storage_->items;
-  std::vector<double> weighted_recalls(items.size());
+  double* weighted_recalls = Scratch(storage_->weighted, items.size());
   ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
       weighted_recalls[k] = items[k].weight * ItemRecall(items[k], densities[items[k].index]);
     }
   });
   double weighted = 0.0;
-  for (double w : weighted_recalls) weighted += w;
+  for (size_t k = 0; k < items.size(); ++k) weighted += weighted_recalls[k];
   return total_weight_ > 0 ? weighted / total_weight_ : 0.0;
 }
 
@@ -946,7 +977,8 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     const std::vector<double> solved = tuner.SolveForRecall(keep + margin, &achieved);
     // Never hand back less recall than base (e.g. when even density_max cannot reach it).
     if (achieved < keep) continue;
-    for (int i : members) densities[i] = solved[i];
+    // The tuner's items are the group's members in order (one rank, one micro-batch).
+    for (size_t k = 0; k < members.size(); ++k) densities[members[k]] = solved[k];
   }
   return densities;
 }
