@@ -14,14 +14,20 @@ namespace sparsebalance {
 double LogOneMinus(double rho) { return DetLog(1.0 - std::min(rho, kAlmostDense)); }
 
 SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
-                         const LatencyModel& model, const RecallModel& recall,
-                         PlanThreads* threads) {
-  terms_.resize(batch.size());
+                         const LatencyModel& model, const RecallModel& recall, PlanThreads* threads)
+    : storage_(ThreadStorage().in_use ? &own_ : &ThreadStorage()), size_(batch.size()) {
+  storage_->in_use = true;
+  if (storage_->terms.size() < size_) {
+    storage_->terms.resize(size_);
+    storage_->recalls.resize(size_);
+    storage_->blocks.resize(size_);
+  }
+  terms_ = storage_->terms.data();
+  recalls_ = storage_->recalls.data();
+  blocks_ = storage_->blocks.data();
   block_size_ = config.shape.block_size;
   local_blocks_ = config.shape.local_blocks;
   const Memo none{std::numeric_limits<double>::quiet_NaN(), 0.0};
-  blocks_.assign(batch.size(), none);
-  recalls_.assign(batch.size(), none);
   const double per_block = model.coefficients().per_block;
   const int block = config.shape.block_size;
   ParallelFor(threads, batch.size(), [&](size_t begin, size_t end) {
@@ -34,6 +40,8 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
     for (size_t i = begin; i < end; ++i) {
       const Sample& s = batch[i];
       SampleTerms& t = terms_[i];
+      recalls_[i] = none;
+      blocks_[i] = none;
       t.exponent = recall.SampleExponent(s);
       t.floor = DensityFloor(s.sensitivity, config);
       t.base = BaseDensity(s.sensitivity, config);
@@ -77,8 +85,15 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   });
 }
 
+SampleTable::~SampleTable() { storage_->in_use = false; }
+
+SampleTable::Storage& SampleTable::ThreadStorage() {
+  thread_local Storage storage;
+  return storage;
+}
+
 void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const {
-  ParallelFor(threads, terms_.size(), [&](size_t begin, size_t end) {
+  ParallelFor(threads, size_, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) Recall(i, densities[i]);
   });
 }
@@ -115,8 +130,8 @@ std::vector<int> PlacedOrder(const std::vector<std::vector<std::vector<int>>>& r
 }
 
 std::vector<double> SampleTable::BaseDensities() const {
-  std::vector<double> out(terms_.size());
-  for (size_t i = 0; i < terms_.size(); ++i) out[i] = terms_[i].base;
+  std::vector<double> out(size_);
+  for (size_t i = 0; i < size_; ++i) out[i] = terms_[i].base;
   return out;
 }
 

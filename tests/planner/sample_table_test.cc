@@ -77,5 +77,55 @@ TEST(SampleTableTest, TermsAreTheirDefinitionsBitForBit) {
   EXPECT_EQ(cases, 12);
 }
 
+// A table reuses the arrays of the thread's table before it (kept between steps): it must keep
+// none of that table's terms or answers. The first table, on a larger batch, is asked every
+// sample's recall and blocks at one density; the next, on other lengths and sensitivities, is
+// asked at the same density, alone and while another table holds the thread's arrays.
+TEST(SampleTableTest, ATableKeepsNothingOfTheTablesBeforeIt) {
+  PlannerConfig config = test_util::StepConfig(64, 2, 16384);
+  const LatencyModel model = test_util::MakeModel(config);
+  const RecallModel recall(config.micro_batch_capacity, config.shape.layers);
+  std::vector<Sample> first = test_util::TraceBatch(config, 5, 0.9);
+  std::vector<Sample> second = test_util::TraceBatch(config, 6, 0.6);
+  ASSERT_GT(first.size(), second.size());
+  for (size_t i = 0; i < second.size(); ++i) {
+    second[i].sensitivity = static_cast<double>((i * 13) % 97) / 100.0;
+    second[i].length = std::max<int64_t>(1, second[i].length / 3 + 5);
+  }
+  constexpr double kAsked = 0.25;
+  auto ask_all = [&](const SampleTable& table, const std::vector<Sample>& batch) {
+    for (size_t i = 0; i < batch.size(); ++i) {
+      table.Recall(i, kAsked);
+      table.FeaturesAt(batch[i], i, kAsked);
+    }
+  };
+  auto expect_fresh = [&](const SampleTable& table, const std::vector<Sample>& batch) {
+    ASSERT_EQ(table.size(), batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat("samples[", i, "]"));
+      const double g = recall.SampleExponent(batch[i]);
+      EXPECT_EQ(table[i].exponent, g);
+      EXPECT_EQ(table.Recall(i, kAsked), RecallAt(g, kAsked));
+      const MicroBatchFeatures got = table.FeaturesAt(batch[i], i, kAsked);
+      const MicroBatchFeatures want = model.SampleFeatures(batch[i], kAsked);
+      EXPECT_EQ(got.active_blocks, want.active_blocks);
+      EXPECT_EQ(got.tokens, want.tokens);
+    }
+  };
+  {
+    const SampleTable before(first, config, model, recall);
+    ask_all(before, first);
+  }
+  {
+    const SampleTable after(second, config, model, recall);
+    expect_fresh(after, second);
+    ask_all(after, second);
+    const SampleTable beside(first, config, model, recall);  // while `after` holds the arrays
+    expect_fresh(beside, first);
+  }
+  const SampleTable again(first, config, model, recall);
+  expect_fresh(again, first);
+}
+
 }  // namespace
 }  // namespace sparsebalance
