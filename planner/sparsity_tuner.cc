@@ -348,16 +348,11 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       item.inv_g1 = 1.0 / item.g_minus_1;
       item.base = base[i];
       item.log_base = log_one_minus(item.base);
-      // The recall guards read every sample's recall a few times, most at base. Off the table's
-      // base, RecallAt's 1 - e^(g log(1 - rho)) from the logarithm just taken: the same bits
-      // below kAlmostDense, where LogOneMinus is RecallAt's own DetLog(1 - rho).
-      if (item.base == terms.base) {
-        item.base_recall = terms.base_recall;
-      } else if (item.base >= 0.0 && item.base < kAlmostDense) {
-        item.base_recall = 1.0 - DetExp(terms.exponent * item.log_base);
-      } else {
-        item.base_recall = RecallAt(terms.exponent, item.base);
-      }
+      // The recall guards read every sample's recall a few times, most at base: the table's
+      // (RecallAt), which PlanStep's recall guards have just worked out for these densities and
+      // kept (SampleTable::WarmRecalls). Each item is one sample, so each thread reads and
+      // writes only its own samples' kept answers.
+      item.base_recall = table.Recall(static_cast<size_t>(i), item.base);
       // Never above base: a sample whose floor is above what it was given stays there.
       if (terms.floor < item.base) {
         item.floor = terms.floor;
