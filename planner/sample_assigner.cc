@@ -1248,8 +1248,17 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
   if (policy == Policy::kSab || policy == Policy::kSparseBalance) {
     for (int r = 0; r < config.ranks && r < model.ranks(); ++r) speed[r] = model.speed_factor(r);
   }
-  // Per thread: no sharing between concurrent calls (see Workspace).
+  // Per thread: no sharing between concurrent calls (see Workspace). Kept between steps, but a
+  // step of more than kKeptScratchSamples samples frees it when it ends (after the placer that
+  // reads it, declared below).
   thread_local Workspace workspace;
+  struct ReleaseLarge {
+    Workspace& ws;
+    bool large;
+    ~ReleaseLarge() {
+      if (large) ws = Workspace{};
+    }
+  } release{workspace, batch.size() > kKeptScratchSamples};
   if (config.max_shards > 1) {
     // Splitting fewer documents exchanges less; splitting more evens out steps whose ranks are
     // capacity-bound or too few for their longest documents. Shards are tried at pieces of at

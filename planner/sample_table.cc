@@ -85,7 +85,10 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   });
 }
 
-SampleTable::~SampleTable() { storage_->in_use = false; }
+SampleTable::~SampleTable() {
+  if (storage_->terms.size() > kKeptScratchSamples) *storage_ = Storage{};  // frees them
+  storage_->in_use = false;
+}
 
 SampleTable::Storage& SampleTable::ThreadStorage() {
   thread_local Storage storage;

@@ -21,6 +21,12 @@ namespace sparsebalance {
 
 class PlanThreads;
 
+// Planning keeps its large per-sample arrays per thread between steps (the table's, the
+// placement's Workspace, the tuner's storage): a fresh page costs more than the work on it. A
+// step of more samples than this releases them when it ends instead, so that one very large batch
+// (up to kMaxBatchSamples, 2^24) does not leave each planning thread holding gigabytes.
+inline constexpr size_t kKeptScratchSamples = size_t{1} << 18;
+
 // Highest density the tuner's logarithms use where density_max is 1: the recall slope vanishes
 // at 1, so the multiplier that reaches exactly 1 is 0 (log -inf).
 inline constexpr double kAlmostDense = 1.0 - 1e-9;

@@ -189,7 +189,10 @@ class Tuner {
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
         const LatencyModel& model, const SampleTable& table, const std::vector<double>& base,
         PlanThreads* threads = nullptr, bool recall_only = false);
-  ~Tuner() { storage_->in_use = false; }
+  ~Tuner() {
+    if (storage_->items.size() > kKeptScratchSamples) *storage_ = TunerStorage{};  // frees them
+    storage_->in_use = false;
+  }
   Tuner(const Tuner&) = delete;
   Tuner& operator=(const Tuner&) = delete;
 

@@ -1,5 +1,7 @@
 #include "planner/planner.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -8,6 +10,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -17,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "planner/latency_model.h"
 #include "planner/recall_model.h"
+#include "planner/sample_table.h"
 #include "planner/types.h"
 #include "tests/planner/random_cases.h"
 
@@ -941,6 +945,44 @@ TEST(BoundsTest, ExtremeValuesNeverCrashAndWhatIsAcceptedPlansValidly) {
   // The pools are chosen so that both sides are exercised.
   EXPECT_GT(accepted, 100);
   EXPECT_GT(planned, 100);
+}
+
+// Bytes the heap hands out now (glibc): its arenas' and its mapped chunks'.
+size_t HeapInUse() {
+  const struct mallinfo2 info = mallinfo2();
+  return info.uordblks + info.hblkhd;
+}
+
+// Planning keeps its per-sample arrays per thread between steps, but a step of more than
+// kKeptScratchSamples samples frees them when it ends: one very large batch must not leave the
+// thread holding them (some 200 bytes a sample across the table, the placement and the tuner).
+// A small step's arrays are kept (the heap stays larger by them), a large one's are not.
+TEST(PlanStepTest, AVeryLargeStepLeavesNoPerSampleArraysHeld) {
+  const PlannerConfig config = test_util::StepConfig(4096, 4, 131072);
+  const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  ASSERT_TRUE(valid.ok()) << valid.status();
+  const LatencyModel model = test_util::MakeModel(config);
+  const RecallModel recall(config.micro_batch_capacity, config.shape.layers);
+  // The heap after a step of `batch`, its plan gone, less the heap before it.
+  auto held_after = [&](const std::vector<Sample>& batch) {
+    const size_t before = HeapInUse();
+    {
+      const absl::StatusOr<StepPlan> plan = PlanStep(batch, *valid, model, recall);
+      EXPECT_TRUE(plan.ok()) << plan.status();
+    }
+    const size_t after = HeapInUse();
+    return after > before ? after - before : 0;
+  };
+  std::vector<Sample> large = test_util::TraceBatch(config, 3, 0.6);
+  ASSERT_GT(large.size(), kKeptScratchSamples);
+  const std::vector<Sample> small(large.begin(), large.begin() + kKeptScratchSamples / 2);
+  // On a thread of its own, whose arrays start empty whatever ran before on this one.
+  std::thread([&] {
+    // A small step first: its arrays stay.
+    EXPECT_GT(held_after(small), 50 * kKeptScratchSamples / 2) << "the small step's arrays";
+    // The large one grows them past the limit and frees them: at most a few MiB stay.
+    EXPECT_LT(held_after(large), size_t{8} << 20);
+  }).join();
 }
 
 }  // namespace
