@@ -70,6 +70,30 @@ class RankHeap {
   }
   int First() const { return heap_[0].rank; }
 
+  // The first K ranks in order, as VisitInOrder would visit them, into `first`; returns how
+  // many there are (K, or every rank when there are fewer). The K-th entry of a heap has at most
+  // K - 1 entries before it on its path from the root, so the first K lie in its top K levels:
+  // a scan of 2^K - 1 entries, without the walk's own heap.
+  template <int K>
+  int FirstRanks(std::array<int, K>* first) const {
+    const int n = static_cast<int>(heap_.size());
+    const int scan = std::min(n, (1 << K) - 1);
+    std::array<Entry, K> best;
+    int count = 0;
+    for (int i = 0; i < scan; ++i) {
+      const Entry& e = heap_[i];
+      if (count == K && !Before(e, best[K - 1])) continue;
+      int at = count < K ? count++ : K - 1;  // where e goes, before moving larger ones up
+      while (at > 0 && Before(e, best[at - 1])) {
+        best[at] = best[at - 1];
+        --at;
+      }
+      best[at] = e;
+    }
+    for (int k = 0; k < count; ++k) (*first)[k] = best[k].rank;
+    return count;
+  }
+
   // Calls visit(rank) for ranks in order until it returns false or all were visited. The
   // frontier of the walk (the root of each part not yet visited) is a binary heap of its own.
   template <typename Visit>
@@ -832,18 +856,37 @@ absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   if (unit.longest > lane.most_free) return false;
   std::vector<int>& candidates = *lane.candidates;
   candidates.clear();
-  int64_t most_free = 0;
-  bool every_rank = true;
-  lane.heap->VisitInOrder([&](int i) {
-    const int r = lane.first + i;
-    most_free = std::max(most_free, ranks_[r].max_free);
-    if (ranks_[r].max_free >= unit.longest &&
-        (unit.size == 1 || FitsWorst(unit, Free(r), *lane.fit_free))) {
+  // The usual case first: the kCandidates least loaded ranks all take the unit, so they are the
+  // candidates the walk below would find (the same ranks; the choice after does not depend on
+  // their order), read off the top of the heap.
+  std::array<int, kCandidates> least;
+  if (lane.heap->FirstRanks<kCandidates>(&least) == kCandidates) {
+    for (int i : least) {
+      const int r = lane.first + i;
+      if (ranks_[r].max_free < unit.longest ||
+          (unit.size > 1 && !FitsWorst(unit, Free(r), *lane.fit_free))) {
+        candidates.clear();
+        break;
+      }
       candidates.push_back(r);
     }
-    every_rank = static_cast<int>(candidates.size()) < kCandidates;
-    return every_rank;
-  });
+  }
+  int64_t most_free = 0;
+  bool every_rank = true;
+  if (!candidates.empty()) {
+    every_rank = false;
+  } else {
+    lane.heap->VisitInOrder([&](int i) {
+      const int r = lane.first + i;
+      most_free = std::max(most_free, ranks_[r].max_free);
+      if (ranks_[r].max_free >= unit.longest &&
+          (unit.size == 1 || FitsWorst(unit, Free(r), *lane.fit_free))) {
+        candidates.push_back(r);
+      }
+      every_rank = static_cast<int>(candidates.size()) < kCandidates;
+      return every_rank;
+    });
+  }
   if (every_rank) lane.most_free = most_free;
   if (candidates.empty()) return false;
   double best_time = 0.0;
