@@ -128,9 +128,13 @@ class RankHeap {
     int at;
   };
 
+  // Without branches: which of two children comes first is a coin toss to the CPU's predictor.
   static bool Before(const Entry& a, const Entry& b) {
-    if (a.time != b.time) return kLargestFirst ? a.time > b.time : a.time < b.time;
-    return kLargestFirst ? a.rank > b.rank : a.rank < b.rank;
+    if constexpr (kLargestFirst) {
+      return (a.time > b.time) | ((a.time == b.time) & (a.rank > b.rank));
+    } else {
+      return (a.time < b.time) | ((a.time == b.time) & (a.rank < b.rank));
+    }
   }
   void Put(int i, const Entry& entry) {
     heap_[i] = entry;
@@ -148,7 +152,7 @@ class RankHeap {
   void SiftDown(int i, const Entry& entry) {
     const int n = static_cast<int>(heap_.size());
     for (int child = 2 * i + 1; child < n; child = 2 * i + 1) {
-      if (child + 1 < n && Before(heap_[child + 1], heap_[child])) ++child;
+      if (child + 1 < n) child += static_cast<int>(Before(heap_[child + 1], heap_[child]));
       if (!Before(heap_[child], entry)) break;
       Put(i, heap_[child]);
       i = child;
