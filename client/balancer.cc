@@ -430,7 +430,7 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
   }
   if (s.leads_plans && !s.offline) s.HandPlans(own, prefetched);
   // A member's plan counts as prefetched when its leader's prefetch fetched it.
-  if (s.takes_plans && !s.offline && own.prefetched) prefetched = true;
+  prefetched = prefetched || own.prefetched;
   double wait_seconds = SecondsSince(start);
   // The one collective of the step: every rank runs one plan, the local one if any rank fell
   // back (or failed: then that rank returns its error and the others go on locally).

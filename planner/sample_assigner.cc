@@ -860,33 +860,25 @@ absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   if (unit.longest > lane.most_free) return false;
   std::vector<int>& candidates = *lane.candidates;
   candidates.clear();
+  auto takes = [&](int r) {
+    return ranks_[r].max_free >= unit.longest &&
+           (unit.size == 1 || FitsWorst(unit, Free(r), *lane.fit_free));
+  };
   // The usual case first: the kCandidates least loaded ranks all take the unit, so they are the
   // candidates the walk below would find (the same ranks; the choice after does not depend on
   // their order), read off the top of the heap.
   std::array<int, kCandidates> least;
-  if (lane.heap->FirstRanks<kCandidates>(&least) == kCandidates) {
-    for (int i : least) {
-      const int r = lane.first + i;
-      if (ranks_[r].max_free < unit.longest ||
-          (unit.size > 1 && !FitsWorst(unit, Free(r), *lane.fit_free))) {
-        candidates.clear();
-        break;
-      }
-      candidates.push_back(r);
-    }
+  if (lane.heap->FirstRanks<kCandidates>(&least) == kCandidates &&
+      std::all_of(least.begin(), least.end(), [&](int i) { return takes(lane.first + i); })) {
+    for (int i : least) candidates.push_back(lane.first + i);
   }
   int64_t most_free = 0;
-  bool every_rank = true;
-  if (!candidates.empty()) {
-    every_rank = false;
-  } else {
+  bool every_rank = candidates.empty();
+  if (every_rank) {
     lane.heap->VisitInOrder([&](int i) {
       const int r = lane.first + i;
       most_free = std::max(most_free, ranks_[r].max_free);
-      if (ranks_[r].max_free >= unit.longest &&
-          (unit.size == 1 || FitsWorst(unit, Free(r), *lane.fit_free))) {
-        candidates.push_back(r);
-      }
+      if (takes(r)) candidates.push_back(r);
       every_rank = static_cast<int>(candidates.size()) < kCandidates;
       return every_rank;
     });
