@@ -112,6 +112,36 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
 
 namespace {
 
+// sum_{i=0}^{count-1} floor((start + q i) / Q) for 0 < q <= Q and count <= kDirectSumRows:
+// each term is (start >> 16) plus floor((low + q i) / Q), where low = start mod Q, and
+// low + q i < Q + kDirectSumRows Q < 2^23, so those run in 32-bit lanes, eight at a time
+// (GCC and Clang vector extensions: two SSE2 operations each on the baseline x86-64 target).
+// The same integers as the scalar sum, in any order.
+int64_t DirectCeilingSum(int64_t start, int64_t q, int64_t count) {
+  static_assert((kDirectSumRows + 1) * kDensityQuantum < (int64_t{1} << 31));
+  using Lanes = uint32_t __attribute__((vector_size(32)));
+  constexpr int kLanes = 8;
+  const auto low = static_cast<uint32_t>(start & (kDensityQuantum - 1));
+  const auto step = static_cast<uint32_t>(q);
+  int64_t total = (start >> kDensityShift) * count;
+  Lanes numerator;
+  for (int k = 0; k < kLanes; ++k) numerator[k] = low + step * static_cast<uint32_t>(k);
+  const Lanes stride = Lanes{} + step * kLanes;
+  // Each lane adds at most kDirectSumRows / kLanes terms of at most kDirectSumRows + 1.
+  Lanes sums{};
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    sums += numerator >> kDensityShift;
+    numerator += stride;
+  }
+  uint32_t sum = 0;
+  for (int k = 0; k < kLanes; ++k) sum += sums[k];
+  for (uint32_t tail = low + step * static_cast<uint32_t>(i); i < count; ++i, tail += step) {
+    sum += tail >> kDensityShift;
+  }
+  return total + sum;
+}
+
 int64_t ActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors) {
   // With n = i+1: rows n <= anchors keep all n blocks. Beyond, k = max(anchors, ceil(q*n/Q)),
   // and ceil(q*n/Q) > anchors exactly when n >= n_free = floor(anchors*Q/q) + 1.
@@ -127,8 +157,7 @@ int64_t ActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors) {
     // shift, cheaper than FloorSum's divisions.
     const int64_t count = rows - n_free + 1;
     if (count <= kDirectSumRows) {
-      int64_t numerator = q * n_free + kDensityQuantum - 1;
-      for (int64_t i = 0; i < count; ++i, numerator += q) total += numerator >> kDensityShift;
+      total += DirectCeilingSum(q * n_free + kDensityQuantum - 1, q, count);
     } else {
       total += FloorSum(count, kDensityQuantum, q, q * n_free + kDensityQuantum - 1);
     }

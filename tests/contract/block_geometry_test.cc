@@ -177,6 +177,25 @@ TEST(ActiveBlocksTest, RowRangesAreTheKeptBlocksOfThoseRowsAndAddUpToTheDocument
   EXPECT_EQ(ActiveBlocksInRows(-4, 2, 1.0, 1), 3);  // rows 0 and 1 keep 1 and 2 blocks
 }
 
+// The rows past the anchors are summed in 32-bit lanes, eight at a time, when there are at most
+// 96 of them: every such count (full lanes, a tail, both) at densities from the least quantum
+// to 1, where the lanes' terms are largest.
+TEST(ActiveBlocksTest, ShortRunsPastTheAnchorsMatchDirectSummation) {
+  for (int local = 0; local <= 3; ++local) {
+    const int64_t anchors = local + 2;
+    for (int64_t q : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{255}, int64_t{4097},
+                      int64_t{32768}, kDensityQuantum - 1, kDensityQuantum}) {
+      const int64_t n_free = std::max(anchors + 1, anchors * kDensityQuantum / q + 1);
+      const double density = static_cast<double>(q) / kDensityQuantum;
+      for (int64_t count = 1; count <= 100; ++count) {
+        const int64_t rows = n_free - 1 + count;
+        ASSERT_EQ(ActiveBlocks(rows, density, 1, local), ActiveBlocksBySum(rows, density, 1, local))
+            << "rows=" << rows << " q=" << q << " local=" << local;
+      }
+    }
+  }
+}
+
 TEST(ActiveBlocksTest, ClosedFormMatchesDirectSummationForMillionTokenDocuments) {
   Rng rng(7);
   for (int c = 0; c < 40; ++c) {
