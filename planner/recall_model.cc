@@ -9,12 +9,6 @@
 namespace sparsebalance {
 namespace {
 
-// Buckets split the capacity C at C/64, C/16 and C/4.
-int64_t BucketEdge(int k, int64_t capacity) {  // lowest length of bucket k >= 1
-  static constexpr int kShift[kRecallBuckets] = {0, 6, 4, 2};
-  return std::max<int64_t>(2, capacity >> kShift[k]);
-}
-
 std::string Tokens(int64_t n) {
   if (n >= (int64_t{1} << 20) && n % (int64_t{1} << 20) == 0) return absl::StrCat(n >> 20, "M");
   if (n >= 1024 && n % 1024 == 0) return absl::StrCat(n >> 10, "K");
@@ -54,26 +48,19 @@ double BaseDensity(double sensitivity, const PlannerConfig& config) {
                     config.density_min, config.density_max);
 }
 
-int RecallBucket(int64_t length, int64_t capacity) {
-  int bucket = 0;
-  for (int k = 1; k < kRecallBuckets; ++k) {
-    if (length >= BucketEdge(k, capacity)) bucket = k;
-  }
-  return bucket;
-}
-
 LengthRange RecallBucketRange(int bucket, int64_t capacity) {
   LengthRange range;
-  range.min = bucket == 0 ? 1 : BucketEdge(bucket, capacity);
-  range.max = bucket + 1 < kRecallBuckets ? BucketEdge(bucket + 1, capacity) - 1 : capacity;
+  range.min = bucket == 0 ? 1 : RecallBucketEdge(bucket, capacity);
+  range.max = bucket + 1 < kRecallBuckets ? RecallBucketEdge(bucket + 1, capacity) - 1 : capacity;
   return range;
 }
 
 std::string RecallBucketLabel(int bucket, int64_t capacity) {
-  if (bucket == 0) return absl::StrCat("<", Tokens(BucketEdge(1, capacity)));
-  if (bucket + 1 == kRecallBuckets) return absl::StrCat(Tokens(BucketEdge(bucket, capacity)), "+");
-  return absl::StrCat(Tokens(BucketEdge(bucket, capacity)), "-",
-                      Tokens(BucketEdge(bucket + 1, capacity)));
+  if (bucket == 0) return absl::StrCat("<", Tokens(RecallBucketEdge(1, capacity)));
+  if (bucket + 1 == kRecallBuckets)
+    return absl::StrCat(Tokens(RecallBucketEdge(bucket, capacity)), "+");
+  return absl::StrCat(Tokens(RecallBucketEdge(bucket, capacity)), "-",
+                      Tokens(RecallBucketEdge(bucket + 1, capacity)));
 }
 
 double RecallCurveSums::Documents() const {

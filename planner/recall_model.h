@@ -26,6 +26,7 @@
 #ifndef SPARSEBALANCE_PLANNER_RECALL_MODEL_H_
 #define SPARSEBALANCE_PLANNER_RECALL_MODEL_H_
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <limits>
@@ -78,7 +79,20 @@ double BaseDensity(double sensitivity, const PlannerConfig& config);
 
 // Length buckets, relative to the micro-batch capacity (see above).
 inline constexpr int kRecallBuckets = 4;
-int RecallBucket(int64_t length, int64_t capacity);
+// The lowest length of bucket k >= 1: the capacity split at C/64, C/16 and C/4 (at least 2).
+inline int64_t RecallBucketEdge(int k, int64_t capacity) {
+  constexpr int kShift[kRecallBuckets] = {0, 6, 4, 2};
+  return std::max<int64_t>(2, capacity >> kShift[k]);
+}
+// The bucket of a document of `length` tokens. The edges never decrease, so the last edge at
+// or below the length is the count of them; inline and without branches, as the planner asks
+// several times for every document of a step.
+inline int RecallBucket(int64_t length, int64_t capacity) {
+  static_assert(kRecallBuckets == 4, "one comparison per edge below");
+  return static_cast<int>(length >= RecallBucketEdge(1, capacity)) +
+         static_cast<int>(length >= RecallBucketEdge(2, capacity)) +
+         static_cast<int>(length >= RecallBucketEdge(3, capacity));
+}
 struct LengthRange {
   int64_t min = 1;  // tokens, inclusive
   int64_t max = 1;  // tokens, inclusive

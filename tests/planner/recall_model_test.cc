@@ -48,6 +48,23 @@ TEST(RecallBucketTest, FourContiguousBucketsCoverTheCapacity) {
   }
 }
 
+// A document's bucket is the last one whose lowest length it reaches, also at capacities so
+// small that several edges coincide (each edge is at least 2 tokens).
+TEST(RecallBucketTest, ABucketIsTheLastWhoseEdgeTheLengthReaches) {
+  for (int64_t capacity = 1; capacity <= 300; ++capacity) {
+    for (int64_t length = 1; length <= capacity + 2; ++length) {
+      int last = 0;
+      for (int k = 1; k < kRecallBuckets; ++k) {
+        if (length >= RecallBucketEdge(k, capacity)) last = k;
+      }
+      ASSERT_EQ(RecallBucket(length, capacity), last)
+          << "capacity " << capacity << " length " << length;
+    }
+  }
+  EXPECT_EQ(RecallBucket(1, 4), 0);
+  EXPECT_EQ(RecallBucket(2, 4), 3);  // all three edges are 2 tokens
+}
+
 TEST(RecallModelTest, WithoutMeasurementsTheSensitivityPriorDecides) {
   const RecallModel model(kCapacity, 4);
   for (double s : {0.0, 0.3, 1.0}) {
