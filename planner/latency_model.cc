@@ -149,34 +149,8 @@ MicroBatchFeatures LatencyModel::PlanFeatures(const MicroBatchPlan& micro_batch)
   return sum;
 }
 
-std::array<double, 4> LatencyModel::Scaled(const MicroBatchFeatures& f) const {
-  const double non_empty = f.tokens > 0 ? 1.0 : 0.0;
-  return {f.active_blocks * scale_[0], f.tokens * scale_[1], f.documents * scale_[2],
-          non_empty * scale_[3]};
-}
-
 double LatencyModel::SampleSeconds(const Sample& sample, double density) const {
   return SampleSeconds(SampleFeatures(sample, density));
-}
-
-double LatencyModel::SampleSeconds(const MicroBatchFeatures& f) const {
-  return f.active_blocks * scale_[0] * state_.weights[0] +
-         f.tokens * scale_[1] * state_.weights[1] + f.documents * scale_[2] * state_.weights[2];
-}
-
-double LatencyModel::ComputeSeconds(const MicroBatchFeatures& features) const {
-  const std::array<double, 4> z = Scaled(features);
-  double t = 0;
-  for (int i = 0; i < kFeatures; ++i) t += z[i] * state_.weights[i];
-  return t;
-}
-
-double LatencyModel::Seconds(const MicroBatchFeatures& features) const {
-  return ComputeSeconds(features) + ExchangeSeconds(features);
-}
-
-double LatencyModel::exchange_seconds_per_byte() const {
-  return state_.exchange_uu > 0 ? state_.exchange_u / state_.exchange_uu : 0.0;
 }
 
 absl::Status LatencyModel::ObserveStep(std::vector<Observation> observations) {

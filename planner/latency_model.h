@@ -88,7 +88,9 @@ class LatencyModel {
   CostCoefficients coefficients() const;
   // Learned seconds per exchanged byte (context parallelism), speed factors not applied: the
   // network is not the GPU.
-  double exchange_seconds_per_byte() const;
+  double exchange_seconds_per_byte() const {
+    return state_.exchange_uu > 0 ? state_.exchange_u / state_.exchange_uu : 0.0;
+  }
   double speed_factor(int rank) const { return state_.speed_factors[rank]; }
   const std::vector<double>& speed_factors() const { return state_.speed_factors; }
   // Typical relative error of a predicted rank time (0 before the first observed step).
@@ -107,11 +109,23 @@ class LatencyModel {
   // Seconds of one sample at `density` without the speed factor and micro-batch overhead.
   double SampleSeconds(const Sample& sample, double density) const;
   // The same from the sample's features (SampleFeatures, or a SampleTable's).
-  double SampleSeconds(const MicroBatchFeatures& sample) const;
+  // This and the three below are inline: planning asks them for every sample of a step, a few
+  // times each.
+  double SampleSeconds(const MicroBatchFeatures& f) const {
+    return f.active_blocks * scale_[0] * state_.weights[0] +
+           f.tokens * scale_[1] * state_.weights[1] + f.documents * scale_[2] * state_.weights[2];
+  }
   // Seconds of a micro-batch without the speed factor (0 for an empty one), exchange included.
-  double Seconds(const MicroBatchFeatures& features) const;
+  double Seconds(const MicroBatchFeatures& features) const {
+    return ComputeSeconds(features) + ExchangeSeconds(features);
+  }
   // The compute part of Seconds (the part the speed factor scales) and the exchange part.
-  double ComputeSeconds(const MicroBatchFeatures& features) const;
+  double ComputeSeconds(const MicroBatchFeatures& features) const {
+    const std::array<double, 4> z = Scaled(features);
+    double t = 0;
+    for (size_t i = 0; i < z.size(); ++i) t += z[i] * state_.weights[i];
+    return t;
+  }
   double ExchangeSeconds(const MicroBatchFeatures& features) const {
     return features.exchange_bytes * exchange_seconds_per_byte();
   }
@@ -129,7 +143,11 @@ class LatencyModel {
   absl::Status ObserveStep(std::vector<Observation> observations);
 
  private:
-  std::array<double, 4> Scaled(const MicroBatchFeatures& f) const;
+  std::array<double, 4> Scaled(const MicroBatchFeatures& f) const {
+    const double non_empty = f.tokens > 0 ? 1.0 : 0.0;
+    return {f.active_blocks * scale_[0], f.tokens * scale_[1], f.documents * scale_[2],
+            non_empty * scale_[3]};
+  }
 
   ModelShape shape_;
   CostCoefficients prior_;
