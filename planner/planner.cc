@@ -716,7 +716,8 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         planned.id = s.id;
         planned.length = s.length;
         planned.density = densities[i];
-        planned.segments = s.segments;
+        // Most samples have no segments: skip the copy's call (2M instructions a plan).
+        if (!s.segments.empty()) planned.segments = s.segments;
         if (split != nullptr) {
           planned.shard_begin = split->cuts[shard];
           planned.shard_end = split->cuts[shard + 1];
