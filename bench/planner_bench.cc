@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/pretrain_step.h"
 #include "benchmark/benchmark.h"
 #include "planner/planner.h"
-#include "planner/traces.h"
 
 namespace sparsebalance {
 namespace {
@@ -24,19 +24,11 @@ void PlanPretrainBatch(benchmark::State& state, Policy policy, int max_shards, b
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
   const int threads = static_cast<int>(state.range(2));
-  PlannerConfig config;
-  config.ranks = ranks;
-  config.micro_batches = 4;
-  config.micro_batch_capacity = 131072;
-  config.policy = policy;
-  config.max_shards = max_shards;
-  absl::StatusOr<TraceGenerator> gen = TraceGenerator::Builtin("pretrain", 7);
-  std::vector<Sample> batch;
-  for (int i = 0; i < samples; ++i) batch.push_back(gen->Next());
-  const CostCoefficients prior{1.7e-5, 1e-4, 2e-3, 0.05};
-  LatencyModel model(config.shape, ranks, prior);
-  const RecallModel recall(config.micro_batch_capacity, config.shape.layers);
-  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  const PretrainStep pretrain(samples, ranks, policy, max_shards);
+  const std::vector<Sample>& batch = pretrain.batch;
+  const LatencyModel& model = pretrain.model;
+  const RecallModel& recall = pretrain.recall;
+  absl::StatusOr<ValidConfig> valid = ValidConfig::Check(pretrain.config);
   if (!valid.ok()) {
     state.SkipWithError(std::string(valid.status().message()).c_str());
     return;

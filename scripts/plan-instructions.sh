@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Instructions per plan, phase by phase, counted by callgrind: the planning benchmarks' step
+# (bench/pretrain_step.h: the pretrain trace, sparsebalance, 4 micro-batches of 131,072 tokens)
+# planned PLANS times on one thread by sb-plan-count. Unlike wall time on this project's VM
+# (which drifts by 10-30% within an hour), the counts are the same on every run, so a change to
+# planning can be weighed exactly; at about 3 instructions a cycle, planning is bound by the
+# instructions it runs. About 20 s at the default size.
+#   bash scripts/plan-instructions.sh                                  # 65,536 over 4,096 ranks
+#   SAMPLES=16384 RANKS=1024 bash scripts/plan-instructions.sh
+#   BUILD_DIR=build-lint bash scripts/plan-instructions.sh
+# PLAN_COUNT=path/to/sb-plan-count skips the build. Installs valgrind when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR=${BUILD_DIR:-build}
+SAMPLES=${SAMPLES:-65536}
+RANKS=${RANKS:-4096}
+PLANS=${PLANS:-3}
+if ! command -v valgrind >/dev/null 2>&1 || ! command -v callgrind_annotate >/dev/null 2>&1; then
+  bash scripts/install-deps.sh
+fi
+if [ -z "${PLAN_COUNT:-}" ]; then
+  cmake --build "$BUILD_DIR" --target sb-plan-count >/dev/null
+  PLAN_COUNT="$BUILD_DIR/bench/sb-plan-count"
+fi
+
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+valgrind --tool=callgrind --callgrind-out-file="$out/callgrind.out" "$PLAN_COUNT" \
+  --samples="$SAMPLES" --ranks="$RANKS" --plans="$PLANS" --threads=1 2>"$out/valgrind.log"
+callgrind_annotate --inclusive=yes "$out/callgrind.out" >"$out/inclusive.txt" 2>/dev/null
+
+echo "instructions per plan (millions), $SAMPLES samples over $RANKS ranks, mean of $PLANS:"
+# Each phase's function (PlanPhaseSeconds' phases; the guards' sums are WarmRecalls and
+# BucketRecalls): its largest inclusive count, lambdas and the FunctionRef thunks left out.
+for phase in "plan:sparsebalance::PlanStep(" "validate:sparsebalance::ValidateBatch(" \
+  "table:sparsebalance::SampleTable::SampleTable(" "allocate:sparsebalance::AllocateDensities(" \
+  "place:sparsebalance::AssignSamples(" "guards (recalls):sparsebalance::SampleTable::WarmRecalls(" \
+  "guards (buckets):BucketRecalls(" "tune:sparsebalance::TuneDensities(" \
+  "build:sparsebalance::BuildPlan("; do
+  name=${phase%%:*}
+  function=${phase#*:}
+  count=$(grep -F "$function" "$out/inclusive.txt" | grep -v -e lambda -e InvokeObject |
+    head -1 | awk '{gsub(",", "", $1); print $1}')
+  awk -v name="$name" -v count="${count:-0}" -v plans="$PLANS" \
+    'BEGIN { printf "  %-17s %8.2f\n", name, count / plans / 1e6 }'
+done
