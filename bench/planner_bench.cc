@@ -20,12 +20,16 @@ namespace {
 // planner/context_parallel.h). With `phases`, each of PlanStep's phases (PlanPhaseSeconds) gets
 // a counter: its mean wall time per plan (ms). Every run reports the plan's predicted makespan
 // and its gap to the lower bound (StepPlan::gap), so that a faster plan is not a worse one.
-void PlanPretrainBatch(benchmark::State& state, Policy policy, int max_shards, bool phases) {
+// With `in_plan_order`, the batch is first laid out in the order its plan places the samples
+// (rank by rank), so that every phase after placement reads it front to back: how much of a
+// plan's time the samples' scattered order costs.
+void PlanPretrainBatch(benchmark::State& state, Policy policy, int max_shards, bool phases,
+                       bool in_plan_order = false) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
   const int threads = static_cast<int>(state.range(2));
   const PretrainStep pretrain(samples, ranks, policy, max_shards);
-  const std::vector<Sample>& batch = pretrain.batch;
+  std::vector<Sample> batch = pretrain.batch;
   const LatencyModel& model = pretrain.model;
   const RecallModel& recall = pretrain.recall;
   absl::StatusOr<ValidConfig> valid = ValidConfig::Check(pretrain.config);
@@ -34,6 +38,23 @@ void PlanPretrainBatch(benchmark::State& state, Policy policy, int max_shards, b
     return;
   }
   PlanThreads pool(threads);
+  if (in_plan_order) {
+    const absl::StatusOr<StepPlan> plan = PlanStep(batch, *valid, model, recall, &pool);
+    if (!plan.ok()) {
+      state.SkipWithError(std::string(plan.status().message()).c_str());
+      return;
+    }
+    // The trace numbers its samples from 0 in batch order.
+    std::vector<Sample> ordered;
+    for (const RankPlan& rank : plan->ranks) {
+      for (const MicroBatchPlan& micro_batch : rank.micro_batches) {
+        for (const PlannedSample& planned : micro_batch.samples) {
+          ordered.push_back(pretrain.batch[planned.id - pretrain.batch.front().id]);
+        }
+      }
+    }
+    batch = std::move(ordered);
+  }
   PlanPhaseSeconds step{};
   PlanPhaseSeconds total{};
   double makespan = 0.0;
@@ -77,6 +98,18 @@ BENCHMARK(BM_PlanPhases)
     ->Args({16384, 1024, 1})
     ->Args({65536, 4096, 1})
     ->Args({65536, 4096, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// The same with the batch laid out in plan order (PlanPretrainBatch): run beside BM_PlanPhases,
+// the difference is what the samples' scattered order costs a plan (README "Planning speed").
+//   sb-planner-bench --benchmark_filter='PlanPhases.*/65536/4096/1/'
+void BM_PlanPhasesInPlanOrder(benchmark::State& state) {
+  PlanPretrainBatch(state, Policy::kSparseBalance, /*max_shards=*/1, /*phases=*/true,
+                    /*in_plan_order=*/true);
+}
+BENCHMARK(BM_PlanPhasesInPlanOrder)
+    ->Args({65536, 4096, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
