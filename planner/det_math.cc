@@ -87,9 +87,11 @@ double TwiceAtanh(double s) {
 }  // namespace
 
 double DetExp(double x) {
-  if (std::isnan(x)) return x;
-  if (x > 709.78) return std::numeric_limits<double>::infinity();
-  if (x < -745.13) return 0.0;
+  // One test for the usual case; NaN fails it too.
+  if (!(x >= -745.13 && x <= 709.78)) {
+    if (std::isnan(x)) return x;
+    return x > 0 ? std::numeric_limits<double>::infinity() : 0.0;
+  }
   const double kd = RoundToInteger(x * kSixtyFourOverLn2);
   const int n = static_cast<int>(kd);
   const double r = (x - kd * kLn2Over64Hi) - kd * kLn2Over64Lo;
@@ -98,16 +100,21 @@ double DetExp(double x) {
       1.0 + r * (1.0 + r * (1.0 / 2 +
                             r * (1.0 / 6 + r * (1.0 / 24 + r * (1.0 / 120 + r * (1.0 / 720))))));
   const int j = n & (kExpTableSize - 1);
-  const int k = (n - j) / kExpTableSize;
+  // floor(n / 64): n - j is a multiple of 64, and an arithmetic shift needs no sign fix-up.
+  const int k = (n - j) >> kExpTableBits;
   const double scaled = kExp2Table[j] * p;
-  if (k > -1022 && k < 1023) return scaled * PowerOfTwo(k);  // exact scaling, no libm call
+  // k in [-1021, 1022] in one unsigned comparison: exact scaling, no libm call.
+  if (static_cast<unsigned>(k + 1021) < 2044u) return scaled * PowerOfTwo(k);
   return std::ldexp(scaled, k);
 }
 
 double DetLog(double x) {
-  if (std::isnan(x) || x < 0) return std::numeric_limits<double>::quiet_NaN();
-  if (x == 0) return -std::numeric_limits<double>::infinity();
-  if (std::isinf(x)) return x;
+  // One test for the usual case (positive and finite); NaN fails it too.
+  if (!(x > 0 && x <= std::numeric_limits<double>::max())) {
+    if (std::isnan(x) || x < 0) return std::numeric_limits<double>::quiet_NaN();
+    if (x == 0) return -std::numeric_limits<double>::infinity();
+    return x;  // +inf
+  }
   // x = m * 2^e with m in [sqrt(1/2), sqrt(2)).
   int e = 0;
   double m = 0.0;
