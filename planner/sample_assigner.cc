@@ -43,8 +43,8 @@ constexpr int kMinUnitsPerRank = 4;
 // Ranks ordered by (time, rank) in an indexed binary heap: O(log R) updates, the first rank in
 // O(1), and ranks in order by a best-first walk from the root, all on contiguous arrays (the
 // planner visits a few of the least loaded ranks per sample, 65,536 times at scale). Entries
-// carry their time, so that comparisons do not look it up per rank. Only the order is
-// observable (First, VisitInOrder), never the layout.
+// are keys that hold the time and the rank, so that comparisons do not look the time up per
+// rank. Only the order is observable (First, VisitInOrder), never the layout.
 template <bool kLargestFirst>
 class RankHeap {
  public:
@@ -54,21 +54,22 @@ class RankHeap {
     position_.resize(ranks);
     // Equal times: ordered by rank, which this initial layout already satisfies.
     for (int i = 0; i < ranks; ++i) {
-      heap_[i] = {0.0, kLargestFirst ? ranks - 1 - i : i};
-      position_[heap_[i].rank] = i;
+      const int rank = kLargestFirst ? ranks - 1 - i : i;
+      heap_[i] = MakeKey(0.0, rank);
+      position_[rank] = i;
     }
   }
 
   void Update(int rank, double time) {
     const int i = position_[rank];
-    const Entry entry{time, rank};
-    if (i > 0 && Before(entry, heap_[(i - 1) / 2])) {
-      SiftUp(i, entry);
+    const Key key = MakeKey(time, rank);
+    if (i > 0 && Before(key, heap_[(i - 1) / 2])) {
+      SiftUp(i, key);
     } else {
-      SiftDown(i, entry);
+      SiftDown(i, key);
     }
   }
-  int First() const { return heap_[0].rank; }
+  int First() const { return RankOf(heap_[0]); }
 
   // The first K ranks in order, as VisitInOrder would visit them, into `first`; returns how
   // many there are (K, or every rank when there are fewer). The K-th entry of a heap has at most
@@ -78,10 +79,10 @@ class RankHeap {
   int FirstRanks(std::array<int, K>* first) const {
     const int n = static_cast<int>(heap_.size());
     const int scan = std::min(n, (1 << K) - 1);
-    std::array<Entry, K> best;
+    std::array<Key, K> best;
     int count = 0;
     for (int i = 0; i < scan; ++i) {
-      const Entry& e = heap_[i];
+      const Key e = heap_[i];
       if (count == K && !Before(e, best[K - 1])) continue;
       int at = count < K ? count++ : K - 1;  // where e goes, before moving larger ones up
       while (at > 0 && Before(e, best[at - 1])) {
@@ -90,7 +91,7 @@ class RankHeap {
       }
       best[at] = e;
     }
-    for (int k = 0; k < count; ++k) (*first)[k] = best[k].rank;
+    for (int k = 0; k < count; ++k) (*first)[k] = RankOf(best[k]);
     return count;
   }
 
@@ -103,7 +104,7 @@ class RankHeap {
     frontier_.push_back({heap_[0], 0});
     while (!frontier_.empty()) {
       const Node node = frontier_.front();
-      if (!visit(node.entry.rank)) return;
+      if (!visit(RankOf(node.key))) return;
       // The node's children replace it: the first in its place, the second pushed.
       const int child = 2 * node.at + 1;
       if (child < n) {
@@ -118,54 +119,56 @@ class RankHeap {
   }
 
  private:
-  struct Entry {
-    double time;
-    int rank;
-  };
+  // (time, rank) as one unsigned integer, the time's bits made to order like the time (as
+  // CostKey's) above the rank: one comparison where there were two of doubles and one of ints.
+  // Times are never NaN. The compilers' own type: absl::uint128's conversions cost more.
+  using Key = unsigned __int128;
   // A heap entry and its index in heap_.
   struct Node {
-    Entry entry;
+    Key key;
     int at;
   };
 
-  // Without branches: which of two children comes first is a coin toss to the CPU's predictor.
-  static bool Before(const Entry& a, const Entry& b) {
-    if constexpr (kLargestFirst) {
-      return (a.time > b.time) | ((a.time == b.time) & (a.rank > b.rank));
-    } else {
-      return (a.time < b.time) | ((a.time == b.time) & (a.rank < b.rank));
-    }
+  static Key MakeKey(double time, int rank) {
+    if (time == 0.0) time = 0.0;  // -0.0 as 0.0, which it equals
+    uint64_t bits;
+    std::memcpy(&bits, &time, sizeof(bits));
+    // Negative times (all bits flipped) below positive ones (sign bit set).
+    bits ^= static_cast<uint64_t>(static_cast<int64_t>(bits) >> 63) | (uint64_t{1} << 63);
+    return (Key{bits} << 64) | static_cast<uint32_t>(rank);
   }
-  void Put(int i, const Entry& entry) {
-    heap_[i] = entry;
-    position_[entry.rank] = i;
+  static int RankOf(Key key) { return static_cast<int>(static_cast<uint32_t>(key)); }
+  static bool Before(Key a, Key b) { return kLargestFirst ? b < a : a < b; }
+  void Put(int i, Key key) {
+    heap_[i] = key;
+    position_[RankOf(key)] = i;
   }
-  // Puts `entry` at index i or above it, moving the entries it passes down.
-  void SiftUp(int i, const Entry& entry) {
-    while (i > 0 && Before(entry, heap_[(i - 1) / 2])) {
+  // Puts `key` at index i or above it, moving the entries it passes down.
+  void SiftUp(int i, Key key) {
+    while (i > 0 && Before(key, heap_[(i - 1) / 2])) {
       Put(i, heap_[(i - 1) / 2]);
       i = (i - 1) / 2;
     }
-    Put(i, entry);
+    Put(i, key);
   }
-  // Puts `entry` at index i or below it, moving the entries it passes up.
-  void SiftDown(int i, const Entry& entry) {
+  // Puts `key` at index i or below it, moving the entries it passes up.
+  void SiftDown(int i, Key key) {
     const int n = static_cast<int>(heap_.size());
     for (int child = 2 * i + 1; child < n; child = 2 * i + 1) {
       if (child + 1 < n) child += static_cast<int>(Before(heap_[child + 1], heap_[child]));
-      if (!Before(heap_[child], entry)) break;
+      if (!Before(heap_[child], key)) break;
       Put(i, heap_[child]);
       i = child;
     }
-    Put(i, entry);
+    Put(i, key);
   }
   // The same two on the frontier: `node` goes to its root (replacing it) or below.
   void SiftFrontierDown(const Node& node) {
     const int n = static_cast<int>(frontier_.size());
     int i = 0;
     for (int child = 1; child < n; child = 2 * i + 1) {
-      if (child + 1 < n && Before(frontier_[child + 1].entry, frontier_[child].entry)) ++child;
-      if (!Before(frontier_[child].entry, node.entry)) break;
+      if (child + 1 < n && Before(frontier_[child + 1].key, frontier_[child].key)) ++child;
+      if (!Before(frontier_[child].key, node.key)) break;
       frontier_[i] = frontier_[child];
       i = child;
     }
@@ -174,14 +177,14 @@ class RankHeap {
   void PushFrontier(const Node& node) {
     int i = static_cast<int>(frontier_.size());
     frontier_.push_back(node);
-    while (i > 0 && Before(node.entry, frontier_[(i - 1) / 2].entry)) {
+    while (i > 0 && Before(node.key, frontier_[(i - 1) / 2].key)) {
       frontier_[i] = frontier_[(i - 1) / 2];
       i = (i - 1) / 2;
     }
     frontier_[i] = node;
   }
 
-  std::vector<Entry> heap_;     // in heap layout
+  std::vector<Key> heap_;       // in heap layout
   std::vector<int> position_;   // per rank, its index in heap_
   std::vector<Node> frontier_;  // VisitInOrder's, smallest first
 };
