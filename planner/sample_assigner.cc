@@ -72,27 +72,55 @@ class RankHeap {
   int First() const { return RankOf(heap_[0]); }
 
   // The first K ranks in order, as VisitInOrder would visit them, into `first`; returns how
-  // many there are (K, or every rank when there are fewer). The K-th entry of a heap has at most
-  // K - 1 entries before it on its path from the root, so the first K lie in its top K levels:
-  // a scan of 2^K - 1 entries, without the walk's own heap.
+  // many there are (K, or every rank when there are fewer). The same best-first walk, on a
+  // frontier of at most K entries searched by a scan: fewer comparisons than a frontier heap's.
   template <int K>
   int FirstRanks(std::array<int, K>* first) const {
     const int n = static_cast<int>(heap_.size());
-    const int scan = std::min(n, (1 << K) - 1);
-    std::array<Key, K> best;
-    int count = 0;
-    for (int i = 0; i < scan; ++i) {
-      const Key e = heap_[i];
-      if (count == K && !Before(e, best[K - 1])) continue;
-      int at = count < K ? count++ : K - 1;  // where e goes, before moving larger ones up
-      while (at > 0 && Before(e, best[at - 1])) {
-        best[at] = best[at - 1];
-        --at;
+    // Indices in heap_ of the children of the ranks taken that are not taken yet: after k
+    // ranks, at most k + 1 of them.
+    std::array<int, K> frontier;
+    // Takes the first entry out of frontier[0, size) and returns its index in heap_.
+    auto take = [&](int size) {
+      int best = 0;
+      Key best_key = heap_[frontier[0]];
+#pragma GCC unroll 8
+      for (int j = 1; j < size; ++j) {
+        const Key key = heap_[frontier[j]];
+        if (Before(key, best_key)) {
+          best = j;
+          best_key = key;
+        }
       }
-      best[at] = e;
+      const int at = frontier[best];
+      frontier[best] = frontier[size - 1];
+      return at;
+    };
+    int at = 0;
+    if (n >= (1 << K) - 1) {
+      // The top K levels full: every child looked at exists (the first K - 1 ranks lie in the
+      // top K - 1 levels), so k + 1 entries after k ranks, a fixed walk the compiler unrolls.
+#pragma GCC unroll 8
+      for (int count = 1; count < K; ++count) {
+        (*first)[count - 1] = RankOf(heap_[at]);
+        frontier[count - 1] = 2 * at + 1;
+        frontier[count] = 2 * at + 2;
+        at = take(count + 1);
+      }
+      (*first)[K - 1] = RankOf(heap_[at]);
+      return K;
     }
-    for (int k = 0; k < count; ++k) (*first)[k] = RankOf(best[k]);
-    return count;
+    if (n == 0) return 0;
+    int size = 0;
+    for (int count = 1;; ++count) {
+      (*first)[count - 1] = RankOf(heap_[at]);
+      if (count == K) return K;
+      const int child = 2 * at + 1;
+      if (child < n) frontier[size++] = child;
+      if (child + 1 < n) frontier[size++] = child + 1;
+      if (size == 0) return count;
+      at = take(size--);
+    }
   }
 
   // Calls visit(rank) for ranks in order until it returns false or all were visited. The
