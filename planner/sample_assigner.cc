@@ -304,7 +304,6 @@ struct Workspace {
     RankHeap<false> heap;
     std::vector<int> placements;
     std::vector<int> unplaced;
-    std::vector<int> candidates;
     std::vector<int64_t> fit_free;
     absl::Status error;
   };
@@ -627,7 +626,6 @@ class Placer {
     int first = 0;                    // the heap's i-th rank is rank first + i
     std::vector<int>* placements = nullptr;
     std::vector<int64_t>* fit_free = nullptr;
-    std::vector<int>* candidates = nullptr;
     absl::Status* error = nullptr;  // the first InRange failure
     // At least the most free tokens of any micro-batch of the lane's ranks: a unit with a
     // longer member fits none of them. Set by a walk that visited every rank; ranks only fill
@@ -655,13 +653,19 @@ class Placer {
   void PlaceWorst(int u, int r, Lane& lane);
   // Places the unit's k-th member (longest first) in micro-batch slots[k].
   void Place(int u, int r, const std::vector<int>& slots);
-  // Adds the placed unit to the rank's load and list.
+  // Adds the placed unit to the rank's load and list; the caller checked InRange(u, r).
   void Attach(int u, int r, Lane& lane);
   // Whether u and r index a unit and a rank. A false answer is a bug (the batch and config
   // were validated, so every cost is finite and non-negative and every choice is a rank), but
   // it must never become an out-of-bounds write: it records the lane's error, which the
-  // placement returns, and the caller writes nothing.
-  bool InRange(int u, int r, Lane& lane);
+  // placement returns, and the caller writes nothing. Inline, as it runs per placement.
+  bool InRange(int u, int r, Lane& lane) {
+    if (u >= 0 && u < static_cast<int>(units_.size()) && r >= 0 && r < config_.ranks) return true;
+    OutOfRange(u, r, lane);
+    return false;
+  }
+  // Records InRange's error.
+  void OutOfRange(int u, int r, Lane& lane);
   void Remove(int u, int r);
   // Refreshes the rank's place in the lane's heap and its largest free micro-batch.
   void Updated(int r, Lane& lane);
@@ -697,11 +701,10 @@ class Placer {
   mutable std::vector<int64_t> fit_free_;   // FitsWorst's and FitInOrder's free tokens
   mutable std::vector<int64_t> swap_free_;  // FitsAfterSwap's free tokens
   mutable std::vector<int> arrival_;        // FitInOrder's member places in arrival order
-  std::vector<int> candidates_;             // PlaceBalanced's over every rank
   // With parts: where each part's placements begin in placements_, and where the rest begin.
   std::vector<int> part_placed_;
   // The whole placement's lane; its heap is least_loaded_ once Balanced starts.
-  Lane whole_{nullptr, 0, &placements_, &fit_free_, &candidates_, &error_};
+  Lane whole_{nullptr, 0, &placements_, &fit_free_, &error_};
 };
 
 bool Placer::FitsWorst(const Unit& unit, const int64_t* free_in, std::vector<int64_t>& free) const {
@@ -747,14 +750,12 @@ bool Placer::FitInOrder(const Unit& unit, const int64_t* free_in, int* cursor,
   return true;
 }
 
-bool Placer::InRange(int u, int r, Lane& lane) {
-  if (u >= 0 && u < static_cast<int>(units_.size()) && r >= 0 && r < config_.ranks) return true;
+void Placer::OutOfRange(int u, int r, Lane& lane) {
   if (lane.error->ok()) {
     *lane.error = absl::InternalError(absl::StrCat("sample placement chose unit ", u, " and rank ",
                                                    r, " outside [0, ", units_.size(), ") x [0, ",
                                                    config_.ranks, "); the step was not planned"));
   }
-  return false;
 }
 
 void Placer::PlaceWorst(int u, int r, Lane& lane) {
@@ -786,7 +787,6 @@ void Placer::Place(int u, int r, const std::vector<int>& slots) {
 }
 
 void Placer::Attach(int u, int r, Lane& lane) {
-  if (!InRange(u, r, lane)) return;
   RankState& rank = ranks_[r];
   Unit& unit = units_[u];
   rank.load += unit.cost;
@@ -889,8 +889,6 @@ absl::StatusOr<Assignment> Placer::Sequential() {
 absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   const Unit& unit = units_[u];
   if (unit.longest > lane.most_free) return false;
-  std::vector<int>& candidates = *lane.candidates;
-  candidates.clear();
   auto takes = [&](int r) {
     return ranks_[r].max_free >= unit.longest &&
            (unit.size == 1 || FitsWorst(unit, Free(r), *lane.fit_free));
@@ -898,35 +896,35 @@ absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   // The usual case first: the kCandidates least loaded ranks all take the unit, so they are the
   // candidates the walk below would find (the same ranks; the choice after does not depend on
   // their order), read off the top of the heap.
-  std::array<int, kCandidates> least;
-  if (lane.heap->FirstRanks<kCandidates>(&least) == kCandidates &&
-      std::all_of(least.begin(), least.end(), [&](int i) { return takes(lane.first + i); })) {
-    for (int i : least) candidates.push_back(lane.first + i);
-  }
-  int64_t most_free = 0;
-  bool every_rank = candidates.empty();
-  if (every_rank) {
+  std::array<int, kCandidates> candidates;
+  int count = lane.heap->FirstRanks<kCandidates>(&candidates);
+  for (int k = 0; k < count; ++k) candidates[k] += lane.first;
+  if (count < kCandidates ||
+      !std::all_of(candidates.begin(), candidates.end(), [&](int r) { return takes(r); })) {
+    count = 0;
+    int64_t most_free = 0;
     lane.heap->VisitInOrder([&](int i) {
       const int r = lane.first + i;
       most_free = std::max(most_free, ranks_[r].max_free);
-      if (takes(r)) candidates.push_back(r);
-      every_rank = static_cast<int>(candidates.size()) < kCandidates;
-      return every_rank;
+      if (takes(r)) candidates[count++] = r;
+      return count < kCandidates;
     });
+    if (count < kCandidates) lane.most_free = most_free;  // the walk visited every rank
   }
-  if (every_rank) lane.most_free = most_free;
-  if (candidates.empty()) return false;
+  if (count == 0) return false;
+  std::array<double, kCandidates> times;
   double best_time = 0.0;
-  for (size_t k = 0; k < candidates.size(); ++k) {
+  for (int k = 0; k < count; ++k) {
     const RankState& rank = ranks_[candidates[k]];
-    const double t = rank.speed * (rank.load + unit.cost);
-    if (k == 0 || t < best_time) best_time = t;
+    times[k] = rank.speed * (rank.load + unit.cost);
+    if (k == 0 || times[k] < best_time) best_time = times[k];
   }
   int chosen = -1;
   double chosen_time = 0.0;
-  for (int r : candidates) {
+  for (int k = 0; k < count; ++k) {
+    const int r = candidates[k];
     const RankState& rank = ranks_[r];
-    const double t = rank.speed * (rank.load + unit.cost);
+    const double t = times[k];
     if (t > best_time * (1.0 + kTieShare)) continue;
     if (chosen < 0 || rank.rigid < ranks_[chosen].rigid ||
         (rank.rigid == ranks_[chosen].rigid &&
@@ -956,7 +954,7 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
     part.error = absl::OkStatus();
     const int first = PartFirstRank(p, parts, config_.ranks);
     part.heap.Reset(PartFirstRank(p + 1, parts, config_.ranks) - first);
-    Lane lane{&part.heap, first, &part.placements, &part.fit_free, &part.candidates, &part.error};
+    Lane lane{&part.heap, first, &part.placements, &part.fit_free, &part.error};
     for (int u = part_begin_[p]; u < part_begin_[p + 1]; ++u) {
       absl::StatusOr<bool> placed = PlaceBalanced(u, lane);
       if (!placed.ok()) {
