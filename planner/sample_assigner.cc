@@ -758,7 +758,9 @@ void Placer::OutOfRange(int u, int r, Lane& lane) {
   }
 }
 
-void Placer::PlaceWorst(int u, int r, Lane& lane) {
+// Inline, as are Attach and Updated that it calls: they run once per placement, and their calls
+// cost about 60 instructions of a placement's 1,000.
+inline void Placer::PlaceWorst(int u, int r, Lane& lane) {
   if (!InRange(u, r, lane)) return;
   // The same choices as FitsWorst, made on the rank's own free tokens.
   const Unit& unit = units_[u];
@@ -786,7 +788,7 @@ void Placer::Place(int u, int r, const std::vector<int>& slots) {
   Attach(u, r, whole_);
 }
 
-void Placer::Attach(int u, int r, Lane& lane) {
+inline void Placer::Attach(int u, int r, Lane& lane) {
   RankState& rank = ranks_[r];
   Unit& unit = units_[u];
   rank.load += unit.cost;
@@ -829,7 +831,7 @@ void Placer::Remove(int u, int r) {
   Updated(r, whole_);
 }
 
-void Placer::Updated(int r, Lane& lane) {
+inline void Placer::Updated(int r, Lane& lane) {
   if (lane.heap != nullptr) lane.heap->Update(r - lane.first, Time(r));
   const int64_t* free = Free(r);
   ranks_[r].max_free = *std::max_element(free, free + micro_batches_);
