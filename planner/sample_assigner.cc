@@ -50,7 +50,8 @@ class RankHeap {
  public:
   // All ranks at time 0. Keeps the arrays' capacity, so that a reused heap does not allocate.
   void Reset(int ranks) {
-    heap_.resize(ranks);
+    heap_.resize(ranks + 1);
+    heap_[ranks] = kLargestFirst ? Key{0} : ~Key{0};
     position_.resize(ranks);
     // Equal times: ordered by rank, which this initial layout already satisfies.
     for (int i = 0; i < ranks; ++i) {
@@ -76,7 +77,7 @@ class RankHeap {
   // frontier of at most K entries searched by a scan: fewer comparisons than a frontier heap's.
   template <int K>
   int FirstRanks(std::array<int, K>* first) const {
-    const int n = static_cast<int>(heap_.size());
+    const int n = static_cast<int>(heap_.size()) - 1;
     // Indices in heap_ of the children of the ranks taken that are not taken yet: after k
     // ranks, at most k + 1 of them.
     std::array<int, K> frontier;
@@ -110,7 +111,7 @@ class RankHeap {
       (*first)[K - 1] = RankOf(heap_[at]);
       return K;
     }
-    if (n == 0) return 0;
+    if (n <= 0) return 0;
     int size = 0;
     for (int count = 1;; ++count) {
       (*first)[count - 1] = RankOf(heap_[at]);
@@ -127,7 +128,7 @@ class RankHeap {
   // frontier of the walk (the root of each part not yet visited) is a binary heap of its own.
   template <typename Visit>
   void VisitInOrder(Visit visit) {
-    const int n = static_cast<int>(heap_.size());
+    const int n = static_cast<int>(heap_.size()) - 1;
     frontier_.clear();
     frontier_.push_back({heap_[0], 0});
     while (!frontier_.empty()) {
@@ -181,9 +182,9 @@ class RankHeap {
   }
   // Puts `key` at index i or below it, moving the entries it passes up.
   void SiftDown(int i, Key key) {
-    const int n = static_cast<int>(heap_.size());
+    const int n = static_cast<int>(heap_.size()) - 1;
     for (int child = 2 * i + 1; child < n; child = 2 * i + 1) {
-      if (child + 1 < n) child += static_cast<int>(Before(heap_[child + 1], heap_[child]));
+      child += static_cast<int>(Before(heap_[child + 1], heap_[child]));  // maybe the sentinel
       if (!Before(heap_[child], key)) break;
       Put(i, heap_[child]);
       i = child;
@@ -212,7 +213,8 @@ class RankHeap {
     frontier_[i] = node;
   }
 
-  std::vector<Key> heap_;       // in heap layout
+  // In heap layout, then a sentinel after every key, so that every parent has a second child.
+  std::vector<Key> heap_;
   std::vector<int> position_;   // per rank, its index in heap_
   std::vector<Node> frontier_;  // VisitInOrder's, smallest first
 };
