@@ -48,17 +48,17 @@ constexpr int kMinUnitsPerRank = 4;
 template <bool kLargestFirst>
 class RankHeap {
  public:
-  // All ranks at time 0. Keeps the arrays' capacity, so that a reused heap does not allocate.
-  void Reset(int ranks) {
+  // Every rank r of [0, ranks) at time time_of(r), the heap built bottom up: O(ranks), where as
+  // many updates took O(ranks log ranks). Keeps the arrays' capacity, so that a reused heap
+  // does not allocate.
+  template <typename TimeOf>
+  void Reset(int ranks, TimeOf time_of) {
     heap_.resize(ranks + 1);
     heap_[ranks] = kLargestFirst ? Key{0} : ~Key{0};
     position_.resize(ranks);
-    // Equal times: ordered by rank, which this initial layout already satisfies.
-    for (int i = 0; i < ranks; ++i) {
-      const int rank = kLargestFirst ? ranks - 1 - i : i;
-      heap_[i] = MakeKey(0.0, rank);
-      position_[rank] = i;
-    }
+    for (int r = 0; r < ranks; ++r) heap_[r] = MakeKey(time_of(r), r);
+    for (int i = ranks / 2 - 1; i >= 0; --i) SiftDown(i, heap_[i]);
+    for (int i = 0; i < ranks; ++i) position_[RankOf(heap_[i])] = i;
   }
 
   void Update(int rank, double time) {
@@ -957,7 +957,7 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
     part.unplaced.clear();
     part.error = absl::OkStatus();
     const int first = PartFirstRank(p, parts, config_.ranks);
-    part.heap.Reset(PartFirstRank(p + 1, parts, config_.ranks) - first);
+    part.heap.Reset(PartFirstRank(p + 1, parts, config_.ranks) - first, [](int) { return 0.0; });
     Lane lane{&part.heap, first, &part.placements, &part.fit_free, &part.error};
     for (int u = part_begin_[p]; u < part_begin_[p + 1]; ++u) {
       absl::StatusOr<bool> placed = PlaceBalanced(u, lane);
@@ -988,7 +988,7 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
     }
     part_placed_.push_back(static_cast<int>(placements_.size()));
   }
-  for (int r = 0; r < config_.ranks; ++r) least_loaded_.Update(r, Time(r));
+  least_loaded_.Reset(config_.ranks, [&](int r) { return Time(r); });
   // What is left, in the order of the whole placement: largest first, ties in arrival order.
   rest->clear();
   for (const Workspace::Part& part : parts_) {
@@ -1003,11 +1003,8 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
 }
 
 absl::StatusOr<Assignment> Placer::Balanced(PlanThreads* threads) {
-  least_loaded_.Reset(config_.ranks);
+  least_loaded_.Reset(config_.ranks, [&](int r) { return Time(r); });  // shards placed before
   whole_.heap = &least_loaded_;
-  for (int r = 0; r < config_.ranks; ++r) {
-    if (ranks_[r].load > 0) least_loaded_.Update(r, Time(r));  // shards placed before
-  }
   std::vector<int> deferred;
   auto place = [&](int u) {
     absl::StatusOr<bool> placed = PlaceBalanced(u, whole_);
@@ -1067,8 +1064,7 @@ void Placer::ImproveMaxRank() {
   const double bound = MakespanLowerBound(total, largest, speeds);
   const int limit = 4 * config_.ranks + 64;
   // Only this search reads the most loaded rank: each move below changes hi and lo alone.
-  most_loaded_.Reset(config_.ranks);
-  for (int r = 0; r < config_.ranks; ++r) most_loaded_.Update(r, Time(r));
+  most_loaded_.Reset(config_.ranks, [&](int r) { return Time(r); });
   // Ties between candidates, and between units of equal cost, are broken in arrival order
   // (Unit::first; -1 for no unit), whatever order the units were placed in.
   struct Candidate {
