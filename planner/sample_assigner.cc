@@ -43,67 +43,97 @@ constexpr int kMinUnitsPerRank = 4;
 // Ranks ordered by (time, rank) in an indexed binary heap: O(log R) updates, the first rank in
 // O(1), and ranks in order by a best-first walk from the root, all on contiguous arrays (the
 // planner visits a few of the least loaded ranks per sample, 65,536 times at scale). Entries
-// carry their time, so that comparisons do not look it up per rank. Only the order is
-// observable (First, VisitInOrder), never the layout.
+// are keys that hold the time and the rank, so that comparisons do not look the time up per
+// rank. Only the order is observable (First, VisitInOrder), never the layout.
 template <bool kLargestFirst>
 class RankHeap {
  public:
-  // All ranks at time 0. Keeps the arrays' capacity, so that a reused heap does not allocate.
-  void Reset(int ranks) {
-    heap_.resize(ranks);
+  // Every rank r of [0, ranks) at time time_of(r), the heap built bottom up: O(ranks), where as
+  // many updates took O(ranks log ranks). Keeps the arrays' capacity, so that a reused heap
+  // does not allocate.
+  template <typename TimeOf>
+  void Reset(int ranks, TimeOf time_of) {
+    heap_.resize(ranks + 1);
+    heap_[ranks] = kLargestFirst ? Key{0} : ~Key{0};
     position_.resize(ranks);
-    // Equal times: ordered by rank, which this initial layout already satisfies.
-    for (int i = 0; i < ranks; ++i) {
-      heap_[i] = {0.0, kLargestFirst ? ranks - 1 - i : i};
-      position_[heap_[i].rank] = i;
-    }
+    for (int r = 0; r < ranks; ++r) heap_[r] = MakeKey(time_of(r), r);
+    for (int i = ranks / 2 - 1; i >= 0; --i) SiftDown(i, heap_[i]);
+    for (int i = 0; i < ranks; ++i) position_[RankOf(heap_[i])] = i;
   }
 
   void Update(int rank, double time) {
     const int i = position_[rank];
-    const Entry entry{time, rank};
-    if (i > 0 && Before(entry, heap_[(i - 1) / 2])) {
-      SiftUp(i, entry);
+    const Key key = MakeKey(time, rank);
+    if (i > 0 && Before(key, heap_[(i - 1) / 2])) {
+      SiftUp(i, key);
     } else {
-      SiftDown(i, entry);
+      SiftDown(i, key);
     }
   }
-  int First() const { return heap_[0].rank; }
+  int First() const { return RankOf(heap_[0]); }
 
   // The first K ranks in order, as VisitInOrder would visit them, into `first`; returns how
-  // many there are (K, or every rank when there are fewer). The K-th entry of a heap has at most
-  // K - 1 entries before it on its path from the root, so the first K lie in its top K levels:
-  // a scan of 2^K - 1 entries, without the walk's own heap.
+  // many there are (K, or every rank when there are fewer). The same best-first walk, on a
+  // frontier of at most K entries searched by a scan: fewer comparisons than a frontier heap's.
   template <int K>
   int FirstRanks(std::array<int, K>* first) const {
-    const int n = static_cast<int>(heap_.size());
-    const int scan = std::min(n, (1 << K) - 1);
-    std::array<Entry, K> best;
-    int count = 0;
-    for (int i = 0; i < scan; ++i) {
-      const Entry& e = heap_[i];
-      if (count == K && !Before(e, best[K - 1])) continue;
-      int at = count < K ? count++ : K - 1;  // where e goes, before moving larger ones up
-      while (at > 0 && Before(e, best[at - 1])) {
-        best[at] = best[at - 1];
-        --at;
+    const int n = static_cast<int>(heap_.size()) - 1;
+    // Indices in heap_ of the children of the ranks taken that are not taken yet: after k
+    // ranks, at most k + 1 of them.
+    std::array<int, K> frontier;
+    // Takes the first entry out of frontier[0, size) and returns its index in heap_.
+    auto take = [&](int size) {
+      int best = 0;
+      Key best_key = heap_[frontier[0]];
+#pragma GCC unroll 8
+      for (int j = 1; j < size; ++j) {
+        const Key key = heap_[frontier[j]];
+        if (Before(key, best_key)) {
+          best = j;
+          best_key = key;
+        }
       }
-      best[at] = e;
+      const int at = frontier[best];
+      frontier[best] = frontier[size - 1];
+      return at;
+    };
+    int at = 0;
+    if (n >= (1 << K) - 1) {
+      // The top K levels full: every child looked at exists (the first K - 1 ranks lie in the
+      // top K - 1 levels), so k + 1 entries after k ranks, a fixed walk the compiler unrolls.
+#pragma GCC unroll 8
+      for (int count = 1; count < K; ++count) {
+        (*first)[count - 1] = RankOf(heap_[at]);
+        frontier[count - 1] = 2 * at + 1;
+        frontier[count] = 2 * at + 2;
+        at = take(count + 1);
+      }
+      (*first)[K - 1] = RankOf(heap_[at]);
+      return K;
     }
-    for (int k = 0; k < count; ++k) (*first)[k] = best[k].rank;
-    return count;
+    if (n <= 0) return 0;
+    int size = 0;
+    for (int count = 1;; ++count) {
+      (*first)[count - 1] = RankOf(heap_[at]);
+      if (count == K) return K;
+      const int child = 2 * at + 1;
+      if (child < n) frontier[size++] = child;
+      if (child + 1 < n) frontier[size++] = child + 1;
+      if (size == 0) return count;
+      at = take(size--);
+    }
   }
 
   // Calls visit(rank) for ranks in order until it returns false or all were visited. The
   // frontier of the walk (the root of each part not yet visited) is a binary heap of its own.
   template <typename Visit>
   void VisitInOrder(Visit visit) {
-    const int n = static_cast<int>(heap_.size());
+    const int n = static_cast<int>(heap_.size()) - 1;
     frontier_.clear();
     frontier_.push_back({heap_[0], 0});
     while (!frontier_.empty()) {
       const Node node = frontier_.front();
-      if (!visit(node.entry.rank)) return;
+      if (!visit(RankOf(node.key))) return;
       // The node's children replace it: the first in its place, the second pushed.
       const int child = 2 * node.at + 1;
       if (child < n) {
@@ -118,54 +148,56 @@ class RankHeap {
   }
 
  private:
-  struct Entry {
-    double time;
-    int rank;
-  };
+  // (time, rank) as one unsigned integer, the time's bits made to order like the time (as
+  // CostKey's) above the rank: one comparison where there were two of doubles and one of ints.
+  // Times are never NaN. The compilers' own type: absl::uint128's conversions cost more.
+  using Key = unsigned __int128;
   // A heap entry and its index in heap_.
   struct Node {
-    Entry entry;
+    Key key;
     int at;
   };
 
-  // Without branches: which of two children comes first is a coin toss to the CPU's predictor.
-  static bool Before(const Entry& a, const Entry& b) {
-    if constexpr (kLargestFirst) {
-      return (a.time > b.time) | ((a.time == b.time) & (a.rank > b.rank));
-    } else {
-      return (a.time < b.time) | ((a.time == b.time) & (a.rank < b.rank));
-    }
+  static Key MakeKey(double time, int rank) {
+    if (time == 0.0) time = 0.0;  // -0.0 as 0.0, which it equals
+    uint64_t bits;
+    std::memcpy(&bits, &time, sizeof(bits));
+    // Negative times (all bits flipped) below positive ones (sign bit set).
+    bits ^= static_cast<uint64_t>(static_cast<int64_t>(bits) >> 63) | (uint64_t{1} << 63);
+    return (Key{bits} << 64) | static_cast<uint32_t>(rank);
   }
-  void Put(int i, const Entry& entry) {
-    heap_[i] = entry;
-    position_[entry.rank] = i;
+  static int RankOf(Key key) { return static_cast<int>(static_cast<uint32_t>(key)); }
+  static bool Before(Key a, Key b) { return kLargestFirst ? b < a : a < b; }
+  void Put(int i, Key key) {
+    heap_[i] = key;
+    position_[RankOf(key)] = i;
   }
-  // Puts `entry` at index i or above it, moving the entries it passes down.
-  void SiftUp(int i, const Entry& entry) {
-    while (i > 0 && Before(entry, heap_[(i - 1) / 2])) {
+  // Puts `key` at index i or above it, moving the entries it passes down.
+  void SiftUp(int i, Key key) {
+    while (i > 0 && Before(key, heap_[(i - 1) / 2])) {
       Put(i, heap_[(i - 1) / 2]);
       i = (i - 1) / 2;
     }
-    Put(i, entry);
+    Put(i, key);
   }
-  // Puts `entry` at index i or below it, moving the entries it passes up.
-  void SiftDown(int i, const Entry& entry) {
-    const int n = static_cast<int>(heap_.size());
+  // Puts `key` at index i or below it, moving the entries it passes up.
+  void SiftDown(int i, Key key) {
+    const int n = static_cast<int>(heap_.size()) - 1;
     for (int child = 2 * i + 1; child < n; child = 2 * i + 1) {
-      if (child + 1 < n) child += static_cast<int>(Before(heap_[child + 1], heap_[child]));
-      if (!Before(heap_[child], entry)) break;
+      child += static_cast<int>(Before(heap_[child + 1], heap_[child]));  // maybe the sentinel
+      if (!Before(heap_[child], key)) break;
       Put(i, heap_[child]);
       i = child;
     }
-    Put(i, entry);
+    Put(i, key);
   }
   // The same two on the frontier: `node` goes to its root (replacing it) or below.
   void SiftFrontierDown(const Node& node) {
     const int n = static_cast<int>(frontier_.size());
     int i = 0;
     for (int child = 1; child < n; child = 2 * i + 1) {
-      if (child + 1 < n && Before(frontier_[child + 1].entry, frontier_[child].entry)) ++child;
-      if (!Before(frontier_[child].entry, node.entry)) break;
+      if (child + 1 < n && Before(frontier_[child + 1].key, frontier_[child].key)) ++child;
+      if (!Before(frontier_[child].key, node.key)) break;
       frontier_[i] = frontier_[child];
       i = child;
     }
@@ -174,14 +206,15 @@ class RankHeap {
   void PushFrontier(const Node& node) {
     int i = static_cast<int>(frontier_.size());
     frontier_.push_back(node);
-    while (i > 0 && Before(node.entry, frontier_[(i - 1) / 2].entry)) {
+    while (i > 0 && Before(node.key, frontier_[(i - 1) / 2].key)) {
       frontier_[i] = frontier_[(i - 1) / 2];
       i = (i - 1) / 2;
     }
     frontier_[i] = node;
   }
 
-  std::vector<Entry> heap_;     // in heap layout
+  // In heap layout, then a sentinel after every key, so that every parent has a second child.
+  std::vector<Key> heap_;
   std::vector<int> position_;   // per rank, its index in heap_
   std::vector<Node> frontier_;  // VisitInOrder's, smallest first
 };
@@ -273,7 +306,6 @@ struct Workspace {
     RankHeap<false> heap;
     std::vector<int> placements;
     std::vector<int> unplaced;
-    std::vector<int> candidates;
     std::vector<int64_t> fit_free;
     absl::Status error;
   };
@@ -596,7 +628,6 @@ class Placer {
     int first = 0;                    // the heap's i-th rank is rank first + i
     std::vector<int>* placements = nullptr;
     std::vector<int64_t>* fit_free = nullptr;
-    std::vector<int>* candidates = nullptr;
     absl::Status* error = nullptr;  // the first InRange failure
     // At least the most free tokens of any micro-batch of the lane's ranks: a unit with a
     // longer member fits none of them. Set by a walk that visited every rank; ranks only fill
@@ -624,13 +655,19 @@ class Placer {
   void PlaceWorst(int u, int r, Lane& lane);
   // Places the unit's k-th member (longest first) in micro-batch slots[k].
   void Place(int u, int r, const std::vector<int>& slots);
-  // Adds the placed unit to the rank's load and list.
+  // Adds the placed unit to the rank's load and list; the caller checked InRange(u, r).
   void Attach(int u, int r, Lane& lane);
   // Whether u and r index a unit and a rank. A false answer is a bug (the batch and config
   // were validated, so every cost is finite and non-negative and every choice is a rank), but
   // it must never become an out-of-bounds write: it records the lane's error, which the
-  // placement returns, and the caller writes nothing.
-  bool InRange(int u, int r, Lane& lane);
+  // placement returns, and the caller writes nothing. Inline, as it runs per placement.
+  bool InRange(int u, int r, Lane& lane) {
+    if (u >= 0 && u < static_cast<int>(units_.size()) && r >= 0 && r < config_.ranks) return true;
+    OutOfRange(u, r, lane);
+    return false;
+  }
+  // Records InRange's error.
+  void OutOfRange(int u, int r, Lane& lane);
   void Remove(int u, int r);
   // Refreshes the rank's place in the lane's heap and its largest free micro-batch.
   void Updated(int r, Lane& lane);
@@ -666,11 +703,10 @@ class Placer {
   mutable std::vector<int64_t> fit_free_;   // FitsWorst's and FitInOrder's free tokens
   mutable std::vector<int64_t> swap_free_;  // FitsAfterSwap's free tokens
   mutable std::vector<int> arrival_;        // FitInOrder's member places in arrival order
-  std::vector<int> candidates_;             // PlaceBalanced's over every rank
   // With parts: where each part's placements begin in placements_, and where the rest begin.
   std::vector<int> part_placed_;
   // The whole placement's lane; its heap is least_loaded_ once Balanced starts.
-  Lane whole_{nullptr, 0, &placements_, &fit_free_, &candidates_, &error_};
+  Lane whole_{nullptr, 0, &placements_, &fit_free_, &error_};
 };
 
 bool Placer::FitsWorst(const Unit& unit, const int64_t* free_in, std::vector<int64_t>& free) const {
@@ -716,17 +752,17 @@ bool Placer::FitInOrder(const Unit& unit, const int64_t* free_in, int* cursor,
   return true;
 }
 
-bool Placer::InRange(int u, int r, Lane& lane) {
-  if (u >= 0 && u < static_cast<int>(units_.size()) && r >= 0 && r < config_.ranks) return true;
+void Placer::OutOfRange(int u, int r, Lane& lane) {
   if (lane.error->ok()) {
     *lane.error = absl::InternalError(absl::StrCat("sample placement chose unit ", u, " and rank ",
                                                    r, " outside [0, ", units_.size(), ") x [0, ",
                                                    config_.ranks, "); the step was not planned"));
   }
-  return false;
 }
 
-void Placer::PlaceWorst(int u, int r, Lane& lane) {
+// Inline, as are Attach and Updated that it calls: they run once per placement, and their calls
+// cost about 60 instructions of a placement's 1,000.
+inline void Placer::PlaceWorst(int u, int r, Lane& lane) {
   if (!InRange(u, r, lane)) return;
   // The same choices as FitsWorst, made on the rank's own free tokens.
   const Unit& unit = units_[u];
@@ -754,8 +790,7 @@ void Placer::Place(int u, int r, const std::vector<int>& slots) {
   Attach(u, r, whole_);
 }
 
-void Placer::Attach(int u, int r, Lane& lane) {
-  if (!InRange(u, r, lane)) return;
+inline void Placer::Attach(int u, int r, Lane& lane) {
   RankState& rank = ranks_[r];
   Unit& unit = units_[u];
   rank.load += unit.cost;
@@ -798,7 +833,7 @@ void Placer::Remove(int u, int r) {
   Updated(r, whole_);
 }
 
-void Placer::Updated(int r, Lane& lane) {
+inline void Placer::Updated(int r, Lane& lane) {
   if (lane.heap != nullptr) lane.heap->Update(r - lane.first, Time(r));
   const int64_t* free = Free(r);
   ranks_[r].max_free = *std::max_element(free, free + micro_batches_);
@@ -858,8 +893,6 @@ absl::StatusOr<Assignment> Placer::Sequential() {
 absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   const Unit& unit = units_[u];
   if (unit.longest > lane.most_free) return false;
-  std::vector<int>& candidates = *lane.candidates;
-  candidates.clear();
   auto takes = [&](int r) {
     return ranks_[r].max_free >= unit.longest &&
            (unit.size == 1 || FitsWorst(unit, Free(r), *lane.fit_free));
@@ -867,35 +900,35 @@ absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   // The usual case first: the kCandidates least loaded ranks all take the unit, so they are the
   // candidates the walk below would find (the same ranks; the choice after does not depend on
   // their order), read off the top of the heap.
-  std::array<int, kCandidates> least;
-  if (lane.heap->FirstRanks<kCandidates>(&least) == kCandidates &&
-      std::all_of(least.begin(), least.end(), [&](int i) { return takes(lane.first + i); })) {
-    for (int i : least) candidates.push_back(lane.first + i);
-  }
-  int64_t most_free = 0;
-  bool every_rank = candidates.empty();
-  if (every_rank) {
+  std::array<int, kCandidates> candidates;
+  int count = lane.heap->FirstRanks<kCandidates>(&candidates);
+  for (int k = 0; k < count; ++k) candidates[k] += lane.first;
+  if (count < kCandidates ||
+      !std::all_of(candidates.begin(), candidates.end(), [&](int r) { return takes(r); })) {
+    count = 0;
+    int64_t most_free = 0;
     lane.heap->VisitInOrder([&](int i) {
       const int r = lane.first + i;
       most_free = std::max(most_free, ranks_[r].max_free);
-      if (takes(r)) candidates.push_back(r);
-      every_rank = static_cast<int>(candidates.size()) < kCandidates;
-      return every_rank;
+      if (takes(r)) candidates[count++] = r;
+      return count < kCandidates;
     });
+    if (count < kCandidates) lane.most_free = most_free;  // the walk visited every rank
   }
-  if (every_rank) lane.most_free = most_free;
-  if (candidates.empty()) return false;
+  if (count == 0) return false;
+  std::array<double, kCandidates> times;
   double best_time = 0.0;
-  for (size_t k = 0; k < candidates.size(); ++k) {
+  for (int k = 0; k < count; ++k) {
     const RankState& rank = ranks_[candidates[k]];
-    const double t = rank.speed * (rank.load + unit.cost);
-    if (k == 0 || t < best_time) best_time = t;
+    times[k] = rank.speed * (rank.load + unit.cost);
+    if (k == 0 || times[k] < best_time) best_time = times[k];
   }
   int chosen = -1;
   double chosen_time = 0.0;
-  for (int r : candidates) {
+  for (int k = 0; k < count; ++k) {
+    const int r = candidates[k];
     const RankState& rank = ranks_[r];
-    const double t = rank.speed * (rank.load + unit.cost);
+    const double t = times[k];
     if (t > best_time * (1.0 + kTieShare)) continue;
     if (chosen < 0 || rank.rigid < ranks_[chosen].rigid ||
         (rank.rigid == ranks_[chosen].rigid &&
@@ -924,8 +957,8 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
     part.unplaced.clear();
     part.error = absl::OkStatus();
     const int first = PartFirstRank(p, parts, config_.ranks);
-    part.heap.Reset(PartFirstRank(p + 1, parts, config_.ranks) - first);
-    Lane lane{&part.heap, first, &part.placements, &part.fit_free, &part.candidates, &part.error};
+    part.heap.Reset(PartFirstRank(p + 1, parts, config_.ranks) - first, [](int) { return 0.0; });
+    Lane lane{&part.heap, first, &part.placements, &part.fit_free, &part.error};
     for (int u = part_begin_[p]; u < part_begin_[p + 1]; ++u) {
       absl::StatusOr<bool> placed = PlaceBalanced(u, lane);
       if (!placed.ok()) {
@@ -955,7 +988,7 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
     }
     part_placed_.push_back(static_cast<int>(placements_.size()));
   }
-  for (int r = 0; r < config_.ranks; ++r) least_loaded_.Update(r, Time(r));
+  least_loaded_.Reset(config_.ranks, [&](int r) { return Time(r); });
   // What is left, in the order of the whole placement: largest first, ties in arrival order.
   rest->clear();
   for (const Workspace::Part& part : parts_) {
@@ -970,11 +1003,8 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
 }
 
 absl::StatusOr<Assignment> Placer::Balanced(PlanThreads* threads) {
-  least_loaded_.Reset(config_.ranks);
+  least_loaded_.Reset(config_.ranks, [&](int r) { return Time(r); });  // shards placed before
   whole_.heap = &least_loaded_;
-  for (int r = 0; r < config_.ranks; ++r) {
-    if (ranks_[r].load > 0) least_loaded_.Update(r, Time(r));  // shards placed before
-  }
   std::vector<int> deferred;
   auto place = [&](int u) {
     absl::StatusOr<bool> placed = PlaceBalanced(u, whole_);
@@ -1034,8 +1064,7 @@ void Placer::ImproveMaxRank() {
   const double bound = MakespanLowerBound(total, largest, speeds);
   const int limit = 4 * config_.ranks + 64;
   // Only this search reads the most loaded rank: each move below changes hi and lo alone.
-  most_loaded_.Reset(config_.ranks);
-  for (int r = 0; r < config_.ranks; ++r) most_loaded_.Update(r, Time(r));
+  most_loaded_.Reset(config_.ranks, [&](int r) { return Time(r); });
   // Ties between candidates, and between units of equal cost, are broken in arrival order
   // (Unit::first; -1 for no unit), whatever order the units were placed in.
   struct Candidate {
