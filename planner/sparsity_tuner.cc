@@ -219,7 +219,7 @@ class Tuner {
   void SetBucketWeights(const std::array<double, kRecallBuckets>& extra);
   // Whether a sample has a document in one of `buckets`.
   bool InBuckets(const Item& item, const std::vector<int>& buckets) const;
-  const std::vector<Item>& items() const { return storage_->items; }
+  ItemRange items() const { return ItemRange(items_, items_ + item_count_); }
   // Predicted rank time at each item's base (or floor) density.
   double RankSeconds(const RankWork& rank, bool at_floor) const;
   // The same with the blocks counted exactly.
@@ -272,6 +272,9 @@ class Tuner {
   double log_max_ = 0.0;       // log(1 - density_max)
   double noise_margin_ = 0.0;  // share of the target that raised ranks leave free
   std::vector<RankWork> ranks_;
+  // This tuner's items: the first item_count_ of storage_->items, which only grows (Scratch).
+  Item* items_ = nullptr;
+  size_t item_count_ = 0;
   // Items and documents live in a per-thread TunerStorage when it is free (the usual case),
   // else in `own_`; `storage_` points at the one in use.
   TunerStorage own_;
@@ -299,7 +302,6 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       doc_tokens_(storage_->doc_tokens),
       doc_buckets_(storage_->doc_buckets) {
   storage_->in_use = true;
-  std::vector<Item>& items = storage_->items;
   const CostCoefficients coef = model.coefficients();
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
@@ -316,7 +318,9 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) count += micro_batch.size();
     first_item[r + 1] = first_item[r] + count;
   }
-  items.resize(order.size());
+  item_count_ = order.size();
+  items_ = Scratch(storage_->items, item_count_);
+  Item* const items = items_;
   // Each item from its sample; its documents go to its range's list (doc_begin and doc_end
   // count within it), and the lists are joined in range order after.
   std::vector<TunerStorage::Documents>& chunk_docs = storage_->chunk_docs;
@@ -408,7 +412,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
       RankWork& rank = ranks_[r];
-      rank.items = ItemRange(items.data() + first_item[r], items.data() + first_item[r + 1]);
+      rank.items = ItemRange(items + first_item[r], items + first_item[r + 1]);
       rank.speed =
           r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
       if (recall_only) continue;  // no fixed seconds: no rank solves
@@ -684,7 +688,7 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   const double hi_density = config_.density_max;
   const double log_hi = log_max_;
   // The items of every rank, in order (they are contiguous).
-  const std::vector<Item>& items = storage_->items;
+  const ItemRange items = this->items();
   const size_t n = items.size();
   RecallTerm* terms = Scratch(storage_->terms, n);
   // Each item's (weighted recall, slope) while the search runs; before it, the item's tokens
@@ -821,7 +825,7 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
 std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
   std::array<double, kRecallBuckets> weighted{};
   std::array<double, kRecallBuckets> tokens{};
-  for (const Item& item : storage_->items) {
+  for (const Item& item : items()) {
     const double recall = ItemRecall(item, densities[item.index]);
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       const double w = static_cast<double>(doc_tokens_[d]);
@@ -848,7 +852,8 @@ std::vector<int> Tuner::ViolatedBuckets(const std::vector<double>& densities,
 }
 
 void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
-  for (Item& item : storage_->items) {
+  for (size_t k = 0; k < item_count_; ++k) {
+    Item& item = items_[k];
     double weighted = 0.0;
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       weighted += static_cast<double>(doc_tokens_[d]) * (1.0 + extra[doc_buckets_[d]]);
@@ -929,7 +934,7 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 double Tuner::Recall(const std::vector<double>& densities) const {
   // The items of every rank in order (they are contiguous): their recalls on the threads, the
   // sums after in item order.
-  const std::vector<Item>& items = storage_->items;
+  const ItemRange items = this->items();
   double* weighted_recalls = Scratch(storage_->weighted, items.size());
   ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
