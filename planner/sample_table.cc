@@ -101,25 +101,18 @@ void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads*
   });
 }
 
-MicroBatchFeatures SampleTable::FeaturesAt(const Sample& sample, size_t i, double rho) const {
-  Memo& memo = blocks_[i];
-  if (!(memo.density == rho)) {
-    // As LatencyModel::SampleFeatures counts them (whole-number sums: exact in any order).
-    double blocks = 0.0;
-    if (sample.segments.empty()) {
-      blocks = static_cast<double>(ActiveBlocks(sample.length, rho, block_size_, local_blocks_));
-    } else {
-      for (int64_t segment : sample.segments) {
-        blocks += static_cast<double>(ActiveBlocks(segment, rho, block_size_, local_blocks_));
-      }
+double SampleTable::CountActiveBlocks(const Sample& sample, size_t i, double rho) const {
+  // As LatencyModel::SampleFeatures counts them (whole-number sums: exact in any order).
+  double blocks = 0.0;
+  if (sample.segments.empty()) {
+    blocks = static_cast<double>(ActiveBlocks(sample.length, rho, block_size_, local_blocks_));
+  } else {
+    for (int64_t segment : sample.segments) {
+      blocks += static_cast<double>(ActiveBlocks(segment, rho, block_size_, local_blocks_));
     }
-    memo = {rho, blocks};
   }
-  MicroBatchFeatures f;
-  f.active_blocks = memo.value;
-  f.tokens = static_cast<double>(sample.length);
-  f.documents = sample.segments.empty() ? 1.0 : static_cast<double>(sample.segments.size());
-  return f;
+  blocks_[i] = {rho, blocks};
+  return blocks;
 }
 
 std::vector<int> PlacedOrder(const std::vector<std::vector<std::vector<int>>>& ranks) {

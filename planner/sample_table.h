@@ -78,7 +78,20 @@ class SampleTable {
   // answer per sample is kept: placement, the tuner's rank times at base and the plan's
   // figures all count a sample's blocks at the same density, and counting them
   // (ActiveBlocks) cost a sixth of planning. Not thread-safe (one table per PlanStep call).
-  MicroBatchFeatures FeaturesAt(const Sample& sample, size_t i, double rho) const;
+  // Inline, so that a kept count is read without a call.
+  MicroBatchFeatures FeaturesAt(const Sample& sample, size_t i, double rho) const {
+    MicroBatchFeatures f;
+    f.active_blocks = ActiveBlocksAt(sample, i, rho);
+    f.tokens = static_cast<double>(sample.length);
+    f.documents = sample.segments.empty() ? 1.0 : static_cast<double>(sample.segments.size());
+    return f;
+  }
+  // Its active blocks alone: the tuner's exact counts ask for every item of a rank at each
+  // solve.
+  double ActiveBlocksAt(const Sample& sample, size_t i, double rho) const {
+    const Memo& memo = blocks_[i];
+    return memo.density == rho ? memo.value : CountActiveBlocks(sample, i, rho);
+  }
 
  private:
   // A per-sample answer kept for the density it was asked at (NaN: none yet).
@@ -97,6 +110,8 @@ class SampleTable {
     bool in_use = false;
   };
   static Storage& ThreadStorage();
+  // Counts sample i's active blocks at rho and keeps the count.
+  double CountActiveBlocks(const Sample& sample, size_t i, double rho) const;
   Storage own_;
   Storage* storage_ = nullptr;
   size_t size_ = 0;

@@ -539,8 +539,8 @@ void Tuner::DensitiesAt(const RankWork& rank, const SolveScratch& scratch, doubl
 double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    blocks += table_.FeaturesAt(batch_[item.index], item.index, at_floor ? item.floor : item.base)
-                  .active_blocks;
+    blocks +=
+        table_.ActiveBlocksAt(batch_[item.index], item.index, at_floor ? item.floor : item.base);
   }
   return rank.speed * (rank.fixed + per_block_ * blocks);
 }
@@ -548,8 +548,7 @@ double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
 double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const {
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    blocks +=
-        table_.FeaturesAt(batch_[item.index], item.index, densities[item.index]).active_blocks;
+    blocks += table_.ActiveBlocksAt(batch_[item.index], item.index, densities[item.index]);
   }
   return blocks;
 }
