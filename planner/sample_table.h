@@ -11,6 +11,7 @@
 #define SPARSEBALANCE_PLANNER_SAMPLE_TABLE_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "planner/latency_model.h"
@@ -47,6 +48,10 @@ struct SampleTerms {
   // log(per_block x query-block triangle / (tokens x g)): where the tuner's multiplier for the
   // sample sits (sparsity_tuner.cc).
   double price_offset = 0.0;
+  // The sample's documents (one unless it is pre-packed): [doc_begin, doc_end) of the table's
+  // document arrays (SampleTable::doc_rows).
+  int doc_begin = 0;
+  int doc_end = 0;
 };
 
 class SampleTable {
@@ -72,6 +77,12 @@ class SampleTable {
   // Asks Recall(i, densities[i]) for every sample, on `threads` (each sample's memo from its
   // own thread), so that the serial sums that follow (the recall guards') find them kept.
   void WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const;
+  // Per document of the batch, sample by sample (SampleTerms::doc_begin): its query blocks
+  // (QueryBlocks), tokens and length bucket (RecallBucket). The tuner reads them for every
+  // sample in each of its passes.
+  const int64_t* doc_rows() const { return doc_rows_; }
+  const int64_t* doc_tokens() const { return doc_tokens_; }
+  const int* doc_buckets() const { return doc_buckets_; }
   // Every sample's base density (SampleTerms::base), in batch order.
   std::vector<double> BaseDensities() const;
   // LatencyModel::SampleFeatures of sample i (`sample`, batch[i]) at density rho. The last
@@ -107,6 +118,9 @@ class SampleTable {
     std::vector<SampleTerms> terms;
     std::vector<Memo> recalls;
     std::vector<Memo> blocks;
+    std::vector<int64_t> doc_rows;
+    std::vector<int64_t> doc_tokens;
+    std::vector<int> doc_buckets;
     bool in_use = false;
   };
   static Storage& ThreadStorage();
@@ -120,6 +134,9 @@ class SampleTable {
   int block_size_ = 0;
   int local_blocks_ = 0;
   mutable Memo* blocks_ = nullptr;  // per sample, the last FeaturesAt's active blocks
+  int64_t* doc_rows_ = nullptr;
+  int64_t* doc_tokens_ = nullptr;
+  int* doc_buckets_ = nullptr;
 };
 
 // The batch indices of an assignment's placed samples, rank by rank and micro-batch by

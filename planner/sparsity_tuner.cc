@@ -86,7 +86,7 @@ struct Item {
   // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
   double offset = 0.0;
   double price_offset = 0.0;
-  int doc_begin = 0;  // documents' query-block counts in `docs`
+  int doc_begin = 0;  // its sample's documents in the table's document arrays
   int doc_end = 0;
 };
 
@@ -146,25 +146,7 @@ struct RecallTerm {
 // (Scratch): a vector resized up again zero-fills what it had shrunk away, serially, and the
 // step's allocation solves groups of different sizes one after another.
 struct TunerStorage {
-  // The documents of the items [first, end), as one thread lists them (Tuner::Tuner).
-  struct Documents {
-    size_t first = 0;
-    size_t end = 0;
-    double weight = 0.0;          // the items' tokens: whole numbers, summed exactly in any order
-    std::vector<int64_t> blocks;  // query blocks per document
-    std::vector<int64_t> tokens;
-    std::vector<int> buckets;  // recall_model.h's length buckets
-    void clear() {
-      blocks.clear();
-      tokens.clear();
-      buckets.clear();
-    }
-  };
   std::vector<Item> items;
-  std::vector<int64_t> docs;  // query blocks per document
-  std::vector<int64_t> doc_tokens;
-  std::vector<int> doc_buckets;       // recall_model.h's length buckets
-  std::vector<Documents> chunk_docs;  // per range of items while they are built
   // SolveForRecall's terms, its items' (weighted recall, slope) pairs and their summands of the
   // start point; Recall's weighted recalls. Valid up to the items' count, beyond it stale.
   std::vector<RecallTerm> terms;
@@ -183,9 +165,8 @@ T* Scratch(std::vector<T>& v, size_t n) {
 class Tuner {
  public:
   // With `threads`, the items are built and the ranks solved on them (plan_threads.h). With
-  // `recall_only`, only Recall and SolveForRecall may be called (AllocateDensities): the
-  // documents' lists and the ranks' fixed seconds, which only the rank solves and the bucket
-  // recalls read, are not built (they were half the set-up of the step's allocation).
+  // `recall_only`, only Recall and SolveForRecall may be called (AllocateDensities): the ranks'
+  // fixed seconds, which only the rank solves read, are not worked out.
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
         const LatencyModel& model, const SampleTable& table, const std::vector<double>& base,
         PlanThreads* threads = nullptr, bool recall_only = false);
@@ -275,13 +256,14 @@ class Tuner {
   // This tuner's items: the first item_count_ of storage_->items, which only grows (Scratch).
   Item* items_ = nullptr;
   size_t item_count_ = 0;
-  // Items and documents live in a per-thread TunerStorage when it is free (the usual case),
-  // else in `own_`; `storage_` points at the one in use.
+  // Items live in a per-thread TunerStorage when it is free (the usual case), else in `own_`;
+  // `storage_` points at the one in use.
   TunerStorage own_;
   TunerStorage* storage_ = nullptr;
-  std::vector<int64_t>& docs_;
-  std::vector<int64_t>& doc_tokens_;
-  std::vector<int>& doc_buckets_;
+  // The table's document arrays (SampleTable::doc_rows), which the items' doc_begin index.
+  const int64_t* docs_ = nullptr;  // query blocks
+  const int64_t* doc_tokens_ = nullptr;
+  const int* doc_buckets_ = nullptr;  // recall_model.h's length buckets
 };
 
 TunerStorage& SharedStorage() {
@@ -298,14 +280,13 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       base_(base),
       threads_(threads),
       storage_(SharedStorage().in_use ? &own_ : &SharedStorage()),
-      docs_(storage_->docs),
-      doc_tokens_(storage_->doc_tokens),
-      doc_buckets_(storage_->doc_buckets) {
+      docs_(table.doc_rows()),
+      doc_tokens_(table.doc_tokens()),
+      doc_buckets_(table.doc_buckets()) {
   storage_->in_use = true;
   const CostCoefficients coef = model.coefficients();
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
-  const int block = config.shape.block_size;
   log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
@@ -321,17 +302,11 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   item_count_ = order.size();
   items_ = Scratch(storage_->items, item_count_);
   Item* const items = items_;
-  // Each item from its sample; its documents go to its range's list (doc_begin and doc_end
-  // count within it), and the lists are joined in range order after.
-  std::vector<TunerStorage::Documents>& chunk_docs = storage_->chunk_docs;
-  const size_t chunks = ChunkCount(threads_, order.size());
-  chunk_docs.resize(std::max(chunk_docs.size(), chunks));
+  // Each item from its sample. The tokens of each range of items: whole numbers, summed exactly
+  // in any order.
+  std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
   ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
-    TunerStorage::Documents& documents = chunk_docs[chunk];
-    documents.clear();
-    documents.first = begin;
-    documents.end = end;
-    documents.weight = 0.0;
+    double weight = 0.0;
     // LogOneMinus of the bases, with the last argument kept: a base is the table's (whose
     // logarithm is known only for its floor) or an allocated density, and repeats come in runs.
     double memo_rho = std::numeric_limits<double>::quiet_NaN();
@@ -368,47 +343,15 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         item.floor = item.base;
         item.log_floor = item.log_base;
       }
-      item.doc_begin = static_cast<int>(documents.blocks.size());
-      auto add_doc = [&](int64_t length) {
-        documents.blocks.push_back(QueryBlocks(length, block));
-        documents.tokens.push_back(length);
-        documents.buckets.push_back(RecallBucket(length, config.micro_batch_capacity));
-      };
-      if (recall_only) {
-        // No documents.
-      } else if (s.segments.empty()) {
-        add_doc(s.length);
-      } else {
-        for (int64_t segment : s.segments) add_doc(segment);
-      }
-      item.doc_end = static_cast<int>(documents.blocks.size());
+      item.doc_begin = terms.doc_begin;
+      item.doc_end = terms.doc_end;
       item.price_offset = terms.price_offset;
       item.offset = item.price_offset;
-      documents.weight += item.weight;
+      weight += item.weight;
     }
+    chunk_weights[chunk] = weight;
   });
-  // The ranges' documents joined in range order, each range's copied and its items' indices
-  // shifted on the threads (serially, these two passes were about 0.85 ms at 65,536 samples).
-  std::vector<size_t> doc_start(chunks + 1, 0);
-  for (size_t c = 0; c < chunks; ++c) {
-    doc_start[c + 1] = doc_start[c] + chunk_docs[c].blocks.size();
-    total_weight_ += chunk_docs[c].weight;
-  }
-  docs_.resize(doc_start[chunks]);
-  doc_tokens_.resize(doc_start[chunks]);
-  doc_buckets_.resize(doc_start[chunks]);
-  ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t, size_t) {
-    const TunerStorage::Documents& documents = chunk_docs[chunk];
-    const size_t start = doc_start[chunk];
-    const int shift = static_cast<int>(start);
-    for (size_t k = documents.first; k < documents.end; ++k) {
-      items[k].doc_begin += shift;
-      items[k].doc_end += shift;
-    }
-    std::copy(documents.blocks.begin(), documents.blocks.end(), docs_.begin() + start);
-    std::copy(documents.tokens.begin(), documents.tokens.end(), doc_tokens_.begin() + start);
-    std::copy(documents.buckets.begin(), documents.buckets.end(), doc_buckets_.begin() + start);
-  });
+  for (double weight : chunk_weights) total_weight_ += weight;
   ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
       RankWork& rank = ranks_[r];
@@ -861,10 +804,15 @@ void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
   }
 }
 
-int MainBucket(const Sample& sample, int64_t capacity) {
-  if (sample.segments.empty()) return RecallBucket(sample.length, capacity);
+// The length bucket of sample i (`sample`), or of most of its tokens when it is pre-packed, from
+// the table's document buckets.
+int MainBucket(const Sample& sample, const SampleTable& table, size_t i) {
+  const SampleTerms& t = table[i];
+  if (sample.segments.empty()) return table.doc_buckets()[t.doc_begin];
   std::array<int64_t, kRecallBuckets> tokens{};
-  for (int64_t segment : sample.segments) tokens[RecallBucket(segment, capacity)] += segment;
+  for (int d = t.doc_begin; d < t.doc_end; ++d) {
+    tokens[table.doc_buckets()[d]] += table.doc_tokens()[d];
+  }
   return static_cast<int>(std::max_element(tokens.begin(), tokens.end()) - tokens.begin());
 }
 
@@ -963,7 +911,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
   // pre-packed sample goes with the bucket that holds most of its tokens).
   std::vector<std::vector<int>> groups(per_bucket ? kRecallBuckets : 1);
   for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
-    groups[per_bucket ? MainBucket(batch[i], config.micro_batch_capacity) : 0].push_back(i);
+    groups[per_bucket ? MainBucket(batch[i], table, i) : 0].push_back(i);
   }
   std::vector<double> densities = base;
   for (const std::vector<int>& members : groups) {
