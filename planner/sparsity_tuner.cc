@@ -1035,29 +1035,18 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   Tuner tuner(batch, assignment, config, model, table, base, threads);
   if (tuner.ranks().empty()) return base;
   // Rank times at base, blocks counted exactly (as the plan's figures count them: MAX mode
-  // must not exceed the base makespan). The floors only bound the target from below, so
-  // they are estimated and recounted exactly over the ranks near their maximum.
+  // must not exceed the base makespan).
   std::vector<double> at_base(tuner.ranks().size());
-  std::vector<double> at_floor(tuner.ranks().size());
   ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
       at_base[r] = tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/false);
-      at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
     }
   });
   const double base_max = *std::max_element(at_base.begin(), at_base.end());
-  const double floor_estimate = *std::max_element(at_floor.begin(), at_floor.end());
-  double at_floor_max = 0.0;
-  for (size_t r = 0; r < at_floor.size(); ++r) {
-    if (at_floor[r] >= floor_estimate * (1.0 - kNearMaxShare)) {
-      at_floor_max =
-          std::max(at_floor_max, tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/true));
-    }
-  }
+  const bool min_mode = config.dst_mode == DstMode::kMin;
   double target = base_max;
   switch (config.dst_mode) {
-    case DstMode::kMin:
-      target = at_floor_max;
+    case DstMode::kMin:  // the floors' makespan, below
       break;
     case DstMode::kMean: {
       double sum = 0.0;
@@ -1072,13 +1061,31 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
       target = Quantile(at_base, config.dst_quantile);
       break;
   }
-  // No rank can go below its floors, so the step cannot be faster than the slowest floor.
-  target = std::min(std::max(target, at_floor_max), base_max);
-  if (config.dst_mode != DstMode::kMin && base_max - target < kMinCutShare * base_max) {
-    target = base_max;
+  // No rank can go below its floors, so the step cannot be faster than the slowest floor. The
+  // floors only raise the target, so where it is within kMinCutShare of the base makespan
+  // already (the plan only raises) they are not worked out: estimated, then recounted exactly
+  // over the ranks near their maximum.
+  if (min_mode || !(base_max - target < kMinCutShare * base_max)) {
+    std::vector<double> at_floor(tuner.ranks().size());
+    ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
+      for (size_t r = begin; r < end; ++r) {
+        at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
+      }
+    });
+    const double floor_estimate = *std::max_element(at_floor.begin(), at_floor.end());
+    double at_floor_max = 0.0;
+    for (size_t r = 0; r < at_floor.size(); ++r) {
+      if (at_floor[r] >= floor_estimate * (1.0 - kNearMaxShare)) {
+        at_floor_max =
+            std::max(at_floor_max, tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/true));
+      }
+    }
+    if (min_mode) target = at_floor_max;
+    target = std::min(std::max(target, at_floor_max), base_max);
   }
+  if (!min_mode && base_max - target < kMinCutShare * base_max) target = base_max;
   const bool cut = config.dst_mode != DstMode::kMax;
-  if (config.dst_mode == DstMode::kMin) return tuner.Solve(target, at_base, cut);
+  if (min_mode) return tuner.Solve(target, at_base, cut);
   // The slack absorbs summation order (the caller sums in batch order, the tuner by rank).
   const double base_recall = min_recall - 1e-12;
   auto solve = [&] {
