@@ -54,7 +54,8 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   }
   ParallelFor(threads, batch.size(), [&](size_t begin, size_t end) {
     // Floors and bases take few values over a batch without a document recall floor (the
-    // default density, or one floor per sensitivity), so their logarithms keep the last one.
+    // default density, or one floor per sensitivity), so their logarithms keep the last one; a
+    // base at its floor takes the floor's.
     double last_floor = -1.0;
     double last_log_floor = 0.0;
     double last_base = -1.0;
@@ -78,14 +79,19 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
         last_log_floor = LogOneMinus(t.floor);
       }
       t.log_floor = last_log_floor;
-      // RecallAt is 1 - e^(g log(1 - base)); below kAlmostDense its logarithm is LogOneMinus's,
-      // so the base's kept logarithm gives the same bits without a DetLog per sample.
-      if (t.base >= 0.0 && t.base < kAlmostDense) {
+      if (t.base == t.floor) {
+        t.log_base = t.log_floor;
+      } else {
         if (t.base != last_base) {
           last_base = t.base;
           last_log_base = LogOneMinus(t.base);
         }
-        t.base_recall = 1.0 - DetExp(t.exponent * last_log_base);
+        t.log_base = last_log_base;
+      }
+      // RecallAt is 1 - e^(g log(1 - base)); below kAlmostDense its logarithm is LogOneMinus's,
+      // so the base's kept logarithm gives the same bits without a DetLog per sample.
+      if (t.base >= 0.0 && t.base < kAlmostDense) {
+        t.base_recall = 1.0 - DetExp(t.exponent * t.log_base);
       } else {
         t.base_recall = RecallAt(t.exponent, t.base);
       }

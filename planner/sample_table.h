@@ -44,6 +44,7 @@ struct SampleTerms {
   // What every policy gives it without tuning: BaseDensity, raised to the document recall
   // floor's density (where density_max reaches it).
   double base = 0.0;
+  double log_base = 0.0;     // LogOneMinus(base)
   double base_recall = 0.0;  // RecallAt(exponent, base)
   // log(per_block x query-block triangle / (tokens x g)): where the tuner's multiplier for the
   // sample sits (sparsity_tuner.cc).

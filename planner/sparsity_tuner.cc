@@ -307,16 +307,13 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
   ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
     double weight = 0.0;
-    // LogOneMinus of the bases, with the last argument kept: a base is the table's (whose
-    // logarithm is known only for its floor) or an allocated density, and repeats come in runs.
-    double memo_rho = std::numeric_limits<double>::quiet_NaN();
-    double memo_log = 0.0;
-    auto log_one_minus = [&](double rho) {
-      if (rho != memo_rho) {
-        memo_rho = rho;
-        memo_log = LogOneMinus(rho);
-      }
-      return memo_log;
+    // LogOneMinus of a base: the table's (SampleTerms::log_base) or an allocated density, kept
+    // where that sits at a bound (the sample's floor, density_max).
+    auto log_one_minus = [&](const SampleTerms& terms, double rho) {
+      if (rho == terms.base) return terms.log_base;
+      if (rho == terms.floor) return terms.log_floor;
+      if (rho == config.density_max) return log_max_;
+      return LogOneMinus(rho);
     };
     for (size_t k = begin; k < end; ++k) {
       PrefetchAhead(order, k, batch, table, base);  // the samples lie scattered over the batch
@@ -329,7 +326,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       item.g_minus_1 = terms.exponent - 1.0;
       item.inv_g1 = 1.0 / item.g_minus_1;
       item.base = base[i];
-      item.log_base = log_one_minus(item.base);
+      item.log_base = log_one_minus(terms, item.base);
       // The recall guards read every sample's recall a few times, most at base: the table's
       // (RecallAt), which PlanStep's recall guards have just worked out for these densities and
       // kept (SampleTable::WarmRecalls). Each item is one sample, so each thread reads and

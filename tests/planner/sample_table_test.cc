@@ -79,6 +79,7 @@ TEST(SampleTableTest, TermsAreTheirDefinitionsBitForBit) {
           EXPECT_EQ(t.floor, floor);
           EXPECT_EQ(t.base, base);
           EXPECT_EQ(t.log_floor, LogOneMinus(floor));
+          EXPECT_EQ(t.log_base, LogOneMinus(base));
           EXPECT_EQ(t.base_recall, RecallAt(g, base));
           EXPECT_TRUE(std::isfinite(t.price_offset));
           EXPECT_EQ(alone.Recall(i, base), RecallAt(g, base));
@@ -87,6 +88,7 @@ TEST(SampleTableTest, TermsAreTheirDefinitionsBitForBit) {
           EXPECT_EQ(u.exponent, t.exponent);
           EXPECT_EQ(u.base_recall, t.base_recall);
           EXPECT_EQ(u.log_floor, t.log_floor);
+          EXPECT_EQ(u.log_base, t.log_base);
           EXPECT_EQ(u.price_offset, t.price_offset);
           ExpectDocuments(alone, i, s, config);
           ExpectDocuments(split, i, s, config);
