@@ -186,9 +186,13 @@ class Tuner {
   // recall reached goes to `achieved`.
   std::vector<double> SolveForRecall(double target, double* achieved) const;
   double Recall(const std::vector<double>& densities) const;
-  // An item's predicted recall at density rho (known at its base).
-  static double ItemRecall(const Item& item, double rho) {
-    return rho == item.base ? item.base_recall : RecallAt(item.g_minus_1 + 1.0, rho);
+  // An item's predicted recall at density rho: known at its base, else the table's, which keeps
+  // it (the bucket guard and the plan's figures ask again at the same densities). The table's
+  // exponent is the item's g - 1 + 1 exactly: exponents are at least 1, and g - 1 is exact for
+  // every g >= 1/2. From one thread per item, as its sample's kept answers require.
+  double ItemRecall(const Item& item, double rho) const {
+    return rho == item.base ? item.base_recall
+                            : table_.Recall(static_cast<size_t>(item.index), rho);
   }
   // Token-weighted recall per length bucket (0 for a bucket without documents).
   std::array<double, kRecallBuckets> BucketRecall(const std::vector<double>& densities) const;
