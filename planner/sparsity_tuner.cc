@@ -151,6 +151,7 @@ struct TunerStorage {
   // start point; Recall's weighted recalls. Valid up to the items' count, beyond it stale.
   std::vector<RecallTerm> terms;
   std::vector<std::pair<double, double>> pairs;
+  std::vector<double> one_minus;  // SolveForRecall's 1 - rho per item at its last multiplier
   std::vector<double> weighted;
   bool in_use = false;
 };
@@ -637,6 +638,10 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   // Each item's (weighted recall, slope) while the search runs; before it, the item's tokens
   // and its summand of the start point.
   std::pair<double, double>* part = Scratch(storage_->pairs, n);
+  // 1 - rho of the items off their bounds at the last multiplier searched (`searched`), which
+  // the densities at the answer take when it is that one, as it mostly is (a DetExp an item).
+  double* one_minus = Scratch(storage_->one_minus, n);
+  double searched = std::numeric_limits<double>::quiet_NaN();
   // The bounds of the multiplier per range of items, combined after in range order (a min or
   // max keeps the first extreme it meets, as one pass in item order would).
   const size_t chunks = ChunkCount(threads_, n);
@@ -702,7 +707,8 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
           part[k] = {t.weight * t.recall_lo, 0.0};
         } else {
           const double u = DetExp((x + t.offset) * t.inv_g1);  // 1 - rho
-          const double pow_g_minus_1 = ex * t.scale;           // (1-rho)^(g-1)
+          one_minus[k] = u;
+          const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
           // d rho / dx = -(1-rho)/(g-1)
           part[k] = {t.weight * (1.0 - u * pow_g_minus_1),
                      t.weight * t.g_over_g1 * pow_g_minus_1 * u};
@@ -716,13 +722,29 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
       slope -= part[k].second;
     }
     if (derivative != nullptr) *derivative = slope / tokens;
+    searched = x;
+    return weighted / tokens;
+  };
+  // recall_at at x_min or x_max, where every item sits at a bound: its sum in one serial pass.
+  auto recall_at_bound = [&](double x) {
+    double weighted = 0.0;
+    for (size_t k = 0; k < n; ++k) {
+      const RecallTerm& t = terms[k];
+      if (x <= t.x_at_hi) {
+        weighted += t.weight * t.recall_hi;
+      } else if (x >= t.x_at_lo) {
+        weighted += t.weight * t.recall_lo;
+      } else {
+        return recall_at(x, nullptr);  // off its bounds (a NaN bound): evaluated in full
+      }
+    }
     return weighted / tokens;
   };
   double x = x_min;
-  double recall = recall_at(x_max, nullptr);
+  double recall = recall_at_bound(x_max);
   if (recall >= target) {
     x = x_max;  // every item at its floor already keeps the recall
-  } else if (recall = recall_at(x_min, nullptr); recall < target) {
+  } else if (recall = recall_at_bound(x_min); recall < target) {
     x = x_min;  // unreachable: everything at density_max is the best there is
   } else {
     // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
@@ -755,10 +777,14 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
     x = a;
     recall = recall_a;
   }
+  const bool kept = searched == x;
   ParallelFor(threads_, n, [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
       const RecallTerm& t = terms[k];
-      densities[k] = std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
+      const double u = kept && !(x <= t.x_at_hi) && !(x >= t.x_at_lo)
+                           ? one_minus[k]
+                           : DetExp((x + t.offset) * t.inv_g1);
+      densities[k] = std::clamp(1.0 - u, t.floor, hi_density);
     }
   });
   *achieved = recall;
