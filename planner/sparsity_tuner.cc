@@ -9,7 +9,6 @@
 #include <utility>
 #include <vector>
 
-#include "contract/block_geometry.h"
 #include "contract/step_figures.h"
 #include "planner/det_math.h"
 #include "planner/recall_model.h"
