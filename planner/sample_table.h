@@ -11,6 +11,7 @@
 #define SPARSEBALANCE_PLANNER_SAMPLE_TABLE_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "planner/latency_model.h"
@@ -43,10 +44,15 @@ struct SampleTerms {
   // What every policy gives it without tuning: BaseDensity, raised to the document recall
   // floor's density (where density_max reaches it).
   double base = 0.0;
+  double log_base = 0.0;     // LogOneMinus(base)
   double base_recall = 0.0;  // RecallAt(exponent, base)
   // log(per_block x query-block triangle / (tokens x g)): where the tuner's multiplier for the
   // sample sits (sparsity_tuner.cc).
   double price_offset = 0.0;
+  // The sample's documents (one unless it is pre-packed): [doc_begin, doc_end) of the table's
+  // document arrays (SampleTable::doc_rows).
+  int doc_begin = 0;
+  int doc_end = 0;
 };
 
 class SampleTable {
@@ -72,13 +78,32 @@ class SampleTable {
   // Asks Recall(i, densities[i]) for every sample, on `threads` (each sample's memo from its
   // own thread), so that the serial sums that follow (the recall guards') find them kept.
   void WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const;
+  // Per document of the batch, sample by sample (SampleTerms::doc_begin): its query blocks
+  // (QueryBlocks), tokens and length bucket (RecallBucket). The tuner reads them for every
+  // sample in each of its passes.
+  const int64_t* doc_rows() const { return doc_rows_; }
+  const int64_t* doc_tokens() const { return doc_tokens_; }
+  const int* doc_buckets() const { return doc_buckets_; }
   // Every sample's base density (SampleTerms::base), in batch order.
   std::vector<double> BaseDensities() const;
   // LatencyModel::SampleFeatures of sample i (`sample`, batch[i]) at density rho. The last
   // answer per sample is kept: placement, the tuner's rank times at base and the plan's
   // figures all count a sample's blocks at the same density, and counting them
   // (ActiveBlocks) cost a sixth of planning. Not thread-safe (one table per PlanStep call).
-  MicroBatchFeatures FeaturesAt(const Sample& sample, size_t i, double rho) const;
+  // Inline, so that a kept count is read without a call.
+  MicroBatchFeatures FeaturesAt(const Sample& sample, size_t i, double rho) const {
+    MicroBatchFeatures f;
+    f.active_blocks = ActiveBlocksAt(sample, i, rho);
+    f.tokens = static_cast<double>(sample.length);
+    f.documents = sample.segments.empty() ? 1.0 : static_cast<double>(sample.segments.size());
+    return f;
+  }
+  // Its active blocks alone: the tuner's exact counts ask for every item of a rank at each
+  // solve.
+  double ActiveBlocksAt(const Sample& sample, size_t i, double rho) const {
+    const Memo& memo = blocks_[i];
+    return memo.density == rho ? memo.value : CountActiveBlocks(sample, i, rho);
+  }
 
  private:
   // A per-sample answer kept for the density it was asked at (NaN: none yet).
@@ -94,9 +119,14 @@ class SampleTable {
     std::vector<SampleTerms> terms;
     std::vector<Memo> recalls;
     std::vector<Memo> blocks;
+    std::vector<int64_t> doc_rows;
+    std::vector<int64_t> doc_tokens;
+    std::vector<int> doc_buckets;
     bool in_use = false;
   };
   static Storage& ThreadStorage();
+  // Counts sample i's active blocks at rho and keeps the count.
+  double CountActiveBlocks(const Sample& sample, size_t i, double rho) const;
   Storage own_;
   Storage* storage_ = nullptr;
   size_t size_ = 0;
@@ -105,6 +135,9 @@ class SampleTable {
   int block_size_ = 0;
   int local_blocks_ = 0;
   mutable Memo* blocks_ = nullptr;  // per sample, the last FeaturesAt's active blocks
+  int64_t* doc_rows_ = nullptr;
+  int64_t* doc_tokens_ = nullptr;
+  int* doc_buckets_ = nullptr;
 };
 
 // The batch indices of an assignment's placed samples, rank by rank and micro-batch by

@@ -9,7 +9,6 @@
 #include <utility>
 #include <vector>
 
-#include "contract/block_geometry.h"
 #include "contract/step_figures.h"
 #include "planner/det_math.h"
 #include "planner/recall_model.h"
@@ -86,7 +85,7 @@ struct Item {
   // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
   double offset = 0.0;
   double price_offset = 0.0;
-  int doc_begin = 0;  // documents' query-block counts in `docs`
+  int doc_begin = 0;  // its sample's documents in the table's document arrays
   int doc_end = 0;
 };
 
@@ -146,29 +145,12 @@ struct RecallTerm {
 // (Scratch): a vector resized up again zero-fills what it had shrunk away, serially, and the
 // step's allocation solves groups of different sizes one after another.
 struct TunerStorage {
-  // The documents of the items [first, end), as one thread lists them (Tuner::Tuner).
-  struct Documents {
-    size_t first = 0;
-    size_t end = 0;
-    double weight = 0.0;          // the items' tokens: whole numbers, summed exactly in any order
-    std::vector<int64_t> blocks;  // query blocks per document
-    std::vector<int64_t> tokens;
-    std::vector<int> buckets;  // recall_model.h's length buckets
-    void clear() {
-      blocks.clear();
-      tokens.clear();
-      buckets.clear();
-    }
-  };
   std::vector<Item> items;
-  std::vector<int64_t> docs;  // query blocks per document
-  std::vector<int64_t> doc_tokens;
-  std::vector<int> doc_buckets;       // recall_model.h's length buckets
-  std::vector<Documents> chunk_docs;  // per range of items while they are built
   // SolveForRecall's terms, its items' (weighted recall, slope) pairs and their summands of the
   // start point; Recall's weighted recalls. Valid up to the items' count, beyond it stale.
   std::vector<RecallTerm> terms;
   std::vector<std::pair<double, double>> pairs;
+  std::vector<double> one_minus;  // SolveForRecall's 1 - rho per item at its last multiplier
   std::vector<double> weighted;
   bool in_use = false;
 };
@@ -183,9 +165,8 @@ T* Scratch(std::vector<T>& v, size_t n) {
 class Tuner {
  public:
   // With `threads`, the items are built and the ranks solved on them (plan_threads.h). With
-  // `recall_only`, only Recall and SolveForRecall may be called (AllocateDensities): the
-  // documents' lists and the ranks' fixed seconds, which only the rank solves and the bucket
-  // recalls read, are not built (they were half the set-up of the step's allocation).
+  // `recall_only`, only Recall and SolveForRecall may be called (AllocateDensities): the ranks'
+  // fixed seconds, which only the rank solves read, are not worked out.
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
         const LatencyModel& model, const SampleTable& table, const std::vector<double>& base,
         PlanThreads* threads = nullptr, bool recall_only = false);
@@ -205,9 +186,13 @@ class Tuner {
   // recall reached goes to `achieved`.
   std::vector<double> SolveForRecall(double target, double* achieved) const;
   double Recall(const std::vector<double>& densities) const;
-  // An item's predicted recall at density rho (known at its base).
-  static double ItemRecall(const Item& item, double rho) {
-    return rho == item.base ? item.base_recall : RecallAt(item.g_minus_1 + 1.0, rho);
+  // An item's predicted recall at density rho: known at its base, else the table's, which keeps
+  // it (the bucket guard and the plan's figures ask again at the same densities). The table's
+  // exponent is the item's g - 1 + 1 exactly: exponents are at least 1, and g - 1 is exact for
+  // every g >= 1/2. From one thread per item, as its sample's kept answers require.
+  double ItemRecall(const Item& item, double rho) const {
+    return rho == item.base ? item.base_recall
+                            : table_.Recall(static_cast<size_t>(item.index), rho);
   }
   // Token-weighted recall per length bucket (0 for a bucket without documents).
   std::array<double, kRecallBuckets> BucketRecall(const std::vector<double>& densities) const;
@@ -219,7 +204,7 @@ class Tuner {
   void SetBucketWeights(const std::array<double, kRecallBuckets>& extra);
   // Whether a sample has a document in one of `buckets`.
   bool InBuckets(const Item& item, const std::vector<int>& buckets) const;
-  const std::vector<Item>& items() const { return storage_->items; }
+  ItemRange items() const { return ItemRange(items_, items_ + item_count_); }
   // Predicted rank time at each item's base (or floor) density.
   double RankSeconds(const RankWork& rank, bool at_floor) const;
   // The same with the blocks counted exactly.
@@ -272,13 +257,17 @@ class Tuner {
   double log_max_ = 0.0;       // log(1 - density_max)
   double noise_margin_ = 0.0;  // share of the target that raised ranks leave free
   std::vector<RankWork> ranks_;
-  // Items and documents live in a per-thread TunerStorage when it is free (the usual case),
-  // else in `own_`; `storage_` points at the one in use.
+  // This tuner's items: the first item_count_ of storage_->items, which only grows (Scratch).
+  Item* items_ = nullptr;
+  size_t item_count_ = 0;
+  // Items live in a per-thread TunerStorage when it is free (the usual case), else in `own_`;
+  // `storage_` points at the one in use.
   TunerStorage own_;
   TunerStorage* storage_ = nullptr;
-  std::vector<int64_t>& docs_;
-  std::vector<int64_t>& doc_tokens_;
-  std::vector<int>& doc_buckets_;
+  // The table's document arrays (SampleTable::doc_rows), which the items' doc_begin index.
+  const int64_t* docs_ = nullptr;  // query blocks
+  const int64_t* doc_tokens_ = nullptr;
+  const int* doc_buckets_ = nullptr;  // recall_model.h's length buckets
 };
 
 TunerStorage& SharedStorage() {
@@ -295,15 +284,13 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       base_(base),
       threads_(threads),
       storage_(SharedStorage().in_use ? &own_ : &SharedStorage()),
-      docs_(storage_->docs),
-      doc_tokens_(storage_->doc_tokens),
-      doc_buckets_(storage_->doc_buckets) {
+      docs_(table.doc_rows()),
+      doc_tokens_(table.doc_tokens()),
+      doc_buckets_(table.doc_buckets()) {
   storage_->in_use = true;
-  std::vector<Item>& items = storage_->items;
   const CostCoefficients coef = model.coefficients();
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
-  const int block = config.shape.block_size;
   log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
@@ -316,28 +303,21 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) count += micro_batch.size();
     first_item[r + 1] = first_item[r] + count;
   }
-  items.resize(order.size());
-  // Each item from its sample; its documents go to its range's list (doc_begin and doc_end
-  // count within it), and the lists are joined in range order after.
-  std::vector<TunerStorage::Documents>& chunk_docs = storage_->chunk_docs;
-  const size_t chunks = ChunkCount(threads_, order.size());
-  chunk_docs.resize(std::max(chunk_docs.size(), chunks));
+  item_count_ = order.size();
+  items_ = Scratch(storage_->items, item_count_);
+  Item* const items = items_;
+  // Each item from its sample. The tokens of each range of items: whole numbers, summed exactly
+  // in any order.
+  std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
   ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
-    TunerStorage::Documents& documents = chunk_docs[chunk];
-    documents.clear();
-    documents.first = begin;
-    documents.end = end;
-    documents.weight = 0.0;
-    // LogOneMinus of the bases, with the last argument kept: a base is the table's (whose
-    // logarithm is known only for its floor) or an allocated density, and repeats come in runs.
-    double memo_rho = std::numeric_limits<double>::quiet_NaN();
-    double memo_log = 0.0;
-    auto log_one_minus = [&](double rho) {
-      if (rho != memo_rho) {
-        memo_rho = rho;
-        memo_log = LogOneMinus(rho);
-      }
-      return memo_log;
+    double weight = 0.0;
+    // LogOneMinus of a base: the table's (SampleTerms::log_base) or an allocated density, kept
+    // where that sits at a bound (the sample's floor, density_max).
+    auto log_one_minus = [&](const SampleTerms& terms, double rho) {
+      if (rho == terms.base) return terms.log_base;
+      if (rho == terms.floor) return terms.log_floor;
+      if (rho == config.density_max) return log_max_;
+      return LogOneMinus(rho);
     };
     for (size_t k = begin; k < end; ++k) {
       PrefetchAhead(order, k, batch, table, base);  // the samples lie scattered over the batch
@@ -350,7 +330,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       item.g_minus_1 = terms.exponent - 1.0;
       item.inv_g1 = 1.0 / item.g_minus_1;
       item.base = base[i];
-      item.log_base = log_one_minus(item.base);
+      item.log_base = log_one_minus(terms, item.base);
       // The recall guards read every sample's recall a few times, most at base: the table's
       // (RecallAt), which PlanStep's recall guards have just worked out for these densities and
       // kept (SampleTable::WarmRecalls). Each item is one sample, so each thread reads and
@@ -364,51 +344,19 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         item.floor = item.base;
         item.log_floor = item.log_base;
       }
-      item.doc_begin = static_cast<int>(documents.blocks.size());
-      auto add_doc = [&](int64_t length) {
-        documents.blocks.push_back(QueryBlocks(length, block));
-        documents.tokens.push_back(length);
-        documents.buckets.push_back(RecallBucket(length, config.micro_batch_capacity));
-      };
-      if (recall_only) {
-        // No documents.
-      } else if (s.segments.empty()) {
-        add_doc(s.length);
-      } else {
-        for (int64_t segment : s.segments) add_doc(segment);
-      }
-      item.doc_end = static_cast<int>(documents.blocks.size());
+      item.doc_begin = terms.doc_begin;
+      item.doc_end = terms.doc_end;
       item.price_offset = terms.price_offset;
       item.offset = item.price_offset;
-      documents.weight += item.weight;
+      weight += item.weight;
     }
+    chunk_weights[chunk] = weight;
   });
-  // The ranges' documents joined in range order, each range's copied and its items' indices
-  // shifted on the threads (serially, these two passes were about 0.85 ms at 65,536 samples).
-  std::vector<size_t> doc_start(chunks + 1, 0);
-  for (size_t c = 0; c < chunks; ++c) {
-    doc_start[c + 1] = doc_start[c] + chunk_docs[c].blocks.size();
-    total_weight_ += chunk_docs[c].weight;
-  }
-  docs_.resize(doc_start[chunks]);
-  doc_tokens_.resize(doc_start[chunks]);
-  doc_buckets_.resize(doc_start[chunks]);
-  ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t, size_t) {
-    const TunerStorage::Documents& documents = chunk_docs[chunk];
-    const size_t start = doc_start[chunk];
-    const int shift = static_cast<int>(start);
-    for (size_t k = documents.first; k < documents.end; ++k) {
-      items[k].doc_begin += shift;
-      items[k].doc_end += shift;
-    }
-    std::copy(documents.blocks.begin(), documents.blocks.end(), docs_.begin() + start);
-    std::copy(documents.tokens.begin(), documents.tokens.end(), doc_tokens_.begin() + start);
-    std::copy(documents.buckets.begin(), documents.buckets.end(), doc_buckets_.begin() + start);
-  });
+  for (double weight : chunk_weights) total_weight_ += weight;
   ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
       RankWork& rank = ranks_[r];
-      rank.items = ItemRange(items.data() + first_item[r], items.data() + first_item[r + 1]);
+      rank.items = ItemRange(items + first_item[r], items + first_item[r + 1]);
       rank.speed =
           r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
       if (recall_only) continue;  // no fixed seconds: no rank solves
@@ -535,8 +483,8 @@ void Tuner::DensitiesAt(const RankWork& rank, const SolveScratch& scratch, doubl
 double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    blocks += table_.FeaturesAt(batch_[item.index], item.index, at_floor ? item.floor : item.base)
-                  .active_blocks;
+    blocks +=
+        table_.ActiveBlocksAt(batch_[item.index], item.index, at_floor ? item.floor : item.base);
   }
   return rank.speed * (rank.fixed + per_block_ * blocks);
 }
@@ -544,8 +492,7 @@ double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
 double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const {
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    blocks +=
-        table_.FeaturesAt(batch_[item.index], item.index, densities[item.index]).active_blocks;
+    blocks += table_.ActiveBlocksAt(batch_[item.index], item.index, densities[item.index]);
   }
   return blocks;
 }
@@ -684,12 +631,16 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   const double hi_density = config_.density_max;
   const double log_hi = log_max_;
   // The items of every rank, in order (they are contiguous).
-  const std::vector<Item>& items = storage_->items;
+  const ItemRange items = this->items();
   const size_t n = items.size();
   RecallTerm* terms = Scratch(storage_->terms, n);
   // Each item's (weighted recall, slope) while the search runs; before it, the item's tokens
   // and its summand of the start point.
   std::pair<double, double>* part = Scratch(storage_->pairs, n);
+  // 1 - rho of the items off their bounds at the last multiplier searched (`searched`), which
+  // the densities at the answer take when it is that one, as it mostly is (a DetExp an item).
+  double* one_minus = Scratch(storage_->one_minus, n);
+  double searched = std::numeric_limits<double>::quiet_NaN();
   // The bounds of the multiplier per range of items, combined after in range order (a min or
   // max keeps the first extreme it meets, as one pass in item order would).
   const size_t chunks = ChunkCount(threads_, n);
@@ -755,7 +706,8 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
           part[k] = {t.weight * t.recall_lo, 0.0};
         } else {
           const double u = DetExp((x + t.offset) * t.inv_g1);  // 1 - rho
-          const double pow_g_minus_1 = ex * t.scale;           // (1-rho)^(g-1)
+          one_minus[k] = u;
+          const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
           // d rho / dx = -(1-rho)/(g-1)
           part[k] = {t.weight * (1.0 - u * pow_g_minus_1),
                      t.weight * t.g_over_g1 * pow_g_minus_1 * u};
@@ -769,13 +721,29 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
       slope -= part[k].second;
     }
     if (derivative != nullptr) *derivative = slope / tokens;
+    searched = x;
+    return weighted / tokens;
+  };
+  // recall_at at x_min or x_max, where every item sits at a bound: its sum in one serial pass.
+  auto recall_at_bound = [&](double x) {
+    double weighted = 0.0;
+    for (size_t k = 0; k < n; ++k) {
+      const RecallTerm& t = terms[k];
+      if (x <= t.x_at_hi) {
+        weighted += t.weight * t.recall_hi;
+      } else if (x >= t.x_at_lo) {
+        weighted += t.weight * t.recall_lo;
+      } else {
+        return recall_at(x, nullptr);  // off its bounds (a NaN bound): evaluated in full
+      }
+    }
     return weighted / tokens;
   };
   double x = x_min;
-  double recall = recall_at(x_max, nullptr);
+  double recall = recall_at_bound(x_max);
   if (recall >= target) {
     x = x_max;  // every item at its floor already keeps the recall
-  } else if (recall = recall_at(x_min, nullptr); recall < target) {
+  } else if (recall = recall_at_bound(x_min); recall < target) {
     x = x_min;  // unreachable: everything at density_max is the best there is
   } else {
     // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
@@ -808,10 +776,14 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
     x = a;
     recall = recall_a;
   }
+  const bool kept = searched == x;
   ParallelFor(threads_, n, [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
       const RecallTerm& t = terms[k];
-      densities[k] = std::clamp(1.0 - DetExp((x + t.offset) * t.inv_g1), t.floor, hi_density);
+      const double u = kept && !(x <= t.x_at_hi) && !(x >= t.x_at_lo)
+                           ? one_minus[k]
+                           : DetExp((x + t.offset) * t.inv_g1);
+      densities[k] = std::clamp(1.0 - u, t.floor, hi_density);
     }
   });
   *achieved = recall;
@@ -821,7 +793,7 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
 std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
   std::array<double, kRecallBuckets> weighted{};
   std::array<double, kRecallBuckets> tokens{};
-  for (const Item& item : storage_->items) {
+  for (const Item& item : items()) {
     const double recall = ItemRecall(item, densities[item.index]);
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       const double w = static_cast<double>(doc_tokens_[d]);
@@ -848,7 +820,8 @@ std::vector<int> Tuner::ViolatedBuckets(const std::vector<double>& densities,
 }
 
 void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
-  for (Item& item : storage_->items) {
+  for (size_t k = 0; k < item_count_; ++k) {
+    Item& item = items_[k];
     double weighted = 0.0;
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       weighted += static_cast<double>(doc_tokens_[d]) * (1.0 + extra[doc_buckets_[d]]);
@@ -857,10 +830,15 @@ void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
   }
 }
 
-int MainBucket(const Sample& sample, int64_t capacity) {
-  if (sample.segments.empty()) return RecallBucket(sample.length, capacity);
+// The length bucket of sample i (`sample`), or of most of its tokens when it is pre-packed, from
+// the table's document buckets.
+int MainBucket(const Sample& sample, const SampleTable& table, size_t i) {
+  const SampleTerms& t = table[i];
+  if (sample.segments.empty()) return table.doc_buckets()[t.doc_begin];
   std::array<int64_t, kRecallBuckets> tokens{};
-  for (int64_t segment : sample.segments) tokens[RecallBucket(segment, capacity)] += segment;
+  for (int d = t.doc_begin; d < t.doc_end; ++d) {
+    tokens[table.doc_buckets()[d]] += table.doc_tokens()[d];
+  }
   return static_cast<int>(std::max_element(tokens.begin(), tokens.end()) - tokens.begin());
 }
 
@@ -929,7 +907,7 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 double Tuner::Recall(const std::vector<double>& densities) const {
   // The items of every rank in order (they are contiguous): their recalls on the threads, the
   // sums after in item order.
-  const std::vector<Item>& items = storage_->items;
+  const ItemRange items = this->items();
   double* weighted_recalls = Scratch(storage_->weighted, items.size());
   ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
@@ -959,7 +937,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
   // pre-packed sample goes with the bucket that holds most of its tokens).
   std::vector<std::vector<int>> groups(per_bucket ? kRecallBuckets : 1);
   for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
-    groups[per_bucket ? MainBucket(batch[i], config.micro_batch_capacity) : 0].push_back(i);
+    groups[per_bucket ? MainBucket(batch[i], table, i) : 0].push_back(i);
   }
   std::vector<double> densities = base;
   for (const std::vector<int>& members : groups) {
@@ -1083,29 +1061,18 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   Tuner tuner(batch, assignment, config, model, table, base, threads);
   if (tuner.ranks().empty()) return base;
   // Rank times at base, blocks counted exactly (as the plan's figures count them: MAX mode
-  // must not exceed the base makespan). The floors only bound the target from below, so
-  // they are estimated and recounted exactly over the ranks near their maximum.
+  // must not exceed the base makespan).
   std::vector<double> at_base(tuner.ranks().size());
-  std::vector<double> at_floor(tuner.ranks().size());
   ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
       at_base[r] = tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/false);
-      at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
     }
   });
   const double base_max = *std::max_element(at_base.begin(), at_base.end());
-  const double floor_estimate = *std::max_element(at_floor.begin(), at_floor.end());
-  double at_floor_max = 0.0;
-  for (size_t r = 0; r < at_floor.size(); ++r) {
-    if (at_floor[r] >= floor_estimate * (1.0 - kNearMaxShare)) {
-      at_floor_max =
-          std::max(at_floor_max, tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/true));
-    }
-  }
+  const bool min_mode = config.dst_mode == DstMode::kMin;
   double target = base_max;
   switch (config.dst_mode) {
-    case DstMode::kMin:
-      target = at_floor_max;
+    case DstMode::kMin:  // the floors' makespan, below
       break;
     case DstMode::kMean: {
       double sum = 0.0;
@@ -1120,13 +1087,31 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
       target = Quantile(at_base, config.dst_quantile);
       break;
   }
-  // No rank can go below its floors, so the step cannot be faster than the slowest floor.
-  target = std::min(std::max(target, at_floor_max), base_max);
-  if (config.dst_mode != DstMode::kMin && base_max - target < kMinCutShare * base_max) {
-    target = base_max;
+  // No rank can go below its floors, so the step cannot be faster than the slowest floor. The
+  // floors only raise the target, so where it is within kMinCutShare of the base makespan
+  // already (the plan only raises) they are not worked out: estimated, then recounted exactly
+  // over the ranks near their maximum.
+  if (min_mode || !(base_max - target < kMinCutShare * base_max)) {
+    std::vector<double> at_floor(tuner.ranks().size());
+    ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
+      for (size_t r = begin; r < end; ++r) {
+        at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
+      }
+    });
+    const double floor_estimate = *std::max_element(at_floor.begin(), at_floor.end());
+    double at_floor_max = 0.0;
+    for (size_t r = 0; r < at_floor.size(); ++r) {
+      if (at_floor[r] >= floor_estimate * (1.0 - kNearMaxShare)) {
+        at_floor_max =
+            std::max(at_floor_max, tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/true));
+      }
+    }
+    if (min_mode) target = at_floor_max;
+    target = std::min(std::max(target, at_floor_max), base_max);
   }
+  if (!min_mode && base_max - target < kMinCutShare * base_max) target = base_max;
   const bool cut = config.dst_mode != DstMode::kMax;
-  if (config.dst_mode == DstMode::kMin) return tuner.Solve(target, at_base, cut);
+  if (min_mode) return tuner.Solve(target, at_base, cut);
   // The slack absorbs summation order (the caller sums in batch order, the tuner by rank).
   const double base_recall = min_recall - 1e-12;
   auto solve = [&] {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "contract/block_geometry.h"
 #include "gtest/gtest.h"
 #include "planner/latency_model.h"
 #include "planner/plan_threads.h"
@@ -16,7 +17,25 @@
 namespace sparsebalance {
 namespace {
 
-// Every sample's terms are what their definitions give, bit for bit: the table computes some of
+// The table's documents of sample i (`sample`) are its own (or its segments), with their query
+// blocks and length buckets, and follow those of sample i - 1.
+void ExpectDocuments(const SampleTable& table, size_t i, const Sample& sample,
+                     const PlannerConfig& config) {
+  const std::vector<int64_t> documents =
+      sample.segments.empty() ? std::vector<int64_t>{sample.length} : sample.segments;
+  const SampleTerms& t = table[i];
+  EXPECT_EQ(t.doc_begin, i == 0 ? 0 : table[i - 1].doc_end);
+  ASSERT_EQ(t.doc_end - t.doc_begin, static_cast<int>(documents.size()));
+  for (size_t j = 0; j < documents.size(); ++j) {
+    const int d = t.doc_begin + static_cast<int>(j);
+    EXPECT_EQ(table.doc_rows()[d], QueryBlocks(documents[j], config.shape.block_size));
+    EXPECT_EQ(table.doc_tokens()[d], documents[j]);
+    EXPECT_EQ(table.doc_buckets()[d], RecallBucket(documents[j], config.micro_batch_capacity));
+  }
+}
+
+// Every sample's terms (and documents) are what their definitions give, bit for bit: the table
+// computes some of
 // them by shortcuts (logarithms kept while floors and bases repeat, the recall at base from the
 // base's logarithm), which must not change a plan. Densities up to 1 (where the shortcut does
 // not apply), a document recall floor, pre-packed samples, prior and learned exponents, and the
@@ -60,6 +79,7 @@ TEST(SampleTableTest, TermsAreTheirDefinitionsBitForBit) {
           EXPECT_EQ(t.floor, floor);
           EXPECT_EQ(t.base, base);
           EXPECT_EQ(t.log_floor, LogOneMinus(floor));
+          EXPECT_EQ(t.log_base, LogOneMinus(base));
           EXPECT_EQ(t.base_recall, RecallAt(g, base));
           EXPECT_TRUE(std::isfinite(t.price_offset));
           EXPECT_EQ(alone.Recall(i, base), RecallAt(g, base));
@@ -68,7 +88,10 @@ TEST(SampleTableTest, TermsAreTheirDefinitionsBitForBit) {
           EXPECT_EQ(u.exponent, t.exponent);
           EXPECT_EQ(u.base_recall, t.base_recall);
           EXPECT_EQ(u.log_floor, t.log_floor);
+          EXPECT_EQ(u.log_base, t.log_base);
           EXPECT_EQ(u.price_offset, t.price_offset);
+          ExpectDocuments(alone, i, s, config);
+          ExpectDocuments(split, i, s, config);
         }
         ++cases;
       }
@@ -110,6 +133,7 @@ TEST(SampleTableTest, ATableKeepsNothingOfTheTablesBeforeIt) {
       const MicroBatchFeatures want = model.SampleFeatures(batch[i], kAsked);
       EXPECT_EQ(got.active_blocks, want.active_blocks);
       EXPECT_EQ(got.tokens, want.tokens);
+      ExpectDocuments(table, i, batch[i], config);
     }
   };
   {
