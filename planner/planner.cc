@@ -74,23 +74,23 @@ std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) 
 // recalls must be kept in the table already (SampleTable::WarmRecalls): its memo is written
 // from one thread per sample only.
 void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
-                  const SampleTable& table, int64_t capacity, const std::vector<double>& weights,
+                  const SampleTable& table, const std::vector<double>& weights,
                   std::vector<double>* tokens, std::vector<double>* weighted,
                   PlanThreads* threads = nullptr) {
   // [b]: bucket b's recall sum, [kRecallBuckets + b] its tokens.
+  const int* buckets = table.doc_buckets();
+  const int64_t* lengths = table.doc_tokens();
   const std::array<double, 2 * kRecallBuckets> sums = BlockSums<2 * kRecallBuckets>(
       batch.size(), threads, [&](size_t i, std::array<double, 2 * kRecallBuckets>& sum) {
         if (!weights.empty() && weights[i] == 0.0) return;
         const double r = table.Recall(i, densities[i]);
-        auto add = [&](int64_t length) {
-          const int b = RecallBucket(length, capacity);
-          sum[b] += static_cast<double>(length) * r;
-          sum[kRecallBuckets + b] += static_cast<double>(length);
-        };
-        if (batch[i].segments.empty()) {
-          add(batch[i].length);
-        } else {
-          for (int64_t segment : batch[i].segments) add(segment);
+        // The sample's documents, with their buckets, as the table lists them.
+        const SampleTerms& terms = table[i];
+        for (int d = terms.doc_begin; d < terms.doc_end; ++d) {
+          const int b = buckets[d];
+          const auto length = static_cast<double>(lengths[d]);
+          sum[b] += length * r;
+          sum[kRecallBuckets + b] += length;
         }
       });
   weighted->assign(sums.begin(), sums.begin() + kRecallBuckets);
@@ -101,11 +101,11 @@ void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& d
 // non-zero weight (`weights` empty: all); a bucket without documents gets -1.
 std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
                                   const std::vector<double>& densities, const SampleTable& table,
-                                  int64_t capacity, const std::vector<double>& weights,
+                                  const std::vector<double>& weights,
                                   PlanThreads* threads = nullptr) {
   std::vector<double> tokens;
   std::vector<double> weighted;
-  BucketTotals(batch, densities, table, capacity, weights, &tokens, &weighted, threads);
+  BucketTotals(batch, densities, table, weights, &tokens, &weighted, threads);
   for (int b = 0; b < kRecallBuckets; ++b) {
     weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : -1.0;
   }
@@ -118,7 +118,7 @@ std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
 // items must make up what the shards leave: per total and per bucket, (minimum x placed tokens
 // - shards' recall sum) / items' tokens (-1 for a bucket without items).
 void ItemMinimums(const std::vector<Sample>& batch, const std::vector<double>& densities,
-                  const SampleTable& table, int64_t capacity, const std::vector<double>& placed,
+                  const SampleTable& table, const std::vector<double>& placed,
                   const std::vector<double>& items, double* keep, std::vector<double>* minimum) {
   std::vector<double> shards(batch.size(), 0.0);
   for (size_t i = 0; i < batch.size(); ++i) shards[i] = placed[i] - items[i];
@@ -141,9 +141,9 @@ void ItemMinimums(const std::vector<Sample>& batch, const std::vector<double>& d
   if (item_tokens > 0) *keep = (*keep * placed_tokens - shard_recall) / item_tokens;
   if (minimum->empty()) return;
   std::vector<double> p_tokens, p_sum, i_tokens, i_sum, s_tokens, s_sum;
-  BucketTotals(batch, densities, table, capacity, placed, &p_tokens, &p_sum);
-  BucketTotals(batch, densities, table, capacity, items, &i_tokens, &i_sum);
-  BucketTotals(batch, densities, table, capacity, shards, &s_tokens, &s_sum);
+  BucketTotals(batch, densities, table, placed, &p_tokens, &p_sum);
+  BucketTotals(batch, densities, table, items, &i_tokens, &i_sum);
+  BucketTotals(batch, densities, table, shards, &s_tokens, &s_sum);
   for (int b = 0; b < kRecallBuckets; ++b) {
     double& m = (*minimum)[b];
     if (m < 0) continue;
@@ -503,7 +503,6 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   // Every policy keeps the document recall floor (where density_max reaches it): the table's
   // base densities include it.
   const SampleTable table(batch, config, model, recall, threads);
-  const int64_t capacity = config.micro_batch_capacity;
   std::vector<double> densities = table.BaseDensities();
   const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
   // bucket_recall_margin 1 turns the bucket guard off (no bucket can lose more than 1).
@@ -538,7 +537,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     }
     std::vector<double> minimum;
     if (guarded) {
-      minimum = BucketMinimums(BucketRecalls(batch, defaults, table, capacity, placed, threads),
+      minimum = BucketMinimums(BucketRecalls(batch, defaults, table, placed, threads),
                                config.bucket_recall_margin);
     }
     // The step-level allocation was made for the whole batch; if deferring left the placed
@@ -547,8 +546,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     // with), tune from the defaults instead: the guards' fallbacks need a base that meets them.
     if ((!placed.empty() && TableRecall(batch, densities, table, placed, threads) < keep) ||
         (guarded &&
-         !MeetsMinimums(BucketRecalls(batch, densities, table, capacity, placed, threads),
-                        minimum))) {
+         !MeetsMinimums(BucketRecalls(batch, densities, table, placed, threads), minimum))) {
       densities = defaults;
     }
     if (!assignment->shards.empty()) {
@@ -556,7 +554,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
       // at the densities they keep.
       std::vector<double> items = placed;
       for (const ShardedDocument& d : assignment->shards) items[d.sample] = 0.0;
-      ItemMinimums(batch, densities, table, capacity, placed, items, &keep, &minimum);
+      ItemMinimums(batch, densities, table, placed, items, &keep, &minimum);
     }
     phase(4);
     densities =
