@@ -139,6 +139,164 @@ double DetLog(double x) {
   return (e * kLn2Hi + table) + (TwiceAtanh(s) + e * kLn2Lo);
 }
 
+namespace {
+
+// Batch versions, written with GCC/Clang vector extensions: two lanes (SSE2) for the baseline
+// target and four (AVX2, chosen at run time). Each lane performs exactly the scalar's IEEE
+// operations in the same order, so the bits are the same; inputs the scalar sends down a special
+// path are left to the scalar function.
+template <int kLanes>
+struct Vec {
+  typedef double D __attribute__((vector_size(8 * kLanes)));
+  typedef int64_t I __attribute__((vector_size(8 * kLanes)));
+  typedef uint64_t U __attribute__((vector_size(8 * kLanes)));
+};
+
+constexpr double kShifter = 0x1.8p52;  // RoundToInteger's: y + kShifter holds round(y) in its bits
+constexpr uint64_t kShifterBits = 0x4338000000000000;
+
+#define SB_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// Whether any lane has its sign bit set. The kernels use it for range tests with the operations
+// SSE2 has: for limit < 2^63, t | (limit - t) has its sign bit set iff t > limit (unsigned).
+template <int kLanes>
+SB_ALWAYS_INLINE bool AnySignBit(const typename Vec<kLanes>::U& v) {
+  uint64_t any = v[0];
+  for (int lane = 1; lane < kLanes; ++lane) any |= v[lane];
+  return (any >> 63) != 0;
+}
+
+// Lanes: out[0..kLanes) = DetExp(x[0..kLanes)) where the sign bit it sets in slow is clear.
+struct DetExpOp {
+  static double Scalar(double x) { return DetExp(x); }
+
+  template <int kLanes>
+  SB_ALWAYS_INLINE static void Lanes(const double* x, double* out, typename Vec<kLanes>::U& slow) {
+    using D = typename Vec<kLanes>::D;
+    using U = typename Vec<kLanes>::U;
+    D xv;
+    std::memcpy(&xv, x, sizeof xv);
+    const D shifted = xv * kSixtyFourOverLn2 + kShifter;
+    const D kd = shifted - kShifter;
+    const D r = (xv - kd * kLn2Over64Hi) - kd * kLn2Over64Lo;
+    const D p =
+        1.0 + r * (1.0 + r * (1.0 / 2 +
+                              r * (1.0 / 6 + r * (1.0 / 24 + r * (1.0 / 120 + r * (1.0 / 720))))));
+    // The bits of shifted are kShifterBits + n, and kShifterBits is a multiple of 2^51: so
+    // j = n & 63, and masking off j then shifting left by 46 leaves k << 52 (modulo 2^64), the
+    // exponent field of 2^k once the bias is added.
+    const U n_bits = __builtin_bit_cast(U, shifted);
+    const U j = n_bits & (kExpTableSize - 1);
+    const U power_bits = ((n_bits & ~uint64_t{kExpTableSize - 1}) << 46) + (uint64_t{1023} << 52);
+    D table;
+    for (int lane = 0; lane < kLanes; ++lane) table[lane] = kExp2Table[j[lane]];
+    const D result = (table * p) * __builtin_bit_cast(D, power_bits);
+    // The scalar's fast path is k in [-1021, 1022], i.e. n in [-65344, 65471]: exactly the lanes
+    // whose shifted bits lie within kShifterBits + [-65344, 65471] (NaN and infinities do not).
+    const U t = n_bits - (kShifterBits - 65344);
+    slow |= t | ((65344 + 65471) - t);  // sign bit set iff t > 65344 + 65471
+    std::memcpy(out, &result, sizeof result);
+  }
+};
+
+// Lanes: out[0..kLanes) = DetLog(x[0..kLanes)) where the sign bit it sets in slow is clear.
+struct DetLogOp {
+  static double Scalar(double x) { return DetLog(x); }
+
+  template <int kLanes>
+  SB_ALWAYS_INLINE static void Lanes(const double* x, double* out, typename Vec<kLanes>::U& slow) {
+    using D = typename Vec<kLanes>::D;
+    using I = typename Vec<kLanes>::I;
+    using U = typename Vec<kLanes>::U;
+    D xv;
+    std::memcpy(&xv, x, sizeof xv);
+    const U bits = __builtin_bit_cast(U, xv);
+    // m in [0.5, 1) from the significand; the sign bit is dropped so that every lane, even one
+    // left to the scalar function, indexes the table in bounds.
+    U m_bits = (bits & 0x000fffffffffffff) | (uint64_t{1022} << 52);
+    // m < sqrt(1/2): m *= 2 (exactly: exponent field + 1) and e -= 1.
+    const I small = __builtin_bit_cast(D, m_bits) < 0.70710678118654752440;
+    m_bits += __builtin_bit_cast(U, small) & (uint64_t{1} << 52);
+    const D m = __builtin_bit_cast(D, m_bits);
+    // With the sign bit, (bits >> 52) - 1 is in [0, 2045] iff x is positive, normal and finite:
+    // the scalar's fast path.
+    const U biased_minus_1 = (bits >> 52) - 1;
+    slow |= biased_minus_1 | (2045 - biased_minus_1);
+    // e = biased - 1022 (- 1), converted exactly to double through the shifter's bits.
+    const U e_bits = biased_minus_1 + (kShifterBits - 1021) + __builtin_bit_cast(U, small);
+    const D e = __builtin_bit_cast(D, e_bits) - kShifter;
+    const D shifted = m * 64.0 + kShifter;
+    const D i = shifted - kShifter;
+    const D c = i / 64.0;
+    const D s = (m - c) / (m + c);
+    const U index = (__builtin_bit_cast(U, shifted) & 127) - kLogTableFirst;
+    D table;
+    for (int lane = 0; lane < kLanes; ++lane) table[lane] = kLogTable[index[lane]];
+    const D s2 = s * s;
+    const D poly =
+        1.0 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 * (1.0 / 9 + s2 * (1.0 / 11)))));
+    const D twice_atanh = 2.0 * s * poly;
+    const D result = (e * kLn2Hi + table) + (twice_atanh + e * kLn2Lo);
+    std::memcpy(out, &result, sizeof result);
+  }
+};
+
+// out[i] = Op::Scalar(x[i]) for i < n, x == out or disjoint. The vector kernel fills a block
+// and sets the sign bit of slow for lanes the scalar takes a special path on; such a block (rare)
+// is redone by the scalar function, from x, which is why an in-place call fills a buffer first.
+// With no call in the vector loop, the compiler keeps the constants in registers.
+template <typename Op, int kLanes>
+SB_ALWAYS_INLINE void ApplyAll(const double* x, double* out, size_t n) {
+  constexpr size_t kBlock = 64;
+  double buffer[kBlock];
+  double* const block = x == out ? buffer : nullptr;
+  while (n >= kLanes) {
+    const size_t len = (n < kBlock ? n : kBlock) / kLanes * kLanes;
+    double* const dest = block != nullptr ? block : out;
+    typename Vec<kLanes>::U slow = {};
+    for (size_t i = 0; i < len; i += kLanes) Op::template Lanes<kLanes>(x + i, dest + i, slow);
+    if (AnySignBit<kLanes>(slow)) {
+      for (size_t i = 0; i < len; ++i) dest[i] = Op::Scalar(x[i]);
+    }
+    if (dest != out) std::memcpy(out, dest, len * sizeof(double));
+    x += len;
+    out += len;
+    n -= len;
+  }
+  for (size_t i = 0; i < n; ++i) out[i] = Op::Scalar(x[i]);
+}
+
+#undef SB_ALWAYS_INLINE
+
+// "avx2" does not enable FMA, so these give the same bits as the baseline versions.
+__attribute__((target("avx2"))) void DetExpAllAvx2(const double* x, double* out, size_t n) {
+  ApplyAll<DetExpOp, 4>(x, out, n);
+}
+__attribute__((target("avx2"))) void DetLogAllAvx2(const double* x, double* out, size_t n) {
+  ApplyAll<DetLogOp, 4>(x, out, n);
+}
+
+}  // namespace
+
+namespace det_math_internal {
+
+void DetExpAllBaseline(const double* x, double* out, size_t n) { ApplyAll<DetExpOp, 2>(x, out, n); }
+void DetLogAllBaseline(const double* x, double* out, size_t n) { ApplyAll<DetLogOp, 2>(x, out, n); }
+
+}  // namespace det_math_internal
+
+void DetExpAll(const double* x, double* out, size_t n) {
+  static const auto impl =
+      __builtin_cpu_supports("avx2") ? DetExpAllAvx2 : det_math_internal::DetExpAllBaseline;
+  impl(x, out, n);
+}
+
+void DetLogAll(const double* x, double* out, size_t n) {
+  static const auto impl =
+      __builtin_cpu_supports("avx2") ? DetLogAllAvx2 : det_math_internal::DetLogAllBaseline;
+  impl(x, out, n);
+}
+
 double DetPow(double base, double exponent) {
   if (exponent == 0.0) return 1.0;  // as std::pow, even for 0, inf and NaN bases
   if (base == 0.0) return exponent > 0 ? 0.0 : std::numeric_limits<double>::infinity();

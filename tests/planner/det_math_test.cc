@@ -1,9 +1,14 @@
 #include "planner/det_math.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "planner/random.h"
@@ -153,6 +158,211 @@ TEST(DetPowTest, EdgeCases) {
   EXPECT_EQ(DetPow(2.0, 2000.0), kInf);
   EXPECT_TRUE(std::isnan(DetPow(-2.0, 2.0)));
   EXPECT_TRUE(std::isnan(DetPow(kNaN, 2.0)));
+}
+
+// The batch functions against the scalar ones, bit for bit. Both the dispatched versions (AVX2
+// where the CPU has it) and the SSE2 baseline are checked.
+
+using ScalarFn = double (*)(double);
+using BatchFn = void (*)(const double*, double*, size_t);
+
+uint64_t Bits(double x) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+double FromBits(uint64_t bits) {
+  double x = 0.0;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+std::string Hex(double x) {
+  char text[24];
+  std::snprintf(text, sizeof text, "0x%016llx", static_cast<unsigned long long>(Bits(x)));
+  return text;
+}
+
+// After the last element to be written: a NaN payload that none of the inputs has.
+const double kGuard = FromBits(0x7ff4000000c0ffeeULL);
+
+// Whether out[0, n) holds scalar(x[0, n)) bit for bit, and out[n] is still kGuard.
+::testing::AssertionResult SameBits(ScalarFn scalar, const double* x, const double* out, size_t n,
+                                    bool guarded) {
+  for (size_t i = 0; i < n; ++i) {
+    const double want = scalar(x[i]);
+    if (std::memcmp(&want, &out[i], sizeof want) != 0) {
+      return ::testing::AssertionFailure()
+             << "element " << i << " of " << n << ": x = " << x[i] << " (" << Hex(x[i])
+             << "), scalar " << Hex(want) << ", batch " << Hex(out[i]);
+    }
+  }
+  if (guarded && Bits(out[n]) != Bits(kGuard)) {
+    return ::testing::AssertionFailure() << "wrote past element " << n;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Runs batch over the whole of xs and over every n in [0, 40] at starts 0..7 into xs (and into
+// the output), out of place and in place.
+void ExpectSameBitsAsScalar(ScalarFn scalar, BatchFn batch, const std::vector<double>& xs) {
+  std::vector<double> out(xs.size() + 1, kGuard);
+  batch(xs.data(), out.data(), xs.size());
+  ASSERT_TRUE(SameBits(scalar, xs.data(), out.data(), xs.size(), true)) << "whole array";
+  std::vector<double> in_place = xs;
+  batch(in_place.data(), in_place.data(), in_place.size());
+  ASSERT_TRUE(SameBits(scalar, xs.data(), in_place.data(), xs.size(), false)) << "in place";
+
+  constexpr size_t kMaxN = 40;
+  for (size_t start = 0; start < 8; ++start) {
+    for (size_t n = 0; n <= kMaxN && start + n <= xs.size(); ++n) {
+      const double* x = xs.data() + start;
+      std::vector<double> window(kMaxN + 16, kGuard);
+      double* dest = window.data() + (start + 3) % 8;  // unaligned differently from x
+      batch(x, dest, n);
+      ASSERT_TRUE(SameBits(scalar, x, dest, n, true)) << "start " << start;
+      std::copy(x, x + n, dest);
+      batch(dest, dest, n);
+      ASSERT_TRUE(SameBits(scalar, x, dest, n, true)) << "in place, start " << start;
+    }
+  }
+}
+
+void ExpectExpAllMatches(const std::vector<double>& xs) {
+  {
+    SCOPED_TRACE("DetExpAll");
+    ExpectSameBitsAsScalar(DetExp, DetExpAll, xs);
+  }
+  SCOPED_TRACE("DetExpAllBaseline");
+  ExpectSameBitsAsScalar(DetExp, det_math_internal::DetExpAllBaseline, xs);
+}
+
+void ExpectLogAllMatches(const std::vector<double>& xs) {
+  {
+    SCOPED_TRACE("DetLogAll");
+    ExpectSameBitsAsScalar(DetLog, DetLogAll, xs);
+  }
+  SCOPED_TRACE("DetLogAllBaseline");
+  ExpectSameBitsAsScalar(DetLog, det_math_internal::DetLogAllBaseline, xs);
+}
+
+constexpr size_t kBatchCases = 1 << 17;
+
+// Random bit patterns: every sign and exponent, NaNs with payloads, infinities, subnormals.
+std::vector<double> AnyDoubles(uint64_t seed) {
+  Rng rng(seed);
+  std::vector<double> xs(kBatchCases);
+  for (double& x : xs) x = FromBits(rng.NextU64());
+  return xs;
+}
+
+// Each special value at a different position relative to the vector lanes, between ordinary
+// arguments, then all of them in a row.
+std::vector<double> Interleave(const std::vector<double>& specials, double lo, double hi) {
+  Rng rng(7);
+  std::vector<double> xs;
+  for (size_t i = 0; i < specials.size(); ++i) {
+    for (size_t pad = 0; pad < i % 7; ++pad) xs.push_back(lo + (hi - lo) * rng.Uniform());
+    xs.push_back(specials[i]);
+  }
+  xs.insert(xs.end(), specials.begin(), specials.end());
+  return xs;
+}
+
+// Values for both functions: zeros, infinities, NaNs, subnormals, extremes.
+std::vector<double> CommonSpecials() {
+  const double kMin = std::numeric_limits<double>::min();
+  const double kMax = std::numeric_limits<double>::max();
+  const double kDenormMin = std::numeric_limits<double>::denorm_min();
+  std::vector<double> xs = {0.0,
+                            -0.0,
+                            kInf,
+                            -kInf,
+                            kNaN,
+                            -kNaN,
+                            FromBits(0x7ff0000000000001ULL),  // signalling
+                            FromBits(0xfff8deadbeef0001ULL),
+                            kDenormMin,
+                            -kDenormMin,
+                            std::nextafter(kMin, 0.0),  // the largest subnormal
+                            -std::nextafter(kMin, 0.0),
+                            kMin,
+                            -kMin,
+                            std::nextafter(kMin, 1.0),
+                            kMax,
+                            -kMax,
+                            std::nextafter(kMax, 0.0),
+                            1.0,
+                            -1.0,
+                            1e-300,
+                            -1e-300,
+                            1e300,
+                            -1e300};
+  for (int e = -1074; e <= 1023; e += 7) {
+    xs.push_back(std::ldexp(1.0, e));
+    xs.push_back(-std::ldexp(1.0, e));
+  }
+  return xs;
+}
+
+// Up to count ulps either side of x.
+void AddNeighbours(double x, int count, std::vector<double>* xs) {
+  double below = x;
+  double above = x;
+  xs->push_back(x);
+  for (int i = 0; i < count; ++i) {
+    below = std::nextafter(below, -kInf);
+    above = std::nextafter(above, kInf);
+    xs->push_back(below);
+    xs->push_back(above);
+  }
+}
+
+TEST(DetExpAllTest, MatchesDetExpOverTheWholeDoubleRange) { ExpectExpAllMatches(AnyDoubles(11)); }
+
+TEST(DetExpAllTest, MatchesDetExpOverThePlannersRange) {
+  Rng rng(12);
+  std::vector<double> xs(kBatchCases);
+  for (double& x : xs) x = -50.0 + 55.0 * rng.Uniform();
+  ExpectExpAllMatches(xs);
+}
+
+TEST(DetExpAllTest, MatchesDetExpOnSpecialValues) {
+  std::vector<double> specials = CommonSpecials();
+  // The range test's edges, and where k = floor(n / 64) leaves [-1021, 1022] (n changes at
+  // x = (n + 1/2) ln2 / 64): the scalar's ldexp path, subnormal results, overflow, underflow.
+  for (const double edge :
+       {709.78, -745.13, 65471.5 * M_LN2 / 64, 65472.5 * M_LN2 / 64, -65344.5 * M_LN2 / 64,
+        -65345.5 * M_LN2 / 64, 709.782712893384, -745.1332191019411, -708.3964185322641}) {
+    AddNeighbours(edge, 40, &specials);
+  }
+  for (double x = 700.0; x < 712.0; x += 0.01) specials.push_back(x);
+  for (double x = -700.0; x > -750.0; x -= 0.01) specials.push_back(x);
+  ExpectExpAllMatches(Interleave(specials, -50.0, 5.0));
+}
+
+TEST(DetLogAllTest, MatchesDetLogOverTheWholeDoubleRange) { ExpectLogAllMatches(AnyDoubles(13)); }
+
+TEST(DetLogAllTest, MatchesDetLogOverThePlannersRange) {
+  Rng rng(14);
+  std::vector<double> xs(kBatchCases);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    xs[i] = i % 2 == 0 ? 1.0 - rng.Uniform() : 1.0 + (1e6 - 1.0) * rng.Uniform();
+  }
+  ExpectLogAllMatches(xs);
+}
+
+TEST(DetLogAllTest, MatchesDetLogOnSpecialValues) {
+  std::vector<double> specials = CommonSpecials();
+  // Around 1, and around sqrt(1/2) (where m is doubled) at several exponents.
+  AddNeighbours(1.0, 40, &specials);
+  for (const int e : {-1060, -1022, -1021, -1, 0, 1, 1023}) {
+    AddNeighbours(std::ldexp(0.70710678118654752440, e), 8, &specials);
+  }
+  // m * 64 exactly halfway between table points (rounded to even).
+  for (int i = 90; i <= 182; ++i) specials.push_back(i / 128.0);
+  ExpectLogAllMatches(Interleave(specials, 1e-6, 1.0));
 }
 
 }  // namespace
