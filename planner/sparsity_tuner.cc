@@ -18,6 +18,8 @@ namespace sparsebalance {
 namespace {
 
 constexpr int kMaxSolverIterations = 60;
+// Items whose exponentials are taken at once (DetExpAll), in a buffer on the stack.
+constexpr size_t kBatch = 256;
 // Ranks whose estimated time is within this share of the largest are recounted exactly.
 constexpr double kNearMaxShare = 0.01;
 // Solves per rank at most, each correcting the continuous estimate by the exact block count.
@@ -311,44 +313,68 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
   ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
     double weight = 0.0;
-    // LogOneMinus of a base: the table's (SampleTerms::log_base) or an allocated density, kept
-    // where that sits at a bound (the sample's floor, density_max).
-    auto log_one_minus = [&](const SampleTerms& terms, double rho) {
-      if (rho == terms.base) return terms.log_base;
-      if (rho == terms.floor) return terms.log_floor;
-      if (rho == config.density_max) return log_max_;
-      return LogOneMinus(rho);
-    };
-    for (size_t k = begin; k < end; ++k) {
-      PrefetchAhead(order, k, batch, table, base);  // the samples lie scattered over the batch
-      const int i = order[k];
-      const Sample& s = batch[i];
-      const SampleTerms& terms = table[i];
-      Item& item = items[k];
-      item.index = i;
-      item.weight = static_cast<double>(s.length);
-      item.g_minus_1 = terms.exponent - 1.0;
-      item.inv_g1 = 1.0 / item.g_minus_1;
-      item.base = base[i];
-      item.log_base = log_one_minus(terms, item.base);
-      // The recall guards read every sample's recall a few times, most at base: the table's
-      // (RecallAt), which PlanStep's recall guards have just worked out for these densities and
-      // kept (SampleTable::WarmRecalls). Each item is one sample, so each thread reads and
-      // writes only its own samples' kept answers.
-      item.base_recall = table.Recall(static_cast<size_t>(i), item.base);
-      // Never above base: a sample whose floor is above what it was given stays there.
-      if (terms.floor < item.base) {
-        item.floor = terms.floor;
-        item.log_floor = terms.log_floor;
+    // LogOneMinus of a base: the table's (SampleTerms::log_base), or one kept where an allocated
+    // density sits at a bound (the sample's floor, density_max); false where it must be worked
+    // out, which is done kBatch items at a time through DetLogAll.
+    auto known_log = [&](const SampleTerms& terms, double rho, double* log) {
+      if (rho == terms.base) {
+        *log = terms.log_base;
+      } else if (rho == terms.floor) {
+        *log = terms.log_floor;
+      } else if (rho == config.density_max) {
+        *log = log_max_;
       } else {
-        item.floor = item.base;
-        item.log_floor = item.log_base;
+        return false;
       }
-      item.doc_begin = terms.doc_begin;
-      item.doc_end = terms.doc_end;
-      item.price_offset = terms.price_offset;
-      item.offset = item.price_offset;
-      weight += item.weight;
+      return true;
+    };
+    std::array<double, kBatch> logs;    // LogOneMinus's arguments, then its values
+    std::array<size_t, kBatch> log_of;  // the item of each
+    for (size_t first = begin; first < end; first += kBatch) {
+      const size_t m = std::min(kBatch, end - first);
+      size_t unknown = 0;
+      for (size_t j = 0; j < m; ++j) {
+        const size_t k = first + j;
+        PrefetchAhead(order, k, batch, table, base);  // the samples lie scattered over the batch
+        const int i = order[k];
+        const Sample& s = batch[i];
+        const SampleTerms& terms = table[i];
+        Item& item = items[k];
+        item.index = i;
+        item.weight = static_cast<double>(s.length);
+        item.g_minus_1 = terms.exponent - 1.0;
+        item.inv_g1 = 1.0 / item.g_minus_1;
+        item.base = base[i];
+        if (!known_log(terms, item.base, &item.log_base)) {
+          log_of[unknown] = k;
+          logs[unknown++] = 1.0 - std::min(item.base, kAlmostDense);  // as LogOneMinus
+        }
+        // The recall guards read every sample's recall a few times, most at base: the table's
+        // (RecallAt), which PlanStep's recall guards have just worked out for these densities
+        // and kept (SampleTable::WarmRecalls). Each item is one sample, so each thread reads and
+        // writes only its own samples' kept answers.
+        item.base_recall = table.Recall(static_cast<size_t>(i), item.base);
+        // Never above base: a sample whose floor is above what it was given stays there (and
+        // takes the base's logarithm, set below where it is worked out).
+        if (terms.floor < item.base) {
+          item.floor = terms.floor;
+          item.log_floor = terms.log_floor;
+        } else {
+          item.floor = item.base;
+          item.log_floor = item.log_base;
+        }
+        item.doc_begin = terms.doc_begin;
+        item.doc_end = terms.doc_end;
+        item.price_offset = terms.price_offset;
+        item.offset = item.price_offset;
+        weight += item.weight;
+      }
+      DetLogAll(logs.data(), logs.data(), unknown);
+      for (size_t q = 0; q < unknown; ++q) {
+        Item& item = items[log_of[q]];
+        item.log_base = logs[q];
+        if (item.floor == item.base) item.log_floor = item.log_base;
+      }
     }
     chunk_weights[chunk] = weight;
   });
@@ -648,25 +674,44 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   ParallelChunks(threads_, n, [&](size_t chunk, size_t begin, size_t end) {
     double x_min = 0.0;
     double x_max = 0.0;
-    for (size_t k = begin; k < end; ++k) {
-      const Item& item = items[k];
-      const double g = item.g_minus_1 + 1.0;
-      const double log_lo = item.log_floor;
-      RecallTerm& t = terms[k];
-      t.index = item.index;
-      t.weight = item.weight;
-      t.offset = item.offset;
-      t.inv_g1 = item.inv_g1;
-      t.g_over_g1 = g / item.g_minus_1;
-      t.x_at_hi = item.g_minus_1 * log_hi - item.offset;
-      t.x_at_lo = item.g_minus_1 * log_lo - item.offset;
-      t.recall_lo = 1.0 - DetExp(g * log_lo);
-      t.recall_hi = hi_density >= 1.0 ? 1.0 : 1.0 - DetExp(g * log_hi);
-      t.scale = DetExp(item.offset);
-      t.floor = item.floor;
-      part[k] = {t.weight, t.weight * (item.g_minus_1 * item.log_base - item.offset)};
-      x_min = k == begin ? t.x_at_hi : std::min(x_min, t.x_at_hi);
-      x_max = k == begin ? t.x_at_lo : std::max(x_max, t.x_at_lo);
+    // The three exponentials an item needs, kBatch items at a time through DetExpAll.
+    std::array<double, 3 * kBatch> exp_of;
+    for (size_t first = begin; first < end; first += kBatch) {
+      const size_t m = std::min(kBatch, end - first);
+      double* at_lo = exp_of.data();
+      double* at_hi = at_lo + kBatch;
+      double* scale = at_hi + kBatch;
+      for (size_t j = 0; j < m; ++j) {
+        const Item& item = items[first + j];
+        const double g = item.g_minus_1 + 1.0;
+        at_lo[j] = g * item.log_floor;
+        at_hi[j] = g * log_hi;
+        scale[j] = item.offset;
+      }
+      DetExpAll(at_lo, at_lo, m);
+      if (hi_density < 1.0) DetExpAll(at_hi, at_hi, m);
+      DetExpAll(scale, scale, m);
+      for (size_t j = 0; j < m; ++j) {
+        const size_t k = first + j;
+        const Item& item = items[k];
+        const double g = item.g_minus_1 + 1.0;
+        const double log_lo = item.log_floor;
+        RecallTerm& t = terms[k];
+        t.index = item.index;
+        t.weight = item.weight;
+        t.offset = item.offset;
+        t.inv_g1 = item.inv_g1;
+        t.g_over_g1 = g / item.g_minus_1;
+        t.x_at_hi = item.g_minus_1 * log_hi - item.offset;
+        t.x_at_lo = item.g_minus_1 * log_lo - item.offset;
+        t.recall_lo = 1.0 - at_lo[j];
+        t.recall_hi = hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j];
+        t.scale = scale[j];
+        t.floor = item.floor;
+        part[k] = {t.weight, t.weight * (item.g_minus_1 * item.log_base - item.offset)};
+        x_min = k == begin ? t.x_at_hi : std::min(x_min, t.x_at_hi);
+        x_max = k == begin ? t.x_at_lo : std::max(x_max, t.x_at_lo);
+      }
     }
     chunk_bounds[chunk] = {x_min, x_max};
   });
@@ -698,19 +743,33 @@ std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const
   auto recall_at = [&](double x, double* derivative) {
     const double ex = DetExp(x);
     ParallelFor(threads_, n, [&](size_t begin, size_t end) {
-      for (size_t k = begin; k < end; ++k) {
-        const RecallTerm& t = terms[k];
-        if (x <= t.x_at_hi) {
-          part[k] = {t.weight * t.recall_hi, 0.0};
-        } else if (x >= t.x_at_lo) {
-          part[k] = {t.weight * t.recall_lo, 0.0};
-        } else {
-          const double u = DetExp((x + t.offset) * t.inv_g1);  // 1 - rho
-          one_minus[k] = u;
+      // Items at a bound are summed at once; those off their bounds have their 1 - rho worked
+      // out kBatch items at a time through DetExpAll.
+      std::array<double, kBatch> u;
+      std::array<size_t, kBatch> item_of;  // the item of each u
+      for (size_t first = begin; first < end; first += kBatch) {
+        const size_t last = std::min(first + kBatch, end);
+        size_t off = 0;
+        for (size_t k = first; k < last; ++k) {
+          const RecallTerm& t = terms[k];
+          if (x <= t.x_at_hi) {
+            part[k] = {t.weight * t.recall_hi, 0.0};
+          } else if (x >= t.x_at_lo) {
+            part[k] = {t.weight * t.recall_lo, 0.0};
+          } else {
+            item_of[off] = k;
+            u[off++] = (x + t.offset) * t.inv_g1;
+          }
+        }
+        DetExpAll(u.data(), u.data(), off);
+        for (size_t q = 0; q < off; ++q) {
+          const size_t k = item_of[q];
+          const RecallTerm& t = terms[k];
+          one_minus[k] = u[q];
           const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
           // d rho / dx = -(1-rho)/(g-1)
-          part[k] = {t.weight * (1.0 - u * pow_g_minus_1),
-                     t.weight * t.g_over_g1 * pow_g_minus_1 * u};
+          part[k] = {t.weight * (1.0 - u[q] * pow_g_minus_1),
+                     t.weight * t.g_over_g1 * pow_g_minus_1 * u[q]};
         }
       }
     });
