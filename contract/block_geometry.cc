@@ -28,13 +28,6 @@ int64_t QuantizeDensity(double density) {
   return std::clamp<int64_t>(static_cast<int64_t>(std::min(scaled, 1e18)), 1, kDensityQuantum);
 }
 
-int64_t QueryBlocks(int64_t length, int block_size) {
-  if (length <= 0) return 0;
-  const int64_t block = std::max(block_size, 1);
-  // Not (length + block - 1) / block, which overflows near INT64_MAX.
-  return length / block + (length % block != 0 ? 1 : 0);
-}
-
 int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b) {
   if (n <= 0) return 0;
   m = std::max<int64_t>(m, 1);
