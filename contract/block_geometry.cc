@@ -16,24 +16,16 @@ static_assert(int64_t{1} << kDensityShift == kDensityQuantum);
 // Up to this many rows ActiveBlocks sums directly instead of calling FloorSum.
 constexpr int64_t kDirectSumRows = 96;
 
-// ActiveBlocks past its checks: `rows` query blocks at quantized density q, `anchors` kept
-// blocks per row (sink, diagonal and local).
-int64_t ActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors);
-
-}  // namespace
-
-int64_t QuantizeDensity(double density) {
+// QuantizeDensity, inline for ActiveBlocks (the exported function is never inlined: -fPIC).
+inline int64_t Quantize(double density) {
   if (!(density > 0.0)) return 1;  // also catches NaN; validation rejects these earlier
   const double scaled = std::nearbyint(density * static_cast<double>(kDensityQuantum));
   return std::clamp<int64_t>(static_cast<int64_t>(std::min(scaled, 1e18)), 1, kDensityQuantum);
 }
 
-int64_t QueryBlocks(int64_t length, int block_size) {
-  if (length <= 0) return 0;
-  const int64_t block = std::max(block_size, 1);
-  // Not (length + block - 1) / block, which overflows near INT64_MAX.
-  return length / block + (length % block != 0 ? 1 : 0);
-}
+}  // namespace
+
+int64_t QuantizeDensity(double density) { return Quantize(density); }
 
 int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b) {
   if (n <= 0) return 0;
@@ -74,18 +66,67 @@ int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b) {
   return sum;
 }
 
-int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_blocks) {
-  // Within the domain (header): rows <= 2^31 and anchors <= 2^24 + 2, so below full * (full+1)
-  // < 2^48, (last_anchored - anchors) * anchors < 2^55, q * n_free <= anchors * Q + q < 2^41
-  // and the total, at most rows (rows + 1) / 2 < 2^62, all fit in int64.
-  const int64_t rows = std::min(QueryBlocks(length, block_size), kMaxBlockMathRows);
-  if (rows == 0) return 0;
-  const int64_t q = QuantizeDensity(density);
-  const int64_t anchors = static_cast<int64_t>(std::clamp(local_blocks, 0, kMaxLocalBlocks)) + 2;
-  // The planner asks for the same (rows, density, anchors) many times a step (placement, tuning,
-  // the plan's figures, each over tens of thousands of documents of a few thousand distinct row
-  // counts): answers are kept per thread in a small direct-mapped table. The function is pure,
-  // so a hit returns exactly what the sum below would.
+namespace {
+
+// sum_{i=0}^{count-1} floor((start + q i) / Q) for 0 < q <= Q and count <= kDirectSumRows:
+// each term is (start >> 16) plus floor((low + q i) / Q), where low = start mod Q, and
+// low + q i < Q + (kDirectSumRows + 8) Q < 2^23, so those run in 32-bit lanes, eight at a time
+// in two SSE2 registers (GCC and Clang vector extensions of the baseline x86-64 width, which
+// stay in registers and compare in one instruction), the last eight or fewer with the lanes past
+// the end masked off. The same integers as the scalar sum, in any order.
+int64_t DirectCeilingSum(int64_t start, int64_t q, int64_t count) {
+  using Lanes = uint32_t __attribute__((vector_size(16)));
+  using Indices = int32_t __attribute__((vector_size(16)));  // SSE2 compares signed lanes
+  static_assert((kDirectSumRows + 9) * kDensityQuantum < (int64_t{1} << 31));
+  const Indices lane = {0, 1, 2, 3};
+  const auto low = static_cast<uint32_t>(start & (kDensityQuantum - 1));
+  const auto step = static_cast<uint32_t>(q);
+  // low + step * lane, by additions (SSE2 has no 32-bit lane product).
+  Lanes first = {low, low + step, low + 2 * step, low + 3 * step};  // terms i, ..., i + 3
+  Lanes second = first + 4 * step;                                  // terms i + 4, ..., i + 7
+  const Lanes stride = Lanes{} + 8 * step;
+  // Each lane adds at most kDirectSumRows / 8 + 1 terms of at most kDirectSumRows + 9.
+  Lanes sums{};
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    sums += (first >> kDensityShift) + (second >> kDensityShift);
+    first += stride;
+    second += stride;
+  }
+  const auto left = static_cast<int32_t>(count - i);  // in [0, 8)
+  sums += ((first >> kDensityShift) & (Lanes)(lane < left)) +
+          ((second >> kDensityShift) & (Lanes)(lane + 4 < left));
+  return (start >> kDensityShift) * count + (sums[0] + sums[1] + sums[2] + sums[3]);
+}
+
+// ActiveBlocks past its checks and shortcuts: `rows` > `anchors` query blocks at quantized
+// density q < Q, `anchors` kept blocks per row (sink, diagonal and local).
+int64_t ActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors) {
+  // With n = i+1: rows n <= anchors keep all n blocks. Beyond, k = max(anchors, ceil(q*n/Q)),
+  // and ceil(q*n/Q) > anchors exactly when n >= n_free = floor(anchors*Q/q) + 1.
+  int64_t total = anchors * (anchors + 1) / 2;
+  const int64_t n_free = std::max(anchors + 1, anchors * kDensityQuantum / q + 1);
+  const int64_t last_anchored = std::min(rows, n_free - 1);
+  total += (last_anchored - anchors) * anchors;
+  if (rows >= n_free) {
+    // sum_{n=n_free}^{rows} ceil(q*n/Q) = sum_{i=0}^{cnt-1} floor((q*i + q*n_free + Q-1) / Q).
+    // Short runs (most documents) are summed directly: Q is a power of two, so each term is a
+    // shift, cheaper than FloorSum's divisions.
+    const int64_t count = rows - n_free + 1;
+    if (count <= kDirectSumRows) {
+      total += DirectCeilingSum(q * n_free + kDensityQuantum - 1, q, count);
+    } else {
+      total += FloorSum(count, kDensityQuantum, q, q * n_free + kDensityQuantum - 1);
+    }
+  }
+  return total;
+}
+
+// ActiveBlocksOfRows of a long document, kept. The planner asks for the same (rows, density,
+// anchors) several times a step where no table keeps its counts (a shard's rows, the latency
+// model's features): answers are kept per thread in a small direct-mapped table. The function
+// is pure, so a hit returns exactly what the sum would.
+int64_t KeptActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors) {
   struct Entry {
     int64_t rows = -1;
     int64_t density_anchors = -1;  // q << 26 | anchors: q <= 2^16, anchors <= 2^24 + 2
@@ -110,62 +151,25 @@ int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_b
   return entry.total;
 }
 
-namespace {
-
-// sum_{i=0}^{count-1} floor((start + q i) / Q) for 0 < q <= Q and count <= kDirectSumRows:
-// each term is (start >> 16) plus floor((low + q i) / Q), where low = start mod Q, and
-// low + q i < Q + kDirectSumRows Q < 2^23, so those run in 32-bit lanes, eight at a time
-// (GCC and Clang vector extensions: two SSE2 operations each on the baseline x86-64 target).
-// The same integers as the scalar sum, in any order.
-int64_t DirectCeilingSum(int64_t start, int64_t q, int64_t count) {
-  static_assert((kDirectSumRows + 1) * kDensityQuantum < (int64_t{1} << 31));
-  using Lanes = uint32_t __attribute__((vector_size(32)));
-  constexpr int kLanes = 8;
-  const auto low = static_cast<uint32_t>(start & (kDensityQuantum - 1));
-  const auto step = static_cast<uint32_t>(q);
-  int64_t total = (start >> kDensityShift) * count;
-  Lanes numerator;
-  for (int k = 0; k < kLanes; ++k) numerator[k] = low + step * static_cast<uint32_t>(k);
-  const Lanes stride = Lanes{} + step * kLanes;
-  // Each lane adds at most kDirectSumRows / kLanes terms of at most kDirectSumRows + 1.
-  Lanes sums{};
-  int64_t i = 0;
-  for (; i + kLanes <= count; i += kLanes) {
-    sums += numerator >> kDensityShift;
-    numerator += stride;
-  }
-  uint32_t sum = 0;
-  for (int k = 0; k < kLanes; ++k) sum += sums[k];
-  for (uint32_t tail = low + step * static_cast<uint32_t>(i); i < count; ++i, tail += step) {
-    sum += tail >> kDensityShift;
-  }
-  return total + sum;
-}
-
-int64_t ActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors) {
-  // With n = i+1: rows n <= anchors keep all n blocks. Beyond, k = max(anchors, ceil(q*n/Q)),
-  // and ceil(q*n/Q) > anchors exactly when n >= n_free = floor(anchors*Q/q) + 1.
-  const int64_t full = std::min(rows, anchors);
-  int64_t total = full * (full + 1) / 2;
-  if (rows <= anchors) return total;
-  const int64_t n_free = std::max(anchors + 1, anchors * kDensityQuantum / q + 1);
-  const int64_t last_anchored = std::min(rows, n_free - 1);
-  total += (last_anchored - anchors) * anchors;
-  if (rows >= n_free) {
-    // sum_{n=n_free}^{rows} ceil(q*n/Q) = sum_{i=0}^{cnt-1} floor((q*i + q*n_free + Q-1) / Q).
-    // Short runs (most documents) are summed directly: Q is a power of two, so each term is a
-    // shift, cheaper than FloorSum's divisions.
-    const int64_t count = rows - n_free + 1;
-    if (count <= kDirectSumRows) {
-      total += DirectCeilingSum(q * n_free + kDensityQuantum - 1, q, count);
-    } else {
-      total += FloorSum(count, kDensityQuantum, q, q * n_free + kDensityQuantum - 1);
-    }
-  }
-  return total;
-}
-
 }  // namespace
+
+int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_blocks) {
+  // Within the domain (header): rows <= 2^31 and anchors <= 2^24 + 2, so below
+  // anchors * (anchors + 1) < 2^49, (last_anchored - anchors) * anchors < 2^55,
+  // q * n_free <= anchors * Q + q < 2^41 and the total, at most rows (rows + 1) / 2 < 2^62, all
+  // fit in int64.
+  const int64_t rows = std::min(QueryBlocks(length, block_size), kMaxBlockMathRows);
+  const int64_t q = Quantize(density);
+  const int64_t anchors = static_cast<int64_t>(std::clamp(local_blocks, 0, kMaxLocalBlocks)) + 2;
+  // Every row keeps all its blocks at full density (ceil(q n / Q) = n) and where no row has
+  // more than its anchors: the triangle. Half of the planner's counts are dense (placement at
+  // density 1).
+  if (q == kDensityQuantum || rows <= anchors) return rows * (rows + 1) / 2;
+  // A short document's sum costs about what a lookup in the kept answers would, and the
+  // planner's tables keep its counts already (SampleTable::FeaturesAt).
+  if (rows - anchors <= kDirectSumRows) return ActiveBlocksOfRows(rows, q, anchors);
+  return KeptActiveBlocksOfRows(rows, q, anchors);
+}
 
 int64_t ActiveBlocksInRows(int64_t first_row, int64_t end_row, double density, int local_blocks) {
   first_row = std::clamp<int64_t>(first_row, 0, kMaxBlockMathRows);

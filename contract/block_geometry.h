@@ -36,8 +36,13 @@ inline constexpr int64_t kMaxBlockMathRows = int64_t{1} << 31;
 int64_t QuantizeDensity(double density);
 
 // Query blocks of a document: ceil(length / block_size), exact for every length; 0 for
-// length <= 0. block_size < 1 counts as 1.
-int64_t QueryBlocks(int64_t length, int block_size);
+// length <= 0. block_size < 1 counts as 1. Inline: the planner asks for every document.
+inline int64_t QueryBlocks(int64_t length, int block_size) {
+  if (length <= 0) return 0;
+  const int64_t block = block_size > 1 ? block_size : 1;
+  // Not (length + block - 1) / block, which overflows near INT64_MAX.
+  return length / block + (length % block != 0 ? 1 : 0);
+}
 
 // Anchor blocks of query block i (0-based): the sink block 0, the diagonal and up to
 // `local_blocks` blocks before it, without double counting: min(i+1, local_blocks+2).

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -259,6 +258,60 @@ double TableRecall(const std::vector<Sample>& batch, const std::vector<double>& 
   return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
 }
 
+// The index of the first sample whose id an earlier sample of the batch has, or batch.size()
+// when every id is distinct. Ids come from clients, so nothing here hashes them (colliding ids
+// would make a hash set quadratic): increasing ids (a data loader's usual batch) are distinct
+// in one pass; others are sorted with their indices, a stable radix sort, linear whatever the
+// ids are.
+size_t FirstRepeatedId(const std::vector<Sample>& batch) {
+  const size_t n = batch.size();
+  size_t increasing = 1;
+  while (increasing < n && batch[increasing - 1].id < batch[increasing].id) ++increasing;
+  if (increasing >= n) return n;
+  struct IdIndex {
+    uint64_t id;
+    uint32_t index;  // batches hold at most kMaxBatchSamples = 2^24 samples
+  };
+  // Per thread and kept between calls, as the planner's other per-sample scratch; released
+  // after a batch above kKeptScratchSamples. (The byte counts below stay small on the stack:
+  // server threads may have small stacks.)
+  thread_local std::vector<IdIndex> keys;
+  thread_local std::vector<IdIndex> spare;
+  keys.resize(n);
+  spare.resize(n);
+  uint64_t differ = 0;  // the bits in which some ids differ
+  for (size_t i = 0; i < n; ++i) {
+    keys[i] = {batch[i].id, static_cast<uint32_t>(i)};
+    differ |= batch[i].id ^ batch[0].id;
+  }
+  // Byte by byte from the lowest, only those in which ids differ (two for a shuffled range of
+  // 65,536 ids).
+  for (int shift = 0; shift < 64; shift += 8) {
+    if (((differ >> shift) & 0xFF) == 0) continue;
+    std::array<uint32_t, 256> place{};
+    for (const IdIndex& key : keys) ++place[(key.id >> shift) & 0xFF];
+    uint32_t next = 0;
+    for (uint32_t& count : place) {  // each byte's first place in the sorted order
+      const uint32_t here = count;
+      count = next;
+      next += here;
+    }
+    // Stable: equal bytes keep their order, so equal ids end up in index order.
+    for (const IdIndex& key : keys) spare[place[(key.id >> shift) & 0xFF]++] = key;
+    keys.swap(spare);
+  }
+  // Equal ids sit together in index order: all but the first of each run repeat an id.
+  size_t first = n;
+  for (size_t k = 1; k < n; ++k) {
+    if (keys[k].id == keys[k - 1].id) first = std::min<size_t>(first, keys[k].index);
+  }
+  if (n > kKeptScratchSamples) {  // frees them (assigning {} would keep their capacity)
+    keys = std::vector<IdIndex>();
+    spare = std::vector<IdIndex>();
+  }
+  return first;
+}
+
 bool MeetsMinimums(const std::vector<double>& recall, const std::vector<double>& minimum) {
   for (size_t b = 0; b < recall.size(); ++b) {
     if (minimum[b] >= 0 && recall[b] < minimum[b] - 1e-12) return false;
@@ -378,16 +431,16 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
         absl::StrCat("samples: ", batch.size(), " samples is above the limit of ", kMaxBatchSamples,
                      " (2^24, kMaxBatchSamples); split the batch"));
   }
-  absl::flat_hash_set<uint64_t> ids;
-  ids.reserve(batch.size());
+  const size_t repeated = FirstRepeatedId(batch);
   // Each length is checked to be in [1, max_shards x micro_batch_capacity] before it is added,
   // and a valid config's capacity is at most kMaxMicroBatchCapacity (2^30) and max_shards at
   // most kMaxShards (2^6), so with at most 2^24 samples the total stays below 2^60: no
   // overflow. A document's rows stay below 2^36 / 64 = 2^30 (blocks of at least 64 tokens).
   int64_t total = 0;
+  const int64_t longest_document = config.max_shards * config.micro_batch_capacity;
   for (size_t i = 0; i < batch.size(); ++i) {
     const Sample& s = batch[i];
-    if (!ids.insert(s.id).second) {
+    if (i == repeated) {
       return SampleError(i, "id", absl::StrCat(s.id, " appears more than once in the batch"));
     }
     if (s.length < 1) {
@@ -395,8 +448,7 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
     }
     // With context parallelism a document (no segments) may be up to max_shards capacities
     // long: it is split over that many ranks (context_parallel.h).
-    const int64_t longest = s.segments.empty() ? config.max_shards * config.micro_batch_capacity
-                                               : config.micro_batch_capacity;
+    const int64_t longest = s.segments.empty() ? longest_document : config.micro_batch_capacity;
     if (s.length > longest) {
       return SampleError(
           i, "length",

@@ -17,11 +17,6 @@ std::string Tokens(int64_t n) {
 
 }  // namespace
 
-double RecallExponent(double sensitivity) {
-  const double tolerance = 1.0 - std::clamp(sensitivity, 0.0, 1.0);
-  return kRecallExponentMin + (kRecallExponentMax - kRecallExponentMin) * tolerance * tolerance;
-}
-
 double RecallAt(double exponent, double density) {
   const double rho = std::clamp(density, 0.0, 1.0);
   return 1.0 - DetPow(1.0 - rho, exponent);
@@ -35,17 +30,6 @@ double DensityForRecall(double exponent, double recall) {
   if (recall >= 1.0) return 1.0;
   if (recall <= 0.0) return 0.0;
   return 1.0 - DetPow(1.0 - recall, 1.0 / exponent);
-}
-
-double DensityFloor(double sensitivity, const PlannerConfig& config) {
-  const double s = std::clamp(sensitivity, 0.0, 1.0);
-  // Written as a convex combination so that s = 0 and s = 1 give the bounds exactly.
-  return (1.0 - s) * config.density_min + s * config.density_max;
-}
-
-double BaseDensity(double sensitivity, const PlannerConfig& config) {
-  return std::clamp(std::max(config.density_default, DensityFloor(sensitivity, config)),
-                    config.density_min, config.density_max);
 }
 
 LengthRange RecallBucketRange(int bucket, int64_t capacity) {
@@ -107,10 +91,6 @@ absl::Status RecallModel::set_state(const RecallModelState& state) {
   return absl::OkStatus();
 }
 
-size_t RecallModel::CurveIndex(int bucket, int layer) const {
-  return static_cast<size_t>(layer + 1) * kRecallBuckets + bucket;
-}
-
 void RecallModel::Fit(size_t curve) {
   const RecallCurveSums& c = state_.curves[curve];
   // Bin means: the least squares below fits these, each weighted by its documents.
@@ -167,17 +147,6 @@ void RecallModel::Fit(size_t curve) {
   fitted_[curve] = std::clamp(DetExp(0.5 * (a + b)), kLearnedExponentMin, kLearnedExponentMax);
 }
 
-double RecallModel::Mixed(size_t curve, double prior_exponent) const {
-  const double documents = documents_[curve];
-  if (!(fitted_[curve] > 0.0) || !(documents > 0.0)) return prior_exponent;
-  const double w0 = options_.prior_documents;
-  return (w0 * prior_exponent + documents * fitted_[curve]) / (w0 + documents);
-}
-
-double RecallModel::Exponent(int64_t length, double sensitivity) const {
-  return Mixed(CurveIndex(RecallBucket(length, capacity_), -1), RecallExponent(sensitivity));
-}
-
 double RecallModel::LayerExponent(int64_t length, double sensitivity, int layer) const {
   const double all = Exponent(length, sensitivity);
   if (layer < 0 || layer >= layers_) return all;
@@ -193,15 +162,6 @@ bool RecallModel::HasLayerCurves() const {
 
 double RecallModel::SampleRecall(const Sample& sample, double density) const {
   return RecallAt(SampleExponent(sample), density);
-}
-
-double RecallModel::SampleExponent(const Sample& sample) const {
-  if (sample.segments.empty()) return Exponent(sample.length, sample.sensitivity);
-  double weighted = 0.0;
-  for (int64_t segment : sample.segments) {
-    weighted += static_cast<double>(segment) * Exponent(segment, sample.sensitivity);
-  }
-  return weighted / static_cast<double>(sample.length);
 }
 
 absl::Status RecallModel::ObserveStep(const std::vector<RecallObservation>& observations) {

@@ -46,8 +46,13 @@ inline constexpr double kRecallExponentMax = 6.0;   // prior g at sensitivity 0
 inline constexpr double kLearnedExponentMin = 1.0;
 inline constexpr double kLearnedExponentMax = 64.0;
 
-// The prior g(s) above; s is clamped to [0, 1].
-double RecallExponent(double sensitivity);
+// The prior g(s) above; s is clamped to [0, 1]. Inline, as the functions below that the
+// sample table asks for every sample of a step: the library is built -fPIC, so a call to an
+// out-of-line definition is never inlined.
+inline double RecallExponent(double sensitivity) {
+  const double tolerance = 1.0 - std::clamp(sensitivity, 0.0, 1.0);
+  return kRecallExponentMin + (kRecallExponentMax - kRecallExponentMin) * tolerance * tolerance;
+}
 // 1 - (1 - rho)^g, in [0, 1].
 double RecallAt(double exponent, double density);
 // RecallAt that keeps its last answer: the planner's loops over a batch call it with few
@@ -74,8 +79,15 @@ double PredictedRecall(double sensitivity, double density);
 // The density in [0, 1] at which 1 - (1 - rho)^g reaches `recall` (1 for recall >= 1).
 double DensityForRecall(double exponent, double recall);
 
-double DensityFloor(double sensitivity, const PlannerConfig& config);
-double BaseDensity(double sensitivity, const PlannerConfig& config);
+inline double DensityFloor(double sensitivity, const PlannerConfig& config) {
+  const double s = std::clamp(sensitivity, 0.0, 1.0);
+  // Written as a convex combination so that s = 0 and s = 1 give the bounds exactly.
+  return (1.0 - s) * config.density_min + s * config.density_max;
+}
+inline double BaseDensity(double sensitivity, const PlannerConfig& config) {
+  return std::clamp(std::max(config.density_default, DensityFloor(sensitivity, config)),
+                    config.density_min, config.density_max);
+}
 
 // Length buckets, relative to the micro-batch capacity (see above).
 inline constexpr int kRecallBuckets = 4;
@@ -135,6 +147,50 @@ struct RecallModelState {
   int64_t steps_observed = 0;
 };
 
+// How Exponent mixes a curve's fitted g with the prior's: the fit weighs the curve's documents
+// against `prior_documents`. Without a fit (or documents) g is the prior's.
+struct ExponentBlend {
+  double prior_documents = 0.0;
+  double documents = 0.0;
+  double fitted = 0.0;  // 0: no fit
+  double operator()(double prior_exponent) const {
+    if (!(fitted > 0.0) || !(documents > 0.0)) return prior_exponent;
+    return (prior_documents * prior_exponent + documents * fitted) / (prior_documents + documents);
+  }
+};
+
+// RecallModel's all-layers Exponent and SampleExponent, copied out of it (RecallModel::AllLayers)
+// for a loop over a batch: one that stores doubles as it goes (the sample table) would otherwise
+// load the model's fields again after every store, which might alias them.
+class AllLayerExponents {
+ public:
+  // RecallBucket(length, capacity), from the edges kept here.
+  int Bucket(int64_t length) const {
+    return static_cast<int>(length >= edges_[0]) + static_cast<int>(length >= edges_[1]) +
+           static_cast<int>(length >= edges_[2]);
+  }
+  // g of a document of length bucket `bucket`.
+  double InBucket(int bucket, double sensitivity) const {
+    return blends_[bucket](RecallExponent(sensitivity));
+  }
+  double Exponent(int64_t length, double sensitivity) const {
+    return InBucket(Bucket(length), sensitivity);
+  }
+  double SampleExponent(const Sample& sample) const {
+    if (sample.segments.empty()) return Exponent(sample.length, sample.sensitivity);
+    double weighted = 0.0;
+    for (int64_t segment : sample.segments) {
+      weighted += static_cast<double>(segment) * Exponent(segment, sample.sensitivity);
+    }
+    return weighted / static_cast<double>(sample.length);
+  }
+
+ private:
+  friend class RecallModel;
+  std::array<int64_t, kRecallBuckets - 1> edges_{};  // RecallBucketEdge(1..3, capacity)
+  std::array<ExponentBlend, kRecallBuckets> blends_{};
+};
+
 // What GetJob shows of one curve.
 struct RecallCurveSummary {
   int bucket = 0;
@@ -157,14 +213,23 @@ class RecallModel {
   absl::Status set_state(const RecallModelState& state);
 
   // g of a document of `length` tokens and trainer-given `sensitivity`, all layers together.
-  double Exponent(int64_t length, double sensitivity) const;
+  double Exponent(int64_t length, double sensitivity) const {
+    return Mixed(CurveIndex(RecallBucket(length, capacity_), -1), RecallExponent(sensitivity));
+  }
   // g of one layer: the bucket's layer curve, with the all-layers curve as its prior.
   double LayerExponent(int64_t length, double sensitivity, int layer) const;
   // Whether any layer curve has measurements (so per-layer densities can be planned).
   bool HasLayerCurves() const;
   // One g for a sample: its documents' exponents, token-weighted (a pre-packed sample's
   // documents share one density, and the tuner works with one curve per sample).
-  double SampleExponent(const Sample& sample) const;
+  double SampleExponent(const Sample& sample) const { return AllLayers().SampleExponent(sample); }
+  // Exponent and SampleExponent's curves, for a loop over a batch's samples.
+  AllLayerExponents AllLayers() const {
+    AllLayerExponents out;
+    for (int b = 1; b < kRecallBuckets; ++b) out.edges_[b - 1] = RecallBucketEdge(b, capacity_);
+    for (int b = 0; b < kRecallBuckets; ++b) out.blends_[b] = Blend(CurveIndex(b, -1));
+    return out;
+  }
   // RecallAt(SampleExponent(sample), density): the recall every planner figure uses.
   double SampleRecall(const Sample& sample, double density) const;
 
@@ -178,8 +243,13 @@ class RecallModel {
   std::vector<RecallCurveSummary> Curves() const;
 
  private:
-  size_t CurveIndex(int bucket, int layer) const;
-  double Mixed(size_t curve, double prior_exponent) const;
+  size_t CurveIndex(int bucket, int layer) const {
+    return static_cast<size_t>(layer + 1) * kRecallBuckets + bucket;
+  }
+  ExponentBlend Blend(size_t curve) const {
+    return {options_.prior_documents, documents_[curve], fitted_[curve]};
+  }
+  double Mixed(size_t curve, double prior_exponent) const { return Blend(curve)(prior_exponent); }
   // Refits fitted_[curve] from its sums.
   void Fit(size_t curve);
   // documents_ from the sums, every curve (after any change of them).

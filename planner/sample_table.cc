@@ -1,7 +1,6 @@
 #include "planner/sample_table.h"
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -11,8 +10,6 @@
 #include "planner/plan_threads.h"
 
 namespace sparsebalance {
-
-double LogOneMinus(double rho) { return DetLog(1.0 - std::min(rho, kAlmostDense)); }
 
 SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
                          const LatencyModel& model, const RecallModel& recall, PlanThreads* threads)
@@ -43,16 +40,15 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   doc_buckets_ = storage_->doc_buckets.data();
   block_size_ = config.shape.block_size;
   local_blocks_ = config.shape.local_blocks;
-  const Memo none{std::numeric_limits<double>::quiet_NaN(), 0.0};
   const double per_block = model.coefficients().per_block;
-  const int block = config.shape.block_size;
-  // RecallBucket's edges, compared as it compares them, inline: a call per document was a tenth
-  // of the table.
-  std::array<int64_t, kRecallBuckets> edges{};
-  for (int k = 1; k < kRecallBuckets; ++k) {
-    edges[k] = RecallBucketRange(k, config.micro_batch_capacity).min;
-  }
   ParallelFor(threads, batch.size(), [&](size_t begin, size_t end) {
+    // What the loop reads of the config and the recall model, copied to locals: it stores
+    // doubles, and after each store the compiler would load theirs again (they might alias).
+    const PlannerConfig cfg = config;
+    const AllLayerExponents exponents = recall.AllLayers();
+    const int block = cfg.shape.block_size;
+    const double cost_per_block = per_block;
+    const Memo none{std::numeric_limits<double>::quiet_NaN(), 0.0};
     // Floors and bases take few values over a batch without a document recall floor (the
     // default density, or one floor per sensitivity), so their logarithms keep the last one; a
     // base at its floor takes the floor's.
@@ -65,48 +61,16 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
       SampleTerms& t = terms_[i];
       recalls_[i] = none;
       blocks_[i] = none;
-      t.exponent = recall.SampleExponent(s);
-      t.floor = DensityFloor(s.sensitivity, config);
-      t.base = BaseDensity(s.sensitivity, config);
-      if (config.document_recall_floor > 0) {
-        const double keep = std::min(config.density_max,
-                                     DensityForRecall(t.exponent, config.document_recall_floor));
-        t.floor = std::max(t.floor, keep);
-        t.base = std::max(t.base, keep);
-      }
-      if (t.floor != last_floor) {
-        last_floor = t.floor;
-        last_log_floor = LogOneMinus(t.floor);
-      }
-      t.log_floor = last_log_floor;
-      if (t.base == t.floor) {
-        t.log_base = t.log_floor;
-      } else {
-        if (t.base != last_base) {
-          last_base = t.base;
-          last_log_base = LogOneMinus(t.base);
-        }
-        t.log_base = last_log_base;
-      }
-      // RecallAt is 1 - e^(g log(1 - base)); below kAlmostDense its logarithm is LogOneMinus's,
-      // so the base's kept logarithm gives the same bits without a DetLog per sample.
-      if (t.base >= 0.0 && t.base < kAlmostDense) {
-        t.base_recall = 1.0 - DetExp(t.exponent * t.log_base);
-      } else {
-        t.base_recall = RecallAt(t.exponent, t.base);
-      }
+      // Each document's rows, tokens and bucket, and the triangle of query-block pairs.
       double triangle = 0.0;
       int d = t.doc_begin;
       auto add_doc = [&](int64_t length) {
-        doc_rows_[d] = QueryBlocks(length, block);
+        const int64_t rows = QueryBlocks(length, block);
+        doc_rows_[d] = rows;
         doc_tokens_[d] = length;
-        int bucket = 0;
-        for (int k = 1; k < kRecallBuckets; ++k) {
-          if (length >= edges[k]) bucket = k;
-        }
-        doc_buckets_[d] = bucket;
-        const double rows = static_cast<double>(doc_rows_[d]);
-        triangle += 0.5 * rows * (rows + 1.0);
+        doc_buckets_[d] = exponents.Bucket(length);
+        const double r = static_cast<double>(rows);
+        triangle += 0.5 * r * (r + 1.0);
         ++d;
       };
       if (s.segments.empty()) {
@@ -114,10 +78,42 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
       } else {
         for (int64_t segment : s.segments) add_doc(segment);
       }
+      // SampleExponent, a single document's from the bucket just found.
+      const double exponent = s.segments.empty()
+                                  ? exponents.InBucket(doc_buckets_[t.doc_begin], s.sensitivity)
+                                  : exponents.SampleExponent(s);
+      double floor = DensityFloor(s.sensitivity, cfg);
+      double base = BaseDensity(s.sensitivity, cfg);
+      if (cfg.document_recall_floor > 0) {
+        const double keep =
+            std::min(cfg.density_max, DensityForRecall(exponent, cfg.document_recall_floor));
+        floor = std::max(floor, keep);
+        base = std::max(base, keep);
+      }
+      if (floor != last_floor) {
+        last_floor = floor;
+        last_log_floor = LogOneMinus(floor);
+      }
+      double log_base = last_log_floor;
+      if (base != floor) {
+        if (base != last_base) {
+          last_base = base;
+          last_log_base = LogOneMinus(base);
+        }
+        log_base = last_log_base;
+      }
+      t.exponent = exponent;
+      t.floor = floor;
+      t.log_floor = last_log_floor;
+      t.base = base;
+      t.log_base = log_base;
+      // RecallAt is 1 - e^(g log(1 - base)); below kAlmostDense its logarithm is LogOneMinus's,
+      // so the base's kept logarithm gives the same bits without a DetLog per sample.
+      t.base_recall = base >= 0.0 && base < kAlmostDense ? 1.0 - DetExp(exponent * log_base)
+                                                         : RecallAt(exponent, base);
       // Seconds per unit of density, about.
-      const double price = per_block * triangle;
-      t.price_offset =
-          DetLog(std::max(price, 1e-300) / (static_cast<double>(s.length) * t.exponent));
+      const double price = cost_per_block * triangle;
+      t.price_offset = DetLog(std::max(price, 1e-300) / (static_cast<double>(s.length) * exponent));
     }
   });
 }

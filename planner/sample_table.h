@@ -10,10 +10,12 @@
 #ifndef SPARSEBALANCE_PLANNER_SAMPLE_TABLE_H_
 #define SPARSEBALANCE_PLANNER_SAMPLE_TABLE_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "planner/det_math.h"
 #include "planner/latency_model.h"
 #include "planner/recall_model.h"
 #include "planner/types.h"
@@ -33,7 +35,7 @@ inline constexpr size_t kKeptScratchSamples = size_t{1} << 18;
 inline constexpr double kAlmostDense = 1.0 - 1e-9;
 
 // log(1 - min(rho, kAlmostDense)) (det_math.h).
-double LogOneMinus(double rho);
+inline double LogOneMinus(double rho) { return DetLog(1.0 - std::min(rho, kAlmostDense)); }
 
 struct SampleTerms {
   double exponent = 0.0;  // g: RecallModel::SampleExponent

@@ -178,8 +178,8 @@ TEST(ActiveBlocksTest, RowRangesAreTheKeptBlocksOfThoseRowsAndAddUpToTheDocument
 }
 
 // The rows past the anchors are summed in 32-bit lanes, eight at a time, when there are at most
-// 96 of them: every such count (full lanes, a tail, both) at densities from the least quantum
-// to 1, where the lanes' terms are largest.
+// 96 of them: every such count (full lanes, a masked tail of each length, both) at densities
+// from the least quantum to 1, where the lanes' terms are largest.
 TEST(ActiveBlocksTest, ShortRunsPastTheAnchorsMatchDirectSummation) {
   for (int local = 0; local <= 3; ++local) {
     const int64_t anchors = local + 2;
@@ -191,6 +191,34 @@ TEST(ActiveBlocksTest, ShortRunsPastTheAnchorsMatchDirectSummation) {
         const int64_t rows = n_free - 1 + count;
         ASSERT_EQ(ActiveBlocks(rows, density, 1, local), ActiveBlocksBySum(rows, density, 1, local))
             << "rows=" << rows << " q=" << q << " local=" << local;
+      }
+    }
+  }
+}
+
+// ActiveBlocks' shortcuts and paths, each against direct summation and asked twice (a kept
+// answer must be the counted one): the triangle at full density (also at a density just below 1
+// that quantizes to it) and where no row passes its anchors; documents summed without the kept
+// answers (up to 96 rows past the anchors) and the longer ones kept, on both sides of that edge.
+TEST(ActiveBlocksTest, ShortcutsAndKeptAnswersMatchDirectSummation) {
+  ASSERT_EQ(QuantizeDensity(1.0 - 1e-6), kDensityQuantum);
+  ASSERT_LT(QuantizeDensity(0.9999), kDensityQuantum);
+  for (int local = 0; local <= 3; ++local) {
+    const int64_t anchors = local + 2;
+    for (double density : {1.0, 1.0 - 1e-6, 0.9999, 0.3, 1e-9}) {
+      for (int64_t rows : {int64_t{0}, int64_t{1}, anchors - 1, anchors, anchors + 1, anchors + 95,
+                           anchors + 96, anchors + 97, anchors + 500, int64_t{70000}}) {
+        for (int block : kBlockSizes) {
+          const int64_t length = rows * block;
+          const int64_t want = ActiveBlocksBySum(length, density, block, local);
+          for (int pass = 0; pass < 2; ++pass) {
+            ASSERT_EQ(ActiveBlocks(length, density, block, local), want)
+                << "rows=" << rows << " density=" << density << " local=" << local;
+          }
+          if (QuantizeDensity(density) == kDensityQuantum) {
+            EXPECT_EQ(want, rows * (rows + 1) / 2);
+          }
+        }
       }
     }
   }

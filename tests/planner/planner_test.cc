@@ -428,6 +428,79 @@ TEST(ValidateBatchTest, ErrorsNameTheSampleIndexAndField) {
   EXPECT_TRUE(ValidateBatch(batch, config).ok());
 }
 
+// The error names the first failing sample in index order; at one index a repeated id comes
+// before its fields. Increasing ids are checked in one pass, others sorted with their indices:
+// both paths, ids at the extremes and ids that differ only in their highest byte.
+TEST(ValidateBatchTest, ARepeatedIdIsNamedAtItsFirstRepeatInIndexOrder) {
+  const PlannerConfig config = test_util::StepConfig(2, 2, 8192);
+  auto batch_of = [](std::vector<uint64_t> ids) {
+    std::vector<Sample> batch = UniformBatch(static_cast<int>(ids.size()), 100);
+    for (size_t i = 0; i < ids.size(); ++i) batch[i].id = ids[i];
+    return batch;
+  };
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  constexpr uint64_t kTop = uint64_t{1} << 56;
+  EXPECT_TRUE(ValidateBatch(batch_of({0, 1, kMax - 1, kMax}), config).ok());
+  EXPECT_TRUE(ValidateBatch(batch_of({kMax, 0, 5, kMax - 1, 3 * kTop, kTop}), config).ok());
+  EXPECT_TRUE(ValidateBatch(batch_of({7}), config).ok());
+  // The later of two equal ids, increasing up to it or not.
+  EXPECT_THAT(ValidateBatch(batch_of({1, 2, 3, 2}), config).message(),
+              AllOf(HasSubstr("samples[3].id"), HasSubstr("2 appears more than once")));
+  EXPECT_THAT(ValidateBatch(batch_of({50, 40, 30, 40, 10}), config).message(),
+              HasSubstr("samples[3].id"));
+  // The earliest repeat, not the repeat of the earliest id.
+  EXPECT_THAT(ValidateBatch(batch_of({1, 2, 3, 2, 1}), config).message(),
+              HasSubstr("samples[3].id"));
+  EXPECT_THAT(ValidateBatch(batch_of({5, 9, 9, 5}), config).message(), HasSubstr("samples[2].id"));
+  EXPECT_THAT(ValidateBatch(batch_of({4, 4, 4}), config).message(), HasSubstr("samples[1].id"));
+  // Ids at the extremes, and ids equal in all but their highest byte.
+  EXPECT_THAT(ValidateBatch(batch_of({0, kMax, 7, kMax}), config).message(),
+              AllOf(HasSubstr("samples[3].id"), HasSubstr("18446744073709551615")));
+  EXPECT_THAT(ValidateBatch(batch_of({kMax, 0, 0}), config).message(),
+              AllOf(HasSubstr("samples[2].id"), HasSubstr(": 0 appears")));
+  EXPECT_THAT(
+      ValidateBatch(batch_of({2 * kTop + 1, kTop + 1, 3 * kTop + 1, kTop + 1}), config).message(),
+      HasSubstr("samples[3].id"));
+
+  // An earlier field error wins over a later repeat, whichever path finds the repeat.
+  for (std::vector<uint64_t> ids :
+       {std::vector<uint64_t>{1, 2, 3, 4, 1}, std::vector<uint64_t>{9, 8, 7, 6, 9}}) {
+    std::vector<Sample> batch = batch_of(ids);
+    batch[1].length = 0;
+    EXPECT_THAT(ValidateBatch(batch, config).message(), HasSubstr("samples[1].length"));
+    batch = batch_of(ids);
+    batch[2].sensitivity = 2.0;
+    EXPECT_THAT(ValidateBatch(batch, config).message(), HasSubstr("samples[2].sensitivity"));
+    // At the repeat's own index the id error comes first.
+    batch = batch_of(ids);
+    batch[4].length = 0;
+    batch[4].segments = {1, 2};
+    EXPECT_THAT(ValidateBatch(batch, config).message(), HasSubstr("samples[4].id"));
+  }
+
+  // Random batches against the definition: the first index whose id an earlier one has.
+  Rng rng(42);
+  for (int c = 0; c < 300; ++c) {
+    const int count = 1 + static_cast<int>(rng.NextU64() % 300);
+    const uint64_t pool = 1 + rng.NextU64() % (2 * count);  // repeats in most batches
+    const uint64_t high = rng.NextU64() % 2 == 0 ? 0 : rng.NextU64();
+    std::vector<uint64_t> ids(count);
+    for (uint64_t& id : ids) id = (rng.NextU64() % pool) * kTop ^ high ^ (rng.NextU64() % 3);
+    if (c % 3 == 0) std::sort(ids.begin(), ids.end());  // the increasing path up to a repeat
+    std::set<uint64_t> seen;
+    size_t want = ids.size();
+    for (size_t i = 0; i < ids.size() && want == ids.size(); ++i) {
+      if (!seen.insert(ids[i]).second) want = i;
+    }
+    const absl::Status status = ValidateBatch(batch_of(ids), config);
+    if (want == ids.size()) {
+      EXPECT_TRUE(status.ok()) << status;
+    } else {
+      EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("samples[", want, "].id"))) << c;
+    }
+  }
+}
+
 TEST(ValidateConfigTest, ErrorsNameTheField) {
   const std::vector<Sample> batch = UniformBatch(2, 100);
   struct Case {
@@ -982,6 +1055,29 @@ TEST(PlanStepTest, AVeryLargeStepLeavesNoPerSampleArraysHeld) {
     EXPECT_GT(held_after(small), 50 * kKeptScratchSamples / 2) << "the small step's arrays";
     // The large one grows them past the limit and frees them: at most a few MiB stay.
     EXPECT_LT(held_after(large), size_t{8} << 20);
+  }).join();
+}
+
+// ValidateBatch sorts ids that do not increase in per-thread scratch, kept between calls but
+// freed after a batch of more than kKeptScratchSamples samples (16 bytes a sample, twice).
+TEST(ValidateBatchTest, AVeryLargeBatchOfUnorderedIdsLeavesNoScratchHeld) {
+  const PlannerConfig config = test_util::StepConfig(4096, 4, 131072);
+  auto descending = [](size_t count) {
+    std::vector<Sample> batch(count);
+    for (size_t i = 0; i < count; ++i) batch[i] = {count - i, 100, 0.0, 0, {}};
+    return batch;
+  };
+  const std::vector<Sample> small = descending(kKeptScratchSamples / 2);
+  const std::vector<Sample> large = descending(kKeptScratchSamples + 1000);
+  auto held_after = [&](const std::vector<Sample>& batch) {
+    const size_t before = HeapInUse();
+    EXPECT_TRUE(ValidateBatch(batch, config).ok());
+    const size_t after = HeapInUse();
+    return after > before ? after - before : 0;
+  };
+  std::thread([&] {
+    EXPECT_GT(held_after(small), 16 * small.size()) << "the small batch's scratch";
+    EXPECT_LT(held_after(large), size_t{1} << 20);
   }).join();
 }
 

@@ -96,6 +96,42 @@ TEST(RecallModelTest, LearnsEachBucketsCurveFromMeasurementsAlone) {
   EXPECT_EQ(curves[1].documents, 0.0);
 }
 
+// AllLayers, which the sample table reads for every sample, gives the model's own buckets and
+// exponents bit for bit: a curve learned per bucket (each its own g), one left to the prior, at
+// and around every edge, with a capacity small enough that the edges clamp to 2.
+TEST(RecallModelTest, AllLayersGivesTheModelsExponentsBitForBit) {
+  for (int64_t capacity : {kCapacity, int64_t{64}}) {
+    RecallModel model(capacity, 2);
+    std::vector<RecallObservation> obs;
+    for (int b : {0, 1, 3}) {  // bucket 2 keeps the prior
+      const std::vector<RecallObservation> bucket =
+          Measured(RecallBucketRange(b, capacity).min, 1.5 + b, 50);
+      obs.insert(obs.end(), bucket.begin(), bucket.end());
+    }
+    ASSERT_TRUE(model.ObserveStep(obs).ok());
+    const AllLayerExponents all = model.AllLayers();
+    std::vector<int64_t> lengths = {1, 2, 3, capacity, capacity * kMaxShards};
+    for (int b = 1; b < kRecallBuckets; ++b) {
+      const int64_t edge = RecallBucketEdge(b, capacity);
+      lengths.insert(lengths.end(), {edge - 1, edge, edge + 1});
+    }
+    for (int64_t length : lengths) {
+      EXPECT_EQ(all.Bucket(length), RecallBucket(length, capacity)) << length;
+      for (double s : {0.0, 0.3, 1.0}) {
+        EXPECT_EQ(all.Exponent(length, s), model.Exponent(length, s)) << length << " " << s;
+        EXPECT_EQ(all.InBucket(RecallBucket(length, capacity), s), model.Exponent(length, s));
+      }
+    }
+    const Sample packed{7, capacity, 0.3, 0, {capacity / 8, capacity / 2, capacity * 3 / 8}};
+    double weighted = 0.0;
+    for (int64_t segment : packed.segments) {
+      weighted += static_cast<double>(segment) * model.Exponent(segment, packed.sensitivity);
+    }
+    EXPECT_EQ(model.SampleExponent(packed), weighted / static_cast<double>(packed.length));
+    EXPECT_EQ(all.SampleExponent(packed), model.SampleExponent(packed));
+  }
+}
+
 TEST(RecallModelTest, LayerCurvesFallBackToTheBucketsCurve) {
   RecallModel model(kCapacity, 2);
   for (int step = 0; step < 20; ++step) {
