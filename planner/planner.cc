@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -259,57 +260,21 @@ double TableRecall(const std::vector<Sample>& batch, const std::vector<double>& 
 }
 
 // The index of the first sample whose id an earlier sample of the batch has, or batch.size()
-// when every id is distinct. Ids come from clients, so nothing here hashes them (colliding ids
-// would make a hash set quadratic): increasing ids (a data loader's usual batch) are distinct
-// in one pass; others are sorted with their indices, a stable radix sort, linear whatever the
-// ids are.
+// when every id is distinct.
 size_t FirstRepeatedId(const std::vector<Sample>& batch) {
   const size_t n = batch.size();
+  // Increasing ids (a step's samples numbered as they are drawn) are distinct: one pass.
   size_t increasing = 1;
   while (increasing < n && batch[increasing - 1].id < batch[increasing].id) ++increasing;
   if (increasing >= n) return n;
-  struct IdIndex {
-    uint64_t id;
-    uint32_t index;  // batches hold at most kMaxBatchSamples = 2^24 samples
-  };
-  // Per thread and kept between calls, as the planner's other per-sample scratch; released
-  // after a batch above kKeptScratchSamples. (The byte counts below stay small on the stack:
-  // server threads may have small stacks.)
-  thread_local std::vector<IdIndex> keys;
-  thread_local std::vector<IdIndex> spare;
-  keys.resize(n);
-  spare.resize(n);
-  uint64_t differ = 0;  // the bits in which some ids differ
+  // Otherwise a hash set of the ids seen so far (its hash is seeded per process, so a client
+  // cannot choose colliding ids). A radix sort of (id, index) pairs cost more for hashed ids.
+  absl::flat_hash_set<uint64_t> seen;
+  seen.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    keys[i] = {batch[i].id, static_cast<uint32_t>(i)};
-    differ |= batch[i].id ^ batch[0].id;
+    if (!seen.insert(batch[i].id).second) return i;
   }
-  // Byte by byte from the lowest, only those in which ids differ (two for a shuffled range of
-  // 65,536 ids).
-  for (int shift = 0; shift < 64; shift += 8) {
-    if (((differ >> shift) & 0xFF) == 0) continue;
-    std::array<uint32_t, 256> place{};
-    for (const IdIndex& key : keys) ++place[(key.id >> shift) & 0xFF];
-    uint32_t next = 0;
-    for (uint32_t& count : place) {  // each byte's first place in the sorted order
-      const uint32_t here = count;
-      count = next;
-      next += here;
-    }
-    // Stable: equal bytes keep their order, so equal ids end up in index order.
-    for (const IdIndex& key : keys) spare[place[(key.id >> shift) & 0xFF]++] = key;
-    keys.swap(spare);
-  }
-  // Equal ids sit together in index order: all but the first of each run repeat an id.
-  size_t first = n;
-  for (size_t k = 1; k < n; ++k) {
-    if (keys[k].id == keys[k - 1].id) first = std::min<size_t>(first, keys[k].index);
-  }
-  if (n > kKeptScratchSamples) {  // frees them (assigning {} would keep their capacity)
-    keys = std::vector<IdIndex>();
-    spare = std::vector<IdIndex>();
-  }
-  return first;
+  return n;
 }
 
 bool MeetsMinimums(const std::vector<double>& recall, const std::vector<double>& minimum) {
