@@ -1,6 +1,7 @@
 #include "planner/sample_table.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -49,71 +50,79 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
     const int block = cfg.shape.block_size;
     const double cost_per_block = per_block;
     const Memo none{std::numeric_limits<double>::quiet_NaN(), 0.0};
-    // Floors and bases take few values over a batch without a document recall floor (the
-    // default density, or one floor per sensitivity), so their logarithms keep the last one; a
-    // base at its floor takes the floor's.
-    double last_floor = -1.0;
-    double last_log_floor = 0.0;
-    double last_base = -1.0;
-    double last_log_base = 0.0;
-    for (size_t i = begin; i < end; ++i) {
-      const Sample& s = batch[i];
-      SampleTerms& t = terms_[i];
-      recalls_[i] = none;
-      blocks_[i] = none;
-      // Each document's rows, tokens and bucket, and the triangle of query-block pairs.
-      double triangle = 0.0;
-      int d = t.doc_begin;
-      auto add_doc = [&](int64_t length) {
-        const int64_t rows = QueryBlocks(length, block);
-        doc_rows_[d] = rows;
-        doc_tokens_[d] = length;
-        doc_buckets_[d] = exponents.Bucket(length);
-        const double r = static_cast<double>(rows);
-        triangle += 0.5 * r * (r + 1.0);
-        ++d;
-      };
-      if (s.segments.empty()) {
-        add_doc(s.length);
-      } else {
-        for (int64_t segment : s.segments) add_doc(segment);
-      }
-      // SampleExponent, a single document's from the bucket just found.
-      const double exponent = s.segments.empty()
-                                  ? exponents.InBucket(doc_buckets_[t.doc_begin], s.sensitivity)
-                                  : exponents.SampleExponent(s);
-      double floor = DensityFloor(s.sensitivity, cfg);
-      double base = BaseDensity(s.sensitivity, cfg);
-      if (cfg.document_recall_floor > 0) {
-        const double keep =
-            std::min(cfg.density_max, DensityForRecall(exponent, cfg.document_recall_floor));
-        floor = std::max(floor, keep);
-        base = std::max(base, keep);
-      }
-      if (floor != last_floor) {
-        last_floor = floor;
-        last_log_floor = LogOneMinus(floor);
-      }
-      double log_base = last_log_floor;
-      if (base != floor) {
-        if (base != last_base) {
-          last_base = base;
-          last_log_base = LogOneMinus(base);
+    // The logarithms and exponentials of kBatch samples at a time go through DetLogAll and
+    // DetExpAll (SIMD, the same bits as DetLog and DetExp): LogOneMinus of the floor and the
+    // base, the price offset, and the base recall.
+    constexpr size_t kBatch = 256;
+    std::array<double, kBatch> log_floor;
+    std::array<double, kBatch> log_base;
+    std::array<double, kBatch> price_offset;
+    std::array<double, kBatch> at_base;  // e^(g log(1 - base)), where RecallAt takes it
+    for (size_t first = begin; first < end; first += kBatch) {
+      const size_t m = std::min(kBatch, end - first);
+      for (size_t j = 0; j < m; ++j) {
+        const size_t i = first + j;
+        const Sample& s = batch[i];
+        SampleTerms& t = terms_[i];
+        recalls_[i] = none;
+        blocks_[i] = none;
+        // Each document's rows, tokens and bucket, and the triangle of query-block pairs.
+        double triangle = 0.0;
+        int d = t.doc_begin;
+        auto add_doc = [&](int64_t length) {
+          const int64_t rows = QueryBlocks(length, block);
+          doc_rows_[d] = rows;
+          doc_tokens_[d] = length;
+          doc_buckets_[d] = exponents.Bucket(length);
+          const double r = static_cast<double>(rows);
+          triangle += 0.5 * r * (r + 1.0);
+          ++d;
+        };
+        if (s.segments.empty()) {
+          add_doc(s.length);
+        } else {
+          for (int64_t segment : s.segments) add_doc(segment);
         }
-        log_base = last_log_base;
+        // SampleExponent, a single document's from the bucket just found.
+        const double exponent = s.segments.empty()
+                                    ? exponents.InBucket(doc_buckets_[t.doc_begin], s.sensitivity)
+                                    : exponents.SampleExponent(s);
+        double floor = DensityFloor(s.sensitivity, cfg);
+        double base = BaseDensity(s.sensitivity, cfg);
+        if (cfg.document_recall_floor > 0) {
+          const double keep =
+              std::min(cfg.density_max, DensityForRecall(exponent, cfg.document_recall_floor));
+          floor = std::max(floor, keep);
+          base = std::max(base, keep);
+        }
+        t.exponent = exponent;
+        t.floor = floor;
+        t.base = base;
+        // LogOneMinus's arguments (a base at its floor takes the floor's logarithm).
+        log_floor[j] = 1.0 - std::min(floor, kAlmostDense);
+        log_base[j] = base != floor ? 1.0 - std::min(base, kAlmostDense) : 1.0;
+        // Seconds per unit of density, about: the offset is the log of price / (tokens g).
+        const double price = cost_per_block * triangle;
+        price_offset[j] = std::max(price, 1e-300) / (static_cast<double>(s.length) * exponent);
       }
-      t.exponent = exponent;
-      t.floor = floor;
-      t.log_floor = last_log_floor;
-      t.base = base;
-      t.log_base = log_base;
-      // RecallAt is 1 - e^(g log(1 - base)); below kAlmostDense its logarithm is LogOneMinus's,
-      // so the base's kept logarithm gives the same bits without a DetLog per sample.
-      t.base_recall = base >= 0.0 && base < kAlmostDense ? 1.0 - DetExp(exponent * log_base)
-                                                         : RecallAt(exponent, base);
-      // Seconds per unit of density, about.
-      const double price = cost_per_block * triangle;
-      t.price_offset = DetLog(std::max(price, 1e-300) / (static_cast<double>(s.length) * exponent));
+      DetLogAll(log_floor.data(), log_floor.data(), m);
+      DetLogAll(log_base.data(), log_base.data(), m);
+      DetLogAll(price_offset.data(), price_offset.data(), m);
+      for (size_t j = 0; j < m; ++j) {
+        SampleTerms& t = terms_[first + j];
+        t.log_floor = log_floor[j];
+        t.log_base = t.base != t.floor ? log_base[j] : log_floor[j];
+        t.price_offset = price_offset[j];
+        // RecallAt is 1 - e^(g log(1 - base)); below kAlmostDense its logarithm is
+        // LogOneMinus's, so the base's logarithm gives the same bits without a DetLog.
+        at_base[j] = t.base >= 0.0 && t.base < kAlmostDense ? t.exponent * t.log_base : 0.0;
+      }
+      DetExpAll(at_base.data(), at_base.data(), m);
+      for (size_t j = 0; j < m; ++j) {
+        SampleTerms& t = terms_[first + j];
+        t.base_recall = t.base >= 0.0 && t.base < kAlmostDense ? 1.0 - at_base[j]
+                                                               : RecallAt(t.exponent, t.base);
+      }
     }
   });
 }
@@ -130,7 +139,35 @@ SampleTable::Storage& SampleTable::ThreadStorage() {
 
 void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const {
   ParallelFor(threads, size_, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) Recall(i, densities[i]);
+    // The samples whose answer is not kept yet, kBatch at a time: RecallAt's power,
+    // e^(g log(1 - rho)), through DetLogAll and DetExpAll (the same bits as DetPow), except
+    // where DetPow answers without them (a density of 1 or more, an exponent of 0).
+    constexpr size_t kBatch = 256;
+    std::array<double, kBatch> power;
+    std::array<size_t, kBatch> sample;
+    for (size_t first = begin; first < end; first += kBatch) {
+      const size_t last = std::min(first + kBatch, end);
+      size_t count = 0;
+      for (size_t i = first; i < last; ++i) {
+        const SampleTerms& t = terms_[i];
+        const double rho = densities[i];
+        if (rho == t.base || recalls_[i].density == rho) continue;  // Recall needs no work
+        const double one_minus = 1.0 - std::clamp(rho, 0.0, 1.0);
+        if (one_minus == 0.0 || t.exponent == 0.0) {
+          Recall(i, rho);
+          continue;
+        }
+        sample[count] = i;
+        power[count++] = one_minus;
+      }
+      DetLogAll(power.data(), power.data(), count);
+      for (size_t k = 0; k < count; ++k) power[k] *= terms_[sample[k]].exponent;
+      DetExpAll(power.data(), power.data(), count);
+      for (size_t k = 0; k < count; ++k) {
+        const size_t i = sample[k];
+        recalls_[i] = {densities[i], 1.0 - power[k]};
+      }
+    }
   });
 }
 
