@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -767,29 +768,44 @@ struct RecallTerm {
   double weight;            // tokens
   double weight_g_over_g1;  // weight * (g / (g - 1)), the slope's first product
 };
-// Per item, its summands of the sums before the search (read once, in item order), and its
-// weighted recall at each bound (read then, and by an evaluation for the few items at a bound).
-struct RecallSummands {
-  double weight;
-  double start;        // weight * the item's multiplier at base
-  double base_recall;  // weight * recall at base
-  double at_hi;        // weight * recall at density_max
-  double at_lo;        // weight * recall at the floor
+// An item's weighted recall at each bound: read by the first evaluation for every item (the
+// recall at x_min and x_max), after it only for the few items at a bound.
+struct BoundRecalls {
+  double at_hi;  // weight * recall at density_max
+  double at_lo;  // weight * recall at the floor
 };
 // What the densities at the answer read besides the term, once.
 struct RecallOutput {
   double floor;  // lowest density allowed (never above base)
   int index;     // into the batch
 };
+// A sample's summands of its group's sums before the search, in batch order.
+struct StartSummands {
+  double weight;
+  double start;        // weight * the item's multiplier at base
+  double base_recall;  // weight * recall at base
+};
+// An item's (weighted recall, slope) at the multiplier evaluated, and at the first evaluation
+// its weighted recalls at x_max and x_min (NaN where it is off its bounds there).
+struct RecallPart {
+  double recall;
+  double slope;
+};
+struct BoundPart {
+  double at_x_max;
+  double at_x_min;
+};
 
 // The search's arrays, kept per thread between steps as the tuner's are (TunerStorage). Each
-// group's items are a range of them, the groups one after another.
+// group's items are a range of the item arrays, the groups one after another.
 struct AllocationStorage {
-  std::vector<uint8_t> group;  // per sample of the batch
+  std::vector<uint8_t> group;           // per sample
+  std::vector<StartSummands> summands;  // per sample
   std::vector<RecallTerm> terms;
-  std::vector<RecallSummands> summands;
+  std::vector<BoundRecalls> bound_recalls;
   std::vector<RecallOutput> outputs;
-  std::vector<std::pair<double, double>> part;  // (weighted recall, slope) of the last evaluation
+  std::vector<RecallPart> part;
+  std::vector<BoundPart> bound_part;
   std::vector<double> one_minus;  // 1 - rho per item off its bounds at the last evaluation
   bool in_use = false;
 };
@@ -815,15 +831,78 @@ class AllocationScratch {
   AllocationStorage* storage_;
 };
 
+// A serial sum over the items of a ParallelChunks loop, made while the loop runs: each range
+// publishes how far its summands are in place, and whichever thread finds the next items in
+// item order in place adds them (and those in place after them), unless another thread is
+// adding, which then finds them too. The adds are the serial loop's, in its order, whatever the
+// threads. Run after the loops instead, the step allocation's sums were a fifth of it on two
+// threads.
+class OrderedSum {
+ public:
+  // For ParallelChunks(threads, n, ...), split into `chunks` ranges (ChunkCount).
+  OrderedSum(size_t n, size_t chunks) : n_(n), chunks_(chunks), ready_(chunks) {
+    for (size_t c = 0; c < chunks; ++c) ready_[c].store(c * n / chunks);
+  }
+  // Range `chunk`'s items [begin, end) are worked out, their summands in a buffer of the calling
+  // thread: added from there by add_own() where they are next in item order and no other thread
+  // is adding (on one thread, always), else put in place by store() for add(from, to), which
+  // adds those of items [from, to) from their place. Either runs on one thread at a time.
+  template <typename AddOwn, typename Store, typename Add>
+  void Offer(size_t chunk, size_t begin, size_t end, const AddOwn& add_own, const Store& store,
+             const Add& add) {
+    if (!adding_.exchange(true)) {
+      if (next_ == begin) {
+        add_own();
+        next_ = end;
+      } else {
+        store();
+      }
+      ready_[chunk].store(end);
+      Drain(add);
+      return;
+    }
+    store();
+    ready_[chunk].store(end);
+    if (!adding_.exchange(true)) Drain(add);
+  }
+
+ private:
+  // Holding adding_: adds what is in place next in order, and again while a range published more
+  // while it did (and no other thread took over).
+  template <typename Add>
+  void Drain(const Add& add) {
+    for (;;) {
+      size_t at = next_;
+      size_t c = chunk_;
+      for (; c < chunks_; ++c) {
+        const size_t ready = ready_[c].load();
+        if (at < ready) {
+          add(at, ready);
+          at = ready;
+        }
+        if (at < (c + 1) * n_ / chunks_) break;  // range c not done yet
+      }
+      next_ = at;
+      chunk_ = c;
+      adding_.store(false);
+      // A range that published after this thread looked left its items to it: look again.
+      if (c == chunks_ || ready_[c].load() <= at || adding_.exchange(true)) return;
+    }
+  }
+
+  const size_t n_;
+  const size_t chunks_;
+  std::vector<std::atomic<size_t>> ready_;  // per range, the end of its summands in place
+  std::atomic<bool> adding_{false};
+  size_t next_ = 0;   // the first item not added (under adding_)
+  size_t chunk_ = 0;  // its range
+};
+
 // A group's items summed in item order before its search.
 struct GroupSums {
   double tokens = 0.0;
   double start = 0.0;  // token-weighted multipliers at base
   double base = 0.0;   // weighted recalls at base
-  // Weighted recalls at x_max and at x_min, where every item sits at a bound: NaN where one is
-  // off its bounds there (a NaN bound).
-  double at_x_max = 0.0;
-  double at_x_min = 0.0;
 };
 
 // One group's search: the densities in [floor, density_max] of items [begin, begin + count)
@@ -835,44 +914,83 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
                   double x_max, const GroupSums& sums, PlanThreads* threads, double* x_out,
                   bool* kept) {
   const RecallTerm* const terms = st.terms.data() + begin;
-  const RecallSummands* const summands = st.summands.data() + begin;
-  std::pair<double, double>* const part = st.part.data() + begin;
+  const BoundRecalls* const bound_recalls = st.bound_recalls.data() + begin;
+  RecallPart* const part = st.part.data() + begin;
+  BoundPart* const bound_part = st.bound_part.data() + begin;
   double* const one_minus = st.one_minus.data() + begin;
   const double tokens = sums.tokens;
+  const size_t chunks = ChunkCount(threads, count);
   double searched = std::numeric_limits<double>::quiet_NaN();  // the last multiplier evaluated
   // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
   // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
   // d recall / d rho = g e^x scale: one exp per item that is not at a bound. Each item's
-  // weighted recall and slope are worked out on the threads and summed in item order: the first
-  // range as it goes (its items start the sums; on one thread that is all of them), the others'
-  // after, from `part`. An item at a bound adds no slope: subtracting its 0 leaves the sum's bits
-  // as they are (it starts at +0 and is never -0).
-  auto recall_at = [&](double x, double* derivative) {
+  // weighted recall and slope are worked out on the threads and summed in item order as they
+  // come (OrderedSum). An item at a bound adds no slope: subtracting its 0 leaves the sum's bits
+  // as they are (it starts at +0 and is never -0). With `at_bounds` (the first evaluation) the
+  // weighted recalls at x_max and x_min are summed too: [0] and [1], NaN where an item is off its
+  // bounds there.
+  auto recall_at = [&](double x, double* derivative, double* at_bounds) {
     const double ex = DetExp(x);
     double weighted = 0.0;
     double slope = 0.0;
-    size_t summed = 0;  // items summed by the first range
+    double at_x_max = 0.0;
+    double at_x_min = 0.0;
+    // In locals while they add: the sums' references might alias the parts.
+    auto add_parts = [&](const RecallPart* p, const BoundPart* bounds, size_t m) {
+      double w = weighted;
+      double s = slope;
+      for (size_t j = 0; j < m; ++j) {
+        w += p[j].recall;
+        s -= p[j].slope;
+      }
+      weighted = w;
+      slope = s;
+      if (at_bounds == nullptr) return;
+      double at_max = at_x_max;
+      double at_min = at_x_min;
+      for (size_t j = 0; j < m; ++j) {
+        at_max += bounds[j].at_x_max;
+        at_min += bounds[j].at_x_min;
+      }
+      at_x_max = at_max;
+      at_x_min = at_min;
+    };
+    auto add = [&](size_t from, size_t to) {
+      add_parts(part + from, bound_part + from, to - from);
+    };
+    OrderedSum sum(count, chunks);
     ParallelChunks(threads, count, [&](size_t chunk, size_t lo, size_t hi) {
       // Items at a bound are done at once; those off their bounds have their 1 - rho worked
       // out kBatch items at a time through DetExpAll.
       std::array<double, kBatch> u;
-      std::array<size_t, kBatch> item_of;                 // the item of each u
-      std::array<std::pair<double, double>, kBatch> own;  // the first range's batch
-      double range_weighted = 0.0;
-      double range_slope = 0.0;
+      std::array<size_t, kBatch> item_of;  // the item of each u
+      std::array<RecallPart, kBatch> own;
+      std::array<BoundPart, kBatch> own_bounds;
+      constexpr double kOff = std::numeric_limits<double>::quiet_NaN();
       for (size_t first = lo; first < hi; first += kBatch) {
         const size_t last = std::min(first + kBatch, hi);
-        std::pair<double, double>* const out = chunk == 0 ? own.data() : part + first;
         size_t off = 0;
         for (size_t k = first; k < last; ++k) {
           const RecallTerm& t = terms[k];
           if (x <= t.x_at_hi) {
-            out[k - first] = {summands[k].at_hi, 0.0};
+            own[k - first] = {bound_recalls[k].at_hi, 0.0};
           } else if (x >= t.x_at_lo) {
-            out[k - first] = {summands[k].at_lo, 0.0};
+            own[k - first] = {bound_recalls[k].at_lo, 0.0};
           } else {
             item_of[off] = k;
             u[off++] = (x + t.offset) * t.inv_g1;
+          }
+        }
+        if (at_bounds != nullptr) {
+          for (size_t k = first; k < last; ++k) {
+            const RecallTerm& t = terms[k];
+            const BoundRecalls& r = bound_recalls[k];
+            own_bounds[k - first] = {x_max <= t.x_at_hi   ? r.at_hi
+                                     : x_max >= t.x_at_lo ? r.at_lo
+                                                          : kOff,
+                                     x_min <= t.x_at_hi   ? r.at_hi
+                                     : x_min >= t.x_at_lo ? r.at_lo
+                                                          : kOff};
           }
         }
         DetExpAll(u.data(), u.data(), off);
@@ -882,40 +1000,48 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
           one_minus[k] = u[q];
           const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
           // d rho / dx = -(1-rho)/(g-1)
-          out[k - first] = {t.weight * (1.0 - u[q] * pow_g_minus_1),
+          own[k - first] = {t.weight * (1.0 - u[q] * pow_g_minus_1),
                             t.weight_g_over_g1 * pow_g_minus_1 * u[q]};
         }
-        if (chunk == 0) {
-          for (size_t j = 0; j < last - first; ++j) {
-            range_weighted += own[j].first;
-            range_slope -= own[j].second;
-          }
-        }
-      }
-      if (chunk == 0) {
-        weighted = range_weighted;
-        slope = range_slope;
-        summed = hi;
+        const size_t m = last - first;
+        sum.Offer(
+            chunk, first, last, [&] { add_parts(own.data(), own_bounds.data(), m); },
+            [&] {
+              std::copy(own.begin(), own.begin() + m, part + first);
+              if (at_bounds != nullptr) {
+                std::copy(own_bounds.begin(), own_bounds.begin() + m, bound_part + first);
+              }
+            },
+            add);
       }
     });
-    for (size_t k = summed; k < count; ++k) {
-      weighted += part[k].first;
-      slope -= part[k].second;
-    }
     if (derivative != nullptr) *derivative = slope / tokens;
+    if (at_bounds != nullptr) {
+      at_bounds[0] = at_x_max;
+      at_bounds[1] = at_x_min;
+    }
     searched = x;
     return weighted / tokens;
   };
-  // The recall at x_max or x_min, where every item sits at a bound: summed already, unless an
-  // item is off its bounds there (a NaN bound), which is evaluated in full.
+  // Newton starts where the bulk of the tokens would sit at their base densities: the answer
+  // keeps about their recall, so Newton begins close. It is evaluated there first, whether the
+  // search runs or not (it mostly does), with the recalls at x_min and x_max, where every item
+  // sits at a bound, in the same pass.
+  const double x_first = std::clamp(sums.start / tokens, x_min, x_max);
+  const double x_start = x_first == x_min || x_first == x_max ? 0.5 * (x_min + x_max) : x_first;
+  double first_derivative = 0.0;
+  double at_bounds[2];
+  const double first_recall = recall_at(x_start, &first_derivative, at_bounds);
+  // The recall at x_max or x_min from the bounds' sum, unless an item is off its bounds there (a
+  // NaN bound): then evaluated in full.
   auto recall_at_bound = [&](double x, double at_bound) {
-    return std::isnan(at_bound) ? recall_at(x, nullptr) : at_bound / tokens;
+    return std::isnan(at_bound) ? recall_at(x, nullptr, nullptr) : at_bound / tokens;
   };
   double x = x_min;
-  double recall = recall_at_bound(x_max, sums.at_x_max);
+  double recall = recall_at_bound(x_max, at_bounds[0]);
   if (recall >= target) {
     x = x_max;  // every item at its floor already keeps the recall
-  } else if (recall = recall_at_bound(x_min, sums.at_x_min); recall < target) {
+  } else if (recall = recall_at_bound(x_min, at_bounds[1]); recall < target) {
     x = x_min;  // unreachable: everything at density_max is the best there is
   } else {
     // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
@@ -923,13 +1049,12 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
     double a = x_min;  // recall(a) >= target
     double b = x_max;  // recall(b) < target
     double recall_a = recall;
-    // Start where the bulk of the tokens would sit at their base densities: the answer keeps
-    // about their recall, so Newton begins close.
-    x = std::clamp(sums.start / tokens, a, b);
-    if (x == a || x == b) x = 0.5 * (a + b);
+    x = x_start;
     for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
-      double derivative = 0.0;
-      const double r = recall_at(x, &derivative);
+      double derivative = first_derivative;
+      // The first evaluation's, unless a full evaluation at a bound came since.
+      const double r =
+          iter == 0 && searched == x ? first_recall : recall_at(x, &derivative, nullptr);
       const double f = r - target;
       if (f >= 0) {
         a = x;
@@ -1009,10 +1134,29 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     for (int g = 0; g < groups; ++g) at[g] += counts[c][g];
   }
   RecallTerm* const terms = Scratch(st.terms, n);
-  RecallSummands* const summands = Scratch(st.summands, n);
+  BoundRecalls* const bound_recalls = Scratch(st.bound_recalls, n);
   RecallOutput* const outputs = Scratch(st.outputs, n);
+  StartSummands* const summands = Scratch(st.summands, n);
   Scratch(st.part, n);
+  Scratch(st.bound_part, n);
   Scratch(st.one_minus, n);
+  // Each group's sums before its search, in item order (batch order within the group) as the
+  // items come (OrderedSum).
+  std::array<GroupSums, kRecallBuckets> sums{};
+  OrderedSum ordered(n, chunks);
+  auto add_summands = [&](const StartSummands* summand, const uint8_t* group_ids, size_t m) {
+    std::array<GroupSums, kRecallBuckets> local = sums;  // the summands might alias `sums`
+    for (size_t j = 0; j < m; ++j) {
+      GroupSums& group = local[per_bucket ? group_ids[j] : 0];
+      group.tokens += summand[j].weight;
+      group.start += summand[j].start;
+      group.base += summand[j].base_recall;
+    }
+    sums = local;
+  };
+  auto add = [&](size_t from, size_t to) {
+    add_summands(summands + from, group_of + from, to - from);
+  };
   // The least x_at_hi and the greatest x_at_lo per range and group, combined after in range
   // order (a min or max keeps the first extreme it meets, as one pass in item order would).
   using GroupBounds = std::array<std::pair<double, double>, kRecallBuckets>;
@@ -1028,6 +1172,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     std::array<size_t, kBatch> log_of;  // the sample of each
     // The three exponentials an item needs, through DetExpAll.
     std::array<double, 3 * kBatch> exp_of;
+    std::array<StartSummands, kBatch> own;  // the batch's summands
     double* const at_lo = exp_of.data();
     double* const at_hi = at_lo + kBatch;
     double* const scale = at_hi + kBatch;
@@ -1082,14 +1227,12 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
         term.scale = scale[j];
         term.weight = weight;
         term.weight_g_over_g1 = weight * (g / g_minus_1);
-        RecallSummands& sum = summands[k];
-        sum.weight = weight;
-        sum.start = weight * (g_minus_1 * log_base[j] - offset);
         // The table's recall at base (PlanStep's recall guards have just worked it out and kept
         // it): each sample from one thread, as its kept answers require.
-        sum.base_recall = weight * table.Recall(i, rho);
-        sum.at_hi = weight * (hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j]);
-        sum.at_lo = weight * (1.0 - at_lo[j]);
+        own[j] = {weight, weight * (g_minus_1 * log_base[j] - offset),
+                  weight * table.Recall(i, rho)};
+        bound_recalls[k] = {weight * (hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j]),
+                            weight * (1.0 - at_lo[j])};
         outputs[k] = {floor_below ? t.floor : rho, static_cast<int>(i)};
         const int g_of = per_bucket ? group_of[i] : 0;
         auto& [x_min, x_max] = range_bounds[g_of];
@@ -1097,6 +1240,9 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
         x_min = seen ? std::min(x_min, term.x_at_hi) : term.x_at_hi;
         x_max = seen ? std::max(x_max, term.x_at_lo) : term.x_at_lo;
       }
+      ordered.Offer(
+          chunk, first, first + m, [&] { add_summands(own.data(), group_of + first, m); },
+          [&] { std::copy(own.begin(), own.begin() + m, summands + first); }, add);
     }
     bounds[chunk] = range_bounds;
   });
@@ -1116,42 +1262,15 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
       x_max = any ? std::max(x_max, bounds[c][g].second) : bounds[c][g].second;
       any = true;
     }
-    // The sums before the search, in item order, from the summands (40 bytes an item) and the
-    // terms' bounds.
-    GroupSums sums;
-    bool off_at_max = false;  // an item off its bounds at x_max (a NaN bound)
-    bool off_at_min = false;
-    for (size_t k = begin; k < begin + count; ++k) {
-      const RecallSummands& s = summands[k];
-      const RecallTerm& t = terms[k];
-      sums.tokens += s.weight;
-      sums.start += s.start;
-      sums.base += s.base_recall;
-      if (x_max <= t.x_at_hi) {
-        sums.at_x_max += s.at_hi;
-      } else if (x_max >= t.x_at_lo) {
-        sums.at_x_max += s.at_lo;
-      } else {
-        off_at_max = true;
-      }
-      if (x_min <= t.x_at_hi) {
-        sums.at_x_min += s.at_hi;
-      } else if (x_min >= t.x_at_lo) {
-        sums.at_x_min += s.at_lo;
-      } else {
-        off_at_min = true;
-      }
-    }
-    if (off_at_max) sums.at_x_max = std::numeric_limits<double>::quiet_NaN();
-    if (off_at_min) sums.at_x_min = std::numeric_limits<double>::quiet_NaN();
+    const GroupSums& group = sums[g];
     const double keep =
-        per_bucket ? (sums.tokens > 0 ? sums.base / sums.tokens : 0.0) : base_recall;
+        per_bucket ? (group.tokens > 0 ? group.base / group.tokens : 0.0) : base_recall;
     // Aim a little above: the per-rank tuning that follows moves densities away from this
     // optimum, which costs a little recall (it is concave), and should not have to back off.
     const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - keep));
     bool group_kept = false;
-    const double achieved = SolveGroup(st, begin, count, keep + margin, x_min, x_max, sums, threads,
-                                       &x_of[g], &group_kept);
+    const double achieved = SolveGroup(st, begin, count, keep + margin, x_min, x_max, group,
+                                       threads, &x_of[g], &group_kept);
     // Never hand back less recall than base (e.g. when even density_max cannot reach it).
     if (achieved < keep) continue;
     kept[g] = group_kept;
