@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -125,35 +126,13 @@ struct RankWork {
       {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()}};
 };
 
-// What SolveForRecall's search reads per item, contiguous: it runs a dozen passes over every
-// sample.
-struct RecallTerm {
-  int index;
-  double weight;     // tokens
-  double offset;     // see Item
-  double inv_g1;     // 1 / (g - 1)
-  double g_over_g1;  // g / (g - 1)
-  double x_at_hi;    // at or below this x the item sits at density_max
-  double x_at_lo;    // at or above, at its floor
-  double recall_lo;  // recall at the floor
-  double recall_hi;  // recall at density_max
-  double scale;      // e^offset
-  double floor;
-};
-
 // The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
 // tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
 // it uses, so nothing carries over but capacity. The per-item scratch arrays only grow
-// (Scratch): a vector resized up again zero-fills what it had shrunk away, serially, and the
-// step's allocation solves groups of different sizes one after another.
+// (Scratch): a vector resized up again zero-fills what it had shrunk away, serially.
 struct TunerStorage {
   std::vector<Item> items;
-  // SolveForRecall's terms, its items' (weighted recall, slope) pairs and their summands of the
-  // start point; Recall's weighted recalls. Valid up to the items' count, beyond it stale.
-  std::vector<RecallTerm> terms;
-  std::vector<std::pair<double, double>> pairs;
-  std::vector<double> one_minus;  // SolveForRecall's 1 - rho per item at its last multiplier
-  std::vector<double> weighted;
+  std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
   bool in_use = false;
 };
 
@@ -166,12 +145,10 @@ T* Scratch(std::vector<T>& v, size_t n) {
 
 class Tuner {
  public:
-  // With `threads`, the items are built and the ranks solved on them (plan_threads.h). With
-  // `recall_only`, only Recall and SolveForRecall may be called (AllocateDensities): the ranks'
-  // fixed seconds, which only the rank solves read, are not worked out.
+  // With `threads`, the items are built and the ranks solved on them (plan_threads.h).
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
         const LatencyModel& model, const SampleTable& table, const std::vector<double>& base,
-        PlanThreads* threads = nullptr, bool recall_only = false);
+        PlanThreads* threads = nullptr);
   ~Tuner() {
     if (storage_->items.size() > kKeptScratchSamples) *storage_ = TunerStorage{};  // frees them
     storage_->in_use = false;
@@ -182,11 +159,6 @@ class Tuner {
   // Densities for the target makespan `target` (seconds), given each rank's time at base
   // (`at_base`, blocks counted exactly). With `cut` false no rank is lowered.
   std::vector<double> Solve(double target, const std::vector<double>& at_base, bool cut) const;
-  // Over all items (of every rank) at once: the densities in [floor, density_max] with the
-  // least predicted attention time whose token-weighted recall is at least `target` (or the
-  // most recall there is), in item order (rank by rank, micro-batch by micro-batch); the
-  // recall reached goes to `achieved`.
-  std::vector<double> SolveForRecall(double target, double* achieved) const;
   double Recall(const std::vector<double>& densities) const;
   // An item's predicted recall at density rho: known at its base, else the table's, which keeps
   // it (the bucket guard and the plan's figures ask again at the same densities). The table's
@@ -279,7 +251,7 @@ TunerStorage& SharedStorage() {
 
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
              const PlannerConfig& config, const LatencyModel& model, const SampleTable& table,
-             const std::vector<double>& base, PlanThreads* threads, bool recall_only)
+             const std::vector<double>& base, PlanThreads* threads)
     : batch_(batch),
       config_(config),
       table_(table),
@@ -385,7 +357,6 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       rank.items = ItemRange(items + first_item[r], items + first_item[r + 1]);
       rank.speed =
           r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
-      if (recall_only) continue;  // no fixed seconds: no rank solves
       const Item* item = rank.items.begin();
       for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
         if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
@@ -653,202 +624,6 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   return densities;
 }
 
-std::vector<double> Tuner::SolveForRecall(double target, double* achieved) const {
-  const double hi_density = config_.density_max;
-  const double log_hi = log_max_;
-  // The items of every rank, in order (they are contiguous).
-  const ItemRange items = this->items();
-  const size_t n = items.size();
-  RecallTerm* terms = Scratch(storage_->terms, n);
-  // Each item's (weighted recall, slope) while the search runs; before it, the item's tokens
-  // and its summand of the start point.
-  std::pair<double, double>* part = Scratch(storage_->pairs, n);
-  // 1 - rho of the items off their bounds at the last multiplier searched (`searched`), which
-  // the densities at the answer take when it is that one, as it mostly is (a DetExp an item).
-  double* one_minus = Scratch(storage_->one_minus, n);
-  double searched = std::numeric_limits<double>::quiet_NaN();
-  // The bounds of the multiplier per range of items, combined after in range order (a min or
-  // max keeps the first extreme it meets, as one pass in item order would).
-  const size_t chunks = ChunkCount(threads_, n);
-  std::vector<std::pair<double, double>> chunk_bounds(chunks);
-  ParallelChunks(threads_, n, [&](size_t chunk, size_t begin, size_t end) {
-    double x_min = 0.0;
-    double x_max = 0.0;
-    // The three exponentials an item needs, kBatch items at a time through DetExpAll.
-    std::array<double, 3 * kBatch> exp_of;
-    for (size_t first = begin; first < end; first += kBatch) {
-      const size_t m = std::min(kBatch, end - first);
-      double* at_lo = exp_of.data();
-      double* at_hi = at_lo + kBatch;
-      double* scale = at_hi + kBatch;
-      for (size_t j = 0; j < m; ++j) {
-        const Item& item = items[first + j];
-        const double g = item.g_minus_1 + 1.0;
-        at_lo[j] = g * item.log_floor;
-        at_hi[j] = g * log_hi;
-        scale[j] = item.offset;
-      }
-      DetExpAll(at_lo, at_lo, m);
-      if (hi_density < 1.0) DetExpAll(at_hi, at_hi, m);
-      DetExpAll(scale, scale, m);
-      for (size_t j = 0; j < m; ++j) {
-        const size_t k = first + j;
-        const Item& item = items[k];
-        const double g = item.g_minus_1 + 1.0;
-        const double log_lo = item.log_floor;
-        RecallTerm& t = terms[k];
-        t.index = item.index;
-        t.weight = item.weight;
-        t.offset = item.offset;
-        t.inv_g1 = item.inv_g1;
-        t.g_over_g1 = g / item.g_minus_1;
-        t.x_at_hi = item.g_minus_1 * log_hi - item.offset;
-        t.x_at_lo = item.g_minus_1 * log_lo - item.offset;
-        t.recall_lo = 1.0 - at_lo[j];
-        t.recall_hi = hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j];
-        t.scale = scale[j];
-        t.floor = item.floor;
-        part[k] = {t.weight, t.weight * (item.g_minus_1 * item.log_base - item.offset)};
-        x_min = k == begin ? t.x_at_hi : std::min(x_min, t.x_at_hi);
-        x_max = k == begin ? t.x_at_lo : std::max(x_max, t.x_at_lo);
-      }
-    }
-    chunk_bounds[chunk] = {x_min, x_max};
-  });
-  std::vector<double> densities(n);
-  if (n == 0) {
-    *achieved = 0.0;
-    return densities;
-  }
-  // Summed in item order, from 16 bytes an item rather than its Item and term.
-  double tokens = 0.0;
-  double x_start = 0.0;  // token-weighted mean of the multipliers at base density
-  for (size_t k = 0; k < n; ++k) {
-    x_start += part[k].second;
-    tokens += part[k].first;
-  }
-  double x_min = chunk_bounds[0].first;
-  double x_max = chunk_bounds[0].second;
-  for (const auto& [lo, hi] : chunk_bounds) {
-    x_min = std::min(x_min, lo);
-    x_max = std::max(x_max, hi);
-  }
-  // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
-  // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
-  // d recall / d rho = g e^x scale: one exp per item that is not at a bound.
-  // Each item's weighted recall and slope are worked out on the threads, and summed after in
-  // item order from this compact array (the sums read 16 bytes an item, not its whole Term).
-  // An item at a bound adds no slope: subtracting its 0 leaves the sum's bits as they are (it
-  // starts at +0 and is never -0).
-  auto recall_at = [&](double x, double* derivative) {
-    const double ex = DetExp(x);
-    ParallelFor(threads_, n, [&](size_t begin, size_t end) {
-      // Items at a bound are summed at once; those off their bounds have their 1 - rho worked
-      // out kBatch items at a time through DetExpAll.
-      std::array<double, kBatch> u;
-      std::array<size_t, kBatch> item_of;  // the item of each u
-      for (size_t first = begin; first < end; first += kBatch) {
-        const size_t last = std::min(first + kBatch, end);
-        size_t off = 0;
-        for (size_t k = first; k < last; ++k) {
-          const RecallTerm& t = terms[k];
-          if (x <= t.x_at_hi) {
-            part[k] = {t.weight * t.recall_hi, 0.0};
-          } else if (x >= t.x_at_lo) {
-            part[k] = {t.weight * t.recall_lo, 0.0};
-          } else {
-            item_of[off] = k;
-            u[off++] = (x + t.offset) * t.inv_g1;
-          }
-        }
-        DetExpAll(u.data(), u.data(), off);
-        for (size_t q = 0; q < off; ++q) {
-          const size_t k = item_of[q];
-          const RecallTerm& t = terms[k];
-          one_minus[k] = u[q];
-          const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
-          // d rho / dx = -(1-rho)/(g-1)
-          part[k] = {t.weight * (1.0 - u[q] * pow_g_minus_1),
-                     t.weight * t.g_over_g1 * pow_g_minus_1 * u[q]};
-        }
-      }
-    });
-    double weighted = 0.0;
-    double slope = 0.0;
-    for (size_t k = 0; k < n; ++k) {
-      weighted += part[k].first;
-      slope -= part[k].second;
-    }
-    if (derivative != nullptr) *derivative = slope / tokens;
-    searched = x;
-    return weighted / tokens;
-  };
-  // recall_at at x_min or x_max, where every item sits at a bound: its sum in one serial pass.
-  auto recall_at_bound = [&](double x) {
-    double weighted = 0.0;
-    for (size_t k = 0; k < n; ++k) {
-      const RecallTerm& t = terms[k];
-      if (x <= t.x_at_hi) {
-        weighted += t.weight * t.recall_hi;
-      } else if (x >= t.x_at_lo) {
-        weighted += t.weight * t.recall_lo;
-      } else {
-        return recall_at(x, nullptr);  // off its bounds (a NaN bound): evaluated in full
-      }
-    }
-    return weighted / tokens;
-  };
-  double x = x_min;
-  double recall = recall_at_bound(x_max);
-  if (recall >= target) {
-    x = x_max;  // every item at its floor already keeps the recall
-  } else if (recall = recall_at_bound(x_min); recall < target) {
-    x = x_min;  // unreachable: everything at density_max is the best there is
-  } else {
-    // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
-    // ends on the side that keeps the recall.
-    double a = x_min;  // recall(a) >= target
-    double b = x_max;  // recall(b) < target
-    double recall_a = recall;
-    // Start where the bulk of the tokens would sit at their base densities: the answer keeps
-    // about their recall, so Newton begins close.
-    x = std::clamp(x_start / tokens, a, b);
-    if (x == a || x == b) x = 0.5 * (a + b);
-    for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
-      double derivative = 0.0;
-      const double r = recall_at(x, &derivative);
-      const double f = r - target;
-      if (f >= 0) {
-        a = x;
-        recall_a = r;
-        if (f < kRecallTolerance) break;
-      } else {
-        b = x;
-      }
-      // Newton aims at the middle of the accepted band [target, target + tolerance]: aimed at
-      // the target itself, it approaches from whichever side the curvature puts it on, and
-      // from below it never lands in the band (it took eight or nine steps where two do).
-      if (!NewtonStep(r - (target + 0.5 * kRecallTolerance), derivative, a, b, /*scale=*/a, &x)) {
-        break;
-      }
-    }
-    x = a;
-    recall = recall_a;
-  }
-  const bool kept = searched == x;
-  ParallelFor(threads_, n, [&](size_t begin, size_t end) {
-    for (size_t k = begin; k < end; ++k) {
-      const RecallTerm& t = terms[k];
-      const double u = kept && !(x <= t.x_at_hi) && !(x >= t.x_at_lo)
-                           ? one_minus[k]
-                           : DetExp((x + t.offset) * t.inv_g1);
-      densities[k] = std::clamp(1.0 - u, t.floor, hi_density);
-    }
-  });
-  *achieved = recall;
-  return densities;
-}
-
 std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
   std::array<double, kRecallBuckets> weighted{};
   std::array<double, kRecallBuckets> tokens{};
@@ -978,6 +753,331 @@ double Tuner::Recall(const std::vector<double>& densities) const {
   return total_weight_ > 0 ? weighted / total_weight_ : 0.0;
 }
 
+// AllocateDensities' search: per group of samples one multiplier e^x, found by a safeguarded
+// Newton search on the group's token-weighted recall (a few evaluations, each over every item
+// of the group). Its items are built straight from the table, every group's in one pass over
+// the batch, and split by how often they are read. What every evaluation reads, contiguous (56
+// bytes an item):
+struct RecallTerm {
+  double x_at_hi;  // at or below this x the item sits at density_max
+  double x_at_lo;  // at or above, at its floor
+  // log(per_block * tri / (weight * g)): where the multiplier sits (SampleTerms::price_offset)
+  double offset;
+  double inv_g1;            // 1 / (g - 1)
+  double scale;             // e^offset
+  double weight;            // tokens
+  double weight_g_over_g1;  // weight * (g / (g - 1)), the slope's first product
+};
+// An item's weighted recall at each bound: read by the first evaluation for every item (the
+// recall at x_min and x_max), after it only for the few items at a bound.
+struct BoundRecalls {
+  double at_hi;  // weight * recall at density_max
+  double at_lo;  // weight * recall at the floor
+};
+// What the densities at the answer read besides the term, once.
+struct RecallOutput {
+  double floor;  // lowest density allowed (never above base)
+  int index;     // into the batch
+};
+// A sample's summands of its group's sums before the search, in batch order.
+struct StartSummands {
+  double weight;
+  double start;        // weight * the item's multiplier at base
+  double base_recall;  // weight * recall at base
+};
+// An item's (weighted recall, slope) at the multiplier evaluated, and at the first evaluation
+// its weighted recalls at x_max and x_min (NaN where it is off its bounds there).
+struct RecallPart {
+  double recall;
+  double slope;
+};
+struct BoundPart {
+  double at_x_max;
+  double at_x_min;
+};
+
+// The search's arrays, kept per thread between steps as the tuner's are (TunerStorage). Each
+// group's items are a range of the item arrays, the groups one after another.
+struct AllocationStorage {
+  std::vector<uint8_t> group;           // per sample
+  std::vector<StartSummands> summands;  // per sample
+  std::vector<RecallTerm> terms;
+  std::vector<BoundRecalls> bound_recalls;
+  std::vector<RecallOutput> outputs;
+  std::vector<RecallPart> part;
+  std::vector<BoundPart> bound_part;
+  std::vector<double> one_minus;  // 1 - rho per item off its bounds at the last evaluation
+  bool in_use = false;
+};
+
+// The calling thread's AllocationStorage while it is free, else one of its own.
+class AllocationScratch {
+ public:
+  AllocationScratch() : storage_(Shared().in_use ? &own_ : &Shared()) { storage_->in_use = true; }
+  ~AllocationScratch() {
+    if (storage_->terms.size() > kKeptScratchSamples) *storage_ = AllocationStorage{};
+    storage_->in_use = false;
+  }
+  AllocationScratch(const AllocationScratch&) = delete;
+  AllocationScratch& operator=(const AllocationScratch&) = delete;
+  AllocationStorage& operator*() const { return *storage_; }
+
+ private:
+  static AllocationStorage& Shared() {
+    thread_local AllocationStorage storage;
+    return storage;
+  }
+  AllocationStorage own_;
+  AllocationStorage* storage_;
+};
+
+// A serial sum over the items of a ParallelChunks loop, made while the loop runs: each range
+// publishes how far its summands are in place, and whichever thread finds the next items in
+// item order in place adds them (and those in place after them), unless another thread is
+// adding, which then finds them too. The adds are the serial loop's, in its order, whatever the
+// threads. Run after the loops instead, the step allocation's sums were a fifth of it on two
+// threads.
+class OrderedSum {
+ public:
+  // For ParallelChunks(threads, n, ...), split into `chunks` ranges (ChunkCount).
+  OrderedSum(size_t n, size_t chunks) : n_(n), chunks_(chunks), ready_(chunks) {
+    for (size_t c = 0; c < chunks; ++c) ready_[c].store(c * n / chunks);
+  }
+  // Range `chunk`'s items [begin, end) are worked out, their summands in a buffer of the calling
+  // thread: added from there by add_own() where they are next in item order and no other thread
+  // is adding (on one thread, always), else put in place by store() for add(from, to), which
+  // adds those of items [from, to) from their place. Either runs on one thread at a time.
+  template <typename AddOwn, typename Store, typename Add>
+  void Offer(size_t chunk, size_t begin, size_t end, const AddOwn& add_own, const Store& store,
+             const Add& add) {
+    if (!adding_.exchange(true)) {
+      if (next_ == begin) {
+        add_own();
+        next_ = end;
+      } else {
+        store();
+      }
+      ready_[chunk].store(end);
+      Drain(add);
+      return;
+    }
+    store();
+    ready_[chunk].store(end);
+    if (!adding_.exchange(true)) Drain(add);
+  }
+
+ private:
+  // Holding adding_: adds what is in place next in order, and again while a range published more
+  // while it did (and no other thread took over).
+  template <typename Add>
+  void Drain(const Add& add) {
+    for (;;) {
+      size_t at = next_;
+      size_t c = chunk_;
+      for (; c < chunks_; ++c) {
+        const size_t ready = ready_[c].load();
+        if (at < ready) {
+          add(at, ready);
+          at = ready;
+        }
+        if (at < (c + 1) * n_ / chunks_) break;  // range c not done yet
+      }
+      next_ = at;
+      chunk_ = c;
+      adding_.store(false);
+      // A range that published after this thread looked left its items to it: look again.
+      if (c == chunks_ || ready_[c].load() <= at || adding_.exchange(true)) return;
+    }
+  }
+
+  const size_t n_;
+  const size_t chunks_;
+  std::vector<std::atomic<size_t>> ready_;  // per range, the end of its summands in place
+  std::atomic<bool> adding_{false};
+  size_t next_ = 0;   // the first item not added (under adding_)
+  size_t chunk_ = 0;  // its range
+};
+
+// A group's items summed in item order before its search.
+struct GroupSums {
+  double tokens = 0.0;
+  double start = 0.0;  // token-weighted multipliers at base
+  double base = 0.0;   // weighted recalls at base
+};
+
+// One group's search: the densities in [floor, density_max] of items [begin, begin + count)
+// with the least predicted attention time whose token-weighted recall is at least `target`
+// (or the most recall there is). `x_min` and `x_max` are the least x_at_hi and the greatest
+// x_at_lo. Sets *x_out to the multiplier it settles on and *kept to whether one_minus holds the
+// items' 1 - rho there; returns the recall reached.
+double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double target, double x_min,
+                  double x_max, const GroupSums& sums, PlanThreads* threads, double* x_out,
+                  bool* kept) {
+  const RecallTerm* const terms = st.terms.data() + begin;
+  const BoundRecalls* const bound_recalls = st.bound_recalls.data() + begin;
+  RecallPart* const part = st.part.data() + begin;
+  BoundPart* const bound_part = st.bound_part.data() + begin;
+  double* const one_minus = st.one_minus.data() + begin;
+  const double tokens = sums.tokens;
+  const size_t chunks = ChunkCount(threads, count);
+  double searched = std::numeric_limits<double>::quiet_NaN();  // the last multiplier evaluated
+  // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
+  // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
+  // d recall / d rho = g e^x scale: one exp per item that is not at a bound. Each item's
+  // weighted recall and slope are worked out on the threads and summed in item order as they
+  // come (OrderedSum). An item at a bound adds no slope: subtracting its 0 leaves the sum's bits
+  // as they are (it starts at +0 and is never -0). With `at_bounds` (the first evaluation) the
+  // weighted recalls at x_max and x_min are summed too: [0] and [1], NaN where an item is off its
+  // bounds there.
+  auto recall_at = [&](double x, double* derivative, double* at_bounds) {
+    const double ex = DetExp(x);
+    double weighted = 0.0;
+    double slope = 0.0;
+    double at_x_max = 0.0;
+    double at_x_min = 0.0;
+    // In locals while they add: the sums' references might alias the parts.
+    auto add_parts = [&](const RecallPart* p, const BoundPart* bounds, size_t m) {
+      double w = weighted;
+      double s = slope;
+      for (size_t j = 0; j < m; ++j) {
+        w += p[j].recall;
+        s -= p[j].slope;
+      }
+      weighted = w;
+      slope = s;
+      if (at_bounds == nullptr) return;
+      double at_max = at_x_max;
+      double at_min = at_x_min;
+      for (size_t j = 0; j < m; ++j) {
+        at_max += bounds[j].at_x_max;
+        at_min += bounds[j].at_x_min;
+      }
+      at_x_max = at_max;
+      at_x_min = at_min;
+    };
+    auto add = [&](size_t from, size_t to) {
+      add_parts(part + from, bound_part + from, to - from);
+    };
+    OrderedSum sum(count, chunks);
+    ParallelChunks(threads, count, [&](size_t chunk, size_t lo, size_t hi) {
+      // Items at a bound are done at once; those off their bounds have their 1 - rho worked
+      // out kBatch items at a time through DetExpAll.
+      std::array<double, kBatch> u;
+      std::array<size_t, kBatch> item_of;  // the item of each u
+      std::array<RecallPart, kBatch> own;
+      std::array<BoundPart, kBatch> own_bounds;
+      constexpr double kOff = std::numeric_limits<double>::quiet_NaN();
+      for (size_t first = lo; first < hi; first += kBatch) {
+        const size_t last = std::min(first + kBatch, hi);
+        size_t off = 0;
+        for (size_t k = first; k < last; ++k) {
+          const RecallTerm& t = terms[k];
+          if (x <= t.x_at_hi) {
+            own[k - first] = {bound_recalls[k].at_hi, 0.0};
+          } else if (x >= t.x_at_lo) {
+            own[k - first] = {bound_recalls[k].at_lo, 0.0};
+          } else {
+            item_of[off] = k;
+            u[off++] = (x + t.offset) * t.inv_g1;
+          }
+        }
+        if (at_bounds != nullptr) {
+          for (size_t k = first; k < last; ++k) {
+            const RecallTerm& t = terms[k];
+            const BoundRecalls& r = bound_recalls[k];
+            own_bounds[k - first] = {x_max <= t.x_at_hi   ? r.at_hi
+                                     : x_max >= t.x_at_lo ? r.at_lo
+                                                          : kOff,
+                                     x_min <= t.x_at_hi   ? r.at_hi
+                                     : x_min >= t.x_at_lo ? r.at_lo
+                                                          : kOff};
+          }
+        }
+        DetExpAll(u.data(), u.data(), off);
+        for (size_t q = 0; q < off; ++q) {
+          const size_t k = item_of[q];
+          const RecallTerm& t = terms[k];
+          one_minus[k] = u[q];
+          const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
+          // d rho / dx = -(1-rho)/(g-1)
+          own[k - first] = {t.weight * (1.0 - u[q] * pow_g_minus_1),
+                            t.weight_g_over_g1 * pow_g_minus_1 * u[q]};
+        }
+        const size_t m = last - first;
+        sum.Offer(
+            chunk, first, last, [&] { add_parts(own.data(), own_bounds.data(), m); },
+            [&] {
+              std::copy(own.begin(), own.begin() + m, part + first);
+              if (at_bounds != nullptr) {
+                std::copy(own_bounds.begin(), own_bounds.begin() + m, bound_part + first);
+              }
+            },
+            add);
+      }
+    });
+    if (derivative != nullptr) *derivative = slope / tokens;
+    if (at_bounds != nullptr) {
+      at_bounds[0] = at_x_max;
+      at_bounds[1] = at_x_min;
+    }
+    searched = x;
+    return weighted / tokens;
+  };
+  // Newton starts where the bulk of the tokens would sit at their base densities: the answer
+  // keeps about their recall, so Newton begins close. It is evaluated there first, whether the
+  // search runs or not (it mostly does), with the recalls at x_min and x_max, where every item
+  // sits at a bound, in the same pass.
+  const double x_first = std::clamp(sums.start / tokens, x_min, x_max);
+  const double x_start = x_first == x_min || x_first == x_max ? 0.5 * (x_min + x_max) : x_first;
+  double first_derivative = 0.0;
+  double at_bounds[2];
+  const double first_recall = recall_at(x_start, &first_derivative, at_bounds);
+  // The recall at x_max or x_min from the bounds' sum, unless an item is off its bounds there (a
+  // NaN bound): then evaluated in full.
+  auto recall_at_bound = [&](double x, double at_bound) {
+    return std::isnan(at_bound) ? recall_at(x, nullptr, nullptr) : at_bound / tokens;
+  };
+  double x = x_min;
+  double recall = recall_at_bound(x_max, at_bounds[0]);
+  if (recall >= target) {
+    x = x_max;  // every item at its floor already keeps the recall
+  } else if (recall = recall_at_bound(x_min, at_bounds[1]); recall < target) {
+    x = x_min;  // unreachable: everything at density_max is the best there is
+  } else {
+    // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
+    // ends on the side that keeps the recall.
+    double a = x_min;  // recall(a) >= target
+    double b = x_max;  // recall(b) < target
+    double recall_a = recall;
+    x = x_start;
+    for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
+      double derivative = first_derivative;
+      // The first evaluation's, unless a full evaluation at a bound came since.
+      const double r =
+          iter == 0 && searched == x ? first_recall : recall_at(x, &derivative, nullptr);
+      const double f = r - target;
+      if (f >= 0) {
+        a = x;
+        recall_a = r;
+        if (f < kRecallTolerance) break;
+      } else {
+        b = x;
+      }
+      // Newton aims at the middle of the accepted band [target, target + tolerance]: aimed at
+      // the target itself, it approaches from whichever side the curvature puts it on, and
+      // from below it never lands in the band (it took eight or nine steps where two do).
+      if (!NewtonStep(r - (target + 0.5 * kRecallTolerance), derivative, a, b, /*scale=*/a, &x)) {
+        break;
+      }
+    }
+    x = a;
+    recall = recall_a;
+  }
+  *x_out = x;
+  *kept = searched == x;
+  return recall;
+}
+
 }  // namespace
 
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
@@ -989,32 +1089,209 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
 }
 
 std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const PlannerConfig& config,
-                                      const LatencyModel& model, const SampleTable& table,
+                                      const LatencyModel& /*model*/, const SampleTable& table,
                                       const std::vector<double>& base, double base_recall,
                                       bool per_bucket, PlanThreads* threads) {
-  // The samples solved together: all of them, or those of one length bucket at a time (a
-  // pre-packed sample goes with the bucket that holds most of its tokens).
-  std::vector<std::vector<int>> groups(per_bucket ? kRecallBuckets : 1);
-  for (int i = 0; i < static_cast<int>(batch.size()); ++i) {
-    groups[per_bucket ? MainBucket(batch[i], table, i) : 0].push_back(i);
-  }
+  const size_t n = batch.size();
   std::vector<double> densities = base;
-  for (const std::vector<int>& members : groups) {
-    if (members.empty()) continue;
-    Assignment group;
-    group.ranks.assign(1, std::vector<std::vector<int>>(1, members));
-    Tuner tuner(batch, group, config, model, table, base, threads, /*recall_only=*/true);
-    const double keep = per_bucket ? tuner.Recall(base) : base_recall;
+  if (n == 0) return densities;
+  AllocationScratch scratch;
+  AllocationStorage& st = *scratch;
+  const double hi_density = config.density_max;
+  const double log_hi = LogOneMinus(hi_density);
+  // The samples solved together: all of them, or those of one length bucket at a time (a
+  // pre-packed sample goes with the bucket that holds most of its tokens). Each group's items
+  // are its samples in batch order, the groups one after another: counted per range of samples
+  // first, so that each range writes its items in place.
+  const int groups = per_bucket ? kRecallBuckets : 1;
+  const size_t chunks = ChunkCount(threads, n);
+  using Counts = std::array<size_t, kRecallBuckets>;
+  std::vector<Counts> counts(chunks, Counts{});
+  uint8_t* const group_of = Scratch(st.group, n);
+  if (per_bucket) {
+    ParallelChunks(threads, n, [&](size_t chunk, size_t begin, size_t end) {
+      Counts count{};
+      for (size_t i = begin; i < end; ++i) {
+        const int g = MainBucket(batch[i], table, i);
+        group_of[i] = static_cast<uint8_t>(g);
+        ++count[g];
+      }
+      counts[chunk] = count;
+    });
+  } else {
+    for (size_t c = 0; c < chunks; ++c) counts[c][0] = (c + 1) * n / chunks - c * n / chunks;
+  }
+  std::array<size_t, kRecallBuckets + 1> group_begin{};
+  for (int g = 0; g < groups; ++g) {
+    group_begin[g + 1] = group_begin[g];
+    for (const Counts& count : counts) group_begin[g + 1] += count[g];
+  }
+  std::vector<Counts> next(chunks);  // each range's first item per group
+  Counts at{};
+  for (int g = 0; g < groups; ++g) at[g] = group_begin[g];
+  for (size_t c = 0; c < chunks; ++c) {
+    next[c] = at;
+    for (int g = 0; g < groups; ++g) at[g] += counts[c][g];
+  }
+  RecallTerm* const terms = Scratch(st.terms, n);
+  BoundRecalls* const bound_recalls = Scratch(st.bound_recalls, n);
+  RecallOutput* const outputs = Scratch(st.outputs, n);
+  StartSummands* const summands = Scratch(st.summands, n);
+  Scratch(st.part, n);
+  Scratch(st.bound_part, n);
+  Scratch(st.one_minus, n);
+  // Each group's sums before its search, in item order (batch order within the group) as the
+  // items come (OrderedSum).
+  std::array<GroupSums, kRecallBuckets> sums{};
+  OrderedSum ordered(n, chunks);
+  auto add_summands = [&](const StartSummands* summand, const uint8_t* group_ids, size_t m) {
+    std::array<GroupSums, kRecallBuckets> local = sums;  // the summands might alias `sums`
+    for (size_t j = 0; j < m; ++j) {
+      GroupSums& group = local[per_bucket ? group_ids[j] : 0];
+      group.tokens += summand[j].weight;
+      group.start += summand[j].start;
+      group.base += summand[j].base_recall;
+    }
+    sums = local;
+  };
+  auto add = [&](size_t from, size_t to) {
+    add_summands(summands + from, group_of + from, to - from);
+  };
+  // The least x_at_hi and the greatest x_at_lo per range and group, combined after in range
+  // order (a min or max keeps the first extreme it meets, as one pass in item order would).
+  using GroupBounds = std::array<std::pair<double, double>, kRecallBuckets>;
+  std::vector<GroupBounds> bounds(chunks);
+  ParallelChunks(threads, n, [&](size_t chunk, size_t begin, size_t end) {
+    Counts slot_of = next[chunk];
+    GroupBounds range_bounds{};
+    std::array<size_t, kBatch> slot;  // each sample's item
+    // LogOneMinus of each base: the table's where the base is its base or floor or
+    // density_max, else worked out through DetLogAll.
+    std::array<double, kBatch> log_base;
+    std::array<double, kBatch> logs;
+    std::array<size_t, kBatch> log_of;  // the sample of each
+    // The three exponentials an item needs, through DetExpAll.
+    std::array<double, 3 * kBatch> exp_of;
+    std::array<StartSummands, kBatch> own;  // the batch's summands
+    double* const at_lo = exp_of.data();
+    double* const at_hi = at_lo + kBatch;
+    double* const scale = at_hi + kBatch;
+    for (size_t first = begin; first < end; first += kBatch) {
+      const size_t m = std::min(kBatch, end - first);
+      size_t unknown = 0;
+      for (size_t j = 0; j < m; ++j) {
+        const size_t i = first + j;
+        const SampleTerms& t = table[i];
+        const double rho = base[i];
+        slot[j] = slot_of[per_bucket ? group_of[i] : 0]++;
+        if (rho == t.base) {
+          log_base[j] = t.log_base;
+        } else if (rho == t.floor) {
+          log_base[j] = t.log_floor;
+        } else if (rho == hi_density) {
+          log_base[j] = log_hi;
+        } else {
+          log_of[unknown] = j;
+          logs[unknown++] = 1.0 - std::min(rho, kAlmostDense);  // as LogOneMinus
+        }
+      }
+      DetLogAll(logs.data(), logs.data(), unknown);
+      for (size_t q = 0; q < unknown; ++q) log_base[log_of[q]] = logs[q];
+      for (size_t j = 0; j < m; ++j) {
+        const SampleTerms& t = table[first + j];
+        const double g = (t.exponent - 1.0) + 1.0;
+        // Never above base: a sample whose floor is above what it was given stays there.
+        at_lo[j] = g * (t.floor < base[first + j] ? t.log_floor : log_base[j]);
+        at_hi[j] = g * log_hi;
+        scale[j] = t.price_offset;
+      }
+      DetExpAll(at_lo, at_lo, m);
+      if (hi_density < 1.0) DetExpAll(at_hi, at_hi, m);
+      DetExpAll(scale, scale, m);
+      for (size_t j = 0; j < m; ++j) {
+        const size_t i = first + j;
+        const SampleTerms& t = table[i];
+        const double rho = base[i];
+        const double g_minus_1 = t.exponent - 1.0;
+        const double g = g_minus_1 + 1.0;
+        const bool floor_below = t.floor < rho;
+        const double log_lo = floor_below ? t.log_floor : log_base[j];
+        const double weight = static_cast<double>(batch[i].length);
+        const double offset = t.price_offset;
+        const size_t k = slot[j];
+        RecallTerm& term = terms[k];
+        term.x_at_hi = g_minus_1 * log_hi - offset;
+        term.x_at_lo = g_minus_1 * log_lo - offset;
+        term.offset = offset;
+        term.inv_g1 = 1.0 / g_minus_1;
+        term.scale = scale[j];
+        term.weight = weight;
+        term.weight_g_over_g1 = weight * (g / g_minus_1);
+        // The table's recall at base (PlanStep's recall guards have just worked it out and kept
+        // it): each sample from one thread, as its kept answers require.
+        own[j] = {weight, weight * (g_minus_1 * log_base[j] - offset),
+                  weight * table.Recall(i, rho)};
+        bound_recalls[k] = {weight * (hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j]),
+                            weight * (1.0 - at_lo[j])};
+        outputs[k] = {floor_below ? t.floor : rho, static_cast<int>(i)};
+        const int g_of = per_bucket ? group_of[i] : 0;
+        auto& [x_min, x_max] = range_bounds[g_of];
+        const bool seen = k > next[chunk][g_of];  // not the range's first item of its group
+        x_min = seen ? std::min(x_min, term.x_at_hi) : term.x_at_hi;
+        x_max = seen ? std::max(x_max, term.x_at_lo) : term.x_at_lo;
+      }
+      ordered.Offer(
+          chunk, first, first + m, [&] { add_summands(own.data(), group_of + first, m); },
+          [&] { std::copy(own.begin(), own.begin() + m, summands + first); }, add);
+    }
+    bounds[chunk] = range_bounds;
+  });
+  std::array<double, kRecallBuckets> x_of{};
+  std::array<bool, kRecallBuckets> kept{};
+  std::array<bool, kRecallBuckets> solved{};
+  for (int g = 0; g < groups; ++g) {
+    const size_t begin = group_begin[g];
+    const size_t count = group_begin[g + 1] - begin;
+    if (count == 0) continue;
+    double x_min = 0.0;
+    double x_max = 0.0;
+    bool any = false;
+    for (size_t c = 0; c < chunks; ++c) {
+      if (counts[c][g] == 0) continue;
+      x_min = any ? std::min(x_min, bounds[c][g].first) : bounds[c][g].first;
+      x_max = any ? std::max(x_max, bounds[c][g].second) : bounds[c][g].second;
+      any = true;
+    }
+    const GroupSums& group = sums[g];
+    const double keep =
+        per_bucket ? (group.tokens > 0 ? group.base / group.tokens : 0.0) : base_recall;
     // Aim a little above: the per-rank tuning that follows moves densities away from this
     // optimum, which costs a little recall (it is concave), and should not have to back off.
-    double achieved = 0.0;
     const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - keep));
-    const std::vector<double> solved = tuner.SolveForRecall(keep + margin, &achieved);
+    bool group_kept = false;
+    const double achieved = SolveGroup(st, begin, count, keep + margin, x_min, x_max, group,
+                                       threads, &x_of[g], &group_kept);
     // Never hand back less recall than base (e.g. when even density_max cannot reach it).
     if (achieved < keep) continue;
-    // The tuner's items are the group's members in order (one rank, one micro-batch).
-    for (size_t k = 0; k < members.size(); ++k) densities[members[k]] = solved[k];
+    kept[g] = group_kept;
+    solved[g] = true;
   }
+  if (std::find(solved.begin(), solved.end(), true) == solved.end()) return densities;
+  // The densities at each group's answer, in place of the base.
+  const double* const one_minus = st.one_minus.data();
+  ParallelFor(threads, n, [&](size_t begin, size_t end) {
+    for (int g = 0; g < groups; ++g) {
+      if (!solved[g]) continue;
+      const double x = x_of[g];
+      for (size_t k = std::max(begin, group_begin[g]); k < std::min(end, group_begin[g + 1]); ++k) {
+        const RecallTerm& t = terms[k];
+        const double u = kept[g] && !(x <= t.x_at_hi) && !(x >= t.x_at_lo)
+                             ? one_minus[k]
+                             : DetExp((x + t.offset) * t.inv_g1);
+        densities[outputs[k].index] = std::clamp(1.0 - u, outputs[k].floor, hi_density);
+      }
+    }
+  });
   return densities;
 }
 
