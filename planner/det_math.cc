@@ -268,13 +268,17 @@ SB_ALWAYS_INLINE void ApplyAll(const double* x, double* out, size_t n) {
 
 #undef SB_ALWAYS_INLINE
 
-// "avx2" does not enable FMA, so these give the same bits as the baseline versions.
+#if defined(__x86_64__) || defined(__i386__)
+// "avx2" does not enable FMA, so these give the same bits as the baseline versions. Other
+// targets (aarch64: NEON has two double lanes) use the baseline versions alone.
+#define SB_DET_MATH_AVX2 1
 __attribute__((target("avx2"))) void DetExpAllAvx2(const double* x, double* out, size_t n) {
   ApplyAll<DetExpOp, 4>(x, out, n);
 }
 __attribute__((target("avx2"))) void DetLogAllAvx2(const double* x, double* out, size_t n) {
   ApplyAll<DetLogOp, 4>(x, out, n);
 }
+#endif
 
 }  // namespace
 
@@ -285,6 +289,7 @@ void DetLogAllBaseline(const double* x, double* out, size_t n) { ApplyAll<DetLog
 
 }  // namespace det_math_internal
 
+#ifdef SB_DET_MATH_AVX2
 void DetExpAll(const double* x, double* out, size_t n) {
   static const auto impl =
       __builtin_cpu_supports("avx2") ? DetExpAllAvx2 : det_math_internal::DetExpAllBaseline;
@@ -296,6 +301,15 @@ void DetLogAll(const double* x, double* out, size_t n) {
       __builtin_cpu_supports("avx2") ? DetLogAllAvx2 : det_math_internal::DetLogAllBaseline;
   impl(x, out, n);
 }
+#undef SB_DET_MATH_AVX2
+#else
+void DetExpAll(const double* x, double* out, size_t n) {
+  det_math_internal::DetExpAllBaseline(x, out, n);
+}
+void DetLogAll(const double* x, double* out, size_t n) {
+  det_math_internal::DetLogAllBaseline(x, out, n);
+}
+#endif
 
 double DetPow(double base, double exponent) {
   if (exponent == 0.0) return 1.0;  // as std::pow, even for 0, inf and NaN bases
