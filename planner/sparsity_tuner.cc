@@ -74,6 +74,23 @@ bool NewtonStep(double f, double derivative, double a, double b, double scale, d
   return true;
 }
 
+// LogOneMinus(rho) where it is known without a DetLog: the table's for the sample's base or
+// floor, `log_max` for density_max; false where it must be worked out (the callers do that
+// in batches through DetLogAll).
+bool KnownLogOneMinus(const SampleTerms& terms, double rho, double density_max, double log_max,
+                      double* log) {
+  if (rho == terms.base) {
+    *log = terms.log_base;
+  } else if (rho == terms.floor) {
+    *log = terms.log_floor;
+  } else if (rho == density_max) {
+    *log = log_max;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 struct Item {
   int index = 0;             // into the batch
   double weight = 0.0;       // tokens: recall is token-weighted
@@ -285,21 +302,6 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
   ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
     double weight = 0.0;
-    // LogOneMinus of a base: the table's (SampleTerms::log_base), or one kept where an allocated
-    // density sits at a bound (the sample's floor, density_max); false where it must be worked
-    // out, which is done kBatch items at a time through DetLogAll.
-    auto known_log = [&](const SampleTerms& terms, double rho, double* log) {
-      if (rho == terms.base) {
-        *log = terms.log_base;
-      } else if (rho == terms.floor) {
-        *log = terms.log_floor;
-      } else if (rho == config.density_max) {
-        *log = log_max_;
-      } else {
-        return false;
-      }
-      return true;
-    };
     std::array<double, kBatch> logs;    // LogOneMinus's arguments, then its values
     std::array<size_t, kBatch> log_of;  // the item of each
     for (size_t first = begin; first < end; first += kBatch) {
@@ -317,7 +319,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         item.g_minus_1 = terms.exponent - 1.0;
         item.inv_g1 = 1.0 / item.g_minus_1;
         item.base = base[i];
-        if (!known_log(terms, item.base, &item.log_base)) {
+        if (!KnownLogOneMinus(terms, item.base, config.density_max, log_max_, &item.log_base)) {
           log_of[unknown] = k;
           logs[unknown++] = 1.0 - std::min(item.base, kAlmostDense);  // as LogOneMinus
         }
@@ -1184,13 +1186,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
         const SampleTerms& t = table[i];
         const double rho = base[i];
         slot[j] = slot_of[per_bucket ? group_of[i] : 0]++;
-        if (rho == t.base) {
-          log_base[j] = t.log_base;
-        } else if (rho == t.floor) {
-          log_base[j] = t.log_floor;
-        } else if (rho == hi_density) {
-          log_base[j] = log_hi;
-        } else {
+        if (!KnownLogOneMinus(t, rho, hi_density, log_hi, &log_base[j])) {
           log_of[unknown] = j;
           logs[unknown++] = 1.0 - std::min(rho, kAlmostDense);  // as LogOneMinus
         }
