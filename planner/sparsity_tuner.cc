@@ -666,15 +666,13 @@ void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
   }
 }
 
-// The length bucket of sample i (`sample`), or of most of its tokens when it is pre-packed, from
-// the table's document buckets.
-int MainBucket(const Sample& sample, const SampleTable& table, size_t i) {
-  const SampleTerms& t = table[i];
-  if (sample.segments.empty()) return table.doc_buckets()[t.doc_begin];
+// The length bucket of sample i, or of most of its tokens when it is pre-packed, from the
+// table's document buckets.
+int MainBucket(const SampleTable& table, size_t i) {
+  const auto [first, last] = table.Documents(i);
+  if (last - first == 1) return table.doc_buckets()[first];
   std::array<int64_t, kRecallBuckets> tokens{};
-  for (int d = t.doc_begin; d < t.doc_end; ++d) {
-    tokens[table.doc_buckets()[d]] += table.doc_tokens()[d];
-  }
+  for (int d = first; d < last; ++d) tokens[table.doc_buckets()[d]] += table.doc_tokens()[d];
   return static_cast<int>(std::max_element(tokens.begin(), tokens.end()) - tokens.begin());
 }
 
@@ -1114,7 +1112,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     ParallelChunks(threads, n, [&](size_t chunk, size_t begin, size_t end) {
       Counts count{};
       for (size_t i = begin; i < end; ++i) {
-        const int g = MainBucket(batch[i], table, i);
+        const int g = MainBucket(table, i);
         group_of[i] = static_cast<uint8_t>(g);
         ++count[g];
       }
@@ -1212,7 +1210,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
         const double g = g_minus_1 + 1.0;
         const bool floor_below = t.floor < rho;
         const double log_lo = floor_below ? t.log_floor : log_base[j];
-        const double weight = static_cast<double>(batch[i].length);
+        const double weight = static_cast<double>(table.Tokens(i));
         const double offset = t.price_offset;
         const size_t k = slot[j];
         RecallTerm& term = terms[k];
