@@ -18,12 +18,14 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   storage_->in_use = true;
   if (storage_->terms.size() < size_) {
     storage_->terms.resize(size_);
-    storage_->at_base.resize(size_);
+    storage_->bases.resize(size_);
+    storage_->base_recalls.resize(size_);
     storage_->recalls.resize(size_);
     storage_->blocks.resize(size_);
   }
   terms_ = storage_->terms.data();
-  at_base_ = storage_->at_base.data();
+  bases_ = storage_->bases.data();
+  base_recalls_ = storage_->base_recalls.data();
   recalls_ = storage_->recalls.data();
   blocks_ = storage_->blocks.data();
   // Each range's documents first, on the threads, for its first place in the document arrays
@@ -131,7 +133,8 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
         SampleTerms& t = terms_[first + j];
         t.base_recall = t.base >= 0.0 && t.base < kAlmostDense ? 1.0 - at_base[j]
                                                                : RecallAt(t.exponent, t.base);
-        at_base_[first + j] = {t.base, t.base_recall};
+        bases_[first + j] = t.base;
+        base_recalls_[first + j] = t.base_recall;
       }
     }
   });
@@ -205,9 +208,7 @@ std::vector<int> PlacedOrder(const std::vector<std::vector<std::vector<int>>>& r
 }
 
 std::vector<double> SampleTable::BaseDensities() const {
-  std::vector<double> out(size_);
-  for (size_t i = 0; i < size_; ++i) out[i] = at_base_[i].density;
-  return out;
+  return std::vector<double>(bases_, bases_ + size_);
 }
 
 }  // namespace sparsebalance

@@ -75,12 +75,11 @@ class SampleTable {
     const SampleTerms& t = terms_[i];
     return rho == t.base ? t.base_recall : KeptRecall(i, rho);
   }
-  // The same answer, the base and its recall read from a compact copy (16 bytes a sample)
+  // The same answer, the base and its recall read from compact copies (8 bytes a sample each)
   // instead of the 64-byte terms: for the sums over the whole batch in order (the recall
   // guards'), which read nothing else of the terms and were mostly waiting for them.
   double RecallInOrder(size_t i, double rho) const {
-    const Memo& base = at_base_[i];
-    return rho == base.density ? base.value : KeptRecall(i, rho);
+    return rho == bases_[i] ? base_recalls_[i] : KeptRecall(i, rho);
   }
   // Asks Recall(i, densities[i]) for every sample, on `threads` (each sample's memo from its
   // own thread), so that the serial sums that follow (the recall guards') find them kept.
@@ -141,7 +140,8 @@ class SampleTable {
   // thread alone. Every entry below size_ is written when the table is built.
   struct Storage {
     std::vector<SampleTerms> terms;
-    std::vector<Memo> at_base;
+    std::vector<double> bases;
+    std::vector<double> base_recalls;
     std::vector<Memo> recalls;
     std::vector<Memo> blocks;
     std::vector<int64_t> doc_rows;
@@ -162,7 +162,8 @@ class SampleTable {
   Storage* storage_ = nullptr;
   size_t size_ = 0;
   SampleTerms* terms_ = nullptr;
-  Memo* at_base_ = nullptr;          // per sample, its base and the recall there
+  double* bases_ = nullptr;          // per sample, SampleTerms::base
+  double* base_recalls_ = nullptr;   // and base_recall
   mutable Memo* recalls_ = nullptr;  // per sample, the last Recall off its base
   int local_blocks_ = 0;
   mutable Memo* blocks_ = nullptr;  // per sample, the last FeaturesAt's active blocks
