@@ -20,12 +20,14 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
     storage_->terms.resize(size_);
     storage_->bases.resize(size_);
     storage_->base_recalls.resize(size_);
+    storage_->exponents.resize(size_);
     storage_->recalls.resize(size_);
     storage_->blocks.resize(size_);
   }
   terms_ = storage_->terms.data();
   bases_ = storage_->bases.data();
   base_recalls_ = storage_->base_recalls.data();
+  exponents_ = storage_->exponents.data();
   recalls_ = storage_->recalls.data();
   blocks_ = storage_->blocks.data();
   // Each range's documents first, on the threads, for its first place in the document arrays
@@ -135,6 +137,7 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
                                                                : RecallAt(t.exponent, t.base);
         bases_[first + j] = t.base;
         base_recalls_[first + j] = t.base_recall;
+        exponents_[first + j] = t.exponent;
       }
     }
   });
@@ -161,20 +164,20 @@ void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads*
     for (size_t first = begin; first < end; first += kBatch) {
       const size_t last = std::min(first + kBatch, end);
       size_t count = 0;
+      // From the compact copies of the terms (RecallInOrder).
       for (size_t i = first; i < last; ++i) {
-        const SampleTerms& t = terms_[i];
         const double rho = densities[i];
-        if (rho == t.base || recalls_[i].density == rho) continue;  // Recall needs no work
+        if (rho == bases_[i] || recalls_[i].density == rho) continue;  // Recall needs no work
         const double one_minus = 1.0 - std::clamp(rho, 0.0, 1.0);
-        if (one_minus == 0.0 || t.exponent == 0.0) {
-          Recall(i, rho);
+        if (one_minus == 0.0 || exponents_[i] == 0.0) {
+          KeptRecall(i, rho, exponents_[i]);
           continue;
         }
         sample[count] = i;
         power[count++] = one_minus;
       }
       DetLogAll(power.data(), power.data(), count);
-      for (size_t k = 0; k < count; ++k) power[k] *= terms_[sample[k]].exponent;
+      for (size_t k = 0; k < count; ++k) power[k] *= exponents_[sample[k]];
       DetExpAll(power.data(), power.data(), count);
       for (size_t k = 0; k < count; ++k) {
         const size_t i = sample[k];

@@ -73,13 +73,13 @@ class SampleTable {
   // the tuned densities' recalls, a DetLog and a DetExp each. Not thread-safe (see FeaturesAt).
   double Recall(size_t i, double rho) const {
     const SampleTerms& t = terms_[i];
-    return rho == t.base ? t.base_recall : KeptRecall(i, rho);
+    return rho == t.base ? t.base_recall : KeptRecall(i, rho, t.exponent);
   }
-  // The same answer, the base and its recall read from compact copies (8 bytes a sample each)
-  // instead of the 64-byte terms: for the sums over the whole batch in order (the recall
-  // guards'), which read nothing else of the terms and were mostly waiting for them.
+  // The same answer, the base, its recall and the exponent read from compact copies (8 bytes a
+  // sample each) instead of the 64-byte terms: for the passes over the whole batch in order
+  // (the recall guards'), which read nothing else of the terms and were mostly waiting for them.
   double RecallInOrder(size_t i, double rho) const {
-    return rho == bases_[i] ? base_recalls_[i] : KeptRecall(i, rho);
+    return rho == bases_[i] ? base_recalls_[i] : KeptRecall(i, rho, exponents_[i]);
   }
   // Asks Recall(i, densities[i]) for every sample, on `threads` (each sample's memo from its
   // own thread), so that the serial sums that follow (the recall guards') find them kept.
@@ -142,6 +142,7 @@ class SampleTable {
     std::vector<SampleTerms> terms;
     std::vector<double> bases;
     std::vector<double> base_recalls;
+    std::vector<double> exponents;
     std::vector<Memo> recalls;
     std::vector<Memo> blocks;
     std::vector<int64_t> doc_rows;
@@ -150,10 +151,11 @@ class SampleTable {
     bool in_use = false;
   };
   static Storage& ThreadStorage();
-  // Recall(i, rho) off the sample's base: the kept answer, or worked out and kept.
-  double KeptRecall(size_t i, double rho) const {
+  // Recall(i, rho) off the sample's base (its exponent `exponent`): the kept answer, or worked
+  // out and kept.
+  double KeptRecall(size_t i, double rho, double exponent) const {
     Memo& memo = recalls_[i];
-    if (!(memo.density == rho)) memo = {rho, RecallAt(terms_[i].exponent, rho)};
+    if (!(memo.density == rho)) memo = {rho, RecallAt(exponent, rho)};
     return memo.value;
   }
   // Counts sample i's active blocks at rho and keeps the count.
@@ -163,7 +165,8 @@ class SampleTable {
   size_t size_ = 0;
   SampleTerms* terms_ = nullptr;
   double* bases_ = nullptr;          // per sample, SampleTerms::base
-  double* base_recalls_ = nullptr;   // and base_recall
+  double* base_recalls_ = nullptr;   // base_recall
+  double* exponents_ = nullptr;      // and exponent
   mutable Memo* recalls_ = nullptr;  // per sample, the last Recall off its base
   int local_blocks_ = 0;
   mutable Memo* blocks_ = nullptr;  // per sample, the last FeaturesAt's active blocks
