@@ -169,11 +169,11 @@ class SampleTable {
   double* exponents_ = nullptr;      // and exponent
   mutable Memo* recalls_ = nullptr;  // per sample, the last Recall off its base
   int local_blocks_ = 0;
+  bool one_document_each_ = false;  // no sample is pre-packed (Documents)
   mutable Memo* blocks_ = nullptr;  // per sample, the last FeaturesAt's active blocks
   int64_t* doc_rows_ = nullptr;
   int64_t* doc_tokens_ = nullptr;
   int* doc_buckets_ = nullptr;
-  bool one_document_each_ = false;  // no sample is pre-packed (Documents)
 };
 
 // The batch indices of an assignment's placed samples, rank by rank and micro-batch by
