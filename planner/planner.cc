@@ -83,10 +83,10 @@ void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& d
   const std::array<double, 2 * kRecallBuckets> sums = BlockSums<2 * kRecallBuckets>(
       batch.size(), threads, [&](size_t i, std::array<double, 2 * kRecallBuckets>& sum) {
         if (!weights.empty() && weights[i] == 0.0) return;
-        const double r = table.Recall(i, densities[i]);
+        const double r = table.RecallInOrder(i, densities[i]);
         // The sample's documents, with their buckets, as the table lists them.
-        const SampleTerms& terms = table[i];
-        for (int d = terms.doc_begin; d < terms.doc_end; ++d) {
+        const auto [first, last] = table.Documents(i);
+        for (int d = first; d < last; ++d) {
           const int b = buckets[d];
           const auto length = static_cast<double>(lengths[d]);
           sum[b] += length * r;
@@ -126,8 +126,8 @@ void ItemMinimums(const std::vector<Sample>& batch, const std::vector<double>& d
     double weighted = 0.0;
     *tokens = 0.0;
     for (size_t i = 0; i < batch.size(); ++i) {
-      const double w = static_cast<double>(batch[i].length) * weights[i];
-      weighted += w * table.Recall(i, densities[i]);
+      const double w = static_cast<double>(table.Tokens(i)) * weights[i];
+      weighted += w * table.RecallInOrder(i, densities[i]);
       *tokens += w;
     }
     return weighted;
@@ -252,8 +252,8 @@ double TableRecall(const std::vector<Sample>& batch, const std::vector<double>& 
   const std::array<double, 2> sums =
       BlockSums<2>(batch.size(), threads, [&](size_t i, std::array<double, 2>& sum) {
         const double w =
-            static_cast<double>(batch[i].length) * (weights.empty() ? 1.0 : weights[i]);
-        sum[0] += w * table.Recall(i, densities[i]);
+            static_cast<double>(table.Tokens(i)) * (weights.empty() ? 1.0 : weights[i]);
+        sum[0] += w * table.RecallInOrder(i, densities[i]);
         sum[1] += w;
       });
   return sums[1] > 0 ? sums[0] / sums[1] : 0.0;

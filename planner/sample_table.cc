@@ -18,19 +18,31 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   storage_->in_use = true;
   if (storage_->terms.size() < size_) {
     storage_->terms.resize(size_);
+    storage_->bases.resize(size_);
+    storage_->base_recalls.resize(size_);
+    storage_->exponents.resize(size_);
     storage_->recalls.resize(size_);
     storage_->blocks.resize(size_);
   }
   terms_ = storage_->terms.data();
+  bases_ = storage_->bases.data();
+  base_recalls_ = storage_->base_recalls.data();
+  exponents_ = storage_->exponents.data();
   recalls_ = storage_->recalls.data();
   blocks_ = storage_->blocks.data();
-  // Each sample's place in the document arrays, a running count.
-  size_t documents = 0;
-  for (size_t i = 0; i < size_; ++i) {
-    terms_[i].doc_begin = static_cast<int>(documents);
-    documents += std::max<size_t>(batch[i].segments.size(), 1);
-    terms_[i].doc_end = static_cast<int>(documents);
-  }
+  // Each range's documents first, on the threads, for its first place in the document arrays
+  // (a running count over the ranges). Counted serially, with each sample's place stored in its
+  // terms before they were written, it was a quarter of the table's time on one thread.
+  const size_t chunks = ChunkCount(threads, size_);
+  std::vector<size_t> first_doc(chunks + 1, 0);
+  ParallelChunks(threads, size_, [&](size_t chunk, size_t begin, size_t end) {
+    size_t documents = 0;
+    for (size_t i = begin; i < end; ++i) documents += std::max<size_t>(batch[i].segments.size(), 1);
+    first_doc[chunk + 1] = documents;
+  });
+  for (size_t c = 0; c < chunks; ++c) first_doc[c + 1] += first_doc[c];
+  const size_t documents = first_doc[chunks];
+  one_document_each_ = documents == size_;
   if (storage_->doc_rows.size() < documents) {
     storage_->doc_rows.resize(documents);
     storage_->doc_tokens.resize(documents);
@@ -39,10 +51,9 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
   doc_rows_ = storage_->doc_rows.data();
   doc_tokens_ = storage_->doc_tokens.data();
   doc_buckets_ = storage_->doc_buckets.data();
-  block_size_ = config.shape.block_size;
   local_blocks_ = config.shape.local_blocks;
   const double per_block = model.coefficients().per_block;
-  ParallelFor(threads, batch.size(), [&](size_t begin, size_t end) {
+  ParallelChunks(threads, batch.size(), [&](size_t chunk, size_t begin, size_t end) {
     // What the loop reads of the config and the recall model, copied to locals: it stores
     // doubles, and after each store the compiler would load theirs again (they might alias).
     const PlannerConfig cfg = config;
@@ -57,7 +68,8 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
     std::array<double, kBatch> log_floor;
     std::array<double, kBatch> log_base;
     std::array<double, kBatch> price_offset;
-    std::array<double, kBatch> at_base;  // e^(g log(1 - base)), where RecallAt takes it
+    std::array<double, kBatch> at_base;          // e^(g log(1 - base)), where RecallAt takes it
+    int d = static_cast<int>(first_doc[chunk]);  // the next document's place
     for (size_t first = begin; first < end; first += kBatch) {
       const size_t m = std::min(kBatch, end - first);
       for (size_t j = 0; j < m; ++j) {
@@ -68,7 +80,7 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
         blocks_[i] = none;
         // Each document's rows, tokens and bucket, and the triangle of query-block pairs.
         double triangle = 0.0;
-        int d = t.doc_begin;
+        t.doc_begin = d;
         auto add_doc = [&](int64_t length) {
           const int64_t rows = QueryBlocks(length, block);
           doc_rows_[d] = rows;
@@ -83,6 +95,7 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
         } else {
           for (int64_t segment : s.segments) add_doc(segment);
         }
+        t.doc_end = d;
         // SampleExponent, a single document's from the bucket just found.
         const double exponent = s.segments.empty()
                                     ? exponents.InBucket(doc_buckets_[t.doc_begin], s.sensitivity)
@@ -122,6 +135,9 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
         SampleTerms& t = terms_[first + j];
         t.base_recall = t.base >= 0.0 && t.base < kAlmostDense ? 1.0 - at_base[j]
                                                                : RecallAt(t.exponent, t.base);
+        bases_[first + j] = t.base;
+        base_recalls_[first + j] = t.base_recall;
+        exponents_[first + j] = t.exponent;
       }
     }
   });
@@ -148,20 +164,20 @@ void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads*
     for (size_t first = begin; first < end; first += kBatch) {
       const size_t last = std::min(first + kBatch, end);
       size_t count = 0;
+      // From the compact copies of the terms (RecallInOrder).
       for (size_t i = first; i < last; ++i) {
-        const SampleTerms& t = terms_[i];
         const double rho = densities[i];
-        if (rho == t.base || recalls_[i].density == rho) continue;  // Recall needs no work
+        if (rho == bases_[i] || recalls_[i].density == rho) continue;  // Recall needs no work
         const double one_minus = 1.0 - std::clamp(rho, 0.0, 1.0);
-        if (one_minus == 0.0 || t.exponent == 0.0) {
-          Recall(i, rho);
+        if (one_minus == 0.0 || exponents_[i] == 0.0) {
+          KeptRecall(i, rho, exponents_[i]);
           continue;
         }
         sample[count] = i;
         power[count++] = one_minus;
       }
       DetLogAll(power.data(), power.data(), count);
-      for (size_t k = 0; k < count; ++k) power[k] *= terms_[sample[k]].exponent;
+      for (size_t k = 0; k < count; ++k) power[k] *= exponents_[sample[k]];
       DetExpAll(power.data(), power.data(), count);
       for (size_t k = 0; k < count; ++k) {
         const size_t i = sample[k];
@@ -171,15 +187,14 @@ void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads*
   });
 }
 
-double SampleTable::CountActiveBlocks(const Sample& sample, size_t i, double rho) const {
-  // As LatencyModel::SampleFeatures counts them (whole-number sums: exact in any order).
+double SampleTable::CountActiveBlocks(size_t i, double rho) const {
+  // As LatencyModel::SampleFeatures counts them (whole-number sums: exact in any order), from
+  // each document's query blocks: ActiveBlocks of `rows` at block size 1 is that of the
+  // document's length at the job's block size.
   double blocks = 0.0;
-  if (sample.segments.empty()) {
-    blocks = static_cast<double>(ActiveBlocks(sample.length, rho, block_size_, local_blocks_));
-  } else {
-    for (int64_t segment : sample.segments) {
-      blocks += static_cast<double>(ActiveBlocks(segment, rho, block_size_, local_blocks_));
-    }
+  const auto [first, last] = Documents(i);
+  for (int d = first; d < last; ++d) {
+    blocks += static_cast<double>(ActiveBlocks(doc_rows_[d], rho, /*block_size=*/1, local_blocks_));
   }
   blocks_[i] = {rho, blocks};
   return blocks;
@@ -196,9 +211,7 @@ std::vector<int> PlacedOrder(const std::vector<std::vector<std::vector<int>>>& r
 }
 
 std::vector<double> SampleTable::BaseDensities() const {
-  std::vector<double> out(size_);
-  for (size_t i = 0; i < size_; ++i) out[i] = terms_[i].base;
-  return out;
+  return std::vector<double>(bases_, bases_ + size_);
 }
 
 }  // namespace sparsebalance

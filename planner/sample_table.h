@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "planner/det_math.h"
@@ -72,10 +73,13 @@ class SampleTable {
   // the tuned densities' recalls, a DetLog and a DetExp each. Not thread-safe (see FeaturesAt).
   double Recall(size_t i, double rho) const {
     const SampleTerms& t = terms_[i];
-    if (rho == t.base) return t.base_recall;
-    Memo& memo = recalls_[i];
-    if (!(memo.density == rho)) memo = {rho, RecallAt(t.exponent, rho)};
-    return memo.value;
+    return rho == t.base ? t.base_recall : KeptRecall(i, rho, t.exponent);
+  }
+  // The same answer, the base, its recall and the exponent read from compact copies (8 bytes a
+  // sample each) instead of the 64-byte terms: for the passes over the whole batch in order
+  // (the recall guards'), which read nothing else of the terms and were mostly waiting for them.
+  double RecallInOrder(size_t i, double rho) const {
+    return rho == bases_[i] ? base_recalls_[i] : KeptRecall(i, rho, exponents_[i]);
   }
   // Asks Recall(i, densities[i]) for every sample, on `threads` (each sample's memo from its
   // own thread), so that the serial sums that follow (the recall guards') find them kept.
@@ -86,6 +90,21 @@ class SampleTable {
   const int64_t* doc_rows() const { return doc_rows_; }
   const int64_t* doc_tokens() const { return doc_tokens_; }
   const int* doc_buckets() const { return doc_buckets_; }
+  // Sample i's documents, [first, second) of those arrays (SampleTerms::doc_begin, doc_end).
+  // Where no sample is pre-packed, document i is sample i's: known without reading its terms,
+  // which passes that need nothing else of them then leave alone.
+  std::pair<int, int> Documents(size_t i) const {
+    if (one_document_each_) return {static_cast<int>(i), static_cast<int>(i) + 1};
+    return {terms_[i].doc_begin, terms_[i].doc_end};
+  }
+  // Sample i's tokens (Sample::length, which its documents' add up to: ValidateBatch), from the
+  // document arrays: a pass over the batch in order reads 8 bytes a sample instead of a Sample.
+  int64_t Tokens(size_t i) const {
+    const auto [first, last] = Documents(i);
+    int64_t tokens = 0;
+    for (int d = first; d < last; ++d) tokens += doc_tokens_[d];
+    return tokens;
+  }
   // Every sample's base density (SampleTerms::base), in batch order.
   std::vector<double> BaseDensities() const;
   // LatencyModel::SampleFeatures of sample i (`sample`, batch[i]) at density rho. The last
@@ -101,10 +120,12 @@ class SampleTable {
     return f;
   }
   // Its active blocks alone: the tuner's exact counts ask for every item of a rank at each
-  // solve.
-  double ActiveBlocksAt(const Sample& sample, size_t i, double rho) const {
+  // solve. They are counted from the table's document arrays: `sample` is not read (the tuner
+  // reads nothing else of it, and waiting for the Sample, scattered in placement order, was
+  // most of the count's time).
+  double ActiveBlocksAt(const Sample& /*sample*/, size_t i, double rho) const {
     const Memo& memo = blocks_[i];
-    return memo.density == rho ? memo.value : CountActiveBlocks(sample, i, rho);
+    return memo.density == rho ? memo.value : CountActiveBlocks(i, rho);
   }
 
  private:
@@ -119,6 +140,9 @@ class SampleTable {
   // thread alone. Every entry below size_ is written when the table is built.
   struct Storage {
     std::vector<SampleTerms> terms;
+    std::vector<double> bases;
+    std::vector<double> base_recalls;
+    std::vector<double> exponents;
     std::vector<Memo> recalls;
     std::vector<Memo> blocks;
     std::vector<int64_t> doc_rows;
@@ -127,15 +151,25 @@ class SampleTable {
     bool in_use = false;
   };
   static Storage& ThreadStorage();
+  // Recall(i, rho) off the sample's base (its exponent `exponent`): the kept answer, or worked
+  // out and kept.
+  double KeptRecall(size_t i, double rho, double exponent) const {
+    Memo& memo = recalls_[i];
+    if (!(memo.density == rho)) memo = {rho, RecallAt(exponent, rho)};
+    return memo.value;
+  }
   // Counts sample i's active blocks at rho and keeps the count.
-  double CountActiveBlocks(const Sample& sample, size_t i, double rho) const;
+  double CountActiveBlocks(size_t i, double rho) const;
   Storage own_;
   Storage* storage_ = nullptr;
   size_t size_ = 0;
   SampleTerms* terms_ = nullptr;
+  double* bases_ = nullptr;          // per sample, SampleTerms::base
+  double* base_recalls_ = nullptr;   // base_recall
+  double* exponents_ = nullptr;      // and exponent
   mutable Memo* recalls_ = nullptr;  // per sample, the last Recall off its base
-  int block_size_ = 0;
   int local_blocks_ = 0;
+  bool one_document_each_ = false;  // no sample is pre-packed (Documents)
   mutable Memo* blocks_ = nullptr;  // per sample, the last FeaturesAt's active blocks
   int64_t* doc_rows_ = nullptr;
   int64_t* doc_tokens_ = nullptr;

@@ -666,15 +666,13 @@ void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
   }
 }
 
-// The length bucket of sample i (`sample`), or of most of its tokens when it is pre-packed, from
-// the table's document buckets.
-int MainBucket(const Sample& sample, const SampleTable& table, size_t i) {
-  const SampleTerms& t = table[i];
-  if (sample.segments.empty()) return table.doc_buckets()[t.doc_begin];
+// The length bucket of sample i, or of most of its tokens when it is pre-packed, from the
+// table's document buckets.
+int MainBucket(const SampleTable& table, size_t i) {
+  const auto [first, last] = table.Documents(i);
+  if (last - first == 1) return table.doc_buckets()[first];
   std::array<int64_t, kRecallBuckets> tokens{};
-  for (int d = t.doc_begin; d < t.doc_end; ++d) {
-    tokens[table.doc_buckets()[d]] += table.doc_tokens()[d];
-  }
+  for (int d = first; d < last; ++d) tokens[table.doc_buckets()[d]] += table.doc_tokens()[d];
   return static_cast<int>(std::max_element(tokens.begin(), tokens.end()) - tokens.begin());
 }
 
@@ -808,7 +806,9 @@ struct AllocationStorage {
   std::vector<RecallOutput> outputs;
   std::vector<RecallPart> part;
   std::vector<BoundPart> bound_part;
-  std::vector<double> one_minus;  // 1 - rho per item off its bounds at the last evaluation
+  // Per item, e^((x + offset) / (g - 1)) at the last evaluation's x: 1 - rho where the item is
+  // off its bounds, and what its density is clamped from at a bound.
+  std::vector<double> one_minus;
   bool in_use = false;
 };
 
@@ -911,7 +911,7 @@ struct GroupSums {
 // with the least predicted attention time whose token-weighted recall is at least `target`
 // (or the most recall there is). `x_min` and `x_max` are the least x_at_hi and the greatest
 // x_at_lo. Sets *x_out to the multiplier it settles on and *kept to whether one_minus holds the
-// items' 1 - rho there; returns the recall reached.
+// items' values there; returns the recall reached.
 double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double target, double x_min,
                   double x_max, const GroupSums& sums, PlanThreads* threads, double* x_out,
                   bool* kept) {
@@ -925,7 +925,7 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
   double searched = std::numeric_limits<double>::quiet_NaN();  // the last multiplier evaluated
   // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
   // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
-  // d recall / d rho = g e^x scale: one exp per item that is not at a bound. Each item's
+  // d recall / d rho = g e^x scale: one exp per item. Each item's
   // weighted recall and slope are worked out on the threads and summed in item order as they
   // come (OrderedSum). An item at a bound adds no slope: subtracting its 0 leaves the sum's bits
   // as they are (it starts at +0 and is never -0). With `at_bounds` (the first evaluation) the
@@ -962,26 +962,19 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
     };
     OrderedSum sum(count, chunks);
     ParallelChunks(threads, count, [&](size_t chunk, size_t lo, size_t hi) {
-      // Items at a bound are done at once; those off their bounds have their 1 - rho worked
-      // out kBatch items at a time through DetExpAll.
+      // Items at a bound are done at once; those off their bounds need their 1 - rho, worked
+      // out kBatch items at a time through DetExpAll. It is worked out (and kept in one_minus)
+      // for the items at a bound too, so that the densities at the answer need only one_minus:
+      // reading the terms again there was a tenth of the allocation's time.
       std::array<double, kBatch> u;
-      std::array<size_t, kBatch> item_of;  // the item of each u
       std::array<RecallPart, kBatch> own;
       std::array<BoundPart, kBatch> own_bounds;
       constexpr double kOff = std::numeric_limits<double>::quiet_NaN();
       for (size_t first = lo; first < hi; first += kBatch) {
         const size_t last = std::min(first + kBatch, hi);
-        size_t off = 0;
         for (size_t k = first; k < last; ++k) {
           const RecallTerm& t = terms[k];
-          if (x <= t.x_at_hi) {
-            own[k - first] = {bound_recalls[k].at_hi, 0.0};
-          } else if (x >= t.x_at_lo) {
-            own[k - first] = {bound_recalls[k].at_lo, 0.0};
-          } else {
-            item_of[off] = k;
-            u[off++] = (x + t.offset) * t.inv_g1;
-          }
+          u[k - first] = (x + t.offset) * t.inv_g1;
         }
         if (at_bounds != nullptr) {
           for (size_t k = first; k < last; ++k) {
@@ -995,17 +988,23 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
                                                           : kOff};
           }
         }
-        DetExpAll(u.data(), u.data(), off);
-        for (size_t q = 0; q < off; ++q) {
-          const size_t k = item_of[q];
-          const RecallTerm& t = terms[k];
-          one_minus[k] = u[q];
-          const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
-          // d rho / dx = -(1-rho)/(g-1)
-          own[k - first] = {t.weight * (1.0 - u[q] * pow_g_minus_1),
-                            t.weight_g_over_g1 * pow_g_minus_1 * u[q]};
-        }
         const size_t m = last - first;
+        DetExpAll(u.data(), u.data(), m);
+        for (size_t k = first; k < last; ++k) {
+          const RecallTerm& t = terms[k];
+          const double v = u[k - first];
+          one_minus[k] = v;
+          if (x <= t.x_at_hi) {
+            own[k - first] = {bound_recalls[k].at_hi, 0.0};
+          } else if (x >= t.x_at_lo) {
+            own[k - first] = {bound_recalls[k].at_lo, 0.0};
+          } else {
+            const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
+            // d rho / dx = -(1-rho)/(g-1)
+            own[k - first] = {t.weight * (1.0 - v * pow_g_minus_1),
+                              t.weight_g_over_g1 * pow_g_minus_1 * v};
+          }
+        }
         sum.Offer(
             chunk, first, last, [&] { add_parts(own.data(), own_bounds.data(), m); },
             [&] {
@@ -1114,7 +1113,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     ParallelChunks(threads, n, [&](size_t chunk, size_t begin, size_t end) {
       Counts count{};
       for (size_t i = begin; i < end; ++i) {
-        const int g = MainBucket(batch[i], table, i);
+        const int g = MainBucket(table, i);
         group_of[i] = static_cast<uint8_t>(g);
         ++count[g];
       }
@@ -1212,7 +1211,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
         const double g = g_minus_1 + 1.0;
         const bool floor_below = t.floor < rho;
         const double log_lo = floor_below ? t.log_floor : log_base[j];
-        const double weight = static_cast<double>(batch[i].length);
+        const double weight = static_cast<double>(table.Tokens(i));
         const double offset = t.price_offset;
         const size_t k = slot[j];
         RecallTerm& term = terms[k];
@@ -1280,10 +1279,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
       if (!solved[g]) continue;
       const double x = x_of[g];
       for (size_t k = std::max(begin, group_begin[g]); k < std::min(end, group_begin[g + 1]); ++k) {
-        const RecallTerm& t = terms[k];
-        const double u = kept[g] && !(x <= t.x_at_hi) && !(x >= t.x_at_lo)
-                             ? one_minus[k]
-                             : DetExp((x + t.offset) * t.inv_g1);
+        const double u = kept[g] ? one_minus[k] : DetExp((x + terms[k].offset) * terms[k].inv_g1);
         densities[outputs[k].index] = std::clamp(1.0 - u, outputs[k].floor, hi_density);
       }
     }
