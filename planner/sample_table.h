@@ -142,13 +142,14 @@ class SampleTable {
   int* doc_buckets_ = nullptr;
 
  public:
-  // Asks the CPU to fetch what Recall(i, rho) reads of sample i off its base (its terms' base and
-  // its kept answer): for walks over the samples in an order other than the batch's (the
-  // tuner's). A hint: results do not change.
+  // Ask the CPU to fetch what Recall(i, rho) reads of sample i off its base (its terms' base and
+  // its kept answer), and what ActiveBlocksAt(.., i, ..) reads (its kept count): for walks over
+  // the samples in an order other than the batch's (the tuner's). Hints: results do not change.
   void PrefetchRecall(size_t i) const {
     __builtin_prefetch(&terms_[i].base);
     __builtin_prefetch(&recalls_[i]);
   }
+  void PrefetchBlocks(size_t i) const { __builtin_prefetch(&blocks_[i]); }
 };
 
 // The batch indices of an assignment's placed samples, rank by rank and micro-batch by

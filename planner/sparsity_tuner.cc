@@ -211,6 +211,16 @@ class Tuner {
 
   const std::vector<RankWork>& ranks() const { return ranks_; }
 
+  // What the walks over a rank's items read of their samples, which lie scattered over the batch:
+  // their documents' query blocks (RankSeconds and the solves' estimates), the table's kept
+  // counts (ExactRankSeconds, ExactBlocks) and the samples themselves (where no count is kept).
+  enum Fetch : unsigned { kRows = 1, kCounts = 2, kSamples = 4 };
+  // Asks the CPU to fetch them for `rank`: the rank after the one walked, or for its exact
+  // counts the rank being solved (they come after its first solve). At 65,536 samples waiting
+  // for them was most of ExactRankSeconds' time and half of SolveRank's. A hint: results do not
+  // change.
+  void Prefetch(const RankWork& rank, unsigned what) const;
+
  private:
   // Per item of the rank being solved: its bounds and the multipliers x at which it reaches
   // them (x_hi: at or below, the upper bound; x_lo: at or above, the lower one), so the search
@@ -407,6 +417,17 @@ double Tuner::SurrogateBlocks(int64_t rows, double rho, double* slope) const {
   return EstimatedActiveBlocks(rows, rho, anchors_, slope);
 }
 
+void Tuner::Prefetch(const RankWork& rank, unsigned what) const {
+  for (const Item& item : rank.items) {
+    if (what & kRows) __builtin_prefetch(&docs_[item.doc_begin]);
+    if (what & kCounts) table_.PrefetchBlocks(static_cast<size_t>(item.index));
+    if (what & kSamples) {  // SampleTable::CountActiveBlocks reads its length and segments
+      __builtin_prefetch(&batch_[item.index].length);
+      __builtin_prefetch(&batch_[item.index].segments);
+    }
+  }
+}
+
 double Tuner::ItemBlocks(const Item& item, double rho, double* slope) const {
   double blocks = 0.0;
   double total_slope = 0.0;
@@ -426,6 +447,7 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower, SolveScra
   // the estimate is within a block per row).
   const auto over = [&] { return per_block_ * ExactBlocks(rank, *densities) - budget; };
   const double rounding = kRoundingShare * budget;
+  Prefetch(rank, kCounts | kSamples);  // read after the first solve, which hides the wait
   double target = budget;
   double x = 0.0;
   double excess = 0.0;
@@ -630,6 +652,7 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
     SolveScratch scratch;
     for (size_t r = begin; r < end; ++r) {
+      if (r + 1 < end) Prefetch(ranks_[r + 1], kRows);
       const RankWork& rank = ranks_[r];
       if (rank.items.empty()) continue;
       const double now = at_base[r];
@@ -1422,6 +1445,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   std::vector<double> at_base(tuner.ranks().size());
   ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
+      if (r + 1 < end) tuner.Prefetch(tuner.ranks()[r + 1], Tuner::kCounts);
       at_base[r] = tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/false);
     }
   });
@@ -1452,6 +1476,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
     std::vector<double> at_floor(tuner.ranks().size());
     ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
       for (size_t r = begin; r < end; ++r) {
+        if (r + 1 < end) tuner.Prefetch(tuner.ranks()[r + 1], Tuner::kRows);
         at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
       }
     });
