@@ -92,15 +92,18 @@ bool KnownLogOneMinus(const SampleTerms& terms, double rho, double density_max, 
 }
 
 struct Item {
-  int index = 0;             // into the batch
-  double weight = 0.0;       // tokens: recall is token-weighted
-  double floor = 0.0;        // lowest density allowed
-  double base = 0.0;         // density without tuning
-  double g_minus_1 = 0.0;    // recall exponent - 1
-  double inv_g1 = 0.0;       // 1 / (g - 1)
-  double log_floor = 0.0;    // log(1 - floor)
-  double log_base = 0.0;     // log(1 - base)
-  double base_recall = 0.0;  // predicted recall at base
+  int index = 0;           // into the batch
+  double weight = 0.0;     // tokens: recall is token-weighted
+  double floor = 0.0;      // lowest density allowed
+  double base = 0.0;       // density without tuning
+  double g_minus_1 = 0.0;  // recall exponent - 1
+  double inv_g1 = 0.0;     // 1 / (g - 1)
+  double log_floor = 0.0;  // log(1 - floor)
+  double log_base = 0.0;   // log(1 - base)
+  // The item's predicted recall at the density it was last asked at (Tuner::ItemRecall; NaN:
+  // none yet).
+  double kept_density = std::numeric_limits<double>::quiet_NaN();
+  double kept_recall = 0.0;
   // log(per_block * tri / (weight * g)): where the multiplier sits. `offset` subtracts the log
   // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
   double offset = 0.0;
@@ -150,6 +153,7 @@ struct RankWork {
 struct TunerStorage {
   std::vector<Item> items;
   std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
+  std::vector<double> fixed;     // the set-up's per-item fixed seconds (Tuner::Tuner)
   bool in_use = false;
 };
 
@@ -177,13 +181,18 @@ class Tuner {
   // (`at_base`, blocks counted exactly). With `cut` false no rank is lowered.
   std::vector<double> Solve(double target, const std::vector<double>& at_base, bool cut) const;
   double Recall(const std::vector<double>& densities) const;
-  // An item's predicted recall at density rho: known at its base, else the table's, which keeps
-  // it (the bucket guard and the plan's figures ask again at the same densities). The table's
-  // exponent is the item's g - 1 + 1 exactly: exponents are at least 1, and g - 1 is exact for
-  // every g >= 1/2. From one thread per item, as its sample's kept answers require.
-  double ItemRecall(const Item& item, double rho) const {
-    return rho == item.base ? item.base_recall
-                            : table_.Recall(static_cast<size_t>(item.index), rho);
+  // Item k's predicted recall at density rho: the table's, which keeps it (the plan's figures
+  // ask again at the same densities), and the item keeps it too, in item order: the bucket guard
+  // asks again right after Recall, and reading the table's (its sample's terms, then its kept
+  // answer, scattered over the batch) stalled on every item, most of BucketRecall's time. From
+  // one thread per item, as its sample's kept answers require.
+  double ItemRecall(size_t k, double rho) const {
+    Item& item = items_[k];
+    if (!(item.kept_density == rho)) {
+      item.kept_density = rho;
+      item.kept_recall = table_.Recall(static_cast<size_t>(item.index), rho);
+    }
+    return item.kept_recall;
   }
   // Token-weighted recall per length bucket (0 for a bucket without documents).
   std::array<double, kRecallBuckets> BucketRecall(const std::vector<double>& densities) const;
@@ -202,6 +211,16 @@ class Tuner {
   double ExactRankSeconds(const RankWork& rank, bool at_floor) const;
 
   const std::vector<RankWork>& ranks() const { return ranks_; }
+
+  // What the walks over a rank's items read of their samples, which lie scattered over the batch:
+  // their documents' query blocks (RankSeconds and the solves' estimates), the table's kept
+  // counts (ExactRankSeconds, ExactBlocks) and the samples themselves (where no count is kept).
+  enum Fetch : unsigned { kRows = 1, kCounts = 2, kSamples = 4 };
+  // Asks the CPU to fetch them for `rank`: the rank after the one walked, or for its exact
+  // counts the rank being solved (they come after its first solve). At 65,536 samples waiting
+  // for them was most of ExactRankSeconds' time and half of SolveRank's. A hint: results do not
+  // change.
+  void Prefetch(const RankWork& rank, unsigned what) const;
 
  private:
   // Per item of the rank being solved: its bounds and the multipliers x at which it reaches
@@ -297,6 +316,10 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   item_count_ = order.size();
   items_ = Scratch(storage_->items, item_count_);
   Item* const items = items_;
+  // Each item's seconds that do not depend on density, for its rank's sum below: summed from
+  // the items themselves, that sum read all 6 MB of them again (at 65,536 samples) and waited
+  // on it, over a quarter of the set-up's time.
+  double* const fixed = Scratch(storage_->fixed, item_count_);
   // Each item from its sample. The tokens of each range of items: whole numbers, summed exactly
   // in any order.
   std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
@@ -309,13 +332,25 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       size_t unknown = 0;
       for (size_t j = 0; j < m; ++j) {
         const size_t k = first + j;
-        PrefetchAhead(order, k, batch, table, base);  // the samples lie scattered over the batch
+        // The samples lie scattered over the batch: their terms (two cache lines) and base
+        // fetched ahead.
+        if (k + kFetchAhead < end) {
+          const int ahead = order[k + kFetchAhead];
+          __builtin_prefetch(&table[ahead]);
+          __builtin_prefetch(&table[ahead].doc_end);
+          __builtin_prefetch(&base[ahead]);
+        }
         const int i = order[k];
-        const Sample& s = batch[i];
         const SampleTerms& terms = table[i];
         Item& item = items[k];
         item.index = i;
-        item.weight = static_cast<double>(s.length);
+        // The sample's length, from its documents' tokens (they sum to it): reading it from the
+        // sample was another cache miss per item, two thirds of the set-up's time.
+        int64_t tokens = 0;
+        for (int d = terms.doc_begin; d < terms.doc_end; ++d) tokens += doc_tokens_[d];
+        item.weight = static_cast<double>(tokens);
+        const double documents = static_cast<double>(terms.doc_end - terms.doc_begin);
+        fixed[k] = coef.per_token * item.weight + coef.per_sample * documents;
         item.g_minus_1 = terms.exponent - 1.0;
         item.inv_g1 = 1.0 / item.g_minus_1;
         item.base = base[i];
@@ -323,11 +358,10 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
           log_of[unknown] = k;
           logs[unknown++] = 1.0 - std::min(item.base, kAlmostDense);  // as LogOneMinus
         }
-        // The recall guards read every sample's recall a few times, most at base: the table's
-        // (RecallAt), which PlanStep's recall guards have just worked out for these densities
-        // and kept (SampleTable::WarmRecalls). Each item is one sample, so each thread reads and
-        // writes only its own samples' kept answers.
-        item.base_recall = table.Recall(static_cast<size_t>(i), item.base);
+        // Its recall is read when asked (ItemRecall): at base the table keeps it, PlanStep's
+        // recall guards have just worked it out (SampleTable::WarmRecalls), and most items leave
+        // their base.
+        item.kept_density = std::numeric_limits<double>::quiet_NaN();
         // Never above base: a sample whose floor is above what it was given stays there (and
         // takes the base's logarithm, set below where it is worked out).
         if (terms.floor < item.base) {
@@ -359,13 +393,10 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       rank.items = ItemRange(items + first_item[r], items + first_item[r + 1]);
       rank.speed =
           r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
-      const Item* item = rank.items.begin();
+      const double* item_fixed = fixed + first_item[r];
       for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
         if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
-        for (size_t k = 0; k < micro_batch.size(); ++k, ++item) {
-          const double documents = static_cast<double>(item->doc_end - item->doc_begin);
-          rank.fixed += coef.per_token * item->weight + coef.per_sample * documents;
-        }
+        for (size_t k = 0; k < micro_batch.size(); ++k) rank.fixed += *item_fixed++;
       }
     }
   });
@@ -390,6 +421,17 @@ double Tuner::SurrogateBlocks(int64_t rows, double rho, double* slope) const {
   return EstimatedActiveBlocks(rows, rho, anchors_, slope);
 }
 
+void Tuner::Prefetch(const RankWork& rank, unsigned what) const {
+  for (const Item& item : rank.items) {
+    if (what & kRows) __builtin_prefetch(&docs_[item.doc_begin]);
+    if (what & kCounts) table_.PrefetchBlocks(static_cast<size_t>(item.index));
+    if (what & kSamples) {  // SampleTable::CountActiveBlocks reads its length and segments
+      __builtin_prefetch(&batch_[item.index].length);
+      __builtin_prefetch(&batch_[item.index].segments);
+    }
+  }
+}
+
 double Tuner::ItemBlocks(const Item& item, double rho, double* slope) const {
   double blocks = 0.0;
   double total_slope = 0.0;
@@ -409,6 +451,7 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower, SolveScra
   // the estimate is within a block per row).
   const auto over = [&] { return per_block_ * ExactBlocks(rank, *densities) - budget; };
   const double rounding = kRoundingShare * budget;
+  Prefetch(rank, kCounts | kSamples);  // read after the first solve, which hides the wait
   double target = budget;
   double x = 0.0;
   double excess = 0.0;
@@ -613,6 +656,7 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
     SolveScratch scratch;
     for (size_t r = begin; r < end; ++r) {
+      if (r + 1 < end) Prefetch(ranks_[r + 1], kRows);
       const RankWork& rank = ranks_[r];
       if (rank.items.empty()) continue;
       const double now = at_base[r];
@@ -629,8 +673,9 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
 std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
   std::array<double, kRecallBuckets> weighted{};
   std::array<double, kRecallBuckets> tokens{};
-  for (const Item& item : items()) {
-    const double recall = ItemRecall(item, densities[item.index]);
+  for (size_t k = 0; k < item_count_; ++k) {
+    const Item& item = items_[k];
+    const double recall = ItemRecall(k, densities[item.index]);
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       const double w = static_cast<double>(doc_tokens_[d]);
       weighted[doc_buckets_[d]] += w * recall;
@@ -745,7 +790,14 @@ double Tuner::Recall(const std::vector<double>& densities) const {
   double* weighted_recalls = Scratch(storage_->weighted, items.size());
   ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
-      weighted_recalls[k] = items[k].weight * ItemRecall(items[k], densities[items[k].index]);
+      // The densities and the table's answers lie scattered over the batch: fetched ahead, a
+      // DetLog and a DetExp per item do not hide a wait for them.
+      if (k + kFetchAhead < end) {
+        const int ahead = items[k + kFetchAhead].index;
+        __builtin_prefetch(&densities[ahead]);
+        table_.PrefetchRecall(static_cast<size_t>(ahead));
+      }
+      weighted_recalls[k] = items[k].weight * ItemRecall(k, densities[items[k].index]);
     }
   });
   double weighted = 0.0;
@@ -1393,6 +1445,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   std::vector<double> at_base(tuner.ranks().size());
   ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
+      if (r + 1 < end) tuner.Prefetch(tuner.ranks()[r + 1], Tuner::kCounts);
       at_base[r] = tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/false);
     }
   });
@@ -1423,6 +1476,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
     std::vector<double> at_floor(tuner.ranks().size());
     ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
       for (size_t r = begin; r < end; ++r) {
+        if (r + 1 < end) tuner.Prefetch(tuner.ranks()[r + 1], Tuner::kRows);
         at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
       }
     });
