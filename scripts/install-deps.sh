@@ -12,7 +12,7 @@ packages=(
   prometheus-cpp-dev nlohmann-json3-dev
   clang libclang-rt-14-dev clang-format clang-tidy openssl
   libgtest-dev libgmock-dev libbenchmark-dev
-  prometheus python3-yaml valgrind
+  prometheus python3-yaml valgrind linux-perf
   python3-dev python3-venv
 )
 

@@ -3,8 +3,8 @@
 # (bench/pretrain_step.h: the pretrain trace, sparsebalance, 4 micro-batches of 131,072 tokens)
 # planned PLANS times on one thread by sb-plan-count. Unlike wall time on this project's VM
 # (which drifts by 10-30% within an hour), the counts are the same on every run, so a change to
-# planning can be weighed exactly; at about 3 instructions a cycle, planning is bound by the
-# instructions it runs. About 20 s at the default size.
+# planning can be weighed exactly. Instructions are not all of a plan's time (it also waits on
+# memory): scripts/plan-profile.sh shows where the time goes. About 20 s at the default size.
 #   bash scripts/plan-instructions.sh                                  # 65,536 over 4,096 ranks
 #   SAMPLES=16384 RANKS=1024 bash scripts/plan-instructions.sh
 #   BUILD_DIR=build-lint bash scripts/plan-instructions.sh
