@@ -246,6 +246,11 @@ struct Unit {
   int next = -1;
 };
 
+// Units ahead whose tallies BuildUnits asks the CPU to fetch while it lays the units out in
+// placement order: that order scatters its reads over the tallies (2.6 MB at 65,536 samples),
+// and waiting for each was two thirds of laying them out.
+constexpr size_t kGatherAhead = 16;
+
 // A unit as BuildUnits gathers it, in arrival order.
 struct Tally {
   double cost = 0.0;
@@ -557,6 +562,7 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
   if (ungrouped) {  // unit p is sample order[p], its only member members[p]
     ParallelFor(threads, unit_count, [&](size_t begin, size_t end) {
       for (size_t p = begin; p < end; ++p) {
+        if (p + kGatherAhead < end) __builtin_prefetch(&tallies[order[p + kGatherAhead]]);
         const Tally& tally = tallies[order[p]];
         Unit& unit = units[p];
         unit = Unit{};
