@@ -929,9 +929,10 @@ absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   // The usual case first: the kCandidates least loaded ranks all take the unit, so they are the
   // candidates the walk below would find (the same ranks; the choice after does not depend on
   // their order), read off the top of the heap.
-  std::array<int, kCandidates> candidates;
+  std::array<int, kCandidates> candidates{};
   int count = lane.heap->FirstRanks<kCandidates>(&candidates);
-  for (int k = 0; k < count; ++k) candidates[k] += lane.first;
+#pragma GCC unroll 4
+  for (int& r : candidates) r += lane.first;  // those past count: not read
   if (count < kCandidates ||
       !std::all_of(candidates.begin(), candidates.end(), [&](int r) { return takes(r); })) {
     count = 0;
@@ -945,16 +946,22 @@ absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
     if (count < kCandidates) lane.most_free = most_free;  // the walk visited every rank
   }
   if (count == 0) return false;
+  // Fewer candidates are padded with copies of the first, which change neither the best time
+  // nor the choice below (a copy is never strictly better than its original), so that the loops
+  // have a fixed count and unroll: loops of `count` cost 100 instructions more a placement.
+  for (int k = count; k < kCandidates; ++k) candidates[k] = candidates[0];
   std::array<double, kCandidates> times;
   double best_time = 0.0;
-  for (int k = 0; k < count; ++k) {
+#pragma GCC unroll 4
+  for (int k = 0; k < kCandidates; ++k) {
     const RankState& rank = ranks_[candidates[k]];
     times[k] = rank.speed * (rank.load + unit.cost);
     if (k == 0 || times[k] < best_time) best_time = times[k];
   }
   int chosen = -1;
   double chosen_time = 0.0;
-  for (int k = 0; k < count; ++k) {
+#pragma GCC unroll 4
+  for (int k = 0; k < kCandidates; ++k) {
     const int r = candidates[k];
     const RankState& rank = ranks_[r];
     const double t = times[k];
