@@ -238,8 +238,9 @@ struct Unit {
   int first = 0;        // smallest batch index: arrival order, which breaks ties
   int begin = 0;        // members are Workspace::members[begin, begin + size), longest first
   int size = 0;
-  // While placed: the rank, the unit's entry in Workspace::placements, and its neighbours in
-  // the list of the rank's units (-1 at the ends).
+  // While placed: the rank, the unit's placement number (its entry in the list of the lane
+  // that placed it, Placer::Lane), and its neighbours in the list of the rank's units (-1 at
+  // the ends).
   int rank = -1;
   int placement = -1;
   int prev = -1;
@@ -298,6 +299,7 @@ struct Workspace {
   std::vector<int> placed;    // members placed, same layout: Collect reserves exactly
   // Units in the order they were placed, a unit placed again (moved) listed again: a rank's
   // samples go out in this order (Collect). An entry is stale unless Unit::placement names it.
+  // With parts, those placed after them (Part::placements holds each part's).
   std::vector<int> placements;
   RankHeap<false> least_loaded;
   RankHeap<true> most_loaded;
@@ -655,7 +657,12 @@ class Placer {
   struct Lane {
     RankHeap<false>* heap = nullptr;  // the ranks by time while balancing, else null
     int first = 0;                    // the heap's i-th rank is rank first + i
+    // Its placements in order; the k-th is numbered numbered + k (Unit::placement). A part's
+    // are numbered from its first unit's number (it places no more units than it has), and
+    // those after the parts from the unit count, so that no two lanes' numbers meet and the
+    // parts' lists need not be copied into one.
     std::vector<int>* placements = nullptr;
+    int numbered = 0;
     std::vector<int64_t>* fit_free = nullptr;
     absl::Status* error = nullptr;  // the first InRange failure
     // At least the most free tokens of any micro-batch of the lane's ranks: a unit with a
@@ -709,7 +716,7 @@ class Placer {
   bool FitsAfterSwap(int u, int v, int r) const;
   void ImproveMaxRank();
   // The assignment, rank by rank in placement order. With `threads`, the ranks' lists are made
-  // on them, and each part's placements (part_placed_) gathered on them too.
+  // on them, and each part's placements (Part::placements) gathered on them too.
   Assignment Collect(std::vector<int> deferred, PlanThreads* threads = nullptr) const;
 
   const std::vector<Sample>& batch_;
@@ -732,10 +739,8 @@ class Placer {
   mutable std::vector<int64_t> fit_free_;   // FitsWorst's and FitInOrder's free tokens
   mutable std::vector<int64_t> swap_free_;  // FitsAfterSwap's free tokens
   mutable std::vector<int> arrival_;        // FitInOrder's member places in arrival order
-  // With parts: where each part's placements begin in placements_, and where the rest begin.
-  std::vector<int> part_placed_;
   // The whole placement's lane; its heap is least_loaded_ once Balanced starts.
-  Lane whole_{nullptr, 0, &placements_, &fit_free_, &error_};
+  Lane whole_{nullptr, 0, &placements_, 0, &fit_free_, &error_};
 };
 
 bool Placer::FitsWorst(const Unit& unit, const int64_t* free_in, std::vector<int64_t>& free) const {
@@ -825,7 +830,7 @@ inline void Placer::Attach(int u, int r, Lane& lane) {
   rank.load += unit.cost;
   rank.rigid += unit.rigid;
   unit.rank = r;
-  unit.placement = static_cast<int>(lane.placements->size());
+  unit.placement = lane.numbered + static_cast<int>(lane.placements->size());
   lane.placements->push_back(u);
   unit.prev = rank.tail;
   unit.next = -1;
@@ -994,7 +999,7 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
     part.error = absl::OkStatus();
     const int first = PartFirstRank(p, parts, config_.ranks);
     part.heap.Reset(PartFirstRank(p + 1, parts, config_.ranks) - first, [](int) { return 0.0; });
-    Lane lane{&part.heap, first, &part.placements, &part.fit_free, &part.error};
+    Lane lane{&part.heap, first, &part.placements, part_begin_[p], &part.fit_free, &part.error};
     for (int u = part_begin_[p]; u < part_begin_[p + 1]; ++u) {
       absl::StatusOr<bool> placed = PlaceBalanced(u, lane);
       if (!placed.ok()) {
@@ -1014,17 +1019,9 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
   for (const Workspace::Part& part : parts_) {
     if (!part.error.ok()) return part.error;
   }
-  // The parts' placements part by part (each rank's in its order), and every rank's time in
-  // the whole placement's heap.
-  part_placed_.assign(1, 0);
-  for (const Workspace::Part& part : parts_) {
-    for (int u : part.placements) {
-      units_[u].placement = static_cast<int>(placements_.size());
-      placements_.push_back(u);
-    }
-    part_placed_.push_back(static_cast<int>(placements_.size()));
-  }
+  // Every rank's time in the whole placement's heap, whose placements come after the parts'.
   least_loaded_.Reset(config_.ranks, [&](int r) { return Time(r); });
+  whole_.numbered = static_cast<int>(units_.size());
   // What is left, in the order of the whole placement: largest first, ties in arrival order.
   rest->clear();
   for (const Workspace::Part& part : parts_) {
@@ -1205,12 +1202,12 @@ Assignment Placer::Collect(std::vector<int> deferred, PlanThreads* threads) cons
     }
   });
   // In placement order, which is each rank's order of its units (a moved unit last on its new
-  // rank): a pass over the placements rather than a walk of each rank's list, whose every
-  // step waits for the previous one.
-  auto gather = [&](int first, int last) {
-    for (int p = first; p < last; ++p) {
-      const Unit& unit = units_[placements_[p]];
-      if (unit.placement != p) continue;
+  // rank): a pass over a lane's placements (numbered from `numbered`) rather than a walk of
+  // each rank's list, whose every step waits for the previous one.
+  auto gather = [&](const std::vector<int>& placements, int numbered) {
+    for (size_t k = 0; k < placements.size(); ++k) {
+      const Unit& unit = units_[placements[k]];
+      if (unit.placement != numbered + static_cast<int>(k)) continue;
       std::vector<std::vector<int>>& rank = out.ranks[unit.rank];
       for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
         rank[members_[k].slot].push_back(members_[k].index);
@@ -1220,20 +1217,18 @@ Assignment Placer::Collect(std::vector<int> deferred, PlanThreads* threads) cons
   // A part's placements that are still live (not moved since) lie on the part's ranks alone,
   // and come before every later placement of those ranks: the parts' on the threads, then the
   // rest (the units placed after the parts, and the moves) in order.
-  int rest = 0;
-  if (part_placed_.size() > 1) {
-    const int parts = static_cast<int>(part_placed_.size()) - 1;
+  if (part_begin_.size() > 2) {
+    const int parts = static_cast<int>(part_begin_.size()) - 1;
     auto gather_parts = [&](size_t first, size_t last) {
-      for (size_t q = first; q < last; ++q) gather(part_placed_[q], part_placed_[q + 1]);
+      for (size_t q = first; q < last; ++q) gather(parts_[q].placements, part_begin_[q]);
     };
     if (threads != nullptr && threads->size() > 1) {
       threads->Run(parts, parts, gather_parts);
     } else {
       gather_parts(0, parts);
     }
-    rest = part_placed_.back();
   }
-  gather(rest, static_cast<int>(placements_.size()));
+  gather(placements_, whole_.numbered);
   out.deferred = std::move(deferred);
   return out;
 }
