@@ -580,6 +580,7 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   }
   StepPlan plan =
       BuildPlan(batch, config, model, recall, table, *assignment, densities, defaults, threads);
+  RecycleAssignment(*std::move(assignment));
   phase(6);
   return plan;
 }

@@ -321,7 +321,16 @@ struct Workspace {
     double largest = 0.0;  // the largest cost of its units
   };
   std::vector<Part> parts;
+  // Collect: the arrays of an assignment given back (RecycleAssignment), reused by the next.
+  std::vector<std::vector<std::vector<int>>> spare_ranks;
 };
+
+// The calling thread's workspace: no sharing between concurrent calls. Kept between steps, but
+// a step of more than kKeptScratchSamples samples frees it when it ends (AssignSamples).
+Workspace& ThreadWorkspace() {
+  thread_local Workspace workspace;
+  return workspace;
+}
 
 // A cost as a sort key: unsigned numbers in the order of the doubles (negatives reversed,
 // below positives), then reversed for largest first.
@@ -632,6 +641,7 @@ class Placer {
         most_loaded_(ws->most_loaded),
         part_begin_(ws->part_begin),
         parts_(ws->parts),
+        spare_ranks_(ws->spare_ranks),
         original_(original) {
     ranks_.assign(config.ranks, RankState{});
     for (int r = 0; r < config.ranks; ++r) {
@@ -740,6 +750,7 @@ class Placer {
   RankHeap<true>& most_loaded_;    // ImproveMaxRank's, which keeps it up to date itself
   const std::vector<int>& part_begin_;
   std::vector<Workspace::Part>& parts_;
+  std::vector<std::vector<std::vector<int>>>& spare_ranks_;
   const std::vector<int>* original_;  // batch index of each sample of batch_, or null
   absl::Status error_;
   // Small scratch reused across calls of the methods below.
@@ -1204,12 +1215,17 @@ void Placer::ImproveMaxRank(double largest) {
 
 Assignment Placer::Collect(std::vector<int> deferred, PlanThreads* threads) const {
   Assignment out;
+  // An earlier assignment's vectors when one was given back (RecycleAssignment), emptied: its
+  // micro-batches keep their capacity, so that a step like the last allocates nothing here.
+  out.ranks = std::move(spare_ranks_);
+  spare_ranks_.clear();
   out.ranks.resize(config_.ranks);
   ParallelFor(threads, config_.ranks, [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
       std::vector<std::vector<int>>& rank = out.ranks[r];
       rank.resize(micro_batches_);
       for (int m = 0; m < micro_batches_; ++m) {
+        rank[m].clear();
         rank[m].reserve(placed_[r * micro_batches_ + m]);
       }
     }
@@ -1367,10 +1383,9 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
   if (policy == Policy::kSab || policy == Policy::kSparseBalance) {
     for (int r = 0; r < config.ranks && r < model.ranks(); ++r) speed[r] = model.speed_factor(r);
   }
-  // Per thread: no sharing between concurrent calls (see Workspace). Kept between steps, but a
-  // step of more than kKeptScratchSamples samples frees it when it ends (after the placer that
-  // reads it, declared below).
-  thread_local Workspace workspace;
+  // Per thread (ThreadWorkspace); a step of more than kKeptScratchSamples samples frees it when
+  // it ends (after the placer that reads it, declared below).
+  Workspace& workspace = ThreadWorkspace();
   struct ReleaseLarge {
     Workspace& ws;
     bool large;
@@ -1429,6 +1444,16 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
   Placer placer(batch, config, speed, &workspace);
   if (sequential) return placer.Sequential();
   return placer.Balanced(threads);
+}
+
+void RecycleAssignment(Assignment&& assignment) {
+  size_t members = 0;
+  for (const std::vector<std::vector<int>>& rank : assignment.ranks) {
+    for (const std::vector<int>& micro_batch : rank) members += micro_batch.capacity();
+  }
+  // A large step's arrays are freed, as its workspace is (kKeptScratchSamples).
+  if (members > kKeptScratchSamples) return;
+  ThreadWorkspace().spare_ranks = std::move(assignment.ranks);
 }
 
 }  // namespace sparsebalance

@@ -300,6 +300,54 @@ TEST(AssignSamplesTest, JobsPlacedInPartsStayNearTheBoundAndValid) {
   }
 }
 
+// An assignment given back (RecycleAssignment) lends its vectors to the next placement on the
+// thread: the same step is placed the same into the same memory, and steps of other shapes
+// (fewer or more ranks and micro-batches) are placed as if nothing had been given back.
+TEST(AssignSamplesTest, ARecycledAssignmentsVectorsAreReusedAndChangeNothing) {
+  Rng rng(5);
+  auto step = [&](int ranks, int micro_batches, int samples) {
+    PlannerConfig config = test_util::StepConfig(ranks, micro_batches, 32768);
+    config.policy = Policy::kSab;
+    std::vector<Sample> batch;
+    for (int i = 0; i < samples; ++i) {
+      Sample s;
+      s.id = static_cast<uint64_t>(i) + 1;
+      s.length = 512 + static_cast<int64_t>(rng.Uniform() * 7000);
+      batch.push_back(s);
+    }
+    return std::make_pair(config, batch);
+  };
+  const auto [config, batch] = step(600, 4, 600 * 12);
+  const LatencyModel model = MakeModel(config, std::vector<double>(config.ranks, 1.0));
+  const std::vector<double> densities = BaseDensities(batch, config);
+  absl::StatusOr<Assignment> first = AssignSamples(batch, config, model, densities);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const Assignment copy = *first;
+  const int* memory = first->ranks[7][1].data();
+  ASSERT_NE(memory, nullptr);
+  RecycleAssignment(*std::move(first));
+  absl::StatusOr<Assignment> again = AssignSamples(batch, config, model, densities);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->ranks, copy.ranks);
+  EXPECT_EQ(again->ranks[7][1].data(), memory);  // the same step allocated nothing new
+  for (const auto& [ranks, micro_batches] : {std::pair{300, 2}, std::pair{900, 6}}) {
+    const auto [other_config, other_batch] = step(ranks, micro_batches, ranks * 10);
+    const LatencyModel other_model =
+        MakeModel(other_config, std::vector<double>(other_config.ranks, 1.0));
+    const std::vector<double> other_densities = BaseDensities(other_batch, other_config);
+    absl::StatusOr<Assignment> fresh =
+        AssignSamples(other_batch, other_config, other_model, other_densities);
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    RecycleAssignment(*std::move(again));  // the last step's, of another shape
+    absl::StatusOr<Assignment> reused =
+        AssignSamples(other_batch, other_config, other_model, other_densities);
+    ASSERT_TRUE(reused.ok()) << reused.status();
+    EXPECT_EQ(reused->ranks, fresh->ranks) << ranks << " ranks";
+    ExpectValidAssignment(*reused, other_batch, other_config, absl::StrCat(ranks, " ranks"));
+    again = std::move(reused);
+  }
+}
+
 TEST(AssignSamplesTest, SabGivesASlowRankLessWork) {
   PlannerConfig config = test_util::StepConfig(8, 2, 65536);
   config.policy = Policy::kSab;
