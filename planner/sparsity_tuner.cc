@@ -163,6 +163,7 @@ struct TunerStorage {
   std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
   std::vector<BucketShare> bucket_shares;  // BucketRecall's, as `weighted`
   std::vector<double> fixed;               // the set-up's per-item fixed seconds (Tuner::Tuner)
+  std::vector<int> order;                  // and the items' samples
   bool in_use = false;
 };
 
@@ -313,16 +314,26 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
-  // Items in the order of the placed samples, rank by rank and micro-batch by micro-batch; a
-  // rank's items start at first_item[r].
-  const std::vector<int> order = PlacedOrder(assignment.ranks);
+  // Items in the order of the placed samples (PlacedOrder), rank by rank and micro-batch by
+  // micro-batch; a rank's items start at first_item[r]. The samples are gathered rank by rank on
+  // the threads: PlacedOrder's serial copy was 0.1 ms of the set-up at 65,536 samples, with the
+  // helper thread idle.
   std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     size_t count = 0;
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) count += micro_batch.size();
     first_item[r + 1] = first_item[r] + count;
   }
-  item_count_ = order.size();
+  item_count_ = first_item.back();
+  int* const order = Scratch(storage_->order, item_count_);
+  ParallelFor(threads_, assignment.ranks.size(), [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) {
+      int* next = order + first_item[r];
+      for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
+        next = std::copy(micro_batch.begin(), micro_batch.end(), next);
+      }
+    }
+  });
   items_ = Scratch(storage_->items, item_count_);
   Item* const items = items_;
   // Each item's seconds that do not depend on density, for its rank's sum below: summed from
@@ -331,8 +342,8 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   double* const fixed = Scratch(storage_->fixed, item_count_);
   // Each item from its sample. The tokens of each range of items: whole numbers, summed exactly
   // in any order.
-  std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
-  ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
+  std::vector<double> chunk_weights(ChunkCount(threads_, item_count_), 0.0);
+  ParallelChunks(threads_, item_count_, [&](size_t chunk, size_t begin, size_t end) {
     double weight = 0.0;
     std::array<double, kBatch> logs;    // LogOneMinus's arguments, then its values
     std::array<size_t, kBatch> log_of;  // the item of each
