@@ -223,9 +223,10 @@ class Tuner {
   const std::vector<RankWork>& ranks() const { return ranks_; }
 
   // What the walks over a rank's items read of their samples, which lie scattered over the batch:
-  // their documents' query blocks (RankSeconds and the solves' estimates), the table's kept
-  // counts (ExactRankSeconds, ExactBlocks) and the samples themselves (where no count is kept).
-  enum Fetch : unsigned { kRows = 1, kCounts = 2, kSamples = 4 };
+  // their documents' query blocks (RankSeconds and the solves' estimates) and the table's kept
+  // counts (ExactRankSeconds, ExactBlocks). The table counts blocks from its own arrays
+  // (SampleTable::ActiveBlocksAt): fetching the samples too only took fill buffers from these.
+  enum Fetch : unsigned { kRows = 1, kCounts = 2 };
   // Asks the CPU to fetch them for `rank`: the rank after the one walked, or for its exact
   // counts the rank being solved (they come after its first solve). At 65,536 samples waiting
   // for them was most of ExactRankSeconds' time and half of SolveRank's. A hint: results do not
@@ -445,10 +446,6 @@ void Tuner::Prefetch(const RankWork& rank, unsigned what) const {
   for (const Item& item : rank.items) {
     if (what & kRows) __builtin_prefetch(&docs_[item.doc_begin]);
     if (what & kCounts) table_.PrefetchBlocks(static_cast<size_t>(item.index));
-    if (what & kSamples) {  // SampleTable::CountActiveBlocks reads its length and segments
-      __builtin_prefetch(&batch_[item.index].length);
-      __builtin_prefetch(&batch_[item.index].segments);
-    }
   }
 }
 
@@ -471,7 +468,7 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower, SolveScra
   // the estimate is within a block per row).
   const auto over = [&] { return per_block_ * ExactBlocks(rank, *densities) - budget; };
   const double rounding = kRoundingShare * budget;
-  Prefetch(rank, kCounts | kSamples);  // read after the first solve, which hides the wait
+  Prefetch(rank, kCounts);  // read after the first solve, which hides the wait
   double target = budget;
   double x = 0.0;
   double excess = 0.0;
