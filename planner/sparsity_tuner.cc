@@ -100,10 +100,6 @@ struct Item {
   double inv_g1 = 0.0;     // 1 / (g - 1)
   double log_floor = 0.0;  // log(1 - floor)
   double log_base = 0.0;   // log(1 - base)
-  // The item's predicted recall at the density it was last asked at (Tuner::ItemRecall; NaN:
-  // none yet).
-  double kept_density = std::numeric_limits<double>::quiet_NaN();
-  double kept_recall = 0.0;
   // log(per_block * tri / (weight * g)): where the multiplier sits. `offset` subtracts the log
   // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
   double offset = 0.0;
@@ -158,8 +154,23 @@ struct BucketShare {
   int bucket;
 };
 
+// What the recall sums (Tuner::Recall, BucketRecall) read of an item, apart from its Item: 40
+// bytes where an Item is 88. They stream over every item, and reading whole Items (7 MB at
+// 65,536 samples) was most of their time on two threads.
+struct ItemRecallTerms {
+  int index = 0;      // into the batch
+  int doc_begin = 0;  // its sample's documents in the table's document arrays
+  int doc_end = 0;
+  double weight = 0.0;  // tokens
+  // The item's predicted recall at the density it was last asked at (Tuner::ItemRecall; NaN:
+  // none yet).
+  double kept_density = std::numeric_limits<double>::quiet_NaN();
+  double kept_recall = 0.0;
+};
+
 struct TunerStorage {
   std::vector<Item> items;
+  std::vector<ItemRecallTerms> recall_terms;  // per item, as `items`
   std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
   std::vector<BucketShare> bucket_shares;  // BucketRecall's, as `weighted`
   std::vector<double> fixed;               // the set-up's per-item fixed seconds (Tuner::Tuner)
@@ -197,7 +208,7 @@ class Tuner {
   // answer, scattered over the batch) stalled on every item, most of BucketRecall's time. From
   // one thread per item, as its sample's kept answers require.
   double ItemRecall(size_t k, double rho) const {
-    Item& item = items_[k];
+    ItemRecallTerms& item = recall_terms_[k];
     if (!(item.kept_density == rho)) {
       item.kept_density = rho;
       item.kept_recall = table_.Recall(static_cast<size_t>(item.index), rho);
@@ -280,6 +291,7 @@ class Tuner {
   std::vector<RankWork> ranks_;
   // This tuner's items: the first item_count_ of storage_->items, which only grows (Scratch).
   Item* items_ = nullptr;
+  ItemRecallTerms* recall_terms_ = nullptr;  // the same items' (storage_->recall_terms)
   size_t item_count_ = 0;
   // Items live in a per-thread TunerStorage when it is free (the usual case), else in `own_`;
   // `storage_` points at the one in use.
@@ -337,6 +349,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   });
   items_ = Scratch(storage_->items, item_count_);
   Item* const items = items_;
+  recall_terms_ = Scratch(storage_->recall_terms, item_count_);
   // Each item's seconds that do not depend on density, for its rank's sum below: summed from
   // the items themselves, that sum read all 6 MB of them again (at 65,536 samples) and waited
   // on it, over a quarter of the set-up's time.
@@ -382,7 +395,12 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         // Its recall is read when asked (ItemRecall): at base the table keeps it, PlanStep's
         // recall guards have just worked it out (SampleTable::WarmRecalls), and most items leave
         // their base.
-        item.kept_density = std::numeric_limits<double>::quiet_NaN();
+        recall_terms_[k] = {i,
+                            terms.doc_begin,
+                            terms.doc_end,
+                            item.weight,
+                            std::numeric_limits<double>::quiet_NaN(),
+                            0.0};
         // Never above base: a sample whose floor is above what it was given stays there (and
         // takes the base's logarithm, set below where it is worked out).
         if (terms.floor < item.base) {
@@ -700,12 +718,12 @@ std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>
     std::array<int64_t, kRecallBuckets> tokens{};
     for (size_t k = begin; k < end; ++k) {
       if (k + kFetchAhead < end) {
-        const Item& ahead = items_[k + kFetchAhead];
+        const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
         __builtin_prefetch(&densities[ahead.index]);
         __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
         __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
       }
-      const Item& item = items_[k];
+      const ItemRecallTerms& item = recall_terms_[k];
       const double recall = ItemRecall(k, densities[item.index]);
       for (int d = item.doc_begin; d < item.doc_end; ++d) tokens[doc_buckets_[d]] += doc_tokens_[d];
       if (item.doc_end - item.doc_begin == 1) {
@@ -724,7 +742,7 @@ std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>
       weighted[share.bucket] += share.recall;
       continue;
     }
-    const Item& item = items_[k];
+    const ItemRecallTerms& item = recall_terms_[k];
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       weighted[doc_buckets_[d]] += static_cast<double>(doc_tokens_[d]) * share.recall;
     }
@@ -837,9 +855,9 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 double Tuner::Recall(const std::vector<double>& densities) const {
   // The items of every rank in order (they are contiguous): their recalls on the threads, the
   // sums after in item order.
-  const ItemRange items = this->items();
-  double* weighted_recalls = Scratch(storage_->weighted, items.size());
-  ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
+  const ItemRecallTerms* const items = recall_terms_;
+  double* weighted_recalls = Scratch(storage_->weighted, item_count_);
+  ParallelFor(threads_, item_count_, [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
       // The densities and the table's answers lie scattered over the batch: fetched ahead, a
       // DetLog and a DetExp per item do not hide a wait for them.
@@ -852,7 +870,7 @@ double Tuner::Recall(const std::vector<double>& densities) const {
     }
   });
   double weighted = 0.0;
-  for (size_t k = 0; k < items.size(); ++k) weighted += weighted_recalls[k];
+  for (size_t k = 0; k < item_count_; ++k) weighted += weighted_recalls[k];
   return total_weight_ > 0 ? weighted / total_weight_ : 0.0;
 }
 
