@@ -100,10 +100,6 @@ struct Item {
   double inv_g1 = 0.0;     // 1 / (g - 1)
   double log_floor = 0.0;  // log(1 - floor)
   double log_base = 0.0;   // log(1 - base)
-  // The item's predicted recall at the density it was last asked at (Tuner::ItemRecall; NaN:
-  // none yet).
-  double kept_density = std::numeric_limits<double>::quiet_NaN();
-  double kept_recall = 0.0;
   // log(per_block * tri / (weight * g)): where the multiplier sits. `offset` subtracts the log
   // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
   double offset = 0.0;
@@ -150,10 +146,35 @@ struct RankWork {
 // tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
 // it uses, so nothing carries over but capacity. The per-item scratch arrays only grow
 // (Scratch): a vector resized up again zero-fills what it had shrunk away, serially.
+// An item's share of BucketRecall's sums: its token-weighted recall and its document's length
+// bucket, or with several documents its recall and bucket -1 (each document's share is added
+// from the table's arrays).
+struct BucketShare {
+  double recall;
+  int bucket;
+};
+
+// What the recall sums (Tuner::Recall, BucketRecall) read of an item, apart from its Item: 40
+// bytes where an Item is 88. They stream over every item, and reading whole Items (7 MB at
+// 65,536 samples) was most of their time on two threads.
+struct ItemRecallTerms {
+  int index = 0;      // into the batch
+  int doc_begin = 0;  // its sample's documents in the table's document arrays
+  int doc_end = 0;
+  double weight = 0.0;  // tokens
+  // The item's predicted recall at the density it was last asked at (Tuner::ItemRecall; NaN:
+  // none yet).
+  double kept_density = std::numeric_limits<double>::quiet_NaN();
+  double kept_recall = 0.0;
+};
+
 struct TunerStorage {
   std::vector<Item> items;
+  std::vector<ItemRecallTerms> recall_terms;  // per item, as `items`
   std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
-  std::vector<double> fixed;     // the set-up's per-item fixed seconds (Tuner::Tuner)
+  std::vector<BucketShare> bucket_shares;  // BucketRecall's, as `weighted`
+  std::vector<double> fixed;               // the set-up's per-item fixed seconds (Tuner::Tuner)
+  std::vector<int> order;                  // and the items' samples
   bool in_use = false;
 };
 
@@ -187,7 +208,7 @@ class Tuner {
   // answer, scattered over the batch) stalled on every item, most of BucketRecall's time. From
   // one thread per item, as its sample's kept answers require.
   double ItemRecall(size_t k, double rho) const {
-    Item& item = items_[k];
+    ItemRecallTerms& item = recall_terms_[k];
     if (!(item.kept_density == rho)) {
       item.kept_density = rho;
       item.kept_recall = table_.Recall(static_cast<size_t>(item.index), rho);
@@ -213,9 +234,10 @@ class Tuner {
   const std::vector<RankWork>& ranks() const { return ranks_; }
 
   // What the walks over a rank's items read of their samples, which lie scattered over the batch:
-  // their documents' query blocks (RankSeconds and the solves' estimates), the table's kept
-  // counts (ExactRankSeconds, ExactBlocks) and the samples themselves (where no count is kept).
-  enum Fetch : unsigned { kRows = 1, kCounts = 2, kSamples = 4 };
+  // their documents' query blocks (RankSeconds and the solves' estimates) and the table's kept
+  // counts (ExactRankSeconds, ExactBlocks). The table counts blocks from its own arrays
+  // (SampleTable::ActiveBlocksAt): fetching the samples too only took fill buffers from these.
+  enum Fetch : unsigned { kRows = 1, kCounts = 2 };
   // Asks the CPU to fetch them for `rank`: the rank after the one walked, or for its exact
   // counts the rank being solved (they come after its first solve). At 65,536 samples waiting
   // for them was most of ExactRankSeconds' time and half of SolveRank's. A hint: results do not
@@ -269,6 +291,7 @@ class Tuner {
   std::vector<RankWork> ranks_;
   // This tuner's items: the first item_count_ of storage_->items, which only grows (Scratch).
   Item* items_ = nullptr;
+  ItemRecallTerms* recall_terms_ = nullptr;  // the same items' (storage_->recall_terms)
   size_t item_count_ = 0;
   // Items live in a per-thread TunerStorage when it is free (the usual case), else in `own_`;
   // `storage_` points at the one in use.
@@ -304,26 +327,37 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
-  // Items in the order of the placed samples, rank by rank and micro-batch by micro-batch; a
-  // rank's items start at first_item[r].
-  const std::vector<int> order = PlacedOrder(assignment.ranks);
+  // Items in the order of the placed samples (PlacedOrder), rank by rank and micro-batch by
+  // micro-batch; a rank's items start at first_item[r]. The samples are gathered rank by rank on
+  // the threads: PlacedOrder's serial copy was 0.1 ms of the set-up at 65,536 samples, with the
+  // helper thread idle.
   std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     size_t count = 0;
     for (const std::vector<int>& micro_batch : assignment.ranks[r]) count += micro_batch.size();
     first_item[r + 1] = first_item[r] + count;
   }
-  item_count_ = order.size();
+  item_count_ = first_item.back();
+  int* const order = Scratch(storage_->order, item_count_);
+  ParallelFor(threads_, assignment.ranks.size(), [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) {
+      int* next = order + first_item[r];
+      for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
+        next = std::copy(micro_batch.begin(), micro_batch.end(), next);
+      }
+    }
+  });
   items_ = Scratch(storage_->items, item_count_);
   Item* const items = items_;
+  recall_terms_ = Scratch(storage_->recall_terms, item_count_);
   // Each item's seconds that do not depend on density, for its rank's sum below: summed from
   // the items themselves, that sum read all 6 MB of them again (at 65,536 samples) and waited
   // on it, over a quarter of the set-up's time.
   double* const fixed = Scratch(storage_->fixed, item_count_);
   // Each item from its sample. The tokens of each range of items: whole numbers, summed exactly
   // in any order.
-  std::vector<double> chunk_weights(ChunkCount(threads_, order.size()), 0.0);
-  ParallelChunks(threads_, order.size(), [&](size_t chunk, size_t begin, size_t end) {
+  std::vector<double> chunk_weights(ChunkCount(threads_, item_count_), 0.0);
+  ParallelChunks(threads_, item_count_, [&](size_t chunk, size_t begin, size_t end) {
     double weight = 0.0;
     std::array<double, kBatch> logs;    // LogOneMinus's arguments, then its values
     std::array<size_t, kBatch> log_of;  // the item of each
@@ -361,7 +395,12 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
         // Its recall is read when asked (ItemRecall): at base the table keeps it, PlanStep's
         // recall guards have just worked it out (SampleTable::WarmRecalls), and most items leave
         // their base.
-        item.kept_density = std::numeric_limits<double>::quiet_NaN();
+        recall_terms_[k] = {i,
+                            terms.doc_begin,
+                            terms.doc_end,
+                            item.weight,
+                            std::numeric_limits<double>::quiet_NaN(),
+                            0.0};
         // Never above base: a sample whose floor is above what it was given stays there (and
         // takes the base's logarithm, set below where it is worked out).
         if (terms.floor < item.base) {
@@ -425,10 +464,6 @@ void Tuner::Prefetch(const RankWork& rank, unsigned what) const {
   for (const Item& item : rank.items) {
     if (what & kRows) __builtin_prefetch(&docs_[item.doc_begin]);
     if (what & kCounts) table_.PrefetchBlocks(static_cast<size_t>(item.index));
-    if (what & kSamples) {  // SampleTable::CountActiveBlocks reads its length and segments
-      __builtin_prefetch(&batch_[item.index].length);
-      __builtin_prefetch(&batch_[item.index].segments);
-    }
   }
 }
 
@@ -451,7 +486,7 @@ void Tuner::SolveRank(const RankWork& rank, double budget, bool lower, SolveScra
   // the estimate is within a block per row).
   const auto over = [&] { return per_block_ * ExactBlocks(rank, *densities) - budget; };
   const double rounding = kRoundingShare * budget;
-  Prefetch(rank, kCounts | kSamples);  // read after the first solve, which hides the wait
+  Prefetch(rank, kCounts);  // read after the first solve, which hides the wait
   double target = budget;
   double x = 0.0;
   double excess = 0.0;
@@ -671,19 +706,53 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
 }
 
 std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
+  // Each item's share on the threads (its recall, its documents' tokens and buckets, scattered
+  // over the batch), the recalls' sums after in item order from the compact shares: in one
+  // serial pass over the items and their documents this was a quarter of the tune phase's
+  // serial time on two threads. The tokens are whole numbers, summed exactly in any order: per
+  // range, as integers.
+  const size_t n = item_count_;
+  BucketShare* const shares = Scratch(storage_->bucket_shares, n);
+  std::vector<std::array<int64_t, kRecallBuckets>> chunk_tokens(ChunkCount(threads_, n));
+  ParallelChunks(threads_, n, [&](size_t chunk, size_t begin, size_t end) {
+    std::array<int64_t, kRecallBuckets> tokens{};
+    for (size_t k = begin; k < end; ++k) {
+      if (k + kFetchAhead < end) {
+        const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
+        __builtin_prefetch(&densities[ahead.index]);
+        __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
+        __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+      }
+      const ItemRecallTerms& item = recall_terms_[k];
+      const double recall = ItemRecall(k, densities[item.index]);
+      for (int d = item.doc_begin; d < item.doc_end; ++d) tokens[doc_buckets_[d]] += doc_tokens_[d];
+      if (item.doc_end - item.doc_begin == 1) {
+        const int d = item.doc_begin;
+        shares[k] = {static_cast<double>(doc_tokens_[d]) * recall, doc_buckets_[d]};
+      } else {
+        shares[k] = {recall, -1};
+      }
+    }
+    chunk_tokens[chunk] = tokens;
+  });
   std::array<double, kRecallBuckets> weighted{};
-  std::array<double, kRecallBuckets> tokens{};
-  for (size_t k = 0; k < item_count_; ++k) {
-    const Item& item = items_[k];
-    const double recall = ItemRecall(k, densities[item.index]);
+  for (size_t k = 0; k < n; ++k) {
+    const BucketShare& share = shares[k];
+    if (share.bucket >= 0) {
+      weighted[share.bucket] += share.recall;
+      continue;
+    }
+    const ItemRecallTerms& item = recall_terms_[k];
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
-      const double w = static_cast<double>(doc_tokens_[d]);
-      weighted[doc_buckets_[d]] += w * recall;
-      tokens[doc_buckets_[d]] += w;
+      weighted[doc_buckets_[d]] += static_cast<double>(doc_tokens_[d]) * share.recall;
     }
   }
+  std::array<int64_t, kRecallBuckets> tokens{};
+  for (const std::array<int64_t, kRecallBuckets>& part : chunk_tokens) {
+    for (int b = 0; b < kRecallBuckets; ++b) tokens[b] += part[b];
+  }
   for (int b = 0; b < kRecallBuckets; ++b) {
-    weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : 0.0;
+    weighted[b] = tokens[b] > 0 ? weighted[b] / static_cast<double>(tokens[b]) : 0.0;
   }
   return weighted;
 }
@@ -786,9 +855,9 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 double Tuner::Recall(const std::vector<double>& densities) const {
   // The items of every rank in order (they are contiguous): their recalls on the threads, the
   // sums after in item order.
-  const ItemRange items = this->items();
-  double* weighted_recalls = Scratch(storage_->weighted, items.size());
-  ParallelFor(threads_, items.size(), [&](size_t begin, size_t end) {
+  const ItemRecallTerms* const items = recall_terms_;
+  double* weighted_recalls = Scratch(storage_->weighted, item_count_);
+  ParallelFor(threads_, item_count_, [&](size_t begin, size_t end) {
     for (size_t k = begin; k < end; ++k) {
       // The densities and the table's answers lie scattered over the batch: fetched ahead, a
       // DetLog and a DetExp per item do not hide a wait for them.
@@ -801,7 +870,7 @@ double Tuner::Recall(const std::vector<double>& densities) const {
     }
   });
   double weighted = 0.0;
-  for (size_t k = 0; k < items.size(); ++k) weighted += weighted_recalls[k];
+  for (size_t k = 0; k < item_count_; ++k) weighted += weighted_recalls[k];
   return total_weight_ > 0 ? weighted / total_weight_ : 0.0;
 }
 
