@@ -745,7 +745,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         }
       }
       for (int i : members) {
-        PrefetchAhead(order, next++, batch, table, densities);
+        PrefetchAhead(order, next++, batch, table, densities, defaults);
         add(i, nullptr, 0, 0);
       }
       mb.features = features;
