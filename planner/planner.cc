@@ -70,20 +70,24 @@ std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) 
 }
 
 // Per length bucket, the tokens and the token-weighted predicted recall sum of the documents of
-// the samples with a non-zero weight (`weights` empty: all). With `threads`, the samples'
-// recalls must be kept in the table already (SampleTable::WarmRecalls): its memo is written
-// from one thread per sample only.
+// the samples with a non-zero weight (`weights` empty: all); with `also`, in the same pass the
+// recall sums at densities `also` too (`also_weighted`). With `threads`, the samples' recalls
+// must be kept in the table already (SampleTable::WarmRecalls): its memo is written from one
+// thread per sample only.
 void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
                   const SampleTable& table, const std::vector<double>& weights,
                   std::vector<double>* tokens, std::vector<double>* weighted,
-                  PlanThreads* threads = nullptr) {
-  // [b]: bucket b's recall sum, [kRecallBuckets + b] its tokens.
+                  PlanThreads* threads = nullptr, const std::vector<double>* also = nullptr,
+                  std::vector<double>* also_weighted = nullptr) {
+  // [b]: bucket b's recall sum, [kRecallBuckets + b] its tokens, [2 kRecallBuckets + b] its
+  // recall sum at `also`.
   const int* buckets = table.doc_buckets();
   const int64_t* lengths = table.doc_tokens();
-  const std::array<double, 2 * kRecallBuckets> sums = BlockSums<2 * kRecallBuckets>(
-      batch.size(), threads, [&](size_t i, std::array<double, 2 * kRecallBuckets>& sum) {
+  const std::array<double, 3 * kRecallBuckets> sums = BlockSums<3 * kRecallBuckets>(
+      batch.size(), threads, [&](size_t i, std::array<double, 3 * kRecallBuckets>& sum) {
         if (!weights.empty() && weights[i] == 0.0) return;
         const double r = table.RecallInOrder(i, densities[i]);
+        const double r_also = also != nullptr ? table.RecallInOrder(i, (*also)[i]) : 0.0;
         // The sample's documents, with their buckets, as the table lists them.
         const auto [first, last] = table.Documents(i);
         for (int d = first; d < last; ++d) {
@@ -91,24 +95,35 @@ void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& d
           const auto length = static_cast<double>(lengths[d]);
           sum[b] += length * r;
           sum[kRecallBuckets + b] += length;
+          if (also != nullptr) sum[2 * kRecallBuckets + b] += length * r_also;
         }
       });
   weighted->assign(sums.begin(), sums.begin() + kRecallBuckets);
-  tokens->assign(sums.begin() + kRecallBuckets, sums.end());
+  tokens->assign(sums.begin() + kRecallBuckets, sums.begin() + 2 * kRecallBuckets);
+  if (also != nullptr) also_weighted->assign(sums.begin() + 2 * kRecallBuckets, sums.end());
+}
+
+// Each bucket's recall sum over its tokens (-1 for a bucket without documents), in place.
+void DivideByTokens(const std::vector<double>& tokens, std::vector<double>* weighted) {
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    (*weighted)[b] = tokens[b] > 0 ? (*weighted)[b] / tokens[b] : -1.0;
+  }
 }
 
 // Token-weighted predicted recall per length bucket of the documents of the samples with a
-// non-zero weight (`weights` empty: all); a bucket without documents gets -1.
+// non-zero weight (`weights` empty: all); a bucket without documents gets -1. With `also`, the
+// same at densities `also` in the same pass (`at_also`).
 std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
                                   const std::vector<double>& densities, const SampleTable& table,
                                   const std::vector<double>& weights,
-                                  PlanThreads* threads = nullptr) {
+                                  PlanThreads* threads = nullptr,
+                                  const std::vector<double>* also = nullptr,
+                                  std::vector<double>* at_also = nullptr) {
   std::vector<double> tokens;
   std::vector<double> weighted;
-  BucketTotals(batch, densities, table, weights, &tokens, &weighted, threads);
-  for (int b = 0; b < kRecallBuckets; ++b) {
-    weighted[b] = tokens[b] > 0 ? weighted[b] / tokens[b] : -1.0;
-  }
+  BucketTotals(batch, densities, table, weights, &tokens, &weighted, threads, also, at_also);
+  DivideByTokens(tokens, &weighted);
+  if (also != nullptr) DivideByTokens(tokens, at_also);
   return weighted;
 }
 
@@ -552,18 +567,21 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
       for (int i : assignment->deferred) placed[i] = 0.0;
       keep = TableRecall(batch, defaults, table, placed, threads);
     }
+    // Per bucket, the recalls at the defaults (for the minimums) and at the allocated densities,
+    // in one pass (two passes over the batch cost 0.34 ms on two threads at 65,536 samples).
     std::vector<double> minimum;
+    std::vector<double> allocated;
     if (guarded) {
-      minimum = BucketMinimums(BucketRecalls(batch, defaults, table, placed, threads),
-                               config.bucket_recall_margin);
+      minimum = BucketMinimums(
+          BucketRecalls(batch, defaults, table, placed, threads, &densities, &allocated),
+          config.bucket_recall_margin);
     }
     // The step-level allocation was made for the whole batch; if deferring left the placed
     // samples with less recall than their defaults (in total), or a bucket below its minimum
     // (a pre-packed sample's documents may sit in buckets other than the one it was allocated
     // with), tune from the defaults instead: the guards' fallbacks need a base that meets them.
     if ((!placed.empty() && TableRecall(batch, densities, table, placed, threads) < keep) ||
-        (guarded &&
-         !MeetsMinimums(BucketRecalls(batch, densities, table, placed, threads), minimum))) {
+        (guarded && !MeetsMinimums(allocated, minimum))) {
       densities = defaults;
     }
     if (!assignment->shards.empty()) {
@@ -746,7 +764,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         }
       }
       for (int i : members) {
-        PrefetchAhead(order, next++, batch, table, densities);
+        PrefetchAhead(order, next++, batch, table, densities, defaults);
         add(i, nullptr, 0, 0);
       }
       mb.features = features;
