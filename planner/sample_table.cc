@@ -200,16 +200,6 @@ double SampleTable::CountActiveBlocks(size_t i, double rho) const {
   return blocks;
 }
 
-std::vector<int> PlacedOrder(const std::vector<std::vector<std::vector<int>>>& ranks) {
-  std::vector<int> order;
-  for (const auto& micro_batches : ranks) {
-    for (const std::vector<int>& members : micro_batches) {
-      order.insert(order.end(), members.begin(), members.end());
-    }
-  }
-  return order;
-}
-
 std::vector<double> SampleTable::BaseDensities() const {
   return std::vector<double>(bases_, bases_ + size_);
 }

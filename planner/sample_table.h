@@ -189,18 +189,18 @@ class SampleTable {
   // Ask the CPU to fetch what Recall(i, rho) reads of sample i off its base (its terms' base and
   // its kept answer), and what ActiveBlocksAt(.., i, ..) reads (its kept count): for walks over
   // the samples in an order other than the batch's (the tuner's). Hints: results do not change.
-  void PrefetchRecall(size_t i) const {
+  // Always inlined, as PrefetchKept is (without it GCC issued neither).
+  __attribute__((always_inline)) void PrefetchRecall(size_t i) const {
     __builtin_prefetch(&terms_[i].base);
     __builtin_prefetch(&recalls_[i]);
   }
-  void PrefetchBlocks(size_t i) const { __builtin_prefetch(&blocks_[i]); }
+  __attribute__((always_inline)) void PrefetchBlocks(size_t i) const {
+    __builtin_prefetch(&blocks_[i]);
+  }
 };
 
-// The batch indices of an assignment's placed samples, rank by rank and micro-batch by
-// micro-batch: the order in which the tuner and BuildPlan walk them.
-std::vector<int> PlacedOrder(const std::vector<std::vector<std::vector<int>>>& ranks);
-
-// Samples ahead whose data the walks in PlacedOrder ask the CPU to fetch.
+// Samples ahead whose data the walks in placement order (the tuner's, BuildPlan's: rank by rank
+// and micro-batch by micro-batch) ask the CPU to fetch.
 inline constexpr size_t kFetchAhead = 12;
 
 // Asks the CPU to fetch what BuildPlan reads of the sample kFetchAhead after order[next]: its

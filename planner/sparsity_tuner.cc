@@ -327,10 +327,10 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
   ranks_.resize(assignment.ranks.size());
-  // Items in the order of the placed samples (PlacedOrder), rank by rank and micro-batch by
-  // micro-batch; a rank's items start at first_item[r]. The samples are gathered rank by rank on
-  // the threads: PlacedOrder's serial copy was 0.1 ms of the set-up at 65,536 samples, with the
-  // helper thread idle.
+  // Items in the order of the placed samples, rank by rank and micro-batch by micro-batch; a
+  // rank's items start at first_item[r]. The samples are gathered rank by rank on the threads: a
+  // serial copy of the placed order was 0.1 ms of the set-up at 65,536 samples, with the helper
+  // thread idle.
   std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
   for (size_t r = 0; r < assignment.ranks.size(); ++r) {
     size_t count = 0;
