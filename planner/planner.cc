@@ -112,13 +112,13 @@ void DivideByTokens(const std::vector<double>& tokens, std::vector<double>* weig
 
 // Token-weighted predicted recall per length bucket of the documents of the samples with a
 // non-zero weight (`weights` empty: all); a bucket without documents gets -1. With `also`, the
-// same at densities `also` in the same pass (`at_also`).
-std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
-                                  const std::vector<double>& densities, const SampleTable& table,
-                                  const std::vector<double>& weights,
-                                  PlanThreads* threads = nullptr,
-                                  const std::vector<double>* also = nullptr,
-                                  std::vector<double>* at_also = nullptr) {
+// same at densities `also` in the same pass (`at_also`). Out of line, so that
+// scripts/plan-instructions.sh finds the guards' bucket sums (now called once a plan, GCC
+// inlined it into PlanStep).
+__attribute__((noinline)) std::vector<double> BucketRecalls(
+    const std::vector<Sample>& batch, const std::vector<double>& densities,
+    const SampleTable& table, const std::vector<double>& weights, PlanThreads* threads = nullptr,
+    const std::vector<double>* also = nullptr, std::vector<double>* at_also = nullptr) {
   std::vector<double> tokens;
   std::vector<double> weighted;
   BucketTotals(batch, densities, table, weights, &tokens, &weighted, threads, also, at_also);
