@@ -16,19 +16,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BUILD_DIR=${BUILD_DIR:-build}
-SAMPLES=${SAMPLES:-65536}
-RANKS=${RANKS:-4096}
 PLANS=${PLANS:-40}
 THREADS=${THREADS:-1}
 TOP=${TOP:-25}
-if ! command -v perf >/dev/null 2>&1; then
-  bash scripts/install-deps.sh
-fi
-if [ -z "${PLAN_COUNT:-}" ]; then
-  cmake --build "$BUILD_DIR" --target sb-plan-count >/dev/null
-  PLAN_COUNT="$BUILD_DIR/bench/sb-plan-count"
-fi
+PLAN_TOOLS="perf"
+source scripts/plan-count-setup.sh
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
