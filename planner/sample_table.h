@@ -127,15 +127,22 @@ class SampleTable {
     const Memo& memo = blocks_[i];
     return memo.density == rho ? memo.value : CountActiveBlocks(i, rho);
   }
-  // Asks the CPU to fetch what Recall(i, rho) and ActiveBlocksAt(.., i, ..) read of sample i
-  // (its terms' base and recall there, and its kept answers), for a walk over the samples in
-  // an order other than the batch's (PrefetchAhead). A hint: results do not change. Always
-  // inlined: GCC finds a function that only prefetches pure, and drops a call to it whose
+  // Ask the CPU to fetch what Recall(i, rho) reads of sample i off its base (its terms' base and
+  // recall there, and its kept answer: PrefetchRecall), what ActiveBlocksAt(.., i, ..) reads
+  // (its kept count: PrefetchBlocks), or both (PrefetchKept), for walks over the samples in an
+  // order other than the batch's (the tuner's, PrefetchAhead's). Hints: results do not change.
+  // Always inlined: GCC finds a function that only prefetches pure, and drops a call to it whose
   // (void) result is unused, so a prefetch in a function inlined late is never issued.
-  __attribute__((always_inline)) void PrefetchKept(size_t i) const {
+  __attribute__((always_inline)) void PrefetchRecall(size_t i) const {
     __builtin_prefetch(&terms_[i].base);
     __builtin_prefetch(&recalls_[i]);
+  }
+  __attribute__((always_inline)) void PrefetchBlocks(size_t i) const {
     __builtin_prefetch(&blocks_[i]);
+  }
+  __attribute__((always_inline)) void PrefetchKept(size_t i) const {
+    PrefetchRecall(i);
+    PrefetchBlocks(i);
   }
 
  private:
@@ -184,19 +191,6 @@ class SampleTable {
   int64_t* doc_rows_ = nullptr;
   int64_t* doc_tokens_ = nullptr;
   int* doc_buckets_ = nullptr;
-
- public:
-  // Ask the CPU to fetch what Recall(i, rho) reads of sample i off its base (its terms' base and
-  // its kept answer), and what ActiveBlocksAt(.., i, ..) reads (its kept count): for walks over
-  // the samples in an order other than the batch's (the tuner's). Hints: results do not change.
-  // Always inlined, as PrefetchKept is (without it GCC issued neither).
-  __attribute__((always_inline)) void PrefetchRecall(size_t i) const {
-    __builtin_prefetch(&terms_[i].base);
-    __builtin_prefetch(&recalls_[i]);
-  }
-  __attribute__((always_inline)) void PrefetchBlocks(size_t i) const {
-    __builtin_prefetch(&blocks_[i]);
-  }
 };
 
 // Samples ahead whose data the walks in placement order (the tuner's, BuildPlan's: rank by rank

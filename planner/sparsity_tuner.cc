@@ -142,10 +142,6 @@ struct RankWork {
       {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()}};
 };
 
-// The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
-// tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
-// it uses, so nothing carries over but capacity. The per-item scratch arrays only grow
-// (Scratch): a vector resized up again zero-fills what it had shrunk away, serially.
 // An item's share of BucketRecall's sums: its token-weighted recall and its document's length
 // bucket, or with several documents its recall and bucket -1 (each document's share is added
 // from the table's arrays).
@@ -168,6 +164,10 @@ struct ItemRecallTerms {
   double kept_recall = 0.0;
 };
 
+// The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
+// tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
+// it uses, so nothing carries over but capacity. The per-item scratch arrays only grow
+// (Scratch): a vector resized up again zero-fills what it had shrunk away, serially.
 struct TunerStorage {
   std::vector<Item> items;
   std::vector<ItemRecallTerms> recall_terms;  // per item, as `items`
