@@ -114,21 +114,20 @@ class SampleTable {
   // Inline, so that a kept count is read without a call.
   MicroBatchFeatures FeaturesAt(const Sample& sample, size_t i, double rho) const {
     MicroBatchFeatures f;
-    f.active_blocks = ActiveBlocksAt(sample, i, rho);
+    f.active_blocks = ActiveBlocksAt(i, rho);
     f.tokens = static_cast<double>(sample.length);
     f.documents = sample.segments.empty() ? 1.0 : static_cast<double>(sample.segments.size());
     return f;
   }
   // Its active blocks alone: the tuner's exact counts ask for every item of a rank at each
-  // solve. They are counted from the table's document arrays: `sample` is not read (the tuner
-  // reads nothing else of it, and waiting for the Sample, scattered in placement order, was
-  // most of the count's time).
-  double ActiveBlocksAt(const Sample& /*sample*/, size_t i, double rho) const {
+  // solve. They are counted from the table's document arrays, not from the Sample (waiting for
+  // it, scattered in placement order, was most of the count's time).
+  double ActiveBlocksAt(size_t i, double rho) const {
     const Memo& memo = blocks_[i];
     return memo.density == rho ? memo.value : CountActiveBlocks(i, rho);
   }
   // Ask the CPU to fetch what Recall(i, rho) reads of sample i off its base (its terms' base and
-  // recall there, and its kept answer: PrefetchRecall), what ActiveBlocksAt(.., i, ..) reads
+  // recall there, and its kept answer: PrefetchRecall), what ActiveBlocksAt(i, ..) reads
   // (its kept count: PrefetchBlocks), or both (PrefetchKept), for walks over the samples in an
   // order other than the batch's (the tuner's, PrefetchAhead's). Hints: results do not change.
   // Always inlined: GCC finds a function that only prefetches pure, and drops a call to it whose

@@ -277,7 +277,6 @@ class Tuner {
   // Exact active blocks of a rank's items at `densities` (what the plan will count).
   double ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const;
 
-  const std::vector<Sample>& batch_;
   const PlannerConfig& config_;
   // Active blocks are counted through it (SampleTable::FeaturesAt keeps the last count).
   const SampleTable& table_;
@@ -311,8 +310,7 @@ TunerStorage& SharedStorage() {
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
              const PlannerConfig& config, const LatencyModel& model, const SampleTable& table,
              const std::vector<double>& base, PlanThreads* threads)
-    : batch_(batch),
-      config_(config),
+    : config_(config),
       table_(table),
       base_(base),
       threads_(threads),
@@ -560,8 +558,7 @@ void Tuner::DensitiesAt(const RankWork& rank, const SolveScratch& scratch, doubl
 double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    blocks +=
-        table_.ActiveBlocksAt(batch_[item.index], item.index, at_floor ? item.floor : item.base);
+    blocks += table_.ActiveBlocksAt(item.index, at_floor ? item.floor : item.base);
   }
   return rank.speed * (rank.fixed + per_block_ * blocks);
 }
@@ -569,7 +566,7 @@ double Tuner::ExactRankSeconds(const RankWork& rank, bool at_floor) const {
 double Tuner::ExactBlocks(const RankWork& rank, const std::vector<double>& densities) const {
   double blocks = 0.0;
   for (const Item& item : rank.items) {
-    blocks += table_.ActiveBlocksAt(batch_[item.index], item.index, densities[item.index]);
+    blocks += table_.ActiveBlocksAt(item.index, densities[item.index]);
   }
   return blocks;
 }
