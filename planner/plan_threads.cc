@@ -100,10 +100,22 @@ void PlanThreads::Help() {
 }
 
 void PlanThreads::Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body) {
+  Share(n, chunks, body, nullptr);
+}
+
+void PlanThreads::RunBeside(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body,
+                            absl::FunctionRef<void()> alone) {
+  Share(n, chunks, body, &alone);
+}
+
+void PlanThreads::Share(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body,
+                        const absl::FunctionRef<void()>* alone) {
   Loop loop{body, n, std::max<size_t>(1, std::min(chunks, n)), {0}, {0}, {false}, nullptr};
   Loop* none = nullptr;
   if (helpers_.empty() || !loop_.compare_exchange_strong(none, &loop)) {
-    body(0, n);  // alone, or the helpers are busy with another caller's loop
+    // Alone, or the helpers are busy with another caller's loop.
+    if (alone != nullptr) (*alone)();
+    body(0, n);
     return;
   }
   {
@@ -111,12 +123,23 @@ void PlanThreads::Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, si
     loops_.fetch_add(1);  // only the caller holding loop_ moves it
     wake_.SignalAll();
   }
+  // An exception from alone() must not leave the loop shared (it lives on this stack): it is
+  // kept until the ranges are done, and rethrown before theirs.
+  std::exception_ptr alone_error;
+  if (alone != nullptr) {
+    try {
+      (*alone)();
+    } catch (...) {
+      alone_error = std::current_exception();
+    }
+  }
   Drain(loop);
   loop_.store(nullptr);
   // Every range has been claimed; wait for those still running and for helpers that may hold
   // the loop (a few microseconds: the ranges are short). A helper counted in active_ may be in
   // another caller's loop that started since: that one ends as quickly.
   while (loop.done.load() != loop.chunks || active_.load() != 0) Pause();
+  if (alone_error != nullptr) std::rethrow_exception(alone_error);
   if (loop.error != nullptr) std::rethrow_exception(loop.error);
 }
 
@@ -142,6 +165,20 @@ void ParallelChunks(PlanThreads* threads, size_t n,
 
 void ParallelFor(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t, size_t)> body) {
   ParallelChunks(threads, n, [&](size_t, size_t begin, size_t end) { body(begin, end); });
+}
+
+void ParallelBeside(PlanThreads* threads, const SideLoop* side, absl::FunctionRef<void()> alone) {
+  if (side == nullptr || side->n == 0) {
+    alone();
+    return;
+  }
+  const size_t chunks = ChunkCount(threads, side->n);
+  if (chunks <= 1) {
+    alone();
+    side->body(0, side->n);
+    return;
+  }
+  threads->RunBeside(side->n, chunks, side->body, alone);
 }
 
 }  // namespace sparsebalance

@@ -40,9 +40,16 @@ class PlanThreads {
   // them, on the helpers and the calling thread; returns when all have returned. An exception
   // thrown by a range is rethrown here (the first, once every range has returned).
   void Run(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body);
+  // The same, but the calling thread first runs alone() while the helpers take the ranges;
+  // then it takes those left (ParallelBeside).
+  void RunBeside(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body,
+                 absl::FunctionRef<void()> alone);
 
  private:
   struct Loop;
+  // Run and RunBeside: shares the loop, runs alone() first when given.
+  void Share(size_t n, size_t chunks, absl::FunctionRef<void(size_t, size_t)> body,
+             const absl::FunctionRef<void()>* alone);
   void Help();
   // Claims and runs the loop's ranges until none is left.
   static void Drain(Loop& loop);
@@ -76,6 +83,23 @@ size_t ChunkCount(const PlanThreads* threads, size_t n);
 // which each range writes to its own buffer and the caller joins in range order.
 void ParallelChunks(PlanThreads* threads, size_t n,
                     absl::FunctionRef<void(size_t, size_t, size_t)> body);
+
+// A loop that can run beside serial work it does not depend on (ParallelBeside): body(begin,
+// end) over [0, n), writing only its own indices' results, as for ParallelFor. `body` refers to
+// a callable that must outlive the SideLoop (a named lambda, not a temporary).
+struct SideLoop {
+  size_t n;
+  absl::FunctionRef<void(size_t, size_t)> body;
+};
+
+// Runs alone() on the calling thread while the helpers run `side`'s ranges, then the ranges
+// left on the calling thread too; returns when both are done. For a serial stretch (the
+// placement's deal of units to parts, about 1 ms at 65,536 samples) that would otherwise leave
+// the helpers idle. Without `side`: alone(). Where ParallelFor would run `side` on the calling
+// thread: alone(), then `side` there. alone() must neither read what `side` writes nor write
+// what it reads, and must not start loops of its own (they would find the helpers taken and run
+// on the calling thread).
+void ParallelBeside(PlanThreads* threads, const SideLoop* side, absl::FunctionRef<void()> alone);
 
 }  // namespace sparsebalance
 

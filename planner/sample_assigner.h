@@ -18,6 +18,7 @@ namespace sparsebalance {
 class PlanThreads;
 
 class SampleTable;  // sample_table.h
+struct SideLoop;    // plan_threads.h
 
 struct Assignment {
   // ranks[r][m]: indices into the batch of the samples in micro-batch m of rank r, in
@@ -51,11 +52,15 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const std::vector<double>& densities);
 // The same, counting blocks through the step's SampleTable when given (PlanStep's), which
 // keeps them for the phases after placement. Without context parallelism only. The samples'
-// costs are counted on `threads` when given (the placement does not depend on them).
+// costs are counted on `threads` when given (the placement does not depend on them). `side`, a
+// loop that does not depend on the placement nor the placement on it, runs once before the
+// call returns: on the helpers while the calling thread deals the units to parts
+// (ParallelBeside), otherwise as a ParallelFor.
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities,
-                                         const SampleTable* table, PlanThreads* threads = nullptr);
+                                         const SampleTable* table, PlanThreads* threads = nullptr,
+                                         const SideLoop* side = nullptr);
 
 }  // namespace sparsebalance
 

@@ -154,7 +154,13 @@ SampleTable::Storage& SampleTable::ThreadStorage() {
 }
 
 void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const {
-  ParallelFor(threads, size_, [&](size_t begin, size_t end) {
+  ParallelFor(threads, size_,
+              [&](size_t begin, size_t end) { WarmRecalls(densities, begin, end); });
+}
+
+void SampleTable::WarmRecalls(const std::vector<double>& densities, size_t begin,
+                              size_t end) const {
+  {
     // The samples whose answer is not kept yet, kBatch at a time: RecallAt's power,
     // e^(g log(1 - rho)), through DetLogAll and DetExpAll (the same bits as DetPow), except
     // where DetPow answers without them (a density of 1 or more, an exponent of 0).
@@ -184,7 +190,7 @@ void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads*
         recalls_[i] = {densities[i], 1.0 - power[k]};
       }
     }
-  });
+  }
 }
 
 double SampleTable::CountActiveBlocks(size_t i, double rho) const {

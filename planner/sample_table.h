@@ -84,6 +84,9 @@ class SampleTable {
   // Asks Recall(i, densities[i]) for every sample, on `threads` (each sample's memo from its
   // own thread), so that the serial sums that follow (the recall guards') find them kept.
   void WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const;
+  // The same for the samples [begin, end) alone, on the calling thread: a range of a loop that
+  // runs beside other work (PlanStep runs it beside the placement's deal, ParallelBeside).
+  void WarmRecalls(const std::vector<double>& densities, size_t begin, size_t end) const;
   // Per document of the batch, sample by sample (SampleTerms::doc_begin): its query blocks
   // (QueryBlocks), tokens and length bucket (RecallBucket). The tuner reads them for every
   // sample in each of its passes.

@@ -1,10 +1,12 @@
-// PlanThreads: every index of a loop runs once, loops from two callers at once both finish, and
+// PlanThreads: every index of a loop runs once, loops from two callers at once both finish, a
+// loop beside serial work runs on the helpers meanwhile, and
 // a plan is the same bytes with any number of planning threads (the client's local fallback
 // plans on one thread and must agree with the planner, which plans on several).
 #include "planner/plan_threads.h"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <new>
@@ -95,6 +97,51 @@ TEST(PlanThreadsTest, AnExceptionInARangeReachesTheCaller) {
       for (size_t i = begin; i < end; ++i) runs[i].fetch_add(1);
     });
     for (size_t i = 0; i < runs.size(); ++i) ASSERT_EQ(runs[i].load(), 1) << i;
+  }
+}
+
+// ParallelBeside: alone() runs once on the calling thread, the side loop's indices once each;
+// with helpers the side loop is under way while alone() still runs (alone() waits to see one of
+// its indices done by another thread), and an exception from alone() reaches the caller only
+// once every range has returned.
+TEST(PlanThreadsTest, ParallelBesideRunsTheSideLoopOnTheHelpersMeanwhile) {
+  for (int threads : {1, 2, 3, 8}) {
+    PlanThreads pool(threads);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{511}, size_t{600}, size_t{10007}}) {
+      const std::thread::id caller = std::this_thread::get_id();
+      std::vector<std::atomic<int>> runs(n);
+      std::atomic<int> elsewhere{0};  // side indices run on another thread
+      auto body = [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) runs[i].fetch_add(1);
+        if (std::this_thread::get_id() != caller) elsewhere.fetch_add(1);
+      };
+      const SideLoop side{n, body};
+      const bool shared = threads > 1 && n >= kMinParallelItems;
+      int alone_runs = 0;
+      ParallelBeside(&pool, &side, [&] {
+        ++alone_runs;
+        if (!shared) return;
+        // A helper takes a range while this thread is still here (it may have to be woken).
+        for (int k = 0; k < 100000 && elsewhere.load() == 0; ++k) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        EXPECT_GT(elsewhere.load(), 0) << threads << " threads, " << n << " items";
+      });
+      EXPECT_EQ(alone_runs, 1);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(runs[i].load(), 1) << "index " << i << " of " << n << ", " << threads;
+      }
+    }
+    int alone_runs = 0;
+    ParallelBeside(&pool, nullptr, [&] { ++alone_runs; });
+    EXPECT_EQ(alone_runs, 1);
+
+    std::atomic<int> ran{0};
+    auto count = [&](size_t begin, size_t end) { ran.fetch_add(static_cast<int>(end - begin)); };
+    const SideLoop side{10000, count};
+    EXPECT_THROW(ParallelBeside(&pool, &side, [] { throw std::bad_alloc(); }), std::bad_alloc);
+    // Shared with helpers, every range has returned; on one thread none had started.
+    EXPECT_EQ(ran.load(), threads > 1 ? 10000 : 0);
   }
 }
 
