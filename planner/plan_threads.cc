@@ -172,7 +172,10 @@ void ParallelBeside(PlanThreads* threads, const SideLoop* side, absl::FunctionRe
     alone();
     return;
   }
-  const size_t chunks = ChunkCount(threads, side->n);
+  const size_t chunks = side->chunks == 0 ? ChunkCount(threads, side->n)
+                        : threads == nullptr || threads->size() == 1
+                            ? 1
+                            : std::min(side->chunks, side->n);
   if (chunks <= 1) {
     alone();
     side->body(0, side->n);

@@ -90,6 +90,9 @@ void ParallelChunks(PlanThreads* threads, size_t n,
 struct SideLoop {
   size_t n;
   absl::FunctionRef<void(size_t, size_t)> body;
+  // The ranges it is split into where it is shared: 0 for ChunkCount's (items too few for it,
+  // such as blocks of samples, may still be worth sharing).
+  size_t chunks = 0;
 };
 
 // Runs alone() on the calling thread while the helpers run `side`'s ranges, then the ranges

@@ -38,30 +38,27 @@ absl::Status SampleError(size_t i, absl::string_view field, absl::string_view wh
 // Samples per block of BlockSums.
 constexpr size_t kSumBlock = 4096;
 
-// N sums over samples [0, n): add(i, sums) adds sample i's terms to its block's sums; the
-// blocks of kSumBlock samples run on `threads`, and their sums are added after in block order.
-// The blocks do not depend on the threads, so neither do the sums' bits.
-// `add` is a template argument, not a FunctionRef, so that it is inlined into the block's loop:
-// an indirect call a sample was a fifth of the guards' sums.
+size_t SumBlocks(size_t n) { return (n + kSumBlock - 1) / kSumBlock; }
+
+// Block b's samples of n: [first, second).
+std::pair<size_t, size_t> SumBlock(size_t b, size_t n) {
+  return {b * kSumBlock, std::min(n, (b + 1) * kSumBlock)};
+}
+
+// BlockSums' sums of one block. Summed on the stack and returned once: neighbouring blocks'
+// sums share cache lines, and two threads adding into them sample by sample made the sums
+// slower on two threads than on one.
 template <size_t N, typename Add>
-std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) {
-  const size_t blocks = (n + kSumBlock - 1) / kSumBlock;
-  std::vector<std::array<double, N>> partial(blocks);
-  auto run = [&](size_t first, size_t last) {
-    for (size_t b = first; b < last; ++b) {
-      // Summed on the stack and stored once: neighbouring blocks' sums share cache lines, and
-      // two threads adding into them sample by sample made the sums slower on two than on one.
-      std::array<double, N> sums{};
-      const size_t end = std::min(n, (b + 1) * kSumBlock);
-      for (size_t i = b * kSumBlock; i < end; ++i) add(i, sums);
-      partial[b] = sums;
-    }
-  };
-  if (threads != nullptr && threads->size() > 1 && blocks > 1) {
-    threads->Run(blocks, blocks, run);
-  } else {
-    run(0, blocks);
-  }
+std::array<double, N> SumOfBlock(size_t b, size_t n, const Add& add) {
+  std::array<double, N> sums{};
+  const auto [begin, end] = SumBlock(b, n);
+  for (size_t i = begin; i < end; ++i) add(i, sums);
+  return sums;
+}
+
+// The blocks' sums added in block order.
+template <size_t N>
+std::array<double, N> JoinBlocks(const std::vector<std::array<double, N>>& partial) {
   std::array<double, N> total{};
   for (const std::array<double, N>& sums : partial) {
     for (size_t k = 0; k < N; ++k) total[k] += sums[k];
@@ -69,38 +66,73 @@ std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) 
   return total;
 }
 
+// N sums over samples [0, n): add(i, sums) adds sample i's terms to its block's sums; the
+// blocks of kSumBlock samples run on `threads`, and their sums are added after in block order.
+// The blocks do not depend on the threads, so neither do the sums' bits.
+// `add` is a template argument, not a FunctionRef, so that it is inlined into the block's loop:
+// an indirect call a sample was a fifth of the guards' sums.
+template <size_t N, typename Add>
+std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) {
+  const size_t blocks = SumBlocks(n);
+  std::vector<std::array<double, N>> partial(blocks);
+  auto run = [&](size_t first, size_t last) {
+    for (size_t b = first; b < last; ++b) partial[b] = SumOfBlock<N>(b, n, add);
+  };
+  if (threads != nullptr && threads->size() > 1 && blocks > 1) {
+    threads->Run(blocks, blocks, run);
+  } else {
+    run(0, blocks);
+  }
+  return JoinBlocks(partial);
+}
+
 // Per length bucket, the tokens and the token-weighted predicted recall sum of the documents of
 // the samples with a non-zero weight (`weights` empty: all); with `also`, in the same pass the
 // recall sums at densities `also` too (`also_weighted`). With `threads`, the samples' recalls
 // must be kept in the table already (SampleTable::WarmRecalls): its memo is written from one
 // thread per sample only.
+// BucketTotals' sums: [b] bucket b's recall sum, [kRecallBuckets + b] its tokens,
+// [2 kRecallBuckets + b] its recall sum at `also`.
+using BucketSums = std::array<double, 3 * kRecallBuckets>;
+
+// BucketTotals' add(i, sums) for BlockSums (the arguments outlive it).
+auto BucketAdder(const std::vector<double>& densities, const SampleTable& table,
+                 const std::vector<double>& weights, const std::vector<double>* also) {
+  return [&densities, &table, &weights, also, buckets = table.doc_buckets(),
+          lengths = table.doc_tokens()](size_t i, BucketSums& sum) {
+    if (!weights.empty() && weights[i] == 0.0) return;
+    const double r = table.RecallInOrder(i, densities[i]);
+    const double r_also = also != nullptr ? table.RecallInOrder(i, (*also)[i]) : 0.0;
+    // The sample's documents, with their buckets, as the table lists them.
+    const auto [first, last] = table.Documents(i);
+    for (int d = first; d < last; ++d) {
+      const int b = buckets[d];
+      const auto length = static_cast<double>(lengths[d]);
+      sum[b] += length * r;
+      sum[kRecallBuckets + b] += length;
+      if (also != nullptr) sum[2 * kRecallBuckets + b] += length * r_also;
+    }
+  };
+}
+
+// BucketTotals' outputs from its sums.
+void SplitBucketSums(const BucketSums& sums, std::vector<double>* tokens,
+                     std::vector<double>* weighted, std::vector<double>* also_weighted) {
+  weighted->assign(sums.begin(), sums.begin() + kRecallBuckets);
+  tokens->assign(sums.begin() + kRecallBuckets, sums.begin() + 2 * kRecallBuckets);
+  if (also_weighted != nullptr) {
+    also_weighted->assign(sums.begin() + 2 * kRecallBuckets, sums.end());
+  }
+}
+
 void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
                   const SampleTable& table, const std::vector<double>& weights,
                   std::vector<double>* tokens, std::vector<double>* weighted,
                   PlanThreads* threads = nullptr, const std::vector<double>* also = nullptr,
                   std::vector<double>* also_weighted = nullptr) {
-  // [b]: bucket b's recall sum, [kRecallBuckets + b] its tokens, [2 kRecallBuckets + b] its
-  // recall sum at `also`.
-  const int* buckets = table.doc_buckets();
-  const int64_t* lengths = table.doc_tokens();
-  const std::array<double, 3 * kRecallBuckets> sums = BlockSums<3 * kRecallBuckets>(
-      batch.size(), threads, [&](size_t i, std::array<double, 3 * kRecallBuckets>& sum) {
-        if (!weights.empty() && weights[i] == 0.0) return;
-        const double r = table.RecallInOrder(i, densities[i]);
-        const double r_also = also != nullptr ? table.RecallInOrder(i, (*also)[i]) : 0.0;
-        // The sample's documents, with their buckets, as the table lists them.
-        const auto [first, last] = table.Documents(i);
-        for (int d = first; d < last; ++d) {
-          const int b = buckets[d];
-          const auto length = static_cast<double>(lengths[d]);
-          sum[b] += length * r;
-          sum[kRecallBuckets + b] += length;
-          if (also != nullptr) sum[2 * kRecallBuckets + b] += length * r_also;
-        }
-      });
-  weighted->assign(sums.begin(), sums.begin() + kRecallBuckets);
-  tokens->assign(sums.begin() + kRecallBuckets, sums.begin() + 2 * kRecallBuckets);
-  if (also != nullptr) also_weighted->assign(sums.begin() + 2 * kRecallBuckets, sums.end());
+  SplitBucketSums(BlockSums<std::tuple_size_v<BucketSums>>(
+                      batch.size(), threads, BucketAdder(densities, table, weights, also)),
+                  tokens, weighted, also != nullptr ? also_weighted : nullptr);
 }
 
 // Each bucket's recall sum over its tokens (-1 for a bucket without documents), in place.
@@ -124,6 +156,17 @@ __attribute__((noinline)) std::vector<double> BucketRecalls(
   BucketTotals(batch, densities, table, weights, &tokens, &weighted, threads, also, at_also);
   DivideByTokens(tokens, &weighted);
   if (also != nullptr) DivideByTokens(tokens, at_also);
+  return weighted;
+}
+
+// BucketRecalls of every sample at `densities` and `also` from BucketTotals' sums already
+// taken, as BucketRecalls would take them.
+std::vector<double> BucketRecallsOf(const BucketSums& sums, std::vector<double>* at_also) {
+  std::vector<double> tokens;
+  std::vector<double> weighted;
+  SplitBucketSums(sums, &tokens, &weighted, at_also);
+  DivideByTokens(tokens, &weighted);
+  DivideByTokens(tokens, at_also);
   return weighted;
 }
 
@@ -552,8 +595,22 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   // The guards below sum the allocated densities' recalls in batch order: worked out on the
   // threads first (a DetLog and a DetExp each, 2.4 ms serial at 65,536 samples), beside the
   // placement's serial deal of units to parts (it reads neither the recalls nor the table).
-  auto warm_range = [&](size_t begin, size_t end) { table.WarmRecalls(densities, begin, end); };
-  const SideLoop warm{batch.size(), warm_range};
+  // With the bucket guard, its sums too, block by block (BlockSums' blocks) as if every sample
+  // were placed: they are unless some are deferred or split, and then the sums are taken again.
+  const size_t blocks = SumBlocks(batch.size());
+  std::vector<BucketSums> guard_blocks(guarded ? blocks : 0);
+  const std::vector<double> every_sample;  // BucketTotals' weights: all placed
+  const auto add_placed = BucketAdder(defaults, table, every_sample, &densities);
+  auto warm_blocks = [&](size_t first, size_t last) {
+    for (size_t b = first; b < last; ++b) {
+      const auto [begin, end] = SumBlock(b, batch.size());
+      table.WarmRecalls(densities, begin, end);
+      if (guarded) {
+        guard_blocks[b] = SumOfBlock<std::tuple_size_v<BucketSums>>(b, batch.size(), add_placed);
+      }
+    }
+  };
+  const SideLoop warm{blocks, warm_blocks, blocks};
   absl::StatusOr<Assignment> assignment =
       AssignSamples(batch, config, model, densities, &table, threads, tuned ? &warm : nullptr);
   if (!assignment.ok()) return assignment.status();
@@ -575,7 +632,9 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
     std::vector<double> allocated;
     if (guarded) {
       minimum = BucketMinimums(
-          BucketRecalls(batch, defaults, table, placed, threads, &densities, &allocated),
+          placed.empty()
+              ? BucketRecallsOf(JoinBlocks(guard_blocks), &allocated)
+              : BucketRecalls(batch, defaults, table, placed, threads, &densities, &allocated),
           config.bucket_recall_margin);
     }
     // The step-level allocation was made for the whole batch; if deferring left the placed
