@@ -1399,7 +1399,7 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
     }
   } release{workspace, batch.size() > kKeptScratchSamples};
   if (config.max_shards > 1) {
-    if (side != nullptr) ParallelFor(threads, side->n, side->body);
+    ParallelBeside(threads, side, [] {});  // nothing serial to go beside: on the threads
     // Splitting fewer documents exchanges less; splitting more evens out steps whose ranks are
     // capacity-bound or too few for their longest documents. Shards are tried at pieces of at
     // most 1, 1/2 and 1/4 of the mean rank (static: once), and the placement with the least

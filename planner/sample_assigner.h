@@ -55,7 +55,7 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
 // costs are counted on `threads` when given (the placement does not depend on them). `side`, a
 // loop that does not depend on the placement nor the placement on it, runs once before the
 // call returns: on the helpers while the calling thread deals the units to parts
-// (ParallelBeside), otherwise as a ParallelFor.
+// (ParallelBeside), otherwise on the threads before placing.
 absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const PlannerConfig& config, const LatencyModel& model,
                                          const std::vector<double>& densities,
