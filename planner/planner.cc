@@ -454,7 +454,12 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
         absl::StrCat("samples: ", batch.size(), " samples is above the limit of ", kMaxBatchSamples,
                      " (2^24, kMaxBatchSamples); split the batch"));
   }
-  const size_t repeated = FirstRepeatedId(batch);
+  // Ids are compared with the previous sample's in the same pass: while they increase (a
+  // step's samples numbered as they are drawn) they are distinct, and only a batch whose ids
+  // stop increasing needs FirstRepeatedId's hash set, from there on. A pass of its own over
+  // the batch (3.7 MB at 65,536 samples) was a third of the check.
+  size_t repeated = batch.size();  // the first repeated id's index, once known
+  bool increasing = true;
   // Each length is checked to be in [1, max_shards x micro_batch_capacity] before it is added,
   // and a valid config's capacity is at most kMaxMicroBatchCapacity (2^30) and max_shards at
   // most kMaxShards (2^6), so with at most 2^24 samples the total stays below 2^60: no
@@ -463,6 +468,10 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
   const int64_t longest_document = config.max_shards * config.micro_batch_capacity;
   for (size_t i = 0; i < batch.size(); ++i) {
     const Sample& s = batch[i];
+    if (increasing && i > 0 && batch[i - 1].id >= s.id) {
+      increasing = false;
+      repeated = FirstRepeatedId(batch);  // at i or after: the ids before i are distinct
+    }
     if (i == repeated) {
       return SampleError(i, "id", absl::StrCat(s.id, " appears more than once in the batch"));
     }

@@ -453,6 +453,17 @@ TEST(ValidateBatchTest, ARepeatedIdIsNamedAtItsFirstRepeatInIndexOrder) {
               HasSubstr("samples[3].id"));
   EXPECT_THAT(ValidateBatch(batch_of({5, 9, 9, 5}), config).message(), HasSubstr("samples[2].id"));
   EXPECT_THAT(ValidateBatch(batch_of({4, 4, 4}), config).message(), HasSubstr("samples[1].id"));
+  // Ids are checked in the fields' pass: a field error before the ids stop increasing comes
+  // first, a repeat before a later field error does.
+  std::vector<Sample> batch = batch_of({1, 2, 3, 2, 7});
+  batch[1].length = 0;
+  EXPECT_THAT(ValidateBatch(batch, config).message(), HasSubstr("samples[1].length"));
+  batch = batch_of({1, 2, 3, 2, 7});
+  batch[4].length = 0;
+  EXPECT_THAT(ValidateBatch(batch, config).message(), HasSubstr("samples[3].id"));
+  batch = batch_of({9, 3, 5, 3});  // stops increasing at 1, repeats at 3
+  batch[2].sensitivity = 2.0;
+  EXPECT_THAT(ValidateBatch(batch, config).message(), HasSubstr("samples[2].sensitivity"));
   // Ids at the extremes, and ids equal in all but their highest byte.
   EXPECT_THAT(ValidateBatch(batch_of({0, kMax, 7, kMax}), config).message(),
               AllOf(HasSubstr("samples[3].id"), HasSubstr("18446744073709551615")));
