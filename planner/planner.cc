@@ -587,19 +587,19 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   // Every policy keeps the document recall floor (where density_max reaches it): the table's
   // base densities include it.
   const SampleTable table(batch, config, model, recall, threads);
-  std::vector<double> densities = table.BaseDensities();
+  const std::vector<double> defaults = table.BaseDensities();
   const bool tuned = config.policy == Policy::kDst || config.policy == Policy::kSparseBalance;
   // bucket_recall_margin 1 turns the bucket guard off (no bucket can lose more than 1).
   const bool guarded =
       tuned && config.dst_mode != DstMode::kMin && config.bucket_recall_margin < 1.0;
-  const std::vector<double> defaults = densities;
   // At the defaults every recall is the table's own (its base), so the sums may run on threads.
   const double default_recall = tuned ? TableRecall(batch, defaults, table, {}, threads) : 0.0;
   phase(1);
-  if (config.policy == Policy::kSparseBalance) {
-    densities = AllocateDensities(batch, config, model, table, defaults, default_recall,
-                                  /*per_bucket=*/guarded, threads);
-  }
+  std::vector<double> densities =
+      config.policy == Policy::kSparseBalance
+          ? AllocateDensities(batch, config, model, table, defaults, default_recall,
+                              /*per_bucket=*/guarded, threads)
+          : defaults;
   phase(2);
   // The guards below sum the allocated densities' recalls in batch order: worked out on the
   // threads first (a DetLog and a DetExp each, 2.4 ms serial at 65,536 samples), beside the
