@@ -231,20 +231,21 @@ struct Member {
 
 // Samples that must stay together: a non-zero group, or a single sample. Units are numbered
 // in the order the policy places them, and their members laid out in that order (BuildUnits),
-// so that placement streams through both.
+// so that placement streams through both. 40 bytes, where 56 took 3.7 MB at 65,536 samples:
+// its longest member's tokens are read off that member (the first), and the rank's list is
+// linked one way. BuildUnits' layout of the units took 0.33-0.34 ms where it took 0.39-0.47 on
+// two threads (0.62-0.65 where 0.79-0.84 on one).
 struct Unit {
-  double cost = 0.0;    // balancing metric (seconds, tokens, ...), speed excluded
-  double rigid = 0.0;   // part of cost that DST cannot cut (floor at or above density)
-  int64_t longest = 0;  // tokens of the longest member
-  int first = 0;        // smallest batch index: arrival order, which breaks ties
-  int begin = 0;        // members are Workspace::members[begin, begin + size), longest first
+  double cost = 0.0;   // balancing metric (seconds, tokens, ...), speed excluded
+  double rigid = 0.0;  // part of cost that DST cannot cut (floor at or above density)
+  int first = 0;       // smallest batch index: arrival order, which breaks ties
+  int begin = 0;       // members are Workspace::members[begin, begin + size), longest first
   int size = 0;
   // While placed: the rank, the unit's placement number (its entry in the list of the lane
-  // that placed it, Placer::Lane), and its neighbours in the list of the rank's units (-1 at
-  // the ends).
+  // that placed it, Placer::Lane), and the next unit in the list of the rank's units (-1 at
+  // the end).
   int rank = -1;
   int placement = -1;
-  int prev = -1;
   int next = -1;
 };
 
@@ -289,7 +290,7 @@ struct Workspace {
   std::vector<double> costs;                      // per sample, in the policy's metric
   std::vector<uint64_t> keys;                     // LargestFirst's sort keys and
   std::vector<uint64_t> sorted;                   // its second buffer
-  std::vector<int> radix_place;                   // its counts and places per range
+  std::vector<int> radix_place;                   // its counts and places per pass
   std::vector<int> order;                         // placement order of arrival units
   std::vector<int> part_of;                       // DealToParts': per place in `order`
   std::vector<int> dealt;                         // and `order` part by part
@@ -348,13 +349,17 @@ uint64_t CostKey(double cost) {
 // close are ties to the greedy that follows, and the 33 lower bits took three of the six passes.
 // At scale (65,536 units) std::sort's comparisons of such keys mispredict at every other step.
 // Each key is those 31 bits above the index in one 64-bit word, which the bits below them
-// leave room for: half the bytes each pass moved of (CostKey, index) pairs, and the sort of
-// 65,536 units 0.95 ms where it was 1.13 (0.69 and 0.76-0.81 ms on two threads). With `threads`,
-// each pass counts and scatters its ranges of keys on them (serially this sort was 1.4 ms of a
-// 65,536-unit placement on either thread count); a stable sort has one result, however it is split.
+// leave room for: half the bytes each pass moved of (CostKey, index) pairs. The keys are made
+// on `threads`. Least significant digit first; each pass keeps the order of equal digits, so
+// ties stay in index order, and the result is that of any stable sort by those bits: here by
+// those bits less the least key's, whose span is narrower than 31 bits (23 at 65,536 samples
+// over 4,096 ranks: two passes of 12-bit digits where three of 11 sorted all 31), the digits of
+// every pass counted in one read of the keys, and the passes on the calling thread: the sort
+// took 0.66-0.70 ms where three passes spread over two threads took 0.75-0.81, and 0.66-0.75
+// where three took 0.77-0.86 on one.
 void LargestFirst(const std::vector<Tally>& tallies, Workspace* ws, std::vector<int>* order,
                   PlanThreads* threads = nullptr) {
-  const int n = static_cast<int>(tallies.size());
+  const size_t n = tallies.size();
   constexpr int kLowBit = 33;  // the sort's bits: 33-63
   constexpr uint64_t kIndexBits = (uint64_t{1} << kLowBit) - 1;
   static_assert(kMaxBatchSamples <= kIndexBits, "a unit's index fits below the sorted bits");
@@ -362,47 +367,57 @@ void LargestFirst(const std::vector<Tally>& tallies, Workspace* ws, std::vector<
   std::vector<uint64_t>& sorted = ws->sorted;
   keys.resize(n);
   sorted.resize(n);
+  order->resize(n);
+  if (n == 0) return;
   ParallelFor(threads, n, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) keys[i] = (CostKey(tallies[i].cost) & ~kIndexBits) | i;
   });
-  // Least significant digit first; each pass keeps the order of equal digits, so ties stay in
-  // index order. A digit that all keys share needs no pass.
-  constexpr int kDigitBits = 11;
-  constexpr int kBuckets = 1 << kDigitBits;
-  constexpr int kDigits = (64 + kDigitBits - 1) / kDigitBits;
-  constexpr int kFirstDigit = kLowBit / kDigitBits;  // digits 3-5
-  const size_t chunks = ChunkCount(threads, n);
-  // [chunk * kBuckets + value]: a range's count of each digit value, then where its first key
-  // of that value goes.
+  uint64_t least = keys[0] >> kLowBit;
+  uint64_t most = least;
+  for (const uint64_t key : keys) {
+    least = std::min(least, key >> kLowBit);
+    most = std::max(most, key >> kLowBit);
+  }
+  // As few passes as cover the span, of digits of equal width, at most kMaxDigitBits.
+  constexpr int kMaxDigitBits = 12;
+  const int span = most == least ? 0 : 64 - __builtin_clzll(most - least);
+  const int passes = (span + kMaxDigitBits - 1) / kMaxDigitBits;
+  const int digit_bits = passes == 0 ? 0 : (span + passes - 1) / passes;
+  const size_t buckets = size_t{1} << digit_bits;
+  auto digit = [&](uint64_t key, int pass) {
+    return (((key >> kLowBit) - least) >> (pass * digit_bits)) & (buckets - 1);
+  };
+  // [pass * buckets + value]: the count of each digit value, then where its first key goes.
   std::vector<int>& place = ws->radix_place;
-  place.resize(chunks * kBuckets);
-  for (int d = kFirstDigit; d < kDigits && n > 0; ++d) {
-    const int shift = d * kDigitBits;
-    std::fill(place.begin(), place.end(), 0);
-    ParallelChunks(threads, n, [&](size_t chunk, size_t begin, size_t end) {
-      int* count = &place[chunk * kBuckets];
-      for (size_t k = begin; k < end; ++k) ++count[(keys[k] >> shift) & (kBuckets - 1)];
-    });
-    const int first_value = static_cast<int>((keys[0] >> shift) & (kBuckets - 1));
-    int shared = 0;
-    for (size_t c = 0; c < chunks; ++c) shared += place[c * kBuckets + first_value];
-    if (shared == n) continue;
+  place.assign(passes * buckets, 0);
+  for (const uint64_t key : keys) {
+    for (int pass = 0; pass < passes; ++pass) ++place[pass * buckets + digit(key, pass)];
+  }
+  // A digit that all keys share needs no pass; the last pass writes the indices.
+  std::array<bool, 64 / kMaxDigitBits + 1> sorts{};
+  int last = -1;
+  for (int pass = 0; pass < passes; ++pass) {
+    int* next = &place[pass * buckets];
+    if (next[digit(keys[0], pass)] == static_cast<int>(n)) continue;
+    sorts[pass] = true;
+    last = pass;
     int sum = 0;
-    for (int b = 0; b < kBuckets; ++b) {
-      for (size_t c = 0; c < chunks; ++c) sum += std::exchange(place[c * kBuckets + b], sum);
-    }
-    ParallelChunks(threads, n, [&](size_t chunk, size_t begin, size_t end) {
-      int* next = &place[chunk * kBuckets];
-      for (size_t k = begin; k < end; ++k) {
-        sorted[next[(keys[k] >> shift) & (kBuckets - 1)]++] = keys[k];
-      }
-    });
+    for (size_t b = 0; b < buckets; ++b) sum += std::exchange(next[b], sum);
+  }
+  for (int pass = 0; pass < last; ++pass) {
+    if (!sorts[pass]) continue;
+    int* next = &place[pass * buckets];
+    for (const uint64_t key : keys) sorted[next[digit(key, pass)]++] = key;
     keys.swap(sorted);
   }
-  order->resize(n);
-  ParallelFor(threads, n, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) (*order)[i] = static_cast<int>(keys[i] & kIndexBits);
-  });
+  if (last < 0) {
+    for (size_t k = 0; k < n; ++k) (*order)[k] = static_cast<int>(keys[k] & kIndexBits);
+    return;
+  }
+  int* next = &place[last * buckets];
+  for (const uint64_t key : keys) {
+    (*order)[next[digit(key, last)]++] = static_cast<int>(key & kIndexBits);
+  }
 }
 
 // How many parts a balanced placement of `units` units is split into (kRanksPerPart).
@@ -591,7 +606,6 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
         unit.first = tally.first;
         unit.begin = static_cast<int>(p);
         unit.size = 1;
-        unit.longest = tally.length;
         members[p] = Member{tally.first, -1, tally.length};
       }
     });
@@ -614,13 +628,12 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
   for (int i = 0; i < n; ++i) {
     members[tallies[unit_of[i]].next_member++] = Member{i, -1, batch[i].length};
   }
-  for (Unit& unit : units) {
-    const auto first = members.begin() + unit.begin;
+  for (const Unit& unit : units) {
     if (unit.size > 1) {
+      const auto first = members.begin() + unit.begin;
       std::stable_sort(first, first + unit.size,
                        [](const Member& a, const Member& b) { return a.length > b.length; });
     }
-    unit.longest = first->length;
   }
 }
 
@@ -854,7 +867,6 @@ inline void Placer::Attach(int u, int r, Lane& lane) {
   unit.rank = r;
   unit.placement = lane.numbered + static_cast<int>(lane.placements->size());
   lane.placements->push_back(u);
-  unit.prev = rank.tail;
   unit.next = -1;
   if (rank.tail >= 0) {
     units_[rank.tail].next = u;
@@ -882,9 +894,12 @@ void Placer::Remove(int u, int r) {
   if (rank.units == 1) {  // no drift from +/- rounding
     rank.load = rank.rigid = rank.base;
   }
-  (unit.prev >= 0 ? units_[unit.prev].next : rank.head) = unit.next;
-  (unit.next >= 0 ? units_[unit.next].prev : rank.tail) = unit.prev;
-  unit.rank = unit.placement = unit.prev = unit.next = -1;
+  // Its predecessor from the head: only the moves of ImproveMaxRank remove units.
+  int prev = -1;
+  for (int v = rank.head; v >= 0 && v != u; v = units_[v].next) prev = v;
+  (prev >= 0 ? units_[prev].next : rank.head) = unit.next;
+  if (rank.tail == u) rank.tail = prev;
+  unit.rank = unit.placement = unit.next = -1;
   --rank.units;
   Updated(r, whole_);
 }
@@ -948,9 +963,10 @@ absl::StatusOr<Assignment> Placer::Sequential() {
 
 absl::StatusOr<bool> Placer::PlaceBalanced(int u, Lane& lane) {
   const Unit& unit = units_[u];
-  if (unit.longest > lane.most_free) return false;
+  const int64_t longest = members_[unit.begin].length;
+  if (longest > lane.most_free) return false;
   auto takes = [&](int r) {
-    return ranks_[r].max_free >= unit.longest &&
+    return ranks_[r].max_free >= longest &&
            (unit.size == 1 || FitsWorst(unit, Free(r), *lane.fit_free));
   };
   // The usual case first: the kCandidates least loaded ranks all take the unit, so they are the
