@@ -157,6 +157,11 @@ struct ItemRecallTerms {
   int index = 0;      // into the batch
   int doc_begin = 0;  // its sample's documents in the table's document arrays
   int doc_end = 0;
+  // The length bucket of its document, or -1 where it has several: BucketRecall needs the
+  // documents' tokens and buckets then only (the item's weight is its one document's tokens).
+  // Read from the table's arrays in placement order there, they were two of its three cache
+  // misses per item; the set-up reads the bucket beside the tokens.
+  int bucket = -1;
   double weight = 0.0;  // tokens
   // The item's predicted recall at the density it was last asked at (Tuner::ItemRecall; NaN:
   // none yet).
@@ -388,7 +393,9 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
             __builtin_prefetch(&base[ahead]);
           }
           if (k + kFetchAhead / 2 < last) {
-            __builtin_prefetch(&doc_tokens_[table.Documents(order[k + kFetchAhead / 2]).first]);
+            const int d = table.Documents(order[k + kFetchAhead / 2]).first;
+            __builtin_prefetch(&doc_tokens_[d]);
+            __builtin_prefetch(&doc_buckets_[d]);
           }
           const int i = order[k];
           const SampleTerms& terms = table[i];
@@ -412,12 +419,14 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
           // Its recall is read when asked (ItemRecall): at base the table keeps it, PlanStep's
           // recall guards have just worked it out (SampleTable::WarmRecalls), and most items
           // leave their base.
-          recall_terms_[k] = {i,
-                              terms.doc_begin,
-                              terms.doc_end,
-                              item.weight,
-                              std::numeric_limits<double>::quiet_NaN(),
-                              0.0};
+          recall_terms_[k] = {
+              i,
+              terms.doc_begin,
+              terms.doc_end,
+              terms.doc_end - terms.doc_begin == 1 ? doc_buckets_[terms.doc_begin] : -1,
+              item.weight,
+              std::numeric_limits<double>::quiet_NaN(),
+              0.0};
           // Never above base: a sample whose floor is above what it was given stays there (and
           // takes the base's logarithm, set with it where it is worked out).
           if (terms.floor < item.base) {
@@ -719,16 +728,21 @@ std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>
       if (k + kFetchAhead < end) {
         const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
         __builtin_prefetch(&densities[ahead.index]);
-        __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
-        __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+        if (ahead.bucket < 0) {
+          __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
+          __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+        }
       }
       const ItemRecallTerms& item = recall_terms_[k];
       const double recall = ItemRecall(k, densities[item.index]);
-      for (int d = item.doc_begin; d < item.doc_end; ++d) tokens[doc_buckets_[d]] += doc_tokens_[d];
-      if (item.doc_end - item.doc_begin == 1) {
-        const int d = item.doc_begin;
-        shares[k] = {static_cast<double>(doc_tokens_[d]) * recall, doc_buckets_[d]};
+      if (item.bucket >= 0) {
+        // Its weight is its document's tokens, a whole number.
+        tokens[item.bucket] += static_cast<int64_t>(item.weight);
+        shares[k] = {item.weight * recall, item.bucket};
       } else {
+        for (int d = item.doc_begin; d < item.doc_end; ++d) {
+          tokens[doc_buckets_[d]] += doc_tokens_[d];
+        }
         shares[k] = {recall, -1};
       }
     }
