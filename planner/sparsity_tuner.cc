@@ -91,19 +91,21 @@ bool KnownLogOneMinus(const SampleTerms& terms, double rho, double density_max, 
   return true;
 }
 
+// What the solves read of an item: 72 bytes (its tokens and the price's offset without bucket
+// weights, which only SetBucketWeights reads, are in ItemRecallTerms and the table). The set-up
+// writes every item and the rank passes read them back: at 88 bytes an item that was a quarter
+// more memory traffic.
 struct Item {
-  int index = 0;           // into the batch
-  double weight = 0.0;     // tokens: recall is token-weighted
   double floor = 0.0;      // lowest density allowed
   double base = 0.0;       // density without tuning
   double g_minus_1 = 0.0;  // recall exponent - 1
   double inv_g1 = 0.0;     // 1 / (g - 1)
   double log_floor = 0.0;  // log(1 - floor)
   double log_base = 0.0;   // log(1 - base)
-  // log(per_block * tri / (weight * g)): where the multiplier sits. `offset` subtracts the log
-  // of the item's bucket weight (the per-bucket guard's multipliers), `price_offset` does not.
+  // log(per_block * tri / (weight * g)) (SampleTerms::price_offset), less the log of the item's
+  // bucket weight (the per-bucket guard's multipliers): where the multiplier sits.
   double offset = 0.0;
-  double price_offset = 0.0;
+  int index = 0;      // into the batch
   int doc_begin = 0;  // its sample's documents in the table's document arrays
   int doc_end = 0;
 };
@@ -157,6 +159,11 @@ struct ItemRecallTerms {
   int index = 0;      // into the batch
   int doc_begin = 0;  // its sample's documents in the table's document arrays
   int doc_end = 0;
+  // The length bucket of its document, or -1 where it has several: BucketRecall needs the
+  // documents' tokens and buckets then only (the item's weight is its one document's tokens).
+  // Read from the table's arrays in placement order there, they were two of its three cache
+  // misses per item; the set-up reads the bucket beside the tokens.
+  int bucket = -1;
   double weight = 0.0;  // tokens
   // The item's predicted recall at the density it was last asked at (Tuner::ItemRecall; NaN:
   // none yet).
@@ -173,8 +180,7 @@ struct TunerStorage {
   std::vector<ItemRecallTerms> recall_terms;  // per item, as `items`
   std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
   std::vector<BucketShare> bucket_shares;  // BucketRecall's, as `weighted`
-  std::vector<double> fixed;               // the set-up's per-item fixed seconds (Tuner::Tuner)
-  std::vector<int> order;                  // and the items' samples
+  std::vector<int> order;                  // the items' samples (Tuner::Tuner)
   bool in_use = false;
 };
 
@@ -243,6 +249,10 @@ class Tuner {
   // for them was most of ExactRankSeconds' time and half of SolveRank's. A hint: results do not
   // change.
   void Prefetch(const RankWork& rank, unsigned what) const;
+  // Asks the CPU to fetch the items of `rank` themselves, two ranks ahead of the walk: Prefetch,
+  // a rank ahead, reads them, and then waited on them (the walks read the items in bursts of a
+  // rank, which the hardware's prefetcher did not run ahead of). A hint, as Prefetch.
+  void PrefetchItems(const RankWork& rank) const;
 
  private:
   // Per item of the rank being solved: its bounds and the multipliers x at which it reaches
@@ -337,106 +347,112 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   }
   item_count_ = first_item.back();
   int* const order = Scratch(storage_->order, item_count_);
+  items_ = Scratch(storage_->items, item_count_);
+  Item* const items = items_;
+  recall_terms_ = Scratch(storage_->recall_terms, item_count_);
+  // Each rank's items from its samples and its seconds that do not depend on density, in one loop
+  // over the ranks on the threads: in three (the samples gathered, the items built in ranges of
+  // items, the ranks' sums) they took 1.3 ms on two threads at 65,536 samples, two of the loops
+  // waiting on their helper and the sums reading each item's fixed seconds back. The tokens of
+  // the items: whole numbers, summed exactly in any order (as integers).
+  std::atomic<int64_t> total_tokens{0};
   ParallelFor(threads_, assignment.ranks.size(), [&](size_t begin, size_t end) {
+    // The range's samples in item order first, so that each can be fetched ahead.
+    int* next = order + first_item[begin];
     for (size_t r = begin; r < end; ++r) {
-      int* next = order + first_item[r];
       for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
         next = std::copy(micro_batch.begin(), micro_batch.end(), next);
       }
     }
-  });
-  items_ = Scratch(storage_->items, item_count_);
-  Item* const items = items_;
-  recall_terms_ = Scratch(storage_->recall_terms, item_count_);
-  // Each item's seconds that do not depend on density, for its rank's sum below: summed from
-  // the items themselves, that sum read all 6 MB of them again (at 65,536 samples) and waited
-  // on it, over a quarter of the set-up's time.
-  double* const fixed = Scratch(storage_->fixed, item_count_);
-  // Each item from its sample. The tokens of each range of items: whole numbers, summed exactly
-  // in any order.
-  std::vector<double> chunk_weights(ChunkCount(threads_, item_count_), 0.0);
-  ParallelChunks(threads_, item_count_, [&](size_t chunk, size_t begin, size_t end) {
-    double weight = 0.0;
+    const size_t last = first_item[end];
     std::array<double, kBatch> logs;    // LogOneMinus's arguments, then its values
     std::array<size_t, kBatch> log_of;  // the item of each
-    for (size_t first = begin; first < end; first += kBatch) {
-      const size_t m = std::min(kBatch, end - first);
-      size_t unknown = 0;
-      for (size_t j = 0; j < m; ++j) {
-        const size_t k = first + j;
-        // The samples lie scattered over the batch: their terms (two cache lines) and base
-        // fetched ahead.
-        if (k + kFetchAhead < end) {
-          const int ahead = order[k + kFetchAhead];
-          __builtin_prefetch(&table[ahead]);
-          __builtin_prefetch(&table[ahead].doc_end);
-          __builtin_prefetch(&base[ahead]);
-        }
-        const int i = order[k];
-        const SampleTerms& terms = table[i];
-        Item& item = items[k];
-        item.index = i;
-        // The sample's length, from its documents' tokens (they sum to it): reading it from the
-        // sample was another cache miss per item, two thirds of the set-up's time.
-        int64_t tokens = 0;
-        for (int d = terms.doc_begin; d < terms.doc_end; ++d) tokens += doc_tokens_[d];
-        item.weight = static_cast<double>(tokens);
-        const double documents = static_cast<double>(terms.doc_end - terms.doc_begin);
-        fixed[k] = coef.per_token * item.weight + coef.per_sample * documents;
-        item.g_minus_1 = terms.exponent - 1.0;
-        item.inv_g1 = 1.0 / item.g_minus_1;
-        item.base = base[i];
-        if (!KnownLogOneMinus(terms, item.base, config.density_max, log_max_, &item.log_base)) {
-          log_of[unknown] = k;
-          logs[unknown++] = 1.0 - std::min(item.base, kAlmostDense);  // as LogOneMinus
-        }
-        // Its recall is read when asked (ItemRecall): at base the table keeps it, PlanStep's
-        // recall guards have just worked it out (SampleTable::WarmRecalls), and most items leave
-        // their base.
-        recall_terms_[k] = {i,
-                            terms.doc_begin,
-                            terms.doc_end,
-                            item.weight,
-                            std::numeric_limits<double>::quiet_NaN(),
-                            0.0};
-        // Never above base: a sample whose floor is above what it was given stays there (and
-        // takes the base's logarithm, set below where it is worked out).
-        if (terms.floor < item.base) {
-          item.floor = terms.floor;
-          item.log_floor = terms.log_floor;
-        } else {
-          item.floor = item.base;
-          item.log_floor = item.log_base;
-        }
-        item.doc_begin = terms.doc_begin;
-        item.doc_end = terms.doc_end;
-        item.price_offset = terms.price_offset;
-        item.offset = item.price_offset;
-        weight += item.weight;
-      }
+    size_t unknown = 0;
+    auto work_out_logs = [&] {
+      if (unknown == 0) return;
       DetLogAll(logs.data(), logs.data(), unknown);
       for (size_t q = 0; q < unknown; ++q) {
         Item& item = items[log_of[q]];
         item.log_base = logs[q];
         if (item.floor == item.base) item.log_floor = item.log_base;
       }
-    }
-    chunk_weights[chunk] = weight;
-  });
-  for (double weight : chunk_weights) total_weight_ += weight;
-  ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
+      unknown = 0;
+    };
+    int64_t tokens = 0;
+    size_t k = first_item[begin];
     for (size_t r = begin; r < end; ++r) {
       RankWork& rank = ranks_[r];
       rank.items = ItemRange(items + first_item[r], items + first_item[r + 1]);
       rank.speed =
           r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
-      const double* item_fixed = fixed + first_item[r];
       for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
         if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
-        for (size_t k = 0; k < micro_batch.size(); ++k) rank.fixed += *item_fixed++;
+        for (size_t j = 0; j < micro_batch.size(); ++j, ++k) {
+          // The samples lie scattered over the batch: their terms (two cache lines) and base
+          // fetched ahead, and their documents' tokens half as far ahead, where the terms that
+          // say where they are (for a pre-packed sample) have come. Without the tokens fetched
+          // the set-up waited on them for two thirds of its time, after the terms.
+          if (k + kFetchAhead < last) {
+            const int ahead = order[k + kFetchAhead];
+            __builtin_prefetch(&table[ahead]);
+            __builtin_prefetch(&table[ahead].doc_end);
+            __builtin_prefetch(&base[ahead]);
+          }
+          if (k + kFetchAhead / 2 < last) {
+            const int d = table.Documents(order[k + kFetchAhead / 2]).first;
+            __builtin_prefetch(&doc_tokens_[d]);
+            __builtin_prefetch(&doc_buckets_[d]);
+          }
+          const int i = order[k];
+          const SampleTerms& terms = table[i];
+          Item& item = items[k];
+          item.index = i;
+          // The sample's length, from its documents' tokens (they sum to it): reading it from
+          // the sample was another cache miss per item, two thirds of the set-up's time.
+          int64_t sample_tokens = 0;
+          for (int d = terms.doc_begin; d < terms.doc_end; ++d) sample_tokens += doc_tokens_[d];
+          tokens += sample_tokens;
+          const double weight = static_cast<double>(sample_tokens);
+          const double documents = static_cast<double>(terms.doc_end - terms.doc_begin);
+          rank.fixed += coef.per_token * weight + coef.per_sample * documents;
+          item.g_minus_1 = terms.exponent - 1.0;
+          item.inv_g1 = 1.0 / item.g_minus_1;
+          item.base = base[i];
+          if (!KnownLogOneMinus(terms, item.base, config.density_max, log_max_, &item.log_base)) {
+            log_of[unknown] = k;
+            logs[unknown++] = 1.0 - std::min(item.base, kAlmostDense);  // as LogOneMinus
+          }
+          // Its recall is read when asked (ItemRecall): at base the table keeps it, PlanStep's
+          // recall guards have just worked it out (SampleTable::WarmRecalls), and most items
+          // leave their base.
+          recall_terms_[k] = {
+              i,
+              terms.doc_begin,
+              terms.doc_end,
+              terms.doc_end - terms.doc_begin == 1 ? doc_buckets_[terms.doc_begin] : -1,
+              weight,
+              std::numeric_limits<double>::quiet_NaN(),
+              0.0};
+          // Never above base: a sample whose floor is above what it was given stays there (and
+          // takes the base's logarithm, set with it where it is worked out).
+          if (terms.floor < item.base) {
+            item.floor = terms.floor;
+            item.log_floor = terms.log_floor;
+          } else {
+            item.floor = item.base;
+            item.log_floor = item.log_base;
+          }
+          item.doc_begin = terms.doc_begin;
+          item.doc_end = terms.doc_end;
+          item.offset = terms.price_offset;
+          if (unknown == kBatch) work_out_logs();
+        }
       }
     }
+    work_out_logs();
+    total_tokens.fetch_add(tokens);
   });
+  total_weight_ = static_cast<double>(total_tokens.load());
   // Shards of split documents keep their density: fixed work on each rank of their group, and
   // the overhead of a micro-batch that holds nothing else.
   std::set<std::pair<int, int>> shard_only;  // (rank, micro-batch) holding shards alone
@@ -456,6 +472,16 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
 
 double Tuner::SurrogateBlocks(int64_t rows, double rho, double* slope) const {
   return EstimatedActiveBlocks(rows, rho, anchors_, slope);
+}
+
+void Tuner::PrefetchItems(const RankWork& rank) const {
+  if (rank.items.empty()) return;
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(rank.items.begin()) & ~(kLine - 1);
+  const uintptr_t last = reinterpret_cast<uintptr_t>(rank.items.end()) - 1;
+  for (uintptr_t line = first; line <= last; line += kLine) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
+  }
 }
 
 void Tuner::Prefetch(const RankWork& rank, unsigned what) const {
@@ -688,6 +714,7 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
     SolveScratch scratch;
     for (size_t r = begin; r < end; ++r) {
+      if (r + 2 < end) PrefetchItems(ranks_[r + 2]);
       if (r + 1 < end) Prefetch(ranks_[r + 1], kRows);
       const RankWork& rank = ranks_[r];
       if (rank.items.empty()) continue;
@@ -717,16 +744,21 @@ std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>
       if (k + kFetchAhead < end) {
         const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
         __builtin_prefetch(&densities[ahead.index]);
-        __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
-        __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+        if (ahead.bucket < 0) {
+          __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
+          __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+        }
       }
       const ItemRecallTerms& item = recall_terms_[k];
       const double recall = ItemRecall(k, densities[item.index]);
-      for (int d = item.doc_begin; d < item.doc_end; ++d) tokens[doc_buckets_[d]] += doc_tokens_[d];
-      if (item.doc_end - item.doc_begin == 1) {
-        const int d = item.doc_begin;
-        shares[k] = {static_cast<double>(doc_tokens_[d]) * recall, doc_buckets_[d]};
+      if (item.bucket >= 0) {
+        // Its weight is its document's tokens, a whole number.
+        tokens[item.bucket] += static_cast<int64_t>(item.weight);
+        shares[k] = {item.weight * recall, item.bucket};
       } else {
+        for (int d = item.doc_begin; d < item.doc_end; ++d) {
+          tokens[doc_buckets_[d]] += doc_tokens_[d];
+        }
         shares[k] = {recall, -1};
       }
     }
@@ -773,7 +805,8 @@ void Tuner::SetBucketWeights(const std::array<double, kRecallBuckets>& extra) {
     for (int d = item.doc_begin; d < item.doc_end; ++d) {
       weighted += static_cast<double>(doc_tokens_[d]) * (1.0 + extra[doc_buckets_[d]]);
     }
-    item.offset = item.price_offset - DetLog(weighted / item.weight);
+    item.offset = table_[static_cast<size_t>(item.index)].price_offset -
+                  DetLog(weighted / recall_terms_[k].weight);
   }
 }
 
@@ -1511,6 +1544,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   std::vector<double> at_base(tuner.ranks().size());
   ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
     for (size_t r = begin; r < end; ++r) {
+      if (r + 2 < end) tuner.PrefetchItems(tuner.ranks()[r + 2]);
       if (r + 1 < end) tuner.Prefetch(tuner.ranks()[r + 1], Tuner::kCounts);
       at_base[r] = tuner.ExactRankSeconds(tuner.ranks()[r], /*at_floor=*/false);
     }
@@ -1542,6 +1576,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
     std::vector<double> at_floor(tuner.ranks().size());
     ParallelFor(threads, tuner.ranks().size(), [&](size_t begin, size_t end) {
       for (size_t r = begin; r < end; ++r) {
+        if (r + 2 < end) tuner.PrefetchItems(tuner.ranks()[r + 2]);
         if (r + 1 < end) tuner.Prefetch(tuner.ranks()[r + 1], Tuner::kRows);
         at_floor[r] = tuner.RankSeconds(tuner.ranks()[r], /*at_floor=*/true);
       }
