@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -19,8 +18,14 @@ constexpr int64_t kDirectSumRows = 96;
 // QuantizeDensity, inline for ActiveBlocks (the exported function is never inlined: -fPIC).
 inline int64_t Quantize(double density) {
   if (!(density > 0.0)) return 1;  // also catches NaN; validation rejects these earlier
-  const double scaled = std::nearbyint(density * static_cast<double>(kDensityQuantum));
-  return std::clamp<int64_t>(static_cast<int64_t>(std::min(scaled, 1e18)), 1, kDensityQuantum);
+  if (!(density < 1.0)) return kDensityQuantum;
+  // nearbyint(density * Q) without libm's call (x86-64's baseline has no rounding instruction):
+  // below 2^52, adding 2^52 leaves no fraction bits, so the sum is rounded to an integer as
+  // nearbyint rounds (the current rounding mode), and subtracting 2^52 again is exact.
+  constexpr double kNoFraction = 4503599627370496.0;  // 2^52
+  const double scaled =
+      (density * static_cast<double>(kDensityQuantum) + kNoFraction) - kNoFraction;
+  return std::max<int64_t>(static_cast<int64_t>(scaled), 1);
 }
 
 }  // namespace
@@ -154,11 +159,15 @@ int64_t KeptActiveBlocksOfRows(int64_t rows, int64_t q, int64_t anchors) {
 }  // namespace
 
 int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_blocks) {
+  return ActiveBlocksOfQueryBlocks(QueryBlocks(length, block_size), density, local_blocks);
+}
+
+int64_t ActiveBlocksOfQueryBlocks(int64_t rows, double density, int local_blocks) {
   // Within the domain (header): rows <= 2^31 and anchors <= 2^24 + 2, so below
   // anchors * (anchors + 1) < 2^49, (last_anchored - anchors) * anchors < 2^55,
   // q * n_free <= anchors * Q + q < 2^41 and the total, at most rows (rows + 1) / 2 < 2^62, all
   // fit in int64.
-  const int64_t rows = std::min(QueryBlocks(length, block_size), kMaxBlockMathRows);
+  rows = std::clamp<int64_t>(rows, 0, kMaxBlockMathRows);
   const int64_t q = Quantize(density);
   const int64_t anchors = static_cast<int64_t>(std::clamp(local_blocks, 0, kMaxLocalBlocks)) + 2;
   // Every row keeps all its blocks at full density (ceil(q n / Q) = n) and where no row has
@@ -175,9 +184,9 @@ int64_t ActiveBlocksInRows(int64_t first_row, int64_t end_row, double density, i
   first_row = std::clamp<int64_t>(first_row, 0, kMaxBlockMathRows);
   end_row = std::clamp<int64_t>(end_row, 0, kMaxBlockMathRows);
   if (end_row <= first_row) return 0;
-  // With block size 1, a "length" of n is n rows: the prefix sums of k_i.
-  return ActiveBlocks(end_row, density, 1, local_blocks) -
-         ActiveBlocks(first_row, density, 1, local_blocks);
+  // The prefix sums of k_i.
+  return ActiveBlocksOfQueryBlocks(end_row, density, local_blocks) -
+         ActiveBlocksOfQueryBlocks(first_row, density, local_blocks);
 }
 
 int64_t ActiveBlocksBySum(int64_t length, double density, int block_size, int local_blocks) {

@@ -76,6 +76,13 @@ SB_HOST_DEVICE inline int64_t KeptBlocks(int64_t query_block, int64_t q, int loc
 // local_blocks in [0, kMaxLocalBlocks] (clamped). The result is below 2^62.
 int64_t ActiveBlocks(int64_t length, double density, int block_size, int local_blocks);
 
+// The same for a document of `rows` query blocks: ActiveBlocks(length, density, block_size,
+// local_blocks) is ActiveBlocksOfQueryBlocks(QueryBlocks(length, block_size), density,
+// local_blocks). For callers that hold their documents' rows (the planner's SampleTable, which
+// counts every sample's blocks at every density it is planned at): no division by the block
+// size. Rows are clamped into [0, kMaxBlockMathRows].
+int64_t ActiveBlocksOfQueryBlocks(int64_t rows, double density, int local_blocks);
+
 // Active blocks of query blocks [first_row, end_row) of a document at `density`: the part of
 // A(L, rho) that one shard of a document split at block boundaries runs (context parallelism).
 // k_i depends on i alone, so this is a difference of two prefix sums. Rows are clamped into

@@ -743,17 +743,30 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
     std::array<Bucket, kRecallBuckets> buckets{};
   };
   std::vector<RankFigures> rank_figures(assignment.ranks.size());
-  // Builds rank r; `order` holds the samples its thread plans in the order it plans them, and
-  // `next` is the index there of the rank's first, moved past its last.
+  // Allocates rank r's micro-batches and room for their samples, and asks the CPU to fetch that
+  // room, one rank ahead of the rank being built: freshly allocated, it is not in the cache, and
+  // writing a planned sample there waited for its lines (the build took 2.30-2.50 ms at 65,536
+  // samples on 2 threads without this, 1.94-2.11 ms with it).
+  auto allocate_rank = [&](size_t r) {
+    std::vector<MicroBatchPlan>& micro_batches = plan.ranks[r].micro_batches;
+    micro_batches.resize(assignment.ranks[r].size());
+    for (size_t m = 0; m < micro_batches.size(); ++m) {
+      std::vector<PlannedSample>& samples = micro_batches[m].samples;
+      samples.reserve(assignment.ranks[r][m].size());
+      const char* const room = reinterpret_cast<const char*>(samples.data());
+      const size_t bytes = samples.capacity() * sizeof(PlannedSample);
+      for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(room + b, /*rw=*/1);
+    }
+  };
+  // Builds rank r (allocated); `order` holds the samples its thread plans in the order it plans
+  // them, and `next` is the index there of the rank's first, moved past its last.
   auto build_rank = [&](size_t r, const std::vector<int>& order, size_t& next) {
     RankPlan& rank = plan.ranks[r];
     RankFigures& figures = rank_figures[r];
-    rank.micro_batches.reserve(config.micro_batches);
     for (size_t m = 0; m < assignment.ranks[r].size(); ++m) {
       const std::vector<int>& members = assignment.ranks[r][m];
-      MicroBatchPlan mb;
+      MicroBatchPlan& mb = rank.micro_batches[m];
       mb.default_density = config.density_default;
-      mb.samples.reserve(members.size());
       MicroBatchFeatures features;
       // One planned sample (a whole sample, or shard `shard` of split document `split`, the
       // assignment's shards[k]), and what it adds to the rank's figures.
@@ -843,7 +856,6 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
       figures.raw += raw;
       mb.predicted_seconds = model.speed_factor(static_cast<int>(r)) * raw;
       rank.predicted_seconds += mb.predicted_seconds;
-      rank.micro_batches.push_back(std::move(mb));
     }
   };
   ParallelFor(threads, assignment.ranks.size(), [&](size_t begin, size_t end) {
@@ -856,7 +868,11 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
       }
     }
     size_t next = 0;
-    for (size_t r = begin; r < end; ++r) build_rank(r, order, next);
+    if (begin < end) allocate_rank(begin);
+    for (size_t r = begin; r < end; ++r) {
+      if (r + 1 < end) allocate_rank(r + 1);
+      build_rank(r, order, next);
+    }
   });
   double total_raw = 0.0;       // seconds, speed excluded
   double total_exchange = 0.0;  // the shards' key/value exchange in it

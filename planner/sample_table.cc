@@ -195,12 +195,11 @@ void SampleTable::WarmRecalls(const std::vector<double>& densities, size_t begin
 
 double SampleTable::CountActiveBlocks(size_t i, double rho) const {
   // As LatencyModel::SampleFeatures counts them (whole-number sums: exact in any order), from
-  // each document's query blocks: ActiveBlocks of `rows` at block size 1 is that of the
-  // document's length at the job's block size.
+  // each document's query blocks.
   double blocks = 0.0;
   const auto [first, last] = Documents(i);
   for (int d = first; d < last; ++d) {
-    blocks += static_cast<double>(ActiveBlocks(doc_rows_[d], rho, /*block_size=*/1, local_blocks_));
+    blocks += static_cast<double>(ActiveBlocksOfQueryBlocks(doc_rows_[d], rho, local_blocks_));
   }
   blocks_[i] = {rho, blocks};
   return blocks;
