@@ -288,7 +288,7 @@ struct Workspace {
   std::vector<std::pair<uint64_t, int>> grouped;  // (group, sample) of grouped samples
   std::vector<Tally> tallies;                     // units in arrival order
   std::vector<double> costs;                      // per sample, in the policy's metric
-  std::vector<uint64_t> keys;                     // LargestFirst's sort keys and
+  std::vector<uint64_t> keys;                     // LargestFirstKeys' sort keys and
   std::vector<uint64_t> sorted;                   // its second buffer
   std::vector<int> radix_place;                   // its counts and places per pass
   std::vector<int> order;                         // placement order of arrival units
@@ -343,35 +343,42 @@ uint64_t CostKey(double cost) {
   return ~bits;
 }
 
-// Writes to `order` the indices of `tallies` by cost, largest first, costs that agree to 2^-19
+// The units' largest-first order (LargestFirstKeys, then SortLargestFirst): the indices of
+// `tallies` by cost, largest first, costs that agree to 2^-19
 // of themselves in index order: a stable radix sort of the top 31 bits of the costs' keys (sign,
 // exponent and 19 bits of mantissa), whose order is that of the costs (none is NaN). Costs that
 // close are ties to the greedy that follows, and the 33 lower bits took three of the six passes.
 // At scale (65,536 units) std::sort's comparisons of such keys mispredict at every other step.
 // Each key is those 31 bits above the index in one 64-bit word, which the bits below them
 // leave room for: half the bytes each pass moved of (CostKey, index) pairs. The keys are made
-// on `threads`. Least significant digit first; each pass keeps the order of equal digits, so
+// on the threads; the sort runs on the calling thread, which BuildUnits shares with other work
+// (ParallelBeside). Least significant digit first; each pass keeps the order of equal digits, so
 // ties stay in index order, and the result is that of any stable sort by those bits: here by
 // those bits less the least key's, whose span is narrower than 31 bits (23 at 65,536 samples
 // over 4,096 ranks: two passes of 12-bit digits where three of 11 sorted all 31), the digits of
 // every pass counted in one read of the keys, and the passes on the calling thread: the sort
 // took 0.66-0.70 ms where three passes spread over two threads took 0.75-0.81, and 0.66-0.75
 // where three took 0.77-0.86 on one.
-void LargestFirst(const std::vector<Tally>& tallies, Workspace* ws, std::vector<int>* order,
-                  PlanThreads* threads = nullptr) {
-  const size_t n = tallies.size();
-  constexpr int kLowBit = 33;  // the sort's bits: 33-63
-  constexpr uint64_t kIndexBits = (uint64_t{1} << kLowBit) - 1;
-  static_assert(kMaxBatchSamples <= kIndexBits, "a unit's index fits below the sorted bits");
+constexpr int kLowBit = 33;  // the sort's bits: 33-63
+constexpr uint64_t kIndexBits = (uint64_t{1} << kLowBit) - 1;
+static_assert(kMaxBatchSamples <= kIndexBits, "a unit's index fits below the sorted bits");
+
+void LargestFirstKeys(const std::vector<Tally>& tallies, Workspace* ws, PlanThreads* threads) {
+  std::vector<uint64_t>& keys = ws->keys;
+  keys.resize(tallies.size());
+  ParallelFor(threads, tallies.size(), [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) keys[i] = (CostKey(tallies[i].cost) & ~kIndexBits) | i;
+  });
+}
+
+// Writes the order of the keys LargestFirstKeys made to `order`.
+void SortLargestFirst(Workspace* ws, std::vector<int>* order) {
   std::vector<uint64_t>& keys = ws->keys;
   std::vector<uint64_t>& sorted = ws->sorted;
-  keys.resize(n);
+  const size_t n = keys.size();
   sorted.resize(n);
   order->resize(n);
   if (n == 0) return;
-  ParallelFor(threads, n, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) keys[i] = (CostKey(tallies[i].cost) & ~kIndexBits) | i;
-  });
   uint64_t least = keys[0] >> kLowBit;
   uint64_t most = least;
   for (const uint64_t key : keys) {
@@ -432,7 +439,7 @@ int PartFirstRank(int part, int parts, int ranks) {
   return static_cast<int>(int64_t{part} * ranks / parts);
 }
 
-// Deals the units (`tallies`), largest first as LargestFirst left them (`order`), to the parts
+// Deals the units (`tallies`), largest first as SortLargestFirst left them (`order`), to the parts
 // (kRanksPerPart): each to the part where it ends with the least load for the part's speed
 // (the sum of its ranks' 1 / speed factor), ties to the first. Then lists `order` part by
 // part, each part's largest first, and sets ws->part_begin. Tokens are not dealt: a unit that
@@ -494,9 +501,9 @@ void DealToParts(const PlannerConfig& config, const std::vector<double>& speed,
 
 // Fills ws->units and ws->members with the batch's units in the order they are placed:
 // arrival order (of their first samples), or with `largest_first` by cost, largest first,
-// near-ties in arrival order (LargestFirst); with `speed` (the ranks' factors) also dealt to parts
-// (DealToParts), each part's largest first. Members are laid out unit by unit in that order, each
-// unit's in arrival order, then stably longest first.
+// near-ties in arrival order (SortLargestFirst); with `speed` (the ranks' factors) also dealt to
+// parts (DealToParts), each part's largest first. Members are laid out unit by unit in that order,
+// each unit's in arrival order, then stably longest first.
 void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
                 const LatencyModel& model, const std::vector<double>& densities, bool largest_first,
                 Workspace* ws, const SampleTable* table = nullptr, PlanThreads* threads = nullptr,
@@ -575,15 +582,17 @@ void BuildUnits(const std::vector<Sample>& batch, const PlannerConfig& config,
   // Arrival numbers follow first indices, so they break cost ties in arrival order.
   const int unit_count = static_cast<int>(tallies.size());
   std::vector<int>& order = ws->order;
-  if (largest_first) {
-    LargestFirst(tallies, ws, &order, threads);
-  } else {
-    order.resize(unit_count);
-    for (int p = 0; p < unit_count; ++p) order[p] = p;
-  }
-  // The deal is a serial chain (about 1 ms at 65,536 samples over 4,096 ranks, a unit's part
-  // depending on every earlier unit's): `side` runs on the helpers meanwhile.
+  if (largest_first) LargestFirstKeys(tallies, ws, threads);
+  // The sort and the deal run on the calling thread (about 0.7 and 0.9 ms at 65,536 samples
+  // over 4,096 ranks; a unit's part depends on every earlier unit's): `side` runs on the
+  // helpers meanwhile.
   ParallelBeside(threads, side, [&] {
+    if (largest_first) {
+      SortLargestFirst(ws, &order);
+    } else {
+      order.resize(unit_count);
+      for (int p = 0; p < unit_count; ++p) order[p] = p;
+    }
     if (largest_first && speed != nullptr) {
       DealToParts(config, *speed, tallies, ws, &order);
     } else {
