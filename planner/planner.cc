@@ -66,6 +66,16 @@ std::array<double, N> JoinBlocks(const std::vector<std::array<double, N>>& parti
   return total;
 }
 
+// run(first, last) over `blocks` blocks of samples: each block a range on `threads` when there
+// are several.
+void RunBlocks(size_t blocks, PlanThreads* threads, absl::FunctionRef<void(size_t, size_t)> run) {
+  if (threads != nullptr && threads->size() > 1 && blocks > 1) {
+    threads->Run(blocks, blocks, run);
+  } else {
+    run(0, blocks);
+  }
+}
+
 // N sums over samples [0, n): add(i, sums) adds sample i's terms to its block's sums; the
 // blocks of kSumBlock samples run on `threads`, and their sums are added after in block order.
 // The blocks do not depend on the threads, so neither do the sums' bits.
@@ -73,16 +83,10 @@ std::array<double, N> JoinBlocks(const std::vector<std::array<double, N>>& parti
 // an indirect call a sample was a fifth of the guards' sums.
 template <size_t N, typename Add>
 std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) {
-  const size_t blocks = SumBlocks(n);
-  std::vector<std::array<double, N>> partial(blocks);
-  auto run = [&](size_t first, size_t last) {
+  std::vector<std::array<double, N>> partial(SumBlocks(n));
+  RunBlocks(partial.size(), threads, [&](size_t first, size_t last) {
     for (size_t b = first; b < last; ++b) partial[b] = SumOfBlock<N>(b, n, add);
-  };
-  if (threads != nullptr && threads->size() > 1 && blocks > 1) {
-    threads->Run(blocks, blocks, run);
-  } else {
-    run(0, blocks);
-  }
+  });
   return JoinBlocks(partial);
 }
 
@@ -125,14 +129,30 @@ void SplitBucketSums(const BucketSums& sums, std::vector<double>* tokens,
   }
 }
 
+// BucketTotals' sums of block b (BlockSums' blocks). Out of line, so that
+// scripts/plan-instructions.sh finds the guards' bucket sums: PlanStep takes them block by block
+// beside the placement, and again with BucketTotals where samples were deferred.
+__attribute__((noinline)) BucketSums BucketBlockSums(size_t b, const std::vector<Sample>& batch,
+                                                     const std::vector<double>& densities,
+                                                     const SampleTable& table,
+                                                     const std::vector<double>& weights,
+                                                     const std::vector<double>* also) {
+  return SumOfBlock<std::tuple_size_v<BucketSums>>(b, batch.size(),
+                                                   BucketAdder(densities, table, weights, also));
+}
+
 void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
                   const SampleTable& table, const std::vector<double>& weights,
                   std::vector<double>* tokens, std::vector<double>* weighted,
                   PlanThreads* threads = nullptr, const std::vector<double>* also = nullptr,
                   std::vector<double>* also_weighted = nullptr) {
-  SplitBucketSums(BlockSums<std::tuple_size_v<BucketSums>>(
-                      batch.size(), threads, BucketAdder(densities, table, weights, also)),
-                  tokens, weighted, also != nullptr ? also_weighted : nullptr);
+  std::vector<BucketSums> partial(SumBlocks(batch.size()));
+  RunBlocks(partial.size(), threads, [&](size_t first, size_t last) {
+    for (size_t b = first; b < last; ++b) {
+      partial[b] = BucketBlockSums(b, batch, densities, table, weights, also);
+    }
+  });
+  SplitBucketSums(JoinBlocks(partial), tokens, weighted, also != nullptr ? also_weighted : nullptr);
 }
 
 // Each bucket's recall sum over its tokens (-1 for a bucket without documents), in place.
@@ -144,13 +164,13 @@ void DivideByTokens(const std::vector<double>& tokens, std::vector<double>* weig
 
 // Token-weighted predicted recall per length bucket of the documents of the samples with a
 // non-zero weight (`weights` empty: all); a bucket without documents gets -1. With `also`, the
-// same at densities `also` in the same pass (`at_also`). Out of line, so that
-// scripts/plan-instructions.sh finds the guards' bucket sums (now called once a plan, GCC
-// inlined it into PlanStep).
-__attribute__((noinline)) std::vector<double> BucketRecalls(
-    const std::vector<Sample>& batch, const std::vector<double>& densities,
-    const SampleTable& table, const std::vector<double>& weights, PlanThreads* threads = nullptr,
-    const std::vector<double>* also = nullptr, std::vector<double>* at_also = nullptr) {
+// same at densities `also` in the same pass (`at_also`).
+std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
+                                  const std::vector<double>& densities, const SampleTable& table,
+                                  const std::vector<double>& weights,
+                                  PlanThreads* threads = nullptr,
+                                  const std::vector<double>* also = nullptr,
+                                  std::vector<double>* at_also = nullptr) {
   std::vector<double> tokens;
   std::vector<double> weighted;
   BucketTotals(batch, densities, table, weights, &tokens, &weighted, threads, also, at_also);
@@ -609,13 +629,12 @@ absl::StatusOr<StepPlan> PlanStep(const std::vector<Sample>& batch, const ValidC
   const size_t blocks = SumBlocks(batch.size());
   std::vector<BucketSums> guard_blocks(guarded ? blocks : 0);
   const std::vector<double> every_sample;  // BucketTotals' weights: all placed
-  const auto add_placed = BucketAdder(defaults, table, every_sample, &densities);
   auto warm_blocks = [&](size_t first, size_t last) {
     for (size_t b = first; b < last; ++b) {
       const auto [begin, end] = SumBlock(b, batch.size());
       table.WarmRecalls(densities, begin, end);
       if (guarded) {
-        guard_blocks[b] = SumOfBlock<std::tuple_size_v<BucketSums>>(b, batch.size(), add_placed);
+        guard_blocks[b] = BucketBlockSums(b, batch, defaults, table, every_sample, &densities);
       }
     }
   };
