@@ -22,9 +22,6 @@ namespace {
 constexpr int kMaxSolverIterations = 60;
 // Items whose exponentials are taken at once (DetExpAll), in a buffer on the stack.
 constexpr size_t kBatch = 256;
-// Items ahead whose TunerSample the set-up asks the CPU to fetch: at kFetchAhead (12) it still
-// waited on them for a third of its time.
-constexpr size_t kRecordsAhead = 32;
 // Ranks whose estimated time is within this share of the largest are recounted exactly.
 constexpr double kNearMaxShare = 0.01;
 // Solves per rank at most, each correcting the continuous estimate by the exact block count.
@@ -459,8 +456,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
             const TunerSample* sample = &from_table;
             bool log_known = true;
             if constexpr (decltype(with_records)::value) {
-              if (k + kRecordsAhead < last)
-                __builtin_prefetch(&(*samples)[order[k + kRecordsAhead]]);
+              if (k + kFetchAhead < last) __builtin_prefetch(&(*samples)[order[k + kFetchAhead]]);
               sample = &(*samples)[i];
             } else {
               if (k + kFetchAhead < last) {
