@@ -65,11 +65,65 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
                                   const std::vector<double>& bucket_min_recall = {});
 // The same with the step's SampleTable (PlanStep builds one for all phases), the per-sample and
 // per-rank work split over `threads` when given (the result does not depend on them).
+// With `samples`, the tuner's set-up reads each sample's record there (TunerSamples, below,
+// filled for every sample of the batch from `table`, `config` and this `base`) instead of the
+// table.
+class TunerSamples;
 std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assignment& assignment,
                                   const PlannerConfig& config, const LatencyModel& model,
                                   const SampleTable& table, const std::vector<double>& base,
                                   double min_recall, const std::vector<double>& bucket_min_recall,
-                                  PlanThreads* threads = nullptr);
+                                  PlanThreads* threads = nullptr,
+                                  const TunerSamples* samples = nullptr);
+
+// What the tuner's set-up reads of one sample at its base density, which depends on neither the
+// assignment nor the bucket weights: 64 bytes, one cache line (sparsity_tuner.cc).
+struct alignas(64) TunerSample {
+  double floor = 0.0;  // lowest density: the table's floor, or the base where that is higher
+  double base = 0.0;
+  double g_minus_1 = 0.0;  // recall exponent - 1
+  double log_floor = 0.0;  // LogOneMinus(floor)
+  double log_base = 0.0;   // LogOneMinus(base)
+  double offset = 0.0;     // SampleTerms::price_offset
+  double weight = 0.0;     // tokens
+  int doc_begin = 0;       // its documents in the table's document arrays
+  // The end of its documents where it has several (> doc_begin + 1); where it has one, ~bucket
+  // (< 0), the length bucket of that document (recall_model.h): 4 more bytes would make a
+  // record span two cache lines.
+  int doc_end_or_bucket = 0;
+  int doc_end() const { return doc_end_or_bucket < 0 ? doc_begin + 1 : doc_end_or_bucket; }
+  int bucket() const { return doc_end_or_bucket < 0 ? ~doc_end_or_bucket : -1; }
+};
+
+// Per-sample records for TuneDensities' set-up, filled ahead in batch order, block by block, where
+// the work beside them leaves a thread idle (PlanStep fills them beside the placement's serial
+// sort and deal). The set-up walks the samples in placement order, scattered over the batch:
+// reading a record there is one cache miss per sample where reading the table is about four (its
+// terms' two lines, its base density, its document's tokens and bucket).
+class TunerSamples {
+ public:
+  // Room for `n` samples, in storage kept per thread between steps (as the tuner's own) when it
+  // is free.
+  explicit TunerSamples(size_t n);
+  ~TunerSamples();
+  TunerSamples(const TunerSamples&) = delete;
+  TunerSamples& operator=(const TunerSamples&) = delete;
+  // Fills the records of samples [begin, end) at densities `base`; ranges may be filled from
+  // several threads at once.
+  void Fill(const SampleTable& table, const PlannerConfig& config, const std::vector<double>& base,
+            size_t begin, size_t end);
+  const TunerSample& operator[](size_t i) const { return records_[i]; }
+
+ private:
+  struct Storage {
+    std::vector<TunerSample> records;
+    bool in_use = false;
+  };
+  static Storage& ThreadStorage();
+  Storage own_;
+  Storage* storage_ = nullptr;
+  TunerSample* records_ = nullptr;
+};
 
 // Per-layer densities of one sample that DST gave `density`, from the job's per-layer recall
 // curves: the densities in [floor, density_max] whose mean is `density` (so the attention cost
