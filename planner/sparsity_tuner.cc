@@ -526,12 +526,13 @@ double Tuner::SurrogateBlocks(int64_t rows, double rho, double* slope) const {
 
 void Tuner::PrefetchItems(const RankWork& rank) const {
   if (rank.items.empty()) return;
-  constexpr uintptr_t kLine = 64;
-  const uintptr_t first = reinterpret_cast<uintptr_t>(rank.items.begin()) & ~(kLine - 1);
-  const uintptr_t last = reinterpret_cast<uintptr_t>(rank.items.end()) - 1;
-  for (uintptr_t line = first; line <= last; line += kLine) {
-    __builtin_prefetch(reinterpret_cast<const void*>(line));
-  }
+  // Every cache line the items touch: one a line's width apart from the first byte, and the
+  // last byte's line, which that stride may step over.
+  constexpr size_t kLine = 64;
+  const auto* const first = reinterpret_cast<const char*>(rank.items.begin());
+  const size_t bytes = rank.items.size() * sizeof(Item);
+  for (size_t offset = 0; offset < bytes; offset += kLine) __builtin_prefetch(first + offset);
+  __builtin_prefetch(first + bytes - 1);
 }
 
 void Tuner::Prefetch(const RankWork& rank, unsigned what) const {
