@@ -16,6 +16,7 @@
 #include "planner/plan_threads.h"
 #include "planner/recall_model.h"
 #include "planner/sample_table.h"
+#include "planner/thread_scratch.h"
 
 namespace sparsebalance {
 namespace {

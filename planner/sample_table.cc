@@ -14,8 +14,7 @@ namespace sparsebalance {
 
 SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
                          const LatencyModel& model, const RecallModel& recall, PlanThreads* threads)
-    : storage_(ThreadStorage().in_use ? &own_ : &ThreadStorage()), size_(batch.size()) {
-  storage_->in_use = true;
+    : storage_(batch.size()), size_(batch.size()) {
   if (storage_->terms.size() < size_) {
     storage_->terms.resize(size_);
     storage_->bases.resize(size_);
@@ -141,16 +140,6 @@ SampleTable::SampleTable(const std::vector<Sample>& batch, const PlannerConfig& 
       }
     }
   });
-}
-
-SampleTable::~SampleTable() {
-  if (storage_->terms.size() > kKeptScratchSamples) *storage_ = Storage{};  // frees them
-  storage_->in_use = false;
-}
-
-SampleTable::Storage& SampleTable::ThreadStorage() {
-  thread_local Storage storage;
-  return storage;
 }
 
 void SampleTable::WarmRecalls(const std::vector<double>& densities, PlanThreads* threads) const {

@@ -19,17 +19,12 @@
 #include "planner/det_math.h"
 #include "planner/latency_model.h"
 #include "planner/recall_model.h"
+#include "planner/thread_scratch.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
 
 class PlanThreads;
-
-// Planning keeps its large per-sample arrays per thread between steps (the table's, the
-// placement's Workspace, the tuner's storage): a fresh page costs more than the work on it. A
-// step of more samples than this releases them when it ends instead, so that one very large batch
-// (up to kMaxBatchSamples, 2^24) does not leave each planning thread holding gigabytes.
-inline constexpr size_t kKeptScratchSamples = size_t{1} << 18;
 
 // Highest density the tuner's logarithms use where density_max is 1: the recall slope vanishes
 // at 1, so the multiplier that reaches exactly 1 is 0 (log -inf).
@@ -63,7 +58,6 @@ class SampleTable {
   // With `threads`, the samples' terms are worked out on them (plan_threads.h).
   SampleTable(const std::vector<Sample>& batch, const PlannerConfig& config,
               const LatencyModel& model, const RecallModel& recall, PlanThreads* threads = nullptr);
-  ~SampleTable();
   SampleTable(const SampleTable&) = delete;
   SampleTable& operator=(const SampleTable&) = delete;
   const SampleTerms& operator[](size_t i) const { return terms_[i]; }
@@ -153,8 +147,8 @@ class SampleTable {
     double density;
     double value;
   };
-  // The table's arrays. They live in a per-thread Storage kept between steps when it is free
-  // (the usual case: one table per PlanStep), else in `own_`, and only grow: at 65,536 samples
+  // The table's arrays. They live in the thread's Storage kept between steps when it is free
+  // (ThreadScratch; the usual case: one table per PlanStep), and only grow: at 65,536 samples
   // allocating and clearing 5 MB anew was a quarter of the table's time on two threads, on one
   // thread alone. Every entry below size_ is written when the table is built.
   struct Storage {
@@ -167,9 +161,7 @@ class SampleTable {
     std::vector<int64_t> doc_rows;
     std::vector<int64_t> doc_tokens;
     std::vector<int> doc_buckets;
-    bool in_use = false;
   };
-  static Storage& ThreadStorage();
   // Recall(i, rho) off the sample's base (its exponent `exponent`): the kept answer, or worked
   // out and kept.
   double KeptRecall(size_t i, double rho, double exponent) const {
@@ -179,8 +171,7 @@ class SampleTable {
   }
   // Counts sample i's active blocks at rho and keeps the count.
   double CountActiveBlocks(size_t i, double rho) const;
-  Storage own_;
-  Storage* storage_ = nullptr;
+  ThreadScratch<Storage> storage_;
   size_t size_ = 0;
   SampleTerms* terms_ = nullptr;
   double* bases_ = nullptr;          // per sample, SampleTerms::base

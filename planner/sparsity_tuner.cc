@@ -247,7 +247,6 @@ struct TunerStorage {
   std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
   std::vector<BucketShare> bucket_shares;  // BucketRecall's, as `weighted`
   std::vector<int> order;                  // the items' samples (Tuner::Tuner)
-  bool in_use = false;
 };
 
 // `v` with room for n entries, grown (never shrunk) so that its first n are not rewritten.
@@ -264,10 +263,6 @@ class Tuner {
   Tuner(const std::vector<Sample>& batch, const Assignment& assignment, const PlannerConfig& config,
         const LatencyModel& model, const SampleTable& table, const std::vector<double>& base,
         PlanThreads* threads = nullptr, const TunerSamples* samples = nullptr);
-  ~Tuner() {
-    if (storage_->items.size() > kKeptScratchSamples) *storage_ = TunerStorage{};  // frees them
-    storage_->in_use = false;
-  }
   Tuner(const Tuner&) = delete;
   Tuner& operator=(const Tuner&) = delete;
 
@@ -371,18 +366,12 @@ class Tuner {
   size_t item_count_ = 0;
   // Items live in a per-thread TunerStorage when it is free (the usual case), else in `own_`;
   // `storage_` points at the one in use.
-  TunerStorage own_;
-  TunerStorage* storage_ = nullptr;
+  ThreadScratch<TunerStorage> storage_;
   // The table's document arrays (SampleTable::doc_rows), which the items' doc_begin index.
   const int64_t* docs_ = nullptr;  // query blocks
   const int64_t* doc_tokens_ = nullptr;
   const int* doc_buckets_ = nullptr;  // recall_model.h's length buckets
 };
-
-TunerStorage& SharedStorage() {
-  thread_local TunerStorage storage;
-  return storage;
-}
 
 Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
              const PlannerConfig& config, const LatencyModel& model, const SampleTable& table,
@@ -391,11 +380,10 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       table_(table),
       base_(base),
       threads_(threads),
-      storage_(SharedStorage().in_use ? &own_ : &SharedStorage()),
+      storage_(batch.size()),
       docs_(table.doc_rows()),
       doc_tokens_(table.doc_tokens()),
       doc_buckets_(table.doc_buckets()) {
-  storage_->in_use = true;
   const CostCoefficients coef = model.coefficients();
   per_block_ = coef.per_block;
   anchors_ = config.shape.local_blocks + 2.0;
@@ -1011,28 +999,6 @@ struct AllocationStorage {
   // Per item, e^((x + offset) / (g - 1)) at the last evaluation's x: 1 - rho where the item is
   // off its bounds, and what its density is clamped from at a bound.
   std::vector<double> one_minus;
-  bool in_use = false;
-};
-
-// The calling thread's AllocationStorage while it is free, else one of its own.
-class AllocationScratch {
- public:
-  AllocationScratch() : storage_(Shared().in_use ? &own_ : &Shared()) { storage_->in_use = true; }
-  ~AllocationScratch() {
-    if (storage_->terms.size() > kKeptScratchSamples) *storage_ = AllocationStorage{};
-    storage_->in_use = false;
-  }
-  AllocationScratch(const AllocationScratch&) = delete;
-  AllocationScratch& operator=(const AllocationScratch&) = delete;
-  AllocationStorage& operator*() const { return *storage_; }
-
- private:
-  static AllocationStorage& Shared() {
-    thread_local AllocationStorage storage;
-    return storage;
-  }
-  AllocationStorage own_;
-  AllocationStorage* storage_;
 };
 
 // A serial sum over the items of a ParallelChunks loop, made while the loop runs: each range
@@ -1298,7 +1264,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
   const size_t n = batch.size();
   std::vector<double> densities = base;
   if (n == 0) return densities;
-  AllocationScratch scratch;
+  ThreadScratch<AllocationStorage> scratch(n);
   AllocationStorage& st = *scratch;
   const double hi_density = config.density_max;
   const double log_hi = LogOneMinus(hi_density);
@@ -1574,20 +1540,7 @@ std::vector<double> LayerDensities(const Sample& sample, double density, double 
   return rho;
 }
 
-TunerSamples::TunerSamples(size_t n) : storage_(ThreadStorage().in_use ? &own_ : &ThreadStorage()) {
-  storage_->in_use = true;
-  records_ = Scratch(storage_->records, n);
-}
-
-TunerSamples::~TunerSamples() {
-  if (storage_->records.size() > kKeptScratchSamples) *storage_ = Storage{};  // frees them
-  storage_->in_use = false;
-}
-
-TunerSamples::Storage& TunerSamples::ThreadStorage() {
-  thread_local Storage storage;
-  return storage;
-}
+TunerSamples::TunerSamples(size_t n) : storage_(n) { records_ = Scratch(storage_->records, n); }
 
 void TunerSamples::Fill(const SampleTable& table, const PlannerConfig& config,
                         const std::vector<double>& base, size_t begin, size_t end) {

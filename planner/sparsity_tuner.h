@@ -15,6 +15,7 @@
 #include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
 #include "planner/sample_table.h"
+#include "planner/thread_scratch.h"
 #include "planner/types.h"
 
 namespace sparsebalance {
@@ -105,7 +106,6 @@ class TunerSamples {
   // Room for `n` samples, in storage kept per thread between steps (as the tuner's own) when it
   // is free.
   explicit TunerSamples(size_t n);
-  ~TunerSamples();
   TunerSamples(const TunerSamples&) = delete;
   TunerSamples& operator=(const TunerSamples&) = delete;
   // Fills the records of samples [begin, end) at densities `base`; ranges may be filled from
@@ -117,11 +117,8 @@ class TunerSamples {
  private:
   struct Storage {
     std::vector<TunerSample> records;
-    bool in_use = false;
   };
-  static Storage& ThreadStorage();
-  Storage own_;
-  Storage* storage_ = nullptr;
+  ThreadScratch<Storage> storage_;
   TunerSample* records_ = nullptr;
 };
 
