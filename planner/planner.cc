@@ -66,35 +66,31 @@ std::array<double, N> JoinBlocks(const std::vector<std::array<double, N>>& parti
   return total;
 }
 
-// run(first, last) over `blocks` blocks of samples: each block a range on `threads` when there
-// are several.
-void RunBlocks(size_t blocks, PlanThreads* threads, absl::FunctionRef<void(size_t, size_t)> run) {
-  if (threads != nullptr && threads->size() > 1 && blocks > 1) {
-    threads->Run(blocks, blocks, run);
-  } else {
-    run(0, blocks);
-  }
-}
-
-// N sums over samples [0, n): add(i, sums) adds sample i's terms to its block's sums; the
-// blocks of kSumBlock samples run on `threads`, and their sums are added after in block order.
-// The blocks do not depend on the threads, so neither do the sums' bits.
-// `add` is a template argument, not a FunctionRef, so that it is inlined into the block's loop:
-// an indirect call a sample was a fifth of the guards' sums.
-template <size_t N, typename Add>
-std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) {
+// N sums over samples [0, n) in blocks of kSumBlock: block(b) returns block b's sums; the
+// blocks run on `threads`, and their sums are added after in block order. The blocks do not
+// depend on the threads, so neither do the sums' bits.
+template <size_t N, typename Block>
+std::array<double, N> SumBlocksOf(size_t n, PlanThreads* threads, const Block& block) {
   std::vector<std::array<double, N>> partial(SumBlocks(n));
-  RunBlocks(partial.size(), threads, [&](size_t first, size_t last) {
-    for (size_t b = first; b < last; ++b) partial[b] = SumOfBlock<N>(b, n, add);
-  });
+  auto run = [&](size_t first, size_t last) {
+    for (size_t b = first; b < last; ++b) partial[b] = block(b);
+  };
+  if (threads != nullptr && threads->size() > 1 && partial.size() > 1) {
+    threads->Run(partial.size(), partial.size(), run);
+  } else {
+    run(0, partial.size());
+  }
   return JoinBlocks(partial);
 }
 
-// Per length bucket, the tokens and the token-weighted predicted recall sum of the documents of
-// the samples with a non-zero weight (`weights` empty: all); with `also`, in the same pass the
-// recall sums at densities `also` too (`also_weighted`). With `threads`, the samples' recalls
-// must be kept in the table already (SampleTable::WarmRecalls): its memo is written from one
-// thread per sample only.
+// SumBlocksOf with add(i, sums) adding sample i's terms to its block's sums. `add` is a
+// template argument, not a FunctionRef, so that it is inlined into the block's loop: an
+// indirect call a sample was a fifth of the guards' sums.
+template <size_t N, typename Add>
+std::array<double, N> BlockSums(size_t n, PlanThreads* threads, const Add& add) {
+  return SumBlocksOf<N>(n, threads, [&](size_t b) { return SumOfBlock<N>(b, n, add); });
+}
+
 // BucketTotals' sums: [b] bucket b's recall sum, [kRecallBuckets + b] its tokens,
 // [2 kRecallBuckets + b] its recall sum at `also`.
 using BucketSums = std::array<double, 3 * kRecallBuckets>;
@@ -141,18 +137,22 @@ __attribute__((noinline)) BucketSums BucketBlockSums(size_t b, const std::vector
                                                    BucketAdder(densities, table, weights, also));
 }
 
+// BucketTotals' sums, joined.
+BucketSums BucketTotalSums(const std::vector<Sample>& batch, const std::vector<double>& densities,
+                           const SampleTable& table, const std::vector<double>& weights,
+                           PlanThreads* threads, const std::vector<double>* also) {
+  return SumBlocksOf<std::tuple_size_v<BucketSums>>(batch.size(), threads, [&](size_t b) {
+    return BucketBlockSums(b, batch, densities, table, weights, also);
+  });
+}
+
 void BucketTotals(const std::vector<Sample>& batch, const std::vector<double>& densities,
                   const SampleTable& table, const std::vector<double>& weights,
                   std::vector<double>* tokens, std::vector<double>* weighted,
                   PlanThreads* threads = nullptr, const std::vector<double>* also = nullptr,
                   std::vector<double>* also_weighted = nullptr) {
-  std::vector<BucketSums> partial(SumBlocks(batch.size()));
-  RunBlocks(partial.size(), threads, [&](size_t first, size_t last) {
-    for (size_t b = first; b < last; ++b) {
-      partial[b] = BucketBlockSums(b, batch, densities, table, weights, also);
-    }
-  });
-  SplitBucketSums(JoinBlocks(partial), tokens, weighted, also != nullptr ? also_weighted : nullptr);
+  SplitBucketSums(BucketTotalSums(batch, densities, table, weights, threads, also), tokens,
+                  weighted, also != nullptr ? also_weighted : nullptr);
 }
 
 // Each bucket's recall sum over its tokens (-1 for a bucket without documents), in place.
@@ -160,6 +160,17 @@ void DivideByTokens(const std::vector<double>& tokens, std::vector<double>* weig
   for (int b = 0; b < kRecallBuckets; ++b) {
     (*weighted)[b] = tokens[b] > 0 ? (*weighted)[b] / tokens[b] : -1.0;
   }
+}
+
+// BucketRecalls from BucketTotals' sums already taken (`at_also`: the recalls at `also`, when
+// the sums have them).
+std::vector<double> BucketRecallsOf(const BucketSums& sums, std::vector<double>* at_also) {
+  std::vector<double> tokens;
+  std::vector<double> weighted;
+  SplitBucketSums(sums, &tokens, &weighted, at_also);
+  DivideByTokens(tokens, &weighted);
+  if (at_also != nullptr) DivideByTokens(tokens, at_also);
+  return weighted;
 }
 
 // Token-weighted predicted recall per length bucket of the documents of the samples with a
@@ -171,23 +182,8 @@ std::vector<double> BucketRecalls(const std::vector<Sample>& batch,
                                   PlanThreads* threads = nullptr,
                                   const std::vector<double>* also = nullptr,
                                   std::vector<double>* at_also = nullptr) {
-  std::vector<double> tokens;
-  std::vector<double> weighted;
-  BucketTotals(batch, densities, table, weights, &tokens, &weighted, threads, also, at_also);
-  DivideByTokens(tokens, &weighted);
-  if (also != nullptr) DivideByTokens(tokens, at_also);
-  return weighted;
-}
-
-// BucketRecalls of every sample at `densities` and `also` from BucketTotals' sums already
-// taken, as BucketRecalls would take them.
-std::vector<double> BucketRecallsOf(const BucketSums& sums, std::vector<double>* at_also) {
-  std::vector<double> tokens;
-  std::vector<double> weighted;
-  SplitBucketSums(sums, &tokens, &weighted, at_also);
-  DivideByTokens(tokens, &weighted);
-  DivideByTokens(tokens, at_also);
-  return weighted;
+  return BucketRecallsOf(BucketTotalSums(batch, densities, table, weights, threads, also),
+                         also != nullptr ? at_also : nullptr);
 }
 
 // The recall guards of the per-rank tuning when some documents are split: DST tunes only the
