@@ -97,11 +97,11 @@ struct SideLoop {
 
 // Runs alone() on the calling thread while the helpers run `side`'s ranges, then the ranges
 // left on the calling thread too; returns when both are done. For a serial stretch (the
-// placement's deal of units to parts, about 1 ms at 65,536 samples) that would otherwise leave
-// the helpers idle. Without `side`: alone(). Where ParallelFor would run `side` on the calling
-// thread: alone(), then `side` there. alone() must neither read what `side` writes nor write
-// what it reads, and must not start loops of its own (they would find the helpers taken and run
-// on the calling thread).
+// placement's sort and deal of units to parts, about 1.6 ms at 65,536 samples over 4,096 ranks)
+// that would otherwise leave the helpers idle. Without `side`: alone(). Where ParallelFor would run
+// `side` on the calling thread: alone(), then `side` there. alone() must neither read what `side`
+// writes nor write what it reads, and must not start loops of its own (they would find the helpers
+// taken and run on the calling thread).
 void ParallelBeside(PlanThreads* threads, const SideLoop* side, absl::FunctionRef<void()> alone);
 
 }  // namespace sparsebalance
