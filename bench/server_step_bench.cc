@@ -18,7 +18,8 @@
 // two micro-batches per rank whose capacity puts the batch at 85% of the step's tokens
 // (documents longer than the capacity are cut to it). Timings come from a hidden truth the
 // model does not share (other coefficients, 5% of the ranks 1.3x slower, 5% noise), and every
-// document reports a measured recall, as sb-worker does.
+// document reports a measured recall, all layers' and each layer's, as sb-worker does (so the
+// job learns per-layer recall curves, and its plans carry per-layer densities).
 //
 // RoundStep is the same with sb-load's step scenario's batch instead (README "Service load"):
 // documents of 256-4,096 tokens, uniform, four micro-batches of 65,536 tokens per rank (about
@@ -153,6 +154,7 @@ class ServerStep {
       }
     }
     // The hidden truth: another cost than the model's prior, slow ranks, noise.
+    layers_ = settings.planner.shape.layers;
     truth_ = std::make_unique<LatencyModel>(settings.planner.shape, ranks,
                                             CostCoefficients{2.6e-5, 0.8e-4, 3e-3, 0.04});
     for (int r = 0; r < ranks; ++r) slow_.push_back(r % 20 == 7 ? 1.3 : 1.0);
@@ -231,7 +233,13 @@ class ServerStep {
         DocumentRecallMeasurement d;
         d.sample_id = s.id;
         d.document = 0;
-        d.recall = 1.0 - std::pow(1.0 - s.density, 4.0);
+        // Later layers keep less of their attention at the same density (exponents 2-6);
+        // the document's recall is their mean, as sb-worker reports it.
+        for (int l = 0; l < layers_; ++l) {
+          const double g = 2.0 + 4.0 * l / std::max(1, layers_ - 1);
+          d.layer_recall.push_back(1.0 - std::pow(1.0 - s.density, g));
+          d.recall += d.layer_recall.back() / layers_;
+        }
         d.rows = 8;
         t.documents.push_back(d);
       }
@@ -281,6 +289,7 @@ class ServerStep {
 
  private:
   int ranks_ = 0;
+  int layers_ = 0;  // the job's model layers
   PlanThreads threads_;
   bool round_batch_ = false;
   int samples_ = 0;

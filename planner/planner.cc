@@ -810,9 +810,9 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
           planned.shard_group = split->group;
         }
         if (per_layer) {
-          planned.layer_densities = LayerDensities(
-              s, densities[i], std::min(DensityFloor(s.sensitivity, config), densities[i]), config,
-              recall);
+          LayerDensities(s, densities[i],
+                         std::min(DensityFloor(s.sensitivity, config), densities[i]), config,
+                         recall, &planned.layer_densities);
         }
         const int64_t query_tokens = planned.QueryTokens();
         mb.tokens += query_tokens;

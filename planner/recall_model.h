@@ -201,6 +201,52 @@ struct RecallCurveSummary {
   double measured_density = 0.0;
 };
 
+class RecallModel;
+
+// One step's recall measurements as ObserveStep folds them in: the model's curve sums, forgotten
+// by one step, with each measurement added as it comes. Adding checks each measurement as
+// ObserveStep does, so that a caller with many folds them without a vector of them: the
+// service's fold of a step whose workers measure every document in every layer (sb-worker's
+// probe) has one all-layers and one per-layer measurement per document, 2.2 million at 65,536
+// documents of 32 layers, and building that vector then cost more than the planning.
+//
+//   RecallStepSums step(model);
+//   for (...) if (absl::Status s = step.Add(o); !s.ok()) ...;  // nothing folded
+//   model.ObserveStep(step);
+class RecallStepSums {
+ public:
+  // Sums for `model` as it is now (ObserveStep(step) folds them into that state).
+  explicit RecallStepSums(const RecallModel& model);
+
+  // Adds one measurement, numbered by how many came before it. INVALID_ARGUMENT naming
+  // `observations[i].<field>` as ObserveStep's, and nothing added, if it is outside the bounds
+  // ObserveStep checks.
+  absl::Status Add(const RecallObservation& o) { return AddAt(BucketOf(o), o); }
+  // A document's measurements at once, numbered in this order: its all-layers recall at
+  // `density`, then layer l's recall layer_recall[l] at layer_densities[l] (at `density` where
+  // layer_densities is not one per layer). Checked as Add checks each; on an error, the
+  // measurements before it stay added.
+  absl::Status AddDocument(int64_t length, double density, double recall,
+                           const std::vector<double>& layer_densities,
+                           const std::vector<double>& layer_recall);
+  // The measurements added.
+  size_t size() const { return count_; }
+  int64_t capacity() const { return capacity_; }  // the model's
+
+ private:
+  friend class RecallModel;
+  // RecallBucket of the length, or -1 when the length is out of bounds (AddAt names it).
+  int BucketOf(const RecallObservation& o) const;
+  absl::Status AddAt(int bucket, const RecallObservation& o);
+
+  int64_t capacity_;
+  int layers_;
+  std::array<int64_t, kRecallBuckets - 1> edges_{};  // RecallBucketEdge(1..3, capacity)
+  std::vector<RecallCurveSums> curves_;              // the model's, forgotten, plus the step's
+  std::vector<bool> touched_;                        // per curve: measured this step
+  size_t count_ = 0;
+};
+
 class RecallModel {
  public:
   // `capacity` is the micro-batch capacity (tokens), `layers` the model's layer count.
@@ -218,6 +264,8 @@ class RecallModel {
   }
   // g of one layer: the bucket's layer curve, with the all-layers curve as its prior.
   double LayerExponent(int64_t length, double sensitivity, int layer) const;
+  // LayerExponent(length, sensitivity, l) of every layer l into g[0, layers()).
+  void LayerExponents(int64_t length, double sensitivity, double* g) const;
   // Whether any layer curve has measurements (so per-layer densities can be planned).
   bool HasLayerCurves() const;
   // One g for a sample: its documents' exponents, token-weighted (a pre-packed sample's
@@ -239,6 +287,9 @@ class RecallModel {
   // layers), a density outside (0, 1] or a recall outside [0, 1] (or not finite); nothing is folded
   // in then.
   absl::Status ObserveStep(const std::vector<RecallObservation>& observations);
+  // The same with the measurements summed already (RecallStepSums, made from this model as it is
+  // now: INVALID_ARGUMENT, and nothing folded, for sums of another shape).
+  absl::Status ObserveStep(const RecallStepSums& step);
 
   std::vector<RecallCurveSummary> Curves() const;
 
@@ -250,6 +301,7 @@ class RecallModel {
     return {options_.prior_documents, documents_[curve], fitted_[curve]};
   }
   double Mixed(size_t curve, double prior_exponent) const { return Blend(curve)(prior_exponent); }
+  friend class RecallStepSums;
   // Refits fitted_[curve] from its sums.
   void Fit(size_t curve);
   // documents_ from the sums, every curve (after any change of them).

@@ -130,6 +130,10 @@ class TunerSamples {
 // shape has one layer.
 std::vector<double> LayerDensities(const Sample& sample, double density, double floor,
                                    const PlannerConfig& config, const RecallModel& recall);
+// The same written over `densities` (emptied when there are none): BuildPlan fills each planned
+// sample's in place, without a vector made and moved in per sample.
+void LayerDensities(const Sample& sample, double density, double floor, const PlannerConfig& config,
+                    const RecallModel& recall, std::vector<double>* densities);
 
 // The tuner's continuous estimate of ActiveBlocks for a document of `rows` query blocks at
 // density rho in (0, 1], `anchors` (local_blocks + 2) blocks kept per row: row n keeps

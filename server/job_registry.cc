@@ -865,14 +865,18 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
   // Both models' observations in one walk over the reports and their planned micro-batches
   // (two walks read the plan's micro-batches twice, out of cache the second time).
   std::vector<Observation> observations;
-  std::vector<RecallObservation> recall_observations;
-  ObservationsOf(record, job.model, &observations, &recall_observations);
+  RecallStepSums recall_step(job.recall);
+  std::array<double, kRecallBuckets> bucket_tokens{};
+  std::array<double, kRecallBuckets> bucket_recall{};  // token-weighted
+  absl::Status recall_status = ObservationsOf(record, job.model, &observations, &recall_step,
+                                              &bucket_tokens, &bucket_recall);
   // The recall model learns from the measured document recalls, independently of the latency
   // model: a step whose times cannot be folded still says what its densities kept.
   // Steps without measurements (workers that do not measure) leave the curves as they are.
-  if (absl::Status s = recall_observations.empty() ? absl::OkStatus()
-                                                   : job.recall.ObserveStep(recall_observations);
-      !s.ok()) {
+  if (recall_status.ok() && recall_step.size() > 0) {
+    recall_status = job.recall.ObserveStep(recall_step);
+  }
+  if (const absl::Status& s = recall_status; !s.ok()) {
     ++job.unfolded_steps;
     job.fold_failure = absl::StrCat("step ", step, ": recall: ", s.message()).substr(0, 1024);
     if (options_.on_fold_failure) options_.on_fold_failure(id, step, s);
@@ -905,8 +909,6 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
     stats.hosts = job.hosts;
     stats.exchange_bytes_per_second = ExchangeBytesPerSecond(job.model);
     const int64_t capacity = job.config.get().micro_batch_capacity;
-    std::array<double, kRecallBuckets> weighted{};
-    std::array<double, kRecallBuckets> tokens{};
     for (int rank = 0; rank < record.reports.slots(); ++rank) {
       if (!record.reports.has(rank)) continue;
       for (const MicroBatchTiming& m : record.reports.timings(rank)) {
@@ -914,15 +916,10 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
         stats.attention_seconds += m.attention_seconds;
       }
     }
-    for (const RecallObservation& o : recall_observations) {
-      if (o.layer != -1) continue;
-      const int b = RecallBucket(o.length, capacity);
-      weighted[b] += static_cast<double>(o.length) * o.recall;
-      tokens[b] += static_cast<double>(o.length);
-    }
     for (int b = 0; b < kRecallBuckets; ++b) {
-      if (tokens[b] > 0) {
-        stats.measured_bucket_recall[RecallBucketLabel(b, capacity)] = weighted[b] / tokens[b];
+      if (bucket_tokens[b] > 0) {
+        stats.measured_bucket_recall[RecallBucketLabel(b, capacity)] =
+            bucket_recall[b] / bucket_tokens[b];
       }
     }
     options_.on_step(id, stats);
@@ -932,19 +929,21 @@ void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord
   // fold cost a file create and rename (and ext4's flush-on-rename) per step.
 }
 
-void JobRegistry::ObservationsOf(const StepRecord& record, const LatencyModel& model,
-                                 std::vector<Observation>* observations,
-                                 std::vector<RecallObservation>* recall_observations) {
-  // Room for a micro-batch per timing and a document per sample of the batch (more documents,
-  // or per-layer recalls, grow the vector). Counting the documents first cost a walk of their
-  // own over the reports' scattered vectors.
+absl::Status JobRegistry::ObservationsOf(const StepRecord& record, const LatencyModel& model,
+                                         std::vector<Observation>* observations,
+                                         RecallStepSums* recall_step,
+                                         std::array<double, kRecallBuckets>* bucket_tokens,
+                                         std::array<double, kRecallBuckets>* bucket_recall) {
+  absl::Status recall_status;
+  const int64_t capacity = recall_step->capacity();
+  // Room for a micro-batch per timing. Counting the documents first cost a walk of their own over
+  // the reports' scattered vectors.
   size_t count = 0;
   const StepReports& reports = record.reports;
   for (int rank = 0; rank < reports.slots(); ++rank) {
     if (reports.has(rank)) count += reports.timings(rank).size();
   }
   observations->reserve(count);
-  recall_observations->reserve(record.batch.size());
   // One finder for every micro-batch (its sorted ids' room reused; a hash map per micro-batch
   // cost more in allocations than the lookups).
   PlannedSampleFinder finder;
@@ -968,16 +967,16 @@ void JobRegistry::ObservationsOf(const StepRecord& record, const LatencyModel& m
         const PlannedSample& sample = *found;
         const int64_t length =
             sample.segments.empty() ? sample.length : sample.segments[d.document];
-        recall_observations->push_back({length, -1, sample.density, d.recall});
-        for (size_t l = 0; l < d.layer_recall.size(); ++l) {
-          const double density = sample.layer_densities.size() == d.layer_recall.size()
-                                     ? sample.layer_densities[l]
-                                     : sample.density;
-          recall_observations->push_back({length, static_cast<int>(l), density, d.layer_recall[l]});
-        }
+        const int b = RecallBucket(length, capacity);
+        (*bucket_tokens)[b] += static_cast<double>(length);
+        (*bucket_recall)[b] += static_cast<double>(length) * d.recall;
+        if (!recall_status.ok()) continue;
+        recall_status = recall_step->AddDocument(length, sample.density, d.recall,
+                                                 sample.layer_densities, d.layer_recall);
       }
     }
   }
+  return recall_status;
 }
 
 absl::StatusOr<CostCoefficients> JobRegistry::UploadProfile(const std::string& job_id,

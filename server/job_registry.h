@@ -350,11 +350,16 @@ class JobRegistry {
   // A fully reported step's reports as the models' observations, in one walk: per reported
   // micro-batch its time against its planned features (`model` counts them for a plan read
   // back from the store), and per measured document one recall for all layers (layer -1) and
-  // one per measured layer, each at the density the plan gave it. ValidateReport has checked
-  // every micro-batch, sample and document index.
-  static void ObservationsOf(const StepRecord& record, const LatencyModel& model,
-                             std::vector<Observation>* observations,
-                             std::vector<RecallObservation>* recall_observations);
+  // one per measured layer, each at the density the plan gave it, added to `recall_step`; and
+  // per length bucket the measured documents' tokens and token-weighted all-layers recall
+  // (StepStats::measured_bucket_recall). ValidateReport has checked every micro-batch, sample
+  // and document index. Returns the first recall measurement recall_step refused (it adds none
+  // after it); the latency observations are all there whatever it returns.
+  static absl::Status ObservationsOf(const StepRecord& record, const LatencyModel& model,
+                                     std::vector<Observation>* observations,
+                                     RecallStepSums* recall_step,
+                                     std::array<double, kRecallBuckets>* bucket_tokens,
+                                     std::array<double, kRecallBuckets>* bucket_recall);
   // Drops the oldest steps beyond history_steps (and their files).
   void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // A packed step's values back (no-op for an unpacked one); INTERNAL (never expected) when the

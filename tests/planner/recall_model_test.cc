@@ -132,6 +132,36 @@ TEST(RecallModelTest, AllLayersGivesTheModelsExponentsBitForBit) {
   }
 }
 
+// LayerExponents gives every layer's LayerExponent bit for bit: layers with curves of their own
+// and one left to its bucket's, at and around every bucket edge.
+TEST(RecallModelTest, LayerExponentsGivesEachLayersExponentBitForBit) {
+  const int layers = 5;
+  RecallModel model(kCapacity, layers);
+  std::vector<RecallObservation> obs;
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    const int64_t length = RecallBucketRange(b, kCapacity).min;
+    for (int l = -1; l < layers - 1; ++l) {  // the last layer keeps its bucket's curve
+      const std::vector<RecallObservation> m = Measured(length, 1.5 + b + 0.7 * l, 30, l);
+      obs.insert(obs.end(), m.begin(), m.end());
+    }
+  }
+  ASSERT_TRUE(model.ObserveStep(obs).ok());
+  std::vector<int64_t> lengths = {1, 2, kCapacity, kCapacity * kMaxShards};
+  for (int b = 1; b < kRecallBuckets; ++b) {
+    const int64_t edge = RecallBucketEdge(b, kCapacity);
+    lengths.insert(lengths.end(), {edge - 1, edge, edge + 1});
+  }
+  std::vector<double> g(layers);
+  for (int64_t length : lengths) {
+    for (double s : {0.0, 0.3, 1.0}) {
+      model.LayerExponents(length, s, g.data());
+      for (int l = 0; l < layers; ++l) {
+        EXPECT_EQ(g[l], model.LayerExponent(length, s, l)) << length << " " << s << " " << l;
+      }
+    }
+  }
+}
+
 TEST(RecallModelTest, LayerCurvesFallBackToTheBucketsCurve) {
   RecallModel model(kCapacity, 2);
   for (int step = 0; step < 20; ++step) {
@@ -188,6 +218,65 @@ TEST(RecallModelTest, RefusesABadObservationNamingItAndKeepsTheState) {
   wrong.curves[0].documents[3] = 1.0;
   wrong.curves[0].recall[3] = 2.0;  // a mean recall of 2
   EXPECT_EQ(model.set_state(wrong).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Documents added at once (RecallStepSums::AddDocument: the all-layers recall, then each layer's
+// at its own density, or at the document's where the densities are not one per layer) fold into
+// the same state, bit for bit, as the same measurements one by one; a bad one is named by its
+// place among them, and a step of sums refused or not folded leaves the model as it was.
+TEST(RecallStepSumsTest, DocumentsFoldAsTheirMeasurementsOneByOne) {
+  const int layers = 4;
+  RecallModel by_document(kCapacity, layers);
+  RecallModel one_by_one(kCapacity, layers);
+  for (int step = 0; step < 3; ++step) {
+    RecallStepSums sums(by_document);
+    std::vector<RecallObservation> flat;
+    for (int k = 0; k < 200; ++k) {
+      const int64_t length = 1 + (k * 7919 + step) % (2 * kCapacity);
+      const double density = 0.01 + 0.99 * ((k * 37) % 100) / 99.0;
+      const double recall = 1.0 - std::pow(1.0 - density, 2.0 + k % 5);
+      std::vector<double> layer_densities;
+      std::vector<double> layer_recall;
+      const int measured = k % 7 == 0 ? 0 : k % 7 == 1 ? layers - 1 : layers;
+      for (int l = 0; l < measured; ++l) {
+        layer_densities.push_back(std::min(1.0, density * (0.5 + 0.3 * l)));
+        layer_recall.push_back(std::min(1.0, recall * (0.8 + 0.1 * l)));
+      }
+      if (k % 5 == 0) layer_densities.clear();  // the document's density in every layer
+      ASSERT_TRUE(sums.AddDocument(length, density, recall, layer_densities, layer_recall).ok());
+      flat.push_back({length, -1, density, recall});
+      for (int l = 0; l < measured; ++l) {
+        flat.push_back(
+            {length, l, layer_densities.empty() ? density : layer_densities[l], layer_recall[l]});
+      }
+    }
+    EXPECT_EQ(sums.size(), flat.size());
+    ASSERT_TRUE(by_document.ObserveStep(sums).ok());
+    ASSERT_TRUE(one_by_one.ObserveStep(flat).ok());
+    EXPECT_EQ(by_document.state().curves, one_by_one.state().curves) << "step " << step;
+    EXPECT_EQ(by_document.state().steps_observed, one_by_one.state().steps_observed);
+    EXPECT_EQ(by_document.LayerExponent(4096, 0.2, 2), one_by_one.LayerExponent(4096, 0.2, 2));
+  }
+  const RecallModelState before = by_document.state();
+  struct Bad {
+    std::vector<double> layer_densities;
+    std::vector<double> layer_recall;
+    const char* field;
+  };
+  for (const Bad& bad : std::vector<Bad>{
+           {{0.3, 0.3, 0.3}, {0.5, 1.5, 0.5}, "observations[3].recall"},   // 1 + 1 + layer 1
+           {{0.3, 0.0, 0.3}, {0.5, 0.5, 0.5}, "observations[3].density"},  // layer 1
+           {{}, {0.5, 0.5, 0.5, 0.5, 0.5}, "observations[6].layer"}}) {    // layer 4 of 4
+    RecallStepSums sums(by_document);
+    ASSERT_TRUE(sums.AddDocument(100, 0.3, 0.5, {}, {}).ok());
+    const absl::Status s = sums.AddDocument(100, 0.3, 0.5, bad.layer_densities, bad.layer_recall);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(bad.field), absl::string_view::npos) << s.message();
+    EXPECT_EQ(by_document.state().curves, before.curves);  // sums apart from the model
+  }
+  RecallModel other(kCapacity, layers + 1);
+  EXPECT_EQ(other.ObserveStep(RecallStepSums(by_document)).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // A learned model in which long documents lose recall fast and short ones hardly at all: the
@@ -324,6 +413,44 @@ TEST(LayerDensitiesTest, SpendTheSameDensityWhereRecallFallsFastest) {
   RecallModel same(config.micro_batch_capacity, 2);
   for (int l = 0; l < 2; ++l) ASSERT_TRUE(same.ObserveStep(Measured(65536, 3.0, 100, l)).ok());
   EXPECT_TRUE(LayerDensities(s, 0.3, 0.05, config, same).empty());
+}
+
+// The split is water-filling's: every layer strictly between its bounds has the same marginal
+// recall g (1 - rho)^(g - 1) (an extra unit of density buys the same recall there), the mean is
+// the density, and the overload that writes over a vector gives the same densities, emptying
+// one that held others where there are none.
+TEST(LayerDensitiesTest, EqualMarginalRecallInEveryLayerBetweenItsBounds) {
+  PlannerConfig config;
+  config.shape.layers = 6;
+  const RecallModel recall = test_util::LearnedRecall(config);
+  int compared = 0;
+  std::vector<double> reused = {0.5, 0.5};
+  for (int k = 0; k < 400; ++k) {
+    Sample s;
+    s.id = k;
+    s.length = 1 + (k * 7919) % config.micro_batch_capacity;
+    s.sensitivity = (k % 11) / 10.0;
+    const double density = 0.03 + 0.95 * (k % 97) / 96.0;
+    const double floor = config.density_min;
+    const std::vector<double> rho = LayerDensities(s, density, floor, config, recall);
+    LayerDensities(s, density, floor, config, recall, &reused);
+    EXPECT_EQ(reused, rho) << k;
+    if (rho.empty()) continue;
+    ASSERT_EQ(rho.size(), 6u);
+    double mean = 0.0;
+    for (double r : rho) mean += r / 6.0;
+    EXPECT_NEAR(mean, density, 1e-12) << k;
+    std::vector<double> marginal;
+    for (int l = 0; l < 6; ++l) {
+      const double lo = std::min(floor, density);
+      if (rho[l] <= lo + 1e-9 || rho[l] >= config.density_max - 1e-9) continue;
+      const double g = std::max(recall.LayerExponent(s.length, s.sensitivity, l), 1.0 + 1e-6);
+      marginal.push_back(g * std::pow(1.0 - rho[l], g - 1.0));
+    }
+    for (double m : marginal) EXPECT_NEAR(m / marginal[0], 1.0, 1e-6) << k;
+    compared += marginal.size() > 1 ? 1 : 0;
+  }
+  EXPECT_GT(compared, 100);
 }
 
 // Densities next to 1 (DST raises up to 1 - 1e-9 when density_max is 1): the per-layer split

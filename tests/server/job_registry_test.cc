@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -396,6 +398,64 @@ TEST_F(JobRegistryTest, MeasuredRecallTeachesTheJobsRecallCurves) {
   for (const BucketRecallFigures& b : next->plan->buckets) {
     EXPECT_LT(b.default_recall, PredictedRecall(0.0, 0.3) - 0.01) << b.label;
   }
+}
+
+// Workers that measure every layer (sb-worker's probe) teach the job one curve per layer and
+// bucket: the fold adds each document's layers' recalls at the densities the plan gave those
+// layers, and the job's next plans spread each sample's density over the layers (their mean the
+// sample's), unevenly where the layers' curves differ.
+TEST_F(JobRegistryTest, PerLayerRecallsTeachLayerCurvesAndPlansSplitDensityOverLayers) {
+  const std::string id = Create(2);
+  JoinAll(id, 2);
+  const int layers = test_support::SmallJob(2).planner.shape.layers;
+  ASSERT_GE(layers, 2);
+  for (int64_t s = 0; s < 6; ++s) {
+    absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, s, Batch(30 + s, 2));
+    ASSERT_TRUE(step.ok()) << step.status();
+    for (int r = 0; r < 2; ++r) {
+      std::vector<MicroBatchTiming> report = MeasureWithRecall(*step->plan, r, 3.0);
+      for (MicroBatchTiming& m : report) {
+        const auto& samples = step->plan->ranks[r].micro_batches[m.micro_batch].samples;
+        for (DocumentRecallMeasurement& d : m.documents) {
+          const PlannedSample& p = *std::find_if(
+              samples.begin(), samples.end(), [&](const auto& q) { return q.id == d.sample_id; });
+          d.recall = 0.0;
+          for (int l = 0; l < layers; ++l) {
+            const double rho = p.layer_densities.empty() ? p.density : p.layer_densities[l];
+            d.layer_recall.push_back(RecallAt(l % 2 == 0 ? 1.5 : 8.0, rho));  // odd: tolerant
+            d.recall += d.layer_recall.back() / layers;
+          }
+        }
+      }
+      ASSERT_TRUE(registry_.ReportStep(id, s, r, report, 0).ok());
+    }
+  }
+  const JobView view = *registry_.GetJob(id);
+  EXPECT_EQ(view.steps_folded, 6);
+  std::set<int> learned;
+  for (const RecallCurveSummary& c : view.recall_curves) {
+    if (c.layer.has_value() && c.documents > 0) learned.insert(*c.layer);
+  }
+  EXPECT_EQ(learned.size(), static_cast<size_t>(layers));
+  absl::StatusOr<SubmitResult> next = registry_.SubmitBatch(id, 6, Batch(40, 2));
+  ASSERT_TRUE(next.ok()) << next.status();
+  int split = 0;
+  for (const RankPlan& rank : next->plan->ranks) {
+    for (const MicroBatchPlan& mb : rank.micro_batches) {
+      for (const PlannedSample& p : mb.samples) {
+        if (p.layer_densities.empty()) continue;
+        ASSERT_EQ(p.layer_densities.size(), static_cast<size_t>(layers));
+        double mean = 0.0;
+        for (double rho : p.layer_densities) mean += rho / layers;
+        EXPECT_NEAR(mean, p.density, 1e-9) << p.id;
+        // Layers of different curves get different densities (which gets more depends on the
+        // density: LayerDensitiesTest).
+        EXPECT_GT(std::fabs(p.layer_densities[0] - p.layer_densities[1]), 1e-3) << p.id;
+        ++split;
+      }
+    }
+  }
+  EXPECT_GT(split, 0);
 }
 
 // The fold finds a measured document's planned sample whatever order the report lists them
