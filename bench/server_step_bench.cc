@@ -2,7 +2,8 @@
 // with the job's learned model, store the step) and every rank's ReportStep (validate, store,
 // and on the last one fold the step into the latency and recall models), with a real PlanStore
 // in a temporary directory, on a job whose model has already learned from kWarmSteps steps and
-// goes on learning (learn 1), or that plans with its prior and is never reported to (learn 0).
+// goes on learning (learn 1; learn 2 also from each layer's recall, below), or that plans with its
+// prior and is never reported to (learn 0).
 //
 //   sb-server-bench --benchmark_filter='ServerStep' --benchmark_repetitions=3
 //
@@ -18,8 +19,9 @@
 // two micro-batches per rank whose capacity puts the batch at 85% of the step's tokens
 // (documents longer than the capacity are cut to it). Timings come from a hidden truth the
 // model does not share (other coefficients, 5% of the ranks 1.3x slower, 5% noise), and every
-// document reports a measured recall, all layers' and each layer's, as sb-worker does (so the
-// job learns per-layer recall curves, and its plans carry per-layer densities).
+// document reports a measured recall. With learn 2 it reports each layer's too, as sb-worker's
+// recall probe does (on by default on CPU, --recall_rows on CUDA): the job then learns a curve
+// per layer, and its plans split each sample's density over the layers (LayerDensities).
 //
 // RoundStep is the same with sb-load's step scenario's batch instead (README "Service load"):
 // documents of 256-4,096 tokens, uniform, four micro-batches of 65,536 tokens per rank (about
@@ -75,7 +77,9 @@ double Millis(double seconds) { return 1e3 * seconds; }
 // predicted, half of it attention, each document's recall on the curve 1 - (1 - rho)^4. The
 // planner's own prediction as the "truth" is no test of its accuracy, and none is made here:
 // RoundStep and History time and weigh that round (its steps come out as balanced as there).
-std::vector<MicroBatchTiming> RoundReport(const StepPlan& plan, int r) {
+// With `layers` > 0 each document also reports its layers' recalls (exponents 2-6 over the
+// layers, at each layer's density), as sb-worker's recall probe does.
+std::vector<MicroBatchTiming> RoundReport(const StepPlan& plan, int r, int layers = 0) {
   std::vector<MicroBatchTiming> out;
   const auto& micro_batches = plan.ranks[r].micro_batches;
   for (size_t m = 0; m < micro_batches.size(); ++m) {
@@ -89,7 +93,14 @@ std::vector<MicroBatchTiming> RoundReport(const StepPlan& plan, int r) {
     t.achieved_density = mb.default_density;
     t.recall = 0.9;
     for (const PlannedSample& s : mb.samples) {
-      t.documents.push_back({s.id, 0, 1.0 - std::pow(1.0 - s.density, 4.0), {}, 8});
+      DocumentRecallMeasurement& d =
+          t.documents.emplace_back(DocumentRecallMeasurement{s.id, 0, 0.0, {}, 8});
+      d.recall = 1.0 - std::pow(1.0 - s.density, 4.0);
+      for (int l = 0; l < layers; ++l) {
+        const double rho = s.layer_densities.empty() ? s.density : s.layer_densities[l];
+        d.layer_recall.push_back(1.0 -
+                                 std::pow(1.0 - rho, 2.0 + 4.0 * l / std::max(1, layers - 1)));
+      }
     }
     t.recall_seconds = 0.005 * t.attention_seconds;
   }
@@ -100,8 +111,9 @@ std::vector<MicroBatchTiming> RoundReport(const StepPlan& plan, int r) {
 class ServerStep {
  public:
   // `round_batch`: sb-load's batch (see the top of this file), else the pretrain trace's.
-  ServerStep(int samples, int ranks, bool with_store, int threads, bool round_batch = false)
-      : ranks_(ranks), threads_(threads), round_batch_(round_batch) {
+  ServerStep(int samples, int ranks, bool with_store, int threads, bool round_batch = false,
+             bool layer_recall = false)
+      : ranks_(ranks), layer_recall_(layer_recall), threads_(threads), round_batch_(round_batch) {
     JobRegistry::Options options;
     options.plan_threads = &threads_;
     if (with_store) {
@@ -233,12 +245,18 @@ class ServerStep {
         DocumentRecallMeasurement d;
         d.sample_id = s.id;
         d.document = 0;
-        // Later layers keep less of their attention at the same density (exponents 2-6);
-        // the document's recall is their mean, as sb-worker reports it.
-        for (int l = 0; l < layers_; ++l) {
-          const double g = 2.0 + 4.0 * l / std::max(1, layers_ - 1);
-          d.layer_recall.push_back(1.0 - std::pow(1.0 - s.density, g));
-          d.recall += d.layer_recall.back() / layers_;
+        d.recall = 1.0 - std::pow(1.0 - s.density, 4.0);
+        if (layer_recall_) {
+          // Later layers keep less of their attention at the same density (exponents 2-6,
+          // each at the density its layer ran); the document's recall is their mean, as
+          // sb-worker reports it.
+          d.recall = 0.0;
+          for (int l = 0; l < layers_; ++l) {
+            const double g = 2.0 + 4.0 * l / std::max(1, layers_ - 1);
+            const double rho = s.layer_densities.empty() ? s.density : s.layer_densities[l];
+            d.layer_recall.push_back(1.0 - std::pow(1.0 - rho, g));
+            d.recall += d.layer_recall.back() / layers_;
+          }
         }
         d.rows = 8;
         t.documents.push_back(d);
@@ -289,7 +307,8 @@ class ServerStep {
 
  private:
   int ranks_ = 0;
-  int layers_ = 0;  // the job's model layers
+  int layers_ = 0;             // the job's model layers
+  bool layer_recall_ = false;  // documents report each layer's recall (learn 2)
   PlanThreads threads_;
   bool round_batch_ = false;
   int samples_ = 0;
@@ -310,8 +329,8 @@ class ServerStep {
 void RunServerStep(benchmark::State& state, bool round_batch) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
-  ServerStep job(samples, ranks, state.range(2) != 0, static_cast<int>(state.range(4)),
-                 round_batch);
+  ServerStep job(samples, ranks, state.range(2) != 0, static_cast<int>(state.range(4)), round_batch,
+                 /*layer_recall=*/state.range(3) == 2);
   double submit = 0.0, submit_wall = 0.0, others = 0.0, last = 0.0;
   const bool learn = state.range(3) != 0;
   for (int i = 0; learn && i < kWarmSteps && job.error().empty(); ++i) {
@@ -356,6 +375,9 @@ BENCHMARK(BM_ServerStep)
     ->ArgsProduct({{65536}, {4096}, {0, 1}, {1}, {1, 2}})
     // Planning with the prior model, nothing reported (learn 0), against the learned one.
     ->Args({16384, 1024, 0, 0, 1})
+    // Reports that measure every layer (learn 2): per-layer curves and densities.
+    ->ArgsProduct({{16384}, {1024}, {0, 1}, {2}, {2}})
+    ->ArgsProduct({{65536}, {4096}, {0, 1}, {2}, {2}})
     ->ArgNames({"samples", "ranks", "store", "learn", "threads"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
@@ -376,10 +398,13 @@ int64_t HeapBytesInUse() { return static_cast<int64_t>(mallinfo2().uordblks); }
 // 65,536 tokens; every rank reporting its plan 5% slower than predicted, with a measured recall
 // per document), run for the job's default history of 64 steps plus 6, so that old steps have
 // been dropped. history_mib: heap bytes in use after the run minus before the job's first step;
-// step_kib: per kept step. One iteration; memory, not time, is the figure.
+// step_kib: per kept step. One iteration; memory, not time, is the figure. With layers 1 the
+// documents also report each layer's recall (RoundReport), so that the job learns per-layer
+// curves and its plans carry a density per layer for each sample.
 void BM_History(benchmark::State& state) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
+  const bool layer_recall = state.range(2) != 0;
   JobRegistry registry(JobRegistry::Options{}, [](int n) { return std::string(n, 'a'); });
   JobSettings settings;
   settings.planner.ranks = ranks;
@@ -403,7 +428,8 @@ void BM_History(benchmark::State& state) {
       if (!planned.ok())
         return state.SkipWithError(std::string(planned.status().message()).c_str());
       for (int r = 0; r < ranks; ++r) {
-        const std::vector<MicroBatchTiming> report = RoundReport(*planned->plan, r);
+        const std::vector<MicroBatchTiming> report =
+            RoundReport(*planned->plan, r, layer_recall ? settings.planner.shape.layers : 0);
         absl::StatusOr<bool> reported = registry.ReportStep(job->job_id, step, r, report, 0.01);
         if (!reported.ok()) {
           return state.SkipWithError(std::string(reported.status().message()).c_str());
@@ -417,8 +443,9 @@ void BM_History(benchmark::State& state) {
 }
 
 BENCHMARK(BM_History)
-    ->Args({16384, 1024})
-    ->ArgNames({"samples", "ranks"})
+    ->Args({16384, 1024, 0})
+    ->Args({16384, 1024, 1})
+    ->ArgNames({"samples", "ranks", "layers"})
     ->Iterations(1)
     ->Unit(benchmark::kSecond);
 
