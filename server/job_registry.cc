@@ -197,7 +197,7 @@ void JobRegistry::TrimHistory(const std::string& id, Job& job) {
 
 absl::Status JobRegistry::Unpack(StepRecord& record) {
   if (!record.is_packed()) return absl::OkStatus();
-  absl::StatusOr<PackedStepContents> step = UnpackStep(record.packed);
+  absl::StatusOr<PackedStepContents> step = UnpackStep(record.packed, record.layers.get());
   if (!step.ok()) return step.status();
   record.batch = std::move(step->batch);
   record.plan = std::make_shared<const StepPlan>(std::move(step->plan));
@@ -221,7 +221,7 @@ void Pack(Record& record) {
         std::vector<DocumentRecallMeasurement>().swap(m.documents);
     }
   }
-  record.packed = PackStep(record.batch, *record.plan, record.reports);
+  record.packed = PackStep(record.batch, *record.plan, record.reports, record.layers.get());
   record.reported.assign(record.reports.slots(), false);
   for (int rank = 0; rank < record.reports.slots(); ++rank) {
     record.reported[rank] = record.reports.has(rank);
@@ -583,6 +583,15 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   StepRecord record;
   record.batch = batch;
   record.plan = std::make_shared<const StepPlan>(*std::move(plan));
+  // BuildPlan's condition for per-layer densities. The recipe is a copy of the recall model
+  // (about 70 KB at 32 layers), where the densities it lets packing leave out take 32 doubles a
+  // sample.
+  const Policy policy = job->config.get().policy;
+  if (!planned_locally && (policy == Policy::kDst || policy == Policy::kSparseBalance) &&
+      job->recall.HasLayerCurves()) {
+    record.layers = std::make_shared<const LayerDensityRecipe>(
+        LayerDensityRecipe{job->config.get(), job->recall});
+  }
   // Durable before it is acknowledged: the step record (fsync'ed).
   if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
   job->history[step] = std::move(record);
@@ -605,6 +614,7 @@ absl::Status JobRegistry::ReplacePlan(const std::string& id, int64_t step, StepR
                                       StepPlan plan) const {
   StepRecord updated = record;
   updated.plan = std::make_shared<const StepPlan>(std::move(plan));
+  updated.layers.reset();  // a local plan (PlanStepLocally) has no per-layer densities
   if (absl::Status s = SaveStep(id, step, updated); !s.ok()) return s;
   record = std::move(updated);
   return absl::OkStatus();

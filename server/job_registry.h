@@ -44,6 +44,7 @@
 #include "proto/wire.h"
 #include "server/job_state.h"
 #include "server/plan_store.h"
+#include "server/step_pack.h"
 #include "server/step_reports.h"
 
 namespace sparsebalance {
@@ -274,6 +275,9 @@ class JobRegistry {
     // 16,384 samples copied for each of 1,024 ranks costs more than the planning). Null while
     // the step is packed.
     std::shared_ptr<const StepPlan> plan;
+    // When the plan carries per-layer densities: what they were made from, so that packing
+    // leaves them out (step_pack.h); null otherwise, and for a step read back from the store.
+    std::shared_ptr<const LayerDensityRecipe> layers;
     StepReports reports;  // by rank, with the seconds each waited
     // While packed: the batch, plan, reports and waits (PackStep), and which ranks reported.
     std::string packed;

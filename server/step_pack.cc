@@ -1,11 +1,14 @@
 #include "server/step_pack.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "planner/recall_model.h"
+#include "planner/sparsity_tuner.h"
 
 namespace sparsebalance {
 namespace {
@@ -23,6 +26,22 @@ constexpr double kMaxScaled = 1125899906842624.0;  // 2^50
 constexpr uint8_t kHasSegments = 1;
 constexpr uint8_t kHasLayerDensities = 2;
 constexpr uint8_t kSharded = 4;
+// With kHasLayerDensities: only their count is written; UnpackStep computes them again from a
+// LayerDensityRecipe.
+constexpr uint8_t kLayerDensitiesLeftOut = 8;
+
+// A hash of the left-out layer densities, bit for bit and in plan order, that UnpackStep checks
+// the ones it computes against.
+constexpr uint64_t kLayerHashSeed = 0xcbf29ce484222325ULL;
+uint64_t HashLayerDensities(const std::vector<double>& densities, uint64_t hash) {
+  for (double d : densities) {
+    uint64_t bits;
+    std::memcpy(&bits, &d, sizeof(bits));
+    hash = (hash ^ bits) * 0x100000001b3ULL;
+    hash ^= hash >> 29;
+  }
+  return hash;
+}
 
 uint64_t ZigZag(int64_t v) {
   return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63);
@@ -192,10 +211,13 @@ bool GetBatch(Reader& r, std::vector<Sample>* batch) {
   return true;
 }
 
-void PutSample(const PlannedSample& s, uint64_t* last_id, Writer& w) {
+// With `layer_hash`, a sample's layer densities are left out (their count written) and hashed.
+void PutSample(const PlannedSample& s, uint64_t* last_id, Writer& w, uint64_t* layer_hash) {
+  const bool left_out = layer_hash != nullptr && !s.layer_densities.empty();
   const uint8_t flags =
       (s.segments.empty() ? 0 : kHasSegments) |
       (s.layer_densities.empty() ? 0 : kHasLayerDensities) |
+      (left_out ? kLayerDensitiesLeftOut : 0) |
       (s.shard_group.empty() && s.shard_begin == 0 && s.shard_end == 0 && s.shard_index == 0
            ? 0
            : kSharded);
@@ -209,7 +231,11 @@ void PutSample(const PlannedSample& s, uint64_t* last_id, Writer& w) {
   }
   if (flags & kHasLayerDensities) {
     w.Varint(s.layer_densities.size());
-    for (double d : s.layer_densities) w.Double(d);
+    if (left_out) {
+      *layer_hash = HashLayerDensities(s.layer_densities, *layer_hash);
+    } else {
+      for (double d : s.layer_densities) w.Double(d);
+    }
   }
   if (flags & kSharded) {
     w.Signed(s.shard_begin);
@@ -220,7 +246,9 @@ void PutSample(const PlannedSample& s, uint64_t* last_id, Writer& w) {
   }
 }
 
-bool GetSample(Reader& r, uint64_t* last_id, PlannedSample* s) {
+// A sample whose layer densities were left out gets that many zeros and goes to `left_out`.
+bool GetSample(Reader& r, uint64_t* last_id, PlannedSample* s,
+               std::vector<PlannedSample*>* left_out) {
   uint8_t flags = 0;
   if (!r.Byte(&flags) || !r.Id(&s->id, last_id) || !r.Signed(&s->length) ||
       !r.Double(&s->density)) {
@@ -237,8 +265,12 @@ bool GetSample(Reader& r, uint64_t* last_id, PlannedSample* s) {
   if (flags & kHasLayerDensities) {
     if (!r.Count(&n)) return false;
     s->layer_densities.resize(n);
-    for (double& d : s->layer_densities) {
-      if (!r.Double(&d)) return false;
+    if (flags & kLayerDensitiesLeftOut) {
+      left_out->push_back(s);
+    } else {
+      for (double& d : s->layer_densities) {
+        if (!r.Double(&d)) return false;
+      }
     }
   }
   if (flags & kSharded) {
@@ -254,7 +286,7 @@ bool GetSample(Reader& r, uint64_t* last_id, PlannedSample* s) {
   return true;
 }
 
-void PutPlan(const StepPlan& plan, Writer& w) {
+void PutPlan(const StepPlan& plan, Writer& w, uint64_t* layer_hash) {
   w.Varint(static_cast<uint64_t>(plan.policy));
   w.Byte(plan.planned_locally ? 1 : 0);
   for (double v : {plan.makespan_seconds, plan.lower_bound_seconds, plan.gap, plan.imbalance_ratio,
@@ -289,12 +321,14 @@ void PutPlan(const StepPlan& plan, Writer& w) {
         w.Double(v);
       }
       w.Varint(mb.samples.size());
-      for (const PlannedSample& s : mb.samples) PutSample(s, &last_id, w);
+      for (const PlannedSample& s : mb.samples) PutSample(s, &last_id, w, layer_hash);
     }
   }
 }
 
-bool GetPlan(Reader& r, StepPlan* plan) {
+// The samples' vectors are sized before their samples are read and never after, so the pointers
+// in `left_out` stay valid.
+bool GetPlan(Reader& r, StepPlan* plan, std::vector<PlannedSample*>* left_out) {
   uint64_t policy = 0;
   uint8_t locally = 0;
   if (!r.Varint(&policy) || !r.Byte(&locally)) return false;
@@ -339,7 +373,7 @@ bool GetPlan(Reader& r, StepPlan* plan) {
       mb.features_known = known != 0;
       mb.samples.resize(n);
       for (PlannedSample& s : mb.samples) {
-        if (!GetSample(r, &last_id, &s)) return false;
+        if (!GetSample(r, &last_id, &s, left_out)) return false;
       }
     }
   }
@@ -418,24 +452,63 @@ bool GetReports(Reader& r, StepReports* reports) {
 }  // namespace
 
 std::string PackStep(const std::vector<Sample>& batch, const StepPlan& plan,
-                     const StepReports& reports) {
+                     const StepReports& reports, const LayerDensityRecipe* layers) {
   Writer w;
   PutBatch(batch, w);
-  PutPlan(plan, w);
+  uint64_t layer_hash = kLayerHashSeed;
+  PutPlan(plan, w, layers != nullptr ? &layer_hash : nullptr);
+  w.Varint(layers != nullptr ? layer_hash : 0);
   PutReports(reports, w);
   std::string bytes = w.Take();
   bytes.shrink_to_fit();
   return bytes;
 }
 
-absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes) {
+absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes,
+                                              const LayerDensityRecipe* layers) {
   PackedStepContents step;
   Reader r(bytes);
-  if (!GetBatch(r, &step.batch) || !GetPlan(r, &step.plan) || !GetReports(r, &step.reports) ||
-      !r.done()) {
+  std::vector<PlannedSample*> left_out;
+  uint64_t layer_hash = 0;
+  if (!GetBatch(r, &step.batch) || !GetPlan(r, &step.plan, &left_out) || !r.Varint(&layer_hash) ||
+      !GetReports(r, &step.reports) || !r.done()) {
     return absl::InternalError(absl::StrCat("a packed step of ", bytes.size(),
                                             " bytes does not unpack (at byte ",
                                             std::min(r.pos(), bytes.size()), ")"));
+  }
+  if (left_out.empty()) return step;
+  if (layers == nullptr) {
+    return absl::InternalError(
+        "a packed step's per-layer densities were left out and no recipe was given to compute "
+        "them");
+  }
+  // Each left-out sample's densities as BuildPlan made them: LayerDensities of its batch sample
+  // at its planned density, its floor the lower of the sample's and that density.
+  std::vector<std::pair<uint64_t, size_t>> by_id(step.batch.size());
+  for (size_t i = 0; i < step.batch.size(); ++i) by_id[i] = {step.batch[i].id, i};
+  std::sort(by_id.begin(), by_id.end());
+  uint64_t hash = kLayerHashSeed;
+  for (PlannedSample* p : left_out) {
+    const auto it = std::lower_bound(by_id.begin(), by_id.end(), std::make_pair(p->id, size_t{0}));
+    if (it == by_id.end() || it->first != p->id) {
+      return absl::InternalError(
+          absl::StrCat("a packed step's planned sample id ", p->id, " is not in its batch"));
+    }
+    const Sample& s = step.batch[it->second];
+    const size_t count = p->layer_densities.size();
+    LayerDensities(s, p->density, std::min(DensityFloor(s.sensitivity, layers->config), p->density),
+                   layers->config, layers->recall, &p->layer_densities);
+    if (p->layer_densities.size() != count) {
+      return absl::InternalError(absl::StrCat("sample id ", p->id, " had ", count,
+                                              " layer densities and its recipe gives ",
+                                              p->layer_densities.size()));
+    }
+    hash = HashLayerDensities(p->layer_densities, hash);
+  }
+  if (hash != layer_hash) {
+    return absl::InternalError(
+        "a packed step's per-layer densities computed again differ from the ones it was planned "
+        "with (the recipe is not the step's)");
   }
   return step;
 }

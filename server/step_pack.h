@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "planner/recall_model.h"
 #include "planner/types.h"
 #include "server/step_reports.h"
 
@@ -32,10 +33,24 @@ struct PackedStepContents {
   StepReports reports;  // by rank, with their waits
 };
 
+// What a step's per-layer densities were made from: the job's config and recall model when the
+// step was planned (BuildPlan gives each planned sample LayerDensities of its batch sample at its
+// density). A job that plans per layer keeps about 32 doubles per sample in each plan, most of
+// a packed step's bytes (5.6 MB a step at 16,384 samples of 32 layers, where the rest took 0.8):
+// given this, PackStep leaves them out and UnpackStep computes them again, checked bit for bit
+// against a hash PackStep keeps.
+struct LayerDensityRecipe {
+  PlannerConfig config;
+  RecallModel recall;
+};
+
 std::string PackStep(const std::vector<Sample>& batch, const StepPlan& plan,
-                     const StepReports& reports);
-// INTERNAL when `bytes` is not what PackStep wrote (truncated or altered in memory).
-absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes);
+                     const StepReports& reports, const LayerDensityRecipe* layers = nullptr);
+// INTERNAL when `bytes` is not what PackStep wrote (truncated or altered in memory), or when its
+// layer densities were left out and `layers` does not give them back (none given, or not the
+// recipe PackStep had).
+absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes,
+                                              const LayerDensityRecipe* layers = nullptr);
 
 }  // namespace sparsebalance
 

@@ -409,9 +409,11 @@ TEST_F(JobRegistryTest, PerLayerRecallsTeachLayerCurvesAndPlansSplitDensityOverL
   JoinAll(id, 2);
   const int layers = test_support::SmallJob(2).planner.shape.layers;
   ASSERT_GE(layers, 2);
+  std::vector<std::string> planned;  // each step's plan as SubmitBatch gave it
   for (int64_t s = 0; s < 6; ++s) {
     absl::StatusOr<SubmitResult> step = registry_.SubmitBatch(id, s, Batch(30 + s, 2));
     ASSERT_TRUE(step.ok()) << step.status();
+    planned.push_back(CanonicalPlanText(*step->plan));
     for (int r = 0; r < 2; ++r) {
       std::vector<MicroBatchTiming> report = MeasureWithRecall(*step->plan, r, 3.0);
       for (MicroBatchTiming& m : report) {
@@ -456,6 +458,15 @@ TEST_F(JobRegistryTest, PerLayerRecallsTeachLayerCurvesAndPlansSplitDensityOverL
     }
   }
   EXPECT_GT(split, 0);
+  // The older steps were packed without their layer densities (step_pack.h), the model has
+  // learned since: each comes back as it was planned, from the recall model of its own time.
+  EXPECT_GE(registry_.PackedSteps(id), 4);
+  for (int64_t s = 0; s < 6; ++s) {
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> old = registry_.GetPlan(id, s, 1, &ready);
+    ASSERT_TRUE(old.ok() && ready) << old.status();
+    EXPECT_EQ(CanonicalPlanText(**old), planned[s]) << "step " << s;
+  }
 }
 
 // The fold finds a measured document's planned sample whatever order the report lists them

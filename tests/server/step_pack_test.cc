@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "planner/latency_model.h"
 #include "planner/planner.h"
+#include "planner/recall_model.h"
 #include "tests/server/test_support.h"
 
 namespace sparsebalance {
@@ -218,6 +219,60 @@ TEST(StepPackTest, APlannedStepPacksIntoUnderAQuarterOfItsValues) {
   absl::StatusOr<PackedStepContents> back = UnpackStep(packed);
   ASSERT_TRUE(back.ok()) << back.status();
   ExpectSamePlan(*plan, back->plan);
+}
+
+// A job that plans per layer: PackStep with the step's LayerDensityRecipe leaves the layer
+// densities out (a small part of the bytes remains), and UnpackStep with the same recipe gives
+// the plan back bit for bit; without it, or with a recipe the step was not planned with (the
+// recall model a step later), unpacking fails rather than serve other densities.
+TEST(StepPackTest, LeftOutLayerDensitiesComeBackFromTheirRecipe) {
+  const int ranks = 16;
+  JobSettings settings = test_support::SmallJob(ranks);
+  settings.planner.shape.layers = 6;
+  absl::StatusOr<ValidConfig> config = ValidConfig::Check(settings.planner);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const std::vector<Sample> batch = test_support::PretrainBatch(9, ranks, 0.8);
+  LatencyModel model(settings.planner.shape, ranks, kDefaultCostPrior);
+  LayerDensityRecipe recipe{settings.planner,
+                            RecallModel(settings.planner.micro_batch_capacity, 6)};
+  std::vector<RecallObservation> observations;
+  for (int b = 0; b < kRecallBuckets; ++b) {
+    const int64_t length = RecallBucketRange(b, settings.planner.micro_batch_capacity).min;
+    for (int k = 1; k <= 19; ++k) {
+      const double rho = 0.05 * k;
+      for (int l = -1; l < 6; ++l) {
+        const double g = l < 0 ? 4.0 : 2.0 + 0.8 * l;
+        for (int n = 0; n < 4; ++n) observations.push_back({length, l, rho, RecallAt(g, rho)});
+      }
+    }
+  }
+  ASSERT_TRUE(recipe.recall.ObserveStep(observations).ok());
+  absl::StatusOr<StepPlan> plan = PlanStep(batch, *config, model, recipe.recall);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  int split = 0;
+  for (const RankPlan& rank : plan->ranks) {
+    for (const MicroBatchPlan& mb : rank.micro_batches) {
+      for (const PlannedSample& p : mb.samples) split += p.layer_densities.empty() ? 0 : 1;
+    }
+  }
+  ASSERT_GT(split, 20);
+  const std::string raw = PackStep(batch, *plan, {});
+  const std::string bytes = PackStep(batch, *plan, {}, &recipe);
+  EXPECT_LT(2 * bytes.size(), raw.size()) << bytes.size() << " against " << raw.size();
+  absl::StatusOr<PackedStepContents> back = UnpackStep(bytes, &recipe);
+  ASSERT_TRUE(back.ok()) << back.status();
+  ExpectSamePlan(*plan, back->plan);
+  EXPECT_EQ(UnpackStep(bytes).status().code(), absl::StatusCode::kInternal);
+  LayerDensityRecipe later = recipe;
+  ASSERT_TRUE(
+      later.recall
+          .ObserveStep(std::vector<RecallObservation>(40, {4096, 2, 0.3, RecallAt(9.0, 0.3)}))
+          .ok());
+  EXPECT_EQ(UnpackStep(bytes, &later).status().code(), absl::StatusCode::kInternal);
+  // Packed raw, a step needs no recipe.
+  absl::StatusOr<PackedStepContents> plain = UnpackStep(raw);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ExpectSamePlan(*plan, plain->plan);
 }
 
 TEST(StepReportsTest, SlotsCountRanksOnceAndKeepTheLatestReport) {
