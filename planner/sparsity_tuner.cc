@@ -1550,11 +1550,12 @@ void LayerDensities(const Sample& sample, double density, double floor, const Pl
   // near 0.96 there, and the mean fell short).
   const double log_gap = DetLog(1.0 - density);  // finite: density < hi <= 1
   double a = -60.0;                              // mean >= density
-  double mean_g = 0.0;
+  double sum_g = 0.0;
   for (int l = 0; l < layers; ++l) {
     a = std::min(a, log_g[l] + (g[l] - 1.0) * log_gap - 1.0);
-    mean_g += g[l] / layers;
+    sum_g += g[l];
   }
+  const double mean_g = sum_g / layers;
   double b = DetLog(*hi_g) + 1.0;  // mean <= density
   // Safeguarded Newton (NewtonStep) from where a layer of the mean exponent would sit at
   // `density`: the mean is smooth between the points where a layer meets a bound, and a few
