@@ -229,31 +229,35 @@ absl::Status RecallStepSums::AddDocument(int64_t length, double density, double 
   RecallObservation o{length, -1, density, recall};
   const int bucket = BucketOf(o);  // once for the document's layers
   if (absl::Status s = AddAt(bucket, o); !s.ok()) return s;
-  const bool per_layer = layer_densities.size() == layer_recall.size();
   const size_t layers = layer_recall.size();
+  // Layer l's density: layer_densities[l], or `density` in every layer (a stride of 0).
+  const bool per_layer = layer_densities.size() == layers;
+  const double* const densities = per_layer ? layer_densities.data() : &density;
+  const size_t stride = per_layer ? 1 : 0;
   // The layers' measurements added as AddAt adds them, their layer known to be in range, each
   // other check made as one test per layer; AddAt itself takes the first one that fails, which
   // names it. (AddAt per layer, with its error path and a bit of touched_ each, was most of the
   // fold of a step whose 65,536 documents each measured 32 layers.)
-  size_t valid = std::min(layers, static_cast<size_t>(layers_));  // past it: out of range
+  size_t valid = std::min(layers, static_cast<size_t>(layers_));      // past it: out of range
+  RecallCurveSums* const curves = &curves_[kRecallBuckets + bucket];  // layer 0's
   for (size_t l = 0; l < valid; ++l) {
-    const double d = per_layer ? layer_densities[l] : density;
+    const double d = densities[l * stride];
     const double r = layer_recall[l];
     if (!(d > 0.0 && d <= 1.0 && r >= 0.0 && r <= 1.0)) {
       valid = l;
       break;
     }
     const int bin = std::min(kRecallDensityBins - 1, static_cast<int>(d * kRecallDensityBins));
-    RecallCurveSums& c = curves_[(l + 1) * kRecallBuckets + bucket];  // CurveIndex(bucket, l)
+    RecallCurveSums& c = curves[l * kRecallBuckets];  // CurveIndex(bucket, l)
     c.documents[bin] += 1.0;
     c.recall[bin] += r;
     c.density[bin] += d;
   }
-  for (size_t l = 0; l < valid; ++l) touched_[(l + 1) * kRecallBuckets + bucket] = true;
+  layers_touched_[bucket] = std::max(layers_touched_[bucket], valid);
   count_ += valid;
   if (valid == layers) return absl::OkStatus();
   o.layer = static_cast<int>(valid);
-  o.density = per_layer ? layer_densities[valid] : density;
+  o.density = densities[valid * stride];
   o.recall = layer_recall[valid];
   return AddAt(bucket, o);  // refuses it (a bad value, or the layer past the model's), naming it
 }
@@ -275,7 +279,10 @@ absl::Status RecallModel::ObserveStep(const RecallStepSums& step) {
   }
   state_.curves = step.curves_;
   for (size_t i = 0; i < step.touched_.size(); ++i) {
-    if (step.touched_[i]) Fit(i);
+    const size_t layer = i / kRecallBuckets;  // 0: all layers, 1 + l: layer l
+    if (step.touched_[i] || (layer > 0 && layer <= step.layers_touched_[i % kRecallBuckets])) {
+      Fit(i);
+    }
   }
   CountDocuments();  // every curve's weights decayed
   ++state_.steps_observed;

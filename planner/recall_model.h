@@ -243,7 +243,9 @@ class RecallStepSums {
   int layers_;
   std::array<int64_t, kRecallBuckets - 1> edges_{};  // RecallBucketEdge(1..3, capacity)
   std::vector<RecallCurveSums> curves_;              // the model's, forgotten, plus the step's
-  std::vector<bool> touched_;                        // per curve: measured this step
+  std::vector<bool> touched_;                        // per curve: measured this step (Add)
+  // Per bucket: layers [0, n) measured this step (AddDocument), their curves touched too.
+  std::array<size_t, kRecallBuckets> layers_touched_{};
   size_t count_ = 0;
 };
 
