@@ -42,15 +42,15 @@ constexpr int kRanksPerPart = 256;
 constexpr int kMaxParts = 8;
 constexpr int kMinUnitsPerRank = 4;
 
-// Ranks ordered by (time, rank): the first kCandidates of them in a sorted array, the rest in a
-// winner (tournament) tree over the ranks, whose every node holds the least entry below it.
-// Placing a unit on one of the first ranks moves that rank into the tree and the tree's least
-// rank out of it: two updates of a leaf and its ancestors, one comparison a level on loads the
-// rank alone addresses (no position array, no early exit that mispredicts), where the binary
-// heap this replaces sifted down six to eight levels with two comparisons a level each waiting
-// on the last; the first ranks are then read off the array. Entries are keys that hold the time
-// and the rank, so that comparisons do not look the time up per rank. Only the order is
-// observable (First, FirstRanks, VisitInOrder), never the layout.
+// Ranks ordered by (time, rank): the first kCandidates of them in a sorted array, the others in a
+// winner (tournament) tree, whose every node holds the least entry below it. Placing a unit on
+// one of the first ranks makes it later than the tree's least rank (almost always): the two
+// trade places, the rank taking the leaf of the one that joins the first, and that leaf and its
+// ancestors are redone, one comparison a level on loads whose addresses the leaf alone gives
+// and no early exit that mispredicts. The binary heap this replaces sifted down six to eight
+// levels with a mispredicted choice of child at each; the first ranks are read off the array.
+// Entries are keys that hold the time and the rank, so that comparisons do not look the time
+// up per rank. Only the order is observable (First, FirstRanks, VisitInOrder), never the layout.
 template <bool kLargestFirst>
 class RankQueue {
  public:
@@ -61,29 +61,34 @@ class RankQueue {
     leaves_ = 1;
     while (leaves_ < ranks) leaves_ *= 2;
     tree_.resize(2 * leaves_);
-    for (int r = 0; r < leaves_; ++r)
+    leaf_.resize(ranks);
+    for (int r = 0; r < leaves_; ++r) {
       tree_[leaves_ + r] = r < ranks ? MakeKey(time_of(r), r) : kNone;
+    }
+    for (int r = 0; r < ranks; ++r) leaf_[r] = r;
     for (int i = leaves_ - 1; i >= 1; --i) tree_[i] = Least(tree_[2 * i], tree_[2 * i + 1]);
     size_ = std::min(ranks, kCandidates);
     first_.fill(kNone);
     for (int k = 0; k < size_; ++k) {
       first_[k] = tree_[1];
-      Replace(RankOf(first_[k]), kNone);
+      int& leaf = leaf_[RankOf(first_[k])];
+      Replace(leaf, kNone);
+      leaf = -1;
     }
   }
 
   void Update(int rank, double time) {
     const Key key = MakeKey(time, rank);
-    if (tree_[leaves_ + rank] == kNone) {  // one of the first
+    const int leaf = leaf_[rank];
+    if (leaf < 0) {  // one of the first
       int k = 0;
       while (RankOf(first_[k]) != rank) ++k;
       for (; k + 1 < size_; ++k) first_[k] = first_[k + 1];
-      // The rank stays among the first, or the tree's least (after every other first) takes
-      // its place; the tree is empty (kNone) when every rank is among the first.
+      // The rank stays among the first, or it and the tree's least (after every other first)
+      // trade places; the tree is empty (kNone) when every rank is among the first.
       const Key least = tree_[1];
       if (Before(least, key)) {
-        Replace(RankOf(least), kNone);
-        Replace(rank, key);
+        Trade(rank, key, RankOf(least));
         first_[size_ - 1] = least;
       } else {
         Insert(key, size_ - 1);
@@ -91,10 +96,9 @@ class RankQueue {
     } else if (Before(key, first_[size_ - 1])) {  // joins the first, the last of them leaves
       const Key last = first_[size_ - 1];
       Insert(key, size_ - 1);
-      Replace(rank, kNone);
-      Replace(RankOf(last), last);
+      Trade(RankOf(last), last, rank);
     } else {
-      Replace(rank, key);
+      Replace(leaf, key);
     }
   }
   int First() const { return RankOf(first_[0]); }
@@ -110,7 +114,7 @@ class RankQueue {
   // Calls visit(rank) for ranks in order until it returns false or all were visited: the first
   // ranks, then the tree's by a best-first walk. Its frontier (a binary heap of its own) holds
   // the roots of the subtrees not visited yet; visiting a subtree's least rank replaces its root
-  // by the siblings of the rank's ancestors below that root.
+  // by the siblings of the rank's leaf and of its ancestors below that root.
   template <typename Visit>
   void VisitInOrder(Visit visit) {
     for (int k = 0; k < size_; ++k) {
@@ -124,7 +128,7 @@ class RankQueue {
       const Node last = frontier_.back();
       frontier_.pop_back();
       if (!frontier_.empty()) SiftFrontierDown(last);
-      for (int i = leaves_ + RankOf(node.key); i > node.at; i /= 2) {
+      for (int i = leaves_ + leaf_[RankOf(node.key)]; i > node.at; i /= 2) {
         if (tree_[i ^ 1] != kNone) PushFrontier({tree_[i ^ 1], i ^ 1});
       }
     }
@@ -135,7 +139,7 @@ class RankQueue {
   // CostKey's) above the rank: one comparison where there were two of doubles and one of ints.
   // Times are never NaN. The compilers' own type: absl::uint128's conversions cost more.
   using Key = unsigned __int128;
-  // After every key (the bits of no time): a leaf with no rank, or one of the first ranks.
+  // After every key (the bits of no time): a leaf that holds no rank.
   static constexpr Key kNone = kLargestFirst ? Key{0} : ~Key{0};
   // A tree node's entry and its index in tree_.
   struct Node {
@@ -154,15 +158,25 @@ class RankQueue {
   static int RankOf(Key key) { return static_cast<int>(static_cast<uint32_t>(key)); }
   static bool Before(Key a, Key b) { return kLargestFirst ? b < a : a < b; }
   static Key Least(Key a, Key b) { return Before(b, a) ? b : a; }
-  // Sets the rank's leaf to `key` and each of its ancestors to the least of its children.
-  void Replace(int rank, Key key) {
-    int i = leaves_ + rank;
-    tree_[i] = key;
-    for (; i > 1; i /= 2) {
-      key = Least(key, tree_[i ^ 1]);
-      tree_[i / 2] = key;
+  // `rank`, one of the first, at `key` takes the leaf of `other`, which joins the first.
+  void Trade(int rank, Key key, int other) {
+    const int leaf = leaf_[other];
+    leaf_[other] = -1;
+    leaf_[rank] = leaf;
+    Replace(leaf, key);
+  }
+  // Sets the leaf to `key` and each of its ancestors to the least of its children. Nodes are
+  // addressed by their offsets in bytes: a sibling's and a parent's take one and two
+  // instructions, where indices took three.
+  void Replace(int leaf, Key key) {
+    size_t at = (leaves_ + leaf) * sizeof(Key);
+    At(at) = key;
+    for (; at > sizeof(Key); at = at / 2 & ~(sizeof(Key) - 1)) {
+      key = Least(key, At(at ^ sizeof(Key)));
+      At(at / 2 & ~(sizeof(Key) - 1)) = key;
     }
   }
+  Key& At(size_t at) { return *reinterpret_cast<Key*>(reinterpret_cast<char*>(tree_.data()) + at); }
   // Puts `key` into first_[0, end], whose entries from its place on move one up.
   void Insert(Key key, int end) {
     for (; end > 0 && Before(key, first_[end - 1]); --end) first_[end] = first_[end - 1];
@@ -193,10 +207,12 @@ class RankQueue {
   // The first min(ranks, kCandidates) ranks' keys in order (size_ of them), the others kNone.
   std::array<Key, kCandidates> first_{};
   int size_ = 0;
-  // The tree: node i's children are 2 i and 2 i + 1, the root 1, rank r's leaf leaves_ + r (a
-  // power of two at least the ranks); kNone at the first ranks' leaves and those of no rank.
+  // The tree: node i's children are 2 i and 2 i + 1, the root 1, the leaves from leaves_ (a power
+  // of two at least the ranks) on. Each rank not among the first holds one leaf (leaf_, per rank;
+  // -1 for the first), where the others hold kNone.
   int leaves_ = 1;
   std::vector<Key> tree_;
+  std::vector<int> leaf_;
   std::vector<Node> frontier_;  // VisitInOrder's, least first
 };
 
