@@ -239,7 +239,7 @@ struct Unit {
   int size = 0;
   // While placed: the rank, the unit's placement number (its entry in the list of the lane
   // that placed it, Placer::Lane), and the next unit in the list of the rank's units (-1 at
-  // the end).
+  // the end), which is latest placed first.
   int rank = -1;
   int placement = -1;
   int next = -1;
@@ -267,9 +267,10 @@ struct RankState {
   double rigid = 0.0;
   double speed = 1.0;    // speed factor h_r: time = speed * load
   int64_t max_free = 0;  // tokens, the most free of one micro-batch
-  // Its units, a doubly linked list through Unit::prev/next.
+  // Its units, a list through Unit::next, latest placed first: their order is not observable
+  // (ImproveMaxRank sorts what it reads off the lists by keys that tell every unit apart), and
+  // a unit put at the head writes no earlier unit, where one put at the tail wrote the last.
   int head = -1;
-  int tail = -1;
   int units = 0;
 };
 
@@ -872,13 +873,8 @@ inline void Placer::Attach(int u, int r, Lane& lane) {
   unit.rank = r;
   unit.placement = lane.numbered + static_cast<int>(lane.placements->size());
   lane.placements->push_back(u);
-  unit.next = -1;
-  if (rank.tail >= 0) {
-    units_[rank.tail].next = u;
-  } else {
-    rank.head = u;
-  }
-  rank.tail = u;
+  unit.next = rank.head;
+  rank.head = u;
   ++rank.units;
   Updated(r, lane);
 }
@@ -903,7 +899,6 @@ void Placer::Remove(int u, int r) {
   int prev = -1;
   for (int v = rank.head; v >= 0 && v != u; v = units_[v].next) prev = v;
   (prev >= 0 ? units_[prev].next : rank.head) = unit.next;
-  if (rank.tail == u) rank.tail = prev;
   unit.rank = unit.placement = unit.next = -1;
   --rank.units;
   Updated(r, whole_);
