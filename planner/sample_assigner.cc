@@ -1,5 +1,9 @@
 #include "planner/sample_assigner.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -440,6 +444,158 @@ int PartFirstRank(int part, int parts, int ranks) {
   return static_cast<int>(int64_t{part} * ranks / parts);
 }
 
+}  // namespace
+
+namespace sample_assigner_internal {
+
+// DealToParts' deal, the loop whose every step waits on the one before (a unit's part depends
+// on every earlier unit's), written twice. The units, largest first: unit k of n costs the
+// double at costs + order[k] * stride (bytes). Each goes to the part where it ends with the
+// least time, (load + cost) * per_rate[p], ties to the first, among `parts` parts (at most
+// kMaxParts) that start empty. Writes unit k's part to part_of[k] and each part's count of
+// units to count[p + 1], count[0] = 0.
+void DealUnitsScalar(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count) {
+  // kMaxParts of them, those past `parts` never chosen (an infinite load), so that the loop
+  // below has a fixed count and no branch.
+  std::array<double, kMaxParts> rate{};
+  std::array<double, kMaxParts> load{};
+  rate.fill(1.0);
+  load.fill(std::numeric_limits<double>::infinity());
+  for (int p = 0; p < parts; ++p) {
+    rate[p] = per_rate[p];
+    load[p] = 0.0;
+  }
+  std::fill(count, count + kMaxParts + 1, 0);
+  for (int k = 0; k < n; ++k) {
+    // The costs are asked for kGatherAhead units ahead: `order` scatters them.
+    if (k + static_cast<int>(kGatherAhead) < n) {
+      __builtin_prefetch(costs + order[k + kGatherAhead] * stride);
+    }
+    double cost;
+    std::memcpy(&cost, costs + order[k] * stride, sizeof(cost));
+    int best = 0;
+    double best_time = (load[0] + cost) * rate[0];
+    for (int p = 1; p < kMaxParts; ++p) {
+      const double time = (load[p] + cost) * rate[p];
+      const bool better = time < best_time;
+      best = better ? p : best;
+      best_time = better ? time : best_time;
+    }
+    load[best] += cost;
+    part_of[k] = best;
+    ++count[best + 1];
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// The same deal with the 8 parts' loads in two AVX2 registers (parts 0-3, 4-7), about 22 cycles a
+// unit where DealUnitsScalar's 7 compares in a row took 40: at 65,536 units, 0.47-0.52 ms where
+// 0.87-0.97 (alone, warm). The step's chain is only: blend this unit's times out of the two
+// candidates per part, computed beside the chain while the unit before was chosen (its load
+// before or after the unit before, plus this cost, times the part's per_rate: the same
+// operations as DealUnitsScalar's, so the same bits); their minimum over a tree of 3 vminpd;
+// the parts equal to it (ties, rare once the parts have loads, take the first on a branch).
+// The minimum is exact only where no time is NaN: so costs must be >= 0 (not NaN) and
+// per_rate finite and > 0; it returns false, what it wrote undefined, otherwise.
+// Lanes of `yes` where `mask` has all ones, of `no` where zeros (and/andnot/or: 2 cycles where
+// vblendvpd takes 3).
+__attribute__((target("avx2"))) inline __m256d Blend(__m256d mask, __m256d no, __m256d yes) {
+  return _mm256_or_pd(_mm256_andnot_pd(mask, no), _mm256_and_pd(mask, yes));
+}
+
+__attribute__((target("avx2"))) bool DealUnitsAvx2(int parts, const double* per_rate,
+                                                   const int* order, const char* costs,
+                                                   size_t stride, int n, int* part_of, int* count) {
+  std::array<double, kMaxParts> rate{};
+  std::array<double, kMaxParts> load{};
+  rate.fill(1.0);
+  load.fill(std::numeric_limits<double>::infinity());
+  for (int p = 0; p < parts; ++p) {
+    if (!(per_rate[p] > 0.0 && per_rate[p] < std::numeric_limits<double>::infinity())) {
+      return false;
+    }
+    rate[p] = per_rate[p];
+    load[p] = 0.0;
+  }
+  std::fill(count, count + kMaxParts + 1, 0);
+  if (n == 0) return true;
+  const __m256d rate_lo = _mm256_loadu_pd(&rate[0]);
+  const __m256d rate_hi = _mm256_loadu_pd(&rate[4]);
+  const __m256i part_lo = _mm256_setr_epi64x(0, 1, 2, 3);
+  const __m256i part_hi = _mm256_setr_epi64x(4, 5, 6, 7);
+  auto cost_at = [&](int k) {
+    double cost;
+    std::memcpy(&cost, costs + order[k] * stride, sizeof(cost));
+    return cost;
+  };
+  // Before unit k: the loads before unit k - 1, and with unit k - 1 added to each (`added`),
+  // unit k - 1's part as lanes of all ones (`chosen`), and unit k's times with either load.
+  __m256d load_lo = _mm256_loadu_pd(&load[0]);
+  __m256d load_hi = _mm256_loadu_pd(&load[4]);
+  __m256d added_lo = load_lo;
+  __m256d added_hi = load_hi;
+  __m256d chosen_lo = _mm256_setzero_pd();
+  __m256d chosen_hi = _mm256_setzero_pd();
+  double cost = cost_at(0);
+  if (!(cost >= 0.0)) return false;
+  __m256d cost_v = _mm256_set1_pd(cost);
+  __m256d before_lo = _mm256_mul_pd(_mm256_add_pd(load_lo, cost_v), rate_lo);
+  __m256d before_hi = _mm256_mul_pd(_mm256_add_pd(load_hi, cost_v), rate_hi);
+  __m256d after_lo = before_lo;
+  __m256d after_hi = before_hi;
+  for (int k = 0; k < n; ++k) {
+    if (k + static_cast<int>(kGatherAhead) < n) {
+      __builtin_prefetch(costs + order[k + kGatherAhead] * stride);
+    }
+    const __m256d time_lo = Blend(chosen_lo, before_lo, after_lo);
+    const __m256d time_hi = Blend(chosen_hi, before_hi, after_hi);
+    load_lo = Blend(chosen_lo, load_lo, added_lo);
+    load_hi = Blend(chosen_hi, load_hi, added_hi);
+    __m256d least = _mm256_min_pd(time_lo, time_hi);
+    least = _mm256_min_pd(least, _mm256_permute_pd(least, 0b0101));
+    least = _mm256_min_pd(least, _mm256_permute2f128_pd(least, least, 1));
+    chosen_lo = _mm256_cmp_pd(time_lo, least, _CMP_EQ_OQ);
+    chosen_hi = _mm256_cmp_pd(time_hi, least, _CMP_EQ_OQ);
+    const unsigned equal = _mm256_movemask_pd(chosen_lo) | _mm256_movemask_pd(chosen_hi) << 4;
+    const int best = __builtin_ctz(equal);
+    if ((equal & (equal - 1)) != 0) {
+      const __m256i best_v = _mm256_set1_epi64x(best);
+      chosen_lo = _mm256_castsi256_pd(_mm256_cmpeq_epi64(best_v, part_lo));
+      chosen_hi = _mm256_castsi256_pd(_mm256_cmpeq_epi64(best_v, part_hi));
+    }
+    part_of[k] = best;
+    ++count[best + 1];
+    if (k + 1 == n) break;
+    added_lo = _mm256_add_pd(load_lo, cost_v);
+    added_hi = _mm256_add_pd(load_hi, cost_v);
+    cost = cost_at(k + 1);
+    if (!(cost >= 0.0)) return false;
+    cost_v = _mm256_set1_pd(cost);
+    before_lo = _mm256_mul_pd(_mm256_add_pd(load_lo, cost_v), rate_lo);
+    before_hi = _mm256_mul_pd(_mm256_add_pd(load_hi, cost_v), rate_hi);
+    after_lo = _mm256_mul_pd(_mm256_add_pd(added_lo, cost_v), rate_lo);
+    after_hi = _mm256_mul_pd(_mm256_add_pd(added_hi, cost_v), rate_hi);
+  }
+  return true;
+}
+#endif
+
+// DealUnitsAvx2 where the CPU has AVX2 and it takes the inputs; false where it does not deal.
+bool DealUnitsVector(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count) {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 && DealUnitsAvx2(parts, per_rate, order, costs, stride, n, part_of, count);
+#else
+  return false;
+#endif
+}
+
+}  // namespace sample_assigner_internal
+
+namespace {
+
 // Deals the units (`tallies`), largest first as SortLargestFirst left them (`order`), to the parts
 // (kRanksPerPart): each to the part where it ends with the least load for the part's speed
 // (the sum of its ranks' 1 / speed factor), ties to the first. Then lists `order` part by
@@ -454,15 +610,9 @@ void DealToParts(const PlannerConfig& config, const std::vector<double>& speed,
     part_begin.assign({0, n});
     return;
   }
-  // Per part: 1 / its rate (the sum of its ranks' 1 / speed) and its load; kMaxParts of them,
-  // those past `parts` never chosen (an infinite load), so that the loop below has a fixed
-  // count and no branch.
+  // Per part: 1 / its rate (the sum of its ranks' 1 / speed).
   std::array<double, kMaxParts> per_rate{};
-  std::array<double, kMaxParts> load{};
-  per_rate.fill(1.0);
-  load.fill(std::numeric_limits<double>::infinity());
   for (int p = 0; p < parts; ++p) {
-    load[p] = 0.0;
     double rate = 0.0;
     const int end = PartFirstRank(p + 1, parts, config.ranks);
     for (int r = PartFirstRank(p, parts, config.ranks); r < end; ++r) {
@@ -470,27 +620,15 @@ void DealToParts(const PlannerConfig& config, const std::vector<double>& speed,
     }
     per_rate[p] = 1.0 / rate;
   }
-  // Each unit's part, by its place in `order`, then the places counted out. The costs are
-  // asked for kGatherAhead units ahead: `order` scatters them over the tallies.
+  // Each unit's part, by its place in `order`, then the places counted out.
   std::vector<int>& part_of = ws->part_of;
   part_of.resize(n);
   std::array<int, kMaxParts + 1> start{};
-  for (int k = 0; k < n; ++k) {
-    if (k + static_cast<int>(kGatherAhead) < n) {
-      __builtin_prefetch(&tallies[(*order)[k + kGatherAhead]]);
-    }
-    const double cost = tallies[(*order)[k]].cost;
-    int best = 0;
-    double best_time = (load[0] + cost) * per_rate[0];
-    for (int p = 1; p < kMaxParts; ++p) {
-      const double time = (load[p] + cost) * per_rate[p];
-      const bool better = time < best_time;
-      best = better ? p : best;
-      best_time = better ? time : best_time;
-    }
-    load[best] += cost;
-    part_of[k] = best;
-    ++start[best + 1];
+  const char* costs = reinterpret_cast<const char*>(&tallies[0].cost);
+  if (!sample_assigner_internal::DealUnitsVector(parts, per_rate.data(), order->data(), costs,
+                                                 sizeof(Tally), n, part_of.data(), start.data())) {
+    sample_assigner_internal::DealUnitsScalar(parts, per_rate.data(), order->data(), costs,
+                                              sizeof(Tally), n, part_of.data(), start.data());
   }
   for (int p = 0; p < parts; ++p) start[p + 1] += start[p];
   part_begin.assign(start.begin(), start.begin() + parts + 1);
