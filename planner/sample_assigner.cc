@@ -390,6 +390,7 @@ void SortLargestFirst(Workspace* ws, std::vector<int>* order) {
   order->resize(n);
   if (n == 0) return;
   constexpr int kMaxDigitBits = 12;
+  constexpr size_t kScatterAhead = 48;  // see ask_ahead
   constexpr uint64_t kLowBits = (uint64_t{1} << kMaxDigitBits) - 1;
   // The counts of the low bits, then [pass * buckets + value]: the count of each digit value,
   // then where its first key goes.
@@ -431,11 +432,22 @@ void SortLargestFirst(Workspace* ws, std::vector<int>* order) {
     for (size_t b = 0; b < buckets; ++b) sum += std::exchange(next[b], sum);
     return next;
   };
+  // Each pass writes the keys to 2^digit_bits places at once, more lines than the first-level
+  // cache holds, and the lines are cold in a plan (the side loop runs beside): it asks for the
+  // place of the key kScatterAhead on (hint: the place moves on by then, mostly within the
+  // line). In a 2-thread plan the first pass took 0.19-0.26 ms where 0.34-0.46, the last
+  // 0.13-0.20 where 0.14-0.24 (48 ahead; 16: 0.26-0.28 and 0.14-0.16; 96: as 48).
+  auto ask_ahead = [&](auto* out, const int* next, size_t i, int pass) {
+    if (i + kScatterAhead < n)
+      __builtin_prefetch(&out[next[digit(keys[i + kScatterAhead], pass)]], 1);
+  };
   const int last = passes - 1;
   if (last > 0) {
     if (sorts(0)) {
       int* next = first_places(0);
-      for (const uint64_t key : keys) {
+      for (size_t i = 0; i < n; ++i) {
+        ask_ahead(sorted.data(), next, i, 0);
+        const uint64_t key = keys[i];
         sorted[next[digit(key, 0)]++] = key;
         for (int pass = 1; pass < passes; ++pass) ++count[pass * buckets + digit(key, pass)];
       }
@@ -449,12 +461,16 @@ void SortLargestFirst(Workspace* ws, std::vector<int>* order) {
   for (int pass = 1; pass < last; ++pass) {
     if (!sorts(pass)) continue;
     int* next = first_places(pass);
-    for (const uint64_t key : keys) sorted[next[digit(key, pass)]++] = key;
+    for (size_t i = 0; i < n; ++i) {
+      ask_ahead(sorted.data(), next, i, pass);
+      sorted[next[digit(keys[i], pass)]++] = keys[i];
+    }
     keys.swap(sorted);
   }
   int* next = first_places(last);
-  for (const uint64_t key : keys) {
-    (*order)[next[digit(key, last)]++] = static_cast<int>(key & kIndexBits);
+  for (size_t i = 0; i < n; ++i) {
+    ask_ahead(order->data(), next, i, last);
+    (*order)[next[digit(keys[i], last)]++] = static_cast<int>(keys[i] & kIndexBits);
   }
 }
 
