@@ -486,15 +486,29 @@ int PartFirstRank(int part, int parts, int ranks) {
   return static_cast<int>(int64_t{part} * ranks / parts);
 }
 
-}  // namespace
-
-namespace sample_assigner_internal {
-
 // The deal asks for the costs this many units ahead (kGatherAhead's hint): `order` scatters
 // them over the tallies (2.6 MB at 65,536 units), which the threads wrote, and beside the side
 // loop most are misses. The deal in a 2-thread plan took 0.57-0.59 ms where 0.74-0.83 at 16
 // ahead (0.61-0.69 at 32, 0.55-0.62 at 160).
 constexpr int kDealAhead = 96;
+
+// The deals' parts, kMaxParts of them: per_rate and no load for those of `parts`, those past it
+// never chosen (an infinite load, rate 1), so that the loops have a fixed count and no branch.
+// Zeroes count.
+void StartDeal(int parts, const double* per_rate, std::array<double, kMaxParts>* rate,
+               std::array<double, kMaxParts>* load, int* count) {
+  rate->fill(1.0);
+  load->fill(std::numeric_limits<double>::infinity());
+  for (int p = 0; p < parts; ++p) {
+    (*rate)[p] = per_rate[p];
+    (*load)[p] = 0.0;
+  }
+  std::fill(count, count + kMaxParts + 1, 0);
+}
+
+}  // namespace
+
+namespace sample_assigner_internal {
 
 // DealToParts' deal, the loop whose every step waits on the one before (a unit's part depends
 // on every earlier unit's), written twice. The units, largest first: unit k of n costs the
@@ -504,17 +518,9 @@ constexpr int kDealAhead = 96;
 // units to count[p + 1], count[0] = 0.
 void DealUnitsScalar(int parts, const double* per_rate, const int* order, const char* costs,
                      size_t stride, int n, int* part_of, int* count) {
-  // kMaxParts of them, those past `parts` never chosen (an infinite load), so that the loop
-  // below has a fixed count and no branch.
-  std::array<double, kMaxParts> rate{};
-  std::array<double, kMaxParts> load{};
-  rate.fill(1.0);
-  load.fill(std::numeric_limits<double>::infinity());
-  for (int p = 0; p < parts; ++p) {
-    rate[p] = per_rate[p];
-    load[p] = 0.0;
-  }
-  std::fill(count, count + kMaxParts + 1, 0);
+  std::array<double, kMaxParts> rate;
+  std::array<double, kMaxParts> load;
+  StartDeal(parts, per_rate, &rate, &load, count);
   for (int k = 0; k < n; ++k) {
     if (k + kDealAhead < n) __builtin_prefetch(costs + order[k + kDealAhead] * stride);
     double cost;
@@ -542,8 +548,9 @@ __attribute__((target("avx2"))) inline __m256d Blend(__m256d mask, __m256d no, _
 
 // The same deal with the 8 parts' loads in two AVX2 registers (parts 0-3, 4-7), about 19 cycles a
 // unit where DealUnitsScalar's 7 compares in a row took 40: at 65,536 units, 0.43-0.44 ms where
-// 0.87-0.97 (alone, warm). The step's chain is only: blend this unit's times out of the two
-// candidates per part, computed beside the chain while the unit before was chosen (its load
+// 0.87-0.97 (alone, warm), and 0.48-0.53 ms in a 2-thread plan (kDealAhead) where the scalar
+// deal took 1.44-1.78 (at 16 ahead). The step's chain is only: blend this unit's times out of the
+// two candidates per part, computed beside the chain while the unit before was chosen (its load
 // before or after the unit before, plus this cost, times the part's per_rate: the same
 // operations as DealUnitsScalar's, so the same bits); their minimum over a tree of 3 vminpd;
 // the parts equal to it (ties, rare once the parts have loads, take the first on a branch).
@@ -552,18 +559,14 @@ __attribute__((target("avx2"))) inline __m256d Blend(__m256d mask, __m256d no, _
 __attribute__((target("avx2"))) bool DealUnitsAvx2(int parts, const double* per_rate,
                                                    const int* order, const char* costs,
                                                    size_t stride, int n, int* part_of, int* count) {
-  std::array<double, kMaxParts> rate{};
-  std::array<double, kMaxParts> load{};
-  rate.fill(1.0);
-  load.fill(std::numeric_limits<double>::infinity());
   for (int p = 0; p < parts; ++p) {
     if (!(per_rate[p] > 0.0 && per_rate[p] < std::numeric_limits<double>::infinity())) {
       return false;
     }
-    rate[p] = per_rate[p];
-    load[p] = 0.0;
   }
-  std::fill(count, count + kMaxParts + 1, 0);
+  std::array<double, kMaxParts> rate;
+  std::array<double, kMaxParts> load;
+  StartDeal(parts, per_rate, &rate, &load, count);
   if (n == 0) return true;
   const __m256d rate_lo = _mm256_loadu_pd(&rate[0]);
   const __m256d rate_hi = _mm256_loadu_pd(&rate[4]);
