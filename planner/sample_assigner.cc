@@ -1,5 +1,9 @@
 #include "planner/sample_assigner.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -354,8 +358,8 @@ uint64_t CostKey(double cost) {
 // (ParallelBeside). Least significant digit first; each pass keeps the order of equal digits, so
 // ties stay in index order, and the result is that of any stable sort by those bits: here by
 // those bits less the least key's, whose span is narrower than 31 bits (23 at 65,536 samples
-// over 4,096 ranks: two passes of 12-bit digits where three of 11 sorted all 31), the digits of
-// every pass counted in one read of the keys, and the passes on the calling thread: the sort
+// over 4,096 ranks: two passes of 12-bit digits where three of 11 sorted all 31), the digits
+// counted ahead of the passes (SortLargestFirst), and the passes on the calling thread: the sort
 // took 0.66-0.70 ms where three passes spread over two threads took 0.75-0.81, and 0.66-0.75
 // where three took 0.77-0.86 on one.
 constexpr int kLowBit = 33;  // the sort's bits: 33-63
@@ -370,7 +374,12 @@ void LargestFirstKeys(const std::vector<Tally>& tallies, Workspace* ws, PlanThre
   });
 }
 
-// Writes the order of the keys LargestFirstKeys made to `order`.
+// Writes the order of the keys LargestFirstKeys made to `order`. Each pass's digits are
+// counted before it: digit 0's out of the counts of the keys' low kMaxDigitBits bits, taken in
+// the same read as the least and most keys (digit 0 is the low bits less the least's, modulo
+// the digit's width), and the later digits' in the first pass that sorts (in a read of their
+// own where digit 0 is the same for all keys). One read of the keys less: the sort took
+// 0.26-0.27 ms where a read that counted every digit made it 0.38-0.39 (alone, warm).
 void SortLargestFirst(Workspace* ws, std::vector<int>* order) {
   std::vector<uint64_t>& keys = ws->keys;
   std::vector<uint64_t>& sorted = ws->sorted;
@@ -378,51 +387,88 @@ void SortLargestFirst(Workspace* ws, std::vector<int>* order) {
   sorted.resize(n);
   order->resize(n);
   if (n == 0) return;
+  constexpr int kMaxDigitBits = 12;
+  constexpr size_t kScatterAhead = 48;  // see ask_ahead
+  constexpr uint64_t kLowBits = (uint64_t{1} << kMaxDigitBits) - 1;
+  // The counts of the low bits, then [pass * buckets + value]: the count of each digit value,
+  // then where its first key goes.
+  std::vector<int>& place = ws->radix_place;
+  place.assign(kLowBits + 1, 0);
   uint64_t least = keys[0] >> kLowBit;
   uint64_t most = least;
   for (const uint64_t key : keys) {
     least = std::min(least, key >> kLowBit);
     most = std::max(most, key >> kLowBit);
+    ++place[(key >> kLowBit) & kLowBits];
+  }
+  if (most == least) {
+    for (size_t k = 0; k < n; ++k) (*order)[k] = static_cast<int>(keys[k] & kIndexBits);
+    return;
   }
   // As few passes as cover the span, of digits of equal width, at most kMaxDigitBits.
-  constexpr int kMaxDigitBits = 12;
-  const int span = most == least ? 0 : 64 - __builtin_clzll(most - least);
+  const int span = 64 - __builtin_clzll(most - least);
   const int passes = (span + kMaxDigitBits - 1) / kMaxDigitBits;
-  const int digit_bits = passes == 0 ? 0 : (span + passes - 1) / passes;
+  const int digit_bits = (span + passes - 1) / passes;
   const size_t buckets = size_t{1} << digit_bits;
   auto digit = [&](uint64_t key, int pass) {
     return (((key >> kLowBit) - least) >> (pass * digit_bits)) & (buckets - 1);
   };
-  // [pass * buckets + value]: the count of each digit value, then where its first key goes.
-  std::vector<int>& place = ws->radix_place;
-  place.assign(passes * buckets, 0);
-  for (const uint64_t key : keys) {
-    for (int pass = 0; pass < passes; ++pass) ++place[pass * buckets + digit(key, pass)];
+  place.resize(kLowBits + 1 + passes * buckets);
+  int* const count = &place[kLowBits + 1];
+  std::fill(count, count + passes * buckets, 0);
+  for (uint64_t low = 0; low <= kLowBits; ++low) {
+    count[(low - least) & (buckets - 1)] += place[low];
   }
-  // A digit that all keys share needs no pass; the last pass writes the indices.
-  std::array<bool, 64 / kMaxDigitBits + 1> sorts{};
-  int last = -1;
-  for (int pass = 0; pass < passes; ++pass) {
-    int* next = &place[pass * buckets];
-    if (next[digit(keys[0], pass)] == static_cast<int>(n)) continue;
-    sorts[pass] = true;
-    last = pass;
+  // A digit that all keys share needs no pass. The top digit sorts (least's is 0, most's is
+  // not), and its pass writes the indices.
+  auto sorts = [&](int pass) {
+    return count[pass * buckets + digit(keys[0], pass)] != static_cast<int>(n);
+  };
+  auto first_places = [&](int pass) {
+    int* next = &count[pass * buckets];
     int sum = 0;
     for (size_t b = 0; b < buckets; ++b) sum += std::exchange(next[b], sum);
+    return next;
+  };
+  // Each pass writes the keys to 2^digit_bits places at once, more lines than the first-level
+  // cache holds, and the lines are cold in a plan (the side loop runs beside): it asks for the
+  // place of the key kScatterAhead on (hint: the place moves on by then, mostly within the
+  // line). In a 2-thread plan the first pass took 0.19-0.26 ms where 0.34-0.46, the last
+  // 0.13-0.20 where 0.14-0.24 (48 ahead; 16: 0.26-0.28 and 0.14-0.16; 96: as 48).
+  auto ask_ahead = [&](auto* out, const int* next, size_t i, int pass) {
+    if (i + kScatterAhead < n)
+      __builtin_prefetch(&out[next[digit(keys[i + kScatterAhead], pass)]], 1);
+  };
+  const int last = passes - 1;
+  if (last > 0) {
+    if (sorts(0)) {
+      int* next = first_places(0);
+      for (size_t i = 0; i < n; ++i) {
+        ask_ahead(sorted.data(), next, i, 0);
+        const uint64_t key = keys[i];
+        sorted[next[digit(key, 0)]++] = key;
+        for (int pass = 1; pass < passes; ++pass) ++count[pass * buckets + digit(key, pass)];
+      }
+      keys.swap(sorted);
+    } else {
+      for (const uint64_t key : keys) {
+        for (int pass = 1; pass < passes; ++pass) ++count[pass * buckets + digit(key, pass)];
+      }
+    }
   }
-  for (int pass = 0; pass < last; ++pass) {
-    if (!sorts[pass]) continue;
-    int* next = &place[pass * buckets];
-    for (const uint64_t key : keys) sorted[next[digit(key, pass)]++] = key;
+  for (int pass = 1; pass < last; ++pass) {
+    if (!sorts(pass)) continue;
+    int* next = first_places(pass);
+    for (size_t i = 0; i < n; ++i) {
+      ask_ahead(sorted.data(), next, i, pass);
+      sorted[next[digit(keys[i], pass)]++] = keys[i];
+    }
     keys.swap(sorted);
   }
-  if (last < 0) {
-    for (size_t k = 0; k < n; ++k) (*order)[k] = static_cast<int>(keys[k] & kIndexBits);
-    return;
-  }
-  int* next = &place[last * buckets];
-  for (const uint64_t key : keys) {
-    (*order)[next[digit(key, last)]++] = static_cast<int>(key & kIndexBits);
+  int* next = first_places(last);
+  for (size_t i = 0; i < n; ++i) {
+    ask_ahead(order->data(), next, i, last);
+    (*order)[next[digit(keys[i], last)]++] = static_cast<int>(keys[i] & kIndexBits);
   }
 }
 
@@ -438,6 +484,166 @@ int PartFirstRank(int part, int parts, int ranks) {
   return static_cast<int>(int64_t{part} * ranks / parts);
 }
 
+// The deal asks for the costs this many units ahead (kGatherAhead's hint): `order` scatters
+// them over the tallies (2.6 MB at 65,536 units), which the threads wrote, and beside the side
+// loop most are misses. The deal in a 2-thread plan took 0.57-0.59 ms where 0.74-0.83 at 16
+// ahead (0.61-0.69 at 32, 0.55-0.62 at 160).
+constexpr int kDealAhead = 96;
+
+// The deals' parts, kMaxParts of them: per_rate and no load for those of `parts`, those past it
+// never chosen (an infinite load, rate 1), so that the loops have a fixed count and no branch.
+// Zeroes count.
+void StartDeal(int parts, const double* per_rate, std::array<double, kMaxParts>* rate,
+               std::array<double, kMaxParts>* load, int* count) {
+  rate->fill(1.0);
+  load->fill(std::numeric_limits<double>::infinity());
+  for (int p = 0; p < parts; ++p) {
+    (*rate)[p] = per_rate[p];
+    (*load)[p] = 0.0;
+  }
+  std::fill(count, count + kMaxParts + 1, 0);
+}
+
+}  // namespace
+
+namespace sample_assigner_internal {
+
+// DealToParts' deal, the loop whose every step waits on the one before (a unit's part depends
+// on every earlier unit's), written twice. The units, largest first: unit k of n costs the
+// double at costs + order[k] * stride (bytes). Each goes to the part where it ends with the
+// least time, (load + cost) * per_rate[p], ties to the first, among `parts` parts (at most
+// kMaxParts) that start empty. Writes unit k's part to part_of[k] and each part's count of
+// units to count[p + 1], count[0] = 0.
+void DealUnitsScalar(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count) {
+  std::array<double, kMaxParts> rate;
+  std::array<double, kMaxParts> load;
+  StartDeal(parts, per_rate, &rate, &load, count);
+  for (int k = 0; k < n; ++k) {
+    if (k + kDealAhead < n) __builtin_prefetch(costs + order[k + kDealAhead] * stride);
+    double cost;
+    std::memcpy(&cost, costs + order[k] * stride, sizeof(cost));
+    int best = 0;
+    double best_time = (load[0] + cost) * rate[0];
+    for (int p = 1; p < kMaxParts; ++p) {
+      const double time = (load[p] + cost) * rate[p];
+      const bool better = time < best_time;
+      best = better ? p : best;
+      best_time = better ? time : best_time;
+    }
+    load[best] += cost;
+    part_of[k] = best;
+    ++count[best + 1];
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// Lanes of `yes` where `mask` has all ones, of `no` where zeros (and/andnot/or: 2 cycles where
+// vblendvpd takes 3).
+__attribute__((target("avx2"))) inline __m256d Blend(__m256d mask, __m256d no, __m256d yes) {
+  return _mm256_or_pd(_mm256_andnot_pd(mask, no), _mm256_and_pd(mask, yes));
+}
+
+// The same deal with the 8 parts' loads in two AVX2 registers (parts 0-3, 4-7), about 19 cycles a
+// unit where DealUnitsScalar's 7 compares in a row took 40: at 65,536 units, 0.43-0.44 ms where
+// 0.87-0.97 (alone, warm), and 0.48-0.53 ms in a 2-thread plan (kDealAhead) where the scalar
+// deal took 1.44-1.78 (at 16 ahead). The step's chain is only: blend this unit's times out of the
+// two candidates per part, computed beside the chain while the unit before was chosen (its load
+// before or after the unit before, plus this cost, times the part's per_rate: the same
+// operations as DealUnitsScalar's, so the same bits); their minimum over a tree of 3 vminpd;
+// the parts equal to it (ties, rare once the parts have loads, take the first on a branch).
+// The minimum is exact only where no time is NaN: so costs must be >= 0 (not NaN) and
+// per_rate finite and > 0; it returns false, what it wrote undefined, otherwise.
+__attribute__((target("avx2"))) bool DealUnitsAvx2(int parts, const double* per_rate,
+                                                   const int* order, const char* costs,
+                                                   size_t stride, int n, int* part_of, int* count) {
+  for (int p = 0; p < parts; ++p) {
+    if (!(per_rate[p] > 0.0 && per_rate[p] < std::numeric_limits<double>::infinity())) {
+      return false;
+    }
+  }
+  std::array<double, kMaxParts> rate;
+  std::array<double, kMaxParts> load;
+  StartDeal(parts, per_rate, &rate, &load, count);
+  if (n == 0) return true;
+  const __m256d rate_lo = _mm256_loadu_pd(&rate[0]);
+  const __m256d rate_hi = _mm256_loadu_pd(&rate[4]);
+  const __m256i part_lo = _mm256_setr_epi64x(0, 1, 2, 3);
+  const __m256i part_hi = _mm256_setr_epi64x(4, 5, 6, 7);
+  auto cost_at = [&](int k) {
+    double cost;
+    std::memcpy(&cost, costs + order[k] * stride, sizeof(cost));
+    return cost;
+  };
+  // Before unit k: the loads before unit k - 1, and with unit k - 1 added to each (`added`),
+  // unit k - 1's part as lanes of all ones (`chosen`), and unit k's times with either load.
+  __m256d load_lo = _mm256_loadu_pd(&load[0]);
+  __m256d load_hi = _mm256_loadu_pd(&load[4]);
+  __m256d added_lo = load_lo;
+  __m256d added_hi = load_hi;
+  __m256d chosen_lo = _mm256_setzero_pd();
+  __m256d chosen_hi = _mm256_setzero_pd();
+  double cost = cost_at(0);
+  if (!(cost >= 0.0)) return false;
+  __m256d cost_v = _mm256_set1_pd(cost);
+  __m256d before_lo = _mm256_mul_pd(_mm256_add_pd(load_lo, cost_v), rate_lo);
+  __m256d before_hi = _mm256_mul_pd(_mm256_add_pd(load_hi, cost_v), rate_hi);
+  __m256d after_lo = before_lo;
+  __m256d after_hi = before_hi;
+  for (int k = 0; k < n; ++k) {
+    if (k + kDealAhead < n) __builtin_prefetch(costs + order[k + kDealAhead] * stride);
+    const __m256d time_lo = Blend(chosen_lo, before_lo, after_lo);
+    const __m256d time_hi = Blend(chosen_hi, before_hi, after_hi);
+    load_lo = Blend(chosen_lo, load_lo, added_lo);
+    load_hi = Blend(chosen_hi, load_hi, added_hi);
+    __m256d least = _mm256_min_pd(time_lo, time_hi);
+    least = _mm256_min_pd(least, _mm256_permute_pd(least, 0b0101));
+    least = _mm256_min_pd(least, _mm256_permute2f128_pd(least, least, 1));
+    // Equal times have equal bits (none is NaN, none -0.0: loads start at +0.0, and +0.0 plus
+    // -0.0 is +0.0): an integer compare, 1 cycle where vcmppd takes 4 (0.43 ms where 0.47).
+    chosen_lo = _mm256_castsi256_pd(
+        _mm256_cmpeq_epi64(_mm256_castpd_si256(time_lo), _mm256_castpd_si256(least)));
+    chosen_hi = _mm256_castsi256_pd(
+        _mm256_cmpeq_epi64(_mm256_castpd_si256(time_hi), _mm256_castpd_si256(least)));
+    const unsigned equal = _mm256_movemask_pd(chosen_lo) | _mm256_movemask_pd(chosen_hi) << 4;
+    const int best = __builtin_ctz(equal);
+    if ((equal & (equal - 1)) != 0) {
+      const __m256i best_v = _mm256_set1_epi64x(best);
+      chosen_lo = _mm256_castsi256_pd(_mm256_cmpeq_epi64(best_v, part_lo));
+      chosen_hi = _mm256_castsi256_pd(_mm256_cmpeq_epi64(best_v, part_hi));
+    }
+    part_of[k] = best;
+    ++count[best + 1];
+    if (k + 1 == n) break;
+    added_lo = _mm256_add_pd(load_lo, cost_v);
+    added_hi = _mm256_add_pd(load_hi, cost_v);
+    cost = cost_at(k + 1);
+    if (!(cost >= 0.0)) return false;
+    cost_v = _mm256_set1_pd(cost);
+    before_lo = _mm256_mul_pd(_mm256_add_pd(load_lo, cost_v), rate_lo);
+    before_hi = _mm256_mul_pd(_mm256_add_pd(load_hi, cost_v), rate_hi);
+    after_lo = _mm256_mul_pd(_mm256_add_pd(added_lo, cost_v), rate_lo);
+    after_hi = _mm256_mul_pd(_mm256_add_pd(added_hi, cost_v), rate_hi);
+  }
+  return true;
+}
+#endif
+
+// DealUnitsAvx2 where the CPU has AVX2 and it takes the inputs; false where it does not deal.
+bool DealUnitsVector(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count) {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 && DealUnitsAvx2(parts, per_rate, order, costs, stride, n, part_of, count);
+#else
+  return false;
+#endif
+}
+
+}  // namespace sample_assigner_internal
+
+namespace {
+
 // Deals the units (`tallies`), largest first as SortLargestFirst left them (`order`), to the parts
 // (kRanksPerPart): each to the part where it ends with the least load for the part's speed
 // (the sum of its ranks' 1 / speed factor), ties to the first. Then lists `order` part by
@@ -452,15 +658,9 @@ void DealToParts(const PlannerConfig& config, const std::vector<double>& speed,
     part_begin.assign({0, n});
     return;
   }
-  // Per part: 1 / its rate (the sum of its ranks' 1 / speed) and its load; kMaxParts of them,
-  // those past `parts` never chosen (an infinite load), so that the loop below has a fixed
-  // count and no branch.
+  // Per part: 1 / its rate (the sum of its ranks' 1 / speed).
   std::array<double, kMaxParts> per_rate{};
-  std::array<double, kMaxParts> load{};
-  per_rate.fill(1.0);
-  load.fill(std::numeric_limits<double>::infinity());
   for (int p = 0; p < parts; ++p) {
-    load[p] = 0.0;
     double rate = 0.0;
     const int end = PartFirstRank(p + 1, parts, config.ranks);
     for (int r = PartFirstRank(p, parts, config.ranks); r < end; ++r) {
@@ -468,27 +668,15 @@ void DealToParts(const PlannerConfig& config, const std::vector<double>& speed,
     }
     per_rate[p] = 1.0 / rate;
   }
-  // Each unit's part, by its place in `order`, then the places counted out. The costs are
-  // asked for kGatherAhead units ahead: `order` scatters them over the tallies.
+  // Each unit's part, by its place in `order`, then the places counted out.
   std::vector<int>& part_of = ws->part_of;
   part_of.resize(n);
   std::array<int, kMaxParts + 1> start{};
-  for (int k = 0; k < n; ++k) {
-    if (k + static_cast<int>(kGatherAhead) < n) {
-      __builtin_prefetch(&tallies[(*order)[k + kGatherAhead]]);
-    }
-    const double cost = tallies[(*order)[k]].cost;
-    int best = 0;
-    double best_time = (load[0] + cost) * per_rate[0];
-    for (int p = 1; p < kMaxParts; ++p) {
-      const double time = (load[p] + cost) * per_rate[p];
-      const bool better = time < best_time;
-      best = better ? p : best;
-      best_time = better ? time : best_time;
-    }
-    load[best] += cost;
-    part_of[k] = best;
-    ++start[best + 1];
+  const char* costs = reinterpret_cast<const char*>(&tallies[0].cost);
+  if (!sample_assigner_internal::DealUnitsVector(parts, per_rate.data(), order->data(), costs,
+                                                 sizeof(Tally), n, part_of.data(), start.data())) {
+    sample_assigner_internal::DealUnitsScalar(parts, per_rate.data(), order->data(), costs,
+                                              sizeof(Tally), n, part_of.data(), start.data());
   }
   for (int p = 0; p < parts; ++p) start[p + 1] += start[p];
   part_begin.assign(start.begin(), start.begin() + parts + 1);

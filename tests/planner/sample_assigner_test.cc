@@ -1,8 +1,11 @@
 #include "planner/sample_assigner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -19,6 +22,13 @@
 #include "tests/planner/random_cases.h"
 
 namespace sparsebalance {
+namespace sample_assigner_internal {  // sample_assigner.cc: DealToParts' two deals
+void DealUnitsScalar(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count);
+bool DealUnitsVector(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count);
+}  // namespace sample_assigner_internal
+
 namespace {
 
 using test_util::BaseDensities;
@@ -427,6 +437,98 @@ TEST(AssignSamplesTest, UnvalidatedNegativeCostsAreAnErrorNotAnOutOfRangeRank) {
     ASSERT_FALSE(a.ok()) << PolicyName(policy);
     EXPECT_EQ(a.status().code(), absl::StatusCode::kInternal);
     EXPECT_THAT(std::string(a.status().message()), HasSubstr("samples[")) << a.status();
+  }
+}
+
+// DealToParts deals units to parts with AVX2 where the CPU has it: the same parts as the scalar
+// loop, on costs with many exact ties (loads and times equal), distinct costs, zeros and
+// infinities, over 2 to 8 parts of equal or different rates; and it declines (the scalar loop
+// deals) costs that are negative or NaN and rates that are not finite and positive.
+TEST(AssignSamplesTest, VectorDealGivesTheScalarDealsParts) {
+#if defined(__x86_64__) || defined(__i386__)
+  const bool avx2 = __builtin_cpu_supports("avx2");
+#else
+  const bool avx2 = false;
+#endif
+  constexpr int kMaxParts = 8;  // sample_assigner.cc's
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  Rng rng(7);
+  auto deal_both = [&](int parts, const std::vector<double>& per_rate,
+                       const std::vector<double>& costs, const std::string& where) {
+    SCOPED_TRACE(where);
+    const int n = static_cast<int>(costs.size());
+    std::vector<int> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    for (int k = n - 1; k > 0; --k) std::swap(order[k], order[rng.NextU64() % (k + 1)]);
+    const char* bytes = reinterpret_cast<const char*>(costs.data());
+    std::vector<int> scalar(n), vector(n);
+    std::vector<int> scalar_count(kMaxParts + 1), vector_count(kMaxParts + 1);
+    sample_assigner_internal::DealUnitsScalar(parts, per_rate.data(), order.data(), bytes,
+                                              sizeof(double), n, scalar.data(),
+                                              scalar_count.data());
+    const bool dealt = sample_assigner_internal::DealUnitsVector(
+        parts, per_rate.data(), order.data(), bytes, sizeof(double), n, vector.data(),
+        vector_count.data());
+    if (dealt) {
+      EXPECT_EQ(vector, scalar);
+      EXPECT_EQ(vector_count, scalar_count);
+    }
+    return dealt;
+  };
+  for (int trial = 0; trial < 400; ++trial) {
+    const int parts = 2 + trial % (kMaxParts - 1);
+    std::vector<double> per_rate(parts);
+    for (int p = 0; p < parts; ++p) {
+      switch (trial % 3) {
+        case 0:  // equal rates
+          per_rate[p] = 1.0 / 512;
+          break;
+        case 1:  // some equal, some not
+          per_rate[p] = 1.0 / (256 + 128 * static_cast<double>(rng.NextU64() % 3));
+          break;
+        default:
+          per_rate[p] = 1.0 / (100 + 400 * rng.Uniform());
+          break;
+      }
+    }
+    std::vector<double> costs(1 + rng.NextU64() % 3000);
+    for (double& cost : costs) {
+      switch (trial % 5) {
+        case 0:  // few values: exact ties
+          cost = static_cast<double>(rng.NextU64() % 7);
+          break;
+        case 1:  // quarters
+          cost = 0.25 * static_cast<double>(rng.NextU64() % 100);
+          break;
+        case 2:  // powers of two apart
+          cost = std::ldexp(1.0 + static_cast<double>(rng.NextU64() % 1000),
+                            -10 + static_cast<int>(rng.NextU64() % 20));
+          break;
+        case 3:  // with infinities and zeros
+          cost = rng.NextU64() % 50 == 0 ? kInf : rng.NextU64() % 5 == 0 ? 0.0 : rng.Uniform();
+          break;
+        default:
+          cost = 3.0 * rng.Uniform();
+          break;
+      }
+    }
+    std::sort(costs.begin(), costs.end(), std::greater<double>());
+    EXPECT_EQ(deal_both(parts, per_rate, costs, absl::StrCat("trial ", trial)), avx2);
+  }
+  // Inputs the vector deal declines: a negative or NaN cost (anywhere), a rate not finite > 0.
+  const std::vector<double> rates(kMaxParts, 0.125);
+  for (double bad : {-1.0, std::nan("")}) {
+    for (int at : {0, 5, 99}) {
+      std::vector<double> costs(100, 1.0);
+      costs[at] = bad;
+      EXPECT_FALSE(deal_both(kMaxParts, rates, costs, absl::StrCat(bad, " at ", at)));
+    }
+  }
+  for (double bad : {0.0, kInf}) {
+    std::vector<double> bad_rates = rates;
+    bad_rates[3] = bad;
+    EXPECT_FALSE(
+        deal_both(kMaxParts, bad_rates, std::vector<double>(100, 1.0), absl::StrCat("rate ", bad)));
   }
 }
 
