@@ -6,6 +6,7 @@
 #ifndef SPARSEBALANCE_PLANNER_SAMPLE_ASSIGNER_H_
 #define SPARSEBALANCE_PLANNER_SAMPLE_ASSIGNER_H_
 
+#include <cstddef>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -61,6 +62,22 @@ absl::StatusOr<Assignment> AssignSamples(const std::vector<Sample>& batch,
                                          const std::vector<double>& densities,
                                          const SampleTable* table, PlanThreads* threads = nullptr,
                                          const SideLoop* side = nullptr);
+
+namespace sample_assigner_internal {
+// The deal of units to parts in a balanced placement (sample_assigner.cc's DealToParts), the loop
+// whose every step waits on the one before, written twice; declared here for the test that
+// compares the two. The units, largest first: unit k of n costs the double at costs + order[k] *
+// stride (bytes). Each goes to the part where it ends with the least time, (load + cost) *
+// per_rate[p], ties to the first, among `parts` parts (at most 8) that start empty. Writes unit
+// k's part to part_of[k] and each part's count of units to count[p + 1], count[0] = 0.
+void DealUnitsScalar(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count);
+// The same with the parts' loads in AVX2 registers, the same results bit for bit, where the CPU
+// has AVX2 and the inputs allow it (costs >= 0 and not NaN, rates finite and > 0); false, having
+// dealt nothing, elsewhere.
+bool DealUnitsVector(int parts, const double* per_rate, const int* order, const char* costs,
+                     size_t stride, int n, int* part_of, int* count);
+}  // namespace sample_assigner_internal
 
 }  // namespace sparsebalance
 

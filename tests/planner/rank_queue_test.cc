@@ -1,6 +1,5 @@
-// RankQueue, the placement's ranks ordered by (time, rank), lives in sample_assigner.cc's unnamed
-// namespace: this test compiles that file into itself to reach it (it takes the place of the
-// library's copy, which the test then never links).
+#include "planner/rank_queue.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -11,10 +10,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "planner/sample_assigner.cc"
 
 namespace sparsebalance {
 namespace {
+
+// The placement's count of first ranks (sample_assigner.cc's kCandidates).
+constexpr int kCandidates = 4;
+template <bool kLargestFirst>
+using RankQueue = RankQueueOf<kLargestFirst, kCandidates>;
 
 // The ranks in order by (time, rank), least first, or largest first.
 std::vector<int> Sorted(const std::vector<double>& times, bool largest_first) {

@@ -22,13 +22,6 @@
 #include "tests/planner/random_cases.h"
 
 namespace sparsebalance {
-namespace sample_assigner_internal {  // sample_assigner.cc: DealToParts' two deals
-void DealUnitsScalar(int parts, const double* per_rate, const int* order, const char* costs,
-                     size_t stride, int n, int* part_of, int* count);
-bool DealUnitsVector(int parts, const double* per_rate, const int* order, const char* costs,
-                     size_t stride, int n, int* part_of, int* count);
-}  // namespace sample_assigner_internal
-
 namespace {
 
 using test_util::BaseDensities;
