@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <set>
 #include <type_traits>
 #include <utility>
@@ -237,6 +238,73 @@ class LogBatch {
   size_t count_ = 0;
 };
 
+// A serial sum over the items of a ParallelChunks loop, made while the loop runs: each range
+// publishes how far its summands are in place, and whichever thread finds the next items in
+// item order in place adds them (and those in place after them), unless another thread is
+// adding, which then finds them too. The adds are the serial loop's, in its order, whatever the
+// threads. Run after the loops instead, the step allocation's sums were a fifth of it on two
+// threads.
+class OrderedSum {
+ public:
+  // For ParallelChunks(threads, n, ...), split into `chunks` ranges (ChunkCount).
+  OrderedSum(size_t n, size_t chunks) : n_(n), chunks_(chunks), ready_(chunks) {
+    for (size_t c = 0; c < chunks; ++c) ready_[c].store(c * n / chunks);
+  }
+  // Range `chunk`'s items [begin, end) are worked out, their summands in a buffer of the calling
+  // thread: added from there by add_own() where they are next in item order and no other thread
+  // is adding (on one thread, always), else put in place by store() for add(from, to), which
+  // adds those of items [from, to) from their place. Either runs on one thread at a time.
+  template <typename AddOwn, typename Store, typename Add>
+  void Offer(size_t chunk, size_t begin, size_t end, const AddOwn& add_own, const Store& store,
+             const Add& add) {
+    if (!adding_.exchange(true)) {
+      if (next_ == begin) {
+        add_own();
+        next_ = end;
+      } else {
+        store();
+      }
+      ready_[chunk].store(end);
+      Drain(add);
+      return;
+    }
+    store();
+    ready_[chunk].store(end);
+    if (!adding_.exchange(true)) Drain(add);
+  }
+
+ private:
+  // Holding adding_: adds what is in place next in order, and again while a range published more
+  // while it did (and no other thread took over).
+  template <typename Add>
+  void Drain(const Add& add) {
+    for (;;) {
+      size_t at = next_;
+      size_t c = chunk_;
+      for (; c < chunks_; ++c) {
+        const size_t ready = ready_[c].load();
+        if (at < ready) {
+          add(at, ready);
+          at = ready;
+        }
+        if (at < (c + 1) * n_ / chunks_) break;  // range c not done yet
+      }
+      next_ = at;
+      chunk_ = c;
+      adding_.store(false);
+      // A range that published after this thread looked left its items to it: look again.
+      if (c == chunks_ || ready_[c].load() <= at || adding_.exchange(true)) return;
+    }
+  }
+
+  const size_t n_;
+  const size_t chunks_;
+  std::vector<std::atomic<size_t>> ready_;  // per range, the end of its summands in place
+  std::atomic<bool> adding_{false};
+  size_t next_ = 0;   // the first item not added (under adding_)
+  size_t chunk_ = 0;  // its range
+};
+
 // The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
 // tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
 // it uses, so nothing carries over but capacity. The per-item scratch arrays only grow
@@ -244,7 +312,7 @@ class LogBatch {
 struct TunerStorage {
   std::vector<Item> items;
   std::vector<ItemRecallTerms> recall_terms;  // per item, as `items`
-  std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
+  std::vector<double> weighted;  // Recall's weighted recalls put in place (OrderedSum), per item
   std::vector<BucketShare> bucket_shares;  // BucketRecall's, as `weighted`
   std::vector<int> order;                  // the items' samples (Tuner::Tuner)
 };
@@ -269,7 +337,11 @@ class Tuner {
   // Densities for the target makespan `target` (seconds), given each rank's time at base
   // (`at_base`, blocks counted exactly). With `cut` false no rank is lowered.
   std::vector<double> Solve(double target, const std::vector<double>& at_base, bool cut) const;
-  double Recall(const std::vector<double>& densities) const;
+  // Token-weighted recall of the items at `densities`, and with `bucket_recall` BucketRecall's
+  // figures in the same pass: the bucket guard asks for them right after, and a second pass over
+  // the items cost about 0.15 ms on two threads at 65,536 samples.
+  double Recall(const std::vector<double>& densities,
+                std::array<double, kRecallBuckets>* bucket_recall = nullptr) const;
   // Item k's predicted recall at density rho: the table's, which keeps it (the plan's figures
   // ask again at the same densities), and the item keeps it too, in item order: the bucket guard
   // asks again right after Recall, and reading the table's (its sample's terms, then its kept
@@ -285,9 +357,6 @@ class Tuner {
   }
   // Token-weighted recall per length bucket (0 for a bucket without documents).
   std::array<double, kRecallBuckets> BucketRecall(const std::vector<double>& densities) const;
-  // Buckets whose recall at `densities` is below `minimum` (entries < 0: unguarded).
-  std::vector<int> ViolatedBuckets(const std::vector<double>& densities,
-                                   const std::vector<double>& minimum) const;
   // Weights the recall of bucket b by 1 + extra[b] in the trade-off against time: the
   // multipliers of the per-bucket guard's constraints.
   void SetBucketWeights(const std::array<double, kRecallBuckets>& extra);
@@ -330,6 +399,11 @@ class Tuner {
     double x_max = 0.0;
   };
 
+  // Recall's and BucketRecall's pass over the items: the token-weighted recall (returned, with
+  // kTotal) and the per-bucket recalls (in *bucket_recall, with kBuckets), summed in item order.
+  template <bool kTotal, bool kBuckets>
+  double RecallSums(const std::vector<double>& densities,
+                    std::array<double, kRecallBuckets>* bucket_recall) const;
   // EstimatedActiveBlocks with the job's anchors: what the solves work on (the exact count is
   // used for the plan's figures). Its derivative in rho goes to `slope`.
   double SurrogateBlocks(int64_t rows, double rho, double* slope) const;
@@ -768,68 +842,127 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   return densities;
 }
 
-std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
-  // Each item's share on the threads (its recall, its documents' tokens and buckets, scattered
-  // over the batch), the recalls' sums after in item order from the compact shares: in one
-  // serial pass over the items and their documents this was a quarter of the tune phase's
-  // serial time on two threads. The tokens are whole numbers, summed exactly in any order: per
-  // range, as integers.
+template <bool kTotal, bool kBuckets>
+double Tuner::RecallSums(const std::vector<double>& densities,
+                         std::array<double, kRecallBuckets>* bucket_recall) const {
+  // The items of every rank in order (they are contiguous): their recalls (and each item's share
+  // of the bucket sums: its recall, its documents' tokens and buckets, scattered over the batch)
+  // on the threads, summed in item order as they come (OrderedSum). Summed after the loop, the
+  // 65,536 dependent adds of each were a serial stretch of the tune phase with the helper idle
+  // (0.05 to 0.1 ms each). The tokens are whole numbers, summed exactly in any order: per range,
+  // as integers.
   const size_t n = item_count_;
-  BucketShare* const shares = Scratch(storage_->bucket_shares, n);
-  std::vector<std::array<int64_t, kRecallBuckets>> chunk_tokens(ChunkCount(threads_, n));
+  double* const weighted_recalls = Scratch(storage_->weighted, kTotal ? n : 0);
+  BucketShare* const shares = Scratch(storage_->bucket_shares, kBuckets ? n : 0);
+  const size_t chunks = ChunkCount(threads_, n);
+  std::vector<std::array<int64_t, kRecallBuckets>> chunk_tokens(kBuckets ? chunks : 0);
+  double total = 0.0;
+  std::array<double, kRecallBuckets> weighted{};
+  // Adds items [first, first + m), their summands in `recalls` and `share`.
+  auto add = [&](const double* recalls, const BucketShare* share, size_t first, size_t m) {
+    if constexpr (kTotal) {
+      double sum = total;  // in a local while it adds: `recalls` might alias it
+      for (size_t j = 0; j < m; ++j) sum += recalls[j];
+      total = sum;
+    }
+    if constexpr (kBuckets) {
+      std::array<double, kRecallBuckets> local = weighted;  // as `sum`
+      for (size_t j = 0; j < m; ++j) {
+        if (share[j].bucket >= 0) {
+          local[share[j].bucket] += share[j].recall;
+          continue;
+        }
+        const ItemRecallTerms& item = recall_terms_[first + j];
+        for (int d = item.doc_begin; d < item.doc_end; ++d) {
+          local[doc_buckets_[d]] += static_cast<double>(doc_tokens_[d]) * share[j].recall;
+        }
+      }
+      weighted = local;
+    }
+  };
+  OrderedSum sum(n, chunks);
   ParallelChunks(threads_, n, [&](size_t chunk, size_t begin, size_t end) {
     std::array<int64_t, kRecallBuckets> tokens{};
-    for (size_t k = begin; k < end; ++k) {
-      if (k + kFetchAhead < end) {
-        const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
-        __builtin_prefetch(&densities[ahead.index]);
-        if (ahead.bucket < 0) {
-          __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
-          __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+    std::array<double, kBatch> own_recalls;
+    std::array<BucketShare, kBatch> own_shares;
+    for (size_t first = begin; first < end; first += kBatch) {
+      const size_t last = std::min(first + kBatch, end);
+      for (size_t k = first; k < last; ++k) {
+        // The densities and the table's answers lie scattered over the batch: fetched ahead, a
+        // DetLog and a DetExp per item do not hide a wait for them. (Right after a Recall at the
+        // same densities the items keep their answers: BucketRecall alone reads them there.)
+        if (k + kFetchAhead < end) {
+          const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
+          __builtin_prefetch(&densities[ahead.index]);
+          if constexpr (kTotal) table_.PrefetchRecall(static_cast<size_t>(ahead.index));
+          if (kBuckets && ahead.bucket < 0) {
+            __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
+            __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+          }
+        }
+        const ItemRecallTerms& item = recall_terms_[k];
+        const double recall = ItemRecall(k, densities[item.index]);
+        const double item_weighted = item.weight * recall;
+        if constexpr (kTotal) own_recalls[k - first] = item_weighted;
+        if constexpr (kBuckets) {
+          if (item.bucket >= 0) {
+            // Its weight is its document's tokens, a whole number.
+            tokens[item.bucket] += static_cast<int64_t>(item.weight);
+            own_shares[k - first] = {item_weighted, item.bucket};
+          } else {
+            for (int d = item.doc_begin; d < item.doc_end; ++d) {
+              tokens[doc_buckets_[d]] += doc_tokens_[d];
+            }
+            own_shares[k - first] = {recall, -1};
+          }
         }
       }
-      const ItemRecallTerms& item = recall_terms_[k];
-      const double recall = ItemRecall(k, densities[item.index]);
-      if (item.bucket >= 0) {
-        // Its weight is its document's tokens, a whole number.
-        tokens[item.bucket] += static_cast<int64_t>(item.weight);
-        shares[k] = {item.weight * recall, item.bucket};
-      } else {
-        for (int d = item.doc_begin; d < item.doc_end; ++d) {
-          tokens[doc_buckets_[d]] += doc_tokens_[d];
-        }
-        shares[k] = {recall, -1};
-      }
+      const size_t m = last - first;
+      sum.Offer(
+          chunk, first, last, [&] { add(own_recalls.data(), own_shares.data(), first, m); },
+          [&] {
+            if constexpr (kTotal) {
+              std::copy(own_recalls.begin(), own_recalls.begin() + m, weighted_recalls + first);
+            }
+            if constexpr (kBuckets) {
+              std::copy(own_shares.begin(), own_shares.begin() + m, shares + first);
+            }
+          },
+          [&](size_t from, size_t to) {
+            add(weighted_recalls + from, shares + from, from, to - from);
+          });
     }
-    chunk_tokens[chunk] = tokens;
+    if constexpr (kBuckets) chunk_tokens[chunk] = tokens;
   });
-  std::array<double, kRecallBuckets> weighted{};
-  for (size_t k = 0; k < n; ++k) {
-    const BucketShare& share = shares[k];
-    if (share.bucket >= 0) {
-      weighted[share.bucket] += share.recall;
-      continue;
+  if constexpr (kBuckets) {
+    std::array<int64_t, kRecallBuckets> tokens{};
+    for (const std::array<int64_t, kRecallBuckets>& part : chunk_tokens) {
+      for (int b = 0; b < kRecallBuckets; ++b) tokens[b] += part[b];
     }
-    const ItemRecallTerms& item = recall_terms_[k];
-    for (int d = item.doc_begin; d < item.doc_end; ++d) {
-      weighted[doc_buckets_[d]] += static_cast<double>(doc_tokens_[d]) * share.recall;
+    for (int b = 0; b < kRecallBuckets; ++b) {
+      (*bucket_recall)[b] = tokens[b] > 0 ? weighted[b] / static_cast<double>(tokens[b]) : 0.0;
     }
   }
-  std::array<int64_t, kRecallBuckets> tokens{};
-  for (const std::array<int64_t, kRecallBuckets>& part : chunk_tokens) {
-    for (int b = 0; b < kRecallBuckets; ++b) tokens[b] += part[b];
-  }
-  for (int b = 0; b < kRecallBuckets; ++b) {
-    weighted[b] = tokens[b] > 0 ? weighted[b] / static_cast<double>(tokens[b]) : 0.0;
-  }
-  return weighted;
+  return total_weight_ > 0 ? total / total_weight_ : 0.0;
 }
 
-std::vector<int> Tuner::ViolatedBuckets(const std::vector<double>& densities,
-                                        const std::vector<double>& minimum) const {
+double Tuner::Recall(const std::vector<double>& densities,
+                     std::array<double, kRecallBuckets>* bucket_recall) const {
+  if (bucket_recall == nullptr) return RecallSums<true, false>(densities, nullptr);
+  return RecallSums<true, true>(densities, bucket_recall);
+}
+
+std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
+  std::array<double, kRecallBuckets> recall;
+  RecallSums<false, true>(densities, &recall);
+  return recall;
+}
+
+// Buckets whose recall (BucketRecall's `recall`) is below `minimum` (entries < 0: unguarded).
+std::vector<int> ViolatedBuckets(const std::array<double, kRecallBuckets>& recall,
+                                 const std::vector<double>& minimum) {
   std::vector<int> violated;
   if (minimum.empty()) return violated;
-  const std::array<double, kRecallBuckets> recall = BucketRecall(densities);
   for (int b = 0; b < kRecallBuckets; ++b) {
     // The slack absorbs summation order, as in TuneDensities' token-weighted guard.
     if (minimum[b] >= 0 && recall[b] < minimum[b] - 1e-12) violated.push_back(b);
@@ -866,6 +999,13 @@ bool Tuner::InBuckets(const Item& item, const std::vector<int>& buckets) const {
   return false;
 }
 
+// A solve's densities and, where its recall pass summed them beside its own, their per-bucket
+// recalls (Tuner::BucketRecall's figures).
+struct Tuned {
+  std::vector<double> densities;
+  std::optional<std::array<double, kRecallBuckets>> bucket_recall;
+};
+
 // The per-bucket guard around a solve (DESIGN.md section 11). While some length bucket's recall
 // is below its minimum, that bucket's recall weighs more (x4 a round, the constraint's
 // multiplier) and the solve runs again, for kBucketGuardIterations rounds. Then each bucket still
@@ -873,20 +1013,29 @@ bool Tuner::InBuckets(const Item& item, const std::vector<int>& buckets) const {
 // share that meets the minimum. `base` meets every minimum (the callers make sure of it) and a
 // sample at or above base is not touched, so this always ends with every bucket guarded, and
 // never above base where it changes anything.
+// `tuned` is the solve's result, as solve() returns them.
 template <typename Solve>
 std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimum,
-                                 const std::vector<double>& base, std::vector<double> densities,
-                                 int rounds, const Solve& solve) {
+                                 const std::vector<double>& base, Tuned tuned, int rounds,
+                                 const Solve& solve) {
+  std::vector<double>& densities = tuned.densities;
+  // The buckets below their minimum at `densities`: from the recalls the solve's recall pass
+  // summed beside its own where it has them.
+  auto violated_buckets = [&] {
+    return ViolatedBuckets(
+        tuned.bucket_recall ? *tuned.bucket_recall : tuner.BucketRecall(densities), minimum);
+  };
   std::array<double, kRecallBuckets> extra{};
   for (int round = 0; round < rounds; ++round) {
-    const std::vector<int> violated = tuner.ViolatedBuckets(densities, minimum);
-    if (violated.empty()) return densities;
+    const std::vector<int> violated = violated_buckets();
+    if (violated.empty()) return std::move(densities);
     for (int b : violated) extra[b] = extra[b] > 0 ? extra[b] * kBucketWeightGrowth : 1.0;
     tuner.SetBucketWeights(extra);
-    densities = solve();
+    tuned = solve();
   }
   for (int pass = 0; pass < kRecallBuckets; ++pass) {
-    const std::vector<int> violated = tuner.ViolatedBuckets(densities, minimum);
+    const std::vector<int> violated = violated_buckets();
+    tuned.bucket_recall.reset();  // the densities change below
     if (violated.empty()) break;
     const int bucket = violated.front();
     const std::vector<int> only = {bucket};
@@ -918,29 +1067,7 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
     }
     restore(hi, &densities);
   }
-  return densities;
-}
-
-double Tuner::Recall(const std::vector<double>& densities) const {
-  // The items of every rank in order (they are contiguous): their recalls on the threads, the
-  // sums after in item order.
-  const ItemRecallTerms* const items = recall_terms_;
-  double* weighted_recalls = Scratch(storage_->weighted, item_count_);
-  ParallelFor(threads_, item_count_, [&](size_t begin, size_t end) {
-    for (size_t k = begin; k < end; ++k) {
-      // The densities and the table's answers lie scattered over the batch: fetched ahead, a
-      // DetLog and a DetExp per item do not hide a wait for them.
-      if (k + kFetchAhead < end) {
-        const int ahead = items[k + kFetchAhead].index;
-        __builtin_prefetch(&densities[ahead]);
-        table_.PrefetchRecall(static_cast<size_t>(ahead));
-      }
-      weighted_recalls[k] = items[k].weight * ItemRecall(k, densities[items[k].index]);
-    }
-  });
-  double weighted = 0.0;
-  for (size_t k = 0; k < item_count_; ++k) weighted += weighted_recalls[k];
-  return total_weight_ > 0 ? weighted / total_weight_ : 0.0;
+  return std::move(densities);
 }
 
 // AllocateDensities' search: per group of samples one multiplier e^x, found by a safeguarded
@@ -999,73 +1126,6 @@ struct AllocationStorage {
   // Per item, e^((x + offset) / (g - 1)) at the last evaluation's x: 1 - rho where the item is
   // off its bounds, and what its density is clamped from at a bound.
   std::vector<double> one_minus;
-};
-
-// A serial sum over the items of a ParallelChunks loop, made while the loop runs: each range
-// publishes how far its summands are in place, and whichever thread finds the next items in
-// item order in place adds them (and those in place after them), unless another thread is
-// adding, which then finds them too. The adds are the serial loop's, in its order, whatever the
-// threads. Run after the loops instead, the step allocation's sums were a fifth of it on two
-// threads.
-class OrderedSum {
- public:
-  // For ParallelChunks(threads, n, ...), split into `chunks` ranges (ChunkCount).
-  OrderedSum(size_t n, size_t chunks) : n_(n), chunks_(chunks), ready_(chunks) {
-    for (size_t c = 0; c < chunks; ++c) ready_[c].store(c * n / chunks);
-  }
-  // Range `chunk`'s items [begin, end) are worked out, their summands in a buffer of the calling
-  // thread: added from there by add_own() where they are next in item order and no other thread
-  // is adding (on one thread, always), else put in place by store() for add(from, to), which
-  // adds those of items [from, to) from their place. Either runs on one thread at a time.
-  template <typename AddOwn, typename Store, typename Add>
-  void Offer(size_t chunk, size_t begin, size_t end, const AddOwn& add_own, const Store& store,
-             const Add& add) {
-    if (!adding_.exchange(true)) {
-      if (next_ == begin) {
-        add_own();
-        next_ = end;
-      } else {
-        store();
-      }
-      ready_[chunk].store(end);
-      Drain(add);
-      return;
-    }
-    store();
-    ready_[chunk].store(end);
-    if (!adding_.exchange(true)) Drain(add);
-  }
-
- private:
-  // Holding adding_: adds what is in place next in order, and again while a range published more
-  // while it did (and no other thread took over).
-  template <typename Add>
-  void Drain(const Add& add) {
-    for (;;) {
-      size_t at = next_;
-      size_t c = chunk_;
-      for (; c < chunks_; ++c) {
-        const size_t ready = ready_[c].load();
-        if (at < ready) {
-          add(at, ready);
-          at = ready;
-        }
-        if (at < (c + 1) * n_ / chunks_) break;  // range c not done yet
-      }
-      next_ = at;
-      chunk_ = c;
-      adding_.store(false);
-      // A range that published after this thread looked left its items to it: look again.
-      if (c == chunks_ || ready_[c].load() <= at || adding_.exchange(true)) return;
-    }
-  }
-
-  const size_t n_;
-  const size_t chunks_;
-  std::vector<std::atomic<size_t>> ready_;  // per range, the end of its summands in place
-  std::atomic<bool> adding_{false};
-  size_t next_ = 0;   // the first item not added (under adding_)
-  size_t chunk_ = 0;  // its range
 };
 
 // A group's items summed in item order before its search.
@@ -1629,10 +1689,18 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   if (min_mode) return tuner.Solve(target, at_base, cut);
   // The slack absorbs summation order (the caller sums in batch order, the tuner by rank).
   const double base_recall = min_recall - 1e-12;
+  // With the bucket guard, each recall pass sums the bucket recalls too, which the guard asks for
+  // next where the densities returned are the last ones summed.
+  const bool guarded = !bucket_min_recall.empty();
   auto solve = [&] {
-    std::vector<double> densities = tuner.Solve(target, at_base, cut);
-    const double recall_at_target = tuner.Recall(densities);
-    if (recall_at_target >= base_recall) return densities;
+    Tuned tuned{tuner.Solve(target, at_base, cut), std::nullopt};
+    std::array<double, kRecallBuckets> bucket_recall;
+    const double recall_at_target =
+        tuner.Recall(tuned.densities, guarded ? &bucket_recall : nullptr);
+    if (recall_at_target >= base_recall) {
+      if (guarded) tuned.bucket_recall = bucket_recall;
+      return tuned;
+    }
     // Cutting the stragglers lost more recall than raising the others won back: find the
     // lowest target between this one and the base makespan (pure raising, which never loses
     // recall) that keeps the recall.
@@ -1649,7 +1717,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
     double short_hi = std::numeric_limits<double>::quiet_NaN();  // >= 0 once known
     int kept = 0;  // +1: hi kept (lo moved) in a row; -1: lo kept
     const double resolution = kRecallGuardResolution * (hi - lo);
-    std::vector<double> best;  // at hi, once a target below base_max kept the recall
+    Tuned best;  // at hi, once a target below base_max kept the recall
     for (int iter = 0; iter < kRecallGuardIterations && hi - lo > resolution; ++iter) {
       double mid = 0.5 * (lo + hi);
       // Bisection from here on once only halvings can still reach the resolution in time.
@@ -1660,11 +1728,14 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
         mid = std::clamp(interpolated, lo + inset, hi - inset);
       }
       std::vector<double> candidate = tuner.Solve(mid, at_base, cut);
-      const double shortfall = tuner.Recall(candidate) - base_recall;
+      const double shortfall =
+          tuner.Recall(candidate, guarded ? &bucket_recall : nullptr) - base_recall;
+      best.bucket_recall.reset();  // summed for the last candidate only
       if (shortfall >= 0) {
         hi = mid;
         short_hi = shortfall;
-        best = std::move(candidate);
+        best.densities = std::move(candidate);
+        if (guarded) best.bucket_recall = bucket_recall;
         if (kept < 0) short_lo *= 0.5;
         kept = std::min(kept, 0) - 1;
       } else {
@@ -1674,14 +1745,14 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
         kept = std::max(kept, 0) + 1;
       }
     }
-    return best.empty() ? tuner.Solve(base_max, at_base, cut) : best;
+    if (best.densities.empty()) return Tuned{tuner.Solve(base_max, at_base, cut), std::nullopt};
+    return best;
   };
-  std::vector<double> densities = solve();
-  if (bucket_min_recall.empty()) return densities;
+  Tuned tuned = solve();
+  if (!guarded) return std::move(tuned.densities);
   // Each bucket's guard, then: its fallback only raises samples back to base (never above a
   // rank's base time), which keeps the token-weighted recall too.
-  return GuardBuckets(tuner, bucket_min_recall, base, std::move(densities), kTuneGuardRounds,
-                      solve);
+  return GuardBuckets(tuner, bucket_min_recall, base, std::move(tuned), kTuneGuardRounds, solve);
 }
 
 }  // namespace sparsebalance
