@@ -1137,59 +1137,244 @@ struct GroupSums {
 
 // One group's search: the densities in [floor, density_max] of items [begin, begin + count)
 // with the least predicted attention time whose token-weighted recall is at least `target`
-// (or the most recall there is). `x_min` and `x_max` are the least x_at_hi and the greatest
-// x_at_lo. Sets *x_out to the multiplier it settles on and *kept to whether one_minus holds the
-// items' values there; returns the recall reached.
-double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double target, double x_min,
-                  double x_max, const GroupSums& sums, PlanThreads* threads, double* x_out,
-                  bool* kept) {
-  const RecallTerm* const terms = st.terms.data() + begin;
-  const BoundRecalls* const bound_recalls = st.bound_recalls.data() + begin;
-  RecallPart* const part = st.part.data() + begin;
-  BoundPart* const bound_part = st.bound_part.data() + begin;
-  double* const one_minus = st.one_minus.data() + begin;
-  const double tokens = sums.tokens;
-  const size_t chunks = ChunkCount(threads, count);
-  double searched = std::numeric_limits<double>::quiet_NaN();  // the last multiplier evaluated
-  // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
-  // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
-  // d recall / d rho = g e^x scale: one exp per item. Each item's
-  // weighted recall and slope are worked out on the threads and summed in item order as they
-  // come (OrderedSum). An item at a bound adds no slope: subtracting its 0 leaves the sum's bits
-  // as they are (it starts at +0 and is never -0). With `at_bounds` (the first evaluation) the
-  // weighted recalls at x_max and x_min are summed too: [0] and [1], NaN where an item is off its
-  // bounds there.
-  auto recall_at = [&](double x, double* derivative, double* at_bounds) {
-    const double ex = DetExp(x);
-    double weighted = 0.0;
-    double slope = 0.0;
-    double at_x_max = 0.0;
-    double at_x_min = 0.0;
-    // In locals while they add: the sums' references might alias the parts.
-    auto add_parts = [&](const RecallPart* p, const BoundPart* bounds, size_t m) {
-      double w = weighted;
-      double s = slope;
+// (or the most recall there is), a safeguarded Newton search on the group's recall over its
+// multiplier x. It asks for one evaluation at a time (Next), which SolveGroups runs for every
+// group still searching in one pass over their items: one group after another, the 4 length
+// buckets' searches took a dozen loops on the threads, each with its start and its tail.
+class GroupSearch {
+ public:
+  // An evaluation asked for: the recall at x and its derivative, and with at_bounds the recalls
+  // at x_max and x_min, where every item sits at a bound (the first evaluation).
+  struct Ask {
+    double x;
+    bool at_bounds;
+  };
+  // Its answer: the token-weighted recall, its derivative in x, and at_bounds[0] and [1] the
+  // weighted recalls at x_max and x_min (NaN where an item is off its bounds there).
+  struct Answer {
+    double recall;
+    double derivative;
+    double at_bounds[2];
+  };
+
+  // `x_min` and `x_max` are the least x_at_hi and the greatest x_at_lo of the group's items.
+  GroupSearch(size_t begin, size_t count, double target, double x_min, double x_max,
+              const GroupSums& sums)
+      : begin_(begin), count_(count), target_(target), x_min_(x_min), x_max_(x_max) {
+    tokens_ = sums.tokens;
+    // Newton starts where the bulk of the tokens would sit at their base densities: the answer
+    // keeps about their recall, so Newton begins close. It is evaluated there first, whether the
+    // search runs or not (it mostly does), with the recalls at x_min and x_max, where every
+    // item sits at a bound, in the same pass.
+    const double x_first = std::clamp(sums.start / tokens_, x_min, x_max);
+    x_start_ = x_first == x_min || x_first == x_max ? 0.5 * (x_min + x_max) : x_first;
+    ask_ = {x_start_, /*at_bounds=*/true};
+  }
+
+  size_t begin() const { return begin_; }
+  size_t count() const { return count_; }
+  double tokens() const { return tokens_; }
+  double x_min() const { return x_min_; }
+  double x_max() const { return x_max_; }
+  // The evaluation the search waits for; none once it is done.
+  const Ask* Next() const { return stage_ == kDone ? nullptr : &ask_; }
+  // Takes the answer to Next().
+  void Take(const Answer& answer) {
+    searched_ = ask_.x;
+    switch (stage_) {
+      case kFirst:
+        first_recall_ = answer.recall;
+        first_derivative_ = answer.derivative;
+        at_bounds_[0] = answer.at_bounds[0];
+        at_bounds_[1] = answer.at_bounds[1];
+        AtMax();
+        break;
+      case kAtMax:
+        FromMax(answer.recall);
+        break;
+      case kAtMin:
+        FromMin(answer.recall);
+        break;
+      case kNewton:
+        Newton(answer.recall, answer.derivative);
+        break;
+      case kDone:
+        break;
+    }
+  }
+  // Once done: the multiplier it settled on, the recall there, and whether the last evaluation
+  // was there (one_minus holds the items' values at it).
+  double x() const { return x_; }
+  double recall() const { return recall_; }
+  bool kept() const { return searched_ == x_; }
+
+ private:
+  enum Stage { kFirst, kAtMax, kAtMin, kNewton, kDone };
+
+  // The recall at x_max or x_min from the first evaluation's bound sums, unless an item is off
+  // its bounds there (a NaN bound): then evaluated in full.
+  void AtMax() {
+    if (std::isnan(at_bounds_[0])) {
+      Evaluate(kAtMax, x_max_);
+    } else {
+      FromMax(at_bounds_[0] / tokens_);
+    }
+  }
+  void FromMax(double recall) {
+    if (recall >= target_) {
+      Finish(x_max_, recall);  // every item at its floor already keeps the recall
+    } else if (std::isnan(at_bounds_[1])) {
+      Evaluate(kAtMin, x_min_);
+    } else {
+      FromMin(at_bounds_[1] / tokens_);
+    }
+  }
+  void FromMin(double recall) {
+    if (recall < target_) {
+      Finish(x_min_, recall);  // unreachable: everything at density_max is the best there is
+      return;
+    }
+    // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
+    // ends on the side that keeps the recall.
+    a_ = x_min_;  // recall(a) >= target
+    b_ = x_max_;  // recall(b) < target
+    recall_a_ = recall;
+    x_ = x_start_;
+    iter_ = 0;
+    // The first evaluation's, unless a full evaluation at a bound came since.
+    if (searched_ == x_) {
+      Newton(first_recall_, first_derivative_);
+    } else {
+      Evaluate(kNewton, x_);
+    }
+  }
+  void Newton(double r, double derivative) {
+    const double f = r - target_;
+    if (f >= 0) {
+      a_ = x_;
+      recall_a_ = r;
+      if (f < kRecallTolerance) return Finish(a_, recall_a_);
+    } else {
+      b_ = x_;
+    }
+    // Newton aims at the middle of the accepted band [target, target + tolerance]: aimed at
+    // the target itself, it approaches from whichever side the curvature puts it on, and
+    // from below it never lands in the band (it took eight or nine steps where two do).
+    if (!NewtonStep(r - (target_ + 0.5 * kRecallTolerance), derivative, a_, b_, /*scale=*/a_,
+                    &x_) ||
+        ++iter_ == kMaxSolverIterations) {
+      return Finish(a_, recall_a_);
+    }
+    Evaluate(kNewton, x_);
+  }
+  void Evaluate(Stage stage, double x) {
+    stage_ = stage;
+    ask_ = {x, /*at_bounds=*/false};
+  }
+  void Finish(double x, double recall) {
+    stage_ = kDone;
+    x_ = x;
+    recall_ = recall;
+  }
+
+  size_t begin_;
+  size_t count_;
+  double target_;
+  double x_min_;
+  double x_max_;
+  double tokens_ = 0.0;
+  double x_start_ = 0.0;
+  Stage stage_ = kFirst;
+  Ask ask_ = {0.0, false};
+  double searched_ = std::numeric_limits<double>::quiet_NaN();  // the last multiplier evaluated
+  double first_recall_ = 0.0;
+  double first_derivative_ = 0.0;
+  double at_bounds_[2] = {0.0, 0.0};
+  double a_ = 0.0;
+  double b_ = 0.0;
+  double recall_a_ = 0.0;
+  int iter_ = 0;
+  double x_ = 0.0;
+  double recall_ = 0.0;
+};
+
+// Runs the searches to their ends, each round evaluating every group that asks in one pass over
+// their items (a loop on the threads over their ranges one after another).
+void SolveGroups(AllocationStorage& st, std::vector<GroupSearch>& searches, PlanThreads* threads) {
+  const RecallTerm* const terms = st.terms.data();
+  const BoundRecalls* const bound_recalls = st.bound_recalls.data();
+  RecallPart* const part = st.part.data();
+  BoundPart* const bound_part = st.bound_part.data();
+  double* const one_minus = st.one_minus.data();
+  // A group evaluated in this round: its ask, e^x, its items' place in the round's items (their
+  // index less `shift`), and its sums as they are added.
+  struct Evaluation {
+    GroupSearch* search;
+    GroupSearch::Ask ask;
+    double ex;
+    size_t first;  // in the round's items
+    size_t shift;  // item index - round index
+    double weighted, slope, at_x_max, at_x_min;
+  };
+  std::vector<Evaluation> round;
+  for (;;) {
+    round.clear();
+    size_t total = 0;
+    for (GroupSearch& search : searches) {
+      const GroupSearch::Ask* ask = search.Next();
+      if (ask == nullptr) continue;
+      round.push_back(
+          {&search, *ask, DetExp(ask->x), total, search.begin() - total, 0.0, 0.0, 0.0, 0.0});
+      total += search.count();
+    }
+    if (round.empty()) return;
+    // Evaluation of round item j (in round.first order).
+    auto evaluation_of = [&](size_t j) {
+      size_t e = 0;
+      while (e + 1 < round.size() && round[e + 1].first <= j) ++e;
+      return e;
+    };
+    // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
+    // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
+    // d recall / d rho = g e^x scale: one exp per item. Each item's weighted recall and slope
+    // are worked out on the threads and summed in item order as they come (OrderedSum), each
+    // group's in its own sums. An item at a bound adds no slope: subtracting its 0 leaves the
+    // sum's bits as they are (it starts at +0 and is never -0). At the first evaluation the
+    // weighted recalls at x_max and x_min are summed too, NaN where an item is off its bounds.
+    // Adds items [k, k + m) of evaluation `ev` (items, not round indices), their parts in p and
+    // bounds; in locals while they add, as the sums' references might alias the parts.
+    auto add_parts = [&](Evaluation& ev, const RecallPart* p, const BoundPart* bounds, size_t m) {
+      double w = ev.weighted;
+      double s = ev.slope;
       for (size_t j = 0; j < m; ++j) {
         w += p[j].recall;
         s -= p[j].slope;
       }
-      weighted = w;
-      slope = s;
-      if (at_bounds == nullptr) return;
-      double at_max = at_x_max;
-      double at_min = at_x_min;
+      ev.weighted = w;
+      ev.slope = s;
+      if (!ev.ask.at_bounds) return;
+      double at_max = ev.at_x_max;
+      double at_min = ev.at_x_min;
       for (size_t j = 0; j < m; ++j) {
         at_max += bounds[j].at_x_max;
         at_min += bounds[j].at_x_min;
       }
-      at_x_max = at_max;
-      at_x_min = at_min;
+      ev.at_x_max = at_max;
+      ev.at_x_min = at_min;
     };
+    // Adds round items [from, to) from their place.
     auto add = [&](size_t from, size_t to) {
-      add_parts(part + from, bound_part + from, to - from);
+      for (size_t e = evaluation_of(from); from < to; ++e) {
+        Evaluation& ev = round[e];
+        const size_t end = std::min(to, ev.first + ev.search->count());
+        const size_t k = from + ev.shift;
+        add_parts(ev, part + k, bound_part + k, end - from);
+        from = end;
+      }
     };
-    OrderedSum sum(count, chunks);
-    ParallelChunks(threads, count, [&](size_t chunk, size_t lo, size_t hi) {
+    const size_t chunks = ChunkCount(threads, total);
+    OrderedSum sum(total, chunks);
+    ParallelChunks(threads, total, [&](size_t chunk, size_t lo, size_t hi) {
       // Items at a bound are done at once; those off their bounds need their 1 - rho, worked
       // out kBatch items at a time through DetExpAll. It is worked out (and kept in one_minus)
       // for the items at a bound too, so that the densities at the answer need only one_minus:
@@ -1198,13 +1383,26 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
       std::array<RecallPart, kBatch> own;
       std::array<BoundPart, kBatch> own_bounds;
       constexpr double kOff = std::numeric_limits<double>::quiet_NaN();
-      for (size_t first = lo; first < hi; first += kBatch) {
-        const size_t last = std::min(first + kBatch, hi);
+      size_t e = evaluation_of(lo);
+      for (size_t first_j = lo; first_j < hi;) {
+        Evaluation& ev = round[e];
+        const size_t group_end = ev.first + ev.search->count();
+        if (first_j == group_end) {
+          ++e;
+          continue;
+        }
+        // A batch within one group: its items [first, last).
+        const size_t last_j = std::min({first_j + kBatch, hi, group_end});
+        const size_t first = first_j + ev.shift;
+        const size_t last = last_j + ev.shift;
+        const double x = ev.ask.x;
         for (size_t k = first; k < last; ++k) {
           const RecallTerm& t = terms[k];
           u[k - first] = (x + t.offset) * t.inv_g1;
         }
-        if (at_bounds != nullptr) {
+        if (ev.ask.at_bounds) {
+          const double x_min = ev.search->x_min();
+          const double x_max = ev.search->x_max();
           for (size_t k = first; k < last; ++k) {
             const RecallTerm& t = terms[k];
             const BoundRecalls& r = bound_recalls[k];
@@ -1227,84 +1425,29 @@ double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double targ
           } else if (x >= t.x_at_lo) {
             own[k - first] = {bound_recalls[k].at_lo, 0.0};
           } else {
-            const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
+            const double pow_g_minus_1 = ev.ex * t.scale;  // (1-rho)^(g-1)
             // d rho / dx = -(1-rho)/(g-1)
             own[k - first] = {t.weight * (1.0 - v * pow_g_minus_1),
                               t.weight_g_over_g1 * pow_g_minus_1 * v};
           }
         }
         sum.Offer(
-            chunk, first, last, [&] { add_parts(own.data(), own_bounds.data(), m); },
+            chunk, first_j, last_j, [&] { add_parts(ev, own.data(), own_bounds.data(), m); },
             [&] {
               std::copy(own.begin(), own.begin() + m, part + first);
-              if (at_bounds != nullptr) {
+              if (ev.ask.at_bounds) {
                 std::copy(own_bounds.begin(), own_bounds.begin() + m, bound_part + first);
               }
             },
             add);
+        first_j = last_j;
       }
     });
-    if (derivative != nullptr) *derivative = slope / tokens;
-    if (at_bounds != nullptr) {
-      at_bounds[0] = at_x_max;
-      at_bounds[1] = at_x_min;
+    for (Evaluation& ev : round) {
+      const double tokens = ev.search->tokens();
+      ev.search->Take({ev.weighted / tokens, ev.slope / tokens, {ev.at_x_max, ev.at_x_min}});
     }
-    searched = x;
-    return weighted / tokens;
-  };
-  // Newton starts where the bulk of the tokens would sit at their base densities: the answer
-  // keeps about their recall, so Newton begins close. It is evaluated there first, whether the
-  // search runs or not (it mostly does), with the recalls at x_min and x_max, where every item
-  // sits at a bound, in the same pass.
-  const double x_first = std::clamp(sums.start / tokens, x_min, x_max);
-  const double x_start = x_first == x_min || x_first == x_max ? 0.5 * (x_min + x_max) : x_first;
-  double first_derivative = 0.0;
-  double at_bounds[2];
-  const double first_recall = recall_at(x_start, &first_derivative, at_bounds);
-  // The recall at x_max or x_min from the bounds' sum, unless an item is off its bounds there (a
-  // NaN bound): then evaluated in full.
-  auto recall_at_bound = [&](double x, double at_bound) {
-    return std::isnan(at_bound) ? recall_at(x, nullptr, nullptr) : at_bound / tokens;
-  };
-  double x = x_min;
-  double recall = recall_at_bound(x_max, at_bounds[0]);
-  if (recall >= target) {
-    x = x_max;  // every item at its floor already keeps the recall
-  } else if (recall = recall_at_bound(x_min, at_bounds[1]); recall < target) {
-    x = x_min;  // unreachable: everything at density_max is the best there is
-  } else {
-    // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
-    // ends on the side that keeps the recall.
-    double a = x_min;  // recall(a) >= target
-    double b = x_max;  // recall(b) < target
-    double recall_a = recall;
-    x = x_start;
-    for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
-      double derivative = first_derivative;
-      // The first evaluation's, unless a full evaluation at a bound came since.
-      const double r =
-          iter == 0 && searched == x ? first_recall : recall_at(x, &derivative, nullptr);
-      const double f = r - target;
-      if (f >= 0) {
-        a = x;
-        recall_a = r;
-        if (f < kRecallTolerance) break;
-      } else {
-        b = x;
-      }
-      // Newton aims at the middle of the accepted band [target, target + tolerance]: aimed at
-      // the target itself, it approaches from whichever side the curvature puts it on, and
-      // from below it never lands in the band (it took eight or nine steps where two do).
-      if (!NewtonStep(r - (target + 0.5 * kRecallTolerance), derivative, a, b, /*scale=*/a, &x)) {
-        break;
-      }
-    }
-    x = a;
-    recall = recall_a;
   }
-  *x_out = x;
-  *kept = searched == x;
-  return recall;
 }
 
 }  // namespace
@@ -1469,9 +1612,9 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     }
     bounds[chunk] = range_bounds;
   });
-  std::array<double, kRecallBuckets> x_of{};
-  std::array<bool, kRecallBuckets> kept{};
-  std::array<bool, kRecallBuckets> solved{};
+  std::vector<GroupSearch> searches;
+  std::vector<int> searched_group;            // per search, its group
+  std::array<double, kRecallBuckets> keep{};  // per group, the recall it must not fall below
   for (int g = 0; g < groups; ++g) {
     const size_t begin = group_begin[g];
     const size_t count = group_begin[g + 1] - begin;
@@ -1486,17 +1629,24 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
       any = true;
     }
     const GroupSums& group = sums[g];
-    const double keep =
-        per_bucket ? (group.tokens > 0 ? group.base / group.tokens : 0.0) : base_recall;
+    keep[g] = per_bucket ? (group.tokens > 0 ? group.base / group.tokens : 0.0) : base_recall;
     // Aim a little above: the per-rank tuning that follows moves densities away from this
     // optimum, which costs a little recall (it is concave), and should not have to back off.
-    const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - keep));
-    bool group_kept = false;
-    const double achieved = SolveGroup(st, begin, count, keep + margin, x_min, x_max, group,
-                                       threads, &x_of[g], &group_kept);
+    const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - keep[g]));
+    searches.emplace_back(begin, count, keep[g] + margin, x_min, x_max, group);
+    searched_group.push_back(g);
+  }
+  SolveGroups(st, searches, threads);
+  std::array<double, kRecallBuckets> x_of{};
+  std::array<bool, kRecallBuckets> kept{};
+  std::array<bool, kRecallBuckets> solved{};
+  for (size_t q = 0; q < searches.size(); ++q) {
+    const GroupSearch& search = searches[q];
+    const int g = searched_group[q];
     // Never hand back less recall than base (e.g. when even density_max cannot reach it).
-    if (achieved < keep) continue;
-    kept[g] = group_kept;
+    if (search.recall() < keep[g]) continue;
+    x_of[g] = search.x();
+    kept[g] = search.kept();
     solved[g] = true;
   }
   if (std::find(solved.begin(), solved.end(), true) == solved.end()) return densities;
