@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <set>
@@ -1073,24 +1074,126 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
 // AllocateDensities' search: per group of samples one multiplier e^x, found by a safeguarded
 // Newton search on the group's token-weighted recall (a few evaluations, each over every item
 // of the group). Its items are built straight from the table, every group's in one pass over
-// the batch, and split by how often they are read. What every evaluation reads, contiguous (56
-// bytes an item):
-struct RecallTerm {
-  double x_at_hi;  // at or below this x the item sits at density_max
-  double x_at_lo;  // at or above, at its floor
+// the batch. What every evaluation reads, an array a term (structure of arrays), so that it
+// works on several items at once (EvaluateRecalls):
+struct RecallTerms {
+  double* x_at_hi;  // at or below this x the item sits at density_max
+  double* x_at_lo;  // at or above, at its floor
   // log(per_block * tri / (weight * g)): where the multiplier sits (SampleTerms::price_offset)
-  double offset;
-  double inv_g1;            // 1 / (g - 1)
-  double scale;             // e^offset
-  double weight;            // tokens
-  double weight_g_over_g1;  // weight * (g / (g - 1)), the slope's first product
+  double* offset;
+  double* inv_g1;            // 1 / (g - 1)
+  double* scale;             // e^offset
+  double* weight;            // tokens
+  double* weight_g_over_g1;  // weight * (g / (g - 1)), the slope's first product
+  double* at_hi;             // weight * recall at density_max
+  double* at_lo;             // weight * recall at the floor
+
+  // The arrays of n items, in `storage` (grown as Scratch grows it).
+  static RecallTerms In(std::vector<double>& storage, size_t n) {
+    double* const p = Scratch(storage, 9 * n);
+    return {p, p + n, p + 2 * n, p + 3 * n, p + 4 * n, p + 5 * n, p + 6 * n, p + 7 * n, p + 8 * n};
+  }
 };
-// An item's weighted recall at each bound: read by the first evaluation for every item (the
-// recall at x_min and x_max), after it only for the few items at a bound.
-struct BoundRecalls {
-  double at_hi;  // weight * recall at density_max
-  double at_lo;  // weight * recall at the floor
+
+// Item k's weighted recall and slope share (as EvaluateRecalls), `v` its e^((x + offset) / (g -
+// 1)).
+inline void EvaluateItem(const RecallTerms& t, size_t k, double x, double ex, double v,
+                         double* recall, double* slope) {
+  if (x <= t.x_at_hi[k]) {
+    *recall = t.at_hi[k];
+    *slope = 0.0;
+  } else if (x >= t.x_at_lo[k]) {
+    *recall = t.at_lo[k];
+    *slope = 0.0;
+  } else {
+    const double pow_g_minus_1 = ex * t.scale[k];  // (1-rho)^(g-1)
+    // d rho / dx = -(1-rho)/(g-1)
+    *recall = t.weight[k] * (1.0 - v * pow_g_minus_1);
+    *slope = t.weight_g_over_g1[k] * pow_g_minus_1 * v;
+  }
+}
+
+// kLanes doubles (GCC vector extensions; as det_math.cc's kernels).
+template <int kLanes>
+struct Lanes {
+  typedef double D __attribute__((vector_size(8 * kLanes)));
 };
+
+// Items [first, first + m) at multiplier e^x (ex = e^x): in one_minus[first, first + m) each
+// one's e^((x + offset) / (g - 1)) (1 - rho off its bounds), in recall[0, m) its weighted
+// recall and in slope[0, m) its share of the recall's slope (0 at a bound), kLanes items at a
+// time: the same operations as EvaluateItem, lane by lane (the same bits), the bound tests as
+// selects. One item at a time with branches, this was two thirds of an evaluation's
+// instructions (about 46 an item beside its DetExp).
+template <int kLanes>
+__attribute__((always_inline)) inline void EvaluateLanes(const RecallTerms& t, size_t first,
+                                                         size_t m, double x, double ex,
+                                                         double* one_minus, double* recall,
+                                                         double* slope) {
+  using D = typename Lanes<kLanes>::D;
+  double* const u = one_minus + first;
+  size_t j = 0;
+  for (; j + kLanes <= m; j += kLanes) {
+    D offset, inv_g1;
+    std::memcpy(&offset, t.offset + first + j, sizeof offset);
+    std::memcpy(&inv_g1, t.inv_g1 + first + j, sizeof inv_g1);
+    const D v = (x + offset) * inv_g1;
+    std::memcpy(u + j, &v, sizeof v);
+  }
+  for (; j < m; ++j) u[j] = (x + t.offset[first + j]) * t.inv_g1[first + j];
+  DetExpAll(u, u, m);
+  D xs;
+  for (int lane = 0; lane < kLanes; ++lane) xs[lane] = x;
+  const D zero = {};
+  for (j = 0; j + kLanes <= m; j += kLanes) {
+    const size_t k = first + j;
+    D v, scale, weight, weight_g, x_at_hi, x_at_lo, at_hi, at_lo;
+    std::memcpy(&v, u + j, sizeof v);
+    std::memcpy(&scale, t.scale + k, sizeof scale);
+    std::memcpy(&weight, t.weight + k, sizeof weight);
+    std::memcpy(&weight_g, t.weight_g_over_g1 + k, sizeof weight_g);
+    std::memcpy(&x_at_hi, t.x_at_hi + k, sizeof x_at_hi);
+    std::memcpy(&x_at_lo, t.x_at_lo + k, sizeof x_at_lo);
+    std::memcpy(&at_hi, t.at_hi + k, sizeof at_hi);
+    std::memcpy(&at_lo, t.at_lo + k, sizeof at_lo);
+    const D pow_g_minus_1 = ex * scale;
+    const D inner_recall = weight * (1.0 - v * pow_g_minus_1);
+    const D inner_slope = weight_g * pow_g_minus_1 * v;
+    const auto is_hi = xs <= x_at_hi;
+    const auto is_lo = xs >= x_at_lo;
+    const D r = is_hi ? at_hi : is_lo ? at_lo : inner_recall;
+    const D s = (is_hi | is_lo) ? zero : inner_slope;
+    std::memcpy(recall + j, &r, sizeof r);
+    std::memcpy(slope + j, &s, sizeof s);
+  }
+  for (; j < m; ++j) EvaluateItem(t, first + j, x, ex, u[j], recall + j, slope + j);
+}
+
+void EvaluateRecallsBaseline(const RecallTerms& t, size_t first, size_t m, double x, double ex,
+                             double* one_minus, double* recall, double* slope) {
+  EvaluateLanes<2>(t, first, m, x, ex, one_minus, recall, slope);
+}
+#if defined(__x86_64__) || defined(__i386__)
+// "avx2" does not enable FMA (det_math.cc): the same bits as the baseline version.
+__attribute__((target("avx2"))) void EvaluateRecallsAvx2(const RecallTerms& t, size_t first,
+                                                         size_t m, double x, double ex,
+                                                         double* one_minus, double* recall,
+                                                         double* slope) {
+  EvaluateLanes<4>(t, first, m, x, ex, one_minus, recall, slope);
+}
+#endif
+
+// EvaluateLanes with the widest vectors the CPU has.
+void EvaluateRecalls(const RecallTerms& t, size_t first, size_t m, double x, double ex,
+                     double* one_minus, double* recall, double* slope) {
+#if defined(__x86_64__) || defined(__i386__)
+  static const auto impl =
+      __builtin_cpu_supports("avx2") ? EvaluateRecallsAvx2 : EvaluateRecallsBaseline;
+#else
+  static const auto impl = EvaluateRecallsBaseline;
+#endif
+  impl(t, first, m, x, ex, one_minus, recall, slope);
+}
 // What the densities at the answer read besides the term, once.
 struct RecallOutput {
   double floor;  // lowest density allowed (never above base)
@@ -1102,12 +1205,8 @@ struct StartSummands {
   double start;        // weight * the item's multiplier at base
   double base_recall;  // weight * recall at base
 };
-// An item's (weighted recall, slope) at the multiplier evaluated, and at the first evaluation
-// its weighted recalls at x_max and x_min (NaN where it is off its bounds there).
-struct RecallPart {
-  double recall;
-  double slope;
-};
+// An item's weighted recalls at x_max and x_min at the first evaluation (NaN where it is off
+// its bounds there).
 struct BoundPart {
   double at_x_max;
   double at_x_min;
@@ -1118,10 +1217,12 @@ struct BoundPart {
 struct AllocationStorage {
   std::vector<uint8_t> group;           // per sample
   std::vector<StartSummands> summands;  // per sample
-  std::vector<RecallTerm> terms;
-  std::vector<BoundRecalls> bound_recalls;
+  std::vector<double> terms;            // RecallTerms' arrays
   std::vector<RecallOutput> outputs;
-  std::vector<RecallPart> part;
+  // Per item, its weighted recall and slope at the multiplier evaluated, and at the first
+  // evaluation its BoundPart, where put in place (OrderedSum).
+  std::vector<double> part_recall;
+  std::vector<double> part_slope;
   std::vector<BoundPart> bound_part;
   // Per item, e^((x + offset) / (g - 1)) at the last evaluation's x: 1 - rho where the item is
   // off its bounds, and what its density is clamped from at a bound.
@@ -1300,10 +1401,10 @@ class GroupSearch {
 
 // Runs the searches to their ends, each round evaluating every group that asks in one pass over
 // their items (a loop on the threads over their ranges one after another).
-void SolveGroups(AllocationStorage& st, std::vector<GroupSearch>& searches, PlanThreads* threads) {
-  const RecallTerm* const terms = st.terms.data();
-  const BoundRecalls* const bound_recalls = st.bound_recalls.data();
-  RecallPart* const part = st.part.data();
+void SolveGroups(AllocationStorage& st, const RecallTerms& terms,
+                 std::vector<GroupSearch>& searches, PlanThreads* threads) {
+  double* const part_recall = st.part_recall.data();
+  double* const part_slope = st.part_slope.data();
   BoundPart* const bound_part = st.bound_part.data();
   double* const one_minus = st.one_minus.data();
   // A group evaluated in this round: its ask, e^x, its items' place in the round's items (their
@@ -1341,14 +1442,15 @@ void SolveGroups(AllocationStorage& st, std::vector<GroupSearch>& searches, Plan
     // group's in its own sums. An item at a bound adds no slope: subtracting its 0 leaves the
     // sum's bits as they are (it starts at +0 and is never -0). At the first evaluation the
     // weighted recalls at x_max and x_min are summed too, NaN where an item is off its bounds.
-    // Adds items [k, k + m) of evaluation `ev` (items, not round indices), their parts in p and
-    // bounds; in locals while they add, as the sums' references might alias the parts.
-    auto add_parts = [&](Evaluation& ev, const RecallPart* p, const BoundPart* bounds, size_t m) {
+    // Adds m items of evaluation `ev`, their parts in recall, slope and bounds; in locals while
+    // they add, as the sums' references might alias the parts.
+    auto add_parts = [&](Evaluation& ev, const double* recall, const double* slope,
+                         const BoundPart* bounds, size_t m) {
       double w = ev.weighted;
       double s = ev.slope;
       for (size_t j = 0; j < m; ++j) {
-        w += p[j].recall;
-        s -= p[j].slope;
+        w += recall[j];
+        s -= slope[j];
       }
       ev.weighted = w;
       ev.slope = s;
@@ -1368,19 +1470,18 @@ void SolveGroups(AllocationStorage& st, std::vector<GroupSearch>& searches, Plan
         Evaluation& ev = round[e];
         const size_t end = std::min(to, ev.first + ev.search->count());
         const size_t k = from + ev.shift;
-        add_parts(ev, part + k, bound_part + k, end - from);
+        add_parts(ev, part_recall + k, part_slope + k, bound_part + k, end - from);
         from = end;
       }
     };
     const size_t chunks = ChunkCount(threads, total);
     OrderedSum sum(total, chunks);
     ParallelChunks(threads, total, [&](size_t chunk, size_t lo, size_t hi) {
-      // Items at a bound are done at once; those off their bounds need their 1 - rho, worked
-      // out kBatch items at a time through DetExpAll. It is worked out (and kept in one_minus)
-      // for the items at a bound too, so that the densities at the answer need only one_minus:
-      // reading the terms again there was a tenth of the allocation's time.
-      std::array<double, kBatch> u;
-      std::array<RecallPart, kBatch> own;
+      // kBatch items at a time (EvaluateRecalls). Each one's 1 - rho is worked out (and kept in
+      // one_minus) for the items at a bound too, so that the densities at the answer need only
+      // one_minus: reading the terms again there was a tenth of the allocation's time.
+      std::array<double, kBatch> own_recall;
+      std::array<double, kBatch> own_slope;
       std::array<BoundPart, kBatch> own_bounds;
       constexpr double kOff = std::numeric_limits<double>::quiet_NaN();
       size_t e = evaluation_of(lo);
@@ -1395,46 +1496,27 @@ void SolveGroups(AllocationStorage& st, std::vector<GroupSearch>& searches, Plan
         const size_t last_j = std::min({first_j + kBatch, hi, group_end});
         const size_t first = first_j + ev.shift;
         const size_t last = last_j + ev.shift;
-        const double x = ev.ask.x;
-        for (size_t k = first; k < last; ++k) {
-          const RecallTerm& t = terms[k];
-          u[k - first] = (x + t.offset) * t.inv_g1;
-        }
         if (ev.ask.at_bounds) {
           const double x_min = ev.search->x_min();
           const double x_max = ev.search->x_max();
           for (size_t k = first; k < last; ++k) {
-            const RecallTerm& t = terms[k];
-            const BoundRecalls& r = bound_recalls[k];
-            own_bounds[k - first] = {x_max <= t.x_at_hi   ? r.at_hi
-                                     : x_max >= t.x_at_lo ? r.at_lo
-                                                          : kOff,
-                                     x_min <= t.x_at_hi   ? r.at_hi
-                                     : x_min >= t.x_at_lo ? r.at_lo
-                                                          : kOff};
+            own_bounds[k - first] = {x_max <= terms.x_at_hi[k]   ? terms.at_hi[k]
+                                     : x_max >= terms.x_at_lo[k] ? terms.at_lo[k]
+                                                                 : kOff,
+                                     x_min <= terms.x_at_hi[k]   ? terms.at_hi[k]
+                                     : x_min >= terms.x_at_lo[k] ? terms.at_lo[k]
+                                                                 : kOff};
           }
         }
         const size_t m = last - first;
-        DetExpAll(u.data(), u.data(), m);
-        for (size_t k = first; k < last; ++k) {
-          const RecallTerm& t = terms[k];
-          const double v = u[k - first];
-          one_minus[k] = v;
-          if (x <= t.x_at_hi) {
-            own[k - first] = {bound_recalls[k].at_hi, 0.0};
-          } else if (x >= t.x_at_lo) {
-            own[k - first] = {bound_recalls[k].at_lo, 0.0};
-          } else {
-            const double pow_g_minus_1 = ev.ex * t.scale;  // (1-rho)^(g-1)
-            // d rho / dx = -(1-rho)/(g-1)
-            own[k - first] = {t.weight * (1.0 - v * pow_g_minus_1),
-                              t.weight_g_over_g1 * pow_g_minus_1 * v};
-          }
-        }
+        EvaluateRecalls(terms, first, m, ev.ask.x, ev.ex, one_minus, own_recall.data(),
+                        own_slope.data());
         sum.Offer(
-            chunk, first_j, last_j, [&] { add_parts(ev, own.data(), own_bounds.data(), m); },
+            chunk, first_j, last_j,
+            [&] { add_parts(ev, own_recall.data(), own_slope.data(), own_bounds.data(), m); },
             [&] {
-              std::copy(own.begin(), own.begin() + m, part + first);
+              std::copy(own_recall.begin(), own_recall.begin() + m, part_recall + first);
+              std::copy(own_slope.begin(), own_slope.begin() + m, part_slope + first);
               if (ev.ask.at_bounds) {
                 std::copy(own_bounds.begin(), own_bounds.begin() + m, bound_part + first);
               }
@@ -1505,11 +1587,11 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     next[c] = at;
     for (int g = 0; g < groups; ++g) at[g] += counts[c][g];
   }
-  RecallTerm* const terms = Scratch(st.terms, n);
-  BoundRecalls* const bound_recalls = Scratch(st.bound_recalls, n);
+  const RecallTerms terms = RecallTerms::In(st.terms, n);
   RecallOutput* const outputs = Scratch(st.outputs, n);
   StartSummands* const summands = Scratch(st.summands, n);
-  Scratch(st.part, n);
+  Scratch(st.part_recall, n);
+  Scratch(st.part_slope, n);
   Scratch(st.bound_part, n);
   Scratch(st.one_minus, n);
   // Each group's sums before its search, in item order (batch order within the group) as the
@@ -1585,26 +1667,27 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
         const double weight = static_cast<double>(table.Tokens(i));
         const double offset = t.price_offset;
         const size_t k = slot[j];
-        RecallTerm& term = terms[k];
-        term.x_at_hi = g_minus_1 * log_hi - offset;
-        term.x_at_lo = g_minus_1 * log_lo - offset;
-        term.offset = offset;
-        term.inv_g1 = 1.0 / g_minus_1;
-        term.scale = scale[j];
-        term.weight = weight;
-        term.weight_g_over_g1 = weight * (g / g_minus_1);
+        const double x_at_hi = g_minus_1 * log_hi - offset;
+        const double x_at_lo = g_minus_1 * log_lo - offset;
+        terms.x_at_hi[k] = x_at_hi;
+        terms.x_at_lo[k] = x_at_lo;
+        terms.offset[k] = offset;
+        terms.inv_g1[k] = 1.0 / g_minus_1;
+        terms.scale[k] = scale[j];
+        terms.weight[k] = weight;
+        terms.weight_g_over_g1[k] = weight * (g / g_minus_1);
         // The table's recall at base (PlanStep's recall guards have just worked it out and kept
         // it): each sample from one thread, as its kept answers require.
         own[j] = {weight, weight * (g_minus_1 * log_base[j] - offset),
                   weight * table.Recall(i, rho)};
-        bound_recalls[k] = {weight * (hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j]),
-                            weight * (1.0 - at_lo[j])};
+        terms.at_hi[k] = weight * (hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j]);
+        terms.at_lo[k] = weight * (1.0 - at_lo[j]);
         outputs[k] = {floor_below ? t.floor : rho, static_cast<int>(i)};
         const int g_of = per_bucket ? group_of[i] : 0;
         auto& [x_min, x_max] = range_bounds[g_of];
         const bool seen = k > next[chunk][g_of];  // not the range's first item of its group
-        x_min = seen ? std::min(x_min, term.x_at_hi) : term.x_at_hi;
-        x_max = seen ? std::max(x_max, term.x_at_lo) : term.x_at_lo;
+        x_min = seen ? std::min(x_min, x_at_hi) : x_at_hi;
+        x_max = seen ? std::max(x_max, x_at_lo) : x_at_lo;
       }
       ordered.Offer(
           chunk, first, first + m, [&] { add_summands(own.data(), group_of + first, m); },
@@ -1636,7 +1719,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     searches.emplace_back(begin, count, keep[g] + margin, x_min, x_max, group);
     searched_group.push_back(g);
   }
-  SolveGroups(st, searches, threads);
+  SolveGroups(st, terms, searches, threads);
   std::array<double, kRecallBuckets> x_of{};
   std::array<bool, kRecallBuckets> kept{};
   std::array<bool, kRecallBuckets> solved{};
@@ -1657,7 +1740,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
       if (!solved[g]) continue;
       const double x = x_of[g];
       for (size_t k = std::max(begin, group_begin[g]); k < std::min(end, group_begin[g + 1]); ++k) {
-        const double u = kept[g] ? one_minus[k] : DetExp((x + terms[k].offset) * terms[k].inv_g1);
+        const double u = kept[g] ? one_minus[k] : DetExp((x + terms.offset[k]) * terms.inv_g1[k]);
         densities[outputs[k].index] = std::clamp(1.0 - u, outputs[k].floor, hi_density);
       }
     }
