@@ -5,7 +5,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <optional>
 #include <set>
 #include <type_traits>
 #include <utility>
@@ -92,15 +94,15 @@ bool KnownLogOneMinus(const SampleTerms& terms, double rho, double density_max, 
   return true;
 }
 
-// What the solves read of an item: 72 bytes (its tokens and the price's offset without bucket
+// What the solves read of an item: 64 bytes (its tokens and the price's offset without bucket
 // weights, which only SetBucketWeights reads, are in ItemRecallTerms and the table). The set-up
 // writes every item and the rank passes read them back: at 88 bytes an item that was a quarter
-// more memory traffic.
+// more memory traffic. 1 / (g - 1) is worked out where an item sits off its bounds (InvG1): kept,
+// it made an item 72 bytes.
 struct Item {
   double floor = 0.0;      // lowest density allowed
   double base = 0.0;       // density without tuning
   double g_minus_1 = 0.0;  // recall exponent - 1
-  double inv_g1 = 0.0;     // 1 / (g - 1)
   double log_floor = 0.0;  // log(1 - floor)
   double log_base = 0.0;   // log(1 - base)
   // log(per_block * tri / (weight * g)) (SampleTerms::price_offset), less the log of the item's
@@ -109,23 +111,27 @@ struct Item {
   int index = 0;      // into the batch
   int doc_begin = 0;  // its sample's documents in the table's document arrays
   int doc_end = 0;
+
+  double InvG1() const { return 1.0 / g_minus_1; }
 };
 
-// A rank's items: a range of the tuner's flat item array.
-class ItemRange {
+// A range of one of the tuner's flat arrays: a rank's items (ItemRange), the tuner's ranks.
+template <typename T>
+class Range {
  public:
-  ItemRange() = default;
-  ItemRange(const Item* begin, const Item* end) : begin_(begin), end_(end) {}
-  const Item* begin() const { return begin_; }
-  const Item* end() const { return end_; }
+  Range() = default;
+  Range(const T* begin, const T* end) : begin_(begin), end_(end) {}
+  const T* begin() const { return begin_; }
+  const T* end() const { return end_; }
   size_t size() const { return static_cast<size_t>(end_ - begin_); }
   bool empty() const { return begin_ == end_; }
-  const Item& operator[](size_t k) const { return begin_[k]; }
+  const T& operator[](size_t k) const { return begin_[k]; }
 
  private:
-  const Item* begin_ = nullptr;
-  const Item* end_ = nullptr;
+  const T* begin_ = nullptr;
+  const T* end_ = nullptr;
 };
+using ItemRange = Range<Item>;
 
 struct RankWork {
   double speed = 1.0;
@@ -237,6 +243,73 @@ class LogBatch {
   size_t count_ = 0;
 };
 
+// A serial sum over the items of a ParallelChunks loop, made while the loop runs: each range
+// publishes how far its summands are in place, and whichever thread finds the next items in
+// item order in place adds them (and those in place after them), unless another thread is
+// adding, which then finds them too. The adds are the serial loop's, in its order, whatever the
+// threads. Run after the loops instead, the step allocation's sums were a fifth of it on two
+// threads.
+class OrderedSum {
+ public:
+  // For ParallelChunks(threads, n, ...), split into `chunks` ranges (ChunkCount).
+  OrderedSum(size_t n, size_t chunks) : n_(n), chunks_(chunks), ready_(chunks) {
+    for (size_t c = 0; c < chunks; ++c) ready_[c].store(c * n / chunks);
+  }
+  // Range `chunk`'s items [begin, end) are worked out, their summands in a buffer of the calling
+  // thread: added from there by add_own() where they are next in item order and no other thread
+  // is adding (on one thread, always), else put in place by store() for add(from, to), which
+  // adds those of items [from, to) from their place. Either runs on one thread at a time.
+  template <typename AddOwn, typename Store, typename Add>
+  void Offer(size_t chunk, size_t begin, size_t end, const AddOwn& add_own, const Store& store,
+             const Add& add) {
+    if (!adding_.exchange(true)) {
+      if (next_ == begin) {
+        add_own();
+        next_ = end;
+      } else {
+        store();
+      }
+      ready_[chunk].store(end);
+      Drain(add);
+      return;
+    }
+    store();
+    ready_[chunk].store(end);
+    if (!adding_.exchange(true)) Drain(add);
+  }
+
+ private:
+  // Holding adding_: adds what is in place next in order, and again while a range published more
+  // while it did (and no other thread took over).
+  template <typename Add>
+  void Drain(const Add& add) {
+    for (;;) {
+      size_t at = next_;
+      size_t c = chunk_;
+      for (; c < chunks_; ++c) {
+        const size_t ready = ready_[c].load();
+        if (at < ready) {
+          add(at, ready);
+          at = ready;
+        }
+        if (at < (c + 1) * n_ / chunks_) break;  // range c not done yet
+      }
+      next_ = at;
+      chunk_ = c;
+      adding_.store(false);
+      // A range that published after this thread looked left its items to it: look again.
+      if (c == chunks_ || ready_[c].load() <= at || adding_.exchange(true)) return;
+    }
+  }
+
+  const size_t n_;
+  const size_t chunks_;
+  std::vector<std::atomic<size_t>> ready_;  // per range, the end of its summands in place
+  std::atomic<bool> adding_{false};
+  size_t next_ = 0;   // the first item not added (under adding_)
+  size_t chunk_ = 0;  // its range
+};
+
 // The tuner's large arrays, kept per thread between calls: fresh pages cost more than the
 // tuning itself at 65,536 samples (a page fault per 4 KiB), and every call overwrites what
 // it uses, so nothing carries over but capacity. The per-item scratch arrays only grow
@@ -244,9 +317,12 @@ class LogBatch {
 struct TunerStorage {
   std::vector<Item> items;
   std::vector<ItemRecallTerms> recall_terms;  // per item, as `items`
-  std::vector<double> weighted;  // Recall's weighted recalls, valid up to the items' count
+  std::vector<double> weighted;  // Recall's weighted recalls put in place (OrderedSum), per item
   std::vector<BucketShare> bucket_shares;  // BucketRecall's, as `weighted`
   std::vector<int> order;                  // the items' samples (Tuner::Tuner)
+  // Per rank: its work, and where its items start (one more entry: the items' end).
+  std::vector<RankWork> ranks;
+  std::vector<size_t> first_item;
 };
 
 // `v` with room for n entries, grown (never shrunk) so that its first n are not rewritten.
@@ -269,7 +345,11 @@ class Tuner {
   // Densities for the target makespan `target` (seconds), given each rank's time at base
   // (`at_base`, blocks counted exactly). With `cut` false no rank is lowered.
   std::vector<double> Solve(double target, const std::vector<double>& at_base, bool cut) const;
-  double Recall(const std::vector<double>& densities) const;
+  // Token-weighted recall of the items at `densities`, and with `bucket_recall` BucketRecall's
+  // figures in the same pass: the bucket guard asks for them right after, and a second pass over
+  // the items cost about 0.15 ms on two threads at 65,536 samples.
+  double Recall(const std::vector<double>& densities,
+                std::array<double, kRecallBuckets>* bucket_recall = nullptr) const;
   // Item k's predicted recall at density rho: the table's, which keeps it (the plan's figures
   // ask again at the same densities), and the item keeps it too, in item order: the bucket guard
   // asks again right after Recall, and reading the table's (its sample's terms, then its kept
@@ -285,9 +365,6 @@ class Tuner {
   }
   // Token-weighted recall per length bucket (0 for a bucket without documents).
   std::array<double, kRecallBuckets> BucketRecall(const std::vector<double>& densities) const;
-  // Buckets whose recall at `densities` is below `minimum` (entries < 0: unguarded).
-  std::vector<int> ViolatedBuckets(const std::vector<double>& densities,
-                                   const std::vector<double>& minimum) const;
   // Weights the recall of bucket b by 1 + extra[b] in the trade-off against time: the
   // multipliers of the per-bucket guard's constraints.
   void SetBucketWeights(const std::array<double, kRecallBuckets>& extra);
@@ -299,7 +376,7 @@ class Tuner {
   // The same with the blocks counted exactly.
   double ExactRankSeconds(const RankWork& rank, bool at_floor) const;
 
-  const std::vector<RankWork>& ranks() const { return ranks_; }
+  Range<RankWork> ranks() const { return Range<RankWork>(ranks_, ranks_ + rank_count_); }
 
   // What the walks over a rank's items read of their samples, which lie scattered over the batch:
   // their documents' query blocks (RankSeconds and the solves' estimates) and the table's kept
@@ -330,6 +407,11 @@ class Tuner {
     double x_max = 0.0;
   };
 
+  // Recall's and BucketRecall's pass over the items: the token-weighted recall (returned, with
+  // kTotal) and the per-bucket recalls (in *bucket_recall, with kBuckets), summed in item order.
+  template <bool kTotal, bool kBuckets>
+  double RecallSums(const std::vector<double>& densities,
+                    std::array<double, kRecallBuckets>* bucket_recall) const;
   // EstimatedActiveBlocks with the job's anchors: what the solves work on (the exact count is
   // used for the plan's figures). Its derivative in rho goes to `slope`.
   double SurrogateBlocks(int64_t rows, double rho, double* slope) const;
@@ -359,7 +441,9 @@ class Tuner {
   double anchors_ = 0.0;
   double log_max_ = 0.0;       // log(1 - density_max)
   double noise_margin_ = 0.0;  // share of the target that raised ranks leave free
-  std::vector<RankWork> ranks_;
+  // This tuner's ranks: the first rank_count_ of storage_->ranks, which only grows (Scratch).
+  RankWork* ranks_ = nullptr;
+  size_t rank_count_ = 0;
   // This tuner's items: the first item_count_ of storage_->items, which only grows (Scratch).
   Item* items_ = nullptr;
   ItemRecallTerms* recall_terms_ = nullptr;  // the same items' (storage_->recall_terms)
@@ -389,18 +473,25 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
   anchors_ = config.shape.local_blocks + 2.0;
   log_max_ = LogOneMinus(config.density_max);
   noise_margin_ = std::min(kNoiseMarginZ * model.rank_error_sd(), kMaxNoiseMargin);
-  ranks_.resize(assignment.ranks.size());
+  rank_count_ = assignment.ranks.size();
+  ranks_ = Scratch(storage_->ranks, rank_count_);  // each rank is set in the loop below
   // Items in the order of the placed samples, rank by rank and micro-batch by micro-batch; a
   // rank's items start at first_item[r]. The samples are gathered rank by rank on the threads: a
   // serial copy of the placed order was 0.1 ms of the set-up at 65,536 samples, with the helper
-  // thread idle.
-  std::vector<size_t> first_item(assignment.ranks.size() + 1, 0);
-  for (size_t r = 0; r < assignment.ranks.size(); ++r) {
-    size_t count = 0;
-    for (const std::vector<int>& micro_batch : assignment.ranks[r]) count += micro_batch.size();
-    first_item[r + 1] = first_item[r] + count;
-  }
-  item_count_ = first_item.back();
+  // thread idle. So are the ranks' item counts, summed after: with the ranks' work set up front
+  // (a vector of 4,096), their serial count (reading every rank's micro-batch lists, scattered
+  // over the heap) was 0.07 ms of it.
+  size_t* const first_item = Scratch(storage_->first_item, rank_count_ + 1);
+  first_item[0] = 0;
+  ParallelFor(threads_, rank_count_, [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) {
+      size_t count = 0;
+      for (const std::vector<int>& micro_batch : assignment.ranks[r]) count += micro_batch.size();
+      first_item[r + 1] = count;
+    }
+  });
+  for (size_t r = 0; r < rank_count_; ++r) first_item[r + 1] += first_item[r];
+  item_count_ = first_item[rank_count_];
   int* const order = Scratch(storage_->order, item_count_);
   items_ = Scratch(storage_->items, item_count_);
   Item* const items = items_;
@@ -428,11 +519,15 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
       size_t k = first_item[begin];
       for (size_t r = begin; r < end; ++r) {
         RankWork& rank = ranks_[r];
+        rank = RankWork();  // it may hold an earlier call's
         rank.items = ItemRange(items + first_item[r], items + first_item[r + 1]);
         rank.speed =
             r < static_cast<size_t>(model.ranks()) ? model.speed_factor(static_cast<int>(r)) : 1.0;
+        // The rank's fixed seconds, summed in a local: in rank.fixed every add waited for the
+        // last one's store (the items' stores may alias it, for all the compiler knows).
+        double fixed = 0.0;
         for (const std::vector<int>& micro_batch : assignment.ranks[r]) {
-          if (!micro_batch.empty()) rank.fixed += coef.per_micro_batch;
+          if (!micro_batch.empty()) fixed += coef.per_micro_batch;
           for (size_t j = 0; j < micro_batch.size(); ++j, ++k) {
             const int i = order[k];
             // The samples lie scattered over the batch. With their records, each is one cache line,
@@ -465,11 +560,16 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
             const double weight = sample->weight;
             tokens += static_cast<int64_t>(weight);  // whole numbers: exact
             const double documents = static_cast<double>(doc_end - sample->doc_begin);
-            rank.fixed += coef.per_token * weight + coef.per_sample * documents;
-            items[k] = {
-                sample->floor,     sample->base,     sample->g_minus_1, 1.0 / sample->g_minus_1,
-                sample->log_floor, sample->log_base, sample->offset,    i,
-                sample->doc_begin, doc_end};
+            fixed += coef.per_token * weight + coef.per_sample * documents;
+            items[k] = {sample->floor,
+                        sample->base,
+                        sample->g_minus_1,
+                        sample->log_floor,
+                        sample->log_base,
+                        sample->offset,
+                        i,
+                        sample->doc_begin,
+                        doc_end};
             if (!log_known) logs.Add(&items[k]);
             // Its recall is read when asked (ItemRecall): at base the table keeps it, PlanStep's
             // recall guards have just worked it out (SampleTable::WarmRecalls), and most items
@@ -480,6 +580,7 @@ Tuner::Tuner(const std::vector<Sample>& batch, const Assignment& assignment,
                                 0.0};
           }
         }
+        rank.fixed = fixed;
       }
     };
     if (samples != nullptr) {
@@ -610,7 +711,7 @@ double Tuner::DensityAt(const RankWork& rank, const SolveScratch& scratch, size_
   if (x <= b.x_hi) return b.hi;
   if (x >= b.x_lo) return b.lo;
   const Item& item = rank.items[k];
-  return std::clamp(1.0 - DetExp((x + item.offset) * item.inv_g1), b.lo, b.hi);
+  return std::clamp(1.0 - DetExp((x + item.offset) * item.InvG1()), b.lo, b.hi);
 }
 
 void Tuner::DensitiesAt(const RankWork& rank, const SolveScratch& scratch, double x,
@@ -666,7 +767,7 @@ double Tuner::SolveRankOnce(const RankWork& rank, double budget, bool lower, Sol
       const double rho = DensityAt(rank, scratch, k, x);
       double slope = 0.0;
       blocks += ItemBlocks(item, rho, &slope);
-      if (rho > bounds[k].lo && rho < bounds[k].hi) d -= slope * (1.0 - rho) * item.inv_g1;
+      if (rho > bounds[k].lo && rho < bounds[k].hi) d -= slope * (1.0 - rho) * item.InvG1();
     }
     if (derivative != nullptr) *derivative = per_block_ * d;
     return per_block_ * blocks - budget;
@@ -750,7 +851,7 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   // the slowest of them sets a step time well above T.
   const double raise_to = target * (1.0 - noise_margin_);
   // Each rank writes only its own items' densities.
-  ParallelFor(threads_, ranks_.size(), [&](size_t begin, size_t end) {
+  ParallelFor(threads_, rank_count_, [&](size_t begin, size_t end) {
     SolveScratch scratch;
     for (size_t r = begin; r < end; ++r) {
       if (r + 2 < end) PrefetchItems(ranks_[r + 2]);
@@ -768,68 +869,127 @@ std::vector<double> Tuner::Solve(double target, const std::vector<double>& at_ba
   return densities;
 }
 
-std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
-  // Each item's share on the threads (its recall, its documents' tokens and buckets, scattered
-  // over the batch), the recalls' sums after in item order from the compact shares: in one
-  // serial pass over the items and their documents this was a quarter of the tune phase's
-  // serial time on two threads. The tokens are whole numbers, summed exactly in any order: per
-  // range, as integers.
+template <bool kTotal, bool kBuckets>
+double Tuner::RecallSums(const std::vector<double>& densities,
+                         std::array<double, kRecallBuckets>* bucket_recall) const {
+  // The items of every rank in order (they are contiguous): their recalls (and each item's share
+  // of the bucket sums: its recall, its documents' tokens and buckets, scattered over the batch)
+  // on the threads, summed in item order as they come (OrderedSum). Summed after the loop, the
+  // 65,536 dependent adds of each were a serial stretch of the tune phase with the helper idle
+  // (0.05 to 0.1 ms each). The tokens are whole numbers, summed exactly in any order: per range,
+  // as integers.
   const size_t n = item_count_;
-  BucketShare* const shares = Scratch(storage_->bucket_shares, n);
-  std::vector<std::array<int64_t, kRecallBuckets>> chunk_tokens(ChunkCount(threads_, n));
+  double* const weighted_recalls = Scratch(storage_->weighted, kTotal ? n : 0);
+  BucketShare* const shares = Scratch(storage_->bucket_shares, kBuckets ? n : 0);
+  const size_t chunks = ChunkCount(threads_, n);
+  std::vector<std::array<int64_t, kRecallBuckets>> chunk_tokens(kBuckets ? chunks : 0);
+  double total = 0.0;
+  std::array<double, kRecallBuckets> weighted{};
+  // Adds items [first, first + m), their summands in `recalls` and `share`.
+  auto add = [&](const double* recalls, const BucketShare* share, size_t first, size_t m) {
+    if constexpr (kTotal) {
+      double sum = total;  // in a local while it adds: `recalls` might alias it
+      for (size_t j = 0; j < m; ++j) sum += recalls[j];
+      total = sum;
+    }
+    if constexpr (kBuckets) {
+      std::array<double, kRecallBuckets> local = weighted;  // as `sum`
+      for (size_t j = 0; j < m; ++j) {
+        if (share[j].bucket >= 0) {
+          local[share[j].bucket] += share[j].recall;
+          continue;
+        }
+        const ItemRecallTerms& item = recall_terms_[first + j];
+        for (int d = item.doc_begin; d < item.doc_end; ++d) {
+          local[doc_buckets_[d]] += static_cast<double>(doc_tokens_[d]) * share[j].recall;
+        }
+      }
+      weighted = local;
+    }
+  };
+  OrderedSum sum(n, chunks);
   ParallelChunks(threads_, n, [&](size_t chunk, size_t begin, size_t end) {
     std::array<int64_t, kRecallBuckets> tokens{};
-    for (size_t k = begin; k < end; ++k) {
-      if (k + kFetchAhead < end) {
-        const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
-        __builtin_prefetch(&densities[ahead.index]);
-        if (ahead.bucket < 0) {
-          __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
-          __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+    std::array<double, kBatch> own_recalls;
+    std::array<BucketShare, kBatch> own_shares;
+    for (size_t first = begin; first < end; first += kBatch) {
+      const size_t last = std::min(first + kBatch, end);
+      for (size_t k = first; k < last; ++k) {
+        // The densities and the table's answers lie scattered over the batch: fetched ahead, a
+        // DetLog and a DetExp per item do not hide a wait for them. (Right after a Recall at the
+        // same densities the items keep their answers: BucketRecall alone reads them there.)
+        if (k + kFetchAhead < end) {
+          const ItemRecallTerms& ahead = recall_terms_[k + kFetchAhead];
+          __builtin_prefetch(&densities[ahead.index]);
+          if constexpr (kTotal) table_.PrefetchRecall(static_cast<size_t>(ahead.index));
+          if (kBuckets && ahead.bucket < 0) {
+            __builtin_prefetch(&doc_tokens_[ahead.doc_begin]);
+            __builtin_prefetch(&doc_buckets_[ahead.doc_begin]);
+          }
+        }
+        const ItemRecallTerms& item = recall_terms_[k];
+        const double recall = ItemRecall(k, densities[item.index]);
+        const double item_weighted = item.weight * recall;
+        if constexpr (kTotal) own_recalls[k - first] = item_weighted;
+        if constexpr (kBuckets) {
+          if (item.bucket >= 0) {
+            // Its weight is its document's tokens, a whole number.
+            tokens[item.bucket] += static_cast<int64_t>(item.weight);
+            own_shares[k - first] = {item_weighted, item.bucket};
+          } else {
+            for (int d = item.doc_begin; d < item.doc_end; ++d) {
+              tokens[doc_buckets_[d]] += doc_tokens_[d];
+            }
+            own_shares[k - first] = {recall, -1};
+          }
         }
       }
-      const ItemRecallTerms& item = recall_terms_[k];
-      const double recall = ItemRecall(k, densities[item.index]);
-      if (item.bucket >= 0) {
-        // Its weight is its document's tokens, a whole number.
-        tokens[item.bucket] += static_cast<int64_t>(item.weight);
-        shares[k] = {item.weight * recall, item.bucket};
-      } else {
-        for (int d = item.doc_begin; d < item.doc_end; ++d) {
-          tokens[doc_buckets_[d]] += doc_tokens_[d];
-        }
-        shares[k] = {recall, -1};
-      }
+      const size_t m = last - first;
+      sum.Offer(
+          chunk, first, last, [&] { add(own_recalls.data(), own_shares.data(), first, m); },
+          [&] {
+            if constexpr (kTotal) {
+              std::copy(own_recalls.begin(), own_recalls.begin() + m, weighted_recalls + first);
+            }
+            if constexpr (kBuckets) {
+              std::copy(own_shares.begin(), own_shares.begin() + m, shares + first);
+            }
+          },
+          [&](size_t from, size_t to) {
+            add(weighted_recalls + from, shares + from, from, to - from);
+          });
     }
-    chunk_tokens[chunk] = tokens;
+    if constexpr (kBuckets) chunk_tokens[chunk] = tokens;
   });
-  std::array<double, kRecallBuckets> weighted{};
-  for (size_t k = 0; k < n; ++k) {
-    const BucketShare& share = shares[k];
-    if (share.bucket >= 0) {
-      weighted[share.bucket] += share.recall;
-      continue;
+  if constexpr (kBuckets) {
+    std::array<int64_t, kRecallBuckets> tokens{};
+    for (const std::array<int64_t, kRecallBuckets>& part : chunk_tokens) {
+      for (int b = 0; b < kRecallBuckets; ++b) tokens[b] += part[b];
     }
-    const ItemRecallTerms& item = recall_terms_[k];
-    for (int d = item.doc_begin; d < item.doc_end; ++d) {
-      weighted[doc_buckets_[d]] += static_cast<double>(doc_tokens_[d]) * share.recall;
+    for (int b = 0; b < kRecallBuckets; ++b) {
+      (*bucket_recall)[b] = tokens[b] > 0 ? weighted[b] / static_cast<double>(tokens[b]) : 0.0;
     }
   }
-  std::array<int64_t, kRecallBuckets> tokens{};
-  for (const std::array<int64_t, kRecallBuckets>& part : chunk_tokens) {
-    for (int b = 0; b < kRecallBuckets; ++b) tokens[b] += part[b];
-  }
-  for (int b = 0; b < kRecallBuckets; ++b) {
-    weighted[b] = tokens[b] > 0 ? weighted[b] / static_cast<double>(tokens[b]) : 0.0;
-  }
-  return weighted;
+  return total_weight_ > 0 ? total / total_weight_ : 0.0;
 }
 
-std::vector<int> Tuner::ViolatedBuckets(const std::vector<double>& densities,
-                                        const std::vector<double>& minimum) const {
+double Tuner::Recall(const std::vector<double>& densities,
+                     std::array<double, kRecallBuckets>* bucket_recall) const {
+  if (bucket_recall == nullptr) return RecallSums<true, false>(densities, nullptr);
+  return RecallSums<true, true>(densities, bucket_recall);
+}
+
+std::array<double, kRecallBuckets> Tuner::BucketRecall(const std::vector<double>& densities) const {
+  std::array<double, kRecallBuckets> recall;
+  RecallSums<false, true>(densities, &recall);
+  return recall;
+}
+
+// Buckets whose recall (BucketRecall's `recall`) is below `minimum` (entries < 0: unguarded).
+std::vector<int> ViolatedBuckets(const std::array<double, kRecallBuckets>& recall,
+                                 const std::vector<double>& minimum) {
   std::vector<int> violated;
   if (minimum.empty()) return violated;
-  const std::array<double, kRecallBuckets> recall = BucketRecall(densities);
   for (int b = 0; b < kRecallBuckets; ++b) {
     // The slack absorbs summation order, as in TuneDensities' token-weighted guard.
     if (minimum[b] >= 0 && recall[b] < minimum[b] - 1e-12) violated.push_back(b);
@@ -866,6 +1026,13 @@ bool Tuner::InBuckets(const Item& item, const std::vector<int>& buckets) const {
   return false;
 }
 
+// A solve's densities and, where its recall pass summed them beside its own, their per-bucket
+// recalls (Tuner::BucketRecall's figures).
+struct Tuned {
+  std::vector<double> densities;
+  std::optional<std::array<double, kRecallBuckets>> bucket_recall;
+};
+
 // The per-bucket guard around a solve (DESIGN.md section 11). While some length bucket's recall
 // is below its minimum, that bucket's recall weighs more (x4 a round, the constraint's
 // multiplier) and the solve runs again, for kBucketGuardIterations rounds. Then each bucket still
@@ -873,20 +1040,29 @@ bool Tuner::InBuckets(const Item& item, const std::vector<int>& buckets) const {
 // share that meets the minimum. `base` meets every minimum (the callers make sure of it) and a
 // sample at or above base is not touched, so this always ends with every bucket guarded, and
 // never above base where it changes anything.
+// `tuned` is the solve's result, as solve() returns them.
 template <typename Solve>
 std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimum,
-                                 const std::vector<double>& base, std::vector<double> densities,
-                                 int rounds, const Solve& solve) {
+                                 const std::vector<double>& base, Tuned tuned, int rounds,
+                                 const Solve& solve) {
+  std::vector<double>& densities = tuned.densities;
+  // The buckets below their minimum at `densities`: from the recalls the solve's recall pass
+  // summed beside its own where it has them.
+  auto violated_buckets = [&] {
+    return ViolatedBuckets(
+        tuned.bucket_recall ? *tuned.bucket_recall : tuner.BucketRecall(densities), minimum);
+  };
   std::array<double, kRecallBuckets> extra{};
   for (int round = 0; round < rounds; ++round) {
-    const std::vector<int> violated = tuner.ViolatedBuckets(densities, minimum);
-    if (violated.empty()) return densities;
+    const std::vector<int> violated = violated_buckets();
+    if (violated.empty()) return std::move(densities);
     for (int b : violated) extra[b] = extra[b] > 0 ? extra[b] * kBucketWeightGrowth : 1.0;
     tuner.SetBucketWeights(extra);
-    densities = solve();
+    tuned = solve();
   }
   for (int pass = 0; pass < kRecallBuckets; ++pass) {
-    const std::vector<int> violated = tuner.ViolatedBuckets(densities, minimum);
+    const std::vector<int> violated = violated_buckets();
+    tuned.bucket_recall.reset();  // the densities change below
     if (violated.empty()) break;
     const int bucket = violated.front();
     const std::vector<int> only = {bucket};
@@ -918,52 +1094,132 @@ std::vector<double> GuardBuckets(Tuner& tuner, const std::vector<double>& minimu
     }
     restore(hi, &densities);
   }
-  return densities;
-}
-
-double Tuner::Recall(const std::vector<double>& densities) const {
-  // The items of every rank in order (they are contiguous): their recalls on the threads, the
-  // sums after in item order.
-  const ItemRecallTerms* const items = recall_terms_;
-  double* weighted_recalls = Scratch(storage_->weighted, item_count_);
-  ParallelFor(threads_, item_count_, [&](size_t begin, size_t end) {
-    for (size_t k = begin; k < end; ++k) {
-      // The densities and the table's answers lie scattered over the batch: fetched ahead, a
-      // DetLog and a DetExp per item do not hide a wait for them.
-      if (k + kFetchAhead < end) {
-        const int ahead = items[k + kFetchAhead].index;
-        __builtin_prefetch(&densities[ahead]);
-        table_.PrefetchRecall(static_cast<size_t>(ahead));
-      }
-      weighted_recalls[k] = items[k].weight * ItemRecall(k, densities[items[k].index]);
-    }
-  });
-  double weighted = 0.0;
-  for (size_t k = 0; k < item_count_; ++k) weighted += weighted_recalls[k];
-  return total_weight_ > 0 ? weighted / total_weight_ : 0.0;
+  return std::move(densities);
 }
 
 // AllocateDensities' search: per group of samples one multiplier e^x, found by a safeguarded
 // Newton search on the group's token-weighted recall (a few evaluations, each over every item
 // of the group). Its items are built straight from the table, every group's in one pass over
-// the batch, and split by how often they are read. What every evaluation reads, contiguous (56
-// bytes an item):
-struct RecallTerm {
-  double x_at_hi;  // at or below this x the item sits at density_max
-  double x_at_lo;  // at or above, at its floor
+// the batch. What every evaluation reads, an array a term (structure of arrays), so that it
+// works on several items at once (EvaluateRecalls):
+struct RecallTerms {
+  double* x_at_hi;  // at or below this x the item sits at density_max
+  double* x_at_lo;  // at or above, at its floor
   // log(per_block * tri / (weight * g)): where the multiplier sits (SampleTerms::price_offset)
-  double offset;
-  double inv_g1;            // 1 / (g - 1)
-  double scale;             // e^offset
-  double weight;            // tokens
-  double weight_g_over_g1;  // weight * (g / (g - 1)), the slope's first product
+  double* offset;
+  double* inv_g1;            // 1 / (g - 1)
+  double* scale;             // e^offset
+  double* weight;            // tokens
+  double* weight_g_over_g1;  // weight * (g / (g - 1)), the slope's first product
+  double* at_hi;             // weight * recall at density_max
+  double* at_lo;             // weight * recall at the floor
+
+  // The arrays of n items, in `storage` (grown as Scratch grows it).
+  static RecallTerms In(std::vector<double>& storage, size_t n) {
+    double* const p = Scratch(storage, 9 * n);
+    return {p, p + n, p + 2 * n, p + 3 * n, p + 4 * n, p + 5 * n, p + 6 * n, p + 7 * n, p + 8 * n};
+  }
 };
-// An item's weighted recall at each bound: read by the first evaluation for every item (the
-// recall at x_min and x_max), after it only for the few items at a bound.
-struct BoundRecalls {
-  double at_hi;  // weight * recall at density_max
-  double at_lo;  // weight * recall at the floor
+
+// Item k's weighted recall and slope share (as EvaluateRecalls), `v` its e^((x + offset) / (g -
+// 1)).
+inline void EvaluateItem(const RecallTerms& t, size_t k, double x, double ex, double v,
+                         double* recall, double* slope) {
+  if (x <= t.x_at_hi[k]) {
+    *recall = t.at_hi[k];
+    *slope = 0.0;
+  } else if (x >= t.x_at_lo[k]) {
+    *recall = t.at_lo[k];
+    *slope = 0.0;
+  } else {
+    const double pow_g_minus_1 = ex * t.scale[k];  // (1-rho)^(g-1)
+    // d rho / dx = -(1-rho)/(g-1)
+    *recall = t.weight[k] * (1.0 - v * pow_g_minus_1);
+    *slope = t.weight_g_over_g1[k] * pow_g_minus_1 * v;
+  }
+}
+
+// kLanes doubles (GCC vector extensions; as det_math.cc's kernels).
+template <int kLanes>
+struct Lanes {
+  typedef double D __attribute__((vector_size(8 * kLanes)));
 };
+
+// Items [first, first + m) at multiplier e^x (ex = e^x): in one_minus[first, first + m) each
+// one's e^((x + offset) / (g - 1)) (1 - rho off its bounds), in recall[0, m) its weighted
+// recall and in slope[0, m) its share of the recall's slope (0 at a bound), kLanes items at a
+// time: the same operations as EvaluateItem, lane by lane (the same bits), the bound tests as
+// selects. One item at a time with branches, this was two thirds of an evaluation's
+// instructions (about 46 an item beside its DetExp).
+template <int kLanes>
+__attribute__((always_inline)) inline void EvaluateLanes(const RecallTerms& t, size_t first,
+                                                         size_t m, double x, double ex,
+                                                         double* one_minus, double* recall,
+                                                         double* slope) {
+  using D = typename Lanes<kLanes>::D;
+  double* const u = one_minus + first;
+  size_t j = 0;
+  for (; j + kLanes <= m; j += kLanes) {
+    D offset, inv_g1;
+    std::memcpy(&offset, t.offset + first + j, sizeof offset);
+    std::memcpy(&inv_g1, t.inv_g1 + first + j, sizeof inv_g1);
+    const D v = (x + offset) * inv_g1;
+    std::memcpy(u + j, &v, sizeof v);
+  }
+  for (; j < m; ++j) u[j] = (x + t.offset[first + j]) * t.inv_g1[first + j];
+  DetExpAll(u, u, m);
+  D xs;
+  for (int lane = 0; lane < kLanes; ++lane) xs[lane] = x;
+  const D zero = {};
+  for (j = 0; j + kLanes <= m; j += kLanes) {
+    const size_t k = first + j;
+    D v, scale, weight, weight_g, x_at_hi, x_at_lo, at_hi, at_lo;
+    std::memcpy(&v, u + j, sizeof v);
+    std::memcpy(&scale, t.scale + k, sizeof scale);
+    std::memcpy(&weight, t.weight + k, sizeof weight);
+    std::memcpy(&weight_g, t.weight_g_over_g1 + k, sizeof weight_g);
+    std::memcpy(&x_at_hi, t.x_at_hi + k, sizeof x_at_hi);
+    std::memcpy(&x_at_lo, t.x_at_lo + k, sizeof x_at_lo);
+    std::memcpy(&at_hi, t.at_hi + k, sizeof at_hi);
+    std::memcpy(&at_lo, t.at_lo + k, sizeof at_lo);
+    const D pow_g_minus_1 = ex * scale;
+    const D inner_recall = weight * (1.0 - v * pow_g_minus_1);
+    const D inner_slope = weight_g * pow_g_minus_1 * v;
+    const auto is_hi = xs <= x_at_hi;
+    const auto is_lo = xs >= x_at_lo;
+    const D r = is_hi ? at_hi : is_lo ? at_lo : inner_recall;
+    const D s = (is_hi | is_lo) ? zero : inner_slope;
+    std::memcpy(recall + j, &r, sizeof r);
+    std::memcpy(slope + j, &s, sizeof s);
+  }
+  for (; j < m; ++j) EvaluateItem(t, first + j, x, ex, u[j], recall + j, slope + j);
+}
+
+void EvaluateRecallsBaseline(const RecallTerms& t, size_t first, size_t m, double x, double ex,
+                             double* one_minus, double* recall, double* slope) {
+  EvaluateLanes<2>(t, first, m, x, ex, one_minus, recall, slope);
+}
+#if defined(__x86_64__) || defined(__i386__)
+// "avx2" does not enable FMA (det_math.cc): the same bits as the baseline version.
+__attribute__((target("avx2"))) void EvaluateRecallsAvx2(const RecallTerms& t, size_t first,
+                                                         size_t m, double x, double ex,
+                                                         double* one_minus, double* recall,
+                                                         double* slope) {
+  EvaluateLanes<4>(t, first, m, x, ex, one_minus, recall, slope);
+}
+#endif
+
+// EvaluateLanes with the widest vectors the CPU has.
+void EvaluateRecalls(const RecallTerms& t, size_t first, size_t m, double x, double ex,
+                     double* one_minus, double* recall, double* slope) {
+#if defined(__x86_64__) || defined(__i386__)
+  static const auto impl =
+      __builtin_cpu_supports("avx2") ? EvaluateRecallsAvx2 : EvaluateRecallsBaseline;
+#else
+  static const auto impl = EvaluateRecallsBaseline;
+#endif
+  impl(t, first, m, x, ex, one_minus, recall, slope);
+}
 // What the densities at the answer read besides the term, once.
 struct RecallOutput {
   double floor;  // lowest density allowed (never above base)
@@ -975,12 +1231,8 @@ struct StartSummands {
   double start;        // weight * the item's multiplier at base
   double base_recall;  // weight * recall at base
 };
-// An item's (weighted recall, slope) at the multiplier evaluated, and at the first evaluation
-// its weighted recalls at x_max and x_min (NaN where it is off its bounds there).
-struct RecallPart {
-  double recall;
-  double slope;
-};
+// An item's weighted recalls at x_max and x_min at the first evaluation (NaN where it is off
+// its bounds there).
 struct BoundPart {
   double at_x_max;
   double at_x_min;
@@ -991,81 +1243,16 @@ struct BoundPart {
 struct AllocationStorage {
   std::vector<uint8_t> group;           // per sample
   std::vector<StartSummands> summands;  // per sample
-  std::vector<RecallTerm> terms;
-  std::vector<BoundRecalls> bound_recalls;
+  std::vector<double> terms;            // RecallTerms' arrays
   std::vector<RecallOutput> outputs;
-  std::vector<RecallPart> part;
+  // Per item, its weighted recall and slope at the multiplier evaluated, and at the first
+  // evaluation its BoundPart, where put in place (OrderedSum).
+  std::vector<double> part_recall;
+  std::vector<double> part_slope;
   std::vector<BoundPart> bound_part;
   // Per item, e^((x + offset) / (g - 1)) at the last evaluation's x: 1 - rho where the item is
   // off its bounds, and what its density is clamped from at a bound.
   std::vector<double> one_minus;
-};
-
-// A serial sum over the items of a ParallelChunks loop, made while the loop runs: each range
-// publishes how far its summands are in place, and whichever thread finds the next items in
-// item order in place adds them (and those in place after them), unless another thread is
-// adding, which then finds them too. The adds are the serial loop's, in its order, whatever the
-// threads. Run after the loops instead, the step allocation's sums were a fifth of it on two
-// threads.
-class OrderedSum {
- public:
-  // For ParallelChunks(threads, n, ...), split into `chunks` ranges (ChunkCount).
-  OrderedSum(size_t n, size_t chunks) : n_(n), chunks_(chunks), ready_(chunks) {
-    for (size_t c = 0; c < chunks; ++c) ready_[c].store(c * n / chunks);
-  }
-  // Range `chunk`'s items [begin, end) are worked out, their summands in a buffer of the calling
-  // thread: added from there by add_own() where they are next in item order and no other thread
-  // is adding (on one thread, always), else put in place by store() for add(from, to), which
-  // adds those of items [from, to) from their place. Either runs on one thread at a time.
-  template <typename AddOwn, typename Store, typename Add>
-  void Offer(size_t chunk, size_t begin, size_t end, const AddOwn& add_own, const Store& store,
-             const Add& add) {
-    if (!adding_.exchange(true)) {
-      if (next_ == begin) {
-        add_own();
-        next_ = end;
-      } else {
-        store();
-      }
-      ready_[chunk].store(end);
-      Drain(add);
-      return;
-    }
-    store();
-    ready_[chunk].store(end);
-    if (!adding_.exchange(true)) Drain(add);
-  }
-
- private:
-  // Holding adding_: adds what is in place next in order, and again while a range published more
-  // while it did (and no other thread took over).
-  template <typename Add>
-  void Drain(const Add& add) {
-    for (;;) {
-      size_t at = next_;
-      size_t c = chunk_;
-      for (; c < chunks_; ++c) {
-        const size_t ready = ready_[c].load();
-        if (at < ready) {
-          add(at, ready);
-          at = ready;
-        }
-        if (at < (c + 1) * n_ / chunks_) break;  // range c not done yet
-      }
-      next_ = at;
-      chunk_ = c;
-      adding_.store(false);
-      // A range that published after this thread looked left its items to it: look again.
-      if (c == chunks_ || ready_[c].load() <= at || adding_.exchange(true)) return;
-    }
-  }
-
-  const size_t n_;
-  const size_t chunks_;
-  std::vector<std::atomic<size_t>> ready_;  // per range, the end of its summands in place
-  std::atomic<bool> adding_{false};
-  size_t next_ = 0;   // the first item not added (under adding_)
-  size_t chunk_ = 0;  // its range
 };
 
 // A group's items summed in item order before its search.
@@ -1077,174 +1264,298 @@ struct GroupSums {
 
 // One group's search: the densities in [floor, density_max] of items [begin, begin + count)
 // with the least predicted attention time whose token-weighted recall is at least `target`
-// (or the most recall there is). `x_min` and `x_max` are the least x_at_hi and the greatest
-// x_at_lo. Sets *x_out to the multiplier it settles on and *kept to whether one_minus holds the
-// items' values there; returns the recall reached.
-double SolveGroup(AllocationStorage& st, size_t begin, size_t count, double target, double x_min,
-                  double x_max, const GroupSums& sums, PlanThreads* threads, double* x_out,
-                  bool* kept) {
-  const RecallTerm* const terms = st.terms.data() + begin;
-  const BoundRecalls* const bound_recalls = st.bound_recalls.data() + begin;
-  RecallPart* const part = st.part.data() + begin;
-  BoundPart* const bound_part = st.bound_part.data() + begin;
-  double* const one_minus = st.one_minus.data() + begin;
-  const double tokens = sums.tokens;
-  const size_t chunks = ChunkCount(threads, count);
-  double searched = std::numeric_limits<double>::quiet_NaN();  // the last multiplier evaluated
-  // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
-  // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
-  // d recall / d rho = g e^x scale: one exp per item. Each item's
-  // weighted recall and slope are worked out on the threads and summed in item order as they
-  // come (OrderedSum). An item at a bound adds no slope: subtracting its 0 leaves the sum's bits
-  // as they are (it starts at +0 and is never -0). With `at_bounds` (the first evaluation) the
-  // weighted recalls at x_max and x_min are summed too: [0] and [1], NaN where an item is off its
-  // bounds there.
-  auto recall_at = [&](double x, double* derivative, double* at_bounds) {
-    const double ex = DetExp(x);
-    double weighted = 0.0;
-    double slope = 0.0;
-    double at_x_max = 0.0;
-    double at_x_min = 0.0;
-    // In locals while they add: the sums' references might alias the parts.
-    auto add_parts = [&](const RecallPart* p, const BoundPart* bounds, size_t m) {
-      double w = weighted;
-      double s = slope;
+// (or the most recall there is), a safeguarded Newton search on the group's recall over its
+// multiplier x. It asks for one evaluation at a time (Next), which SolveGroups runs for every
+// group still searching in one pass over their items: one group after another, the 4 length
+// buckets' searches took a dozen loops on the threads, each with its start and its tail.
+class GroupSearch {
+ public:
+  // An evaluation asked for: the recall at x and its derivative, and with at_bounds the recalls
+  // at x_max and x_min, where every item sits at a bound (the first evaluation).
+  struct Ask {
+    double x;
+    bool at_bounds;
+  };
+  // Its answer: the token-weighted recall, its derivative in x, and at_bounds[0] and [1] the
+  // weighted recalls at x_max and x_min (NaN where an item is off its bounds there).
+  struct Answer {
+    double recall;
+    double derivative;
+    double at_bounds[2];
+  };
+
+  // `x_min` and `x_max` are the least x_at_hi and the greatest x_at_lo of the group's items.
+  GroupSearch(size_t begin, size_t count, double target, double x_min, double x_max,
+              const GroupSums& sums)
+      : begin_(begin), count_(count), target_(target), x_min_(x_min), x_max_(x_max) {
+    tokens_ = sums.tokens;
+    // Newton starts where the bulk of the tokens would sit at their base densities: the answer
+    // keeps about their recall, so Newton begins close. It is evaluated there first, whether the
+    // search runs or not (it mostly does), with the recalls at x_min and x_max, where every
+    // item sits at a bound, in the same pass.
+    const double x_first = std::clamp(sums.start / tokens_, x_min, x_max);
+    x_start_ = x_first == x_min || x_first == x_max ? 0.5 * (x_min + x_max) : x_first;
+    ask_ = {x_start_, /*at_bounds=*/true};
+  }
+
+  size_t begin() const { return begin_; }
+  size_t count() const { return count_; }
+  double tokens() const { return tokens_; }
+  double x_min() const { return x_min_; }
+  double x_max() const { return x_max_; }
+  // The evaluation the search waits for; none once it is done.
+  const Ask* Next() const { return stage_ == kDone ? nullptr : &ask_; }
+  // Takes the answer to Next().
+  void Take(const Answer& answer) {
+    searched_ = ask_.x;
+    switch (stage_) {
+      case kFirst:
+        first_recall_ = answer.recall;
+        first_derivative_ = answer.derivative;
+        at_bounds_[0] = answer.at_bounds[0];
+        at_bounds_[1] = answer.at_bounds[1];
+        AtMax();
+        break;
+      case kAtMax:
+        FromMax(answer.recall);
+        break;
+      case kAtMin:
+        FromMin(answer.recall);
+        break;
+      case kNewton:
+        Newton(answer.recall, answer.derivative);
+        break;
+      case kDone:
+        break;
+    }
+  }
+  // Once done: the multiplier it settled on, the recall there, and whether the last evaluation
+  // was there (one_minus holds the items' values at it).
+  double x() const { return x_; }
+  double recall() const { return recall_; }
+  bool kept() const { return searched_ == x_; }
+
+ private:
+  enum Stage { kFirst, kAtMax, kAtMin, kNewton, kDone };
+
+  // The recall at x_max or x_min from the first evaluation's bound sums, unless an item is off
+  // its bounds there (a NaN bound): then evaluated in full.
+  void AtMax() {
+    if (std::isnan(at_bounds_[0])) {
+      Evaluate(kAtMax, x_max_);
+    } else {
+      FromMax(at_bounds_[0] / tokens_);
+    }
+  }
+  void FromMax(double recall) {
+    if (recall >= target_) {
+      Finish(x_max_, recall);  // every item at its floor already keeps the recall
+    } else if (std::isnan(at_bounds_[1])) {
+      Evaluate(kAtMin, x_min_);
+    } else {
+      FromMin(at_bounds_[1] / tokens_);
+    }
+  }
+  void FromMin(double recall) {
+    if (recall < target_) {
+      Finish(x_min_, recall);  // unreachable: everything at density_max is the best there is
+      return;
+    }
+    // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
+    // ends on the side that keeps the recall.
+    a_ = x_min_;  // recall(a) >= target
+    b_ = x_max_;  // recall(b) < target
+    recall_a_ = recall;
+    x_ = x_start_;
+    iter_ = 0;
+    // The first evaluation's, unless a full evaluation at a bound came since.
+    if (searched_ == x_) {
+      Newton(first_recall_, first_derivative_);
+    } else {
+      Evaluate(kNewton, x_);
+    }
+  }
+  void Newton(double r, double derivative) {
+    const double f = r - target_;
+    if (f >= 0) {
+      a_ = x_;
+      recall_a_ = r;
+      if (f < kRecallTolerance) return Finish(a_, recall_a_);
+    } else {
+      b_ = x_;
+    }
+    // Newton aims at the middle of the accepted band [target, target + tolerance]: aimed at
+    // the target itself, it approaches from whichever side the curvature puts it on, and
+    // from below it never lands in the band (it took eight or nine steps where two do).
+    if (!NewtonStep(r - (target_ + 0.5 * kRecallTolerance), derivative, a_, b_, /*scale=*/a_,
+                    &x_) ||
+        ++iter_ == kMaxSolverIterations) {
+      return Finish(a_, recall_a_);
+    }
+    Evaluate(kNewton, x_);
+  }
+  void Evaluate(Stage stage, double x) {
+    stage_ = stage;
+    ask_ = {x, /*at_bounds=*/false};
+  }
+  void Finish(double x, double recall) {
+    stage_ = kDone;
+    x_ = x;
+    recall_ = recall;
+  }
+
+  size_t begin_;
+  size_t count_;
+  double target_;
+  double x_min_;
+  double x_max_;
+  double tokens_ = 0.0;
+  double x_start_ = 0.0;
+  Stage stage_ = kFirst;
+  Ask ask_ = {0.0, false};
+  double searched_ = std::numeric_limits<double>::quiet_NaN();  // the last multiplier evaluated
+  double first_recall_ = 0.0;
+  double first_derivative_ = 0.0;
+  double at_bounds_[2] = {0.0, 0.0};
+  double a_ = 0.0;
+  double b_ = 0.0;
+  double recall_a_ = 0.0;
+  int iter_ = 0;
+  double x_ = 0.0;
+  double recall_ = 0.0;
+};
+
+// Runs the searches to their ends, each round evaluating every group that asks in one pass over
+// their items (a loop on the threads over their ranges one after another).
+void SolveGroups(AllocationStorage& st, const RecallTerms& terms,
+                 std::vector<GroupSearch>& searches, PlanThreads* threads) {
+  double* const part_recall = st.part_recall.data();
+  double* const part_slope = st.part_slope.data();
+  BoundPart* const bound_part = st.bound_part.data();
+  double* const one_minus = st.one_minus.data();
+  // A group evaluated in this round: its ask, e^x, its items' place in the round's items (their
+  // index less `shift`), and its sums as they are added.
+  struct Evaluation {
+    GroupSearch* search;
+    GroupSearch::Ask ask;
+    double ex;
+    size_t first;  // in the round's items
+    size_t shift;  // item index - round index
+    double weighted, slope, at_x_max, at_x_min;
+  };
+  std::vector<Evaluation> round;
+  for (;;) {
+    round.clear();
+    size_t total = 0;
+    for (GroupSearch& search : searches) {
+      const GroupSearch::Ask* ask = search.Next();
+      if (ask == nullptr) continue;
+      round.push_back(
+          {&search, *ask, DetExp(ask->x), total, search.begin() - total, 0.0, 0.0, 0.0, 0.0});
+      total += search.count();
+    }
+    if (round.empty()) return;
+    // Evaluation of round item j (in round.first order).
+    auto evaluation_of = [&](size_t j) {
+      size_t e = 0;
+      while (e + 1 < round.size() && round[e + 1].first <= j) ++e;
+      return e;
+    };
+    // Token-weighted recall at multiplier e^x (decreasing in x) and its derivative in x. At the
+    // stationary point (1-rho)^(g-1) = e^(x + offset), so (1-rho)^g = (1-rho) e^x scale and
+    // d recall / d rho = g e^x scale: one exp per item. Each item's weighted recall and slope
+    // are worked out on the threads and summed in item order as they come (OrderedSum), each
+    // group's in its own sums. An item at a bound adds no slope: subtracting its 0 leaves the
+    // sum's bits as they are (it starts at +0 and is never -0). At the first evaluation the
+    // weighted recalls at x_max and x_min are summed too, NaN where an item is off its bounds.
+    // Adds m items of evaluation `ev`, their parts in recall, slope and bounds; in locals while
+    // they add, as the sums' references might alias the parts.
+    auto add_parts = [&](Evaluation& ev, const double* recall, const double* slope,
+                         const BoundPart* bounds, size_t m) {
+      double w = ev.weighted;
+      double s = ev.slope;
       for (size_t j = 0; j < m; ++j) {
-        w += p[j].recall;
-        s -= p[j].slope;
+        w += recall[j];
+        s -= slope[j];
       }
-      weighted = w;
-      slope = s;
-      if (at_bounds == nullptr) return;
-      double at_max = at_x_max;
-      double at_min = at_x_min;
+      ev.weighted = w;
+      ev.slope = s;
+      if (!ev.ask.at_bounds) return;
+      double at_max = ev.at_x_max;
+      double at_min = ev.at_x_min;
       for (size_t j = 0; j < m; ++j) {
         at_max += bounds[j].at_x_max;
         at_min += bounds[j].at_x_min;
       }
-      at_x_max = at_max;
-      at_x_min = at_min;
+      ev.at_x_max = at_max;
+      ev.at_x_min = at_min;
     };
+    // Adds round items [from, to) from their place.
     auto add = [&](size_t from, size_t to) {
-      add_parts(part + from, bound_part + from, to - from);
+      for (size_t e = evaluation_of(from); from < to; ++e) {
+        Evaluation& ev = round[e];
+        const size_t end = std::min(to, ev.first + ev.search->count());
+        const size_t k = from + ev.shift;
+        add_parts(ev, part_recall + k, part_slope + k, bound_part + k, end - from);
+        from = end;
+      }
     };
-    OrderedSum sum(count, chunks);
-    ParallelChunks(threads, count, [&](size_t chunk, size_t lo, size_t hi) {
-      // Items at a bound are done at once; those off their bounds need their 1 - rho, worked
-      // out kBatch items at a time through DetExpAll. It is worked out (and kept in one_minus)
-      // for the items at a bound too, so that the densities at the answer need only one_minus:
-      // reading the terms again there was a tenth of the allocation's time.
-      std::array<double, kBatch> u;
-      std::array<RecallPart, kBatch> own;
+    const size_t chunks = ChunkCount(threads, total);
+    OrderedSum sum(total, chunks);
+    ParallelChunks(threads, total, [&](size_t chunk, size_t lo, size_t hi) {
+      // kBatch items at a time (EvaluateRecalls). Each one's 1 - rho is worked out (and kept in
+      // one_minus) for the items at a bound too, so that the densities at the answer need only
+      // one_minus: reading the terms again there was a tenth of the allocation's time.
+      std::array<double, kBatch> own_recall;
+      std::array<double, kBatch> own_slope;
       std::array<BoundPart, kBatch> own_bounds;
       constexpr double kOff = std::numeric_limits<double>::quiet_NaN();
-      for (size_t first = lo; first < hi; first += kBatch) {
-        const size_t last = std::min(first + kBatch, hi);
-        for (size_t k = first; k < last; ++k) {
-          const RecallTerm& t = terms[k];
-          u[k - first] = (x + t.offset) * t.inv_g1;
+      size_t e = evaluation_of(lo);
+      for (size_t first_j = lo; first_j < hi;) {
+        Evaluation& ev = round[e];
+        const size_t group_end = ev.first + ev.search->count();
+        if (first_j == group_end) {
+          ++e;
+          continue;
         }
-        if (at_bounds != nullptr) {
+        // A batch within one group: its items [first, last).
+        const size_t last_j = std::min({first_j + kBatch, hi, group_end});
+        const size_t first = first_j + ev.shift;
+        const size_t last = last_j + ev.shift;
+        if (ev.ask.at_bounds) {
+          const double x_min = ev.search->x_min();
+          const double x_max = ev.search->x_max();
           for (size_t k = first; k < last; ++k) {
-            const RecallTerm& t = terms[k];
-            const BoundRecalls& r = bound_recalls[k];
-            own_bounds[k - first] = {x_max <= t.x_at_hi   ? r.at_hi
-                                     : x_max >= t.x_at_lo ? r.at_lo
-                                                          : kOff,
-                                     x_min <= t.x_at_hi   ? r.at_hi
-                                     : x_min >= t.x_at_lo ? r.at_lo
-                                                          : kOff};
+            own_bounds[k - first] = {x_max <= terms.x_at_hi[k]   ? terms.at_hi[k]
+                                     : x_max >= terms.x_at_lo[k] ? terms.at_lo[k]
+                                                                 : kOff,
+                                     x_min <= terms.x_at_hi[k]   ? terms.at_hi[k]
+                                     : x_min >= terms.x_at_lo[k] ? terms.at_lo[k]
+                                                                 : kOff};
           }
         }
         const size_t m = last - first;
-        DetExpAll(u.data(), u.data(), m);
-        for (size_t k = first; k < last; ++k) {
-          const RecallTerm& t = terms[k];
-          const double v = u[k - first];
-          one_minus[k] = v;
-          if (x <= t.x_at_hi) {
-            own[k - first] = {bound_recalls[k].at_hi, 0.0};
-          } else if (x >= t.x_at_lo) {
-            own[k - first] = {bound_recalls[k].at_lo, 0.0};
-          } else {
-            const double pow_g_minus_1 = ex * t.scale;  // (1-rho)^(g-1)
-            // d rho / dx = -(1-rho)/(g-1)
-            own[k - first] = {t.weight * (1.0 - v * pow_g_minus_1),
-                              t.weight_g_over_g1 * pow_g_minus_1 * v};
-          }
-        }
+        EvaluateRecalls(terms, first, m, ev.ask.x, ev.ex, one_minus, own_recall.data(),
+                        own_slope.data());
         sum.Offer(
-            chunk, first, last, [&] { add_parts(own.data(), own_bounds.data(), m); },
+            chunk, first_j, last_j,
+            [&] { add_parts(ev, own_recall.data(), own_slope.data(), own_bounds.data(), m); },
             [&] {
-              std::copy(own.begin(), own.begin() + m, part + first);
-              if (at_bounds != nullptr) {
+              std::copy(own_recall.begin(), own_recall.begin() + m, part_recall + first);
+              std::copy(own_slope.begin(), own_slope.begin() + m, part_slope + first);
+              if (ev.ask.at_bounds) {
                 std::copy(own_bounds.begin(), own_bounds.begin() + m, bound_part + first);
               }
             },
             add);
+        first_j = last_j;
       }
     });
-    if (derivative != nullptr) *derivative = slope / tokens;
-    if (at_bounds != nullptr) {
-      at_bounds[0] = at_x_max;
-      at_bounds[1] = at_x_min;
+    for (Evaluation& ev : round) {
+      const double tokens = ev.search->tokens();
+      ev.search->Take({ev.weighted / tokens, ev.slope / tokens, {ev.at_x_max, ev.at_x_min}});
     }
-    searched = x;
-    return weighted / tokens;
-  };
-  // Newton starts where the bulk of the tokens would sit at their base densities: the answer
-  // keeps about their recall, so Newton begins close. It is evaluated there first, whether the
-  // search runs or not (it mostly does), with the recalls at x_min and x_max, where every item
-  // sits at a bound, in the same pass.
-  const double x_first = std::clamp(sums.start / tokens, x_min, x_max);
-  const double x_start = x_first == x_min || x_first == x_max ? 0.5 * (x_min + x_max) : x_first;
-  double first_derivative = 0.0;
-  double at_bounds[2];
-  const double first_recall = recall_at(x_start, &first_derivative, at_bounds);
-  // The recall at x_max or x_min from the bounds' sum, unless an item is off its bounds there (a
-  // NaN bound): then evaluated in full.
-  auto recall_at_bound = [&](double x, double at_bound) {
-    return std::isnan(at_bound) ? recall_at(x, nullptr, nullptr) : at_bound / tokens;
-  };
-  double x = x_min;
-  double recall = recall_at_bound(x_max, at_bounds[0]);
-  if (recall >= target) {
-    x = x_max;  // every item at its floor already keeps the recall
-  } else if (recall = recall_at_bound(x_min, at_bounds[1]); recall < target) {
-    x = x_min;  // unreachable: everything at density_max is the best there is
-  } else {
-    // Safeguarded Newton on the monotone recall (bisection when a step leaves the bracket);
-    // ends on the side that keeps the recall.
-    double a = x_min;  // recall(a) >= target
-    double b = x_max;  // recall(b) < target
-    double recall_a = recall;
-    x = x_start;
-    for (int iter = 0; iter < kMaxSolverIterations; ++iter) {
-      double derivative = first_derivative;
-      // The first evaluation's, unless a full evaluation at a bound came since.
-      const double r =
-          iter == 0 && searched == x ? first_recall : recall_at(x, &derivative, nullptr);
-      const double f = r - target;
-      if (f >= 0) {
-        a = x;
-        recall_a = r;
-        if (f < kRecallTolerance) break;
-      } else {
-        b = x;
-      }
-      // Newton aims at the middle of the accepted band [target, target + tolerance]: aimed at
-      // the target itself, it approaches from whichever side the curvature puts it on, and
-      // from below it never lands in the band (it took eight or nine steps where two do).
-      if (!NewtonStep(r - (target + 0.5 * kRecallTolerance), derivative, a, b, /*scale=*/a, &x)) {
-        break;
-      }
-    }
-    x = a;
-    recall = recall_a;
   }
-  *x_out = x;
-  *kept = searched == x;
-  return recall;
 }
 
 }  // namespace
@@ -1302,11 +1613,11 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     next[c] = at;
     for (int g = 0; g < groups; ++g) at[g] += counts[c][g];
   }
-  RecallTerm* const terms = Scratch(st.terms, n);
-  BoundRecalls* const bound_recalls = Scratch(st.bound_recalls, n);
+  const RecallTerms terms = RecallTerms::In(st.terms, n);
   RecallOutput* const outputs = Scratch(st.outputs, n);
   StartSummands* const summands = Scratch(st.summands, n);
-  Scratch(st.part, n);
+  Scratch(st.part_recall, n);
+  Scratch(st.part_slope, n);
   Scratch(st.bound_part, n);
   Scratch(st.one_minus, n);
   // Each group's sums before its search, in item order (batch order within the group) as the
@@ -1382,26 +1693,27 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
         const double weight = static_cast<double>(table.Tokens(i));
         const double offset = t.price_offset;
         const size_t k = slot[j];
-        RecallTerm& term = terms[k];
-        term.x_at_hi = g_minus_1 * log_hi - offset;
-        term.x_at_lo = g_minus_1 * log_lo - offset;
-        term.offset = offset;
-        term.inv_g1 = 1.0 / g_minus_1;
-        term.scale = scale[j];
-        term.weight = weight;
-        term.weight_g_over_g1 = weight * (g / g_minus_1);
+        const double x_at_hi = g_minus_1 * log_hi - offset;
+        const double x_at_lo = g_minus_1 * log_lo - offset;
+        terms.x_at_hi[k] = x_at_hi;
+        terms.x_at_lo[k] = x_at_lo;
+        terms.offset[k] = offset;
+        terms.inv_g1[k] = 1.0 / g_minus_1;
+        terms.scale[k] = scale[j];
+        terms.weight[k] = weight;
+        terms.weight_g_over_g1[k] = weight * (g / g_minus_1);
         // The table's recall at base (PlanStep's recall guards have just worked it out and kept
         // it): each sample from one thread, as its kept answers require.
         own[j] = {weight, weight * (g_minus_1 * log_base[j] - offset),
                   weight * table.Recall(i, rho)};
-        bound_recalls[k] = {weight * (hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j]),
-                            weight * (1.0 - at_lo[j])};
+        terms.at_hi[k] = weight * (hi_density >= 1.0 ? 1.0 : 1.0 - at_hi[j]);
+        terms.at_lo[k] = weight * (1.0 - at_lo[j]);
         outputs[k] = {floor_below ? t.floor : rho, static_cast<int>(i)};
         const int g_of = per_bucket ? group_of[i] : 0;
         auto& [x_min, x_max] = range_bounds[g_of];
         const bool seen = k > next[chunk][g_of];  // not the range's first item of its group
-        x_min = seen ? std::min(x_min, term.x_at_hi) : term.x_at_hi;
-        x_max = seen ? std::max(x_max, term.x_at_lo) : term.x_at_lo;
+        x_min = seen ? std::min(x_min, x_at_hi) : x_at_hi;
+        x_max = seen ? std::max(x_max, x_at_lo) : x_at_lo;
       }
       ordered.Offer(
           chunk, first, first + m, [&] { add_summands(own.data(), group_of + first, m); },
@@ -1409,9 +1721,9 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
     }
     bounds[chunk] = range_bounds;
   });
-  std::array<double, kRecallBuckets> x_of{};
-  std::array<bool, kRecallBuckets> kept{};
-  std::array<bool, kRecallBuckets> solved{};
+  std::vector<GroupSearch> searches;
+  std::vector<int> searched_group;            // per search, its group
+  std::array<double, kRecallBuckets> keep{};  // per group, the recall it must not fall below
   for (int g = 0; g < groups; ++g) {
     const size_t begin = group_begin[g];
     const size_t count = group_begin[g + 1] - begin;
@@ -1426,17 +1738,24 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
       any = true;
     }
     const GroupSums& group = sums[g];
-    const double keep =
-        per_bucket ? (group.tokens > 0 ? group.base / group.tokens : 0.0) : base_recall;
+    keep[g] = per_bucket ? (group.tokens > 0 ? group.base / group.tokens : 0.0) : base_recall;
     // Aim a little above: the per-rank tuning that follows moves densities away from this
     // optimum, which costs a little recall (it is concave), and should not have to back off.
-    const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - keep));
-    bool group_kept = false;
-    const double achieved = SolveGroup(st, begin, count, keep + margin, x_min, x_max, group,
-                                       threads, &x_of[g], &group_kept);
+    const double margin = std::min(kAllocationRecallMargin, 0.1 * (1.0 - keep[g]));
+    searches.emplace_back(begin, count, keep[g] + margin, x_min, x_max, group);
+    searched_group.push_back(g);
+  }
+  SolveGroups(st, terms, searches, threads);
+  std::array<double, kRecallBuckets> x_of{};
+  std::array<bool, kRecallBuckets> kept{};
+  std::array<bool, kRecallBuckets> solved{};
+  for (size_t q = 0; q < searches.size(); ++q) {
+    const GroupSearch& search = searches[q];
+    const int g = searched_group[q];
     // Never hand back less recall than base (e.g. when even density_max cannot reach it).
-    if (achieved < keep) continue;
-    kept[g] = group_kept;
+    if (search.recall() < keep[g]) continue;
+    x_of[g] = search.x();
+    kept[g] = search.kept();
     solved[g] = true;
   }
   if (std::find(solved.begin(), solved.end(), true) == solved.end()) return densities;
@@ -1447,7 +1766,7 @@ std::vector<double> AllocateDensities(const std::vector<Sample>& batch, const Pl
       if (!solved[g]) continue;
       const double x = x_of[g];
       for (size_t k = std::max(begin, group_begin[g]); k < std::min(end, group_begin[g + 1]); ++k) {
-        const double u = kept[g] ? one_minus[k] : DetExp((x + terms[k].offset) * terms[k].inv_g1);
+        const double u = kept[g] ? one_minus[k] : DetExp((x + terms.offset[k]) * terms.inv_g1[k]);
         densities[outputs[k].index] = std::clamp(1.0 - u, outputs[k].floor, hi_density);
       }
     }
@@ -1668,10 +1987,18 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
   if (min_mode) return tuner.Solve(target, at_base, cut);
   // The slack absorbs summation order (the caller sums in batch order, the tuner by rank).
   const double base_recall = min_recall - 1e-12;
+  // With the bucket guard, each recall pass sums the bucket recalls too, which the guard asks for
+  // next where the densities returned are the last ones summed.
+  const bool guarded = !bucket_min_recall.empty();
   auto solve = [&] {
-    std::vector<double> densities = tuner.Solve(target, at_base, cut);
-    const double recall_at_target = tuner.Recall(densities);
-    if (recall_at_target >= base_recall) return densities;
+    Tuned tuned{tuner.Solve(target, at_base, cut), std::nullopt};
+    std::array<double, kRecallBuckets> bucket_recall;
+    const double recall_at_target =
+        tuner.Recall(tuned.densities, guarded ? &bucket_recall : nullptr);
+    if (recall_at_target >= base_recall) {
+      if (guarded) tuned.bucket_recall = bucket_recall;
+      return tuned;
+    }
     // Cutting the stragglers lost more recall than raising the others won back: find the
     // lowest target between this one and the base makespan (pure raising, which never loses
     // recall) that keeps the recall.
@@ -1688,7 +2015,7 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
     double short_hi = std::numeric_limits<double>::quiet_NaN();  // >= 0 once known
     int kept = 0;  // +1: hi kept (lo moved) in a row; -1: lo kept
     const double resolution = kRecallGuardResolution * (hi - lo);
-    std::vector<double> best;  // at hi, once a target below base_max kept the recall
+    Tuned best;  // at hi, once a target below base_max kept the recall
     for (int iter = 0; iter < kRecallGuardIterations && hi - lo > resolution; ++iter) {
       double mid = 0.5 * (lo + hi);
       // Bisection from here on once only halvings can still reach the resolution in time.
@@ -1699,11 +2026,14 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
         mid = std::clamp(interpolated, lo + inset, hi - inset);
       }
       std::vector<double> candidate = tuner.Solve(mid, at_base, cut);
-      const double shortfall = tuner.Recall(candidate) - base_recall;
+      const double shortfall =
+          tuner.Recall(candidate, guarded ? &bucket_recall : nullptr) - base_recall;
+      best.bucket_recall.reset();  // summed for the last candidate only
       if (shortfall >= 0) {
         hi = mid;
         short_hi = shortfall;
-        best = std::move(candidate);
+        best.densities = std::move(candidate);
+        if (guarded) best.bucket_recall = bucket_recall;
         if (kept < 0) short_lo *= 0.5;
         kept = std::min(kept, 0) - 1;
       } else {
@@ -1713,14 +2043,14 @@ std::vector<double> TuneDensities(const std::vector<Sample>& batch, const Assign
         kept = std::max(kept, 0) + 1;
       }
     }
-    return best.empty() ? tuner.Solve(base_max, at_base, cut) : best;
+    if (best.densities.empty()) return Tuned{tuner.Solve(base_max, at_base, cut), std::nullopt};
+    return best;
   };
-  std::vector<double> densities = solve();
-  if (bucket_min_recall.empty()) return densities;
+  Tuned tuned = solve();
+  if (!guarded) return std::move(tuned.densities);
   // Each bucket's guard, then: its fallback only raises samples back to base (never above a
   // rank's base time), which keeps the token-weighted recall too.
-  return GuardBuckets(tuner, bucket_min_recall, base, std::move(densities), kTuneGuardRounds,
-                      solve);
+  return GuardBuckets(tuner, bucket_min_recall, base, std::move(tuned), kTuneGuardRounds, solve);
 }
 
 }  // namespace sparsebalance
