@@ -722,10 +722,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
                    const Assignment& assignment, const std::vector<double>& densities,
                    const std::vector<double>& defaults, PlanThreads* threads) {
   std::vector<BucketRecallFigures> buckets(kRecallBuckets);
-  // DST spreads a sample's density over the layers when the job has learned per-layer curves.
-  const bool per_layer =
-      (config.policy == Policy::kDst || config.policy == Policy::kSparseBalance) &&
-      recall.HasLayerCurves();
+  const bool per_layer = PlansLayerDensities(config, recall);
   StepPlan plan;
   plan.policy = config.policy;
   plan.ranks.resize(assignment.ranks.size());
@@ -810,9 +807,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
           planned.shard_group = split->group;
         }
         if (per_layer) {
-          LayerDensities(s, densities[i],
-                         std::min(DensityFloor(s.sensitivity, config), densities[i]), config,
-                         recall, &planned.layer_densities);
+          PlannedLayerDensities(s, densities[i], config, recall, &planned.layer_densities);
         }
         const int64_t query_tokens = planned.QueryTokens();
         mb.tokens += query_tokens;

@@ -175,7 +175,6 @@ RecallStepSums::RecallStepSums(const RecallModel& model)
       layers_(model.layers_),
       curves_(model.state_.curves),
       touched_(model.state_.curves.size(), false) {
-  for (int b = 1; b < kRecallBuckets; ++b) edges_[b - 1] = RecallBucketEdge(b, capacity_);
   // Forgetting scales every bin of a curve alike, which leaves its fit as it was: only the
   // curves that get measurements are refitted (ObserveStep).
   for (RecallCurveSums& c : curves_) {
@@ -190,8 +189,7 @@ RecallStepSums::RecallStepSums(const RecallModel& model)
 int RecallStepSums::BucketOf(const RecallObservation& o) const {
   // A document split over ranks (context parallelism) may be up to kMaxShards capacities.
   if (o.length < 1 || o.length > capacity_ * kMaxShards) return -1;
-  return static_cast<int>(o.length >= edges_[0]) + static_cast<int>(o.length >= edges_[1]) +
-         static_cast<int>(o.length >= edges_[2]);
+  return RecallBucket(o.length, capacity_);
 }
 
 absl::Status RecallStepSums::AddAt(int bucket, const RecallObservation& o) {
@@ -211,7 +209,7 @@ absl::Status RecallStepSums::AddAt(int bucket, const RecallObservation& o) {
   if (!(o.recall >= 0.0 && o.recall <= 1.0)) {
     return error("recall", o.recall, " is outside [0, 1]");
   }
-  const size_t curve = static_cast<size_t>(o.layer + 1) * kRecallBuckets + bucket;  // CurveIndex
+  const size_t curve = RecallCurveIndex(bucket, o.layer);
   const int bin =
       std::min(kRecallDensityBins - 1, static_cast<int>(o.density * kRecallDensityBins));
   RecallCurveSums& c = curves_[curve];
@@ -238,8 +236,8 @@ absl::Status RecallStepSums::AddDocument(int64_t length, double density, double 
   // other check made as one test per layer; AddAt itself takes the first one that fails, which
   // names it. (AddAt per layer, with its error path and a bit of touched_ each, was most of the
   // fold of a step whose 65,536 documents each measured 32 layers.)
-  size_t valid = std::min(layers, static_cast<size_t>(layers_));      // past it: out of range
-  RecallCurveSums* const curves = &curves_[kRecallBuckets + bucket];  // layer 0's
+  size_t valid = std::min(layers, static_cast<size_t>(layers_));  // past it: out of range
+  RecallCurveSums* const curves = &curves_[RecallCurveIndex(bucket, 0)];
   for (size_t l = 0; l < valid; ++l) {
     const double d = densities[l * stride];
     const double r = layer_recall[l];
@@ -248,7 +246,7 @@ absl::Status RecallStepSums::AddDocument(int64_t length, double density, double 
       break;
     }
     const int bin = std::min(kRecallDensityBins - 1, static_cast<int>(d * kRecallDensityBins));
-    RecallCurveSums& c = curves[l * kRecallBuckets];  // CurveIndex(bucket, l)
+    RecallCurveSums& c = curves[l * kRecallBuckets];  // RecallCurveIndex(bucket, l)
     c.documents[bin] += 1.0;
     c.recall[bin] += r;
     c.density[bin] += d;

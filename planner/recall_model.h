@@ -203,6 +203,12 @@ struct RecallCurveSummary {
 
 class RecallModel;
 
+// The index of the curve of length bucket `bucket` and `layer` (-1: all layers together) in
+// RecallModelState::curves.
+inline size_t RecallCurveIndex(int bucket, int layer) {
+  return static_cast<size_t>(layer + 1) * kRecallBuckets + bucket;
+}
+
 // One step's recall measurements as ObserveStep folds them in: the model's curve sums, forgotten
 // by one step, with each measurement added as it comes. Adding checks each measurement as
 // ObserveStep does, so that a caller with many folds them without a vector of them: the
@@ -241,9 +247,8 @@ class RecallStepSums {
 
   int64_t capacity_;
   int layers_;
-  std::array<int64_t, kRecallBuckets - 1> edges_{};  // RecallBucketEdge(1..3, capacity)
-  std::vector<RecallCurveSums> curves_;              // the model's, forgotten, plus the step's
-  std::vector<bool> touched_;                        // per curve: measured this step (Add)
+  std::vector<RecallCurveSums> curves_;  // the model's, forgotten, plus the step's
+  std::vector<bool> touched_;            // per curve: measured this step (Add)
   // Per bucket: layers [0, n) measured this step (AddDocument), their curves touched too.
   std::array<size_t, kRecallBuckets> layers_touched_{};
   size_t count_ = 0;
@@ -296,9 +301,7 @@ class RecallModel {
   std::vector<RecallCurveSummary> Curves() const;
 
  private:
-  size_t CurveIndex(int bucket, int layer) const {
-    return static_cast<size_t>(layer + 1) * kRecallBuckets + bucket;
-  }
+  size_t CurveIndex(int bucket, int layer) const { return RecallCurveIndex(bucket, layer); }
   ExponentBlend Blend(size_t curve) const {
     return {options_.prior_documents, documents_[curve], fitted_[curve]};
   }

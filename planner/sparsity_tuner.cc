@@ -1898,6 +1898,17 @@ void LayerDensities(const Sample& sample, double density, double floor, const Pl
   }
 }
 
+bool PlansLayerDensities(const PlannerConfig& config, const RecallModel& recall) {
+  return (config.policy == Policy::kDst || config.policy == Policy::kSparseBalance) &&
+         recall.HasLayerCurves();
+}
+
+void PlannedLayerDensities(const Sample& sample, double density, const PlannerConfig& config,
+                           const RecallModel& recall, std::vector<double>* densities) {
+  LayerDensities(sample, density, std::min(DensityFloor(sample.sensitivity, config), density),
+                 config, recall, densities);
+}
+
 TunerSamples::TunerSamples(size_t n) : storage_(n) { records_ = Scratch(storage_->records, n); }
 
 void TunerSamples::Fill(const SampleTable& table, const PlannerConfig& config,

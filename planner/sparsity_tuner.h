@@ -135,6 +135,15 @@ std::vector<double> LayerDensities(const Sample& sample, double density, double 
 void LayerDensities(const Sample& sample, double density, double floor, const PlannerConfig& config,
                     const RecallModel& recall, std::vector<double>* densities);
 
+// Whether a plan of `config` with `recall` gives its samples per-layer densities: a tuned policy
+// (DST spreads a sample's density over the layers) once the job has learned per-layer curves.
+bool PlansLayerDensities(const PlannerConfig& config, const RecallModel& recall);
+// A planned sample's layer densities as BuildPlan gives them (where PlansLayerDensities):
+// LayerDensities of its batch sample at its planned density, its floor the lower of the
+// sample's and that density. Packed steps compute them again with it (server/step_pack.h).
+void PlannedLayerDensities(const Sample& sample, double density, const PlannerConfig& config,
+                           const RecallModel& recall, std::vector<double>* densities);
+
 // The tuner's continuous estimate of ActiveBlocks for a document of `rows` query blocks at
 // density rho in (0, 1], `anchors` (local_blocks + 2) blocks kept per row: row n keeps
 // max(anchors, rho*n + 1/2) blocks (the exact count keeps max(anchors, ceil(rho*n))), summed

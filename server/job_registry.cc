@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "planner/planner.h"
 #include "planner/profile_table.h"
+#include "planner/sparsity_tuner.h"
 #include "server/step_pack.h"
 
 namespace sparsebalance {
@@ -583,12 +584,9 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   StepRecord record;
   record.batch = batch;
   record.plan = std::make_shared<const StepPlan>(*std::move(plan));
-  // BuildPlan's condition for per-layer densities. The recipe is a copy of the recall model
-  // (about 70 KB at 32 layers), where the densities it lets packing leave out take 32 doubles a
-  // sample.
-  const Policy policy = job->config.get().policy;
-  if (!planned_locally && (policy == Policy::kDst || policy == Policy::kSparseBalance) &&
-      job->recall.HasLayerCurves()) {
+  // The recipe is a copy of the recall model (about 70 KB at 32 layers), where the densities it
+  // lets packing leave out take 32 doubles a sample.
+  if (!planned_locally && PlansLayerDensities(job->config.get(), job->recall)) {
     record.layers = std::make_shared<const LayerDensityRecipe>(
         LayerDensityRecipe{job->config.get(), job->recall});
   }

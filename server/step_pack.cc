@@ -482,8 +482,7 @@ absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes,
         "a packed step's per-layer densities were left out and no recipe was given to compute "
         "them");
   }
-  // Each left-out sample's densities as BuildPlan made them: LayerDensities of its batch sample
-  // at its planned density, its floor the lower of the sample's and that density.
+  // Each left-out sample's densities as BuildPlan made them.
   std::vector<std::pair<uint64_t, size_t>> by_id(step.batch.size());
   for (size_t i = 0; i < step.batch.size(); ++i) by_id[i] = {step.batch[i].id, i};
   std::sort(by_id.begin(), by_id.end());
@@ -496,8 +495,7 @@ absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes,
     }
     const Sample& s = step.batch[it->second];
     const size_t count = p->layer_densities.size();
-    LayerDensities(s, p->density, std::min(DensityFloor(s.sensitivity, layers->config), p->density),
-                   layers->config, layers->recall, &p->layer_densities);
+    PlannedLayerDensities(s, p->density, layers->config, layers->recall, &p->layer_densities);
     if (p->layer_densities.size() != count) {
       return absl::InternalError(absl::StrCat("sample id ", p->id, " had ", count,
                                               " layer densities and its recipe gives ",
