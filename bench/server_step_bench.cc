@@ -9,7 +9,8 @@
 //
 // Counters per step, in the calling thread's CPU time: submit_ms (plan, and store the step when the
 // third argument is 1), reports_ms (all ranks' ReportStep), fold_ms (the last rank's ReportStep:
-// validate, store, fold), report_us (mean of the other ranks' ReportStep, microseconds). The same
+// validate, store, fold), report_us (mean of the other ranks' ReportStep, microseconds),
+// record_mb (with a store: the size of the last step's record on disk, MB). The same
 // job without a store (third argument 0) separates planning and folding from storing. The fifth
 // argument is the planning threads (JobRegistry::Options::plan_threads, as sb-planner's
 // --plan_threads); with more than one, submit_wall_ms is what the submit took on the clock (the
@@ -218,6 +219,8 @@ class ServerStep {
 
   // The phases of the last step's planning (wall time, PlanStep's PlanPhaseSeconds).
   const PlanPhaseSeconds& phases() const { return phases_; }
+  // The size of the last submitted step's record in the store (0 without one).
+  double record_bytes() const { return record_bytes_; }
 
   // What rank r measured in the step (the hidden truth).
   std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int r) {
@@ -294,6 +297,12 @@ class ServerStep {
       error_ = std::string(plan.status().message());
       return false;
     }
+    if (!dir_.empty()) {
+      std::error_code ignored;
+      const auto size =
+          std::filesystem::file_size(dir_ / id_ / absl::StrCat("step-", step_, ".pb"), ignored);
+      record_bytes_ = ignored ? 0.0 : static_cast<double>(size);
+    }
     if (!report) {
       ++step_;
       return true;
@@ -324,6 +333,7 @@ class ServerStep {
   std::string error_;
   std::mt19937_64 rng_{42};
   PlanPhaseSeconds phases_{};
+  double record_bytes_ = 0.0;
 };
 
 void RunServerStep(benchmark::State& state, bool round_batch) {
@@ -360,6 +370,7 @@ void RunServerStep(benchmark::State& state, bool round_batch) {
   state.counters["fold_ms"] = last_sum / n;
   state.counters["report_us"] = 1e3 * others_sum / n / std::max(1, ranks - 1);
   state.counters["capacity"] = static_cast<double>(job.capacity());
+  if (state.range(2) != 0) state.counters["record_mb"] = job.record_bytes() / 1e6;
   // Where the planning inside the submit went (wall time, ms): see BM_PlanPhases.
   for (int k = 0; k < kPlanPhases; ++k) {
     state.counters[std::string("plan_") + kPlanPhaseNames[k] + "_ms"] = 1e3 * phase_sums[k] / n;

@@ -548,7 +548,7 @@ v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank) {
 }
 
 void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out_ptr,
-                     bool figures) {
+                     bool figures, bool old_form) {
   v1::RankPlan& out = *out_ptr;
   out.set_step(step);
   out.set_rank(rank);
@@ -559,8 +559,10 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
     v1::MicroBatch* m = out.add_micro_batches();
     const int n = static_cast<int>(mb.samples.size());
     m->mutable_samples()->Reserve(n);
-    m->mutable_sample_ids()->Reserve(n);
-    m->mutable_densities()->Reserve(n);
+    if (old_form) {
+      m->mutable_sample_ids()->Reserve(n);
+      m->mutable_densities()->Reserve(n);
+    }
     bool layered = false;
     for (const PlannedSample& p : mb.samples) {
       v1::PlannedSample* sample = m->add_samples();
@@ -581,10 +583,11 @@ void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan*
         shard->set_index(p.shard_index);
         shard->mutable_group()->Assign(p.shard_group.begin(), p.shard_group.end());
       }
-      // The old form, for readers older than `samples`.
-      m->add_sample_ids(p.id);
-      m->add_densities(p.density);
-      layered = layered || !p.layer_densities.empty();
+      if (old_form) {  // for readers older than `samples`
+        m->add_sample_ids(p.id);
+        m->add_densities(p.density);
+        layered = layered || !p.layer_densities.empty();
+      }
     }
     if (layered) {
       for (const PlannedSample& p : mb.samples) {

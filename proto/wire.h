@@ -114,9 +114,13 @@ void FiguresToProto(const StepPlan& plan, v1::PlanFigures* out);
 // One rank's part of a step plan.
 v1::RankPlan RankPlanToProto(const StepPlan& plan, int64_t step, int rank);
 // The same into `out` (e.g. a message on an arena, or a response being built). Without
-// `figures` the step's figures (the same in every rank's part) are left out.
+// `figures` the step's figures (the same in every rank's part) are left out. Without
+// `old_form` so is the deprecated copy of the samples that readers older than
+// MicroBatch.samples take (sample_ids, densities and MicroBatch.layer_densities): for the
+// planner's own step records (server/state_codec.h), where that copy doubled the bytes of a
+// job with per-layer densities.
 void RankPlanToProto(const StepPlan& plan, int64_t step, int rank, v1::RankPlan* out,
-                     bool figures = true);
+                     bool figures = true, bool old_form = true);
 // What a reader of a rank plan knows of its job, for the checks of shards that need it; 0: not
 // known, and that check is left to a reader that knows the job (the service checks stored
 // plans against the job's config: server/job_state.h ValidateStoredPlan; TrainerSession passes

@@ -25,7 +25,8 @@ state::v1::JobSnapshot EncodeJob(const StoredJob& job);
 absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in);
 
 // A step record into `out` (e.g. a message on an arena: a step of 16,384 samples is some
-// 50,000 small messages).
+// 50,000 small messages). The plan in the current form only (MicroBatch.samples, without the
+// deprecated copy the wire keeps for older clients): DecodeStep reads both forms.
 void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& plan, bool folded,
                 state::v1::StepRecord* out);
 // The step, batch and plan of a record, as stored (not checked against the job: the registry

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
+#include "proto/wire.h"
 #include "server/job_registry.h"
 #include "server/state_codec.h"
 #include "tests/server/test_support.h"
@@ -570,6 +571,76 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   ASSERT_EQ(report_back.micro_batches.size(), 3u);
   EXPECT_EQ(report_back.micro_batches[2].compute_seconds, 2.5);
   EXPECT_EQ(report_back.micro_batches[2].tokens, 65536);
+}
+
+// A step record holds each planned sample once, in MicroBatch.samples: not the wire's deprecated
+// copy for clients older than it (ids, densities and each layer density again), which doubled a
+// per-layer job's records. Records of planners that wrote only that old form still decode.
+TEST(StateCodecTest, StepRecordsHoldEachLayerDensityOnceAndOldFormRecordsStillDecode) {
+  const std::vector<Sample> batch = Batch(7, 2);
+  absl::StatusOr<StepPlan> local = PlanStepLocally(batch, test_support::SmallJob(2).planner);
+  ASSERT_TRUE(local.ok()) << local.status();
+  StepPlan plan = *std::move(local);
+  int layered = 0;
+  for (RankPlan& rank : plan.ranks) {
+    for (MicroBatchPlan& mb : rank.micro_batches) {
+      for (PlannedSample& p : mb.samples) {
+        p.layer_densities.clear();
+        for (int l = 0; l < 4; ++l) p.layer_densities.push_back(0.125 * (l + 1) + 1e-3 * layered);
+        ++layered;
+      }
+    }
+  }
+  ASSERT_GT(layered, 0);
+  state::v1::StepRecord record;
+  EncodeStep(2, batch, plan, /*folded=*/false, &record);
+  int stored_layers = 0;
+  size_t wire_bytes = 0;
+  for (int r = 0; r < record.ranks_size(); ++r) {
+    wire_bytes += RankPlanToProto(plan, 2, r).ByteSizeLong();
+    for (const v1::MicroBatch& m : record.ranks(r).micro_batches()) {
+      EXPECT_EQ(m.sample_ids_size(), 0);
+      EXPECT_EQ(m.densities_size(), 0);
+      EXPECT_EQ(m.layer_densities_size(), 0);
+      for (const v1::PlannedSample& p : m.samples()) stored_layers += p.layer_densities_size();
+    }
+  }
+  EXPECT_EQ(stored_layers, 4 * layered);
+  EXPECT_LT(record.ByteSizeLong(), wire_bytes);
+  absl::StatusOr<PlanStore::LoadedStep> decoded = DecodeStep(record);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(CanonicalPlanText(decoded->plan), CanonicalPlanText(plan));
+
+  // An older planner's record: the wire's old form alone (no samples, so no lengths: the
+  // registry takes those from the step's batch). Ids, densities and layer densities come back.
+  state::v1::StepRecord old = record;
+  for (int r = 0; r < old.ranks_size(); ++r) {
+    const v1::RankPlan wire = RankPlanToProto(plan, 2, r);
+    for (int m = 0; m < wire.micro_batches_size(); ++m) {
+      v1::MicroBatch* mb = old.mutable_ranks(r)->mutable_micro_batches(m);
+      ASSERT_EQ(wire.micro_batches(m).layer_densities_size(), mb->samples_size());
+      *mb->mutable_sample_ids() = wire.micro_batches(m).sample_ids();
+      *mb->mutable_densities() = wire.micro_batches(m).densities();
+      *mb->mutable_layer_densities() = wire.micro_batches(m).layer_densities();
+      mb->clear_samples();
+    }
+  }
+  absl::StatusOr<PlanStore::LoadedStep> older = DecodeStep(old);
+  ASSERT_TRUE(older.ok()) << older.status();
+  ASSERT_EQ(older->plan.ranks.size(), plan.ranks.size());
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    const auto& want = plan.ranks[r].micro_batches;
+    const auto& got = older->plan.ranks[r].micro_batches;
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t m = 0; m < want.size(); ++m) {
+      ASSERT_EQ(got[m].samples.size(), want[m].samples.size());
+      for (size_t k = 0; k < want[m].samples.size(); ++k) {
+        EXPECT_EQ(got[m].samples[k].id, want[m].samples[k].id);
+        EXPECT_EQ(got[m].samples[k].density, want[m].samples[k].density);
+        EXPECT_EQ(got[m].samples[k].layer_densities, want[m].samples[k].layer_densities);
+      }
+    }
+  }
 }
 
 TEST(PlanStoreTest, StoreFailuresAreRecognisedByTheirPayloadNotTheirMessage) {

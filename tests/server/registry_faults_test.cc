@@ -67,10 +67,26 @@ v1::PlannedSample* FirstPlannedSample(state::v1::StepRecord* step) {
   return &none;
 }
 
-// What a planner older than PlannedSample stored: ids and densities only.
+// What a planner older than PlannedSample stored: ids and densities (and layer densities) only.
 void ToOldForm(state::v1::StepRecord* step) {
   for (v1::RankPlan& r : *step->mutable_ranks()) {
-    for (v1::MicroBatch& m : *r.mutable_micro_batches()) m.clear_samples();
+    for (v1::MicroBatch& m : *r.mutable_micro_batches()) {
+      m.clear_sample_ids();
+      m.clear_densities();
+      m.clear_layer_densities();
+      bool layered = false;
+      for (const v1::PlannedSample& p : m.samples()) {
+        m.add_sample_ids(p.id());
+        m.add_densities(p.density());
+        layered = layered || p.layer_densities_size() > 0;
+      }
+      if (layered) {
+        for (const v1::PlannedSample& p : m.samples()) {
+          *m.add_layer_densities()->mutable_densities() = p.layer_densities();
+        }
+      }
+      m.clear_samples();
+    }
   }
 }
 
