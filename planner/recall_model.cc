@@ -173,23 +173,21 @@ double RecallModel::SampleRecall(const Sample& sample, double density) const {
 RecallStepSums::RecallStepSums(const RecallModel& model)
     : capacity_(model.capacity_),
       layers_(model.layers_),
-      curves_(model.state_.curves),
-      touched_(model.state_.curves.size(), false) {
-  // Forgetting scales every bin of a curve alike, which leaves its fit as it was: only the
-  // curves that get measurements are refitted (ObserveStep).
-  for (RecallCurveSums& c : curves_) {
-    for (int b = 0; b < kRecallDensityBins; ++b) {
-      c.documents[b] *= model.options_.forgetting;
-      c.recall[b] *= model.options_.forgetting;
-      c.density[b] *= model.options_.forgetting;
-    }
-  }
-}
+      bins_(model.state_.curves.size() * kRecallDensityBins) {}
 
 int RecallStepSums::BucketOf(const RecallObservation& o) const {
   // A document split over ranks (context parallelism) may be up to kMaxShards capacities.
   if (o.length < 1 || o.length > capacity_ * kMaxShards) return -1;
   return RecallBucket(o.length, capacity_);
+}
+
+inline void RecallStepSums::AddTo(Bin* curve, double density, double recall) {
+  constexpr double kUnit = 0x1p60;  // fixed point: values in [0, 1] to [0, 2^60], truncated
+  Bin& bin =
+      curve[std::min(kRecallDensityBins - 1, static_cast<int>(density * kRecallDensityBins))];
+  ++bin.documents;
+  bin.recall += static_cast<uint64_t>(static_cast<int64_t>(recall * kUnit));
+  bin.density += static_cast<uint64_t>(static_cast<int64_t>(density * kUnit));
 }
 
 absl::Status RecallStepSums::AddAt(int bucket, const RecallObservation& o) {
@@ -209,14 +207,7 @@ absl::Status RecallStepSums::AddAt(int bucket, const RecallObservation& o) {
   if (!(o.recall >= 0.0 && o.recall <= 1.0)) {
     return error("recall", o.recall, " is outside [0, 1]");
   }
-  const size_t curve = RecallCurveIndex(bucket, o.layer);
-  const int bin =
-      std::min(kRecallDensityBins - 1, static_cast<int>(o.density * kRecallDensityBins));
-  RecallCurveSums& c = curves_[curve];
-  c.documents[bin] += 1.0;
-  c.recall[bin] += o.recall;
-  c.density[bin] += o.density;
-  touched_[curve] = true;
+  AddTo(&bins_[RecallCurveIndex(bucket, o.layer) * kRecallDensityBins], o.density, o.recall);
   ++count_;
   return absl::OkStatus();
 }
@@ -234,10 +225,10 @@ absl::Status RecallStepSums::AddDocument(int64_t length, double density, double 
   const size_t stride = per_layer ? 1 : 0;
   // The layers' measurements added as AddAt adds them, their layer known to be in range, each
   // other check made as one test per layer; AddAt itself takes the first one that fails, which
-  // names it. (AddAt per layer, with its error path and a bit of touched_ each, was most of the
-  // fold of a step whose 65,536 documents each measured 32 layers.)
+  // names it. (AddAt per layer, with its error path, was most of the fold of a step whose
+  // 65,536 documents each measured 32 layers.)
   size_t valid = std::min(layers, static_cast<size_t>(layers_));  // past it: out of range
-  RecallCurveSums* const curves = &curves_[RecallCurveIndex(bucket, 0)];
+  Bin* const first = &bins_[RecallCurveIndex(bucket, 0) * kRecallDensityBins];
   for (size_t l = 0; l < valid; ++l) {
     const double d = densities[l * stride];
     const double r = layer_recall[l];
@@ -245,13 +236,8 @@ absl::Status RecallStepSums::AddDocument(int64_t length, double density, double 
       valid = l;
       break;
     }
-    const int bin = std::min(kRecallDensityBins - 1, static_cast<int>(d * kRecallDensityBins));
-    RecallCurveSums& c = curves[l * kRecallBuckets];  // RecallCurveIndex(bucket, l)
-    c.documents[bin] += 1.0;
-    c.recall[bin] += r;
-    c.density[bin] += d;
+    AddTo(first + l * kRecallBuckets * kRecallDensityBins, d, r);  // RecallCurveIndex(bucket, l)
   }
-  layers_touched_[bucket] = std::max(layers_touched_[bucket], valid);
   count_ += valid;
   if (valid == layers) return absl::OkStatus();
   o.layer = static_cast<int>(valid);
@@ -269,18 +255,31 @@ absl::Status RecallModel::ObserveStep(const std::vector<RecallObservation>& obse
 }
 
 absl::Status RecallModel::ObserveStep(const RecallStepSums& step) {
-  if (step.curves_.size() != state_.curves.size() || step.capacity_ != capacity_ ||
-      step.layers_ != layers_) {
+  if (step.bins_.size() != state_.curves.size() * kRecallDensityBins ||
+      step.capacity_ != capacity_ || step.layers_ != layers_) {
     return absl::InvalidArgumentError(
         absl::StrCat("recall step sums are for capacity ", step.capacity_, " and ", step.layers_,
                      " layers, the model for ", capacity_, " and ", layers_));
   }
-  state_.curves = step.curves_;
-  for (size_t i = 0; i < step.touched_.size(); ++i) {
-    const size_t layer = i / kRecallBuckets;  // 0: all layers, 1 + l: layer l
-    if (step.touched_[i] || (layer > 0 && layer <= step.layers_touched_[i % kRecallBuckets])) {
-      Fit(i);
+  // Every curve forgets by one step; those measured this step get the step's sums and a new fit
+  // (forgetting scales every bin of a curve alike, which leaves its fit as it was).
+  constexpr double kUnit = 0x1p-60;  // RecallStepSums' fixed point
+  const double forgetting = options_.forgetting;
+  for (size_t i = 0; i < state_.curves.size(); ++i) {
+    RecallCurveSums& c = state_.curves[i];
+    const RecallStepSums::Bin* const bins = &step.bins_[i * kRecallDensityBins];
+    bool measured = false;
+    for (int b = 0; b < kRecallDensityBins; ++b) {
+      c.documents[b] *= forgetting;
+      c.recall[b] *= forgetting;
+      c.density[b] *= forgetting;
+      if (bins[b].documents == 0) continue;
+      measured = true;
+      c.documents[b] += static_cast<double>(bins[b].documents);
+      c.recall[b] += static_cast<double>(bins[b].recall) * kUnit;
+      c.density[b] += static_cast<double>(bins[b].density) * kUnit;
     }
+    if (measured) Fit(i);
   }
   CountDocuments();  // every curve's weights decayed
   ++state_.steps_observed;

@@ -209,19 +209,22 @@ inline size_t RecallCurveIndex(int bucket, int layer) {
   return static_cast<size_t>(layer + 1) * kRecallBuckets + bucket;
 }
 
-// One step's recall measurements as ObserveStep folds them in: the model's curve sums, forgotten
-// by one step, with each measurement added as it comes. Adding checks each measurement as
-// ObserveStep does, so that a caller with many folds them without a vector of them: the
-// service's fold of a step whose workers measure every document in every layer (sb-worker's
-// probe) has one all-layers and one per-layer measurement per document, 2.2 million at 65,536
-// documents of 32 layers, and building that vector then cost more than the planning.
+// One step's recall measurements as ObserveStep folds them in: per curve and density bin, how
+// many were measured and their recalls' and densities' sums. The sums are exact (fixed point,
+// each value rounded down to a multiple of 2^-60), so they do not depend on the order the
+// measurements came in: the service adds each report's measurements as the report is taken, in
+// whatever order the ranks report, and folds the same state as from the reports in rank order
+// (and after a restart, from its report logs). Adding checks each measurement as ObserveStep
+// does, so that a caller with many folds them without a vector of them: a step whose workers
+// measure every document in every layer (sb-worker's probe) has one all-layers and one
+// per-layer measurement per document, 2.2 million at 65,536 documents of 32 layers.
 //
 //   RecallStepSums step(model);
 //   for (...) if (absl::Status s = step.Add(o); !s.ok()) ...;  // nothing folded
 //   model.ObserveStep(step);
 class RecallStepSums {
  public:
-  // Sums for `model` as it is now (ObserveStep(step) folds them into that state).
+  // Sums for a model of `model`'s capacity and layers (ObserveStep(step) folds them into it).
   explicit RecallStepSums(const RecallModel& model);
 
   // Adds one measurement, numbered by how many came before it. INVALID_ARGUMENT naming
@@ -241,16 +244,26 @@ class RecallStepSums {
 
  private:
   friend class RecallModel;
+  // What the measurements of one density bin of one curve add up to: their count, and their
+  // recalls and densities in units of 2^-60 (each at most 2^60: no sum of fewer than 2^67 of
+  // them overflows).
+  struct Bin {
+    uint64_t documents = 0;
+    unsigned __int128 recall = 0;
+    unsigned __int128 density = 0;
+  };
   // RecallBucket of the length, or -1 when the length is out of bounds (AddAt names it).
   int BucketOf(const RecallObservation& o) const;
   absl::Status AddAt(int bucket, const RecallObservation& o);
+  // Adds a measurement known to be valid to the bin of `density` of the curve whose bins start
+  // at `curve`.
+  static void AddTo(Bin* curve, double density, double recall);
 
   int64_t capacity_;
   int layers_;
-  std::vector<RecallCurveSums> curves_;  // the model's, forgotten, plus the step's
-  std::vector<bool> touched_;            // per curve: measured this step (Add)
-  // Per bucket: layers [0, n) measured this step (AddDocument), their curves touched too.
-  std::array<size_t, kRecallBuckets> layers_touched_{};
+  // Curve c's bins at [c * kRecallDensityBins, (c + 1) * kRecallDensityBins), curves numbered as
+  // RecallModelState::curves (RecallCurveIndex).
+  std::vector<Bin> bins_;
   size_t count_ = 0;
 };
 
@@ -294,8 +307,9 @@ class RecallModel {
   // layers), a density outside (0, 1] or a recall outside [0, 1] (or not finite); nothing is folded
   // in then.
   absl::Status ObserveStep(const std::vector<RecallObservation>& observations);
-  // The same with the measurements summed already (RecallStepSums, made from this model as it is
-  // now: INVALID_ARGUMENT, and nothing folded, for sums of another shape).
+  // The same with the measurements summed already (RecallStepSums, made for a model of this
+  // one's shape: INVALID_ARGUMENT, and nothing folded, for sums of another shape). The order
+  // the measurements were added in does not change the result.
   absl::Status ObserveStep(const RecallStepSums& step);
 
   std::vector<RecallCurveSummary> Curves() const;

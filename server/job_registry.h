@@ -263,6 +263,17 @@ class JobRegistry {
   int PackedSteps(const std::string& job_id) const;
 
  private:
+  // A step's measured document recalls, as the models' fold takes them.
+  struct MeasuredRecalls {
+    explicit MeasuredRecalls(const RecallModel& model) : sums(model) {}
+    RecallStepSums sums;  // every measurement: a document's all-layers recall and its layers'
+    // Per length bucket: the measured documents' tokens and token-weighted all-layers recall
+    // (StepStats::measured_bucket_recall; doubles, summed in the order the reports came).
+    std::array<double, kRecallBuckets> tokens{};
+    std::array<double, kRecallBuckets> recall{};
+    int reports = 0;      // the reports added
+    absl::Status status;  // the first measurement `sums` refused: none is added after it
+  };
   // A kept step. The newest kUnpackedSteps steps of a job, and any older one a call has
   // needed since the last SubmitBatch, hold their batch, plan and reports as values; the others
   // hold them packed (step_pack.h: about a tenth of the memory) and are unpacked (Unpack) by
@@ -279,6 +290,12 @@ class JobRegistry {
     // leaves them out (step_pack.h); null otherwise, and for a step read back from the store.
     std::shared_ptr<const LayerDensityRecipe> layers;
     StepReports reports;  // by rank, with the seconds each waited
+    // Its reports' measured recalls, added as each report is taken (AddMeasuredRecalls), so
+    // that the fold does not walk every report's documents again; made by the first report,
+    // kept through packing, dropped by the fold. RecallStepSums do not depend on the order the
+    // reports came in: the fold folds the same state from these as from all the reports at
+    // once, which it does when they are not all here (a step restored from the store).
+    std::optional<MeasuredRecalls> measured;
     // While packed: the batch, plan, reports and waits (PackStep), and which ranks reported.
     std::string packed;
     std::vector<bool> reported;
@@ -351,19 +368,19 @@ class JobRegistry {
   absl::Status Stored(absl::Status status) const;
   // Builds and validates one job from its files (Restore).
   absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
-  // A fully reported step's reports as the models' observations, in one walk: per reported
+  // A fully reported step's reports as the latency model's observations: per reported
   // micro-batch its time against its planned features (`model` counts them for a plan read
-  // back from the store), and per measured document one recall for all layers (layer -1) and
-  // one per measured layer, each at the density the plan gave it, added to `recall_step`; and
-  // per length bucket the measured documents' tokens and token-weighted all-layers recall
-  // (StepStats::measured_bucket_recall). ValidateReport has checked every micro-batch, sample
-  // and document index. Returns the first recall measurement recall_step refused (it adds none
-  // after it); the latency observations are all there whatever it returns.
-  static absl::Status ObservationsOf(const StepRecord& record, const LatencyModel& model,
-                                     std::vector<Observation>* observations,
-                                     RecallStepSums* recall_step,
-                                     std::array<double, kRecallBuckets>* bucket_tokens,
-                                     std::array<double, kRecallBuckets>* bucket_recall);
+  // back from the store).
+  static void ObservationsOf(const StepRecord& record, const LatencyModel& model,
+                             std::vector<Observation>* observations);
+  // Adds rank `rank`'s report of the step planned as `plan` (its micro-batches' `timings`) to
+  // `measured`: per measured document one recall for all layers (layer -1) and one per measured
+  // layer, each at the density the plan gave it, and the document's tokens and recall to its
+  // length bucket's. ValidateReport has checked every micro-batch, sample and document index.
+  // After a measurement the sums refuse (measured->status), none is added.
+  static void AddMeasuredRecalls(const StepPlan& plan, int rank,
+                                 const std::vector<MicroBatchTiming>& timings,
+                                 MeasuredRecalls* measured);
   // Drops the oldest steps beyond history_steps (and their files).
   void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // A packed step's values back (no-op for an unpacked one); INTERNAL (never expected) when the

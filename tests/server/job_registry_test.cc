@@ -470,36 +470,74 @@ TEST_F(JobRegistryTest, PerLayerRecallsTeachLayerCurvesAndPlansSplitDensityOverL
 }
 
 // The fold finds a measured document's planned sample whatever order the report lists them
-// in: reversed reports teach the same curves as reports in the planned order.
-TEST_F(JobRegistryTest, DocumentRecallsAreMatchedInAnyOrder) {
-  const std::string in_order = Create(2);
-  const std::string reversed = Create(2);
-  JoinAll(in_order, 2);
-  JoinAll(reversed, 2);
-  for (int64_t s = 0; s < 4; ++s) {
-    absl::StatusOr<SubmitResult> a = registry_.SubmitBatch(in_order, s, Batch(30 + s, 2));
-    absl::StatusOr<SubmitResult> b = registry_.SubmitBatch(reversed, s, Batch(30 + s, 2));
+// in, and what it learns does not depend on the order the ranks report in (their measurements
+// are summed as each report is taken, exactly: RecallStepSums): ranks reporting 2, 0, 1 with
+// their documents reversed teach the same curves, bit for bit, as ranks 0, 1, 2 in plan order,
+// all layers and each layer, and the next plans are the same.
+TEST_F(JobRegistryTest, ReportsInAnyOrderTeachTheSameCurvesBitForBit) {
+  constexpr int kRanks = 3;
+  const std::string in_order = Create(kRanks);
+  const std::string shuffled = Create(kRanks);
+  JoinAll(in_order, kRanks);
+  JoinAll(shuffled, kRanks);
+  const int layers = test_support::SmallJob(kRanks).planner.shape.layers;
+  // Each document's measured recall, all layers and per layer: values that differ from
+  // document to document, so that their sums' rounding would depend on their order.
+  auto measure = [&](const StepPlan& plan, int rank) {
+    std::vector<MicroBatchTiming> report = MeasureWithRecall(plan, rank, 2.0);
+    for (MicroBatchTiming& m : report) {
+      const auto& samples = plan.ranks[rank].micro_batches[m.micro_batch].samples;
+      for (DocumentRecallMeasurement& d : m.documents) {
+        const PlannedSample& p = *std::find_if(samples.begin(), samples.end(),
+                                               [&](const auto& q) { return q.id == d.sample_id; });
+        const double wobble = 1.0 + 0.1 * std::sin(static_cast<double>(p.id) * 0.7 + d.document);
+        d.recall = std::min(1.0, d.recall * wobble);
+        for (int l = 0; l < layers; ++l) {
+          const double rho = p.layer_densities.empty() ? p.density : p.layer_densities[l];
+          d.layer_recall.push_back(std::min(1.0, RecallAt(1.5 + l, rho) * wobble));
+        }
+      }
+    }
+    return report;
+  };
+  for (int64_t s = 0; s < 5; ++s) {
+    absl::StatusOr<SubmitResult> a = registry_.SubmitBatch(in_order, s, Batch(30 + s, kRanks));
+    absl::StatusOr<SubmitResult> b = registry_.SubmitBatch(shuffled, s, Batch(30 + s, kRanks));
     ASSERT_TRUE(a.ok() && b.ok());
-    for (int r = 0; r < 2; ++r) {
-      ASSERT_TRUE(
-          registry_.ReportStep(in_order, s, r, MeasureWithRecall(*a->plan, r, 2.0), 0).ok());
-      std::vector<MicroBatchTiming> report = MeasureWithRecall(*b->plan, r, 2.0);
+    ASSERT_EQ(CanonicalPlanText(*a->plan), CanonicalPlanText(*b->plan)) << "step " << s;
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(registry_.ReportStep(in_order, s, r, measure(*a->plan, r), 0).ok());
+    }
+    for (int r : {2, 0, 1}) {
+      std::vector<MicroBatchTiming> report = measure(*b->plan, r);
       for (MicroBatchTiming& m : report) std::reverse(m.documents.begin(), m.documents.end());
-      ASSERT_TRUE(registry_.ReportStep(reversed, s, r, report, 0).ok());
+      ASSERT_TRUE(registry_.ReportStep(shuffled, s, r, report, 0).ok());
     }
   }
-  const std::vector<RecallCurveSummary> want = registry_.GetJob(in_order)->recall_curves;
-  const std::vector<RecallCurveSummary> got = registry_.GetJob(reversed)->recall_curves;
-  ASSERT_EQ(got.size(), want.size());
+  const JobView want = *registry_.GetJob(in_order);
+  const JobView got = *registry_.GetJob(shuffled);
+  EXPECT_EQ(want.steps_folded, 5);
+  EXPECT_EQ(got.steps_folded, 5);
+  ASSERT_EQ(got.recall_curves.size(), want.recall_curves.size());
   double measured = 0.0;
-  for (size_t k = 0; k < want.size(); ++k) {
-    EXPECT_EQ(got[k].documents, want[k].documents) << k;
-    // Equal up to summation order (the curves' sums take the documents in report order).
-    EXPECT_NEAR(got[k].exponent, want[k].exponent, 1e-6) << k;
-    EXPECT_NEAR(got[k].measured_recall, want[k].measured_recall, 1e-6) << k;
-    measured += want[k].documents;
+  std::set<int> learned_layers;
+  for (size_t k = 0; k < want.recall_curves.size(); ++k) {
+    const RecallCurveSummary& w = want.recall_curves[k];
+    const RecallCurveSummary& g = got.recall_curves[k];
+    EXPECT_EQ(g.layer, w.layer) << k;
+    EXPECT_EQ(g.documents, w.documents) << k;
+    EXPECT_EQ(g.exponent, w.exponent) << k;
+    EXPECT_EQ(g.measured_recall, w.measured_recall) << k;
+    EXPECT_EQ(g.measured_density, w.measured_density) << k;
+    measured += w.documents;
+    if (w.layer.has_value()) learned_layers.insert(*w.layer);
   }
   EXPECT_GT(measured, 0.0);
+  EXPECT_EQ(learned_layers.size(), static_cast<size_t>(layers));
+  absl::StatusOr<SubmitResult> a = registry_.SubmitBatch(in_order, 5, Batch(40, kRanks));
+  absl::StatusOr<SubmitResult> b = registry_.SubmitBatch(shuffled, 5, Batch(40, kRanks));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(CanonicalPlanText(*a->plan), CanonicalPlanText(*b->plan));
 }
 
 TEST_F(JobRegistryTest, BadDocumentRecallsNameTheFieldAndLeaveTheRankUnreported) {

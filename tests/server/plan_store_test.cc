@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -20,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
+#include "planner/recall_model.h"
 #include "planner/traces.h"
 #include "proto/wire.h"
 #include "server/job_registry.h"
@@ -138,6 +141,76 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
   EXPECT_NE(restored.GetJob(id)->coefficients.per_token, before.coefficients.per_token);
   // And the job goes on.
   EXPECT_TRUE(restored.SubmitBatch(id, 3, Batch(20, kRanks)).ok());
+}
+
+// Measured times and, for every document, a measured recall that differs from document to
+// document.
+std::vector<MicroBatchTiming> MeasureRecall(const StepPlan& plan, int rank) {
+  std::vector<MicroBatchTiming> out = Measure(plan, rank);
+  for (MicroBatchTiming& m : out) {
+    for (const PlannedSample& p : plan.ranks[rank].micro_batches[m.micro_batch].samples) {
+      for (size_t d = 0; d < p.Documents().size(); ++d) {
+        DocumentRecallMeasurement r;
+        r.sample_id = p.id;
+        r.document = static_cast<int>(d);
+        const double wobble = 1.0 + 0.1 * std::sin(0.7 * static_cast<double>(p.id) + d);
+        r.recall = std::min(1.0, RecallAt(2.0, p.density) * wobble);
+        r.rows = 4;
+        m.documents.push_back(r);
+      }
+    }
+  }
+  return out;
+}
+
+// A step's measured recalls are summed as its reports are taken; a restart in the middle of the
+// step loses those sums, and the fold sums the step's reports (from the report log and after)
+// again: the job learns the same curves, bit for bit, as one that was never restarted, and plans
+// the same next step.
+TEST(PlanStoreTest, ARestartInTheMiddleOfAStepLearnsTheSameRecallCurves) {
+  constexpr int kRanks = 3;
+  const StoredOptions kept = OptionsWithStore(TempDir(), false);
+  const StoredOptions restarted = OptionsWithStore(TempDir(), false);
+  ASSERT_NE(kept.store, nullptr);
+  ASSERT_NE(restarted.store, nullptr);
+  JobRegistry live(kept.options, CountingHex());
+  auto other = std::make_unique<JobRegistry>(restarted.options, CountingHex());
+  CreatedJob a;
+  CreatedJob b;
+  ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(live, "kept", kRanks, 8, &a));
+  ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(*other, "restarted", kRanks, 8, &b));
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<Sample> batch = Batch(40 + step, kRanks);
+    absl::StatusOr<SubmitResult> planned = live.SubmitBatch(a.job_id, step, batch);
+    ASSERT_TRUE(planned.ok()) << planned.status();
+    ASSERT_TRUE(other->SubmitBatch(b.job_id, step, batch).ok());
+    for (int r = 0; r < kRanks; ++r) {
+      const std::vector<MicroBatchTiming> report = MeasureRecall(*planned->plan, r);
+      ASSERT_TRUE(live.ReportStep(a.job_id, step, r, report, 0.0).ok());
+      ASSERT_TRUE(other->ReportStep(b.job_id, step, r, report, 0.0).ok());
+      if (step == 2 && r == 0) {  // the planner of the second job "dies" after rank 0's report
+        other = std::make_unique<JobRegistry>(restarted.options, CountingHex());
+        ASSERT_TRUE(other->Restore().ok());
+      }
+    }
+  }
+  const JobView want = *live.GetJob(a.job_id);
+  const JobView got = *other->GetJob(b.job_id);
+  EXPECT_EQ(got.steps_folded, 3);
+  ASSERT_EQ(got.recall_curves.size(), want.recall_curves.size());
+  double measured = 0.0;
+  for (size_t k = 0; k < want.recall_curves.size(); ++k) {
+    EXPECT_EQ(got.recall_curves[k].documents, want.recall_curves[k].documents) << k;
+    EXPECT_EQ(got.recall_curves[k].exponent, want.recall_curves[k].exponent) << k;
+    EXPECT_EQ(got.recall_curves[k].measured_recall, want.recall_curves[k].measured_recall) << k;
+    measured += want.recall_curves[k].documents;
+  }
+  EXPECT_GT(measured, 0.0);
+  const std::vector<Sample> next = Batch(50, kRanks);
+  absl::StatusOr<SubmitResult> x = live.SubmitBatch(a.job_id, 3, next);
+  absl::StatusOr<SubmitResult> y = other->SubmitBatch(b.job_id, 3, next);
+  ASSERT_TRUE(x.ok() && y.ok());
+  EXPECT_EQ(CanonicalPlanText(*x->plan), CanonicalPlanText(*y->plan));
 }
 
 // A join appends one record to the job's joins.log and leaves job.pb alone (rewriting and
