@@ -9,7 +9,10 @@
 
 #include "bench/pretrain_step.h"
 #include "benchmark/benchmark.h"
+#include "contract/block_geometry.h"
 #include "planner/planner.h"
+#include "planner/random.h"
+#include "planner/traces.h"
 
 namespace sparsebalance {
 namespace {
@@ -133,6 +136,55 @@ BENCHMARK(BM_PlanPhasesInPlanOrder)
     ->Args({65536, 4096, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+
+// Active blocks of the documents of a plan with a density per layer: the pretrain trace's first
+// 65,536 samples (each document of the packed ones) at 32 layer densities each, spread around a
+// sample density in [0.1, 0.5] (as LayerDensities spreads them), at the default block size and
+// window. Counted layer by layer (ActiveBlocksOfQueryBlocks in a loop: state.range(0) = 0) or
+// all layers at once (ActiveBlocksOfQueryBlocksSum: 1). Time per sample.
+//   sb-planner-bench --benchmark_filter=LayerBlocks
+void BM_LayerBlocks(benchmark::State& state) {
+  constexpr int kSamples = 65536;
+  constexpr int kLayers = 32;
+  const ModelShape shape;
+  absl::StatusOr<TraceGenerator> generator = TraceGenerator::Builtin("pretrain", 7);
+  Rng rng(11);
+  std::vector<std::vector<int64_t>> rows(kSamples);
+  std::vector<double> densities(static_cast<size_t>(kSamples) * kLayers);
+  for (int i = 0; i < kSamples; ++i) {
+    const Sample s = generator->Next();
+    for (int64_t length : s.segments.empty() ? std::vector<int64_t>{s.length} : s.segments) {
+      rows[i].push_back(QueryBlocks(length, shape.block_size));
+    }
+    const double density = 0.1 + 0.4 * rng.Uniform();
+    for (int l = 0; l < kLayers; ++l) {
+      densities[static_cast<size_t>(i) * kLayers + l] =
+          std::min(1.0, density * (0.5 + static_cast<double>(l) / kLayers + 0.1 * rng.Uniform()));
+    }
+  }
+  const bool at_once = state.range(0) == 1;
+  int64_t blocks = 0;
+  for (auto _ : state) {
+    for (int i = 0; i < kSamples; ++i) {
+      const double* layer = &densities[static_cast<size_t>(i) * kLayers];
+      for (int64_t r : rows[i]) {
+        if (at_once) {
+          blocks += ActiveBlocksOfQueryBlocksSum(r, layer, kLayers, shape.local_blocks);
+        } else {
+          for (int l = 0; l < kLayers; ++l) {
+            blocks += ActiveBlocksOfQueryBlocks(r, layer[l], shape.local_blocks);
+          }
+        }
+      }
+    }
+  }
+  benchmark::DoNotOptimize(blocks);
+  state.SetItemsProcessed(state.iterations() * kSamples);
+  state.counters["ns_per_sample"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * kSamples,
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_LayerBlocks)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 #define SB_PLAN_BENCH(name, policy, max_shards)            \
   BENCHMARK_CAPTURE(BM_PlanStep, name, policy, max_shards) \

@@ -12,6 +12,7 @@
 #ifndef SPARSEBALANCE_CONTRACT_BLOCK_GEOMETRY_H_
 #define SPARSEBALANCE_CONTRACT_BLOCK_GEOMETRY_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "contract/host_device.h"
@@ -89,6 +90,21 @@ int64_t ActiveBlocksOfQueryBlocks(int64_t rows, double density, int local_blocks
 // [0, kMaxBlockMathRows]; an empty or reversed range gives 0.
 int64_t ActiveBlocksInRows(int64_t first_row, int64_t end_row, double density, int local_blocks);
 
+// sum_{i < count} ActiveBlocksOfQueryBlocks(rows, densities[i], local_blocks): one document's
+// active blocks summed over the densities of its layers, counted for all layers at once (the
+// planner's features of a sample planned with a density per layer). Exact while the sum is below
+// INT64_MAX (always where count * rows (rows + 1) / 2 is); a larger sum saturates at INT64_MAX.
+// Same clamps as ActiveBlocksOfQueryBlocks; count 0 gives 0 (densities may then be null).
+int64_t ActiveBlocksOfQueryBlocksSum(int64_t rows, const double* densities, size_t count,
+                                     int local_blocks);
+
+// sum_{i < count} ActiveBlocksInRows(first_row, end_row, densities[i], local_blocks): one
+// shard's active blocks summed over its layers' densities, the difference of two sums above.
+// Exact while ActiveBlocksOfQueryBlocksSum(end_row, ...) is below INT64_MAX; INT64_MAX where it
+// is not. Same clamps as ActiveBlocksInRows.
+int64_t ActiveBlocksInRowsSum(int64_t first_row, int64_t end_row, const double* densities,
+                              size_t count, int local_blocks);
+
 // The same by direct summation, O(blocks): the definition, used to test the closed form.
 // Same domain and clamps as ActiveBlocks.
 int64_t ActiveBlocksBySum(int64_t length, double density, int block_size, int local_blocks);
@@ -99,6 +115,17 @@ int64_t ActiveBlocksBySum(int64_t length, double density, int block_size, int lo
 // overflows. Outside it: n <= 0 gives 0, m < 1 counts as 1, negative a or b as 0, and a
 // result above INT64_MAX saturates to INT64_MAX (checked arithmetic, never wraps).
 int64_t FloorSum(int64_t n, int64_t m, int64_t a, int64_t b);
+
+namespace block_geometry_internal {
+// ActiveBlocksOfQueryBlocksSum written twice; declared here for the test that compares the two.
+// The plain loop over the densities (saturating):
+int64_t ActiveBlocksSumScalar(int64_t rows, const double* densities, size_t count,
+                              int local_blocks);
+// The same sum with the layers in the lanes of AVX2 registers, the same result, where the CPU has
+// AVX2 and the sum cannot reach INT64_MAX; false, having set nothing, elsewhere.
+bool ActiveBlocksSumVector(int64_t rows, const double* densities, size_t count, int local_blocks,
+                           int64_t* sum);
+}  // namespace block_geometry_internal
 
 }  // namespace sparsebalance
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -108,6 +110,16 @@ double ShardExchangeBytes(const ModelShape& shape, int64_t shard_begin) {
 }
 
 MicroBatchFeatures LatencyModel::PlannedSampleFeatures(const PlannedSample& p) const {
+  // With a density per layer, the active blocks are their mean over the layers. The per-layer
+  // counts are summed exactly in int64, all layers of a document at once
+  // (ActiveBlocksOfQueryBlocksSum), and converted once. The definition adds the same integers
+  // as doubles, layer by layer (and document by document); every partial sum is at most the
+  // total, so where the total is at most 2^53 each of those additions is exact and the two
+  // give the same bits. A larger total (32 layers of a 2^25-row document at full density: 2^25
+  // tokens at block size 1) adds the doubles as the definition does.
+  constexpr int64_t kExactInDouble = int64_t{1} << 53;
+  const std::vector<double>& layers = p.layer_densities;
+  const auto layer_count = static_cast<double>(layers.size());
   if (p.sharded()) {
     // The shard's rows of its one document (shard_begin is block-aligned), with the exchange.
     const int64_t first_row = QueryBlocks(p.shard_begin, shape_.block_size);
@@ -120,20 +132,48 @@ MicroBatchFeatures LatencyModel::PlannedSampleFeatures(const PlannedSample& p) c
     f.tokens = static_cast<double>(p.QueryTokens());
     f.documents = 1.0;
     f.exchange_bytes = ShardExchangeBytes(shape_, p.shard_begin);
-    if (p.layer_densities.empty()) {
+    if (layers.empty()) {
       f.active_blocks = blocks(p.density);
+      return f;
+    }
+    const int64_t sum = ActiveBlocksInRowsSum(first_row, end_row, layers.data(), layers.size(),
+                                              shape_.local_blocks);
+    if (sum <= kExactInDouble) {
+      f.active_blocks = static_cast<double>(sum) / layer_count;
     } else {
-      for (double d : p.layer_densities) f.active_blocks += blocks(d);
-      f.active_blocks /= static_cast<double>(p.layer_densities.size());
+      for (double d : layers) f.active_blocks += blocks(d);
+      f.active_blocks /= layer_count;
     }
     return f;
   }
-  if (p.layer_densities.empty()) return Features(shape_, p.length, p.segments, p.density);
-  MicroBatchFeatures f = Features(shape_, p.length, p.segments, p.layer_densities[0]);
-  for (size_t l = 1; l < p.layer_densities.size(); ++l) {
-    f.active_blocks += Features(shape_, p.length, p.segments, p.layer_densities[l]).active_blocks;
+  if (layers.empty()) return Features(shape_, p.length, p.segments, p.density);
+  auto document_sum = [&](int64_t length) {
+    return ActiveBlocksOfQueryBlocksSum(QueryBlocks(length, shape_.block_size), layers.data(),
+                                        layers.size(), shape_.local_blocks);
+  };
+  int64_t sum = 0;
+  if (p.segments.empty()) {
+    sum = document_sum(p.length);
+  } else {
+    for (int64_t segment : p.segments) {
+      if (__builtin_add_overflow(sum, document_sum(segment), &sum)) {
+        sum = std::numeric_limits<int64_t>::max();
+        break;
+      }
+    }
   }
-  f.active_blocks /= static_cast<double>(p.layer_densities.size());
+  if (sum <= kExactInDouble) {
+    MicroBatchFeatures f;
+    f.tokens = static_cast<double>(p.length);
+    f.documents = p.segments.empty() ? 1.0 : static_cast<double>(p.segments.size());
+    f.active_blocks = static_cast<double>(sum) / layer_count;
+    return f;
+  }
+  MicroBatchFeatures f = Features(shape_, p.length, p.segments, layers[0]);
+  for (size_t l = 1; l < layers.size(); ++l) {
+    f.active_blocks += Features(shape_, p.length, p.segments, layers[l]).active_blocks;
+  }
+  f.active_blocks /= layer_count;
   return f;
 }
 

@@ -411,5 +411,122 @@ TEST(ActiveBlocksTest, ExtremeInputsAreClampedIntoTheDomain) {
   }
 }
 
+// The per-density loop that ActiveBlocksOfQueryBlocksSum must equal, in 128 bits (a sum of up to
+// 64 counts below 2^62 each), with the saturation the header documents.
+int64_t LoopSum(int64_t rows, const std::vector<double>& densities, int local) {
+  __int128 sum = 0;
+  for (double d : densities) sum += ActiveBlocksOfQueryBlocks(rows, d, local);
+  return sum < kInt64Max ? static_cast<int64_t>(sum) : kInt64Max;
+}
+
+// A density for the layer sums: mostly near a shared one (as a sample's layers are), sometimes
+// at an edge: full or quantized to full, tiny, or outside (0, 1] (clamped).
+double LayerDensity(Rng& rng, double around) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr double kEdges[] = {
+      1.0,  1.0 - 1e-6, 1e-9,  1e-300, 0.0,
+      -0.0, -0.5,       -kInf, kInf,   std::numeric_limits<double>::quiet_NaN(),
+      1.5};
+  switch (rng.NextU64() % 8) {
+    case 0:
+      return kEdges[rng.NextU64() % (sizeof(kEdges) / sizeof(kEdges[0]))];
+    case 1:
+      return RandomDensity(rng);
+    default:
+      return std::clamp(around * (0.5 + rng.Uniform()), 1e-6, 1.0);
+  }
+}
+
+// Rows where a layer's run past its anchors is just below, at or just above the lengths where
+// the counts change how they sum a run (96: directly or by FloorSum; 1024: in the vector lanes
+// or not), or zero; documents up to the longest the counts take (and beyond: clamped).
+int64_t LayerRows(Rng& rng, int local, double around) {
+  const int64_t anchors = std::clamp(local, 0, kMaxLocalBlocks) + int64_t{2};
+  const int64_t q = QuantizeDensity(around);
+  const int64_t n_free = std::max(anchors + 1, anchors * kDensityQuantum / q + 1);
+  switch (rng.NextU64() % 7) {
+    case 0:
+      return static_cast<int64_t>(rng.NextU64() % 8) - 1 + (rng.NextU64() % 2 == 0 ? anchors : 0);
+    case 1:
+      return n_free - 1 + 94 + static_cast<int64_t>(rng.NextU64() % 5);  // runs of 94-98
+    case 2:
+      return n_free - 1 + 1022 + static_cast<int64_t>(rng.NextU64() % 5);  // runs of 1022-1026
+    case 3:
+      return n_free - 3 + static_cast<int64_t>(rng.NextU64() % 5);  // runs of 0-2
+    case 4:
+      return kMaxBlockMathRows - static_cast<int64_t>(rng.NextU64() % 3) +
+             (rng.NextU64() % 4 == 0 ? 1000 : 0);
+    default:
+      return static_cast<int64_t>(std::exp(rng.Uniform() * std::log(1e6)));
+  }
+}
+
+// Both ways of ActiveBlocksOfQueryBlocksSum (the AVX2 lanes where the CPU has them, and the
+// plain loop), and the dispatching function, equal the per-density loop; also the row ranges'
+// sums the loop of ActiveBlocksInRows.
+TEST(ActiveBlocksSumTest, EqualsThePerDensityLoopOnEveryPath) {
+  Rng rng(23);
+  int vector_sums = 0;
+  constexpr size_t kCounts[] = {0, 1, 2, 7, 8, 9, 31, 32, 33, 64};
+  constexpr int kLocals[] = {0, 1, 3, 100, kMaxLocalBlocks, -5, std::numeric_limits<int>::max()};
+  for (int c = 0; c < 20000; ++c) {
+    const int local = c % 3 == 0 ? kLocals[rng.NextU64() % 7] : static_cast<int>(rng.NextU64() % 4);
+    const double around = RandomDensity(rng);
+    const int64_t rows =
+        c % 50 == 0 ? (c % 100 == 0 ? kInt64Min : kInt64Max) : LayerRows(rng, local, around);
+    std::vector<double> densities(kCounts[c % (sizeof(kCounts) / sizeof(kCounts[0]))]);
+    for (double& d : densities) d = LayerDensity(rng, around);
+    const int64_t want = LoopSum(rows, densities, local);
+    const auto where = [&] {
+      return ::testing::Message() << "rows=" << rows << " local=" << local
+                                  << " count=" << densities.size() << " around=" << around;
+    };
+    ASSERT_EQ(block_geometry_internal::ActiveBlocksSumScalar(rows, densities.data(),
+                                                             densities.size(), local),
+              want)
+        << where();
+    int64_t vector = -1;
+    if (block_geometry_internal::ActiveBlocksSumVector(rows, densities.data(), densities.size(),
+                                                       local, &vector)) {
+      ++vector_sums;
+      ASSERT_EQ(vector, want) << where();
+    }
+    ASSERT_EQ(ActiveBlocksOfQueryBlocksSum(rows, densities.data(), densities.size(), local), want)
+        << where();
+    // A shard's rows: a range inside the document, sometimes empty, reversed or out of range.
+    const int64_t end = c % 7 == 0 ? rows : static_cast<int64_t>(rng.NextU64() % 5000) - 10;
+    const int64_t begin = c % 5 == 0 ? static_cast<int64_t>(rng.NextU64() % 20) - 5
+                                     : static_cast<int64_t>(rng.NextU64() % 5000) - 10;
+    __int128 in_rows = 0;
+    for (double d : densities) in_rows += ActiveBlocksInRows(begin, end, d, local);
+    if (LoopSum(std::max(begin, end), densities, local) < kInt64Max) {
+      ASSERT_EQ(ActiveBlocksInRowsSum(begin, end, densities.data(), densities.size(), local),
+                static_cast<int64_t>(in_rows))
+          << where() << " begin=" << begin << " end=" << end;
+    }
+  }
+  if (__builtin_cpu_supports("avx2")) {
+    EXPECT_GT(vector_sums, 15000);
+  }
+}
+
+// Full density at the longest document in every layer: the sum passes INT64_MAX and saturates
+// (the lanes decline it, the loop saturates), as does a row range's sum there.
+TEST(ActiveBlocksSumTest, SaturatesInsteadOfWrapping) {
+  const int64_t triangle = kMaxBlockMathRows * (kMaxBlockMathRows + 1) / 2;
+  const std::vector<double> dense(4, 1.0);  // 4 (2^61 + 2^30) > INT64_MAX
+  EXPECT_EQ(ActiveBlocksOfQueryBlocksSum(kMaxBlockMathRows, dense.data(), 1, 1), triangle);
+  EXPECT_EQ(ActiveBlocksOfQueryBlocksSum(kMaxBlockMathRows, dense.data(), 4, 1), kInt64Max);
+  EXPECT_EQ(block_geometry_internal::ActiveBlocksSumScalar(kMaxBlockMathRows, dense.data(), 4, 1),
+            kInt64Max);
+  int64_t unset = -1;
+  EXPECT_FALSE(block_geometry_internal::ActiveBlocksSumVector(kMaxBlockMathRows, dense.data(), 4, 1,
+                                                              &unset));
+  EXPECT_EQ(unset, -1);
+  EXPECT_EQ(ActiveBlocksInRowsSum(1, kMaxBlockMathRows, dense.data(), 4, 1), kInt64Max);
+  EXPECT_EQ(ActiveBlocksOfQueryBlocksSum(5, nullptr, 0, 1), 0);
+  EXPECT_EQ(ActiveBlocksInRowsSum(0, 5, nullptr, 0, 1), 0);
+}
+
 }  // namespace
 }  // namespace sparsebalance

@@ -376,5 +376,92 @@ TEST(LatencyModelTest, SampleFeaturesUseTheBlockCount) {
   EXPECT_NEAR(model.Seconds(f) - model.SampleSeconds(s, 0.3), kPrior.per_micro_batch, 1e-12);
 }
 
+// PlannedSampleFeatures' definition with a density per layer: the mean over the layers of the
+// sample's features at each (the shard's rows only for a shard), added as doubles layer by
+// layer. Its faster count must give the same bits.
+MicroBatchFeatures MeanOverLayers(const LatencyModel& model, const ModelShape& shape,
+                                  const PlannedSample& p) {
+  MicroBatchFeatures f;
+  if (p.sharded()) {
+    f.tokens = static_cast<double>(p.QueryTokens());
+    f.documents = 1.0;
+    f.exchange_bytes = ShardExchangeBytes(shape, p.shard_begin);
+    for (double d : p.layer_densities) {
+      f.active_blocks += static_cast<double>(
+          ActiveBlocksInRows(QueryBlocks(p.shard_begin, shape.block_size),
+                             QueryBlocks(p.shard_end, shape.block_size), d, shape.local_blocks));
+    }
+  } else {
+    Sample s;
+    s.length = p.length;
+    s.segments = p.segments;
+    f = model.SampleFeatures(s, p.layer_densities[0]);
+    for (size_t l = 1; l < p.layer_densities.size(); ++l) {
+      f.active_blocks += model.SampleFeatures(s, p.layer_densities[l]).active_blocks;
+    }
+  }
+  f.active_blocks /= static_cast<double>(p.layer_densities.size());
+  return f;
+}
+
+uint64_t Bits(double x) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+
+TEST(LatencyModelTest, PerLayerDensitiesCostTheMeanOfTheLayersFeaturesBitForBit) {
+  Rng rng(31);
+  for (int block : {1, 64, 128}) {
+    for (int local : {0, 1, 3}) {
+      ModelShape shape;
+      shape.block_size = block;
+      shape.local_blocks = local;
+      const LatencyModel model(shape, 2, kPrior);
+      for (int c = 0; c < 300; ++c) {
+        PlannedSample p;
+        p.id = static_cast<uint64_t>(c);
+        p.density = 0.05 + 0.9 * rng.Uniform();
+        // Documents of one block to ~2^27 tokens (at block size 1 the largest pass 2^53 blocks
+        // over 32 layers: the doubles are added as the definition adds them).
+        auto length = [&] {
+          const double most = block == 1 ? 1.5e8 : 4e5;
+          return 1 + static_cast<int64_t>(std::exp(rng.Uniform() * std::log(most)));
+        };
+        switch (c % 3) {
+          case 0:
+            p.length = length();
+            break;
+          case 1:  // packed
+            for (int d = 1 + static_cast<int>(rng.NextU64() % 6); d > 0; --d) {
+              p.segments.push_back(length());
+              p.length += p.segments.back();
+            }
+            break;
+          default:  // a shard of a document
+            p.length = length() + 2 * block;
+            p.shard_begin = block * static_cast<int64_t>(rng.NextU64() % (p.length / block));
+            p.shard_end = p.shard_begin + 1 +
+                          static_cast<int64_t>(rng.NextU64() % (p.length - p.shard_begin));
+            p.shard_index = 1;
+            p.shard_group = {0, 1};
+            break;
+        }
+        const int layers = c % 10 == 0 ? 1 + static_cast<int>(rng.NextU64() % 64) : 32;
+        for (int l = 0; l < layers; ++l) {
+          p.layer_densities.push_back(
+              std::clamp(p.density * (0.4 + 1.2 * rng.Uniform()), 1e-4, 1.0));
+        }
+        const MicroBatchFeatures want = MeanOverLayers(model, shape, p);
+        const MicroBatchFeatures got = model.PlannedSampleFeatures(p);
+        ASSERT_EQ(Bits(got.active_blocks), Bits(want.active_blocks))
+            << "block=" << block << " local=" << local << " case " << c << ": " << got.active_blocks
+            << " != " << want.active_blocks;
+        ASSERT_EQ(got, want) << "block=" << block << " local=" << local << " case " << c;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparsebalance
