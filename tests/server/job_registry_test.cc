@@ -353,19 +353,9 @@ TEST_F(JobRegistryTest, ShardSettingsChangeAtRunTimeWithinTheWorldSize) {
 // true curve were 1 - (1 - rho)^g.
 std::vector<MicroBatchTiming> MeasureWithRecall(const StepPlan& plan, int rank, double g) {
   std::vector<MicroBatchTiming> out = Measure(plan, rank);
-  for (MicroBatchTiming& m : out) {
-    for (const PlannedSample& p : plan.ranks[rank].micro_batches[m.micro_batch].samples) {
-      for (size_t d = 0; d < p.Documents().size(); ++d) {
-        DocumentRecallMeasurement r;
-        r.sample_id = p.id;
-        r.document = static_cast<int>(d);
-        r.recall = RecallAt(g, p.density);
-        r.rows = 4;
-        m.documents.push_back(r);
-      }
-    }
-    m.recall_seconds = 0.01 * m.attention_seconds;
-  }
+  test_support::AddDocumentRecalls(
+      plan, rank, [g](const PlannedSample& p, size_t) { return RecallAt(g, p.density); }, &out);
+  for (MicroBatchTiming& m : out) m.recall_seconds = 0.01 * m.attention_seconds;
   return out;
 }
 

@@ -147,19 +147,13 @@ TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
 // document.
 std::vector<MicroBatchTiming> MeasureRecall(const StepPlan& plan, int rank) {
   std::vector<MicroBatchTiming> out = Measure(plan, rank);
-  for (MicroBatchTiming& m : out) {
-    for (const PlannedSample& p : plan.ranks[rank].micro_batches[m.micro_batch].samples) {
-      for (size_t d = 0; d < p.Documents().size(); ++d) {
-        DocumentRecallMeasurement r;
-        r.sample_id = p.id;
-        r.document = static_cast<int>(d);
+  test_support::AddDocumentRecalls(
+      plan, rank,
+      [](const PlannedSample& p, size_t d) {
         const double wobble = 1.0 + 0.1 * std::sin(0.7 * static_cast<double>(p.id) + d);
-        r.recall = std::min(1.0, RecallAt(2.0, p.density) * wobble);
-        r.rows = 4;
-        m.documents.push_back(r);
-      }
-    }
-  }
+        return std::min(1.0, RecallAt(2.0, p.density) * wobble);
+      },
+      &out);
   return out;
 }
 

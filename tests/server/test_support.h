@@ -105,6 +105,25 @@ inline std::vector<MicroBatchTiming> TimingsOf(const std::vector<MicroBatchPlan>
   return out;
 }
 
+// Adds to each of `timings` (a report of rank `rank` of `plan`) a measured recall for every
+// document of its micro-batch: recall(sample, document index).
+inline void AddDocumentRecalls(const StepPlan& plan, int rank,
+                               const std::function<double(const PlannedSample&, size_t)>& recall,
+                               std::vector<MicroBatchTiming>* timings) {
+  for (MicroBatchTiming& m : *timings) {
+    for (const PlannedSample& p : plan.ranks[rank].micro_batches[m.micro_batch].samples) {
+      for (size_t d = 0; d < p.Documents().size(); ++d) {
+        DocumentRecallMeasurement r;
+        r.sample_id = p.id;
+        r.document = static_cast<int>(d);
+        r.recall = recall(p, d);
+        r.rows = 4;
+        m.documents.push_back(r);
+      }
+    }
+  }
+}
+
 // A step of a job of `ranks` >= 4 ranks (SmallJob: 2 micro-batches of 65536 tokens, blocks of
 // 64) whose plan splits document 1 (40,000 tokens) over ranks {2, 0, 3} (ring order) at tokens
 // 13,312 and 26,624, in micro-batch 0 of each, and gives every rank one unsplit document in
