@@ -420,37 +420,49 @@ TEST(LayerDensitiesTest, SpendTheSameDensityWhereRecallFallsFastest) {
 // the density, and the overload that writes over a vector gives the same densities, emptying
 // one that held others where there are none.
 TEST(LayerDensitiesTest, EqualMarginalRecallInEveryLayerBetweenItsBounds) {
-  PlannerConfig config;
-  config.shape.layers = 6;
-  const RecallModel recall = test_util::LearnedRecall(config);
-  int compared = 0;
-  std::vector<double> reused = {0.5, 0.5};
-  for (int k = 0; k < 400; ++k) {
-    Sample s;
-    s.id = k;
-    s.length = 1 + (k * 7919) % config.micro_batch_capacity;
-    s.sensitivity = (k % 11) / 10.0;
-    const double density = 0.03 + 0.95 * (k % 97) / 96.0;
-    const double floor = config.density_min;
-    const std::vector<double> rho = LayerDensities(s, density, floor, config, recall);
-    LayerDensities(s, density, floor, config, recall, &reused);
-    EXPECT_EQ(reused, rho) << k;
-    if (rho.empty()) continue;
-    ASSERT_EQ(rho.size(), 6u);
-    double mean = 0.0;
-    for (double r : rho) mean += r / 6.0;
-    EXPECT_NEAR(mean, density, 1e-12) << k;
-    std::vector<double> marginal;
-    for (int l = 0; l < 6; ++l) {
-      const double lo = std::min(floor, density);
-      if (rho[l] <= lo + 1e-9 || rho[l] >= config.density_max - 1e-9) continue;
-      const double g = std::max(recall.LayerExponent(s.length, s.sensitivity, l), 1.0 + 1e-6);
-      marginal.push_back(g * std::pow(1.0 - rho[l], g - 1.0));
+  // Layer counts with and without layers past the last four (the solve's pairs of lanes), and
+  // a density_max that layers meet.
+  for (const auto& [layers, density_max] :
+       std::vector<std::pair<int, double>>{{6, 1.0}, {32, 1.0}, {33, 1.0}, {32, 0.6}, {33, 0.6}}) {
+    PlannerConfig config;
+    config.shape.layers = layers;
+    config.density_max = density_max;
+    const RecallModel recall = test_util::LearnedRecall(config);
+    int compared = 0;
+    std::vector<double> reused = {0.5, 0.5};
+    for (int k = 0; k < 400; ++k) {
+      Sample s;
+      s.id = k;
+      s.length = 1 + (k * 7919) % config.micro_batch_capacity;
+      s.sensitivity = (k % 11) / 10.0;
+      const double density = 0.03 + 0.95 * (k % 97) / 96.0;
+      const double floor = config.density_min;
+      const std::vector<double> rho = LayerDensities(s, density, floor, config, recall);
+      LayerDensities(s, density, floor, config, recall, &reused);
+      EXPECT_EQ(reused, rho) << k;
+      if (rho.empty()) continue;
+      ASSERT_EQ(rho.size(), static_cast<size_t>(layers));
+      double mean = 0.0;
+      for (double r : rho) {
+        mean += r / layers;
+        EXPECT_GE(r, std::min(floor, density)) << layers << " layers, " << k;
+        EXPECT_LE(r, std::max(density_max, density)) << layers << " layers, " << k;
+      }
+      EXPECT_NEAR(mean, density, 1e-12) << layers << " layers, " << k;
+      std::vector<double> marginal;
+      for (int l = 0; l < layers; ++l) {
+        const double lo = std::min(floor, density);
+        if (rho[l] <= lo + 1e-9 || rho[l] >= config.density_max - 1e-9) continue;
+        const double g = std::max(recall.LayerExponent(s.length, s.sensitivity, l), 1.0 + 1e-6);
+        marginal.push_back(g * std::pow(1.0 - rho[l], g - 1.0));
+      }
+      for (double m : marginal) {
+        EXPECT_NEAR(m / marginal[0], 1.0, 1e-6) << layers << " layers, " << k;
+      }
+      compared += marginal.size() > 1 ? 1 : 0;
     }
-    for (double m : marginal) EXPECT_NEAR(m / marginal[0], 1.0, 1e-6) << k;
-    compared += marginal.size() > 1 ? 1 : 0;
+    EXPECT_GT(compared, 100) << layers << " layers";
   }
-  EXPECT_GT(compared, 100);
 }
 
 // Densities next to 1 (DST raises up to 1 - 1e-9 when density_max is 1): the per-layer split
