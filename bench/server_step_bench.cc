@@ -411,21 +411,44 @@ int64_t HeapBytesInUse() { return static_cast<int64_t>(mallinfo2().uordblks); }
 // been dropped. history_mib: heap bytes in use after the run minus before the job's first step;
 // step_kib: per kept step. One iteration; memory, not time, is the figure. With layers 1 the
 // documents also report each layer's recall (RoundReport), so that the job learns per-layer
-// curves and its plans carry a density per layer for each sample.
+// curves and its plans carry a density per layer for each sample. With restart 1 the job has a
+// state directory (fsync'ed step records, in the system's temporary directory), and the figure
+// is the history of a second registry that restored the job from it after the run.
 void BM_History(benchmark::State& state) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
   const bool layer_recall = state.range(2) != 0;
-  JobRegistry registry(JobRegistry::Options{}, [](int n) { return std::string(n, 'a'); });
+  const bool restart = state.range(3) != 0;
+  JobRegistry::Options options;
+  std::unique_ptr<PlanStore> store;
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / absl::StrCat("sb-history-bench-", getpid());
+  if (restart) {
+    std::filesystem::remove_all(dir);
+    absl::StatusOr<std::unique_ptr<PlanStore>> opened =
+        PlanStore::Open(dir.string(), /*fsync_reports=*/false);
+    if (!opened.ok()) return state.SkipWithError(std::string(opened.status().message()).c_str());
+    store = *std::move(opened);
+    options.store = store.get();
+  }
+  struct RemoveDir {
+    const std::filesystem::path& dir;
+    bool remove;
+    ~RemoveDir() {
+      std::error_code ignored;
+      if (remove) std::filesystem::remove_all(dir, ignored);
+    }
+  } remove_dir{dir, restart};
+  auto registry = std::make_unique<JobRegistry>(options, [](int n) { return std::string(n, 'a'); });
   JobSettings settings;
   settings.planner.ranks = ranks;
   settings.planner.micro_batches = 4;
   settings.planner.micro_batch_capacity = 65536;
-  absl::StatusOr<CreatedJob> job = registry.CreateJob("history", settings, "");
+  absl::StatusOr<CreatedJob> job = registry->CreateJob("history", settings, "");
   if (!job.ok()) return state.SkipWithError(std::string(job.status().message()).c_str());
-  for (int r = 0; r < ranks; ++r) registry.JoinJob(job->job_id, r).IgnoreError();
+  for (int r = 0; r < ranks; ++r) registry->JoinJob(job->job_id, r).IgnoreError();
   const int steps = settings.history_steps + 6;
-  const int64_t before = HeapBytesInUse();
+  int64_t before = HeapBytesInUse();
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   for (auto _ : state) {
@@ -435,28 +458,42 @@ void BM_History(benchmark::State& state) {
         batch[i].id = static_cast<uint64_t>(step) * 1000000 + static_cast<uint64_t>(i);
         batch[i].length = 256 + static_cast<int64_t>(uniform(rng) * 3840);
       }
-      absl::StatusOr<SubmitResult> planned = registry.SubmitBatch(job->job_id, step, batch);
+      absl::StatusOr<SubmitResult> planned = registry->SubmitBatch(job->job_id, step, batch);
       if (!planned.ok())
         return state.SkipWithError(std::string(planned.status().message()).c_str());
       for (int r = 0; r < ranks; ++r) {
         const std::vector<MicroBatchTiming> report =
             RoundReport(*planned->plan, r, layer_recall ? settings.planner.shape.layers : 0);
-        absl::StatusOr<bool> reported = registry.ReportStep(job->job_id, step, r, report, 0.01);
+        absl::StatusOr<bool> reported = registry->ReportStep(job->job_id, step, r, report, 0.01);
         if (!reported.ok()) {
           return state.SkipWithError(std::string(reported.status().message()).c_str());
         }
       }
     }
   }
-  const double bytes = static_cast<double>(HeapBytesInUse() - before);
+  int64_t after = HeapBytesInUse();
+  if (restart) {  // the same history, as a restarted planner holds it
+    registry.reset();
+    before = HeapBytesInUse();
+    registry = std::make_unique<JobRegistry>(options, [](int n) { return std::string(n, 'a'); });
+    const auto start = std::chrono::steady_clock::now();
+    if (absl::Status restored = registry->Restore(); !restored.ok()) {
+      return state.SkipWithError(std::string(restored.message()).c_str());
+    }
+    state.counters["restore_s"] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    after = HeapBytesInUse();
+  }
+  const double bytes = static_cast<double>(after - before);
   state.counters["history_mib"] = bytes / 1048576.0;
   state.counters["step_kib"] = bytes / 1024.0 / settings.history_steps;
 }
 
 BENCHMARK(BM_History)
-    ->Args({16384, 1024, 0})
-    ->Args({16384, 1024, 1})
-    ->ArgNames({"samples", "ranks", "layers"})
+    ->Args({16384, 1024, 0, 0})
+    ->Args({16384, 1024, 1, 0})
+    ->Args({16384, 1024, 1, 1})
+    ->ArgNames({"samples", "ranks", "layers", "restart"})
     ->Iterations(1)
     ->Unit(benchmark::kSecond);
 

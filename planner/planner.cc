@@ -418,11 +418,20 @@ absl::Status ValidateSegments(int64_t length, const std::vector<int64_t>& segmen
   return absl::OkStatus();
 }
 
-absl::Status CompletePlannedSamples(const std::vector<Sample>& batch,
-                                    std::vector<MicroBatchPlan>* micro_batches) {
-  absl::flat_hash_map<uint64_t, const Sample*> by_id;
+SamplesById IndexSamplesById(const std::vector<Sample>& batch) {
+  SamplesById by_id;
   by_id.reserve(batch.size());
   for (const Sample& s : batch) by_id.emplace(s.id, &s);
+  return by_id;
+}
+
+absl::Status CompletePlannedSamples(const std::vector<Sample>& batch,
+                                    std::vector<MicroBatchPlan>* micro_batches) {
+  return CompletePlannedSamples(IndexSamplesById(batch), micro_batches);
+}
+
+absl::Status CompletePlannedSamples(const SamplesById& by_id,
+                                    std::vector<MicroBatchPlan>* micro_batches) {
   for (size_t m = 0; m < micro_batches->size(); ++m) {
     std::vector<PlannedSample>& samples = (*micro_batches)[m].samples;
     for (size_t k = 0; k < samples.size(); ++k) {

@@ -258,9 +258,11 @@ class JobRegistry {
   std::vector<std::string> ExpireIdleJobs(std::chrono::nanoseconds ttl);
   int job_count() const;
   // Packs the job's steps older than its kUnpackedSteps newest (see Options::pack_in_submit);
-  // nothing for an unknown job. Steps packed (for tests) by PackedSteps.
+  // nothing for an unknown job. Steps packed (for tests) by PackedSteps, and the bytes they
+  // take packed by PackedBytes (0 for an unknown job).
   void PackHistory(const std::string& job_id);
   int PackedSteps(const std::string& job_id) const;
+  int64_t PackedBytes(const std::string& job_id) const;
 
  private:
   // A step's measured document recalls, as the models' fold takes them.
@@ -287,7 +289,8 @@ class JobRegistry {
     // the step is packed.
     std::shared_ptr<const StepPlan> plan;
     // When the plan carries per-layer densities: what they were made from, so that packing
-    // leaves them out (step_pack.h); null otherwise, and for a step read back from the store.
+    // leaves them out (step_pack.h); null otherwise. A step read back from the store has one
+    // where its record kept the recall model and it gives the densities back (StoredRecipe).
     std::shared_ptr<const LayerDensityRecipe> layers;
     StepReports reports;  // by rank, with the seconds each waited
     // Its reports' measured recalls, added as each report is taken (AddMeasuredRecalls), so
@@ -368,6 +371,10 @@ class JobRegistry {
   absl::Status Stored(absl::Status status) const;
   // Builds and validates one job from its files (Restore).
   absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
+  static std::shared_ptr<const LayerDensityRecipe> StoredRecipe(const PlannerConfig& config,
+                                                                const PlanStore::LoadedStep& step,
+                                                                const StepPlan& plan,
+                                                                const std::vector<Sample>& batch);
   // A fully reported step's reports as the latency model's observations: per reported
   // micro-batch its time against its planned features (`model` counts them for a plan read
   // back from the store).

@@ -220,9 +220,12 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
     return absl::DataLossError(
         absl::StrCat("the plan has ", plan.ranks.size(), " ranks; the job has ", config.ranks));
   }
-  std::map<uint64_t, bool> placed;
-  for (const Sample& s : batch) placed[s.id] = false;
   std::map<uint64_t, std::vector<StoredShard>> split;  // id -> its shards
+  const SamplesById by_id = IndexSamplesById(batch);
+  // Per batch sample (by its index), whether the plan places it. Every planned id is in the
+  // batch once CompletePlannedSamples has passed.
+  std::vector<char> placed_at(batch.size(), 0);
+  auto placed = [&](uint64_t id) -> char& { return placed_at[by_id.at(id) - batch.data()]; };
   for (int r = 0; r < config.ranks; ++r) {
     RankPlan& rank = plan.ranks[r];
     if (static_cast<int>(rank.micro_batches.size()) != config.micro_batches) {
@@ -234,7 +237,7 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
       return absl::DataLossError(absl::StrCat("plan rank ", r, ": predicted_seconds not finite"));
     }
     // Every planned sample is in the batch with its length and segments from here on.
-    if (absl::Status s = CompletePlannedSamples(batch, &rank.micro_batches); !s.ok()) {
+    if (absl::Status s = CompletePlannedSamples(by_id, &rank.micro_batches); !s.ok()) {
       return absl::DataLossError(absl::StrCat("plan rank ", r, ": ", s.message()));
     }
     for (size_t k = 0; k < rank.micro_batches.size(); ++k) {
@@ -251,10 +254,10 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
             }
           }
           split[p.id].push_back({r, static_cast<int>(k), &p});
-        } else if (placed[p.id]) {
+        } else if (placed(p.id)) {
           return absl::DataLossError(absl::StrCat(where, ": sample id ", p.id, " is placed twice"));
         } else {
-          placed[p.id] = true;
+          placed(p.id) = 1;
         }
         if (!(p.density > 0.0 && p.density <= 1.0)) {
           return absl::DataLossError(
@@ -273,15 +276,14 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
     }
   }
   for (const auto& [id, shards] : split) {
-    if (placed[id]) {
+    if (placed(id)) {
       return absl::DataLossError(absl::StrCat("sample id ", id, " is placed whole and split"));
     }
-    placed[id] = true;
+    placed(id) = 1;
     if (absl::Status s = CheckStoredShards(id, shards, config.shape.block_size); !s.ok()) return s;
   }
   for (uint64_t id : plan.deferred_ids) {
-    auto it = placed.find(id);
-    if (it == placed.end() || it->second) {
+    if (by_id.count(id) == 0 || placed(id)) {
       return absl::DataLossError(
           absl::StrCat("deferred sample id ", id, " is not in the batch or was also placed"));
     }

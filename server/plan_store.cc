@@ -496,13 +496,13 @@ absl::Status PlanStore::SaveJob(const StoredJob& job, bool sync) {
 
 absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
                                  const std::vector<Sample>& batch, const StepPlan& plan,
-                                 bool folded) {
+                                 bool folded, const RecallModelState* layer_recall) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
   if (absl::Status s = CheckStep(step); !s.ok()) return s;
   // On an arena: a step of 16,384 samples is some 50,000 small messages.
   google::protobuf::Arena arena;
   auto* record = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
-  EncodeStep(step, batch, plan, folded, record);
+  EncodeStep(step, batch, plan, folded, layer_recall, record);
   const std::string job_dir = JobDir(job_id);
   const std::string spare = SparePath(job_dir);
   // Serialized straight into the file (into a spare's cached pages when there is one): a

@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -117,6 +118,9 @@ class PlanStore {
     std::vector<Sample> batch;
     StepPlan plan;
     bool folded = false;
+    // The recall model its per-layer densities were computed from, where the record has it
+    // (SaveStep's layer_recall).
+    std::optional<RecallModelState> layer_recall;
     std::vector<StoredReport> reports;  // in the order they were appended
     int64_t skipped_bytes = 0;          // torn or corrupt bytes of the report log that were skipped
   };
@@ -156,9 +160,11 @@ class PlanStore {
   // SaveStep and AppendReport.
   absl::Status SaveJob(const StoredJob& job, bool sync = true);
   // Writes step `step`'s record (synced): its batch, its whole plan, and whether its reports
-  // are folded.
+  // are folded; with `layer_recall`, the recall model the plan's per-layer densities were
+  // computed from (which lets a restarted planner keep the step compact: JobRegistry::Restore).
   absl::Status SaveStep(const std::string& job_id, int64_t step, const std::vector<Sample>& batch,
-                        const StepPlan& plan, bool folded);
+                        const StepPlan& plan, bool folded,
+                        const RecallModelState* layer_recall = nullptr);
   // Appends one framed record; on failure the log is cut back to its size before the call.
   absl::Status AppendReport(const std::string& job_id, int64_t step, const StoredReport& report);
   // Appends a framed record per report of step `step` in one write (and with --fsync_reports

@@ -81,6 +81,38 @@ absl::Status DecodeModel(const state::v1::ModelState& in, int ranks, StoredJob* 
   return absl::OkStatus();
 }
 
+// A recall model's state (the job snapshot's, and a per-layer step record's layer_recall).
+void EncodeRecall(const RecallModelState& recall, state::v1::RecallState* out) {
+  for (const RecallCurveSums& c : recall.curves) {
+    state::v1::RecallCurveSums* sums = out->add_curves();
+    sums->mutable_documents()->Assign(c.documents.begin(), c.documents.end());
+    sums->mutable_recall()->Assign(c.recall.begin(), c.recall.end());
+    sums->mutable_density()->Assign(c.density.begin(), c.density.end());
+  }
+  out->set_steps_observed(recall.steps_observed);
+}
+
+// DATA_LOSS naming `field` (e.g. "job.pb recall") where a curve has not kRecallDensityBins bins;
+// the curves' count and values are checked by RecallModel::set_state against the job.
+absl::StatusOr<RecallModelState> DecodeRecall(const state::v1::RecallState& in,
+                                              absl::string_view field) {
+  RecallModelState out;
+  for (int i = 0; i < in.curves_size(); ++i) {
+    const state::v1::RecallCurveSums& c = in.curves(i);
+    if (c.documents_size() != kRecallDensityBins || c.recall_size() != kRecallDensityBins ||
+        c.density_size() != kRecallDensityBins) {
+      return absl::DataLossError(
+          absl::StrCat(field, ".curves[", i, "]: not ", kRecallDensityBins, " density bins"));
+    }
+    RecallCurveSums& sums = out.curves.emplace_back();
+    std::copy(c.documents().begin(), c.documents().end(), sums.documents.begin());
+    std::copy(c.recall().begin(), c.recall().end(), sums.recall.begin());
+    std::copy(c.density().begin(), c.density().end(), sums.density.begin());
+  }
+  out.steps_observed = in.steps_observed();
+  return out;
+}
+
 }  // namespace
 
 state::v1::JobSnapshot EncodeJob(const StoredJob& job) {
@@ -95,13 +127,7 @@ state::v1::JobSnapshot EncodeJob(const StoredJob& job) {
   out.mutable_folded_steps()->Assign(job.folded_steps.begin(), job.folded_steps.end());
   out.set_unfolded_steps(job.unfolded_steps);
   out.set_fold_failure(job.fold_failure);
-  for (const RecallCurveSums& c : job.recall.curves) {
-    state::v1::RecallCurveSums* sums = out.mutable_recall()->add_curves();
-    sums->mutable_documents()->Assign(c.documents.begin(), c.documents.end());
-    sums->mutable_recall()->Assign(c.recall.begin(), c.recall.end());
-    sums->mutable_density()->Assign(c.density.begin(), c.density.end());
-  }
-  out.mutable_recall()->set_steps_observed(job.recall.steps_observed);
+  EncodeRecall(job.recall, out.mutable_recall());
   return out;
 }
 
@@ -124,24 +150,14 @@ absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in) {
   out.unfolded_steps = in.unfolded_steps();
   out.fold_failure = in.fold_failure();
   // The recall model's shape (layers) is checked against the job when it is restored.
-  for (int i = 0; i < in.recall().curves_size(); ++i) {
-    const state::v1::RecallCurveSums& c = in.recall().curves(i);
-    if (c.documents_size() != kRecallDensityBins || c.recall_size() != kRecallDensityBins ||
-        c.density_size() != kRecallDensityBins) {
-      return absl::DataLossError(
-          absl::StrCat("job.pb recall.curves[", i, "]: not ", kRecallDensityBins, " density bins"));
-    }
-    RecallCurveSums& sums = out.recall.curves.emplace_back();
-    std::copy(c.documents().begin(), c.documents().end(), sums.documents.begin());
-    std::copy(c.recall().begin(), c.recall().end(), sums.recall.begin());
-    std::copy(c.density().begin(), c.density().end(), sums.density.begin());
-  }
-  out.recall.steps_observed = in.recall().steps_observed();
+  absl::StatusOr<RecallModelState> recall = DecodeRecall(in.recall(), "job.pb recall");
+  if (!recall.ok()) return recall.status();
+  out.recall = *std::move(recall);
   return out;
 }
 
 void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& plan, bool folded,
-                state::v1::StepRecord* out) {
+                const RecallModelState* layer_recall, state::v1::StepRecord* out) {
   out->set_step(step);
   for (const Sample& s : batch) SampleToProto(s, out->add_batch());
   out->mutable_ranks()->Reserve(static_cast<int>(plan.ranks.size()));
@@ -155,12 +171,18 @@ void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& 
   }
   out->mutable_deferred_ids()->Assign(plan.deferred_ids.begin(), plan.deferred_ids.end());
   out->set_folded(folded);
+  if (layer_recall != nullptr) EncodeRecall(*layer_recall, out->mutable_layer_recall());
 }
 
 absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in) {
   PlanStore::LoadedStep out;
   out.step = in.step();
   out.folded = in.folded();
+  if (in.has_layer_recall()) {
+    absl::StatusOr<RecallModelState> recall = DecodeRecall(in.layer_recall(), "layer_recall");
+    if (!recall.ok()) return recall.status();
+    out.layer_recall = *std::move(recall);
+  }
   out.batch.reserve(in.batch_size());
   for (const v1::Sample& s : in.batch()) {
     out.batch.push_back(Sample{s.id(),

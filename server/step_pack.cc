@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "planner/planner.h"
 #include "planner/recall_model.h"
 #include "planner/sparsity_tuner.h"
 
@@ -451,6 +452,31 @@ bool GetReports(Reader& r, StepReports* reports) {
 
 }  // namespace
 
+bool RecipeGivesLayerDensities(const std::vector<Sample>& batch, const StepPlan& plan,
+                               const LayerDensityRecipe& recipe) {
+  const SamplesById index = IndexSamplesById(batch);
+  std::vector<double> again;
+  bool any = false;
+  for (const RankPlan& rank : plan.ranks) {
+    for (const MicroBatchPlan& mb : rank.micro_batches) {
+      for (const PlannedSample& p : mb.samples) {
+        if (p.layer_densities.empty()) continue;
+        const auto s = index.find(p.id);
+        if (s == index.end()) return false;
+        PlannedLayerDensities(*s->second, p.density, recipe.config, recipe.recall, &again);
+        // Bit for bit (-0.0 and NaN payloads included), as the packed step's hash compares.
+        if (again.size() != p.layer_densities.size() ||
+            std::memcmp(again.data(), p.layer_densities.data(), again.size() * sizeof(double)) !=
+                0) {
+          return false;
+        }
+        any = true;
+      }
+    }
+  }
+  return any;
+}
+
 std::string PackStep(const std::vector<Sample>& batch, const StepPlan& plan,
                      const StepReports& reports, const LayerDensityRecipe* layers) {
   Writer w;
@@ -483,17 +509,15 @@ absl::StatusOr<PackedStepContents> UnpackStep(absl::string_view bytes,
         "them");
   }
   // Each left-out sample's densities as BuildPlan made them.
-  std::vector<std::pair<uint64_t, size_t>> by_id(step.batch.size());
-  for (size_t i = 0; i < step.batch.size(); ++i) by_id[i] = {step.batch[i].id, i};
-  std::sort(by_id.begin(), by_id.end());
+  const SamplesById index = IndexSamplesById(step.batch);
   uint64_t hash = kLayerHashSeed;
   for (PlannedSample* p : left_out) {
-    const auto it = std::lower_bound(by_id.begin(), by_id.end(), std::make_pair(p->id, size_t{0}));
-    if (it == by_id.end() || it->first != p->id) {
+    const auto found = index.find(p->id);
+    if (found == index.end()) {
       return absl::InternalError(
           absl::StrCat("a packed step's planned sample id ", p->id, " is not in its batch"));
     }
-    const Sample& s = step.batch[it->second];
+    const Sample& s = *found->second;
     const size_t count = p->layer_densities.size();
     PlannedLayerDensities(s, p->density, layers->config, layers->recall, &p->layer_densities);
     if (p->layer_densities.size() != count) {

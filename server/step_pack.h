@@ -44,6 +44,13 @@ struct LayerDensityRecipe {
   RecallModel recall;
 };
 
+// Whether `recipe` gives back, bit for bit, the per-layer densities of every planned sample of
+// `plan` that has them (and at least one has): a step read back from the state directory
+// (StepRecord.layer_recall) is packed with its recipe only then, so that a release whose
+// LayerDensities differ keeps the stored densities instead of losing them.
+bool RecipeGivesLayerDensities(const std::vector<Sample>& batch, const StepPlan& plan,
+                               const LayerDensityRecipe& recipe);
+
 std::string PackStep(const std::vector<Sample>& batch, const StepPlan& plan,
                      const StepReports& reports, const LayerDensityRecipe* layers = nullptr);
 // INTERNAL when `bytes` is not what PackStep wrote (truncated or altered in memory), or when its

@@ -406,17 +406,16 @@ TEST_F(JobRegistryTest, PerLayerRecallsTeachLayerCurvesAndPlansSplitDensityOverL
     planned.push_back(CanonicalPlanText(*step->plan));
     for (int r = 0; r < 2; ++r) {
       std::vector<MicroBatchTiming> report = MeasureWithRecall(*step->plan, r, 3.0);
+      test_support::AddLayerRecalls(
+          *step->plan, r, layers,
+          [](const PlannedSample&, const DocumentRecallMeasurement&, int l, double rho) {
+            return RecallAt(l % 2 == 0 ? 1.5 : 8.0, rho);  // odd layers: tolerant
+          },
+          &report);
       for (MicroBatchTiming& m : report) {
-        const auto& samples = step->plan->ranks[r].micro_batches[m.micro_batch].samples;
-        for (DocumentRecallMeasurement& d : m.documents) {
-          const PlannedSample& p = *std::find_if(
-              samples.begin(), samples.end(), [&](const auto& q) { return q.id == d.sample_id; });
+        for (DocumentRecallMeasurement& d : m.documents) {  // all layers: their mean
           d.recall = 0.0;
-          for (int l = 0; l < layers; ++l) {
-            const double rho = p.layer_densities.empty() ? p.density : p.layer_densities[l];
-            d.layer_recall.push_back(RecallAt(l % 2 == 0 ? 1.5 : 8.0, rho));  // odd: tolerant
-            d.recall += d.layer_recall.back() / layers;
-          }
+          for (double layer : d.layer_recall) d.recall += layer / layers;
         }
       }
       ASSERT_TRUE(registry_.ReportStep(id, s, r, report, 0).ok());
@@ -475,17 +474,21 @@ TEST_F(JobRegistryTest, ReportsInAnyOrderTeachTheSameCurvesBitForBit) {
   // document to document, so that their sums' rounding would depend on their order.
   auto measure = [&](const StepPlan& plan, int rank) {
     std::vector<MicroBatchTiming> report = MeasureWithRecall(plan, rank, 2.0);
+    auto wobble = [](const PlannedSample& p, const DocumentRecallMeasurement& d) {
+      return 1.0 + 0.1 * std::sin(static_cast<double>(p.id) * 0.7 + d.document);
+    };
+    test_support::AddLayerRecalls(
+        plan, rank, layers,
+        [&](const PlannedSample& p, const DocumentRecallMeasurement& d, int l, double rho) {
+          return std::min(1.0, RecallAt(1.5 + l, rho) * wobble(p, d));
+        },
+        &report);
     for (MicroBatchTiming& m : report) {
       const auto& samples = plan.ranks[rank].micro_batches[m.micro_batch].samples;
       for (DocumentRecallMeasurement& d : m.documents) {
         const PlannedSample& p = *std::find_if(samples.begin(), samples.end(),
                                                [&](const auto& q) { return q.id == d.sample_id; });
-        const double wobble = 1.0 + 0.1 * std::sin(static_cast<double>(p.id) * 0.7 + d.document);
-        d.recall = std::min(1.0, d.recall * wobble);
-        for (int l = 0; l < layers; ++l) {
-          const double rho = p.layer_densities.empty() ? p.density : p.layer_densities[l];
-          d.layer_recall.push_back(std::min(1.0, RecallAt(1.5 + l, rho) * wobble));
-        }
+        d.recall = std::min(1.0, d.recall * wobble(p, d));
       }
     }
     return report;

@@ -207,6 +207,96 @@ TEST(PlanStoreTest, ARestartInTheMiddleOfAStepLearnsTheSameRecallCurves) {
   EXPECT_EQ(CanonicalPlanText(*x->plan), CanonicalPlanText(*y->plan));
 }
 
+// A job whose workers measure every layer plans a density per layer, and keeps its older steps
+// packed without them: computed again from the recall model of the step's time (step_pack.h).
+// Its step records keep that model, so a restarted planner packs the restored steps exactly as
+// before (the same bytes), not with 32 densities a sample, once it has computed them again bit for
+// bit. A record without it (an older planner's), or whose model does not give its densities back,
+// keeps them: more bytes, the same plans.
+TEST(PlanStoreTest, ARestartedPerLayerJobPacksItsStepsAsBefore) {
+  constexpr int kRanks = 2;
+  const std::string dir = TempDir();
+  const StoredOptions stored = OptionsWithStore(dir, false);
+  ASSERT_NE(stored.store, nullptr);
+  CreatedJob job;
+  const std::string& id = job.job_id;
+  std::vector<std::string> plans;
+  std::vector<int> layer_densities(8, 0);  // per step, in its plan
+  int64_t bytes = 0;
+  int packed = 0;
+  {
+    JobRegistry registry(stored.options, CountingHex());
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "layers", kRanks, 16, &job));
+    const int layers = test_support::SmallJob(kRanks).planner.shape.layers;
+    for (int step = 0; step < 8; ++step) {
+      absl::StatusOr<SubmitResult> planned =
+          registry.SubmitBatch(id, step, Batch(60 + step, kRanks));
+      ASSERT_TRUE(planned.ok()) << planned.status();
+      plans.push_back(CanonicalPlanText(*planned->plan));
+      for (const RankPlan& rank : planned->plan->ranks) {
+        for (const MicroBatchPlan& mb : rank.micro_batches) {
+          for (const PlannedSample& p : mb.samples) {
+            layer_densities[step] += static_cast<int>(p.layer_densities.size());
+          }
+        }
+      }
+      for (int r = 0; r < kRanks; ++r) {
+        std::vector<MicroBatchTiming> report = MeasureRecall(*planned->plan, r);
+        test_support::AddLayerRecalls(
+            *planned->plan, r, layers,
+            [](const PlannedSample&, const DocumentRecallMeasurement&, int l, double rho) {
+              return RecallAt(l % 2 == 0 ? 1.5 : 6.0, rho);
+            },
+            &report);
+        ASSERT_TRUE(registry.ReportStep(id, step, r, report, 0.0).ok());
+      }
+    }
+    ASSERT_GT(layer_densities[2] + layer_densities[3], 0);
+    registry.PackHistory(id);
+    packed = registry.PackedSteps(id);
+    bytes = registry.PackedBytes(id);
+    ASSERT_GE(packed, 4);
+  }  // the planner "dies"
+  auto restart_and_check = [&](int64_t* restored_bytes) {
+    JobRegistry restored(stored.options, CountingHex());
+    ASSERT_TRUE(restored.Restore().ok());
+    EXPECT_EQ(restored.PackedSteps(id), packed);
+    *restored_bytes = restored.PackedBytes(id);
+    for (int step = 0; step < 8; ++step) {
+      bool ready = false;
+      absl::StatusOr<std::shared_ptr<const StepPlan>> plan = restored.GetPlan(id, step, 1, &ready);
+      ASSERT_TRUE(plan.ok() && ready) << plan.status();
+      EXPECT_EQ(CanonicalPlanText(**plan), plans[step]) << "step " << step;
+    }
+  };
+  // A restored plan has no micro-batch features (the record does not keep them), so its steps
+  // pack a little smaller than before; without the recipes they took more (below).
+  int64_t restored_bytes = 0;
+  ASSERT_NO_FATAL_FAILURE(restart_and_check(&restored_bytes));
+  EXPECT_LE(restored_bytes, bytes);
+  // Step 2's record as an older planner wrote it, and step 3's with the recall model of a job
+  // that learned nothing (whose layer densities differ from the plan's).
+  for (int step : {2, 3}) {
+    const std::string path = absl::StrCat(dir, "/", id, "/step-", step, ".pb");
+    state::v1::StepRecord record;
+    ASSERT_TRUE(record.ParseFromString(ReadBytes(path)));
+    ASSERT_TRUE(record.has_layer_recall()) << "step " << step;
+    if (step == 2) {
+      record.clear_layer_recall();
+    } else {
+      for (state::v1::RecallCurveSums& c : *record.mutable_layer_recall()->mutable_curves()) {
+        for (double& v : *c.mutable_documents()) v = 0.0;
+        for (double& v : *c.mutable_recall()) v = 0.0;
+        for (double& v : *c.mutable_density()) v = 0.0;
+      }
+    }
+    WriteBytes(path, record.SerializeAsString());
+  }
+  int64_t with_densities = 0;
+  ASSERT_NO_FATAL_FAILURE(restart_and_check(&with_densities));
+  EXPECT_GE(with_densities - restored_bytes, 8 * (layer_densities[2] + layer_densities[3]));
+}
+
 // A join appends one record to the job's joins.log and leaves job.pb alone (rewriting and
 // syncing the snapshot per join made a 4,096-rank job's joins cost the planner seconds): ranks
 // that joined and were acknowledged are joined after a restart, with no snapshot written since
@@ -602,7 +692,7 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, test_support::SmallJob(2).planner);
   ASSERT_TRUE(plan.ok()) << plan.status();
   state::v1::StepRecord record;
-  EncodeStep(5, batch, *plan, /*folded=*/true, &record);
+  EncodeStep(5, batch, *plan, /*folded=*/true, /*layer_recall=*/nullptr, &record);
   absl::StatusOr<PlanStore::LoadedStep> decoded = DecodeStep(record);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   const PlanStore::LoadedStep& step = *decoded;
@@ -660,7 +750,7 @@ TEST(StateCodecTest, StepRecordsHoldEachLayerDensityOnceAndOldFormRecordsStillDe
   }
   ASSERT_GT(layered, 0);
   state::v1::StepRecord record;
-  EncodeStep(2, batch, plan, /*folded=*/false, &record);
+  EncodeStep(2, batch, plan, /*folded=*/false, /*layer_recall=*/nullptr, &record);
   int stored_layers = 0;
   size_t wire_bytes = 0;
   for (int r = 0; r < record.ranks_size(); ++r) {

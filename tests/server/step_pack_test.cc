@@ -269,6 +269,32 @@ TEST(StepPackTest, LeftOutLayerDensitiesComeBackFromTheirRecipe) {
           .ObserveStep(std::vector<RecallObservation>(40, {4096, 2, 0.3, RecallAt(9.0, 0.3)}))
           .ok());
   EXPECT_EQ(UnpackStep(bytes, &later).status().code(), absl::StatusCode::kInternal);
+  // The check a restarted planner makes before it trusts a stored recipe: the step's own gives
+  // every density back, the later one does not, and neither do recipes for a plan without
+  // per-layer densities or whose one changed density no recipe gives.
+  EXPECT_TRUE(RecipeGivesLayerDensities(batch, *plan, recipe));
+  EXPECT_FALSE(RecipeGivesLayerDensities(batch, *plan, later));
+  StepPlan changed = *plan;
+  StepPlan flat = *plan;
+  bool once = false;
+  for (RankPlan& rank : changed.ranks) {
+    for (MicroBatchPlan& mb : rank.micro_batches) {
+      for (PlannedSample& p : mb.samples) {
+        if (!once && !p.layer_densities.empty()) {
+          p.layer_densities.back() = std::nextafter(p.layer_densities.back(), 2.0);
+          once = true;
+        }
+      }
+    }
+  }
+  for (RankPlan& rank : flat.ranks) {
+    for (MicroBatchPlan& mb : rank.micro_batches) {
+      for (PlannedSample& p : mb.samples) p.layer_densities.clear();
+    }
+  }
+  ASSERT_TRUE(once);
+  EXPECT_FALSE(RecipeGivesLayerDensities(batch, changed, recipe));
+  EXPECT_FALSE(RecipeGivesLayerDensities(batch, flat, recipe));
   // Packed raw, a step needs no recipe.
   absl::StatusOr<PackedStepContents> plain = UnpackStep(raw);
   ASSERT_TRUE(plain.ok()) << plain.status();

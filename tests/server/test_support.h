@@ -124,6 +124,30 @@ inline void AddDocumentRecalls(const StepPlan& plan, int rank,
   }
 }
 
+// Each layer's recall for every document measurement already in `timings` (a report of `rank`
+// on `plan`), as sb-worker's probe reports them: recall(p, d, l, rho) of layer l at the density
+// the plan gave that layer (the sample's density where it has none per layer), appended to the
+// document's layer_recall.
+inline void AddLayerRecalls(
+    const StepPlan& plan, int rank, int layers,
+    const std::function<double(const PlannedSample&, const DocumentRecallMeasurement&, int,
+                               double)>& recall,
+    std::vector<MicroBatchTiming>* timings) {
+  for (MicroBatchTiming& m : *timings) {
+    const std::vector<PlannedSample>& samples =
+        plan.ranks[rank].micro_batches[m.micro_batch].samples;
+    for (DocumentRecallMeasurement& d : m.documents) {
+      const PlannedSample& p =
+          *std::find_if(samples.begin(), samples.end(),
+                        [&](const PlannedSample& q) { return q.id == d.sample_id; });
+      for (int l = 0; l < layers; ++l) {
+        const double rho = p.layer_densities.empty() ? p.density : p.layer_densities[l];
+        d.layer_recall.push_back(recall(p, d, l, rho));
+      }
+    }
+  }
+}
+
 // A step of a job of `ranks` >= 4 ranks (SmallJob: 2 micro-batches of 65536 tokens, blocks of
 // 64) whose plan splits document 1 (40,000 tokens) over ranks {2, 0, 3} (ring order) at tokens
 // 13,312 and 26,624, in micro-batch 0 of each, and gives every rank one unsplit document in
