@@ -66,8 +66,8 @@ absl::Status ValidateSegments(int64_t length, const std::vector<int64_t>& segmen
 absl::Status CompletePlannedSamples(const std::vector<Sample>& batch,
                                     std::vector<MicroBatchPlan>* micro_batches);
 // A batch's samples by id, made once for the CompletePlannedSamples of many ranks' plans of one
-// batch (a stored step's: one per rank, where each call's own index of a 16,384-sample batch
-// made restoring a 1,024-rank job take seconds a step).
+// batch (a stored step's, one call per rank: an index per call took about 0.13 s a step to
+// restore at 16,384 samples over 1,024 ranks, and about 2 s at 65,536 over 4,096).
 using SamplesById = absl::flat_hash_map<uint64_t, const Sample*>;
 SamplesById IndexSamplesById(const std::vector<Sample>& batch);
 absl::Status CompletePlannedSamples(const SamplesById& batch,
