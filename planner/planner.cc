@@ -818,10 +818,16 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         if (per_layer) {
           PlannedLayerDensities(s, densities[i], config, recall, &planned.layer_densities);
         }
-        const int64_t query_tokens = planned.QueryTokens();
+        // What follows reads the sample's fields from the batch and the split, not back from
+        // `planned`: emplace_back zeroed it with string stores, from which the CPU cannot
+        // forward to a load, and each read-back waited for them to reach the cache.
+        const int64_t query_tokens = split != nullptr && !split->group.empty()
+                                         ? split->cuts[shard + 1] - split->cuts[shard]
+                                         : s.length;  // planned.QueryTokens()
         mb.tokens += query_tokens;
         // A whole sample at one density has the features placement and tuning counted last.
-        const MicroBatchFeatures f = split == nullptr && planned.layer_densities.empty()
+        const bool layered = per_layer && !planned.layer_densities.empty();
+        const MicroBatchFeatures f = split == nullptr && !layered
                                          ? table.FeaturesAt(s, i, densities[i])
                                          : model.PlannedSampleFeatures(planned);
         features.active_blocks += f.active_blocks;
@@ -850,7 +856,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         // Figures weigh each planned sample by its query tokens: a split document's shards add
         // up to its length.
         const auto w = static_cast<double>(query_tokens);
-        figures.weighted_density += w * planned.density;
+        figures.weighted_density += w * densities[i];  // planned.density
         figures.weighted_recall += w * sample_recall;
         figures.tokens += w;
         // Buckets are per document: a pre-packed sample's documents may fall in several.
