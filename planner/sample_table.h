@@ -124,9 +124,9 @@ class SampleTable {
     return memo.density == rho ? memo.value : CountActiveBlocks(i, rho);
   }
   // Ask the CPU to fetch what Recall(i, rho) reads of sample i off its base (its terms' base and
-  // recall there, and its kept answer: PrefetchRecall), what ActiveBlocksAt(i, ..) reads
-  // (its kept count: PrefetchBlocks), or both (PrefetchKept), for walks over the samples in an
-  // order other than the batch's (the tuner's, PrefetchAhead's). Hints: results do not change.
+  // recall there, and its kept answer: PrefetchRecall), or what ActiveBlocksAt(i, ..) reads
+  // (its kept count: PrefetchBlocks), for walks over the samples in an order other than the
+  // batch's (the tuner's). Hints: results do not change.
   // Always inlined: GCC finds a function that only prefetches pure, and drops a call to it whose
   // (void) result is unused, so a prefetch in a function inlined late is never issued.
   __attribute__((always_inline)) void PrefetchRecall(size_t i) const {
@@ -135,10 +135,6 @@ class SampleTable {
   }
   __attribute__((always_inline)) void PrefetchBlocks(size_t i) const {
     __builtin_prefetch(&blocks_[i]);
-  }
-  __attribute__((always_inline)) void PrefetchKept(size_t i) const {
-    PrefetchRecall(i);
-    PrefetchBlocks(i);
   }
 
  private:
@@ -189,25 +185,6 @@ class SampleTable {
 // Samples ahead whose data the walks in placement order (the tuner's, BuildPlan's: rank by rank
 // and micro-batch by micro-batch) ask the CPU to fetch.
 inline constexpr size_t kFetchAhead = 12;
-
-// Asks the CPU to fetch what BuildPlan reads of the sample kFetchAhead after order[next]: its
-// sample (both cache lines a 56-byte Sample may span), its terms and kept answers
-// (PrefetchKept), its density and its default. The assignment scatters the samples over the
-// batch. A hint: results do not change. Always inlined, as PrefetchKept is.
-__attribute__((always_inline)) inline void PrefetchAhead(const std::vector<int>& order, size_t next,
-                                                         const std::vector<Sample>& batch,
-                                                         const SampleTable& table,
-                                                         const std::vector<double>& densities,
-                                                         const std::vector<double>& defaults) {
-  if (next + kFetchAhead >= order.size()) return;
-  const int ahead = order[next + kFetchAhead];
-  const char* const sample = reinterpret_cast<const char*>(&batch[ahead]);
-  __builtin_prefetch(sample);
-  __builtin_prefetch(sample + sizeof(Sample) - 1);
-  table.PrefetchKept(static_cast<size_t>(ahead));
-  __builtin_prefetch(&densities[ahead]);
-  __builtin_prefetch(&defaults[ahead]);
-}
 
 }  // namespace sparsebalance
 
