@@ -49,7 +49,9 @@ class ValidConfig {
 // ranks x micro_batches x capacity. Errors are INVALID_ARGUMENT and name `samples[i]` and the
 // field (`samples[i].segments[k]` for a segment).
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config);
-absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& config);
+// With `threads`, the samples are checked on them (plan_threads.h); the answer is the same.
+absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& config,
+                           PlanThreads* threads = nullptr);
 
 // The segment rule ValidateBatch applies to each sample, also applied to planned samples read
 // from the wire: empty, or each segment in [1, length] and all summing to `length` (checked

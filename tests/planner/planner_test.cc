@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/latency_model.h"
+#include "planner/plan_threads.h"
 #include "planner/recall_model.h"
 #include "planner/sample_table.h"
 #include "planner/types.h"
@@ -510,6 +511,84 @@ TEST(ValidateBatchTest, ARepeatedIdIsNamedAtItsFirstRepeatInIndexOrder) {
       EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("samples[", want, "].id"))) << c;
     }
   }
+}
+
+// On threads the batch is checked in ranges, and the answer must be the one pass's: the first
+// failing sample in index order (a repeated id there named before its fields), whichever range
+// holds it and whichever range the ids stop increasing in. Random batches of a few thousand
+// samples (several ranges a thread) with errors placed at random, at range edges among them,
+// against the definition: per index, a repeated id, else the sample checked on its own.
+TEST(ValidateBatchTest, OnThreadsTheFirstFailingSampleIsNamedAsInOnePass) {
+  PlannerConfig config = test_util::StepConfig(64, 4, 8192);
+  const absl::StatusOr<ValidConfig> valid = ValidConfig::Check(config);
+  ASSERT_TRUE(valid.ok()) << valid.status();
+  Rng rng(7);
+  int failing = 0;
+  int repeats = 0;
+  for (int c = 0; c < 200; ++c) {
+    const int count = 600 + static_cast<int>(rng.NextU64() % 4000);
+    std::vector<Sample> batch = UniformBatch(count, 100);
+    for (int i = 0; i < count; ++i) batch[i].id = 10 * static_cast<uint64_t>(i) + 10;
+    if (c % 4 == 1) std::reverse(batch.begin(), batch.end());  // ids never increase
+    // 0 to 3 errors: a repeated id or a bad field, at random places or at a range's edge
+    // (ChunkCount: 8 ranges on 2 threads).
+    const int errors = static_cast<int>(rng.NextU64() % 4);
+    for (int e = 0; e < errors; ++e) {
+      size_t at = rng.NextU64() % count;
+      if (rng.NextU64() % 2 == 0) at = std::min<size_t>(count - 1, (rng.NextU64() % 8) * count / 8);
+      switch (rng.NextU64() % 5) {
+        case 0:
+          batch[at].id = batch[rng.NextU64() % count].id;
+          break;
+        case 1:
+          batch[at].id = 3;  // below every other id: the ids stop increasing, no repeat
+          break;
+        case 2:
+          batch[at].length = 0;
+          break;
+        case 3:
+          batch[at].sensitivity = 1.5;
+          break;
+        default:
+          batch[at].segments = {40, 50};  // 90 != 100
+          break;
+      }
+    }
+    // The expected message: a repeat's field, or the sample's own error with its index.
+    std::string want;
+    bool repeat = false;
+    std::set<uint64_t> seen;
+    for (size_t i = 0; i < batch.size() && want.empty(); ++i) {
+      if (!seen.insert(batch[i].id).second) {
+        want = absl::StrCat("samples[", i, "].id: ");
+        repeat = true;
+      } else if (absl::Status alone = ValidateBatch({batch[i]}, *valid); !alone.ok()) {
+        const std::string message(alone.message());
+        const std::string first = "samples[0]";
+        EXPECT_EQ(message.substr(0, first.size()), first) << message;
+        want = absl::StrCat("samples[", i, "]", message.substr(first.size()));
+      }
+    }
+    failing += want.empty() ? 0 : 1;
+    repeats += repeat ? 1 : 0;
+    const absl::Status one = ValidateBatch(batch, *valid);
+    for (int threads : {2, 3, 4}) {
+      PlanThreads pool(threads);
+      const absl::Status status = ValidateBatch(batch, *valid, &pool);
+      EXPECT_EQ(status, one) << c << " on " << threads << " threads";
+      if (want.empty()) {
+        EXPECT_TRUE(status.ok()) << c << ": " << status;
+      } else if (repeat) {
+        EXPECT_THAT(status.message(), HasSubstr(want)) << c;
+      } else {
+        EXPECT_EQ(status.message(), want) << c;
+      }
+    }
+  }
+  // Both kinds of failure, and clean batches, were drawn.
+  EXPECT_GT(repeats, 10);
+  EXPECT_GT(failing - repeats, 10);
+  EXPECT_LT(failing, 200);
 }
 
 TEST(ValidateConfigTest, ErrorsNameTheField) {
