@@ -414,12 +414,16 @@ int64_t HeapBytesInUse() { return static_cast<int64_t>(mallinfo2().uordblks); }
 // curves and its plans carry a density per layer for each sample. With restart 1 the job has a
 // state directory (fsync'ed step records, in the system's temporary directory), and the figure
 // is the history of a second registry that restored the job from it after the run (restore_s: the
-// restore's wall time; 65,536 samples over 4,096 ranks: restoring a job of the size).
+// restore's wall time; 65,536 samples over 4,096 ranks: restoring a job of the size). With
+// restart 2 that registry restores on 2 planning threads, as sb-planner --plan_threads=2 does
+// (its steps loaded, checked and packed on them); with 1 on the calling thread alone.
 void BM_History(benchmark::State& state) {
   const int samples = static_cast<int>(state.range(0));
   const int ranks = static_cast<int>(state.range(1));
   const bool layer_recall = state.range(2) != 0;
   const bool restart = state.range(3) != 0;
+  const int restore_threads = state.range(3) == 2 ? 2 : 1;
+  PlanThreads restoring(restore_threads);  // the restoring registry's (it outlives it)
   JobRegistry::Options options;
   std::unique_ptr<PlanStore> store;
   const std::filesystem::path dir =
@@ -476,6 +480,7 @@ void BM_History(benchmark::State& state) {
   if (restart) {  // the same history, as a restarted planner holds it
     registry.reset();
     before = HeapBytesInUse();
+    options.plan_threads = restore_threads > 1 ? &restoring : nullptr;
     registry = std::make_unique<JobRegistry>(options, [](int n) { return std::string(n, 'a'); });
     const auto start = std::chrono::steady_clock::now();
     if (absl::Status restored = registry->Restore(); !restored.ok()) {
@@ -494,7 +499,9 @@ BENCHMARK(BM_History)
     ->Args({16384, 1024, 0, 0})
     ->Args({16384, 1024, 1, 0})
     ->Args({16384, 1024, 1, 1})
+    ->Args({16384, 1024, 1, 2})
     ->Args({65536, 4096, 0, 1})
+    ->Args({65536, 4096, 0, 2})
     ->ArgNames({"samples", "ranks", "layers", "restart"})
     ->Iterations(1)
     ->Unit(benchmark::kSecond);

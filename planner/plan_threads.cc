@@ -167,6 +167,16 @@ void ParallelFor(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t, 
   ParallelChunks(threads, n, [&](size_t, size_t begin, size_t end) { body(begin, end); });
 }
 
+void ParallelEach(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t)> body) {
+  if (threads == nullptr || threads->size() == 1 || n < 2) {
+    for (size_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  threads->Run(n, n, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) body(i);
+  });
+}
+
 void ParallelBeside(PlanThreads* threads, const SideLoop* side, absl::FunctionRef<void()> alone) {
   if (side == nullptr || side->n == 0) {
     alone();

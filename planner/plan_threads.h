@@ -74,6 +74,11 @@ inline constexpr size_t kMinParallelItems = 512;
 // results.
 void ParallelFor(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t, size_t)> body);
 
+// body(i) for each i in [0, n), each item a range of its own on `threads` (when given), however
+// few the items: for loops of a few heavy items (a restored job's steps, milliseconds each),
+// which ParallelFor would leave on the calling thread. Items may run in any order.
+void ParallelEach(PlanThreads* threads, size_t n, absl::FunctionRef<void(size_t)> body);
+
 // How many ranges ParallelChunks splits a loop of n items into on `threads`: 1 where
 // ParallelFor would run it on the calling thread.
 size_t ChunkCount(const PlanThreads* threads, size_t n);

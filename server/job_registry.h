@@ -371,6 +371,13 @@ class JobRegistry {
   absl::Status Stored(absl::Status status) const;
   // Builds and validates one job from its files (Restore).
   absl::StatusOr<std::shared_ptr<Job>> RestoreJob(PlanStore::LoadedJob& loaded);
+  // One stored step of a job being restored, checked (its batch against `batch_config`, its
+  // plan against `config`, its reports against its plan) and made a record; `folded` holds the
+  // steps the job's snapshot lists as folded. An error is DATA_LOSS and names the file.
+  static absl::StatusOr<StepRecord> RestoreStep(const PlannerConfig& config,
+                                                const ValidConfig& batch_config,
+                                                const std::set<int64_t>& folded,
+                                                PlanStore::LoadedStep& step);
   static std::shared_ptr<const LayerDensityRecipe> StoredRecipe(const PlannerConfig& config,
                                                                 const PlanStore::LoadedStep& step,
                                                                 const StepPlan& plan,
@@ -415,7 +422,9 @@ class JobRegistry {
   absl::Status TakeReports(const std::string& job_id, Job& job, int64_t step, StepRecord& record,
                            absl::Span<StoredReport> reports) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // PackIfOld for every kept step.
-  static void PackOldSteps(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // With `threads`, the records are packed on them (plan_threads.h).
+  static void PackOldSteps(Job& job, PlanThreads* threads = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // What the store keeps of the job (its job.pb).
   static StoredJob Snapshot(const std::string& id, const Job& job)
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);

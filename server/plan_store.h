@@ -75,6 +75,8 @@
 
 namespace sparsebalance {
 
+class PlanThreads;
+
 // A failure of the state directory (disk full, read-only, I/O error). Not retryable by clients.
 // Code RESOURCE_EXHAUSTED for ENOSPC/EDQUOT/EFBIG, INTERNAL otherwise; the message is
 // "state_dir: " + `message` (what failed, on which path, and the errno text). Its one typed
@@ -203,8 +205,9 @@ class PlanStore {
   // step files without a job.pb) is quarantined here and listed in `failed`; the other jobs
   // load. An empty folder (a CreateJob a crash interrupted)
   // is removed. Entries that are not folders, symlinks and folders whose names are not job ids
-  // are left alone. Fails only when `dir` itself cannot be listed.
-  absl::StatusOr<Loaded> LoadAll();
+  // are left alone. Fails only when `dir` itself cannot be listed. With `threads`, each job's
+  // steps are loaded on them (plan_threads.h); the answer is the same.
+  absl::StatusOr<Loaded> LoadAll(PlanThreads* threads = nullptr);
 
   const std::string& dir() const { return dir_; }
   ~PlanStore();
@@ -219,7 +222,10 @@ class PlanStore {
       : dir_(std::move(dir)), fsync_reports_(fsync_reports) {}
   std::string JobDir(const std::string& job_id) const;
   // Loads one job folder; an error says why the job cannot be loaded (to quarantine it).
-  absl::StatusOr<LoadedJob> LoadJob(const std::string& job_id) const;
+  absl::StatusOr<LoadedJob> LoadJob(const std::string& job_id, PlanThreads* threads) const;
+  // Loads step `step` of the job in `job_dir`: its record, and its report log if it has one.
+  absl::StatusOr<LoadedStep> LoadStep(const std::string& job_dir, int64_t step,
+                                      bool has_reports) const;
   // Opens the report log of (job, step) for appending, rewriting a log of the previous format.
   absl::StatusOr<ReportLog> OpenReportLog(const std::string& job_id, int64_t step) const;
   // Creates the (empty) report log of a step just saved, so that the step's first report opens

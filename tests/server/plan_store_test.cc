@@ -14,13 +14,18 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/plan_threads.h"
 #include "planner/planner.h"
 #include "planner/recall_model.h"
 #include "planner/traces.h"
@@ -301,6 +306,133 @@ TEST(PlanStoreTest, ARestartedPerLayerJobPacksItsStepsAsBefore) {
 // syncing the snapshot per join made a 4,096-rank job's joins cost the planner seconds): ranks
 // that joined and were acknowledged are joined after a restart, with no snapshot written since
 // the job was created, and their reports are taken.
+// A restore on the planning threads (each job's steps loaded, checked and packed on them) is
+// the restore on one thread: the same plans, job views and packed bytes; and of two broken
+// steps, the job's quarantine reason names the earlier, whether both fail to parse or both
+// hold plans their batches refute, as one pass would.
+TEST(PlanStoreTest, ARestoreOnThreadsIsTheRestoreOnOneThread) {
+  constexpr int kRanks = 4;
+  constexpr int kSteps = 12;
+  const std::string dir = TempDir();
+  CreatedJob job;
+  std::vector<std::string> plans;
+  {
+    const StoredOptions stored = OptionsWithStore(dir, false);
+    ASSERT_NE(stored.store, nullptr);
+    JobRegistry registry(stored.options, CountingHex());
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "threads", kRanks, kSteps, &job));
+    for (int step = 0; step < kSteps; ++step) {
+      absl::StatusOr<SubmitResult> result =
+          registry.SubmitBatch(job.job_id, step, Batch(30 + step, kRanks));
+      ASSERT_TRUE(result.ok()) << result.status();
+      plans.push_back(CanonicalPlanText(*result->plan));
+      const int reporters = step % 3 == 2 ? 1 : kRanks;  // some steps reported in part
+      for (int r = 0; r < reporters; ++r) {
+        ASSERT_TRUE(registry.ReportStep(job.job_id, step, r, Measure(*result->plan, r), 0.0).ok());
+      }
+    }
+  }
+  // What a registry restored from a copy of the state (broken by `broken`) on `threads`
+  // threads (1: none given) serves, or its one failed job's reason.
+  struct Restored {
+    std::vector<std::string> plans;
+    int64_t next_step = 0;
+    std::vector<double> speed_factors;
+    double per_token = 0.0;
+    int64_t packed_bytes = 0;
+    std::string failure;
+  };
+  int copies = 0;
+  auto restore = [&](int threads, const std::function<void(const std::string&)>& broken) {
+    Restored out;
+    const std::string copy = absl::StrCat(dir, "-copy", copies++);
+    std::filesystem::copy(dir, copy, std::filesystem::copy_options::recursive);
+    if (broken) broken(copy + "/" + job.job_id);
+    StoredOptions stored = OptionsWithStore(copy, false);
+    EXPECT_NE(stored.store, nullptr);
+    if (stored.store == nullptr) return out;
+    std::unique_ptr<PlanThreads> pool;
+    if (threads > 1) pool = std::make_unique<PlanThreads>(threads);
+    stored.options.plan_threads = pool.get();
+    JobRegistry registry(stored.options, CountingHex());
+    EXPECT_TRUE(registry.Restore().ok());
+    const std::vector<JobView> failed = registry.failed_jobs();
+    if (!failed.empty()) {
+      out.failure = absl::StrReplaceAll(failed[0].failure, {{copy, "<state>"}});
+      return out;
+    }
+    out.packed_bytes = registry.PackedBytes(job.job_id);  // before GetPlan unpacks them
+    for (int step = 0; step < kSteps; ++step) {
+      bool ready = false;
+      absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+          registry.GetPlan(job.job_id, step, 0, &ready);
+      EXPECT_TRUE(plan.ok() && ready) << step;
+      out.plans.push_back(plan.ok() ? CanonicalPlanText(**plan) : "");
+    }
+    absl::StatusOr<JobView> view = registry.GetJob(job.job_id);
+    EXPECT_TRUE(view.ok());
+    if (view.ok()) {
+      out.next_step = view->next_step;
+      out.speed_factors = view->speed_factors;
+      out.per_token = view->coefficients.per_token;
+    }
+    return out;
+  };
+  const Restored one = restore(1, nullptr);
+  EXPECT_EQ(one.failure, "");
+  EXPECT_EQ(one.plans, plans);
+  EXPECT_EQ(one.next_step, kSteps);
+  EXPECT_GT(one.packed_bytes, 0);  // the old steps were packed
+  for (int threads : {2, 3}) {
+    const Restored many = restore(threads, nullptr);
+    EXPECT_EQ(many.failure, "") << threads;
+    EXPECT_EQ(many.plans, plans) << threads;
+    EXPECT_EQ(many.next_step, one.next_step) << threads;
+    EXPECT_EQ(many.speed_factors, one.speed_factors) << threads;
+    EXPECT_EQ(many.per_token, one.per_token) << threads;
+    EXPECT_EQ(many.packed_bytes, one.packed_bytes) << threads;
+  }
+
+  // Steps 4 and 9 broken: garbage records (the load fails), or plans of a split document
+  // that their batch refutes in two different ways (the restore's checks fail).
+  const JobSettings settings = test_support::SmallJob(kRanks);
+  const LatencyModel prior(settings.planner.shape, kRanks, kDefaultCostPrior);
+  auto save_broken = [&](const std::string& job_dir, int64_t step, void (*mutate)(StepPlan*)) {
+    absl::StatusOr<std::unique_ptr<PlanStore>> store =
+        PlanStore::Open(job_dir.substr(0, job_dir.rfind('/')), false);
+    ASSERT_TRUE(store.ok()) << store.status();
+    test_support::ShardedStep sharded = test_support::MakeShardedStep(prior, kRanks);
+    mutate(&sharded.plan);
+    ASSERT_TRUE((*store)->SaveStep(job.job_id, step, sharded.batch, sharded.plan, false).ok());
+  };
+  const std::vector<std::pair<std::function<void(const std::string&)>, std::string>> breaks = {
+      {[](const std::string& job_dir) {
+         WriteBytes(job_dir + "/step-4.pb", "\xff\xff\xff\xff garbage");
+         WriteBytes(job_dir + "/step-9.pb", "\xff\xff\xff\xff garbage");
+       },
+       "step-4.pb"},
+      {[&](const std::string& job_dir) {
+         save_broken(job_dir, 4, [](StepPlan* p) {
+           p->ranks[0].micro_batches[0].samples[0].shard_end -= 64;
+           p->ranks[0].micro_batches[0].tokens -= 64;
+         });
+         save_broken(job_dir, 9, [](StepPlan* p) {
+           p->ranks[0].micro_batches[0].samples[0].shard_begin = 13300;
+           p->ranks[0].micro_batches[0].tokens += 12;
+         });
+       },
+       "leaves a gap"},
+  };
+  for (const auto& [broken, reason] : breaks) {
+    const Restored serial = restore(1, broken);
+    EXPECT_THAT(serial.failure,
+                ::testing::AllOf(::testing::HasSubstr("step-4"), ::testing::HasSubstr(reason)));
+    for (int threads : {2, 3}) {
+      EXPECT_EQ(restore(threads, broken).failure, serial.failure) << threads;
+    }
+  }
+}
+
 TEST(PlanStoreTest, JoinsSurviveARestartWithoutASnapshotAfterThem) {
   const std::string dir = TempDir();
   const StoredOptions stored = OptionsWithStore(dir, false);
