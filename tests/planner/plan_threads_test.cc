@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/recall_model.h"
@@ -47,6 +48,40 @@ TEST(PlanThreadsTest, EveryIndexRunsOnce) {
       }
     }
   }
+}
+
+// ParallelEach runs every item once however few there are, and shares even two items with
+// the helpers: the helper that takes an item waits there until the caller has taken the other,
+// which it could not if the loop ran on the calling thread alone.
+TEST(PlanThreadsTest, ParallelEachRunsEveryItemOnceAndSharesFewItems) {
+  for (int threads : {1, 2, 3}) {
+    PlanThreads pool(threads);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{2}, size_t{5}, size_t{64}}) {
+      std::vector<std::atomic<int>> runs(n);
+      ParallelEach(&pool, n, [&](size_t i) { runs[i].fetch_add(1); });
+      ParallelEach(nullptr, n, [&](size_t i) { runs[i].fetch_add(1); });
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(runs[i].load(), 2) << "item " << i << " of " << n << ", " << threads;
+      }
+    }
+  }
+  PlanThreads pool(2);
+  std::atomic<int> started{0};
+  std::set<std::thread::id> ran_on;
+  absl::Mutex mu;
+  ParallelEach(&pool, 2, [&](size_t) {
+    {
+      absl::MutexLock lock(&mu);
+      ran_on.insert(std::this_thread::get_id());
+    }
+    started.fetch_add(1);
+    // Both items in flight at once, or (a helper never coming) the caller alone after 10 s.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (started.load() < 2 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::yield();
+    }
+  });
+  EXPECT_EQ(ran_on.size(), 2u);
 }
 
 TEST(PlanThreadsTest, SizeIsClamped) {
