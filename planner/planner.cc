@@ -526,7 +526,13 @@ BatchRange CheckBatchRange(const std::vector<Sample>& batch, const PlannerConfig
     if (range.first_not_increasing == end && i > 0 && batch[i - 1].id >= s.id) {
       range.first_not_increasing = i;
     }
-    if (!CheckSampleFields(i, s, config, longest_document).ok()) {
+    // CheckSampleFields' answer, its cheap checks inline: a call and a status a sample cost 18
+    // instructions a sample more than the loop's own checks.
+    const int64_t longest = s.segments.empty() ? longest_document : config.micro_batch_capacity;
+    const bool plain_ok =
+        s.length >= 1 && s.length <= longest && s.sensitivity >= 0.0 && s.sensitivity <= 1.0;
+    if (!plain_ok ||
+        (!s.segments.empty() && !CheckSampleFields(i, s, config, longest_document).ok())) {
       range.first_bad = i;
       break;
     }
