@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "planner/plan_threads.h"
 #include "planner/planner.h"
 #include "proto/wire.h"
 #include "server/job_registry.h"
@@ -83,6 +84,10 @@ absl::Status OpenServer(const std::string& dir, Server* server, std::set<std::st
   options.limits = FuzzLimits();
   options.max_jobs = kMaxJobs;
   options.store = server->store.get();
+  // Planning threads, as sb-planner has them: a restart restores each job's steps on them
+  // (JobRegistry::Restore), and large enough steps plan on them.
+  static PlanThreads threads(2);
+  options.plan_threads = &threads;
   server->registry = std::make_unique<JobRegistry>(options, CountingHex);
   if (absl::Status s = server->registry->Restore(); !s.ok()) return s;
   for (const JobView& job : server->registry->failed_jobs()) {
