@@ -80,7 +80,7 @@ ABSL_FLAG(double, state_check_seconds, 5.0,
 ABSL_FLAG(int, plan_threads, 0,
           "threads each step's planning is split over, 1-64 (0: the CPUs this process may use, "
           "after its affinity and its cgroup's CPU limit, at most 8); plans are the same bytes "
-          "with any number");
+          "with any number. A restart also restores --state_dir's jobs on them");
 ABSL_FLAG(int, max_waiting_calls, 16384,
           "GetRankPlan calls waiting for their step at once (RESOURCE_EXHAUSTED above); per job "
           "at most 2 per rank + 64");
