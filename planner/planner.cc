@@ -73,14 +73,7 @@ std::array<double, N> JoinBlocks(const std::vector<std::array<double, N>>& parti
 template <size_t N, typename Block>
 std::array<double, N> SumBlocksOf(size_t n, PlanThreads* threads, const Block& block) {
   std::vector<std::array<double, N>> partial(SumBlocks(n));
-  auto run = [&](size_t first, size_t last) {
-    for (size_t b = first; b < last; ++b) partial[b] = block(b);
-  };
-  if (threads != nullptr && threads->size() > 1 && partial.size() > 1) {
-    threads->Run(partial.size(), partial.size(), run);
-  } else {
-    run(0, partial.size());
-  }
+  ParallelEach(threads, partial.size(), [&](size_t b) { partial[b] = block(b); });
   return JoinBlocks(partial);
 }
 
@@ -472,8 +465,20 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
 
 namespace {
 
-// ValidateBatch's checks of sample i's own fields (all but its id's uniqueness); the longest a
-// document (no segments) may be is `longest_document`.
+// The longest sample `s` may be: a document (no segments) up to `longest_document`.
+inline int64_t LongestAllowed(const Sample& s, const PlannerConfig& config,
+                              int64_t longest_document) {
+  return s.segments.empty() ? longest_document : config.micro_batch_capacity;
+}
+
+// Whether CheckSampleFields passes sample `s` but for its segments: its length and sensitivity.
+inline bool PlainFieldsOk(const Sample& s, const PlannerConfig& config, int64_t longest_document) {
+  return s.length >= 1 && s.length <= LongestAllowed(s, config, longest_document) &&
+         s.sensitivity >= 0.0 && s.sensitivity <= 1.0;
+}
+
+// ValidateBatch's checks of sample i's own fields (all but its id's uniqueness), each with its
+// message; the longest a document (no segments) may be is `longest_document`.
 absl::Status CheckSampleFields(size_t i, const Sample& s, const PlannerConfig& config,
                                int64_t longest_document) {
   if (s.length < 1) {
@@ -481,8 +486,7 @@ absl::Status CheckSampleFields(size_t i, const Sample& s, const PlannerConfig& c
   }
   // With context parallelism a document (no segments) may be up to max_shards capacities
   // long: it is split over that many ranks (context_parallel.h).
-  const int64_t longest = s.segments.empty() ? longest_document : config.micro_batch_capacity;
-  if (s.length > longest) {
+  if (s.length > LongestAllowed(s, config, longest_document)) {
     return SampleError(
         i, "length",
         config.max_shards > 1
@@ -527,11 +531,8 @@ BatchRange CheckBatchRange(const std::vector<Sample>& batch, const PlannerConfig
       range.first_not_increasing = i;
     }
     // CheckSampleFields' answer, its cheap checks inline: a call and a status a sample cost 18
-    // instructions a sample more than the loop's own checks.
-    const int64_t longest = s.segments.empty() ? longest_document : config.micro_batch_capacity;
-    const bool plain_ok =
-        s.length >= 1 && s.length <= longest && s.sensitivity >= 0.0 && s.sensitivity <= 1.0;
-    if (!plain_ok ||
+    // instructions a sample more than the checks themselves.
+    if (!PlainFieldsOk(s, config, longest_document) ||
         (!s.segments.empty() && !CheckSampleFields(i, s, config, longest_document).ok())) {
       range.first_bad = i;
       break;
@@ -860,7 +861,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
   };
   std::vector<RankFigures> rank_figures(assignment.ranks.size());
   // A sample's largest indivisible piece from its features (see `add` below).
-  auto Piece = [&](const Sample& s, size_t i, const MicroBatchFeatures& f) {
+  auto piece_of = [&](const Sample& s, size_t i, const MicroBatchFeatures& f) {
     if (config.max_shards > 1 && Splittable(s)) {
       return model.SampleSeconds(s, densities[i]) / config.max_shards;
     }
@@ -889,7 +890,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
       if (!per_layer) {
         const MicroBatchFeatures f = table.FeaturesAt(s, i, rho);
         record.active_blocks = f.active_blocks;
-        record.piece = Piece(s, i, f);
+        record.piece = piece_of(s, i, f);
       }
     }
   });
@@ -946,14 +947,14 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         mb.tokens += query_tokens;
         // A whole sample at one density has the features placement and tuning counted last
         // (SampleTable::FeaturesAt, kept in its record).
-        const bool layered = per_layer && !planned.layer_densities.empty();
-        const bool whole = split == nullptr && !layered;
+        // The record has them unless the job plans per-layer densities.
+        const bool from_record = split == nullptr && !per_layer;
         MicroBatchFeatures f;
-        if (whole && !per_layer) {
+        if (from_record) {
           f.active_blocks = record.active_blocks;
           f.tokens = static_cast<double>(record.length);
           f.documents = static_cast<double>(record.documents);
-        } else if (whole) {
+        } else if (split == nullptr && planned.layer_densities.empty()) {
           f = table.FeaturesAt(batch[i], i, record.density);
         } else {
           f = model.PlannedSampleFeatures(planned);
@@ -966,7 +967,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
         // The largest indivisible piece: a whole sample, or with splitting allowed a
         // splittable document's share of it on max_shards ranks (a lower bound on its largest
         // shard: the exchange and per-shard overheads only add).
-        const double piece = whole && !per_layer ? record.piece : Piece(batch[i], i, f);
+        const double piece = from_record ? record.piece : piece_of(batch[i], i, f);
         figures.largest = std::max(figures.largest, piece);
         double sample_recall = 0.0;
         double default_recall = 0.0;

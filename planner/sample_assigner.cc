@@ -1071,13 +1071,7 @@ absl::Status Placer::PlaceInParts(PlanThreads* threads, std::vector<int>* rest) 
     }
     part.largest = largest;
   };
-  if (threads != nullptr && threads->size() > 1) {
-    threads->Run(parts, parts, [&](size_t begin, size_t end) {
-      for (size_t p = begin; p < end; ++p) place_part(static_cast<int>(p));
-    });
-  } else {
-    for (int p = 0; p < parts; ++p) place_part(p);
-  }
+  ParallelEach(threads, parts, [&](size_t p) { place_part(static_cast<int>(p)); });
   for (const Workspace::Part& part : parts_) {
     if (!part.error.ok()) return part.error;
   }
@@ -1296,14 +1290,7 @@ Assignment Placer::Collect(std::vector<int> deferred, PlanThreads* threads) cons
   // rest (the units placed after the parts, and the moves) in order.
   if (part_begin_.size() > 2) {
     const int parts = static_cast<int>(part_begin_.size()) - 1;
-    auto gather_parts = [&](size_t first, size_t last) {
-      for (size_t q = first; q < last; ++q) gather(parts_[q].placements, part_begin_[q]);
-    };
-    if (threads != nullptr && threads->size() > 1) {
-      threads->Run(parts, parts, gather_parts);
-    } else {
-      gather_parts(0, parts);
-    }
+    ParallelEach(threads, parts, [&](size_t q) { gather(parts_[q].placements, part_begin_[q]); });
   }
   gather(placements_, whole_.numbered);
   out.deferred = std::move(deferred);
