@@ -549,20 +549,24 @@ struct NodeReports {
   // Adds a rank's report; the node's last sends them all.
   void Add(v1::PlannerService::Stub* stub, const v1::ReportStepRequest& report,
            std::function<void(const grpc::Status&, double)> on_done) {
+    // The last rank's call takes every rank's on_done with it, out of the lock's reach.
+    std::vector<std::function<void(const grpc::Status&, double)>> all;
     {
       absl::MutexLock lock(&mu);
       *request.add_reports() = report;
       done.push_back(std::move(on_done));
       if (request.reports_size() < ranks) return;
+      all = std::move(done);
     }
     const Clock::time_point t0 = Clock::now();
-    stub->async()->ReportStepBatch(&context, &request, &response, [this, t0](grpc::Status s) {
-      if (s.ok() && response.responses_size() != ranks) {
-        s = grpc::Status(grpc::StatusCode::INTERNAL, "answers do not match the reports");
-      }
-      const double seconds = Seconds(t0, Clock::now());
-      for (const auto& d : done) d(s, seconds);
-    });
+    stub->async()->ReportStepBatch(
+        &context, &request, &response, [this, t0, all = std::move(all)](grpc::Status s) {
+          if (s.ok() && response.responses_size() != ranks) {
+            s = grpc::Status(grpc::StatusCode::INTERNAL, "answers do not match the reports");
+          }
+          const double seconds = Seconds(t0, Clock::now());
+          for (const auto& d : all) d(s, seconds);
+        });
   }
   const int ranks;
   absl::Mutex mu;

@@ -915,7 +915,7 @@ absl::Status JobRegistry::TakeReports(const std::string& job_id, Job& job, int64
 void JobRegistry::Fold(const std::string& id, Job& job, int64_t step, StepRecord& record) {
   // Once, whatever happens: a step that cannot be folded now never can.
   record.folded = true;
-  auto fail = [&](const absl::Status& why) {
+  auto fail = [&](const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu) {
     ++job.unfolded_steps;
     job.fold_failure = absl::StrCat("step ", step, ": ", why.message()).substr(0, 1024);
     if (options_.on_fold_failure) options_.on_fold_failure(id, step, why);
