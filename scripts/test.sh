@@ -3,7 +3,9 @@
 # (default build-test/, separate from the demo's build/), checks format and lint
 # (scripts/lint.sh), runs the whole CTest suite (unit, property, simulator-bar, service, client
 # and command-line tests), builds a project against the installed package, runs both fuzzers
-# briefly, and runs the planning benchmark and the service load generator once, briefly.
+# briefly, runs the planner's and the registry's threaded tests under ThreadSanitizer
+# (scripts/tsan.sh), and runs the planning benchmark and the service load generator once,
+# briefly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,6 +50,18 @@ if [ "${CI:-}" = "true" ]; then export FUZZ_SECONDS=${FUZZ_SECONDS:-20}; fi
 fuzz_log="$BUILD_DIR/fuzz.log"
 bash scripts/fuzz.sh >"$fuzz_log" 2>&1 || { tail -n 60 "$fuzz_log"; exit 1; }
 grep -E "^fuzz.sh|stat::number_of_executed_units" "$fuzz_log"
+
+# ThreadSanitizer over the planning threads (sb-plan-digest plans its 88 cases on 2 threads)
+# and the registry (restore on threads): the tests that run no gRPC, whose TSan runs report
+# nothing at all. About 3 minutes; scripts/tsan.sh alone also runs the service's and the
+# client's tests and sb-load against a real sb-planner.
+tsan_log="$BUILD_DIR/tsan.log"
+TSAN_LOAD=0 TSAN_TESTS="bench/sb-plan-digest tests/planner/plan_threads_test
+  tests/planner/planner_test tests/planner/sample_table_test tests/planner/sample_assigner_test
+  tests/planner/sparsity_tuner_test tests/server/job_registry_test tests/server/plan_store_test
+  tests/server/registry_faults_test" \
+  bash scripts/tsan.sh >"$tsan_log" 2>&1 || { tail -n 60 "$tsan_log"; exit 1; }
+grep "^tsan.sh" "$tsan_log"
 
 # The planner benchmark must run (its figures are reported, never asserted).
 "$BUILD_DIR/bench/sb-planner-bench" --benchmark_filter='/512/64' --benchmark_min_time=0.05
