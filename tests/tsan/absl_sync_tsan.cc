@@ -38,8 +38,7 @@ namespace {
 void* Real(const char* head, const char* rest) {
 #if ABSL_OPTION_USE_INLINE_NAMESPACE
   const std::string ns = SB_STR(ABSL_OPTION_INLINE_NAMESPACE_NAME);
-  const std::string name =
-      std::string(head) + "4absl" + std::to_string(ns.size()) + ns + rest;
+  const std::string name = std::string(head) + "4absl" + std::to_string(ns.size()) + ns + rest;
 #else
   const std::string name = std::string(head) + "4absl" + rest;
 #endif
@@ -64,6 +63,19 @@ struct IgnoreAccesses {
     AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
   }
 };
+
+// The library's `call` as TSan should see a wait on `mu`: with `give_up`, the mutex released
+// before it (Await, a CondVar's wait); acquired after it; the accesses inside it ignored.
+template <typename Mu, typename Call>
+auto AsWait(Mu* mu, bool give_up, Call call) {
+  if (give_up) __tsan_release(mu);
+  struct AcquireAfter {
+    Mu* mu;
+    ~AcquireAfter() { __tsan_acquire(mu); }
+  } acquire{mu};
+  IgnoreAccesses ignore;  // ends before `acquire`
+  return call();
+}
 
 }  // namespace
 
@@ -108,88 +120,45 @@ void Mutex::ReaderUnlock() {
 }
 void Mutex::LockWhen(const Condition& cond) {
   SB_REAL(void (*)(Mutex*, const Condition&), "_ZN", "5Mutex8LockWhenERKNS0_9ConditionE");
-  {
-    IgnoreAccesses ignore;
-    real(this, cond);
-  }
-  __tsan_acquire(this);
+  AsWait(this, false, [&] { real(this, cond); });
 }
 bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
   SB_REAL(bool (*)(Mutex*, const Condition&, Duration), "_ZN",
           "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  bool met;
-  {
-    IgnoreAccesses ignore;
-    met = real(this, cond, timeout);
-  }
-  __tsan_acquire(this);
-  return met;
+  return AsWait(this, false, [&] { return real(this, cond, timeout); });
 }
 bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
   SB_REAL(bool (*)(Mutex*, const Condition&, Time), "_ZN",
           "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  bool met;
-  {
-    IgnoreAccesses ignore;
-    met = real(this, cond, deadline);
-  }
-  __tsan_acquire(this);
-  return met;
+  return AsWait(this, false, [&] { return real(this, cond, deadline); });
 }
 void Mutex::Await(const Condition& cond) {
   SB_REAL(void (*)(Mutex*, const Condition&), "_ZN", "5Mutex5AwaitERKNS0_9ConditionE");
-  __tsan_release(this);
-  {
-    IgnoreAccesses ignore;
-    real(this, cond);
-  }
-  __tsan_acquire(this);
+  AsWait(this, true, [&] { real(this, cond); });
 }
 bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
   SB_REAL(bool (*)(Mutex*, const Condition&, Duration), "_ZN",
           "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  __tsan_release(this);
-  bool met;
-  {
-    IgnoreAccesses ignore;
-    met = real(this, cond, timeout);
-  }
-  __tsan_acquire(this);
-  return met;
+  return AsWait(this, true, [&] { return real(this, cond, timeout); });
 }
 bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
   SB_REAL(bool (*)(Mutex*, const Condition&, Time), "_ZN",
           "5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  __tsan_release(this);
-  bool met;
-  {
-    IgnoreAccesses ignore;
-    met = real(this, cond, deadline);
-  }
-  __tsan_acquire(this);
-  return met;
+  return AsWait(this, true, [&] { return real(this, cond, deadline); });
 }
 void CondVar::Wait(Mutex* mu) {
   SB_REAL(void (*)(CondVar*, Mutex*), "_ZN", "7CondVar4WaitEPNS0_5MutexE");
-  __tsan_release(mu);
-  real(this, mu);
-  __tsan_acquire(mu);
+  AsWait(mu, true, [&] { real(this, mu); });
 }
 bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
   SB_REAL(bool (*)(CondVar*, Mutex*, Duration), "_ZN",
           "7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
-  __tsan_release(mu);
-  const bool timed_out = real(this, mu, timeout);
-  __tsan_acquire(mu);
-  return timed_out;
+  return AsWait(mu, true, [&] { return real(this, mu, timeout); });
 }
 bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
   SB_REAL(bool (*)(CondVar*, Mutex*, Time), "_ZN",
           "7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
-  __tsan_release(mu);
-  const bool timed_out = real(this, mu, deadline);
-  __tsan_acquire(mu);
-  return timed_out;
+  return AsWait(mu, true, [&] { return real(this, mu, deadline); });
 }
 void Notification::Notify() {
   SB_REAL(void (*)(Notification*), "_ZN", "12Notification6NotifyEv");
