@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ThreadSanitizer over the code that runs on several threads: the planning threads, the
 # service's reactors and long polls, restore on threads, the client's report streams and
-# sessions, and sb-load's clients against a real sb-planner (TSAN_LOAD=0 leaves those out).
+# sessions, the worker's runner and shard exchange, and sb-load's clients against a real
+# sb-planner (TSAN_LOAD=0 leaves those out).
 # About 6 minutes on 2 cores, the build included; run it after changing anything threaded.
 # scripts/test.sh runs the part without gRPC (the planner's and the registry's tests, whose
 # runs make no report at all) in about 3.
@@ -31,7 +32,8 @@ TSAN_TESTS=${TSAN_TESTS:-"bench/sb-plan-digest tests/planner/plan_threads_test
   tests/server/job_registry_test tests/server/plan_store_test tests/server/registry_faults_test
   tests/server/planner_metrics_test tests/server/planner_service_test
   tests/server/sb_planner_test tests/server/sb_health_test tests/client/balancer_test
-  tests/client/trainer_session_test"}
+  tests/client/trainer_session_test tests/worker/micro_batch_runner_test
+  tests/worker/shard_exchange_test tests/worker/step_sync_test"}
 cmake -S . -B "$TSAN_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS="-fsanitize=thread" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" \
   -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=thread" -DSB_WITH_CUDA=OFF -DSB_BUILD_PYTHON=OFF \
