@@ -3,7 +3,8 @@
 # service's reactors and long polls, restore on threads, the client's report streams and
 # sessions, the worker's runner and shard exchange, and sb-load's clients against a real
 # sb-planner (TSAN_LOAD=0 leaves those out).
-# About 6 minutes on 2 cores, the build included; run it after changing anything threaded.
+# On 2 cores about 6 minutes without the worker's tests, the build included (their kernels'
+# build under TSan adds several); run it after changing anything threaded.
 # scripts/test.sh runs the part without gRPC (the planner's and the registry's tests, whose
 # runs make no report at all) in about 3.
 #   bash scripts/tsan.sh
