@@ -399,15 +399,15 @@ __attribute__((target("avx2"))) bool ActiveBlocksSumAvx2(int64_t rows, const dou
 }
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
 bool ActiveBlocksSumVector(int64_t rows, const double* densities, size_t count, int local_blocks,
                            int64_t* sum) {
-#if defined(__x86_64__) || defined(__i386__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
   return avx2 && ActiveBlocksSumAvx2(rows, densities, count, local_blocks, sum);
-#else
-  return false;
-#endif
 }
+#else
+bool ActiveBlocksSumVector(int64_t, const double*, size_t, int, int64_t*) { return false; }
+#endif
 
 }  // namespace block_geometry_internal
 

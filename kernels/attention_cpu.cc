@@ -101,19 +101,17 @@ HeadTask InputTask(absl::Span<const float> q, absl::Span<const float> k,
 
 }  // namespace
 
+#if defined(SB_KERNELS_HAVE_AVX2_TILES)
 namespace {
 
-// The widest tile code this CPU runs.
+// Whether this CPU runs the AVX2 tile code (built on x86-64 only: kernels/CMakeLists.txt).
 bool UseAvx2() {
-#if defined(__x86_64__) && defined(SB_KERNELS_HAVE_AVX2_TILES)
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return avx2;
-#else
-  return false;
-#endif
 }
 
 }  // namespace
+#endif
 
 HeadFn ForwardHeadFn() {
 #if defined(SB_KERNELS_HAVE_AVX2_TILES)

@@ -35,6 +35,8 @@ constexpr std::chrono::microseconds kSpinFor(200);
 void Pause() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield" ::: "memory");  // a hint, as pause: no call into the kernel
 #else
   std::this_thread::yield();
 #endif

@@ -454,15 +454,17 @@ __attribute__((target("avx2"))) bool DealUnitsAvx2(int parts, const double* per_
 #endif
 
 // DealUnitsAvx2 where the CPU has AVX2 and it takes the inputs; false where it does not deal.
+#if defined(__x86_64__) || defined(__i386__)
 bool DealUnitsVector(int parts, const double* per_rate, const int* order, const char* costs,
                      size_t stride, int n, int* part_of, int* count) {
-#if defined(__x86_64__) || defined(__i386__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
   return avx2 && DealUnitsAvx2(parts, per_rate, order, costs, stride, n, part_of, count);
-#else
-  return false;
-#endif
 }
+#else
+bool DealUnitsVector(int, const double*, const int*, const char*, size_t, int, int*, int*) {
+  return false;
+}
+#endif
 
 }  // namespace sample_assigner_internal
 

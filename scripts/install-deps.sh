@@ -2,7 +2,8 @@
 # Installs the Debian (bookworm) packages SparseBalance builds and tests with, when missing.
 # Idempotent and quick when everything is present: it asks dpkg first and only then apt-get.
 # Run as root (or with sudo available). The Python side (torch, pytest, ...) comes from PyPI into
-# a virtual environment: scripts/python-env.sh.
+# a virtual environment: scripts/python-env.sh. Given package names, installs those instead
+# (scripts/cross-aarch64.sh's cross compiler and arm64 libraries).
 set -euo pipefail
 
 packages=(
@@ -15,6 +16,7 @@ packages=(
   prometheus python3-yaml valgrind linux-perf
   python3-dev python3-venv
 )
+if [ $# -gt 0 ]; then packages=("$@"); fi
 
 missing=()
 for p in "${packages[@]}"; do
