@@ -42,13 +42,14 @@ bash scripts/install-deps.sh g++-aarch64-linux-gnu qemu-user qemu-user-binfmt \
   libgtest-dev:arm64 libgmock-dev:arm64 libbenchmark-dev:arm64
 # prometheus-cpp-dev is not co-installable across architectures: installing the arm64 one
 # removes the host's (and the host's build then fails to configure). Its files are unpacked
-# into the build directory instead, and found there.
+# into the build directory instead, and found there (apt warns that the download runs unsandboxed
+# as root, since its user cannot write there: harmless).
 prometheus_root="$PWD/$CROSS_BUILD_DIR/prometheus-cpp-dev"
 if [ ! -f "$prometheus_root/usr/lib/aarch64-linux-gnu/cmake/prometheus-cpp/prometheus-cpp-config.cmake" ]; then
   mkdir -p "$prometheus_root"
   (cd "$prometheus_root" && apt-get download -q prometheus-cpp-dev:arm64 \
     libprometheus-cpp-core1.0:arm64 libprometheus-cpp-pull1.0:arm64 \
-    libprometheus-cpp-push1.0:arm64 2>/dev/null &&
+    libprometheus-cpp-push1.0:arm64 &&
     for deb in ./*.deb; do dpkg -x "$deb" .; done && rm -f ./*.deb)
 fi
 
