@@ -95,6 +95,20 @@ bool IsLowerHex(const std::string& s) {
   return true;
 }
 
+// What a kept step's batch is checked against (at restore, and when the step is submitted
+// again): the job's config with the two settings that bound a batch, and that UpdateJobConfig
+// may have tightened since the step was planned, at their loosest. `overflow` may have become
+// `error` after a step deferred samples, and `max_shards` may have been lowered after a step
+// split a document longer than the capacity; checked against the config as it is now, such a
+// step's repeat was refused, and at restart the whole job was quarantined. Its bounds still
+// keep every sum of the batch from overflowing (ValidateBatch).
+absl::StatusOr<ValidConfig> KeptBatchConfig(const PlannerConfig& config) {
+  PlannerConfig loosest = config;
+  loosest.overflow = OverflowPolicy::kDefer;
+  loosest.max_shards = std::min(config.ranks, kMaxShards);
+  return ValidConfig::Check(loosest);
+}
+
 }  // namespace
 
 std::string BatchFingerprint(const std::vector<Sample>& batch) {
@@ -380,11 +394,9 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
   job->joins_appended = l.joins_log_bytes;
   job->next_step = stored.next_step;
   const std::set<int64_t> folded(stored.folded_steps.begin(), stored.folded_steps.end());
-  // Batches of the history are checked without the step capacity: overflow may have been
-  // changed to `error` after a deferring step was planned.
-  PlannerConfig deferring = config;
-  deferring.overflow = OverflowPolicy::kDefer;
-  absl::StatusOr<ValidConfig> batch_config = ValidConfig::Check(deferring);
+  // Batches of the history are checked against the loosest config they may have been planned
+  // with (KeptBatchConfig).
+  absl::StatusOr<ValidConfig> batch_config = KeptBatchConfig(config);
   if (!batch_config.ok()) return absl::DataLossError(batch_config.status().message());
   // Each step is checked and made a record on the threads, on its own (its batch validated and
   // indexed, its plan and reports checked: 0.46 s one after another for a 4,096-rank job's 64
@@ -569,8 +581,16 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   absl::MutexLock lock(&job->mu);
   if (absl::Status s = LiveOrNotFound(job_id, *job); !s.ok()) return s;
   // The one check of the batch against the job's config, before anything else (a repeat with an
-  // invalid batch is INVALID_ARGUMENT, not ALREADY_EXISTS).
-  if (absl::Status s = ValidateBatch(batch, job->config); !s.ok()) return s;
+  // invalid batch is INVALID_ARGUMENT, not ALREADY_EXISTS). A step planned already is checked as
+  // restore checks it (KeptBatchConfig): the same batch again gets the same answer after
+  // UpdateJobConfig tightened overflow or max_shards.
+  if (step >= 0 && step < job->next_step) {
+    absl::StatusOr<ValidConfig> kept = KeptBatchConfig(job->config.get());
+    if (!kept.ok()) return kept.status();
+    if (absl::Status s = ValidateBatch(batch, *kept); !s.ok()) return s;
+  } else if (absl::Status s = ValidateBatch(batch, job->config); !s.ok()) {
+    return s;
+  }
   if (step < 0 || step >= kMaxStep) {
     return absl::InvalidArgumentError(
         absl::StrCat("step: ", step, " is outside [0, 2^48); steps count from 0"));

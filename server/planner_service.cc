@@ -453,13 +453,19 @@ void PlannerServiceImpl::Unpark(const std::shared_ptr<Wait>& wait) {
 }
 
 void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
+  // The step's waiters, and those of every earlier step: a planned_locally submit may skip
+  // steps (their ranks ran local plans), whose waiters would otherwise wait for a plan that no
+  // longer comes until their deadline, or for ever without one (each holding a place under
+  // --max_waiting_calls). They are answered as a fresh call would be: FAILED_PRECONDITION.
   std::vector<std::shared_ptr<Wait>> woken;
   {
     absl::MutexLock lock(&waiters_mu_);
-    auto it = waiters_.find({job_id, step});
-    if (it == waiters_.end()) return;
-    woken.assign(it->second.begin(), it->second.end());
-    waiters_.erase(it);
+    for (auto it = waiters_.lower_bound({job_id, std::numeric_limits<int64_t>::min()});
+         it != waiters_.end() && it->first.first == job_id && it->first.second <= step;) {
+      woken.insert(woken.end(), it->second.begin(), it->second.end());
+      it = waiters_.erase(it);
+    }
+    if (woken.empty()) return;
     waiting_ -= static_cast<int>(woken.size());
     if ((waiting_per_job_[job_id] -= static_cast<int>(woken.size())) <= 0) {
       waiting_per_job_.erase(job_id);

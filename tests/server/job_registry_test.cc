@@ -11,6 +11,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -347,6 +348,77 @@ TEST_F(JobRegistryTest, ShardSettingsChangeAtRunTimeWithinTheWorldSize) {
   const absl::Status create = registry_.CreateJob("wide", wide, "").status();
   EXPECT_EQ(create.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(create.message()), HasSubstr("config.max_shards"));
+}
+
+// UpdateJobConfig may tighten the two settings that bound a batch (max_shards, overflow) after a
+// step that needed the looser ones was planned. The step stays what it was: its repeat gets the
+// same answer, and a restart restores the job (it was quarantined: its batch was checked against
+// the config as it is now).
+TEST(JobRegistryRestoreTest, StepsPlannedBeforeMaxShardsOrOverflowWereTightenedStay) {
+  std::string dir = ::testing::TempDir() + "tightened_XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobRegistry::Options options;
+  options.store = store->get();
+  JobRegistry registry(options, CountingHex());
+  JobSettings settings = test_support::SmallJob(4);
+  settings.planner.max_shards = 4;
+  settings.planner.overflow = OverflowPolicy::kDefer;
+  absl::StatusOr<CreatedJob> job = registry.CreateJob("tightened", settings, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string& id = job->job_id;
+  // Step 0 splits a document longer than the capacity (65,536); step 1 overflows and defers.
+  std::vector<Sample> split = Batch(1, 4);
+  split.push_back({split.back().id + 1, 100000, 0.0, 0, {}});
+  std::vector<Sample> overfull = test_support::PretrainBatch(2, 4, /*fill=*/0.95);
+  for (const Sample& s : test_support::PretrainBatch(3, 4, 0.5)) {
+    overfull.push_back({s.id + 1000000, s.length, 0.0, 0, {}});
+  }
+  absl::StatusOr<SubmitResult> step0 = registry.SubmitBatch(id, 0, split);
+  ASSERT_TRUE(step0.ok()) << step0.status();
+  bool any_shard = false;
+  for (const RankPlan& rank : step0->plan->ranks) {
+    for (const MicroBatchPlan& mb : rank.micro_batches) {
+      for (const PlannedSample& p : mb.samples) any_shard = any_shard || p.sharded();
+    }
+  }
+  ASSERT_TRUE(any_shard);
+  absl::StatusOr<SubmitResult> step1 = registry.SubmitBatch(id, 1, overfull);
+  ASSERT_TRUE(step1.ok()) << step1.status();
+  ASSERT_FALSE(step1->deferred_ids.empty());
+  const std::string plan0 = CanonicalPlanText(*step0->plan);
+  const std::string plan1 = CanonicalPlanText(*step1->plan);
+
+  settings.planner.max_shards = 1;
+  settings.planner.overflow = OverflowPolicy::kError;
+  ASSERT_TRUE(registry.UpdateJobConfig(id, settings, {"max_shards", "overflow"}).ok());
+  // New steps are checked against the config as it is now.
+  absl::Status now = registry.SubmitBatch(id, 2, split).status();
+  EXPECT_EQ(now.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(now.message()), HasSubstr("exceeds micro_batch_capacity"));
+  // Repeats of the steps planned before: the same answers.
+  for (const auto& [step, batch, text] :
+       {std::make_tuple(0, &split, &plan0), std::make_tuple(1, &overfull, &plan1)}) {
+    absl::StatusOr<SubmitResult> again = registry.SubmitBatch(id, step, *batch);
+    ASSERT_TRUE(again.ok()) << "step " << step << ": " << again.status();
+    EXPECT_TRUE(again->repeated);
+    EXPECT_EQ(CanonicalPlanText(*again->plan), *text);
+  }
+  // A restart serves the job and both steps as they were planned.
+  JobRegistry restarted(options, CountingHex());
+  ASSERT_TRUE(restarted.Restore().ok());
+  absl::StatusOr<JobView> view = restarted.GetJob(id);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->next_step, 2);
+  EXPECT_EQ(view->settings.planner.max_shards, 1);
+  for (const auto& [step, text] : {std::make_pair(0, &plan0), std::make_pair(1, &plan1)}) {
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = restarted.GetPlan(id, step, 0, &ready);
+    ASSERT_TRUE(plan.ok()) << "step " << step << ": " << plan.status();
+    ASSERT_TRUE(ready);
+    EXPECT_EQ(CanonicalPlanText(**plan), *text);
+  }
 }
 
 // Measured times plus a recall for every document of the rank's plan, as if each document's

@@ -519,6 +519,38 @@ TEST_F(PlannerServiceTest, DeletingAJobAnswersItsWaitingRanksNotFound) {
   EXPECT_EQ(service_->waiting_calls(), 0);
 }
 
+// A planned_locally submit that skips steps (the ranks ran them on local plans) answers the
+// calls waiting for the skipped steps at once, as a fresh call for them is answered
+// (FAILED_PRECONDITION), not at their deadline: they waited for a plan that never comes, each
+// holding a place under --max_waiting_calls. The submitted step's own waiters get its plan.
+TEST_F(PlannerServiceTest, ASubmitThatSkipsStepsAnswersTheirWaitingRanks) {
+  const v1::CreateJobResponse job = Create(2);
+  ASSERT_TRUE(Submit(Batch(job.job_id(), 0, 8), job.job_token()).ok());
+  // Rank 0 waits for step 1 and rank 1 for step 3, each with a 10-minute deadline.
+  std::vector<grpc::Status> answers(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      v1::GetRankPlanResponse plan;
+      answers[r] = GetPlan(job.job_id(), job.job_token(), r == 0 ? 1 : 3, r, &plan,
+                           /*deadline_ms=*/600000);
+    });
+  }
+  for (int i = 0; i < 6000 && service_->waiting_calls() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(service_->waiting_calls(), 2);
+  v1::SubmitBatchRequest local = Batch(job.job_id(), 3, 8);
+  local.set_planned_locally(true);
+  ASSERT_TRUE(Submit(local, job.job_token()).ok());
+  for (std::thread& t : ranks) t.join();  // they return because of the submit
+  EXPECT_EQ(answers[0].error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << answers[0].error_message();
+  EXPECT_THAT(answers[0].error_message(), HasSubstr("older than the steps kept"));
+  EXPECT_TRUE(answers[1].ok()) << answers[1].error_message();
+  EXPECT_EQ(service_->waiting_calls(), 0);
+}
+
 // Issue 11 case 2: segments whose sum wraps around (INT64_MAX + INT64_MAX + 3 = 1) crashed the
 // planner or planned garbage. Every fresh planner must refuse them, naming the field.
 TEST_F(PlannerServiceTest, SegmentsThatWrapAroundAreRefused) {
