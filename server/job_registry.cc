@@ -205,12 +205,14 @@ absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
       record.layers != nullptr ? &record.layers->recall.state() : nullptr));
 }
 
-void JobRegistry::TrimHistory(const std::string& id, Job& job) {
+void JobRegistry::TrimHistory(const std::string& id, Job& job, bool drop_files) {
   while (static_cast<int>(job.history.size()) > job.history_steps) {
     const int64_t dropped = job.history.begin()->first;
     job.history.erase(job.history.begin());
     // A step file left behind is dropped again at the next restart: not worth failing for.
-    if (options_.store != nullptr) Stored(options_.store->DropStep(id, dropped)).IgnoreError();
+    if (options_.store != nullptr && drop_files) {
+      Stored(options_.store->DropStep(id, dropped)).IgnoreError();
+    }
   }
 }
 
@@ -414,13 +416,18 @@ absl::StatusOr<std::shared_ptr<JobRegistry::Job>> JobRegistry::RestoreJob(PlanSt
     job->next_step = std::max(job->next_step, n + 1);
     job->history[n] = *std::move(records[k]);
   }
-  TrimHistory(id, *job);
-  // Steps whose last report landed but whose fold's snapshot did not (a crash in between).
+  // Steps whose last report landed but whose fold's snapshot did not (a crash in between),
+  // folded before the history is trimmed: a step beyond it is folded too, not dropped unfolded.
+  bool refolded = false;
   for (auto& [n, record] : job->history) {
     if (!record.folded && record.reports.count() == config.ranks) {
       Fold(id, *job, n, record);
+      refolded = true;
     }
   }
+  // Their files go once a snapshot holds their folds (TrimHistory).
+  TrimHistory(id, *job,
+              /*drop_files=*/!refolded || options_.store == nullptr || SaveJob(id, *job).ok());
   PackOldSteps(*job, options_.plan_threads);
   return job;
 }
@@ -659,12 +666,14 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
   job->history[step] = std::move(record);
   job->next_step = step + 1;
-  TrimHistory(job_id, *job);
-  if (options_.pack_in_submit) PackOldSteps(*job);
   // The snapshot after it only moves next_step (which Restore also takes from the step
   // records) and carries the model (which Restore refolds from the report logs): the step is
-  // acknowledged even when it cannot be written (on_store_failure reports that).
-  SaveJob(job_id, *job, /*sync=*/false).IgnoreError();
+  // acknowledged even when it cannot be written (on_store_failure reports that). Written before
+  // the history is trimmed, and the trimmed steps' files dropped only once it is: a step's report
+  // log is what a restart refolds it from until a snapshot holds its fold.
+  const bool saved = SaveJob(job_id, *job, /*sync=*/false).ok();
+  TrimHistory(job_id, *job, /*drop_files=*/saved);
+  if (options_.pack_in_submit) PackOldSteps(*job);
   const std::shared_ptr<const StepPlan>& planned = job->history[step].plan;
   SubmitResult result{step, planned->deferred_ids, planned, false};
   result.skipped_steps = skipped;

@@ -395,8 +395,12 @@ class JobRegistry {
   static void AddMeasuredRecalls(const StepPlan& plan, int rank,
                                  const std::vector<MicroBatchTiming>& timings,
                                  MeasuredRecalls* measured);
-  // Drops the oldest steps beyond history_steps (and their files).
-  void TrimHistory(const std::string& id, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // Drops the oldest steps beyond history_steps, and with `drop_files` their files. A step's
+  // report log is what restore refolds it from while the snapshot does not list it folded: a
+  // caller whose snapshot with the step's fold was not written keeps the files (the next
+  // restart drops them, after it refolded the step).
+  void TrimHistory(const std::string& id, Job& job, bool drop_files = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // A packed step's values back (no-op for an unpacked one); INTERNAL (never expected) when the
   // packed bytes do not unpack, and then the record is left as it was.
   static absl::Status Unpack(StepRecord& record);

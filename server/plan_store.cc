@@ -118,14 +118,25 @@ absl::Status WriteAll(int fd, absl::string_view bytes, const std::string& path) 
   return err == 0 ? absl::OkStatus() : IoFailure("cannot write", path, err);
 }
 
-// Write to a temporary file, fsync, rename over `path`, fsync the folder. Without `sync` only
-// the rename is atomic: a process crash leaves the old or the new file, a machine crash may
-// lose the write. A failed write removes its temporary file (on a full disk it holds space).
+// How far WriteFileDurably makes a write survive a machine crash (a process crash leaves the
+// old or the new file either way: the rename is atomic). The data is synced before the rename
+// always: unsynced, a machine crash may leave the file renamed but never written (empty or
+// zero-filled where the old one was, on XFS or ext4 without auto_da_alloc).
+enum class Durability {
+  // The folder not synced: after a machine crash the file is the old one or the new one, whole.
+  kWholeFile,
+  // The data and the folder synced: the new file, once the call returns.
+  kDurable,
+};
+
+// Write to a temporary file, fsync it, rename it over `path`, fsync the folder where
+// `durability` asks. A failed write removes its temporary file (on a full disk it holds space).
 // `write` writes the contents at the start of `fd` and returns 0 or an errno. With `spare`, a
 // file of that path (in `dir`) becomes the temporary file when there is one, written over and
 // cut to its new length instead of created (kSpareStepName).
-absl::Status WriteFileDurably(const std::string& dir, const std::string& path, bool sync,
-                              const std::string* spare, absl::FunctionRef<int(int fd)> write) {
+absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
+                              Durability durability, const std::string* spare,
+                              absl::FunctionRef<int(int fd)> write) {
   const std::string tmp = absl::StrCat(path, kTmpSuffix);
   int fd = -1;
   struct stat st;
@@ -143,7 +154,7 @@ absl::Status WriteFileDurably(const std::string& dir, const std::string& path, b
     const off_t end = lseek(fd, 0, SEEK_CUR);
     if (end < 0 || ftruncate(fd, end) != 0) status = IoFailure("cannot truncate", tmp, errno);
   }
-  if (status.ok() && sync && fsync(fd) != 0) status = IoFailure("cannot fsync", tmp, errno);
+  if (status.ok() && fsync(fd) != 0) status = IoFailure("cannot fsync", tmp, errno);
   if (close(fd) != 0 && status.ok()) status = IoFailure("cannot close", tmp, errno);
   if (status.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
     status = IoFailure(absl::StrCat("cannot rename ", tmp, " to"), path, errno);
@@ -152,12 +163,12 @@ absl::Status WriteFileDurably(const std::string& dir, const std::string& path, b
     unlink(tmp.c_str());
     return status;
   }
-  return sync ? SyncDir(dir) : absl::OkStatus();
+  return durability == Durability::kDurable ? SyncDir(dir) : absl::OkStatus();
 }
 
 absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
-                              absl::string_view bytes, bool sync) {
-  return WriteFileDurably(dir, path, sync, /*spare=*/nullptr,
+                              absl::string_view bytes, Durability durability) {
+  return WriteFileDurably(dir, path, durability, /*spare=*/nullptr,
                           [&](int fd) { return WriteAllOrErrno(fd, bytes); });
 }
 
@@ -348,7 +359,10 @@ ParsedLog ParseLegacyLog(absl::string_view log) {
   size_t at = 0;
   while (log.size() - at >= 4) {
     const uint32_t size = GetLe32(log.data() + at);
-    if (size > log.size() - at - 4) break;
+    // A length of 0 ends the log too: a report always has a body, and a log that a machine
+    // crash left zero-filled (its blocks allocated, its data never written) parsed as one empty
+    // report of rank 0 per 4 bytes, which restore took as that rank's acknowledged report.
+    if (size == 0 || size > log.size() - at - 4) break;
     auto* report = google::protobuf::Arena::CreateMessage<state::v1::ReportRecord>(out.arena.get());
     if (!report->ParseFromArray(log.data() + at + 4, static_cast<int>(size))) break;
     out.reports.push_back(report);
@@ -483,7 +497,7 @@ absl::Status PlanStore::CreateJob(const StoredJob& job) {
     return IoFailure("cannot create", job_dir, errno);
   }
   absl::Status status = WriteFileDurably(job_dir, job_dir + "/job.pb",
-                                         EncodeJob(job).SerializeAsString(), /*sync=*/true);
+                                         EncodeJob(job).SerializeAsString(), Durability::kDurable);
   if (status.ok()) status = SyncDir(dir_);
   if (!status.ok()) RemoveTree(dir_, job.job_id).IgnoreError();  // not half a job
   return status;
@@ -492,8 +506,13 @@ absl::Status PlanStore::CreateJob(const StoredJob& job) {
 absl::Status PlanStore::SaveJob(const StoredJob& job, bool sync) {
   if (absl::Status s = CheckJobId(job.job_id); !s.ok()) return s;
   const std::string job_dir = JobDir(job.job_id);
-  absl::Status status = WriteFileDurably(
-      job_dir, job_dir + "/job.pb", EncodeJob(job).SerializeAsString(), sync || fsync_reports_);
+  // Its data synced even without `sync`: a job.pb renamed into place but never written (a
+  // machine crash after a submit) quarantined the whole job at restart, its synced step records
+  // with it. The folder is synced with `sync` only: until it is, a crash leaves the previous
+  // snapshot, which restore brings up to date from the step records and report logs.
+  absl::Status status =
+      WriteFileDurably(job_dir, job_dir + "/job.pb", EncodeJob(job).SerializeAsString(),
+                       sync || fsync_reports_ ? Durability::kDurable : Durability::kWholeFile);
   if (!status.ok() && IsGone(job_dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job.job_id, " has no folder in ", dir_, " (deleted): not saved"));
@@ -514,8 +533,8 @@ absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
   const std::string spare = SparePath(job_dir);
   // Serialized straight into the file (into a spare's cached pages when there is one): a
   // string of the whole record would be megabytes of new pages a step.
-  absl::Status status =
-      WriteFileDurably(job_dir, StepPath(job_dir, step, ".pb"), /*sync=*/true, &spare, [&](int fd) {
+  absl::Status status = WriteFileDurably(
+      job_dir, StepPath(job_dir, step, ".pb"), Durability::kDurable, &spare, [&](int fd) {
         google::protobuf::io::FileOutputStream out(fd, kStreamBufferBytes);
         const bool ok = record->SerializeToZeroCopyStream(&out) && out.Flush();
         if (ok) return 0;
@@ -577,7 +596,8 @@ absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string&
     for (const state::v1::ReportRecord* report : parsed.reports) {
       framed += EncodeRecord(*report);
     }
-    if (absl::Status s = WriteFileDurably(job_dir, path, framed, /*sync=*/true); !s.ok()) return s;
+    if (absl::Status s = WriteFileDurably(job_dir, path, framed, Durability::kDurable); !s.ok())
+      return s;
   }
   return open_log();
 }
@@ -746,6 +766,13 @@ absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
   absl::MutexLock lock(&logs_mu_);
   CloseReportLogsLocked(job_id, step);
   const std::string job_dir = JobDir(job_id);
+  // The report log first: a crash between the two leaves a record without reports, which the
+  // next restart loads and drops again, where a log left without its record was never loaded
+  // nor removed.
+  const std::string reports = StepPath(job_dir, step, ".reports");
+  if (unlink(reports.c_str()) != 0 && errno != ENOENT) {
+    return IoFailure("cannot remove", reports, errno);
+  }
   // The record becomes the job's spare (kSpareStepName), to be written over by a later step;
   // one that cannot be moved there is removed.
   const std::string record = StepPath(job_dir, step, ".pb");
@@ -753,10 +780,6 @@ absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
   if (rename(record.c_str(), spare.c_str()) != 0 && errno != ENOENT &&
       unlink(record.c_str()) != 0 && errno != ENOENT) {
     return IoFailure("cannot remove", record, errno);
-  }
-  const std::string reports = StepPath(job_dir, step, ".reports");
-  if (unlink(reports.c_str()) != 0 && errno != ENOENT) {
-    return IoFailure("cannot remove", reports, errno);
   }
   return absl::OkStatus();
 }
@@ -814,7 +837,7 @@ absl::Status PlanStore::Quarantine(const std::string& job_id, const std::string&
   }
   // The reason goes in first, so that the rename moves the files and their reason at once. A
   // full disk may refuse it; the files are moved out of the way all the same.
-  WriteFileDurably(from, from + "/REASON", reason + "\n", /*sync=*/true).IgnoreError();
+  WriteFileDurably(from, from + "/REASON", reason + "\n", Durability::kDurable).IgnoreError();
   if (absl::Status s = RemoveTree(quarantine, job_id); !s.ok()) return s;  // an earlier one
   if (rename(from.c_str(), to.c_str()) != 0) {
     return IoFailure(absl::StrCat("cannot rename ", from, " to"), to, errno);

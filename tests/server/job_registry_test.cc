@@ -37,6 +37,11 @@ std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int rank) {
 
 using ::testing::HasSubstr;
 
+bool Exists(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0;
+}
+
 class JobRegistryTest : public ::testing::Test {
  protected:
   JobRegistryTest() : registry_(JobRegistry::Options{}, CountingHex()) {}
@@ -418,6 +423,54 @@ TEST(JobRegistryRestoreTest, StepsPlannedBeforeMaxShardsOrOverflowWereTightenedS
     ASSERT_TRUE(plan.ok()) << "step " << step << ": " << plan.status();
     ASSERT_TRUE(ready);
     EXPECT_EQ(CanonicalPlanText(**plan), *text);
+  }
+}
+
+// A step whose last report landed but whose fold no snapshot holds yet (a crash came before the
+// next submit's snapshot) is folded at restart from its report log, also when it is beyond the
+// job's history there: it was trimmed first, its files dropped, its fold lost for good. Its files
+// go once a snapshot holds the fold, and a second restart folds nothing twice.
+TEST(JobRegistryRestoreTest, AStepBeyondTheHistoryIsFoldedBeforeItsFilesGo) {
+  std::string dir = ::testing::TempDir() + "refold_XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobRegistry::Options options;
+  options.store = store->get();
+  std::string id;
+  {
+    JobRegistry registry(options, CountingHex());
+    absl::StatusOr<CreatedJob> job = registry.CreateJob("refold", test_support::SmallJob(2), "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    id = job->job_id;
+    absl::StatusOr<SubmitResult> step0 = registry.SubmitBatch(id, 0, Batch(1, 2));
+    ASSERT_TRUE(step0.ok()) << step0.status();
+    ASSERT_TRUE(registry.SubmitBatch(id, 1, Batch(2, 2)).ok());
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+    for (int r = 0; r < 2; ++r) {
+      absl::StatusOr<bool> reported = registry.ReportStep(id, 0, r, Measure(*step0->plan, r), 0.0);
+      ASSERT_TRUE(reported.ok()) << reported.status();
+    }
+    EXPECT_EQ(registry.GetJob(id)->steps_folded, 1);
+  }  // the process ends before a snapshot holds step 0's fold
+  // The snapshot as that process left it, with a history of one step (as UpdateJobConfig may
+  // have made it, or a record written just before a crash may leave one step too many).
+  absl::StatusOr<PlanStore::Loaded> loaded = (*store)->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  StoredJob snapshot = loaded->jobs[0].job;
+  EXPECT_TRUE(snapshot.folded_steps.empty());
+  snapshot.settings.history_steps = 1;
+  ASSERT_TRUE((*store)->SaveJob(snapshot).ok());
+
+  for (int restart = 0; restart < 2; ++restart) {
+    JobRegistry restarted(options, CountingHex());
+    ASSERT_TRUE(restarted.Restore().ok());
+    absl::StatusOr<JobView> view = restarted.GetJob(id);
+    ASSERT_TRUE(view.ok()) << view.status();
+    EXPECT_EQ(view->steps_folded, 1) << "restart " << restart;
+    EXPECT_FALSE(Exists(dir + "/" + id + "/step-0.reports")) << "restart " << restart;
+    EXPECT_TRUE(Exists(dir + "/" + id + "/step-1.pb")) << "restart " << restart;
   }
 }
 
@@ -905,11 +958,6 @@ struct ManualClock {
   }
   void Advance(std::chrono::seconds by) { *seconds += by.count(); }
 };
-
-bool Exists(const std::string& path) {
-  struct stat st {};
-  return stat(path.c_str(), &st) == 0;
-}
 
 TEST(JobRegistryIdleTest, JobsWithoutAuthorizedCallsForTheTtlAreDeletedWithTheirFiles) {
   std::string dir = ::testing::TempDir() + "idle_ttl_XXXXXX";

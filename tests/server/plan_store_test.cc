@@ -1080,6 +1080,32 @@ TEST(PlanStoreTest, ALogOfThePreviousFormatLoadsAndIsRewrittenOnAppend) {
   EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
 }
 
+// A log that a machine crash left zero-filled (its length grown, its data never written: no
+// --fsync_reports) holds no report. It was read as the previous format, each 4 zero bytes an
+// empty report of rank 0, which restore took as rank 0's acknowledged report and which then
+// refused rank 0's real one as a differing repeat.
+TEST(PlanStoreTest, AZeroFilledLogHoldsNoReport) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  const std::string log = dir + "/" + kJobA + "/step-0.reports";
+  WriteBytes(log, std::string(4096, '\0'));
+  absl::StatusOr<PlanStore::Loaded> loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_TRUE(loaded->failed.empty());
+  EXPECT_TRUE(Ranks(loaded->jobs[0].steps.at(0)).empty());
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 4096);
+  // Rank 0's real report is taken, and the log holds it alone.
+  ASSERT_TRUE(store->AppendReport(kJobA, 0, Report(0)).ok());
+  loaded = store->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps.at(0)), (std::vector<int>{0}));
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).reports[0].micro_batches.size(),
+            Report(0).micro_batches.size());
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
+}
+
 // joins.log: ranks the snapshot lists and ranks the log adds are joined; a sync vouches only
 // for bytes the log holds; a torn record loses only itself, a record naming a rank the job does
 // not have is skipped, a join appended part way is cut back, and a retired job's folder is
