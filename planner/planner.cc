@@ -817,7 +817,7 @@ StepPlan BuildPlan(const std::vector<Sample>& batch, const PlannerConfig& config
                    const Assignment& assignment, const std::vector<double>& densities,
                    const std::vector<double>& defaults, PlanThreads* threads) {
   std::vector<BucketRecallFigures> buckets(kRecallBuckets);
-  const bool per_layer = PlansLayerDensities(config, recall);
+  const bool per_layer = PlansLayerDensities(config, recall, batch.size());
   StepPlan plan;
   plan.policy = config.policy;
   plan.ranks.resize(assignment.ranks.size());

@@ -1951,8 +1951,11 @@ void LayerDensities(const Sample& sample, double density, double floor, const Pl
   }
 }
 
-bool PlansLayerDensities(const PlannerConfig& config, const RecallModel& recall) {
+bool PlansLayerDensities(const PlannerConfig& config, const RecallModel& recall, size_t samples) {
+  // A valid config has at most kMaxLayers (2^12) layers and a batch at most 2^24 samples: the
+  // product fits.
   return (config.policy == Policy::kDst || config.policy == Policy::kSparseBalance) &&
+         static_cast<int64_t>(samples) * config.shape.layers <= kMaxPlannedLayerDensities &&
          recall.HasLayerCurves();
 }
 

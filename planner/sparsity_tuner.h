@@ -7,6 +7,7 @@
 #ifndef SPARSEBALANCE_PLANNER_SPARSITY_TUNER_H_
 #define SPARSEBALANCE_PLANNER_SPARSITY_TUNER_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -135,9 +136,18 @@ std::vector<double> LayerDensities(const Sample& sample, double density, double 
 void LayerDensities(const Sample& sample, double density, double floor, const PlannerConfig& config,
                     const RecallModel& recall, std::vector<double>* densities);
 
-// Whether a plan of `config` with `recall` gives its samples per-layer densities: a tuned policy
-// (DST spreads a sample's density over the layers) once the job has learned per-layer curves.
-bool PlansLayerDensities(const PlannerConfig& config, const RecallModel& recall);
+// The most layer densities one plan gives its samples in all (samples x layers): 2^25, a step
+// of 2^20 samples (the service's --max_samples) of a 32-layer model. Each is a double in the
+// plan, in every rank's plan message and in the step record: a job created with 4,096 layers
+// asked 72 KB of memory per sample of its steps (1.2 GB for 16,384 samples, most of it written
+// and fsync'ed), where a sample of the request takes a few bytes. A larger step is planned with
+// one density per sample, kept in every layer.
+inline constexpr int64_t kMaxPlannedLayerDensities = int64_t{1} << 25;
+
+// Whether a plan of `samples` samples of `config` with `recall` gives its samples per-layer
+// densities: a tuned policy (DST spreads a sample's density over the layers) once the job has
+// learned per-layer curves, unless samples x layers is above kMaxPlannedLayerDensities.
+bool PlansLayerDensities(const PlannerConfig& config, const RecallModel& recall, size_t samples);
 // A planned sample's layer densities as BuildPlan gives them (where PlansLayerDensities):
 // LayerDensities of its batch sample at its planned density, its floor the lower of the
 // sample's and that density. Packed steps compute them again with it (server/step_pack.h).

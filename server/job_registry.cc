@@ -658,7 +658,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
   record.plan = std::make_shared<const StepPlan>(*std::move(plan));
   // The recipe is a copy of the recall model (about 70 KB at 32 layers), where the densities it
   // lets packing leave out take 32 doubles a sample.
-  if (!planned_locally && PlansLayerDensities(job->config.get(), job->recall)) {
+  if (!planned_locally && PlansLayerDensities(job->config.get(), job->recall, batch.size())) {
     record.layers = std::make_shared<const LayerDensityRecipe>(
         LayerDensityRecipe{job->config.get(), job->recall});
   }

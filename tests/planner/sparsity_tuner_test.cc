@@ -16,6 +16,7 @@
 #include "planner/planner.h"
 #include "planner/recall_model.h"
 #include "planner/sample_assigner.h"
+#include "planner/traces.h"
 #include "planner/types.h"
 #include "tests/planner/random_cases.h"
 
@@ -391,6 +392,78 @@ TEST(EstimatedActiveBlocksTest, WithinHalfABlockARowOfTheExactCountAndUnbiased) 
     }
   }
   EXPECT_LT(worst_bias, 0.05);
+}
+
+// Per-layer densities are a double per sample and layer in the plan, every rank's message and
+// the step record: a plan gives at most kMaxPlannedLayerDensities of them, and a larger step gets
+// one density per sample, in every layer (a job of 4,096 layers asked 72 KB per sample of its
+// steps for them, where the request spends a few bytes on a sample).
+TEST(PlansLayerDensitiesTest, AStepOfMoreSamplesTimesLayersThanTheCapGetsOneDensityPerSample) {
+  PlannerConfig config;
+  config.ranks = 4;
+  config.micro_batches = 2;
+  config.micro_batch_capacity = 65536;
+  config.shape.layers = kMaxLayers;
+  RecallModel recall(config.micro_batch_capacity, config.shape.layers);
+  for (int step = 0; step < 20; ++step) {
+    std::vector<RecallObservation> seen;
+    for (int k = 0; k < 100; ++k) {
+      const double rho = 0.05 + 0.45 * (k % 17) / 16.0;
+      seen.push_back({4096, /*layer=*/-1, rho, RecallAt(3.0, rho)});
+      seen.push_back({4096, /*layer=*/0, rho, RecallAt(1.5, rho)});
+    }
+    ASSERT_TRUE(recall.ObserveStep(seen).ok());
+  }
+  ASSERT_TRUE(recall.HasLayerCurves());
+  const size_t most = static_cast<size_t>(kMaxPlannedLayerDensities / kMaxLayers);  // 8,192
+  EXPECT_TRUE(PlansLayerDensities(config, recall, most));
+  EXPECT_FALSE(PlansLayerDensities(config, recall, most + 1));
+  config.policy = Policy::kSab;  // untuned: never
+  EXPECT_FALSE(PlansLayerDensities(config, recall, 16));
+  config.policy = Policy::kSparseBalance;
+
+  // PlanStep follows it. Steps of pretrain documents filling 70% of their ranks: a step's tuned
+  // samples between their bounds get a density per layer, but none in a step of the cap's size
+  // plus one.
+  absl::StatusOr<TraceGenerator> trace = TraceGenerator::Builtin("pretrain", 40);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  auto with_layers = [&](size_t samples) {
+    std::vector<Sample> batch;
+    int64_t tokens = 0;
+    while (batch.size() < samples) {
+      Sample s = trace->Next();
+      if (s.length > config.micro_batch_capacity) continue;
+      tokens += s.length;
+      batch.push_back(s);
+    }
+    PlannerConfig sized = config;
+    sized.ranks = static_cast<int>(
+        std::ceil(static_cast<double>(tokens) /
+                  (0.7 * sized.micro_batches * static_cast<double>(sized.micro_batch_capacity))));
+    absl::StatusOr<ValidConfig> valid = ValidConfig::Check(sized);
+    EXPECT_TRUE(valid.ok()) << valid.status();
+    if (!valid.ok()) return size_t{0};
+    const LatencyModel model = MakeModel(sized, std::vector<double>(sized.ranks, 1.0));
+    absl::StatusOr<StepPlan> plan = PlanStep(batch, *valid, model, recall);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    size_t count = 0;
+    size_t planned = 0;
+    if (!plan.ok()) return count;
+    for (const RankPlan& rank : plan->ranks) {
+      for (const MicroBatchPlan& mb : rank.micro_batches) {
+        for (const PlannedSample& p : mb.samples) {
+          ++planned;
+          if (p.layer_densities.empty()) continue;
+          ++count;
+          EXPECT_EQ(p.layer_densities.size(), static_cast<size_t>(kMaxLayers));
+        }
+      }
+    }
+    EXPECT_EQ(planned, batch.size());
+    return count;
+  };
+  EXPECT_GT(with_layers(40), 0u);
+  EXPECT_EQ(with_layers(most + 1), 0u);
 }
 
 TEST(AllocateDensitiesTest, KeepsRecallWithinBoundsAndSavesTime) {
