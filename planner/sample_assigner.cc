@@ -928,6 +928,32 @@ inline void Placer::Updated(int r, Lane& lane) {
 
 absl::Status Placer::Overflow(int u, std::vector<int>* deferred) const {
   const Unit& unit = units_[u];
+  // A group that fits no rank even with every micro-batch empty (by the fit this placement
+  // uses) fits no step: refused, the error names the group rather than the batch's total (a
+  // single sample always fits an empty rank: ValidateBatch). Deferred, it comes back next step.
+  if (unit.size > 1 && config_.overflow == OverflowPolicy::kError) {
+    const std::vector<int64_t> empty(micro_batches_, config_.micro_batch_capacity);
+    int cursor = 0;
+    std::vector<int> slots;
+    const bool sequential = config_.policy == Policy::kSequential || config_.policy == Policy::kDst;
+    if (!(sequential ? FitInOrder(unit, empty.data(), &cursor, &slots)
+                     : FitsWorst(unit, empty.data()))) {
+      const int i = members_[unit.begin].index;
+      int64_t tokens = 0;
+      int64_t longest = 0;
+      for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
+        tokens += members_[k].length;
+        longest = std::max(longest, members_[k].length);
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          "samples[", original_ != nullptr ? (*original_)[i] : i, "].group: group ",
+          batch_[i].group, " (", unit.size, " samples, ", tokens, " tokens, the longest ", longest,
+          ") does not fit any rank even with its ", config_.micro_batches, " micro-batches of ",
+          config_.micro_batch_capacity,
+          " tokens empty (a group trains on one rank); split the group, or raise micro_batches or "
+          "micro_batch_capacity"));
+    }
+  }
   if (config_.overflow == OverflowPolicy::kDefer) {
     for (int k = unit.begin; k < unit.begin + unit.size; ++k) {
       deferred->push_back(members_[k].index);

@@ -416,6 +416,33 @@ TEST(AssignSamplesTest, UnplaceableSampleUnderErrorNamesTheSampleAndCapacity) {
   }
 }
 
+// A group that fits no rank even with its micro-batches empty is refused naming the group, not
+// the batch's total tokens (which fit): 3 x 600 tokens never share a micro-batch of 1,000, and a
+// rank has 2. Under defer it is deferred whole, as any unit that does not fit.
+TEST(AssignSamplesTest, AGroupThatFitsNoEmptyRankIsNamedInTheError) {
+  PlannerConfig config = test_util::StepConfig(2, 2, 1000, OverflowPolicy::kError);
+  const std::vector<Sample> batch = {
+      {1, 600, 0.0, 9, {}}, {2, 100, 0.0, 0, {}}, {3, 600, 0.0, 9, {}}, {4, 600, 0.0, 9, {}}};
+  ASSERT_TRUE(ValidateBatch(batch, config).ok());
+  const LatencyModel model = MakeModel(config);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    config.overflow = OverflowPolicy::kError;
+    absl::StatusOr<Assignment> a =
+        AssignSamples(batch, config, model, BaseDensities(batch, config));
+    ASSERT_FALSE(a.ok()) << PolicyName(policy);
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(a.status().message()),
+                ::testing::AllOf(HasSubstr("samples[0].group: group 9 (3 samples, 1800 tokens"),
+                                 HasSubstr("does not fit any rank"), HasSubstr("split the group")))
+        << PolicyName(policy);
+    config.overflow = OverflowPolicy::kDefer;
+    a = AssignSamples(batch, config, model, BaseDensities(batch, config));
+    ASSERT_TRUE(a.ok()) << PolicyName(policy) << ": " << a.status();
+    EXPECT_EQ(a->deferred, (std::vector<int>{0, 2, 3})) << PolicyName(policy);
+  }
+}
+
 // Defence in depth: AssignSamples requires a validated batch, but a caller that skips
 // ValidateBatch must get an error, never an out-of-bounds write. Negative lengths give
 // negative costs, for which no candidate rank passes the tie test (it used to pick rank -1).
