@@ -532,6 +532,15 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
       return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is outside [0, ",
                                                      job->config.get().ranks, ") of job ", job_id));
     }
+    if (!job->joined[rank] && options_.store != nullptr) {
+      // One record appended to the job's joins.log, not a rewrite of its snapshot: a job's
+      // joins are linear in its ranks, not quadratic. Synced below, outside the lock.
+      absl::StatusOr<int64_t> end = options_.store->AppendJoin(job_id, rank);
+      if (!end.ok()) return Stored(end.status());
+      job->joins_appended = std::max(job->joins_appended, *end);
+      appended = true;
+    }
+    // After the append: a join refused by the store changes nothing, its host name included.
     if (!host.empty() &&
         (rank >= static_cast<int>(job->hosts->size()) || (*job->hosts)[rank] != host)) {
       // Copied when a view or a step's stats hold it (they keep what they saw), else changed
@@ -542,14 +551,6 @@ absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::
       }
       job->hosts->resize(std::max<size_t>(job->hosts->size(), job->config.get().ranks));
       (*job->hosts)[rank] = host;
-    }
-    if (!job->joined[rank] && options_.store != nullptr) {
-      // One record appended to the job's joins.log, not a rewrite of its snapshot: a job's
-      // joins are linear in its ranks, not quadratic. Synced below, outside the lock.
-      absl::StatusOr<int64_t> end = options_.store->AppendJoin(job_id, rank);
-      if (!end.ok()) return Stored(end.status());
-      job->joins_appended = std::max(job->joins_appended, *end);
-      appended = true;
     }
     job->joined[rank] = true;
     // A rank that finds itself joined answers once every join appended so far is durable

@@ -657,8 +657,24 @@ TEST_F(RegistryFaultsTest, AReadOnlyStateDirFailsCallsWithItsReasonAndChangesNot
   Restart();
   const std::string id = Create();
   ASSERT_TRUE(registry_->SubmitBatch(id, 0, test_support::PretrainBatch(10, kRanks)).ok());
+  // A job whose rank 1 has not joined yet.
+  absl::StatusOr<CreatedJob> half =
+      registry_->CreateJob("half", test_support::SmallJob(kRanks, /*history_steps=*/16), "");
+  ASSERT_TRUE(half.ok()) << half.status();
+  ASSERT_TRUE(registry_->JoinJob(half->job_id, 0, nullptr, "host-a").ok());
   // (A report log held open for writing would keep the remount from going read-only.)
   ASSERT_TRUE(disk.Remount(/*read_only=*/true)) << std::strerror(errno);
+  // A join the store refuses changes nothing: the rank is not joined, its host not shown.
+  const absl::Status join = registry_->JoinJob(half->job_id, 1, nullptr, "host-b").status();
+  EXPECT_EQ(ErrorReason(join), kReasonStateDirFailure) << join;
+  {
+    const JobView view = *registry_->GetJob(half->job_id);
+    EXPECT_EQ(view.joined_ranks, 1);
+    ASSERT_NE(view.hosts, nullptr);
+    ASSERT_EQ(view.hosts->size(), static_cast<size_t>(kRanks));
+    EXPECT_EQ((*view.hosts)[0], "host-a");
+    EXPECT_EQ((*view.hosts)[1], "");
+  }
   const std::vector<Sample> batch = test_support::PretrainBatch(11, kRanks);
   absl::StatusOr<SubmitResult> failed = registry_->SubmitBatch(id, 1, batch);
   ASSERT_FALSE(failed.ok());
