@@ -355,17 +355,27 @@ TEST_F(JobRegistryTest, ShardSettingsChangeAtRunTimeWithinTheWorldSize) {
   EXPECT_THAT(std::string(create.message()), HasSubstr("config.max_shards"));
 }
 
+// A registry's options over a fresh state directory (dir_), for tests that restart on it.
+class JobRegistryRestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "restore_XXXXXX";
+    ASSERT_NE(mkdtemp(dir_.data()), nullptr);
+    absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir_, false);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
+    options.store = store_.get();
+  }
+  std::string dir_;
+  std::unique_ptr<PlanStore> store_;
+  JobRegistry::Options options;
+};
+
 // UpdateJobConfig may tighten the two settings that bound a batch (max_shards, overflow) after a
 // step that needed the looser ones was planned. The step stays what it was: its repeat gets the
 // same answer, and a restart restores the job (it was quarantined: its batch was checked against
 // the config as it is now).
-TEST(JobRegistryRestoreTest, StepsPlannedBeforeMaxShardsOrOverflowWereTightenedStay) {
-  std::string dir = ::testing::TempDir() + "tightened_XXXXXX";
-  ASSERT_NE(mkdtemp(dir.data()), nullptr);
-  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
-  ASSERT_TRUE(store.ok()) << store.status();
-  JobRegistry::Options options;
-  options.store = store->get();
+TEST_F(JobRegistryRestoreTest, StepsPlannedBeforeMaxShardsOrOverflowWereTightenedStay) {
   JobRegistry registry(options, CountingHex());
   JobSettings settings = test_support::SmallJob(4);
   settings.planner.max_shards = 4;
@@ -430,13 +440,7 @@ TEST(JobRegistryRestoreTest, StepsPlannedBeforeMaxShardsOrOverflowWereTightenedS
 // next submit's snapshot) is folded at restart from its report log, also when it is beyond the
 // job's history there: it was trimmed first, its files dropped, its fold lost for good. Its files
 // go once a snapshot holds the fold, and a second restart folds nothing twice.
-TEST(JobRegistryRestoreTest, AStepBeyondTheHistoryIsFoldedBeforeItsFilesGo) {
-  std::string dir = ::testing::TempDir() + "refold_XXXXXX";
-  ASSERT_NE(mkdtemp(dir.data()), nullptr);
-  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
-  ASSERT_TRUE(store.ok()) << store.status();
-  JobRegistry::Options options;
-  options.store = store->get();
+TEST_F(JobRegistryRestoreTest, AStepBeyondTheHistoryIsFoldedBeforeItsFilesGo) {
   std::string id;
   {
     JobRegistry registry(options, CountingHex());
@@ -455,13 +459,13 @@ TEST(JobRegistryRestoreTest, AStepBeyondTheHistoryIsFoldedBeforeItsFilesGo) {
   }  // the process ends before a snapshot holds step 0's fold
   // The snapshot as that process left it, with a history of one step (as UpdateJobConfig may
   // have made it, or a record written just before a crash may leave one step too many).
-  absl::StatusOr<PlanStore::Loaded> loaded = (*store)->LoadAll();
+  absl::StatusOr<PlanStore::Loaded> loaded = store_->LoadAll();
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ASSERT_EQ(loaded->jobs.size(), 1u);
   StoredJob snapshot = loaded->jobs[0].job;
   EXPECT_TRUE(snapshot.folded_steps.empty());
   snapshot.settings.history_steps = 1;
-  ASSERT_TRUE((*store)->SaveJob(snapshot).ok());
+  ASSERT_TRUE(store_->SaveJob(snapshot).ok());
 
   for (int restart = 0; restart < 2; ++restart) {
     JobRegistry restarted(options, CountingHex());
@@ -469,8 +473,8 @@ TEST(JobRegistryRestoreTest, AStepBeyondTheHistoryIsFoldedBeforeItsFilesGo) {
     absl::StatusOr<JobView> view = restarted.GetJob(id);
     ASSERT_TRUE(view.ok()) << view.status();
     EXPECT_EQ(view->steps_folded, 1) << "restart " << restart;
-    EXPECT_FALSE(Exists(dir + "/" + id + "/step-0.reports")) << "restart " << restart;
-    EXPECT_TRUE(Exists(dir + "/" + id + "/step-1.pb")) << "restart " << restart;
+    EXPECT_FALSE(Exists(dir_ + "/" + id + "/step-0.reports")) << "restart " << restart;
+    EXPECT_TRUE(Exists(dir_ + "/" + id + "/step-1.pb")) << "restart " << restart;
   }
 }
 
