@@ -1222,6 +1222,14 @@ int JobRegistry::job_count() const {
   return static_cast<int>(jobs_.size());
 }
 
+std::vector<std::string> JobRegistry::job_ids() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> ids;
+  ids.reserve(jobs_.size());
+  for (const auto& [id, job] : jobs_) ids.push_back(id);
+  return ids;
+}
+
 void JobRegistry::PackHistory(const std::string& job_id) {
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) return;

@@ -257,6 +257,8 @@ class JobRegistry {
   // being checked stays. Failed jobs are left for DeleteJob.
   std::vector<std::string> ExpireIdleJobs(std::chrono::nanoseconds ttl);
   int job_count() const;
+  // The live jobs' ids, ascending.
+  std::vector<std::string> job_ids() const;
   // Packs the job's steps older than its kUnpackedSteps newest (see Options::pack_in_submit);
   // nothing for an unknown job. Steps packed (for tests) by PackedSteps, and the bytes they
   // take packed by PackedBytes (0 for an unknown job).

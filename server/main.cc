@@ -406,6 +406,7 @@ int Main(int argc, char** argv) {
               << std::endl;
   }
   metrics.SetFailedJobs(static_cast<int>(failed_jobs.size()));
+  for (const std::string& job_id : registry.job_ids()) metrics.AddJob(job_id);
   const size_t jobs = static_cast<size_t>(registry.job_count());
   PlannerServiceImpl::Options service_options;
   service_options.admin_token = admin_token;

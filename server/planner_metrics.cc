@@ -90,7 +90,7 @@ struct PlannerMetrics::JobSeries {
   prometheus::Counter* stragglers = nullptr;
   prometheus::Counter* local_plan_steps = nullptr;
   prometheus::Counter* skipped_steps = nullptr;
-  prometheus::Gauge* exchange_rate = nullptr;
+  prometheus::Gauge* exchange_rate = nullptr;  // added with the first rate (no 0 before it)
   std::vector<prometheus::Gauge*> rank_seconds;
   std::vector<prometheus::Gauge*> speed_factors;
   // Per length bucket label (at most kRecallBuckets each), added as buckets first show up.
@@ -105,6 +105,12 @@ struct PlannerMetrics::JobSeries {
     prometheus::Gauge* gauge = nullptr;
   };
   std::vector<Slow> slowest;
+
+  prometheus::Gauge* ExchangeRate(prometheus::Family<prometheus::Gauge>& family,
+                                  const std::string& job_id) {
+    if (exchange_rate == nullptr) exchange_rate = Add(family, {{"job_id", job_id}});
+    return exchange_rate;
+  }
 };
 
 PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, int max_rank_series,
@@ -275,7 +281,11 @@ void PlannerMetrics::ObserveRpc(const std::string& method, absl::StatusCode code
   histogram->Observe(seconds);
 }
 
-PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
+PlannerMetrics::JobSeries* PlannerMetrics::Series(const std::string& job_id) {
+  // A job forgotten already: an observation made after its DeleteJob (the service records a
+  // call's metrics after the registry let go of the job) must not bring its series back, where
+  // nothing would remove them again.
+  if (forgotten_.contains(job_id)) return nullptr;
   std::unique_ptr<JobSeries>& series = jobs_series_[job_id];
   if (series == nullptr) {
     series = std::make_unique<JobSeries>();
@@ -287,9 +297,13 @@ PlannerMetrics::JobSeries& PlannerMetrics::Series(const std::string& job_id) {
     series->stragglers = series->Add(stragglers_, job);
     series->local_plan_steps = series->Add(local_plan_steps_, job);
     series->skipped_steps = series->Add(skipped_steps_, job);
-    series->exchange_rate = series->Add(exchange_rate_, job);
   }
-  return *series;
+  return series.get();
+}
+
+void PlannerMetrics::AddJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  Series(job_id);
 }
 
 void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan, double seconds,
@@ -304,7 +318,9 @@ void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan
     histogram = &plan_seconds_.Add({{"policy", policy}}, LatencyBuckets());
   }
   histogram->Observe(seconds);
-  JobSeries& series = Series(job_id);
+  JobSeries* const found = Series(job_id);
+  if (found == nullptr) return;
+  JobSeries& series = *found;
   series.steps->Increment();
   if (series.predicted_makespan == nullptr) {  // no 0 before the first plan
     const prometheus::Labels job{{"job_id", job_id}};
@@ -324,20 +340,24 @@ void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan
 
 void PlannerMetrics::SetExchangeRate(const std::string& job_id, double bytes_per_second) {
   absl::MutexLock lock(&mu_);
-  Series(job_id).exchange_rate->Set(bytes_per_second);
+  JobSeries* const series = Series(job_id);
+  if (series != nullptr) series->ExchangeRate(exchange_rate_, job_id)->Set(bytes_per_second);
 }
 
 void PlannerMetrics::ObserveLocalPlan(const std::string& job_id, int64_t skipped_steps) {
   absl::MutexLock lock(&mu_);
-  JobSeries& series = Series(job_id);
-  series.local_plan_steps->Increment();
-  if (skipped_steps > 0) series.skipped_steps->Increment(static_cast<double>(skipped_steps));
+  JobSeries* const series = Series(job_id);
+  if (series == nullptr) return;
+  series->local_plan_steps->Increment();
+  if (skipped_steps > 0) series->skipped_steps->Increment(static_cast<double>(skipped_steps));
 }
 
 void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& stats) {
   if (stats.rank_seconds.empty()) return;
   absl::MutexLock lock(&mu_);
-  JobSeries& series = Series(job_id);
+  JobSeries* const found = Series(job_id);
+  if (found == nullptr) return;
+  JobSeries& series = *found;
   if (series.makespan == nullptr) {  // absent until the first step: a ratio >= 1 is never 0
     const prometheus::Labels job{{"job_id", job_id}};
     series.makespan = series.Add(makespan_, job);
@@ -348,7 +368,7 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
   series.makespan->Set(slowest);
   series.imbalance->Set(ImbalanceRatio(stats.rank_seconds));
   series.bubble->Set(BubbleRatio(stats.rank_seconds));
-  series.exchange_rate->Set(stats.exchange_bytes_per_second);
+  series.ExchangeRate(exchange_rate_, job_id)->Set(stats.exchange_bytes_per_second);
   for (size_t r = 0; r < stats.rank_seconds.size(); ++r) {
     const double measured = stats.rank_seconds[r];
     if (measured > 0) {
@@ -428,6 +448,14 @@ void PlannerMetrics::SetFailedJobs(int jobs) { failed_jobs_.Set(jobs); }
 
 void PlannerMetrics::ForgetJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
+  // Job ids are never reused; the last kForgottenJobs are remembered (Series).
+  if (forgotten_.insert(job_id).second) {
+    forgotten_order_.push_back(job_id);
+    if (forgotten_order_.size() > kForgottenJobs) {
+      forgotten_.erase(forgotten_order_.front());
+      forgotten_order_.pop_front();
+    }
+  }
   auto it = jobs_series_.find(job_id);
   if (it == jobs_series_.end()) return;
   for (const std::function<void()>& remove : it->second->removals) remove();

@@ -14,12 +14,15 @@
 #define SPARSEBALANCE_SERVER_PLANNER_METRICS_H_
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "planner/planner.h"
@@ -63,7 +66,12 @@ class PlannerMetrics {
   void SetJobs(int jobs);
   // Jobs whose state files could not be loaded (quarantined).
   void SetFailedJobs(int jobs);
-  // Drops a deleted (or expired) job's series.
+  // A job created or reloaded: its counters and histograms from 0, so that the first steps
+  // it records count in an increase() over them (a counter that first shows up at 5 counts as
+  // no increase: the local-plan steps a restart's resubmits record never raised the alert).
+  void AddJob(const std::string& job_id);
+  // Drops a deleted (or expired) job's series; an observation of it made after this call (a
+  // call that raced the deletion) adds none back.
   void ForgetJob(const std::string& job_id);
   // A job deleted by the idle TTL (--job_idle_ttl).
   void ObserveExpiredJob();
@@ -76,7 +84,10 @@ class PlannerMetrics {
 
  private:
   struct JobSeries;
-  JobSeries& Series(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's series, made at its first use; null for a job forgotten already.
+  JobSeries* Series(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgotten jobs remembered (ids in the order forgotten, the oldest dropped past the count).
+  static constexpr size_t kForgottenJobs = 4096;
 
   std::shared_ptr<prometheus::Registry> registry_;
   const int max_rank_series_;
@@ -117,6 +128,8 @@ class PlannerMetrics {
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobSeries>> jobs_series_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> forgotten_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> forgotten_order_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, int>, prometheus::Counter*> rpc_counters_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, prometheus::Histogram*> rpc_histograms_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, prometheus::Histogram*> plan_histograms_ ABSL_GUARDED_BY(mu_);

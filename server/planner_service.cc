@@ -356,7 +356,10 @@ absl::Status PlannerServiceImpl::OnCreateJob(const v1::CreateJobRequest& request
   absl::StatusOr<CreatedJob> job =
       registry_->CreateJob(request.name(), *settings, request.profile());
   if (!job.ok()) return job.status();
-  if (options_.metrics != nullptr) options_.metrics->SetJobs(registry_->job_count());
+  if (options_.metrics != nullptr) {
+    options_.metrics->AddJob(job->job_id);
+    options_.metrics->SetJobs(registry_->job_count());
+  }
   response->set_job_id(job->job_id);
   response->set_job_token(job->job_token);
   *response->mutable_config() = ConfigToProto(job->settings);
@@ -496,6 +499,8 @@ void PlannerServiceImpl::Forget(const std::string& job_id, const absl::Status& w
   if (options_.metrics != nullptr) {
     options_.metrics->ForgetJob(job_id);
     options_.metrics->SetJobs(registry_->job_count());
+    // A quarantined job deleted (DeleteJob removes it) is one failed job less.
+    options_.metrics->SetFailedJobs(static_cast<int>(registry_->failed_jobs().size()));
   }
 }
 

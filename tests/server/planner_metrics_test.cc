@@ -195,6 +195,49 @@ TEST(PlannerMetricsTest, StepGaugesAreAbsentUntilTheJobsFirstStep) {
               HasSubstr("sparsebalance_step_imbalance_ratio{job_id=\"j\"} 1.333333"));
 }
 
+// A job's counters start at 0 when it is created or reloaded (AddJob): a counter that first
+// shows up at 5 is no increase to Prometheus, so the local-plan steps that a restart's resubmits
+// record at once never raised SparseBalanceLocalPlanFallback. Its gauges stay absent until
+// they have a value.
+TEST(PlannerMetricsTest, AJobsCountersStartAtZeroAndItsGaugesAbsent) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  metrics.AddJob("j");
+  std::string text = Exposition(*registry);
+  ExpectExposed(text, {"sparsebalance_local_plan_steps_total{job_id=\"j\"} 0",
+                       "sparsebalance_skipped_steps_total{job_id=\"j\"} 0",
+                       "sparsebalance_planned_steps_total{job_id=\"j\"} 0"});
+  for (const char* gauge :
+       {"exchange_bytes_per_second", "step_makespan_seconds", "predicted_makespan_seconds"}) {
+    EXPECT_THAT(text, Not(HasSubstr(absl::StrCat("sparsebalance_", gauge, "{job_id=\"j\"}"))))
+        << gauge;
+  }
+  metrics.ObserveLocalPlan("j", /*skipped_steps=*/2);
+  text = Exposition(*registry);
+  ExpectExposed(text, {"sparsebalance_local_plan_steps_total{job_id=\"j\"} 1",
+                       "sparsebalance_skipped_steps_total{job_id=\"j\"} 2"});
+}
+
+// An observation of a job made after ForgetJob (a call that raced DeleteJob: the service records
+// its metrics after the registry let go of the job) adds none of its series back.
+TEST(PlannerMetricsTest, AForgottenJobsSeriesDoNotComeBack) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  metrics.AddJob("gone");
+  metrics.AddJob("kept");
+  metrics.ForgetJob("gone");
+  StepPlan plan;
+  plan.makespan_seconds = 5.0;
+  metrics.ObservePlan("gone", plan, 0.001);
+  metrics.SetExchangeRate("gone", 1e9);
+  metrics.ObserveLocalPlan("gone", 1);
+  metrics.ObserveStep("gone", Stats(4));
+  metrics.ObservePlan("kept", plan, 0.001);
+  const std::string text = Exposition(*registry);
+  EXPECT_THAT(text, Not(HasSubstr("job_id=\"gone\""))) << text;
+  EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job_id=\"kept\"} 1"));
+}
+
 TEST(PlannerMetricsTest, RpcLatencyBucketsCoverTheLongPoll) {
   auto registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(registry, 4);

@@ -551,6 +551,31 @@ TEST_F(PlannerServiceTest, ASubmitThatSkipsStepsAnswersTheirWaitingRanks) {
   EXPECT_EQ(service_->waiting_calls(), 0);
 }
 
+// DeleteJob of a job quarantined at restart removes it from the failed jobs, and the gauge
+// follows (it kept counting the job until the next restart).
+TEST_F(PlannerServiceTest, DeletingAQuarantinedJobLowersTheFailedJobsGauge) {
+  std::string dir = ::testing::TempDir() + "failed_gauge_XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobRegistry::Options registry_options;
+  registry_options.store = store->get();
+  PlannerServiceImpl::Options options;
+  options.metrics = &metrics_;
+  Start(registry_options, options);
+  const v1::CreateJobResponse bad = Create(2);
+  const v1::CreateJobResponse good = Create(2);
+  test_support::WriteBytes(dir + "/" + bad.job_id() + "/job.pb", "not a snapshot");
+  Start(registry_options, options);  // a restart: bad is quarantined, good served
+  ASSERT_TRUE(registry_->Restore().ok());
+  metrics_.SetFailedJobs(static_cast<int>(registry_->failed_jobs().size()));  // as main does
+  ASSERT_EQ(Gauge("sparsebalance_failed_jobs", 1), 1);
+  ASSERT_TRUE(Delete(bad.job_id()).ok());
+  EXPECT_TRUE(registry_->failed_jobs().empty());
+  EXPECT_EQ(Gauge("sparsebalance_failed_jobs", 0), 0);
+  EXPECT_EQ(registry_->job_count(), 1);
+}
+
 // Issue 11 case 2: segments whose sum wraps around (INT64_MAX + INT64_MAX + 3 = 1) crashed the
 // planner or planned garbage. Every fresh planner must refuse them, naming the field.
 TEST_F(PlannerServiceTest, SegmentsThatWrapAroundAreRefused) {
