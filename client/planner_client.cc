@@ -6,6 +6,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -324,11 +325,19 @@ absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
 
 namespace {
 
-// A rank's plan as GetRankPlan and GetRankPlans answer it; INTERNAL naming `method` for one
-// that fails MicroBatchesFromProto's checks.
+// A rank's plan as GetRankPlan and GetRankPlans answer it, or as DecodeRankStepPlan reads it.
+// INTERNAL naming `where` for a plan of another step or rank than the one asked for (`rank` -1:
+// not known here, DecodeRankStepPlan's caller compares) or one that fails
+// MicroBatchesFromProto's checks: a plan of another rank would have this rank train samples
+// that another rank trains too.
 absl::StatusOr<RankStepPlan> RankStepPlanFromProto(
     const v1::RankPlan& plan, const google::protobuf::RepeatedField<uint64_t>& deferred_ids,
-    int64_t step, int world_size, int block_size, const char* method) {
+    int64_t step, int rank, int world_size, int block_size, const std::string& where) {
+  if (rank >= 0 && (plan.step() != step || plan.rank() != rank)) {
+    return absl::InternalError(absl::StrCat(where, ": the planner answered with the plan of step ",
+                                            plan.step(), " of rank ", plan.rank(),
+                                            "; asked for step ", step, " of rank ", rank));
+  }
   RankStepPlan out;
   out.step = plan.step();
   out.rank = plan.rank();
@@ -339,7 +348,7 @@ absl::StatusOr<RankStepPlan> RankStepPlanFromProto(
   absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
       MicroBatchesFromProto(plan, PlanContext{world_size, block_size});
   if (!micro_batches.ok()) {
-    return absl::InternalError(absl::StrCat(method, ": the planner's plan of step ", step,
+    return absl::InternalError(absl::StrCat(where, ": the planner's plan of step ", step,
                                             " is malformed: ", micro_batches.status().message()));
   }
   out.micro_batches = *std::move(micro_batches);
@@ -357,7 +366,11 @@ absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank, 
   absl::StatusOr<v1::GetRankPlanResponse> response = impl_->Call(
       &Impl::Stub::GetRankPlan, request, Impl::Token::kJob, impl_->options.plan_timeout_seconds);
   if (!response.ok()) return response.status();
-  return RankStepPlanFromProto(response->plan(), response->deferred_ids(), step, world_size,
+  if (!response->has_plan()) {
+    return absl::InternalError(absl::StrCat("GetRankPlan: the planner's answer for step ", step,
+                                            " of rank ", rank, " holds no plan"));
+  }
+  return RankStepPlanFromProto(response->plan(), response->deferred_ids(), step, rank, world_size,
                                block_size, "GetRankPlan");
 }
 
@@ -378,13 +391,10 @@ absl::StatusOr<std::vector<RankStepPlan>> PlannerClient::GetRankPlans(
   std::vector<RankStepPlan> plans;
   plans.reserve(ranks.size());
   for (int k = 0; k < response->plans_size(); ++k) {
-    absl::StatusOr<RankStepPlan> plan = RankStepPlanFromProto(
-        response->plans(k), response->deferred_ids(), step, world_size, block_size, "GetRankPlans");
+    absl::StatusOr<RankStepPlan> plan =
+        RankStepPlanFromProto(response->plans(k), response->deferred_ids(), step, ranks[k],
+                              world_size, block_size, absl::StrCat("GetRankPlans: plans[", k, "]"));
     if (!plan.ok()) return plan.status();
-    if (plan->rank != ranks[k]) {
-      return absl::InternalError(absl::StrCat("GetRankPlans: plans[", k, "] is rank ", plan->rank,
-                                              "'s, asked for rank ", ranks[k]));
-    }
     plans.push_back(*std::move(plan));
   }
   if (encoded != nullptr) {
@@ -409,7 +419,7 @@ absl::StatusOr<RankStepPlan> DecodeRankStepPlan(const std::string& bytes, int wo
         absl::StrCat("plan: ", bytes.size(), " bytes that are not a GetRankPlanResponse"));
   }
   return RankStepPlanFromProto(response.plan(), response.deferred_ids(), response.plan().step(),
-                               world_size, block_size, "DecodeRankStepPlan");
+                               /*rank=*/-1, world_size, block_size, "DecodeRankStepPlan");
 }
 
 absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,

@@ -116,18 +116,19 @@ class PlannerClient {
                                                     bool planned_locally = false);
   // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part. A
   // planner older than PlannedSample sends no lengths: they are 0 until CompletePlannedSamples
-  // (planner.h) fills them from the batch, as TrainerSession::Plan does. INTERNAL for a plan
-  // that fails MicroBatchFromProto's checks. A shard of a split document comes with its token
-  // range, group and index (PlannedSample::shard_*); given the job's world size and block
-  // size (TrainerSession passes its config's), its group's ranks and its first token are
-  // checked against them too.
+  // (planner.h) fills them from the batch, as TrainerSession::Plan does. INTERNAL for an answer
+  // without a plan, a plan of another step or rank, or one that fails MicroBatchFromProto's
+  // checks. A shard of a split document comes with its token range, group and index
+  // (PlannedSample::shard_*); given the job's world size and block size (TrainerSession passes
+  // its config's), its group's ranks and its first token are checked against them too.
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank, int world_size = 0,
                                            int block_size = 0);
   // The plans of several ranks of `step` in one GetRankPlans call (1 to 1,024 distinct ranks:
   // kMaxBatchRanks in proto/wire.h), e.g. a node leader's for its node: waits as GetRankPlan
-  // does and returns them in `ranks`' order, each as GetRankPlan would. With `encoded`, also
-  // each plan as bytes to hand to its rank (DecodeRankStepPlan reads them back there), as the
-  // Balancer's node plans do (BalancerOptions::scatter_plans).
+  // does and returns them in `ranks`' order, each checked as GetRankPlan checks its own
+  // (INTERNAL naming `plans[k]`). With `encoded`, also each plan as bytes to hand to its rank
+  // (DecodeRankStepPlan reads them back there), as the Balancer's node plans do
+  // (BalancerOptions::scatter_plans).
   absl::StatusOr<std::vector<RankStepPlan>> GetRankPlans(
       int64_t step, const std::vector<int>& ranks, int world_size = 0, int block_size = 0,
       std::vector<std::string>* encoded = nullptr);

@@ -25,6 +25,7 @@
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
 #include "tests/support/restartable_planner.h"
+#include "tests/support/scripted_planner.h"
 #include "tests/support/trained_once.h"
 
 namespace sparsebalance {
@@ -581,6 +582,73 @@ TEST_F(PlannerClientTest, PlansCarryEachSamplesLengthAndSegments) {
   absl::StatusOr<RankStepPlan> plan = stray.Plan(0, other_batch);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
   EXPECT_NE(plan.status().message().find("segments"), absl::string_view::npos);
+}
+
+// Clients of a planner whose answers each test writes (ScriptedPlanner): what a real planner
+// should never send, and errors it sends only under load.
+class ScriptedPlannerTest : public ::testing::Test {
+ protected:
+  using Scripted = test_support::ScriptedPlanner;
+  std::unique_ptr<PlannerClient> Connect() {
+    return test_support::ConnectLoopback(planner_.port(), "job", "token",
+                                         /*call_timeout_seconds=*/5, /*plan_timeout_seconds=*/5);
+  }
+  // Answers every GetRankPlan with `text` (a GetRankPlanResponse in text format).
+  void AnswerPlans(const std::string& text) {
+    planner_.get_rank_plan =
+        Scripted::Always<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(text);
+  }
+
+  Scripted planner_;
+};
+
+// Two micro-batches of rank `rank`'s plan of `step`, samples 1-3 of 100 tokens.
+std::string RankPlanText(int64_t step, int rank) {
+  return absl::StrCat("step: ", step, " rank: ", rank,
+                      " micro_batches { samples { id: 1 length: 100 density: 0.5 }"
+                      " samples { id: 2 length: 100 density: 0.5 } }"
+                      " micro_batches { samples { id: 3 length: 100 density: 0.5 } }");
+}
+
+// A planner that answers with the plan of another rank or step, or with no plan at all, would
+// have the rank train samples another rank trains (or none): the client refuses the answer,
+// INTERNAL naming what was asked and what came.
+TEST_F(ScriptedPlannerTest, APlanOfAnotherRankOrStepOrNoPlanIsRefused) {
+  std::unique_ptr<PlannerClient> client = Connect();
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 1), " }"));
+  absl::StatusOr<RankStepPlan> plan = client->GetRankPlan(0, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();  // the plan asked for
+  EXPECT_EQ(plan->rank, 1);
+  EXPECT_EQ(plan->micro_batches.size(), 2u);
+
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 0), " }"));
+  plan = client->GetRankPlan(0, 1);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInternal) << plan.status();
+  EXPECT_NE(plan.status().message().find("plan of step 0 of rank 0; asked for step 0 of rank 1"),
+            absl::string_view::npos)
+      << plan.status();
+
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(7, 1), " }"));
+  plan = client->GetRankPlan(0, 1);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInternal) << plan.status();
+  EXPECT_NE(plan.status().message().find("plan of step 7 of rank 1"), absl::string_view::npos)
+      << plan.status();
+
+  AnswerPlans("");
+  plan = client->GetRankPlan(0, 1);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInternal) << plan.status();
+  EXPECT_NE(plan.status().message().find("holds no plan"), absl::string_view::npos)
+      << plan.status();
+
+  // GetRankPlans: each plan is checked against its rank and the step.
+  planner_.get_rank_plans = Scripted::Always<v1::GetRankPlansRequest, v1::GetRankPlansResponse>(
+      absl::StrCat("plans { ", RankPlanText(0, 0), " } plans { ", RankPlanText(3, 1), " }"));
+  absl::StatusOr<std::vector<RankStepPlan>> plans = client->GetRankPlans(0, {0, 1});
+  EXPECT_EQ(plans.status().code(), absl::StatusCode::kInternal) << plans.status();
+  EXPECT_NE(plans.status().message().find("GetRankPlans: plans[1]: the planner answered with the "
+                                          "plan of step 3 of rank 1; asked for step 0 of rank 1"),
+            absl::string_view::npos)
+      << plans.status();
 }
 
 }  // namespace
