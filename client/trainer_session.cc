@@ -161,10 +161,15 @@ absl::StatusOr<RankStepPlan> TrainerSession::Take(int64_t step, const std::vecto
                                                   RankStepPlan plan) {
   fallback_reason_ = absl::OkStatus();
   // An older planner's plan has ids and densities only: its lengths and segments come from the
-  // batch (and a newer one's must agree with it).
-  if (absl::Status s = CompletePlannedSamples(full, &plan.micro_batches); !s.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat("the planner's plan of step ", step,
-                                                      " does not fit the batch: ", s.message()));
+  // batch (and a newer one's must agree with it). Then what the rank would otherwise train
+  // wrongly without a word: a sample twice, a deferred one too, too many tokens.
+  const SamplesById by_id = IndexSamplesById(full);
+  absl::Status fits = CompletePlannedSamples(by_id, &plan.micro_batches);
+  if (fits.ok()) fits = CheckRankPlan(by_id, plan.micro_batches, plan.deferred_ids, config_);
+  if (!fits.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the planner's plan of step ", step,
+                     " does not fit the batch or the job's config: ", fits.message()));
   }
   last_planner_step_ = std::max(last_planner_step_, step);
   Carry(step, full, plan.deferred_ids);

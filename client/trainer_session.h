@@ -47,9 +47,11 @@ class TrainerSession {
   // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
   // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed;
   // FAILED_PRECONDITION when the planner's plan names a sample that `batch` lacks or differs
-  // from. Every planned sample carries its length and segments. The step's batch is the
-  // samples the previous step deferred followed by `batch`; calling Plan again for the same
-  // step (a retry) carries the same ones.
+  // from, or breaks the job's config (CheckRankPlan: a sample twice, a deferred sample planned or
+  // not in the batch, a micro-batch count other than config.micro_batches, a micro-batch above
+  // micro_batch_capacity, layer densities of another model). Every planned sample carries its
+  // length and segments. The step's batch is the samples the previous step deferred followed by
+  // `batch`; calling Plan again for the same step (a retry) carries the same ones.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
   // Plan, fetching with this rank's plan those of the other ranks of `group` (e.g. its node's;
   // `group` holds this rank, at most 1,024 distinct ranks) in one GetRankPlans call. `encoded`
@@ -64,7 +66,7 @@ class TrainerSession {
   // leader), taken as Plan takes the planner's: the step's batch is what was carried in plus
   // `batch`, the plan's lengths come from it, and the step's deferred samples are carried on.
   // INVALID_ARGUMENT for bytes that are not a plan of this rank's `step`, INTERNAL for a
-  // malformed plan, FAILED_PRECONDITION when it does not fit the batch.
+  // malformed plan, FAILED_PRECONDITION when it does not fit the batch or the config (as Plan).
   absl::StatusOr<RankStepPlan> Adopt(int64_t step, const std::vector<Sample>& batch,
                                      const std::string& encoded);
   // The locally computed plan of `step` (what every falling-back rank uses), with the same

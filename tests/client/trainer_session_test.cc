@@ -651,5 +651,81 @@ TEST_F(ScriptedPlannerTest, APlanOfAnotherRankOrStepOrNoPlanIsRefused) {
       << plans.status();
 }
 
+// A plan that breaks the batch or the job's config is refused before the rank trains it:
+// FAILED_PRECONDITION naming the micro-batch and the sample, and nothing of it is carried. What
+// a real planner sends (a shard of a split document among whole samples) passes.
+TEST_F(ScriptedPlannerTest, APlanThatBreaksTheBatchOrTheConfigIsRefused) {
+  PlannerConfig config = Config(2);  // two micro-batches a rank
+  config.micro_batch_capacity = 250;
+  config.shape.layers = 4;
+  config.overflow = OverflowPolicy::kDefer;
+  std::vector<Sample> batch(6);
+  for (uint64_t id = 1; id <= 6; ++id) {
+    batch[id - 1].id = id;
+    batch[id - 1].length = id == 6 ? 200 : 100;
+  }
+  std::unique_ptr<PlannerClient> client = Connect();
+  auto sample = [](uint64_t id, const std::string& more = "") {
+    return absl::StrCat("samples { id: ", id, " length: ", id == 6 ? 200 : 100, " density: 0.5 ",
+                        more, " }");
+  };
+  auto micro_batch = [](const std::string& samples) {
+    return absl::StrCat("micro_batches { ", samples, " } ");
+  };
+  // Rank 1's plan of step 0 with these micro-batches and deferred ids.
+  auto plan_text = [](const std::string& micro_batches, const std::string& deferred = "") {
+    return absl::StrCat("plan { step: 0 rank: 1 ", micro_batches, "} ", deferred);
+  };
+  // Rank 1 runs shard 1 of sample 6 (tokens [128, 200), shard 0 on rank 0) with samples 1 and 2.
+  const std::string shard = sample(6, "shard { begin: 128 end: 200 index: 1 group: 0 group: 1 }");
+  {
+    AnswerPlans(
+        plan_text(micro_batch(shard + sample(1)) + micro_batch(sample(2)), "deferred_ids: 5"));
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_FALSE(plan->local_fallback);
+    ASSERT_EQ(session.carried().size(), 1u);
+    EXPECT_EQ(session.carried()[0].id, 5u);
+  }
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {plan_text(micro_batch(sample(1) + sample(1)) + micro_batch(sample(2))),
+       "micro_batches[0]: sample id 1 is planned on this rank again (first in micro_batches[0])"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2) + sample(1))),
+       "micro_batches[1]: sample id 1 is planned on this rank again (first in micro_batches[0])"},
+      {plan_text(micro_batch(shard) + micro_batch(sample(6))),
+       "micro_batches[1]: sample id 6 is planned on this rank again (first in micro_batches[0])"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2)), "deferred_ids: 2"),
+       "deferred_ids: sample id 2 is deferred and planned in micro_batches[1]"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2)), "deferred_ids: 999"),
+       "deferred_ids: sample id 999 is not in the batch"},
+      {plan_text(""), "micro_batches: 0 micro-batches; the job has 2"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2)) + micro_batch(sample(3))),
+       "micro_batches: 3 micro-batches; the job has 2"},
+      {plan_text(micro_batch(sample(1) + sample(2) + sample(3)) + micro_batch(sample(4))),
+       "micro_batches[0]: sample id 3 brings its query tokens to 300, above "
+       "micro_batch_capacity 250"},
+      {plan_text(micro_batch(sample(1, "layer_densities: 0.5")) + micro_batch(sample(2))),
+       "micro_batches[0]: sample id 1 has 1 layer densities; the model has 4 layers"},
+  };
+  for (const auto& [text, why] : refused) {
+    AnswerPlans(text);
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition)
+        << text << ": " << plan.status();
+    EXPECT_NE(plan.status().message().find(why), absl::string_view::npos)
+        << text << ": " << plan.status();
+    EXPECT_TRUE(session.carried().empty()) << text;
+    // A plan another rank fetched (Adopt) is checked alike.
+    const std::string encoded = Scripted::Parse<v1::GetRankPlanResponse>(text).SerializeAsString();
+    plan = session.Adopt(0, batch, encoded);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition)
+        << text << ": " << plan.status();
+    EXPECT_NE(plan.status().message().find(why), absl::string_view::npos)
+        << text << ": " << plan.status();
+  }
+}
+
 }  // namespace
 }  // namespace sparsebalance
