@@ -151,6 +151,19 @@ bool IsUnreachable(const absl::Status& status) {
          ErrorReason(status) == kReasonStateDirFailure;
 }
 
+bool IsTransient(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
+      return true;
+    default:
+      return IsUnreachable(status);
+  }
+}
+
 struct PlannerClient::Impl {
   using Stub = v1::PlannerService::Stub;
   // Whose token a call carries: the job's (CreateJob's answer) or the planner's admin token.

@@ -165,6 +165,15 @@ class PlannerClient {
 // back.
 bool IsUnreachable(const absl::Status& status);
 
+// True when the planner could not serve a call for a reason of its own that may be gone when the
+// call is made again: IsUnreachable, or the planner at one of its limits or out of memory
+// (RESOURCE_EXHAUSTED, e.g. --max_waiting_calls), failing inside (INTERNAL, UNKNOWN), or the call
+// ABORTED or CANCELLED on its side. A TrainerSession then plans locally and keeps a report for
+// later, as while the planner is away. Not the answers about the call itself (INVALID_ARGUMENT,
+// NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE, PERMISSION_DENIED,
+// UNAUTHENTICATED), a server without the method (UNIMPLEMENTED), or DATA_LOSS.
+bool IsTransient(const absl::Status& status);
+
 }  // namespace sparsebalance
 
 #endif  // SPARSEBALANCE_CLIENT_PLANNER_CLIENT_H_

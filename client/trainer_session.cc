@@ -8,6 +8,24 @@
 #include "planner/planner.h"
 
 namespace sparsebalance {
+namespace {
+
+// Whether Plan runs the local plan on `error` from a plan call (SubmitBatch, GetRankPlan(s)):
+// on every error the trainer's own input did not cause. Returning one on this rank alone would
+// leave it out of the step that the other ranks, falling back, run without it. The planner
+// cannot serve now (IsTransient: e.g. RESOURCE_EXHAUSTED at --max_waiting_calls, or a plan that
+// failed the client's checks, INTERNAL), a stored step of it is damaged (DATA_LOSS), or it has
+// no plan of this step to give (FAILED_PRECONDITION: a step out of order, skipped by a local
+// steps' resubmission, or older than its history), which the coordinator then resubmits as
+// planned locally. Returned: INVALID_ARGUMENT (the batch), ALREADY_EXISTS (another batch for a
+// planned step), NOT_FOUND (the job), UNAUTHENTICATED and PERMISSION_DENIED (the token),
+// UNIMPLEMENTED (not a planner) and OUT_OF_RANGE: they must be fixed.
+bool PlansLocallyOn(const absl::Status& error) {
+  return IsTransient(error) || error.code() == absl::StatusCode::kDataLoss ||
+         error.code() == absl::StatusCode::kFailedPrecondition;
+}
+
+}  // namespace
 
 TrainerSession::TrainerSession(PlannerClient* client, int rank, bool coordinator,
                                PlannerConfig config)
@@ -117,7 +135,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
     if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return fall_back(s);
     absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, full);
     if (!submitted.ok()) {
-      if (IsUnreachable(submitted.status())) return fall_back(submitted.status());
+      if (PlansLocallyOn(submitted.status())) return fall_back(submitted.status());
       return submitted.status();
     }
   }
@@ -139,7 +157,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
   if (group.empty() || groups_refused_) {
     plan = client_->GetRankPlan(step, rank_, config_.ranks, block_size);
   }
-  if (!plan.ok() && IsUnreachable(plan.status())) return fall_back(plan.status());
+  if (!plan.ok() && PlansLocallyOn(plan.status())) return fall_back(plan.status());
   if (!plan.ok()) return plan;
   return Take(step, full, *std::move(plan));
 }

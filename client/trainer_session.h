@@ -1,8 +1,9 @@
 // TrainerSession: one rank's step loop against sb-planner (plan, run, report) that never stalls
-// training. When the planner stays unreachable past the deadline, Plan computes the step locally
-// with planner/ (the same plan on every rank that falls back: same batch, same config, same
-// model) and says so in `local_fallback`. Ranks must agree on which plan they use: a trainer
-// should all-reduce `local_fallback` and, if any rank fell back, every rank uses LocalPlan().
+// training. When the planner stays unreachable past the deadline, or fails the step for any other
+// reason than the trainer's input, Plan computes the step locally with planner/ (the same plan
+// on every rank that falls back: same batch, same config, same model) and says so in
+// `local_fallback`. Ranks must agree on which plan they use: a trainer should all-reduce
+// `local_fallback` and, if any rank fell back, every rank uses LocalPlan().
 //
 //   TrainerSession session(client.get(), rank, /*coordinator=*/rank == 0, joined->first);
 //   absl::StatusOr<RankStepPlan> plan = session.Plan(step, batch);   // never stalls training
@@ -43,9 +44,14 @@ class TrainerSession {
   TrainerSession(PlannerClient* client, int rank, bool coordinator, PlannerConfig config);
 
   // This rank's plan for `step`: the coordinator submits `batch` (every rank passes the same
-  // global batch), every rank gets its part. If the planner cannot be reached (UNAVAILABLE or
-  // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
-  // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed;
+  // global batch), every rank gets its part. On every error of the planner's calls that the
+  // trainer's input did not cause, the plan is computed locally and marked local_fallback: the
+  // planner unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) or busy (RESOURCE_EXHAUSTED), failing
+  // (INTERNAL, UNKNOWN, ABORTED, CANCELLED, DATA_LOSS; INTERNAL also for a plan of another rank
+  // or step), or without a plan of the step (FAILED_PRECONDITION: out of order, skipped, older
+  // than its history). Errors of the trainer's input (INVALID_ARGUMENT: a bad batch;
+  // ALREADY_EXISTS: another batch for a planned step; NOT_FOUND: the job; UNAUTHENTICATED,
+  // PERMISSION_DENIED: the token) are returned: they would fail locally too, or must be fixed;
   // FAILED_PRECONDITION when the planner's plan names a sample that `batch` lacks or differs
   // from, or breaks the job's config (CheckRankPlan: a sample twice, a deferred sample planned or
   // not in the batch, a micro-batch count other than config.micro_batches, a micro-batch above

@@ -218,8 +218,11 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
           },
           py::arg("step"), py::arg("batch"), Release(),
           "This rank's plan of `step` (the coordinator submits `batch`; every rank passes the "
-          "same global batch). Falls back to the local plan when the planner is unreachable "
-          "(plan.local_fallback); other errors raise PlannerError.")
+          "same global batch). Falls back to the local plan (plan.local_fallback) on every "
+          "error the trainer's input did not cause: the planner unreachable, busy or failing. "
+          "Errors of the input (INVALID_ARGUMENT, ALREADY_EXISTS, NOT_FOUND, UNAUTHENTICATED, "
+          "PERMISSION_DENIED) and a plan that does not fit the batch (FAILED_PRECONDITION) raise "
+          "PlannerError.")
       .def(
           "local_plan",
           [](TrainerSession& s, int64_t step, const std::vector<Sample>& batch) {

@@ -727,5 +727,54 @@ TEST_F(ScriptedPlannerTest, APlanThatBreaksTheBatchOrTheConfigIsRefused) {
   }
 }
 
+// A plan call that fails for the planner's own reasons (busy at --max_waiting_calls, failing
+// inside, without a plan of the step, or a plan that fails the client's checks) makes the rank
+// plan locally, like an unreachable planner: a rank that returned the error while the others
+// fell back would miss the step they run. Errors of the trainer's input are returned.
+TEST_F(ScriptedPlannerTest, ThePlannersOwnErrorsFallBackAndTheTrainersInputErrorsAreReturned) {
+  const PlannerConfig config = Config(2);
+  const std::vector<Sample> batch = Batch(5, 2);
+  std::unique_ptr<PlannerClient> client = Connect();
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::INTERNAL, grpc::StatusCode::UNKNOWN,
+        grpc::StatusCode::ABORTED, grpc::StatusCode::CANCELLED, grpc::StatusCode::DATA_LOSS,
+        grpc::StatusCode::FAILED_PRECONDITION}) {
+    planner_.get_rank_plan = Scripted::Refuse<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(
+        code, "GetRankPlan: 2 calls are waiting for plans, this planner's limit");
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << code << ": " << plan.status();
+    EXPECT_TRUE(plan->local_fallback) << code;
+    EXPECT_EQ(static_cast<int>(session.fallback_reason().code()), static_cast<int>(code));
+  }
+  // The plan of another rank (INTERNAL, from the client's own check) is the planner's failing too.
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 0), " }"));
+  {
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->local_fallback);
+    EXPECT_EQ(session.fallback_reason().code(), absl::StatusCode::kInternal);
+  }
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::INVALID_ARGUMENT, grpc::StatusCode::NOT_FOUND,
+        grpc::StatusCode::ALREADY_EXISTS, grpc::StatusCode::PERMISSION_DENIED,
+        grpc::StatusCode::UNAUTHENTICATED}) {
+    planner_.get_rank_plan =
+        Scripted::Refuse<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(code, "refused");
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    EXPECT_EQ(static_cast<int>(plan.status().code()), static_cast<int>(code)) << plan.status();
+  }
+  // The coordinator's SubmitBatch alike: it plans locally and keeps the batch for the planner.
+  planner_.submit_batch = Scripted::Refuse<v1::SubmitBatchRequest, v1::SubmitBatchResponse>(
+      grpc::StatusCode::RESOURCE_EXHAUSTED, "SubmitBatch: the planner ran out of memory");
+  TrainerSession coordinator(client.get(), 0, /*coordinator=*/true, config);
+  absl::StatusOr<RankStepPlan> plan = coordinator.Plan(0, batch);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->local_fallback);
+  EXPECT_EQ(coordinator.unsent_local_steps(), 1u);
+}
+
 }  // namespace
 }  // namespace sparsebalance
