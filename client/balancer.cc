@@ -659,7 +659,7 @@ absl::Status Balancer::Finish(double timeout_seconds) {
       local_steps = s.session->unsent_local_steps();
       s.NoteSession();
     }
-    if (!flushed.ok() && !IsUnreachable(flushed) && refused.ok()) refused = flushed;
+    if (!flushed.ok() && !IsTransient(flushed) && refused.ok()) refused = flushed;
     size_t queued = 0;
     {
       absl::MutexLock lock(&s.mu);
@@ -671,8 +671,8 @@ absl::Status Balancer::Finish(double timeout_seconds) {
           "Finish: ", reports + queued, " reports and ", local_steps,
           " locally planned steps not delivered to the planner at ", s.options.client.target,
           " after ", timeout_seconds, " s: ",
-          IsUnreachable(flushed) ? flushed.ToString()
-                                 : std::string("waiting for rank 0 to resubmit its local steps"),
+          IsTransient(flushed) ? flushed.ToString()
+                               : std::string("waiting for rank 0 to resubmit its local steps"),
           "; they are kept: call Finish again"));
     }
     absl::SleepFor(std::min(absl::Milliseconds(200), deadline - absl::Now()));

@@ -121,8 +121,9 @@ class Balancer {
   void SkipReport(int64_t step);
   // Sends everything queued (reports, and on rank 0 the batches of steps run on local plans),
   // retrying for up to `timeout_seconds`. UNAVAILABLE naming what is left (reports, local steps)
-  // when the planner is still away or, on ranks > 0, rank 0 has not resubmitted its local steps
-  // yet; another error when the planner refused a report for good (it is dropped). OK offline.
+  // when the planner is still away or busy or, on ranks > 0, rank 0 has not resubmitted its
+  // local steps yet; another error when the planner refused a report for good (it is dropped).
+  // OK offline.
   absl::Status Finish(double timeout_seconds = 10);
   // From a checkpoint: the step the trainer runs next and the samples carried into it (what
   // carried() returned when the checkpoint was taken). Drops prefetches made before it.

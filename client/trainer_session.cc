@@ -222,15 +222,17 @@ absl::Status TrainerSession::FlushPending() {
     const RankStepReport& r = pending_.front();
     absl::StatusOr<bool> sent =
         client_->ReportStep(r.step, r.rank, r.micro_batches, r.wait_seconds, r.planned_locally);
-    if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
+    // The planner away, busy or failing for now: this report and the ones after it wait.
+    if (!sent.ok() && IsTransient(sent.status())) return sent.status();
     // A locally planned step the coordinator has not resubmitted yet: the planner learns of it
     // before it plans any later step, so wait while this rank has no later planner's plan.
     if (!sent.ok() && sent.status().code() == absl::StatusCode::kFailedPrecondition &&
         r.step > last_planner_step_) {
       return absl::OkStatus();
     }
-    // Anything else (e.g. the step left the planner's history, or a step the planner skipped)
-    // cannot succeed later either: drop it, say so, and go on.
+    // Anything else refuses the report itself (INVALID_ARGUMENT, ALREADY_EXISTS; the step left
+    // the planner's history, or a step the planner skipped): it cannot succeed later either, so
+    // drop it, say so, and go on.
     if (!sent.ok()) {
       ++dropped_reports_;
       if (dropped.ok()) {
@@ -276,8 +278,8 @@ absl::Status TrainerSession::Report(std::vector<RankStepReport> reports) {
     ++dropped_reports_;
   }
   absl::Status flushed = FlushPending();
-  // The planner being away is not the trainer's problem: the reports wait for it.
-  return IsUnreachable(flushed) ? absl::OkStatus() : flushed;
+  // The planner being away or busy is not the trainer's problem: the reports wait for it.
+  return IsTransient(flushed) ? absl::OkStatus() : flushed;
 }
 
 }  // namespace sparsebalance

@@ -90,8 +90,11 @@ class TrainerSession {
   // Why the latest Plan ran the local plan (the planner's error); OK when the plan came from the
   // planner.
   const absl::Status& fallback_reason() const { return fallback_reason_; }
-  // Reports this rank's timings; while the planner is away reports are kept (bounded: the
-  // oldest go first) and sent, in order, before the next report.
+  // Reports this rank's timings; while the planner is away, or refuses reports for a reason of
+  // its own (IsTransient: RESOURCE_EXHAUSTED, INTERNAL, UNKNOWN, ABORTED, CANCELLED), reports
+  // are kept (bounded: the oldest go first) and sent, in order, before the next report. A report
+  // the planner refuses for its content (INVALID_ARGUMENT, ALREADY_EXISTS, ...) is dropped and
+  // its error returned.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
                       double wait_seconds);
   // Reports of other ranks too (each RankStepReport names its rank), e.g. the reports of this
@@ -100,8 +103,9 @@ class TrainerSession {
   // record of the steps it ran locally (every rank of a step runs the same plan).
   absl::Status Report(std::vector<RankStepReport> reports);
   // Sends what is buffered now (e.g. at the end of training): the coordinator's locally
-  // planned steps, then the reports. UNAVAILABLE while the planner is still away (everything
-  // stays buffered); reports of steps the coordinator has not resubmitted yet stay too.
+  // planned steps, then the reports. The planner's error while it is still away or busy
+  // (IsTransient; everything stays buffered); reports of steps the coordinator has not
+  // resubmitted yet stay too.
   absl::Status Flush();
   size_t buffered_reports() const { return pending_.size(); }
   // Batches of locally planned steps the coordinator has not told the planner about yet.

@@ -1,7 +1,7 @@
 // PlannerClient, TrainerSession and Balancer for Python. Every call that talks to the planner
 // releases the GIL (other Python threads, e.g. data loading, run meanwhile); errors raise
 // PlannerError with the gRPC code. Reports are the exception: while the planner is unreachable
-// they are kept (bounded) and sent later, so TrainerSession.report returns False instead of
+// or busy they are kept (bounded) and sent later, so TrainerSession.report returns False instead of
 // raising (and Balancer.finish too). Balancer's collectives and warn are Python callables that
 // C++ calls, holding the GIL for the call, from the thread that called start/plan.
 #include <pybind11/functional.h>
@@ -28,9 +28,10 @@ namespace {
 using Release = py::call_guard<py::gil_scoped_release>;
 
 // Report/Flush: true when everything buffered went out, false when the planner is unreachable
-// (kept for later); other errors (a report the planner refused for good) raise.
+// or busy (IsTransient: kept for later); other errors (a report the planner refused for good)
+// raise.
 bool Delivered(const absl::Status& status, const TrainerSession& session) {
-  if (!status.ok() && !IsUnreachable(status)) throw StatusError(status, ErrorKind::kPlanner);
+  if (!status.ok() && !IsTransient(status)) throw StatusError(status, ErrorKind::kPlanner);
   return status.ok() && session.buffered_reports() == 0;
 }
 
@@ -240,8 +241,9 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
           },
           py::arg("step"), py::arg("micro_batches"), py::arg("wait_seconds"),
           "Reports this rank's timings. True: delivered (with anything buffered before); False: "
-          "the planner is unreachable and the report is kept for later. Raises PlannerError when "
-          "the planner refused a report for good (it is dropped; training may go on).")
+          "the planner is unreachable or busy and the report is kept for later. Raises "
+          "PlannerError when the planner refused a report for good (it is dropped; training may "
+          "go on).")
       .def(
           "flush",
           [](TrainerSession& s) {

@@ -776,5 +776,48 @@ TEST_F(ScriptedPlannerTest, ThePlannersOwnErrorsFallBackAndTheTrainersInputError
   EXPECT_EQ(coordinator.unsent_local_steps(), 1u);
 }
 
+// A report the planner refuses for a reason of its own (busy, failing inside) is kept and sent
+// again before the next one, in order, as while the planner is away; one it refuses for its
+// content is dropped and said.
+TEST_F(ScriptedPlannerTest, AReportRefusedForNowIsKeptAndOneRefusedForGoodIsDropped) {
+  std::unique_ptr<PlannerClient> client = Connect();
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::INTERNAL, grpc::StatusCode::UNKNOWN,
+        grpc::StatusCode::ABORTED, grpc::StatusCode::CANCELLED}) {
+    absl::Mutex mu;
+    std::vector<int64_t> delivered;  // steps, in the order the planner took them
+    bool refused_once = false;
+    planner_.report_step = [&](const v1::ReportStepRequest& request, v1::ReportStepResponse*) {
+      absl::MutexLock lock(&mu);
+      if (!refused_once) {
+        refused_once = true;
+        return grpc::Status(code, "ReportStep: the planner ran out of memory for this call");
+      }
+      delivered.push_back(request.step());
+      return grpc::Status::OK;
+    };
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, Config(2));
+    const std::vector<MicroBatchTiming> timings(1);
+    absl::Status reported = session.Report(0, timings, 0.0);
+    EXPECT_TRUE(reported.ok()) << code << ": " << reported;
+    EXPECT_EQ(session.buffered_reports(), 1u) << code;
+    reported = session.Report(1, timings, 0.0);
+    EXPECT_TRUE(reported.ok()) << code << ": " << reported;
+    EXPECT_EQ(session.buffered_reports(), 0u) << code;
+    EXPECT_EQ(session.dropped_reports(), 0) << code;
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(delivered, (std::vector<int64_t>{0, 1})) << code;
+  }
+  planner_.report_step = Scripted::Refuse<v1::ReportStepRequest, v1::ReportStepResponse>(
+      grpc::StatusCode::INVALID_ARGUMENT, "micro_batches[0].micro_batch: 7 is not planned");
+  TrainerSession session(client.get(), 1, /*coordinator=*/false, Config(2));
+  absl::Status reported = session.Report(0, std::vector<MicroBatchTiming>(1), 0.0);
+  EXPECT_EQ(reported.code(), absl::StatusCode::kInvalidArgument) << reported;
+  EXPECT_NE(reported.message().find("report of step 0 dropped"), absl::string_view::npos)
+      << reported;
+  EXPECT_EQ(session.buffered_reports(), 0u);
+  EXPECT_EQ(session.dropped_reports(), 1);
+}
+
 }  // namespace
 }  // namespace sparsebalance
