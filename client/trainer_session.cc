@@ -29,10 +29,19 @@ bool PlansLocallyOn(const absl::Status& error) {
 
 TrainerSession::TrainerSession(PlannerClient* client, int rank, bool coordinator,
                                PlannerConfig config)
-    : client_(client), rank_(rank), coordinator_(coordinator), config_(config) {}
+    : client_(client),
+      rank_(rank),
+      coordinator_(coordinator),
+      config_(config),
+      buffer_limit_(client == nullptr ? 1
+                                      : static_cast<size_t>(
+                                            std::max(1, client->options().max_buffered_reports))) {}
 
-size_t TrainerSession::BufferLimit() const {
-  return static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));
+absl::Status TrainerSession::CheckClient() const {
+  if (client_ != nullptr) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "client: null; a TrainerSession plans and reports through a PlannerClient "
+      "(PlannerClient::Connect)");
 }
 
 std::vector<Sample> TrainerSession::StepBatch(int64_t step, const std::vector<Sample>& batch) {
@@ -86,9 +95,9 @@ absl::StatusOr<RankStepPlan> TrainerSession::PlanLocally(int64_t step,
     local_steps_.push_back(step);
     if (coordinator_) local_batches_.emplace_back(step, batch);
   }
-  while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
+  while (local_steps_.size() > buffer_limit_) local_steps_.pop_front();
   // The newest stays: the planner needs at least one local step to move past the gap.
-  while (local_batches_.size() > BufferLimit()) local_batches_.pop_front();
+  while (local_batches_.size() > buffer_limit_) local_batches_.pop_front();
   RankStepPlan out;
   out.step = step;
   out.rank = rank_;
@@ -121,6 +130,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
                                                   const std::vector<int>& group,
                                                   std::vector<std::string>* encoded) {
   if (encoded != nullptr) encoded->clear();
+  if (absl::Status s = CheckClient(); !s.ok()) return s;
   const auto me = std::find(group.begin(), group.end(), rank_);
   if (!group.empty() && me == group.end()) {
     return absl::InvalidArgumentError(
@@ -193,7 +203,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Take(int64_t step, const std::vecto
   Carry(step, full, plan.deferred_ids);
   if (plan.local_fallback) {
     local_steps_.push_back(step);  // the step was switched to the local plan: report it so
-    while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
+    while (local_steps_.size() > buffer_limit_) local_steps_.pop_front();
   }
   return plan;
 }
@@ -248,6 +258,7 @@ absl::Status TrainerSession::FlushPending() {
 }
 
 absl::Status TrainerSession::Flush() {
+  if (absl::Status s = CheckClient(); !s.ok()) return s;
   if (coordinator_) {
     if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return s;
   }
@@ -268,12 +279,13 @@ absl::Status TrainerSession::Report(int64_t step,
 }
 
 absl::Status TrainerSession::Report(std::vector<RankStepReport> reports) {
+  if (absl::Status s = CheckClient(); !s.ok()) return s;
   for (RankStepReport& report : reports) {
     report.planned_locally =
         std::find(local_steps_.begin(), local_steps_.end(), report.step) != local_steps_.end();
     pending_.push_back(std::move(report));
   }
-  while (pending_.size() > BufferLimit()) {
+  while (pending_.size() > buffer_limit_) {
     pending_.pop_front();
     ++dropped_reports_;
   }

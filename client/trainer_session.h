@@ -40,7 +40,8 @@ namespace sparsebalance {
 // The per-rank step helper. Not thread-safe: one per rank thread.
 class TrainerSession {
  public:
-  // `config` is the job's (JoinJob returns it); the local fallback plans with it.
+  // `config` is the job's (JoinJob returns it); the local fallback plans with it. `client`
+  // must outlive the session; a null one makes Plan, Report and Flush return INVALID_ARGUMENT.
   TrainerSession(PlannerClient* client, int rank, bool coordinator, PlannerConfig config);
 
   // This rank's plan for `step`: the coordinator submits `batch` (every rank passes the same
@@ -124,7 +125,8 @@ class TrainerSession {
   // Coordinator: submits the batches of locally planned steps, oldest first. UNAVAILABLE when
   // the planner is still away (the rest stay queued).
   absl::Status ResubmitLocalSteps();
-  size_t BufferLimit() const;
+  // INVALID_ARGUMENT when the session has no client.
+  absl::Status CheckClient() const;
   // The batch `step` plans: the samples carried into it, then `batch` (those not carried).
   std::vector<Sample> StepBatch(int64_t step, const std::vector<Sample>& batch);
   // The planner's `plan` of `step`, whose whole batch is `full`: its lengths filled in from it,
@@ -140,6 +142,7 @@ class TrainerSession {
   int rank_;
   bool coordinator_;
   PlannerConfig config_;
+  size_t buffer_limit_;  // reports, local steps and batches kept (max_buffered_reports, >= 1)
   std::deque<RankStepReport> pending_;
   bool batches_refused_ = false;  // the planner lacks ReportStepBatch: one call per report
   bool groups_refused_ = false;   // the planner lacks GetRankPlans: GetRankPlan

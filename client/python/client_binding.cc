@@ -210,8 +210,9 @@ Every call has a deadline; UNAVAILABLE is retried with backoff. Errors raise Pla
     session.report(step, timings, wait_seconds)
 
 Not thread-safe: call it from one thread. Keeps `client` alive.)")
-      .def(py::init<PlannerClient*, int, bool, PlannerConfig>(), py::arg("client"), py::arg("rank"),
-           py::arg("coordinator"), py::arg("config"), py::keep_alive<1, 2>())
+      // None for the client would be a null pointer: a TypeError here instead.
+      .def(py::init<PlannerClient*, int, bool, PlannerConfig>(), py::arg("client").none(false),
+           py::arg("rank"), py::arg("coordinator"), py::arg("config"), py::keep_alive<1, 2>())
       .def(
           "plan",
           [](TrainerSession& s, int64_t step, const std::vector<Sample>& batch) {

@@ -819,5 +819,18 @@ TEST_F(ScriptedPlannerTest, AReportRefusedForNowIsKeptAndOneRefusedForGoodIsDrop
   EXPECT_EQ(session.dropped_reports(), 1);
 }
 
+// A session made without a client says so on every call that needs it (it dereferenced the
+// null pointer: a crash, e.g. TrainerSession(None, ...) from Python).
+TEST(TrainerSessionWithoutClientTest, ItsCallsAreErrorsNotACrash) {
+  TrainerSession session(/*client=*/nullptr, 0, /*coordinator=*/true, Config(2));
+  const absl::StatusOr<RankStepPlan> plan = session.Plan(0, Batch(3, 2));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+  EXPECT_NE(plan.status().message().find("client: null"), absl::string_view::npos) << plan.status();
+  EXPECT_EQ(session.Report(0, std::vector<MicroBatchTiming>(1), 0.0).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session.Flush().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session.buffered_reports(), 0u);
+}
+
 }  // namespace
 }  // namespace sparsebalance
