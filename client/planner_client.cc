@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -164,6 +165,11 @@ bool IsTransient(const absl::Status& status) {
   }
 }
 
+// The longest deadline a call gets, in seconds (about 3 years: none in practice). A longer
+// timeout is cut to it before it becomes a time point, whose nanoseconds since the epoch would
+// overflow from about 292 years on (and its milliseconds' int64 from about 3e14 years).
+constexpr double kMaxTimeoutSeconds = 1e8;
+
 struct PlannerClient::Impl {
   using Stub = v1::PlannerService::Stub;
   // Whose token a call carries: the job's (CreateJob's answer) or the planner's admin token.
@@ -182,6 +188,7 @@ struct PlannerClient::Impl {
                                 const Request& request, Token token = Token::kJob,
                                 double timeout_seconds = 0.0) const {
     if (timeout_seconds == 0.0) timeout_seconds = options.call_timeout_seconds;
+    timeout_seconds = std::min(timeout_seconds, kMaxTimeoutSeconds);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
@@ -236,8 +243,14 @@ absl::StatusOr<std::unique_ptr<PlannerClient>> PlannerClient::Connect(
     const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target: empty; e.g. host:50151");
   if (absl::Status s = ValidateHostName(options.host_name, "host_name"); !s.ok()) return s;
-  if (!(options.call_timeout_seconds > 0) || !(options.plan_timeout_seconds > 0)) {
-    return absl::InvalidArgumentError("call_timeout_seconds and plan_timeout_seconds must be > 0");
+  for (const auto& [name, seconds] :
+       {std::pair<const char*, double>{"call_timeout_seconds", options.call_timeout_seconds},
+        {"plan_timeout_seconds", options.plan_timeout_seconds}}) {
+    // An infinite one cannot be a deadline (and every deadline is required, DESIGN.md 6).
+    if (!(seconds > 0) || !std::isfinite(seconds)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", seconds, " seconds; must be finite and > 0 (e.g. 60)"));
+    }
   }
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (options.root_certs_pem.empty()) {

@@ -26,8 +26,9 @@ namespace sparsebalance {
 struct ClientOptions {
   std::string target = "127.0.0.1:50151";  // host:port of sb-planner
   std::string job_id;
-  std::string token;                   // the job token (CreateJob's answer)
-  std::string admin_token;             // for CreateJob/ListJobs/DeleteJob when the planner has one
+  std::string token;        // the job token (CreateJob's answer)
+  std::string admin_token;  // for CreateJob/ListJobs/DeleteJob when the planner has one
+  // Finite and > 0 (Connect refuses others); above 1e8 s (about 3 years) a call waits 1e8 s.
   double call_timeout_seconds = 10.0;  // deadline of every call but GetRankPlan
   double plan_timeout_seconds = 60.0;  // how long GetRankPlan waits for the step's plan
   // TLS: when root_certs_pem is set the channel is TLS; with cert_chain_pem and

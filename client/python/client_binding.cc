@@ -63,9 +63,9 @@ void BindClient(py::module_& m) {
       .Field("admin_token", &ClientOptions::admin_token,
              "for create/delete when the planner has one", true)
       .Field("call_timeout_seconds", &ClientOptions::call_timeout_seconds,
-             "deadline of every call but get_rank_plan")
+             "deadline of every call but get_rank_plan (finite, > 0)")
       .Field("plan_timeout_seconds", &ClientOptions::plan_timeout_seconds,
-             "how long get_rank_plan waits for the step's plan")
+             "how long get_rank_plan waits for the step's plan (finite, > 0)")
       .Field("root_certs_pem", &ClientOptions::root_certs_pem, "PEM roots: the channel is TLS")
       .Field("cert_chain_pem", &ClientOptions::cert_chain_pem, "client certificate (mutual TLS)")
       .Field("private_key_pem", &ClientOptions::private_key_pem, "its key", true)

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -830,6 +831,32 @@ TEST(TrainerSessionWithoutClientTest, ItsCallsAreErrorsNotACrash) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(session.Flush().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(session.buffered_reports(), 0u);
+}
+
+// A timeout that cannot be a deadline (infinite, NaN, <= 0) is refused at Connect, naming the
+// option; a huge finite one waits as long as a call can (it made every call fail at once: its
+// milliseconds overflowed on the way to a deadline).
+TEST_F(ScriptedPlannerTest, TimeoutsAreFiniteAndAHugeOneIsNoDeadlineInThePast) {
+  for (const char* name : {"call_timeout_seconds", "plan_timeout_seconds"}) {
+    for (double seconds : {std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN(), 0.0, -1.0}) {
+      ClientOptions options;
+      options.target = planner_.target();
+      (std::string(name) == "call_timeout_seconds" ? options.call_timeout_seconds
+                                                   : options.plan_timeout_seconds) = seconds;
+      absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+      EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << name << seconds;
+      EXPECT_EQ(client.status().message().find(name), 0u) << client.status();
+    }
+  }
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 1), " }"));
+  for (double seconds : {1e12, 1e300}) {
+    std::unique_ptr<PlannerClient> client =
+        test_support::ConnectLoopback(planner_.port(), "job", "token", seconds, seconds);
+    ASSERT_NE(client, nullptr);
+    absl::StatusOr<RankStepPlan> plan = client->GetRankPlan(0, 1);
+    EXPECT_TRUE(plan.ok()) << seconds << ": " << plan.status();
+  }
 }
 
 }  // namespace
