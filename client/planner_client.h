@@ -152,7 +152,9 @@ class PlannerClient {
   // Never on the report stream; UNAVAILABLE is retried as for every call.
   absl::StatusOr<std::vector<bool>> ReportStepBatch(const std::vector<RankStepReport>& reports);
 
-  const ClientOptions& options() const;
+  // The options Connect got, with the job this client speaks for now (CreateJob's, once it
+  // answered): a copy, as CreateJob on another thread may change the job.
+  ClientOptions options() const;
 
  private:
   struct Impl;

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/planner_client.h"
@@ -21,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
+#include "proto/wire.h"
 #include "server/job_registry.h"
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
@@ -857,6 +859,66 @@ TEST_F(ScriptedPlannerTest, TimeoutsAreFiniteAndAHugeOneIsNoDeadlineInThePast) {
     absl::StatusOr<RankStepPlan> plan = client->GetRankPlan(0, 1);
     EXPECT_TRUE(plan.ok()) << seconds << ": " << plan.status();
   }
+}
+
+// PlannerClient is thread-safe, CreateJob included: while one thread creates jobs, calls made
+// on other threads each name one job with that job's token (the old one or the new one), and
+// options() shows one job with its token. CreateJob wrote the client's job and token while
+// other calls read them: a data race (scripts/tsan.sh reports it) that could also send one
+// job's id with another's token.
+TEST_F(ScriptedPlannerTest, CreateJobOnOneThreadAndCallsOnOthersNameOneJobWithItsToken) {
+  constexpr int kJobs = 200;
+  std::atomic<int> created{0};
+  JobSettings settings;
+  settings.planner = Config(2);
+  const v1::JobConfig config = ConfigToProto(settings);
+  planner_.create_job = [&](const v1::CreateJobRequest&, v1::CreateJobResponse* response) {
+    const int n = ++created;
+    response->set_job_id(absl::StrCat("job-", n));
+    response->set_job_token(absl::StrCat("token-", n));
+    *response->mutable_config() = config;
+    return grpc::Status::OK;
+  };
+  planner_.join_job = [&](const v1::JoinJobRequest&, v1::JoinJobResponse* response) {
+    *response->mutable_config() = config;
+    return grpc::Status::OK;
+  };
+  absl::Mutex mu;
+  std::vector<std::pair<std::string, std::string>> seen;  // (job id, token) of each JoinJob
+  planner_.observe = [&](const std::string& method, const std::string& bearer,
+                         const google::protobuf::Message& request) {
+    if (method != "JoinJob") return;
+    absl::MutexLock lock(&mu);
+    seen.emplace_back(static_cast<const v1::JoinJobRequest&>(request).job_id(), bearer);
+  };
+  std::unique_ptr<PlannerClient> client =
+      test_support::ConnectLoopback(planner_.port(), "job-0", "token-0", 5);
+  // Whether `id` and `token` are one job's: "job-N" and "token-N".
+  auto same_job = [](const std::string& id, const std::string& token) {
+    return id.substr(4) == token.substr(6) && absl::StartsWith(id, "job-") &&
+           absl::StartsWith(token, "token-");
+  };
+  std::atomic<bool> done{false};
+  std::atomic<int> torn{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 2; ++t) {
+    callers.emplace_back([&] {
+      while (!done) {
+        EXPECT_TRUE(client->JoinJob(0).ok());
+        const ClientOptions options = client->options();
+        if (!same_job(options.job_id, options.token)) ++torn;
+      }
+    });
+  }
+  for (int j = 0; j < kJobs; ++j) ASSERT_TRUE(client->CreateJob("job", Config(2)).ok());
+  done = true;
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(torn.load(), 0);
+  EXPECT_EQ(client->options().job_id, absl::StrCat("job-", kJobs));
+  EXPECT_EQ(client->options().token, absl::StrCat("token-", kJobs));
+  absl::MutexLock lock(&mu);
+  EXPECT_FALSE(seen.empty());
+  for (const auto& [id, token] : seen) EXPECT_TRUE(same_job(id, token)) << id << " " << token;
 }
 
 }  // namespace

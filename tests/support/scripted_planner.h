@@ -2,8 +2,9 @@
 // rarely or never: a plan of another rank or step, a plan that breaks the job's config, an error
 // such as RESOURCE_EXHAUSTED at its --max_waiting_calls. A gRPC service on a loopback port: each
 // call a trainer makes is answered by the function the test set for its method (with the
-// request); a method without one answers UNIMPLEMENTED, as the generated base class does. Set the
-// functions before a client calls; `Parse` writes a message from protobuf's text format.
+// request); a method without one answers UNIMPLEMENTED, as the generated base class does.
+// `observe`, when set, sees every call first with its bearer token. Set the functions before a
+// client calls; `Parse` writes a message from protobuf's text format.
 //
 //   ScriptedPlanner planner;
 //   planner.get_rank_plan = [](const v1::GetRankPlanRequest&, v1::GetRankPlanResponse* out) {
@@ -76,6 +77,11 @@ class ScriptedPlanner final : public v1::PlannerService::Service {
     return it == calls_.end() ? 0 : it->second;
   }
 
+  // Called with each call's method, its "authorization: Bearer" token ("" without one) and
+  // request, from the service's threads.
+  std::function<void(const std::string&, const std::string&, const google::protobuf::Message&)>
+      observe;
+  Answer<v1::CreateJobRequest, v1::CreateJobResponse> create_job;
   Answer<v1::JoinJobRequest, v1::JoinJobResponse> join_job;
   Answer<v1::SubmitBatchRequest, v1::SubmitBatchResponse> submit_batch;
   Answer<v1::GetRankPlanRequest, v1::GetRankPlanResponse> get_rank_plan;
@@ -83,38 +89,53 @@ class ScriptedPlanner final : public v1::PlannerService::Service {
   Answer<v1::ReportStepRequest, v1::ReportStepResponse> report_step;
   Answer<v1::ReportStepBatchRequest, v1::ReportStepBatchResponse> report_step_batch;
 
-  grpc::Status JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* request,
+  grpc::Status CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* request,
+                         v1::CreateJobResponse* response) override {
+    return Answered(context, "CreateJob", create_job, *request, response);
+  }
+  grpc::Status JoinJob(grpc::ServerContext* context, const v1::JoinJobRequest* request,
                        v1::JoinJobResponse* response) override {
-    return Answered("JoinJob", join_job, *request, response);
+    return Answered(context, "JoinJob", join_job, *request, response);
   }
-  grpc::Status SubmitBatch(grpc::ServerContext*, const v1::SubmitBatchRequest* request,
+  grpc::Status SubmitBatch(grpc::ServerContext* context, const v1::SubmitBatchRequest* request,
                            v1::SubmitBatchResponse* response) override {
-    return Answered("SubmitBatch", submit_batch, *request, response);
+    return Answered(context, "SubmitBatch", submit_batch, *request, response);
   }
-  grpc::Status GetRankPlan(grpc::ServerContext*, const v1::GetRankPlanRequest* request,
+  grpc::Status GetRankPlan(grpc::ServerContext* context, const v1::GetRankPlanRequest* request,
                            v1::GetRankPlanResponse* response) override {
-    return Answered("GetRankPlan", get_rank_plan, *request, response);
+    return Answered(context, "GetRankPlan", get_rank_plan, *request, response);
   }
-  grpc::Status GetRankPlans(grpc::ServerContext*, const v1::GetRankPlansRequest* request,
+  grpc::Status GetRankPlans(grpc::ServerContext* context, const v1::GetRankPlansRequest* request,
                             v1::GetRankPlansResponse* response) override {
-    return Answered("GetRankPlans", get_rank_plans, *request, response);
+    return Answered(context, "GetRankPlans", get_rank_plans, *request, response);
   }
-  grpc::Status ReportStep(grpc::ServerContext*, const v1::ReportStepRequest* request,
+  grpc::Status ReportStep(grpc::ServerContext* context, const v1::ReportStepRequest* request,
                           v1::ReportStepResponse* response) override {
-    return Answered("ReportStep", report_step, *request, response);
+    return Answered(context, "ReportStep", report_step, *request, response);
   }
-  grpc::Status ReportStepBatch(grpc::ServerContext*, const v1::ReportStepBatchRequest* request,
+  grpc::Status ReportStepBatch(grpc::ServerContext* context,
+                               const v1::ReportStepBatchRequest* request,
                                v1::ReportStepBatchResponse* response) override {
-    return Answered("ReportStepBatch", report_step_batch, *request, response);
+    return Answered(context, "ReportStepBatch", report_step_batch, *request, response);
   }
 
  private:
   template <typename Request, typename Response>
-  grpc::Status Answered(const std::string& method, const Answer<Request, Response>& answer,
-                        const Request& request, Response* response) {
+  grpc::Status Answered(grpc::ServerContext* context, const std::string& method,
+                        const Answer<Request, Response>& answer, const Request& request,
+                        Response* response) {
     {
       absl::MutexLock lock(&mu_);
       ++calls_[method];
+    }
+    if (observe) {
+      std::string bearer;
+      auto it = context->client_metadata().find("authorization");
+      if (it != context->client_metadata().end()) {
+        bearer.assign(it->second.data(), it->second.size());
+        if (bearer.rfind("Bearer ", 0) == 0) bearer.erase(0, 7);
+      }
+      observe(method, bearer, request);
     }
     if (!answer) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, method + ": not scripted");
     return answer(request, response);
