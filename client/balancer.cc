@@ -433,10 +433,18 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
   prefetched = prefetched || own.prefetched;
   double wait_seconds = SecondsSince(start);
   // The one collective of the step: every rank runs one plan, the local one if any rank fell
-  // back (or failed: then that rank returns its error and the others go on locally).
+  // back. A rank that failed (an error of the trainer's input: the planner's own errors are
+  // fallbacks) counts as fallen back here; then a second collective, which every rank makes
+  // because the first one's answer is the same everywhere, tells the others, and every rank
+  // returns an error, as at Start: a rank that trained the step alone would wait for the
+  // failed one in its next collective for ever.
   const bool fell_back = !own.plan.ok() || own.plan->local_fallback;
   const bool any_fell_back = s.options.any_rank(fell_back);
-  if (!own.plan.ok()) return own.plan.status();
+  if (any_fell_back && s.options.any_rank(!own.plan.ok())) {
+    if (!own.plan.ok()) return own.plan.status();
+    return absl::AbortedError(absl::StrCat("Balancer::Plan: another rank could not plan step ",
+                                           step, " (its error says why); no rank runs it"));
+  }
   bool reachable = true;
   std::string reason;
   if (own.plan->local_fallback) {
@@ -651,7 +659,7 @@ absl::Status Balancer::Finish(double timeout_seconds) {
       local_steps = s.session->unsent_local_steps();
       s.NoteSession();
     }
-    if (!flushed.ok() && !IsUnreachable(flushed) && refused.ok()) refused = flushed;
+    if (!flushed.ok() && !IsTransient(flushed) && refused.ok()) refused = flushed;
     size_t queued = 0;
     {
       absl::MutexLock lock(&s.mu);
@@ -663,8 +671,8 @@ absl::Status Balancer::Finish(double timeout_seconds) {
           "Finish: ", reports + queued, " reports and ", local_steps,
           " locally planned steps not delivered to the planner at ", s.options.client.target,
           " after ", timeout_seconds, " s: ",
-          IsUnreachable(flushed) ? flushed.ToString()
-                                 : std::string("waiting for rank 0 to resubmit its local steps"),
+          IsTransient(flushed) ? flushed.ToString()
+                               : std::string("waiting for rank 0 to resubmit its local steps"),
           "; they are kept: call Finish again"));
     }
     absl::SleepFor(std::min(absl::Milliseconds(200), deadline - absl::Now()));

@@ -105,9 +105,12 @@ class Balancer {
   // leader hands them over here. Then one collective, any_rank(fell back or failed): if any
   // rank fell back, every rank runs the local plan (TrainerSession::LocalPlan). Only then the
   // step is final and a prefetch of step + 1 starts. Errors as TrainerSession::Plan's (the
-  // planner away is a fallback, not an error); INVALID_ARGUMENT when `batch` is not the one
-  // Prefetch(step) planned. A leader's error is its members' too, with its code and a message
-  // that names the leader; a leader that fell back has its members plan locally with it.
+  // planner away, busy or failing is a fallback, not an error); INVALID_ARGUMENT when `batch` is
+  // not the one Prefetch(step) planned. A leader's error is its members' too, with its code and
+  // a message that names the leader; a leader that fell back has its members plan locally with
+  // it. A rank's error is every rank's: when the first collective says a rank fell back or
+  // failed, a second any_rank(failed) follows on every rank, and the ranks that did not fail
+  // return ABORTED pointing to the one that did (no rank runs the step).
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
   // Queues this rank's timings of `step`; the background thread sends them in order (kept while
   // the planner is away, bounded by client.max_buffered_reports). Offline: not kept.
@@ -118,8 +121,9 @@ class Balancer {
   void SkipReport(int64_t step);
   // Sends everything queued (reports, and on rank 0 the batches of steps run on local plans),
   // retrying for up to `timeout_seconds`. UNAVAILABLE naming what is left (reports, local steps)
-  // when the planner is still away or, on ranks > 0, rank 0 has not resubmitted its local steps
-  // yet; another error when the planner refused a report for good (it is dropped). OK offline.
+  // when the planner is still away or busy or, on ranks > 0, rank 0 has not resubmitted its
+  // local steps yet; another error when the planner refused a report for good (it is dropped).
+  // OK offline.
   absl::Status Finish(double timeout_seconds = 10);
   // From a checkpoint: the step the trainer runs next and the samples carried into it (what
   // carried() returned when the checkpoint was taken). Drops prefetches made before it.

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -150,28 +152,61 @@ bool IsUnreachable(const absl::Status& status) {
          ErrorReason(status) == kReasonStateDirFailure;
 }
 
+bool IsTransient(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
+      return true;
+    default:
+      return IsUnreachable(status);
+  }
+}
+
+// The longest deadline a call gets, in seconds (about 3 years: none in practice). A longer
+// timeout is cut to it before it becomes a time point, whose nanoseconds since the epoch would
+// overflow from about 292 years on (and its milliseconds' int64 from about 3e14 years).
+constexpr double kMaxTimeoutSeconds = 1e8;
+
 struct PlannerClient::Impl {
   using Stub = v1::PlannerService::Stub;
-  // Whose token a call carries: the job's (CreateJob's answer) or the planner's admin token.
-  enum class Token { kJob, kAdmin };
+  // The job this client speaks for and its token: options' until CreateJob answers. Read as one
+  // (CurrentJob), so that a call made while another thread's CreateJob runs names one job with
+  // that job's token.
+  struct Job {
+    std::string id;
+    std::string token;
+  };
 
-  ClientOptions options;
+  explicit Impl(const ClientOptions& connected)
+      : options(connected), job{connected.job_id, connected.token} {}
+
+  Job CurrentJob() const ABSL_LOCKS_EXCLUDED(job_mu) {
+    absl::ReaderMutexLock lock(&job_mu);
+    return job;
+  }
+
+  const ClientOptions options;  // as Connect got them (its job_id and token: see `job`)
+  mutable absl::Mutex job_mu;
+  Job job ABSL_GUARDED_BY(job_mu);
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<Stub> stub;
 
   // One unary call of `method`: a deadline `timeout_seconds` from now (the call timeout when
-  // 0), the token as "authorization: Bearer <token>" when there is one, and gRPC's status as
-  // an absl::Status.
+  // 0), `bearer` (a job's or the admin token) as "authorization: Bearer <token>" when there is
+  // one, and gRPC's status as an absl::Status.
   template <typename Request, typename Response>
   absl::StatusOr<Response> Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
                                                              Response*),
-                                const Request& request, Token token = Token::kJob,
+                                const Request& request, const std::string& bearer,
                                 double timeout_seconds = 0.0) const {
     if (timeout_seconds == 0.0) timeout_seconds = options.call_timeout_seconds;
+    timeout_seconds = std::min(timeout_seconds, kMaxTimeoutSeconds);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
-    const std::string& bearer = token == Token::kAdmin ? options.admin_token : options.token;
     if (!bearer.empty()) context.AddMetadata("authorization", "Bearer " + bearer);
     Response response;
     absl::Status status = FromGrpcStatus(((*stub).*method)(&context, request, &response));
@@ -185,13 +220,14 @@ struct PlannerClient::Impl {
   // next report opens a new one. A stream that failed as a stream (StreamFailed) is closed
   // too, and the next one opens after 1 s, doubling to 60 s while they keep failing (never
   // again for UNIMPLEMENTED: a planner without ReportSteps).
-  std::optional<absl::StatusOr<v1::ReportStepResponse>> Stream(const v1::ReportStepRequest& report)
+  std::optional<absl::StatusOr<v1::ReportStepResponse>> Stream(const v1::ReportStepRequest& report,
+                                                               const std::string& token)
       ABSL_LOCKS_EXCLUDED(stream_mu) {
     if (!options.report_stream || !stream_mu.TryLock()) return std::nullopt;
     std::optional<absl::StatusOr<v1::ReportStepResponse>> out;
     const absl::Time now = absl::Now();
     if (!stream_unsupported && now >= stream_retry_at) {
-      if (stream == nullptr) stream = std::make_unique<ReportStream>(stub.get(), options.token);
+      if (stream == nullptr) stream = std::make_unique<ReportStream>(stub.get(), token);
       out = stream->Exchange(report, absl::Seconds(options.call_timeout_seconds));
       if (!out->ok()) stream.reset();
       if (out->ok() || !StreamFailed(out->status())) {
@@ -216,14 +252,26 @@ struct PlannerClient::Impl {
 PlannerClient::PlannerClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 PlannerClient::~PlannerClient() = default;
 
-const ClientOptions& PlannerClient::options() const { return impl_->options; }
+ClientOptions PlannerClient::options() const {
+  ClientOptions options = impl_->options;
+  Impl::Job job = impl_->CurrentJob();
+  options.job_id = std::move(job.id);
+  options.token = std::move(job.token);
+  return options;
+}
 
 absl::StatusOr<std::unique_ptr<PlannerClient>> PlannerClient::Connect(
     const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target: empty; e.g. host:50151");
   if (absl::Status s = ValidateHostName(options.host_name, "host_name"); !s.ok()) return s;
-  if (!(options.call_timeout_seconds > 0) || !(options.plan_timeout_seconds > 0)) {
-    return absl::InvalidArgumentError("call_timeout_seconds and plan_timeout_seconds must be > 0");
+  for (const auto& [name, seconds] :
+       {std::pair<const char*, double>{"call_timeout_seconds", options.call_timeout_seconds},
+        {"plan_timeout_seconds", options.plan_timeout_seconds}}) {
+    // An infinite one cannot be a deadline (and every deadline is required, DESIGN.md 6).
+    if (!(seconds > 0) || !std::isfinite(seconds)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", seconds, " seconds; must be finite and > 0 (e.g. 60)"));
+    }
   }
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (options.root_certs_pem.empty()) {
@@ -250,8 +298,7 @@ absl::StatusOr<std::unique_ptr<PlannerClient>> PlannerClient::Connect(
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetMaxReceiveMessageSize(256 << 20);
-  auto impl = std::make_unique<Impl>();
-  impl->options = options;
+  auto impl = std::make_unique<Impl>(options);
   impl->channel = grpc::CreateCustomChannel(options.target, credentials, args);
   impl->stub = v1::PlannerService::NewStub(impl->channel);
   return std::unique_ptr<PlannerClient>(new PlannerClient(std::move(impl)));
@@ -267,12 +314,14 @@ absl::StatusOr<JobHandle> PlannerClient::CreateJob(const std::string& name,
   *request.mutable_config() = ConfigToProto(settings);
   request.mutable_config()->set_history_steps(history_steps);
   absl::StatusOr<v1::CreateJobResponse> response =
-      impl_->Call(&Impl::Stub::CreateJob, request, Impl::Token::kAdmin);
+      impl_->Call(&Impl::Stub::CreateJob, request, impl_->options.admin_token);
   if (!response.ok()) return response.status();
   absl::StatusOr<JobSettings> created = ConfigFromProto(response->config(), WireLimits());
   if (!created.ok()) return created.status();
-  impl_->options.job_id = response->job_id();
-  impl_->options.token = response->job_token();
+  {
+    absl::MutexLock lock(&impl_->job_mu);
+    impl_->job = {response->job_id(), response->job_token()};
+  }
   return JobHandle{response->job_id(), response->job_token(), created->planner,
                    created->history_steps};
 }
@@ -280,17 +329,19 @@ absl::StatusOr<JobHandle> PlannerClient::CreateJob(const std::string& name,
 absl::Status PlannerClient::DeleteJob(const std::string& job_id) {
   v1::DeleteJobRequest request;
   request.set_job_id(job_id);
-  const Impl::Token token =
-      impl_->options.admin_token.empty() ? Impl::Token::kJob : Impl::Token::kAdmin;
-  return impl_->Call(&Impl::Stub::DeleteJob, request, token).status();
+  const std::string& admin = impl_->options.admin_token;
+  return impl_
+      ->Call(&Impl::Stub::DeleteJob, request, admin.empty() ? impl_->CurrentJob().token : admin)
+      .status();
 }
 
 absl::StatusOr<std::string> PlannerClient::UploadProfile(const std::string& profile_text) {
   v1::UploadProfileRequest request;
-  request.set_job_id(impl_->options.job_id);
+  const Impl::Job job = impl_->CurrentJob();
+  request.set_job_id(job.id);
   request.set_profile(profile_text);
   absl::StatusOr<v1::UploadProfileResponse> response =
-      impl_->Call(&Impl::Stub::UploadProfile, request);
+      impl_->Call(&Impl::Stub::UploadProfile, request, job.token);
   if (!response.ok()) return response.status();
   return response->device();
 }
@@ -298,10 +349,12 @@ absl::StatusOr<std::string> PlannerClient::UploadProfile(const std::string& prof
 absl::StatusOr<std::pair<PlannerConfig, int64_t>> PlannerClient::JoinJob(int rank,
                                                                          int64_t* rank_next_step) {
   v1::JoinJobRequest request;
-  request.set_job_id(impl_->options.job_id);
+  const Impl::Job job = impl_->CurrentJob();
+  request.set_job_id(job.id);
   request.set_rank(rank);
   request.set_host(impl_->options.host_name.empty() ? LocalHostName() : impl_->options.host_name);
-  absl::StatusOr<v1::JoinJobResponse> response = impl_->Call(&Impl::Stub::JoinJob, request);
+  absl::StatusOr<v1::JoinJobResponse> response =
+      impl_->Call(&Impl::Stub::JoinJob, request, job.token);
   if (!response.ok()) return response.status();
   absl::StatusOr<JobSettings> settings = ConfigFromProto(response->config(), WireLimits());
   if (!settings.ok()) return settings.status();
@@ -313,22 +366,32 @@ absl::StatusOr<std::vector<uint64_t>> PlannerClient::SubmitBatch(int64_t step,
                                                                  const std::vector<Sample>& batch,
                                                                  bool planned_locally) {
   v1::SubmitBatchRequest request;
-  request.set_job_id(impl_->options.job_id);
+  const Impl::Job job = impl_->CurrentJob();
+  request.set_job_id(job.id);
   request.set_step(step);
   request.set_planned_locally(planned_locally);
   for (const Sample& s : batch) SampleToProto(s, request.add_samples());
-  absl::StatusOr<v1::SubmitBatchResponse> response = impl_->Call(&Impl::Stub::SubmitBatch, request);
+  absl::StatusOr<v1::SubmitBatchResponse> response =
+      impl_->Call(&Impl::Stub::SubmitBatch, request, job.token);
   if (!response.ok()) return response.status();
   return std::vector<uint64_t>(response->deferred_ids().begin(), response->deferred_ids().end());
 }
 
 namespace {
 
-// A rank's plan as GetRankPlan and GetRankPlans answer it; INTERNAL naming `method` for one
-// that fails MicroBatchesFromProto's checks.
+// A rank's plan as GetRankPlan and GetRankPlans answer it, or as DecodeRankStepPlan reads it.
+// INTERNAL naming `where` for a plan of another step or rank than the one asked for (`rank` -1:
+// not known here, DecodeRankStepPlan's caller compares) or one that fails
+// MicroBatchesFromProto's checks: a plan of another rank would have this rank train samples
+// that another rank trains too.
 absl::StatusOr<RankStepPlan> RankStepPlanFromProto(
     const v1::RankPlan& plan, const google::protobuf::RepeatedField<uint64_t>& deferred_ids,
-    int64_t step, int world_size, int block_size, const char* method) {
+    int64_t step, int rank, int world_size, int block_size, const std::string& where) {
+  if (rank >= 0 && (plan.step() != step || plan.rank() != rank)) {
+    return absl::InternalError(absl::StrCat(where, ": the planner answered with the plan of step ",
+                                            plan.step(), " of rank ", plan.rank(),
+                                            "; asked for step ", step, " of rank ", rank));
+  }
   RankStepPlan out;
   out.step = plan.step();
   out.rank = plan.rank();
@@ -339,7 +402,7 @@ absl::StatusOr<RankStepPlan> RankStepPlanFromProto(
   absl::StatusOr<std::vector<MicroBatchPlan>> micro_batches =
       MicroBatchesFromProto(plan, PlanContext{world_size, block_size});
   if (!micro_batches.ok()) {
-    return absl::InternalError(absl::StrCat(method, ": the planner's plan of step ", step,
+    return absl::InternalError(absl::StrCat(where, ": the planner's plan of step ", step,
                                             " is malformed: ", micro_batches.status().message()));
   }
   out.micro_batches = *std::move(micro_batches);
@@ -351,13 +414,18 @@ absl::StatusOr<RankStepPlan> RankStepPlanFromProto(
 absl::StatusOr<RankStepPlan> PlannerClient::GetRankPlan(int64_t step, int rank, int world_size,
                                                         int block_size) {
   v1::GetRankPlanRequest request;
-  request.set_job_id(impl_->options.job_id);
+  const Impl::Job job = impl_->CurrentJob();
+  request.set_job_id(job.id);
   request.set_step(step);
   request.set_rank(rank);
   absl::StatusOr<v1::GetRankPlanResponse> response = impl_->Call(
-      &Impl::Stub::GetRankPlan, request, Impl::Token::kJob, impl_->options.plan_timeout_seconds);
+      &Impl::Stub::GetRankPlan, request, job.token, impl_->options.plan_timeout_seconds);
   if (!response.ok()) return response.status();
-  return RankStepPlanFromProto(response->plan(), response->deferred_ids(), step, world_size,
+  if (!response->has_plan()) {
+    return absl::InternalError(absl::StrCat("GetRankPlan: the planner's answer for step ", step,
+                                            " of rank ", rank, " holds no plan"));
+  }
+  return RankStepPlanFromProto(response->plan(), response->deferred_ids(), step, rank, world_size,
                                block_size, "GetRankPlan");
 }
 
@@ -365,11 +433,12 @@ absl::StatusOr<std::vector<RankStepPlan>> PlannerClient::GetRankPlans(
     int64_t step, const std::vector<int>& ranks, int world_size, int block_size,
     std::vector<std::string>* encoded) {
   v1::GetRankPlansRequest request;
-  request.set_job_id(impl_->options.job_id);
+  const Impl::Job job = impl_->CurrentJob();
+  request.set_job_id(job.id);
   request.set_step(step);
   request.mutable_ranks()->Assign(ranks.begin(), ranks.end());
   absl::StatusOr<v1::GetRankPlansResponse> response = impl_->Call(
-      &Impl::Stub::GetRankPlans, request, Impl::Token::kJob, impl_->options.plan_timeout_seconds);
+      &Impl::Stub::GetRankPlans, request, job.token, impl_->options.plan_timeout_seconds);
   if (!response.ok()) return response.status();
   if (response->plans_size() != request.ranks_size()) {
     return absl::InternalError(absl::StrCat("GetRankPlans: ", response->plans_size(), " plans for ",
@@ -378,13 +447,10 @@ absl::StatusOr<std::vector<RankStepPlan>> PlannerClient::GetRankPlans(
   std::vector<RankStepPlan> plans;
   plans.reserve(ranks.size());
   for (int k = 0; k < response->plans_size(); ++k) {
-    absl::StatusOr<RankStepPlan> plan = RankStepPlanFromProto(
-        response->plans(k), response->deferred_ids(), step, world_size, block_size, "GetRankPlans");
+    absl::StatusOr<RankStepPlan> plan =
+        RankStepPlanFromProto(response->plans(k), response->deferred_ids(), step, ranks[k],
+                              world_size, block_size, absl::StrCat("GetRankPlans: plans[", k, "]"));
     if (!plan.ok()) return plan.status();
-    if (plan->rank != ranks[k]) {
-      return absl::InternalError(absl::StrCat("GetRankPlans: plans[", k, "] is rank ", plan->rank,
-                                              "'s, asked for rank ", ranks[k]));
-    }
     plans.push_back(*std::move(plan));
   }
   if (encoded != nullptr) {
@@ -409,7 +475,7 @@ absl::StatusOr<RankStepPlan> DecodeRankStepPlan(const std::string& bytes, int wo
         absl::StrCat("plan: ", bytes.size(), " bytes that are not a GetRankPlanResponse"));
   }
   return RankStepPlanFromProto(response.plan(), response.deferred_ids(), response.plan().step(),
-                               world_size, block_size, "DecodeRankStepPlan");
+                               /*rank=*/-1, world_size, block_size, "DecodeRankStepPlan");
 }
 
 absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
@@ -417,12 +483,14 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
                                                double wait_seconds, bool planned_locally) {
   v1::ReportStepRequest request;
   request.set_planned_locally(planned_locally);
-  request.set_job_id(impl_->options.job_id);
+  const Impl::Job job = impl_->CurrentJob();
+  request.set_job_id(job.id);
   request.set_step(step);
   request.set_rank(rank);
   request.set_wait_seconds(wait_seconds);
   for (const MicroBatchTiming& m : micro_batches) TimingToProto(m, request.add_micro_batches());
-  if (std::optional<absl::StatusOr<v1::ReportStepResponse>> streamed = impl_->Stream(request)) {
+  if (std::optional<absl::StatusOr<v1::ReportStepResponse>> streamed =
+          impl_->Stream(request, job.token)) {
     if (streamed->ok()) return (*streamed)->duplicate();
     // The stream failed before the answer: the report goes again by a unary call (retried
     // while UNAVAILABLE); a copy that did arrive makes it a duplicate. Any other error is the
@@ -430,7 +498,8 @@ absl::StatusOr<bool> PlannerClient::ReportStep(int64_t step, int rank,
     // would not answer a unary call sooner).
     if (!StreamFailed(streamed->status())) return streamed->status();
   }
-  absl::StatusOr<v1::ReportStepResponse> response = impl_->Call(&Impl::Stub::ReportStep, request);
+  absl::StatusOr<v1::ReportStepResponse> response =
+      impl_->Call(&Impl::Stub::ReportStep, request, job.token);
   if (!response.ok()) return response.status();
   return response->duplicate();
 }
@@ -453,10 +522,11 @@ absl::StatusOr<RankStepReport> DecodeRankStepReport(const std::string& bytes) {
 absl::StatusOr<std::vector<bool>> PlannerClient::ReportStepBatch(
     const std::vector<RankStepReport>& reports) {
   v1::ReportStepBatchRequest request;
-  request.set_job_id(impl_->options.job_id);
+  const Impl::Job job = impl_->CurrentJob();
+  request.set_job_id(job.id);
   for (const RankStepReport& report : reports) ReportToProto(report, request.add_reports());
   absl::StatusOr<v1::ReportStepBatchResponse> response =
-      impl_->Call(&Impl::Stub::ReportStepBatch, request);
+      impl_->Call(&Impl::Stub::ReportStepBatch, request, job.token);
   if (!response.ok()) return response.status();
   if (response->responses_size() != request.reports_size()) {
     return absl::InternalError(absl::StrCat("ReportStepBatch: ", response->responses_size(),

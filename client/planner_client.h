@@ -26,8 +26,9 @@ namespace sparsebalance {
 struct ClientOptions {
   std::string target = "127.0.0.1:50151";  // host:port of sb-planner
   std::string job_id;
-  std::string token;                   // the job token (CreateJob's answer)
-  std::string admin_token;             // for CreateJob/ListJobs/DeleteJob when the planner has one
+  std::string token;        // the job token (CreateJob's answer)
+  std::string admin_token;  // for CreateJob/ListJobs/DeleteJob when the planner has one
+  // Finite and > 0 (Connect refuses others); above 1e8 s (about 3 years) a call waits 1e8 s.
   double call_timeout_seconds = 10.0;  // deadline of every call but GetRankPlan
   double plan_timeout_seconds = 60.0;  // how long GetRankPlan waits for the step's plan
   // TLS: when root_certs_pem is set the channel is TLS; with cert_chain_pem and
@@ -116,18 +117,19 @@ class PlannerClient {
                                                     bool planned_locally = false);
   // Waits (up to plan_timeout_seconds) for the step's plan and returns this rank's part. A
   // planner older than PlannedSample sends no lengths: they are 0 until CompletePlannedSamples
-  // (planner.h) fills them from the batch, as TrainerSession::Plan does. INTERNAL for a plan
-  // that fails MicroBatchFromProto's checks. A shard of a split document comes with its token
-  // range, group and index (PlannedSample::shard_*); given the job's world size and block
-  // size (TrainerSession passes its config's), its group's ranks and its first token are
-  // checked against them too.
+  // (planner.h) fills them from the batch, as TrainerSession::Plan does. INTERNAL for an answer
+  // without a plan, a plan of another step or rank, or one that fails MicroBatchFromProto's
+  // checks. A shard of a split document comes with its token range, group and index
+  // (PlannedSample::shard_*); given the job's world size and block size (TrainerSession passes
+  // its config's), its group's ranks and its first token are checked against them too.
   absl::StatusOr<RankStepPlan> GetRankPlan(int64_t step, int rank, int world_size = 0,
                                            int block_size = 0);
   // The plans of several ranks of `step` in one GetRankPlans call (1 to 1,024 distinct ranks:
   // kMaxBatchRanks in proto/wire.h), e.g. a node leader's for its node: waits as GetRankPlan
-  // does and returns them in `ranks`' order, each as GetRankPlan would. With `encoded`, also
-  // each plan as bytes to hand to its rank (DecodeRankStepPlan reads them back there), as the
-  // Balancer's node plans do (BalancerOptions::scatter_plans).
+  // does and returns them in `ranks`' order, each checked as GetRankPlan checks its own
+  // (INTERNAL naming `plans[k]`). With `encoded`, also each plan as bytes to hand to its rank
+  // (DecodeRankStepPlan reads them back there), as the Balancer's node plans do
+  // (BalancerOptions::scatter_plans).
   absl::StatusOr<std::vector<RankStepPlan>> GetRankPlans(
       int64_t step, const std::vector<int>& ranks, int world_size = 0, int block_size = 0,
       std::vector<std::string>* encoded = nullptr);
@@ -150,7 +152,9 @@ class PlannerClient {
   // Never on the report stream; UNAVAILABLE is retried as for every call.
   absl::StatusOr<std::vector<bool>> ReportStepBatch(const std::vector<RankStepReport>& reports);
 
-  const ClientOptions& options() const;
+  // The options Connect got, with the job this client speaks for now (CreateJob's, once it
+  // answered): a copy, as CreateJob on another thread may change the job.
+  ClientOptions options() const;
 
  private:
   struct Impl;
@@ -163,6 +167,15 @@ class PlannerClient {
 // read-only). A TrainerSession then plans locally and keeps its reports until the planner is
 // back.
 bool IsUnreachable(const absl::Status& status);
+
+// True when the planner could not serve a call for a reason of its own that may be gone when the
+// call is made again: IsUnreachable, or the planner at one of its limits or out of memory
+// (RESOURCE_EXHAUSTED, e.g. --max_waiting_calls), failing inside (INTERNAL, UNKNOWN), or the call
+// ABORTED or CANCELLED on its side. A TrainerSession then plans locally and keeps a report for
+// later, as while the planner is away. Not the answers about the call itself (INVALID_ARGUMENT,
+// NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE, PERMISSION_DENIED,
+// UNAUTHENTICATED), a server without the method (UNIMPLEMENTED), or DATA_LOSS.
+bool IsTransient(const absl::Status& status);
 
 }  // namespace sparsebalance
 

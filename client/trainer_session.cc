@@ -8,13 +8,40 @@
 #include "planner/planner.h"
 
 namespace sparsebalance {
+namespace {
+
+// Whether Plan runs the local plan on `error` from a plan call (SubmitBatch, GetRankPlan(s)):
+// on every error the trainer's own input did not cause. Returning one on this rank alone would
+// leave it out of the step that the other ranks, falling back, run without it. The planner
+// cannot serve now (IsTransient: e.g. RESOURCE_EXHAUSTED at --max_waiting_calls, or a plan that
+// failed the client's checks, INTERNAL), a stored step of it is damaged (DATA_LOSS), or it has
+// no plan of this step to give (FAILED_PRECONDITION: a step out of order, skipped by a local
+// steps' resubmission, or older than its history), which the coordinator then resubmits as
+// planned locally. Returned: INVALID_ARGUMENT (the batch), ALREADY_EXISTS (another batch for a
+// planned step), NOT_FOUND (the job), UNAUTHENTICATED and PERMISSION_DENIED (the token),
+// UNIMPLEMENTED (not a planner) and OUT_OF_RANGE: they must be fixed.
+bool PlansLocallyOn(const absl::Status& error) {
+  return IsTransient(error) || error.code() == absl::StatusCode::kDataLoss ||
+         error.code() == absl::StatusCode::kFailedPrecondition;
+}
+
+}  // namespace
 
 TrainerSession::TrainerSession(PlannerClient* client, int rank, bool coordinator,
                                PlannerConfig config)
-    : client_(client), rank_(rank), coordinator_(coordinator), config_(config) {}
+    : client_(client),
+      rank_(rank),
+      coordinator_(coordinator),
+      config_(config),
+      buffer_limit_(client == nullptr ? 1
+                                      : static_cast<size_t>(
+                                            std::max(1, client->options().max_buffered_reports))) {}
 
-size_t TrainerSession::BufferLimit() const {
-  return static_cast<size_t>(std::max(1, client_->options().max_buffered_reports));
+absl::Status TrainerSession::CheckClient() const {
+  if (client_ != nullptr) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "client: null; a TrainerSession plans and reports through a PlannerClient "
+      "(PlannerClient::Connect)");
 }
 
 std::vector<Sample> TrainerSession::StepBatch(int64_t step, const std::vector<Sample>& batch) {
@@ -68,9 +95,9 @@ absl::StatusOr<RankStepPlan> TrainerSession::PlanLocally(int64_t step,
     local_steps_.push_back(step);
     if (coordinator_) local_batches_.emplace_back(step, batch);
   }
-  while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
+  while (local_steps_.size() > buffer_limit_) local_steps_.pop_front();
   // The newest stays: the planner needs at least one local step to move past the gap.
-  while (local_batches_.size() > BufferLimit()) local_batches_.pop_front();
+  while (local_batches_.size() > buffer_limit_) local_batches_.pop_front();
   RankStepPlan out;
   out.step = step;
   out.rank = rank_;
@@ -103,6 +130,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
                                                   const std::vector<int>& group,
                                                   std::vector<std::string>* encoded) {
   if (encoded != nullptr) encoded->clear();
+  if (absl::Status s = CheckClient(); !s.ok()) return s;
   const auto me = std::find(group.begin(), group.end(), rank_);
   if (!group.empty() && me == group.end()) {
     return absl::InvalidArgumentError(
@@ -117,7 +145,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
     if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return fall_back(s);
     absl::StatusOr<std::vector<uint64_t>> submitted = client_->SubmitBatch(step, full);
     if (!submitted.ok()) {
-      if (IsUnreachable(submitted.status())) return fall_back(submitted.status());
+      if (PlansLocallyOn(submitted.status())) return fall_back(submitted.status());
       return submitted.status();
     }
   }
@@ -139,7 +167,7 @@ absl::StatusOr<RankStepPlan> TrainerSession::Plan(int64_t step, const std::vecto
   if (group.empty() || groups_refused_) {
     plan = client_->GetRankPlan(step, rank_, config_.ranks, block_size);
   }
-  if (!plan.ok() && IsUnreachable(plan.status())) return fall_back(plan.status());
+  if (!plan.ok() && PlansLocallyOn(plan.status())) return fall_back(plan.status());
   if (!plan.ok()) return plan;
   return Take(step, full, *std::move(plan));
 }
@@ -161,16 +189,21 @@ absl::StatusOr<RankStepPlan> TrainerSession::Take(int64_t step, const std::vecto
                                                   RankStepPlan plan) {
   fallback_reason_ = absl::OkStatus();
   // An older planner's plan has ids and densities only: its lengths and segments come from the
-  // batch (and a newer one's must agree with it).
-  if (absl::Status s = CompletePlannedSamples(full, &plan.micro_batches); !s.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat("the planner's plan of step ", step,
-                                                      " does not fit the batch: ", s.message()));
+  // batch (and a newer one's must agree with it). Then what the rank would otherwise train
+  // wrongly without a word: a sample twice, a deferred one too, too many tokens.
+  const SamplesById by_id = IndexSamplesById(full);
+  absl::Status fits = CompletePlannedSamples(by_id, &plan.micro_batches);
+  if (fits.ok()) fits = CheckRankPlan(by_id, plan.micro_batches, plan.deferred_ids, config_);
+  if (!fits.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the planner's plan of step ", step,
+                     " does not fit the batch or the job's config: ", fits.message()));
   }
   last_planner_step_ = std::max(last_planner_step_, step);
   Carry(step, full, plan.deferred_ids);
   if (plan.local_fallback) {
     local_steps_.push_back(step);  // the step was switched to the local plan: report it so
-    while (local_steps_.size() > BufferLimit()) local_steps_.pop_front();
+    while (local_steps_.size() > buffer_limit_) local_steps_.pop_front();
   }
   return plan;
 }
@@ -199,15 +232,17 @@ absl::Status TrainerSession::FlushPending() {
     const RankStepReport& r = pending_.front();
     absl::StatusOr<bool> sent =
         client_->ReportStep(r.step, r.rank, r.micro_batches, r.wait_seconds, r.planned_locally);
-    if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
+    // The planner away, busy or failing for now: this report and the ones after it wait.
+    if (!sent.ok() && IsTransient(sent.status())) return sent.status();
     // A locally planned step the coordinator has not resubmitted yet: the planner learns of it
     // before it plans any later step, so wait while this rank has no later planner's plan.
     if (!sent.ok() && sent.status().code() == absl::StatusCode::kFailedPrecondition &&
         r.step > last_planner_step_) {
       return absl::OkStatus();
     }
-    // Anything else (e.g. the step left the planner's history, or a step the planner skipped)
-    // cannot succeed later either: drop it, say so, and go on.
+    // Anything else refuses the report itself (INVALID_ARGUMENT, ALREADY_EXISTS; the step left
+    // the planner's history, or a step the planner skipped): it cannot succeed later either, so
+    // drop it, say so, and go on.
     if (!sent.ok()) {
       ++dropped_reports_;
       if (dropped.ok()) {
@@ -223,6 +258,7 @@ absl::Status TrainerSession::FlushPending() {
 }
 
 absl::Status TrainerSession::Flush() {
+  if (absl::Status s = CheckClient(); !s.ok()) return s;
   if (coordinator_) {
     if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return s;
   }
@@ -243,18 +279,19 @@ absl::Status TrainerSession::Report(int64_t step,
 }
 
 absl::Status TrainerSession::Report(std::vector<RankStepReport> reports) {
+  if (absl::Status s = CheckClient(); !s.ok()) return s;
   for (RankStepReport& report : reports) {
     report.planned_locally =
         std::find(local_steps_.begin(), local_steps_.end(), report.step) != local_steps_.end();
     pending_.push_back(std::move(report));
   }
-  while (pending_.size() > BufferLimit()) {
+  while (pending_.size() > buffer_limit_) {
     pending_.pop_front();
     ++dropped_reports_;
   }
   absl::Status flushed = FlushPending();
-  // The planner being away is not the trainer's problem: the reports wait for it.
-  return IsUnreachable(flushed) ? absl::OkStatus() : flushed;
+  // The planner being away or busy is not the trainer's problem: the reports wait for it.
+  return IsTransient(flushed) ? absl::OkStatus() : flushed;
 }
 
 }  // namespace sparsebalance

@@ -1,8 +1,9 @@
 // TrainerSession: one rank's step loop against sb-planner (plan, run, report) that never stalls
-// training. When the planner stays unreachable past the deadline, Plan computes the step locally
-// with planner/ (the same plan on every rank that falls back: same batch, same config, same
-// model) and says so in `local_fallback`. Ranks must agree on which plan they use: a trainer
-// should all-reduce `local_fallback` and, if any rank fell back, every rank uses LocalPlan().
+// training. When the planner stays unreachable past the deadline, or fails the step for any other
+// reason than the trainer's input, Plan computes the step locally with planner/ (the same plan
+// on every rank that falls back: same batch, same config, same model) and says so in
+// `local_fallback`. Ranks must agree on which plan they use: a trainer should all-reduce
+// `local_fallback` and, if any rank fell back, every rank uses LocalPlan().
 //
 //   TrainerSession session(client.get(), rank, /*coordinator=*/rank == 0, joined->first);
 //   absl::StatusOr<RankStepPlan> plan = session.Plan(step, batch);   // never stalls training
@@ -39,17 +40,25 @@ namespace sparsebalance {
 // The per-rank step helper. Not thread-safe: one per rank thread.
 class TrainerSession {
  public:
-  // `config` is the job's (JoinJob returns it); the local fallback plans with it.
+  // `config` is the job's (JoinJob returns it); the local fallback plans with it. `client`
+  // must outlive the session; a null one makes Plan, Report and Flush return INVALID_ARGUMENT.
   TrainerSession(PlannerClient* client, int rank, bool coordinator, PlannerConfig config);
 
   // This rank's plan for `step`: the coordinator submits `batch` (every rank passes the same
-  // global batch), every rank gets its part. If the planner cannot be reached (UNAVAILABLE or
-  // DEADLINE_EXCEEDED), the plan is computed locally and marked local_fallback. Other errors
-  // (a bad batch, a wrong token) are returned: they would fail locally too, or must be fixed;
+  // global batch), every rank gets its part. On every error of the planner's calls that the
+  // trainer's input did not cause, the plan is computed locally and marked local_fallback: the
+  // planner unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) or busy (RESOURCE_EXHAUSTED), failing
+  // (INTERNAL, UNKNOWN, ABORTED, CANCELLED, DATA_LOSS; INTERNAL also for a plan of another rank
+  // or step), or without a plan of the step (FAILED_PRECONDITION: out of order, skipped, older
+  // than its history). Errors of the trainer's input (INVALID_ARGUMENT: a bad batch;
+  // ALREADY_EXISTS: another batch for a planned step; NOT_FOUND: the job; UNAUTHENTICATED,
+  // PERMISSION_DENIED: the token) are returned: they would fail locally too, or must be fixed;
   // FAILED_PRECONDITION when the planner's plan names a sample that `batch` lacks or differs
-  // from. Every planned sample carries its length and segments. The step's batch is the
-  // samples the previous step deferred followed by `batch`; calling Plan again for the same
-  // step (a retry) carries the same ones.
+  // from, or breaks the job's config (CheckRankPlan: a sample twice, a deferred sample planned or
+  // not in the batch, a micro-batch count other than config.micro_batches, a micro-batch above
+  // micro_batch_capacity, layer densities of another model). Every planned sample carries its
+  // length and segments. The step's batch is the samples the previous step deferred followed by
+  // `batch`; calling Plan again for the same step (a retry) carries the same ones.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
   // Plan, fetching with this rank's plan those of the other ranks of `group` (e.g. its node's;
   // `group` holds this rank, at most 1,024 distinct ranks) in one GetRankPlans call. `encoded`
@@ -64,7 +73,7 @@ class TrainerSession {
   // leader), taken as Plan takes the planner's: the step's batch is what was carried in plus
   // `batch`, the plan's lengths come from it, and the step's deferred samples are carried on.
   // INVALID_ARGUMENT for bytes that are not a plan of this rank's `step`, INTERNAL for a
-  // malformed plan, FAILED_PRECONDITION when it does not fit the batch.
+  // malformed plan, FAILED_PRECONDITION when it does not fit the batch or the config (as Plan).
   absl::StatusOr<RankStepPlan> Adopt(int64_t step, const std::vector<Sample>& batch,
                                      const std::string& encoded);
   // The locally computed plan of `step` (what every falling-back rank uses), with the same
@@ -82,8 +91,11 @@ class TrainerSession {
   // Why the latest Plan ran the local plan (the planner's error); OK when the plan came from the
   // planner.
   const absl::Status& fallback_reason() const { return fallback_reason_; }
-  // Reports this rank's timings; while the planner is away reports are kept (bounded: the
-  // oldest go first) and sent, in order, before the next report.
+  // Reports this rank's timings; while the planner is away, or refuses reports for a reason of
+  // its own (IsTransient: RESOURCE_EXHAUSTED, INTERNAL, UNKNOWN, ABORTED, CANCELLED), reports
+  // are kept (bounded: the oldest go first) and sent, in order, before the next report. A report
+  // the planner refuses for its content (INVALID_ARGUMENT, ALREADY_EXISTS, ...) is dropped and
+  // its error returned.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
                       double wait_seconds);
   // Reports of other ranks too (each RankStepReport names its rank), e.g. the reports of this
@@ -92,8 +104,9 @@ class TrainerSession {
   // record of the steps it ran locally (every rank of a step runs the same plan).
   absl::Status Report(std::vector<RankStepReport> reports);
   // Sends what is buffered now (e.g. at the end of training): the coordinator's locally
-  // planned steps, then the reports. UNAVAILABLE while the planner is still away (everything
-  // stays buffered); reports of steps the coordinator has not resubmitted yet stay too.
+  // planned steps, then the reports. The planner's error while it is still away or busy
+  // (IsTransient; everything stays buffered); reports of steps the coordinator has not
+  // resubmitted yet stay too.
   absl::Status Flush();
   size_t buffered_reports() const { return pending_.size(); }
   // Batches of locally planned steps the coordinator has not told the planner about yet.
@@ -112,7 +125,8 @@ class TrainerSession {
   // Coordinator: submits the batches of locally planned steps, oldest first. UNAVAILABLE when
   // the planner is still away (the rest stay queued).
   absl::Status ResubmitLocalSteps();
-  size_t BufferLimit() const;
+  // INVALID_ARGUMENT when the session has no client.
+  absl::Status CheckClient() const;
   // The batch `step` plans: the samples carried into it, then `batch` (those not carried).
   std::vector<Sample> StepBatch(int64_t step, const std::vector<Sample>& batch);
   // The planner's `plan` of `step`, whose whole batch is `full`: its lengths filled in from it,
@@ -128,6 +142,7 @@ class TrainerSession {
   int rank_;
   bool coordinator_;
   PlannerConfig config_;
+  size_t buffer_limit_;  // reports, local steps and batches kept (max_buffered_reports, >= 1)
   std::deque<RankStepReport> pending_;
   bool batches_refused_ = false;  // the planner lacks ReportStepBatch: one call per report
   bool groups_refused_ = false;   // the planner lacks GetRankPlans: GetRankPlan

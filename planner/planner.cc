@@ -453,6 +453,53 @@ absl::Status CompletePlannedSamples(const SamplesById& by_id,
   return absl::OkStatus();
 }
 
+absl::Status CheckRankPlan(const SamplesById& batch,
+                           const std::vector<MicroBatchPlan>& micro_batches,
+                           const std::vector<uint64_t>& deferred_ids, const PlannerConfig& config) {
+  if (static_cast<int>(micro_batches.size()) != config.micro_batches) {
+    return absl::FailedPreconditionError(absl::StrCat("micro_batches: ", micro_batches.size(),
+                                                      " micro-batches; the job has ",
+                                                      config.micro_batches));
+  }
+  absl::flat_hash_map<uint64_t, size_t> micro_batch_of;  // planned id -> its micro-batch
+  for (size_t m = 0; m < micro_batches.size(); ++m) {
+    auto fail = [m](const auto&... what) {
+      return absl::FailedPreconditionError(absl::StrCat("micro_batches[", m, "]: ", what...));
+    };
+    int64_t tokens = 0;
+    for (const PlannedSample& p : micro_batches[m].samples) {
+      if (auto [at, placed] = micro_batch_of.emplace(p.id, m); !placed) {
+        return fail("sample id ", p.id, " is planned on this rank again (first in micro_batches[",
+                    at->second, "])");
+      }
+      if (!p.layer_densities.empty() &&
+          static_cast<int>(p.layer_densities.size()) != config.shape.layers) {
+        return fail("sample id ", p.id, " has ", p.layer_densities.size(),
+                    " layer densities; the model has ", config.shape.layers, " layers");
+      }
+      // Checked as it grows, the sum stays below the capacity plus one sample's tokens (at most
+      // 2^30 each): it never wraps.
+      tokens += p.QueryTokens();
+      if (tokens > config.micro_batch_capacity) {
+        return fail("sample id ", p.id, " brings its query tokens to ", tokens,
+                    ", above micro_batch_capacity ", config.micro_batch_capacity);
+      }
+    }
+  }
+  for (uint64_t id : deferred_ids) {
+    if (!batch.contains(id)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("deferred_ids: sample id ", id, " is not in the batch"));
+    }
+    if (auto at = micro_batch_of.find(id); at != micro_batch_of.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("deferred_ids: sample id ", id, " is deferred and planned in micro_batches[",
+                       at->second, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig& config) {
   if (batch.empty()) {
     return absl::InvalidArgumentError("samples: the batch is empty; submit at least one sample");
@@ -1094,8 +1141,7 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
   auto fail = [](auto&&... parts) {
     return absl::FailedPreconditionError(absl::StrCat("plan check: ", parts...));
   };
-  std::map<uint64_t, size_t> index_of;
-  for (size_t i = 0; i < batch.size(); ++i) index_of[batch[i].id] = i;
+  const SamplesById by_id = IndexSamplesById(batch);
   std::vector<int> seen(batch.size(), 0);
   std::map<uint64_t, int> rank_of_group;
   std::map<size_t, std::vector<PlacedShard>> shards_of;  // by batch index
@@ -1104,29 +1150,30 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
   }
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
     const RankPlan& rank = plan.ranks[r];
-    if (static_cast<int>(rank.micro_batches.size()) != config.micro_batches) {
-      return fail("rank ", r, " has ", rank.micro_batches.size(), " micro-batches, want ",
-                  config.micro_batches);
+    // Its micro-batches, capacity and layer densities (the deferred ids are the whole step's).
+    if (absl::Status s = CheckRankPlan(by_id, rank.micro_batches, {}, config); !s.ok()) {
+      return fail("rank ", r, " ", s.message());
     }
     for (size_t m = 0; m < rank.micro_batches.size(); ++m) {
       const MicroBatchPlan& mb = rank.micro_batches[m];
       int64_t tokens = 0;
       for (size_t k = 0; k < mb.samples.size(); ++k) {
         const PlannedSample& p = mb.samples[k];
-        auto it = index_of.find(p.id);
-        if (it == index_of.end()) {
+        auto it = by_id.find(p.id);
+        if (it == by_id.end()) {
           return fail("rank ", r, " micro-batch ", m, " holds id ", p.id,
                       " that is not in the batch");
         }
-        const Sample& s = batch[it->second];
+        const Sample& s = *it->second;
+        const size_t index = it->second - batch.data();
         if (p.sharded()) {
           if (absl::Status st =
-                  NoteShard(p, it->second, static_cast<int>(r), static_cast<int>(m), &shards_of);
+                  NoteShard(p, index, static_cast<int>(r), static_cast<int>(m), &shards_of);
               !st.ok()) {
             return st;
           }
         } else {
-          ++seen[it->second];
+          ++seen[index];
         }
         if (p.length != s.length || p.segments != s.segments) {
           return fail("sample id ", s.id, " is planned with ", p.length, " tokens in ",
@@ -1139,11 +1186,6 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
         if (!(rho >= floor - kDensitySlack && rho <= config.density_max + kDensitySlack)) {
           return fail("sample id ", s.id, " has density ", rho, " outside [floor ", floor,
                       ", density_max ", config.density_max, "]");
-        }
-        if (!p.layer_densities.empty() &&
-            static_cast<int>(p.layer_densities.size()) != config.shape.layers) {
-          return fail("sample id ", s.id, " has ", p.layer_densities.size(),
-                      " layer densities; the model has ", config.shape.layers, " layers");
         }
         for (double layer : p.layer_densities) {
           if (!(layer >= floor - kDensitySlack && layer <= config.density_max + kDensitySlack)) {
@@ -1161,10 +1203,6 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
       if (tokens != mb.tokens) {
         return fail("rank ", r, " micro-batch ", m, " says ", mb.tokens, " tokens, holds ", tokens);
       }
-      if (tokens > config.micro_batch_capacity) {
-        return fail("rank ", r, " micro-batch ", m, " holds ", tokens, " tokens, above capacity ",
-                    config.micro_batch_capacity);
-      }
     }
   }
   // Every split document: its shards cover its tokens once, in order, on its group.
@@ -1173,9 +1211,9 @@ absl::Status CheckPlan(const StepPlan& plan, const std::vector<Sample>& batch,
     ++seen[i];
   }
   for (uint64_t id : plan.deferred_ids) {
-    auto it = index_of.find(id);
-    if (it == index_of.end()) return fail("deferred id ", id, " is not in the batch");
-    ++seen[it->second];
+    auto it = by_id.find(id);
+    if (it == by_id.end()) return fail("deferred id ", id, " is not in the batch");
+    ++seen[it->second - batch.data()];
   }
   for (size_t i = 0; i < batch.size(); ++i) {
     if (seen[i] != 1) {

@@ -75,6 +75,17 @@ SamplesById IndexSamplesById(const std::vector<Sample>& batch);
 absl::Status CompletePlannedSamples(const SamplesById& batch,
                                     std::vector<MicroBatchPlan>* micro_batches);
 
+// One rank's part of a step plan against the config, after CompletePlannedSamples (every
+// planned id is in `batch`): config.micro_batches micro-batches, each sample id at most once on
+// the rank (a split document's shard too: a rank holds at most one shard of a document), each
+// micro-batch's query tokens within micro_batch_capacity, layer_densities empty or one per
+// layer, and the step's `deferred_ids` in `batch` and not planned on this rank. What a trainer
+// checks before it runs a plan that came over the wire (TrainerSession), and CheckPlan of every
+// rank. FAILED_PRECONDITION naming `micro_batches[m]` and the sample id.
+absl::Status CheckRankPlan(const SamplesById& batch,
+                           const std::vector<MicroBatchPlan>& micro_batches,
+                           const std::vector<uint64_t>& deferred_ids, const PlannerConfig& config);
+
 // The plan a trainer computes without the planner (the client's offline fallback): PlanStep
 // with a latency model at the default cost prior, marked planned_locally. Deterministic, so
 // every rank that falls back, and the planner when told afterwards, computes the same plan.

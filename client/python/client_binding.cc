@@ -1,7 +1,7 @@
 // PlannerClient, TrainerSession and Balancer for Python. Every call that talks to the planner
 // releases the GIL (other Python threads, e.g. data loading, run meanwhile); errors raise
 // PlannerError with the gRPC code. Reports are the exception: while the planner is unreachable
-// they are kept (bounded) and sent later, so TrainerSession.report returns False instead of
+// or busy they are kept (bounded) and sent later, so TrainerSession.report returns False instead of
 // raising (and Balancer.finish too). Balancer's collectives and warn are Python callables that
 // C++ calls, holding the GIL for the call, from the thread that called start/plan.
 #include <pybind11/functional.h>
@@ -28,9 +28,10 @@ namespace {
 using Release = py::call_guard<py::gil_scoped_release>;
 
 // Report/Flush: true when everything buffered went out, false when the planner is unreachable
-// (kept for later); other errors (a report the planner refused for good) raise.
+// or busy (IsTransient: kept for later); other errors (a report the planner refused for good)
+// raise.
 bool Delivered(const absl::Status& status, const TrainerSession& session) {
-  if (!status.ok() && !IsUnreachable(status)) throw StatusError(status, ErrorKind::kPlanner);
+  if (!status.ok() && !IsTransient(status)) throw StatusError(status, ErrorKind::kPlanner);
   return status.ok() && session.buffered_reports() == 0;
 }
 
@@ -62,9 +63,9 @@ void BindClient(py::module_& m) {
       .Field("admin_token", &ClientOptions::admin_token,
              "for create/delete when the planner has one", true)
       .Field("call_timeout_seconds", &ClientOptions::call_timeout_seconds,
-             "deadline of every call but get_rank_plan")
+             "deadline of every call but get_rank_plan (finite, > 0)")
       .Field("plan_timeout_seconds", &ClientOptions::plan_timeout_seconds,
-             "how long get_rank_plan waits for the step's plan")
+             "how long get_rank_plan waits for the step's plan (finite, > 0)")
       .Field("root_certs_pem", &ClientOptions::root_certs_pem, "PEM roots: the channel is TLS")
       .Field("cert_chain_pem", &ClientOptions::cert_chain_pem, "client certificate (mutual TLS)")
       .Field("private_key_pem", &ClientOptions::private_key_pem, "its key", true)
@@ -209,8 +210,9 @@ Every call has a deadline; UNAVAILABLE is retried with backoff. Errors raise Pla
     session.report(step, timings, wait_seconds)
 
 Not thread-safe: call it from one thread. Keeps `client` alive.)")
-      .def(py::init<PlannerClient*, int, bool, PlannerConfig>(), py::arg("client"), py::arg("rank"),
-           py::arg("coordinator"), py::arg("config"), py::keep_alive<1, 2>())
+      // None for the client would be a null pointer: a TypeError here instead.
+      .def(py::init<PlannerClient*, int, bool, PlannerConfig>(), py::arg("client").none(false),
+           py::arg("rank"), py::arg("coordinator"), py::arg("config"), py::keep_alive<1, 2>())
       .def(
           "plan",
           [](TrainerSession& s, int64_t step, const std::vector<Sample>& batch) {
@@ -218,8 +220,11 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
           },
           py::arg("step"), py::arg("batch"), Release(),
           "This rank's plan of `step` (the coordinator submits `batch`; every rank passes the "
-          "same global batch). Falls back to the local plan when the planner is unreachable "
-          "(plan.local_fallback); other errors raise PlannerError.")
+          "same global batch). Falls back to the local plan (plan.local_fallback) on every "
+          "error the trainer's input did not cause: the planner unreachable, busy or failing. "
+          "Errors of the input (INVALID_ARGUMENT, ALREADY_EXISTS, NOT_FOUND, UNAUTHENTICATED, "
+          "PERMISSION_DENIED) and a plan that does not fit the batch (FAILED_PRECONDITION) raise "
+          "PlannerError.")
       .def(
           "local_plan",
           [](TrainerSession& s, int64_t step, const std::vector<Sample>& batch) {
@@ -237,8 +242,9 @@ Not thread-safe: call it from one thread. Keeps `client` alive.)")
           },
           py::arg("step"), py::arg("micro_batches"), py::arg("wait_seconds"),
           "Reports this rank's timings. True: delivered (with anything buffered before); False: "
-          "the planner is unreachable and the report is kept for later. Raises PlannerError when "
-          "the planner refused a report for good (it is dropped; training may go on).")
+          "the planner is unreachable or busy and the report is kept for later. Raises "
+          "PlannerError when the planner refused a report for good (it is dropped; training may "
+          "go on).")
       .def(
           "flush",
           [](TrainerSession& s) {

@@ -23,12 +23,14 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
+#include "proto/wire.h"
 #include "server/job_registry.h"
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
 #include "tests/support/older_planner.h"
 #include "tests/support/restartable_planner.h"
+#include "tests/support/scripted_planner.h"
 #include "tests/support/trained_once.h"
 
 namespace sparsebalance {
@@ -468,10 +470,73 @@ TEST_F(BalancerTest, NodeLeadersFetchTheirNodesPlansInOneCallAndHandThemOver) {
   }
 }
 
+// The planner refuses rank 1's plan call for its own reason (RESOURCE_EXHAUSTED at
+// --max_waiting_calls) while rank 0 gets the planner's plan: rank 1 plans locally, and the step's
+// collective has rank 0 run the local plan too, so both run one plan. An error of rank 1's input
+// (PERMISSION_DENIED) is then every rank's: rank 0 returns ABORTED instead of training the step
+// alone and waiting for rank 1 in its next collective.
+TEST_F(BalancerTest, APlannerErrorOnOneRankIsEveryRanksFallbackAndAnInputErrorEveryRanksError) {
+  constexpr int kRanks = 2;
+  const PlannerConfig config = Config(kRanks);
+  auto batch = [](int64_t step) { return Batch(700 + step, kRanks); };
+  test_support::ScriptedPlanner scripted;
+  scripted.join_job = [&](const v1::JoinJobRequest&, v1::JoinJobResponse* response) {
+    JobSettings settings;
+    settings.planner = config;
+    *response->mutable_config() = ConfigToProto(settings);
+    return grpc::Status::OK;
+  };
+  scripted.submit_batch = [](const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*) {
+    return grpc::Status::OK;
+  };
+  scripted.get_rank_plan = [&](const v1::GetRankPlanRequest& request,
+                               v1::GetRankPlanResponse* response) {
+    if (request.rank() == 1) {
+      return request.step() == 0
+                 ? grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                "GetRankPlan: 2 calls are waiting for plans, this planner's limit")
+                 : grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "the job token is wrong");
+    }
+    absl::StatusOr<StepPlan> plan = PlanStepLocally(batch(request.step()), config);
+    if (!plan.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "no plan");
+    RankPlanToProto(*plan, request.step(), request.rank(), response->mutable_plan());
+    response->mutable_plan()->set_planned_locally(false);  // the planner's, as far as rank 0 knows
+    return grpc::Status::OK;
+  };
+  Ranks ranks(kRanks);
+  std::vector<absl::StatusOr<RankStepPlan>> step0(kRanks, absl::UnknownError("not run"));
+  std::vector<absl::Status> step1(kRanks);
+  std::vector<std::string> last_errors(kRanks);
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = ranks.Options(r, Options(kRanks));
+    options.client.target = scripted.target();
+    options.client.token = "token";
+    options.job_id = "job";
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    step0[r] = (*b)->Plan(0, batch(0));
+    last_errors[r] = (*b)->stats().last_error;
+    step1[r] = (*b)->Plan(1, batch(1)).status();
+  });
+  std::multiset<uint64_t> trained;
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(step0[r].ok()) << "rank " << r << ": " << step0[r].status();
+    EXPECT_TRUE(step0[r]->local_fallback) << "rank " << r;
+    for (uint64_t id : Ids(*step0[r])) trained.insert(id);
+  }
+  for (const Sample& s : batch(0)) EXPECT_EQ(trained.count(s.id), 1u) << s.id;
+  EXPECT_EQ(trained.size(), batch(0).size());
+  EXPECT_NE(last_errors[0].find("another rank could not get the planner's plan"), std::string::npos)
+      << last_errors[0];
+  EXPECT_NE(last_errors[1].find("RESOURCE_EXHAUSTED"), std::string::npos) << last_errors[1];
+  EXPECT_EQ(step1[1].code(), absl::StatusCode::kPermissionDenied) << step1[1];
+  EXPECT_EQ(step1[0].code(), absl::StatusCode::kAborted) << step1[0];
+}
+
 // A plan group's leader that falls back (the planner stopped) has its members plan locally with
 // it, saying whose fallback it was; a leader's error (a batch other than the one rank 0
-// submitted) is its members' error too, with the leader's code, while the other node goes on
-// locally.
+// submitted) is its members' error too, with the leader's code, and the other node's ranks
+// return ABORTED rather than run the step without them.
 TEST_F(BalancerTest, APlanGroupFallsBackWithItsLeaderAndSharesItsError) {
   constexpr int kRanks = 4;
   Ranks ranks(kRanks);
@@ -506,7 +571,7 @@ TEST_F(BalancerTest, APlanGroupFallsBackWithItsLeaderAndSharesItsError) {
     EXPECT_TRUE(results[r][2].ok()) << "rank " << r << ": " << results[r][2];
     EXPECT_TRUE(local[r][2]) << "rank " << r;  // the planner was away: every rank local
   }
-  // Step 1: node 1 shares its leader's error; node 0 runs the local plan with it.
+  // Step 1: node 1 shares its leader's error; node 0 learns of it and runs nothing.
   EXPECT_EQ(results[2][1].code(), absl::StatusCode::kFailedPrecondition) << results[2][1];
   EXPECT_EQ(results[3][1].code(), absl::StatusCode::kFailedPrecondition) << results[3][1];
   EXPECT_NE(results[3][1].message().find("rank 2, which leads this rank's plan group, could not "
@@ -514,8 +579,9 @@ TEST_F(BalancerTest, APlanGroupFallsBackWithItsLeaderAndSharesItsError) {
             std::string::npos)
       << results[3][1];
   for (int r : {0, 1}) {
-    EXPECT_TRUE(results[r][1].ok()) << "rank " << r << ": " << results[r][1];
-    EXPECT_TRUE(local[r][1]) << "rank " << r;
+    EXPECT_EQ(results[r][1].code(), absl::StatusCode::kAborted) << "rank " << r;
+    EXPECT_NE(results[r][1].message().find("another rank could not plan step 1"), std::string::npos)
+        << results[r][1];
   }
   // Step 2: the members say their leader fell back.
   for (int r : {1, 3}) {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/planner_client.h"
@@ -20,11 +22,13 @@
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 #include "planner/traces.h"
+#include "proto/wire.h"
 #include "server/job_registry.h"
 #include "server/planner_service.h"
 #include "tests/server/test_support.h"
 #include "tests/support/loopback_client.h"
 #include "tests/support/restartable_planner.h"
+#include "tests/support/scripted_planner.h"
 #include "tests/support/trained_once.h"
 
 namespace sparsebalance {
@@ -581,6 +585,340 @@ TEST_F(PlannerClientTest, PlansCarryEachSamplesLengthAndSegments) {
   absl::StatusOr<RankStepPlan> plan = stray.Plan(0, other_batch);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
   EXPECT_NE(plan.status().message().find("segments"), absl::string_view::npos);
+}
+
+// Clients of a planner whose answers each test writes (ScriptedPlanner): what a real planner
+// should never send, and errors it sends only under load.
+class ScriptedPlannerTest : public ::testing::Test {
+ protected:
+  using Scripted = test_support::ScriptedPlanner;
+  std::unique_ptr<PlannerClient> Connect() {
+    return test_support::ConnectLoopback(planner_.port(), "job", "token",
+                                         /*call_timeout_seconds=*/5, /*plan_timeout_seconds=*/5);
+  }
+  // Answers every GetRankPlan with `text` (a GetRankPlanResponse in text format).
+  void AnswerPlans(const std::string& text) {
+    planner_.get_rank_plan =
+        Scripted::Always<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(text);
+  }
+
+  Scripted planner_;
+};
+
+// Two micro-batches of rank `rank`'s plan of `step`, samples 1-3 of 100 tokens.
+std::string RankPlanText(int64_t step, int rank) {
+  return absl::StrCat("step: ", step, " rank: ", rank,
+                      " micro_batches { samples { id: 1 length: 100 density: 0.5 }"
+                      " samples { id: 2 length: 100 density: 0.5 } }"
+                      " micro_batches { samples { id: 3 length: 100 density: 0.5 } }");
+}
+
+// A planner that answers with the plan of another rank or step, or with no plan at all, would
+// have the rank train samples another rank trains (or none): the client refuses the answer,
+// INTERNAL naming what was asked and what came.
+TEST_F(ScriptedPlannerTest, APlanOfAnotherRankOrStepOrNoPlanIsRefused) {
+  std::unique_ptr<PlannerClient> client = Connect();
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 1), " }"));
+  absl::StatusOr<RankStepPlan> plan = client->GetRankPlan(0, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();  // the plan asked for
+  EXPECT_EQ(plan->rank, 1);
+  EXPECT_EQ(plan->micro_batches.size(), 2u);
+
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 0), " }"));
+  plan = client->GetRankPlan(0, 1);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInternal) << plan.status();
+  EXPECT_NE(plan.status().message().find("plan of step 0 of rank 0; asked for step 0 of rank 1"),
+            absl::string_view::npos)
+      << plan.status();
+
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(7, 1), " }"));
+  plan = client->GetRankPlan(0, 1);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInternal) << plan.status();
+  EXPECT_NE(plan.status().message().find("plan of step 7 of rank 1"), absl::string_view::npos)
+      << plan.status();
+
+  AnswerPlans("");
+  plan = client->GetRankPlan(0, 1);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInternal) << plan.status();
+  EXPECT_NE(plan.status().message().find("holds no plan"), absl::string_view::npos)
+      << plan.status();
+
+  // GetRankPlans: each plan is checked against its rank and the step.
+  planner_.get_rank_plans = Scripted::Always<v1::GetRankPlansRequest, v1::GetRankPlansResponse>(
+      absl::StrCat("plans { ", RankPlanText(0, 0), " } plans { ", RankPlanText(3, 1), " }"));
+  absl::StatusOr<std::vector<RankStepPlan>> plans = client->GetRankPlans(0, {0, 1});
+  EXPECT_EQ(plans.status().code(), absl::StatusCode::kInternal) << plans.status();
+  EXPECT_NE(plans.status().message().find("GetRankPlans: plans[1]: the planner answered with the "
+                                          "plan of step 3 of rank 1; asked for step 0 of rank 1"),
+            absl::string_view::npos)
+      << plans.status();
+}
+
+// A plan that breaks the batch or the job's config is refused before the rank trains it:
+// FAILED_PRECONDITION naming the micro-batch and the sample, and nothing of it is carried. What
+// a real planner sends (a shard of a split document among whole samples) passes.
+TEST_F(ScriptedPlannerTest, APlanThatBreaksTheBatchOrTheConfigIsRefused) {
+  PlannerConfig config = Config(2);  // two micro-batches a rank
+  config.micro_batch_capacity = 250;
+  config.shape.layers = 4;
+  config.overflow = OverflowPolicy::kDefer;
+  std::vector<Sample> batch(6);
+  for (uint64_t id = 1; id <= 6; ++id) {
+    batch[id - 1].id = id;
+    batch[id - 1].length = id == 6 ? 200 : 100;
+  }
+  std::unique_ptr<PlannerClient> client = Connect();
+  auto sample = [](uint64_t id, const std::string& more = "") {
+    return absl::StrCat("samples { id: ", id, " length: ", id == 6 ? 200 : 100, " density: 0.5 ",
+                        more, " }");
+  };
+  auto micro_batch = [](const std::string& samples) {
+    return absl::StrCat("micro_batches { ", samples, " } ");
+  };
+  // Rank 1's plan of step 0 with these micro-batches and deferred ids.
+  auto plan_text = [](const std::string& micro_batches, const std::string& deferred = "") {
+    return absl::StrCat("plan { step: 0 rank: 1 ", micro_batches, "} ", deferred);
+  };
+  // Rank 1 runs shard 1 of sample 6 (tokens [128, 200), shard 0 on rank 0) with samples 1 and 2.
+  const std::string shard = sample(6, "shard { begin: 128 end: 200 index: 1 group: 0 group: 1 }");
+  {
+    AnswerPlans(
+        plan_text(micro_batch(shard + sample(1)) + micro_batch(sample(2)), "deferred_ids: 5"));
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_FALSE(plan->local_fallback);
+    ASSERT_EQ(session.carried().size(), 1u);
+    EXPECT_EQ(session.carried()[0].id, 5u);
+  }
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {plan_text(micro_batch(sample(1) + sample(1)) + micro_batch(sample(2))),
+       "micro_batches[0]: sample id 1 is planned on this rank again (first in micro_batches[0])"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2) + sample(1))),
+       "micro_batches[1]: sample id 1 is planned on this rank again (first in micro_batches[0])"},
+      {plan_text(micro_batch(shard) + micro_batch(sample(6))),
+       "micro_batches[1]: sample id 6 is planned on this rank again (first in micro_batches[0])"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2)), "deferred_ids: 2"),
+       "deferred_ids: sample id 2 is deferred and planned in micro_batches[1]"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2)), "deferred_ids: 999"),
+       "deferred_ids: sample id 999 is not in the batch"},
+      {plan_text(""), "micro_batches: 0 micro-batches; the job has 2"},
+      {plan_text(micro_batch(sample(1)) + micro_batch(sample(2)) + micro_batch(sample(3))),
+       "micro_batches: 3 micro-batches; the job has 2"},
+      {plan_text(micro_batch(sample(1) + sample(2) + sample(3)) + micro_batch(sample(4))),
+       "micro_batches[0]: sample id 3 brings its query tokens to 300, above "
+       "micro_batch_capacity 250"},
+      {plan_text(micro_batch(sample(1, "layer_densities: 0.5")) + micro_batch(sample(2))),
+       "micro_batches[0]: sample id 1 has 1 layer densities; the model has 4 layers"},
+  };
+  for (const auto& [text, why] : refused) {
+    AnswerPlans(text);
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition)
+        << text << ": " << plan.status();
+    EXPECT_NE(plan.status().message().find(why), absl::string_view::npos)
+        << text << ": " << plan.status();
+    EXPECT_TRUE(session.carried().empty()) << text;
+    // A plan another rank fetched (Adopt) is checked alike.
+    const std::string encoded = Scripted::Parse<v1::GetRankPlanResponse>(text).SerializeAsString();
+    plan = session.Adopt(0, batch, encoded);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition)
+        << text << ": " << plan.status();
+    EXPECT_NE(plan.status().message().find(why), absl::string_view::npos)
+        << text << ": " << plan.status();
+  }
+}
+
+// A plan call that fails for the planner's own reasons (busy at --max_waiting_calls, failing
+// inside, without a plan of the step, or a plan that fails the client's checks) makes the rank
+// plan locally, like an unreachable planner: a rank that returned the error while the others
+// fell back would miss the step they run. Errors of the trainer's input are returned.
+TEST_F(ScriptedPlannerTest, ThePlannersOwnErrorsFallBackAndTheTrainersInputErrorsAreReturned) {
+  const PlannerConfig config = Config(2);
+  const std::vector<Sample> batch = Batch(5, 2);
+  std::unique_ptr<PlannerClient> client = Connect();
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::INTERNAL, grpc::StatusCode::UNKNOWN,
+        grpc::StatusCode::ABORTED, grpc::StatusCode::CANCELLED, grpc::StatusCode::DATA_LOSS,
+        grpc::StatusCode::FAILED_PRECONDITION}) {
+    planner_.get_rank_plan = Scripted::Refuse<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(
+        code, "GetRankPlan: 2 calls are waiting for plans, this planner's limit");
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << code << ": " << plan.status();
+    EXPECT_TRUE(plan->local_fallback) << code;
+    EXPECT_EQ(static_cast<int>(session.fallback_reason().code()), static_cast<int>(code));
+  }
+  // The plan of another rank (INTERNAL, from the client's own check) is the planner's failing too.
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 0), " }"));
+  {
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->local_fallback);
+    EXPECT_EQ(session.fallback_reason().code(), absl::StatusCode::kInternal);
+  }
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::INVALID_ARGUMENT, grpc::StatusCode::NOT_FOUND,
+        grpc::StatusCode::ALREADY_EXISTS, grpc::StatusCode::PERMISSION_DENIED,
+        grpc::StatusCode::UNAUTHENTICATED}) {
+    planner_.get_rank_plan =
+        Scripted::Refuse<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(code, "refused");
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
+    absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
+    EXPECT_EQ(static_cast<int>(plan.status().code()), static_cast<int>(code)) << plan.status();
+  }
+  // The coordinator's SubmitBatch alike: it plans locally and keeps the batch for the planner.
+  planner_.submit_batch = Scripted::Refuse<v1::SubmitBatchRequest, v1::SubmitBatchResponse>(
+      grpc::StatusCode::RESOURCE_EXHAUSTED, "SubmitBatch: the planner ran out of memory");
+  TrainerSession coordinator(client.get(), 0, /*coordinator=*/true, config);
+  absl::StatusOr<RankStepPlan> plan = coordinator.Plan(0, batch);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->local_fallback);
+  EXPECT_EQ(coordinator.unsent_local_steps(), 1u);
+}
+
+// A report the planner refuses for a reason of its own (busy, failing inside) is kept and sent
+// again before the next one, in order, as while the planner is away; one it refuses for its
+// content is dropped and said.
+TEST_F(ScriptedPlannerTest, AReportRefusedForNowIsKeptAndOneRefusedForGoodIsDropped) {
+  std::unique_ptr<PlannerClient> client = Connect();
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::INTERNAL, grpc::StatusCode::UNKNOWN,
+        grpc::StatusCode::ABORTED, grpc::StatusCode::CANCELLED}) {
+    absl::Mutex mu;
+    std::vector<int64_t> delivered;  // steps, in the order the planner took them
+    bool refused_once = false;
+    planner_.report_step = [&](const v1::ReportStepRequest& request, v1::ReportStepResponse*) {
+      absl::MutexLock lock(&mu);
+      if (!refused_once) {
+        refused_once = true;
+        return grpc::Status(code, "ReportStep: the planner ran out of memory for this call");
+      }
+      delivered.push_back(request.step());
+      return grpc::Status::OK;
+    };
+    TrainerSession session(client.get(), 1, /*coordinator=*/false, Config(2));
+    const std::vector<MicroBatchTiming> timings(1);
+    absl::Status reported = session.Report(0, timings, 0.0);
+    EXPECT_TRUE(reported.ok()) << code << ": " << reported;
+    EXPECT_EQ(session.buffered_reports(), 1u) << code;
+    reported = session.Report(1, timings, 0.0);
+    EXPECT_TRUE(reported.ok()) << code << ": " << reported;
+    EXPECT_EQ(session.buffered_reports(), 0u) << code;
+    EXPECT_EQ(session.dropped_reports(), 0) << code;
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(delivered, (std::vector<int64_t>{0, 1})) << code;
+  }
+  planner_.report_step = Scripted::Refuse<v1::ReportStepRequest, v1::ReportStepResponse>(
+      grpc::StatusCode::INVALID_ARGUMENT, "micro_batches[0].micro_batch: 7 is not planned");
+  TrainerSession session(client.get(), 1, /*coordinator=*/false, Config(2));
+  absl::Status reported = session.Report(0, std::vector<MicroBatchTiming>(1), 0.0);
+  EXPECT_EQ(reported.code(), absl::StatusCode::kInvalidArgument) << reported;
+  EXPECT_NE(reported.message().find("report of step 0 dropped"), absl::string_view::npos)
+      << reported;
+  EXPECT_EQ(session.buffered_reports(), 0u);
+  EXPECT_EQ(session.dropped_reports(), 1);
+}
+
+// A session made without a client says so on every call that needs it (it dereferenced the
+// null pointer: a crash, e.g. TrainerSession(None, ...) from Python).
+TEST(TrainerSessionWithoutClientTest, ItsCallsAreErrorsNotACrash) {
+  TrainerSession session(/*client=*/nullptr, 0, /*coordinator=*/true, Config(2));
+  const absl::StatusOr<RankStepPlan> plan = session.Plan(0, Batch(3, 2));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+  EXPECT_NE(plan.status().message().find("client: null"), absl::string_view::npos) << plan.status();
+  EXPECT_EQ(session.Report(0, std::vector<MicroBatchTiming>(1), 0.0).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session.Flush().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session.buffered_reports(), 0u);
+}
+
+// A timeout that cannot be a deadline (infinite, NaN, <= 0) is refused at Connect, naming the
+// option; a huge finite one waits as long as a call can (it made every call fail at once: its
+// milliseconds overflowed on the way to a deadline).
+TEST_F(ScriptedPlannerTest, TimeoutsAreFiniteAndAHugeOneIsNoDeadlineInThePast) {
+  for (const char* name : {"call_timeout_seconds", "plan_timeout_seconds"}) {
+    for (double seconds : {std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN(), 0.0, -1.0}) {
+      ClientOptions options;
+      options.target = planner_.target();
+      (std::string(name) == "call_timeout_seconds" ? options.call_timeout_seconds
+                                                   : options.plan_timeout_seconds) = seconds;
+      absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+      EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << name << seconds;
+      EXPECT_EQ(client.status().message().find(name), 0u) << client.status();
+    }
+  }
+  AnswerPlans(absl::StrCat("plan { ", RankPlanText(0, 1), " }"));
+  for (double seconds : {1e12, 1e300}) {
+    std::unique_ptr<PlannerClient> client =
+        test_support::ConnectLoopback(planner_.port(), "job", "token", seconds, seconds);
+    ASSERT_NE(client, nullptr);
+    absl::StatusOr<RankStepPlan> plan = client->GetRankPlan(0, 1);
+    EXPECT_TRUE(plan.ok()) << seconds << ": " << plan.status();
+  }
+}
+
+// PlannerClient is thread-safe, CreateJob included: while one thread creates jobs, calls made
+// on other threads each name one job with that job's token (the old one or the new one), and
+// options() shows one job with its token. CreateJob wrote the client's job and token while
+// other calls read them: a data race (scripts/tsan.sh reports it) that could also send one
+// job's id with another's token.
+TEST_F(ScriptedPlannerTest, CreateJobOnOneThreadAndCallsOnOthersNameOneJobWithItsToken) {
+  constexpr int kJobs = 200;
+  std::atomic<int> created{0};
+  JobSettings settings;
+  settings.planner = Config(2);
+  const v1::JobConfig config = ConfigToProto(settings);
+  planner_.create_job = [&](const v1::CreateJobRequest&, v1::CreateJobResponse* response) {
+    const int n = ++created;
+    response->set_job_id(absl::StrCat("job-", n));
+    response->set_job_token(absl::StrCat("token-", n));
+    *response->mutable_config() = config;
+    return grpc::Status::OK;
+  };
+  planner_.join_job = [&](const v1::JoinJobRequest&, v1::JoinJobResponse* response) {
+    *response->mutable_config() = config;
+    return grpc::Status::OK;
+  };
+  absl::Mutex mu;
+  std::vector<std::pair<std::string, std::string>> seen;  // (job id, token) of each JoinJob
+  planner_.observe = [&](const std::string& method, const std::string& bearer,
+                         const google::protobuf::Message& request) {
+    if (method != "JoinJob") return;
+    absl::MutexLock lock(&mu);
+    seen.emplace_back(static_cast<const v1::JoinJobRequest&>(request).job_id(), bearer);
+  };
+  std::unique_ptr<PlannerClient> client =
+      test_support::ConnectLoopback(planner_.port(), "job-0", "token-0", 5);
+  // Whether `id` and `token` are one job's: "job-N" and "token-N".
+  auto same_job = [](const std::string& id, const std::string& token) {
+    return id.substr(4) == token.substr(6) && absl::StartsWith(id, "job-") &&
+           absl::StartsWith(token, "token-");
+  };
+  std::atomic<bool> done{false};
+  std::atomic<int> torn{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 2; ++t) {
+    callers.emplace_back([&] {
+      while (!done) {
+        EXPECT_TRUE(client->JoinJob(0).ok());
+        const ClientOptions options = client->options();
+        if (!same_job(options.job_id, options.token)) ++torn;
+      }
+    });
+  }
+  for (int j = 0; j < kJobs; ++j) ASSERT_TRUE(client->CreateJob("job", Config(2)).ok());
+  done = true;
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(torn.load(), 0);
+  EXPECT_EQ(client->options().job_id, absl::StrCat("job-", kJobs));
+  EXPECT_EQ(client->options().token, absl::StrCat("token-", kJobs));
+  absl::MutexLock lock(&mu);
+  EXPECT_FALSE(seen.empty());
+  for (const auto& [id, token] : seen) EXPECT_TRUE(same_job(id, token)) << id << " " << token;
 }
 
 }  // namespace

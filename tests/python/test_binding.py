@@ -245,6 +245,14 @@ def test_unreachable_planner_falls_back_to_the_local_plan():
     assert e.value.code == "INVALID_ARGUMENT"
 
 
+def test_a_session_without_a_client_is_a_type_error_not_a_crash():
+    # None for the client was a null PlannerClient* in C++: the first call crashed the process.
+    with pytest.raises(TypeError):
+        sb.TrainerSession(None, 0, True, small_config())
+    with pytest.raises(TypeError):
+        sb.TrainerSession(client=None, rank=0, coordinator=True, config=small_config())
+
+
 def test_blocking_calls_release_the_gil(planner):
     client = sb.connect(planner.address, plan_timeout_seconds=1.5)
     client.create_job("gil-test", small_config())
