@@ -40,6 +40,25 @@ double SecondsSince(SteadyClock::time_point start) {
   return std::chrono::duration<double>(SteadyClock::now() - start).count();
 }
 
+// Steps are below 2^48 (the planner refuses others).
+constexpr int64_t kStepBound = int64_t{1} << 48;
+
+// The least of every rank's `value` in [0, kStepBound), found with any_rank alone: a binary
+// search whose every probe is one any_rank(value < probe), the same 48 calls on every rank.
+int64_t LeastOnAnyRank(const std::function<bool(bool)>& any_rank, int64_t value) {
+  int64_t lo = 0;  // the least is in [lo, hi)
+  int64_t hi = kStepBound;
+  while (hi - lo > 1) {
+    const int64_t probe = lo + (hi - lo) / 2;
+    if (any_rank(value < probe)) {
+      hi = probe;
+    } else {
+      lo = probe;
+    }
+  }
+  return lo;
+}
+
 bool SameBatch(const std::vector<Sample>& a, const std::vector<Sample>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -121,6 +140,10 @@ struct Balancer::State {
   absl::CondVar changed;  // any of the below changed
   int64_t next_step ABSL_GUARDED_BY(mu) = 0;
   int64_t last_final_step ABSL_GUARDED_BY(mu) = -1;
+  // The first step this rank had not reported when it joined (JoinJob): the steps before it
+  // that it runs again (the ranks start at the least of theirs, or Resume goes back) are not
+  // reported twice. Set once, at Start.
+  int64_t reported_before = 0;
   std::vector<Sample> carried ABSL_GUARDED_BY(mu);  // deferred by the latest final step
   std::map<int64_t, Prefetched> prefetches ABSL_GUARDED_BY(mu);
   // Reports to send: this rank's, or with gather_reports on the leader its group's.
@@ -307,6 +330,12 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Start(BalancerOptions option
   } else {
     state->job = shared;
     state->job.config = config;
+    state->reported_before = next_step;
+    // A joined job's ranks may have reported different steps (one died with reports still
+    // buffered): each would start at its own, and the ranks would train parts of different
+    // global batches in every step after. They start at the least (every rank makes the same
+    // calls: the job was given to all of them or to none).
+    if (!options.job_id.empty()) next_step = LeastOnAnyRank(options.any_rank, next_step);
   }
   state->config = config;
   {
@@ -512,6 +541,9 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
 void Balancer::Report(int64_t step, std::vector<MicroBatchTiming> timings, double wait_seconds) {
   State& s = *state_;
   if (s.offline) return;  // no job: nobody to tell
+  // Reported before this rank joined: the planner has its first report (a second one, timed
+  // again, would be refused as a differing repeat and fail Finish).
+  if (step < s.reported_before) return SkipReport(step);
   RankStepReport own;
   own.step = step;
   own.rank = s.options.rank;

@@ -131,8 +131,10 @@ class Balancer {
 
   const JobHandle& job() const;         // job id and token ("" when offline)
   const PlannerConfig& config() const;  // the job's config (from JoinJob) or options.config
-  // The step to run next: at Start the one JoinJob says this rank resumes at (the first it has
-  // not reported; 0 for a new job), then Resume's next_step or the latest planned step + 1.
+  // The step to run next: at Start the least over the ranks of the step JoinJob says each
+  // resumes at (the first it has not reported; 0 for a new job), the same on every rank, then
+  // Resume's next_step or the latest planned step + 1. A step run again that this rank had
+  // reported before it joined is not reported again (Report skips it).
   // With carried(), what a checkpoint saves.
   int64_t next_step() const;
   // The samples the latest final step deferred: they go ahead of the next step's batch. Save

@@ -266,6 +266,55 @@ TEST_F(BalancerTest, RanksAsThreadsPlanEveryStepWithOneCollective) {
   EXPECT_EQ(view->steps_folded, kSteps);
 }
 
+// Ranks that rejoin a job after one of them died with its last report undelivered start at
+// one step, the least of the steps each had not reported (they each started at their own: the
+// ranks then trained parts of different global batches in every step after, silently). The
+// rank that had reported that step does not report it again: its first report stands, and
+// Finish is clean.
+TEST_F(BalancerTest, RanksThatRejoinAJobStartAtTheSameStep) {
+  constexpr int kRanks = 2;
+  Ranks first(kRanks);
+  JobHandle job;
+  OnRanks(kRanks, [&](int r) {
+    absl::StatusOr<std::unique_ptr<Balancer>> b =
+        Balancer::Start(first.Options(r, Options(kRanks)));
+    ASSERT_TRUE(b.ok()) << b.status();
+    if (r == 0) job = (*b)->job();
+    for (int64_t step = 0; step < 3; ++step) {
+      absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, Batch(500 + step, kRanks));
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      // Rank 1 dies before its report of step 2 leaves.
+      if (r == 0 || step < 2) (*b)->Report(step, Timings(*plan), 0.0);
+    }
+    EXPECT_TRUE((*b)->Finish(20).ok());
+  });
+  ASSERT_FALSE(job.job_id.empty());
+  Ranks second(kRanks);
+  std::vector<int64_t> started(kRanks, -1);
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = second.Options(r, Options(kRanks));
+    options.job_id = job.job_id;
+    options.client.token = job.token;
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    started[r] = (*b)->next_step();
+    for (int64_t step = started[r]; step < 4; ++step) {
+      absl::StatusOr<RankStepPlan> plan = (*b)->Plan(step, Batch(500 + step, kRanks));
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_FALSE(plan->local_fallback);
+      (*b)->Report(step, Timings(*plan), 0.0);
+    }
+    absl::Status finished = (*b)->Finish(20);
+    EXPECT_TRUE(finished.ok()) << "rank " << r << ": " << finished;
+    EXPECT_EQ((*b)->stats().dropped_reports, 0) << "rank " << r;
+  });
+  EXPECT_EQ(started, (std::vector<int64_t>{2, 2}));
+  absl::StatusOr<JobView> view = planner_.registry().GetJob(job.job_id);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->next_step, 4);
+  EXPECT_EQ(view->steps_folded, 4);  // every step fully reported, each report once
+}
+
 // gather_reports, plan_group and scatter_plans for ranks that are threads of this process, in
 // groups ("nodes") of `per_node` consecutive ranks led by the first: each call of a collective
 // is a barrier of the node's ranks.

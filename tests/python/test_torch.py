@@ -285,6 +285,44 @@ def test_two_gloo_ranks_share_one_job_and_split_each_batch(planner, tmp_path):
     assert all(r["delivered"] for r in results)
 
 
+GROUP_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import sparsebalance.torch as sbt
+    lengths = json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # Data-parallel groups {0, 2} and {1, 3}, as under tensor or pipeline parallelism: each
+    # group is one job, and {1, 3} does not hold global rank 0.
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    balancer = sbt.Balancer(sys.argv[1], lengths, group=groups[rank % 2], capacity=1024,
+                            micro_batches=2, layers=1, heads=2, head_dim=64, tokens_per_step=3400)
+    ids = []
+    for step in balancer.batches(None, steps=2):
+        ids.append([i for mb in step for i in mb.ids])
+        for mb in step:
+            with balancer.timed(mb):
+                pass
+    print(json.dumps({"job": balancer.job.job_id, "rank": balancer.rank, "ids": ids,
+                      "delivered": balancer.close()}))
+    dist.destroy_process_group()
+    """)
+
+
+def test_a_data_parallel_group_without_global_rank_0_shares_its_own_job(planner, tmp_path):
+    # The job was broadcast from global rank 0 whatever the group: ranks 1 and 3 raised
+    # "Global rank 0 is not part of group".
+    results = _run_ranks(GROUP_SCRIPT, 4, planner, tmp_path)
+    assert results[0]["job"] == results[2]["job"] != ""
+    assert results[1]["job"] == results[3]["job"] != ""
+    assert results[0]["job"] != results[1]["job"]
+    assert [r["rank"] for r in results] == [0, 0, 1, 1]  # ranks within their groups
+    for a, b in ((0, 2), (1, 3)):
+        for k in range(2):
+            assert not set(results[a]["ids"][k]) & set(results[b]["ids"][k])
+    assert all(r["delivered"] for r in results)
+
+
 NODE_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist
