@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import sparsebalance as sb
@@ -72,6 +73,13 @@ def test_samples_and_bad_arguments():
         GlobalBatchSampler([10, 0], seed=1, tokens_per_step=100)
     with pytest.raises(ValueError, match="max_length"):
         GlobalBatchSampler([10], seed=1, tokens_per_step=100, max_length=200)
+    # Not token counts: refused naming the field, never truncated or flattened.
+    for bad in ([], [100.7, 20], [[10, 20], [30, 40]], ["10", "20"], [float("nan")]):
+        with pytest.raises(ValueError, match="lengths"):
+            GlobalBatchSampler(bad, seed=1, tokens_per_step=100)
+    # Whole numbers of any numeric type are token counts.
+    for good in ([10, 20], np.array([10, 20], dtype=np.uint16), [10.0, 20.0]):
+        assert GlobalBatchSampler(good, seed=1, tokens_per_step=100).lengths == [10, 20]
 
 
 def test_the_sampler_protocol_set_epoch_len_and_resume():

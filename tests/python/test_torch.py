@@ -323,6 +323,31 @@ def test_a_data_parallel_group_without_global_rank_0_shares_its_own_job(planner,
     assert all(r["delivered"] for r in results)
 
 
+MISMATCH_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import sparsebalance.torch as sbt
+    lengths = json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:  # rank 1 passes another seed
+        sbt.Balancer(sys.argv[1], lengths, seed=rank, capacity=1024, micro_batches=2, layers=1,
+                     heads=2, head_dim=64, tokens_per_step=3400)
+        print(json.dumps({"error": None}))
+    except ValueError as e:
+        print(json.dumps({"error": str(e)}))
+    dist.destroy_process_group()
+    """)
+
+
+def test_ranks_with_different_seeds_all_raise(planner, tmp_path):
+    # Each rank draws the global batches itself: with different seeds they planned different
+    # batches, offline without a word. Every rank raises, none trains.
+    results = _run_ranks(MISMATCH_SCRIPT, 2, planner, tmp_path)
+    for r in results:
+        assert r["error"] and "not the same on every rank" in r["error"], r
+
+
 NODE_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist

@@ -83,7 +83,18 @@ class GlobalBatchSampler:
     """
 
     def __init__(self, lengths, seed, tokens_per_step, max_length=None, epochs=None):
-        self._lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        given = np.asarray(lengths)
+        # Token counts, one per document: whole numbers in a flat sequence (a float was
+        # truncated, 100.7 -> 100, and a 2-D array flattened, without a word).
+        if given.ndim != 1 or given.size == 0:
+            raise ValueError(f"lengths: a non-empty flat sequence of token counts is needed, not "
+                             f"{given.size} values of shape {given.shape}")
+        if given.dtype.kind not in "iu":
+            if given.dtype.kind != "f" or not np.all(np.isfinite(given)) or not np.all(
+                    given == np.floor(given)):
+                raise ValueError(f"lengths: token counts must be whole numbers (got dtype "
+                                 f"{given.dtype}, e.g. {given.reshape(-1)[0]!r})")
+        self._lengths = given.astype(np.int64)
         self.lengths = self._lengths.tolist()
         self.seed = int(seed)
         self.tokens_per_step = int(tokens_per_step)

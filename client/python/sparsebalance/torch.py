@@ -42,11 +42,14 @@ masks). ``sparsebalance.ops.sparse_attention`` takes ``mb.cu_seqlens`` and ``mb.
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import socket
+import struct
 import time
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -290,7 +293,8 @@ class Balancer:
       lengths: token count of every dataset item (item id = index). Required.
       tokens_per_step: tokens in one global batch (default: ranks x micro_batches x capacity x
         ``fill``).
-      seed: the data order's seed (every rank the same).
+      seed: the data order's seed (every rank the same: with tokens_per_step and lengths,
+        checked at start; ranks that differ all raise ValueError).
       config: a PlannerConfig for a new job; or leave it None and pass its fields as keyword
         arguments (micro_batches=, micro_batch_capacity= or capacity=, policy=, ...; shape= or
         the ModelShape's own fields: layers=, heads=, head_dim=, block_size=, local_blocks=).
@@ -390,8 +394,14 @@ class Balancer:
             self._warn(f"tokens_per_step: {tokens_per_step} tokens a step, at least the "
                        f"{room} the ranks hold: the documents each step defers pile up and some "
                        "may never be trained; lower it (or fill) below the room")
-        self.sampler = GlobalBatchSampler(lengths, seed=seed, tokens_per_step=tokens_per_step,
-                                          max_length=capacity)
+        try:
+            self.sampler = GlobalBatchSampler(lengths, seed=seed, tokens_per_step=tokens_per_step,
+                                              max_length=capacity)
+        except ValueError:
+            self._c.finish(0)
+            raise
+        if self.world > 1:
+            self._check_ranks_draw_alike()
         self.lengths = self.sampler.lengths
         if self.sampler.skipped:
             skipped = self.sampler.skipped
@@ -403,6 +413,23 @@ class Balancer:
         self._warned_untimed = False
 
     # -- set-up -----------------------------------------------------------------------------
+    def _check_ranks_draw_alike(self):
+        """Every rank draws each step's global batch itself, from the seed, tokens_per_step and
+        lengths: ranks given different ones planned different batches (offline, silently). A
+        digest of the three, all-reduced: every rank raises, or none."""
+        digest = hashlib.sha256(struct.pack("<qq", self.sampler.seed,
+                                            self.sampler.tokens_per_step))
+        digest.update(np.asarray(self.sampler.lengths, dtype=np.int64).tobytes())
+        mine = int.from_bytes(digest.digest()[:7], "little")  # fits an int64
+        device = self.device if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if t[0].item() != -t[1].item():  # the most and the least differ
+            self._c.finish(0)
+            raise ValueError("seed, tokens_per_step or lengths: not the same on every rank (each "
+                             "rank draws every step's global batch from them); pass the same "
+                             "on every rank")
+
     def _config(self, config, fields):
         if config is not None and fields:
             raise ValueError(f"config: given together with {sorted(fields)}; pass one or the "
