@@ -73,11 +73,33 @@ struct PlannerMetrics::JobSeries {
   T* Add(prometheus::Family<T>& family, const prometheus::Labels& labels,
          const Buckets&... buckets) {
     T* series = &family.Add(labels, buckets...);
-    removals.push_back([&family, series] { family.Remove(series); });
+    removals[series] = [&family, series] { family.Remove(series); };
     return series;
   }
+  // Removes one series Add made, before the job is forgotten.
+  template <typename T>
+  void Remove(T* series) {
+    auto it = removals.find(series);
+    if (it == removals.end()) return;
+    it->second();
+    removals.erase(it);
+  }
+  // Drops the gauges of `by_label` whose label `keep` does not hold (a length bucket with no
+  // document in the last plan or step: its old value would read as the last one's).
+  template <typename Keep>
+  void RemoveBucketsNotIn(std::map<std::string, prometheus::Gauge*>* by_label, Keep keep) {
+    for (auto it = by_label->begin(); it != by_label->end();) {
+      if (keep(it->first)) {
+        ++it;
+        continue;
+      }
+      Remove(it->second);
+      it = by_label->erase(it);
+    }
+  }
 
-  std::vector<std::function<void()>> removals;  // run by ForgetJob
+  // Each series Add made, by its address: what ForgetJob runs to remove it.
+  std::map<const void*, std::function<void()>> removals;
   prometheus::Counter* steps = nullptr;
   prometheus::Gauge* predicted_makespan = nullptr;
   prometheus::Gauge* predicted_gap = nullptr;
@@ -329,6 +351,10 @@ void PlannerMetrics::ObservePlan(const std::string& job_id, const StepPlan& plan
   }
   series.predicted_makespan->Set(plan.makespan_seconds);
   series.predicted_gap->Set(plan.gap);
+  series.RemoveBucketsNotIn(&series.predicted_bucket_recall, [&](const std::string& label) {
+    return std::any_of(plan.buckets.begin(), plan.buckets.end(),
+                       [&](const BucketRecallFigures& b) { return b.label == label; });
+  });
   for (const BucketRecallFigures& b : plan.buckets) {
     prometheus::Gauge*& gauge = series.predicted_bucket_recall[b.label];
     if (gauge == nullptr) {
@@ -381,6 +407,13 @@ void PlannerMetrics::ObserveStep(const std::string& job_id, const StepStats& sta
   }
   for (double d : stats.densities) series.density->Observe(d);
   for (double r : stats.recalls) series.recall->Observe(r);
+  // A step that measured recall replaces the last one's buckets (one that measured none, as
+  // when workers measure some steps only, leaves them).
+  if (!stats.measured_bucket_recall.empty()) {
+    series.RemoveBucketsNotIn(&series.measured_bucket_recall, [&](const std::string& label) {
+      return stats.measured_bucket_recall.count(label) > 0;
+    });
+  }
   for (const auto& [label, recall] : stats.measured_bucket_recall) {
     prometheus::Gauge*& gauge = series.measured_bucket_recall[label];
     if (gauge == nullptr) {
@@ -458,7 +491,7 @@ void PlannerMetrics::ForgetJob(const std::string& job_id) {
   }
   auto it = jobs_series_.find(job_id);
   if (it == jobs_series_.end()) return;
-  for (const std::function<void()>& remove : it->second->removals) remove();
+  for (const auto& [series, remove] : it->second->removals) remove();
   for (const JobSeries::Slow& slot : it->second->slowest) {
     if (slot.gauge != nullptr) slowest_rank_.Remove(slot.gauge);
   }

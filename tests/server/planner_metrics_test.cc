@@ -238,6 +238,40 @@ TEST(PlannerMetricsTest, AForgottenJobsSeriesDoNotComeBack) {
   EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job_id=\"kept\"} 1"));
 }
 
+// The recall of a length bucket is the last plan's (or the last measured step's): a bucket
+// with no document there has no series, rather than an older step's value read as the last.
+TEST(PlannerMetricsTest, ABucketAbsentFromTheLastPlanOrStepHasNoRecallSeries) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  StepPlan plan;
+  plan.buckets.push_back({0, "<2K", 1, 2047, 100, 0.9, 0.9});
+  plan.buckets.push_back({3, "32K+", 32768, 131072, 100, 0.7, 0.8});
+  metrics.ObservePlan("j", plan, 0.001);
+  const std::string predicted = "sparsebalance_predicted_recall_by_length_ratio{bucket=\"32K+\"";
+  EXPECT_THAT(Exposition(*registry), HasSubstr(predicted));
+  plan.buckets.pop_back();
+  metrics.ObservePlan("j", plan, 0.001);
+  std::string text = Exposition(*registry);
+  EXPECT_THAT(text, Not(HasSubstr(predicted)));
+  EXPECT_THAT(text, HasSubstr("sparsebalance_predicted_recall_by_length_ratio{bucket=\"<2K\""));
+
+  StepStats stats = Stats(2);
+  stats.measured_bucket_recall = {{"<2K", 0.97}, {"32K+", 0.61}};
+  metrics.ObserveStep("j", stats);
+  const std::string measured = "sparsebalance_measured_recall_by_length_ratio{bucket=\"32K+\"";
+  EXPECT_THAT(Exposition(*registry), HasSubstr(measured));
+  stats.measured_bucket_recall = {{"<2K", 0.95}};
+  metrics.ObserveStep("j", stats);
+  EXPECT_THAT(Exposition(*registry), Not(HasSubstr(measured)));
+  stats.measured_bucket_recall.clear();  // a step that measured nothing leaves the last one's
+  metrics.ObserveStep("j", stats);
+  EXPECT_THAT(
+      Exposition(*registry),
+      HasSubstr("sparsebalance_measured_recall_by_length_ratio{bucket=\"<2K\",job_id=\"j\"} 0.95"));
+  metrics.ForgetJob("j");
+  EXPECT_THAT(Exposition(*registry), Not(HasSubstr("job_id=\"j\"")));
+}
+
 TEST(PlannerMetricsTest, RpcLatencyBucketsCoverTheLongPoll) {
   auto registry = std::make_shared<prometheus::Registry>();
   PlannerMetrics metrics(registry, 4);
