@@ -482,6 +482,15 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
       reason = s.offline_reason;
     } else if (reachable) {
       reason = absl::StrCat("the planner's record of step ", step, " is a local plan");
+      // Its copy is made with the job's config as it is now and with the planner's release;
+      // the ranks that fell back made theirs with the config they joined with and this
+      // release. Every rank makes its own, so that all run one plan after an UpdateJobConfig
+      // or between releases too (the same plan where nothing differs).
+      absl::MutexLock lock(&s.session_mu);
+      own.plan = s.session->LocalPlan(step, batch);
+      own.carried = s.session->carried();
+      s.NoteSession();
+      if (!own.plan.ok()) return own.plan.status();
     } else {
       reason = own.why.ToString();
     }

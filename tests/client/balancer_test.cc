@@ -582,6 +582,66 @@ TEST_F(BalancerTest, APlannerErrorOnOneRankIsEveryRanksFallbackAndAnInputErrorEv
   EXPECT_EQ(step1[0].code(), absl::StatusCode::kAborted) << step1[0];
 }
 
+// The planner's record of a step is a local plan (the coordinator resubmitted it after a rank
+// fell back), made with the job's config as it is now; rank 1, whose plan call the planner
+// refused for its own reason, made its local plan with the config it joined with. Rank 0 kept
+// the planner's copy, so after an UpdateJobConfig (here: policy sequential on the planner,
+// sparsebalance on the trainers) the two ranks trained two different plans: documents twice
+// and never. Every rank now makes its own local plan, and they run one.
+TEST_F(BalancerTest, RanksRunTheirOwnLocalPlanNotThePlannersCopyOfOne) {
+  constexpr int kRanks = 2;
+  const PlannerConfig joined = Config(kRanks);  // sparsebalance
+  PlannerConfig updated = joined;
+  updated.policy = Policy::kSequential;
+  const std::vector<Sample> batch = Batch(900, kRanks);
+  absl::StatusOr<StepPlan> ours = PlanStepLocally(batch, joined);
+  absl::StatusOr<StepPlan> theirs = PlanStepLocally(batch, updated);
+  ASSERT_TRUE(ours.ok() && theirs.ok());
+  ASSERT_NE(CanonicalPlanText(*ours), CanonicalPlanText(*theirs));  // the case is real
+  test_support::ScriptedPlanner scripted;
+  scripted.join_job = [&](const v1::JoinJobRequest&, v1::JoinJobResponse* response) {
+    JobSettings settings;
+    settings.planner = joined;
+    *response->mutable_config() = ConfigToProto(settings);
+    return grpc::Status::OK;
+  };
+  scripted.submit_batch = [](const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*) {
+    return grpc::Status::OK;
+  };
+  scripted.get_rank_plan = [&](const v1::GetRankPlanRequest& request,
+                               v1::GetRankPlanResponse* response) {
+    if (request.rank() == 1) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "GetRankPlan: at the limit");
+    }
+    RankPlanToProto(*theirs, request.step(), request.rank(), response->mutable_plan());
+    response->mutable_plan()->set_planned_locally(true);
+    return grpc::Status::OK;
+  };
+  Ranks ranks(kRanks);
+  std::vector<absl::StatusOr<RankStepPlan>> plans(kRanks, absl::UnknownError("not run"));
+  OnRanks(kRanks, [&](int r) {
+    BalancerOptions options = ranks.Options(r, Options(kRanks));
+    options.client.target = scripted.target();
+    options.client.token = "token";
+    options.job_id = "job";
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    plans[r] = (*b)->Plan(0, batch);
+  });
+  std::multiset<uint64_t> trained;
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(plans[r].ok()) << "rank " << r << ": " << plans[r].status();
+    EXPECT_TRUE(plans[r]->local_fallback) << "rank " << r;
+    std::vector<uint64_t> expected;
+    for (const MicroBatchPlan& mb : ours->ranks[r].micro_batches) {
+      for (const PlannedSample& p : mb.samples) expected.push_back(p.id);
+    }
+    EXPECT_EQ(Ids(*plans[r]), expected) << "rank " << r;
+    for (uint64_t id : Ids(*plans[r])) trained.insert(id);
+  }
+  for (const Sample& s : batch) EXPECT_EQ(trained.count(s.id), 1u) << s.id;
+}
+
 // A plan group's leader that falls back (the planner stopped) has its members plan locally with
 // it, saying whose fallback it was; a leader's error (a batch other than the one rank 0
 // submitted) is its members' error too, with the leader's code, and the other node's ranks
