@@ -43,11 +43,17 @@ double SecondsSince(SteadyClock::time_point start) {
 // Steps are below 2^48 (the planner refuses others).
 constexpr int64_t kStepBound = int64_t{1} << 48;
 
-// The least of every rank's `value` in [0, kStepBound), found with any_rank alone: a binary
-// search whose every probe is one any_rank(value < probe), the same 48 calls on every rank.
+// The least of every rank's `value` in [0, kStepBound), found with any_rank alone: each probe
+// is one any_rank(value < probe), the same calls on every rank. Probes 1, 2, 4, ... until one
+// is above the least, then a binary search below it: one call when every value is 0 (a new
+// job), about 2 log2(least) + 1 otherwise.
 int64_t LeastOnAnyRank(const std::function<bool(bool)>& any_rank, int64_t value) {
   int64_t lo = 0;  // the least is in [lo, hi)
-  int64_t hi = kStepBound;
+  int64_t hi = 1;
+  while (hi < kStepBound && !any_rank(value < hi)) {
+    lo = hi;
+    hi *= 2;
+  }
   while (hi - lo > 1) {
     const int64_t probe = lo + (hi - lo) / 2;
     if (any_rank(value < probe)) {
@@ -333,9 +339,9 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Start(BalancerOptions option
     state->reported_before = next_step;
     // A joined job's ranks may have reported different steps (one died with reports still
     // buffered): each would start at its own, and the ranks would train parts of different
-    // global batches in every step after. They start at the least (every rank makes the same
-    // calls: the job was given to all of them or to none).
-    if (!options.job_id.empty()) next_step = LeastOnAnyRank(options.any_rank, next_step);
+    // global batches in every step after. They start at the least. Every rank searches (only
+    // rank 0 need be given the job's id), with one collective for a new job.
+    next_step = LeastOnAnyRank(options.any_rank, next_step);
   }
   state->config = config;
   {

@@ -85,7 +85,9 @@ struct BalancerOptions {
 class Balancer {
  public:
   // Rank 0 with an empty job_id creates the job; a given job_id is joined (resume). share_job
-  // then gives every rank the handle, and every rank joins (JoinJob: config and next_step).
+  // then gives every rank the handle, and every rank joins (JoinJob: config and next_step);
+  // the ranks start at the least of their next steps, found with any_rank (one call for a new
+  // job, about 2 log2(step) + 1 for a joined one).
   // Every rank makes the same calls to share_job and any_rank, whatever fails: an error on one
   // rank is an error on all (the others say so and point to it). The planner unreachable is
   // UNAVAILABLE naming the target and the reason unless allow_offline_start; other errors are

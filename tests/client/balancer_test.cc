@@ -253,8 +253,9 @@ TEST_F(BalancerTest, RanksAsThreadsPlanEveryStepWithOneCollective) {
   });
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(job_ids[r], job_ids[0]);  // rank 0's job reached every rank
-    // Two at Start (errors, unreachable), then one per step.
-    EXPECT_EQ(ranks.any_rank_calls(r), 2 + kSteps) << "rank " << r;
+    // Three at Start (errors, unreachable, and the step to start at: one probe for a new
+    // job), then one per step.
+    EXPECT_EQ(ranks.any_rank_calls(r), 3 + kSteps) << "rank " << r;
   }
   for (int64_t step = 0; step < kSteps; ++step) {
     const std::vector<Sample> batch = Batch(300 + step, kRanks);
@@ -293,7 +294,7 @@ TEST_F(BalancerTest, RanksThatRejoinAJobStartAtTheSameStep) {
   std::vector<int64_t> started(kRanks, -1);
   OnRanks(kRanks, [&](int r) {
     BalancerOptions options = second.Options(r, Options(kRanks));
-    options.job_id = job.job_id;
+    if (r == 0) options.job_id = job.job_id;  // the others are given it by share_job
     options.client.token = job.token;
     absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
     ASSERT_TRUE(b.ok()) << b.status();

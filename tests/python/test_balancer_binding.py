@@ -79,8 +79,10 @@ def test_round_trip_with_prefetch_then_resume(planner):
         assert ids_of(plan) == [s.id for s in batches[step]]  # every sample once
         balancer.report(step, timings_of(plan), 0.0)
     assert balancer.finish(timeout_seconds=20) is True
-    # Two collectives at start, then exactly one per step; nothing fell back.
-    assert calls.any_rank_calls == [False] * (2 + steps)
+    # Three collectives at start (errors, unreachable; then the step to start at, one probe:
+    # "is any rank's next step below 1", True for a new job), then exactly one per step; nothing
+    # fell back.
+    assert calls.any_rank_calls == [False, False, True] + [False] * steps
     assert calls.warnings == []
     stats = balancer.stats
     assert isinstance(stats, sb.BalancerStats)
