@@ -53,7 +53,7 @@ void CheckConfig(const uint8_t* data, size_t size) {
   if (!settings.ok() && settings.status().message().empty()) std::abort();
 }
 
-void CheckRankPlan(const uint8_t* data, size_t size) {
+void CheckRankPlanMessage(const uint8_t* data, size_t size) {
   v1::RankPlan plan;
   if (!plan.ParseFromArray(data, static_cast<int>(size))) return;
   absl::StatusOr<std::vector<MicroBatchPlan>> read = MicroBatchesFromProto(plan);
@@ -80,6 +80,6 @@ void CheckRankPlan(const uint8_t* data, size_t size) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   sparsebalance::CheckRequest(data, size);
   sparsebalance::CheckConfig(data, size);
-  sparsebalance::CheckRankPlan(data, size);
+  sparsebalance::CheckRankPlanMessage(data, size);
   return 0;
 }
