@@ -146,6 +146,27 @@ void ExpectCarriesWhatItDeferred(const Balancer& balancer, const RankStepPlan& p
       << "rank " << plan.rank << " step " << plan.step;
 }
 
+// A scripted planner's job "job" of `config`: it joins every rank and takes every batch.
+void ScriptJob(test_support::ScriptedPlanner* scripted, const PlannerConfig& config) {
+  scripted->join_job = [config](const v1::JoinJobRequest&, v1::JoinJobResponse* response) {
+    JobSettings settings;
+    settings.planner = config;
+    *response->mutable_config() = ConfigToProto(settings);
+    return grpc::Status::OK;
+  };
+  scripted->submit_batch = [](const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*) {
+    return grpc::Status::OK;
+  };
+}
+
+// `options` for that job on `scripted`.
+BalancerOptions Scripted(BalancerOptions options, const test_support::ScriptedPlanner& scripted) {
+  options.client.target = scripted.target();
+  options.client.token = "token";
+  options.job_id = "job";
+  return options;
+}
+
 class BalancerTest : public ::testing::Test {
  protected:
   // Options for the planner of this test: a new job of Config(world) unless job_id is given.
@@ -530,15 +551,7 @@ TEST_F(BalancerTest, APlannerErrorOnOneRankIsEveryRanksFallbackAndAnInputErrorEv
   const PlannerConfig config = Config(kRanks);
   auto batch = [](int64_t step) { return Batch(700 + step, kRanks); };
   test_support::ScriptedPlanner scripted;
-  scripted.join_job = [&](const v1::JoinJobRequest&, v1::JoinJobResponse* response) {
-    JobSettings settings;
-    settings.planner = config;
-    *response->mutable_config() = ConfigToProto(settings);
-    return grpc::Status::OK;
-  };
-  scripted.submit_batch = [](const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*) {
-    return grpc::Status::OK;
-  };
+  ScriptJob(&scripted, config);
   scripted.get_rank_plan = [&](const v1::GetRankPlanRequest& request,
                                v1::GetRankPlanResponse* response) {
     if (request.rank() == 1) {
@@ -558,10 +571,7 @@ TEST_F(BalancerTest, APlannerErrorOnOneRankIsEveryRanksFallbackAndAnInputErrorEv
   std::vector<absl::Status> step1(kRanks);
   std::vector<std::string> last_errors(kRanks);
   OnRanks(kRanks, [&](int r) {
-    BalancerOptions options = ranks.Options(r, Options(kRanks));
-    options.client.target = scripted.target();
-    options.client.token = "token";
-    options.job_id = "job";
+    const BalancerOptions options = Scripted(ranks.Options(r, Options(kRanks)), scripted);
     absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
     ASSERT_TRUE(b.ok()) << b.status();
     step0[r] = (*b)->Plan(0, batch(0));
@@ -600,15 +610,7 @@ TEST_F(BalancerTest, RanksRunTheirOwnLocalPlanNotThePlannersCopyOfOne) {
   ASSERT_TRUE(ours.ok() && theirs.ok());
   ASSERT_NE(CanonicalPlanText(*ours), CanonicalPlanText(*theirs));  // the case is real
   test_support::ScriptedPlanner scripted;
-  scripted.join_job = [&](const v1::JoinJobRequest&, v1::JoinJobResponse* response) {
-    JobSettings settings;
-    settings.planner = joined;
-    *response->mutable_config() = ConfigToProto(settings);
-    return grpc::Status::OK;
-  };
-  scripted.submit_batch = [](const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*) {
-    return grpc::Status::OK;
-  };
+  ScriptJob(&scripted, joined);
   scripted.get_rank_plan = [&](const v1::GetRankPlanRequest& request,
                                v1::GetRankPlanResponse* response) {
     if (request.rank() == 1) {
@@ -621,10 +623,7 @@ TEST_F(BalancerTest, RanksRunTheirOwnLocalPlanNotThePlannersCopyOfOne) {
   Ranks ranks(kRanks);
   std::vector<absl::StatusOr<RankStepPlan>> plans(kRanks, absl::UnknownError("not run"));
   OnRanks(kRanks, [&](int r) {
-    BalancerOptions options = ranks.Options(r, Options(kRanks));
-    options.client.target = scripted.target();
-    options.client.token = "token";
-    options.job_id = "job";
+    const BalancerOptions options = Scripted(ranks.Options(r, Options(kRanks)), scripted);
     absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
     ASSERT_TRUE(b.ok()) << b.status();
     plans[r] = (*b)->Plan(0, batch);
