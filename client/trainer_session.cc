@@ -115,8 +115,10 @@ absl::Status TrainerSession::ResubmitLocalSteps() {
     const auto& [step, batch] = local_batches_.front();
     absl::StatusOr<std::vector<uint64_t>> sent =
         client_->SubmitBatch(step, batch, /*planned_locally=*/true);
-    if (!sent.ok() && IsUnreachable(sent.status())) return sent.status();
-    // Any other answer is final (e.g. the step left the planner's history): go on without it.
+    // Away, busy or failing inside (IsTransient): the batch stays for the next step's try, as a
+    // report refused for such a reason does (the bounded queue drops the oldest). Any other
+    // answer is final (e.g. the step left the planner's history): go on without it.
+    if (!sent.ok() && IsTransient(sent.status())) return sent.status();
     local_batches_.pop_front();
   }
   return absl::OkStatus();

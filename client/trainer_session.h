@@ -122,8 +122,9 @@ class TrainerSession {
   // one-by-one path, which tells each report's own error apart; the ones the batch took come
   // back there as duplicates.
   absl::Status FlushBatches();
-  // Coordinator: submits the batches of locally planned steps, oldest first. UNAVAILABLE when
-  // the planner is still away (the rest stay queued).
+  // Coordinator: submits the batches of locally planned steps, oldest first. The planner's
+  // error when it is still away, busy or failing inside (IsTransient; that batch and the rest
+  // stay queued); a batch it refuses for good is dropped.
   absl::Status ResubmitLocalSteps();
   // INVALID_ARGUMENT when the session has no client.
   absl::Status CheckClient() const;

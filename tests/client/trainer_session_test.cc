@@ -779,6 +779,44 @@ TEST_F(ScriptedPlannerTest, ThePlannersOwnErrorsFallBackAndTheTrainersInputError
   EXPECT_EQ(coordinator.unsent_local_steps(), 1u);
 }
 
+// The batch of a locally planned step that the planner refuses for a reason of its own when the
+// coordinator resubmits it (busy, failing inside) stays queued and goes at the next try, in
+// order: it was dropped, and the planner never learned what the ranks ran in that step.
+TEST_F(ScriptedPlannerTest, ALocalStepsBatchRefusedForNowIsSubmittedAgain) {
+  const PlannerConfig config = Config(2);
+  const std::vector<Sample> batch = Batch(5, 2);
+  std::unique_ptr<PlannerClient> client = Connect();
+  absl::Mutex mu;
+  bool busy = true;
+  std::vector<int64_t> delivered;  // the local steps the planner took, in order
+  planner_.submit_batch = [&](const v1::SubmitBatchRequest& request, v1::SubmitBatchResponse*) {
+    absl::MutexLock lock(&mu);
+    if (busy) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "SubmitBatch: the planner ran out of memory for this call");
+    }
+    if (request.planned_locally()) delivered.push_back(request.step());
+    return grpc::Status::OK;
+  };
+  TrainerSession coordinator(client.get(), 0, /*coordinator=*/true, config);
+  for (int64_t step : {0, 1}) {
+    absl::StatusOr<RankStepPlan> plan = coordinator.Plan(step, batch);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->local_fallback) << step;
+  }
+  // Step 1's try to resubmit step 0 was refused too: both wait.
+  EXPECT_EQ(coordinator.unsent_local_steps(), 2u);
+  {
+    absl::MutexLock lock(&mu);
+    busy = false;
+  }
+  absl::Status flushed = coordinator.Flush();
+  EXPECT_TRUE(flushed.ok()) << flushed;
+  EXPECT_EQ(coordinator.unsent_local_steps(), 0u);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(delivered, (std::vector<int64_t>{0, 1}));
+}
+
 // A report the planner refuses for a reason of its own (busy, failing inside) is kept and sent
 // again before the next one, in order, as while the planner is away; one it refuses for its
 // content is dropped and said.
