@@ -929,9 +929,10 @@ inline void Placer::Updated(int r, Lane& lane) {
 absl::Status Placer::Overflow(int u, std::vector<int>* deferred) const {
   const Unit& unit = units_[u];
   // A group that fits no rank even with every micro-batch empty (by the fit this placement
-  // uses) fits no step: refused, the error names the group rather than the batch's total (a
-  // single sample always fits an empty rank: ValidateBatch). Deferred, it comes back next step.
-  if (unit.size > 1 && config_.overflow == OverflowPolicy::kError) {
+  // uses) fits no step: refused under either policy, the error naming the group rather than the
+  // batch's total (a single sample always fits an empty rank: ValidateBatch). Deferred, it came
+  // back every step and was deferred again, never trained, and the trainer was not told.
+  if (unit.size > 1) {
     const std::vector<int64_t> empty(micro_batches_, config_.micro_batch_capacity);
     int cursor = 0;
     std::vector<int> slots;

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "contract/step_figures.h"
 #include "gmock/gmock.h"
@@ -96,8 +97,12 @@ void RunRandomCases(bool grouped) {
       c.config.policy = policy;
       absl::StatusOr<Assignment> a = AssignSamples(c.batch, c.config, model, densities);
       if (!a.ok()) {
-        EXPECT_EQ(c.config.overflow, OverflowPolicy::kError) << Describe(c);
-        EXPECT_THAT(std::string(a.status().message()), HasSubstr("does not fit"));
+        // Under defer only a group that fits no rank even empty is refused (it fits no step).
+        EXPECT_THAT(std::string(a.status().message()),
+                    HasSubstr(c.config.overflow == OverflowPolicy::kError
+                                  ? "does not fit"
+                                  : "does not fit any rank even with its"))
+            << Describe(c);
         continue;
       }
       budget.Run([&] { ExpectValidAssignment(*a, c.batch, c.config, Describe(c)); });
@@ -179,7 +184,11 @@ TEST(AssignSamplesTest, BaselinesIgnoreSpeedFactorsAndSabDoesNot) {
       c.config.policy = policy;
       absl::StatusOr<Assignment> a = AssignSamples(c.batch, c.config, uniform, densities);
       absl::StatusOr<Assignment> b = AssignSamples(c.batch, c.config, skewed, densities);
-      ASSERT_TRUE(a.ok() && b.ok()) << Describe(c);
+      if (!a.ok() && !b.ok() && a.status() == b.status() &&
+          absl::StrContains(a.status().message(), "does not fit any rank even with its")) {
+        continue;  // a group that fits no step, refused with either model
+      }
+      ASSERT_TRUE(a.ok() && b.ok()) << Describe(c) << ": " << a.status() << " / " << b.status();
       const bool same = a->ranks == b->ranks && a->deferred == b->deferred;
       if (policy == Policy::kSab || policy == Policy::kSparseBalance) {
         if (!same && c.config.ranks > 1) ++sab_differs;
@@ -418,7 +427,8 @@ TEST(AssignSamplesTest, UnplaceableSampleUnderErrorNamesTheSampleAndCapacity) {
 
 // A group that fits no rank even with its micro-batches empty is refused naming the group, not
 // the batch's total tokens (which fit): 3 x 600 tokens never share a micro-batch of 1,000, and a
-// rank has 2. Under defer it is deferred whole, as any unit that does not fit.
+// rank has 2. Under defer too: deferred, it came back and was deferred again every step, never
+// trained. A group that fits an empty rank but not this step is deferred whole.
 TEST(AssignSamplesTest, AGroupThatFitsNoEmptyRankIsNamedInTheError) {
   PlannerConfig config = test_util::StepConfig(2, 2, 1000, OverflowPolicy::kError);
   const std::vector<Sample> batch = {
@@ -427,19 +437,32 @@ TEST(AssignSamplesTest, AGroupThatFitsNoEmptyRankIsNamedInTheError) {
   const LatencyModel model = MakeModel(config);
   for (Policy policy : AllPolicies()) {
     config.policy = policy;
-    config.overflow = OverflowPolicy::kError;
-    absl::StatusOr<Assignment> a =
-        AssignSamples(batch, config, model, BaseDensities(batch, config));
-    ASSERT_FALSE(a.ok()) << PolicyName(policy);
-    EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(a.status().message()),
-                ::testing::AllOf(HasSubstr("samples[0].group: group 9 (3 samples, 1800 tokens"),
-                                 HasSubstr("does not fit any rank"), HasSubstr("split the group")))
-        << PolicyName(policy);
+    for (OverflowPolicy overflow : {OverflowPolicy::kError, OverflowPolicy::kDefer}) {
+      config.overflow = overflow;
+      absl::StatusOr<Assignment> a =
+          AssignSamples(batch, config, model, BaseDensities(batch, config));
+      ASSERT_FALSE(a.ok()) << PolicyName(policy);
+      EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(
+          std::string(a.status().message()),
+          ::testing::AllOf(HasSubstr("samples[0].group: group 9 (3 samples, 1800 tokens"),
+                           HasSubstr("does not fit any rank"), HasSubstr("split the group")))
+          << PolicyName(policy);
+    }
+    // A group of two that fits an empty rank, in a step that has room for four of its six
+    // samples: not refused; placed or deferred whole.
     config.overflow = OverflowPolicy::kDefer;
-    a = AssignSamples(batch, config, model, BaseDensities(batch, config));
+    const std::vector<Sample> crowded = {{1, 600, 0.0, 9, {}}, {2, 700, 0.0, 0, {}},
+                                         {3, 600, 0.0, 9, {}}, {4, 700, 0.0, 0, {}},
+                                         {5, 700, 0.0, 0, {}}, {6, 700, 0.0, 0, {}}};
+    absl::StatusOr<Assignment> a =
+        AssignSamples(crowded, config, model, BaseDensities(crowded, config));
     ASSERT_TRUE(a.ok()) << PolicyName(policy) << ": " << a.status();
-    EXPECT_EQ(a->deferred, (std::vector<int>{0, 2, 3})) << PolicyName(policy);
+    EXPECT_EQ(a->deferred.size(), 2u) << PolicyName(policy);
+    const auto deferred = [&](int i) {
+      return std::find(a->deferred.begin(), a->deferred.end(), i) != a->deferred.end();
+    };
+    EXPECT_EQ(deferred(0), deferred(2)) << PolicyName(policy);
   }
 }
 
