@@ -290,8 +290,11 @@ class LayerwiseRunner : public MicroBatchRunner {
       // Layers at the same densities see the same inputs, so they keep the same blocks and
       // recall: the (exact, off-the-clock) recall is measured once per distinct densities.
       const bool fresh = layer == 0 || changed;
-      kernels::RunOptions run;
-      if (fresh) run = run_;
+      // Every layer selects blocks as the job says (top-k or anchor); only the recall is
+      // measured once per distinct densities. (A layer that kept the defaults ran top-k in an
+      // anchor job, while its figures were the first layer's anchor ones.)
+      kernels::RunOptions run = run_;
+      if (!fresh) run.exact_recall = run.probe_recall = false;
       absl::StatusOr<kernels::LayerMeasurement> m = layer_->Run(run);
       if (!m.ok()) return m.status();
       result.attention_seconds += m->attention_seconds;
@@ -390,8 +393,14 @@ absl::StatusOr<std::unique_ptr<MicroBatchRunner>> MicroBatchRunner::Create(
     return absl::Status(layer.status().code(),
                         absl::StrCat("--device=", device, ": ", layer.status().message()));
   }
+  return Over(*std::move(layer), shape, runner_options, /*cpu=*/device == "cpu");
+}
+
+std::unique_ptr<MicroBatchRunner> MicroBatchRunner::Over(
+    std::unique_ptr<kernels::LayerRunner> layer, const ModelShape& shape,
+    const MicroBatchRunnerOptions& options, bool cpu) {
   return std::unique_ptr<MicroBatchRunner>(
-      new LayerwiseRunner(*std::move(layer), shape, runner_options, device == "cpu"));
+      new LayerwiseRunner(std::move(layer), shape, options, cpu));
 }
 
 }  // namespace sparsebalance

@@ -109,6 +109,12 @@ class MicroBatchRunner {
   // The same with the recall measured as `options` says (INVALID_ARGUMENT for a bad option).
   static absl::StatusOr<std::unique_ptr<MicroBatchRunner>> Create(
       const std::string& device, const ModelShape& shape, const MicroBatchRunnerOptions& options);
+  // The runner of Create over a layer runner made by the caller (e.g. a test's, which records
+  // what each layer is asked to run); `options` as Create checks them, `cpu` whether the layer
+  // runs on the CPU (shards of split documents run only there).
+  static std::unique_ptr<MicroBatchRunner> Over(std::unique_ptr<kernels::LayerRunner> layer,
+                                                const ModelShape& shape,
+                                                const MicroBatchRunnerOptions& options, bool cpu);
   virtual ~MicroBatchRunner() = default;
   // Runs the micro-batch's planned samples, each at its density (per layer where its
   // layer_densities are given: then exactly one per layer). INVALID_ARGUMENT naming

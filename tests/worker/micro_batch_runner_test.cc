@@ -12,6 +12,7 @@
 
 #include "contract/block_geometry.h"
 #include "gtest/gtest.h"
+#include "kernels/layer_runner.h"
 #include "planner/types.h"
 #include "tests/support/small_shape.h"
 #include "worker/shard_exchange.h"
@@ -204,6 +205,56 @@ TEST(MicroBatchRunnerTest, AnchorSelectionKeepsAtMostTheBudgetAndTopKAtAVanishin
       MicroBatchRunner::Create("cpu", shape, bad);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("anchor_threshold"), absl::string_view::npos);
+}
+
+// A layer runner that runs the real CPU one and records what each Run was asked.
+class RecordingLayer final : public kernels::LayerRunner {
+ public:
+  RecordingLayer(std::unique_ptr<kernels::LayerRunner> real, std::vector<kernels::RunOptions>* runs)
+      : real_(std::move(real)), runs_(runs) {}
+  absl::Status Load(kernels::LayerBatch batch) override { return real_->Load(std::move(batch)); }
+  absl::Status SetDensities(const std::vector<double>& densities) override {
+    return real_->SetDensities(densities);
+  }
+  absl::StatusOr<kernels::LayerMeasurement> Run(const kernels::RunOptions& options) override {
+    runs_->push_back(options);
+    return real_->Run(options);
+  }
+  std::string device_name() const override { return real_->device_name(); }
+
+ private:
+  std::unique_ptr<kernels::LayerRunner> real_;
+  std::vector<kernels::RunOptions>* runs_;
+};
+
+// Every layer selects blocks as the job says, not only the first: the layers after it, at the
+// same densities, ran top-k at the default threshold in an anchor job (while the figures
+// reported were the first layer's), so the time measured was top-k's. Only the recall is
+// measured once per distinct densities.
+TEST(MicroBatchRunnerTest, EveryLayerRunsTheJobsSelectionAndOnlyTheFirstMeasuresRecall) {
+  const ModelShape shape = test_support::SmallShape(/*layers=*/3);
+  kernels::LayerRunnerOptions layer_options;
+  layer_options.device = "cpu";
+  layer_options.threads = 1;
+  absl::StatusOr<std::unique_ptr<kernels::LayerRunner>> real =
+      kernels::LayerRunner::Create(shape, layer_options);
+  ASSERT_TRUE(real.ok()) << real.status();
+  std::vector<kernels::RunOptions> runs;
+  MicroBatchRunnerOptions options;
+  options.recall_rows = 4;
+  options.selection = SelectionMode::kAnchor;
+  options.anchor_threshold = 0.9;
+  std::unique_ptr<MicroBatchRunner> runner = MicroBatchRunner::Over(
+      std::make_unique<RecordingLayer>(*std::move(real), &runs), shape, options, /*cpu=*/true);
+  absl::StatusOr<MicroBatchResult> r = runner->Run(OneSample({31, 1024, 0.4, {}, {}, 0, 0, 0, {}}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(runs.size(), 3u);
+  for (size_t layer = 0; layer < runs.size(); ++layer) {
+    EXPECT_EQ(runs[layer].selection, SelectionMode::kAnchor) << "layer " << layer;
+    EXPECT_EQ(runs[layer].anchor_threshold, 0.9) << "layer " << layer;
+    EXPECT_EQ(runs[layer].probe_recall, layer == 0) << "layer " << layer;
+    EXPECT_FALSE(runs[layer].exact_recall) << "layer " << layer;
+  }
 }
 
 TEST(MicroBatchRunnerTest, ASampleThatCannotRunIsRefusedNamingIt) {
