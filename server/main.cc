@@ -1,11 +1,13 @@
 // sb-planner: the SparseBalance planner service. `sb-planner --help` lists the flags; with none
 // it listens on 127.0.0.1:50151 and says so.
 #include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "planner/plan_threads.h"
+#include "planner/types.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 #include "server/planner_metrics.h"
@@ -62,7 +65,14 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(int, max_jobs, 1024, "jobs held at once (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_samples, 1 << 20, "samples per SubmitBatch (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_world_size, 65536, "ranks per job (RESOURCE_EXHAUSTED above)");
-ABSL_FLAG(int, max_message_bytes, 256 << 20, "largest request accepted, bytes");
+ABSL_FLAG(int, max_message_bytes, 256 << 20,
+          "largest request accepted, bytes (1024 to 2147483647)");
+ABSL_FLAG(int, max_request_memory_mb, 512,
+          "MiB the requests in hand may take once parsed, all together, 1-1048576: a request's "
+          "parse is estimated from its bytes after its token is checked and before it is parsed, "
+          "and one that does not fit is RESOURCE_EXHAUSTED (a protobuf field of two bytes takes "
+          "up to 100 parsed; a full SubmitBatch of 2^20 samples about 100 MiB). Keep it well "
+          "under the planner's memory limit");
 ABSL_FLAG(std::string, health_listen, "",
           "also serve grpc.health.v1 alone, in plaintext, on this host:port (as --listen; port 0 "
           "picks a free port): for probes, which need no TLS, and it stays open for the whole "
@@ -332,12 +342,45 @@ int Main(int argc, char** argv) {
     tools::Fatal(absl::StrCat("--slow_rank_series=", slow_rank_series, " is outside [0, 64]"),
                  tools::kExitUsage);
   }
-  const int max_report_streams = absl::GetFlag(FLAGS_max_report_streams);
-  if (max_report_streams < 0 || max_report_streams > (1 << 20)) {
-    tools::Fatal(
-        absl::StrCat("--max_report_streams=", max_report_streams, " is outside [0, 1048576]"),
-        tools::kExitUsage);
-  }
+  // Numeric limits: a value outside its range started a planner that reported healthy and
+  // refused every call (--max_jobs=-1, --max_world_size=0, ...), or, for --max_message_bytes=-1,
+  // none (gRPC's "unlimited").
+  auto int_flag = [](const char* name, int value, int lo, int hi) {
+    if (value < lo || value > hi) {
+      tools::Fatal(absl::StrCat("--", name, "=", value, " is outside [", lo, ", ", hi, "]"),
+                   tools::kExitUsage);
+    }
+    return value;
+  };
+  auto seconds_flag = [](const char* name, double value) {
+    if (!std::isfinite(value) || value < 0.0 || value > 86400.0) {
+      tools::Fatal(
+          absl::StrCat("--", name, "=", value, " is not a number of seconds in [0, 86400]"),
+          tools::kExitUsage);
+    }
+    return value;
+  };
+  const int max_report_streams =
+      int_flag("max_report_streams", absl::GetFlag(FLAGS_max_report_streams), 0, 1 << 20);
+  const int max_rank_series =
+      int_flag("max_rank_series", absl::GetFlag(FLAGS_max_rank_series), 0, 1 << 20);
+  const int max_jobs = int_flag("max_jobs", absl::GetFlag(FLAGS_max_jobs), 1, 1 << 20);
+  const int max_samples =
+      int_flag("max_samples", absl::GetFlag(FLAGS_max_samples), 1, kMaxBatchSamples);
+  const int max_world_size =
+      int_flag("max_world_size", absl::GetFlag(FLAGS_max_world_size), 1, kMaxPlanSlots);
+  const int max_message_bytes =
+      int_flag("max_message_bytes", absl::GetFlag(FLAGS_max_message_bytes), 1024,
+               std::numeric_limits<int>::max());
+  const int max_waiting_calls =
+      int_flag("max_waiting_calls", absl::GetFlag(FLAGS_max_waiting_calls), 0, 1 << 24);
+  const int max_request_memory_mb =
+      int_flag("max_request_memory_mb", absl::GetFlag(FLAGS_max_request_memory_mb), 1, 1 << 20);
+  const double drain_seconds = seconds_flag("drain_seconds", absl::GetFlag(FLAGS_drain_seconds));
+  const double drain_notice_seconds =
+      seconds_flag("drain_notice_seconds", absl::GetFlag(FLAGS_drain_notice_seconds));
+  const double state_check_seconds =
+      seconds_flag("state_check_seconds", absl::GetFlag(FLAGS_state_check_seconds));
   int plan_threads = absl::GetFlag(FLAGS_plan_threads);
   if (plan_threads < 0 || plan_threads > kMaxPlanThreads) {
     tools::Fatal(absl::StrCat("--plan_threads=", plan_threads, " is outside [0, ", kMaxPlanThreads,
@@ -347,7 +390,7 @@ int Main(int argc, char** argv) {
   if (plan_threads == 0) plan_threads = std::min(tools::UsableCpus(), 8);
   PlanThreads planning(plan_threads);
   auto metrics_registry = std::make_shared<prometheus::Registry>();
-  PlannerMetrics metrics(metrics_registry, absl::GetFlag(FLAGS_max_rank_series), slow_rank_series);
+  PlannerMetrics metrics(metrics_registry, max_rank_series, slow_rank_series);
   std::unique_ptr<prometheus::Exposer> exposer;
   try {  // prometheus-cpp reports a busy port by throwing
     exposer = std::make_unique<prometheus::Exposer>(metrics_listen);
@@ -369,8 +412,7 @@ int Main(int argc, char** argv) {
     }
     metrics.SetStateDirWritable(serving);
   };
-  StateDirHealth state_health(store->get(), std::max(0.1, absl::GetFlag(FLAGS_state_check_seconds)),
-                              set_serving);
+  StateDirHealth state_health(store->get(), std::max(0.1, state_check_seconds), set_serving);
   JobRegistry::Options registry_options;
   registry_options.store = store->get();
   registry_options.on_store_failure = [&metrics, &state_health](const absl::Status&) {
@@ -387,11 +429,11 @@ int Main(int argc, char** argv) {
   registry_options.on_step = [&metrics](const std::string& job_id, const StepStats& stats) {
     metrics.ObserveStep(job_id, stats);
   };
-  registry_options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  registry_options.max_jobs = max_jobs;
   registry_options.plan_threads = &planning;
   registry_options.pack_in_submit = false;  // the service packs after waking the ranks
-  registry_options.limits.max_samples = absl::GetFlag(FLAGS_max_samples);
-  registry_options.limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
+  registry_options.limits.max_samples = max_samples;
+  registry_options.limits.max_world_size = max_world_size;
   JobRegistry registry(registry_options, RandomHex);
   if (absl::Status restored = registry.Restore(); !restored.ok()) {
     std::cerr << "sb-planner: cannot reload --state_dir=" << state_dir << ": " << restored.message()
@@ -412,8 +454,9 @@ int Main(int argc, char** argv) {
   service_options.admin_token = admin_token;
   service_options.limits = registry_options.limits;
   service_options.metrics = &metrics;
-  service_options.max_waiting_calls = absl::GetFlag(FLAGS_max_waiting_calls);
+  service_options.max_waiting_calls = max_waiting_calls;
   service_options.max_report_streams = max_report_streams;
+  service_options.max_request_memory_bytes = static_cast<size_t>(max_request_memory_mb) << 20;
   PlannerServiceImpl service(&registry, service_options);
   IdleJobSweeper sweeper(&service, idle_ttl);
 
@@ -423,7 +466,7 @@ int Main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.SetMaxReceiveMessageSize(max_message_bytes);
   // Keepalive: ping idle clients every 30 s and accept their pings every 10 s, so that dead
   // trainers' connections are noticed and live ones are not cut by middleboxes.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
@@ -472,7 +515,7 @@ int Main(int argc, char** argv) {
   int signal = 0;
   sigwait(&stop_signals, &signal);
   std::cout << "sb-planner: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT") << ", draining for "
-            << absl::GetFlag(FLAGS_drain_seconds) << " s" << std::endl;
+            << drain_seconds << " s" << std::endl;
   state_health.Stop();  // health stays NOT_SERVING from here on
   sweeper.Stop();       // no job expires during the drain
   server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
@@ -481,8 +524,8 @@ int Main(int argc, char** argv) {
   }
   // New calls are still accepted for the notice, so health checks see NOT_SERVING; then the
   // port closes and the calls in flight get the rest of the drain.
-  const double drain = std::max(0.0, absl::GetFlag(FLAGS_drain_seconds));
-  const double notice = std::clamp(absl::GetFlag(FLAGS_drain_notice_seconds), 0.0, drain);
+  const double drain = drain_seconds;
+  const double notice = std::clamp(drain_notice_seconds, 0.0, drain);
   absl::SleepFor(absl::Seconds(notice));
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>((drain - notice) * 1000));

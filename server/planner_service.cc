@@ -7,6 +7,7 @@
 #include <limits>
 #include <new>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "grpcpp/impl/codegen/server_callback_handlers.h"
 #include "grpcpp/support/message_allocator.h"
 #include "planner/planner.h"
+#include "server/request_guard.h"
 
 namespace sparsebalance {
 namespace {
@@ -40,6 +42,43 @@ int MethodIndex(const char* method) {
     std::abort();
   }
   return found->index();
+}
+
+// Where a request of type Request holds its job id, as field numbers from the top
+// (PendingRequest reads it off the bytes, so that the token is checked before the parse):
+// job_id (1) in every job call's request, report.job_id in a ReportSteps stream's; none in
+// CreateJob's and ListJobs', whose callers need the admin token.
+template <typename Request>
+absl::Span<const int> JobIdPath() {
+  static constexpr int kTop[] = {1};
+  static constexpr int kInReport[] = {1, 1};
+  if constexpr (std::is_same_v<Request, v1::CreateJobRequest> ||
+                std::is_same_v<Request, v1::ListJobsRequest>) {
+    return {};
+  } else if constexpr (std::is_same_v<Request, v1::ReportStepsRequest>) {
+    return kInReport;
+  } else {
+    return kTop;
+  }
+}
+
+// Stops the planner at start-up when JobIdPath<Request> does not end at a string field named
+// job_id (a bug of this file, as MethodIndex's).
+template <typename Request>
+void CheckJobIdPath(const char* method) {
+  const absl::Span<const int> path = JobIdPath<Request>();
+  const google::protobuf::Descriptor* type = Request::descriptor();
+  const google::protobuf::FieldDescriptor* field = nullptr;
+  for (size_t k = 0; k < path.size() && type != nullptr; ++k) {
+    field = type->FindFieldByNumber(path[k]);
+    type = field == nullptr ? nullptr : field->message_type();
+  }
+  if (!path.empty() && (field == nullptr || field->name() != "job_id" ||
+                        field->type() != google::protobuf::FieldDescriptor::TYPE_STRING)) {
+    std::cerr << "sb-planner: " << method << ": no job_id at the job id path of "
+              << Request::descriptor()->full_name() << std::endl;
+    std::abort();
+  }
 }
 
 // GetJobRequest.slowest_ranks: 0 means the default; above the bound is INVALID_ARGUMENT.
@@ -178,11 +217,11 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
   Serve<Caller::kAdmin>("CreateJob", &PlannerServiceImpl::OnCreateJob);
   Serve<Caller::kJob>("JoinJob", &PlannerServiceImpl::OnJoinJob);
   Serve<Caller::kJob>("SubmitBatch", &PlannerServiceImpl::OnSubmitBatch);
-  Register<v1::GetRankPlanRequest, v1::GetRankPlanResponse>(
+  Register<Caller::kJob, v1::GetRankPlanRequest, v1::GetRankPlanResponse>(
       "GetRankPlan", [this](auto* context, auto* request, auto* response) {
         return OnGetRankPlan(context, request, response);
       });
-  Register<v1::GetRankPlansRequest, v1::GetRankPlansResponse>(
+  Register<Caller::kJob, v1::GetRankPlansRequest, v1::GetRankPlansResponse>(
       "GetRankPlans", [this](auto* context, auto* request, auto* response) {
         return OnGetRankPlans(context, request, response);
       });
@@ -190,7 +229,8 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
   Serve<Caller::kJob>("ReportStepBatch", &PlannerServiceImpl::OnReportStepBatch);
   MarkMethodCallback(
       MethodIndex<v1::ReportStepsRequest, v1::ReportStepsResponse>("ReportSteps"),
-      new grpc::internal::CallbackBidiHandler<v1::ReportStepsRequest, v1::ReportStepsResponse>(
+      new grpc::internal::CallbackBidiHandler<PendingRequest<v1::ReportStepsRequest>,
+                                              v1::ReportStepsResponse>(
           [this](grpc::CallbackServerContext* context) { return OpenReportStream(context); }));
   Serve<Caller::kJob>("UploadProfile", &PlannerServiceImpl::OnUploadProfile);
   Serve<Caller::kJob>("UpdateJobConfig", &PlannerServiceImpl::OnUpdateJobConfig);
@@ -281,15 +321,19 @@ namespace {
 // (and the messages with it) goes when gRPC releases it after the call, as the default
 // allocator's would.
 template <typename Request, typename Response>
-class ArenaMessages final : public grpc::MessageAllocator<Request, Response> {
+class ArenaMessages final : public grpc::MessageAllocator<PendingRequest<Request>, Response> {
  public:
-  grpc::MessageHolder<Request, Response>* AllocateMessages() override { return new Holder; }
+  grpc::MessageHolder<PendingRequest<Request>, Response>* AllocateMessages() override {
+    return new Holder;
+  }
 
  private:
-  class Holder final : public grpc::MessageHolder<Request, Response> {
+  // The request's bytes as gRPC received them and the message parsed from them once the call
+  // is admitted (PendingRequest, server/request_guard.h), and the response.
+  class Holder final : public grpc::MessageHolder<PendingRequest<Request>, Response> {
    public:
-    Holder() : arena_(Options(initial_block_)) {
-      this->set_request(google::protobuf::Arena::CreateMessage<Request>(&arena_));
+    Holder() : arena_(Options(initial_block_)), request_(&arena_, JobIdPath<Request>()) {
+      this->set_request(&request_);
       this->set_response(google::protobuf::Arena::CreateMessage<Response>(&arena_));
     }
     void Release() override { delete this; }
@@ -304,25 +348,69 @@ class ArenaMessages final : public grpc::MessageAllocator<Request, Response> {
     // Bytes: a 16-sample rank plan or report fits; larger ones take further blocks.
     static constexpr size_t kInitialBlock = 4096;
     alignas(std::max_align_t) char initial_block_[kInitialBlock];
-    google::protobuf::Arena arena_;  // after the block it starts in
+    google::protobuf::Arena arena_;    // after the block it starts in
+    PendingRequest<Request> request_;  // after the arena its message is on: destroyed first
   };
 };
 
 // One allocator per method signature, stateless, for the planner's lifetime.
 template <typename Request, typename Response>
-grpc::MessageAllocator<Request, Response>* ArenaAllocator() {
+grpc::MessageAllocator<PendingRequest<Request>, Response>* ArenaAllocator() {
   static ArenaMessages<Request, Response> allocator;
   return &allocator;
 }
 
 }  // namespace
 
-template <typename Request, typename Response>
+template <PlannerServiceImpl::Caller caller, typename Request>
+absl::StatusOr<const Request*> PlannerServiceImpl::Admit(grpc::CallbackServerContext* context,
+                                                         const char* method,
+                                                         const PendingRequest<Request>& request,
+                                                         ParseBudget::Hold* hold) {
+  // Bytes that are not a Request would fail the parse (gRPC answered that UNIMPLEMENTED, with
+  // no message, as if the planner lacked the method).
+  if (!request.scan().well_formed) return request.NotA();
+  absl::Status status;
+  if constexpr (caller == Caller::kAdmin) {
+    status = AuthorizeAdmin(context);
+  } else if constexpr (caller == Caller::kAdminOrJob) {
+    status = AuthorizeAdminOrJob(context, request.scan().job_id);
+  } else {
+    status = AuthorizeJob(context, request.scan().job_id);
+  }
+  if (!status.ok()) return status;
+  status = parse_budget_.Reserve(request.scan().parsed_bytes, method, hold);
+  if (!status.ok()) return status;
+  return request.Parse();
+}
+
+template <PlannerServiceImpl::Caller caller, typename Request, typename Response>
 void PlannerServiceImpl::Register(const char* method,
                                   std::function<grpc::ServerUnaryReactor*(
                                       grpc::CallbackServerContext*, const Request*, Response*)>
                                       on_call) {
-  auto* handler = new grpc::internal::CallbackUnaryHandler<Request, Response>(std::move(on_call));
+  CheckJobIdPath<Request>(method);
+  auto* handler = new grpc::internal::CallbackUnaryHandler<PendingRequest<Request>, Response>(
+      [this, method, on_call = std::move(on_call)](grpc::CallbackServerContext* context,
+                                                   const PendingRequest<Request>* pending,
+                                                   Response* response) {
+        // The request's memory is reserved until the method returns (one that parks, as
+        // GetRankPlan, holds a small request: it is not counted while parked).
+        ParseBudget::Hold hold;
+        const Request* request = nullptr;
+        grpc::ServerUnaryReactor* refused =
+            Guarded(context, method, [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+              absl::StatusOr<const Request*> admitted =
+                  Admit<caller>(context, method, *pending, &hold);
+              if (admitted.ok()) {
+                request = *admitted;
+                return nullptr;
+              }
+              return Finish(context, method, start, admitted.status());
+            });
+        if (refused != nullptr) return refused;
+        return on_call(context, request, response);
+      });
   handler->SetMessageAllocator(ArenaAllocator<Request, Response>());
   MarkMethodCallback(MethodIndex<Request, Response>(method), handler);
 }
@@ -331,20 +419,11 @@ template <PlannerServiceImpl::Caller caller, typename Request, typename Response
 void PlannerServiceImpl::Serve(const char* method,
                                absl::Status (PlannerServiceImpl::*handle)(const Request&,
                                                                           Response*)) {
-  Register<Request, Response>(
+  Register<caller, Request, Response>(
       method, [this, method, handle](grpc::CallbackServerContext* context, const Request* request,
                                      Response* response) {
         return Guarded(context, method, [&](Clock::time_point start) {
-          absl::Status status;
-          if constexpr (caller == Caller::kAdmin) {
-            status = AuthorizeAdmin(context);
-          } else if constexpr (caller == Caller::kAdminOrJob) {
-            status = AuthorizeAdminOrJob(context, request->job_id());
-          } else {
-            status = AuthorizeJob(context, request->job_id());
-          }
-          if (status.ok()) status = (this->*handle)(*request, response);
-          return Finish(context, method, start, status);
+          return Finish(context, method, start, (this->*handle)(*request, response));
         });
       });
 }
@@ -540,7 +619,8 @@ void PlannerServiceImpl::Complete(std::vector<std::shared_ptr<Wait>> all) {
 // OnDone, which gRPC runs after Finish and every reaction, and which first takes the service's
 // streams_mu_ (CloseReportStreams holds it while it calls Close) and then mu_.
 class PlannerServiceImpl::ReportStream final
-    : public grpc::ServerBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse> {
+    : public grpc::ServerBidiReactor<PendingRequest<v1::ReportStepsRequest>,
+                                     v1::ReportStepsResponse> {
  public:
   ReportStream(PlannerServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {}
@@ -577,13 +657,19 @@ class PlannerServiceImpl::ReportStream final
       if (finished_) return;
       reading_ = false;
     }
-    const v1::ReportStepRequest& report = request_.report();
     const Clock::time_point start = Clock::now();
     absl::Status status;
     response_.Clear();
     try {
-      status = service_->AuthorizeJob(context_, report.job_id());
-      if (status.ok()) status = service_->OnReportStep(report, response_.mutable_response());
+      // As a unary call is admitted (PlannerServiceImpl::Register): the bytes checked, the
+      // report's token, its memory, then the parse.
+      ParseBudget::Hold hold;
+      absl::StatusOr<const v1::ReportStepsRequest*> request =
+          service_->Admit<Caller::kJob>(context_, "ReportStep", request_, &hold);
+      status = request.status();
+      if (status.ok()) {
+        status = service_->OnReportStep((*request)->report(), response_.mutable_response());
+      }
     } catch (const std::bad_alloc&) {  // as Guarded answers a unary call
       status =
           absl::ResourceExhaustedError("ReportStep: the planner ran out of memory for this call");
@@ -630,7 +716,8 @@ class PlannerServiceImpl::ReportStream final
 
   PlannerServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
-  v1::ReportStepsRequest request_;
+  // Each report's bytes, read into it again and again (its message on the heap).
+  PendingRequest<v1::ReportStepsRequest> request_{nullptr, JobIdPath<v1::ReportStepsRequest>()};
   v1::ReportStepsResponse response_;
   absl::Mutex mu_;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;   // a read is pending: between reports
@@ -638,7 +725,7 @@ class PlannerServiceImpl::ReportStream final
   absl::Status closing_ ABSL_GUARDED_BY(mu_);   // Close's reason, OK until then
 };
 
-grpc::ServerBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse>*
+grpc::ServerBidiReactor<PendingRequest<v1::ReportStepsRequest>, v1::ReportStepsResponse>*
 PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
   auto* stream = new ReportStream(this, context);
   absl::Status refusal;
@@ -700,9 +787,6 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlan(grpc::CallbackServer
                                                             const v1::GetRankPlanRequest* request,
                                                             v1::GetRankPlanResponse* response) {
   return Guarded(context, "GetRankPlan", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-    if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-      return Finish(context, "GetRankPlan", start, s);
-    }
     auto wait = std::make_shared<Wait>();
     wait->service = this;
     wait->start = start;
@@ -730,9 +814,6 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlans(grpc::CallbackServe
                                                              v1::GetRankPlansResponse* response) {
   return Guarded(
       context, "GetRankPlans", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-        if (absl::Status s = AuthorizeJob(context, request->job_id()); !s.ok()) {
-          return Finish(context, "GetRankPlans", start, s);
-        }
         const int count = request->ranks_size();
         if (count < 1 || count > kMaxBatchRanks) {
           return Finish(context, "GetRankPlans", start,

@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/job_registry.h"
 #include "server/planner_metrics.h"
+#include "server/request_guard.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 
 namespace sparsebalance {
@@ -43,6 +44,11 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
     // ReportSteps streams open at once; one more is refused with RESOURCE_EXHAUSTED (its
     // client then reports by ReportStep). An open stream holds about 2 KiB.
     int max_report_streams = 16384;
+    // Memory the requests in hand may take once parsed, all together (estimated from their
+    // bytes before any is parsed: server/request_guard.h); a call that would pass it is
+    // RESOURCE_EXHAUSTED, before its parse. A full SubmitBatch of 2^20 samples takes about
+    // 100 MiB.
+    size_t max_request_memory_bytes = size_t{512} << 20;
   };
 
   // Serves every method of the service on gRPC's callback API (see Serve in the .cc).
@@ -77,12 +83,22 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // (MarkMethodCallback, grpc::internal::CallbackUnaryHandler), so it follows the installed
   // gRPC the way generated code does; a request or response type that does not match the
   // method's descriptor stops the planner at start-up.
-  template <typename Request, typename Response>
+  // Admits a call's request (server/request_guard.h): INVALID_ARGUMENT for bytes that are
+  // not a Request, the `caller`'s token checked against the job id read off them, the memory
+  // the parse takes reserved into `hold` (RESOURCE_EXHAUSTED naming `method` past
+  // Options::max_request_memory_bytes), then the parse. The message lives as long as `request`.
+  template <Caller caller, typename Request>
+  absl::StatusOr<const Request*> Admit(grpc::CallbackServerContext* context, const char* method,
+                                       const PendingRequest<Request>& request,
+                                       ParseBudget::Hold* hold);
+  // `on_call` sees only requests that Admit let through; refused ones are recorded and
+  // finished with Admit's error.
+  template <Caller caller, typename Request, typename Response>
   void Register(const char* method,
                 std::function<grpc::ServerUnaryReactor*(grpc::CallbackServerContext*,
                                                         const Request*, Response*)>
                     on_call);
-  // Registers a method answered at once: the `caller`'s token is checked, then `handle`
+  // Registers a method answered at once: the call admitted (its `caller`'s token), then `handle`
   // translates the request, calls the registry and fills the response; the call is recorded
   // and finished with the status it returns.
   template <Caller caller, typename Request, typename Response>
@@ -101,8 +117,8 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   absl::Status OnReportStep(const v1::ReportStepRequest&, v1::ReportStepResponse*);
   absl::Status OnReportStepBatch(const v1::ReportStepBatchRequest&, v1::ReportStepBatchResponse*);
   // A new ReportSteps stream's reactor (one refusing it past the cap or while draining).
-  grpc::ServerBidiReactor<v1::ReportStepsRequest, v1::ReportStepsResponse>* OpenReportStream(
-      grpc::CallbackServerContext* context);
+  grpc::ServerBidiReactor<PendingRequest<v1::ReportStepsRequest>, v1::ReportStepsResponse>*
+  OpenReportStream(grpc::CallbackServerContext* context);
   void ForgetReportStream(ReportStream* stream);
   absl::Status OnUploadProfile(const v1::UploadProfileRequest&, v1::UploadProfileResponse*);
   absl::Status OnUpdateJobConfig(const v1::UpdateJobConfigRequest&, v1::UpdateJobConfigResponse*);
@@ -137,6 +153,7 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
 
   JobRegistry* const registry_;
   const Options options_;
+  ParseBudget parse_budget_{options_.max_request_memory_bytes};
   // Runs a handler's body; an exception that escapes it (std::bad_alloc above all) is logged
   // and finishes the call with RESOURCE_EXHAUSTED or INTERNAL instead of reaching gRPC.
   template <typename Body>

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -19,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/planner_client.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
@@ -30,6 +32,7 @@
 namespace sparsebalance {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -52,6 +55,7 @@ class PlannerServiceTest : public ::testing::Test {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(256 << 20);  // sb-planner's --max_message_bytes default
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
@@ -224,6 +228,97 @@ class PlannerServiceTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PlannerService::Stub> stub_;
 };
+
+// A request's bytes sent as they are (e.g. ones no client would make) to `method` of the
+// service; the call's status.
+grpc::Status RawCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                     const std::string& bytes, const std::string& token) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::Slice slice(bytes);
+  const grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::CompletionQueue queue;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call = stub.PrepareUnaryCall(
+      &context, "/sparsebalance.planner.v1.PlannerService/" + method, request, &queue);
+  call->StartCall();
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  EXPECT_TRUE(queue.Next(&tag, &ok));
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+// The most memory this process has held (VmHWM, bytes).
+int64_t PeakResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+// A request is parsed only once its caller may make it and the memory its parse takes fits:
+// gRPC parsed each request before the method ran, and one unauthenticated SubmitBatch of 40 MiB
+// of empty samples (two bytes each) took about 2 GB to parse, which killed a planner under its
+// pod's 2 GiB limit (or aborted it in gRPC on std::bad_alloc, where no handler could answer).
+// Now such a request is refused before its parse: for its token (or lack of one), and for its
+// size with the right token. Bytes that are not the method's message are INVALID_ARGUMENT
+// (gRPC answered them UNIMPLEMENTED, with no message, as if the planner lacked the method).
+TEST_F(PlannerServiceTest, ARequestIsParsedOnlyOnceItsCallerAndItsSizeAreAdmitted) {
+  PlannerServiceImpl::Options options;
+  options.max_request_memory_bytes = size_t{64} << 20;
+  Start(JobRegistry::Options{}, options);
+  const v1::CreateJobResponse job = Create(2);
+  const v1::CreateJobResponse other = Create(2);
+  // job_id, then 20 million empty samples (field 3, length 0): 40 MiB on the wire.
+  std::string hostile =
+      absl::StrCat("\x0a", std::string(1, static_cast<char>(job.job_id().size())), job.job_id());
+  hostile.reserve(hostile.size() + (size_t{40} << 20));
+  for (int i = 0; i < 20 << 20; ++i) hostile.append("\x1a\x00", 2);
+  const int64_t peak_before = PeakResidentBytes();
+  grpc::Status status = RawCall(channel_, "SubmitBatch", hostile, "");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+  status = RawCall(channel_, "SubmitBatch", hostile, other.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << status.error_message();
+  status = RawCall(channel_, "SubmitBatch", hostile, job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              AllOf(HasSubstr("SubmitBatch: this request would take about"),
+                    HasSubstr("once parsed"), HasSubstr("--max_request_memory_mb")));
+  // The three were never parsed: the peak grew by the wire bytes' copies, not by gigabytes.
+  const int64_t peak_after = PeakResidentBytes();
+  if (peak_before > 0 && peak_after > 0) {
+    EXPECT_LT(peak_after - peak_before, int64_t{600} << 20)
+        << "peak resident memory " << peak_before << " -> " << peak_after << " bytes";
+  }
+  // A batch that fits is planned; an unknown field's varints count as what they take parsed.
+  v1::SubmitBatchRequest batch = Batch(job.job_id(), 0, 8);
+  status = RawCall(channel_, "SubmitBatch", batch.SerializeAsString(), job.job_token());
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  std::string unknown = Batch(job.job_id(), 1, 8).SerializeAsString();
+  for (int i = 0; i < 4 << 20; ++i) unknown.append("\xf8\x07\x00", 3);  // field 127, varint 0
+  status = RawCall(channel_, "SubmitBatch", unknown, job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  // Bytes that are no SubmitBatchRequest: a length past the end.
+  status = RawCall(channel_, "SubmitBatch",
+                   "\x0a\x7f"
+                   "abc",
+                   job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("5 bytes are not a valid sparsebalance.planner.v1.SubmitBatchRequest"));
+  // Admin calls: the admin token first.
+  status = RawCall(channel_, "ListJobs", std::string("\x1a\x00", 2), "");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+}
 
 TEST_F(PlannerServiceTest, AStepEndToEnd) {
   const v1::CreateJobResponse job = Create(2);

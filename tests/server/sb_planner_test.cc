@@ -377,6 +377,25 @@ TEST(SbPlannerTest, PlanThreadsOutsideItsRangeIsAUsageError) {
   EXPECT_EQ(planner->Stop(), 0);
 }
 
+// Every numeric limit outside its range is a usage error naming the flag: --max_jobs=-1,
+// --max_world_size=0 and the like started a planner that reported healthy and refused every
+// call, --max_message_bytes=-1 lifted gRPC's size limit, --drain_seconds=nan drained for "nan s".
+TEST(SbPlannerTest, LimitsOutsideTheirRangeAreUsageErrors) {
+  const std::string state = StateDir();
+  for (const char* bad :
+       {"--max_jobs=-1 is outside [1, 1048576]", "--max_world_size=0 is outside [1, 1048576]",
+        "--max_samples=-5 is outside [1, 16777216]", "--max_waiting_calls=-1 is outside [0, ",
+        "--max_message_bytes=-1 is outside [1024, ", "--max_rank_series=-1 is outside [0, ",
+        "--max_request_memory_mb=0 is outside [1, 1048576]",
+        "--drain_seconds=nan is not a number of seconds", "--state_check_seconds=-1 is not"}) {
+    const std::string flag(bad, std::string(bad).find(' '));
+    const auto [code, output] = RunPlanner("--listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 " +
+                                           flag + " --state_dir=" + state);
+    EXPECT_EQ(code, 2) << flag << ": " << output;
+    EXPECT_NE(output.find(bad), std::string::npos) << output;
+  }
+}
+
 // Issue 11: NOT_SERVING during the drain was visible only on an already open Watch stream (the
 // port closed at once). Now health checks see it for --drain_notice_seconds first.
 TEST(SbPlannerTest, HealthChecksSeeNotServingDuringTheDrain) {
