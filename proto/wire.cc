@@ -9,6 +9,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
 #include "planner/planner.h"
@@ -752,6 +753,11 @@ bool HostNameChar(char c) {
   return absl::ascii_isalnum(c) || c == '.' || c == '-' || c == '_' || c == ':';
 }
 }  // namespace
+
+std::string Quoted(absl::string_view text) {
+  return absl::StrCat(absl::CEscape(text.substr(0, kMaxQuoted)),
+                      text.size() > kMaxQuoted ? "..." : "");
+}
 
 absl::Status ValidateHostName(const std::string& host, absl::string_view field) {
   if (static_cast<int>(host.size()) > kMaxHostName) {

@@ -35,6 +35,13 @@ struct WireLimits {
   int max_history_steps = 4096;
 };
 
+// A caller's string (a job id, an update_mask path) as an error message quotes it: C-escaped,
+// its first kMaxQuoted bytes and "..." after longer ones. Quoted whole, a 20 KB job id made the
+// answer's status larger than gRPC's 16 KiB metadata limit, and the caller got
+// RESOURCE_EXHAUSTED (which clients take for the planner being busy) instead of the error.
+inline constexpr size_t kMaxQuoted = 80;
+std::string Quoted(absl::string_view text);
+
 // Checks a worker's host name (JoinJobRequest.host, ClientOptions::host_name): empty, or at
 // most kMaxHostName characters of [A-Za-z0-9._:-]. INVALID_ARGUMENT naming `field`.
 inline constexpr int kMaxHostName = 253;

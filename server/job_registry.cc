@@ -75,7 +75,7 @@ double ExchangeBytesPerSecond(const LatencyModel& model) {
 namespace {
 
 absl::Status NotFound(const std::string& job_id) {
-  return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" does not exist"));
+  return absl::NotFoundError(absl::StrCat("job \"", Quoted(job_id), "\" does not exist"));
 }
 
 // Expired jobs remembered for their late callers' error message.
@@ -493,20 +493,22 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
 }
 
 absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string& token) const {
+  // No token: the same answer whether the job exists or not (NOT_FOUND for an absent job told
+  // a caller without any token which ids exist).
+  if (token.empty()) {
+    return absl::UnauthenticatedError(
+        "no job token: send the token CreateJob returned as \"authorization: Bearer <token>\"");
+  }
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) {
     absl::MutexLock lock(&mu_);
     if (expired_.count(job_id) > 0) {
       return absl::NotFoundError(absl::StrCat(
-          "job \"", job_id,
+          "job \"", Quoted(job_id),
           "\" was deleted: no call carried its token for the planner's --job_idle_ttl; create "
           "a new job"));
     }
     return NotFound(job_id);
-  }
-  if (token.empty()) {
-    return absl::UnauthenticatedError(
-        "no job token: send the token CreateJob returned as \"authorization: Bearer <token>\"");
   }
   if (!ConstantTimeEquals(token, job->token)) {
     return absl::PermissionDeniedError(absl::StrCat("the token is not job ", job_id, "'s"));
@@ -1123,7 +1125,7 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
       std::vector<std::string> changeable;
       for (const RuntimeSetting& s : kRuntimeSettings) changeable.emplace_back(s.name);
       return absl::InvalidArgumentError(absl::StrCat(
-          "update_mask: \"", field,
+          "update_mask: \"", Quoted(field),
           "\" cannot change at run time; changeable: ", absl::StrJoin(changeable, ", ")));
     }
     setting->copy(update, next);

@@ -302,7 +302,7 @@ absl::Status PlannerServiceImpl::AuthorizeAdminOrJob(grpc::CallbackServerContext
   if (token.empty()) {
     return absl::UnauthenticatedError(absl::StrCat(
         "no token: send \"authorization: Bearer <token>\" with the planner's admin token or job ",
-        job_id, "'s own token"));
+        Quoted(job_id), "'s own token"));
   }
   if (ConstantTimeEquals(token, options_.admin_token)) return absl::OkStatus();
   absl::Status own = registry_->Authorize(job_id, token);
@@ -901,9 +901,9 @@ absl::Status PlannerServiceImpl::OnReportStepBatch(const v1::ReportStepBatchRequ
   for (int k = 0; k < count; ++k) {
     const v1::ReportStepRequest& r = request.reports(k);
     if (!r.job_id().empty() && r.job_id() != request.job_id()) {
-      return absl::InvalidArgumentError(absl::StrCat("reports[", k, "].job_id: ", r.job_id(),
-                                                     " is not the call's job ", request.job_id(),
-                                                     " (leave it empty)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("reports[", k, "].job_id: ", Quoted(r.job_id()), " is not the call's job ",
+                       request.job_id(), " (leave it empty)"));
     }
     reports[k] = ReportFromProto(r);
   }

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -133,12 +134,17 @@ TEST(PlanStepTest, RandomCasesGiveValidPlansForEveryPolicy) {
       absl::StatusOr<StepPlan> plan = PlanStep(c.batch, c.config, model);
       if (!plan.ok()) {
         // Only bin packing can fail once the batch is valid: a sample (or group) for which no
-        // rank has room left, under kError.
-        ASSERT_EQ(c.config.overflow, OverflowPolicy::kError) << where << "\n" << plan.status();
+        // rank has room left, under kError; under kDefer only a group that fits no rank even
+        // empty (it fits no step).
         ASSERT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << where;
         ASSERT_THAT(std::string(plan.status().message()),
                     AllOf(HasSubstr("does not fit"), HasSubstr("micro_batch_capacity")))
             << where;
+        if (c.config.overflow != OverflowPolicy::kError) {
+          ASSERT_THAT(std::string(plan.status().message()),
+                      HasSubstr("does not fit any rank even with its"))
+              << where;
+        }
         ++unplaceable;
         continue;
       }
@@ -301,6 +307,8 @@ TEST(PlanStepTest, DeferReturnsTheLeftoverSamples) {
 
 TEST(PlanStepTest, DeferOverRandomOverfullBatches) {
   test_util::FailureBudget budget;
+  int planned = 0;
+  int refused = 0;
   for (uint64_t seed = 2000; seed < 2060; ++seed) {
     RandomCase c = MakeRandomCase(seed, 600);
     c.config.overflow = OverflowPolicy::kDefer;
@@ -319,7 +327,13 @@ TEST(PlanStepTest, DeferOverRandomOverfullBatches) {
     for (Policy policy : AllPolicies()) {
       c.config.policy = policy;
       absl::StatusOr<StepPlan> plan = PlanStep(c.batch, c.config, model);
+      if (!plan.ok() && absl::StrContains(plan.status().message(),
+                                          "does not fit any rank even with its")) {
+        ++refused;  // a group no rank holds even empty: refused under defer too
+        continue;
+      }
       ASSERT_TRUE(plan.ok()) << Describe(c) << "\n" << plan.status();
+      ++planned;
       budget.Run([&] { ExpectValidPlan(*plan, c.batch, c.config, Describe(c)); });
       int64_t deferred = 0;
       std::set<uint64_t> deferred_ids(plan->deferred_ids.begin(), plan->deferred_ids.end());
@@ -329,6 +343,7 @@ TEST(PlanStepTest, DeferOverRandomOverfullBatches) {
       EXPECT_GE(deferred, total - capacity) << Describe(c);
     }
   }
+  EXPECT_GT(planned, 4 * refused) << "most overfull batches plan (with deferrals)";
   budget.Summarize();
 }
 

@@ -320,6 +320,41 @@ TEST_F(PlannerServiceTest, ARequestIsParsedOnlyOnceItsCallerAndItsSizeAreAdmitte
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
 }
 
+// A caller's string is quoted in an error at most kMaxQuoted bytes long: a 20 KB job id quoted
+// whole made the status larger than gRPC's metadata limit, and the caller got
+// RESOURCE_EXHAUSTED (a busy planner, to the clients) instead of NOT_FOUND. A caller without a
+// token is told so whether the job exists or not.
+TEST_F(PlannerServiceTest, ErrorsQuoteLongCallerStringsCutAndNoTokenRevealsNoJob) {
+  const v1::CreateJobResponse job = Create(2);
+  v1::GetJobRequest request;
+  request.set_job_id(std::string(20000, 'a'));
+  v1::GetJobResponse response;
+  {
+    grpc::ClientContext context;
+    Auth(&context, job.job_token());
+    const grpc::Status status = stub_->GetJob(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
+    EXPECT_LT(status.error_message().size(), 200u);
+    EXPECT_THAT(status.error_message(), HasSubstr(std::string(kMaxQuoted, 'a') + "...\""));
+  }
+  for (const std::string& id : {job.job_id(), std::string("0123456789abcdef")}) {
+    request.set_job_id(id);
+    grpc::ClientContext context;
+    Auth(&context, "");
+    const grpc::Status status = stub_->GetJob(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << id;
+  }
+  v1::UpdateJobConfigRequest update;
+  update.set_job_id(job.job_id());
+  update.mutable_update_mask()->add_paths(std::string(20000, 'p'));
+  v1::UpdateJobConfigResponse updated;
+  grpc::ClientContext context;
+  Auth(&context, job.job_token());
+  const grpc::Status status = stub_->UpdateJobConfig(&context, update, &updated);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("update_mask: \"ppp"));
+}
+
 TEST_F(PlannerServiceTest, AStepEndToEnd) {
   const v1::CreateJobResponse job = Create(2);
   EXPECT_EQ(job.config().world_size(), 2);
