@@ -512,10 +512,11 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
 
 namespace {
 
-// The longest sample `s` may be: a document (no segments) up to `longest_document`.
+// The longest sample `s` may be: a document that may be split (Splittable: no segments, no
+// group) up to `longest_document`, any other sample one micro-batch.
 inline int64_t LongestAllowed(const Sample& s, const PlannerConfig& config,
                               int64_t longest_document) {
-  return s.segments.empty() ? longest_document : config.micro_batch_capacity;
+  return Splittable(s) ? longest_document : config.micro_batch_capacity;
 }
 
 // Whether CheckSampleFields passes sample `s` but for its segments: its length and sensitivity.
@@ -525,29 +526,36 @@ inline bool PlainFieldsOk(const Sample& s, const PlannerConfig& config, int64_t 
 }
 
 // ValidateBatch's checks of sample i's own fields (all but its id's uniqueness), each with its
-// message; the longest a document (no segments) may be is `longest_document`.
+// message; the longest a splittable document (Splittable) may be is `longest_document`.
 absl::Status CheckSampleFields(size_t i, const Sample& s, const PlannerConfig& config,
                                int64_t longest_document) {
   if (s.length < 1) {
     return SampleError(i, "length", absl::StrCat(s.length, " tokens; need at least 1"));
   }
-  // With context parallelism a document (no segments) may be up to max_shards capacities
-  // long: it is split over that many ranks (context_parallel.h).
+  // With context parallelism a document (no segments, no group) may be up to
+  // `longest_document` long: it is split over up to max_shards ranks (context_parallel.h).
   if (s.length > LongestAllowed(s, config, longest_document)) {
+    const int64_t capacity = config.micro_batch_capacity;
+    std::string limit;
+    std::string fix;
+    if (!s.segments.empty() && config.max_shards > 1) {
+      limit =
+          absl::StrCat("micro_batch_capacity ", capacity, " (a pre-packed sample is never split)");
+      fix = "raise the capacity, or pack fewer documents into it";
+    } else if (s.group != 0) {
+      limit = absl::StrCat("micro_batch_capacity ", capacity, " (a sample of group ", s.group,
+                           " trains on one rank and is never split over ranks)");
+      fix = "split the document, raise the capacity, or take it out of its group";
+    } else if (config.max_shards == 1) {
+      limit = absl::StrCat("micro_batch_capacity ", capacity);
+      fix = "split the document, raise the capacity, or set max_shards > 1 to split it over ranks";
+    } else {
+      limit =
+          absl::StrCat("max_shards x micro_batch_capacity = ", config.max_shards, " x ", capacity);
+      fix = "raise max_shards or the capacity, or split the document";
+    }
     return SampleError(
-        i, "length",
-        config.max_shards > 1
-            ? absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds ",
-                           s.segments.empty()
-                               ? absl::StrCat("max_shards x micro_batch_capacity = ",
-                                              config.max_shards, " x ", config.micro_batch_capacity)
-                               : absl::StrCat("micro_batch_capacity ", config.micro_batch_capacity,
-                                              " (a pre-packed sample is never split)"),
-                           "; raise max_shards or the capacity, or split the document")
-            : absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds micro_batch_capacity ",
-                           config.micro_batch_capacity,
-                           "; split the document, raise the capacity, or set max_shards > 1 "
-                           "to split it over ranks"));
+        i, "length", absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds ", limit, "; ", fix));
   }
   if (!(s.sensitivity >= 0.0 && s.sensitivity <= 1.0)) {
     return SampleError(i, "sensitivity", absl::StrCat(s.sensitivity, " is outside [0, 1]"));

@@ -123,6 +123,42 @@ TEST(ContextParallelTest, WithoutSplittingALongDocumentIsAnErrorThatSaysHowToSpl
   EXPECT_THAT(packed.status().message(), HasSubstr("never split"));
 }
 
+TEST(ContextParallelTest, AGroupsDocumentsAreNeverSplitAndOneAboveTheCapacityIsRefused) {
+  // Document 1 fits a micro-batch but costs more than the mean rank's share: ungrouped, the
+  // sparse policy splits it. In group 5 it must train whole, on the rank of its group.
+  for (ShardPolicy policy : {ShardPolicy::kSparse, ShardPolicy::kDense, ShardPolicy::kStatic}) {
+    SCOPED_TRACE(static_cast<int>(policy));
+    PlannerConfig c = CpConfig(4, 1, 4, Policy::kSparseBalance);
+    c.shard_policy = policy;
+    c.shard_min_length = 8192;
+    std::vector<Sample> batch = {{1, 30000, 0.0, 5, {}}, {2, 500, 0.0, 5, {}}};
+    for (uint64_t id = 10; id < 16; ++id) batch.push_back({id, 2000, 0.0, 0, {}});
+    const absl::StatusOr<StepPlan> plan = PlanStep(batch, c, MakeModel(c));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_TRUE(CheckPlan(*plan, batch, c).ok()) << CheckPlan(*plan, batch, c);
+    EXPECT_TRUE(ShardsOf(*plan, 1).empty());
+    // The same document out of any group is split: the check above is not vacuous.
+    batch[0].group = 0;
+    batch[1].group = 0;
+    const absl::StatusOr<StepPlan> ungrouped = PlanStep(batch, c, MakeModel(c));
+    ASSERT_TRUE(ungrouped.ok()) << ungrouped.status();
+    EXPECT_FALSE(ShardsOf(*ungrouped, 1).empty());
+  }
+  // A grouped document above the capacity could never be placed: refused up front, under
+  // either overflow policy, naming the sample and its group.
+  for (OverflowPolicy overflow : {OverflowPolicy::kError, OverflowPolicy::kDefer}) {
+    PlannerConfig c = CpConfig(4, 1, 4, Policy::kSparseBalance);
+    c.overflow = overflow;
+    const std::vector<Sample> batch = {{1, 500, 0.0, 0, {}},
+                                       {2, c.micro_batch_capacity + 1, 0.0, 7, {}}};
+    const absl::Status status = ValidateBatch(batch, c);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr("samples[1].length"));
+    EXPECT_THAT(status.message(), HasSubstr("group 7"));
+    EXPECT_EQ(PlanStep(batch, c, MakeModel(c)).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 TEST(ContextParallelTest, AMaximumGroupAboveTheWorldSizeIsAConfigError) {
   PlannerConfig c = CpConfig(4, 2, 5, Policy::kSparseBalance);
   const absl::Status status = ValidateConfig(c);
