@@ -88,6 +88,13 @@ inline bool Splittable(const Sample& sample) {
   return sample.segments.empty() && sample.group == 0;
 }
 
+// The longest document max_shards shards of at most `capacity` tokens can hold (tokens): every
+// cut falls on a block boundary, so each shard but the last holds at most whole blocks of the
+// capacity, floor(capacity / block_size) x block_size tokens.
+inline int64_t LongestSplittable(int max_shards, int64_t capacity, int block_size) {
+  return (max_shards - 1) * (capacity / block_size * block_size) + capacity;
+}
+
 }  // namespace sparsebalance
 
 #endif  // SPARSEBALANCE_PLANNER_CONTEXT_PARALLEL_H_
