@@ -40,6 +40,24 @@ double SecondsSince(SteadyClock::time_point start) {
   return std::chrono::duration<double>(SteadyClock::now() - start).count();
 }
 
+// FAILED_PRECONDITION naming the first shard in `plan` (BalancerOptions::runs_shards false);
+// OK when it holds none.
+absl::Status RefuseShards(const RankStepPlan& plan) {
+  for (const MicroBatchPlan& mb : plan.micro_batches) {
+    for (const PlannedSample& p : mb.samples) {
+      if (!p.sharded()) continue;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", plan.step, ": sample ", p.id, " is planned as shard ", p.shard_index, " of ",
+          p.shard_group.size(), " (tokens [", p.shard_begin, ", ", p.shard_end, ") of ", p.length,
+          "): the job's max_shards was raised above 1 (UpdateJobConfig) while this trainer runs "
+          "documents whole, so it would train the whole document on every rank of the shard's "
+          "group; set max_shards back to 1 with UpdateJobConfig (steps planned already keep "
+          "their shards), or train with sb-worker, which runs shards"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Steps are below 2^48 (the planner refuses others).
 constexpr int64_t kStepBound = int64_t{1} << 48;
 
@@ -467,6 +485,13 @@ absl::StatusOr<RankStepPlan> Balancer::Plan(int64_t step, const std::vector<Samp
   // A member's plan counts as prefetched when its leader's prefetch fetched it.
   prefetched = prefetched || own.prefetched;
   double wait_seconds = SecondsSince(start);
+  // A shard this trainer would run as its whole document is an input error of this rank: the
+  // collectives below make it every rank's, so that a rank whose own plan holds no shard does
+  // not go on alone. Local plans are left out: every rank makes its own below, with the config
+  // it joined with.
+  if (!s.options.runs_shards && own.plan.ok() && !own.plan->local_fallback) {
+    if (absl::Status whole = RefuseShards(*own.plan); !whole.ok()) own.plan = std::move(whole);
+  }
   // The one collective of the step: every rank runs one plan, the local one if any rank fell
   // back. A rank that failed (an error of the trainer's input: the planner's own errors are
   // fallbacks) counts as fallen back here; then a second collective, which every rank makes

@@ -46,6 +46,12 @@ struct BalancerOptions {
   // true (then every step runs on the local plan, with a warning).
   bool allow_offline_start = false;
   bool prefetch = true;  // plan step N+1 in the background while step N trains (see Prefetch)
+  // Whether the trainer runs shards of split documents (PlannedSample::sharded, context
+  // parallelism: sb-worker does). False for one that runs every document whole
+  // (sparsebalance.torch): there a shard, which plans hold once the job's max_shards is raised
+  // above 1 by UpdateJobConfig, would train its whole document on each rank of its group with
+  // the wrong loss weight. Plan then refuses such a step on every rank.
+  bool runs_shards = true;
   double warn_interval_seconds = 60;  // at most one fallback warning per this many seconds
   // Collectives over the trainer's ranks (torch.distributed in Python), called from the thread
   // that calls Start and Plan, never with a lock held; they may throw (the step is then not
@@ -112,7 +118,9 @@ class Balancer {
   // a message that names the leader; a leader that fell back has its members plan locally with
   // it. A rank's error is every rank's: when the first collective says a rank fell back or
   // failed, a second any_rank(failed) follows on every rank, and the ranks that did not fail
-  // return ABORTED pointing to the one that did (no rank runs the step).
+  // return ABORTED pointing to the one that did (no rank runs the step). Without
+  // options.runs_shards, a planner's plan holding a shard is such an error of its rank:
+  // FAILED_PRECONDITION naming the step and the sample.
   absl::StatusOr<RankStepPlan> Plan(int64_t step, const std::vector<Sample>& batch);
   // Queues this rank's timings of `step`; the background thread sends them in order (kept while
   // the planner is away, bounded by client.max_buffered_reports). Offline: not kept.

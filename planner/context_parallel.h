@@ -82,8 +82,18 @@ std::vector<int64_t> CostBalancedCuts(const LatencyModel& model, int64_t length,
 // Equal-token cuts at block boundaries (kStatic); empty as above.
 std::vector<int64_t> EqualTokenCuts(int64_t length, int block_size, int shards, int64_t capacity);
 
-// Whether a sample may be split: one document (no segments).
-inline bool Splittable(const Sample& sample) { return sample.segments.empty(); }
+// Whether a sample may be split: one document (no segments) in no group (a group's samples
+// train on one rank, so none of them is spread over several).
+inline bool Splittable(const Sample& sample) {
+  return sample.segments.empty() && sample.group == 0;
+}
+
+// The longest document max_shards shards of at most `capacity` tokens can hold (tokens): every
+// cut falls on a block boundary, so each shard but the last holds at most whole blocks of the
+// capacity, floor(capacity / block_size) x block_size tokens.
+inline int64_t LongestSplittable(int max_shards, int64_t capacity, int block_size) {
+  return (max_shards - 1) * (capacity / block_size * block_size) + capacity;
+}
 
 }  // namespace sparsebalance
 

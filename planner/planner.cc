@@ -512,10 +512,11 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const PlannerConfig
 
 namespace {
 
-// The longest sample `s` may be: a document (no segments) up to `longest_document`.
+// The longest sample `s` may be: a document that may be split (Splittable: no segments, no
+// group) up to `longest_document`, any other sample one micro-batch.
 inline int64_t LongestAllowed(const Sample& s, const PlannerConfig& config,
                               int64_t longest_document) {
-  return s.segments.empty() ? longest_document : config.micro_batch_capacity;
+  return Splittable(s) ? longest_document : config.micro_batch_capacity;
 }
 
 // Whether CheckSampleFields passes sample `s` but for its segments: its length and sensitivity.
@@ -525,29 +526,47 @@ inline bool PlainFieldsOk(const Sample& s, const PlannerConfig& config, int64_t 
 }
 
 // ValidateBatch's checks of sample i's own fields (all but its id's uniqueness), each with its
-// message; the longest a document (no segments) may be is `longest_document`.
+// message; the longest a splittable document (Splittable) may be is `longest_document`.
 absl::Status CheckSampleFields(size_t i, const Sample& s, const PlannerConfig& config,
                                int64_t longest_document) {
   if (s.length < 1) {
     return SampleError(i, "length", absl::StrCat(s.length, " tokens; need at least 1"));
   }
-  // With context parallelism a document (no segments) may be up to max_shards capacities
-  // long: it is split over that many ranks (context_parallel.h).
+  // With context parallelism a document (no segments, no group) may be up to
+  // `longest_document` long: it is split over up to max_shards ranks (context_parallel.h).
   if (s.length > LongestAllowed(s, config, longest_document)) {
+    const int64_t capacity = config.micro_batch_capacity;
+    std::string limit;
+    std::string fix;
+    if (!s.segments.empty() && config.max_shards > 1) {
+      limit =
+          absl::StrCat("micro_batch_capacity ", capacity, " (a pre-packed sample is never split)");
+      fix = "raise the capacity, or pack fewer documents into it";
+    } else if (s.group != 0) {
+      limit = absl::StrCat("micro_batch_capacity ", capacity, " (a sample of group ", s.group,
+                           " trains on one rank and is never split over ranks)");
+      fix = "split the document, raise the capacity, or take it out of its group";
+    } else if (config.max_shards == 1) {
+      limit = absl::StrCat("micro_batch_capacity ", capacity);
+      fix = "split the document, raise the capacity, or set max_shards > 1 to split it over ranks";
+    } else if (longest_document == config.max_shards * capacity) {
+      limit =
+          absl::StrCat("max_shards x micro_batch_capacity = ", config.max_shards, " x ", capacity);
+      fix = "raise max_shards or the capacity, or split the document";
+    } else {
+      // Cuts fall on block boundaries: with a capacity that is not a multiple of the block size
+      // every shard but the last holds less than the capacity.
+      const int64_t whole_blocks = capacity / config.shape.block_size * config.shape.block_size;
+      limit = absl::StrCat(longest_document, " tokens, the most max_shards ", config.max_shards,
+                           " shards of micro_batch_capacity ", capacity,
+                           " hold: shards are cut at block boundaries, so each but the last holds ",
+                           whole_blocks, " tokens (whole blocks of ", config.shape.block_size,
+                           "), (", config.max_shards, " - 1) x ", whole_blocks, " + ", capacity);
+      fix = absl::StrCat("raise max_shards, make the capacity a multiple of the block size ",
+                         config.shape.block_size, ", or split the document");
+    }
     return SampleError(
-        i, "length",
-        config.max_shards > 1
-            ? absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds ",
-                           s.segments.empty()
-                               ? absl::StrCat("max_shards x micro_batch_capacity = ",
-                                              config.max_shards, " x ", config.micro_batch_capacity)
-                               : absl::StrCat("micro_batch_capacity ", config.micro_batch_capacity,
-                                              " (a pre-packed sample is never split)"),
-                           "; raise max_shards or the capacity, or split the document")
-            : absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds micro_batch_capacity ",
-                           config.micro_batch_capacity,
-                           "; split the document, raise the capacity, or set max_shards > 1 "
-                           "to split it over ranks"));
+        i, "length", absl::StrCat(s.length, " tokens (id ", s.id, ") exceeds ", limit, "; ", fix));
   }
   if (!(s.sensitivity >= 0.0 && s.sensitivity <= 1.0)) {
     return SampleError(i, "sensitivity", absl::StrCat(s.sensitivity, " is outside [0, 1]"));
@@ -607,7 +626,10 @@ absl::Status ValidateBatch(const std::vector<Sample>& batch, const ValidConfig& 
   // and a valid config's capacity is at most kMaxMicroBatchCapacity (2^30) and max_shards at
   // most kMaxShards (2^6), so with at most 2^24 samples the total stays below 2^60: no
   // overflow. A document's rows stay below 2^36 / 64 = 2^30 (blocks of at least 64 tokens).
-  const int64_t longest_document = config.max_shards * config.micro_batch_capacity;
+  // The longest document max_shards block-aligned shards hold (at most max_shards x capacity):
+  // a longer one could never be placed, and under overflow=defer would wait for ever.
+  const int64_t longest_document =
+      LongestSplittable(config.max_shards, config.micro_batch_capacity, config.shape.block_size);
   // One pass in ranges (on the threads where given: 0.24 ms serial at 65,536 samples) checks
   // every sample's fields and whether the ids increase (a step's samples numbered as they are
   // drawn), which makes them distinct. Only a batch whose ids stop increasing before its first

@@ -100,7 +100,8 @@ struct PlannerConfig {
   double anchor_threshold = kDefaultAnchorThreshold;
   // Context parallelism: the most ranks one document may be split over, in
   // [1, min(ranks, kMaxShards)]; 1 turns splitting off (a document longer than the capacity is
-  // then an error). Only documents without segments are split.
+  // then an error). Only documents without segments and outside a group (Sample::group) are
+  // split.
   int max_shards = 1;
   ShardPolicy shard_policy = ShardPolicy::kSparse;
   // kStatic only: documents of at least this many tokens are split; 0 means half the

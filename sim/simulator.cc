@@ -18,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "contract/block_geometry.h"
 #include "contract/step_figures.h"
+#include "planner/context_parallel.h"
 #include "planner/det_math.h"
 #include "planner/latency_model.h"
 #include "planner/planner.h"
@@ -350,11 +351,12 @@ absl::StatusOr<SimReport> RunSimulation(const SimOptions& o) {
   for (int step = 0; step < o.steps; ++step) {
     std::vector<Sample> fresh = generator->NextBatch(budget);
     for (Sample& s : fresh) {
-      // Documents longer than the longest a row can train (max_shards micro-batches) are cut
-      // to it, as a real pipeline truncates them; rows without context parallelism cut them
-      // further to one micro-batch below.
-      if (s.length > o.max_shards * o.capacity) {
-        s.length = o.max_shards * o.capacity;
+      // Documents longer than the longest a row can train (max_shards block-aligned shards of
+      // a micro-batch) are cut to it, as a real pipeline truncates them; rows without context
+      // parallelism cut them further to one micro-batch below.
+      const int64_t longest = LongestSplittable(o.max_shards, o.capacity, o.shape.block_size);
+      if (s.length > longest) {
+        s.length = longest;
         s.segments.clear();
       }
       // The planner is told the sensitivity only as --sensitivity_prior says.

@@ -342,16 +342,16 @@ void SetScatterPlans(BalancerOptions& options, py::handle value) {
 void BindBalancer(py::module_& m) {
   Record<BalancerOptions>(m, "BalancerOptions", R"(How a Balancer starts (see Balancer.start).
 
-Fields: client (ClientOptions: target, timeouts, admin_token, and the job's token to resume),
-rank, world, job_id (resume/join this job; empty: rank 0 creates one from `config`), job_name,
-config (PlannerConfig of a new job, and of the local plans when offline),
-allow_offline_start, prefetch, warn_interval_seconds, and callables that C++ calls from the
-thread that calls start/plan/report (with the GIL): any_rank(bool) -> bool (True when any rank
-passed True: an all-reduce), share_job(JobHandle) -> JobHandle (rank 0's handle to every rank: a
-broadcast), warn(str) (default: one line on stderr), optionally gather_reports(bytes) ->
-list of bytes (a gather to a node's leader, which then sends the node's reports in one call),
-and optionally plan_group (this rank's group, leader first) with scatter_plans(list of bytes) ->
-bytes (a scatter from that leader, which fetches the group's plans in one call).
+Fields: client (ClientOptions: target, timeouts, admin_token, and the job's token to resume), rank,
+world, job_id (resume/join this job; empty: rank 0 creates one from `config`), job_name, config
+(PlannerConfig of a new job, and of the local plans when offline), allow_offline_start, prefetch,
+runs_shards, warn_interval_seconds, and callables that C++ calls from the thread that calls
+start/plan/report (with the GIL): any_rank(bool) -> bool (True when any rank passed True: an
+all-reduce), share_job(JobHandle) -> JobHandle (rank 0's handle to every rank: a broadcast),
+warn(str) (default: one line on stderr), optionally gather_reports(bytes) -> list of bytes (a
+gather to a node's leader, which then sends the node's reports in one call), and optionally
+plan_group (this rank's group, leader first) with scatter_plans(list of bytes) -> bytes (a scatter
+from that leader, which fetches the group's plans in one call).
 The collectives may be None for world 1.)")
       .Field("client", &BalancerOptions::client,
              "ClientOptions: target and timeouts (job_id and token are filled by start)")
@@ -366,6 +366,9 @@ The collectives may be None for world 1.)")
              "planner unreachable at start: train on local plans instead of raising")
       .Field("prefetch", &BalancerOptions::prefetch,
              "plan step N+1 in the background while step N trains")
+      .Field("runs_shards", &BalancerOptions::runs_shards,
+             "the trainer runs shards of split documents; False: plan() raises "
+             "FAILED_PRECONDITION on every rank for a step whose plan holds one")
       .Field("warn_interval_seconds", &BalancerOptions::warn_interval_seconds,
              "at most one fallback warning per this many seconds")
       .Field("any_rank", &BalancerOptions::any_rank,

@@ -6,6 +6,7 @@
 // at start, offline start, and Resume restoring carried samples.
 #include "client/balancer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -640,6 +641,71 @@ TEST_F(BalancerTest, RanksRunTheirOwnLocalPlanNotThePlannersCopyOfOne) {
     for (uint64_t id : Ids(*plans[r])) trained.insert(id);
   }
   for (const Sample& s : batch) EXPECT_EQ(trained.count(s.id), 1u) << s.id;
+}
+
+// A trainer that runs documents whole (sparsebalance.torch: runs_shards false) on a job whose
+// max_shards was raised to 2 by UpdateJobConfig after it joined: the planner's plans now hold
+// shards. Each rank of a shard's group trained the whole document with a loss weight of its whole
+// length; now the ranks holding a shard refuse the step, naming it and the sample, and the rank
+// holding none returns ABORTED rather than go on into the next step's collective alone.
+TEST_F(BalancerTest, ATrainerThatRunsDocumentsWholeRefusesAShardOnEveryRank) {
+  constexpr int kRanks = 3;
+  PlannerConfig joined = Config(kRanks);
+  joined.micro_batches = 1;
+  joined.micro_batch_capacity = 32768;
+  PlannerConfig raised = joined;
+  raised.max_shards = 2;
+  // Document 1 fits a micro-batch but costs more than a rank's share: split over two ranks.
+  std::vector<Sample> batch = {{1, 30000, 0.0, 0, {}}};
+  for (uint64_t id = 2; id < 10; ++id) batch.push_back({id, 2000, 0.0, 0, {}});
+  absl::StatusOr<StepPlan> theirs = PlanStepLocally(batch, raised);
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  std::vector<bool> holds_shard(kRanks, false);
+  for (int r = 0; r < kRanks; ++r) {
+    for (const MicroBatchPlan& mb : theirs->ranks[r].micro_batches) {
+      for (const PlannedSample& p : mb.samples) holds_shard[r] = holds_shard[r] || p.sharded();
+    }
+  }
+  // The case is real: some ranks hold a shard of document 1, one holds none.
+  ASSERT_EQ(std::count(holds_shard.begin(), holds_shard.end(), true), 2);
+  test_support::ScriptedPlanner scripted;
+  ScriptJob(&scripted, joined);
+  scripted.get_rank_plan = [&](const v1::GetRankPlanRequest& request,
+                               v1::GetRankPlanResponse* response) {
+    RankPlanToProto(*theirs, request.step(), request.rank(), response->mutable_plan());
+    response->mutable_plan()->set_planned_locally(false);
+    return grpc::Status::OK;
+  };
+  for (bool runs_shards : {false, true}) {
+    SCOPED_TRACE(runs_shards ? "runs shards" : "runs documents whole");
+    Ranks ranks(kRanks);
+    std::vector<absl::StatusOr<RankStepPlan>> plans(kRanks, absl::UnknownError("not run"));
+    OnRanks(kRanks, [&](int r) {
+      BalancerOptions options = Scripted(ranks.Options(r, Options(kRanks)), scripted);
+      options.runs_shards = runs_shards;
+      options.prefetch = false;
+      absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Start(options);
+      ASSERT_TRUE(b.ok()) << b.status();
+      plans[r] = (*b)->Plan(0, batch);
+    });
+    for (int r = 0; r < kRanks; ++r) {
+      SCOPED_TRACE(absl::StrCat("rank ", r));
+      if (runs_shards) {  // sb-worker: the shards are its to run
+        EXPECT_TRUE(plans[r].ok()) << plans[r].status();
+        continue;
+      }
+      const absl::Status status = plans[r].status();
+      if (!holds_shard[r]) {
+        EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << status;
+        continue;
+      }
+      EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+      EXPECT_NE(status.message().find("step 0: sample 1 "), std::string::npos) << status;
+      EXPECT_NE(status.message().find("max_shards was raised above 1"), std::string::npos)
+          << status;
+      EXPECT_NE(status.message().find("runs documents whole"), std::string::npos) << status;
+    }
+  }
 }
 
 // A plan group's leader that falls back (the planner stopped) has its members plan locally with

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/latency_model.h"
@@ -121,6 +122,76 @@ TEST(ContextParallelTest, WithoutSplittingALongDocumentIsAnErrorThatSaysHowToSpl
   const absl::StatusOr<StepPlan> packed = PlanStep(batch, c, MakeModel(c));
   EXPECT_EQ(packed.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(packed.status().message(), HasSubstr("never split"));
+}
+
+TEST(ContextParallelTest, AGroupsDocumentsAreNeverSplitAndOneAboveTheCapacityIsRefused) {
+  // Document 1 fits a micro-batch but costs more than the mean rank's share: ungrouped, the
+  // sparse policy splits it. In group 5 it must train whole, on the rank of its group.
+  for (ShardPolicy policy : {ShardPolicy::kSparse, ShardPolicy::kDense, ShardPolicy::kStatic}) {
+    SCOPED_TRACE(static_cast<int>(policy));
+    PlannerConfig c = CpConfig(4, 1, 4, Policy::kSparseBalance);
+    c.shard_policy = policy;
+    c.shard_min_length = 8192;
+    std::vector<Sample> batch = {{1, 30000, 0.0, 5, {}}, {2, 500, 0.0, 5, {}}};
+    for (uint64_t id = 10; id < 16; ++id) batch.push_back({id, 2000, 0.0, 0, {}});
+    const absl::StatusOr<StepPlan> plan = PlanStep(batch, c, MakeModel(c));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_TRUE(CheckPlan(*plan, batch, c).ok()) << CheckPlan(*plan, batch, c);
+    EXPECT_TRUE(ShardsOf(*plan, 1).empty());
+    // The same document out of any group is split: the check above is not vacuous.
+    batch[0].group = 0;
+    batch[1].group = 0;
+    const absl::StatusOr<StepPlan> ungrouped = PlanStep(batch, c, MakeModel(c));
+    ASSERT_TRUE(ungrouped.ok()) << ungrouped.status();
+    EXPECT_FALSE(ShardsOf(*ungrouped, 1).empty());
+  }
+  // A grouped document above the capacity could never be placed: refused up front, under
+  // either overflow policy, naming the sample and its group.
+  for (OverflowPolicy overflow : {OverflowPolicy::kError, OverflowPolicy::kDefer}) {
+    PlannerConfig c = CpConfig(4, 1, 4, Policy::kSparseBalance);
+    c.overflow = overflow;
+    const std::vector<Sample> batch = {{1, 500, 0.0, 0, {}},
+                                       {2, c.micro_batch_capacity + 1, 0.0, 7, {}}};
+    const absl::Status status = ValidateBatch(batch, c);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr("samples[1].length"));
+    EXPECT_THAT(status.message(), HasSubstr("group 7"));
+    EXPECT_EQ(PlanStep(batch, c, MakeModel(c)).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(ContextParallelTest, TheLongestDocumentAllowedIsWhatBlockAlignedShardsHold) {
+  // Capacity 100 with blocks of 64: a shard but the last ends on a block boundary, so it holds
+  // at most 64 tokens, and two shards hold 64 + 100 = 164 tokens, not 2 x 100.
+  EXPECT_EQ(LongestSplittable(2, 100, 64), 164);
+  EXPECT_EQ(LongestSplittable(4, 32768, 64), 4 * 32768);
+  EXPECT_EQ(LongestSplittable(3, 50, 64), 50);  // below a block: no cut fits
+  for (ShardPolicy policy : {ShardPolicy::kSparse, ShardPolicy::kStatic}) {
+    for (OverflowPolicy overflow : {OverflowPolicy::kError, OverflowPolicy::kDefer}) {
+      SCOPED_TRACE(absl::StrCat(static_cast<int>(policy), " ", static_cast<int>(overflow)));
+      PlannerConfig c = CpConfig(4, 2, 2, Policy::kSparseBalance);
+      c.micro_batch_capacity = 100;
+      c.shard_policy = policy;
+      c.overflow = overflow;
+      // The longest allowed is planned, in two shards.
+      std::vector<Sample> batch = {{1, 164, 0.0, 0, {}}, {2, 50, 0.0, 0, {}}};
+      const absl::StatusOr<StepPlan> plan = PlanStep(batch, c, MakeModel(c));
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      ASSERT_TRUE(CheckPlan(*plan, batch, c).ok()) << CheckPlan(*plan, batch, c);
+      EXPECT_EQ(ShardsOf(*plan, 1).size(), 2u);
+      EXPECT_TRUE(plan->deferred_ids.empty());
+      // One token more, up to 2 x capacity, fits no block-aligned split: refused, not deferred
+      // for ever.
+      for (int64_t length : {165, 200}) {
+        batch[0].length = length;
+        const absl::Status status = ValidateBatch(batch, c);
+        EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_THAT(status.message(), HasSubstr("samples[0].length"));
+        EXPECT_THAT(status.message(), HasSubstr("164 tokens"));
+        EXPECT_THAT(status.message(), HasSubstr("block boundaries"));
+      }
+    }
+  }
 }
 
 TEST(ContextParallelTest, AMaximumGroupAboveTheWorldSizeIsAConfigError) {

@@ -202,7 +202,10 @@ RandomCase LargeCase(uint64_t seed) {
     s.length = std::min(s.length, longest);
     if (config.max_shards == 1) s.length = std::min(s.length, config.micro_batch_capacity);
     s.sensitivity = static_cast<double>((i * 7919 + seed) % 101) / 100.0;
-    if (i % 13 == 5) s.group = 1 + i % 97;
+    if (i % 13 == 5) {
+      s.group = 1 + i % 97;
+      s.length = std::min(s.length, config.micro_batch_capacity);  // a group's are never split
+    }
     if (i % 11 == 3 && s.length >= 2 && s.length <= config.micro_batch_capacity) {
       s.segments = {s.length / 2, s.length - s.length / 2};
     }

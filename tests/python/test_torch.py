@@ -435,3 +435,70 @@ def test_the_jobs_selection_mode_reaches_the_kernel_plan(planner):
     assert default.config.selection == sb.SelectionMode.TOPK
     step = next(iter(default.batches(Tokens(), steps=1)))
     assert all(mb.attention.selection_mode == "topk" for mb in step)
+
+
+SHARD_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import grpc
+    import torch, torch.distributed as dist
+    import sparsebalance as sb
+    import sparsebalance.torch as sbt
+
+    def raise_max_shards(address, job, token, max_shards):
+        # UpdateJobConfig(job_id, config.max_shards, update_mask ["max_shards"]) with the job
+        # token, encoded by hand: the package ships no Python protobuf stubs.
+        def field(number, payload):  # length-delimited, payload below 128 bytes
+            return bytes([number << 3 | 2, len(payload)]) + payload
+        config = b"\\x88\\x01" + bytes([max_shards])  # JobConfig.max_shards (17), a varint
+        request = field(1, job.encode()) + field(2, config) + field(3, field(1, b"max_shards"))
+        with grpc.insecure_channel(address) as channel:
+            update = channel.unary_unary(
+                "/sparsebalance.planner.v1.PlannerService/UpdateJobConfig")
+            update(request, metadata=[("authorization", f"Bearer {token}")], timeout=10)
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # Each step holds about one 30,000-token document among short ones: it fits a micro-batch
+    # but costs more than a rank's share, so with max_shards 2 it is split over two ranks.
+    lengths = [30000] + [2000] * 8
+    balancer = sbt.Balancer(sys.argv[1], lengths * 4, capacity=32768, micro_batches=1,
+                            layers=1, heads=2, head_dim=64, tokens_per_step=46000,
+                            prefetch=False, measure_recall=False)
+    out = {"trained": [], "sharded": [], "error": None}
+    try:
+        for step in balancer.batches(None, steps=4):
+            out["trained"].append(step.step)
+            for mb in step:
+                out["sharded"] += [s.id for s in mb.samples if s.sharded()]
+                with balancer.timed(mb):
+                    pass
+            if step.step == 0:
+                dist.barrier()
+                if rank == 0:  # raised at run time, after the check at start
+                    raise_max_shards(sys.argv[1], balancer.job.job_id, balancer.job.token, 2)
+                dist.barrier()
+    except sb.PlannerError as e:
+        out["error"] = {"code": str(e.code.value), "message": e.message}
+    print(json.dumps(out))
+    dist.destroy_process_group()
+    """)
+
+
+def test_a_shard_in_a_plan_is_an_error_on_every_rank(planner, tmp_path):
+    # max_shards raised with UpdateJobConfig after start: plans hold shards of split documents,
+    # which this trainer ran as the whole document on each rank of the shard's group (trained
+    # twice, weighted by its whole length). Every rank raises at the same step instead: the
+    # ranks holding a shard name it, the others are aborted rather than wait in a collective.
+    results = _run_ranks(SHARD_SCRIPT, 3, planner, tmp_path)
+    for r in results:
+        assert r["error"] is not None, r
+        assert r["sharded"] == [], r  # no rank trained a shard
+        assert r["trained"] == results[0]["trained"] and 0 in r["trained"], r
+    codes = sorted(r["error"]["code"] for r in results)
+    assert "FAILED_PRECONDITION" in codes and set(codes) <= {"FAILED_PRECONDITION", "ABORTED"}
+    for r in results:
+        if r["error"]["code"] == "FAILED_PRECONDITION":
+            message = r["error"]["message"]
+            assert f"step {len(r['trained'])}: sample " in message, message
+            assert "max_shards was raised above 1" in message, message
+            assert "runs documents whole" in message, message

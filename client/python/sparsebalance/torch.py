@@ -301,6 +301,10 @@ class Balancer:
         overflow defaults to "defer" here: documents that do not fit a step are trained first
         in the next one (never dropped).
         ``ranks`` is the world size. A resumed job (``job=``) uses the job's own config.
+        max_shards must be 1: documents run whole here (ValueError otherwise), and a step
+        whose plan holds a shard, once the job's max_shards is raised with UpdateJobConfig,
+        raises PlannerError on every rank (FAILED_PRECONDITION on the ranks holding one,
+        ABORTED on the others).
       job, token: resume this existing job instead of creating one (rank 0 creates otherwise).
       admin_token: the planner's admin token for creating the job, when it has one.
       allow_offline_start: an unreachable planner at start is an error unless this is True.
@@ -360,6 +364,9 @@ class Balancer:
             rank=self.rank, world=self.world, job_id=job or "",
             job_name=name or f"torch-{os.getpid()}", config=config,
             allow_offline_start=allow_offline_start or not planner, prefetch=prefetch,
+            # Documents run whole here: a shard in a plan (max_shards raised by UpdateJobConfig
+            # after the check below) is an error on every rank, not a document trained twice.
+            runs_shards=False,
             any_rank=self._any_rank, share_job=self._share_job,
             warn=self._warn)
         if (node_reports or node_plans) and self.world > 1:
