@@ -33,7 +33,9 @@ struct BatchSpec {
 uint64_t LongDocumentId(int64_t step);
 
 // The batch of `step`: documents drawn from the trace seeded by (seed, step) until the next
-// would pass the budget. Ids are unique across steps (step * 10^6 + draw index).
+// would pass the budget; documents longer than the whole budget that come before the first
+// one that fits are skipped. Ids are unique across steps (step * 10^6 + draw index).
+// INVALID_ARGUMENT when no document of the length range fits the budget.
 absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t step);
 
 // FNV-1a over the micro-batches' planned samples (id, length, segments, density), as 16 hex
