@@ -1,5 +1,6 @@
 #include "worker/step_inputs.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -55,6 +56,22 @@ absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t 
         " in range were longer); raise the budget (sb-worker --fill) or widen the range"));
   }
   return batch;
+}
+
+absl::StatusOr<int64_t> StepTokenBudget(double fill, int ranks, int micro_batches,
+                                        int64_t capacity) {
+  if (!(std::isfinite(fill) && fill > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fill: ", fill, " must be a positive finite share of the capacity"));
+  }
+  const double tokens = fill * ranks * micro_batches * static_cast<double>(capacity);
+  // Checked in double: a product beyond int64 would make the cast undefined.
+  if (!(tokens >= 1 && tokens < 0x1p63)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fill: ", fill, " x ", ranks, " ranks x ", micro_batches, " micro-batches x ",
+                     capacity, " tokens = ", tokens, " is no step budget in [1, 2^63) tokens"));
+  }
+  return static_cast<int64_t>(tokens);
 }
 
 uint64_t LongDocumentId(int64_t step) { return static_cast<uint64_t>(step) * 1000000 + 999999; }

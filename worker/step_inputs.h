@@ -29,6 +29,12 @@ struct BatchSpec {
   int64_t long_document = 0;
 };
 
+// Tokens per step, the budget of BatchForStep: `fill` x ranks x micro-batches x capacity
+// (tokens), rounded down. INVALID_ARGUMENT naming fill when it is not a positive finite
+// number or the product is no token count in [1, 2^63).
+absl::StatusOr<int64_t> StepTokenBudget(double fill, int ranks, int micro_batches,
+                                        int64_t capacity);
+
 // The id of a step's long document (BatchSpec::long_document): step * 10^6 + 999999.
 uint64_t LongDocumentId(int64_t step);
 

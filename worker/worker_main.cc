@@ -244,9 +244,10 @@ int Main(int argc, char** argv) {
   spec.min_length = std::min<int64_t>(absl::GetFlag(FLAGS_min_length), spec.max_length);
   spec.long_document = absl::GetFlag(FLAGS_long_document);
   if (spec.long_document < 0) tools::UsageError("--long_document must be >= 0 tokens");
-  spec.token_budget =
-      static_cast<int64_t>(absl::GetFlag(FLAGS_fill) * config.ranks * config.micro_batches *
-                           static_cast<double>(config.micro_batch_capacity));
+  absl::StatusOr<int64_t> budget = StepTokenBudget(
+      absl::GetFlag(FLAGS_fill), config.ranks, config.micro_batches, config.micro_batch_capacity);
+  if (!budget.ok()) tools::UsageError(absl::StrCat("--", budget.status().message()));
+  spec.token_budget = *budget;
   std::ofstream out;
   if (!absl::GetFlag(FLAGS_out).empty()) {
     out.open(absl::GetFlag(FLAGS_out), std::ios::app);

@@ -6,6 +6,7 @@
 #include "worker/step_inputs.h"
 
 #include <cstdint>
+#include <limits>
 #include <set>
 #include <utility>
 #include <vector>
@@ -146,6 +147,21 @@ TEST(StepInputsTest, ABudgetNoDocumentFitsIsRefusedSayingSo) {
   ASSERT_TRUE(batch.ok()) << batch.status();
   ASSERT_EQ(batch->size(), 1u);
   EXPECT_EQ((*batch)[0].id, LongDocumentId(0));
+}
+
+TEST(StepInputsTest, TheStepBudgetIsFillTimesTheCapacityAndRefusesWhatIsNoTokenCount) {
+  absl::StatusOr<int64_t> budget = StepTokenBudget(0.6, 2, 2, 4096);
+  ASSERT_TRUE(budget.ok()) << budget.status();
+  EXPECT_EQ(*budget, 9830);  // 0.6 x 16384, rounded down
+  // 1e300 x 16384 tokens used to be cast to int64 (undefined); NaN, inf, <= 0 and a product
+  // below one token are no budget either.
+  for (double fill : {1e300, 1e15, std::numeric_limits<double>::infinity(),
+                      std::numeric_limits<double>::quiet_NaN(), 0.0, -0.5, 1e-9}) {
+    SCOPED_TRACE(fill);
+    absl::Status status = StepTokenBudget(fill, 2, 2, 4096).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(status.message().rfind("fill: ", 0), 0u) << status;
+  }
 }
 
 MicroBatchPlan PackedMicroBatch() {
