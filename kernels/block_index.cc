@@ -49,6 +49,14 @@ absl::Status ValidateHeads(int heads) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateThreads(int threads) {
+  if (threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("threads=", threads, " must be non-negative (0: all cores)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckSize(absl::string_view name, size_t size, size_t expected) {
   if (size != expected) {
     return absl::InvalidArgumentError(
