@@ -24,6 +24,7 @@ absl::Status ValidateArguments(const BlockIndex& index, int head_dim,
                                size_t lse_size) {
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
   if (absl::Status s = ValidateBlockIndex(index); !s.ok()) return s;
+  if (absl::Status s = ValidateThreads(options.threads); !s.ok()) return s;
   if (!(options.softmax_scale >= 0.0f) || !std::isfinite(options.softmax_scale)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "softmax_scale=", options.softmax_scale, " must be positive (or 0 for 1/sqrt(head_dim))"));
@@ -44,12 +45,16 @@ void RunHeads(const BlockIndex& index, int head_dim, const AttentionOptions& opt
   for (int s = 0; s < index.sequences(); ++s) order[s] = s;
   std::stable_sort(order.begin(), order.end(),
                    [&](int a, int b) { return index.length(a) > index.length(b); });
-  const int workers = ResolveThreads(options.threads);
+  // One workspace per worker that can run: never more workers than tasks (threads may be
+  // any int, and each workspace is an object).
+  const int64_t tasks = int64_t{index.sequences()} * heads;
+  const int workers = static_cast<int>(
+      std::min<int64_t>(ResolveThreads(options.threads), std::max<int64_t>(tasks, 1)));
   std::vector<TileWorkspace> workspaces(workers);
   const float scale = options.softmax_scale > 0.0f ? options.softmax_scale
                                                    : 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t stride = int64_t{heads} * head_dim;
-  ParallelFor(int64_t{index.sequences()} * heads, workers, [&](int worker, int64_t id) {
+  ParallelFor(tasks, workers, [&](int worker, int64_t id) {
     const int s = order[id / heads];
     const int h = static_cast<int>(id % heads);
     const int64_t row0 = index.RowId(s, h, 0);

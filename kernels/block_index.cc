@@ -49,6 +49,14 @@ absl::Status ValidateHeads(int heads) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateThreads(int threads) {
+  if (threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("threads=", threads, " must be non-negative (0: all cores)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckSize(absl::string_view name, size_t size, size_t expected) {
   if (size != expected) {
     return absl::InvalidArgumentError(
@@ -197,6 +205,13 @@ absl::Status ValidateBlockIndex(const BlockIndex& index) {
         if (index.row_ptr[r + 1] < index.row_ptr[r]) {
           return absl::InvalidArgumentError(
               absl::StrCat("index.row_ptr[", r + 1, "] is below index.row_ptr[", r, "]"));
+        }
+        // Only the ends of row_ptr are checked above: a row in between must stay inside the
+        // entries before it is walked.
+        if (index.row_ptr[r] < 0 || index.row_ptr[r + 1] > static_cast<int64_t>(entries)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "index.row_ptr[", r, "..", r + 1, "]=[", index.row_ptr[r], ", ", index.row_ptr[r + 1],
+              ") is outside the ", entries, " entries of index.col_idx"));
         }
         int32_t previous = -1;
         for (int64_t e = index.row_ptr[r]; e < index.row_ptr[r + 1]; ++e) {

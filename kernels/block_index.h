@@ -76,6 +76,8 @@ absl::Status ValidateCuSeqlens(absl::Span<const int32_t> cu_seqlens);
 absl::Status ValidateBlockSize(int block_size);
 absl::Status ValidateHeadDim(int head_dim);
 absl::Status ValidateHeads(int heads);
+// CPU threads: non-negative, 0 meaning every hardware thread.
+absl::Status ValidateThreads(int threads);
 // `name` has `size` elements where `expected` are needed.
 absl::Status CheckSize(absl::string_view name, size_t size, size_t expected);
 

@@ -46,6 +46,7 @@ absl::Status ValidateSelectionInputs(absl::Span<const int32_t> cu_seqlens, int h
   if (absl::Status s = ValidateHeads(heads); !s.ok()) return s;
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
   if (absl::Status s = ValidateBlockSize(options.block_size); !s.ok()) return s;
+  if (absl::Status s = ValidateThreads(options.threads); !s.ok()) return s;
   if (options.local_blocks < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("local_blocks=", options.local_blocks, " must be non-negative"));
@@ -226,6 +227,7 @@ absl::StatusOr<std::vector<float>> ExactRecall(const BlockIndex& index, int head
                                                float softmax_scale, int threads) {
   if (absl::Status s = ValidateBlockIndex(index); !s.ok()) return s;
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
+  if (absl::Status s = ValidateThreads(threads); !s.ok()) return s;
   const int heads = index.heads;
   const size_t elements = static_cast<size_t>(index.total_tokens()) * heads * head_dim;
   if (absl::Status s = CheckSize("q", q.size(), elements); !s.ok()) return s;

@@ -57,10 +57,7 @@ absl::Status ValidateProfileOptions(const ProfileOptions& o) {
   if (o.repeats < 1) {
     return absl::InvalidArgumentError(absl::StrCat("repeats=", o.repeats, " must be at least 1"));
   }
-  if (o.threads < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("threads=", o.threads, " must be non-negative (0: all cores)"));
-  }
+  if (absl::Status s = ValidateThreads(o.threads); !s.ok()) return s;
   if (o.lengths.empty() || o.densities.empty()) {
     return absl::InvalidArgumentError("lengths and densities each need at least one value");
   }

@@ -507,10 +507,7 @@ absl::StatusOr<std::unique_ptr<LayerRunner>> LayerRunner::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("local_blocks=", shape.local_blocks, " must be non-negative"));
   }
-  if (options.threads < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("threads=", options.threads, " must be non-negative (0: all cores)"));
-  }
+  if (absl::Status s = ValidateThreads(options.threads); !s.ok()) return s;
   if (options.device == "cpu") {
     return std::unique_ptr<LayerRunner>(new CpuLayerRunner(shape, options.threads));
   }

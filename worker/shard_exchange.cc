@@ -7,9 +7,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <iostream>
+#include <new>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -38,8 +41,9 @@ struct FrameHeader {
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 48, "the frame header is 48 bytes");
 
-// Frames beyond this are refused (a corrupt header must not allocate the world).
-constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 34;
+// A payload is read in pieces of at most this many bytes (1 MiB), so memory grows with the bytes
+// that actually arrive, not with what a header claims.
+constexpr uint64_t kReadPieceBytes = uint64_t{1} << 20;
 
 bool SendAll(int fd, const char* data, size_t size) {
   size_t done = 0;
@@ -61,6 +65,30 @@ bool RecvAll(int fd, char* data, size_t size) {
     done += static_cast<size_t>(n);
   }
   return true;
+}
+
+// Why a frame header is refused, or empty when a peer of the job may send it. `from`: the rank
+// the connection's earlier frames came from (-1: none yet).
+std::string RefuseHeader(const FrameHeader& h, int from, int rank, const ShardExchangeOptions& o) {
+  if (h.magic != kMagic) {
+    return absl::StrCat("its frame header's magic ", h.magic, " is not \"SBX1\"");
+  }
+  if (h.from < 0 || h.from >= o.world_size || h.from == rank) {
+    return absl::StrCat("its frame header names rank ", h.from, ", no other rank of a job of ",
+                        o.world_size);
+  }
+  if (from >= 0 && h.from != from) {
+    return absl::StrCat("its frame header names rank ", h.from, " on a connection of rank ", from);
+  }
+  if (h.kind < static_cast<int32_t>(ExchangeKind::kPooledKeys) ||
+      h.kind > static_cast<int32_t>(ExchangeKind::kGradients)) {
+    return absl::StrCat("its frame header's kind ", h.kind, " is no message kind (1 to 4)");
+  }
+  if (h.bytes > o.max_payload_bytes) {
+    return absl::StrCat("its frame header announces ", h.bytes, " payload bytes, more than the ",
+                        o.max_payload_bytes, " the job's shapes allow");
+  }
+  return "";
 }
 
 }  // namespace
@@ -90,6 +118,14 @@ absl::StatusOr<std::unique_ptr<ShardExchange>> ShardExchange::Start(
   if (!(options.timeout_seconds > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout_seconds: ", options.timeout_seconds, " must be positive"));
+  }
+  if (options.world_size <= rank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size: ", options.world_size, " must exceed the rank ", rank));
+  }
+  if (options.max_payload_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "max_payload_bytes: 0; set it from the job's shapes (MaxShardPayloadBytes)");
   }
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError("shard exchange: socket() failed");
@@ -134,8 +170,7 @@ ShardExchange::~ShardExchange() {
   for (std::thread& t : readers_) {
     if (t.joinable()) t.join();
   }
-  close(listen_fd_);
-  for (int fd : in_fds_) close(fd);
+  close(listen_fd_);  // each reader closed its own connection
   for (const auto& [peer, fd] : out_fds_) close(fd);
 }
 
@@ -160,15 +195,29 @@ void ShardExchange::AcceptLoop() {
 
 void ShardExchange::ReadLoop(int fd) {
   int from = -1;
+  std::string refused;
   while (true) {
     FrameHeader h;
-    if (!RecvAll(fd, reinterpret_cast<char*>(&h), sizeof h) || h.magic != kMagic ||
-        h.bytes > kMaxFrameBytes || h.from < 0 || (from >= 0 && h.from != from)) {
+    if (!RecvAll(fd, reinterpret_cast<char*>(&h), sizeof h)) break;
+    refused = RefuseHeader(h, from, rank_, options_);
+    if (!refused.empty()) break;
+    from = h.from;
+    std::string payload;
+    bool complete = true;
+    try {
+      payload.reserve(std::min(h.bytes, kReadPieceBytes));
+      while (complete && payload.size() < h.bytes) {
+        const size_t at = payload.size();
+        const size_t piece = std::min(h.bytes - at, kReadPieceBytes);
+        payload.resize(at + piece);
+        complete = RecvAll(fd, payload.data() + at, piece);
+      }
+    } catch (const std::bad_alloc&) {
+      // A frame the shapes allow but memory does not: this connection ends, not the worker.
+      refused = absl::StrCat("no memory for its frame of ", h.bytes, " payload bytes");
       break;
     }
-    from = h.from;
-    std::string payload(h.bytes, '\0');
-    if (!RecvAll(fd, payload.data(), payload.size())) break;
+    if (!complete) break;  // the connection closed mid-frame
     bytes_received_ += static_cast<int64_t>(sizeof h + h.bytes);
     ExchangeKey key;
     key.step = h.step;
@@ -183,7 +232,16 @@ void ShardExchange::ReadLoop(int fd) {
     }
     arrived_.notify_all();
   }
+  if (!refused.empty()) {
+    ++refused_connections_;
+    std::cerr << "shard exchange: rank " << rank_ << " dropped an incoming connection"
+              << (from >= 0 ? absl::StrCat(" of rank ", from) : std::string()) << ": " << refused
+              << " (a stray or hostile local process?)" << std::endl;
+  }
   std::lock_guard<std::mutex> lock(mu_);
+  // Closed here, not at destruction, so connections that come and go hold no descriptors.
+  in_fds_.erase(fd);
+  close(fd);
   if (from >= 0) closed_peers_.insert(from);
   arrived_.notify_all();
 }

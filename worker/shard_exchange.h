@@ -13,8 +13,14 @@
 // and messages of different steps, micro-batches, samples, layers and kinds never mix.
 // Receive waits for one message at most the exchange's timeout, then DEADLINE_EXCEEDED naming
 // the peer, the kind and the key (a peer that never arrives fails, never hangs).
+// The port takes any local connection: a frame whose header names no other rank of the job, no
+// known kind or more payload than the job's shapes allow is refused, its connection dropped
+// with a line on stderr, and the exchange goes on serving its peers.
 //
-//   auto ex = ShardExchange::Start(rank, hub->address());
+//   ShardExchangeOptions options;
+//   options.world_size = ranks;
+//   options.max_payload_bytes = MaxShardPayloadBytes(longest_document, heads, head_dim);
+//   auto ex = ShardExchange::Start(rank, hub->address(), options);
 //   ExchangeKey key{step, micro_batch, sample_id, layer, ExchangeKind::kPooledKeys};
 //   (*ex)->Send(peer, key, bytes);
 //   absl::StatusOr<std::string> got = (*ex)->Receive(peer, key);
@@ -65,6 +71,12 @@ struct ExchangeKey {
 struct ShardExchangeOptions {
   // Longest wait for one message (and for a peer's address at the hub), seconds.
   double timeout_seconds = 120.0;
+  // Ranks of the job (> this rank): frames claiming to come from a rank outside it are refused.
+  int world_size = 0;
+  // Largest payload a peer may send in one frame, bytes (> 0): the job's shapes bound it
+  // (worker/shard_layer.h: MaxShardPayloadBytes); a larger header is refused before anything
+  // is allocated for it.
+  uint64_t max_payload_bytes = 0;
 };
 
 class ShardExchange {
@@ -89,6 +101,8 @@ class ShardExchange {
 
   int64_t bytes_sent() const { return bytes_sent_.load(); }
   int64_t bytes_received() const { return bytes_received_.load(); }
+  // Incoming connections dropped for a frame header no peer of the job sends.
+  int64_t refused_connections() const { return refused_connections_.load(); }
 
  private:
   ShardExchange(int rank, std::string hub_address, const ShardExchangeOptions& options,
@@ -105,6 +119,7 @@ class ShardExchange {
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> bytes_sent_{0};
   std::atomic<int64_t> bytes_received_{0};
+  std::atomic<int64_t> refused_connections_{0};
 
   std::mutex send_mu_;
   std::map<int, int> out_fds_;  // peer -> connected socket

@@ -61,6 +61,20 @@ double ThreadCpuSeconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
+uint64_t MaxShardPayloadBytes(int64_t max_document_tokens, int heads, int head_dim) {
+  const uint64_t tokens = static_cast<uint64_t>(std::max<int64_t>(max_document_tokens, 0));
+  const uint64_t stride =
+      static_cast<uint64_t>(std::max(heads, 0)) * static_cast<uint64_t>(std::max(head_dim, 0));
+  uint64_t bytes = 0;
+  // Saturates rather than wraps: a bound too large refuses nothing a peer sends.
+  if (__builtin_mul_overflow(tokens, stride, &bytes) ||
+      __builtin_mul_overflow(bytes, 2 * sizeof(float), &bytes) ||
+      __builtin_add_overflow(bytes, 2 * sizeof(int32_t), &bytes)) {
+    return std::numeric_limits<uint64_t>::max();
+  }
+  return bytes;
+}
+
 absl::StatusOr<ShardLayerResult> RunShardLayer(ShardExchange& exchange, const ShardLayerInput& in) {
   const int shards = static_cast<int>(in.group.size());
   const int j = in.shard_index;

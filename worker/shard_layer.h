@@ -61,6 +61,13 @@ struct ShardLayerResult {
 
 absl::StatusOr<ShardLayerResult> RunShardLayer(ShardExchange& exchange, const ShardLayerInput& in);
 
+// The largest payload RunShardLayer sends for documents of at most `max_document_tokens`
+// tokens of `heads` x `head_dim`, bytes: the fp32 keys and values (or their gradients) of a
+// whole earlier chunk, 2 x tokens x heads x head_dim x 4, plus the 8 bytes of a token range
+// (the other kinds are smaller). A job's exchange refuses frames beyond it
+// (ShardExchangeOptions::max_payload_bytes).
+uint64_t MaxShardPayloadBytes(int64_t max_document_tokens, int heads, int head_dim);
+
 // The calling thread's CPU time, seconds.
 double ThreadCpuSeconds();
 

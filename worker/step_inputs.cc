@@ -1,5 +1,6 @@
 #include "worker/step_inputs.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -26,19 +27,51 @@ absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t 
     batch.push_back(s);
     total = s.length;
   }
-  for (int draws = 0; draws < 999999; ++draws) {
+  if (batch.empty() && spec.token_budget < spec.min_length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch: token_budget ", spec.token_budget, " is below min_length ", spec.min_length,
+        ": no document can fit; raise the budget (sb-worker --fill) or lower min_length"));
+  }
+  constexpr int kMaxDraws = 999999;  // draw indices stay below the 10^6 of an id's step
+  int64_t skipped = 0;               // in-range documents passed over the budget
+  for (int draws = 0; draws < kMaxDraws; ++draws) {
     Sample s = gen->Next();
     if (s.length > spec.max_length || s.length < spec.min_length) continue;
-    if (total + s.length > spec.token_budget) break;
+    if (total + s.length > spec.token_budget) {
+      // The batch ends at the first document that does not fit, once it holds one; before
+      // that a document longer than the whole budget is passed over, not the end.
+      if (!batch.empty()) break;
+      ++skipped;
+      continue;
+    }
     total += s.length;
     s.id = static_cast<uint64_t>(step) * 1000000 + static_cast<uint64_t>(draws);
     batch.push_back(std::move(s));
   }
   if (batch.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("batch: no document of trace ", spec.trace, " fits the budget"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch: none of ", kMaxDraws, " documents drawn from trace ", spec.trace,
+        " has a length in [", spec.min_length, ", ", spec.max_length, "] within token_budget ",
+        spec.token_budget, " (", skipped,
+        " in range were longer); raise the budget (sb-worker --fill) or widen the range"));
   }
   return batch;
+}
+
+absl::StatusOr<int64_t> StepTokenBudget(double fill, int ranks, int micro_batches,
+                                        int64_t capacity) {
+  if (!(std::isfinite(fill) && fill > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fill: ", fill, " must be a positive finite share of the capacity"));
+  }
+  const double tokens = fill * ranks * micro_batches * static_cast<double>(capacity);
+  // Checked in double: a product beyond int64 would make the cast undefined.
+  if (!(tokens >= 1 && tokens < 0x1p63)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fill: ", fill, " x ", ranks, " ranks x ", micro_batches, " micro-batches x ",
+                     capacity, " tokens = ", tokens, " is no step budget in [1, 2^63) tokens"));
+  }
+  return static_cast<int64_t>(tokens);
 }
 
 uint64_t LongDocumentId(int64_t step) { return static_cast<uint64_t>(step) * 1000000 + 999999; }

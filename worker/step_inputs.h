@@ -29,11 +29,19 @@ struct BatchSpec {
   int64_t long_document = 0;
 };
 
+// Tokens per step, the budget of BatchForStep: `fill` x ranks x micro-batches x capacity
+// (tokens), rounded down. INVALID_ARGUMENT naming fill when it is not a positive finite
+// number or the product is no token count in [1, 2^63).
+absl::StatusOr<int64_t> StepTokenBudget(double fill, int ranks, int micro_batches,
+                                        int64_t capacity);
+
 // The id of a step's long document (BatchSpec::long_document): step * 10^6 + 999999.
 uint64_t LongDocumentId(int64_t step);
 
 // The batch of `step`: documents drawn from the trace seeded by (seed, step) until the next
-// would pass the budget. Ids are unique across steps (step * 10^6 + draw index).
+// would pass the budget; documents longer than the whole budget that come before the first
+// one that fits are skipped. Ids are unique across steps (step * 10^6 + draw index).
+// INVALID_ARGUMENT when no document of the length range fits the budget.
 absl::StatusOr<std::vector<Sample>> BatchForStep(const BatchSpec& spec, int64_t step);
 
 // FNV-1a over the micro-batches' planned samples (id, length, segments, density), as 16 hex

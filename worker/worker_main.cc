@@ -26,6 +26,7 @@
 #include "worker/nccl_sync.h"
 #include "worker/run_summary.h"
 #include "worker/shard_exchange.h"
+#include "worker/shard_layer.h"
 #include "worker/step_inputs.h"
 #include "worker/step_sync.h"
 
@@ -225,6 +226,11 @@ int Main(int argc, char** argv) {
   if (config.max_shards > 1 && config.ranks > 1 && device == "cpu") {
     ShardExchangeOptions exchange_options;
     exchange_options.timeout_seconds = absl::GetFlag(FLAGS_exchange_timeout);
+    exchange_options.world_size = config.ranks;
+    // Every document of a step is at most a micro-batch's capacity or --long_document.
+    exchange_options.max_payload_bytes = MaxShardPayloadBytes(
+        std::max<int64_t>(config.micro_batch_capacity, absl::GetFlag(FLAGS_long_document)),
+        config.shape.heads, config.shape.head_dim);
     absl::StatusOr<std::unique_ptr<ShardExchange>> started =
         ShardExchange::Start(rank, absl::GetFlag(FLAGS_sync), exchange_options);
     if (!started.ok()) tools::Fatal(absl::StrCat("--sync: ", started.status().message()));
@@ -238,9 +244,10 @@ int Main(int argc, char** argv) {
   spec.min_length = std::min<int64_t>(absl::GetFlag(FLAGS_min_length), spec.max_length);
   spec.long_document = absl::GetFlag(FLAGS_long_document);
   if (spec.long_document < 0) tools::UsageError("--long_document must be >= 0 tokens");
-  spec.token_budget =
-      static_cast<int64_t>(absl::GetFlag(FLAGS_fill) * config.ranks * config.micro_batches *
-                           static_cast<double>(config.micro_batch_capacity));
+  absl::StatusOr<int64_t> budget = StepTokenBudget(
+      absl::GetFlag(FLAGS_fill), config.ranks, config.micro_batches, config.micro_batch_capacity);
+  if (!budget.ok()) tools::UsageError(absl::StrCat("--", budget.status().message()));
+  spec.token_budget = *budget;
   std::ofstream out;
   if (!absl::GetFlag(FLAGS_out).empty()) {
     out.open(absl::GetFlag(FLAGS_out), std::ios::app);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -202,6 +203,25 @@ TEST(AttentionCpuTest, BadInputIsAnErrorNamingTheField) {
   options.softmax_scale = -1.0f;
   s = AttentionForward(index, 64, p.q, p.k, p.v, options, absl::MakeSpan(out), absl::MakeSpan(lse));
   EXPECT_THAT(s.message(), HasSubstr("softmax_scale=-1"));
+  options.softmax_scale = 0.0f;
+  options.threads = -3;
+  s = AttentionForward(index, 64, p.q, p.k, p.v, options, absl::MakeSpan(out), absl::MakeSpan(lse));
+  EXPECT_THAT(s.message(), HasSubstr("threads=-3 must be non-negative"));
+  s = AttentionBackward(index, 64, p.q, p.k, p.v, out, lse, p.dout, options, absl::MakeSpan(dq),
+                        absl::MakeSpan(dk), absl::MakeSpan(dv));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AttentionCpuTest, MoreThreadsThanHeadsRunAsManyAsThereAreHeads) {
+  // 2 sequences x 2 heads = 4 tasks: INT_MAX threads sized a workspace per thread (bad_alloc,
+  // a MemoryError in Python) before the pool was capped at the tasks.
+  const Problem p = MakeProblem({100, 30}, 2, 64, 3);
+  const BlockIndex index = Select(p, 64, 0.5);
+  const Result one = RunBoth(p, index, /*threads=*/1);
+  const Result many = RunBoth(p, index, std::numeric_limits<int>::max());
+  EXPECT_EQ(many.out, one.out);
+  EXPECT_EQ(many.dq, one.dq);
+  EXPECT_EQ(many.dk, one.dk);
 }
 
 }  // namespace

@@ -143,6 +143,31 @@ TEST(BlockIndexTest, ValidateCatchesACorruptedIndex) {
   }
 }
 
+TEST(BlockIndexTest, ValidateRefusesARowPointerPastTheEntriesBeforeWalkingTheRow) {
+  // By hand: one sequence of 2 blocks, 1 head; row 0 keeps block 0, row 1 nothing.
+  BlockIndex index;
+  index.block_size = 64;
+  index.heads = 1;
+  index.cu_seqlens = {0, 128};
+  index.cu_blocks = {0, 2};
+  index.row_ptr = {0, 1, 1};
+  index.col_idx = {0};
+  index.flags = {FlagOf(128, 64, 0, 0)};
+  index.col_ptr = {0, 1, 1};
+  index.row_idx = {0};
+  index.col_flags = index.flags;
+  ASSERT_TRUE(ValidateBlockIndex(index).ok()) << ValidateBlockIndex(index);
+  // Both ends still right, row 0 running far past the one entry: walking it read col_idx and
+  // flags out of bounds.
+  index.row_ptr[1] = 1 << 20;
+  const absl::Status status = ValidateBlockIndex(index);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("index.row_ptr[0..1]=[0, 1048576) is outside the 1"))
+      << status;
+  index.row_ptr = {0, -1, 1};
+  EXPECT_THAT(ValidateBlockIndex(index).message(), HasSubstr("index.row_ptr"));
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace sparsebalance

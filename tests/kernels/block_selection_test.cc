@@ -282,6 +282,8 @@ TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
   tau0.anchor_threshold = 0.0;
   SelectionOptions tau_big = ok;
   tau_big.anchor_threshold = 1.5;
+  SelectionOptions negative_threads = ok;
+  negative_threads.threads = -2;
   for (const Case& c : std::vector<Case>{
            {b.cu, 64, {0.5, 1.5}, ok, b.q.size(), "densities[1]=1.5 is outside (0, 1]"},
            {b.cu, 64, {0.0, 0.5}, ok, b.q.size(), "densities[0]=0 is outside (0, 1]"},
@@ -293,6 +295,7 @@ TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
            {b.cu, 64, {0.5, 0.5}, local, b.q.size(), "local_blocks=-1"},
            {b.cu, 64, {0.5, 0.5}, tau0, b.q.size(), "anchor_threshold=0 is outside (0, 1]"},
            {b.cu, 64, {0.5, 0.5}, tau_big, b.q.size(), "anchor_threshold=1.5 is outside"},
+           {b.cu, 64, {0.5, 0.5}, negative_threads, b.q.size(), "threads=-2 must be non-negative"},
            {b.cu, 64, {0.5, 0.5}, ok, b.q.size() - 1, "q has 19199 elements; expected 19200"},
        }) {
     std::vector<float> q(c.q_size, 0.0f);

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import sparsebalance as sb  # noqa: E402
-from sparsebalance import _C  # noqa: E402
+from sparsebalance import _C, attention  # noqa: E402
 from sparsebalance.ops import (AttentionTimer, dense_mask, reference_attention,  # noqa: E402
                                sparse_attention, varlen_layout)
 
@@ -155,6 +155,67 @@ def test_bad_inputs_raise_clear_errors():
     q32 = torch.randn(128, 1, 32)
     with pytest.raises(sb.KernelError, match="head_dim"):
         sparse_attention(q32, q32, q32, [0, 128], [1.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64])
+def test_non_floating_inputs_are_refused_naming_the_tensor(dtype):
+    # They used to be cast to float32 and run: attention over values the caller never had.
+    q, k, v = (t.detach() for t in inputs([0, 128], 1, 64))
+    bad = (q * 10).to(dtype)
+    for name, args in (("q", (bad, k, v)), ("k", (q, bad, v)), ("v", (q, k, bad))):
+        with pytest.raises(TypeError, match=f"^{name}: dtype {dtype}"):
+            sparse_attention(*args, [0, 128], [0.5])
+    with pytest.raises(TypeError, match="q: dtype"):
+        attention.select_blocks(bad, k, [0, 128], [0.5])
+
+
+@pytest.mark.parametrize("cu", [[0, 50.7, 128], torch.tensor([0.0, 63.5, 128.0])])
+def test_fractional_offsets_are_refused_not_truncated(cu):
+    q, k, v = (t.detach() for t in inputs([0, 128], 1, 64))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[1\]: (50\.7|63\.5) is not an integer"):
+        sparse_attention(q, k, v, cu, [0.5, 0.5])
+    # Integral values of a float tensor are offsets all the same.
+    out, _ = sparse_attention(q, k, v, torch.tensor([0.0, 64.0, 128.0]), [0.5, 0.5])
+    ref, _ = sparse_attention(q, k, v, [0, 64, 128], [0.5, 0.5])
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, 1e-50, 1e40, float("nan"), float("inf")])
+def test_an_explicit_softmax_scale_must_be_one_the_kernels_use(scale):
+    # 0 (or a scale that rounds to 0 in float32) was silently replaced by 1/sqrt(head_dim).
+    q, k, v = (t.detach() for t in inputs([0, 128], 1, 64))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        sparse_attention(q, k, v, [0, 128], [1.0], softmax_scale=scale)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        attention.select_blocks(q, k, [0, 128], [1.0], softmax_scale=scale)
+
+
+def test_the_default_and_a_given_softmax_scale_are_the_ones_applied():
+    q, k, v = (t.detach() for t in inputs([0, 128], 1, 64))
+    for given, applied in ((None, 64 ** -0.5), (0.3, 0.3)):
+        out, _ = sparse_attention(q, k, v, [0, 128], [1.0], softmax_scale=given)
+        ref = reference_attention(q, k, v, [0, 128], softmax_scale=applied)
+        assert_close(out, ref, f"softmax_scale={given}")
+
+
+def test_threads_are_checked_and_never_exceed_the_work():
+    q, k, v = (t.detach() for t in inputs([0, 128], 2, 64))
+    ref, _ = sparse_attention(q, k, v, [0, 128], [0.5], threads=1)
+    # 2 heads, 2^31 - 1 threads asked: a workspace per asked thread was a MemoryError.
+    out, _ = sparse_attention(q, k, v, [0, 128], [0.5], threads=2 ** 31 - 1)
+    assert torch.equal(out, ref)
+    for bad, error in ((-3, ValueError), (2 ** 40, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="threads"):
+            sparse_attention(q, k, v, [0, 128], [0.5], threads=bad)
+    # The bindings refuse a negative count too (the kernels' 0 means every core).
+    import numpy as np
+    qn = q.float().numpy()
+    with pytest.raises(sb.KernelError, match="threads=-1 must be non-negative"):
+        _C.select_blocks([0, 128], 2, 64, qn, qn, [1.0], threads=-1)
+    selection = _C.select_blocks([0, 128], 2, 64, qn, qn, [1.0])
+    out_np, lse = np.zeros_like(qn), np.zeros((2, 128), np.float32)
+    with pytest.raises(sb.KernelError, match="threads=-2 must be non-negative"):
+        _C.attention_forward(selection, 64, qn, qn, qn, out_np, lse, threads=-2)
 
 
 def test_kernel_bindings_use_buffers_in_place_and_refuse_copies():

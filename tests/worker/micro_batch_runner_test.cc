@@ -16,6 +16,7 @@
 #include "planner/types.h"
 #include "tests/support/small_shape.h"
 #include "worker/shard_exchange.h"
+#include "worker/shard_layer.h"
 #include "worker/step_sync.h"
 
 namespace sparsebalance {
@@ -299,8 +300,12 @@ TEST(MicroBatchRunnerTest, ShardsOfASplitDocumentKeepItsBlocksAndReportTheirExch
   std::vector<std::future<absl::StatusOr<MicroBatchResult>>> runs;
   for (int rank = 0; rank < 2; ++rank) {
     runs.push_back(std::async(std::launch::async, [&, rank]() -> absl::StatusOr<MicroBatchResult> {
+      ShardExchangeOptions options;
+      options.world_size = 2;
+      options.max_payload_bytes =
+          MaxShardPayloadBytes(kLength, SmallShape().heads, SmallShape().head_dim);
       absl::StatusOr<std::unique_ptr<ShardExchange>> ex =
-          ShardExchange::Start(rank, (*hub)->address());
+          ShardExchange::Start(rank, (*hub)->address(), options);
       if (!ex.ok()) return ex.status();
       MicroBatchPlan mb;
       if (rank == 1) {

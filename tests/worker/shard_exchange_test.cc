@@ -1,7 +1,8 @@
 // The shard exchange over loopback with ranks as threads (addresses through a real step-sync
 // hub), and RunShardLayer on it: a document split over 4 ranks gives the unsplit document's
-// attention outputs and gradients, and a shard whose peer never arrives fails with an error
-// naming the peer instead of hanging.
+// attention outputs and gradients, a shard whose peer never arrives fails with an error
+// naming the peer instead of hanging, and a local process writing frame headers no peer sends
+// loses its connection while the exchange goes on.
 //
 // Tolerance (tests/kernels/shard_attention_test.cc establishes it): the sharded pass groups
 // the same fp32 products by chunk and merges partials in double, so it differs from the
@@ -9,13 +10,22 @@
 // (for lse, of max(1, max |lse|)).
 #include "worker/shard_exchange.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <future>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -39,10 +49,17 @@ std::unique_ptr<StepSyncHub> StartHub(int ranks) {
   return hub.ok() ? *std::move(hub) : nullptr;
 }
 
+// The tests here run at most 4 ranks; their frames stay far below 64 MiB.
+constexpr int kWorldSize = 4;
+constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;
+
 std::unique_ptr<ShardExchange> StartExchange(int rank, const std::string& hub,
-                                             double timeout_seconds = 30) {
+                                             double timeout_seconds = 30,
+                                             uint64_t max_payload_bytes = kMaxPayloadBytes) {
   ShardExchangeOptions options;
   options.timeout_seconds = timeout_seconds;
+  options.world_size = kWorldSize;
+  options.max_payload_bytes = max_payload_bytes;
   absl::StatusOr<std::unique_ptr<ShardExchange>> ex = ShardExchange::Start(rank, hub, options);
   EXPECT_TRUE(ex.ok()) << ex.status();
   return ex.ok() ? *std::move(ex) : nullptr;
@@ -105,6 +122,166 @@ TEST(ShardExchangeTest, AMissingMessageOrPeerFailsNamingThePeer) {
   EXPECT_FALSE(a->Send(0, Key(5, ExchangeKind::kPooledKeys), "to myself").ok());
 }
 
+// A frame header as the wire carries it (worker/shard_exchange.h), written by hand.
+struct RawHeader {
+  uint32_t magic = 0x31584253;  // "SBX1"
+  int32_t from = 1;
+  int64_t step = 3;
+  int32_t micro_batch = 1;
+  int32_t layer = 0;
+  uint64_t sample_id = 7;
+  int32_t kind = 1;
+  int32_t reserved = 0;
+  uint64_t bytes = 0;
+};
+
+// A raw loopback connection to `address` (127.0.0.1:port); -1 on failure.
+int ConnectRaw(const std::string& address) {
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool SendHeader(int fd, const RawHeader& h) {
+  char wire[48];
+  size_t at = 0;
+  auto put = [&](const auto& field) {
+    std::memcpy(wire + at, &field, sizeof field);
+    at += sizeof field;
+  };
+  put(h.magic);
+  put(h.from);
+  put(h.step);
+  put(h.micro_batch);
+  put(h.layer);
+  put(h.sample_id);
+  put(h.kind);
+  put(h.reserved);
+  put(h.bytes);
+  return send(fd, wire, sizeof wire, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof wire);
+}
+
+// Whether the other end closes `fd` within `seconds` (reads it to the end).
+bool ClosedByPeer(int fd, double seconds) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int>(seconds * 1e3));
+  char buffer[256];
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = recv(fd, buffer, sizeof buffer, 0);
+    if (n <= 0) return true;
+  }
+  return false;
+}
+
+TEST(ShardExchangeTest, AHostileFrameHeaderDropsItsConnectionAndTheExchangeServesOn) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(2);
+  ASSERT_NE(hub, nullptr);
+  constexpr uint64_t kMax = 1 << 20;  // this job's largest payload, bytes
+  std::unique_ptr<ShardExchange> a = StartExchange(0, hub->address(), 30, kMax);
+  std::unique_ptr<ShardExchange> b = StartExchange(1, hub->address(), 30, kMax);
+  ASSERT_TRUE(a && b);
+  std::vector<std::pair<const char*, RawHeader>> hostile;
+  RawHeader h;
+  h.bytes = uint64_t{1} << 34;  // allocated at once, this ended the process with bad_alloc
+  hostile.emplace_back("16 GiB payload", h);
+  h.bytes = kMax + 1;
+  hostile.emplace_back("one byte over the shapes' bound", h);
+  h = RawHeader{};
+  h.kind = 7;
+  hostile.emplace_back("unknown kind", h);
+  h.kind = 0;
+  hostile.emplace_back("kind 0", h);
+  h = RawHeader{};
+  h.from = kWorldSize;
+  hostile.emplace_back("rank outside the job", h);
+  h.from = -1;
+  hostile.emplace_back("negative rank", h);
+  h.from = 0;
+  hostile.emplace_back("the receiver's own rank", h);
+  h = RawHeader{};
+  h.magic = 0x12345678;
+  hostile.emplace_back("bad magic", h);
+  int64_t refused = 0;
+  for (const auto& [what, header] : hostile) {
+    SCOPED_TRACE(what);
+    const int fd = ConnectRaw(a->address());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendHeader(fd, header));
+    EXPECT_TRUE(ClosedByPeer(fd, 10.0)) << "the exchange keeps a hostile connection open";
+    close(fd);
+    EXPECT_EQ(a->refused_connections(), ++refused);
+  }
+  // A header for a second frame that then never comes, still open while the peer talks.
+  const int idle = ConnectRaw(a->address());
+  ASSERT_GE(idle, 0);
+  RawHeader pending;
+  pending.bytes = kMax;  // allowed: memory grows only with the bytes that arrive
+  ASSERT_TRUE(SendHeader(idle, pending));
+
+  // The real peer is served as before, up to the bound exactly.
+  ASSERT_TRUE(b->Send(0, Key(7, ExchangeKind::kPooledKeys), "real").ok());
+  const std::string largest(kMax, 'y');
+  ASSERT_TRUE(b->Send(0, Key(7, ExchangeKind::kKeyValues), largest).ok());
+  absl::StatusOr<std::string> got = a->Receive(1, Key(7, ExchangeKind::kPooledKeys));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "real");
+  got = a->Receive(1, Key(7, ExchangeKind::kKeyValues));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->size(), kMax);
+  EXPECT_EQ(a->refused_connections(), refused);
+  close(idle);
+}
+
+TEST(ShardExchangeTest, AFrameCutShortIsNeverDelivered) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(2);
+  ASSERT_NE(hub, nullptr);
+  std::unique_ptr<ShardExchange> a = StartExchange(0, hub->address(), /*timeout_seconds=*/0.3);
+  ASSERT_NE(a, nullptr);
+  const int fd = ConnectRaw(a->address());
+  ASSERT_GE(fd, 0);
+  RawHeader h;
+  h.kind = static_cast<int32_t>(ExchangeKind::kPooledKeys);
+  h.bytes = 10;
+  ASSERT_TRUE(SendHeader(fd, h));
+  ASSERT_EQ(send(fd, "abcd", 4, MSG_NOSIGNAL), 4);
+  close(fd);  // 6 bytes short
+  absl::StatusOr<std::string> got = a->Receive(1, Key(7, ExchangeKind::kPooledKeys));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << "delivered: " << *got;
+  EXPECT_EQ(a->bytes_received(), 0);
+}
+
+TEST(ShardExchangeTest, StartNeedsTheWorldSizeAndThePayloadBound) {
+  ShardExchangeOptions options;
+  options.max_payload_bytes = 1024;
+  options.world_size = 2;
+  absl::StatusOr<std::unique_ptr<ShardExchange>> ex =
+      ShardExchange::Start(/*rank=*/2, "127.0.0.1:1", options);
+  EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ex.status().message(), HasSubstr("world_size"));
+  options.world_size = 3;
+  options.max_payload_bytes = 0;
+  ex = ShardExchange::Start(2, "127.0.0.1:1", options);
+  EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ex.status().message(), HasSubstr("max_payload_bytes"));
+}
+
+TEST(ShardLayerTest, ThePayloadBoundHoldsKeysAndValuesOfAWholeDocument) {
+  // 2 x 1000 tokens x 4 heads x 64 x 4 bytes, plus a token range.
+  EXPECT_EQ(MaxShardPayloadBytes(1000, 4, 64), uint64_t{2} * 1000 * 4 * 64 * 4 + 8);
+  EXPECT_EQ(MaxShardPayloadBytes(int64_t{1} << 62, 4096, 4096),
+            std::numeric_limits<uint64_t>::max());
+}
+
 // One document of `length` tokens (the worker's synthetic inputs) split at `cuts` over ranks
 // `group` (threads with real exchanges), each rank holding only its rows.
 struct SplitRun {
@@ -126,7 +303,9 @@ SplitRun RunSplit(const DocumentTensors& doc, const std::vector<float>& dout, in
   std::vector<std::future<absl::StatusOr<ShardLayerResult>>> futures;
   for (int j = 0; j < running_ranks; ++j) {
     futures.push_back(std::async(std::launch::async, [&, j]() -> absl::StatusOr<ShardLayerResult> {
-      std::unique_ptr<ShardExchange> ex = StartExchange(group[j], hub->address(), timeout_seconds);
+      std::unique_ptr<ShardExchange> ex =
+          StartExchange(group[j], hub->address(), timeout_seconds,
+                        MaxShardPayloadBytes(cuts.back(), heads, head_dim));
       if (ex == nullptr) return absl::InternalError("no exchange");
       const std::vector<float> q = rows(doc.q, j), k = rows(doc.k, j), v = rows(doc.v, j),
                                d = rows(dout, j);

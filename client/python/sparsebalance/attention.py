@@ -36,7 +36,7 @@ import torch
 
 from . import _C
 from .ops import (_as_list, _check_inputs, _cuda_unavailable_reason, _current_stream,
-                  _selection_args)
+                  _selection_args, _softmax_scale_arg, _threads_arg)
 
 __all__ = ["KernelPlan", "RecallMeasurement", "flex_attention", "flex_block_mask",
            "from_flex_layout", "kernel_plan", "measure_recall", "profile", "recall_rows",
@@ -217,7 +217,7 @@ def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
     dens = _as_list(densities, "densities", float)
     _check_inputs(q, k, k, cu, dens)
     heads, head_dim = q.shape[1], q.shape[2]
-    scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    scale = _softmax_scale_arg(softmax_scale)
     if q.is_cuda:
         reason = _cuda_unavailable_reason()
         if reason is not None:
@@ -231,7 +231,7 @@ def select_blocks(q, k, cu_seqlens, densities, block_size=64, local_blocks=1, *,
             return selection.download(stream)
     if q.device.type != "cpu":
         raise ValueError(f"q: tensors on {q.device} are not supported (CPU or CUDA)")
-    threads = torch.get_num_threads() if threads is None else int(threads)
+    threads = _threads_arg(threads)
     q32, k32 = (t.detach().to(torch.float32).contiguous() for t in (q, k))
     return _C.select_blocks(cu, heads, head_dim, q32.numpy(), k32.numpy(), dens, int(block_size),
                             int(local_blocks), float(mass_threshold), scale, threads, mode, tau)

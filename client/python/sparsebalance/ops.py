@@ -10,12 +10,15 @@ and returns the output and the recall it kept::
     # q, k, v: [total_tokens, heads, head_dim] (head_dim 64 or 128); out: same shape and dtype
     cu_seqlens, densities = varlen_layout(micro_batch.samples)  # a planned micro-batch's layout
 
-CPU tensors run the fp32 reference kernels (inputs of other dtypes are cast to float32 and the
-results cast back); CUDA tensors run the sm_90 kernels in bf16 when the package was built with
-CUDA and a device is present. Documents never attend to each other. Gradients flow to q, k, v.
+CPU tensors run the fp32 reference kernels (inputs of other floating-point dtypes are cast to
+float32 and the results cast back; integer, bool and complex tensors are refused); CUDA tensors
+run the sm_90 kernels in bf16 when the package was built with CUDA and a device is present.
+Documents never attend to each other. Gradients flow to q, k, v.
 """
 
 import contextlib
+import math
+import numbers
 import time
 
 import torch
@@ -160,14 +163,57 @@ def _cuda_unavailable_reason():
     return None
 
 
+def _exact_int(x, name, i):
+    """``x``, the ``i``-th of ``name``, as an int: an integer, or a real number without a
+    fraction (a float tensor's 100.0); ValueError naming the entry otherwise, since rounding
+    an offset would silently move a document boundary."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and \
+            float(x).is_integer():
+        return int(x)
+    raise ValueError(f"{name}[{i}]: {x!r} is not an integer")
+
+
 def _as_list(values, name, convert):
-    """``values`` (a sequence or a tensor) as a list of ``convert`` (int or float)."""
+    """``values`` (a sequence or a tensor) as a list of ``convert`` (int or float); ints must
+    be integral (_exact_int)."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().tolist()
     try:
+        if convert is int:
+            return [_exact_int(x, name, i) for i, x in enumerate(values)]
         return [convert(x) for x in values]
     except TypeError:
         raise TypeError(f"{name}: a sequence of numbers is needed, got {type(values).__name__}")
+
+
+def _softmax_scale_arg(softmax_scale):
+    """The kernels' softmax scale: 0.0 (their "1/sqrt(head_dim)") for None, else the given
+    scale, which must be a finite positive number that float32 holds (ValueError naming it: an
+    explicit 0 or a scale rounding to 0 would silently become 1/sqrt(head_dim))."""
+    if softmax_scale is None:
+        return 0.0
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale: a number is needed, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    f32 = torch.finfo(torch.float32)
+    if not (math.isfinite(scale) and f32.tiny <= scale <= f32.max):
+        raise ValueError(f"softmax_scale: {softmax_scale!r} must be a positive finite float32 "
+                         f"in [{f32.tiny:g}, {f32.max:g}]; leave it None for 1/sqrt(head_dim)")
+    return scale
+
+
+def _threads_arg(threads):
+    """CPU kernel threads: torch.get_num_threads() for None, else an int in [0, 2^31) (0: every
+    core), ValueError naming it otherwise."""
+    if threads is None:
+        return torch.get_num_threads()
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
+        raise TypeError(f"threads: an int is needed, got {type(threads).__name__}")
+    if not 0 <= threads < 2 ** 31:
+        raise ValueError(f"threads: {threads} must be in [0, 2^31) (0: every core)")
+    return int(threads)
 
 
 _SELECTION_MODES = ("topk", "anchor")
@@ -193,6 +239,11 @@ def _check_inputs(q, k, v, cu_seqlens, densities):
         if t.dim() != 3:
             raise ValueError(f"{name}: shape {tuple(t.shape)}; [total_tokens, heads, head_dim] "
                              "is needed")
+        if not t.is_floating_point():
+            # Casting integers, bools or complex numbers to float32 would compute something,
+            # silently, that is not attention over the caller's values.
+            raise TypeError(f"{name}: dtype {t.dtype} is not a floating-point dtype (float16, "
+                            "bfloat16, float32 or float64)")
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v: shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} "
                          "differ")
@@ -214,17 +265,20 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
 
     Args:
       q, k, v: [total_tokens, heads, head_dim] tensors (head_dim 64 or 128), on the CPU (any
-        float dtype; computed in float32) or on a CUDA device (computed in bf16).
-      cu_seqlens: sequence offsets, len = sequences + 1, from 0 to total_tokens (list or tensor).
+        floating-point dtype; computed in float32) or on a CUDA device (computed in bf16).
+      cu_seqlens: sequence offsets, len = sequences + 1, from 0 to total_tokens (list or tensor
+        of integers; a fractional offset is refused).
       densities: one per sequence in (0, 1]: the share of causal key blocks each query block
         keeps (1.0 is dense attention). The planner's PlannedSample.density (varlen_layout).
       block_size: tokens per block (64 or 128); local_blocks: key blocks before the diagonal
         always kept (with the sink block 0 and the diagonal).
-      softmax_scale: default 1/sqrt(head_dim).
+      softmax_scale: a positive finite float32; None (the default) for 1/sqrt(head_dim). 0, a
+        negative or a non-finite scale is refused (ValueError), not replaced.
       exact: the recall is the exact softmax mass kept (CPU only; O(tokens^2)) instead of the
         block scores' estimate.
       mass_threshold: stop adding blocks to a row once its estimated kept mass reaches it.
-      threads: CPU kernel threads (default torch.get_num_threads()).
+      threads: CPU kernel threads, at least 0 (0: every core; default
+        torch.get_num_threads()); never more run than sequences x heads.
       selection: 'topk' (each query block keeps its density's budget k_i of best-scoring key
         blocks) or 'anchor' (anchor-guided thresholding: of those, only the blocks whose pooled
         score is at least the best anchor block's + ln(anchor_threshold); never more).
@@ -240,11 +294,10 @@ def sparse_attention(q, k, v, cu_seqlens, densities, block_size=64, local_blocks
     dens = _as_list(densities, "densities", float)
     _check_inputs(q, k, v, cu, dens)
     head_dim = q.shape[2]
-    scale = 0.0 if softmax_scale is None else float(softmax_scale)
-    if threads is None:
-        threads = torch.get_num_threads()
+    scale = _softmax_scale_arg(softmax_scale)
+    threads = _threads_arg(threads)
     mode, tau = _selection_args(selection, anchor_threshold)
-    options = (int(block_size), int(local_blocks), scale, float(mass_threshold), int(threads),
+    options = (int(block_size), int(local_blocks), scale, float(mass_threshold), threads,
                mode, tau)
     outputs = _Outputs()
     if q.is_cuda:
