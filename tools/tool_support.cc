@@ -1,6 +1,9 @@
 #include "tools/tool_support.h"
 
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -148,6 +151,21 @@ absl::Status WriteFile(const std::string& path, absl::string_view text) {
   if (!out) {
     return absl::ErrnoToStatus(errno != 0 ? errno : EIO, absl::StrCat("cannot write ", path));
   }
+  return absl::OkStatus();
+}
+
+absl::Status WritePrivateFile(const std::string& path, absl::string_view text) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot write ", path));
+  int error = fchmod(fd, 0600) == 0 ? 0 : errno;
+  for (size_t done = 0; error == 0 && done < text.size();) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) error = errno;
+    if (n > 0) done += static_cast<size_t>(n);
+  }
+  if (close(fd) != 0 && error == 0) error = errno;
+  if (error != 0) return absl::ErrnoToStatus(error, absl::StrCat("cannot write ", path));
   return absl::OkStatus();
 }
 

@@ -40,6 +40,10 @@ const std::string& ToolName();
 absl::StatusOr<std::string> ReadFile(const std::string& path);
 // Replaces the file with `text`; the error names the path.
 absl::Status WriteFile(const std::string& path, absl::string_view text);
+// The same for a secret (a job token): the file is created with mode 0600 (made 0600 if it was
+// there already) before any byte is written, never readable by others in between as a file
+// written first and chmod'ed after was; a symlink at `path` is refused (ELOOP).
+absl::Status WritePrivateFile(const std::string& path, absl::string_view text);
 
 // The CPUs this process may use: its affinity mask, and under a cgroup v2 CPU limit (a
 // container's `cpus`, a pod's limits.cpu; /sys/fs/cgroup/cpu.max) that limit rounded up.

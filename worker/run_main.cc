@@ -293,11 +293,9 @@ int Main(int argc, char** argv) {
         (*admin)->CreateJob(absl::StrCat("main-job-", PolicyName(policy)), config);
     if (!job.ok()) tools::Fatal(absl::StrCat("CreateJob: ", job.status().ToString()));
     const std::string token_file = absl::StrCat(out_dir, "/", PolicyName(policy), ".token");
-    {
-      std::ofstream t(token_file);
-      t << job->token << "\n";
+    if (absl::Status s = tools::WritePrivateFile(token_file, job->token + "\n"); !s.ok()) {
+      tools::Fatal(s.ToString());
     }
-    chmod(token_file.c_str(), 0600);
     const std::string lines = absl::StrCat(out_dir, "/", PolicyName(policy), ".steps.jsonl");
     std::filesystem::remove(lines);
     // CPU ranks meet at a local hub; GPU ranks all-reduce through NCCL instead.

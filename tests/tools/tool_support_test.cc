@@ -2,6 +2,7 @@
 // process-wide and the usage message can be set once), fatal errors, and file reads.
 #include "tools/tool_support.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -106,6 +107,33 @@ TEST(WriteFileTest, AnUnwritablePathIsAnErrorNamingIt) {
   absl::Status status = WriteFile(path, "{}");
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find(path), absl::string_view::npos) << status;
+}
+
+// A secret's file is 0600 from its creation under any umask (sb-run wrote job tokens with the
+// umask's mode and chmod'ed them after: readable by others in between), is made 0600 when it
+// was there with another mode, and is never written through a symlink.
+TEST(WritePrivateFileTest, TheFileIsTheOwnersAloneFromTheStart) {
+  const mode_t old_umask = umask(0);
+  const std::string path = TempPath("tool_support_test_secret");
+  unlink(path.c_str());
+  ASSERT_TRUE(WritePrivateFile(path, "token\n").ok());
+  struct stat st {};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(ReadFile(path).value_or(""), "token\n");
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  ASSERT_TRUE(WritePrivateFile(path, "new").ok());
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(ReadFile(path).value_or(""), "new");
+  const std::string link = TempPath("tool_support_test_secret_link");
+  unlink(link.c_str());
+  ASSERT_EQ(symlink(path.c_str(), link.c_str()), 0);
+  EXPECT_FALSE(WritePrivateFile(link, "through the link").ok());
+  EXPECT_EQ(ReadFile(path).value_or(""), "new");
+  unlink(link.c_str());
+  unlink(path.c_str());
+  umask(old_umask);
 }
 
 // sb-planner's default --plan_threads: a container's CPU limit caps the host's CPUs.
