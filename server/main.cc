@@ -1,5 +1,7 @@
 // sb-planner: the SparseBalance planner service. `sb-planner --help` lists the flags; with none
 // it listens on 127.0.0.1:50151 and says so.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cmath>
 #include <csignal>
@@ -330,6 +332,13 @@ int Main(int argc, char** argv) {
   if (!store.ok()) {
     tools::Fatal(absl::StrCat("--state_dir=", state_dir, ": ", store.status().message()),
                  tools::kExitUsage);
+  }
+  if (struct stat st; stat(state_dir.c_str(), &st) == 0 && (st.st_mode & S_IWOTH) != 0) {
+    std::cerr << "sb-planner: warning: --state_dir=" << state_dir
+              << " may be written by every user of this machine and is not this process's to "
+                 "make private: others could rename, remove or plant job folders. Use a "
+                 "directory of this user's, or one only its group can write"
+              << std::endl;
   }
   const absl::Duration idle_ttl = absl::GetFlag(FLAGS_job_idle_ttl);
   if (idle_ttl < absl::ZeroDuration()) {

@@ -433,6 +433,14 @@ absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& di
     return StoreFailure(absl::StatusCode::kInternal,
                         absl::StrCat(dir, " is not a directory; pass a writable directory"));
   }
+  // A directory that was there already keeps its mode: one the planner owns that others may
+  // write into (0777, 0775) is made 0700, as the planner creates it (others could rename or
+  // remove job folders, or plant one that the next start restores). One owned by another user
+  // (a volume mounted with fsGroup) is left as it is; sb-planner warns when anyone may write it.
+  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0 && st.st_uid == geteuid() &&
+      chmod(dir.c_str(), st.st_mode & (S_IRWXU | S_ISVTX)) != 0) {
+    return IoFailure("cannot make private (chmod 0700)", dir, errno);
+  }
   std::unique_ptr<PlanStore> store(new PlanStore(dir, fsync_reports));
   if (absl::Status s = store->CheckWritable(); !s.ok()) {
     return WithMore(s, absl::StrCat(" (sb-planner writes its state in ", dir,

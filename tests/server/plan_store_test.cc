@@ -93,6 +93,22 @@ void CreateJoinedJob(JobRegistry& registry, const std::string& name, int ranks, 
   for (int r = 0; r < ranks; ++r) ASSERT_TRUE(registry.JoinJob(created->job_id, r).ok());
 }
 
+// A state directory that was there already, the planner's own, that others could write into is
+// made private as the planner makes a new one (others could rename, remove or plant job folders
+// in it): it stayed 0777.
+TEST(PlanStoreTest, AnOwnStateDirectoryOthersMayWriteIsMadePrivate) {
+  for (mode_t mode : {0777, 0775, 0750}) {
+    const std::string dir = TempDir();
+    ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+    ASSERT_EQ(chmod(dir.c_str(), mode), 0);
+    absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
+    ASSERT_TRUE(store.ok()) << store.status();
+    struct stat st {};
+    ASSERT_EQ(stat(dir.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 0700u) << std::oct << mode;
+  }
+}
+
 TEST(PlanStoreTest, ARestoredRegistryServesTheSamePlansAndContinues) {
   const StoredOptions stored = OptionsWithStore(TempDir(), false);
   ASSERT_NE(stored.store, nullptr);
