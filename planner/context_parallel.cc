@@ -284,7 +284,14 @@ absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
     for (int i = 0; i < n; ++i) {
       const Sample& s = batch[i];
       if (!Splittable(s) || (s.length < min_length && !must_split(s))) continue;
-      std::vector<int64_t> cuts = EqualTokenCuts(s.length, block, config.max_shards, capacity);
+      // max_shards equal shards; a document of fewer query blocks than that (each shard holds
+      // at least one) gets as many as it has blocks, on a group of that many ranks. (It was
+      // refused, or deferred every step under defer, though two shards would have held it.)
+      // (Fewer shards than that are only longer.)
+      const int most =
+          static_cast<int>(std::min<int64_t>(config.max_shards, QueryBlocks(s.length, block)));
+      std::vector<int64_t> cuts;
+      if (most >= 2) cuts = EqualTokenCuts(s.length, block, most, capacity);
       if (cuts.empty()) {
         if (!must_split(s)) continue;
         if (config.overflow == OverflowPolicy::kError) {
@@ -329,11 +336,16 @@ absl::StatusOr<ShardLayout> PlanShards(const std::vector<Sample>& batch,
       // The fewest shards that bring the largest below the target, else the most even split.
       std::vector<int64_t> best;
       double best_largest = 0.0;
-      const int guess = static_cast<int>(
-          std::min<double>(config.max_shards, std::ceil(cost[i] / std::max(target, 1e-300))));
+      // Each shard holds at least one query block: no more shards than the document has blocks
+      // (a guess above that tried only counts that cannot cut it, and the document was refused,
+      // or deferred every step under defer, though fewer shards would have held it).
+      const int most =
+          static_cast<int>(std::min<int64_t>(config.max_shards, QueryBlocks(s.length, block)));
+      const int guess =
+          static_cast<int>(std::min<double>(most, std::ceil(cost[i] / std::max(target, 1e-300))));
       // Cuts within the token cap where max_shards allows, else within the capacity.
       for (int64_t cap : {token_cap, capacity}) {
-        for (int p = std::max(least, guess); p <= config.max_shards; ++p) {
+        for (int p = std::max(least, guess); p <= most; ++p) {
           double largest = 0.0;
           std::vector<int64_t> cuts =
               CostBalancedCuts(model, s.length, choice_density(i), p, cap, &largest);

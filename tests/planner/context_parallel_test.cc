@@ -194,6 +194,31 @@ TEST(ContextParallelTest, TheLongestDocumentAllowedIsWhatBlockAlignedShardsHold)
   }
 }
 
+// A document that must be split but has fewer query blocks than max_shards (each shard holds
+// at least one) is split over as many ranks as it has blocks, under every shard policy: the
+// sparse and dense policies tried only shard counts above its blocks when their cost guess was
+// high, and the static one only max_shards equal shards, so it was refused (deferred every
+// step under defer) though two shards hold it.
+TEST(ContextParallelTest, ADocumentOfFewerBlocksThanMaxShardsIsSplitOverAsManyRanks) {
+  for (ShardPolicy policy : {ShardPolicy::kSparse, ShardPolicy::kDense, ShardPolicy::kStatic}) {
+    for (OverflowPolicy overflow : {OverflowPolicy::kError, OverflowPolicy::kDefer}) {
+      SCOPED_TRACE(absl::StrCat(static_cast<int>(policy), " ", static_cast<int>(overflow)));
+      // Capacity 100, blocks of 64, max_shards 4: 101 tokens are 2 blocks, two shards hold them.
+      PlannerConfig c = CpConfig(8, 1, 4, Policy::kSparseBalance);
+      c.micro_batch_capacity = 100;
+      c.shard_policy = policy;
+      c.overflow = overflow;
+      const std::vector<Sample> batch = {{1, 101, 0.0, 0, {}}, {2, 60, 0.0, 0, {}}};
+      ASSERT_TRUE(ValidateBatch(batch, c).ok()) << ValidateBatch(batch, c);
+      const absl::StatusOr<StepPlan> plan = PlanStep(batch, c, MakeModel(c));
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      ASSERT_TRUE(CheckPlan(*plan, batch, c).ok()) << CheckPlan(*plan, batch, c);
+      EXPECT_EQ(ShardsOf(*plan, 1).size(), 2u);
+      EXPECT_TRUE(plan->deferred_ids.empty());
+    }
+  }
+}
+
 TEST(ContextParallelTest, AMaximumGroupAboveTheWorldSizeIsAConfigError) {
   PlannerConfig c = CpConfig(4, 2, 5, Policy::kSparseBalance);
   const absl::Status status = ValidateConfig(c);
