@@ -202,29 +202,20 @@ TEST(ScanRequestTest, WhateverTheParseAcceptsTheScanCallsWellFormed) {
       }
       if (bytes.empty()) bytes = "\x10\x01";
     }
-    bool parses;
-    RequestScan scan;
-    if (is_submit) {
-      v1::SubmitBatchRequest m;
-      parses = m.ParseFromString(bytes);
-      scan = ScanRequest(v1::SubmitBatchRequest::descriptor(), bytes, kJobIdAtTop);
+    // Whether the parse takes the bytes as a Message, each property checked where it does.
+    auto check = [&](auto message) {
+      const bool parses = message.ParseFromString(bytes);
+      const RequestScan scan = ScanRequest(message.GetDescriptor(), bytes, kJobIdAtTop);
       if (parses) {
-        EXPECT_EQ(scan.job_id, m.job_id());
-        EXPECT_GE(scan.parsed_bytes, m.SpaceUsedLong());
+        EXPECT_TRUE(scan.well_formed) << testing::PrintToString(bytes);
+        EXPECT_EQ(scan.job_id, message.job_id());
+        EXPECT_GE(scan.parsed_bytes, message.SpaceUsedLong());
       }
-    } else {
-      v1::ReportStepBatchRequest m;
-      parses = m.ParseFromString(bytes);
-      scan = ScanRequest(v1::ReportStepBatchRequest::descriptor(), bytes, kJobIdAtTop);
-      if (parses) {
-        EXPECT_EQ(scan.job_id, m.job_id());
-        EXPECT_GE(scan.parsed_bytes, m.SpaceUsedLong());
-      }
-    }
-    if (parses) {
-      ++parsed_count;
-      EXPECT_TRUE(scan.well_formed) << testing::PrintToString(bytes);
-    }
+      return parses;
+    };
+    const bool parses =
+        is_submit ? check(v1::SubmitBatchRequest()) : check(v1::ReportStepBatchRequest());
+    parsed_count += parses;
   }
   EXPECT_GT(parsed_count, 1000);  // the property was tried on many parseable inputs
 }
