@@ -327,8 +327,8 @@ TEST(PlanStepTest, DeferOverRandomOverfullBatches) {
     for (Policy policy : AllPolicies()) {
       c.config.policy = policy;
       absl::StatusOr<StepPlan> plan = PlanStep(c.batch, c.config, model);
-      if (!plan.ok() && absl::StrContains(plan.status().message(),
-                                          "does not fit any rank even with its")) {
+      if (!plan.ok() &&
+          absl::StrContains(plan.status().message(), "does not fit any rank even with its")) {
         ++refused;  // a group no rank holds even empty: refused under defer too
         continue;
       }
