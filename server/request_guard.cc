@@ -5,6 +5,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/message.h"
 
@@ -234,7 +235,7 @@ class Scanner {
 
 // Mebibytes with one decimal, for messages.
 std::string MiB(size_t bytes) {
-  return absl::StrCat(static_cast<double>(bytes * 10 / (1 << 20)) / 10.0);
+  return absl::StrFormat("%.1f", static_cast<double>(bytes) / (1 << 20));
 }
 
 }  // namespace

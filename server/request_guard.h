@@ -125,7 +125,7 @@ class PendingRequest {
     joined_.clear();
     parsed_ = nullptr;
     if (owned_ != nullptr) owned_->Clear();
-    const grpc::Status dumped = buffer->Dump(&slices_);
+    grpc::Status dumped = buffer->Dump(&slices_);
     if (!dumped.ok()) return dumped;
     if (slices_.size() == 1) {
       bytes_ =
