@@ -113,6 +113,18 @@ CostTables& Tables() {
   return *tables;
 }
 
+// The table of `type`, through a one-entry cache per thread: a thread serves calls of one
+// method after another, and the tables are never freed, so a hit needs no lock.
+const TypeCosts* CostsOf(const Descriptor* type) {
+  thread_local const Descriptor* cached_type = nullptr;
+  thread_local const TypeCosts* cached = nullptr;
+  if (type != cached_type) {
+    cached = Tables().Get(type);
+    cached_type = type;
+  }
+  return cached;
+}
+
 // One scan: the cost so far and the job id found.
 class Scanner {
  public:
@@ -242,7 +254,7 @@ std::string MiB(size_t bytes) {
 
 RequestScan ScanRequest(const Descriptor* type, absl::string_view bytes,
                         absl::Span<const int> job_id_path) {
-  const TypeCosts* costs = Tables().Get(type);
+  const TypeCosts* costs = CostsOf(type);
   Scanner scanner(job_id_path);
   RequestScan scan;
   scan.well_formed = scanner.Fields(bytes.data(), bytes.data() + bytes.size(), costs, 0,
