@@ -14,7 +14,6 @@
 #include "absl/functional/function_ref.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -394,7 +393,7 @@ std::string SparePath(const std::string& job_dir) {
 absl::Status CheckJobId(absl::string_view id) {
   if (IsValidJobId(id)) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("job id \"", absl::CEscape(id.substr(0, 80)),
+      absl::StrCat("job id \"", Quoted(id),
                    "\" is not 8 to 64 characters of [0-9a-z]; the state store refuses it"));
 }
 
