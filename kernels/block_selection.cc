@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -94,6 +95,19 @@ std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t ke
     *estimated_recall = 1.0f;
     return kept;
   }
+  // A score of NaN or +infinity (q or k holds one, or a product overflowed) has no order and
+  // makes the row's masses NaN: sorted below it broke std::sort's strict weak ordering
+  // (undefined behaviour), and the NaN total made the estimate 1.0. The row keeps every causal
+  // block and reports a NaN estimate, which the callers turn into an error (CheckRowRecalls),
+  // as the CUDA path does. A score of -infinity is a block no query attends to: kept last.
+  for (int32_t j = 0; j < n; ++j) {
+    if (!(scores[j] < std::numeric_limits<float>::infinity())) {
+      kept.resize(n);
+      std::iota(kept.begin(), kept.end(), 0);
+      *estimated_recall = std::numeric_limits<float>::quiet_NaN();
+      return kept;
+    }
+  }
   const float max_score = *std::max_element(scores.begin(), scores.begin() + n);
   std::vector<double> mass(n);
   double total = 0.0;
@@ -137,6 +151,25 @@ std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t ke
   }
   *estimated_recall = total > 0.0 ? static_cast<float>(std::min(1.0, kept_mass / total)) : 1.0f;
   return kept;
+}
+
+absl::Status NonFiniteScoresError(int sequence, int head, int32_t query_block) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("q or k holds a NaN or an infinity: the block scores of sequence ", sequence,
+                   ", head ", head, ", query block ", query_block,
+                   " are NaN or +infinity, so no blocks can be chosen by "
+                   "them"));
+}
+
+absl::Status CheckRowRecalls(const BlockIndex& index, absl::Span<const float> recall) {
+  for (int s = 0; s < index.sequences(); ++s) {
+    for (int h = 0; h < index.heads; ++h) {
+      for (int32_t i = 0; i < index.blocks(s); ++i) {
+        if (std::isnan(recall[index.RowId(s, h, i)])) return NonFiniteScoresError(s, h, i);
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::vector<int32_t> SelectDocumentRow(int32_t length, int32_t query_block, int64_t density_q,
@@ -216,6 +249,7 @@ absl::StatusOr<Selection> SelectFromScores(
   });
   absl::StatusOr<BlockIndex> index = MakeBlockIndex(cu_seqlens, heads, block_size, kept);
   if (!index.ok()) return index.status();
+  if (absl::Status s = CheckRowRecalls(*index, recall); !s.ok()) return s;
   Selection selection;
   selection.index = *std::move(index);
   selection.estimated_recall = std::move(recall);

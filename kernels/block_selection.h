@@ -66,12 +66,21 @@ absl::StatusOr<Selection> SelectBlocks(absl::Span<const int32_t> cu_seqlens, int
 // j first) until `kept_cap` blocks or the mass threshold; in SelectionMode::kAnchor also
 // only while scores[j] >= s_a + log(anchor_threshold), s_a = the highest score among the
 // anchors. Block j's estimated mass is pairs[j] * exp(scores[j]). Returns the kept blocks
-// ascending and sets *estimated_recall.
+// ascending and sets *estimated_recall. Unless every causal block is kept anyway, a score of NaN
+// or +infinity keeps every causal block and sets *estimated_recall to NaN: the caller refuses
+// the input (CheckRowRecalls).
 std::vector<int32_t> SelectRow(int32_t query_block, int local_blocks, int64_t kept_cap,
                                double mass_threshold, absl::Span<const float> scores,
                                absl::Span<const double> pairs, float* estimated_recall,
                                SelectionMode mode = SelectionMode::kTopK,
                                double anchor_threshold = 1.0);
+
+// INVALID_ARGUMENT for a row whose scores SelectRow (or the CUDA path's selection) found NaN or
+// +infinity: q or k holds one.
+absl::Status NonFiniteScoresError(int sequence, int head, int32_t query_block);
+// The first row of `index` whose estimated recall (`recall[RowId(s, h, i)]`) is NaN, as
+// NonFiniteScoresError; OK when there is none.
+absl::Status CheckRowRecalls(const BlockIndex& index, absl::Span<const float> recall);
 
 // The row rule of SelectFromScores for query block `query_block` of a document of `length`
 // tokens at the quantized density `density_q` (QuantizeDensity): SelectRow with the

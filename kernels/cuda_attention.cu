@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "contract/block_geometry.h"
+#include "kernels/block_selection.h"
 #include "kernels/cuda_attention.h"
 #include "kernels/cuda_portable.h"
 

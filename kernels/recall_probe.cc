@@ -164,6 +164,7 @@ absl::StatusOr<RecallProbe> ProbeRecall(const BlockIndex& index, int head_dim,
   if (absl::Status s = ValidateBlockIndex(index); !s.ok()) return s;
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
   if (absl::Status s = ValidateRecallRows(index, rows); !s.ok()) return s;
+  if (absl::Status s = ValidateThreads(threads); !s.ok()) return s;
   const int heads = index.heads;
   const size_t elements = static_cast<size_t>(index.total_tokens()) * heads * head_dim;
   if (absl::Status s = CheckSize("q", q.size(), elements); !s.ok()) return s;

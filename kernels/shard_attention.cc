@@ -149,6 +149,7 @@ absl::Status ValidateChunkCall(const ShardSelection& selection, int head_dim, in
   if (absl::Status s = ValidateShardSelection(selection); !s.ok()) return s;
   if (absl::Status s = ValidateHeadDim(head_dim); !s.ok()) return s;
   if (absl::Status s = ValidateSoftmaxScale(options.softmax_scale); !s.ok()) return s;
+  if (absl::Status s = ValidateThreads(options.threads); !s.ok()) return s;
   if (absl::Status s = ValidateChunk(selection, chunk_begin, chunk_end); !s.ok()) return s;
   const size_t token_floats = static_cast<size_t>(selection.heads) * head_dim;
   if (absl::Status s = CheckSize("q", q.size(), selection.tokens() * token_floats); !s.ok()) {
@@ -308,6 +309,14 @@ absl::StatusOr<ShardSelection> SelectShardBlocks(int32_t document_length, int32_
           absl::MakeSpan(pairs.data(), i + 1), &selection.estimated_recall[row]);
     }
   });
+  for (int h = 0; h < heads; ++h) {
+    for (int32_t il = 0; il < query_blocks; ++il) {
+      const int32_t i = selection.first_block() + il;
+      if (std::isnan(selection.estimated_recall[selection.Row(h, i)])) {
+        return NonFiniteScoresError(0, h, i);  // SelectRow's mark: the one document
+      }
+    }
+  }
   selection.row_ptr.reserve(selection.rows() + 1);
   selection.row_ptr.push_back(0);
   for (const std::vector<int32_t>& row : kept) {

@@ -306,6 +306,38 @@ TEST(BlockSelectionTest, BadInputIsAnErrorNamingTheField) {
   }
 }
 
+// A NaN or an infinity in q or k made the row's block masses NaN: the scores were sorted with a
+// comparison that is no order (undefined behaviour in std::sort) and the estimate read 1.0, a
+// perfect recall, which the worker reported to the planner. Now the first such row is named.
+TEST(BlockSelectionTest, ANanOrInfinityInQOrKIsAnErrorNamingItsRow) {
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    for (const bool in_q : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << bad << (in_q ? " in q" : " in k"));
+      testing::Problem b = testing::MakeProblem({100, 1000}, 2, 64, 43);
+      // Sequence 1, token 600 (its query block 9), head 1.
+      const size_t at = (static_cast<size_t>(100 + 600) * b.heads + 1) * b.head_dim + 5;
+      (in_q ? b.q : b.k)[at] = bad;
+      const std::vector<double> densities = {0.5, 0.1};
+      absl::StatusOr<Selection> sel =
+          SelectBlocks(b.cu, b.heads, b.head_dim, b.q, b.k, densities, SelectionOptions{});
+      EXPECT_EQ(sel.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(sel.status().message(),
+                  HasSubstr("block scores of sequence 1, head 1, query block 9 are NaN"));
+    }
+  }
+  // -infinity is an order like any other score: a block nothing attends to, kept last.
+  testing::Problem b = testing::MakeProblem({1000}, 1, 64, 44);
+  const std::vector<double> densities = {0.1};
+  ASSERT_TRUE(SelectBlocks(b.cu, 1, 64, b.q, b.k, densities, SelectionOptions{}).ok());
+  std::vector<float> scores = {1.0f, -INFINITY, 3.0f, 0.5f, 2.0f};
+  std::vector<double> pairs(scores.size(), 1.0);
+  float recall = 0.0f;
+  const std::vector<int32_t> kept = SelectRow(4, 0, 3, 1.0, scores, pairs, &recall);
+  EXPECT_EQ(kept, (std::vector<int32_t>{0, 2, 4}));
+  EXPECT_GT(recall, 0.0f);
+  EXPECT_LT(recall, 1.0f);
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace sparsebalance

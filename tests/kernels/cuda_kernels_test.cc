@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "contract/block_geometry.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/bf16.h"
@@ -475,6 +476,32 @@ TYPED_TEST(CudaKernelsTest, BadInputIsAnErrorNotACrash) {
                                     typename TypeParam::Stream{})
                 .status()
                 .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The CUDA path's selection keeps its recalls on the device; a NaN in q (a NaN total of a row's
+// masses) read 1.0 there as on the CPU. The download names the row, as the CPU's selection does.
+TYPED_TEST(CudaKernelsTest, ANanInQIsAnErrorWhenTheSelectionIsDownloaded) {
+  const std::vector<int32_t> cu = testing::CuSeqlens({100, 1000});
+  const int heads = 2;
+  const int head_dim = 64;
+  const size_t n = static_cast<size_t>(cu.back()) * heads * head_dim;
+  std::vector<float> values = testing::RandomTensor(n, 45);
+  values[(static_cast<size_t>(100 + 600) * heads + 1) * head_dim + 5] = std::nanf("");
+  const Bf16Tensor q = ToBf16(values), k = ToBf16(testing::RandomTensor(n, 46));
+  typename TypeParam::Buffer dq = this->Upload(q.bits.data(), n * 2),
+                             dk = this->Upload(k.bits.data(), n * 2);
+  absl::StatusOr<typename TypeParam::Selection> on_device = TypeParam::SelectBlocks(
+      cu, heads, head_dim, dq.data(), dk.data(), std::vector<double>{0.5, 0.1}, SelectionOptions{},
+      typename TypeParam::Stream{});
+  ASSERT_TRUE(on_device.ok()) << on_device.status();
+  const absl::StatusOr<Selection> got = on_device->Download();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(got.status().message(),
+              ::testing::HasSubstr("sequence 1, head 1, query block 9 are NaN"));
+  std::vector<int64_t> offsets;
+  std::vector<float> recalls;
+  EXPECT_EQ(on_device->DownloadCounts(&offsets, &recalls, typename TypeParam::Stream{}).code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -231,6 +231,11 @@ TEST(RecallProbeTest, BadInputIsNamed) {
   rows.offsets = {0};
   EXPECT_THAT(ProbeRecall(sel.index, p.head_dim, p.q, p.k, rows).status().message(),
               HasSubstr("offsets"));
+  rows.rows = {5};
+  rows.offsets = {0, 1};
+  EXPECT_THAT(
+      ProbeRecall(sel.index, p.head_dim, p.q, p.k, rows, 0.0f, /*threads=*/-1).status().message(),
+      HasSubstr("threads=-1 must be non-negative"));
   RecallSampling sampling;
   sampling.last_rows = 9;
   EXPECT_THAT(ValidateRecallSampling(sampling).message(), HasSubstr("last_rows=9"));

@@ -541,6 +541,20 @@ TEST(ShardAttentionTest, BadInputIsRefusedNamingTheArgument) {
       MergeAttentionPartial(488, heads, head_dim, out, absl::MakeConstSpan(lse.data(), 3),
                             absl::MakeSpan(out), absl::MakeSpan(lse)),
       "lse_part has");
+  // A negative thread count (it meant every core, as 0 does, where the other kernels refuse it).
+  AttentionOptions negative = Attention();
+  negative.threads = -1;
+  expect_invalid(ShardForwardChunk(*sel, head_dim, q_shard, 0, 256, chunk(0, 256), chunk(0, 256),
+                                   negative, absl::MakeSpan(out), absl::MakeSpan(lse)),
+                 "threads=-1 must be non-negative");
+  // A NaN in the shard's queries: its rows' block scores are NaN, and the selection is refused
+  // naming the first (SelectRow's estimate read 1.0 before).
+  std::vector<float> q_nan(q_shard.begin(), q_shard.end());
+  q_nan[static_cast<size_t>(200) * stride + head_dim + 3] = std::nanf("");  // head 1, block 11
+  expect_invalid(
+      SelectShardBlocks(length, 512, 1000, heads, head_dim, q_nan, *pooled, 0.3, Select(64))
+          .status(),
+      "sequence 0, head 1, query block 11 are NaN");
   // A selection edited out of shape.
   ShardSelection broken = *sel;
   broken.col_idx[broken.row_ptr[1] - 1] = 100;  // beyond query block 8 of row (0, 8)
