@@ -330,9 +330,14 @@ MISMATCH_SCRIPT = textwrap.dedent("""
     lengths = json.loads(sys.argv[2])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    try:  # rank 1 passes another seed
-        sbt.Balancer(sys.argv[1], lengths, seed=rank, capacity=1024, micro_batches=2, layers=1,
-                     heads=2, head_dim=64, tokens_per_step=3400)
+    # Rank 1 passes another seed; or (MISMATCH=room) more tokens a step than the ranks hold,
+    # which overflow="error" refuses on that rank alone.
+    args = dict(seed=rank, tokens_per_step=3400)
+    if os.environ.get("MISMATCH") == "room":
+        args = dict(overflow="error", tokens_per_step=5000 if rank == 1 else 3400)
+    try:
+        sbt.Balancer(sys.argv[1], lengths, capacity=1024, micro_batches=2, layers=1, heads=2,
+                     head_dim=64, **args)
         print(json.dumps({"error": None}))
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
@@ -346,6 +351,18 @@ def test_ranks_with_different_seeds_all_raise(planner, tmp_path):
     results = _run_ranks(MISMATCH_SCRIPT, 2, planner, tmp_path)
     for r in results:
         assert r["error"] and "not the same on every rank" in r["error"], r
+
+
+def test_a_rank_refusing_its_arguments_at_start_stops_every_rank(planner, tmp_path,
+                                                                 monkeypatch):
+    # Rank 1's tokens_per_step does not fit the ranks under overflow="error". It raised alone,
+    # and rank 0 went on into the next collective of the start-up and waited there for it (a
+    # hang until gloo's timeout, or a crash when rank 1's process left). The same check decides
+    # max_shards, which UpdateJobConfig can change while the ranks join. Now both raise.
+    monkeypatch.setenv("MISMATCH", "room")
+    results = _run_ranks(MISMATCH_SCRIPT, 2, planner, tmp_path, timeout=90)
+    assert "tokens_per_step: 5000 tokens a step do not fit 2 ranks" in results[1]["error"], results
+    assert "another rank refused the job's config" in results[0]["error"], results
 
 
 NODE_SCRIPT = textwrap.dedent("""

@@ -378,22 +378,38 @@ class Balancer:
                 options.scatter_plans = node.scatter
         self._c = _C.Balancer.start(options)
         self.config = self._c.config
-        if self.config.max_shards > 1:
-            # A split document's shards need the key/value exchange between ranks, which only
-            # sb-worker runs so far; running a shard as a whole document would train it twice.
-            self._c.finish(0)
-            raise ValueError(f"max_shards: {self.config.max_shards}: sparsebalance.torch does "
-                             "not run documents split over ranks yet (sb-worker does); use "
-                             "max_shards=1")
+        # What this rank refuses of the job's config and its own arguments. Every rank checks,
+        # then all learn whether any refused (one collective), so that they raise together: a
+        # rank raising alone left the others waiting in the next collective, a hang until the
+        # process group's timeout. The job's config can differ between ranks when
+        # UpdateJobConfig changes it while they join.
+        problem = None
         capacity = self.config.micro_batch_capacity
         room = self.world * self.config.micro_batches * capacity
         if tokens_per_step is None:
             tokens_per_step = int(fill * room)
-        if tokens_per_step > room and self.config.overflow == _C.OverflowPolicy.ERROR:
+        if self.config.max_shards > 1:
+            # A split document's shards need the key/value exchange between ranks, which only
+            # sb-worker runs so far; running a shard as a whole document would train it twice.
+            problem = ValueError(f"max_shards: {self.config.max_shards}: sparsebalance.torch "
+                                 "does not run documents split over ranks yet (sb-worker does); "
+                                 "use max_shards=1")
+        elif tokens_per_step > room and self.config.overflow == _C.OverflowPolicy.ERROR:
+            problem = ValueError(f"tokens_per_step: {tokens_per_step} tokens a step do not fit "
+                                 f"{self.world} ranks x {self.config.micro_batches} micro-batches "
+                                 f"x {capacity} tokens = {room}; lower it, or overflow=\"defer\"")
+        else:
+            try:
+                self.sampler = GlobalBatchSampler(lengths, seed=seed,
+                                                  tokens_per_step=tokens_per_step,
+                                                  max_length=capacity)
+            except ValueError as e:
+                problem = e
+        if self._any_rank(problem is not None):
             self._c.finish(0)
-            raise ValueError(f"tokens_per_step: {tokens_per_step} tokens a step do not fit "
-                             f"{self.world} ranks x {self.config.micro_batches} micro-batches x "
-                             f"{capacity} tokens = {room}; lower it, or overflow=\"defer\"")
+            raise problem or ValueError(
+                "another rank refused the job's config or its own arguments at start (its error "
+                "says which); this rank stops with it")
         if tokens_per_step >= room:
             # Under defer, what a step defers goes ahead of the next step's batch: with at least
             # as many tokens drawn a step as the ranks hold, the carried documents only pile up
@@ -401,12 +417,6 @@ class Balancer:
             self._warn(f"tokens_per_step: {tokens_per_step} tokens a step, at least the "
                        f"{room} the ranks hold: the documents each step defers pile up and some "
                        "may never be trained; lower it (or fill) below the room")
-        try:
-            self.sampler = GlobalBatchSampler(lengths, seed=seed, tokens_per_step=tokens_per_step,
-                                              max_length=capacity)
-        except ValueError:
-            self._c.finish(0)
-            raise
         if self.world > 1:
             self._check_ranks_draw_alike()
         self.lengths = self.sampler.lengths
