@@ -153,6 +153,8 @@ bool IsUnreachable(const absl::Status& status) {
 }
 
 bool IsTransient(const absl::Status& status) {
+  // Refused until the job's files shrink: the same call made again is refused again.
+  if (IsJobStateQuota(status)) return false;
   switch (status.code()) {
     case absl::StatusCode::kResourceExhausted:
     case absl::StatusCode::kInternal:

@@ -174,7 +174,10 @@ bool IsUnreachable(const absl::Status& status);
 // ABORTED or CANCELLED on its side. A TrainerSession then plans locally and keeps a report for
 // later, as while the planner is away. Not the answers about the call itself (INVALID_ARGUMENT,
 // NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE, PERMISSION_DENIED,
-// UNAUTHENTICATED), a server without the method (UNIMPLEMENTED), or DATA_LOSS.
+// UNAUTHENTICATED), a server without the method (UNIMPLEMENTED), DATA_LOSS, or a job at its
+// bound in the planner's state directory (IsJobStateQuota, proto/wire.h), which lasts until
+// someone acts: a TrainerSession then plans locally without sending the refused batch again, and
+// drops a report so refused (dropped_reports()) instead of keeping it.
 bool IsTransient(const absl::Status& status);
 
 }  // namespace sparsebalance

@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "planner/planner.h"
+#include "proto/wire.h"
 
 namespace sparsebalance {
 namespace {
@@ -17,11 +18,14 @@ namespace {
 // failed the client's checks, INTERNAL), a stored step of it is damaged (DATA_LOSS), or it has
 // no plan of this step to give (FAILED_PRECONDITION: a step out of order, skipped by a local
 // steps' resubmission, or older than its history), which the coordinator then resubmits as
-// planned locally. Returned: INVALID_ARGUMENT (the batch), ALREADY_EXISTS (another batch for a
-// planned step), NOT_FOUND (the job), UNAUTHENTICATED and PERMISSION_DENIED (the token),
-// UNIMPLEMENTED (not a planner) and OUT_OF_RANGE: they must be fixed.
+// planned locally, or the job is at its bound in the planner's state directory (IsJobStateQuota:
+// the trainer trains on, and the planner takes its steps again once it has room). Returned:
+// INVALID_ARGUMENT (the batch), ALREADY_EXISTS (another batch for a planned step), NOT_FOUND (the
+// job), UNAUTHENTICATED and PERMISSION_DENIED (the token), UNIMPLEMENTED (not a planner) and
+// OUT_OF_RANGE: they must be fixed.
 bool PlansLocallyOn(const absl::Status& error) {
-  return IsTransient(error) || error.code() == absl::StatusCode::kDataLoss ||
+  return IsTransient(error) || IsJobStateQuota(error) ||
+         error.code() == absl::StatusCode::kDataLoss ||
          error.code() == absl::StatusCode::kFailedPrecondition;
 }
 
@@ -119,6 +123,15 @@ absl::Status TrainerSession::ResubmitLocalSteps() {
     // report refused for such a reason does (the bounded queue drops the oldest). Any other
     // answer is final (e.g. the step left the planner's history): go on without it.
     if (!sent.ok() && IsTransient(sent.status())) return sent.status();
+    // The job at its bound in the planner's state directory: every queued batch would be refused
+    // alike, now and at every later try until someone makes room. They go, and the refusal is
+    // returned so that Plan falls back without a SubmitBatch of its own step: one refused call a
+    // step, not one per queued batch. Once the planner has room, the next step's resubmitted
+    // batch (planned_locally) moves it past the steps it never saw.
+    if (!sent.ok() && IsJobStateQuota(sent.status())) {
+      local_batches_.clear();
+      return sent.status();
+    }
     local_batches_.pop_front();
   }
   return absl::OkStatus();
@@ -243,13 +256,16 @@ absl::Status TrainerSession::FlushPending() {
       return absl::OkStatus();
     }
     // Anything else refuses the report itself (INVALID_ARGUMENT, ALREADY_EXISTS; the step left
-    // the planner's history, or a step the planner skipped): it cannot succeed later either, so
-    // drop it, say so, and go on.
+    // the planner's history, or a step the planner skipped) or will be refused again when sent
+    // again (the job at its bound in the planner's state directory, IsJobStateQuota): drop it,
+    // say so, and go on.
     if (!sent.ok()) {
       ++dropped_reports_;
       if (dropped.ok()) {
-        dropped = absl::Status(
-            sent.status().code(),
+        // With the refusal's reason (WithMessage): a report dropped at the job's bound must not
+        // read as the planner being busy (IsTransient) to the caller.
+        dropped = WithMessage(
+            sent.status(),
             absl::StrCat(r.rank == rank_ ? "" : absl::StrCat("rank ", r.rank, "'s "),
                          "report of step ", r.step, " dropped: ", sent.status().message()));
       }
@@ -261,10 +277,14 @@ absl::Status TrainerSession::FlushPending() {
 
 absl::Status TrainerSession::Flush() {
   if (absl::Status s = CheckClient(); !s.ok()) return s;
+  absl::Status resubmitted;
   if (coordinator_) {
-    if (absl::Status s = ResubmitLocalSteps(); !s.ok()) return s;
+    resubmitted = ResubmitLocalSteps();
+    // Refused at the job's bound, the batches are dropped: the reports go on (those that fit).
+    if (!resubmitted.ok() && !IsJobStateQuota(resubmitted)) return resubmitted;
   }
-  return FlushPending();
+  absl::Status flushed = FlushPending();
+  return flushed.ok() ? resubmitted : flushed;
 }
 
 absl::Status TrainerSession::Report(int64_t step,

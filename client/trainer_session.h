@@ -50,7 +50,9 @@ class TrainerSession {
   // planner unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) or busy (RESOURCE_EXHAUSTED), failing
   // (INTERNAL, UNKNOWN, ABORTED, CANCELLED, DATA_LOSS; INTERNAL also for a plan of another rank
   // or step), or without a plan of the step (FAILED_PRECONDITION: out of order, skipped, older
-  // than its history). Errors of the trainer's input (INVALID_ARGUMENT: a bad batch;
+  // than its history), or at the job's bound in its state directory (IsJobStateQuota: the
+  // coordinator tries once a step, resubmitting the last local step's batch, until the planner
+  // has room). Errors of the trainer's input (INVALID_ARGUMENT: a bad batch;
   // ALREADY_EXISTS: another batch for a planned step; NOT_FOUND: the job; UNAUTHENTICATED,
   // PERMISSION_DENIED: the token) are returned: they would fail locally too, or must be fixed;
   // FAILED_PRECONDITION when the planner's plan names a sample that `batch` lacks or differs
@@ -94,8 +96,9 @@ class TrainerSession {
   // Reports this rank's timings; while the planner is away, or refuses reports for a reason of
   // its own (IsTransient: RESOURCE_EXHAUSTED, INTERNAL, UNKNOWN, ABORTED, CANCELLED), reports
   // are kept (bounded: the oldest go first) and sent, in order, before the next report. A report
-  // the planner refuses for its content (INVALID_ARGUMENT, ALREADY_EXISTS, ...) is dropped and
-  // its error returned.
+  // the planner refuses for its content (INVALID_ARGUMENT, ALREADY_EXISTS, ...) or at the job's
+  // bound in its state directory (IsJobStateQuota: sent again, it would be refused again) is
+  // dropped and its error returned.
   absl::Status Report(int64_t step, const std::vector<MicroBatchTiming>& micro_batches,
                       double wait_seconds);
   // Reports of other ranks too (each RankStepReport names its rank), e.g. the reports of this
@@ -106,7 +109,8 @@ class TrainerSession {
   // Sends what is buffered now (e.g. at the end of training): the coordinator's locally
   // planned steps, then the reports. The planner's error while it is still away or busy
   // (IsTransient; everything stays buffered); reports of steps the coordinator has not
-  // resubmitted yet stay too.
+  // resubmitted yet stay too. A refusal at the job's bound in the planner's state directory
+  // (IsJobStateQuota) drops the queued batches and the refused reports, and is returned.
   absl::Status Flush();
   size_t buffered_reports() const { return pending_.size(); }
   // Batches of locally planned steps the coordinator has not told the planner about yet.

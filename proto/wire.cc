@@ -715,6 +715,11 @@ std::string ErrorReason(const absl::Status& status) {
   return reason.has_value() ? std::string(*reason) : std::string();
 }
 
+bool IsJobStateQuota(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kResourceExhausted &&
+         ErrorReason(status) == kReasonJobStateQuota;
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl and gRPC share the canonical code numbers.

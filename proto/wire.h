@@ -158,6 +158,13 @@ absl::StatusOr<std::vector<MicroBatchPlan>> MicroBatchesFromProto(const v1::Rank
 inline constexpr char kReasonStateDirFailure[] = "STATE_DIR_FAILURE";
 // A ReportSteps stream refused at the planner's --max_report_streams: report by ReportStep.
 inline constexpr char kReasonReportStreamsFull[] = "REPORT_STREAMS_FULL";
+// A write refused because it would take one job's files in --state_dir past the planner's
+// --max_job_state_mb (RESOURCE_EXHAUSTED). Unlike the planner being busy it does not pass by
+// itself: clients do not retry the call (IsTransient is false for it).
+inline constexpr char kReasonJobStateQuota[] = "JOB_STATE_QUOTA";
+// True for such a refusal (RESOURCE_EXHAUSTED with the reason kReasonJobStateQuota). The job's
+// history must be pruned (UpdateJobConfig history_steps), the job deleted, or the bound raised.
+bool IsJobStateQuota(const absl::Status& status);
 // The most reports one ReportStepBatch call may carry, and ranks one GetRankPlans may ask for.
 inline constexpr int kMaxBatchReports = 1024;
 inline constexpr int kMaxBatchRanks = 1024;

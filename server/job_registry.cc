@@ -650,6 +650,11 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
         "step: ", step, " would skip ", skipped, " steps after step ", job->next_step - 1,
         "; a planned_locally submit may skip at most ", options_.max_skipped_steps));
   }
+  // A job at its bound in the state directory is refused before the planning, which its record
+  // could not be stored from (SaveStep refuses a record past the bound in any case).
+  if (options_.store != nullptr) {
+    if (absl::Status s = options_.store->CheckJobRoom(job_id); !s.ok()) return s;
+  }
   PlanPhaseSeconds phases{};
   absl::StatusOr<StepPlan> plan =
       planned_locally
@@ -1151,7 +1156,7 @@ absl::StatusOr<JobSettings> JobRegistry::UpdateJobConfig(const std::string& job_
   return next;
 }
 
-JobView JobRegistry::View(const std::string& id, const Job& job) {
+JobView JobRegistry::View(const std::string& id, const Job& job) const {
   JobView v;
   v.job_id = id;
   v.name = job.name;
@@ -1171,6 +1176,7 @@ JobView JobRegistry::View(const std::string& id, const Job& job) {
   v.unfolded_steps = job.unfolded_steps;
   v.failure = job.fold_failure;
   v.hosts = job.hosts;
+  if (options_.store != nullptr) v.state_bytes = options_.store->JobBytes(id);
   return v;
 }
 

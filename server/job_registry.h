@@ -19,6 +19,15 @@
 // writer can bring it back; on Restore a job whose files are invalid is quarantined and listed
 // as failed while every other job is served; a store failure (disk full, read-only) carries
 // the reason kReasonStateDirFailure and is reported through Options::on_store_failure.
+//
+// Per-job bound on the state directory (the store's max_job_bytes, plan_store.h): a new step
+// or report that would take the job's files past it is RESOURCE_EXHAUSTED with the reason
+// kReasonJobStateQuota, for that job alone and never a store failure (health stays SERVING).
+// Nothing of the call is kept; everything acknowledged before stays, on disk and in memory. The
+// job can still join ranks, fetch the plans it has, repeat a submitted batch, report what fits
+// and change its config; a SubmitBatch is refused before it is planned once the job is at its
+// bound. Room comes back when the history is trimmed (UpdateJobConfig with a smaller
+// history_steps drops the oldest steps at once) or the job is deleted.
 #ifndef SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
 #define SPARSEBALANCE_SERVER_JOB_REGISTRY_H_
 
@@ -128,6 +137,8 @@ struct JobView {
   int64_t unfolded_steps = 0;  // fully reported steps that could not be folded (kept)
   // Host name per rank, as JoinJob gave it ("" unknown); null for a failed job.
   std::shared_ptr<const std::vector<std::string>> hosts;
+  // Bytes its files take in the state directory (PlanStore::JobBytes); 0 without a store.
+  int64_t state_bytes = 0;
 };
 
 // A latency model's learned key/value exchange rate in bytes per second (0 when it has none).
@@ -438,7 +449,8 @@ class JobRegistry {
   absl::Status SaveJob(const std::string& id, const Job& job, bool sync = true) const
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
-  static JobView View(const std::string& id, const Job& job) ABSL_SHARED_LOCKS_REQUIRED(job.mu);
+  // The job's view, with its bytes in the store.
+  JobView View(const std::string& id, const Job& job) const ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   // Options::now in nanoseconds since its epoch.
   int64_t NowNanos() const;
   // DeleteJob of a live job; with `idle_before_ns`, only if its last activity is before it

@@ -43,6 +43,18 @@ ABSL_FLAG(bool, fsync_reports, false,
           "also fsync every report before acknowledging it (survives machine crashes, not just "
           "planner crashes; costs a disk flush per report, or per step's reports in one "
           "ReportStepBatch call)");
+ABSL_FLAG(int, max_job_state_mb, 8192,
+          "MiB one job's files may take in --state_dir, 0-16777216 (0: no bound). A new step or "
+          "report past it is refused with RESOURCE_EXHAUSTED (reason JOB_STATE_QUOTA) for that "
+          "job alone: it keeps what it stored, other jobs and health are untouched; lower its "
+          "history (UpdateJobConfig history_steps) or delete it to make room. A job keeps "
+          "history_steps + 1 step records (about 38 bytes a sample; 280 with per-layer densities "
+          "at 32 layers) and history_steps steps of reports (about 100 bytes a rank, and 16 a "
+          "document whose recall is measured). The default holds, twice over, a job at "
+          "--max_samples (2^20 samples over 65,536 ranks) with the default history of 64 steps "
+          "(about 3.8 GiB), or one of 16,384 samples over 1,024 ranks with the largest history, "
+          "4,096 steps (about 3.7 GiB); a job at both limits (about 240 GiB) fits no volume. "
+          "Keep it under the volume's size, so that no job can fill it for the others");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9151",
           "IP:port of the Prometheus endpoint /metrics: IPv4 or [IPv6], port 1-65535 (0 picks a "
           "free port)");
@@ -327,8 +339,16 @@ int Main(int argc, char** argv) {
   if (!credentials.ok()) tools::Fatal(credentials.status().message(), tools::kExitUsage);
 
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  // MiB, so that an int holds any bound a disk may need (16 TiB at most).
+  const int max_job_state_mb = absl::GetFlag(FLAGS_max_job_state_mb);
+  if (max_job_state_mb < 0 || max_job_state_mb > (1 << 24)) {
+    tools::Fatal(absl::StrCat("--max_job_state_mb=", max_job_state_mb,
+                              " is outside [0, 16777216]; 0 leaves jobs unbounded"),
+                 tools::kExitUsage);
+  }
+  const int64_t max_job_state_bytes = int64_t{max_job_state_mb} << 20;
   absl::StatusOr<std::unique_ptr<PlanStore>> store =
-      PlanStore::Open(state_dir, absl::GetFlag(FLAGS_fsync_reports));
+      PlanStore::Open(state_dir, absl::GetFlag(FLAGS_fsync_reports), max_job_state_bytes);
   if (!store.ok()) {
     tools::Fatal(absl::StrCat("--state_dir=", state_dir, ": ", store.status().message()),
                  tools::kExitUsage);
@@ -409,6 +429,11 @@ int Main(int argc, char** argv) {
     return 1;
   }
   exposer->RegisterCollectable(metrics_registry);
+  metrics.SetJobStateLimit(max_job_state_bytes);
+  // Each job's bytes in --state_dir as its writes change them (the restored ones are set below).
+  (*store)->set_job_bytes_observer([&metrics](const std::string& job_id, int64_t bytes) {
+    metrics.SetJobStateBytes(job_id, bytes);
+  });
 
   // Health follows the state directory (StateDirHealth); its probes start once the servers do,
   // and a store failure before that only marks the directory for the first probe.
@@ -457,7 +482,10 @@ int Main(int argc, char** argv) {
               << std::endl;
   }
   metrics.SetFailedJobs(static_cast<int>(failed_jobs.size()));
-  for (const std::string& job_id : registry.job_ids()) metrics.AddJob(job_id);
+  for (const std::string& job_id : registry.job_ids()) {
+    metrics.AddJob(job_id);
+    metrics.SetJobStateBytes(job_id, (*store)->JobBytes(job_id));
+  }
   const size_t jobs = static_cast<size_t>(registry.job_count());
   PlannerServiceImpl::Options service_options;
   service_options.admin_token = admin_token;

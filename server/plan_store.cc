@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "google/protobuf/arena.h"
+#include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl.h"
 #include "planner/plan_threads.h"
 #include "server/crc32c.h"
@@ -132,15 +133,19 @@ enum class Durability {
 // `durability` asks. A failed write removes its temporary file (on a full disk it holds space).
 // `write` writes the contents at the start of `fd` and returns 0 or an errno. With `spare`, a
 // file of that path (in `dir`) becomes the temporary file when there is one, written over and
-// cut to its new length instead of created (kSpareStepName).
+// cut to its new length instead of created (kSpareStepName); `*spare_bytes` (when given) then
+// receives its size, else 0: it is gone from its place whether the write succeeds or not.
 absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
                               Durability durability, const std::string* spare,
-                              absl::FunctionRef<int(int fd)> write) {
+                              absl::FunctionRef<int(int fd)> write,
+                              int64_t* spare_bytes = nullptr) {
   const std::string tmp = absl::StrCat(path, kTmpSuffix);
   int fd = -1;
   struct stat st;
+  if (spare_bytes != nullptr) *spare_bytes = 0;
   if (spare != nullptr && lstat(spare->c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
       rename(spare->c_str(), tmp.c_str()) == 0) {
+    if (spare_bytes != nullptr) *spare_bytes = static_cast<int64_t>(st.st_size);
     fd = open(tmp.c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) unlink(tmp.c_str());  // replaced in between: start afresh
   }
@@ -169,6 +174,13 @@ absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
                               absl::string_view bytes, Durability durability) {
   return WriteFileDurably(dir, path, durability, /*spare=*/nullptr,
                           [&](int fd) { return WriteAllOrErrno(fd, bytes); });
+}
+
+// The size of the regular file at `path` (never following a symlink); 0 when there is none.
+int64_t FileBytes(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+  return static_cast<int64_t>(st.st_size);
 }
 
 // fstat of the open file `fd` (at `path`); on failure `fd` is closed.
@@ -413,6 +425,22 @@ bool IsStoreFailure(const absl::Status& status) {
   return ErrorReason(status) == kReasonStateDirFailure;
 }
 
+absl::Status JobStateQuota(absl::string_view job_id, int64_t job_bytes, absl::string_view write,
+                           int64_t max_job_bytes) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  const std::string flag = max_job_bytes % kMiB == 0
+                               ? absl::StrCat("--max_job_state_mb=", max_job_bytes / kMiB)
+                               : std::string("--max_job_state_mb");
+  return WithErrorReason(
+      absl::ResourceExhaustedError(absl::StrCat(
+          "job \"", Quoted(job_id), "\" keeps ", job_bytes, " bytes in the state directory; ",
+          write, " would take it past its bound of ", max_job_bytes, " bytes (", flag,
+          "): refused for this job alone, what it stored is kept. Make room by lowering its "
+          "history (UpdateJobConfig history_steps) or deleting the job, or raise "
+          "--max_job_state_mb")),
+      kReasonJobStateQuota);
+}
+
 bool IsValidJobId(absl::string_view id) {
   if (id.size() < 8 || id.size() > 64 || id == kQuarantine) return false;
   return std::all_of(id.begin(), id.end(),
@@ -420,9 +448,14 @@ bool IsValidJobId(absl::string_view id) {
 }
 
 absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& dir,
-                                                           bool fsync_reports) {
+                                                           bool fsync_reports,
+                                                           int64_t max_job_bytes) {
   if (dir.empty()) {
     return absl::InvalidArgumentError("state_dir: empty; pass a writable directory");
+  }
+  if (max_job_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_job_bytes: ", max_job_bytes, " is negative; 0 leaves jobs unbounded"));
   }
   if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
     return IoFailure("cannot create", dir, errno);
@@ -440,7 +473,7 @@ absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& di
       chmod(dir.c_str(), st.st_mode & (S_IRWXU | S_ISVTX)) != 0) {
     return IoFailure("cannot make private (chmod 0700)", dir, errno);
   }
-  std::unique_ptr<PlanStore> store(new PlanStore(dir, fsync_reports));
+  std::unique_ptr<PlanStore> store(new PlanStore(dir, fsync_reports, max_job_bytes));
   if (absl::Status s = store->CheckWritable(); !s.ok()) {
     return WithMore(s, absl::StrCat(" (sb-planner writes its state in ", dir,
                                     ": it must be a writable directory)"));
@@ -493,6 +526,47 @@ std::string PlanStore::JobDir(const std::string& job_id) const {
   return absl::StrCat(dir_, "/", job_id);
 }
 
+int64_t PlanStore::JobBytes(const std::string& job_id) const {
+  absl::MutexLock lock(&bytes_mu_);
+  const auto it = job_bytes_.find(job_id);
+  return it == job_bytes_.end() ? 0 : it->second;
+}
+
+absl::Status PlanStore::CheckJobRoom(const std::string& job_id) const {
+  if (max_job_bytes_ == 0) return absl::OkStatus();
+  const int64_t bytes = JobBytes(job_id);
+  if (bytes < max_job_bytes_) return absl::OkStatus();
+  return JobStateQuota(job_id, bytes, "a new step", max_job_bytes_);
+}
+
+absl::Status PlanStore::ReserveBytes(const std::string& job_id, int64_t bytes,
+                                     absl::string_view write) {
+  absl::MutexLock lock(&bytes_mu_);
+  const auto it = job_bytes_.find(job_id);
+  if (it == job_bytes_.end()) return absl::OkStatus();
+  if (bytes > 0 && max_job_bytes_ > 0 && it->second + bytes > max_job_bytes_) {
+    return JobStateQuota(job_id, it->second, absl::StrCat(write, " (", bytes, " bytes more)"),
+                         max_job_bytes_);
+  }
+  it->second += bytes;
+  if (bytes != 0 && job_bytes_observer_) job_bytes_observer_(job_id, it->second);
+  return absl::OkStatus();
+}
+
+void PlanStore::AddBytes(const std::string& job_id, int64_t delta) {
+  if (delta == 0) return;
+  absl::MutexLock lock(&bytes_mu_);
+  const auto it = job_bytes_.find(job_id);
+  if (it == job_bytes_.end()) return;
+  it->second += delta;
+  if (job_bytes_observer_) job_bytes_observer_(job_id, it->second);
+}
+
+void PlanStore::ForgetBytes(const std::string& job_id) {
+  absl::MutexLock lock(&bytes_mu_);
+  job_bytes_.erase(job_id);
+}
+
 absl::Status PlanStore::CreateJob(const StoredJob& job) {
   if (absl::Status s = CheckJobId(job.job_id); !s.ok()) return s;
   const std::string job_dir = JobDir(job.job_id);
@@ -503,10 +577,17 @@ absl::Status PlanStore::CreateJob(const StoredJob& job) {
     }
     return IoFailure("cannot create", job_dir, errno);
   }
-  absl::Status status = WriteFileDurably(job_dir, job_dir + "/job.pb",
-                                         EncodeJob(job).SerializeAsString(), Durability::kDurable);
+  const std::string snapshot = EncodeJob(job).SerializeAsString();
+  absl::Status status =
+      WriteFileDurably(job_dir, job_dir + "/job.pb", snapshot, Durability::kDurable);
   if (status.ok()) status = SyncDir(dir_);
-  if (!status.ok()) RemoveTree(dir_, job.job_id).IgnoreError();  // not half a job
+  if (!status.ok()) {
+    RemoveTree(dir_, job.job_id).IgnoreError();  // not half a job
+    return status;
+  }
+  absl::MutexLock lock(&bytes_mu_);
+  job_bytes_[job.job_id] = static_cast<int64_t>(snapshot.size());
+  if (job_bytes_observer_) job_bytes_observer_(job.job_id, job_bytes_[job.job_id]);
   return status;
 }
 
@@ -516,10 +597,14 @@ absl::Status PlanStore::SaveJob(const StoredJob& job, bool sync) {
   // Its data synced even without `sync`: a job.pb renamed into place but never written (a
   // machine crash after a submit) quarantined the whole job at restart, its synced step records
   // with it. The folder is synced with `sync` only: until it is, a crash leaves the previous
-  // snapshot, which restore brings up to date from the step records and report logs.
+  // snapshot, which restore brings up to date from the step records and report logs. Counted,
+  // never refused: its size follows the job's config, not what callers send.
+  const std::string path = job_dir + "/job.pb";
+  const int64_t before = FileBytes(path);
   absl::Status status =
-      WriteFileDurably(job_dir, job_dir + "/job.pb", EncodeJob(job).SerializeAsString(),
+      WriteFileDurably(job_dir, path, EncodeJob(job).SerializeAsString(),
                        sync || fsync_reports_ ? Durability::kDurable : Durability::kWholeFile);
+  AddBytes(job.job_id, FileBytes(path) - before);
   if (!status.ok() && IsGone(job_dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job.job_id, " has no folder in ", dir_, " (deleted): not saved"));
@@ -538,15 +623,38 @@ absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
   EncodeStep(step, batch, plan, folded, layer_recall, record);
   const std::string job_dir = JobDir(job_id);
   const std::string spare = SparePath(job_dir);
+  const std::string path = StepPath(job_dir, step, ".pb");
+  // What the job's files will hold after the write: this record, in place of the record it
+  // replaces (a step switched to its local plan) and of the spare it is written over. Counted
+  // before the write, so that a refused one writes nothing.
+  const int64_t record_bytes = static_cast<int64_t>(record->ByteSizeLong());
+  const int64_t replaced = FileBytes(path);
+  const int64_t expected = record_bytes - replaced - FileBytes(spare);
+  if (absl::Status s = ReserveBytes(job_id, expected, absl::StrCat("step ", step, "'s record"));
+      !s.ok()) {
+    return s;
+  }
   // Serialized straight into the file (into a spare's cached pages when there is one): a
-  // string of the whole record would be megabytes of new pages a step.
+  // string of the whole record would be megabytes of new pages a step. Its sizes were computed
+  // above (ByteSizeLong) and are not computed again.
+  int64_t spare_taken = 0;
   absl::Status status = WriteFileDurably(
-      job_dir, StepPath(job_dir, step, ".pb"), Durability::kDurable, &spare, [&](int fd) {
+      job_dir, path, Durability::kDurable, &spare,
+      [&](int fd) {
         google::protobuf::io::FileOutputStream out(fd, kStreamBufferBytes);
-        const bool ok = record->SerializeToZeroCopyStream(&out) && out.Flush();
+        bool ok = false;
+        {
+          google::protobuf::io::CodedOutputStream coded(&out);
+          record->SerializeWithCachedSizes(&coded);
+          ok = !coded.HadError();
+        }
+        ok = ok && out.Flush();
         if (ok) return 0;
         return out.GetErrno() != 0 ? out.GetErrno() : EIO;
-      });
+      },
+      &spare_taken);
+  // The files as they are now: the spare went into the write whether it succeeded or not.
+  AddBytes(job_id, (FileBytes(path) - replaced - spare_taken) - expected);
   if (!status.ok() && IsGone(job_dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): step not saved"));
@@ -562,7 +670,7 @@ void PlanStore::CreateReportLog(const std::string& job_id, int64_t step) const {
 }
 
 absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string& job_id,
-                                                              int64_t step) const {
+                                                              int64_t step) {
   const std::string job_dir = JobDir(job_id);
   const std::string path = StepPath(job_dir, step, ".reports");
   // O_NONBLOCK: a FIFO in place of the log fails (ENXIO) instead of blocking; regular files
@@ -603,8 +711,9 @@ absl::StatusOr<PlanStore::ReportLog> PlanStore::OpenReportLog(const std::string&
     for (const state::v1::ReportRecord* report : parsed.reports) {
       framed += EncodeRecord(*report);
     }
-    if (absl::Status s = WriteFileDurably(job_dir, path, framed, Durability::kDurable); !s.ok())
-      return s;
+    absl::Status rewritten = WriteFileDurably(job_dir, path, framed, Durability::kDurable);
+    AddBytes(job_id, FileBytes(path) - static_cast<int64_t>(bytes->size()));
+    if (!rewritten.ok()) return rewritten;
   }
   return open_log();
 }
@@ -636,6 +745,14 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
                                                      "); at most ", kMaxRecordBytes));
     }
   }
+  const int64_t bytes = static_cast<int64_t>(records.size());
+  if (absl::Status s = ReserveBytes(
+          job_id, bytes,
+          absl::StrCat(reports.size() == 1 ? "a report" : absl::StrCat(reports.size(), " reports"),
+                       " of step ", step));
+      !s.ok()) {
+    return s;
+  }
   absl::MutexLock lock(&logs_mu_);
   auto it = report_logs_.find({job_id, step});
   if (it == report_logs_.end()) {
@@ -644,7 +761,10 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
       report_logs_.clear();
     }
     absl::StatusOr<ReportLog> log = OpenReportLog(job_id, step);
-    if (!log.ok()) return log.status();
+    if (!log.ok()) {
+      AddBytes(job_id, -bytes);
+      return log.status();
+    }
     it = report_logs_.emplace(std::make_pair(job_id, step), *log).first;
   }
   ReportLog& log = it->second;
@@ -666,6 +786,11 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
   if (ftruncate(log.fd, log.size) != 0) {
     status = WithMore(status, absl::StrCat("; then cannot cut ", path, " back to ", log.size,
                                            " bytes: ", std::strerror(errno)));
+    // Counted as it is: the part of the records that landed stays in the log.
+    struct stat st;
+    AddBytes(job_id, (fstat(log.fd, &st) == 0 ? st.st_size - log.size : bytes) - bytes);
+  } else {
+    AddBytes(job_id, -bytes);
   }
   close(log.fd);  // reopened (and its size read again) by the next append
   report_logs_.erase(it);
@@ -709,8 +834,10 @@ absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int ran
   absl::StatusOr<struct stat> st = OpenJoinsLog(job_id, O_WRONLY | O_CREAT | O_APPEND, &fd);
   if (!st.ok()) return st.status();
   const int err = WriteAllOrErrno(fd, record);
+  // Counted, never refused: a job's joins.log holds a record per rank at most.
   if (err == 0) {
     close(fd);
+    AddBytes(job_id, static_cast<int64_t>(record.size()));
     return static_cast<int64_t>(st->st_size) + static_cast<int64_t>(record.size());
   }
   absl::Status status = IoFailure("cannot write", path, err);
@@ -718,6 +845,8 @@ absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int ran
   if (ftruncate(fd, st->st_size) != 0) {
     status = WithMore(status, absl::StrCat("; then cannot cut ", path, " back to ", st->st_size,
                                            " bytes: ", std::strerror(errno)));
+    struct stat now;
+    if (fstat(fd, &now) == 0) AddBytes(job_id, now.st_size - st->st_size);
   }
   close(fd);
   return status;
@@ -777,16 +906,26 @@ absl::Status PlanStore::DropStep(const std::string& job_id, int64_t step) {
   // next restart loads and drops again, where a log left without its record was never loaded
   // nor removed.
   const std::string reports = StepPath(job_dir, step, ".reports");
-  if (unlink(reports.c_str()) != 0 && errno != ENOENT) {
-    return IoFailure("cannot remove", reports, errno);
+  const int64_t report_bytes = FileBytes(reports);
+  if (unlink(reports.c_str()) != 0) {
+    if (errno != ENOENT) return IoFailure("cannot remove", reports, errno);
+  } else {
+    AddBytes(job_id, -report_bytes);
   }
   // The record becomes the job's spare (kSpareStepName), to be written over by a later step;
-  // one that cannot be moved there is removed.
+  // one that cannot be moved there is removed. Either way the job holds one record less: the
+  // spare's old one, or this one.
   const std::string record = StepPath(job_dir, step, ".pb");
   const std::string spare = SparePath(job_dir);
-  if (rename(record.c_str(), spare.c_str()) != 0 && errno != ENOENT &&
-      unlink(record.c_str()) != 0 && errno != ENOENT) {
-    return IoFailure("cannot remove", record, errno);
+  const int64_t record_bytes = FileBytes(record);
+  const int64_t spare_bytes = FileBytes(spare);
+  if (rename(record.c_str(), spare.c_str()) == 0) {
+    AddBytes(job_id, -spare_bytes);
+  } else if (errno != ENOENT) {
+    if (unlink(record.c_str()) != 0 && errno != ENOENT) {
+      return IoFailure("cannot remove", record, errno);
+    }
+    AddBytes(job_id, -record_bytes);
   }
   return absl::OkStatus();
 }
@@ -802,13 +941,17 @@ absl::Status PlanStore::RetireJob(const std::string& job_id) {
   {
     absl::MutexLock lock(&logs_mu_);
     CloseReportLogsLocked(job_id, -1);
-    if (IsGone(from)) return absl::OkStatus();
+    if (IsGone(from)) {
+      ForgetBytes(job_id);
+      return absl::OkStatus();
+    }
     // A folder of an earlier job with this id whose removal never finished.
     if (absl::Status s = RemoveTree(dir_, retired_name); !s.ok()) return s;
     const std::string to = absl::StrCat(dir_, "/", retired_name);
     if (rename(from.c_str(), to.c_str()) != 0) {
       return IoFailure(absl::StrCat("cannot rename ", from, " to"), to, errno);
     }
+    ForgetBytes(job_id);  // its files are on their way out
   }
   return SyncDir(dir_);
 }
@@ -849,6 +992,7 @@ absl::Status PlanStore::Quarantine(const std::string& job_id, const std::string&
   if (rename(from.c_str(), to.c_str()) != 0) {
     return IoFailure(absl::StrCat("cannot rename ", from, " to"), to, errno);
   }
+  ForgetBytes(job_id);  // not served: DeleteJob removes its files
   if (absl::Status s = SyncDir(quarantine); !s.ok()) return s;
   return SyncDir(dir_);
 }
@@ -899,11 +1043,18 @@ absl::StatusOr<PlanStore::LoadedStep> PlanStore::LoadStep(const std::string& job
 }
 
 absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_id,
-                                                        PlanThreads* threads) const {
+                                                        PlanThreads* threads,
+                                                        int64_t* bytes_held) const {
   const std::string job_dir = JobDir(job_id);
   absl::StatusOr<std::vector<std::string>> names = ListDir(job_dir);
   if (!names.ok()) return names.status();
   const std::set<std::string> files(names->begin(), names->end());
+  // The job's bytes as each write and removal keeps them from here on: its regular files'
+  // sizes (Open swept the `*.tmp` files a crash left).
+  *bytes_held = 0;
+  for (const std::string& file : files) {
+    *bytes_held += FileBytes(absl::StrCat(job_dir, "/", file));
+  }
   if (files.count("job.pb") == 0) {
     return absl::DataLossError(absl::StrCat(job_dir, "/job.pb is missing"));
   }
@@ -978,9 +1129,12 @@ absl::StatusOr<PlanStore::Loaded> PlanStore::LoadAll(PlanThreads* threads) {
       rmdir(job_dir.c_str());
       continue;
     }
-    absl::StatusOr<LoadedJob> job = LoadJob(id, threads);
+    int64_t bytes = 0;
+    absl::StatusOr<LoadedJob> job = LoadJob(id, threads, &bytes);
     if (job.ok()) {
       loaded.jobs.push_back(*std::move(job));
+      absl::MutexLock lock(&bytes_mu_);
+      job_bytes_[id] = bytes;
       continue;
     }
     const std::string reason(job.status().message());

@@ -38,6 +38,17 @@
 // magic, no crc) are recognised per file, loaded up to their first torn record, and rewritten
 // in the framed format before the first new append to them.
 //
+// Bytes per job: the store counts the bytes each job's files hold (their sizes: step records,
+// report logs, the spare record, job.pb, joins.log), from the files at LoadAll and from each
+// write and removal after it (a stat of the files a call replaces, never a walk of the folder).
+// With a bound (Open's max_job_bytes, sb-planner's --max_job_state_mb), a step record or report
+// append that would take its job past it is refused with JobStateQuota (below), for that job
+// alone: the other jobs, health and what the job stored are untouched. job.pb and joins.log
+// are counted but never refused: their size is bounded by the job's config (its ranks and
+// history), not by what callers send, and refusing them would refuse JoinJob or strand a trimmed
+// step's files. The bound covers the files a job keeps, not a replaced record's temporary copy
+// while it is written.
+//
 // Failures: an I/O failure of the directory is a StoreFailure (below): RESOURCE_EXHAUSTED when
 // the disk or quota is full, INTERNAL otherwise; clients must not retry it. A job whose files do
 // not parse is moved to quarantine/ by LoadAll and listed in Loaded::failed; the other jobs
@@ -55,6 +66,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -85,6 +97,15 @@ class PlanThreads;
 // recognises it by its message.
 absl::Status StoreFailure(absl::StatusCode code, absl::string_view message);
 bool IsStoreFailure(const absl::Status& status);
+
+// A write refused because it would take job `job_id`'s files past the store's bound: code
+// RESOURCE_EXHAUSTED with the reason kReasonJobStateQuota (proto/wire.h), the message naming the
+// job (Quoted), the bytes it keeps, the `write` refused (e.g. "step 7's record (2641 bytes
+// more)") and the bound with its flag, --max_job_state_mb. Never a store failure: the directory
+// is fine, the job is at its bound.
+// (IsJobStateQuota, proto/wire.h, recognises it.)
+absl::Status JobStateQuota(absl::string_view job_id, int64_t job_bytes, absl::string_view write,
+                           int64_t max_job_bytes);
 
 // Job ids the store accepts as folder names: 8 to 64 characters of [0-9a-z]. Anything else is
 // refused before it is used in a path (no '/', '.', '..').
@@ -145,9 +166,11 @@ class PlanStore {
 
   // Opens the state directory: creates it (mode 0700: it holds job tokens), refuses one it
   // cannot write (CheckWritable), removes the `*.tmp` files a crash left in it and in its job
-  // folders, and finishes the removals of retired jobs that a crash interrupted.
-  static absl::StatusOr<std::unique_ptr<PlanStore>> Open(const std::string& dir,
-                                                         bool fsync_reports);
+  // folders, and finishes the removals of retired jobs that a crash interrupted. With
+  // `max_job_bytes` > 0, each job's files are bounded to that many bytes (see "Bytes per job"
+  // above); 0: unbounded (still counted).
+  static absl::StatusOr<std::unique_ptr<PlanStore>> Open(const std::string& dir, bool fsync_reports,
+                                                         int64_t max_job_bytes = 0);
 
   // Creates, writes, fsyncs and removes a probe file in the directory: a store failure when the
   // disk is read-only, full or failing.
@@ -164,14 +187,16 @@ class PlanStore {
   // Writes step `step`'s record (synced): its batch, its whole plan, and whether its reports
   // are folded; with `layer_recall`, the recall model the plan's per-layer densities were
   // computed from (which lets a restarted planner keep the step compact: JobRegistry::Restore).
+  // JobStateQuota when the record would take the job past its bound (nothing written then).
   absl::Status SaveStep(const std::string& job_id, int64_t step, const std::vector<Sample>& batch,
                         const StepPlan& plan, bool folded,
                         const RecallModelState* layer_recall = nullptr);
   // Appends one framed record; on failure the log is cut back to its size before the call.
+  // JobStateQuota when the record would take the job past its bound (nothing written then).
   absl::Status AppendReport(const std::string& job_id, int64_t step, const StoredReport& report);
   // Appends a framed record per report of step `step` in one write (and with --fsync_reports
   // one fsync), e.g. a node's reports that came in one ReportStepBatch call: all or none, the
-  // log cut back to its size before the call on failure.
+  // log cut back to its size before the call on failure; JobStateQuota as AppendReport.
   absl::Status AppendReports(const std::string& job_id, int64_t step,
                              absl::Span<const StoredReport> reports);
   // Records that `rank` joined the job: one framed JoinRecord appended to its joins.log (on
@@ -209,6 +234,21 @@ class PlanStore {
   // steps are loaded on them (plan_threads.h); the answer is the same.
   absl::StatusOr<Loaded> LoadAll(PlanThreads* threads = nullptr);
 
+  // The bytes job `job_id`'s files hold (0 for a job the store does not hold: never created,
+  // retired, quarantined).
+  int64_t JobBytes(const std::string& job_id) const;
+  // OK when job `job_id` has room for a write of its own below its bound; JobStateQuota when it
+  // is at or past it already (a lowered bound at restart, or job.pb and joins.log, which are
+  // never refused, took it there): for refusing a new step before planning it.
+  absl::Status CheckJobRoom(const std::string& job_id) const;
+  int64_t max_job_bytes() const { return max_job_bytes_; }
+  // Called with a job's bytes when CreateJob made it and each time a write or removal changes
+  // them (not at LoadAll, nor when the job is retired or quarantined), under the store's lock of
+  // its counts: keep it short (e.g. set a gauge). Set it before the store is used.
+  void set_job_bytes_observer(std::function<void(const std::string& job_id, int64_t bytes)> f) {
+    job_bytes_observer_ = std::move(f);
+  }
+
   const std::string& dir() const { return dir_; }
   ~PlanStore();
 
@@ -218,16 +258,27 @@ class PlanStore {
     off_t size = 0;  // bytes: where the next record starts
   };
 
-  PlanStore(std::string dir, bool fsync_reports)
-      : dir_(std::move(dir)), fsync_reports_(fsync_reports) {}
+  PlanStore(std::string dir, bool fsync_reports, int64_t max_job_bytes)
+      : dir_(std::move(dir)), fsync_reports_(fsync_reports), max_job_bytes_(max_job_bytes) {}
   std::string JobDir(const std::string& job_id) const;
   // Loads one job folder; an error says why the job cannot be loaded (to quarantine it).
-  absl::StatusOr<LoadedJob> LoadJob(const std::string& job_id, PlanThreads* threads) const;
+  // `*bytes_held` receives the sizes of its files, summed.
+  absl::StatusOr<LoadedJob> LoadJob(const std::string& job_id, PlanThreads* threads,
+                                    int64_t* bytes_held) const;
   // Loads step `step` of the job in `job_dir`: its record, and its report log if it has one.
   absl::StatusOr<LoadedStep> LoadStep(const std::string& job_dir, int64_t step,
                                       bool has_reports) const;
-  // Opens the report log of (job, step) for appending, rewriting a log of the previous format.
-  absl::StatusOr<ReportLog> OpenReportLog(const std::string& job_id, int64_t step) const;
+  // Opens the report log of (job, step) for appending, rewriting a log of the previous format
+  // (and counting the bytes that changed).
+  absl::StatusOr<ReportLog> OpenReportLog(const std::string& job_id, int64_t step);
+  // Counts `bytes` more for job `job_id` when that keeps it within its bound (or `bytes` <= 0,
+  // or there is no bound); JobStateQuota naming `write` otherwise, and nothing counted. A job the
+  // store does not count (retired meanwhile) is let through: its write finds no folder.
+  absl::Status ReserveBytes(const std::string& job_id, int64_t bytes, absl::string_view write);
+  // Adds `delta` to the bytes of a job the store counts (a correction after a write, a removal,
+  // or a write that is never refused).
+  void AddBytes(const std::string& job_id, int64_t delta);
+  void ForgetBytes(const std::string& job_id);
   // Creates the (empty) report log of a step just saved, so that the step's first report opens
   // a file instead of creating one (an inode allocation, tens of microseconds on ext4). Not
   // kept open: nothing holds the file before a report. A failure is left to the first append,
@@ -245,6 +296,12 @@ class PlanStore {
 
   const std::string dir_;
   const bool fsync_reports_;
+  const int64_t max_job_bytes_;  // 0: unbounded
+  std::function<void(const std::string&, int64_t)> job_bytes_observer_;
+  // Bytes per job held (LoadAll, CreateJob), changed by each write and removal. A job's writes
+  // come one at a time from its caller (JobRegistry holds the job's lock).
+  mutable absl::Mutex bytes_mu_;
+  std::map<std::string, int64_t> job_bytes_ ABSL_GUARDED_BY(bytes_mu_);
   // Report logs kept open between appends (an open and a close per report cost as much as the
   // rest of ReportStep): by (job, step), at most kMaxOpenReportLogs. Held across each append,
   // so records of one log never interleave, and across RetireJob and Quarantine, so no log is

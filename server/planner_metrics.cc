@@ -112,6 +112,7 @@ struct PlannerMetrics::JobSeries {
   prometheus::Counter* stragglers = nullptr;
   prometheus::Counter* local_plan_steps = nullptr;
   prometheus::Counter* skipped_steps = nullptr;
+  prometheus::Gauge* state_bytes = nullptr;    // added with the first value
   prometheus::Gauge* exchange_rate = nullptr;  // added with the first rate (no 0 before it)
   std::vector<prometheus::Gauge*> rank_seconds;
   std::vector<prometheus::Gauge*> speed_factors;
@@ -243,6 +244,11 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                               "slowest; median rank 1), with their rank and host, after the last "
                               "fully reported step; --slow_rank_series positions")
                         .Register(*registry_)),
+      job_state_bytes_(prometheus::BuildGauge()
+                           .Name("sparsebalance_job_state_bytes")
+                           .Help("Bytes the job's files take in --state_dir (step records, report "
+                                 "logs, snapshot); writes past --max_job_state_mb are refused")
+                           .Register(*registry_)),
       jobs_(Single(prometheus::BuildGauge(), *registry_, "sparsebalance_jobs",
                    "Jobs this planner holds")),
       state_write_failures_(Single(prometheus::BuildCounter(), *registry_,
@@ -275,7 +281,11 @@ PlannerMetrics::PlannerMetrics(std::shared_ptr<prometheus::Registry> registry, i
                                    "sparsebalance_report_streams_limit",
                                    "ReportSteps streams the planner keeps open at once "
                                    "(--max_report_streams); one more is refused (its client "
-                                   "reports by ReportStep)")) {
+                                   "reports by ReportStep)")),
+      job_state_limit_(Single(prometheus::BuildGauge(), *registry_,
+                              "sparsebalance_job_state_limit_bytes",
+                              "Bytes each job may keep in --state_dir (--max_job_state_mb); a "
+                              "write past it is refused for that job alone. 0: no bound")) {
   state_dir_writable_.Set(1);
   for (int k = 0; k < kPlanPhases; ++k) {
     plan_phase_histograms_[k] =
@@ -474,6 +484,20 @@ void PlannerMetrics::SetStateDirWritable(bool writable) {
 }
 
 void PlannerMetrics::ObserveUnfoldedStep() { unfolded_steps_.Increment(); }
+
+void PlannerMetrics::SetJobStateBytes(const std::string& job_id, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  JobSeries* const series = Series(job_id);
+  if (series == nullptr) return;
+  if (series->state_bytes == nullptr) {
+    series->state_bytes = series->Add(job_state_bytes_, {{"job_id", job_id}});
+  }
+  series->state_bytes->Set(static_cast<double>(bytes));
+}
+
+void PlannerMetrics::SetJobStateLimit(int64_t bytes) {
+  job_state_limit_.Set(static_cast<double>(bytes));
+}
 
 void PlannerMetrics::SetJobs(int jobs) { jobs_.Set(jobs); }
 

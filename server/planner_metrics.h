@@ -61,6 +61,10 @@ class PlannerMetrics {
   void ObserveStateWriteFailure();
   // Whether the last probe of --state_dir could write it (health follows it).
   void SetStateDirWritable(bool writable);
+  // The bytes a job's files take in --state_dir (PlanStore::JobBytes), and the bound on them
+  // (--max_job_state_mb in bytes; 0: none), for an alert before a job's writes are refused.
+  void SetJobStateBytes(const std::string& job_id, int64_t bytes);
+  void SetJobStateLimit(int64_t bytes);
   // A fully reported step whose reports could not be folded into the latency model.
   void ObserveUnfoldedStep();
   void SetJobs(int jobs);
@@ -115,6 +119,7 @@ class PlannerMetrics {
   prometheus::Family<prometheus::Gauge>& speed_factor_;
   prometheus::Family<prometheus::Gauge>& exchange_rate_;
   prometheus::Family<prometheus::Gauge>& slowest_rank_;
+  prometheus::Family<prometheus::Gauge>& job_state_bytes_;
   prometheus::Gauge& jobs_;
   prometheus::Counter& state_write_failures_;
   prometheus::Gauge& state_dir_writable_;
@@ -125,6 +130,7 @@ class PlannerMetrics {
   prometheus::Gauge& waiting_calls_limit_;
   prometheus::Gauge& report_streams_;
   prometheus::Gauge& report_streams_limit_;
+  prometheus::Gauge& job_state_limit_;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobSeries>> jobs_series_ ABSL_GUARDED_BY(mu_);

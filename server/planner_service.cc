@@ -107,6 +107,7 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
   out->set_unfolded_steps(view.unfolded_steps);
   out->set_steps_folded(view.steps_folded);
   out->set_exchange_bytes_per_second(view.exchange_bytes_per_second);
+  out->set_state_bytes(view.state_bytes);
   for (const RecallCurveSummary& c : view.recall_curves) {
     v1::RecallCurve* curve = out->add_recall_curves();
     curve->set_bucket(RecallBucketLabel(c.bucket, view.micro_batch_capacity));

@@ -860,6 +860,59 @@ TEST_F(ScriptedPlannerTest, AReportRefusedForNowIsKeptAndOneRefusedForGoodIsDrop
   EXPECT_EQ(session.dropped_reports(), 1);
 }
 
+// A refusal at the job's bound in the planner's state directory (RESOURCE_EXHAUSTED with the
+// reason JOB_STATE_QUOTA) does not pass by itself as the planner being busy does, so it is not
+// retried: the coordinator plans locally with one refused call a step (taken for busy, every
+// local step's batch stayed queued and went again before each new step's own, for ever), and a
+// report so refused is dropped and said (it stayed at the head of the queue and was sent again
+// before every later report, none of which got through).
+TEST_F(ScriptedPlannerTest, ARefusalAtTheJobsStateBoundIsNotSentAgain) {
+  const grpc::Status quota = ToGrpcStatus(WithErrorReason(
+      absl::ResourceExhaustedError("job \"job\" keeps 1048000 bytes in the state directory; step "
+                                   "4's record would take it past its bound of 1048576 bytes "
+                                   "(--max_job_state_mb=1)"),
+      kReasonJobStateQuota));
+  EXPECT_TRUE(IsJobStateQuota(FromGrpcStatus(quota)));
+  EXPECT_FALSE(IsTransient(FromGrpcStatus(quota)));
+  planner_.submit_batch = [quota](const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*) {
+    return quota;
+  };
+  planner_.report_step = [quota](const v1::ReportStepRequest&, v1::ReportStepResponse*) {
+    return quota;
+  };
+  std::unique_ptr<PlannerClient> client = Connect();
+  const PlannerConfig config = Config(2);
+  TrainerSession coordinator(client.get(), 0, /*coordinator=*/true, config);
+  for (int64_t step = 0; step < 4; ++step) {
+    absl::StatusOr<RankStepPlan> plan = coordinator.Plan(step, Batch(5 + step, 2));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->local_fallback) << step;
+    EXPECT_TRUE(IsJobStateQuota(coordinator.fallback_reason())) << coordinator.fallback_reason();
+    EXPECT_EQ(planner_.Calls("SubmitBatch"), step + 1);
+    // Only this step's batch waits, for the planner once it has room (a planned_locally submit
+    // of it moves the planner past the steps it never saw).
+    EXPECT_EQ(coordinator.unsent_local_steps(), 1u) << step;
+  }
+  TrainerSession rank(client.get(), 1, /*coordinator=*/false, config);
+  for (int64_t step = 0; step < 3; ++step) {
+    const absl::Status reported = rank.Report(step, std::vector<MicroBatchTiming>(1), 0.0);
+    EXPECT_TRUE(IsJobStateQuota(reported)) << reported;
+    EXPECT_NE(reported.message().find(absl::StrCat("report of step ", step, " dropped")),
+              absl::string_view::npos)
+        << reported;
+    EXPECT_EQ(rank.buffered_reports(), 0u);
+    EXPECT_EQ(rank.dropped_reports(), step + 1);
+    EXPECT_EQ(planner_.Calls("ReportStep"), step + 1);
+  }
+  // Flush tries the waiting batch once and ends: nothing is left to send again.
+  const absl::Status flushed = coordinator.Flush();
+  EXPECT_TRUE(IsJobStateQuota(flushed)) << flushed;
+  EXPECT_EQ(coordinator.unsent_local_steps(), 0u);
+  EXPECT_EQ(planner_.Calls("SubmitBatch"), 5);
+  EXPECT_TRUE(coordinator.Flush().ok());
+  EXPECT_EQ(planner_.Calls("SubmitBatch"), 5);
+}
+
 // A session made without a client says so on every call that needs it (it dereferenced the
 // null pointer: a crash, e.g. TrainerSession(None, ...) from Python).
 TEST(TrainerSessionWithoutClientTest, ItsCallsAreErrorsNotACrash) {

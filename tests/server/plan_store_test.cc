@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -1589,6 +1590,300 @@ TEST(PlanStoreTest, NothingOutsideTheStateDirIsTouched) {
   EXPECT_FALSE(Exists(dir + "/.deleted-" + kJobB));
   EXPECT_EQ(ReadBytes(outside + "/precious"), "keep me");
   EXPECT_TRUE(Exists(outside + "/job.pb"));
+}
+
+// ---- The bytes each job keeps, and the bound on them ----
+
+// The bytes of the regular files in `dir` (a job's folder), as a walk of it finds them.
+int64_t FolderBytes(const std::string& dir) {
+  int64_t bytes = 0;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    if (std::filesystem::is_regular_file(entry.symlink_status())) {
+      bytes += static_cast<int64_t>(entry.file_size());
+    }
+  }
+  return bytes;
+}
+
+// A job's bytes are the sizes of the files in its folder after every kind of write (create,
+// joins, step records, reports, a step switched to its local plan, snapshots, steps dropped from
+// the history), kept without a walk of the folder; a restart counts the same from the files it
+// finds, and deleting the job ends its count.
+TEST(PlanStoreTest, AJobsBytesAreItsFilesSizesThroughEveryWriteAndARestart) {
+  const std::string dir = TempDir();
+  StoredOptions stored = OptionsWithStore(dir, false);
+  ASSERT_NE(stored.store, nullptr);
+  std::map<std::string, int64_t> observed;  // the observer's last word per job
+  stored.store->set_job_bytes_observer(
+      [&observed](const std::string& job_id, int64_t bytes) { observed[job_id] = bytes; });
+  constexpr int kRanks = 3;
+  std::string id;
+  std::string job_dir;
+  auto counted = [&](const std::string& after) {
+    EXPECT_EQ(stored.store->JobBytes(id), FolderBytes(job_dir)) << "after " << after;
+    EXPECT_EQ(observed[id], stored.store->JobBytes(id)) << "after " << after;
+  };
+  int64_t before_restart = 0;
+  int64_t spare = 0;
+  {
+    JobRegistry registry(stored.options, CountingHex());
+    absl::StatusOr<CreatedJob> job =
+        registry.CreateJob("counted", test_support::SmallJob(kRanks, /*history_steps=*/3), "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    id = job->job_id;
+    job_dir = dir + "/" + id;
+    counted("CreateJob");
+    EXPECT_GT(stored.store->JobBytes(id), 0);
+    for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(registry.JoinJob(id, r).ok());
+    counted("JoinJob");
+    for (int64_t step = 0; step < 6; ++step) {
+      absl::StatusOr<SubmitResult> result =
+          registry.SubmitBatch(id, step, Batch(40 + step, kRanks));
+      ASSERT_TRUE(result.ok()) << result.status();
+      counted(absl::StrCat("SubmitBatch of step ", step));
+      for (int r = 0; r < kRanks; ++r) {
+        ASSERT_TRUE(registry.ReportStep(id, step, r, MeasureRecall(*result->plan, r), 0.0).ok());
+      }
+      counted(absl::StrCat("the reports of step ", step));
+      EXPECT_EQ(registry.GetJob(id)->state_bytes, stored.store->JobBytes(id));
+    }
+    // Step 6 switched to the trainer's local plan before any report: its record is replaced.
+    ASSERT_TRUE(registry.SubmitBatch(id, 6, Batch(50, kRanks)).ok());
+    absl::StatusOr<SubmitResult> local =
+        registry.SubmitBatch(id, 6, Batch(50, kRanks), /*planned_locally=*/true);
+    ASSERT_TRUE(local.ok()) << local.status();
+    ASSERT_TRUE(local->switched_to_local);
+    counted("the switch to the local plan");
+    // A shorter history drops the oldest steps' files at once.
+    const int64_t before_trim = stored.store->JobBytes(id);
+    JobSettings shorter;
+    shorter.history_steps = 1;
+    ASSERT_TRUE(registry.UpdateJobConfig(id, shorter, {"history_steps"}).ok());
+    counted("UpdateJobConfig history_steps 1");
+    EXPECT_LT(stored.store->JobBytes(id), before_trim);
+    before_restart = stored.store->JobBytes(id);
+    spare = FileSize(job_dir + "/spare-step.pb.tmp");
+    ASSERT_GT(spare, 0);  // the last step dropped, kept for the next step to write over
+  }
+  // The restart counts the files it finds: the same bytes, but for the spare record, a
+  // temporary file that Open sweeps.
+  stored.store.reset();
+  StoredOptions reopened = OptionsWithStore(dir, false);
+  ASSERT_NE(reopened.store, nullptr);
+  JobRegistry restored(reopened.options, CountingHex());
+  ASSERT_TRUE(restored.Restore().ok());
+  EXPECT_EQ(reopened.store->JobBytes(id), before_restart - spare);
+  EXPECT_EQ(reopened.store->JobBytes(id), FolderBytes(job_dir));
+  EXPECT_EQ(restored.GetJob(id)->state_bytes, before_restart - spare);
+  ASSERT_TRUE(restored.DeleteJob(id).ok());
+  EXPECT_EQ(reopened.store->JobBytes(id), 0);
+}
+
+// The store's bound, exactly: a report append or step record that would pass it is refused
+// whole (the log keeps its records, nothing of the refused one lands) with RESOURCE_EXHAUSTED
+// and the reason JOB_STATE_QUOTA, never a store failure, naming the job, its bytes and the
+// flag; another job is not held to the first one's bytes. job.pb and joins.log are counted but
+// not refused; a dropped step makes room again.
+TEST(PlanStoreTest, AWritePastTheBoundIsRefusedWholeAndTheJobKeepsWhatItHad) {
+  // One report record's bytes, and a job's with its step 0, measured on an unbounded store.
+  int64_t base = 0;
+  int64_t report = 0;
+  {
+    std::unique_ptr<PlanStore> probe = StoreWithJob(TempDir(), kJobA);
+    ASSERT_NE(probe, nullptr);
+    base = probe->JobBytes(kJobA);
+    ASSERT_TRUE(probe->AppendReport(kJobA, 0, Report(1)).ok());
+    report = probe->JobBytes(kJobA) - base;
+    ASSERT_GT(report, 0);
+  }
+  // Room for step 0 and two reports, and half a report more (reports 1 to 9 are of one size).
+  const int64_t bound = base + 2 * report + report / 2;
+  const std::string dir = TempDir();
+  absl::StatusOr<std::unique_ptr<PlanStore>> opened = PlanStore::Open(dir, false, bound);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  PlanStore& store = **opened;
+  ASSERT_TRUE(store.CreateJob(Snapshot(kJobA)).ok());
+  ASSERT_TRUE(SaveStep(store, kJobA, 0).ok());
+  ASSERT_TRUE(store.CreateJob(Snapshot(kJobB)).ok());
+  ASSERT_TRUE(store.AppendReport(kJobA, 0, Report(1)).ok());
+  ASSERT_TRUE(store.AppendReport(kJobA, 0, Report(2)).ok());
+  const std::string log = dir + "/" + kJobA + "/step-0.reports";
+  const int64_t log_bytes = FileSize(log);
+  const int64_t held = store.JobBytes(kJobA);
+  EXPECT_EQ(held, base + 2 * report);
+
+  // A step record of some hundred samples: larger than the room left.
+  StepPlan plan;
+  plan.deferred_ids = {7};
+  for (const absl::Status& refused :
+       {store.AppendReport(kJobA, 0, Report(3)),
+        store.AppendReports(kJobA, 0, {Report(3), Report(4)}),
+        store.SaveStep(kJobA, 1, Batch(5, 8), plan, /*folded=*/false)}) {
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+    EXPECT_TRUE(IsJobStateQuota(refused)) << refused;
+    EXPECT_FALSE(IsStoreFailure(refused)) << refused;
+    EXPECT_THAT(std::string(refused.message()),
+                ::testing::AllOf(::testing::HasSubstr(
+                                     absl::StrCat("job \"", kJobA, "\" keeps ", held, " bytes")),
+                                 ::testing::HasSubstr(absl::StrCat("bound of ", bound, " bytes")),
+                                 ::testing::HasSubstr("--max_job_state_mb")));
+  }
+  EXPECT_EQ(FileSize(log), log_bytes);
+  EXPECT_FALSE(Exists(dir + "/" + kJobA + "/step-1.pb"));
+  EXPECT_EQ(store.JobBytes(kJobA), held);
+  EXPECT_EQ(store.JobBytes(kJobA), FolderBytes(dir + "/" + kJobA));
+  // Job B has its own bytes: its reports are taken.
+  ASSERT_TRUE(SaveStep(store, kJobB, 0).ok());
+  ASSERT_TRUE(store.AppendReports(kJobB, 0, {Report(1), Report(2)}).ok());
+
+  // The job's snapshot and joins are never refused, even past the bound; a job past it has no
+  // room for a new step at all.
+  StoredJob larger = Snapshot(kJobA);
+  larger.fold_failure = std::string(1000, 'f');
+  ASSERT_TRUE(store.SaveJob(larger).ok());
+  ASSERT_TRUE(store.AppendJoin(kJobA, 1).ok());
+  EXPECT_GT(store.JobBytes(kJobA), bound);
+  EXPECT_EQ(store.JobBytes(kJobA), FolderBytes(dir + "/" + kJobA));
+  EXPECT_TRUE(IsJobStateQuota(store.CheckJobRoom(kJobA)));
+  EXPECT_TRUE(store.CheckJobRoom(kJobB).ok());
+
+  // What it stored loads whole; dropping step 0 makes room for the next step.
+  absl::StatusOr<PlanStore::Loaded> loaded = store.LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 2u);
+  ASSERT_EQ(loaded->jobs[0].steps.size(), 1u);
+  EXPECT_EQ(Ranks(loaded->jobs[0].steps[0]), (std::vector<int>{1, 2}));
+  EXPECT_EQ(loaded->jobs[0].steps[0].skipped_bytes, 0);
+  ASSERT_TRUE(store.SaveJob(Snapshot(kJobA)).ok());
+  ASSERT_TRUE(store.DropStep(kJobA, 0).ok());
+  EXPECT_TRUE(store.CheckJobRoom(kJobA).ok());
+  EXPECT_TRUE(SaveStep(store, kJobA, 1).ok());
+  EXPECT_EQ(store.JobBytes(kJobA), FolderBytes(dir + "/" + kJobA));
+}
+
+// The defect: one job's caller could fill the state directory shared by every job, after
+// which every write failed as a store failure (health NOT_SERVING) and every job's calls with
+// it. Now a job at its bound is refused alone: its new steps and the reports that do not fit
+// are RESOURCE_EXHAUSTED (JOB_STATE_QUOTA) naming it, another job goes on submitting and
+// reporting, no store failure is reported, and what the job stored reloads whole after a
+// restart with the same bytes counted. A shorter history makes room again.
+TEST(PlanStoreTest, AJobPastItsBoundIsRefusedAloneAndKeepsWhatItStored) {
+  constexpr int kRanks = 4;
+  // The bound: the big job once created, and some eight steps of it, measured on an unbounded
+  // store (the same ids and batches: the same bytes).
+  int64_t bound = 0;
+  {
+    StoredOptions probe = OptionsWithStore(TempDir(), false);
+    ASSERT_NE(probe.store, nullptr);
+    JobRegistry registry(probe.options, CountingHex());
+    CreatedJob job;
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "big", kRanks, 64, &job));
+    const int64_t created = probe.store->JobBytes(job.job_id);
+    ASSERT_TRUE(registry.SubmitBatch(job.job_id, 0, Batch(60, kRanks)).ok());
+    const int64_t step = probe.store->JobBytes(job.job_id) - created;
+    bound = created + 8 * step + step / 2;
+  }
+  const std::string dir = TempDir();
+  JobRegistry::Options options;
+  int store_failures = 0;
+  options.on_store_failure = [&store_failures](const absl::Status&) { ++store_failures; };
+  CreatedJob big;
+  CreatedJob small;
+  std::vector<std::string> plans;  // the big job's, by step
+  int64_t refused_step = -1;
+  int64_t held = 0;
+  {
+    absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false, bound);
+    ASSERT_TRUE(store.ok()) << store.status();
+    options.store = store->get();
+    JobRegistry registry(options, CountingHex());
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "big", kRanks, /*history_steps=*/64, &big));
+    ASSERT_NO_FATAL_FAILURE(CreateJoinedJob(registry, "small", 2, /*history_steps=*/2, &small));
+    for (int64_t step = 0; step < 64; ++step) {
+      absl::StatusOr<SubmitResult> result =
+          registry.SubmitBatch(big.job_id, step, Batch(60 + step, kRanks));
+      if (!result.ok()) {
+        const absl::Status& refused = result.status();
+        EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+        EXPECT_TRUE(IsJobStateQuota(refused)) << refused;
+        EXPECT_THAT(std::string(refused.message()),
+                    ::testing::AllOf(::testing::HasSubstr(absl::StrCat("job \"", big.job_id, "\"")),
+                                     ::testing::HasSubstr("--max_job_state_mb")));
+        refused_step = step;
+        break;
+      }
+      plans.push_back(CanonicalPlanText(*result->plan));
+      EXPECT_LE((*store)->JobBytes(big.job_id), bound);
+    }
+    ASSERT_GE(refused_step, 2) << "the bound should hold a few steps";
+    EXPECT_EQ(registry.GetJob(big.job_id)->next_step, refused_step);
+    // Refused again, before any planning, while it has no room: the same answer.
+    EXPECT_TRUE(IsJobStateQuota(
+        registry.SubmitBatch(big.job_id, refused_step, Batch(60 + refused_step, kRanks)).status()));
+    // What the big job has is still served: a repeated batch, the plans, a rank joining anew,
+    // and reports as long as they fit (each either taken or refused at the bound).
+    EXPECT_TRUE(registry.SubmitBatch(big.job_id, 0, Batch(60, kRanks))->repeated);
+    int reports_refused = 0;
+    for (int64_t step = 0; step < refused_step; ++step) {
+      bool ready = false;
+      absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+          registry.GetPlan(big.job_id, step, 0, &ready);
+      ASSERT_TRUE(plan.ok() && ready) << plan.status();
+      for (int r = 0; r < kRanks; ++r) {
+        absl::StatusOr<bool> reported =
+            registry.ReportStep(big.job_id, step, r, MeasureRecall(**plan, r), 0.0);
+        if (!reported.ok()) {
+          EXPECT_TRUE(IsJobStateQuota(reported.status())) << reported.status();
+          ++reports_refused;
+        }
+      }
+      EXPECT_LE((*store)->JobBytes(big.job_id), bound);
+    }
+    EXPECT_GT(reports_refused, 0);
+    // The small job goes on beside it, all of it taken.
+    for (int64_t step = 0; step < 5; ++step) {
+      absl::StatusOr<SubmitResult> result =
+          registry.SubmitBatch(small.job_id, step, Batch(step, 2));
+      ASSERT_TRUE(result.ok()) << result.status();
+      for (int r = 0; r < 2; ++r) {
+        ASSERT_TRUE(
+            registry.ReportStep(small.job_id, step, r, Measure(*result->plan, r), 0.0).ok());
+      }
+    }
+    EXPECT_EQ(store_failures, 0);
+    held = (*store)->JobBytes(big.job_id);
+    EXPECT_EQ(held, FolderBytes(dir + "/" + big.job_id));
+  }
+
+  // A restart reloads every step the big job stored, the same plans, with the same bytes
+  // counted (no step was dropped: no spare record for Open to sweep).
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false, bound);
+  ASSERT_TRUE(store.ok()) << store.status();
+  options.store = store->get();
+  JobRegistry restored(options, CountingHex());
+  ASSERT_TRUE(restored.Restore().ok());
+  EXPECT_TRUE(restored.failed_jobs().empty());
+  EXPECT_EQ((*store)->JobBytes(big.job_id), held);
+  EXPECT_EQ(restored.GetJob(big.job_id)->next_step, refused_step);
+  for (int64_t step = 0; step < refused_step; ++step) {
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+        restored.GetPlan(big.job_id, step, 0, &ready);
+    ASSERT_TRUE(plan.ok() && ready) << plan.status();
+    EXPECT_EQ(CanonicalPlanText(**plan), plans[step]) << "step " << step;
+  }
+  EXPECT_TRUE(IsJobStateQuota(
+      restored.SubmitBatch(big.job_id, refused_step, Batch(60 + refused_step, kRanks)).status()));
+  // A shorter history drops the oldest steps' files, and the job plans again.
+  JobSettings shorter;
+  shorter.history_steps = 2;
+  ASSERT_TRUE(restored.UpdateJobConfig(big.job_id, shorter, {"history_steps"}).ok());
+  EXPECT_LT((*store)->JobBytes(big.job_id), held);
+  EXPECT_TRUE(
+      restored.SubmitBatch(big.job_id, refused_step, Batch(60 + refused_step, kRanks)).ok());
+  EXPECT_EQ((*store)->JobBytes(big.job_id), FolderBytes(dir + "/" + big.job_id));
+  EXPECT_EQ(store_failures, 0);
 }
 
 }  // namespace

@@ -238,6 +238,28 @@ TEST(PlannerMetricsTest, AForgottenJobsSeriesDoNotComeBack) {
   EXPECT_THAT(text, HasSubstr("sparsebalance_planned_steps_total{job_id=\"kept\"} 1"));
 }
 
+// A job's bytes in --state_dir: a gauge from its first value on, following every change, gone
+// with the job and not brought back by a write that raced its deletion; the bound beside it.
+TEST(PlannerMetricsTest, AJobsStateBytesFollowItsWritesAndGoWithTheJob) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  PlannerMetrics metrics(registry, 4);
+  metrics.AddJob("j");
+  metrics.AddJob("other");
+  EXPECT_THAT(Exposition(*registry), Not(HasSubstr("sparsebalance_job_state_bytes{")));
+  metrics.SetJobStateLimit(int64_t{8} << 30);
+  metrics.SetJobStateBytes("j", 5000);
+  metrics.SetJobStateBytes("j", 4200);  // a step dropped from its history
+  metrics.SetJobStateBytes("other", 700);
+  ExpectExposed(Exposition(*registry), {"sparsebalance_job_state_bytes{job_id=\"j\"} 4200",
+                                        "sparsebalance_job_state_bytes{job_id=\"other\"} 700",
+                                        "sparsebalance_job_state_limit_bytes 8589934592"});
+  metrics.ForgetJob("j");
+  metrics.SetJobStateBytes("j", 100);
+  const std::string text = Exposition(*registry);
+  EXPECT_THAT(text, Not(HasSubstr("job_id=\"j\""))) << text;
+  EXPECT_THAT(text, HasSubstr("sparsebalance_job_state_bytes{job_id=\"other\"} 700"));
+}
+
 // The recall of a length bucket is the last plan's (or the last measured step's): a bucket
 // with no document there has no series, rather than an older step's value read as the last.
 TEST(PlannerMetricsTest, ABucketAbsentFromTheLastPlanOrStepHasNoRecallSeries) {

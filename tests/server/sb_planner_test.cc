@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -26,6 +27,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "proto/wire.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 #include "tests/server/health_check.h"
 #include "tests/server/tmpfs_mount.h"
@@ -387,6 +389,7 @@ TEST(SbPlannerTest, LimitsOutsideTheirRangeAreUsageErrors) {
         "--max_samples=-5 is outside [1, 16777216]", "--max_waiting_calls=-1 is outside [0, ",
         "--max_message_bytes=-1 is outside [1024, ", "--max_rank_series=-1 is outside [0, ",
         "--max_request_memory_mb=0 is outside [1, 1048576]",
+        "--max_job_state_mb=-1 is outside [0, 16777216]",
         "--drain_seconds=nan is not a number of seconds", "--state_check_seconds=-1 is not"}) {
     const std::string flag(bad, std::string(bad).find(' '));
     const auto [code, output] = RunPlanner("--listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 " +
@@ -454,6 +457,177 @@ TEST(SbPlannerTest, HealthFollowsWhetherTheStateDirCanBeWritten) {
   EXPECT_NE(output.find("--state_dir"), std::string::npos) << output;
   EXPECT_NE(output.find("Read-only"), std::string::npos) << output;
   disk.Remount(/*read_only=*/false);
+}
+
+// The bytes of the regular files in `dir` (a job's folder).
+int64_t FolderBytes(const std::string& dir) {
+  int64_t bytes = 0;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    if (std::filesystem::is_regular_file(entry.symlink_status())) {
+      bytes += static_cast<int64_t>(entry.file_size());
+    }
+  }
+  return bytes;
+}
+
+// GetJob of `job` (with its token): its summary, or a default one when the call fails.
+v1::JobSummary GetJob(v1::PlannerService::Stub& stub, const v1::CreateJobResponse& job) {
+  v1::GetJobRequest request;
+  request.set_job_id(job.job_id());
+  v1::GetJobResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  context.AddMetadata("authorization", "Bearer " + job.job_token());
+  const grpc::Status status = stub.GetJob(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response.job();
+}
+
+// SubmitBatch of `samples` samples of 100 tokens (ids from `first_id`) as `job`'s step `step`.
+grpc::Status SubmitSamples(v1::PlannerService::Stub& stub, const v1::CreateJobResponse& job,
+                           int64_t step, int samples, uint64_t first_id) {
+  v1::SubmitBatchRequest request;
+  request.set_job_id(job.job_id());
+  request.set_step(step);
+  for (int i = 0; i < samples; ++i) {
+    v1::Sample* s = request.add_samples();
+    s->set_id(first_id + static_cast<uint64_t>(i));
+    s->set_length(100);
+  }
+  v1::SubmitBatchResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  context.AddMetadata("authorization", "Bearer " + job.job_token());
+  return stub.SubmitBatch(&context, request, &response);
+}
+
+// The value of the series `name{job_id="<job_id>"}` in a scrape, or -1 when it has none.
+double JobSeries(const std::string& scraped, const std::string& name, const std::string& job_id) {
+  const std::string key = absl::StrCat(name, "{job_id=\"", job_id, "\"} ");
+  const size_t at = scraped.find(key);
+  if (at == std::string::npos) return -1;
+  double value = -1;
+  const size_t end = scraped.find('\n', at);
+  EXPECT_TRUE(absl::SimpleAtod(scraped.substr(at + key.size(), end - at - key.size()), &value));
+  return value;
+}
+
+// The defect: one job's caller filled the state directory shared by every job, and then every
+// write failed as a store failure: health NOT_SERVING, every job's calls refused. With
+// --max_job_state_mb the job is refused alone (RESOURCE_EXHAUSTED, reason JOB_STATE_QUOTA, the
+// job and the flag named), another job goes on planning and reporting, health stays SERVING,
+// the job's bytes are in GetJob and the metrics, a restart reloads what it stored with the same
+// bytes, and deleting it takes its series away.
+TEST(SbPlannerTest, AJobAtItsStateBoundIsRefusedAloneWhileHealthStaysServing) {
+  const std::string state_dir = StateDir();
+  const std::vector<std::string> flags = {"--max_job_state_mb=1"};
+  v1::CreateJobResponse big;
+  int64_t refused_step = -1;
+  int64_t held = 0;
+  {
+    std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(state_dir, flags);
+    ASSERT_NE(planner, nullptr);
+    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", planner->port()),
+                                       grpc::InsecureChannelCredentials());
+    auto stub = v1::PlannerService::NewStub(channel);
+    ASSERT_TRUE(CreateJob(*stub, /*world_size=*/8, &big).ok());
+    // 4,096 samples a step: a record of some 150 KB, so that a few steps fill 1 MiB.
+    for (int64_t step = 0; step < 64 && refused_step < 0; ++step) {
+      const grpc::Status status = SubmitSamples(*stub, big, step, 4096, 0);
+      if (status.ok()) continue;
+      refused_step = step;
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << status.error_message();
+      EXPECT_TRUE(IsJobStateQuota(FromGrpcStatus(status))) << status.error_message();
+      EXPECT_NE(status.error_message().find(absl::StrCat("job \"", big.job_id(), "\"")),
+                std::string::npos)
+          << status.error_message();
+      EXPECT_NE(status.error_message().find("--max_job_state_mb=1"), std::string::npos)
+          << status.error_message();
+    }
+    ASSERT_GE(refused_step, 2);
+    EXPECT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);  // SERVING
+
+    // Another job plans and reports as before, through the client library.
+    ClientOptions options;
+    options.target = absl::StrCat("127.0.0.1:", planner->port());
+    absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    PlannerConfig config;
+    config.ranks = 2;
+    ASSERT_TRUE((*client)->CreateJob("small", config).ok());
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE((*client)->JoinJob(r).ok());
+    for (int64_t step = 0; step < 3; ++step) {
+      std::vector<Sample> batch;
+      for (int i = 0; i < 8; ++i) {
+        Sample s;
+        s.id = static_cast<uint64_t>(i);
+        s.length = 1000 + 100 * i;
+        batch.push_back(s);
+      }
+      ASSERT_TRUE((*client)->SubmitBatch(step, batch).ok());
+      for (int r = 0; r < 2; ++r) {
+        absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(step, r);
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        std::vector<MicroBatchTiming> timings;
+        for (size_t m = 0; m < plan->micro_batches.size(); ++m) {
+          if (plan->micro_batches[m].samples.empty()) continue;
+          MicroBatchTiming t;
+          t.micro_batch = static_cast<int>(m);
+          t.compute_seconds = 0.5;
+          t.tokens = plan->micro_batches[m].tokens;
+          t.achieved_density = 0.3;
+          t.recall = 0.9;
+          timings.push_back(t);
+        }
+        absl::StatusOr<bool> reported = (*client)->ReportStep(step, r, timings, 0.0);
+        ASSERT_TRUE(reported.ok()) << reported.status();
+      }
+    }
+    EXPECT_EQ(HealthStatus(channel, "sparsebalance.planner.v1.PlannerService"), 1);
+
+    const v1::JobSummary summary = GetJob(*stub, big);
+    held = summary.state_bytes();
+    EXPECT_EQ(summary.next_step(), refused_step);
+    EXPECT_EQ(held, FolderBytes(state_dir + "/" + big.job_id()));
+    EXPECT_LE(held, 1 << 20);
+    const std::string scraped = Scrape(planner->metrics_port());
+    EXPECT_EQ(JobSeries(scraped, "sparsebalance_job_state_bytes", big.job_id()),
+              static_cast<double>(held))
+        << scraped;
+    EXPECT_NE(scraped.find("sparsebalance_job_state_limit_bytes 1048576"), std::string::npos)
+        << scraped;
+    EXPECT_NE(scraped.find("sparsebalance_state_write_failures_total 0"), std::string::npos)
+        << scraped;
+    EXPECT_EQ(planner->Kill(), 128 + SIGKILL);
+  }
+  // Restarted, the job has every step it stored and the same bytes; deleting it removes them and
+  // its series.
+  std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(state_dir, flags);
+  ASSERT_NE(planner, nullptr);
+  EXPECT_NE(planner->listening_line().find("(2 jobs reloaded)"), std::string::npos)
+      << planner->listening_line();
+  auto stub = v1::PlannerService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", planner->port()), grpc::InsecureChannelCredentials()));
+  const v1::JobSummary summary = GetJob(*stub, big);
+  EXPECT_EQ(summary.next_step(), refused_step);
+  EXPECT_EQ(summary.state_bytes(), held);
+  EXPECT_EQ(
+      JobSeries(Scrape(planner->metrics_port()), "sparsebalance_job_state_bytes", big.job_id()),
+      static_cast<double>(held));
+  const grpc::Status again = SubmitSamples(*stub, big, refused_step, 4096, 0);
+  EXPECT_TRUE(IsJobStateQuota(FromGrpcStatus(again))) << again.error_message();
+  v1::DeleteJobRequest remove;
+  remove.set_job_id(big.job_id());
+  v1::DeleteJobResponse removed;
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer " + big.job_token());
+  ASSERT_TRUE(stub->DeleteJob(&context, remove, &removed).ok());
+  EXPECT_EQ(
+      JobSeries(Scrape(planner->metrics_port()), "sparsebalance_job_state_bytes", big.job_id()),
+      -1);
+  EXPECT_EQ(planner->Stop(), 0);
 }
 
 }  // namespace
