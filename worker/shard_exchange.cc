@@ -127,6 +127,7 @@ absl::StatusOr<std::unique_ptr<ShardExchange>> ShardExchange::Start(
     return absl::InvalidArgumentError(
         "max_payload_bytes: 0; set it from the job's shapes (MaxShardPayloadBytes)");
   }
+  if (absl::Status s = CheckSyncSecret(options.secret); !s.ok()) return s;
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError("shard exchange: socket() failed");
   sockaddr_in addr{};
@@ -143,8 +144,8 @@ absl::StatusOr<std::unique_ptr<ShardExchange>> ShardExchange::Start(
   std::unique_ptr<ShardExchange> ex(
       new ShardExchange(rank, hub_address, options, fd, ntohs(addr.sin_port)));
   ex->acceptor_ = std::thread([e = ex.get()] { e->AcceptLoop(); });
-  if (absl::Status s =
-          RegisterRankAddress(hub_address, rank, ex->address(), options.timeout_seconds);
+  if (absl::Status s = RegisterRankAddress(hub_address, options.secret, rank, ex->address(),
+                                           options.timeout_seconds);
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("shard exchange: rank ", rank, ": ", s.message()));
   }
@@ -250,7 +251,7 @@ absl::StatusOr<int> ShardExchange::Connection(int peer) {
   auto it = out_fds_.find(peer);
   if (it != out_fds_.end()) return it->second;
   absl::StatusOr<std::string> address =
-      LookupRankAddress(hub_address_, peer, options_.timeout_seconds);
+      LookupRankAddress(hub_address_, options_.secret, peer, options_.timeout_seconds);
   if (!address.ok()) return address.status();
   const size_t colon = address->rfind(':');
   int port = 0;

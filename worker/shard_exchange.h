@@ -18,6 +18,7 @@
 // with a line on stderr, and the exchange goes on serving its peers.
 //
 //   ShardExchangeOptions options;
+//   options.secret = secret;  // the run's (sb-run's --sync_secret_file)
 //   options.world_size = ranks;
 //   options.max_payload_bytes = MaxShardPayloadBytes(longest_document, heads, head_dim);
 //   auto ex = ShardExchange::Start(rank, hub->address(), options);
@@ -69,6 +70,9 @@ struct ExchangeKey {
 };
 
 struct ShardExchangeOptions {
+  // The run's secret, proven to the step-sync hub (CheckSyncSecret: required; there is no
+  // unauthenticated mode).
+  std::string secret;
   // Longest wait for one message (and for a peer's address at the hub), seconds.
   double timeout_seconds = 120.0;
   // Ranks of the job (> this rank): frames claiming to come from a rank outside it are refused.

@@ -43,8 +43,13 @@ using ::testing::HasSubstr;
 
 constexpr double kTolerance = 1e-5;
 
+// The run's secret of these tests (sb-run draws 64 random hex digits instead).
+const char kSecret[] = "shard-exchange-test-secret-0123456789";
+
 std::unique_ptr<StepSyncHub> StartHub(int ranks) {
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks);
+  StepSyncHubOptions options;
+  options.secret = kSecret;
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks, options);
   EXPECT_TRUE(hub.ok()) << hub.status();
   return hub.ok() ? *std::move(hub) : nullptr;
 }
@@ -57,6 +62,7 @@ std::unique_ptr<ShardExchange> StartExchange(int rank, const std::string& hub,
                                              double timeout_seconds = 30,
                                              uint64_t max_payload_bytes = kMaxPayloadBytes) {
   ShardExchangeOptions options;
+  options.secret = kSecret;
   options.timeout_seconds = timeout_seconds;
   options.world_size = kWorldSize;
   options.max_payload_bytes = max_payload_bytes;
@@ -273,6 +279,11 @@ TEST(ShardExchangeTest, StartNeedsTheWorldSizeAndThePayloadBound) {
   ex = ShardExchange::Start(2, "127.0.0.1:1", options);
   EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(ex.status().message(), HasSubstr("max_payload_bytes"));
+  // No unauthenticated mode: an exchange without the run's secret does not start.
+  options.max_payload_bytes = 1024;
+  ex = ShardExchange::Start(2, "127.0.0.1:1", options);
+  EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ex.status().message(), HasSubstr("secret: 0 bytes"));
 }
 
 TEST(ShardLayerTest, ThePayloadBoundHoldsKeysAndValuesOfAWholeDocument) {
