@@ -207,13 +207,13 @@ ShardExchange::~ShardExchange() {
   stopping_ = true;
   shutdown(listen_fd_, SHUT_RDWR);
   if (acceptor_.joinable()) acceptor_.join();
+  std::map<int64_t, std::thread> readers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int fd : in_fds_) shutdown(fd, SHUT_RDWR);
+    readers.swap(readers_);
   }
-  for (std::thread& t : readers_) {
-    if (t.joinable()) t.join();
-  }
+  for (auto& [serial, t] : readers) t.join();
   close(listen_fd_);  // each reader closed its own connection
   for (const auto& [peer, fd] : out_fds_) close(fd);
 }
@@ -227,13 +227,26 @@ void ShardExchange::AcceptLoop() {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       return;  // shut down
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) {
-      close(fd);
-      return;
+    // The readers whose connections ended since the last one: joined here, so that connections
+    // that come and go (refused ones above all) leave no thread behind.
+    std::vector<std::thread> ended;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) {
+        close(fd);
+        return;
+      }
+      for (int64_t serial : ended_readers_) {
+        auto it = readers_.find(serial);
+        ended.push_back(std::move(it->second));
+        readers_.erase(it);
+      }
+      ended_readers_.clear();
+      in_fds_.insert(fd);
+      const int64_t serial = next_reader_++;
+      readers_.emplace(serial, std::thread([this, fd, serial] { ReadLoop(fd, serial); }));
     }
-    in_fds_.insert(fd);
-    readers_.emplace_back([this, fd] { ReadLoop(fd); });
+    for (std::thread& t : ended) t.join();
   }
 }
 
@@ -276,7 +289,7 @@ bool ShardExchange::Authenticate(int fd) {
   return why.empty();
 }
 
-void ShardExchange::ReadLoop(int fd) {
+void ShardExchange::ReadLoop(int fd, int64_t reader) {
   int from = -1;
   std::string refused;
   const bool authenticated = Authenticate(fd);
@@ -322,6 +335,7 @@ void ShardExchange::ReadLoop(int fd) {
   in_fds_.erase(fd);
   close(fd);
   if (from >= 0) closed_peers_.insert(from);
+  ended_readers_.push_back(reader);
   arrived_.notify_all();
 }
 

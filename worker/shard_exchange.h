@@ -25,7 +25,8 @@
 // is refused: closed, counted (refused_connections()) and reported in one line on stderr that
 // never holds the secret, and nothing it sent reaches Receive; the exchange goes on serving
 // its peers. The secret crosses loopback in the clear (worker/step_sync.h says why that is
-// enough, and what it leaves open).
+// enough, and what it leaves open). Each connection has a reader thread, joined as the next
+// connection comes in once it has ended, so that refused connections leave none behind.
 //
 //   ShardExchangeOptions options;
 //   options.secret = secret;  // the run's (sb-run's --sync_secret_file)
@@ -128,7 +129,7 @@ class ShardExchange {
   // Whether the connection on `fd` proved the secret in time (refused and reported if not).
   bool Authenticate(int fd);
   void ReportRefused(int from, const std::string& why);  // counts and names a dropped connection
-  void ReadLoop(int fd);
+  void ReadLoop(int fd, int64_t reader);
   absl::StatusOr<int> Connection(int peer);  // under send_mu_
 
   const int rank_;
@@ -149,7 +150,11 @@ class ShardExchange {
   std::map<std::pair<int, ExchangeKey>, std::deque<std::string>> mailbox_;
   std::set<int> in_fds_;
   std::set<int> closed_peers_;  // peers whose connection to us closed (a hint in errors)
-  std::vector<std::thread> readers_;
+  // One reader thread per incoming connection, by serial number, until joined; those whose
+  // connection ended, to be joined by the acceptor (or at the end).
+  std::map<int64_t, std::thread> readers_;
+  std::vector<int64_t> ended_readers_;
+  int64_t next_reader_ = 0;
   std::thread acceptor_;
 };
 
