@@ -16,6 +16,7 @@
 #include "planner/profile_table.h"
 #include "planner/sparsity_tuner.h"
 #include "server/step_pack.h"
+#include "tools/secret.h"
 
 namespace sparsebalance {
 namespace {
@@ -142,16 +143,6 @@ std::vector<SlowRank> SlowestRanks(const std::vector<double>& speed_factors,
     out.push_back({r, known ? (*hosts)[r] : std::string(), speed_factors[r]});
   }
   return out;
-}
-
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  // The length of a token is not secret; its bytes are.
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
-  }
-  return diff == 0;
 }
 
 JobRegistry::JobRegistry(Options options, std::function<std::string(int)> random_hex)
@@ -510,7 +501,7 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
     }
     return NotFound(job_id);
   }
-  if (!ConstantTimeEquals(token, job->token)) {
+  if (!tools::ConstantTimeEquals(token, job->token)) {
     return absl::PermissionDeniedError(absl::StrCat("the token is not job ", job_id, "'s"));
   }
   job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);

@@ -481,8 +481,6 @@ class JobRegistry {
 // Canonical bytes of a batch (ids, lengths, sensitivities, groups, segments): equal batches,
 // equal bytes.
 std::string BatchFingerprint(const std::vector<Sample>& batch);
-// Constant-time string comparison (for tokens).
-bool ConstantTimeEquals(const std::string& a, const std::string& b);
 
 }  // namespace sparsebalance
 

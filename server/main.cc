@@ -6,13 +6,14 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
-#include <fstream>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -31,6 +32,7 @@
 #include "server/planner_metrics.h"
 #include "server/planner_service.h"
 #include "tools/listen_address.h"
+#include "tools/secret.h"
 #include "tools/tool_support.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
@@ -126,23 +128,14 @@ absl::StatusOr<std::string> ReadFlagFile(absl::string_view flag, const std::stri
   return text;
 }
 
-// Job ids and tokens come from the kernel's CSPRNG.
+// Job ids and tokens come from the kernel's CSPRNG; without it the planner cannot hand out any.
 std::string RandomHex(int n) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::ifstream urandom("/dev/urandom", std::ios::binary);
-  std::string bytes((n + 1) / 2, '\0');
-  urandom.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!urandom) {
-    std::cerr << "sb-planner: cannot read /dev/urandom for job tokens\n";
+  absl::StatusOr<std::string> hex = tools::RandomHex(n);
+  if (!hex.ok()) {
+    std::cerr << "sb-planner: " << hex.status().message() << " (job ids and tokens)\n";
     std::abort();
   }
-  std::string out;
-  for (unsigned char b : bytes) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  out.resize(n);
-  return out;
+  return *std::move(hex);
 }
 
 // The value of a listen flag, checked strictly (tools/listen_address.h): a wrong one ends the

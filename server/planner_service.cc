@@ -20,6 +20,7 @@
 #include "grpcpp/support/message_allocator.h"
 #include "planner/planner.h"
 #include "server/request_guard.h"
+#include "tools/secret.h"
 
 namespace sparsebalance {
 namespace {
@@ -289,7 +290,7 @@ absl::Status PlannerServiceImpl::AuthorizeAdmin(grpc::CallbackServerContext* con
     return absl::UnauthenticatedError(
         "this planner needs the admin token: send \"authorization: Bearer <admin token>\"");
   }
-  if (!ConstantTimeEquals(token, options_.admin_token)) {
+  if (!tools::ConstantTimeEquals(token, options_.admin_token)) {
     return absl::PermissionDeniedError("the token is not this planner's admin token");
   }
   return absl::OkStatus();
@@ -305,7 +306,7 @@ absl::Status PlannerServiceImpl::AuthorizeAdminOrJob(grpc::CallbackServerContext
         "no token: send \"authorization: Bearer <token>\" with the planner's admin token or job ",
         Quoted(job_id), "'s own token"));
   }
-  if (ConstantTimeEquals(token, options_.admin_token)) return absl::OkStatus();
+  if (tools::ConstantTimeEquals(token, options_.admin_token)) return absl::OkStatus();
   absl::Status own = registry_->Authorize(job_id, token);
   if (absl::IsPermissionDenied(own)) {
     return absl::PermissionDeniedError(absl::StrCat(

@@ -30,6 +30,7 @@
 #include "client/planner_client.h"
 #include "planner/profile_table.h"
 #include "tools/child_process.h"
+#include "tools/secret.h"
 #include "tools/tool_support.h"
 #include "worker/run_summary.h"
 #include "worker/step_sync.h"
@@ -298,10 +299,22 @@ int Main(int argc, char** argv) {
     }
     const std::string lines = absl::StrCat(out_dir, "/", PolicyName(policy), ".steps.jsonl");
     std::filesystem::remove(lines);
-    // CPU ranks meet at a local hub; GPU ranks all-reduce through NCCL instead.
+    // CPU ranks meet at a local hub; GPU ranks all-reduce through NCCL instead. The hub and the
+    // ranks' exchange ports take any local connection, so each must prove a secret drawn for
+    // this run, handed over in a 0600 file like the token (a command line is public to `ps`).
     std::unique_ptr<StepSyncHub> hub;
+    const std::string secret_file = absl::StrCat(out_dir, "/", PolicyName(policy), ".sync_secret");
     if (device == "cpu") {
-      absl::StatusOr<std::unique_ptr<StepSyncHub>> started = StepSyncHub::Start(workers);
+      StepSyncHubOptions hub_options;
+      absl::StatusOr<std::string> secret = tools::RandomHex(64);
+      if (!secret.ok()) tools::Fatal(secret.status().message());
+      hub_options.secret = *std::move(secret);
+      if (absl::Status s = tools::WritePrivateFile(secret_file, hub_options.secret + "\n");
+          !s.ok()) {
+        tools::Fatal(s.ToString());
+      }
+      absl::StatusOr<std::unique_ptr<StepSyncHub>> started =
+          StepSyncHub::Start(workers, hub_options);
       if (!started.ok()) tools::Fatal(started.status().ToString());
       hub = *std::move(started);
     }
@@ -321,7 +334,10 @@ int Main(int argc, char** argv) {
                                        absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed)),
                                        absl::StrCat("--fill=", absl::GetFlag(FLAGS_fill)),
                                        "--out=" + lines};
-      if (hub != nullptr) args.push_back("--sync=" + hub->address());
+      if (hub != nullptr) {
+        args.push_back("--sync=" + hub->address());
+        args.push_back("--sync_secret_file=" + secret_file);
+      }
       if (!profile.empty()) args.push_back("--profile=" + profile);
       if (absl::GetFlag(FLAGS_exact_recall)) args.push_back("--exact_recall");
       if (long_document > 0) args.push_back(absl::StrCat("--long_document=", long_document));
@@ -336,6 +352,8 @@ int Main(int argc, char** argv) {
     }
     std::cout << absl::StrFormat(" %.1f s\n",
                                  std::chrono::duration<double>(Clock::now() - t0).count());
+    // The secret opens nothing once its hub and workers are gone: out/ keeps none.
+    if (hub != nullptr) std::filesystem::remove(secret_file);
     absl::StatusOr<RunResult> result =
         SummarizeRun(std::string(PolicyName(policy)), lines, workers);
     if (!result.ok()) tools::Fatal(result.status().ToString());

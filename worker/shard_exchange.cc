@@ -17,6 +17,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "tools/secret.h"
 #include "worker/step_sync.h"
 
 namespace sparsebalance {
@@ -24,7 +25,19 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kMagic = 0x31584253;  // "SBX1" little-endian
+constexpr uint32_t kMagic = 0x31584253;      // "SBX1" little-endian
+constexpr uint32_t kAuthMagic = 0x31414253;  // "SBA1" little-endian
+
+// What a connection opens with (the secret's bytes follow).
+#pragma pack(push, 1)
+struct AuthHeader {
+  uint32_t magic;
+  uint32_t secret_bytes;
+};
+#pragma pack(pop)
+static_assert(sizeof(AuthHeader) == 8, "the authentication header is 8 bytes");
+constexpr char kAccepted = 1;
+constexpr char kRefused = 0;
 
 #pragma pack(push, 1)
 struct FrameHeader {
@@ -65,6 +78,32 @@ bool RecvAll(int fd, char* data, size_t size) {
     done += static_cast<size_t>(n);
   }
   return true;
+}
+
+Clock::time_point DeadlineIn(double seconds) {
+  return Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+enum class ReadResult { kDone, kClosed, kLate };
+
+// RecvAll that gives up at `deadline`, however slowly the bytes trickle in.
+ReadResult RecvAllBy(int fd, char* data, size_t size, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < size) {
+    const int64_t left_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left_ms <= 0) return ReadResult::kLate;
+    pollfd p{fd, POLLIN, 0};
+    const int ready = poll(&p, 1, static_cast<int>(std::min<int64_t>(left_ms, 1 << 30)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) return ReadResult::kClosed;
+    if (ready == 0) continue;
+    const ssize_t n = recv(fd, data + done, size - done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return ReadResult::kClosed;
+    done += static_cast<size_t>(n);
+  }
+  return ReadResult::kDone;
 }
 
 // Why a frame header is refused, or empty when a peer of the job may send it. `from`: the rank
@@ -127,6 +166,11 @@ absl::StatusOr<std::unique_ptr<ShardExchange>> ShardExchange::Start(
     return absl::InvalidArgumentError(
         "max_payload_bytes: 0; set it from the job's shapes (MaxShardPayloadBytes)");
   }
+  if (absl::Status s = CheckSyncSecret(options.secret); !s.ok()) return s;
+  if (!(options.auth_timeout_seconds > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("auth_timeout_seconds: ", options.auth_timeout_seconds, " must be positive"));
+  }
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError("shard exchange: socket() failed");
   sockaddr_in addr{};
@@ -143,8 +187,8 @@ absl::StatusOr<std::unique_ptr<ShardExchange>> ShardExchange::Start(
   std::unique_ptr<ShardExchange> ex(
       new ShardExchange(rank, hub_address, options, fd, ntohs(addr.sin_port)));
   ex->acceptor_ = std::thread([e = ex.get()] { e->AcceptLoop(); });
-  if (absl::Status s =
-          RegisterRankAddress(hub_address, rank, ex->address(), options.timeout_seconds);
+  if (absl::Status s = RegisterRankAddress(hub_address, options.secret, rank, ex->address(),
+                                           options.timeout_seconds);
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("shard exchange: rank ", rank, ": ", s.message()));
   }
@@ -163,13 +207,13 @@ ShardExchange::~ShardExchange() {
   stopping_ = true;
   shutdown(listen_fd_, SHUT_RDWR);
   if (acceptor_.joinable()) acceptor_.join();
+  std::map<int64_t, std::thread> readers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int fd : in_fds_) shutdown(fd, SHUT_RDWR);
+    readers.swap(readers_);
   }
-  for (std::thread& t : readers_) {
-    if (t.joinable()) t.join();
-  }
+  for (auto& [serial, t] : readers) t.join();
   close(listen_fd_);  // each reader closed its own connection
   for (const auto& [peer, fd] : out_fds_) close(fd);
 }
@@ -183,20 +227,73 @@ void ShardExchange::AcceptLoop() {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       return;  // shut down
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) {
-      close(fd);
-      return;
+    // The readers whose connections ended since the last one: joined here, so that connections
+    // that come and go (refused ones above all) leave no thread behind.
+    std::vector<std::thread> ended;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) {
+        close(fd);
+        return;
+      }
+      for (int64_t serial : ended_readers_) {
+        auto it = readers_.find(serial);
+        ended.push_back(std::move(it->second));
+        readers_.erase(it);
+      }
+      ended_readers_.clear();
+      in_fds_.insert(fd);
+      const int64_t serial = next_reader_++;
+      readers_.emplace(serial, std::thread([this, fd, serial] { ReadLoop(fd, serial); }));
     }
-    in_fds_.insert(fd);
-    readers_.emplace_back([this, fd] { ReadLoop(fd); });
+    for (std::thread& t : ended) t.join();
   }
 }
 
-void ShardExchange::ReadLoop(int fd) {
+void ShardExchange::ReportRefused(int from, const std::string& why) {
+  ++refused_connections_;
+  std::cerr << "shard exchange: rank " << rank_ << " dropped an incoming connection"
+            << (from >= 0 ? absl::StrCat(" of rank ", from) : std::string()) << ": " << why
+            << " (a stray or hostile local process?)" << std::endl;
+}
+
+bool ShardExchange::Authenticate(int fd) {
+  const Clock::time_point deadline = DeadlineIn(options_.auth_timeout_seconds);
+  auto unproven = [&](ReadResult read) {
+    ReportRefused(-1, read == ReadResult::kLate
+                          ? absl::StrCat("it did not prove the run's secret within ",
+                                         options_.auth_timeout_seconds, " s")
+                          : std::string("it closed before proving the run's secret"));
+    return false;
+  };
+  AuthHeader a;
+  const ReadResult header = RecvAllBy(fd, reinterpret_cast<char*>(&a), sizeof a, deadline);
+  if (header != ReadResult::kDone) return unproven(header);
+  std::string why;
+  if (a.magic != kAuthMagic) {
+    why = absl::StrCat("its first bytes (", a.magic, ") are not the \"SBA1\" opening");
+  } else if (a.secret_bytes != options_.secret.size()) {
+    why = "it does not hold the run's secret";  // the length alone, its bytes left unread
+  } else {
+    std::string offered(a.secret_bytes, '\0');
+    const ReadResult secret = RecvAllBy(fd, offered.data(), offered.size(), deadline);
+    if (secret != ReadResult::kDone) return unproven(secret);
+    if (!tools::ConstantTimeEquals(offered, options_.secret)) {
+      why = "it does not hold the run's secret";
+    }
+  }
+  // Counted before the answer, which tells an honest sender with another run's secret why its
+  // messages go nowhere.
+  if (!why.empty()) ReportRefused(-1, why);
+  SendAll(fd, why.empty() ? &kAccepted : &kRefused, 1);
+  return why.empty();
+}
+
+void ShardExchange::ReadLoop(int fd, int64_t reader) {
   int from = -1;
   std::string refused;
-  while (true) {
+  const bool authenticated = Authenticate(fd);
+  while (authenticated) {
     FrameHeader h;
     if (!RecvAll(fd, reinterpret_cast<char*>(&h), sizeof h)) break;
     refused = RefuseHeader(h, from, rank_, options_);
@@ -232,17 +329,13 @@ void ShardExchange::ReadLoop(int fd) {
     }
     arrived_.notify_all();
   }
-  if (!refused.empty()) {
-    ++refused_connections_;
-    std::cerr << "shard exchange: rank " << rank_ << " dropped an incoming connection"
-              << (from >= 0 ? absl::StrCat(" of rank ", from) : std::string()) << ": " << refused
-              << " (a stray or hostile local process?)" << std::endl;
-  }
+  if (!refused.empty()) ReportRefused(from, refused);
   std::lock_guard<std::mutex> lock(mu_);
   // Closed here, not at destruction, so connections that come and go hold no descriptors.
   in_fds_.erase(fd);
   close(fd);
   if (from >= 0) closed_peers_.insert(from);
+  ended_readers_.push_back(reader);
   arrived_.notify_all();
 }
 
@@ -250,7 +343,7 @@ absl::StatusOr<int> ShardExchange::Connection(int peer) {
   auto it = out_fds_.find(peer);
   if (it != out_fds_.end()) return it->second;
   absl::StatusOr<std::string> address =
-      LookupRankAddress(hub_address_, peer, options_.timeout_seconds);
+      LookupRankAddress(hub_address_, options_.secret, peer, options_.timeout_seconds);
   if (!address.ok()) return address.status();
   const size_t colon = address->rfind(':');
   int port = 0;
@@ -271,6 +364,27 @@ absl::StatusOr<int> ShardExchange::Connection(int peer) {
   }
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  AuthHeader a{kAuthMagic, static_cast<uint32_t>(options_.secret.size())};
+  char answer = kRefused;
+  const bool sent = SendAll(fd, reinterpret_cast<const char*>(&a), sizeof a) &&
+                    SendAll(fd, options_.secret.data(), options_.secret.size());
+  const ReadResult read =
+      sent ? RecvAllBy(fd, &answer, 1, DeadlineIn(options_.timeout_seconds)) : ReadResult::kClosed;
+  if (read != ReadResult::kDone || answer != kAccepted) {
+    close(fd);
+    if (read == ReadResult::kLate) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("rank ", peer, " at ", *address, " did not answer this rank's secret"));
+    }
+    if (read == ReadResult::kDone) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "rank ", peer, " at ", *address,
+          " refused this rank's secret (do both run with the secret file sb-run wrote for this "
+          "run?)"));
+    }
+    return absl::UnavailableError(
+        absl::StrCat("rank ", peer, " at ", *address, " closed the connection"));
+  }
   out_fds_[peer] = fd;
   return fd;
 }

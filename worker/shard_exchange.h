@@ -2,7 +2,13 @@
 // 9): direct rank-to-rank TCP connections, their addresses exchanged through the step-sync hub
 // (worker/step_sync.h: ADDRESS / WHERE). Each rank listens on 127.0.0.1 (a free port),
 // registers its address, connects to a peer on its first message to it and keeps the
-// connection. A message is a binary frame, a fixed header then the payload:
+// connection. A connection opens by proving the run's secret (the step-sync hub's, see
+// worker/step_sync.h for where it comes from), answered by one byte:
+//
+//   magic "SBA1" (u32) | secret bytes (u32) | secret          sender -> receiver, once
+//   1 (accepted) or 0 (refused: the receiver then closes)     receiver -> sender, one u8
+//
+// Then each message is a binary frame, a fixed header then the payload:
 //
 //   magic "SBX1" (u32) | from rank (i32) | step (i64) | micro-batch (i32) | layer (i32) |
 //   sample id (u64) | kind (i32) | reserved (i32) | payload bytes (u64) | payload
@@ -13,11 +19,17 @@
 // and messages of different steps, micro-batches, samples, layers and kinds never mix.
 // Receive waits for one message at most the exchange's timeout, then DEADLINE_EXCEEDED naming
 // the peer, the kind and the key (a peer that never arrives fails, never hangs).
-// The port takes any local connection: a frame whose header names no other rank of the job, no
-// known kind or more payload than the job's shapes allow is refused, its connection dropped
-// with a line on stderr, and the exchange goes on serving its peers.
+// The port takes any local connection, of any user: one that does not prove the secret
+// (compared in constant time) within auth_timeout_seconds, or then sends a frame whose header
+// names no other rank of the job, no known kind or more payload than the job's shapes allow,
+// is refused: closed, counted (refused_connections()) and reported in one line on stderr that
+// never holds the secret, and nothing it sent reaches Receive; the exchange goes on serving
+// its peers. The secret crosses loopback in the clear (worker/step_sync.h says why that is
+// enough, and what it leaves open). Each connection has a reader thread, joined as the next
+// connection comes in once it has ended, so that refused connections leave none behind.
 //
 //   ShardExchangeOptions options;
+//   options.secret = secret;  // the run's (sb-run's --sync_secret_file)
 //   options.world_size = ranks;
 //   options.max_payload_bytes = MaxShardPayloadBytes(longest_document, heads, head_dim);
 //   auto ex = ShardExchange::Start(rank, hub->address(), options);
@@ -69,6 +81,11 @@ struct ExchangeKey {
 };
 
 struct ShardExchangeOptions {
+  // The run's secret, proven to the hub and to every peer (CheckSyncSecret: required; there is
+  // no unauthenticated mode).
+  std::string secret;
+  // A connection that has not proven the secret by then is dropped, seconds.
+  double auth_timeout_seconds = 5.0;
   // Longest wait for one message (and for a peer's address at the hub), seconds.
   double timeout_seconds = 120.0;
   // Ranks of the job (> this rank): frames claiming to come from a rank outside it are refused.
@@ -101,14 +118,18 @@ class ShardExchange {
 
   int64_t bytes_sent() const { return bytes_sent_.load(); }
   int64_t bytes_received() const { return bytes_received_.load(); }
-  // Incoming connections dropped for a frame header no peer of the job sends.
+  // Incoming connections dropped for not proving the secret, or for a frame header no peer of
+  // the job sends.
   int64_t refused_connections() const { return refused_connections_.load(); }
 
  private:
   ShardExchange(int rank, std::string hub_address, const ShardExchangeOptions& options,
                 int listen_fd, int port);
   void AcceptLoop();
-  void ReadLoop(int fd);
+  // Whether the connection on `fd` proved the secret in time (refused and reported if not).
+  bool Authenticate(int fd);
+  void ReportRefused(int from, const std::string& why);  // counts and names a dropped connection
+  void ReadLoop(int fd, int64_t reader);
   absl::StatusOr<int> Connection(int peer);  // under send_mu_
 
   const int rank_;
@@ -129,7 +150,11 @@ class ShardExchange {
   std::map<std::pair<int, ExchangeKey>, std::deque<std::string>> mailbox_;
   std::set<int> in_fds_;
   std::set<int> closed_peers_;  // peers whose connection to us closed (a hint in errors)
-  std::vector<std::thread> readers_;
+  // One reader thread per incoming connection, by serial number, until joined; those whose
+  // connection ended, to be joined by the acceptor (or at the end).
+  std::map<int64_t, std::thread> readers_;
+  std::vector<int64_t> ended_readers_;
+  int64_t next_reader_ = 0;
   std::thread acceptor_;
 };
 

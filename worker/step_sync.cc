@@ -12,13 +12,16 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 #include <set>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "tools/secret.h"
 
 namespace sparsebalance {
 namespace {
@@ -38,6 +41,21 @@ bool SendAll(int fd, const std::string& bytes) {
 
 std::string FormatValue(double value) { return absl::StrCat(value); }
 
+Clock::time_point DeadlineIn(double seconds) {
+  return Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// Milliseconds from now to `deadline` for poll(), rounded up, 0 once it passed.
+int MillisecondsUntil(Clock::time_point deadline) {
+  const int64_t us =
+      std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>((us + 999) / 1000, 0, 1 << 30));
+}
+
+// Longest first line the hub reads from a connection that has not authenticated, bytes: an
+// AUTH line with the longest secret fits.
+constexpr size_t kMaxAuthLineBytes = 5 + kMaxSyncSecretBytes;
+
 // One released or pending (step, phase).
 struct Round {
   std::set<int> arrived;
@@ -47,8 +65,31 @@ struct Round {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StepSyncHub>> StepSyncHub::Start(int ranks, int port) {
+absl::Status CheckSyncSecret(absl::string_view secret) {
+  if (secret.size() < kMinSyncSecretBytes || secret.size() > kMaxSyncSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "secret: ", secret.size(), " bytes, not ", kMinSyncSecretBytes, " to ", kMaxSyncSecretBytes,
+        " (sb-run draws 64 random hex digits for each run; an empty secret is never accepted)"));
+  }
+  for (char c : secret) {
+    if (c < '!' || c > '~') {
+      return absl::InvalidArgumentError(
+          "secret: holds a space, a control or a non-ASCII character (it travels as one word "
+          "of a text line; sb-run's are hex digits)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<StepSyncHub>> StepSyncHub::Start(int ranks,
+                                                                const StepSyncHubOptions& options) {
   if (ranks < 1) return absl::InvalidArgumentError(absl::StrCat("ranks: ", ranks, " < 1"));
+  if (absl::Status s = CheckSyncSecret(options.secret); !s.ok()) return s;
+  if (!(options.auth_timeout_seconds > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("auth_timeout_seconds: ", options.auth_timeout_seconds, " must be positive"));
+  }
+  const int port = options.port;
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError("step sync: socket() failed");
   const int one = 1;
@@ -64,14 +105,14 @@ absl::StatusOr<std::unique_ptr<StepSyncHub>> StepSyncHub::Start(int ranks, int p
   }
   socklen_t len = sizeof addr;
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  std::unique_ptr<StepSyncHub> hub(new StepSyncHub(ranks, fd, ntohs(addr.sin_port)));
+  std::unique_ptr<StepSyncHub> hub(new StepSyncHub(ranks, options, fd, ntohs(addr.sin_port)));
   if (pipe2(hub->wake_fds_, O_CLOEXEC) != 0) return absl::InternalError("step sync: pipe failed");
   hub->thread_ = std::thread([h = hub.get()] { h->Serve(); });
   return hub;
 }
 
-StepSyncHub::StepSyncHub(int ranks, int listen_fd, int port)
-    : ranks_(ranks), listen_fd_(listen_fd), port_(port) {}
+StepSyncHub::StepSyncHub(int ranks, StepSyncHubOptions options, int listen_fd, int port)
+    : ranks_(ranks), options_(std::move(options)), listen_fd_(listen_fd), port_(port) {}
 
 StepSyncHub::~StepSyncHub() {
   if (wake_fds_[1] >= 0) {
@@ -90,7 +131,9 @@ std::string StepSyncHub::address() const { return absl::StrCat("127.0.0.1:", por
 
 void StepSyncHub::Serve() {
   struct Peer {
-    int rank = -1;  // -1 until HELLO
+    bool authenticated = false;
+    Clock::time_point auth_deadline;  // while not authenticated
+    int rank = -1;                    // -1 until HELLO
     std::string buffer;
   };
   std::map<int, Peer> peers;      // by fd
@@ -105,7 +148,27 @@ void StepSyncHub::Serve() {
       if (it != fd_of_rank.end()) SendAll(it->second, line);
     }
   };
+  // A connection that did not prove the secret: told so, counted and reported (never with what
+  // it sent, which may be a near miss of the secret); the caller closes it.
+  auto refuse = [&](int fd, absl::string_view why) {
+    ++refused_connections_;
+    SendAll(fd, "DENIED\n");
+    std::cerr << "step sync: the hub at " << address() << " dropped a connection: " << why
+              << " (a stray or hostile local process, or a worker of another run?)" << std::endl;
+  };
   auto handle = [&](int fd, Peer& peer, const std::string& line) {
+    if (!peer.authenticated) {
+      if (line.rfind("AUTH ", 0) != 0) {
+        refuse(fd, "its first line is not AUTH");
+        return false;
+      }
+      if (!tools::ConstantTimeEquals(absl::string_view(line).substr(5), options_.secret)) {
+        refuse(fd, "its AUTH line does not hold the run's secret");
+        return false;
+      }
+      peer.authenticated = true;
+      return SendAll(fd, "OK\n");
+    }
     std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());
     if (parts.size() == 2 && parts[0] == "HELLO") {
       int rank = -1;
@@ -151,10 +214,28 @@ void StepSyncHub::Serve() {
     }
     return true;
   };
+  auto drop = [&](int fd) {
+    auto it = peers.find(fd);
+    if (it == peers.end()) return;
+    if (it->second.rank >= 0) {
+      auto owner = fd_of_rank.find(it->second.rank);
+      if (owner != fd_of_rank.end() && owner->second == fd) fd_of_rank.erase(owner);
+    }
+    close(fd);
+    peers.erase(it);
+  };
   while (true) {
     std::vector<pollfd> fds = {{listen_fd_, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
-    for (const auto& [fd, peer] : peers) fds.push_back({fd, POLLIN, 0});
-    if (poll(fds.data(), fds.size(), -1) < 0) {
+    // Wake up for the first authentication deadline, so that a silent connection is dropped.
+    int timeout_ms = -1;
+    for (const auto& [fd, peer] : peers) {
+      fds.push_back({fd, POLLIN, 0});
+      if (!peer.authenticated) {
+        const int left = MillisecondsUntil(peer.auth_deadline);
+        timeout_ms = timeout_ms < 0 ? left : std::min(timeout_ms, left);
+      }
+    }
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       return;
     }
@@ -164,13 +245,15 @@ void StepSyncHub::Serve() {
       if (fd >= 0) {
         const int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        peers[fd] = Peer();
+        Peer peer;
+        peer.auth_deadline = DeadlineIn(options_.auth_timeout_seconds);
+        peers[fd] = std::move(peer);
       }
     }
     for (size_t i = 2; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
       const int fd = fds[i].fd;
-      Peer& peer = peers[fd];
+      Peer& peer = peers.at(fd);
       char chunk[4096];
       const ssize_t n = recv(fd, chunk, sizeof chunk, 0);
       bool ok = n > 0;
@@ -182,15 +265,22 @@ void StepSyncHub::Serve() {
           peer.buffer.erase(0, end + 1);
           ok = handle(fd, peer, line);
         }
-      }
-      if (!ok) {
-        if (peer.rank >= 0) {
-          auto it = fd_of_rank.find(peer.rank);
-          if (it != fd_of_rank.end() && it->second == fd) fd_of_rank.erase(it);
+        if (ok && !peer.authenticated && peer.buffer.size() > kMaxAuthLineBytes) {
+          refuse(fd, absl::StrCat("its first line runs past ", kMaxAuthLineBytes,
+                                  " bytes, longer than any AUTH line"));
+          ok = false;
         }
-        close(fd);
-        peers.erase(fd);
       }
+      if (!ok) drop(fd);
+    }
+    std::vector<int> late;
+    const Clock::time_point now = Clock::now();
+    for (const auto& [fd, peer] : peers) {
+      if (!peer.authenticated && now >= peer.auth_deadline) late.push_back(fd);
+    }
+    for (int fd : late) {
+      refuse(fd, absl::StrCat("it sent no AUTH line within ", options_.auth_timeout_seconds, " s"));
+      drop(fd);
     }
   }
   for (const auto& [fd, peer] : peers) close(fd);
@@ -217,49 +307,79 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
   return addr;
 }
 
-// Sends one line to the hub on a fresh connection and returns its one-line answer.
-absl::StatusOr<std::string> AskHub(const std::string& hub_address, const std::string& line,
-                                   double timeout_seconds) {
-  absl::StatusOr<sockaddr_in> addr = ParseAddress(hub_address);
-  if (!addr.ok()) return addr.status();
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError("step sync: socket() failed");
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0 ||
-      !SendAll(fd, line)) {
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("step sync: cannot reach the hub at ", hub_address));
-  }
-  std::string answer;
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
-  while (answer.find('\n') == std::string::npos) {
-    const int64_t left_ms =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+// The next line from `fd` (without its newline), reading into `buffer` what arrives until then;
+// UNAVAILABLE when the hub closes the connection, DEADLINE_EXCEEDED at `deadline`.
+absl::StatusOr<std::string> ReadLine(int fd, std::string* buffer, const std::string& hub_address,
+                                     Clock::time_point deadline) {
+  while (true) {
+    const size_t end = buffer->find('\n');
+    if (end != std::string::npos) {
+      std::string line = buffer->substr(0, end);
+      buffer->erase(0, end + 1);
+      return line;
+    }
     pollfd p{fd, POLLIN, 0};
-    if (left_ms <= 0 || poll(&p, 1, static_cast<int>(left_ms)) <= 0) {
-      close(fd);
+    const int left_ms = MillisecondsUntil(deadline);
+    const int ready = left_ms > 0 ? poll(&p, 1, left_ms) : 0;
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) {
       return absl::DeadlineExceededError(
           absl::StrCat("step sync: the hub at ", hub_address, " did not answer"));
     }
     char chunk[256];
     const ssize_t n = recv(fd, chunk, sizeof chunk, 0);
     if (n <= 0) {
-      close(fd);
       return absl::UnavailableError(
           absl::StrCat("step sync: the hub at ", hub_address, " closed the connection"));
     }
-    answer.append(chunk, static_cast<size_t>(n));
+    buffer->append(chunk, static_cast<size_t>(n));
   }
+}
+
+// Reads the hub's answer to an AUTH line: OK, or PERMISSION_DENIED when it refused the secret.
+absl::Status AwaitAuthAnswer(int fd, std::string* buffer, const std::string& hub_address,
+                             Clock::time_point deadline) {
+  absl::StatusOr<std::string> answer = ReadLine(fd, buffer, hub_address, deadline);
+  if (!answer.ok()) return answer.status();
+  if (*answer == "OK") return absl::OkStatus();
+  if (*answer == "DENIED") {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "step sync: the hub at ", hub_address,
+        " refused this worker's secret (is the secret file the one sb-run wrote for this run?)"));
+  }
+  return absl::DataLossError(
+      absl::StrCat("step sync: bad answer from the hub at ", hub_address, " to AUTH: ", *answer));
+}
+
+// Sends one line to the hub on a fresh connection, after proving the secret, and returns its
+// one-line answer.
+absl::StatusOr<std::string> AskHub(const std::string& hub_address, const std::string& secret,
+                                   const std::string& line, double timeout_seconds) {
+  if (absl::Status s = CheckSyncSecret(secret); !s.ok()) return s;
+  absl::StatusOr<sockaddr_in> addr = ParseAddress(hub_address);
+  if (!addr.ok()) return addr.status();
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError("step sync: socket() failed");
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0 ||
+      !SendAll(fd, absl::StrCat("AUTH ", secret, "\n", line))) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("step sync: cannot reach the hub at ", hub_address));
+  }
+  const Clock::time_point deadline = DeadlineIn(timeout_seconds);
+  std::string buffer;
+  absl::Status authenticated = AwaitAuthAnswer(fd, &buffer, hub_address, deadline);
+  absl::StatusOr<std::string> answer =
+      authenticated.ok() ? ReadLine(fd, &buffer, hub_address, deadline) : authenticated;
   close(fd);
-  return answer.substr(0, answer.find('\n'));
+  return answer;
 }
 
 }  // namespace
 
-absl::Status RegisterRankAddress(const std::string& hub_address, int rank,
-                                 const std::string& address, double timeout_seconds) {
-  absl::StatusOr<std::string> answer =
-      AskHub(hub_address, absl::StrCat("ADDRESS ", rank, " ", address, "\n"), timeout_seconds);
+absl::Status RegisterRankAddress(const std::string& hub_address, const std::string& secret,
+                                 int rank, const std::string& address, double timeout_seconds) {
+  absl::StatusOr<std::string> answer = AskHub(
+      hub_address, secret, absl::StrCat("ADDRESS ", rank, " ", address, "\n"), timeout_seconds);
   if (!answer.ok()) return answer.status();
   if (*answer != "OK") {
     return absl::InvalidArgumentError(
@@ -268,14 +388,14 @@ absl::Status RegisterRankAddress(const std::string& hub_address, int rank,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address, int rank,
+absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address,
+                                              const std::string& secret, int rank,
                                               double timeout_seconds) {
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  const Clock::time_point deadline = DeadlineIn(timeout_seconds);
   const std::string want = absl::StrCat("AT ", rank, " ");
   while (true) {
-    absl::StatusOr<std::string> answer =
-        AskHub(hub_address, absl::StrCat("WHERE ", rank, "\n"), std::max(1.0, timeout_seconds));
+    absl::StatusOr<std::string> answer = AskHub(
+        hub_address, secret, absl::StrCat("WHERE ", rank, "\n"), std::max(1.0, timeout_seconds));
     if (!answer.ok()) return answer.status();
     if (answer->rfind(want, 0) != 0) {
       return absl::DataLossError(absl::StrCat("step sync: bad answer from the hub: ", *answer));
@@ -292,26 +412,37 @@ absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address, in
 }
 
 absl::StatusOr<std::unique_ptr<StepSyncClient>> StepSyncClient::Connect(const std::string& address,
+                                                                        const std::string& secret,
                                                                         int rank,
                                                                         double timeout_seconds) {
   absl::StatusOr<sockaddr_in> parsed = ParseAddress(address);
   if (!parsed.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sync ", parsed.status().message()));
   }
+  if (absl::Status s = CheckSyncSecret(secret); !s.ok()) return s;
   sockaddr_in addr = *parsed;
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  const Clock::time_point deadline = DeadlineIn(timeout_seconds);
   while (true) {
     const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return absl::InternalError("step sync: socket() failed");
     if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
       const int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      if (!SendAll(fd, absl::StrCat("HELLO ", rank, "\n"))) {
+      if (!SendAll(fd, absl::StrCat("AUTH ", secret, "\nHELLO ", rank, "\n"))) {
         close(fd);
         return absl::UnavailableError("step sync: the hub closed the connection");
       }
-      return std::unique_ptr<StepSyncClient>(new StepSyncClient(address, rank, fd));
+      // Answered at once by a live hub; a few seconds even when the caller's time is short.
+      std::string buffer;
+      if (absl::Status s =
+              AwaitAuthAnswer(fd, &buffer, address, std::max(deadline, DeadlineIn(5.0)));
+          !s.ok()) {
+        close(fd);
+        return s;
+      }
+      auto client = std::unique_ptr<StepSyncClient>(new StepSyncClient(address, secret, rank, fd));
+      client->buffer_ = std::move(buffer);
+      return client;
     }
     close(fd);
     if (Clock::now() > deadline) {
@@ -330,12 +461,12 @@ absl::StatusOr<double> StepSyncClient::AllReduceMax(int64_t step, int phase, dou
   absl::StatusOr<double> result = Exchange(step, phase, value, timeout_seconds);
   if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable) return result;
   // The connection broke: reconnect once and arrive again (arriving twice is harmless).
-  absl::StatusOr<std::unique_ptr<StepSyncClient>> fresh = Connect(address_, rank_, 10);
+  absl::StatusOr<std::unique_ptr<StepSyncClient>> fresh = Connect(address_, secret_, rank_, 10);
   if (!fresh.ok()) return fresh.status();
   close(fd_);
   fd_ = (*fresh)->fd_;
   (*fresh)->fd_ = -1;
-  buffer_.clear();
+  buffer_ = std::move((*fresh)->buffer_);
   return Exchange(step, phase, value, timeout_seconds);
 }
 

@@ -3,6 +3,8 @@
 // by sb-run, like torchrun's rendezvous store) and one client per rank, over TCP with one text
 // line per message:
 //
+//   any  -> hub   AUTH <secret>                     (first on every connection)
+//   hub  -> any   OK  or  DENIED                    (DENIED: the hub then closes it)
 //   rank -> hub   HELLO <rank>                      (on every connect; replaces an old one)
 //   rank -> hub   ARRIVE <step> <phase> <value>
 //   hub  -> rank  RELEASE <step> <phase> <max value over ranks>
@@ -19,8 +21,21 @@
 //   rank -> hub   WHERE <rank>
 //   hub  -> rank  AT <rank> <host:port>  or  AT <rank> -   (not registered yet)
 //
-//   StepSyncHub hub(/*ranks=*/4);          // in the launcher
-//   auto sync = StepSyncClient::Connect(hub.address(), rank);
+// Authentication: the port takes connections from any local process, of any user, so the hub,
+// its clients and the shard exchange share the run's secret (sb-run draws it from the kernel's
+// CSPRNG for each run and hands it to each worker in a 0600 file, never on a command line). A
+// connection is acted on only after its first line, AUTH with the secret, compared in constant
+// time; a wrong or missing one, or none within auth_timeout_seconds, is answered DENIED and
+// closed, counted (refused_connections()) and reported in one line on stderr that never holds
+// the secret. The secret crosses the wire in the clear: the hub listens on 127.0.0.1 only, and
+// loopback traffic can be captured by root (CAP_NET_RAW) alone, who can read the secret's file
+// anyway. The listener does not prove itself in turn: a process that takes a port over after
+// its hub or rank has gone would learn the secret from a rank still connecting there (a
+// challenge-response would close that). There is no unauthenticated mode: an empty or short
+// secret is refused (CheckSyncSecret), tests included.
+//
+//   auto hub = StepSyncHub::Start(/*ranks=*/4, {secret});  // in the launcher
+//   auto sync = StepSyncClient::Connect((*hub)->address(), secret, rank);
 //   absl::StatusOr<double> any = sync->AllReduceMax(step, kPlanPhase, fell_back ? 1 : 0);
 #ifndef SPARSEBALANCE_WORKER_STEP_SYNC_H_
 #define SPARSEBALANCE_WORKER_STEP_SYNC_H_
@@ -33,42 +48,72 @@
 #include <thread>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace sparsebalance {
 
 inline constexpr int kPlanPhase = 0;
 inline constexpr int kGradientPhase = 1;
 
+// Bounds of the run's secret, bytes: enough to be unguessable, and one word of a protocol line.
+inline constexpr size_t kMinSyncSecretBytes = 16;
+inline constexpr size_t kMaxSyncSecretBytes = 256;
+
+// OK when `secret` can be a run's secret: kMinSyncSecretBytes to kMaxSyncSecretBytes printable
+// ASCII characters, no spaces (sb-run's: 64 hex digits). INVALID_ARGUMENT naming what is wrong,
+// never quoting the secret.
+absl::Status CheckSyncSecret(absl::string_view secret);
+
+struct StepSyncHubOptions {
+  std::string secret;  // the run's secret (CheckSyncSecret): required
+  int port = 0;        // on 127.0.0.1; 0: a free port
+  // A connection that has not sent its AUTH line by then is dropped, seconds.
+  double auth_timeout_seconds = 5.0;
+};
+
 class StepSyncHub {
  public:
-  // Listens on 127.0.0.1 (a free port unless `port` is given) and serves until destroyed.
-  static absl::StatusOr<std::unique_ptr<StepSyncHub>> Start(int ranks, int port = 0);
+  // Listens on 127.0.0.1 and serves until destroyed.
+  static absl::StatusOr<std::unique_ptr<StepSyncHub>> Start(int ranks,
+                                                            const StepSyncHubOptions& options);
   ~StepSyncHub();
   std::string address() const;  // host:port
+  // Connections dropped for a wrong or missing AUTH line, or none in time.
+  int64_t refused_connections() const { return refused_connections_.load(); }
 
  private:
-  StepSyncHub(int ranks, int listen_fd, int port);
+  StepSyncHub(int ranks, StepSyncHubOptions options, int listen_fd, int port);
   void Serve();
 
   const int ranks_;
+  const StepSyncHubOptions options_;
   const int listen_fd_;
   const int port_;
+  std::atomic<int64_t> refused_connections_{0};
   int wake_fds_[2] = {-1, -1};  // a pipe that ends Serve()
   std::thread thread_;
 };
 
+// Each call below proves `secret` to the hub first: PERMISSION_DENIED when the hub refuses it
+// (a secret of another run), INVALID_ARGUMENT when CheckSyncSecret does.
+
 // Registers `rank`'s shard-exchange listen address with the hub at `hub_address`.
-absl::Status RegisterRankAddress(const std::string& hub_address, int rank,
-                                 const std::string& address, double timeout_seconds = 60);
+absl::Status RegisterRankAddress(const std::string& hub_address, const std::string& secret,
+                                 int rank, const std::string& address, double timeout_seconds = 60);
 // The address `rank` registered, asking again until it has or `timeout_seconds` passed
 // (DEADLINE_EXCEEDED naming the rank).
-absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address, int rank,
+absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address,
+                                              const std::string& secret, int rank,
                                               double timeout_seconds = 60);
 
 class StepSyncClient {
  public:
+  // Connects (waiting up to `timeout_seconds` for a hub that is still starting) and waits for
+  // the hub to accept `secret`.
   static absl::StatusOr<std::unique_ptr<StepSyncClient>> Connect(const std::string& address,
+                                                                 const std::string& secret,
                                                                  int rank,
                                                                  double timeout_seconds = 60);
   ~StepSyncClient();
@@ -78,11 +123,12 @@ class StepSyncClient {
                                       double timeout_seconds = 600);
 
  private:
-  StepSyncClient(std::string address, int rank, int fd)
-      : address_(std::move(address)), rank_(rank), fd_(fd) {}
+  StepSyncClient(std::string address, std::string secret, int rank, int fd)
+      : address_(std::move(address)), secret_(std::move(secret)), rank_(rank), fd_(fd) {}
   absl::StatusOr<double> Exchange(int64_t step, int phase, double value, double timeout_seconds);
 
   std::string address_;
+  std::string secret_;
   int rank_;
   int fd_;
   std::string buffer_;  // bytes read past the last line

@@ -43,6 +43,10 @@ ABSL_FLAG(std::string, device, "cpu",
           "synchronised by NCCL (set NCCL_COMM_ID)");
 ABSL_FLAG(std::string, sync, "",
           "CPU ranks: the step-sync hub host:port (sb-run starts one); empty with one rank");
+ABSL_FLAG(std::string, sync_secret_file, "",
+          "required with --sync: file holding the run's secret (sb-run writes one per run, "
+          "mode 0600, and passes it here); every connection to the hub and to a rank's "
+          "shard-exchange port must prove it, and one that does not is refused");
 ABSL_FLAG(int, steps, 10, "run steps [resume point, steps)");
 ABSL_FLAG(std::string, trace, "pretrain", "built-in trace the global batches come from");
 ABSL_FLAG(uint64_t, seed, 1, "trace seed: every rank must use the same");
@@ -139,7 +143,8 @@ int Main(int argc, char** argv) {
       "one rank of a SparseBalance job: plans from sb-planner, sparse attention at the\n"
       "planned densities, measured and reported (one JSON line per step to --out).\n\n"
       "  sb-worker --planner=HOST:PORT --job=ID --rank=R --token_file=FILE \\\n"
-      "            [--device=cpu|cuda] [--sync=HOST:PORT] [--out=steps.jsonl]\n\n"
+      "            [--device=cpu|cuda] [--sync=HOST:PORT --sync_secret_file=FILE] \\\n"
+      "            [--out=steps.jsonl]\n\n"
       "Timing: on CPU the thread CPU time of the compute (ranks may share cores); on GPU\n"
       "CUDA events. Waiting time is the wall time spent in the end-of-step synchronisation.\n"
       "sb-run starts a planner, a step-sync hub and the workers of a local job.");
@@ -149,6 +154,19 @@ int Main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_token_file).empty()) tools::UsageError("--token_file is required");
   const std::string token(
       absl::StripAsciiWhitespace(ReadFlagFile("token_file", absl::GetFlag(FLAGS_token_file))));
+  // The hub and the other ranks' exchange ports take connections from any local process: each
+  // connection proves the run's secret, read from a file because a command line is public.
+  std::string sync_secret;
+  if (!absl::GetFlag(FLAGS_sync).empty()) {
+    if (absl::GetFlag(FLAGS_sync_secret_file).empty()) {
+      tools::UsageError("--sync_secret_file is required with --sync (sb-run writes one per run)");
+    }
+    sync_secret = std::string(absl::StripAsciiWhitespace(
+        ReadFlagFile("sync_secret_file", absl::GetFlag(FLAGS_sync_secret_file))));
+    if (absl::Status s = CheckSyncSecret(sync_secret); !s.ok()) {
+      tools::UsageError(absl::StrCat("--sync_secret_file: ", s.message()));
+    }
+  }
 
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_planner);
@@ -212,8 +230,12 @@ int Main(int argc, char** argv) {
     barrier = std::make_unique<NcclBarrier>(*std::move(nccl));
   } else if (!absl::GetFlag(FLAGS_sync).empty()) {
     absl::StatusOr<std::unique_ptr<StepSyncClient>> sync =
-        StepSyncClient::Connect(absl::GetFlag(FLAGS_sync), rank);
-    if (!sync.ok()) tools::Fatal(absl::StrCat("--sync: ", sync.status().message()));
+        StepSyncClient::Connect(absl::GetFlag(FLAGS_sync), sync_secret, rank);
+    if (!sync.ok()) {
+      const bool denied = absl::IsPermissionDenied(sync.status());
+      tools::Fatal(
+          absl::StrCat(denied ? "--sync_secret_file: " : "--sync: ", sync.status().message()));
+    }
     barrier = std::make_unique<HubBarrier>(*std::move(sync));
   } else if (config.ranks > 1) {
     tools::Fatal("--sync is required for CPU ranks of a job with more than one rank");
@@ -225,6 +247,7 @@ int Main(int argc, char** argv) {
   std::unique_ptr<ShardExchange> exchange;
   if (config.max_shards > 1 && config.ranks > 1 && device == "cpu") {
     ShardExchangeOptions exchange_options;
+    exchange_options.secret = sync_secret;
     exchange_options.timeout_seconds = absl::GetFlag(FLAGS_exchange_timeout);
     exchange_options.world_size = config.ranks;
     // Every document of a step is at most a micro-batch's capacity or --long_document.

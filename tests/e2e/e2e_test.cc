@@ -2,7 +2,7 @@
 // the step-sync hub, and sb-run (the main job). The planner is killed with SIGKILL mid-run and
 // restarted on its state directory; a worker is killed and restarted; the main job's measured
 // figures favour sparsebalance over sequential; a document of 4x the capacity trains split over
-// the 4 ranks (context parallelism).
+// the 4 ranks (context parallelism), every connection proving the run's secret.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -120,15 +120,20 @@ JobHandle CreateJob(int port, const PlannerConfig& config, const std::string& to
   return *job;
 }
 
+// The step-sync secret of these jobs (sb-run draws one for each run).
+constexpr char kSyncSecret[] = "e2e-test-step-sync-secret-0123456789";
+
 std::unique_ptr<tools::ChildProcess> StartWorker(int port, const JobHandle& job, int rank,
                                                  const std::string& token_file,
-                                                 const std::string& sync, int steps,
+                                                 const std::string& sync,
+                                                 const std::string& secret_file, int steps,
                                                  const std::string& out, const std::string& log) {
-  return Start({SB_WORKER_PATH, absl::StrCat("--planner=127.0.0.1:", port), "--job=" + job.job_id,
-                absl::StrCat("--rank=", rank), "--token_file=" + token_file, "--device=cpu",
-                "--sync=" + sync, absl::StrCat("--steps=", steps), "--call_timeout=1",
-                "--plan_timeout=20", "--out=" + out, "--min_length=64"},
-               log);
+  return Start(
+      {SB_WORKER_PATH, absl::StrCat("--planner=127.0.0.1:", port), "--job=" + job.job_id,
+       absl::StrCat("--rank=", rank), "--token_file=" + token_file, "--device=cpu",
+       "--sync=" + sync, "--sync_secret_file=" + secret_file, absl::StrCat("--steps=", steps),
+       "--call_timeout=1", "--plan_timeout=20", "--out=" + out, "--min_length=64"},
+      log);
 }
 
 // Lines of `path` so far (a worker may be writing it).
@@ -161,7 +166,8 @@ bool WaitForSteps(const std::string& lines, int rank, int64_t steps) {
 std::string ReadAll(const std::string& path) { return tools::ReadFile(path).value_or(""); }
 
 // A tiny job under way in a temporary folder: sb-planner on a fixed port (state in dir/state),
-// the job (its token in dir/token), the step-sync hub and the workers, their step lines in
+// the job (its token in dir/token), the step-sync hub (its secret in dir/sync_secret) and the
+// workers, their step lines in
 // dir/steps.jsonl and their logs in dir/workerR.log. Everything stops, and the folder goes,
 // when it is destroyed.
 struct JobUnderWay {
@@ -170,6 +176,7 @@ struct JobUnderWay {
   std::unique_ptr<tools::PlannerProcess> planner;
   JobHandle job;
   std::string token_file;
+  std::string secret_file;
   std::unique_ptr<StepSyncHub> hub;
   std::vector<std::unique_ptr<tools::ChildProcess>> workers;
 
@@ -195,13 +202,17 @@ JobUnderWay StartJob(int ranks, int steps) {
   if (run.planner == nullptr) return run;
   run.token_file = run.dir() + "/token";
   run.job = CreateJob(run.port, TinyJob(ranks), run.token_file);
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks);
+  run.secret_file = run.dir() + "/sync_secret";
+  EXPECT_TRUE(tools::WritePrivateFile(run.secret_file, absl::StrCat(kSyncSecret, "\n")).ok());
+  StepSyncHubOptions hub_options;
+  hub_options.secret = kSyncSecret;
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks, hub_options);
   EXPECT_TRUE(hub.ok()) << hub.status();
   if (!hub.ok()) return run;
   run.hub = *std::move(hub);
   for (int r = 0; r < ranks; ++r) {
     run.workers.push_back(StartWorker(run.port, run.job, r, run.token_file, run.hub->address(),
-                                      steps, run.lines(), run.worker_log(r)));
+                                      run.secret_file, steps, run.lines(), run.worker_log(r)));
   }
   return run;
 }
@@ -262,8 +273,9 @@ TEST(EndToEndTest, AKilledWorkerRestartsOnItsRankAndTheJobContinues) {
   ASSERT_TRUE(run.RankReached(2, 3));
   run.workers[2]->Kill();
   const int64_t done_before = StepsDone(run.lines(), 2);
-  run.workers[2] = StartWorker(run.port, run.job, 2, run.token_file, run.hub->address(), kSteps,
-                               run.lines(), run.dir() + "/worker2-restarted.log");
+  run.workers[2] =
+      StartWorker(run.port, run.job, 2, run.token_file, run.hub->address(), run.secret_file, kSteps,
+                  run.lines(), run.dir() + "/worker2-restarted.log");
   for (int r = 0; r < kRanks; ++r) EXPECT_EQ(run.workers[r]->WaitFor(120), 0);
   absl::StatusOr<std::vector<StepLine>> all = ReadStepLines(run.lines());
   ASSERT_TRUE(all.ok());
@@ -366,6 +378,50 @@ TEST(EndToEndTest, TheMainJobTrainsADocumentOfFourTimesTheCapacityOverFourRanks)
                                     4 * kCapacity, " tokens) split into 4 shards")),
               std::string::npos)
         << log;
+  }
+  // Every connection to the hub and between the ranks proved the run's secret, whose file is
+  // gone with the run.
+  EXPECT_EQ(log.find("dropped"), std::string::npos) << log;
+  for (int r = 0; r < 4; ++r) {
+    const std::string rank_log = ReadAll(absl::StrCat(out, "/sparsebalance.rank", r, ".log"));
+    EXPECT_EQ(rank_log.find("dropped"), std::string::npos) << rank_log;
+  }
+  EXPECT_FALSE(std::filesystem::exists(out + "/sparsebalance.sync_secret"));
+}
+
+// A CPU rank proves the run's secret to the hub and its peers, read from a file (a command line
+// is public to `ps`): without one, or with one it cannot read or that cannot be a secret, it
+// stops at once with an error naming the flag, before it contacts anything.
+TEST(EndToEndTest, AWorkerWithTheHubButNoUsableSecretFileStopsNamingTheFlag) {
+  TempDir dir;
+  const std::string token = dir.path() + "/token";
+  const std::string secret = dir.path() + "/secret";
+  ASSERT_TRUE(tools::WritePrivateFile(token, "t\n").ok());
+  ASSERT_TRUE(tools::WritePrivateFile(secret, "too-short\n").ok());
+  // Nothing listens at port 1: the worker must stop before it tries.
+  std::vector<std::string> worker = {SB_WORKER_PATH, "--planner=127.0.0.1:1", "--sync=127.0.0.1:1"};
+  worker.insert(worker.end(), {"--job=j", "--rank=0", "--token_file=" + token});
+  struct Case {
+    std::string flag;
+    std::string message;
+    int exit_code;
+  };
+  const std::vector<Case> cases = {
+      {"", "--sync_secret_file is required with --sync", tools::kExitUsage},
+      {"--sync_secret_file=" + dir.path() + "/missing",
+       "--sync_secret_file: ", tools::kExitFailure},
+      {"--sync_secret_file=" + secret, "--sync_secret_file: secret: 9 bytes", tools::kExitUsage},
+  };
+  for (const auto& [flag, message, exit_code] : cases) {
+    SCOPED_TRACE(flag);
+    std::vector<std::string> args = worker;
+    if (!flag.empty()) args.push_back(flag);
+    const std::string log = dir.path() + "/worker.log";
+    std::filesystem::remove(log);
+    std::unique_ptr<tools::ChildProcess> child = Start(args, log);
+    ASSERT_NE(child, nullptr);
+    EXPECT_EQ(child->WaitFor(30), exit_code) << ReadAll(log);
+    EXPECT_NE(ReadAll(log).find(message), std::string::npos) << ReadAll(log);
   }
 }
 

@@ -294,13 +294,16 @@ TEST(MicroBatchRunnerTest, ShardsOfASplitDocumentKeepItsBlocksAndReportTheirExch
   absl::StatusOr<MicroBatchResult> whole =
       Runner()->Run(OneSample(Shard(21, kLength, 0, 0, 0, {})));
   ASSERT_TRUE(whole.ok()) << whole.status();
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(2);
+  StepSyncHubOptions hub_options;
+  hub_options.secret = "micro-batch-runner-test-secret";
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(2, hub_options);
   ASSERT_TRUE(hub.ok()) << hub.status();
   // Rank 1 runs shard 0 with an unsplit sample after it; rank 0 runs shard 1.
   std::vector<std::future<absl::StatusOr<MicroBatchResult>>> runs;
   for (int rank = 0; rank < 2; ++rank) {
     runs.push_back(std::async(std::launch::async, [&, rank]() -> absl::StatusOr<MicroBatchResult> {
       ShardExchangeOptions options;
+      options.secret = hub_options.secret;
       options.world_size = 2;
       options.max_payload_bytes =
           MaxShardPayloadBytes(kLength, SmallShape().heads, SmallShape().head_dim);

@@ -1,8 +1,9 @@
 // The shard exchange over loopback with ranks as threads (addresses through a real step-sync
 // hub), and RunShardLayer on it: a document split over 4 ranks gives the unsplit document's
 // attention outputs and gradients, a shard whose peer never arrives fails with an error
-// naming the peer instead of hanging, and a local process writing frame headers no peer sends
-// loses its connection while the exchange goes on.
+// naming the peer instead of hanging, a local process without the run's secret gets nothing
+// into Receive, and one writing frame headers no peer sends loses its connection while the
+// exchange goes on, without leaving threads behind.
 //
 // Tolerance (tests/kernels/shard_attention_test.cc establishes it): the sharded pass groups
 // the same fp32 products by chunk and merges partials in double, so it differs from the
@@ -20,11 +21,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <future>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -43,8 +47,13 @@ using ::testing::HasSubstr;
 
 constexpr double kTolerance = 1e-5;
 
+// The run's secret of these tests (sb-run draws 64 random hex digits instead).
+const char kSecret[] = "shard-exchange-test-secret-0123456789";
+
 std::unique_ptr<StepSyncHub> StartHub(int ranks) {
-  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks);
+  StepSyncHubOptions options;
+  options.secret = kSecret;
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(ranks, options);
   EXPECT_TRUE(hub.ok()) << hub.status();
   return hub.ok() ? *std::move(hub) : nullptr;
 }
@@ -55,8 +64,11 @@ constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;
 
 std::unique_ptr<ShardExchange> StartExchange(int rank, const std::string& hub,
                                              double timeout_seconds = 30,
-                                             uint64_t max_payload_bytes = kMaxPayloadBytes) {
+                                             uint64_t max_payload_bytes = kMaxPayloadBytes,
+                                             double auth_timeout_seconds = 5.0) {
   ShardExchangeOptions options;
+  options.secret = kSecret;
+  options.auth_timeout_seconds = auth_timeout_seconds;
   options.timeout_seconds = timeout_seconds;
   options.world_size = kWorldSize;
   options.max_payload_bytes = max_payload_bytes;
@@ -169,6 +181,23 @@ bool SendHeader(int fd, const RawHeader& h) {
   return send(fd, wire, sizeof wire, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof wire);
 }
 
+// A connection's opening as the wire carries it: "SBA1", the secret's length and bytes.
+std::string Opening(const std::string& secret, uint32_t magic = 0x31414253) {
+  std::string wire(8, '\0');
+  const uint32_t bytes = static_cast<uint32_t>(secret.size());
+  std::memcpy(wire.data(), &magic, 4);
+  std::memcpy(wire.data() + 4, &bytes, 4);
+  return wire + secret;
+}
+
+bool SendBytes(int fd, const std::string& bytes) {
+  return send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+}
+
+bool SendOpening(int fd, const std::string& secret, uint32_t magic = 0x31414253) {
+  return SendBytes(fd, Opening(secret, magic));
+}
+
 // Whether the other end closes `fd` within `seconds` (reads it to the end).
 bool ClosedByPeer(int fd, double seconds) {
   const auto deadline =
@@ -216,6 +245,7 @@ TEST(ShardExchangeTest, AHostileFrameHeaderDropsItsConnectionAndTheExchangeServe
     SCOPED_TRACE(what);
     const int fd = ConnectRaw(a->address());
     ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendOpening(fd, kSecret));  // even a holder of the secret
     ASSERT_TRUE(SendHeader(fd, header));
     EXPECT_TRUE(ClosedByPeer(fd, 10.0)) << "the exchange keeps a hostile connection open";
     close(fd);
@@ -224,6 +254,7 @@ TEST(ShardExchangeTest, AHostileFrameHeaderDropsItsConnectionAndTheExchangeServe
   // A header for a second frame that then never comes, still open while the peer talks.
   const int idle = ConnectRaw(a->address());
   ASSERT_GE(idle, 0);
+  ASSERT_TRUE(SendOpening(idle, kSecret));
   RawHeader pending;
   pending.bytes = kMax;  // allowed: memory grows only with the bytes that arrive
   ASSERT_TRUE(SendHeader(idle, pending));
@@ -252,6 +283,7 @@ TEST(ShardExchangeTest, AFrameCutShortIsNeverDelivered) {
   RawHeader h;
   h.kind = static_cast<int32_t>(ExchangeKind::kPooledKeys);
   h.bytes = 10;
+  ASSERT_TRUE(SendOpening(fd, kSecret));
   ASSERT_TRUE(SendHeader(fd, h));
   ASSERT_EQ(send(fd, "abcd", 4, MSG_NOSIGNAL), 4);
   close(fd);  // 6 bytes short
@@ -273,6 +305,163 @@ TEST(ShardExchangeTest, StartNeedsTheWorldSizeAndThePayloadBound) {
   ex = ShardExchange::Start(2, "127.0.0.1:1", options);
   EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(ex.status().message(), HasSubstr("max_payload_bytes"));
+  // No unauthenticated mode: an exchange without the run's secret does not start.
+  options.max_payload_bytes = 1024;
+  ex = ShardExchange::Start(2, "127.0.0.1:1", options);
+  EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ex.status().message(), HasSubstr("secret: 0 bytes"));
+}
+
+// Any local process, of any user, can connect to a rank's exchange port. Frames with
+// well-formed headers claiming to come from a peer went into its mailbox: forged keys, values
+// or gradients entered training. Now nothing a connection sends is read as a frame before it
+// proves the run's secret, and one that does not (or not in time) is dropped and counted.
+TEST(ShardExchangeTest, AConnectionWithoutTheSecretNeverReachesReceive) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(2);
+  ASSERT_NE(hub, nullptr);
+  std::unique_ptr<ShardExchange> a =
+      StartExchange(0, hub->address(), 30, kMaxPayloadBytes, /*auth_timeout_seconds=*/0.3);
+  std::unique_ptr<ShardExchange> b = StartExchange(1, hub->address());
+  ASSERT_TRUE(a && b);
+  RawHeader forged;  // pooled keys of sample 7 "from rank 1", what b sends below
+  forged.bytes = 6;
+  const std::string secret = kSecret;
+  std::string near_miss = secret;
+  near_miss.back() ^= 1;
+  struct Hostile {
+    const char* what;
+    std::function<bool(int)> send;
+  };
+  auto opening_then_frame = [&](const std::string& offered, uint32_t magic = 0x31414253) {
+    return [&, offered, magic](int fd) {
+      return SendOpening(fd, offered, magic) && SendHeader(fd, forged) &&
+             send(fd, "forged", 6, MSG_NOSIGNAL) == 6;
+    };
+  };
+  const std::vector<Hostile> hostile = {
+      {"a frame with no opening",
+       [&](int fd) { return SendHeader(fd, forged) && send(fd, "forged", 6, MSG_NOSIGNAL) == 6; }},
+      {"the secret but its last bit", opening_then_frame(near_miss)},
+      {"a prefix of the secret", opening_then_frame(secret.substr(0, 20))},
+      {"the secret and more", opening_then_frame(secret + "x")},
+      {"an empty secret", opening_then_frame("")},
+      {"the secret under another magic", opening_then_frame(secret, 0x31584253)},
+      {"nothing at all", [](int) { return true; }},
+      {"an opening cut short",
+       [&](int fd) { return SendBytes(fd, Opening(secret).substr(0, 13)); }},
+  };
+  int64_t refused = 0;
+  for (const Hostile& h : hostile) {
+    SCOPED_TRACE(h.what);
+    const int fd = ConnectRaw(a->address());
+    ASSERT_GE(fd, 0);
+    h.send(fd);  // fails part way when the exchange refuses the opening before the frame
+    EXPECT_TRUE(ClosedByPeer(fd, 10.0)) << "the exchange keeps an unauthenticated connection";
+    close(fd);
+    EXPECT_EQ(a->refused_connections(), ++refused);
+  }
+  // The real rank 1's message is the first and only one under its key.
+  ASSERT_TRUE(b->Send(0, Key(7, ExchangeKind::kPooledKeys), "real").ok());
+  absl::StatusOr<std::string> got = a->Receive(1, Key(7, ExchangeKind::kPooledKeys));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "real");
+  EXPECT_EQ(a->bytes_received(), b->bytes_sent());
+  EXPECT_EQ(a->refused_connections(), refused);
+}
+
+// A rank of another run (another secret) is told why its messages go nowhere.
+TEST(ShardExchangeTest, APeerWithAnotherRunsSecretIsRefusedAndTheSenderSaysSo) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(2);
+  ASSERT_NE(hub, nullptr);
+  std::unique_ptr<ShardExchange> a = StartExchange(0, hub->address());
+  ASSERT_NE(a, nullptr);
+  StepSyncHubOptions other_options;
+  other_options.secret = "another-runs-secret-0123456789";
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> other_hub = StepSyncHub::Start(2, other_options);
+  ASSERT_TRUE(other_hub.ok()) << other_hub.status();
+  ASSERT_TRUE(
+      RegisterRankAddress((*other_hub)->address(), other_options.secret, 0, a->address()).ok());
+  ShardExchangeOptions options;
+  options.secret = other_options.secret;
+  options.world_size = kWorldSize;
+  options.max_payload_bytes = kMaxPayloadBytes;
+  absl::StatusOr<std::unique_ptr<ShardExchange>> other =
+      ShardExchange::Start(1, (*other_hub)->address(), options);
+  ASSERT_TRUE(other.ok()) << other.status();
+  absl::Status sent = (*other)->Send(0, Key(7, ExchangeKind::kPooledKeys), "forged");
+  EXPECT_EQ(sent.code(), absl::StatusCode::kPermissionDenied) << sent;
+  EXPECT_THAT(sent.message(), HasSubstr("refused this rank's secret"));
+  EXPECT_EQ(a->refused_connections(), 1);
+  EXPECT_EQ(a->bytes_received(), 0);
+}
+
+// The lines of /proc/self/<file> that start with `prefix` (all of them when it is empty).
+int CountLines(const std::string& file, const std::string& prefix = "") {
+  std::ifstream in("/proc/self/" + file);
+  int n = 0;
+  for (std::string line; std::getline(in, line);) n += line.rfind(prefix, 0) == 0 ? 1 : 0;
+  return n;
+}
+
+// The value of "Threads:" in /proc/self/status: the threads running now.
+int RunningThreads() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+// Each incoming connection has a reader thread. One that ended stayed unjoined until the
+// exchange ended, its stack still mapped (8 MiB of address space, two mappings): refused
+// connections piled up without bound (300 of them added 550 mappings). Now a reader is joined
+// as the next connection comes in, and one that never authenticates runs until the deadline
+// only. (A thread that ended but is not joined no longer counts in /proc's "Threads:", so the
+// mappings are what shows it.)
+TEST(ShardExchangeTest, RefusedConnectionsLeaveNoThreadsBehind) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(2);
+  ASSERT_NE(hub, nullptr);
+  std::unique_ptr<ShardExchange> a =
+      StartExchange(0, hub->address(), 30, kMaxPayloadBytes, /*auth_timeout_seconds=*/0.5);
+  std::unique_ptr<ShardExchange> b = StartExchange(1, hub->address());
+  ASSERT_TRUE(a && b);
+  const std::string wrong(sizeof kSecret - 1, 'w');
+  auto refuse = [&](int connections) {
+    for (int i = 0; i < connections; ++i) {
+      const int fd = ConnectRaw(a->address());
+      ASSERT_GE(fd, 0);
+      ASSERT_TRUE(SendOpening(fd, wrong));
+      ASSERT_TRUE(ClosedByPeer(fd, 10.0));
+      close(fd);
+    }
+  };
+  refuse(20);  // the C library's caches of stacks and arenas fill up first
+  const int mappings = CountLines("maps");
+  refuse(300);
+  EXPECT_EQ(a->refused_connections(), 320);
+  EXPECT_LT(CountLines("maps"), mappings + 50) << "the readers of refused connections are kept";
+
+  // 50 connections that send nothing hold 50 readers, until the deadline.
+  const int threads = RunningThreads();
+  std::vector<int> silent;
+  for (int i = 0; i < 50; ++i) silent.push_back(ConnectRaw(a->address()));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto seconds_left = [&] {
+    return std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+  };
+  int closed = 0;
+  for (int fd : silent) {
+    closed += ClosedByPeer(fd, seconds_left()) ? 1 : 0;
+    close(fd);
+  }
+  EXPECT_EQ(closed, 50) << "silent connections are kept past the deadline";
+  while (RunningThreads() > threads && seconds_left() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_LE(RunningThreads(), threads) << "readers of silent connections still run";
+  EXPECT_EQ(a->refused_connections(), 370);
+  ASSERT_TRUE(b->Send(0, Key(7, ExchangeKind::kPooledKeys), "real").ok());
+  EXPECT_EQ(a->Receive(1, Key(7, ExchangeKind::kPooledKeys)).value_or(""), "real");
 }
 
 TEST(ShardLayerTest, ThePayloadBoundHoldsKeysAndValuesOfAWholeDocument) {
