@@ -1091,16 +1091,42 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
         },
         &framed);
   }
+  // Steps below the snapshot's first kept step left the history before it was written: files of
+  // theirs are what a removal that failed left, never loaded (their reports are in the model, or
+  // never will be; loading a complete one folded it a second time).
+  const int64_t first_kept = job.job.first_kept_step;
+  if (first_kept < 0 || (job.job.next_step >= 0 && first_kept > job.job.next_step)) {
+    return absl::DataLossError(absl::StrCat(job_dir, "/job.pb: first_kept_step ", first_kept,
+                                            " is outside [0, next_step ", job.job.next_step, "]"));
+  }
   std::vector<int64_t> steps;
+  std::set<int64_t> leftovers;
   for (const std::string& file : files) {
     absl::string_view name = file;
     int64_t step = 0;
-    if (absl::ConsumePrefix(&name, "step-") && absl::ConsumeSuffix(&name, ".pb") &&
+    const bool record = absl::ConsumeSuffix(&name, ".pb");
+    if ((record || absl::ConsumeSuffix(&name, ".reports")) && absl::ConsumePrefix(&name, "step-") &&
         absl::SimpleAtoi(name, &step) && step >= 0 && absl::StrCat(step) == name) {
-      steps.push_back(step);
+      if (step < first_kept) {
+        leftovers.insert(step);
+      } else if (record) {
+        steps.push_back(step);
+      }
     }
   }
   std::sort(steps.begin(), steps.end());
+  // Removed once the snapshot that says so is durable (its folder synced): removed under one that
+  // a machine crash could still take back, a step's fold would be lost with its report log. Left
+  // for the next start when the sync or a removal fails; never loaded either way.
+  if (!leftovers.empty() && SyncDir(job_dir).ok()) {
+    for (int64_t step : leftovers) {
+      for (absl::string_view suffix : {".reports", ".pb"}) {  // the log first, as DropStep
+        const std::string path = StepPath(job_dir, step, suffix);
+        const int64_t size = FileBytes(path);
+        if (unlink(path.c_str()) == 0) *bytes_held -= size;
+      }
+    }
+  }
   // The steps are read, parsed and decoded on the threads, each on its own (a 4,096-rank job's
   // kept steps took 1.8 s one after another); the first failing step in step order is the
   // job's error, as one pass would find it.

@@ -24,6 +24,11 @@
 // the ranks, for every join made a 4,096-rank job's joins cost the planner seconds); the ranks
 // joined are those job.pb lists and those joins.log adds.
 //
+// Steps that leave a job's history (trimmed) have their files removed once a snapshot holds
+// their folds; job.pb's first_kept_step is the history's first step when it was written, and
+// LoadAll removes (never loads, never folds) files of steps below it that a failed removal or a
+// trim whose snapshot failed kept: a step is folded once, whatever files are left.
+//
 // A report log (and the joins log) is a sequence of records, each
 //
 //   magic (4 bytes: E2 9C 53 B7) | length of body (uint32 LE) | crc (uint32 LE) | body
@@ -125,6 +130,10 @@ struct StoredJob {
   std::vector<int64_t> folded_steps;  // steps of the history whose reports are in the model
   int64_t unfolded_steps = 0;
   std::string fold_failure;
+  // The history's first step (next_step when it holds none): every step below it has left the
+  // history, folded into `model` or never to be. LoadAll removes the files of steps below it
+  // that a failed removal left, and loads none of them. 0 in an older planner's snapshot.
+  int64_t first_kept_step = 0;
 };
 
 // One rank's acknowledged report of a step, as its report log holds it.
@@ -150,7 +159,7 @@ class PlanStore {
   struct LoadedJob {
     std::string job_id;               // the folder's name, never the snapshot's contents
     StoredJob job;                    // `joined` includes the ranks of joins.log
-    std::vector<LoadedStep> steps;    // ascending step
+    std::vector<LoadedStep> steps;    // ascending step, from the snapshot's first_kept_step
     int64_t joins_log_bytes = 0;      // the size of its joins.log (0: none)
     int64_t joins_skipped_bytes = 0;  // torn or corrupt bytes of joins.log that were skipped
   };
