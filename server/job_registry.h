@@ -18,9 +18,11 @@
 // an error for anyone; a deleted job is marked under its lock before its files go, so no
 // writer can bring it back; on Restore a job whose files are invalid is quarantined and listed
 // as failed while every other job is served; a store failure (disk full, read-only) carries
-// the reason kReasonStateDirFailure and is reported through Options::on_store_failure. A step is
-// folded into the model once across restarts: the snapshot's first_kept_step marks the steps
-// that left the history (plan_store.h).
+// the reason kReasonStateDirFailure and is reported through Options::on_store_failure. A store
+// failure leaves nothing of the refused write on disk (a change the store made but cannot make
+// durable ends the process instead: plan_store.h), so a call that keeps its old state in memory
+// on one serves what a restart loads. A step is folded into the model once across restarts: the
+// snapshot's first_kept_step marks the steps that left the history (plan_store.h).
 //
 // Per-job bound on the state directory (the store's max_job_bytes, plan_store.h): a new step
 // or report that would take the job's files past it is RESOURCE_EXHAUSTED with the reason
