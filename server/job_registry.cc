@@ -182,6 +182,9 @@ StoredJob JobRegistry::Snapshot(const std::string& id, const Job& job) {
   for (const auto& [step, record] : job.history) {
     if (record.folded) out.folded_steps.push_back(step);
   }
+  // A step below it left the history before this snapshot, its fold (if any) in `model`: files
+  // of it that a failed trim kept are removed at load, never folded again (PlanStore::LoadAll).
+  out.first_kept_step = job.history.empty() ? job.next_step : job.history.begin()->first;
   out.unfolded_steps = job.unfolded_steps;
   out.fold_failure = job.fold_failure;
   return out;

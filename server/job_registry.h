@@ -18,7 +18,11 @@
 // an error for anyone; a deleted job is marked under its lock before its files go, so no
 // writer can bring it back; on Restore a job whose files are invalid is quarantined and listed
 // as failed while every other job is served; a store failure (disk full, read-only) carries
-// the reason kReasonStateDirFailure and is reported through Options::on_store_failure.
+// the reason kReasonStateDirFailure and is reported through Options::on_store_failure. A store
+// failure leaves nothing of the refused write on disk (a change the store made but cannot make
+// durable ends the process instead: plan_store.h), so a call that keeps its old state in memory
+// on one serves what a restart loads. A step is folded into the model once across restarts: the
+// snapshot's first_kept_step marks the steps that left the history (plan_store.h).
 //
 // Per-job bound on the state directory (the store's max_job_bytes, plan_store.h): a new step
 // or report that would take the job's files past it is RESOURCE_EXHAUSTED with the reason
@@ -409,9 +413,11 @@ class JobRegistry {
                                  const std::vector<MicroBatchTiming>& timings,
                                  MeasuredRecalls* measured);
   // Drops the oldest steps beyond history_steps, and with `drop_files` their files. A step's
-  // report log is what restore refolds it from while the snapshot does not list it folded: a
-  // caller whose snapshot with the step's fold was not written keeps the files (the next
-  // restart drops them, after it refolded the step).
+  // report log is what restore refolds it from while the durable snapshot keeps the step (at or
+  // after its first_kept_step) and does not list it folded: a caller whose snapshot with the
+  // step's fold was not written keeps the files. The next snapshot written has the step below
+  // its first_kept_step, so files of it that are still there (kept, or a DropStep that failed)
+  // are removed at restore and never folded a second time.
   void TrimHistory(const std::string& id, Job& job, bool drop_files = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // A packed step's values back (no-op for an unpacked one); INTERNAL (never expected) when the

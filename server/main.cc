@@ -40,7 +40,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
           "the chosen address is printed), or unix:PATH. Anything else is refused at start");
 ABSL_FLAG(std::string, state_dir, "sb-planner-state",
           "directory for jobs, plans and reports (created, mode 0700: it holds job tokens); "
-          "a restarted planner reloads every job from it");
+          "a restarted planner reloads every job from it. When it cannot make a change durable "
+          "once made (a folder's fsync failing after a rename), sb-planner says so on stderr and "
+          "exits with code 3: restarted, it serves what the directory holds");
 ABSL_FLAG(bool, fsync_reports, false,
           "also fsync every report before acknowledging it (survives machine crashes, not just "
           "planner crashes; costs a disk flush per report, or per step's reports in one "

@@ -91,13 +91,70 @@ absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) {
   return names;
 }
 
-absl::Status SyncDir(const std::string& path) {
+// Opens and fsyncs the folder `path`: 0, or the errno of what failed (`*failed` names it).
+int SyncDirOrErrno(const std::string& path, const char** failed) {
   const int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return IoFailure("cannot open", path, errno);
-  absl::Status status;
-  if (fsync(fd) != 0) status = IoFailure("cannot fsync", path, errno);
+  if (fd < 0) {
+    *failed = "cannot open";
+    return errno;
+  }
+  int err = 0;
+  if (fsync(fd) != 0) {
+    err = errno;
+    *failed = "cannot fsync";
+  }
   close(fd);
-  return status;
+  return err;
+}
+
+absl::Status SyncDir(const std::string& path) {
+  const char* failed = "";
+  const int err = SyncDirOrErrno(path, &failed);
+  return err == 0 ? absl::OkStatus() : IoFailure(failed, path, err);
+}
+
+// Ends the process, exit code kExitStateDirSyncFailed, after one line on stderr naming what
+// failed (`failed` on `path`, errno `err`) and the change already made in the state directory
+// (`change`: a file renamed over another, a folder renamed away, a log's appended bytes).
+//
+// Why not answer the call with the error: its callers take an error for "nothing changed" and
+// keep their old state in memory, while the directory holds the change and a restart loads it:
+// a SubmitBatch refused, its step served as planned after the restart; a switch to the local
+// plan refused, the local plan served after it, so that the reports of the ranks that ran the
+// plan they were given are refused. Why not undo the change (keep the old file, rename it back
+// when the sync fails): the undo is a change of the same folder whose sync can fail too, and
+// after a failed fsync Linux may have dropped the dirty state it could not write and report
+// the next fsync as a success (PostgreSQL's "fsyncgate", 2018), so no later sync proves that
+// either version is on the disk. As PostgreSQL does since then, the planner stops instead and
+// its restart rebuilds everything from what the directory holds: memory, disk and what callers
+// see agree again. The call in flight sees UNAVAILABLE, an unknown outcome that clients already
+// handle (repeating it is harmless: the same batch, report or config gets the answer the disk
+// gives). _exit: no destructor or other thread writes anything after the line.
+[[noreturn]] void ExitOnUnsyncedChange(absl::string_view failed, const std::string& path, int err,
+                                       absl::string_view change) {
+  const std::string line = absl::StrCat(
+      "sb-planner: state_dir: ", failed, " ", path, ": ", std::strerror(err), " (errno ", err,
+      ") after ", change,
+      "; that change is in place but may not be durable, so the call that made it can be neither "
+      "acknowledged nor refused: exiting with code ",
+      kExitStateDirSyncFailed, " so that a restart serves what the state directory holds\n");
+  size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = write(STDERR_FILENO, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  _exit(kExitStateDirSyncFailed);
+}
+
+// Syncs the folder `dir` after `change` (a rename in it) was made; ends the process when that
+// fails (ExitOnUnsyncedChange).
+void SyncDirAfter(const std::string& dir, absl::string_view change) {
+  const char* failed = "";
+  if (const int err = SyncDirOrErrno(dir, &failed); err != 0) {
+    ExitOnUnsyncedChange(failed, dir, err, change);
+  }
 }
 
 // Writes all of `bytes`; 0, or the errno of the write that failed.
@@ -167,7 +224,11 @@ absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
     unlink(tmp.c_str());
     return status;
   }
-  return durability == Durability::kDurable ? SyncDir(dir) : absl::OkStatus();
+  // The new file is in place: from here on an error would tell the caller that nothing changed.
+  if (durability == Durability::kDurable) {
+    SyncDirAfter(dir, absl::StrCat("renaming ", tmp, " over ", path));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WriteFileDurably(const std::string& dir, const std::string& path,
@@ -782,16 +843,17 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
   const std::string path = StepPath(JobDir(job_id), step, ".reports");
   absl::Status status = IoFailure(failed, path, err);
   // Cut off what part of the records landed, so that the next append (once space is back)
-  // starts on a record boundary instead of after a torn record.
+  // starts on a record boundary instead of after a torn record. Not cut back, the log would keep
+  // whole records of the refused reports (all of them after a failed fsync, the first ones after
+  // a write that failed part-way), which a restart loads and counts: the process ends instead.
   if (ftruncate(log.fd, log.size) != 0) {
-    status = WithMore(status, absl::StrCat("; then cannot cut ", path, " back to ", log.size,
-                                           " bytes: ", std::strerror(errno)));
-    // Counted as it is: the part of the records that landed stays in the log.
-    struct stat st;
-    AddBytes(job_id, (fstat(log.fd, &st) == 0 ? st.st_size - log.size : bytes) - bytes);
-  } else {
-    AddBytes(job_id, -bytes);
+    const int cut_err = errno;
+    ExitOnUnsyncedChange("cannot cut back", path, cut_err,
+                         absl::StrCat("an append of ", reports.size(), " report(s) of step ", step,
+                                      " to it failed (", failed, ": ", std::strerror(err),
+                                      ") and was to be cut off at byte ", log.size));
   }
+  AddBytes(job_id, -bytes);
   close(log.fd);  // reopened (and its size read again) by the next append
   report_logs_.erase(it);
   return status;
@@ -864,10 +926,13 @@ absl::Status PlanStore::SyncJoins(const std::string& job_id, int64_t end) {
   int fd = -1;
   absl::StatusOr<struct stat> st = OpenJoinsLog(job_id, O_RDONLY, &fd);
   if (!st.ok()) return st.status();
+  // The joins appended are in the log, which a restart loads, while their callers would be
+  // refused and their ranks taken as not joined; and after a failed fsync no later one proves
+  // them durable (ExitOnUnsyncedChange): the process ends.
   if (fsync(fd) != 0) {
     const int err = errno;
-    close(fd);
-    return IoFailure("cannot fsync", path, err);
+    ExitOnUnsyncedChange("cannot fsync", path, err,
+                         absl::StrCat("joins were appended to it up to byte ", st->st_size));
   }
   close(fd);
   synced = std::max<int64_t>(synced, st->st_size);
@@ -952,8 +1017,10 @@ absl::Status PlanStore::RetireJob(const std::string& job_id) {
       return IoFailure(absl::StrCat("cannot rename ", from, " to"), to, errno);
     }
     ForgetBytes(job_id);  // its files are on their way out
+    // Renamed: refused now, the job would be served until a restart, which never loads it.
+    SyncDirAfter(dir_, absl::StrCat("renaming ", from, " to ", to));
   }
-  return SyncDir(dir_);
+  return absl::OkStatus();
 }
 
 void PlanStore::RemoveRetired(const std::string& job_id) {
@@ -993,8 +1060,10 @@ absl::Status PlanStore::Quarantine(const std::string& job_id, const std::string&
     return IoFailure(absl::StrCat("cannot rename ", from, " to"), to, errno);
   }
   ForgetBytes(job_id);  // not served: DeleteJob removes its files
-  if (absl::Status s = SyncDir(quarantine); !s.ok()) return s;
-  return SyncDir(dir_);
+  const std::string change = absl::StrCat("renaming ", from, " to ", to);
+  SyncDirAfter(quarantine, change);
+  SyncDirAfter(dir_, change);
+  return absl::OkStatus();
 }
 
 absl::Status PlanStore::DeleteQuarantined(const std::string& job_id) {
@@ -1091,16 +1160,42 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
         },
         &framed);
   }
+  // Steps below the snapshot's first kept step left the history before it was written: files of
+  // theirs are what a removal that failed left, never loaded (their reports are in the model, or
+  // never will be; loading a complete one folded it a second time).
+  const int64_t first_kept = job.job.first_kept_step;
+  if (first_kept < 0 || (job.job.next_step >= 0 && first_kept > job.job.next_step)) {
+    return absl::DataLossError(absl::StrCat(job_dir, "/job.pb: first_kept_step ", first_kept,
+                                            " is outside [0, next_step ", job.job.next_step, "]"));
+  }
   std::vector<int64_t> steps;
+  std::set<int64_t> leftovers;
   for (const std::string& file : files) {
     absl::string_view name = file;
     int64_t step = 0;
-    if (absl::ConsumePrefix(&name, "step-") && absl::ConsumeSuffix(&name, ".pb") &&
+    const bool record = absl::ConsumeSuffix(&name, ".pb");
+    if ((record || absl::ConsumeSuffix(&name, ".reports")) && absl::ConsumePrefix(&name, "step-") &&
         absl::SimpleAtoi(name, &step) && step >= 0 && absl::StrCat(step) == name) {
-      steps.push_back(step);
+      if (step < first_kept) {
+        leftovers.insert(step);
+      } else if (record) {
+        steps.push_back(step);
+      }
     }
   }
   std::sort(steps.begin(), steps.end());
+  // Removed once the snapshot that says so is durable (its folder synced): removed under one that
+  // a machine crash could still take back, a step's fold would be lost with its report log. Left
+  // for the next start when the sync or a removal fails; never loaded either way.
+  if (!leftovers.empty() && SyncDir(job_dir).ok()) {
+    for (int64_t step : leftovers) {
+      for (absl::string_view suffix : {".reports", ".pb"}) {  // the log first, as DropStep
+        const std::string path = StepPath(job_dir, step, suffix);
+        const int64_t size = FileBytes(path);
+        if (unlink(path.c_str()) == 0) *bytes_held -= size;
+      }
+    }
+  }
   // The steps are read, parsed and decoded on the threads, each on its own (a 4,096-rank job's
   // kept steps took 1.8 s one after another); the first failing step in step order is the
   // job's error, as one pass would find it.

@@ -24,6 +24,23 @@
 // the ranks, for every join made a 4,096-rank job's joins cost the planner seconds); the ranks
 // joined are those job.pb lists and those joins.log adds.
 //
+// Steps that leave a job's history (trimmed) have their files removed once a snapshot holds
+// their folds; job.pb's first_kept_step is the history's first step when it was written, and
+// LoadAll removes (never loads, never folds) files of steps below it that a failed removal or a
+// trim whose snapshot failed kept: a step is folded once, whatever files are left.
+//
+// A change that cannot be made durable once it is made ends the process: after the rename of
+// a synced write has replaced the file, its folder's fsync failing (also after RetireJob's and
+// Quarantine's renames), a joins.log fsync failing, or a report log that a failed append cannot
+// be cut back from. Answered as an error, its caller would keep the old state while the
+// directory holds the new one, which a restart loads; undone, the undo could fail the same way,
+// and after a failed fsync no later one proves anything durable (PostgreSQL's "fsyncgate"). The
+// store writes one line to stderr naming the file and the errno and exits with
+// kExitStateDirSyncFailed; the restarted planner serves what the directory holds, and the
+// calls in flight, UNAVAILABLE to their clients, are repeated harmlessly. So a write that the
+// store refuses (CreateJob, SaveJob, SaveStep, AppendReports, RetireJob...) has left nothing of
+// itself in the directory.
+//
 // A report log (and the joins log) is a sequence of records, each
 //
 //   magic (4 bytes: E2 9C 53 B7) | length of body (uint32 LE) | crc (uint32 LE) | body
@@ -50,11 +67,12 @@
 // while it is written.
 //
 // Failures: an I/O failure of the directory is a StoreFailure (below): RESOURCE_EXHAUSTED when
-// the disk or quota is full, INTERNAL otherwise; clients must not retry it. A job whose files do
-// not parse is moved to quarantine/ by LoadAll and listed in Loaded::failed; the other jobs
-// load. Job ids are checked (IsValidJobId) before they become paths, the top level is listed
-// with lstat (symlinks and files are ignored) and removals never follow a symlink, so nothing
-// outside --state_dir is touched.
+// the disk or quota is full, INTERNAL otherwise; clients must not retry it. Nothing of the
+// refused write is in the directory (a change made that cannot be made durable ends the process
+// instead, above). A job whose files do not parse is moved to quarantine/ by LoadAll and
+// listed in Loaded::failed; the other jobs load. Job ids are checked (IsValidJobId) before they
+// become paths, the top level is listed with lstat (symlinks and files are ignored) and removals
+// never follow a symlink, so nothing outside --state_dir is touched.
 //
 //   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
 //   if (!store.ok()) return store.status();  // e.g. "state_dir: cannot create ...: Read-only..."
@@ -88,6 +106,11 @@
 namespace sparsebalance {
 
 class PlanThreads;
+
+// The exit code of a planner that ended itself because the state directory could not make a
+// change durable once it was made (a folder's fsync after a rename; the header comment): its
+// supervisor restarts it, and the restart serves what the directory holds.
+inline constexpr int kExitStateDirSyncFailed = 3;
 
 // A failure of the state directory (disk full, read-only, I/O error). Not retryable by clients.
 // Code RESOURCE_EXHAUSTED for ENOSPC/EDQUOT/EFBIG, INTERNAL otherwise; the message is
@@ -125,6 +148,10 @@ struct StoredJob {
   std::vector<int64_t> folded_steps;  // steps of the history whose reports are in the model
   int64_t unfolded_steps = 0;
   std::string fold_failure;
+  // The history's first step (next_step when it holds none): every step below it has left the
+  // history, folded into `model` or never to be. LoadAll removes the files of steps below it
+  // that a failed removal left, and loads none of them. 0 in an older planner's snapshot.
+  int64_t first_kept_step = 0;
 };
 
 // One rank's acknowledged report of a step, as its report log holds it.
@@ -150,7 +177,7 @@ class PlanStore {
   struct LoadedJob {
     std::string job_id;               // the folder's name, never the snapshot's contents
     StoredJob job;                    // `joined` includes the ranks of joins.log
-    std::vector<LoadedStep> steps;    // ascending step
+    std::vector<LoadedStep> steps;    // ascending step, from the snapshot's first_kept_step
     int64_t joins_log_bytes = 0;      // the size of its joins.log (0: none)
     int64_t joins_skipped_bytes = 0;  // torn or corrupt bytes of joins.log that were skipped
   };

@@ -128,6 +128,7 @@ state::v1::JobSnapshot EncodeJob(const StoredJob& job) {
   out.set_unfolded_steps(job.unfolded_steps);
   out.set_fold_failure(job.fold_failure);
   EncodeRecall(job.recall, out.mutable_recall());
+  out.set_first_kept_step(job.first_kept_step);
   return out;
 }
 
@@ -149,6 +150,7 @@ absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in) {
   out.folded_steps.assign(in.folded_steps().begin(), in.folded_steps().end());
   out.unfolded_steps = in.unfolded_steps();
   out.fold_failure = in.fold_failure();
+  out.first_kept_step = in.first_kept_step();
   // The recall model's shape (layers) is checked against the job when it is restored.
   absl::StatusOr<RecallModelState> recall = DecodeRecall(in.recall(), "job.pb recall");
   if (!recall.ok()) return recall.status();

@@ -783,6 +783,7 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   job.prior = {1e-6, 2e-8, 3e-4, 4e-3};
   job.joined = {true, false};
   job.folded_steps = {3, 4};
+  job.first_kept_step = 3;
   job.unfolded_steps = 1;
   job.fold_failure = "step 2: why";
   job.settings.planner.bucket_recall_margin = 0.02;
@@ -811,6 +812,7 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   EXPECT_EQ(back->prior.per_micro_batch, 4e-3);
   EXPECT_EQ(back->joined, job.joined);
   EXPECT_EQ(back->folded_steps, job.folded_steps);
+  EXPECT_EQ(back->first_kept_step, 3);
   EXPECT_EQ(back->fold_failure, job.fold_failure);
   EXPECT_EQ(back->recall.curves, job.recall.curves);
   EXPECT_EQ(back->recall.steps_observed, 5);

@@ -321,6 +321,11 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
        [](RegistryFaultsTest* t, const std::string& d) {
          t->Edit<Snapshot>(d + "/job.pb", [](Snapshot* s) { s->set_next_step(-5); });
        }},
+      {"first kept step past the next step", "first_kept_step",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Snapshot>(d + "/job.pb",
+                           [](Snapshot* s) { s->set_first_kept_step(s->next_step() + 1); });
+       }},
       {"empty token", "token",
        [](RegistryFaultsTest* t, const std::string& d) {
          t->Edit<Snapshot>(d + "/job.pb", [](Snapshot* s) { s->set_token(""); });
@@ -410,6 +415,77 @@ TEST_F(RegistryFaultsTest, AnOlderPlannersStoredPlanRestoresWithLengthsFromItsBa
   EXPECT_EQ(job->steps_folded, 1);
   EXPECT_EQ(job->unfolded_steps, 0);
   EXPECT_EQ(fold_failures_.load(), 0);
+}
+
+// Files a trim left behind never fold a step a second time. (A) job.pb cannot be written (a
+// folder where its temporary file goes; ENOSPC or EIO on a real disk) while step records can
+// (written over the spare record's allocated space): the submit is acknowledged, its trim keeps
+// the trimmed step 0's files since no snapshot holds its fold, and the next snapshot, written,
+// does not list step 0 among the history's folded steps. (B) The files of a trimmed step come
+// back as a DropStep that failed would leave them. A restart used to fold those steps again
+// from their files: steps_folded and the model changed with no new report. The snapshot's
+// first_kept_step now says they left the history: their files are removed, never folded, and
+// a snapshot without it (an older planner's) still loads.
+TEST_F(RegistryFaultsTest, AStepIsFoldedOnceWhateverFilesAFailedTrimLeft) {
+  absl::StatusOr<CreatedJob> job =
+      registry_->CreateJob("fold-once", test_support::SmallJob(kRanks, /*history_steps=*/2), "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id;
+  const std::string job_dir = JobDir(id);
+  for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(registry_->JoinJob(id, r).ok());
+  auto folder_bytes = [&] {
+    int64_t bytes = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(job_dir)) {
+      if (entry.is_regular_file()) bytes += static_cast<int64_t>(entry.file_size());
+    }
+    return bytes;
+  };
+  RunStep(id, 0);
+  RunStep(id, 1);
+  // (A) Step 2's snapshot fails; step 0 leaves the history with its files kept.
+  const std::string blocked = job_dir + "/job.pb.tmp";
+  ASSERT_TRUE(std::filesystem::create_directory(blocked));
+  const int failures = store_failures_.load();
+  RunStep(id, 2);
+  EXPECT_GT(store_failures_.load(), failures);
+  ASSERT_TRUE(std::filesystem::exists(job_dir + "/step-0.reports"));
+  std::filesystem::remove(blocked);
+  // (B) Step 1's files, dropped when step 3 is planned, come back as if the DropStep had failed.
+  const std::string record1 = ReadBytes(job_dir + "/step-1.pb");
+  const std::string reports1 = ReadBytes(job_dir + "/step-1.reports");
+  RunStep(id, 3);
+  ASSERT_FALSE(std::filesystem::exists(job_dir + "/step-1.reports"));
+  WriteBytes(job_dir + "/step-1.pb", record1);
+  WriteBytes(job_dir + "/step-1.reports", reports1);
+  // The snapshot with step 3's fold, and step 1 below its first kept step.
+  ASSERT_TRUE(registry_->SubmitBatch(id, 4, test_support::PretrainBatch(104, kRanks)).ok());
+  const JobView before = *registry_->GetJob(id);
+  ASSERT_EQ(before.steps_folded, 4);
+  for (int restart = 0; restart < 3; ++restart) {
+    SCOPED_TRACE(restart);
+    if (restart == 2) {  // as an older planner wrote it
+      Edit<state::v1::JobSnapshot>(job_dir + "/job.pb", [](state::v1::JobSnapshot* s) {
+        ASSERT_EQ(s->first_kept_step(), 2);
+        s->clear_first_kept_step();
+      });
+    }
+    Restart();
+    absl::StatusOr<JobView> after = registry_->GetJob(id);
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_EQ(after->steps_folded, before.steps_folded);
+    EXPECT_EQ(after->coefficients.per_block, before.coefficients.per_block);
+    EXPECT_EQ(after->coefficients.per_token, before.coefficients.per_token);
+    EXPECT_EQ(after->speed_factors, before.speed_factors);
+    EXPECT_EQ(after->next_step, 5);
+    for (int64_t step : {0, 1, 2}) {
+      EXPECT_FALSE(std::filesystem::exists(absl::StrCat(job_dir, "/step-", step, ".pb"))) << step;
+      EXPECT_FALSE(std::filesystem::exists(absl::StrCat(job_dir, "/step-", step, ".reports")))
+          << step;
+    }
+    EXPECT_EQ(store_->JobBytes(id), folder_bytes());
+    bool ready = false;
+    EXPECT_TRUE(registry_->GetPlan(id, 4, 0, &ready).ok() && ready);
+  }
 }
 
 // A snapshot's own job_id is never used as a path or an id: the folder's name is.

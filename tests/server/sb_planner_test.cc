@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -28,6 +29,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/wire.h"
+#include "server/plan_store.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 #include "tests/server/health_check.h"
 #include "tests/server/tmpfs_mount.h"
@@ -627,6 +629,146 @@ TEST(SbPlannerTest, AJobAtItsStateBoundIsRefusedAloneWhileHealthStaysServing) {
   EXPECT_EQ(
       JobSeries(Scrape(planner->metrics_port()), "sparsebalance_job_state_bytes", big.job_id()),
       -1);
+  EXPECT_EQ(planner->Stop(), 0);
+}
+
+// Sets an environment variable for its scope: the processes started meanwhile inherit it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// An sb-planner whose next fsync of a folder fails (EIO) once the test creates `folder_fault`,
+// and whose next fsync of a file fails once it creates `file_fault` (fsync_fault_shim.cc,
+// preloaded). Its state probe waits a day: the probe's fsync would take the file fault.
+std::unique_ptr<tools::PlannerProcess> StartFaultyPlanner(const std::string& state_dir,
+                                                          const std::string& folder_fault,
+                                                          const std::string& file_fault) {
+  ScopedEnv preload("LD_PRELOAD", SB_FSYNC_FAULT_SHIM_PATH);
+  ScopedEnv folder("SB_FAIL_FOLDER_FSYNC", folder_fault);
+  ScopedEnv file("SB_FAIL_FILE_FSYNC", file_fault);
+  return StartPlanner(state_dir, {"--state_check_seconds=86400"});
+}
+
+// A context that carries `job`'s token, with a 10-second deadline.
+std::unique_ptr<grpc::ClientContext> JobContext(const v1::CreateJobResponse& job) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  context->AddMetadata("authorization", "Bearer " + job.job_token());
+  return context;
+}
+
+// A change the planner had made but could not make durable (the folder's fsync failing after the
+// rename that replaced a step's record) was answered INTERNAL while the planner kept its old
+// state in memory; its restart loaded the change. A refused switch of step 0 to the local plan
+// became the plan served after a restart, so the ranks' reports against the plan they had were
+// refused; a refused SubmitBatch of step 1 had a plan after it. Now the planner exits with code
+// 3 after one line naming the file and the errno (its callers see UNAVAILABLE, an outcome they
+// do not know), and restarted it serves what the disk holds, which a repeat of the call gets.
+// The same for a join whose joins.log fsync fails and a DeleteJob whose rename is not synced.
+TEST(SbPlannerTest, AChangeThatCannotBeMadeDurableEndsThePlannerAndItsRestartServesIt) {
+  const std::string state_dir = StateDir();
+  const std::string faults = std::filesystem::path(state_dir).parent_path().string();
+  const std::string folder_fault = faults + "/fail-folder-fsync";
+  const std::string file_fault = faults + "/fail-file-fsync";
+  std::unique_ptr<tools::PlannerProcess> planner;
+  std::unique_ptr<v1::PlannerService::Stub> stub;
+  auto start = [&] {
+    planner = StartFaultyPlanner(state_dir, folder_fault, file_fault);
+    ASSERT_NE(planner, nullptr);
+    stub = v1::PlannerService::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", planner->port()), grpc::InsecureChannelCredentials()));
+  };
+  // `call` with the fault `fault` armed: the planner ends with its exit code and a line that
+  // names `file`.
+  auto ends_planner = [&](const std::string& fault, const std::string& file,
+                          const std::function<grpc::Status()>& call) {
+    std::ofstream(fault) << "armed\n";
+    const grpc::Status status = call();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+    EXPECT_EQ(planner->WaitFor(10), kExitStateDirSyncFailed);
+    const std::string log = ReadText(planner->log_path());
+    EXPECT_NE(log.find("cannot fsync"), std::string::npos) << log;
+    EXPECT_NE(log.find(file), std::string::npos) << log;
+    EXPECT_NE(log.find("(errno 5)"), std::string::npos) << log;
+    EXPECT_FALSE(std::filesystem::exists(fault));
+  };
+  ASSERT_NO_FATAL_FAILURE(start());
+  v1::CreateJobResponse job;
+  ASSERT_TRUE(CreateJob(*stub, /*world_size=*/2, &job).ok());
+  v1::JoinJobRequest join;
+  join.set_job_id(job.job_id());
+  v1::JoinJobResponse joined;
+  ASSERT_TRUE(stub->JoinJob(JobContext(job).get(), join, &joined).ok());
+  auto batch = [&](int64_t step) {
+    v1::SubmitBatchRequest request;
+    request.set_job_id(job.job_id());
+    request.set_step(step);
+    for (int i = 0; i < 10; ++i) {
+      v1::Sample* s = request.add_samples();
+      s->set_id(100 * step + i);
+      s->set_length(1000 + 1500 * i);
+    }
+    return request;
+  };
+  auto submit = [&](const v1::SubmitBatchRequest& request) {
+    v1::SubmitBatchResponse response;
+    return stub->SubmitBatch(JobContext(job).get(), request, &response);
+  };
+  auto rank0_plan = [&](int64_t step) {
+    v1::GetRankPlanRequest request;
+    request.set_job_id(job.job_id());
+    request.set_step(step);
+    v1::GetRankPlanResponse response;
+    const grpc::Status status = stub->GetRankPlan(JobContext(job).get(), request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.plan();
+  };
+  ASSERT_TRUE(submit(batch(0)).ok());
+  EXPECT_FALSE(rank0_plan(0).planned_locally());
+
+  // Step 0 switched to the local plan: its record is replaced, the folder's fsync fails.
+  v1::SubmitBatchRequest local = batch(0);
+  local.set_planned_locally(true);
+  ends_planner(folder_fault, "step-0.pb", [&] { return submit(local); });
+  ASSERT_NO_FATAL_FAILURE(start());
+  EXPECT_TRUE(rank0_plan(0).planned_locally());  // what the disk holds
+  EXPECT_TRUE(submit(local).ok());               // the repeat gets it
+
+  // Step 1 planned: its new record's folder fsync fails.
+  ends_planner(folder_fault, "step-1.pb", [&] { return submit(batch(1)); });
+  ASSERT_NO_FATAL_FAILURE(start());
+  EXPECT_EQ(GetJob(*stub, job).next_step(), 2);
+  EXPECT_TRUE(submit(batch(1)).ok());
+
+  // Rank 1 joins: its record is appended to joins.log, whose fsync fails.
+  join.set_rank(1);
+  ends_planner(file_fault, "joins.log",
+               [&] { return stub->JoinJob(JobContext(job).get(), join, &joined); });
+  ASSERT_NO_FATAL_FAILURE(start());
+  EXPECT_EQ(GetJob(*stub, job).joined_ranks(), 2);
+  EXPECT_TRUE(stub->JoinJob(JobContext(job).get(), join, &joined).ok());
+
+  // The job deleted: its folder is renamed away, the state directory's fsync fails.
+  v1::DeleteJobRequest remove;
+  remove.set_job_id(job.job_id());
+  v1::DeleteJobResponse removed;
+  ends_planner(folder_fault, "renaming " + state_dir + "/" + job.job_id(),
+               [&] { return stub->DeleteJob(JobContext(job).get(), remove, &removed); });
+  ASSERT_NO_FATAL_FAILURE(start());
+  v1::GetJobRequest get;
+  get.set_job_id(job.job_id());
+  v1::GetJobResponse got;
+  EXPECT_EQ(stub->GetJob(JobContext(job).get(), get, &got).error_code(),
+            grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(planner->Stop(), 0);
 }
 
