@@ -543,16 +543,36 @@ absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& di
   return store;
 }
 
-absl::Status PlanStore::CheckWritable() {
+absl::Status PlanStore::CheckWritable(int64_t bytes) {
   // A unique name: concurrent probes must not remove each other's file; a crash leaves a
   // `*.tmp` that the next Open() sweeps.
   std::string path = absl::StrCat(dir_, "/.write-probe-XXXXXX", kTmpSuffix);
   const int fd = mkostemps(path.data(), static_cast<int>(kTmpSuffix.size()), O_CLOEXEC);
   if (fd < 0) return IoFailure("cannot create", path, errno);
-  absl::Status status = WriteAll(fd, "sb-planner write probe\n", path);
+  constexpr absl::string_view kText = "sb-planner write probe\n";
+  absl::Status status = WriteAll(fd, kText, path);
+  // Then zeros up to `bytes`, written (not allocated): the disk must take them as it takes a
+  // record.
+  static const std::string kZeros(kStreamBufferBytes, '\0');
+  int64_t left = bytes - static_cast<int64_t>(kText.size());
+  while (status.ok() && left > 0) {
+    const size_t chunk = static_cast<size_t>(std::min<int64_t>(left, kStreamBufferBytes));
+    status = WriteAll(fd, absl::string_view(kZeros.data(), chunk), path);
+    left -= static_cast<int64_t>(chunk);
+  }
   if (status.ok() && fsync(fd) != 0) status = IoFailure("cannot fsync", path, errno);
   if (close(fd) != 0 && status.ok()) status = IoFailure("cannot close", path, errno);
   if (unlink(path.c_str()) != 0 && status.ok()) status = IoFailure("cannot remove", path, errno);
+  return status;
+}
+
+int64_t PlanStore::TakeFailedWriteBytes() { return failed_write_bytes_.exchange(0); }
+
+absl::Status PlanStore::NoteWrite(absl::Status status, int64_t bytes) {
+  if (!IsStoreFailure(status)) return status;
+  int64_t seen = failed_write_bytes_.load();
+  while (seen < bytes && !failed_write_bytes_.compare_exchange_weak(seen, bytes)) {
+  }
   return status;
 }
 
@@ -644,7 +664,7 @@ absl::Status PlanStore::CreateJob(const StoredJob& job) {
   if (status.ok()) status = SyncDir(dir_);
   if (!status.ok()) {
     RemoveTree(dir_, job.job_id).IgnoreError();  // not half a job
-    return status;
+    return NoteWrite(std::move(status), static_cast<int64_t>(snapshot.size()));
   }
   absl::MutexLock lock(&bytes_mu_);
   job_bytes_[job.job_id] = static_cast<int64_t>(snapshot.size());
@@ -662,15 +682,16 @@ absl::Status PlanStore::SaveJob(const StoredJob& job, bool sync) {
   // never refused: its size follows the job's config, not what callers send.
   const std::string path = job_dir + "/job.pb";
   const int64_t before = FileBytes(path);
+  const std::string snapshot = EncodeJob(job).SerializeAsString();
   absl::Status status =
-      WriteFileDurably(job_dir, path, EncodeJob(job).SerializeAsString(),
+      WriteFileDurably(job_dir, path, snapshot,
                        sync || fsync_reports_ ? Durability::kDurable : Durability::kWholeFile);
   AddBytes(job.job_id, FileBytes(path) - before);
   if (!status.ok() && IsGone(job_dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job.job_id, " has no folder in ", dir_, " (deleted): not saved"));
   }
-  return status;
+  return NoteWrite(std::move(status), static_cast<int64_t>(snapshot.size()));
 }
 
 absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
@@ -721,7 +742,7 @@ absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
         absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): step not saved"));
   }
   if (status.ok()) CreateReportLog(job_id, step);
-  return status;
+  return NoteWrite(std::move(status), record_bytes);
 }
 
 void PlanStore::CreateReportLog(const std::string& job_id, int64_t step) const {
@@ -824,7 +845,7 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
     absl::StatusOr<ReportLog> log = OpenReportLog(job_id, step);
     if (!log.ok()) {
       AddBytes(job_id, -bytes);
-      return log.status();
+      return NoteWrite(log.status(), bytes);
     }
     it = report_logs_.emplace(std::make_pair(job_id, step), *log).first;
   }
@@ -856,7 +877,7 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
   AddBytes(job_id, -bytes);
   close(log.fd);  // reopened (and its size read again) by the next append
   report_logs_.erase(it);
-  return status;
+  return NoteWrite(std::move(status), bytes);
 }
 
 absl::StatusOr<struct stat> PlanStore::OpenJoinsLog(const std::string& job_id, int flags,
@@ -911,7 +932,7 @@ absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int ran
     if (fstat(fd, &now) == 0) AddBytes(job_id, now.st_size - st->st_size);
   }
   close(fd);
-  return status;
+  return NoteWrite(std::move(status), static_cast<int64_t>(record.size()));
 }
 
 absl::Status PlanStore::SyncJoins(const std::string& job_id, int64_t end) {

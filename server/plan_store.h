@@ -69,10 +69,12 @@
 // Failures: an I/O failure of the directory is a StoreFailure (below): RESOURCE_EXHAUSTED when
 // the disk or quota is full, INTERNAL otherwise; clients must not retry it. Nothing of the
 // refused write is in the directory (a change made that cannot be made durable ends the process
-// instead, above). A job whose files do not parse is moved to quarantine/ by LoadAll and
-// listed in Loaded::failed; the other jobs load. Job ids are checked (IsValidJobId) before they
-// become paths, the top level is listed with lstat (symlinks and files are ignored) and removals
-// never follow a symlink, so nothing outside --state_dir is touched.
+// instead, above). sb-planner's health is NOT_SERVING from a store failure until a probe as
+// large as the failed write succeeds (store_health.h; TakeFailedWriteBytes, CheckWritable). A
+// job whose files do not parse is moved to quarantine/ by LoadAll and listed in Loaded::failed;
+// the other jobs load. Job ids are checked (IsValidJobId) before they become paths, the top
+// level is listed with lstat (symlinks and files are ignored) and removals never follow a
+// symlink, so nothing outside --state_dir is touched.
 //
 //   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
 //   if (!store.ok()) return store.status();  // e.g. "state_dir: cannot create ...: Read-only..."
@@ -83,6 +85,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -200,8 +203,13 @@ class PlanStore {
                                                          int64_t max_job_bytes = 0);
 
   // Creates, writes, fsyncs and removes a probe file in the directory: a store failure when the
-  // disk is read-only, full or failing.
-  absl::Status CheckWritable();
+  // disk is read-only, full or failing. The probe holds at least `bytes` bytes (a short text
+  // when 0), so that it can show that a write of that size fits again (StoreHealth).
+  absl::Status CheckWritable(int64_t bytes = 0);
+  // The size in bytes of the largest write that failed as a store failure since the last call
+  // (0: none, or only failures of no known size: a removal, a folder sync), and forgets it.
+  // sb-planner's health probes with that many bytes before it turns SERVING again.
+  int64_t TakeFailedWriteBytes();
 
   // A new job: creates its folder (ALREADY_EXISTS when there is one) and its synced job.pb.
   absl::Status CreateJob(const StoredJob& job);
@@ -320,10 +328,14 @@ class PlanStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(logs_mu_);
   // Open()'s cleanup after a crash: `*.tmp` files and interrupted removals.
   void SweepAfterCrash();
+  // `status`, unchanged; when it is a store failure, a write of `bytes` failed
+  // (TakeFailedWriteBytes).
+  absl::Status NoteWrite(absl::Status status, int64_t bytes);
 
   const std::string dir_;
   const bool fsync_reports_;
-  const int64_t max_job_bytes_;  // 0: unbounded
+  const int64_t max_job_bytes_;                 // 0: unbounded
+  std::atomic<int64_t> failed_write_bytes_{0};  // TakeFailedWriteBytes
   std::function<void(const std::string&, int64_t)> job_bytes_observer_;
   // Bytes per job held (LoadAll, CreateJob), changed by each write and removal. A job's writes
   // come one at a time from its caller (JobRegistry holds the job's lock).
