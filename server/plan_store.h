@@ -55,6 +55,15 @@
 // magic, no crc) are recognised per file, loaded up to their first torn record, and rewritten
 // in the framed format before the first new append to them.
 //
+// job.pb and each step-<n>.pb are one such record (magic, length, crc, then the serialized
+// JobSnapshot or StepRecord; FrameStateFile), so that a byte changed on disk after the write is
+// found at load: a file whose frame does not check (its magic, its length against its size, its
+// CRC32C) does not load and its job is quarantined, like one that does not parse. Files of the
+// previous format (the bare message, no frame) are recognised per file (StateFileBody) and
+// loaded as before, with the value checks of the restore alone to find damage in them; they are
+// left as they are: a job's next snapshot replaces its job.pb, and its step records go as their
+// steps leave the history.
+//
 // Bytes per job: the store counts the bytes each job's files hold (their sizes: step records,
 // report logs, the spare record, job.pb, joins.log), from the files at LoadAll and from each
 // write and removal after it (a stat of the files a call replaces, never a walk of the folder).
@@ -132,6 +141,16 @@ bool IsStoreFailure(const absl::Status& status);
 // (IsJobStateQuota, proto/wire.h, recognises it.)
 absl::Status JobStateQuota(absl::string_view job_id, int64_t job_bytes, absl::string_view write,
                            int64_t max_job_bytes);
+
+// job.pb and step-<n>.pb as the store writes them: one framed record (see above) whose body is
+// `body`, a serialized JobSnapshot or StepRecord.
+std::string FrameStateFile(absl::string_view body);
+// The serialized message in the bytes of a job.pb or step-<n>.pb found at `path`: the body of a
+// framed file whose frame checks, or a file of the previous format whole (`*legacy` set). A
+// framed file whose frame does not check (one flipped bit anywhere, a cut or a longer file) is
+// DATA_LOSS naming `path` and what is wrong.
+absl::StatusOr<absl::string_view> StateFileBody(absl::string_view bytes, absl::string_view path,
+                                                bool* legacy);
 
 // Job ids the store accepts as folder names: 8 to 64 characters of [0-9a-z]. Anything else is
 // refused before it is used in a path (no '/', '.', '..').
@@ -260,13 +279,13 @@ class PlanStore {
   absl::Status Quarantine(const std::string& job_id, const std::string& reason);
   absl::Status DeleteQuarantined(const std::string& job_id);
 
-  // Every job folder, loaded or failed. A job whose files do not parse or decode (truncated or
-  // garbage job.pb or step-N.pb, a config or model that cannot be a job's, unreadable files,
-  // step files without a job.pb) is quarantined here and listed in `failed`; the other jobs
-  // load. An empty folder (a CreateJob a crash interrupted)
-  // is removed. Entries that are not folders, symlinks and folders whose names are not job ids
-  // are left alone. Fails only when `dir` itself cannot be listed. With `threads`, each job's
-  // steps are loaded on them (plan_threads.h); the answer is the same.
+  // Every job folder, loaded or failed. A job whose files do not check, parse or decode
+  // (damaged, truncated or garbage job.pb or step-N.pb, a config or model that cannot be a job's,
+  // unreadable files, step files without a job.pb) is quarantined here and listed in `failed`; the
+  // other jobs load. An empty folder (a CreateJob a crash interrupted) is removed. Entries that are
+  // not folders, symlinks and folders whose names are not job ids are left alone. Fails only when
+  // `dir` itself cannot be listed. With `threads`, each job's steps are loaded on them
+  // (plan_threads.h); the answer is the same.
   absl::StatusOr<Loaded> LoadAll(PlanThreads* threads = nullptr);
 
   // The bytes job `job_id`'s files hold (0 for a job the store does not hold: never created,

@@ -33,6 +33,7 @@
 #include "proto/wire.h"
 #include "server/job_registry.h"
 #include "server/state_codec.h"
+#include "tests/server/state_files.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 #include "tests/support/file_size_limit.h"
@@ -301,7 +302,7 @@ TEST(PlanStoreTest, ARestartedPerLayerJobPacksItsStepsAsBefore) {
   for (int step : {2, 3}) {
     const std::string path = absl::StrCat(dir, "/", id, "/step-", step, ".pb");
     state::v1::StepRecord record;
-    ASSERT_TRUE(record.ParseFromString(ReadBytes(path)));
+    ASSERT_TRUE(test_support::ReadStateFile(path, &record));
     ASSERT_TRUE(record.has_layer_recall()) << "step " << step;
     if (step == 2) {
       record.clear_layer_recall();
@@ -312,7 +313,7 @@ TEST(PlanStoreTest, ARestartedPerLayerJobPacksItsStepsAsBefore) {
         for (double& v : *c.mutable_density()) v = 0.0;
       }
     }
-    WriteBytes(path, record.SerializeAsString());
+    test_support::WriteStateFile(path, record);
   }
   int64_t with_densities = 0;
   ASSERT_NO_FATAL_FAILURE(restart_and_check(&with_densities));
@@ -1550,6 +1551,88 @@ TEST(PlanStoreTest, UnparsableFilesQuarantineOnlyTheirJob) {
   ASSERT_EQ(loaded->failed.size(), 2u);
   EXPECT_EQ(loaded->failed[0].job_id, kJobC);
   EXPECT_FALSE(Exists(dir + "/quarantine/" + kJobB));
+}
+
+// Defect: step records and job.pb carried no checksum, so a byte changed on disk was loaded and
+// served whenever the result still parsed (a density of 2.6e-211). They are framed now: each
+// change below still parses as a valid record, and each quarantines its job alone, naming the
+// file and what does not check. Files of the previous format (the bare message) still load.
+TEST(PlanStoreTest, AChangedByteInAStepRecordOrSnapshotQuarantinesItsJob) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  for (const char* id : {kJobB, kJobC, kJobD, kJobE}) {
+    ASSERT_TRUE(store->CreateJob(Snapshot(id)).ok());
+    ASSERT_TRUE(SaveStep(*store, id, 0).ok());
+  }
+  const auto change = [&](const char* id, const std::string& file,
+                          const std::function<void(std::string*)>& edit) {
+    const std::string path = absl::StrCat(dir, "/", id, "/", file);
+    std::string bytes = ReadBytes(path);
+    edit(&bytes);
+    WriteBytes(path, bytes);
+  };
+  // B: the deferred id 7 (the record's last byte) becomes 6. C: one bit of the magic word.
+  // D: one letter of the job's name in job.pb. E: a byte more at the end of the record.
+  change(kJobB, "step-0.pb", [](std::string* b) { b->back() ^= 1; });
+  change(kJobC, "step-0.pb", [](std::string* b) { (*b)[0] ^= 1; });
+  change(kJobD, "job.pb", [](std::string* b) { (*b)[b->find("nnnn")] = 'm'; });
+  change(kJobE, "step-0.pb", [](std::string* b) { b->push_back('\0'); });
+  {
+    state::v1::StepRecord record;  // what B's record says now, its frame aside
+    const std::string bytes = ReadBytes(absl::StrCat(dir, "/", kJobB, "/step-0.pb"));
+    ASSERT_TRUE(record.ParseFromString(bytes.substr(12)));
+    EXPECT_EQ(record.deferred_ids(0), 6u);
+  }
+
+  store.reset();
+  absl::StatusOr<std::unique_ptr<PlanStore>> reopened = PlanStore::Open(dir, false);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  absl::StatusOr<PlanStore::Loaded> loaded = (*reopened)->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(loaded->jobs[0].job_id, kJobA);
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).plan.deferred_ids, std::vector<uint64_t>{7});
+  const std::vector<std::pair<std::string, std::vector<std::string>>> expected = {
+      {kJobB, {"step-0.pb", "CRC32C"}},
+      {kJobC, {"step-0.pb", "magic word"}},
+      {kJobD, {"job.pb", "CRC32C"}},
+      {kJobE, {"step-0.pb", "header says"}}};
+  ASSERT_EQ(loaded->failed.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const PlanStore::FailedJob& failed = loaded->failed[i];
+    EXPECT_EQ(failed.job_id, expected[i].first);
+    for (const std::string& part : expected[i].second) {
+      EXPECT_TRUE(absl::StrContains(failed.reason, part)) << failed.reason;
+    }
+    EXPECT_TRUE(Exists(dir + "/quarantine/" + expected[i].first));
+  }
+
+  // A's files as the previous format wrote them (no frame): they load as before, and are left
+  // as they are until the store writes them again (then framed).
+  for (const char* file : {"job.pb", "step-0.pb"}) {
+    const std::string path = absl::StrCat(dir, "/", kJobA, "/", file);
+    const std::string bytes = ReadBytes(path);
+    bool legacy = true;
+    ASSERT_TRUE(StateFileBody(bytes, path, &legacy).ok());
+    EXPECT_FALSE(legacy);
+    WriteBytes(path, bytes.substr(12));
+  }
+  absl::StatusOr<PlanStore::Loaded> old_format = (*reopened)->LoadAll();
+  ASSERT_TRUE(old_format.ok()) << old_format.status();
+  ASSERT_EQ(old_format->jobs.size(), 1u);
+  EXPECT_EQ(old_format->jobs[0].job.name, Snapshot(kJobA).name);
+  EXPECT_EQ(old_format->jobs[0].steps.at(0).plan.deferred_ids, std::vector<uint64_t>{7});
+  const std::string job_path = absl::StrCat(dir, "/", kJobA, "/job.pb");
+  bool legacy = false;
+  const std::string old_job = ReadBytes(job_path);
+  ASSERT_TRUE(StateFileBody(old_job, job_path, &legacy).ok());
+  EXPECT_TRUE(legacy);
+  ASSERT_TRUE((*reopened)->SaveJob(Snapshot(kJobA)).ok());
+  const std::string new_job = ReadBytes(job_path);
+  ASSERT_TRUE(StateFileBody(new_job, job_path, &legacy).ok());
+  EXPECT_FALSE(legacy);
+  EXPECT_EQ(new_job, FrameStateFile(old_job));
 }
 
 // Only folders named like job ids are the store's: symlinks, files and other names at the top

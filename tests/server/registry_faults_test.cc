@@ -26,6 +26,7 @@
 #include "server/job_registry.h"
 #include "server/plan_store.h"
 #include "sparsebalance/state/v1/state.pb.h"
+#include "tests/server/state_files.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 #include "tests/support/file_size_limit.h"
@@ -146,13 +147,15 @@ class RegistryFaultsTest : public ::testing::Test {
 
   std::string JobDir(const std::string& id) const { return dir_ + "/" + id; }
 
-  // Rewrites a job file's message in place (as an attacker or a bad disk would).
+  // Rewrites a job file's message in place (as an attacker or an older planner would: its frame
+  // checks), in the file's format.
   template <typename Message>
   void Edit(const std::string& path, const std::function<void(Message*)>& change) {
     Message message;
-    ASSERT_TRUE(message.ParseFromString(ReadBytes(path))) << path;
+    bool legacy = false;
+    ASSERT_TRUE(test_support::ReadStateFile(path, &message, &legacy)) << path;
     change(&message);
-    WriteBytes(path, message.SerializeAsString());
+    test_support::WriteStateFile(path, message, legacy);
   }
 
   const JobView* Listed(const std::vector<JobView>& jobs, const std::string& id) {
@@ -396,7 +399,7 @@ TEST_F(RegistryFaultsTest, AnOlderPlannersStoredPlanRestoresWithLengthsFromItsBa
   }
   Edit<state::v1::StepRecord>(JobDir(id) + "/step-0.pb", ToOldForm);
   state::v1::StepRecord stored;
-  ASSERT_TRUE(stored.ParseFromString(ReadBytes(JobDir(id) + "/step-0.pb")));
+  ASSERT_TRUE(test_support::ReadStateFile(JobDir(id) + "/step-0.pb", &stored));
   ASSERT_GT(stored.ranks(0).micro_batches(0).sample_ids_size(), 0);
   ASSERT_EQ(stored.ranks(0).micro_batches(0).samples_size(), 0);
   Restart();
@@ -486,6 +489,87 @@ TEST_F(RegistryFaultsTest, AStepIsFoldedOnceWhateverFilesAFailedTrimLeft) {
     bool ready = false;
     EXPECT_TRUE(registry_->GetPlan(id, 4, 0, &ready).ok() && ready);
   }
+}
+
+// Defect: a flipped bit in a step record was served after a restart when the record still
+// parsed (a planned density one ulp away passes every check of its value). The record's
+// checksum finds it: the job is quarantined, naming the file, and the other job is served.
+TEST_F(RegistryFaultsTest, AFlippedBitInAStepRecordQuarantinesItsJob) {
+  const std::string good = Create();
+  const std::string victim = Create();
+  const StepPlan good_plan = RunStep(good, 0);
+  const StepPlan victim_plan = RunStep(victim, 0);
+  registry_.reset();
+  // The lowest bit of the first planned sample's density, found by its 8 bytes in the file.
+  const std::string path = JobDir(victim) + "/step-0.pb";
+  std::string bytes = ReadBytes(path);
+  state::v1::StepRecord record;
+  ASSERT_TRUE(test_support::ReadStateFile(path, &record));
+  const double density = FirstPlannedSample(&record)->density();
+  std::string le(8, '\0');
+  std::memcpy(le.data(), &density, 8);
+  const size_t at = bytes.find(le);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at] ^= 1;
+  WriteBytes(path, bytes);
+
+  Restart();
+  const JobView* failed = Listed(registry_->ListJobs("", 100), victim);
+  ASSERT_NE(failed, nullptr);
+  EXPECT_TRUE(failed->failed);
+  EXPECT_THAT(failed->failure, HasSubstr("step-0.pb"));
+  EXPECT_THAT(failed->failure, HasSubstr("CRC32C"));
+  EXPECT_EQ(registry_->GetJob(victim).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/quarantine/" + victim + "/step-0.pb"));
+  bool ready = false;
+  absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(good, 0, 0, &ready);
+  ASSERT_TRUE(plan.ok() && ready) << plan.status();
+  EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(good_plan));
+}
+
+// A job whose job.pb and step records were written before the frame (the bare messages) is
+// restored as it was: the same plans, its reports counted. The files are left as they are; the
+// next snapshot and the next step are written framed.
+TEST_F(RegistryFaultsTest, StateFilesOfThePreviousFormatStillLoad) {
+  const std::string id = Create();
+  const StepPlan plan0 = RunStep(id, 0);
+  const StepPlan plan1 = RunStep(id, 1);
+  registry_.reset();
+  for (const char* file : {"job.pb", "step-0.pb", "step-1.pb"}) {
+    const std::string path = JobDir(id) + "/" + file;
+    const std::string bytes = ReadBytes(path);
+    bool legacy = true;
+    absl::StatusOr<absl::string_view> body = StateFileBody(bytes, path, &legacy);
+    ASSERT_TRUE(body.ok()) << body.status();
+    ASSERT_FALSE(legacy) << file;
+    WriteBytes(path, std::string(*body));
+  }
+  Restart();
+  absl::StatusOr<JobView> job = registry_->GetJob(id);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->next_step, 2);
+  EXPECT_EQ(job->steps_folded, 2);
+  for (const auto& [step, planned] : {std::make_pair(0, plan0), std::make_pair(1, plan1)}) {
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(id, step, 1, &ready);
+    ASSERT_TRUE(plan.ok() && ready) << plan.status();
+    EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(planned));
+    EXPECT_TRUE(Answered(
+        registry_->ReportStep(id, step, 1,
+                              test_support::TimingsOf(planned.ranks[1].micro_batches, 1.1), 0.01),
+        true));
+  }
+  RunStep(id, 2);
+  const auto legacy_file = [&](const std::string& file) {
+    const std::string path = JobDir(id) + "/" + file;
+    bool legacy = false;
+    EXPECT_TRUE(StateFileBody(ReadBytes(path), path, &legacy).ok()) << file;
+    return legacy;
+  };
+  EXPECT_TRUE(legacy_file("step-0.pb"));
+  EXPECT_TRUE(legacy_file("step-1.pb"));
+  EXPECT_FALSE(legacy_file("step-2.pb"));
+  EXPECT_FALSE(legacy_file("job.pb"));
 }
 
 // A snapshot's own job_id is never used as a path or an id: the folder's name is.
