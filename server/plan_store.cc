@@ -768,13 +768,14 @@ absl::Status PlanStore::SaveJob(const StoredJob& job, bool sync) {
 
 absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
                                  const std::vector<Sample>& batch, const StepPlan& plan,
-                                 bool folded, const RecallModelState* layer_recall) {
+                                 bool folded, const RecallModelState* layer_recall,
+                                 const PlannedDensities* planned_with) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
   if (absl::Status s = CheckStep(step); !s.ok()) return s;
   // On an arena: a step of 16,384 samples is some 50,000 small messages.
   google::protobuf::Arena arena;
   auto* record = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
-  EncodeStep(step, batch, plan, folded, layer_recall, record);
+  EncodeStep(step, batch, plan, folded, layer_recall, planned_with, record);
   const std::string job_dir = JobDir(job_id);
   const std::string spare = SparePath(job_dir);
   const std::string path = StepPath(job_dir, step, ".pb");

@@ -176,6 +176,15 @@ struct StoredJob {
   int64_t first_kept_step = 0;
 };
 
+// The density settings of the config a step was planned with (PlannerConfig's density_min,
+// density_max, density_default), kept in its record: a restart checks the plan's densities
+// against them (ValidateStoredPlan), as the job's config may have changed since.
+struct PlannedDensities {
+  double density_min = 0.0;
+  double density_max = 0.0;
+  double density_default = 0.0;
+};
+
 // One rank's acknowledged report of a step, as its report log holds it.
 struct StoredReport {
   int rank = 0;
@@ -193,6 +202,9 @@ class PlanStore {
     // The recall model its per-layer densities were computed from, where the record has it
     // (SaveStep's layer_recall).
     std::optional<RecallModelState> layer_recall;
+    // The density settings it was planned with, where the record has them (SaveStep's
+    // planned_with; records of older planners do not).
+    std::optional<PlannedDensities> planned_with;
     std::vector<StoredReport> reports;  // in the order they were appended
     int64_t skipped_bytes = 0;          // torn or corrupt bytes of the report log that were skipped
   };
@@ -240,11 +252,14 @@ class PlanStore {
   absl::Status SaveJob(const StoredJob& job, bool sync = true);
   // Writes step `step`'s record (synced): its batch, its whole plan, and whether its reports
   // are folded; with `layer_recall`, the recall model the plan's per-layer densities were
-  // computed from (which lets a restarted planner keep the step compact: JobRegistry::Restore).
+  // computed from (which lets a restarted planner keep the step compact: JobRegistry::Restore);
+  // with `planned_with`, the density settings of the config the plan was made with (which a
+  // restart checks the plan's densities against).
   // JobStateQuota when the record would take the job past its bound (nothing written then).
   absl::Status SaveStep(const std::string& job_id, int64_t step, const std::vector<Sample>& batch,
                         const StepPlan& plan, bool folded,
-                        const RecallModelState* layer_recall = nullptr);
+                        const RecallModelState* layer_recall = nullptr,
+                        const PlannedDensities* planned_with = nullptr);
   // Appends one framed record; on failure the log is cut back to its size before the call.
   // JobStateQuota when the record would take the job past its bound (nothing written then).
   absl::Status AppendReport(const std::string& job_id, int64_t step, const StoredReport& report);

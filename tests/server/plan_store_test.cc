@@ -623,6 +623,7 @@ TEST(PlanStoreTest, MalformedStoredShardsQuarantineTheJob) {
          mbs[1].samples.insert(mbs[1].samples.begin(), mbs[0].samples[0]);
          mbs[1].tokens += mbs[0].tokens;
          mbs[0] = MicroBatchPlan{};
+         mbs[0].default_density = mbs[1].default_density;  // as the planner sets it
        },
        "different micro-batches"},
       {[](StepPlan* p) {
@@ -844,7 +845,8 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, test_support::SmallJob(2).planner);
   ASSERT_TRUE(plan.ok()) << plan.status();
   state::v1::StepRecord record;
-  EncodeStep(5, batch, *plan, /*folded=*/true, /*layer_recall=*/nullptr, &record);
+  EncodeStep(5, batch, *plan, /*folded=*/true, /*layer_recall=*/nullptr, /*planned_with=*/nullptr,
+             &record);
   absl::StatusOr<PlanStore::LoadedStep> decoded = DecodeStep(record);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   const PlanStore::LoadedStep& step = *decoded;
@@ -852,6 +854,19 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   EXPECT_TRUE(step.folded);
   EXPECT_EQ(BatchFingerprint(step.batch), BatchFingerprint(batch));
   EXPECT_EQ(CanonicalPlanText(step.plan), CanonicalPlanText(*plan));
+  EXPECT_FALSE(step.planned_with.has_value());
+  {
+    // The density settings it was planned with, where given, come back as they were.
+    const PlannedDensities densities{0.125, 0.875, 0.25};
+    state::v1::StepRecord with;
+    EncodeStep(5, batch, *plan, /*folded=*/true, /*layer_recall=*/nullptr, &densities, &with);
+    absl::StatusOr<PlanStore::LoadedStep> back = DecodeStep(with);
+    ASSERT_TRUE(back.ok()) << back.status();
+    ASSERT_TRUE(back->planned_with.has_value());
+    EXPECT_EQ(back->planned_with->density_min, 0.125);
+    EXPECT_EQ(back->planned_with->density_max, 0.875);
+    EXPECT_EQ(back->planned_with->density_default, 0.25);
+  }
   // The step's figures are stored once, in ranks[0]; a record of an older planner, which
   // repeats them in every rank, reads the same.
   ASSERT_EQ(record.ranks_size(), 2);
@@ -902,7 +917,8 @@ TEST(StateCodecTest, StepRecordsHoldEachLayerDensityOnceAndOldFormRecordsStillDe
   }
   ASSERT_GT(layered, 0);
   state::v1::StepRecord record;
-  EncodeStep(2, batch, plan, /*folded=*/false, /*layer_recall=*/nullptr, &record);
+  EncodeStep(2, batch, plan, /*folded=*/false, /*layer_recall=*/nullptr, /*planned_with=*/nullptr,
+             &record);
   int stored_layers = 0;
   size_t wire_bytes = 0;
   for (int r = 0; r < record.ranks_size(); ++r) {

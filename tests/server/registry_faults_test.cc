@@ -298,6 +298,35 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
            p->add_segments(p->length());
          });
        }},
+      // Values a damaged record of the previous format (no checksum) could hold, each still
+      // within (0, 1]: the review's flipped bits served a default density of 2.6e-211 and a
+      // density of 0.032 in a job whose density_min was 0.2.
+      {"one micro-batch's default density", "default density",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           s->mutable_ranks(1)->mutable_micro_batches(1)->set_default_density(2.6e-211);
+         });
+       }},
+      {"a default density not the one planned with", "density_default its step was planned",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           for (v1::RankPlan& r : *s->mutable_ranks()) {
+             for (v1::MicroBatch& m : *r.mutable_micro_batches()) m.set_default_density(0.5);
+           }
+         });
+       }},
+      {"a density below the density_min planned with", "planned with",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           FirstPlannedSample(s)->set_density(s->planned_with().density_min() * 0.16);
+         });
+       }},
+      {"planned density settings no config has", "which no config has",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           s->mutable_planned_with()->set_density_min(s->planned_with().density_default() * 2);
+         });
+       }},
       {"report rank", "rank",
        [](RegistryFaultsTest* t, const std::string&) {
          ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, {9, {}, 0.0}).ok());
@@ -367,6 +396,51 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
     EXPECT_EQ((*plan)->ranks[1].micro_batches[1].samples,
               bystander_plan.ranks[1].micro_batches[1].samples);
     EXPECT_TRUE(registry_->DeleteJob(victim_).ok());
+  }
+}
+
+// A step keeps its plan when UpdateJobConfig later moves the job's density bounds past its
+// densities; its record keeps the bounds it was planned with, which a restart checks it
+// against, so it restores. A record without them (an older planner's) restores too.
+TEST_F(RegistryFaultsTest, AStepPlannedBeforeTheDensityBoundsChangedRestores) {
+  const std::string id = Create();
+  const StepPlan before = RunStep(id, 0);
+  JobSettings update;
+  update.planner.density_min = 0.6;
+  update.planner.density_default = 0.7;
+  update.planner.density_max = 0.9;
+  ASSERT_TRUE(
+      registry_->UpdateJobConfig(id, update, {"density_min", "density_default", "density_max"})
+          .ok());
+  const StepPlan after = RunStep(id, 1);
+  double lowest = 1.0;
+  for (const RankPlan& rank : before.ranks) {
+    for (const MicroBatchPlan& mb : rank.micro_batches) {
+      for (const PlannedSample& p : mb.samples) lowest = std::min(lowest, p.density);
+    }
+  }
+  ASSERT_LT(lowest, 0.6);  // step 0 is outside the job's bounds now
+  EXPECT_EQ(after.ranks[0].micro_batches[0].default_density, 0.7);
+  for (int restart = 0; restart < 2; ++restart) {
+    Restart();
+    ASSERT_FALSE(Listed(registry_->ListJobs("", 100), id)->failed)
+        << Listed(registry_->ListJobs("", 100), id)->failure;
+    for (const auto& [step, planned] : {std::make_pair(0, before), std::make_pair(1, after)}) {
+      bool ready = false;
+      absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+          registry_->GetPlan(id, step, 0, &ready);
+      ASSERT_TRUE(plan.ok() && ready) << plan.status();
+      EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(planned));
+    }
+    // The second time, as an older planner stored them: no planned bounds in the records.
+    if (restart > 0) break;
+    registry_.reset();
+    for (const char* file : {"step-0.pb", "step-1.pb"}) {
+      Edit<state::v1::StepRecord>(JobDir(id) + "/" + file, [](state::v1::StepRecord* s) {
+        ASSERT_TRUE(s->has_planned_with());
+        s->clear_planned_with();
+      });
+    }
   }
 }
 
