@@ -190,13 +190,16 @@ StoredJob JobRegistry::Snapshot(const std::string& id, const Job& job) {
   return out;
 }
 
-absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step,
-                                   const StepRecord& record) const {
+absl::Status JobRegistry::SaveStep(const std::string& id, int64_t step, const StepRecord& record,
+                                   const PlannerConfig& planned_with) const {
   if (options_.store == nullptr) return absl::OkStatus();
-  // With the recipe's recall model, so that a restart can keep the step compact (RestoreJob).
+  // With the recipe's recall model, so that a restart can keep the step compact (RestoreJob),
+  // and the densities the plan was made with, which a restart checks it against.
+  const PlannedDensities densities{planned_with.density_min, planned_with.density_max,
+                                   planned_with.density_default};
   return Stored(options_.store->SaveStep(
       id, step, record.batch, *record.plan, record.folded,
-      record.layers != nullptr ? &record.layers->recall.state() : nullptr));
+      record.layers != nullptr ? &record.layers->recall.state() : nullptr, &densities));
 }
 
 void JobRegistry::TrimHistory(const std::string& id, Job& job, bool drop_files) {
@@ -330,7 +333,10 @@ absl::StatusOr<JobRegistry::StepRecord> JobRegistry::RestoreStep(const PlannerCo
     return absl::DataLossError(absl::StrCat(where, s.message()));
   }
   // Fills the lengths of a plan stored by an older planner from this batch.
-  if (absl::Status s = ValidateStoredPlan(record.batch, config, &step.plan); !s.ok()) {
+  if (absl::Status s = ValidateStoredPlan(
+          record.batch, config, step.planned_with.has_value() ? &*step.planned_with : nullptr,
+          &step.plan);
+      !s.ok()) {
     return absl::DataLossError(absl::StrCat(where, s.message()));
   }
   record.plan = std::make_shared<const StepPlan>(std::move(step.plan));
@@ -623,7 +629,8 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
       }
       absl::StatusOr<StepPlan> local = PlanStepLocally(record.batch, job->config);
       if (!local.ok()) return local.status();
-      if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local)); !s.ok()) {
+      if (absl::Status s = ReplacePlan(job_id, step, record, *std::move(local), job->config.get());
+          !s.ok()) {
         return s;
       }
       result.switched_to_local = true;
@@ -665,7 +672,7 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
         LayerDensityRecipe{job->config.get(), job->recall});
   }
   // Durable before it is acknowledged: the step record (fsync'ed).
-  if (absl::Status s = SaveStep(job_id, step, record); !s.ok()) return s;
+  if (absl::Status s = SaveStep(job_id, step, record, job->config.get()); !s.ok()) return s;
   job->history[step] = std::move(record);
   job->next_step = step + 1;
   // The snapshot after it only moves next_step (which Restore also takes from the step
@@ -685,12 +692,12 @@ absl::StatusOr<SubmitResult> JobRegistry::SubmitBatch(const std::string& job_id,
 }
 
 absl::Status JobRegistry::ReplacePlan(const std::string& id, int64_t step, StepRecord& record,
-                                      StepPlan plan) const {
+                                      StepPlan plan, const PlannerConfig& planned_with) const {
   StepRecord updated = record;
   updated.plan = std::make_shared<const StepPlan>(std::move(plan));
   updated.layers.reset();    // a local plan (PlanStepLocally) has no per-layer densities
   updated.measured.reset();  // measured against the plan replaced (no report was taken yet)
-  if (absl::Status s = SaveStep(id, step, updated); !s.ok()) return s;
+  if (absl::Status s = SaveStep(id, step, updated, planned_with); !s.ok()) return s;
   record = std::move(updated);
   return absl::OkStatus();
 }
@@ -850,7 +857,10 @@ absl::StatusOr<bool> JobRegistry::ReportLocked(const std::string& job_id, Job& j
                                                planned_locally, &record, &local);
   if (!duplicate.ok() || *duplicate) return duplicate;
   if (local.has_value()) {
-    if (absl::Status s = ReplacePlan(job_id, step, *record, *std::move(local)); !s.ok()) return s;
+    if (absl::Status s = ReplacePlan(job_id, step, *record, *std::move(local), job.config.get());
+        !s.ok()) {
+      return s;
+    }
     if (switched_to_local != nullptr) *switched_to_local = true;
   }
   StoredReport report{rank, std::move(micro_batches), wait_seconds};

@@ -454,7 +454,10 @@ class JobRegistry {
   // Writes the job's snapshot to the store (no-op without one).
   absl::Status SaveJob(const std::string& id, const Job& job, bool sync = true) const
       ABSL_SHARED_LOCKS_REQUIRED(job.mu);
-  absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record) const;
+  // Writes a step's record, with the density settings of `planned_with`, the config its plan was
+  // made with (the job's when it was planned: its config may change later).
+  absl::Status SaveStep(const std::string& id, int64_t step, const StepRecord& record,
+                        const PlannerConfig& planned_with) const;
   // The job's view, with its bytes in the store.
   JobView View(const std::string& id, const Job& job) const ABSL_SHARED_LOCKS_REQUIRED(job.mu);
   // Options::now in nanoseconds since its epoch.
@@ -463,10 +466,11 @@ class JobRegistry {
   // (FAILED_PRECONDITION otherwise: it was called meanwhile).
   absl::Status DeleteLiveJob(const std::string& job_id, const std::shared_ptr<Job>& job,
                              const int64_t* idle_before_ns);
-  // Replaces a step's plan by `plan` (the trainer's local fallback plan) and saves the step
-  // record; on failure the record is unchanged.
-  absl::Status ReplacePlan(const std::string& id, int64_t step, StepRecord& record,
-                           StepPlan plan) const;
+  // Replaces a step's plan by `plan` (the trainer's local fallback plan, made with
+  // `planned_with`, the job's config) and saves the step record; on failure the record is
+  // unchanged.
+  absl::Status ReplacePlan(const std::string& id, int64_t step, StepRecord& record, StepPlan plan,
+                           const PlannerConfig& planned_with) const;
   // Folds a step whose every rank has reported into the model (in rank order). Never fails: a
   // step that cannot be folded is kept, counted and reported (on_fold_failure), and the model
   // is left as it was.

@@ -15,6 +15,9 @@
 namespace sparsebalance {
 namespace {
 
+// How far a stored density may pass its bounds by rounding: as CheckPlan allows (planner.cc).
+constexpr double kDensitySlack = 1e-9;
+
 bool Positive(double x) { return std::isfinite(x) && x > 0.0; }
 
 bool HoldsShard(const MicroBatchPlan& micro_batch) {
@@ -214,12 +217,35 @@ absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
 }
 
 absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
-                                StepPlan* plan_ptr) {
+                                const PlannedDensities* planned_with, StepPlan* plan_ptr) {
   StepPlan& plan = *plan_ptr;
   if (static_cast<int>(plan.ranks.size()) != config.ranks) {
     return absl::DataLossError(
         absl::StrCat("the plan has ", plan.ranks.size(), " ranks; the job has ", config.ranks));
   }
+  // Where the record keeps the density settings the step was planned with, every density is
+  // within their bounds (the planner keeps each in [floor, density_max], the floor at or above
+  // density_min; kDensitySlack absorbs rounding). A record of an older planner: (0, 1] alone.
+  double lowest = 0.0;
+  double highest = 1.0;
+  if (planned_with != nullptr) {
+    const PlannedDensities& d = *planned_with;
+    if (!(std::isfinite(d.density_min) && std::isfinite(d.density_max) && d.density_min > 0.0 &&
+          d.density_min <= d.density_default && d.density_default <= d.density_max &&
+          d.density_max <= 1.0)) {
+      return absl::DataLossError(absl::StrCat(
+          "the step was planned with density_min ", d.density_min, ", density_default ",
+          d.density_default, ", density_max ", d.density_max, ", which no config has"));
+    }
+    lowest = d.density_min - kDensitySlack;
+    highest = d.density_max + kDensitySlack;
+  }
+  const auto outside = [&](double density) {
+    return planned_with != nullptr && !(density >= lowest && density <= highest);
+  };
+  // Every micro-batch's default density is the config's density_default when the step was
+  // planned: the record's planned_with's, or else the first micro-batch's (< 0 until it is seen).
+  double default_density = planned_with != nullptr ? planned_with->density_default : -1.0;
   std::map<uint64_t, std::vector<StoredShard>> split;  // id -> its shards
   const SamplesById by_id = IndexSamplesById(batch);
   // Per batch sample (by its index), whether the plan places it. Every planned id is in the
@@ -263,6 +289,20 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
           return absl::DataLossError(
               absl::StrCat(where, ": density ", p.density, " is outside (0, 1]"));
         }
+        if (outside(p.density)) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": sample id ", p.id, "'s density ", p.density,
+                           " is outside the [", planned_with->density_min, ", ",
+                           planned_with->density_max, "] its step was planned with"));
+        }
+        for (double layer : p.layer_densities) {
+          if (outside(layer)) {
+            return absl::DataLossError(
+                absl::StrCat(where, ": sample id ", p.id, "'s layer density ", layer,
+                             " is outside the [", planned_with->density_min, ", ",
+                             planned_with->density_max, "] its step was planned with"));
+          }
+        }
         // The batch's lengths, which are bounded (ValidateBatch); a shard's query tokens.
         tokens += p.QueryTokens();
       }
@@ -270,8 +310,20 @@ absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerC
         return absl::DataLossError(
             absl::StrCat(where, ": tokens ", mb.tokens, " but its samples sum to ", tokens));
       }
-      if (!std::isfinite(mb.predicted_seconds) || !std::isfinite(mb.default_density)) {
+      if (!std::isfinite(mb.predicted_seconds)) {
         return absl::DataLossError(absl::StrCat(where, ": a figure is not finite"));
+      }
+      if (default_density < 0.0) {
+        if (!(mb.default_density > 0.0 && mb.default_density <= 1.0)) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": default density ", mb.default_density, " is outside (0, 1]"));
+        }
+        default_density = mb.default_density;
+      } else if (mb.default_density != default_density) {
+        return absl::DataLossError(absl::StrCat(
+            where, ": default density ", mb.default_density, " is not the ", default_density,
+            planned_with != nullptr ? " density_default its step was planned with"
+                                    : " of the plan's first micro-batch"));
       }
     }
   }

@@ -3,7 +3,9 @@
 // the same rules (a job whose files fail a check is quarantined); a fold keeps the model only
 // while StateFinite holds. The storage protos themselves are the store's (state_codec.h).
 //
-//   if (absl::Status s = ValidateStoredPlan(plan, batch, config); !s.ok()) quarantine(s);
+//   if (absl::Status s = ValidateStoredPlan(batch, config, planned_with, &plan); !s.ok()) {
+//     quarantine(s);
+//   }
 #ifndef SPARSEBALANCE_SERVER_JOB_STATE_H_
 #define SPARSEBALANCE_SERVER_JOB_STATE_H_
 
@@ -16,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "planner/latency_model.h"
 #include "planner/types.h"
+#include "server/plan_store.h"
 
 namespace sparsebalance {
 
@@ -69,9 +72,15 @@ absl::Status ValidateReport(const StepPlan& plan, int rank, int layers,
 // Then: rank and micro-batch counts, every sample placed at most once (a split document: as
 // one shard per rank of its group, all in one micro-batch index, tiling [0, length) at
 // block-aligned cuts, the group's ranks in the job), densities in (0, 1], tokens as summed
-// (a shard's query tokens), figures finite. DATA_LOSS naming what is wrong.
+// (a shard's query tokens), figures finite, and one default density in every micro-batch, in
+// (0, 1] (every planner gives each micro-batch its config's density_default). With
+// `planned_with` (the density settings the step was planned with, from its record; null for a
+// record of an older planner): those settings a valid config's, the default density theirs, and
+// every density and layer density within their [density_min, density_max]. Not the job's
+// config: UpdateJobConfig may have changed its densities since the step was planned.
+// DATA_LOSS naming what is wrong.
 absl::Status ValidateStoredPlan(const std::vector<Sample>& batch, const PlannerConfig& config,
-                                StepPlan* plan);
+                                const PlannedDensities* planned_with, StepPlan* plan);
 
 }  // namespace sparsebalance
 

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -31,6 +32,7 @@
 #include "prometheus/registry.h"
 #include "server/planner_metrics.h"
 #include "server/planner_service.h"
+#include "server/store_health.h"
 #include "tools/listen_address.h"
 #include "tools/secret.h"
 #include "tools/tool_support.h"
@@ -103,8 +105,11 @@ ABSL_FLAG(double, drain_notice_seconds, 2.0,
           "the first part of --drain_seconds during which new calls are still accepted, so that "
           "health checks (not only open Watch streams) see NOT_SERVING before the port closes");
 ABSL_FLAG(double, state_check_seconds, 5.0,
-          "probe that --state_dir can be written this often (every second while it cannot); "
-          "health is NOT_SERVING while it cannot, and SERVING again once it can");
+          "probe that --state_dir can be written this often (every second while it cannot). "
+          "Health is NOT_SERVING from the first write to it that fails (disk full, I/O error, "
+          "read-only; a job refused at --max_job_state_mb is not one) or probe that fails, and "
+          "SERVING again once a probe as large as the largest failed write (at most 16 MiB), "
+          "made a second or more after the last failure, is written and synced");
 ABSL_FLAG(int, plan_threads, 0,
           "threads each step's planning is split over, 1-64 (0: the CPUs this process may use, "
           "after its affinity and its cgroup's CPU limit, at most 8); plans are the same bytes "
@@ -185,9 +190,12 @@ class BackgroundLoop {
   std::thread thread_;
 };
 
-// Health follows the state directory: NOT_SERVING while it cannot be written (a store failure
-// or a failed probe), SERVING again once a probe can write it. Probes every `check_seconds`,
-// every second while failing, and at once after a store failure while SERVING.
+// Health follows the state directory (the rule: StoreHealth, store_health.h): NOT_SERVING at
+// once when a write of the store fails or a probe fails, SERVING again only once a probe as
+// large as the largest failed write (at most 16 MiB), run at least a second after the last
+// failure, has been written and synced. Probes every `check_seconds` while SERVING (a short
+// one), every second while not. Only this thread publishes the status (`set_serving`), in the
+// order it decides it.
 class StateDirHealth {
  public:
   StateDirHealth(PlanStore* store, double check_seconds, std::function<void(bool)> set_serving)
@@ -195,29 +203,61 @@ class StateDirHealth {
   void Start() {
     loop_.Start([this] { Run(); });
   }
-  void OnStoreFailure() { loop_.Wake(); }
+  // A store failure (JobRegistry::Options::on_store_failure; never a job's quota refusal) of a
+  // write of `bytes` (0: unknown). Cheap: callers hold a job's lock.
+  void OnStoreFailure(const absl::Status& failure, int64_t bytes) {
+    {
+      absl::MutexLock lock(&mu_);
+      health_.OnStoreFailure(absl::Now(), bytes);
+      last_failure_ = std::string(failure.message());
+    }
+    loop_.Wake();
+  }
   void Stop() { loop_.Stop(); }
 
  private:
   void Run() {
-    bool writable = true;
-    while (loop_.Wait(absl::Seconds(writable ? check_seconds_ : 1.0), /*take_wake=*/writable)) {
-      const absl::Status probe = store_->CheckWritable();
-      if (probe.ok() != writable) {
-        writable = probe.ok();
-        std::cout << "sb-planner: "
-                  << (writable ? "--state_dir can be written again: SERVING"
-                               : absl::StrCat("--state_dir cannot be written (", probe.message(),
-                                              "): NOT_SERVING"))
-                  << std::endl;
-        set_serving_(writable);
+    bool published = true;  // SERVING, as the servers start
+    while (loop_.Wait(absl::Seconds(published ? check_seconds_ : 1.0), /*take_wake=*/published)) {
+      std::optional<StoreHealth::Probe> probe;
+      {
+        absl::MutexLock lock(&mu_);
+        probe = health_.NextProbe(absl::Now());
       }
+      if (probe.has_value()) {
+        const absl::Status probed = store_->CheckWritable(probe->bytes);
+        absl::MutexLock lock(&mu_);
+        health_.OnProbe(*probe, probed.ok(), absl::Now());
+        if (!probed.ok()) last_failure_ = std::string(probed.message());
+      }
+      bool serving = true;
+      std::string why;
+      int64_t probe_bytes = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        serving = health_.serving();
+        why = last_failure_;
+        probe_bytes = health_.probe_bytes();
+      }
+      if (serving == published) continue;
+      published = serving;
+      std::cout << "sb-planner: "
+                << (serving ? std::string("--state_dir can be written again: SERVING")
+                            : absl::StrCat("--state_dir cannot be written (", why,
+                                           "): NOT_SERVING until a probe of ",
+                                           std::max<int64_t>(probe_bytes, 1),
+                                           " bytes can be written and synced there"))
+                << std::endl;
+      set_serving_(serving);
     }
   }
 
   PlanStore* const store_;
   const double check_seconds_;
   const std::function<void(bool)> set_serving_;
+  absl::Mutex mu_;
+  StoreHealth health_ ABSL_GUARDED_BY(mu_);
+  std::string last_failure_ ABSL_GUARDED_BY(mu_);  // the last store failure's message
   BackgroundLoop loop_;  // last: stopped (joined) before the members its thread reads go
 };
 
@@ -431,7 +471,7 @@ int Main(int argc, char** argv) {
   });
 
   // Health follows the state directory (StateDirHealth); its probes start once the servers do,
-  // and a store failure before that only marks the directory for the first probe.
+  // and a store failure before that (Restore's) turns health NOT_SERVING at the first round.
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<grpc::Server> health_server;
   auto set_serving = [&server, &health_server, &metrics](bool serving) {
@@ -444,9 +484,11 @@ int Main(int argc, char** argv) {
   StateDirHealth state_health(store->get(), std::max(0.1, state_check_seconds), set_serving);
   JobRegistry::Options registry_options;
   registry_options.store = store->get();
-  registry_options.on_store_failure = [&metrics, &state_health](const absl::Status&) {
+  // Only store failures come here: a job's quota refusal (JOB_STATE_QUOTA) leaves health alone.
+  registry_options.on_store_failure = [&metrics, &state_health,
+                                       &store](const absl::Status& failure) {
     metrics.ObserveStateWriteFailure();
-    state_health.OnStoreFailure();
+    state_health.OnStoreFailure(failure, (*store)->TakeFailedWriteBytes());
   };
   registry_options.on_fold_failure = [&metrics](const std::string& job_id, int64_t step,
                                                 const absl::Status& why) {

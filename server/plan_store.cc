@@ -20,7 +20,7 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/arena.h"
 #include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "planner/plan_threads.h"
 #include "server/crc32c.h"
 #include "server/state_codec.h"
@@ -367,6 +367,43 @@ std::string EncodeRecord(const google::protobuf::MessageLite& body) {
   return record;
 }
 
+// The frame of a whole-file record (job.pb, step-N.pb) whose body of `size` bytes has the
+// checksum register `crc` (Crc32cExtend from ~0 over the 4 length bytes, then the body).
+std::string FileFrame(uint32_t size, uint32_t crc) {
+  std::string header(kHeaderBytes, '\0');
+  std::memcpy(header.data(), kMagicBytes, 4);
+  PutLe32(&header[4], size);
+  PutLe32(&header[8], ~crc);
+  return header;
+}
+
+// The CRC register (Crc32cExtend from ~0) over the length bytes of a body of `size` bytes.
+uint32_t LengthCrc(uint32_t size) {
+  char length[4];
+  PutLe32(length, size);
+  return Crc32cExtend(~uint32_t{0}, absl::string_view(length, 4));
+}
+
+// A protobuf output stream into `fd` that keeps the CRC32C register of what it wrote (SaveStep:
+// a step record is checksummed as it is serialized into its file, never held whole in memory).
+class ChecksummingFileStream : public google::protobuf::io::CopyingOutputStream {
+ public:
+  ChecksummingFileStream(int fd, uint32_t crc) : fd_(fd), crc_(crc) {}
+  bool Write(const void* buffer, int size) override {
+    const absl::string_view bytes(static_cast<const char*>(buffer), static_cast<size_t>(size));
+    crc_ = Crc32cExtend(crc_, bytes);
+    err_ = WriteAllOrErrno(fd_, bytes);
+    return err_ == 0;
+  }
+  uint32_t crc() const { return crc_; }
+  int err() const { return err_; }
+
+ private:
+  const int fd_;
+  uint32_t crc_;
+  int err_ = 0;
+};
+
 // The records of a report log, on an arena of their own: a 4,096-rank step's log is some 4,096
 // records of dozens of small messages each, and parsing them into heap blocks of their own took
 // 1.2 s more of the restore of a 4,096-rank job's 64 kept steps (sb-server-bench
@@ -502,6 +539,41 @@ absl::Status JobStateQuota(absl::string_view job_id, int64_t job_bytes, absl::st
       kReasonJobStateQuota);
 }
 
+std::string FrameStateFile(absl::string_view body) {
+  const uint32_t size = static_cast<uint32_t>(body.size());
+  return absl::StrCat(FileFrame(size, Crc32cExtend(LengthCrc(size), body)), body);
+}
+
+absl::StatusOr<absl::string_view> StateFileBody(absl::string_view bytes, absl::string_view path,
+                                                bool* legacy) {
+  int magic = 0;
+  for (size_t i = 0; i < 4 && i < bytes.size(); ++i) magic += bytes[i] == kMagicBytes[i];
+  const bool length_fits =
+      bytes.size() >= kHeaderBytes && GetLe32(bytes.data() + 4) == bytes.size() - kHeaderBytes;
+  // A message of the previous format never starts with the magic word (its first byte is the
+  // tag of a field numbered below 12) nor, but by a chance of 2^-32, holds its own size less 12
+  // at bytes 4-7: a file with 3 of the magic's 4 bytes, or with its length right, is framed and
+  // damaged when its frame does not check (one flipped bit anywhere is found).
+  *legacy = magic < 3 && !length_fits;
+  if (*legacy) return bytes;
+  const auto damaged = [&](absl::string_view what) {
+    return absl::DataLossError(
+        absl::StrCat(path, " (", bytes.size(), " bytes) is damaged: ", what,
+                     "; the file was changed after the planner wrote it (disk or copy fault)"));
+  };
+  if (bytes.size() < kHeaderBytes) return damaged("shorter than its header");
+  if (magic != 4) return damaged("its magic word is wrong");
+  if (!length_fits) {
+    return damaged(absl::StrCat("its header says ", GetLe32(bytes.data() + 4),
+                                " bytes of record, it holds ", bytes.size() - kHeaderBytes));
+  }
+  const absl::string_view body = bytes.substr(kHeaderBytes);
+  if (GetLe32(bytes.data() + 8) != RecordCrc(bytes.substr(4, 4), body)) {
+    return damaged("its CRC32C does not match its contents");
+  }
+  return body;
+}
+
 bool IsValidJobId(absl::string_view id) {
   if (id.size() < 8 || id.size() > 64 || id == kQuarantine) return false;
   return std::all_of(id.begin(), id.end(),
@@ -543,16 +615,36 @@ absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& di
   return store;
 }
 
-absl::Status PlanStore::CheckWritable() {
+absl::Status PlanStore::CheckWritable(int64_t bytes) {
   // A unique name: concurrent probes must not remove each other's file; a crash leaves a
   // `*.tmp` that the next Open() sweeps.
   std::string path = absl::StrCat(dir_, "/.write-probe-XXXXXX", kTmpSuffix);
   const int fd = mkostemps(path.data(), static_cast<int>(kTmpSuffix.size()), O_CLOEXEC);
   if (fd < 0) return IoFailure("cannot create", path, errno);
-  absl::Status status = WriteAll(fd, "sb-planner write probe\n", path);
+  constexpr absl::string_view kText = "sb-planner write probe\n";
+  absl::Status status = WriteAll(fd, kText, path);
+  // Then zeros up to `bytes`, written (not allocated): the disk must take them as it takes a
+  // record.
+  static const std::string kZeros(kStreamBufferBytes, '\0');
+  int64_t left = bytes - static_cast<int64_t>(kText.size());
+  while (status.ok() && left > 0) {
+    const size_t chunk = static_cast<size_t>(std::min<int64_t>(left, kStreamBufferBytes));
+    status = WriteAll(fd, absl::string_view(kZeros.data(), chunk), path);
+    left -= static_cast<int64_t>(chunk);
+  }
   if (status.ok() && fsync(fd) != 0) status = IoFailure("cannot fsync", path, errno);
   if (close(fd) != 0 && status.ok()) status = IoFailure("cannot close", path, errno);
   if (unlink(path.c_str()) != 0 && status.ok()) status = IoFailure("cannot remove", path, errno);
+  return status;
+}
+
+int64_t PlanStore::TakeFailedWriteBytes() { return failed_write_bytes_.exchange(0); }
+
+absl::Status PlanStore::NoteWrite(absl::Status status, int64_t bytes) {
+  if (!IsStoreFailure(status)) return status;
+  int64_t seen = failed_write_bytes_.load();
+  while (seen < bytes && !failed_write_bytes_.compare_exchange_weak(seen, bytes)) {
+  }
   return status;
 }
 
@@ -638,13 +730,13 @@ absl::Status PlanStore::CreateJob(const StoredJob& job) {
     }
     return IoFailure("cannot create", job_dir, errno);
   }
-  const std::string snapshot = EncodeJob(job).SerializeAsString();
+  const std::string snapshot = FrameStateFile(EncodeJob(job).SerializeAsString());
   absl::Status status =
       WriteFileDurably(job_dir, job_dir + "/job.pb", snapshot, Durability::kDurable);
   if (status.ok()) status = SyncDir(dir_);
   if (!status.ok()) {
     RemoveTree(dir_, job.job_id).IgnoreError();  // not half a job
-    return status;
+    return NoteWrite(std::move(status), static_cast<int64_t>(snapshot.size()));
   }
   absl::MutexLock lock(&bytes_mu_);
   job_bytes_[job.job_id] = static_cast<int64_t>(snapshot.size());
@@ -662,33 +754,41 @@ absl::Status PlanStore::SaveJob(const StoredJob& job, bool sync) {
   // never refused: its size follows the job's config, not what callers send.
   const std::string path = job_dir + "/job.pb";
   const int64_t before = FileBytes(path);
+  const std::string snapshot = FrameStateFile(EncodeJob(job).SerializeAsString());
   absl::Status status =
-      WriteFileDurably(job_dir, path, EncodeJob(job).SerializeAsString(),
+      WriteFileDurably(job_dir, path, snapshot,
                        sync || fsync_reports_ ? Durability::kDurable : Durability::kWholeFile);
   AddBytes(job.job_id, FileBytes(path) - before);
   if (!status.ok() && IsGone(job_dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job.job_id, " has no folder in ", dir_, " (deleted): not saved"));
   }
-  return status;
+  return NoteWrite(std::move(status), static_cast<int64_t>(snapshot.size()));
 }
 
 absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
                                  const std::vector<Sample>& batch, const StepPlan& plan,
-                                 bool folded, const RecallModelState* layer_recall) {
+                                 bool folded, const RecallModelState* layer_recall,
+                                 const PlannedDensities* planned_with) {
   if (absl::Status s = CheckJobId(job_id); !s.ok()) return s;
   if (absl::Status s = CheckStep(step); !s.ok()) return s;
   // On an arena: a step of 16,384 samples is some 50,000 small messages.
   google::protobuf::Arena arena;
   auto* record = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
-  EncodeStep(step, batch, plan, folded, layer_recall, record);
+  EncodeStep(step, batch, plan, folded, layer_recall, planned_with, record);
   const std::string job_dir = JobDir(job_id);
   const std::string spare = SparePath(job_dir);
   const std::string path = StepPath(job_dir, step, ".pb");
   // What the job's files will hold after the write: this record, in place of the record it
   // replaces (a step switched to its local plan) and of the spare it is written over. Counted
   // before the write, so that a refused one writes nothing.
-  const int64_t record_bytes = static_cast<int64_t>(record->ByteSizeLong());
+  const size_t body_bytes = record->ByteSizeLong();
+  if (body_bytes > static_cast<size_t>(kMaxFileBytes) - kHeaderBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", step, "'s record would take ", body_bytes, " bytes, more than the ",
+                     kMaxFileBytes, " a restart reads back; submit fewer samples a step"));
+  }
+  const int64_t record_bytes = static_cast<int64_t>(kHeaderBytes + body_bytes);
   const int64_t replaced = FileBytes(path);
   const int64_t expected = record_bytes - replaced - FileBytes(spare);
   if (absl::Status s = ReserveBytes(job_id, expected, absl::StrCat("step ", step, "'s record"));
@@ -697,21 +797,31 @@ absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
   }
   // Serialized straight into the file (into a spare's cached pages when there is one): a
   // string of the whole record would be megabytes of new pages a step. Its sizes were computed
-  // above (ByteSizeLong) and are not computed again.
+  // above (ByteSizeLong) and are not computed again. Framed (FrameStateFile): the header goes
+  // first with the checksum left 0, which is written over it once the body has passed through.
+  const uint32_t size = static_cast<uint32_t>(body_bytes);
   int64_t spare_taken = 0;
   absl::Status status = WriteFileDurably(
       job_dir, path, Durability::kDurable, &spare,
       [&](int fd) {
-        google::protobuf::io::FileOutputStream out(fd, kStreamBufferBytes);
+        if (const int err = WriteAllOrErrno(fd, FileFrame(size, ~uint32_t{0})); err != 0) {
+          return err;
+        }
+        ChecksummingFileStream sink(fd, LengthCrc(size));
         bool ok = false;
         {
-          google::protobuf::io::CodedOutputStream coded(&out);
-          record->SerializeWithCachedSizes(&coded);
-          ok = !coded.HadError();
+          google::protobuf::io::CopyingOutputStreamAdaptor out(&sink, kStreamBufferBytes);
+          {
+            google::protobuf::io::CodedOutputStream coded(&out);
+            record->SerializeWithCachedSizes(&coded);
+            ok = !coded.HadError();
+          }
+          ok = ok && out.Flush();
         }
-        ok = ok && out.Flush();
-        if (ok) return 0;
-        return out.GetErrno() != 0 ? out.GetErrno() : EIO;
+        if (!ok) return sink.err() != 0 ? sink.err() : EIO;
+        const std::string frame = FileFrame(size, sink.crc());
+        if (pwrite(fd, frame.data() + 8, 4, 8) != 4) return errno != 0 ? errno : EIO;
+        return 0;
       },
       &spare_taken);
   // The files as they are now: the spare went into the write whether it succeeded or not.
@@ -721,7 +831,7 @@ absl::Status PlanStore::SaveStep(const std::string& job_id, int64_t step,
         absl::StrCat("job ", job_id, " has no folder in ", dir_, " (deleted): step not saved"));
   }
   if (status.ok()) CreateReportLog(job_id, step);
-  return status;
+  return NoteWrite(std::move(status), record_bytes);
 }
 
 void PlanStore::CreateReportLog(const std::string& job_id, int64_t step) const {
@@ -824,7 +934,7 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
     absl::StatusOr<ReportLog> log = OpenReportLog(job_id, step);
     if (!log.ok()) {
       AddBytes(job_id, -bytes);
-      return log.status();
+      return NoteWrite(log.status(), bytes);
     }
     it = report_logs_.emplace(std::make_pair(job_id, step), *log).first;
   }
@@ -856,7 +966,7 @@ absl::Status PlanStore::AppendReports(const std::string& job_id, int64_t step,
   AddBytes(job_id, -bytes);
   close(log.fd);  // reopened (and its size read again) by the next append
   report_logs_.erase(it);
-  return status;
+  return NoteWrite(std::move(status), bytes);
 }
 
 absl::StatusOr<struct stat> PlanStore::OpenJoinsLog(const std::string& job_id, int flags,
@@ -911,7 +1021,7 @@ absl::StatusOr<int64_t> PlanStore::AppendJoin(const std::string& job_id, int ran
     if (fstat(fd, &now) == 0) AddBytes(job_id, now.st_size - st->st_size);
   }
   close(fd);
-  return status;
+  return NoteWrite(std::move(status), static_cast<int64_t>(record.size()));
 }
 
 absl::Status PlanStore::SyncJoins(const std::string& job_id, int64_t end) {
@@ -1085,7 +1195,10 @@ absl::StatusOr<PlanStore::LoadedStep> PlanStore::LoadStep(const std::string& job
   // a 4,096-rank job's 64 kept steps (LoadAll: 3.9 s against 3.0; see ParsedLog).
   google::protobuf::Arena arena;
   auto* record = google::protobuf::Arena::CreateMessage<state::v1::StepRecord>(&arena);
-  if (!record->ParseFromString(*bytes)) {
+  bool legacy = false;
+  absl::StatusOr<absl::string_view> body = StateFileBody(*bytes, record_path, &legacy);
+  if (!body.ok()) return body.status();
+  if (!record->ParseFromArray(body->data(), static_cast<int>(body->size()))) {
     return absl::DataLossError(
         absl::StrCat(record_path, " (", bytes->size(), " bytes) does not parse as a step record"));
   }
@@ -1131,8 +1244,12 @@ absl::StatusOr<PlanStore::LoadedJob> PlanStore::LoadJob(const std::string& job_i
   job.job_id = job_id;
   absl::StatusOr<std::string> bytes = ReadFile(job_dir + "/job.pb");
   if (!bytes.ok()) return bytes.status();
+  bool legacy = false;
+  absl::StatusOr<absl::string_view> body = StateFileBody(*bytes, job_dir + "/job.pb", &legacy);
+  if (!body.ok()) return body.status();
   state::v1::JobSnapshot snapshot;
-  if (!snapshot.ParseFromString(*bytes) || !snapshot.has_config()) {
+  if (!snapshot.ParseFromArray(body->data(), static_cast<int>(body->size())) ||
+      !snapshot.has_config()) {
     return absl::DataLossError(absl::StrCat(job_dir, "/job.pb (", bytes->size(),
                                             " bytes) does not parse as a job snapshot"));
   }

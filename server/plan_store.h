@@ -55,6 +55,15 @@
 // magic, no crc) are recognised per file, loaded up to their first torn record, and rewritten
 // in the framed format before the first new append to them.
 //
+// job.pb and each step-<n>.pb are one such record (magic, length, crc, then the serialized
+// JobSnapshot or StepRecord; FrameStateFile), so that a byte changed on disk after the write is
+// found at load: a file whose frame does not check (its magic, its length against its size, its
+// CRC32C) does not load and its job is quarantined, like one that does not parse. Files of the
+// previous format (the bare message, no frame) are recognised per file (StateFileBody) and
+// loaded as before, with the value checks of the restore alone to find damage in them; they are
+// left as they are: a job's next snapshot replaces its job.pb, and its step records go as their
+// steps leave the history.
+//
 // Bytes per job: the store counts the bytes each job's files hold (their sizes: step records,
 // report logs, the spare record, job.pb, joins.log), from the files at LoadAll and from each
 // write and removal after it (a stat of the files a call replaces, never a walk of the folder).
@@ -69,10 +78,12 @@
 // Failures: an I/O failure of the directory is a StoreFailure (below): RESOURCE_EXHAUSTED when
 // the disk or quota is full, INTERNAL otherwise; clients must not retry it. Nothing of the
 // refused write is in the directory (a change made that cannot be made durable ends the process
-// instead, above). A job whose files do not parse is moved to quarantine/ by LoadAll and
-// listed in Loaded::failed; the other jobs load. Job ids are checked (IsValidJobId) before they
-// become paths, the top level is listed with lstat (symlinks and files are ignored) and removals
-// never follow a symlink, so nothing outside --state_dir is touched.
+// instead, above). sb-planner's health is NOT_SERVING from a store failure until a probe as
+// large as the failed write succeeds (store_health.h; TakeFailedWriteBytes, CheckWritable). A
+// job whose files do not parse is moved to quarantine/ by LoadAll and listed in Loaded::failed;
+// the other jobs load. Job ids are checked (IsValidJobId) before they become paths, the top
+// level is listed with lstat (symlinks and files are ignored) and removals never follow a
+// symlink, so nothing outside --state_dir is touched.
 //
 //   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
 //   if (!store.ok()) return store.status();  // e.g. "state_dir: cannot create ...: Read-only..."
@@ -83,6 +94,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -130,6 +142,16 @@ bool IsStoreFailure(const absl::Status& status);
 absl::Status JobStateQuota(absl::string_view job_id, int64_t job_bytes, absl::string_view write,
                            int64_t max_job_bytes);
 
+// job.pb and step-<n>.pb as the store writes them: one framed record (see above) whose body is
+// `body`, a serialized JobSnapshot or StepRecord.
+std::string FrameStateFile(absl::string_view body);
+// The serialized message in the bytes of a job.pb or step-<n>.pb found at `path`: the body of a
+// framed file whose frame checks, or a file of the previous format whole (`*legacy` set). A
+// framed file whose frame does not check (one flipped bit anywhere, a cut or a longer file) is
+// DATA_LOSS naming `path` and what is wrong.
+absl::StatusOr<absl::string_view> StateFileBody(absl::string_view bytes, absl::string_view path,
+                                                bool* legacy);
+
 // Job ids the store accepts as folder names: 8 to 64 characters of [0-9a-z]. Anything else is
 // refused before it is used in a path (no '/', '.', '..').
 bool IsValidJobId(absl::string_view id);
@@ -154,6 +176,15 @@ struct StoredJob {
   int64_t first_kept_step = 0;
 };
 
+// The density settings of the config a step was planned with (PlannerConfig's density_min,
+// density_max, density_default), kept in its record: a restart checks the plan's densities
+// against them (ValidateStoredPlan), as the job's config may have changed since.
+struct PlannedDensities {
+  double density_min = 0.0;
+  double density_max = 0.0;
+  double density_default = 0.0;
+};
+
 // One rank's acknowledged report of a step, as its report log holds it.
 struct StoredReport {
   int rank = 0;
@@ -171,6 +202,9 @@ class PlanStore {
     // The recall model its per-layer densities were computed from, where the record has it
     // (SaveStep's layer_recall).
     std::optional<RecallModelState> layer_recall;
+    // The density settings it was planned with, where the record has them (SaveStep's
+    // planned_with; records of older planners do not).
+    std::optional<PlannedDensities> planned_with;
     std::vector<StoredReport> reports;  // in the order they were appended
     int64_t skipped_bytes = 0;          // torn or corrupt bytes of the report log that were skipped
   };
@@ -200,8 +234,13 @@ class PlanStore {
                                                          int64_t max_job_bytes = 0);
 
   // Creates, writes, fsyncs and removes a probe file in the directory: a store failure when the
-  // disk is read-only, full or failing.
-  absl::Status CheckWritable();
+  // disk is read-only, full or failing. The probe holds at least `bytes` bytes (a short text
+  // when 0), so that it can show that a write of that size fits again (StoreHealth).
+  absl::Status CheckWritable(int64_t bytes = 0);
+  // The size in bytes of the largest write that failed as a store failure since the last call
+  // (0: none, or only failures of no known size: a removal, a folder sync), and forgets it.
+  // sb-planner's health probes with that many bytes before it turns SERVING again.
+  int64_t TakeFailedWriteBytes();
 
   // A new job: creates its folder (ALREADY_EXISTS when there is one) and its synced job.pb.
   absl::Status CreateJob(const StoredJob& job);
@@ -213,11 +252,14 @@ class PlanStore {
   absl::Status SaveJob(const StoredJob& job, bool sync = true);
   // Writes step `step`'s record (synced): its batch, its whole plan, and whether its reports
   // are folded; with `layer_recall`, the recall model the plan's per-layer densities were
-  // computed from (which lets a restarted planner keep the step compact: JobRegistry::Restore).
+  // computed from (which lets a restarted planner keep the step compact: JobRegistry::Restore);
+  // with `planned_with`, the density settings of the config the plan was made with (which a
+  // restart checks the plan's densities against).
   // JobStateQuota when the record would take the job past its bound (nothing written then).
   absl::Status SaveStep(const std::string& job_id, int64_t step, const std::vector<Sample>& batch,
                         const StepPlan& plan, bool folded,
-                        const RecallModelState* layer_recall = nullptr);
+                        const RecallModelState* layer_recall = nullptr,
+                        const PlannedDensities* planned_with = nullptr);
   // Appends one framed record; on failure the log is cut back to its size before the call.
   // JobStateQuota when the record would take the job past its bound (nothing written then).
   absl::Status AppendReport(const std::string& job_id, int64_t step, const StoredReport& report);
@@ -252,13 +294,13 @@ class PlanStore {
   absl::Status Quarantine(const std::string& job_id, const std::string& reason);
   absl::Status DeleteQuarantined(const std::string& job_id);
 
-  // Every job folder, loaded or failed. A job whose files do not parse or decode (truncated or
-  // garbage job.pb or step-N.pb, a config or model that cannot be a job's, unreadable files,
-  // step files without a job.pb) is quarantined here and listed in `failed`; the other jobs
-  // load. An empty folder (a CreateJob a crash interrupted)
-  // is removed. Entries that are not folders, symlinks and folders whose names are not job ids
-  // are left alone. Fails only when `dir` itself cannot be listed. With `threads`, each job's
-  // steps are loaded on them (plan_threads.h); the answer is the same.
+  // Every job folder, loaded or failed. A job whose files do not check, parse or decode
+  // (damaged, truncated or garbage job.pb or step-N.pb, a config or model that cannot be a job's,
+  // unreadable files, step files without a job.pb) is quarantined here and listed in `failed`; the
+  // other jobs load. An empty folder (a CreateJob a crash interrupted) is removed. Entries that are
+  // not folders, symlinks and folders whose names are not job ids are left alone. Fails only when
+  // `dir` itself cannot be listed. With `threads`, each job's steps are loaded on them
+  // (plan_threads.h); the answer is the same.
   absl::StatusOr<Loaded> LoadAll(PlanThreads* threads = nullptr);
 
   // The bytes job `job_id`'s files hold (0 for a job the store does not hold: never created,
@@ -320,10 +362,14 @@ class PlanStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(logs_mu_);
   // Open()'s cleanup after a crash: `*.tmp` files and interrupted removals.
   void SweepAfterCrash();
+  // `status`, unchanged; when it is a store failure, a write of `bytes` failed
+  // (TakeFailedWriteBytes).
+  absl::Status NoteWrite(absl::Status status, int64_t bytes);
 
   const std::string dir_;
   const bool fsync_reports_;
-  const int64_t max_job_bytes_;  // 0: unbounded
+  const int64_t max_job_bytes_;                 // 0: unbounded
+  std::atomic<int64_t> failed_write_bytes_{0};  // TakeFailedWriteBytes
   std::function<void(const std::string&, int64_t)> job_bytes_observer_;
   // Bytes per job held (LoadAll, CreateJob), changed by each write and removal. A job's writes
   // come one at a time from its caller (JobRegistry holds the job's lock).

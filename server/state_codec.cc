@@ -159,7 +159,8 @@ absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in) {
 }
 
 void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& plan, bool folded,
-                const RecallModelState* layer_recall, state::v1::StepRecord* out) {
+                const RecallModelState* layer_recall, const PlannedDensities* planned_with,
+                state::v1::StepRecord* out) {
   out->set_step(step);
   for (const Sample& s : batch) SampleToProto(s, out->add_batch());
   out->mutable_ranks()->Reserve(static_cast<int>(plan.ranks.size()));
@@ -174,6 +175,12 @@ void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& 
   out->mutable_deferred_ids()->Assign(plan.deferred_ids.begin(), plan.deferred_ids.end());
   out->set_folded(folded);
   if (layer_recall != nullptr) EncodeRecall(*layer_recall, out->mutable_layer_recall());
+  if (planned_with != nullptr) {
+    state::v1::PlannedDensities* densities = out->mutable_planned_with();
+    densities->set_density_min(planned_with->density_min);
+    densities->set_density_max(planned_with->density_max);
+    densities->set_density_default(planned_with->density_default);
+  }
 }
 
 absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in) {
@@ -184,6 +191,11 @@ absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in
     absl::StatusOr<RecallModelState> recall = DecodeRecall(in.layer_recall(), "layer_recall");
     if (!recall.ok()) return recall.status();
     out.layer_recall = *std::move(recall);
+  }
+  if (in.has_planned_with()) {
+    out.planned_with =
+        PlannedDensities{in.planned_with().density_min(), in.planned_with().density_max(),
+                         in.planned_with().density_default()};
   }
   out.batch.reserve(in.batch_size());
   for (const v1::Sample& s : in.batch()) {

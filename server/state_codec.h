@@ -28,12 +28,14 @@ absl::StatusOr<StoredJob> DecodeJob(const state::v1::JobSnapshot& in);
 // 50,000 small messages). The plan in the current form only (MicroBatch.samples, without the
 // deprecated copy the wire keeps for older clients): DecodeStep reads both forms. With
 // `layer_recall`, the recall model the plan's per-layer densities were computed from
-// (StepRecord.layer_recall).
+// (StepRecord.layer_recall); with `planned_with`, the density settings it was planned with.
 void EncodeStep(int64_t step, const std::vector<Sample>& batch, const StepPlan& plan, bool folded,
-                const RecallModelState* layer_recall, state::v1::StepRecord* out);
+                const RecallModelState* layer_recall, const PlannedDensities* planned_with,
+                state::v1::StepRecord* out);
 // The step, batch and plan of a record, as stored (not checked against the job: the registry
 // does that with ValidateBatch and ValidateStoredPlan, which also fills the lengths of a plan
-// an older planner stored), and its layer_recall where it has one (its shape unchecked).
+// an older planner stored), its layer_recall where it has one (its shape unchecked), and its
+// planned_with where it has one (its values unchecked: ValidateStoredPlan checks them).
 // DATA_LOSS naming `ranks[r].micro_batches[m]...` for a malformed planned sample, or
 // `layer_recall.curves[i]` for a curve without kRecallDensityBins bins.
 absl::StatusOr<PlanStore::LoadedStep> DecodeStep(const state::v1::StepRecord& in);

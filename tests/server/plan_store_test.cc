@@ -33,6 +33,7 @@
 #include "proto/wire.h"
 #include "server/job_registry.h"
 #include "server/state_codec.h"
+#include "tests/server/state_files.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 #include "tests/support/file_size_limit.h"
@@ -301,7 +302,7 @@ TEST(PlanStoreTest, ARestartedPerLayerJobPacksItsStepsAsBefore) {
   for (int step : {2, 3}) {
     const std::string path = absl::StrCat(dir, "/", id, "/step-", step, ".pb");
     state::v1::StepRecord record;
-    ASSERT_TRUE(record.ParseFromString(ReadBytes(path)));
+    ASSERT_TRUE(test_support::ReadStateFile(path, &record));
     ASSERT_TRUE(record.has_layer_recall()) << "step " << step;
     if (step == 2) {
       record.clear_layer_recall();
@@ -312,7 +313,7 @@ TEST(PlanStoreTest, ARestartedPerLayerJobPacksItsStepsAsBefore) {
         for (double& v : *c.mutable_density()) v = 0.0;
       }
     }
-    WriteBytes(path, record.SerializeAsString());
+    test_support::WriteStateFile(path, record);
   }
   int64_t with_densities = 0;
   ASSERT_NO_FATAL_FAILURE(restart_and_check(&with_densities));
@@ -622,6 +623,7 @@ TEST(PlanStoreTest, MalformedStoredShardsQuarantineTheJob) {
          mbs[1].samples.insert(mbs[1].samples.begin(), mbs[0].samples[0]);
          mbs[1].tokens += mbs[0].tokens;
          mbs[0] = MicroBatchPlan{};
+         mbs[0].default_density = mbs[1].default_density;  // as the planner sets it
        },
        "different micro-batches"},
       {[](StepPlan* p) {
@@ -843,7 +845,8 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   absl::StatusOr<StepPlan> plan = PlanStepLocally(batch, test_support::SmallJob(2).planner);
   ASSERT_TRUE(plan.ok()) << plan.status();
   state::v1::StepRecord record;
-  EncodeStep(5, batch, *plan, /*folded=*/true, /*layer_recall=*/nullptr, &record);
+  EncodeStep(5, batch, *plan, /*folded=*/true, /*layer_recall=*/nullptr, /*planned_with=*/nullptr,
+             &record);
   absl::StatusOr<PlanStore::LoadedStep> decoded = DecodeStep(record);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   const PlanStore::LoadedStep& step = *decoded;
@@ -851,6 +854,19 @@ TEST(StateCodecTest, JobsStepsAndReportsRoundTrip) {
   EXPECT_TRUE(step.folded);
   EXPECT_EQ(BatchFingerprint(step.batch), BatchFingerprint(batch));
   EXPECT_EQ(CanonicalPlanText(step.plan), CanonicalPlanText(*plan));
+  EXPECT_FALSE(step.planned_with.has_value());
+  {
+    // The density settings it was planned with, where given, come back as they were.
+    const PlannedDensities densities{0.125, 0.875, 0.25};
+    state::v1::StepRecord with;
+    EncodeStep(5, batch, *plan, /*folded=*/true, /*layer_recall=*/nullptr, &densities, &with);
+    absl::StatusOr<PlanStore::LoadedStep> back = DecodeStep(with);
+    ASSERT_TRUE(back.ok()) << back.status();
+    ASSERT_TRUE(back->planned_with.has_value());
+    EXPECT_EQ(back->planned_with->density_min, 0.125);
+    EXPECT_EQ(back->planned_with->density_max, 0.875);
+    EXPECT_EQ(back->planned_with->density_default, 0.25);
+  }
   // The step's figures are stored once, in ranks[0]; a record of an older planner, which
   // repeats them in every rank, reads the same.
   ASSERT_EQ(record.ranks_size(), 2);
@@ -901,7 +917,8 @@ TEST(StateCodecTest, StepRecordsHoldEachLayerDensityOnceAndOldFormRecordsStillDe
   }
   ASSERT_GT(layered, 0);
   state::v1::StepRecord record;
-  EncodeStep(2, batch, plan, /*folded=*/false, /*layer_recall=*/nullptr, &record);
+  EncodeStep(2, batch, plan, /*folded=*/false, /*layer_recall=*/nullptr, /*planned_with=*/nullptr,
+             &record);
   int stored_layers = 0;
   size_t wire_bytes = 0;
   for (int r = 0; r < record.ranks_size(); ++r) {
@@ -1550,6 +1567,88 @@ TEST(PlanStoreTest, UnparsableFilesQuarantineOnlyTheirJob) {
   ASSERT_EQ(loaded->failed.size(), 2u);
   EXPECT_EQ(loaded->failed[0].job_id, kJobC);
   EXPECT_FALSE(Exists(dir + "/quarantine/" + kJobB));
+}
+
+// Defect: step records and job.pb carried no checksum, so a byte changed on disk was loaded and
+// served whenever the result still parsed (a density of 2.6e-211). They are framed now: each
+// change below still parses as a valid record, and each quarantines its job alone, naming the
+// file and what does not check. Files of the previous format (the bare message) still load.
+TEST(PlanStoreTest, AChangedByteInAStepRecordOrSnapshotQuarantinesItsJob) {
+  const std::string dir = TempDir();
+  std::unique_ptr<PlanStore> store = StoreWithJob(dir, kJobA);
+  ASSERT_NE(store, nullptr);
+  for (const char* id : {kJobB, kJobC, kJobD, kJobE}) {
+    ASSERT_TRUE(store->CreateJob(Snapshot(id)).ok());
+    ASSERT_TRUE(SaveStep(*store, id, 0).ok());
+  }
+  const auto change = [&](const char* id, const std::string& file,
+                          const std::function<void(std::string*)>& edit) {
+    const std::string path = absl::StrCat(dir, "/", id, "/", file);
+    std::string bytes = ReadBytes(path);
+    edit(&bytes);
+    WriteBytes(path, bytes);
+  };
+  // B: the deferred id 7 (the record's last byte) becomes 6. C: one bit of the magic word.
+  // D: one letter of the job's name in job.pb. E: a byte more at the end of the record.
+  change(kJobB, "step-0.pb", [](std::string* b) { b->back() ^= 1; });
+  change(kJobC, "step-0.pb", [](std::string* b) { (*b)[0] ^= 1; });
+  change(kJobD, "job.pb", [](std::string* b) { (*b)[b->find("nnnn")] = 'm'; });
+  change(kJobE, "step-0.pb", [](std::string* b) { b->push_back('\0'); });
+  {
+    state::v1::StepRecord record;  // what B's record says now, its frame aside
+    const std::string bytes = ReadBytes(absl::StrCat(dir, "/", kJobB, "/step-0.pb"));
+    ASSERT_TRUE(record.ParseFromString(bytes.substr(12)));
+    EXPECT_EQ(record.deferred_ids(0), 6u);
+  }
+
+  store.reset();
+  absl::StatusOr<std::unique_ptr<PlanStore>> reopened = PlanStore::Open(dir, false);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  absl::StatusOr<PlanStore::Loaded> loaded = (*reopened)->LoadAll();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(loaded->jobs[0].job_id, kJobA);
+  EXPECT_EQ(loaded->jobs[0].steps.at(0).plan.deferred_ids, std::vector<uint64_t>{7});
+  const std::vector<std::pair<std::string, std::vector<std::string>>> expected = {
+      {kJobB, {"step-0.pb", "CRC32C"}},
+      {kJobC, {"step-0.pb", "magic word"}},
+      {kJobD, {"job.pb", "CRC32C"}},
+      {kJobE, {"step-0.pb", "header says"}}};
+  ASSERT_EQ(loaded->failed.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const PlanStore::FailedJob& failed = loaded->failed[i];
+    EXPECT_EQ(failed.job_id, expected[i].first);
+    for (const std::string& part : expected[i].second) {
+      EXPECT_TRUE(absl::StrContains(failed.reason, part)) << failed.reason;
+    }
+    EXPECT_TRUE(Exists(dir + "/quarantine/" + expected[i].first));
+  }
+
+  // A's files as the previous format wrote them (no frame): they load as before, and are left
+  // as they are until the store writes them again (then framed).
+  for (const char* file : {"job.pb", "step-0.pb"}) {
+    const std::string path = absl::StrCat(dir, "/", kJobA, "/", file);
+    const std::string bytes = ReadBytes(path);
+    bool legacy = true;
+    ASSERT_TRUE(StateFileBody(bytes, path, &legacy).ok());
+    EXPECT_FALSE(legacy);
+    WriteBytes(path, bytes.substr(12));
+  }
+  absl::StatusOr<PlanStore::Loaded> old_format = (*reopened)->LoadAll();
+  ASSERT_TRUE(old_format.ok()) << old_format.status();
+  ASSERT_EQ(old_format->jobs.size(), 1u);
+  EXPECT_EQ(old_format->jobs[0].job.name, Snapshot(kJobA).name);
+  EXPECT_EQ(old_format->jobs[0].steps.at(0).plan.deferred_ids, std::vector<uint64_t>{7});
+  const std::string job_path = absl::StrCat(dir, "/", kJobA, "/job.pb");
+  bool legacy = false;
+  const std::string old_job = ReadBytes(job_path);
+  ASSERT_TRUE(StateFileBody(old_job, job_path, &legacy).ok());
+  EXPECT_TRUE(legacy);
+  ASSERT_TRUE((*reopened)->SaveJob(Snapshot(kJobA)).ok());
+  const std::string new_job = ReadBytes(job_path);
+  ASSERT_TRUE(StateFileBody(new_job, job_path, &legacy).ok());
+  EXPECT_FALSE(legacy);
+  EXPECT_EQ(new_job, FrameStateFile(old_job));
 }
 
 // Only folders named like job ids are the store's: symlinks, files and other names at the top

@@ -26,6 +26,7 @@
 #include "server/job_registry.h"
 #include "server/plan_store.h"
 #include "sparsebalance/state/v1/state.pb.h"
+#include "tests/server/state_files.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 #include "tests/support/file_size_limit.h"
@@ -146,13 +147,15 @@ class RegistryFaultsTest : public ::testing::Test {
 
   std::string JobDir(const std::string& id) const { return dir_ + "/" + id; }
 
-  // Rewrites a job file's message in place (as an attacker or a bad disk would).
+  // Rewrites a job file's message in place (as an attacker or an older planner would: its frame
+  // checks), in the file's format.
   template <typename Message>
   void Edit(const std::string& path, const std::function<void(Message*)>& change) {
     Message message;
-    ASSERT_TRUE(message.ParseFromString(ReadBytes(path))) << path;
+    bool legacy = false;
+    ASSERT_TRUE(test_support::ReadStateFile(path, &message, &legacy)) << path;
     change(&message);
-    WriteBytes(path, message.SerializeAsString());
+    test_support::WriteStateFile(path, message, legacy);
   }
 
   const JobView* Listed(const std::vector<JobView>& jobs, const std::string& id) {
@@ -295,6 +298,35 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
            p->add_segments(p->length());
          });
        }},
+      // Values a damaged record of the previous format (no checksum) could hold, each still
+      // within (0, 1]: the review's flipped bits served a default density of 2.6e-211 and a
+      // density of 0.032 in a job whose density_min was 0.2.
+      {"one micro-batch's default density", "default density",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           s->mutable_ranks(1)->mutable_micro_batches(1)->set_default_density(2.6e-211);
+         });
+       }},
+      {"a default density not the one planned with", "density_default its step was planned",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           for (v1::RankPlan& r : *s->mutable_ranks()) {
+             for (v1::MicroBatch& m : *r.mutable_micro_batches()) m.set_default_density(0.5);
+           }
+         });
+       }},
+      {"a density below the density_min planned with", "planned with",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           FirstPlannedSample(s)->set_density(s->planned_with().density_min() * 0.16);
+         });
+       }},
+      {"planned density settings no config has", "which no config has",
+       [](RegistryFaultsTest* t, const std::string& d) {
+         t->Edit<Step>(d + "/step-0.pb", [](Step* s) {
+           s->mutable_planned_with()->set_density_min(s->planned_with().density_default() * 2);
+         });
+       }},
       {"report rank", "rank",
        [](RegistryFaultsTest* t, const std::string&) {
          ASSERT_TRUE(t->store_->AppendReport(t->victim_, 0, {9, {}, 0.0}).ok());
@@ -367,6 +399,51 @@ TEST_F(RegistryFaultsTest, EveryInvalidStateFileQuarantinesOnlyItsJob) {
   }
 }
 
+// A step keeps its plan when UpdateJobConfig later moves the job's density bounds past its
+// densities; its record keeps the bounds it was planned with, which a restart checks it
+// against, so it restores. A record without them (an older planner's) restores too.
+TEST_F(RegistryFaultsTest, AStepPlannedBeforeTheDensityBoundsChangedRestores) {
+  const std::string id = Create();
+  const StepPlan before = RunStep(id, 0);
+  JobSettings update;
+  update.planner.density_min = 0.6;
+  update.planner.density_default = 0.7;
+  update.planner.density_max = 0.9;
+  ASSERT_TRUE(
+      registry_->UpdateJobConfig(id, update, {"density_min", "density_default", "density_max"})
+          .ok());
+  const StepPlan after = RunStep(id, 1);
+  double lowest = 1.0;
+  for (const RankPlan& rank : before.ranks) {
+    for (const MicroBatchPlan& mb : rank.micro_batches) {
+      for (const PlannedSample& p : mb.samples) lowest = std::min(lowest, p.density);
+    }
+  }
+  ASSERT_LT(lowest, 0.6);  // step 0 is outside the job's bounds now
+  EXPECT_EQ(after.ranks[0].micro_batches[0].default_density, 0.7);
+  for (int restart = 0; restart < 2; ++restart) {
+    Restart();
+    ASSERT_FALSE(Listed(registry_->ListJobs("", 100), id)->failed)
+        << Listed(registry_->ListJobs("", 100), id)->failure;
+    for (const auto& [step, planned] : {std::make_pair(0, before), std::make_pair(1, after)}) {
+      bool ready = false;
+      absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+          registry_->GetPlan(id, step, 0, &ready);
+      ASSERT_TRUE(plan.ok() && ready) << plan.status();
+      EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(planned));
+    }
+    // The second time, as an older planner stored them: no planned bounds in the records.
+    if (restart > 0) break;
+    registry_.reset();
+    for (const char* file : {"step-0.pb", "step-1.pb"}) {
+      Edit<state::v1::StepRecord>(JobDir(id) + "/" + file, [](state::v1::StepRecord* s) {
+        ASSERT_TRUE(s->has_planned_with());
+        s->clear_planned_with();
+      });
+    }
+  }
+}
+
 // A plan stored by a planner older than PlannedSample (ids and densities only) restores with
 // every planned sample's length and segments, taken from the step's stored batch, and the
 // step's reports fold into the model as they would have.
@@ -396,7 +473,7 @@ TEST_F(RegistryFaultsTest, AnOlderPlannersStoredPlanRestoresWithLengthsFromItsBa
   }
   Edit<state::v1::StepRecord>(JobDir(id) + "/step-0.pb", ToOldForm);
   state::v1::StepRecord stored;
-  ASSERT_TRUE(stored.ParseFromString(ReadBytes(JobDir(id) + "/step-0.pb")));
+  ASSERT_TRUE(test_support::ReadStateFile(JobDir(id) + "/step-0.pb", &stored));
   ASSERT_GT(stored.ranks(0).micro_batches(0).sample_ids_size(), 0);
   ASSERT_EQ(stored.ranks(0).micro_batches(0).samples_size(), 0);
   Restart();
@@ -486,6 +563,87 @@ TEST_F(RegistryFaultsTest, AStepIsFoldedOnceWhateverFilesAFailedTrimLeft) {
     bool ready = false;
     EXPECT_TRUE(registry_->GetPlan(id, 4, 0, &ready).ok() && ready);
   }
+}
+
+// Defect: a flipped bit in a step record was served after a restart when the record still
+// parsed (a planned density one ulp away passes every check of its value). The record's
+// checksum finds it: the job is quarantined, naming the file, and the other job is served.
+TEST_F(RegistryFaultsTest, AFlippedBitInAStepRecordQuarantinesItsJob) {
+  const std::string good = Create();
+  const std::string victim = Create();
+  const StepPlan good_plan = RunStep(good, 0);
+  const StepPlan victim_plan = RunStep(victim, 0);
+  registry_.reset();
+  // The lowest bit of the first planned sample's density, found by its 8 bytes in the file.
+  const std::string path = JobDir(victim) + "/step-0.pb";
+  std::string bytes = ReadBytes(path);
+  state::v1::StepRecord record;
+  ASSERT_TRUE(test_support::ReadStateFile(path, &record));
+  const double density = FirstPlannedSample(&record)->density();
+  std::string le(8, '\0');
+  std::memcpy(le.data(), &density, 8);
+  const size_t at = bytes.find(le);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at] ^= 1;
+  WriteBytes(path, bytes);
+
+  Restart();
+  const JobView* failed = Listed(registry_->ListJobs("", 100), victim);
+  ASSERT_NE(failed, nullptr);
+  EXPECT_TRUE(failed->failed);
+  EXPECT_THAT(failed->failure, HasSubstr("step-0.pb"));
+  EXPECT_THAT(failed->failure, HasSubstr("CRC32C"));
+  EXPECT_EQ(registry_->GetJob(victim).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/quarantine/" + victim + "/step-0.pb"));
+  bool ready = false;
+  absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(good, 0, 0, &ready);
+  ASSERT_TRUE(plan.ok() && ready) << plan.status();
+  EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(good_plan));
+}
+
+// A job whose job.pb and step records were written before the frame (the bare messages) is
+// restored as it was: the same plans, its reports counted. The files are left as they are; the
+// next snapshot and the next step are written framed.
+TEST_F(RegistryFaultsTest, StateFilesOfThePreviousFormatStillLoad) {
+  const std::string id = Create();
+  const StepPlan plan0 = RunStep(id, 0);
+  const StepPlan plan1 = RunStep(id, 1);
+  registry_.reset();
+  for (const char* file : {"job.pb", "step-0.pb", "step-1.pb"}) {
+    const std::string path = JobDir(id) + "/" + file;
+    const std::string bytes = ReadBytes(path);
+    bool legacy = true;
+    absl::StatusOr<absl::string_view> body = StateFileBody(bytes, path, &legacy);
+    ASSERT_TRUE(body.ok()) << body.status();
+    ASSERT_FALSE(legacy) << file;
+    WriteBytes(path, std::string(*body));
+  }
+  Restart();
+  absl::StatusOr<JobView> job = registry_->GetJob(id);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->next_step, 2);
+  EXPECT_EQ(job->steps_folded, 2);
+  for (const auto& [step, planned] : {std::make_pair(0, plan0), std::make_pair(1, plan1)}) {
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan = registry_->GetPlan(id, step, 1, &ready);
+    ASSERT_TRUE(plan.ok() && ready) << plan.status();
+    EXPECT_EQ(CanonicalPlanText(**plan), CanonicalPlanText(planned));
+    EXPECT_TRUE(Answered(
+        registry_->ReportStep(id, step, 1,
+                              test_support::TimingsOf(planned.ranks[1].micro_batches, 1.1), 0.01),
+        true));
+  }
+  RunStep(id, 2);
+  const auto legacy_file = [&](const std::string& file) {
+    const std::string path = JobDir(id) + "/" + file;
+    bool legacy = false;
+    EXPECT_TRUE(StateFileBody(ReadBytes(path), path, &legacy).ok()) << file;
+    return legacy;
+  };
+  EXPECT_TRUE(legacy_file("step-0.pb"));
+  EXPECT_TRUE(legacy_file("step-1.pb"));
+  EXPECT_FALSE(legacy_file("step-2.pb"));
+  EXPECT_FALSE(legacy_file("job.pb"));
 }
 
 // A snapshot's own job_id is never used as a path or an id: the folder's name is.

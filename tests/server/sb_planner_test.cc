@@ -1,6 +1,7 @@
 // sb-planner as a process: it prints where it listens, serves PlannerService and the
 // grpc.health.v1 service, and on SIGTERM turns NOT_SERVING, drains and exits 0.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -513,6 +514,83 @@ double JobSeries(const std::string& scraped, const std::string& name, const std:
   const size_t end = scraped.find('\n', at);
   EXPECT_TRUE(absl::SimpleAtod(scraped.substr(at + key.size(), end - at - key.size()), &value));
   return value;
+}
+
+// Defect: health followed only a 23-byte probe of the state directory, so with 8 KiB left on
+// the disk every SubmitBatch failed (its step record did not fit) while health said SERVING
+// and sparsebalance_state_dir_writable stayed 1. Now a failed write turns health NOT_SERVING
+// and keeps it so while the writes keep failing and while the disk cannot take a write of that
+// size; once the disk is freed, the idle planner turns SERVING by itself. Needs root.
+TEST(SbPlannerTest, HealthStaysNotServingWhileTheStoresWritesFail) {
+  test_support::TmpfsMount disk("4m");
+  if (!disk.mounted()) GTEST_SKIP() << disk.error();
+  const std::string state = disk.path() + "/state";
+  std::unique_ptr<tools::PlannerProcess> planner =
+      StartPlanner(state, {"--state_check_seconds=0.2"});
+  ASSERT_NE(planner, nullptr);
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", planner->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::PlannerService::NewStub(channel);
+  const std::string service = "sparsebalance.planner.v1.PlannerService";
+  v1::CreateJobResponse job;
+  ASSERT_TRUE(CreateJob(*stub, /*world_size=*/8, &job).ok());
+  // 4,096 samples a step: a record of some 150 KB.
+  ASSERT_TRUE(SubmitSamples(*stub, job, 0, 4096, 0).ok());
+
+  // The disk filled to 8 KiB: room for the probe of old, not for a step record.
+  const std::string filler = disk.path() + "/filler";
+  const int fd = open(filler.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  const std::string chunk(4096, 'x');
+  while (write(fd, chunk.data(), chunk.size()) > 0) {
+  }
+  const off_t full = lseek(fd, 0, SEEK_END);
+  ASSERT_EQ(ftruncate(fd, full - 8192), 0) << std::strerror(errno);
+  close(fd);
+
+  // Every submit fails as a store failure, and health is NOT_SERVING (the gauge 0) throughout.
+  int failures = 0;
+  int serving_seen = 0;
+  bool not_serving = false;
+  for (int i = 0; i < 30; ++i) {  // 3 s
+    const grpc::Status status = SubmitSamples(*stub, job, 1, 4096, 0);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+    EXPECT_EQ(ErrorReason(FromGrpcStatus(status)), kReasonStateDirFailure)
+        << status.error_message();
+    ++failures;
+    // The first failure's flip is published by the health thread: waited for once.
+    for (int wait = 0; !not_serving && wait < 100; ++wait) {
+      not_serving = HealthStatus(channel, service) == 2;
+      if (!not_serving) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_TRUE(not_serving) << "health stayed SERVING after a failed SubmitBatch";
+    if (HealthStatus(channel, service) != 2) ++serving_seen;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(serving_seen, 0) << "health turned SERVING while " << failures
+                             << " submits failed in a row";
+  std::string scraped = Scrape(planner->metrics_port());
+  EXPECT_NE(scraped.find("sparsebalance_state_dir_writable 0"), std::string::npos) << scraped;
+
+  // Idle, the disk still nearly full: the probes of a record's size fail; NOT_SERVING stays.
+  for (int i = 0; i < 10; ++i) {  // 2.5 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    EXPECT_EQ(HealthStatus(channel, service), 2) << "after " << (i + 1) * 250 << " ms idle";
+  }
+
+  // The disk freed, with no call made: SERVING again, the gauge 1, and the step is planned.
+  ASSERT_EQ(unlink(filler.c_str()), 0) << std::strerror(errno);
+  int seen = 0;
+  for (int i = 0; i < 250 && seen != 1; ++i) {  // probes every second while NOT_SERVING
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    seen = HealthStatus(channel, service);
+  }
+  EXPECT_EQ(seen, 1);
+  scraped = Scrape(planner->metrics_port());
+  EXPECT_NE(scraped.find("sparsebalance_state_dir_writable 1"), std::string::npos) << scraped;
+  const grpc::Status planned = SubmitSamples(*stub, job, 1, 4096, 0);
+  EXPECT_TRUE(planned.ok()) << planned.error_message();
+  EXPECT_EQ(planner->Stop(), 0);
 }
 
 // The defect: one job's caller filled the state directory shared by every job, and then every

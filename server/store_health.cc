@@ -1,0 +1,30 @@
+#include "server/store_health.h"
+
+#include <algorithm>
+
+namespace sparsebalance {
+
+void StoreHealth::OnStoreFailure(absl::Time now, int64_t bytes) {
+  serving_ = false;
+  ++failures_;
+  probe_bytes_ = std::min(kMaxProbeBytes, std::max(probe_bytes_, bytes));
+  last_failure_ = std::max(last_failure_, now);
+}
+
+std::optional<StoreHealth::Probe> StoreHealth::NextProbe(absl::Time now) const {
+  if (serving_) return Probe{0, failures_};
+  if (now - last_failure_ < kHold) return std::nullopt;
+  return Probe{probe_bytes_, failures_};
+}
+
+void StoreHealth::OnProbe(const Probe& probe, bool ok, absl::Time now) {
+  if (!ok) {
+    OnStoreFailure(now, 0);
+    return;
+  }
+  if (serving_ || probe.failures != failures_) return;
+  serving_ = true;
+  probe_bytes_ = 0;
+}
+
+}  // namespace sparsebalance
