@@ -45,6 +45,7 @@ using test_support::ReadBytes;
 using test_support::WriteBytes;
 
 using test_support::CountingHex;
+using test_support::FolderBytes;
 
 std::vector<Sample> Batch(uint64_t seed, int ranks) {
   return test_support::PretrainBatch(seed, ranks);
@@ -1694,18 +1695,6 @@ TEST(PlanStoreTest, NothingOutsideTheStateDirIsTouched) {
 }
 
 // ---- The bytes each job keeps, and the bound on them ----
-
-// The bytes of the regular files in `dir` (a job's folder), as a walk of it finds them.
-int64_t FolderBytes(const std::string& dir) {
-  int64_t bytes = 0;
-  std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
-    if (std::filesystem::is_regular_file(entry.symlink_status())) {
-      bytes += static_cast<int64_t>(entry.file_size());
-    }
-  }
-  return bytes;
-}
 
 // A job's bytes are the sizes of the files in its folder after every kind of write (create,
 // joins, step records, reports, a step switched to its local plan, snapshots, steps dropped from

@@ -33,6 +33,7 @@
 #include "server/plan_store.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 #include "tests/server/health_check.h"
+#include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 #include "tools/child_process.h"
 #include "tools/tool_support.h"
@@ -462,18 +463,6 @@ TEST(SbPlannerTest, HealthFollowsWhetherTheStateDirCanBeWritten) {
   disk.Remount(/*read_only=*/false);
 }
 
-// The bytes of the regular files in `dir` (a job's folder).
-int64_t FolderBytes(const std::string& dir) {
-  int64_t bytes = 0;
-  std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
-    if (std::filesystem::is_regular_file(entry.symlink_status())) {
-      bytes += static_cast<int64_t>(entry.file_size());
-    }
-  }
-  return bytes;
-}
-
 // GetJob of `job` (with its token): its summary, or a default one when the call fails.
 v1::JobSummary GetJob(v1::PlannerService::Stub& stub, const v1::CreateJobResponse& job) {
   v1::GetJobRequest request;
@@ -670,7 +659,7 @@ TEST(SbPlannerTest, AJobAtItsStateBoundIsRefusedAloneWhileHealthStaysServing) {
     const v1::JobSummary summary = GetJob(*stub, big);
     held = summary.state_bytes();
     EXPECT_EQ(summary.next_step(), refused_step);
-    EXPECT_EQ(held, FolderBytes(state_dir + "/" + big.job_id()));
+    EXPECT_EQ(held, test_support::FolderBytes(state_dir + "/" + big.job_id()));
     EXPECT_LE(held, 1 << 20);
     const std::string scraped = Scrape(planner->metrics_port());
     EXPECT_EQ(JobSeries(scraped, "sparsebalance_job_state_bytes", big.job_id()),

@@ -8,11 +8,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -30,6 +32,19 @@ inline std::string ReadBytes(const std::string& path) {
   std::stringstream bytes;
   bytes << in.rdbuf();
   return bytes.str();
+}
+
+// The bytes of the regular files in `dir` (a job's folder in a state directory), as a walk of
+// it finds them: what the store's count of a job's bytes must equal.
+inline int64_t FolderBytes(const std::string& dir) {
+  int64_t bytes = 0;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    if (std::filesystem::is_regular_file(entry.symlink_status())) {
+      bytes += static_cast<int64_t>(entry.file_size());
+    }
+  }
+  return bytes;
 }
 
 // Replaces a file's bytes (as an attacker or a bad disk would).
