@@ -90,6 +90,23 @@ std::string LogPath() {
   return pattern;
 }
 
+// A report of every non-empty micro-batch of `plan`: fixed times, density and recall.
+std::vector<MicroBatchTiming> FixedTimings(const RankStepPlan& plan, double attention_seconds) {
+  std::vector<MicroBatchTiming> timings;
+  for (size_t m = 0; m < plan.micro_batches.size(); ++m) {
+    if (plan.micro_batches[m].samples.empty()) continue;
+    MicroBatchTiming t;
+    t.micro_batch = static_cast<int>(m);
+    t.compute_seconds = 0.5;
+    t.attention_seconds = attention_seconds;
+    t.tokens = plan.micro_batches[m].tokens;
+    t.achieved_density = 0.3;
+    t.recall = 0.9;
+    timings.push_back(t);
+  }
+  return timings;
+}
+
 // sb-planner on free loopback ports with a short drain, once it listens; its log is in the
 // test's temporary folder (never on `state_dir`'s disk, which a test may remount read-only).
 // `extra` flags come last and so win over these.
@@ -161,19 +178,7 @@ TEST(SbPlannerTest, TheDrainEndsOpenReportStreams) {
   ASSERT_TRUE((*client)->SubmitBatch(0, batch).ok());
   absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(0, 0);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  std::vector<MicroBatchTiming> timings;
-  for (size_t m = 0; m < plan->micro_batches.size(); ++m) {
-    if (plan->micro_batches[m].samples.empty()) continue;
-    MicroBatchTiming t;
-    t.micro_batch = static_cast<int>(m);
-    t.compute_seconds = 0.5;
-    t.attention_seconds = 0.2;
-    t.tokens = plan->micro_batches[m].tokens;
-    t.achieved_density = 0.3;
-    t.recall = 0.9;
-    timings.push_back(t);
-  }
-  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, timings, 0.0);
+  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, FixedTimings(*plan, 0.2), 0.0);
   ASSERT_TRUE(reported.ok()) << reported.status();  // the stream is open now, and stays
   EXPECT_EQ(planner->Stop(/*grace_seconds=*/20), 0) << ReadText(planner->log_path());
 }
@@ -639,18 +644,8 @@ TEST(SbPlannerTest, AJobAtItsStateBoundIsRefusedAloneWhileHealthStaysServing) {
       for (int r = 0; r < 2; ++r) {
         absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(step, r);
         ASSERT_TRUE(plan.ok()) << plan.status();
-        std::vector<MicroBatchTiming> timings;
-        for (size_t m = 0; m < plan->micro_batches.size(); ++m) {
-          if (plan->micro_batches[m].samples.empty()) continue;
-          MicroBatchTiming t;
-          t.micro_batch = static_cast<int>(m);
-          t.compute_seconds = 0.5;
-          t.tokens = plan->micro_batches[m].tokens;
-          t.achieved_density = 0.3;
-          t.recall = 0.9;
-          timings.push_back(t);
-        }
-        absl::StatusOr<bool> reported = (*client)->ReportStep(step, r, timings, 0.0);
+        absl::StatusOr<bool> reported =
+            (*client)->ReportStep(step, r, FixedTimings(*plan, 0.0), 0.0);
         ASSERT_TRUE(reported.ok()) << reported.status();
       }
     }
