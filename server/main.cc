@@ -72,11 +72,13 @@ ABSL_FLAG(absl::Duration, job_idle_ttl, absl::Hours(24),
           "delete a job (state files, waiting calls, metric series) when no call has carried its "
           "token for this long, e.g. 24h, 30m; 0 keeps jobs until DeleteJob");
 ABSL_FLAG(std::string, admin_token_file, "",
-          "file holding the admin token; when set, CreateJob, ListJobs and DeleteJob need it. "
-          "Required when --listen is not a loopback address (see --insecure_no_admin_token)");
+          "file holding the admin token; when set, CreateJob and ListJobs need it, and DeleteJob "
+          "it or the job's own token. Without it any caller may create and list jobs, and only a "
+          "job's own token deletes it. Required when --listen is not a loopback address (see "
+          "--insecure_no_admin_token)");
 ABSL_FLAG(bool, insecure_no_admin_token, false,
           "allow a --listen beyond loopback without --admin_token_file: then anyone who reaches "
-          "the port can create, list and delete every job. Without this flag sb-planner refuses "
+          "the port can create and list every job. Without this flag sb-planner refuses "
           "to start that way");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
@@ -365,7 +367,7 @@ int Main(int argc, char** argv) {
       !absl::GetFlag(FLAGS_insecure_no_admin_token)) {
     tools::Fatal(absl::StrCat("--listen=", listen,
                               " is reachable beyond this machine but no --admin_token_file is "
-                              "set: anyone could create, list and delete every job. Give an "
+                              "set: anyone could create and list every job. Give an "
                               "admin token file (e.g. a secret), listen on 127.0.0.1, or pass "
                               "--insecure_no_admin_token"),
                  tools::kExitUsage);

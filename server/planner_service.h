@@ -132,7 +132,8 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   void Record(const char* method, Clock::time_point start, const absl::Status& status) const;
   absl::Status AuthorizeJob(grpc::CallbackServerContext* context, const std::string& job_id);
   absl::Status AuthorizeAdmin(grpc::CallbackServerContext* context) const;
-  // The admin token (or none configured), or `job_id`'s own token.
+  // The admin token, or `job_id`'s own token; where no admin token is configured, the job's own
+  // token alone (there is no admin).
   absl::Status AuthorizeAdminOrJob(grpc::CallbackServerContext* context, const std::string& job_id);
   // Finishes every call parked on (job_id, step).
   void WakeWaiters(const std::string& job_id, int64_t step);

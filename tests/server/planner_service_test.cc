@@ -45,13 +45,15 @@ constexpr char kAdmin[] = "admin-secret";
 class PlannerServiceTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(JobRegistry::Options{}, PlannerServiceImpl::Options{}); }
-  // (Re)starts the server on a new registry with these options (the admin token is kAdmin).
-  void Start(JobRegistry::Options registry_options, PlannerServiceImpl::Options options) {
+  // (Re)starts the server on a new registry with these options (the admin token is kAdmin, or
+  // none: sb-planner's loopback default).
+  void Start(JobRegistry::Options registry_options, PlannerServiceImpl::Options options,
+             bool with_admin_token = true) {
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
     server_.reset();
     service_.reset();
     registry_ = std::make_unique<JobRegistry>(registry_options, CountingHex());
-    options.admin_token = kAdmin;
+    options.admin_token = with_admin_token ? kAdmin : "";
     service_ = std::make_unique<PlannerServiceImpl>(registry_.get(), options);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -817,6 +819,36 @@ TEST_F(PlannerServiceTest, AJobDeletesItselfWithItsOwnToken) {
   EXPECT_EQ(Submit(Batch(job.job_id(), 0, 4), job.job_token()).error_code(),
             grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(Delete(other.job_id()).ok());  // the admin token still deletes any job
+}
+
+// Without an admin token (sb-planner's default on loopback, which every local user reaches)
+// there is no admin: a job is deleted with its own token alone, never without a token or with
+// another job's.
+TEST_F(PlannerServiceTest, WithoutAnAdminTokenOnlyAJobsOwnTokenDeletesIt) {
+  Start(JobRegistry::Options{}, PlannerServiceImpl::Options{}, /*with_admin_token=*/false);
+  const v1::CreateJobResponse job = Create(2);
+  const v1::CreateJobResponse other = Create(2);
+  auto delete_with = [&](const std::string& token) {
+    v1::DeleteJobRequest request;
+    request.set_job_id(job.job_id());
+    v1::DeleteJobResponse response;
+    grpc::ClientContext context;
+    Auth(&context, token);
+    return stub_->DeleteJob(&context, request, &response);
+  };
+  const grpc::Status anonymous = delete_with("");
+  EXPECT_EQ(anonymous.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(anonymous.error_message(), HasSubstr("no job token"));
+  const grpc::Status wrong = delete_with(other.job_token());
+  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(wrong.error_message(), HasSubstr("is not job"));
+  // A token that would be an admin's, were there one, is no job's either.
+  EXPECT_EQ(delete_with(kAdmin).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(Submit(Batch(job.job_id(), 0, 4), job.job_token()).ok());  // still there
+  ASSERT_TRUE(delete_with(job.job_token()).ok());
+  EXPECT_EQ(Submit(Batch(job.job_id(), 1, 4), job.job_token()).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(Submit(Batch(other.job_id(), 0, 4), other.job_token()).ok());
 }
 
 // An idle job expires like a deleted one: its waiting ranks are answered at once, saying why,
