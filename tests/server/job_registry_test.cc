@@ -21,6 +21,7 @@
 #include "planner/traces.h"
 #include "server/plan_store.h"
 #include "tests/server/test_support.h"
+#include "tests/support/scratch_dir.h"
 
 namespace sparsebalance {
 namespace {
@@ -352,8 +353,7 @@ TEST_F(JobRegistryTest, ShardSettingsChangeAtRunTimeWithinTheWorldSize) {
 class JobRegistryRestoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = ::testing::TempDir() + "restore_XXXXXX";
-    ASSERT_NE(mkdtemp(dir_.data()), nullptr);
+    dir_ = test_support::ScratchDir("restore");
     absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir_, false);
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = *std::move(store);
@@ -957,8 +957,7 @@ struct ManualClock {
 };
 
 TEST(JobRegistryIdleTest, JobsWithoutAuthorizedCallsForTheTtlAreDeletedWithTheirFiles) {
-  std::string dir = ::testing::TempDir() + "idle_ttl_XXXXXX";
-  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string dir = test_support::ScratchDir("idle_ttl");
   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
   ASSERT_TRUE(store.ok()) << store.status();
   ManualClock clock;

@@ -37,6 +37,7 @@
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 #include "tests/support/file_size_limit.h"
+#include "tests/support/scratch_dir.h"
 
 namespace sparsebalance {
 namespace {
@@ -55,10 +56,7 @@ std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int rank) {
 }
 
 std::string TempDir() {
-  std::string pattern = ::testing::TempDir() + "plan_store_XXXXXX";
-  char* dir = mkdtemp(pattern.data());
-  EXPECT_NE(dir, nullptr);
-  return std::string(dir) + "/state";
+  return test_support::ScratchDir("plan_store") + "/state";
 }
 
 int CountFiles(const std::string& dir) {

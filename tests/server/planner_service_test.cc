@@ -29,6 +29,7 @@
 #include "server/planner_metrics.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
+#include "tests/support/scratch_dir.h"
 
 namespace sparsebalance {
 namespace {
@@ -715,8 +716,7 @@ TEST_F(PlannerServiceTest, ASubmitThatSkipsStepsAnswersTheirWaitingRanks) {
 // DeleteJob of a job quarantined at restart removes it from the failed jobs, and the gauge
 // follows (it kept counting the job until the next restart).
 TEST_F(PlannerServiceTest, DeletingAQuarantinedJobLowersTheFailedJobsGauge) {
-  std::string dir = ::testing::TempDir() + "failed_gauge_XXXXXX";
-  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string dir = test_support::ScratchDir("failed_gauge");
   absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, false);
   ASSERT_TRUE(store.ok()) << store.status();
   JobRegistry::Options registry_options;

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 #include "tools/child_process.h"
+#include "tests/support/scratch_dir.h"
 
 namespace sparsebalance {
 namespace {
@@ -43,8 +44,7 @@ std::pair<int, std::string> Probe(int port, const std::string& service = "") {
 }
 
 std::string TempDir(const char* name) {
-  std::string pattern = ::testing::TempDir() + name + "_XXXXXX";
-  return mkdtemp(pattern.data());
+  return test_support::ScratchDir(name);
 }
 
 TEST(SbPlannerAddressTest, RefusesEveryBadListenAddressNamingTheFlag) {

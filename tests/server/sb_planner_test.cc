@@ -37,6 +37,7 @@
 #include "tests/server/tmpfs_mount.h"
 #include "tools/child_process.h"
 #include "tools/tool_support.h"
+#include "tests/support/scratch_dir.h"
 
 namespace sparsebalance {
 namespace {
@@ -79,15 +80,12 @@ grpc::Status CreateJob(v1::PlannerService::Stub& stub, int world_size,
 }
 
 std::string StateDir() {
-  std::string pattern = ::testing::TempDir() + "sb_planner_XXXXXX";
-  return std::string(mkdtemp(pattern.data())) + "/state";
+  return test_support::ScratchDir("sb_planner") + "/state";
 }
 
 // A fresh file for a planner's output.
 std::string LogPath() {
-  std::string pattern = ::testing::TempDir() + "sb_planner_log_XXXXXX";
-  close(mkstemp(pattern.data()));
-  return pattern;
+  return test_support::ScratchFile("sb_planner_log");
 }
 
 // A report of every non-empty micro-batch of `plan`: fixed times, density and recall.
@@ -210,8 +208,7 @@ TEST(SbPlannerTest, AnIdleJobIsDeletedByTheSweeper) {
 
 TEST(SbPlannerTest, MutualTlsAdmitsClientsWithACertificateOnly) {
   // A throwaway CA, a server certificate for localhost/127.0.0.1 and a client certificate.
-  std::string pattern = ::testing::TempDir() + "sb_tls_XXXXXX";
-  const std::string dir = mkdtemp(pattern.data());
+  const std::string dir = test_support::ScratchDir("sb_tls");
   const std::string script = absl::StrCat(
       "cd ", dir, " && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem ",
       "-days 2 -subj /CN=sb-test-ca && ",

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tools/tool_support.h"
+#include "tests/support/scratch_dir.h"
 
 namespace sparsebalance::tools {
 namespace {
@@ -26,8 +27,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::string TempDir() {
-  std::string pattern = ::testing::TempDir() + "child_process_XXXXXX";
-  return mkdtemp(pattern.data());
+  return test_support::ScratchDir("child_process");
 }
 
 std::unique_ptr<ChildProcess> Shell(const std::string& script, const ChildOutput& output = {}) {
