@@ -55,9 +55,7 @@ std::vector<MicroBatchTiming> Measure(const StepPlan& plan, int rank) {
   return test_support::TimingsOf(plan.ranks[rank].micro_batches, 1.2);
 }
 
-std::string TempDir() {
-  return test_support::ScratchDir("plan_store") + "/state";
-}
+std::string TempDir() { return test_support::ScratchDir("plan_store") + "/state"; }
 
 int CountFiles(const std::string& dir) {
   DIR* d = opendir(dir.c_str());

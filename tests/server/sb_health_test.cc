@@ -19,8 +19,8 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
-#include "tools/child_process.h"
 #include "tests/support/scratch_dir.h"
+#include "tools/child_process.h"
 
 namespace sparsebalance {
 namespace {
@@ -43,9 +43,7 @@ std::pair<int, std::string> Probe(int port, const std::string& service = "") {
                                                 service, "' --timeout_seconds=5"));
 }
 
-std::string TempDir(const char* name) {
-  return test_support::ScratchDir(name);
-}
+std::string TempDir(const char* name) { return test_support::ScratchDir(name); }
 
 TEST(SbPlannerAddressTest, RefusesEveryBadListenAddressNamingTheFlag) {
   const std::string state = TempDir("sb_address") + "/state";

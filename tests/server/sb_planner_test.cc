@@ -35,9 +35,9 @@
 #include "tests/server/health_check.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
+#include "tests/support/scratch_dir.h"
 #include "tools/child_process.h"
 #include "tools/tool_support.h"
-#include "tests/support/scratch_dir.h"
 
 namespace sparsebalance {
 namespace {
@@ -79,14 +79,10 @@ grpc::Status CreateJob(v1::PlannerService::Stub& stub, int world_size,
   return stub.CreateJob(&context, create, response);
 }
 
-std::string StateDir() {
-  return test_support::ScratchDir("sb_planner") + "/state";
-}
+std::string StateDir() { return test_support::ScratchDir("sb_planner") + "/state"; }
 
 // A fresh file for a planner's output.
-std::string LogPath() {
-  return test_support::ScratchFile("sb_planner_log");
-}
+std::string LogPath() { return test_support::ScratchFile("sb_planner_log"); }
 
 // A report of every non-empty micro-batch of `plan`: fixed times, density and recall.
 std::vector<MicroBatchTiming> FixedTimings(const RankStepPlan& plan, double attention_seconds) {

@@ -18,17 +18,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tools/tool_support.h"
 #include "tests/support/scratch_dir.h"
+#include "tools/tool_support.h"
 
 namespace sparsebalance::tools {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string TempDir() {
-  return test_support::ScratchDir("child_process");
-}
+std::string TempDir() { return test_support::ScratchDir("child_process"); }
 
 std::unique_ptr<ChildProcess> Shell(const std::string& script, const ChildOutput& output = {}) {
   absl::StatusOr<std::unique_ptr<ChildProcess>> child =
