@@ -106,15 +106,16 @@ class PlannerServiceTest : public ::testing::Test {
     return request;
   }
 
-  // DeleteJob with the admin token.
-  grpc::Status Delete(const std::string& job_id) {
+  // DeleteJob with `token` (none: ""), or with the admin token.
+  grpc::Status DeleteWith(const std::string& job_id, const std::string& token) {
     v1::DeleteJobRequest request;
     request.set_job_id(job_id);
     v1::DeleteJobResponse response;
     grpc::ClientContext context;
-    Auth(&context, kAdmin);
+    Auth(&context, token);
     return stub_->DeleteJob(&context, request, &response);
   }
+  grpc::Status Delete(const std::string& job_id) { return DeleteWith(job_id, kAdmin); }
 
   grpc::Status Submit(const v1::SubmitBatchRequest& request, const std::string& token,
                       v1::SubmitBatchResponse* response = nullptr) {
@@ -803,14 +804,7 @@ TEST_F(PlannerServiceTest, AStoreFailureReachesTheClientWithItsReason) {
 TEST_F(PlannerServiceTest, AJobDeletesItselfWithItsOwnToken) {
   const v1::CreateJobResponse job = Create(2);
   const v1::CreateJobResponse other = Create(2);
-  auto delete_with = [&](const std::string& token) {
-    v1::DeleteJobRequest request;
-    request.set_job_id(job.job_id());
-    v1::DeleteJobResponse response;
-    grpc::ClientContext context;
-    Auth(&context, token);
-    return stub_->DeleteJob(&context, request, &response);
-  };
+  auto delete_with = [&](const std::string& token) { return DeleteWith(job.job_id(), token); };
   grpc::Status wrong = delete_with(other.job_token());
   EXPECT_EQ(wrong.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(wrong.error_message(), HasSubstr("neither this planner's admin token nor job"));
@@ -828,14 +822,7 @@ TEST_F(PlannerServiceTest, WithoutAnAdminTokenOnlyAJobsOwnTokenDeletesIt) {
   Start(JobRegistry::Options{}, PlannerServiceImpl::Options{}, /*with_admin_token=*/false);
   const v1::CreateJobResponse job = Create(2);
   const v1::CreateJobResponse other = Create(2);
-  auto delete_with = [&](const std::string& token) {
-    v1::DeleteJobRequest request;
-    request.set_job_id(job.job_id());
-    v1::DeleteJobResponse response;
-    grpc::ClientContext context;
-    Auth(&context, token);
-    return stub_->DeleteJob(&context, request, &response);
-  };
+  auto delete_with = [&](const std::string& token) { return DeleteWith(job.job_id(), token); };
   const grpc::Status anonymous = delete_with("");
   EXPECT_EQ(anonymous.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_THAT(anonymous.error_message(), HasSubstr("no job token"));
