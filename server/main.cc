@@ -88,13 +88,24 @@ ABSL_FLAG(int, max_jobs, 1024, "jobs held at once (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_samples, 1 << 20, "samples per SubmitBatch (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_world_size, 65536, "ranks per job (RESOURCE_EXHAUSTED above)");
 ABSL_FLAG(int, max_message_bytes, 256 << 20,
-          "largest request accepted, bytes (1024 to 2147483647)");
+          "largest request accepted, bytes (1024 to 2147483647). gRPC checks it only once it "
+          "has received the whole request, so it does not bound what a call makes the planner "
+          "hold meanwhile (--max_transport_memory_mb does)");
 ABSL_FLAG(int, max_request_memory_mb, 512,
           "MiB the requests in hand may take once parsed, all together, 1-1048576: a request's "
           "parse is estimated from its bytes after its token is checked and before it is parsed, "
           "and one that does not fit is RESOURCE_EXHAUSTED (a protobuf field of two bytes takes "
           "up to 100 parsed; a full SubmitBatch of 2^20 samples about 100 MiB). Keep it well "
           "under the planner's memory limit");
+ABSL_FLAG(int, max_transport_memory_mb, 512,
+          "MiB gRPC may hold, all connections together, for the bytes of requests still "
+          "arriving, 16-1048576 and at least --max_message_bytes (a larger request could never "
+          "arrive): gRPC receives a request whole before the planner checks its caller, so "
+          "without a bound calls that send all but the last byte of large requests and stall "
+          "held that much each. Past it gRPC cancels calls (RESOURCE_EXHAUSTED, \"Buffers "
+          "full\") until it is back under it. A soft bound: under a flood of many "
+          "concurrent large calls the planner's memory can still pass it (README, Limits). Keep "
+          "it plus --max_request_memory_mb well under the planner's memory limit");
 ABSL_FLAG(std::string, health_listen, "",
           "also serve grpc.health.v1 alone, in plaintext, on this host:port (as --listen; port 0 "
           "picks a free port): for probes, which need no TLS, and it stays open for the whole "
@@ -128,6 +139,11 @@ namespace sparsebalance {
 namespace {
 
 constexpr char kServiceName[] = "sparsebalance.planner.v1.PlannerService";
+// The health-only listener takes health checks alone (a service name: tens of bytes) and its
+// buffers have a quota of their own. gRPC checks a request's size only once it holds all of it,
+// so the quota is what bounds what stalled calls hold there; the size still refuses the rest.
+constexpr int kMaxHealthRequestBytes = 4096;
+constexpr size_t kHealthQuotaBytes = size_t{16} << 20;
 
 // The file a flag names; the error names both.
 absl::StatusOr<std::string> ReadFlagFile(absl::string_view flag, const std::string& path) {
@@ -442,6 +458,15 @@ int Main(int argc, char** argv) {
       int_flag("max_waiting_calls", absl::GetFlag(FLAGS_max_waiting_calls), 0, 1 << 24);
   const int max_request_memory_mb =
       int_flag("max_request_memory_mb", absl::GetFlag(FLAGS_max_request_memory_mb), 1, 1 << 20);
+  const int max_transport_memory_mb = int_flag(
+      "max_transport_memory_mb", absl::GetFlag(FLAGS_max_transport_memory_mb), 16, 1 << 20);
+  if ((int64_t{max_transport_memory_mb} << 20) < max_message_bytes) {
+    tools::Fatal(absl::StrCat("--max_transport_memory_mb=", max_transport_memory_mb,
+                              " MiB is less than --max_message_bytes=", max_message_bytes,
+                              ": a request that large could never arrive. Raise the first or "
+                              "lower the second"),
+                 tools::kExitUsage);
+  }
   const double drain_seconds = seconds_flag("drain_seconds", absl::GetFlag(FLAGS_drain_seconds));
   const double drain_notice_seconds =
       seconds_flag("drain_notice_seconds", absl::GetFlag(FLAGS_drain_notice_seconds));
@@ -538,7 +563,14 @@ int Main(int argc, char** argv) {
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // gRPC receives each request whole before the planner sees it (and checks its caller): its
+  // buffers, all connections together, are bounded by this quota, whose reclaimer cancels calls
+  // once they pass it. Not shared with the health-only listener, so that an attack on this port
+  // never cancels the probes.
+  grpc::ResourceQuota transport_quota("sb-planner");
+  transport_quota.Resize(static_cast<size_t>(max_transport_memory_mb) << 20);
   grpc::ServerBuilder builder;
+  builder.SetResourceQuota(transport_quota);
   int port = 0;
   builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&service);
@@ -561,8 +593,12 @@ int Main(int argc, char** argv) {
   // "" (the default service's own entry, SERVING) stays so until the process exits, since this
   // server closes only after the drain (liveness: a drain is not a crash).
   int health_port = 0;
+  grpc::ResourceQuota health_quota("sb-planner-health");
+  health_quota.Resize(kHealthQuotaBytes);
   if (!health_listen.empty()) {
     grpc::ServerBuilder health_builder;
+    health_builder.SetResourceQuota(health_quota);
+    health_builder.SetMaxReceiveMessageSize(kMaxHealthRequestBytes);
     health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(), &health_port);
     health_server = health_builder.BuildAndStart();
     if (health_server == nullptr || health_port == 0) {

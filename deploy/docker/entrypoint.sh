@@ -25,6 +25,7 @@ flag SB_MAX_SAMPLES max_samples
 flag SB_MAX_WORLD_SIZE max_world_size
 flag SB_MAX_MESSAGE_BYTES max_message_bytes
 flag SB_MAX_REQUEST_MEMORY_MB max_request_memory_mb
+flag SB_MAX_TRANSPORT_MEMORY_MB max_transport_memory_mb
 flag SB_MAX_JOB_STATE_MB max_job_state_mb
 flag SB_MAX_RANK_SERIES max_rank_series
 flag SB_DRAIN_SECONDS drain_seconds

@@ -23,8 +23,10 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "client/planner_client.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -33,6 +35,7 @@
 #include "server/plan_store.h"
 #include "sparsebalance/planner/v1/planner.grpc.pb.h"
 #include "tests/server/health_check.h"
+#include "tests/server/raw_grpc_caller.h"
 #include "tests/server/test_support.h"
 #include "tests/server/tmpfs_mount.h"
 #include "tests/support/scratch_dir.h"
@@ -384,6 +387,7 @@ TEST(SbPlannerTest, PlanThreadsOutsideItsRangeIsAUsageError) {
 // Every numeric limit outside its range is a usage error naming the flag: --max_jobs=-1,
 // --max_world_size=0 and the like started a planner that reported healthy and refused every
 // call, --max_message_bytes=-1 lifted gRPC's size limit, --drain_seconds=nan drained for "nan s".
+// A transport quota below the largest request (default 256 MiB) would cancel every such request.
 TEST(SbPlannerTest, LimitsOutsideTheirRangeAreUsageErrors) {
   const std::string state = StateDir();
   for (const char* bad :
@@ -391,6 +395,8 @@ TEST(SbPlannerTest, LimitsOutsideTheirRangeAreUsageErrors) {
         "--max_samples=-5 is outside [1, 16777216]", "--max_waiting_calls=-1 is outside [0, ",
         "--max_message_bytes=-1 is outside [1024, ", "--max_rank_series=-1 is outside [0, ",
         "--max_request_memory_mb=0 is outside [1, 1048576]",
+        "--max_transport_memory_mb=15 is outside [16, 1048576]",
+        "--max_transport_memory_mb=255 MiB is less than --max_message_bytes=268435456",
         "--max_job_state_mb=-1 is outside [0, 16777216]",
         "--drain_seconds=nan is not a number of seconds", "--state_check_seconds=-1 is not"}) {
     const std::string flag(bad, std::string(bad).find(' '));
@@ -684,6 +690,84 @@ TEST(SbPlannerTest, AJobAtItsStateBoundIsRefusedAloneWhileHealthStaysServing) {
   EXPECT_EQ(
       JobSeries(Scrape(planner->metrics_port()), "sparsebalance_job_state_bytes", big.job_id()),
       -1);
+  EXPECT_EQ(planner->Stop(), 0);
+}
+
+// A line of a process's /proc/<pid>/status, in KiB ("VmRSS", "VmHWM"); -1 when it has none.
+int64_t ProcStatusKib(pid_t pid, const std::string& key) {
+  std::istringstream status(ReadText(absl::StrCat("/proc/", pid, "/status")));
+  for (std::string line; std::getline(status, line);) {
+    int64_t kib = 0;
+    if (absl::StartsWith(line, key + ":") &&
+        absl::SimpleAtoi(
+            absl::StripAsciiWhitespace(absl::StripSuffix(line.substr(key.size() + 1), "kB")),
+            &kib)) {
+      return kib;
+    }
+  }
+  return -1;
+}
+
+// Defect: gRPC received each request whole before the planner's request guard could look at
+// it, with nothing bounding what it held (not even --max_message_bytes, which gRPC checks only
+// once a request is whole), so unauthenticated calls that sent all but the last byte of large
+// requests and then stalled pinned that much each, for as long as they liked: 16 calls of
+// 200 MiB took an idle planner to 3.2 GiB (its pod's limit is 2 GiB). Now gRPC's buffers share
+// one quota, --max_transport_memory_mb, whose reclaimer cancels calls past it. Scaled down: 24
+// calls over 8 connections, each stalling 1 byte short of a 32 MiB request (768 MiB in all, which
+// the planner held before), against a quota of 64 MiB. Then a job of 65,536 samples a step plans
+// and reports as usual.
+TEST(SbPlannerTest, StalledLargeRequestsStayWithinTheTransportQuota) {
+  constexpr int kQuotaMib = 64;
+  constexpr uint32_t kMessageBytes = 32 << 20;
+  std::unique_ptr<tools::PlannerProcess> planner =
+      StartPlanner(StateDir(), {absl::StrCat("--max_message_bytes=", kMessageBytes),
+                                absl::StrCat("--max_transport_memory_mb=", kQuotaMib)});
+  ASSERT_NE(planner, nullptr);
+  const int64_t idle_kib = ProcStatusKib(planner->pid(), "VmRSS");
+  ASSERT_GT(idle_kib, 0);
+  {
+    std::vector<std::unique_ptr<test_support::RawGrpcConnection>> connections;
+    for (int c = 0; c < 8; ++c) {
+      connections.push_back(test_support::RawGrpcConnection::Connect(planner->port()));
+      ASSERT_NE(connections.back(), nullptr);
+    }
+    std::vector<std::thread> callers;
+    for (int i = 0; i < 24; ++i) {
+      callers.emplace_back([&connections, i] {
+        test_support::RawGrpcConnection& connection = *connections[i % connections.size()];
+        const uint32_t stream = connection.StartCall(
+            "/sparsebalance.planner.v1.PlannerService/SubmitBatch", kMessageBytes);
+        if (stream != 0) connection.SendPayload(stream, kMessageBytes - 1, false, 2.0);
+      });
+    }
+    for (std::thread& caller : callers) caller.join();
+    // Measured: 768 MiB more without the quota, 86-117 MiB with it.
+    const int64_t grown_mib = (ProcStatusKib(planner->pid(), "VmHWM") - idle_kib) >> 10;
+    EXPECT_LT(grown_mib, 4 * kQuotaMib)
+        << "the planner's peak grew by " << grown_mib << " MiB while 24 calls sent 32 MiB each";
+  }  // the attackers' connections close
+
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", planner->port());
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  PlannerConfig config;
+  config.micro_batches = 64;  // 65,536 samples of 100 tokens in 64 micro-batches of 131,072
+  ASSERT_TRUE((*client)->CreateJob("after-the-attack", config).ok());
+  ASSERT_TRUE((*client)->JoinJob(0).ok());
+  std::vector<Sample> batch(65536);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].id = 1000000 + i;
+    batch[i].length = 100;
+  }
+  absl::StatusOr<std::vector<uint64_t>> submitted = (*client)->SubmitBatch(0, batch);
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(0, 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, FixedTimings(*plan, 0.2), 0.0);
+  ASSERT_TRUE(reported.ok()) << reported.status();
+  client->reset();
   EXPECT_EQ(planner->Stop(), 0);
 }
 
