@@ -472,8 +472,15 @@ TEST(ShardExchangeTest, AListenerAtARanksAddressLearnsNoSecretAndIsRefused) {
     if (sender == nullptr) return absl::InternalError("no exchange");
     return sender->Send(1, Key(7, ExchangeKind::kPooledKeys), "payload");
   };
-  // First a fake that knows the secret (as rank 1 does): the sender accepts it and sends its
-  // frame, which shows that the refusals below are for the proof alone.
+  // A listener that sends no challenge (as a receiver of protocol 1 did not) hears nothing.
+  std::future<std::string> silent = ServeOnce(fake, [](int, std::string*) {});
+  absl::Status sent = send_to_fake();
+  EXPECT_EQ(sent.code(), absl::StatusCode::kDeadlineExceeded) << sent;
+  EXPECT_THAT(sent.message(), HasSubstr(absl::StrCat("rank 1 at ", fake.address)));
+  EXPECT_EQ(silent.get(), "");
+
+  // A fake that knows the secret (as rank 1 does): the sender accepts it and sends its frame,
+  // which shows that the refusals below are for the proof alone.
   std::future<std::string> honest =
       ServeOnce(fake, script([&](const std::string& answer) {
                   recorded_proof = AuthProof(secret, AuthRole::kExchangeReceiver, fake_nonce,
@@ -481,11 +488,11 @@ TEST(ShardExchangeTest, AListenerAtARanksAddressLearnsNoSecretAndIsRefused) {
                                        .value();
                   return "\x01" + recorded_proof;
                 }));
-  absl::Status sent = send_to_fake();
-  EXPECT_TRUE(sent.ok()) << sent;
+  sent = send_to_fake();
   std::string got = honest.get();
-  EXPECT_THAT(got, HasSubstr("payload"));
   EXPECT_THAT(got, Not(HasSubstr(secret)));
+  EXPECT_TRUE(sent.ok()) << sent;
+  EXPECT_THAT(got, HasSubstr("payload"));
   ASSERT_FALSE(recorded_proof.empty());
 
   const std::vector<std::pair<const char*, Verdict>> forged = {
@@ -509,13 +516,6 @@ TEST(ShardExchangeTest, AListenerAtARanksAddressLearnsNoSecretAndIsRefused) {
     EXPECT_EQ(got.size(), 4 + kAuthNonceBytes + kAuthProofBytes) << "a frame reached it";
     EXPECT_THAT(got, Not(HasSubstr(secret)));
   }
-
-  // A listener that sends no challenge (as a receiver of protocol 1 did not) hears nothing.
-  std::future<std::string> silent = ServeOnce(fake, [](int, std::string*) {});
-  sent = send_to_fake();
-  EXPECT_EQ(sent.code(), absl::StatusCode::kDeadlineExceeded) << sent;
-  EXPECT_THAT(sent.message(), HasSubstr(absl::StrCat("rank 1 at ", fake.address)));
-  EXPECT_EQ(silent.get(), "");
 }
 
 // A rank of another run (another secret) is told why its messages go nowhere.
