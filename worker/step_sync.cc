@@ -96,8 +96,8 @@ absl::Status CheckSyncSecret(absl::string_view secret) {
   for (char c : secret) {
     if (c < '!' || c > '~') {
       return absl::InvalidArgumentError(
-          "secret: holds a space, a control or a non-ASCII character (it travels as one word "
-          "of a text line; sb-run's are hex digits)");
+          "secret: holds a space, a control or a non-ASCII character (a secret file holds one "
+          "word; sb-run's are hex digits)");
     }
   }
   return absl::OkStatus();

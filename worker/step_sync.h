@@ -65,7 +65,7 @@ namespace sparsebalance {
 inline constexpr int kPlanPhase = 0;
 inline constexpr int kGradientPhase = 1;
 
-// Bounds of the run's secret, bytes: enough to be unguessable, and one word of a protocol line.
+// Bounds of the run's secret, bytes: enough to be unguessable, and one word of a secret file.
 inline constexpr size_t kMinSyncSecretBytes = 16;
 inline constexpr size_t kMaxSyncSecretBytes = 256;
 
