@@ -13,8 +13,6 @@
 // (for lse, of max(1, max |lse|)).
 #include "worker/shard_exchange.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>

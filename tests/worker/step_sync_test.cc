@@ -6,8 +6,6 @@
 // place learns nothing of the secret and is refused by the clients.
 #include "worker/step_sync.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
