@@ -11,7 +11,7 @@ packages=(
   libabsl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev nlohmann-json3-dev
-  clang libclang-rt-14-dev clang-format clang-tidy openssl
+  clang libclang-rt-14-dev clang-format clang-tidy openssl libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   prometheus python3-yaml valgrind linux-perf
   python3-dev python3-venv

@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "tools/secret.h"
+#include "worker/peer_auth.h"
 #include "worker/step_sync.h"
 
 namespace sparsebalance {
@@ -25,17 +26,25 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kMagic = 0x31584253;      // "SBX1" little-endian
-constexpr uint32_t kAuthMagic = 0x31414253;  // "SBA1" little-endian
+constexpr uint32_t kMagic = 0x31584253;  // "SBX1" little-endian
+// "SBA2" little-endian: the challenge-response opening ("SBA1" sent the secret itself).
+constexpr uint32_t kAuthMagic = 0x32414253;
 
-// What a connection opens with (the secret's bytes follow).
+// The receiver's challenge, and the sender's answer to it (worker/peer_auth.h).
 #pragma pack(push, 1)
-struct AuthHeader {
+struct AuthChallenge {
   uint32_t magic;
-  uint32_t secret_bytes;
+  char nonce[kAuthNonceBytes];
+};
+struct AuthResponse {
+  uint32_t magic;
+  char nonce[kAuthNonceBytes];
+  char proof[kAuthProofBytes];
 };
 #pragma pack(pop)
-static_assert(sizeof(AuthHeader) == 8, "the authentication header is 8 bytes");
+static_assert(sizeof(AuthChallenge) == 36, "the challenge is 36 bytes");
+static_assert(sizeof(AuthResponse) == 68, "the challenge's answer is 68 bytes");
+// The receiver's verdict: kAccepted followed by its own proof, or kRefused.
 constexpr char kAccepted = 1;
 constexpr char kRefused = 0;
 
@@ -242,8 +251,18 @@ void ShardExchange::AcceptLoop() {
         readers_.erase(it);
       }
       ended_readers_.clear();
+      // Room for this connection among those waiting to authenticate: the oldest one goes.
+      if (pending_auth_.size() >= static_cast<size_t>(kMaxPendingAuthConnections)) {
+        auto oldest = pending_auth_.begin();
+        ReportRefused(
+            -1, absl::StrCat("it had not proven the run's secret when ", kMaxPendingAuthConnections,
+                             " newer connections waited to (a flood of connections?)"));
+        shutdown(oldest->second, SHUT_RDWR);  // its reader ends at once, and closes it
+        pending_auth_.erase(oldest);
+      }
       in_fds_.insert(fd);
       const int64_t serial = next_reader_++;
+      pending_auth_.emplace(serial, fd);
       readers_.emplace(serial, std::thread([this, fd, serial] { ReadLoop(fd, serial); }));
     }
     for (std::thread& t : ended) t.join();
@@ -252,47 +271,74 @@ void ShardExchange::AcceptLoop() {
 
 void ShardExchange::ReportRefused(int from, const std::string& why) {
   ++refused_connections_;
-  std::cerr << "shard exchange: rank " << rank_ << " dropped an incoming connection"
-            << (from >= 0 ? absl::StrCat(" of rank ", from) : std::string()) << ": " << why
-            << " (a stray or hostile local process?)" << std::endl;
+  // One write, so that the lines of readers refusing at once do not interleave.
+  std::cerr << absl::StrCat("shard exchange: rank ", rank_, " dropped an incoming connection",
+                            from >= 0 ? absl::StrCat(" of rank ", from) : std::string(), ": ", why,
+                            " (a stray or hostile local process?)\n")
+            << std::flush;
 }
 
-bool ShardExchange::Authenticate(int fd) {
+bool ShardExchange::Authenticate(int fd, int64_t reader) {
   const Clock::time_point deadline = DeadlineIn(options_.auth_timeout_seconds);
-  auto unproven = [&](ReadResult read) {
-    ReportRefused(-1, read == ReadResult::kLate
-                          ? absl::StrCat("it did not prove the run's secret within ",
-                                         options_.auth_timeout_seconds, " s")
-                          : std::string("it closed before proving the run's secret"));
+  // Whether this connection still waits to authenticate; false once the acceptor dropped it to
+  // make room (and counted it). Either way it waits no more.
+  auto still_pending = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_auth_.erase(reader) > 0;
+  };
+  auto refuse = [&](const std::string& why) {
+    if (!still_pending()) return false;
+    // Counted before the answer, which tells an honest sender with another run's secret why
+    // its messages go nowhere.
+    ReportRefused(-1, why);
+    SendAll(fd, &kRefused, 1);
     return false;
   };
-  AuthHeader a;
-  const ReadResult header = RecvAllBy(fd, reinterpret_cast<char*>(&a), sizeof a, deadline);
-  if (header != ReadResult::kDone) return unproven(header);
-  std::string why;
-  if (a.magic != kAuthMagic) {
-    why = absl::StrCat("its first bytes (", a.magic, ") are not the \"SBA1\" opening");
-  } else if (a.secret_bytes != options_.secret.size()) {
-    why = "it does not hold the run's secret";  // the length alone, its bytes left unread
-  } else {
-    std::string offered(a.secret_bytes, '\0');
-    const ReadResult secret = RecvAllBy(fd, offered.data(), offered.size(), deadline);
-    if (secret != ReadResult::kDone) return unproven(secret);
-    if (!tools::ConstantTimeEquals(offered, options_.secret)) {
-      why = "it does not hold the run's secret";
-    }
+  auto unproven = [&](ReadResult read) {
+    return refuse(read == ReadResult::kLate
+                      ? absl::StrCat("it did not prove the run's secret within ",
+                                     options_.auth_timeout_seconds, " s")
+                      : std::string("it closed before proving the run's secret"));
+  };
+  AuthChallenge challenge{kAuthMagic, {}};
+  absl::StatusOr<std::string> nonce = tools::RandomBytes(kAuthNonceBytes);
+  const std::string endpoint = ListenerEndpoint(fd, /*listening=*/true);
+  if (!nonce.ok()) return refuse(std::string(nonce.status().message()));
+  if (endpoint.empty()) return refuse("its socket has no local address");
+  std::memcpy(challenge.nonce, nonce->data(), kAuthNonceBytes);
+  if (!SendAll(fd, reinterpret_cast<const char*>(&challenge), sizeof challenge)) {
+    return unproven(ReadResult::kClosed);
   }
-  // Counted before the answer, which tells an honest sender with another run's secret why its
-  // messages go nowhere.
-  if (!why.empty()) ReportRefused(-1, why);
-  SendAll(fd, why.empty() ? &kAccepted : &kRefused, 1);
-  return why.empty();
+  AuthResponse response;
+  const ReadResult read =
+      RecvAllBy(fd, reinterpret_cast<char*>(&response), sizeof response, deadline);
+  if (read != ReadResult::kDone) return unproven(read);
+  if (response.magic != kAuthMagic) {
+    return refuse(absl::StrCat("its first bytes (", response.magic,
+                               ") are not the \"SBA2\" answer to the challenge"));
+  }
+  const absl::string_view client_nonce(response.nonce, kAuthNonceBytes);
+  absl::StatusOr<std::string> expected =
+      AuthProof(options_.secret, AuthRole::kExchangeSender, *nonce, client_nonce, endpoint);
+  absl::StatusOr<std::string> answer =
+      AuthProof(options_.secret, AuthRole::kExchangeReceiver, *nonce, client_nonce, endpoint);
+  if (!expected.ok() || !answer.ok()) {
+    return refuse(absl::StrCat("no proof to check it against: ",
+                               (expected.ok() ? answer : expected).status().message()));
+  }
+  if (!tools::ConstantTimeEquals(absl::string_view(response.proof, kAuthProofBytes), *expected)) {
+    return refuse("it does not prove the run's secret");
+  }
+  if (!still_pending()) return false;
+  // The receiver proves the secret in turn: the sender sends no frame before it checked this.
+  const std::string verdict = std::string(1, kAccepted) + *answer;
+  return SendAll(fd, verdict.data(), verdict.size());
 }
 
 void ShardExchange::ReadLoop(int fd, int64_t reader) {
   int from = -1;
   std::string refused;
-  const bool authenticated = Authenticate(fd);
+  const bool authenticated = Authenticate(fd, reader);
   while (authenticated) {
     FrameHeader h;
     if (!RecvAll(fd, reinterpret_cast<char*>(&h), sizeof h)) break;
@@ -339,6 +385,61 @@ void ShardExchange::ReadLoop(int fd, int64_t reader) {
   arrived_.notify_all();
 }
 
+absl::Status ShardExchange::ProveToPeer(int fd, int peer, const std::string& address) {
+  const Clock::time_point deadline = DeadlineIn(options_.timeout_seconds);
+  auto failed = [&](ReadResult read, absl::string_view waiting_for) {
+    if (read == ReadResult::kLate) {
+      return absl::DeadlineExceededError(absl::StrCat("rank ", peer, " at ", address, " sent no ",
+                                                      waiting_for, " within ",
+                                                      options_.timeout_seconds, " s"));
+    }
+    return absl::UnavailableError(
+        absl::StrCat("rank ", peer, " at ", address, " closed the connection"));
+  };
+  auto impostor = [&](absl::string_view what) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "what answers at ", address, " for rank ", peer, " ", what,
+        ": it is not that rank's exchange in this run (a stray or hostile process on the port?); "
+        "no frame was sent to it"));
+  };
+  AuthChallenge challenge;
+  ReadResult read = RecvAllBy(fd, reinterpret_cast<char*>(&challenge), sizeof challenge, deadline);
+  if (read != ReadResult::kDone) return failed(read, "challenge");
+  if (challenge.magic != kAuthMagic) return impostor("did not open with the \"SBA2\" challenge");
+  const absl::string_view peer_nonce(challenge.nonce, kAuthNonceBytes);
+  absl::StatusOr<std::string> nonce = tools::RandomBytes(kAuthNonceBytes);
+  if (!nonce.ok()) return nonce.status();
+  const std::string endpoint = ListenerEndpoint(fd, /*listening=*/false);
+  absl::StatusOr<std::string> proof =
+      AuthProof(options_.secret, AuthRole::kExchangeSender, peer_nonce, *nonce, endpoint);
+  absl::StatusOr<std::string> expected =
+      AuthProof(options_.secret, AuthRole::kExchangeReceiver, peer_nonce, *nonce, endpoint);
+  if (!proof.ok()) return proof.status();
+  if (!expected.ok()) return expected.status();
+  AuthResponse response{kAuthMagic, {}, {}};
+  std::memcpy(response.nonce, nonce->data(), kAuthNonceBytes);
+  std::memcpy(response.proof, proof->data(), kAuthProofBytes);
+  if (!SendAll(fd, reinterpret_cast<const char*>(&response), sizeof response)) {
+    return failed(ReadResult::kClosed, "");
+  }
+  char verdict = kRefused;
+  read = RecvAllBy(fd, &verdict, 1, deadline);
+  if (read != ReadResult::kDone) return failed(read, "answer to this rank's proof");
+  if (verdict == kRefused) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", peer, " at ", address,
+        " refused this rank's secret (do both run with the secret file sb-run wrote for this "
+        "run?)"));
+  }
+  if (verdict != kAccepted) return impostor("answered this rank's proof with neither 1 nor 0");
+  std::string offered(kAuthProofBytes, '\0');
+  read = RecvAllBy(fd, offered.data(), offered.size(), deadline);
+  if (read != ReadResult::kDone || !tools::ConstantTimeEquals(offered, *expected)) {
+    return impostor("did not prove the run's secret in answer to this rank's");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int> ShardExchange::Connection(int peer) {
   auto it = out_fds_.find(peer);
   if (it != out_fds_.end()) return it->second;
@@ -364,26 +465,9 @@ absl::StatusOr<int> ShardExchange::Connection(int peer) {
   }
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  AuthHeader a{kAuthMagic, static_cast<uint32_t>(options_.secret.size())};
-  char answer = kRefused;
-  const bool sent = SendAll(fd, reinterpret_cast<const char*>(&a), sizeof a) &&
-                    SendAll(fd, options_.secret.data(), options_.secret.size());
-  const ReadResult read =
-      sent ? RecvAllBy(fd, &answer, 1, DeadlineIn(options_.timeout_seconds)) : ReadResult::kClosed;
-  if (read != ReadResult::kDone || answer != kAccepted) {
+  if (absl::Status s = ProveToPeer(fd, peer, *address); !s.ok()) {
     close(fd);
-    if (read == ReadResult::kLate) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("rank ", peer, " at ", *address, " did not answer this rank's secret"));
-    }
-    if (read == ReadResult::kDone) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "rank ", peer, " at ", *address,
-          " refused this rank's secret (do both run with the secret file sb-run wrote for this "
-          "run?)"));
-    }
-    return absl::UnavailableError(
-        absl::StrCat("rank ", peer, " at ", *address, " closed the connection"));
+    return s;
   }
   out_fds_[peer] = fd;
   return fd;

@@ -2,11 +2,17 @@
 // 9): direct rank-to-rank TCP connections, their addresses exchanged through the step-sync hub
 // (worker/step_sync.h: ADDRESS / WHERE). Each rank listens on 127.0.0.1 (a free port),
 // registers its address, connects to a peer on its first message to it and keeps the
-// connection. A connection opens by proving the run's secret (the step-sync hub's, see
-// worker/step_sync.h for where it comes from), answered by one byte:
+// connection. A connection opens with a mutual challenge-response on the run's secret (the
+// step-sync hub's, see worker/step_sync.h for where it comes from; proofs: worker/peer_auth.h,
+// HMAC-SHA256 under the secret of both nonces and the receiver's address):
 //
-//   magic "SBA1" (u32) | secret bytes (u32) | secret          sender -> receiver, once
-//   1 (accepted) or 0 (refused: the receiver then closes)     receiver -> sender, one u8
+//   magic "SBA2" (u32) | receiver nonce (32 bytes)                      receiver -> sender
+//   magic "SBA2" (u32) | sender nonce (32 bytes) | sender's proof (32)  sender -> receiver
+//   1 (u8) | receiver's proof (32)  or  0 (u8: refused, then closed)    receiver -> sender
+//
+// The secret never crosses the wire, and the sender checks the receiver's proof before it sends
+// a frame: what answers at a stale or taken-over address learns nothing and is refused
+// (UNAUTHENTICATED naming the peer and the address).
 //
 // Then each message is a binary frame, a fixed header then the payload:
 //
@@ -20,13 +26,15 @@
 // Receive waits for one message at most the exchange's timeout, then DEADLINE_EXCEEDED naming
 // the peer, the kind and the key (a peer that never arrives fails, never hangs).
 // The port takes any local connection, of any user: one that does not prove the secret
-// (compared in constant time) within auth_timeout_seconds, or then sends a frame whose header
+// (checked in constant time) within auth_timeout_seconds, or then sends a frame whose header
 // names no other rank of the job, no known kind or more payload than the job's shapes allow,
 // is refused: closed, counted (refused_connections()) and reported in one line on stderr that
 // never holds the secret, and nothing it sent reaches Receive; the exchange goes on serving
-// its peers. The secret crosses loopback in the clear (worker/step_sync.h says why that is
-// enough, and what it leaves open). Each connection has a reader thread, joined as the next
-// connection comes in once it has ended, so that refused connections leave none behind.
+// its peers. What the handshake leaves open is the hub's (worker/step_sync.h). Each connection
+// has a reader thread, joined as the next connection comes in once it has ended, so that
+// refused connections leave none behind; at most kMaxPendingAuthConnections of them wait to
+// authenticate (worker/peer_auth.h), a newer connection dropping the oldest (refused the same
+// way), so a flood of idle connections holds a bounded number of threads.
 //
 //   ShardExchangeOptions options;
 //   options.secret = secret;  // the run's (sb-run's --sync_secret_file)
@@ -118,16 +126,22 @@ class ShardExchange {
 
   int64_t bytes_sent() const { return bytes_sent_.load(); }
   int64_t bytes_received() const { return bytes_received_.load(); }
-  // Incoming connections dropped for not proving the secret, or for a frame header no peer of
-  // the job sends.
+  // Incoming connections dropped for not proving the secret (in time, or before
+  // kMaxPendingAuthConnections newer ones came), or for a frame header no peer of the job sends.
   int64_t refused_connections() const { return refused_connections_.load(); }
 
  private:
   ShardExchange(int rank, std::string hub_address, const ShardExchangeOptions& options,
                 int listen_fd, int port);
   void AcceptLoop();
-  // Whether the connection on `fd` proved the secret in time (refused and reported if not).
-  bool Authenticate(int fd);
+  // The receiver's side of the challenge-response on `fd` (reader: its serial number): whether
+  // the connection proved the secret in time (refused and reported if not) and was answered
+  // with this exchange's proof.
+  bool Authenticate(int fd, int64_t reader);
+  // The sender's side on a fresh connection `fd` to `peer` at `address`: OK once both proved
+  // the secret; PERMISSION_DENIED when the peer refuses it, UNAUTHENTICATED when what answers
+  // does not prove it (nothing else was sent to it).
+  absl::Status ProveToPeer(int fd, int peer, const std::string& address);
   void ReportRefused(int from, const std::string& why);  // counts and names a dropped connection
   void ReadLoop(int fd, int64_t reader);
   absl::StatusOr<int> Connection(int peer);  // under send_mu_
@@ -154,6 +168,9 @@ class ShardExchange {
   // connection ended, to be joined by the acceptor (or at the end).
   std::map<int64_t, std::thread> readers_;
   std::vector<int64_t> ended_readers_;
+  // The connections (reader serial -> fd) that have not authenticated yet, oldest first: at most
+  // kMaxPendingAuthConnections (worker/peer_auth.h).
+  std::map<int64_t, int> pending_auth_;
   int64_t next_reader_ = 0;
   std::thread acceptor_;
 };

@@ -13,15 +13,19 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "tools/secret.h"
+#include "worker/peer_auth.h"
 
 namespace sparsebalance {
 namespace {
@@ -52,9 +56,27 @@ int MillisecondsUntil(Clock::time_point deadline) {
   return static_cast<int>(std::clamp<int64_t>((us + 999) / 1000, 0, 1 << 30));
 }
 
-// Longest first line the hub reads from a connection that has not authenticated, bytes: an
-// AUTH line with the longest secret fits.
-constexpr size_t kMaxAuthLineBytes = 5 + kMaxSyncSecretBytes;
+// The version in the hub's CHALLENGE line: 2 since the secret stopped crossing the wire
+// (version 1 opened with "AUTH <secret>").
+constexpr char kHubProtocolVersion[] = "2";
+
+// Longest first line the hub reads from a connection that has not authenticated, bytes:
+// "AUTH <nonce hex> <proof hex>".
+constexpr size_t kMaxAuthLineBytes = 5 + 2 * kAuthNonceBytes + 1 + 2 * kAuthProofBytes;
+
+// Longest line either side reads once authenticated, bytes: the protocol's lines are a few
+// dozen (an ARRIVE with the longest step and value, an ADDRESS with an IPv4 host:port), so an
+// authenticated peer cannot grow the hub's buffer without bound.
+constexpr size_t kMaxHubLineBytes = 512;
+
+// `hex` (exactly 2 x `bytes` hex digits) as raw bytes, or nullopt.
+std::optional<std::string> DecodeHex(absl::string_view hex, size_t bytes) {
+  if (hex.size() != 2 * bytes) return std::nullopt;
+  for (char c : hex) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return std::nullopt;
+  }
+  return absl::HexStringToBytes(hex);
+}
 
 // One released or pending (step, phase).
 struct Round {
@@ -74,8 +96,8 @@ absl::Status CheckSyncSecret(absl::string_view secret) {
   for (char c : secret) {
     if (c < '!' || c > '~') {
       return absl::InvalidArgumentError(
-          "secret: holds a space, a control or a non-ASCII character (it travels as one word "
-          "of a text line; sb-run's are hex digits)");
+          "secret: holds a space, a control or a non-ASCII character (a secret file holds one "
+          "word; sb-run's are hex digits)");
     }
   }
   return absl::OkStatus();
@@ -132,7 +154,10 @@ std::string StepSyncHub::address() const { return absl::StrCat("127.0.0.1:", por
 void StepSyncHub::Serve() {
   struct Peer {
     bool authenticated = false;
+    int64_t serial = 0;               // order of arrival: the oldest unauthenticated goes first
     Clock::time_point auth_deadline;  // while not authenticated
+    std::string nonce;                // the challenge it was sent, while not authenticated
+    std::string endpoint;             // the hub's address as this connection sees it
     int rank = -1;                    // -1 until HELLO
     std::string buffer;
   };
@@ -140,6 +165,7 @@ void StepSyncHub::Serve() {
   std::map<int, int> fd_of_rank;  // the live connection of each rank
   std::map<std::pair<int64_t, int>, Round> rounds;
   std::map<int, std::string> addresses;  // shard-exchange listen addresses by rank
+  int64_t next_serial = 0;
   auto release = [&](const std::pair<int64_t, int>& key, const Round& round) {
     const std::string line = absl::StrCat("RELEASE ", key.first, " ", key.second, " ",
                                           FormatValue(round.max_value), "\n");
@@ -148,27 +174,47 @@ void StepSyncHub::Serve() {
       if (it != fd_of_rank.end()) SendAll(it->second, line);
     }
   };
-  // A connection that did not prove the secret: told so, counted and reported (never with what
-  // it sent, which may be a near miss of the secret); the caller closes it.
+  // A connection that did not prove the secret: counted and reported (never with what it sent)
+  // before it is told so; the caller closes it.
   auto refuse = [&](int fd, absl::string_view why) {
     ++refused_connections_;
+    std::cerr << absl::StrCat("step sync: the hub at ", address(), " dropped a connection: ", why,
+                              " (a stray or hostile local process, or a worker of another run?)\n")
+              << std::flush;
     SendAll(fd, "DENIED\n");
-    std::cerr << "step sync: the hub at " << address() << " dropped a connection: " << why
-              << " (a stray or hostile local process, or a worker of another run?)" << std::endl;
+  };
+  // Checks an AUTH line against the challenge `peer` was sent and, when it proves the secret,
+  // proves the hub's in turn.
+  auto authenticate = [&](int fd, Peer& peer, const std::string& line) {
+    std::vector<absl::string_view> parts = absl::StrSplit(line, ' ');
+    std::optional<std::string> client_nonce, proof;
+    if (parts.size() == 3 && parts[0] == "AUTH") {
+      client_nonce = DecodeHex(parts[1], kAuthNonceBytes);
+      proof = DecodeHex(parts[2], kAuthProofBytes);
+    }
+    if (!client_nonce || !proof) {
+      refuse(fd, "its first line is not AUTH <nonce> <proof> (an older worker's AUTH <secret>?)");
+      return false;
+    }
+    absl::StatusOr<std::string> expected =
+        AuthProof(options_.secret, AuthRole::kHubClient, peer.nonce, *client_nonce, peer.endpoint);
+    absl::StatusOr<std::string> answer =
+        AuthProof(options_.secret, AuthRole::kHub, peer.nonce, *client_nonce, peer.endpoint);
+    if (!expected.ok() || !answer.ok()) {
+      refuse(fd, absl::StrCat("no proof to check it against: ",
+                              (expected.ok() ? answer : expected).status().message()));
+      return false;
+    }
+    if (!tools::ConstantTimeEquals(*proof, *expected)) {
+      refuse(fd, "its AUTH line does not prove the run's secret");
+      return false;
+    }
+    peer.authenticated = true;
+    peer.nonce.clear();
+    return SendAll(fd, absl::StrCat("OK ", absl::BytesToHexString(*answer), "\n"));
   };
   auto handle = [&](int fd, Peer& peer, const std::string& line) {
-    if (!peer.authenticated) {
-      if (line.rfind("AUTH ", 0) != 0) {
-        refuse(fd, "its first line is not AUTH");
-        return false;
-      }
-      if (!tools::ConstantTimeEquals(absl::string_view(line).substr(5), options_.secret)) {
-        refuse(fd, "its AUTH line does not hold the run's secret");
-        return false;
-      }
-      peer.authenticated = true;
-      return SendAll(fd, "OK\n");
-    }
+    if (!peer.authenticated) return authenticate(fd, peer, line);
     std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());
     if (parts.size() == 2 && parts[0] == "HELLO") {
       int rank = -1;
@@ -214,6 +260,20 @@ void StepSyncHub::Serve() {
     }
     return true;
   };
+  // A line past its bound: refused before authentication, closed with a reason after.
+  auto overlong = [&](int fd, const Peer& peer) {
+    if (!peer.authenticated) {
+      refuse(fd, absl::StrCat("its first line runs past ", kMaxAuthLineBytes,
+                              " bytes, longer than any AUTH line"));
+      return;
+    }
+    std::cerr << absl::StrCat(
+                     "step sync: the hub at ", address(), " closed the connection of ",
+                     peer.rank >= 0 ? absl::StrCat("rank ", peer.rank) : std::string("a worker"),
+                     ": a line runs past ", kMaxHubLineBytes,
+                     " bytes, longer than any line of the protocol (a broken or hostile worker?)\n")
+              << std::flush;
+  };
   auto drop = [&](int fd) {
     auto it = peers.find(fd);
     if (it == peers.end()) return;
@@ -223,6 +283,41 @@ void StepSyncHub::Serve() {
     }
     close(fd);
     peers.erase(it);
+  };
+  // A new connection: the oldest unauthenticated one makes room for it when
+  // kMaxPendingAuthConnections wait already; then it is sent its challenge.
+  auto admit = [&](int fd) {
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int pending = 0;
+    int oldest = -1;
+    for (const auto& [other, peer] : peers) {
+      if (peer.authenticated) continue;
+      ++pending;
+      if (oldest < 0 || peer.serial < peers.at(oldest).serial) oldest = other;
+    }
+    if (pending >= kMaxPendingAuthConnections) {
+      refuse(oldest, absl::StrCat("it had not authenticated when ", kMaxPendingAuthConnections,
+                                  " newer connections waited to (a flood of connections?)"));
+      drop(oldest);
+    }
+    Peer peer;
+    peer.serial = next_serial++;
+    peer.auth_deadline = DeadlineIn(options_.auth_timeout_seconds);
+    peer.endpoint = ListenerEndpoint(fd, /*listening=*/true);
+    absl::StatusOr<std::string> nonce = tools::RandomBytes(kAuthNonceBytes);
+    if (!nonce.ok() || peer.endpoint.empty()) {
+      refuse(fd, nonce.ok() ? "its socket has no local address" : nonce.status().message());
+      close(fd);
+      return;
+    }
+    peer.nonce = *std::move(nonce);
+    if (!SendAll(fd, absl::StrCat("CHALLENGE ", kHubProtocolVersion, " ",
+                                  absl::BytesToHexString(peer.nonce), "\n"))) {
+      close(fd);
+      return;
+    }
+    peers[fd] = std::move(peer);
   };
   while (true) {
     std::vector<pollfd> fds = {{listen_fd_, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
@@ -242,18 +337,14 @@ void StepSyncHub::Serve() {
     if (fds[1].revents != 0) break;
     if (fds[0].revents & POLLIN) {
       const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
-        const int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        Peer peer;
-        peer.auth_deadline = DeadlineIn(options_.auth_timeout_seconds);
-        peers[fd] = std::move(peer);
-      }
+      if (fd >= 0) admit(fd);
     }
     for (size_t i = 2; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
       const int fd = fds[i].fd;
-      Peer& peer = peers.at(fd);
+      auto it = peers.find(fd);
+      if (it == peers.end()) continue;  // made room for a newer connection above
+      Peer& peer = it->second;
       char chunk[4096];
       const ssize_t n = recv(fd, chunk, sizeof chunk, 0);
       bool ok = n > 0;
@@ -261,13 +352,15 @@ void StepSyncHub::Serve() {
         peer.buffer.append(chunk, static_cast<size_t>(n));
         size_t end;
         while (ok && (end = peer.buffer.find('\n')) != std::string::npos) {
+          if (end > (peer.authenticated ? kMaxHubLineBytes : kMaxAuthLineBytes)) break;
           const std::string line = peer.buffer.substr(0, end);
           peer.buffer.erase(0, end + 1);
           ok = handle(fd, peer, line);
         }
-        if (ok && !peer.authenticated && peer.buffer.size() > kMaxAuthLineBytes) {
-          refuse(fd, absl::StrCat("its first line runs past ", kMaxAuthLineBytes,
-                                  " bytes, longer than any AUTH line"));
+        // What is left of the buffer is a line's start (or a line too long, kept from above).
+        const size_t limit = peer.authenticated ? kMaxHubLineBytes : kMaxAuthLineBytes;
+        if (ok && std::min(peer.buffer.find('\n'), peer.buffer.size()) > limit) {
+          overlong(fd, peer);
           ok = false;
         }
       }
@@ -308,11 +401,17 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
 }
 
 // The next line from `fd` (without its newline), reading into `buffer` what arrives until then;
-// UNAVAILABLE when the hub closes the connection, DEADLINE_EXCEEDED at `deadline`.
+// UNAVAILABLE when the hub closes the connection, DEADLINE_EXCEEDED at `deadline`, DATA_LOSS
+// for a line past kMaxHubLineBytes (what answers may not be the hub yet).
 absl::StatusOr<std::string> ReadLine(int fd, std::string* buffer, const std::string& hub_address,
                                      Clock::time_point deadline) {
   while (true) {
     const size_t end = buffer->find('\n');
+    if (std::min(end, buffer->size()) > kMaxHubLineBytes) {
+      return absl::DataLossError(absl::StrCat("step sync: what answers at ", hub_address,
+                                              " sent a line longer than ", kMaxHubLineBytes,
+                                              " bytes, which the hub never does"));
+    }
     if (end != std::string::npos) {
       std::string line = buffer->substr(0, end);
       buffer->erase(0, end + 1);
@@ -336,23 +435,64 @@ absl::StatusOr<std::string> ReadLine(int fd, std::string* buffer, const std::str
   }
 }
 
-// Reads the hub's answer to an AUTH line: OK, or PERMISSION_DENIED when it refused the secret.
-absl::Status AwaitAuthAnswer(int fd, std::string* buffer, const std::string& hub_address,
-                             Clock::time_point deadline) {
+// The client's side of the challenge-response (worker/peer_auth.h) on a fresh connection `fd`
+// to `hub_address`: answers the hub's CHALLENGE with this side's nonce and proof, then checks
+// the hub's proof. OK once both hold the run's secret; PERMISSION_DENIED when the hub refuses
+// `secret` (another run's); UNAUTHENTICATED when what answers does not prove the secret (not
+// this run's hub: nothing but the proof was sent to it); FAILED_PRECONDITION for a hub of
+// another protocol version.
+absl::Status AuthenticateToHub(int fd, const std::string& secret, std::string* buffer,
+                               const std::string& hub_address, Clock::time_point deadline) {
+  auto impostor = [&](absl::string_view what) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "step sync: what answers at ", hub_address, " ", what,
+        ": it is not this run's hub (a stray or hostile process on the hub's port?); this worker "
+        "sent it nothing else"));
+  };
+  absl::StatusOr<std::string> challenge = ReadLine(fd, buffer, hub_address, deadline);
+  if (!challenge.ok()) return challenge.status();
+  std::vector<absl::string_view> parts = absl::StrSplit(*challenge, ' ');
+  if (parts.size() != 3 || parts[0] != "CHALLENGE") {
+    return impostor("did not open with the hub's CHALLENGE line");
+  }
+  if (parts[1] != kHubProtocolVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step sync: the hub at ", hub_address, " speaks protocol version ", parts[1],
+        ", this worker ", kHubProtocolVersion, " (sb-run and sb-worker of different builds?)"));
+  }
+  const std::optional<std::string> hub_nonce = DecodeHex(parts[2], kAuthNonceBytes);
+  if (!hub_nonce) return impostor("sent a CHALLENGE without a nonce");
+  const std::string endpoint = ListenerEndpoint(fd, /*listening=*/false);
+  absl::StatusOr<std::string> nonce = tools::RandomBytes(kAuthNonceBytes);
+  if (!nonce.ok()) return nonce.status();
+  absl::StatusOr<std::string> proof =
+      AuthProof(secret, AuthRole::kHubClient, *hub_nonce, *nonce, endpoint);
+  absl::StatusOr<std::string> hub_proof =
+      AuthProof(secret, AuthRole::kHub, *hub_nonce, *nonce, endpoint);
+  if (!proof.ok()) return proof.status();
+  if (!hub_proof.ok()) return hub_proof.status();
+  if (!SendAll(fd, absl::StrCat("AUTH ", absl::BytesToHexString(*nonce), " ",
+                                absl::BytesToHexString(*proof), "\n"))) {
+    return absl::UnavailableError(
+        absl::StrCat("step sync: the hub at ", hub_address, " closed the connection"));
+  }
   absl::StatusOr<std::string> answer = ReadLine(fd, buffer, hub_address, deadline);
   if (!answer.ok()) return answer.status();
-  if (*answer == "OK") return absl::OkStatus();
   if (*answer == "DENIED") {
     return absl::PermissionDeniedError(absl::StrCat(
         "step sync: the hub at ", hub_address,
         " refused this worker's secret (is the secret file the one sb-run wrote for this run?)"));
   }
-  return absl::DataLossError(
-      absl::StrCat("step sync: bad answer from the hub at ", hub_address, " to AUTH: ", *answer));
+  const std::optional<std::string> offered =
+      answer->rfind("OK ", 0) == 0 ? DecodeHex(answer->substr(3), kAuthProofBytes) : std::nullopt;
+  if (!offered || !tools::ConstantTimeEquals(*offered, *hub_proof)) {
+    return impostor("did not prove the run's secret in answer to this worker's");
+  }
+  return absl::OkStatus();
 }
 
-// Sends one line to the hub on a fresh connection, after proving the secret, and returns its
-// one-line answer.
+// Sends one line to the hub on a fresh connection, once both sides proved the secret, and
+// returns its one-line answer.
 absl::StatusOr<std::string> AskHub(const std::string& hub_address, const std::string& secret,
                                    const std::string& line, double timeout_seconds) {
   if (absl::Status s = CheckSyncSecret(secret); !s.ok()) return s;
@@ -360,16 +500,21 @@ absl::StatusOr<std::string> AskHub(const std::string& hub_address, const std::st
   if (!addr.ok()) return addr.status();
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError("step sync: socket() failed");
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0 ||
-      !SendAll(fd, absl::StrCat("AUTH ", secret, "\n", line))) {
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0) {
     close(fd);
     return absl::UnavailableError(absl::StrCat("step sync: cannot reach the hub at ", hub_address));
   }
   const Clock::time_point deadline = DeadlineIn(timeout_seconds);
   std::string buffer;
-  absl::Status authenticated = AwaitAuthAnswer(fd, &buffer, hub_address, deadline);
-  absl::StatusOr<std::string> answer =
-      authenticated.ok() ? ReadLine(fd, &buffer, hub_address, deadline) : authenticated;
+  absl::StatusOr<std::string> answer;
+  if (absl::Status s = AuthenticateToHub(fd, secret, &buffer, hub_address, deadline); !s.ok()) {
+    answer = s;
+  } else if (!SendAll(fd, line)) {
+    answer = absl::UnavailableError(
+        absl::StrCat("step sync: the hub at ", hub_address, " closed the connection"));
+  } else {
+    answer = ReadLine(fd, &buffer, hub_address, deadline);
+  }
   close(fd);
   return answer;
 }
@@ -428,17 +573,18 @@ absl::StatusOr<std::unique_ptr<StepSyncClient>> StepSyncClient::Connect(const st
     if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
       const int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      if (!SendAll(fd, absl::StrCat("AUTH ", secret, "\nHELLO ", rank, "\n"))) {
-        close(fd);
-        return absl::UnavailableError("step sync: the hub closed the connection");
-      }
       // Answered at once by a live hub; a few seconds even when the caller's time is short.
       std::string buffer;
       if (absl::Status s =
-              AwaitAuthAnswer(fd, &buffer, address, std::max(deadline, DeadlineIn(5.0)));
+              AuthenticateToHub(fd, secret, &buffer, address, std::max(deadline, DeadlineIn(5.0)));
           !s.ok()) {
         close(fd);
         return s;
+      }
+      if (!SendAll(fd, absl::StrCat("HELLO ", rank, "\n"))) {
+        close(fd);
+        return absl::UnavailableError(
+            absl::StrCat("step sync: the hub at ", address, " closed the connection"));
       }
       auto client = std::unique_ptr<StepSyncClient>(new StepSyncClient(address, secret, rank, fd));
       client->buffer_ = std::move(buffer);

@@ -1,10 +1,11 @@
 // The per-step synchronisation of CPU workers: what the gradient all-reduce is on GPUs (NCCL),
 // so that a fast rank really waits for the slowest and its waiting time is real. A hub (run
 // by sb-run, like torchrun's rendezvous store) and one client per rank, over TCP with one text
-// line per message:
+// line per message (nonces and proofs in lower-case hex):
 //
-//   any  -> hub   AUTH <secret>                     (first on every connection)
-//   hub  -> any   OK  or  DENIED                    (DENIED: the hub then closes it)
+//   hub  -> any   CHALLENGE 2 <hub nonce>           (on accepting; 2: the protocol's version)
+//   any  -> hub   AUTH <client nonce> <proof>       (first on every connection)
+//   hub  -> any   OK <hub's proof>  or  DENIED      (DENIED: the hub then closes it)
 //   rank -> hub   HELLO <rank>                      (on every connect; replaces an old one)
 //   rank -> hub   ARRIVE <step> <phase> <value>
 //   hub  -> rank  RELEASE <step> <phase> <max value over ranks>
@@ -23,16 +24,23 @@
 //
 // Authentication: the port takes connections from any local process, of any user, so the hub,
 // its clients and the shard exchange share the run's secret (sb-run draws it from the kernel's
-// CSPRNG for each run and hands it to each worker in a 0600 file, never on a command line). A
-// connection is acted on only after its first line, AUTH with the secret, compared in constant
-// time; a wrong or missing one, or none within auth_timeout_seconds, is answered DENIED and
-// closed, counted (refused_connections()) and reported in one line on stderr that never holds
-// the secret. The secret crosses the wire in the clear: the hub listens on 127.0.0.1 only, and
-// loopback traffic can be captured by root (CAP_NET_RAW) alone, who can read the secret's file
-// anyway. The listener does not prove itself in turn: a process that takes a port over after
-// its hub or rank has gone would learn the secret from a rank still connecting there (a
-// challenge-response would close that). There is no unauthenticated mode: an empty or short
-// secret is refused (CheckSyncSecret), tests included.
+// CSPRNG for each run and hands it to each worker in a 0600 file, never on a command line), and
+// each connection opens with a mutual challenge-response on it (worker/peer_auth.h): the proofs
+// are HMAC-SHA256 under the secret of both sides' fresh nonces and the hub's address, so the
+// secret never crosses the wire, a proof is good for one connection only, and the client checks
+// the hub's before it sends anything else (a process that took the hub's port over learns
+// nothing and is refused: UNAUTHENTICATED naming the address). A connection is acted on only
+// after its AUTH line proves the secret (checked in constant time); a wrong or missing proof,
+// none within auth_timeout_seconds, or a first line longer than any AUTH line, is answered
+// DENIED and closed, counted (refused_connections()) and reported in one line on stderr that
+// never holds the secret. At most kMaxPendingAuthConnections connections wait to authenticate:
+// a newer one drops the oldest (refused the same way). Once authenticated, a line longer than
+// any of the protocol's (512 bytes) closes its connection, with a line on stderr. Left open: a
+// local process can still flood the port fast enough to crowd honest connections out (denial of
+// service, not access), and loopback traffic after the handshake is not encrypted or
+// authenticated frame by frame, which only root (CAP_NET_RAW) could read or alter, and root can
+// read the secret's file anyway. There is no unauthenticated mode: an empty or short secret is
+// refused (CheckSyncSecret), tests included.
 //
 //   auto hub = StepSyncHub::Start(/*ranks=*/4, {secret});  // in the launcher
 //   auto sync = StepSyncClient::Connect((*hub)->address(), secret, rank);
@@ -57,7 +65,7 @@ namespace sparsebalance {
 inline constexpr int kPlanPhase = 0;
 inline constexpr int kGradientPhase = 1;
 
-// Bounds of the run's secret, bytes: enough to be unguessable, and one word of a protocol line.
+// Bounds of the run's secret, bytes: enough to be unguessable, and one word of a secret file.
 inline constexpr size_t kMinSyncSecretBytes = 16;
 inline constexpr size_t kMaxSyncSecretBytes = 256;
 
@@ -69,7 +77,7 @@ absl::Status CheckSyncSecret(absl::string_view secret);
 struct StepSyncHubOptions {
   std::string secret;  // the run's secret (CheckSyncSecret): required
   int port = 0;        // on 127.0.0.1; 0: a free port
-  // A connection that has not sent its AUTH line by then is dropped, seconds.
+  // A connection that has not proven the secret by then is dropped, seconds.
   double auth_timeout_seconds = 5.0;
 };
 
@@ -80,7 +88,8 @@ class StepSyncHub {
                                                             const StepSyncHubOptions& options);
   ~StepSyncHub();
   std::string address() const;  // host:port
-  // Connections dropped for a wrong or missing AUTH line, or none in time.
+  // Connections dropped for a wrong or missing proof, none in time, or to make room for newer
+  // ones (kMaxPendingAuthConnections).
   int64_t refused_connections() const { return refused_connections_.load(); }
 
  private:
@@ -96,8 +105,10 @@ class StepSyncHub {
   std::thread thread_;
 };
 
-// Each call below proves `secret` to the hub first: PERMISSION_DENIED when the hub refuses it
-// (a secret of another run), INVALID_ARGUMENT when CheckSyncSecret does.
+// Each call below proves `secret` to the hub first, and checks the hub's proof before it sends
+// anything else: PERMISSION_DENIED when the hub refuses it (a secret of another run),
+// UNAUTHENTICATED naming the address when what answers there does not prove the secret (not
+// this run's hub), INVALID_ARGUMENT when CheckSyncSecret does.
 
 // Registers `rank`'s shard-exchange listen address with the hub at `hub_address`.
 absl::Status RegisterRankAddress(const std::string& hub_address, const std::string& secret,
@@ -110,8 +121,8 @@ absl::StatusOr<std::string> LookupRankAddress(const std::string& hub_address,
 
 class StepSyncClient {
  public:
-  // Connects (waiting up to `timeout_seconds` for a hub that is still starting) and waits for
-  // the hub to accept `secret`.
+  // Connects (waiting up to `timeout_seconds` for a hub that is still starting), and the hub
+  // and this client prove `secret` to each other.
   static absl::StatusOr<std::unique_ptr<StepSyncClient>> Connect(const std::string& address,
                                                                  const std::string& secret,
                                                                  int rank,

@@ -167,6 +167,22 @@ int Main(int argc, char** argv) {
       tools::UsageError(absl::StrCat("--sync_secret_file: ", s.message()));
     }
   }
+  auto connect_hub = [&] {
+    absl::StatusOr<std::unique_ptr<StepSyncClient>> sync =
+        StepSyncClient::Connect(absl::GetFlag(FLAGS_sync), sync_secret, rank);
+    if (!sync.ok()) {
+      const bool denied = absl::IsPermissionDenied(sync.status());
+      tools::Fatal(
+          absl::StrCat(denied ? "--sync_secret_file: " : "--sync: ", sync.status().message()));
+    }
+    return *std::move(sync);
+  };
+  // A CPU rank and the hub prove the run's secret to each other before the rank joins, so that
+  // a wrong secret file (or a hub's port taken over) stops it before the planner counts it in.
+  // (GPU ranks synchronise through NCCL; they reach the hub, if at all, after the join.)
+  const std::string device = absl::GetFlag(FLAGS_device);
+  std::unique_ptr<StepSyncClient> hub_client;
+  if (!absl::GetFlag(FLAGS_sync).empty() && device != "cuda") hub_client = connect_hub();
 
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_planner);
@@ -202,7 +218,6 @@ int Main(int argc, char** argv) {
     std::cerr << "sb-worker: rank 0 uploaded the profile of " << *device << std::endl;
   }
 
-  const std::string device = absl::GetFlag(FLAGS_device);
   if (device == "cuda") {
     if (absl::Status s = NcclSync::SelectDevice(rank); !s.ok()) {
       tools::Fatal(std::string(s.message()));
@@ -229,14 +244,7 @@ int Main(int argc, char** argv) {
     if (!nccl.ok()) tools::Fatal(std::string(nccl.status().message()));
     barrier = std::make_unique<NcclBarrier>(*std::move(nccl));
   } else if (!absl::GetFlag(FLAGS_sync).empty()) {
-    absl::StatusOr<std::unique_ptr<StepSyncClient>> sync =
-        StepSyncClient::Connect(absl::GetFlag(FLAGS_sync), sync_secret, rank);
-    if (!sync.ok()) {
-      const bool denied = absl::IsPermissionDenied(sync.status());
-      tools::Fatal(
-          absl::StrCat(denied ? "--sync_secret_file: " : "--sync: ", sync.status().message()));
-    }
-    barrier = std::make_unique<HubBarrier>(*std::move(sync));
+    barrier = std::make_unique<HubBarrier>(hub_client ? std::move(hub_client) : connect_hub());
   } else if (config.ranks > 1) {
     tools::Fatal("--sync is required for CPU ranks of a job with more than one rank");
   } else {

@@ -425,5 +425,35 @@ TEST(EndToEndTest, AWorkerWithTheHubButNoUsableSecretFileStopsNamingTheFlag) {
   }
 }
 
+// A CPU rank and the hub prove the run's secret to each other before the rank joins the
+// planner: a worker whose secret file holds another run's secret stops naming that file, and
+// the planner never sees its join. (It joined first, then failed at the hub: a planner counted
+// a rank that never ran a step. Nothing listens at the planner's address here, so a join would
+// be retried for a minute and fail naming JoinJob.)
+TEST(EndToEndTest, AWorkerWithAnotherRunsSecretStopsBeforeItJoins) {
+  TempDir dir;
+  const std::string token = dir.path() + "/token";
+  const std::string secret = dir.path() + "/secret";
+  ASSERT_TRUE(tools::WritePrivateFile(token, "t\n").ok());
+  ASSERT_TRUE(tools::WritePrivateFile(secret, "another-runs-step-sync-secret-0123456789\n").ok());
+  StepSyncHubOptions hub_options;
+  hub_options.secret = kSyncSecret;
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StepSyncHub::Start(1, hub_options);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  const std::string log = dir.path() + "/worker.log";
+  std::unique_ptr<tools::ChildProcess> child =
+      Start({SB_WORKER_PATH, "--planner=127.0.0.1:1", "--sync=" + (*hub)->address(),
+             "--sync_secret_file=" + secret, "--job=j", "--rank=0", "--token_file=" + token},
+            log);
+  ASSERT_NE(child, nullptr);
+  EXPECT_EQ(child->WaitFor(30), tools::kExitFailure) << ReadAll(log);
+  EXPECT_NE(ReadAll(log).find(absl::StrCat("--sync_secret_file: step sync: the hub at ",
+                                           (*hub)->address(), " refused this worker's secret")),
+            std::string::npos)
+      << ReadAll(log);
+  EXPECT_EQ(ReadAll(log).find("JoinJob"), std::string::npos) << ReadAll(log);
+  EXPECT_EQ((*hub)->refused_connections(), 1);
+}
+
 }  // namespace
 }  // namespace sparsebalance

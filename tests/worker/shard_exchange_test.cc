@@ -2,8 +2,10 @@
 // hub), and RunShardLayer on it: a document split over 4 ranks gives the unsplit document's
 // attention outputs and gradients, a shard whose peer never arrives fails with an error
 // naming the peer instead of hanging, a local process without the run's secret gets nothing
-// into Receive, and one writing frame headers no peer sends loses its connection while the
-// exchange goes on, without leaving threads behind.
+// into Receive, nor holds more than a bounded number of idle connections, one writing frame
+// headers no peer sends loses its connection while the exchange goes on, without leaving
+// threads behind, and one that listens at a rank's address learns nothing of the secret and
+// is refused by the sender.
 //
 // Tolerance (tests/kernels/shard_attention_test.cc establishes it): the sharded pass groups
 // the same fp32 products by chunk and merges partials in double, so it differs from the
@@ -11,8 +13,6 @@
 // (for lse, of max(1, max |lse|)).
 #include "worker/shard_exchange.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -32,10 +32,14 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/block_selection.h"
+#include "tests/worker/raw_socket.h"
+#include "tools/secret.h"
+#include "worker/peer_auth.h"
 #include "worker/shard_layer.h"
 #include "worker/step_sync.h"
 #include "worker/synthetic_inputs.h"
@@ -43,7 +47,13 @@
 namespace sparsebalance {
 namespace {
 
+using test_support::ConnectRaw;
+using test_support::RawListener;
+using test_support::RecvExactly;
+using test_support::SendRaw;
+using test_support::ServeOnce;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr double kTolerance = 1e-5;
 
@@ -147,21 +157,6 @@ struct RawHeader {
   uint64_t bytes = 0;
 };
 
-// A raw loopback connection to `address` (127.0.0.1:port); -1 on failure.
-int ConnectRaw(const std::string& address) {
-  const int port = std::stoi(address.substr(address.rfind(':') + 1));
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 bool SendHeader(int fd, const RawHeader& h) {
   char wire[48];
   size_t at = 0;
@@ -181,21 +176,41 @@ bool SendHeader(int fd, const RawHeader& h) {
   return send(fd, wire, sizeof wire, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof wire);
 }
 
-// A connection's opening as the wire carries it: "SBA1", the secret's length and bytes.
-std::string Opening(const std::string& secret, uint32_t magic = 0x31414253) {
-  std::string wire(8, '\0');
-  const uint32_t bytes = static_cast<uint32_t>(secret.size());
-  std::memcpy(wire.data(), &magic, 4);
-  std::memcpy(wire.data() + 4, &bytes, 4);
-  return wire + secret;
+// The opening's magic (worker/shard_exchange.h), and protocol 1's, which sent the secret itself.
+constexpr uint32_t kAuthMagic = 0x32414253;     // "SBA2"
+constexpr uint32_t kOldAuthMagic = 0x31414253;  // "SBA1"
+
+std::string U32(uint32_t value) { return std::string(reinterpret_cast<const char*>(&value), 4); }
+
+std::string Nonce() { return tools::RandomBytes(kAuthNonceBytes).value(); }
+
+// The receiver's challenge nonce on `fd` (after "SBA2"), or "" when it sends none.
+std::string ReadChallenge(int fd) {
+  const std::optional<std::string> wire = RecvExactly(fd, 4 + kAuthNonceBytes);
+  if (!wire || wire->substr(0, 4) != U32(kAuthMagic)) return "";
+  return wire->substr(4);
 }
 
-bool SendBytes(int fd, const std::string& bytes) {
-  return send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+// A proof of `secret` as `role` (an honest sender's: kExchangeSender) on the connection `fd`
+// of a sender, for the receiver's `challenge` and the sender's `nonce`.
+std::string Proof(int fd, const std::string& challenge, const std::string& nonce,
+                  const std::string& secret = kSecret, AuthRole role = AuthRole::kExchangeSender) {
+  return AuthProof(secret, role, challenge, nonce, ListenerEndpoint(fd, /*listening=*/false))
+      .value();
 }
 
-bool SendOpening(int fd, const std::string& secret, uint32_t magic = 0x31414253) {
-  return SendBytes(fd, Opening(secret, magic));
+// The sender's answer to a challenge as the wire carries it.
+std::string Answer(const std::string& nonce, const std::string& proof,
+                   uint32_t magic = kAuthMagic) {
+  return U32(magic) + nonce + proof;
+}
+
+// What a sender that holds `secret` sends on a raw connection `fd`: reads the challenge and
+// answers it; false when there is none or the answer cannot be sent.
+bool SendOpening(int fd, const std::string& secret = kSecret) {
+  const std::string challenge = ReadChallenge(fd);
+  const std::string nonce = Nonce();
+  return !challenge.empty() && SendRaw(fd, Answer(nonce, Proof(fd, challenge, nonce, secret)));
 }
 
 // Whether the other end closes `fd` within `seconds` (reads it to the end).
@@ -245,7 +260,7 @@ TEST(ShardExchangeTest, AHostileFrameHeaderDropsItsConnectionAndTheExchangeServe
     SCOPED_TRACE(what);
     const int fd = ConnectRaw(a->address());
     ASSERT_GE(fd, 0);
-    ASSERT_TRUE(SendOpening(fd, kSecret));  // even a holder of the secret
+    ASSERT_TRUE(SendOpening(fd));  // even a holder of the secret
     ASSERT_TRUE(SendHeader(fd, header));
     EXPECT_TRUE(ClosedByPeer(fd, 10.0)) << "the exchange keeps a hostile connection open";
     close(fd);
@@ -254,7 +269,7 @@ TEST(ShardExchangeTest, AHostileFrameHeaderDropsItsConnectionAndTheExchangeServe
   // A header for a second frame that then never comes, still open while the peer talks.
   const int idle = ConnectRaw(a->address());
   ASSERT_GE(idle, 0);
-  ASSERT_TRUE(SendOpening(idle, kSecret));
+  ASSERT_TRUE(SendOpening(idle));
   RawHeader pending;
   pending.bytes = kMax;  // allowed: memory grows only with the bytes that arrive
   ASSERT_TRUE(SendHeader(idle, pending));
@@ -283,7 +298,7 @@ TEST(ShardExchangeTest, AFrameCutShortIsNeverDelivered) {
   RawHeader h;
   h.kind = static_cast<int32_t>(ExchangeKind::kPooledKeys);
   h.bytes = 10;
-  ASSERT_TRUE(SendOpening(fd, kSecret));
+  ASSERT_TRUE(SendOpening(fd));
   ASSERT_TRUE(SendHeader(fd, h));
   ASSERT_EQ(send(fd, "abcd", 4, MSG_NOSIGNAL), 4);
   close(fd);  // 6 bytes short
@@ -315,7 +330,9 @@ TEST(ShardExchangeTest, StartNeedsTheWorldSizeAndThePayloadBound) {
 // Any local process, of any user, can connect to a rank's exchange port. Frames with
 // well-formed headers claiming to come from a peer went into its mailbox: forged keys, values
 // or gradients entered training. Now nothing a connection sends is read as a frame before it
-// proves the run's secret, and one that does not (or not in time) is dropped and counted.
+// proves the run's secret, and one that does not (a wrong proof, one for another challenge or
+// address, a proof of the other side or protocol, the secret itself as protocol 1 sent it, or
+// nothing in time) is dropped and counted.
 TEST(ShardExchangeTest, AConnectionWithoutTheSecretNeverReachesReceive) {
   std::unique_ptr<StepSyncHub> hub = StartHub(2);
   ASSERT_NE(hub, nullptr);
@@ -328,27 +345,79 @@ TEST(ShardExchangeTest, AConnectionWithoutTheSecretNeverReachesReceive) {
   const std::string secret = kSecret;
   std::string near_miss = secret;
   near_miss.back() ^= 1;
+  auto send_frame = [&](int fd) {
+    return SendHeader(fd, forged) && send(fd, "forged", 6, MSG_NOSIGNAL) == 6;
+  };
+  // An honest answer, recorded from an accepted connection of its own, to be replayed.
+  std::string recorded;
+  {
+    const int fd = ConnectRaw(a->address());
+    ASSERT_GE(fd, 0);
+    const std::string challenge = ReadChallenge(fd);
+    ASSERT_FALSE(challenge.empty());
+    const std::string nonce = Nonce();
+    recorded = Answer(nonce, Proof(fd, challenge, nonce));
+    ASSERT_TRUE(SendRaw(fd, recorded));
+    ASSERT_EQ(RecvExactly(fd, 1 + kAuthProofBytes).value_or("").substr(0, 1), "\x01");
+    close(fd);
+  }
+  // An answer to the challenge on `fd`, given the challenge, then the forged frame.
+  using Forge = std::function<std::string(int fd, const std::string& challenge)>;
+  auto answer_then_frame = [&](Forge forge) {
+    return [&, forge](int fd) {
+      const std::string challenge = ReadChallenge(fd);
+      return !challenge.empty() && SendRaw(fd, forge(fd, challenge)) && send_frame(fd);
+    };
+  };
   struct Hostile {
     const char* what;
     std::function<bool(int)> send;
   };
-  auto opening_then_frame = [&](const std::string& offered, uint32_t magic = 0x31414253) {
-    return [&, offered, magic](int fd) {
-      return SendOpening(fd, offered, magic) && SendHeader(fd, forged) &&
-             send(fd, "forged", 6, MSG_NOSIGNAL) == 6;
-    };
-  };
   const std::vector<Hostile> hostile = {
-      {"a frame with no opening",
-       [&](int fd) { return SendHeader(fd, forged) && send(fd, "forged", 6, MSG_NOSIGNAL) == 6; }},
-      {"the secret but its last bit", opening_then_frame(near_miss)},
-      {"a prefix of the secret", opening_then_frame(secret.substr(0, 20))},
-      {"the secret and more", opening_then_frame(secret + "x")},
-      {"an empty secret", opening_then_frame("")},
-      {"the secret under another magic", opening_then_frame(secret, 0x31584253)},
+      {"a frame with no opening", send_frame},
+      {"the secret itself, as protocol 1's opening sent it",
+       [&](int fd) {
+         return SendRaw(fd, U32(kOldAuthMagic) + U32(sizeof kSecret - 1) + secret) &&
+                send_frame(fd);
+       }},
+      {"a wrong proof",
+       answer_then_frame([](int, const std::string&) { return Answer(Nonce(), Nonce()); })},
+      {"a proof under the secret but its last bit",
+       answer_then_frame([&](int fd, const std::string& challenge) {
+         const std::string nonce = Nonce();
+         return Answer(nonce, Proof(fd, challenge, nonce, near_miss));
+       })},
+      {"a proof for another address (relayed from another port)",
+       answer_then_frame([&](int, const std::string& challenge) {
+         const std::string nonce = Nonce();
+         return Answer(
+             nonce,
+             AuthProof(secret, AuthRole::kExchangeSender, challenge, nonce, "127.0.0.1:1").value());
+       })},
+      {"the receiver's proof reflected as the sender's",
+       answer_then_frame([&](int fd, const std::string& challenge) {
+         const std::string nonce = Nonce();
+         return Answer(nonce, Proof(fd, challenge, nonce, secret, AuthRole::kExchangeReceiver));
+       })},
+      {"the hub client's proof, of the other protocol",
+       answer_then_frame([&](int fd, const std::string& challenge) {
+         const std::string nonce = Nonce();
+         return Answer(nonce, Proof(fd, challenge, nonce, secret, AuthRole::kHubClient));
+       })},
+      {"an honest answer replayed from an earlier connection",
+       answer_then_frame([&](int, const std::string&) { return recorded; })},
+      {"the right proof under another magic",
+       answer_then_frame([&](int fd, const std::string& challenge) {
+         const std::string nonce = Nonce();
+         return Answer(nonce, Proof(fd, challenge, nonce), /*magic=*/0x31584253);
+       })},
       {"nothing at all", [](int) { return true; }},
-      {"an opening cut short",
-       [&](int fd) { return SendBytes(fd, Opening(secret).substr(0, 13)); }},
+      {"an answer cut short",
+       [&](int fd) {
+         const std::string challenge = ReadChallenge(fd);
+         const std::string nonce = Nonce();
+         return SendRaw(fd, Answer(nonce, Proof(fd, challenge, nonce)).substr(0, 13));
+       }},
   };
   int64_t refused = 0;
   for (const Hostile& h : hostile) {
@@ -367,6 +436,84 @@ TEST(ShardExchangeTest, AConnectionWithoutTheSecretNeverReachesReceive) {
   EXPECT_EQ(*got, "real");
   EXPECT_EQ(a->bytes_received(), b->bytes_sent());
   EXPECT_EQ(a->refused_connections(), refused);
+}
+
+// A process that took over a rank's port (after the rank, or racing it), or listens at an
+// address the hub still holds for it, received the secret from the first peer that sent to it
+// (protocol 1's opening). Now it hears a nonce and a proof only, and a sender refuses a receiver
+// that cannot prove the secret in turn (a wrong proof, the sender's own reflected, a real
+// receiver's replayed from an earlier connection, or no challenge at all) with an error naming
+// the rank and the address, before it sends a frame.
+TEST(ShardExchangeTest, AListenerAtARanksAddressLearnsNoSecretAndIsRefused) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(2);
+  ASSERT_NE(hub, nullptr);
+  RawListener fake;
+  ASSERT_TRUE(RegisterRankAddress(hub->address(), kSecret, 1, fake.address).ok());
+  const std::string secret = kSecret;
+  const std::string fake_nonce = Nonce();
+  // A real receiver's proof, recorded from the honest fake's connection below.
+  std::string recorded_proof;
+  // What the fake answers with, given the sender's 68-byte answer (magic, nonce, proof).
+  using Verdict = std::function<std::string(const std::string& answer)>;
+  auto script = [&](const Verdict& verdict) {
+    return [&, verdict](int fd, std::string* got) {
+      if (!SendRaw(fd, U32(kAuthMagic) + fake_nonce)) return;
+      const std::optional<std::string> answer =
+          RecvExactly(fd, 4 + kAuthNonceBytes + kAuthProofBytes);
+      if (!answer) return;
+      *got += *answer;
+      SendRaw(fd, verdict(*answer));
+    };
+  };
+  auto send_to_fake = [&] {
+    std::unique_ptr<ShardExchange> sender = StartExchange(0, hub->address(), /*timeout=*/1);
+    if (sender == nullptr) return absl::InternalError("no exchange");
+    return sender->Send(1, Key(7, ExchangeKind::kPooledKeys), "payload");
+  };
+  // A listener that sends no challenge (as a receiver of protocol 1 did not) hears nothing.
+  std::future<std::string> silent = ServeOnce(fake, [](int, std::string*) {});
+  absl::Status sent = send_to_fake();
+  EXPECT_EQ(sent.code(), absl::StatusCode::kDeadlineExceeded) << sent;
+  EXPECT_THAT(sent.message(), HasSubstr(absl::StrCat("rank 1 at ", fake.address)));
+  EXPECT_EQ(silent.get(), "");
+
+  // A fake that knows the secret (as rank 1 does): the sender accepts it and sends its frame,
+  // which shows that the refusals below are for the proof alone.
+  std::future<std::string> honest =
+      ServeOnce(fake, script([&](const std::string& answer) {
+                  recorded_proof = AuthProof(secret, AuthRole::kExchangeReceiver, fake_nonce,
+                                             answer.substr(4, kAuthNonceBytes), fake.address)
+                                       .value();
+                  return "\x01" + recorded_proof;
+                }));
+  sent = send_to_fake();
+  std::string got = honest.get();
+  EXPECT_THAT(got, Not(HasSubstr(secret)));
+  EXPECT_TRUE(sent.ok()) << sent;
+  EXPECT_THAT(got, HasSubstr("payload"));
+  ASSERT_FALSE(recorded_proof.empty());
+
+  const std::vector<std::pair<const char*, Verdict>> forged = {
+      {"a wrong proof", [](const std::string&) { return "\x01" + Nonce(); }},
+      {"the sender's proof reflected",
+       [](const std::string& answer) { return "\x01" + answer.substr(4 + kAuthNonceBytes); }},
+      {"a real receiver's proof replayed from an earlier connection",
+       [&](const std::string&) { return "\x01" + recorded_proof; }},
+      {"an acceptance without a proof (protocol 1)",
+       [](const std::string&) { return std::string("\x01"); }},
+  };
+  for (const auto& [what, verdict] : forged) {
+    SCOPED_TRACE(what);
+    std::future<std::string> fake_got = ServeOnce(fake, script(verdict));
+    sent = send_to_fake();
+    EXPECT_EQ(sent.code(), absl::StatusCode::kUnauthenticated) << sent;
+    EXPECT_THAT(sent.message(),
+                HasSubstr(absl::StrCat("what answers at ", fake.address, " for rank 1")));
+    EXPECT_THAT(sent.message(), Not(HasSubstr(secret)));
+    got = fake_got.get();
+    EXPECT_EQ(got.size(), 4 + kAuthNonceBytes + kAuthProofBytes) << "a frame reached it";
+    EXPECT_THAT(got, Not(HasSubstr(secret)));
+  }
 }
 
 // A rank of another run (another secret) is told why its messages go nowhere.
@@ -462,6 +609,93 @@ TEST(ShardExchangeTest, RefusedConnectionsLeaveNoThreadsBehind) {
   EXPECT_EQ(a->refused_connections(), 370);
   ASSERT_TRUE(b->Send(0, Key(7, ExchangeKind::kPooledKeys), "real").ok());
   EXPECT_EQ(a->Receive(1, Key(7, ExchangeKind::kPooledKeys)).value_or(""), "real");
+}
+
+// Each connection that has not authenticated holds a reader thread until the auth timeout, and
+// there was no bound on them: a local process could open thousands (threads, stacks). Now at
+// most kMaxPendingAuthConnections wait; a newer one drops the oldest at once (refused and
+// counted), so a flood holds a bounded number of readers, honest ranks (which authenticate
+// within a round trip) still connect and exchange, and once the flood ends its readers are
+// gone and joined.
+TEST(ShardExchangeTest, IdleConnectionsBeyondTheCapAreDroppedAndRanksStillExchange) {
+  std::unique_ptr<StepSyncHub> hub = StartHub(3);
+  ASSERT_NE(hub, nullptr);
+  // No deadline ends an idle connection during this test: only the cap does.
+  std::unique_ptr<ShardExchange> a =
+      StartExchange(0, hub->address(), 30, kMaxPayloadBytes, /*auth_timeout_seconds=*/60);
+  std::unique_ptr<ShardExchange> b = StartExchange(1, hub->address());
+  std::unique_ptr<ShardExchange> c = StartExchange(2, hub->address());
+  ASSERT_TRUE(a && b && c);
+  auto flood = [&](int connections) {
+    std::vector<int> idle;
+    for (int i = 0; i < connections; ++i) {
+      const int fd = ConnectRaw(a->address());
+      EXPECT_GE(fd, 0);
+      if (fd < 0) break;
+      EXPECT_FALSE(ReadChallenge(fd).empty()) << "connection " << i;  // admitted, in order
+      idle.push_back(fd);
+    }
+    return idle;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  auto wait_for_threads = [&](int most) {
+    while (RunningThreads() > most && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return RunningThreads();
+  };
+  // A first flood, closed at once: the C library's caches of stacks and arenas fill up.
+  const int threads = RunningThreads();
+  for (int fd : flood(30)) close(fd);
+  EXPECT_EQ(wait_for_threads(threads), threads);
+  const int warm_up_refused = static_cast<int>(a->refused_connections());
+  const int mappings = CountLines("maps");
+
+  constexpr int kExtra = 20;
+  const std::vector<int> idle = flood(kMaxPendingAuthConnections + kExtra);
+  ASSERT_EQ(idle.size(), static_cast<size_t>(kMaxPendingAuthConnections + kExtra));
+  // The first kExtra made room for the later ones, at once: their readers end.
+  EXPECT_EQ(wait_for_threads(threads + kMaxPendingAuthConnections),
+            threads + kMaxPendingAuthConnections)
+      << "more readers than the cap wait to authenticate";
+  int closed = 0;
+  for (int i = 0; i < kExtra; ++i) {
+    const double left =
+        std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+    closed += ClosedByPeer(idle[i], std::max(left, 0.0)) ? 1 : 0;
+  }
+  EXPECT_EQ(closed, kExtra) << "idle connections beyond the cap are kept";
+  EXPECT_EQ(a->refused_connections(), warm_up_refused + kExtra);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  int open = 0;
+  for (size_t i = kExtra; i < idle.size(); ++i) {
+    char byte;
+    const ssize_t n = recv(idle[i], &byte, 1, MSG_DONTWAIT);
+    open += n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? 1 : 0;
+  }
+  EXPECT_EQ(open, kMaxPendingAuthConnections);
+
+  // Honest ranks connect and exchange while the flood holds the cap, both ways (b's connection
+  // finds the cap full and drops one more idle one; c's comes once b's has authenticated).
+  ASSERT_TRUE(b->Send(0, Key(7, ExchangeKind::kPooledKeys), "from b").ok());
+  ASSERT_TRUE(c->Send(0, Key(7, ExchangeKind::kPooledKeys), "from c").ok());
+  ASSERT_TRUE(a->Send(1, Key(7, ExchangeKind::kKeyRequest), "to b").ok());
+  EXPECT_EQ(a->Receive(1, Key(7, ExchangeKind::kPooledKeys)).value_or(""), "from b");
+  EXPECT_EQ(a->Receive(2, Key(7, ExchangeKind::kPooledKeys)).value_or(""), "from c");
+  EXPECT_EQ(b->Receive(0, Key(7, ExchangeKind::kKeyRequest)).value_or(""), "to b");
+  EXPECT_EQ(a->refused_connections(), warm_up_refused + kExtra + 1);
+
+  // The flood ends: its readers end (each refused as it closes), and the next connection joins
+  // them; what stays is the readers of the three honest connections (b and c to a, a to b).
+  for (int fd : idle) close(fd);
+  EXPECT_EQ(wait_for_threads(threads + 3), threads + 3) << "readers of the flood still run";
+  const int last = ConnectRaw(a->address());
+  ASSERT_GE(last, 0);
+  ASSERT_TRUE(SendOpening(last, "not-the-run's-secret-0123456789"));
+  EXPECT_TRUE(ClosedByPeer(last, 10.0));
+  close(last);
+  EXPECT_LT(CountLines("maps"), mappings + 50) << "the readers of the flood are kept";
+  EXPECT_EQ(a->refused_connections(), warm_up_refused + kExtra + kMaxPendingAuthConnections + 1);
 }
 
 TEST(ShardLayerTest, ThePayloadBoundHoldsKeysAndValuesOfAWholeDocument) {

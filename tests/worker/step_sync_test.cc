@@ -1,17 +1,18 @@
 // StepSyncHub and StepSyncClient over loopback, ranks as threads: the all-reduce releases only
 // when every rank has arrived, returns the maximum, answers a restarted rank at once, a peer
-// that speaks nonsense is dropped without disturbing the others, and a local process without
-// the run's secret can neither arrive nor register an address, nor hold a connection open.
+// that speaks nonsense or an endless line is dropped without disturbing the others, a local
+// process without the run's secret can neither arrive nor register an address, nor hold a
+// connection open, nor crowd the hub with idle connections, and one that listens in the hub's
+// place learns nothing of the secret and is refused by the clients.
 #include "worker/step_sync.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <memory>
 #include <optional>
@@ -19,13 +20,23 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/worker/raw_socket.h"
+#include "tools/secret.h"
+#include "worker/peer_auth.h"
 
 namespace sparsebalance {
 namespace {
 
+using test_support::ConnectRaw;
+using test_support::RawListener;
+using test_support::ReadUntilClosed;
+using test_support::SendRaw;
+using test_support::ServeOnce;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -47,35 +58,53 @@ std::unique_ptr<StepSyncClient> ConnectOrDie(const std::string& address, int ran
   return client.ok() ? std::move(*client) : nullptr;
 }
 
-// A raw loopback connection to the hub at `address` (127.0.0.1:port); -1 on failure.
-int ConnectRaw(const std::string& address) {
-  const int port = std::stoi(address.substr(address.rfind(':') + 1));
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// What the hub sends on `fd` until it closes it, or nullopt when it keeps it open past `seconds`.
-std::optional<std::string> ReadUntilClosed(int fd, double seconds) {
+// The next line on `fd` (without its newline), or nullopt when none comes within `seconds`
+// (read a byte at a time, so that nothing after it is consumed).
+std::optional<std::string> ReadLineRaw(int fd, double seconds = 10.0) {
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int>(seconds * 1e3));
-  std::string got;
+  std::string line;
   while (std::chrono::steady_clock::now() < deadline) {
     pollfd p{fd, POLLIN, 0};
     if (poll(&p, 1, 50) <= 0) continue;
-    char chunk[256];
-    const ssize_t n = recv(fd, chunk, sizeof chunk, 0);
-    if (n <= 0) return got;
-    got.append(chunk, static_cast<size_t>(n));
+    char c;
+    if (recv(fd, &c, 1, 0) != 1) return std::nullopt;
+    if (c == '\n') return line;
+    line.push_back(c);
   }
   return std::nullopt;
+}
+
+std::string Hex(const std::string& bytes) { return absl::BytesToHexString(bytes); }
+
+std::string Nonce() { return tools::RandomBytes(kAuthNonceBytes).value(); }
+
+// The raw nonce of the hub's "CHALLENGE 2 <nonce>" line on `fd`, or "" when it sends none.
+std::string ReadChallenge(int fd) {
+  std::optional<std::string> line = ReadLineRaw(fd);
+  if (!line) return "";
+  std::vector<std::string> parts = absl::StrSplit(*line, ' ');
+  if (parts.size() != 3 || parts[0] != "CHALLENGE" || parts[1] != "2") return "";
+  return absl::HexStringToBytes(parts[2]);
+}
+
+// The AUTH line of a client that answers `hub_nonce` with `client_nonce`, proving `secret` as
+// `role` (an honest client: kHubClient) to the hub at `endpoint`.
+std::string AuthLine(const std::string& hub_nonce, const std::string& client_nonce,
+                     const std::string& endpoint, const std::string& secret = kSecret,
+                     AuthRole role = AuthRole::kHubClient) {
+  return absl::StrCat("AUTH ", Hex(client_nonce), " ",
+                      Hex(AuthProof(secret, role, hub_nonce, client_nonce, endpoint).value()),
+                      "\n");
+}
+
+// What an honest client does on a raw connection `fd` to the hub at `address`: answers its
+// challenge with the secret's proof; true when the hub accepts it.
+bool AuthenticateRaw(int fd, const std::string& address) {
+  const std::string nonce = ReadChallenge(fd);
+  if (nonce.empty() || !SendRaw(fd, AuthLine(nonce, Nonce(), address))) return false;
+  const std::optional<std::string> answer = ReadLineRaw(fd);
+  return answer && answer->rfind("OK ", 0) == 0;
 }
 
 TEST(StepSyncTest, AllReduceMaxReturnsTheLargestValueToEveryRank) {
@@ -148,10 +177,9 @@ TEST(StepSyncTest, APeerThatSpeaksNonsenseIsDroppedAndTheOthersGoOn) {
   ASSERT_GE(fd, 0);
   // With the secret, a rank out of range, then an ARRIVE before HELLO: the hub closes this
   // connection.
-  const std::string garbage = absl::StrCat("AUTH ", kSecret, "\nHELLO 99\nARRIVE 1 0 nan-ish\n");
-  ASSERT_EQ(send(fd, garbage.data(), garbage.size(), MSG_NOSIGNAL),
-            static_cast<ssize_t>(garbage.size()));
-  EXPECT_EQ(ReadUntilClosed(fd, 10.0), "OK\n") << "the hub should close the connection";
+  ASSERT_TRUE(AuthenticateRaw(fd, address));
+  ASSERT_TRUE(SendRaw(fd, "HELLO 99\nARRIVE 1 0 nan-ish\n"));
+  EXPECT_EQ(ReadUntilClosed(fd, 10.0), "") << "the hub should close the connection";
   close(fd);
 
   auto other = std::async(std::launch::async, [&] {
@@ -164,8 +192,10 @@ TEST(StepSyncTest, APeerThatSpeaksNonsenseIsDroppedAndTheOthersGoOn) {
 
 // Any local process, of any user, can connect to the hub. Without the run's secret as its
 // first line it registered a false shard-exchange address for a rank (redirecting the
-// documents split to it) and arrived for a rank; now the hub answers DENIED, closes it,
-// counts it and acts on nothing it sent, and says so on stderr without the secret.
+// documents split to it) and arrived for a rank; now the hub answers a connection that does not
+// prove the secret (a wrong proof, one for another challenge, the hub's own proof reflected,
+// the secret itself as the old protocol sent it) DENIED, closes it, counts it and acts on
+// nothing it sent, and says so on stderr without the secret.
 TEST(StepSyncTest, AConnectionWithoutTheSecretCannotRegisterAnAddressOrArrive) {
   absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StartHub(/*ranks=*/2);
   ASSERT_TRUE(hub.ok()) << hub.status();
@@ -174,24 +204,70 @@ TEST(StepSyncTest, AConnectionWithoutTheSecretCannotRegisterAnAddressOrArrive) {
   const std::string secret = kSecret;
   std::string near_miss = secret;
   near_miss.back() ^= 1;
-  const std::vector<std::pair<const char*, std::string>> hostile = {
-      {"no AUTH line", "ADDRESS 1 127.0.0.1:6666\n"},
-      {"no AUTH line, arriving", "HELLO 1\nARRIVE 1 0 5\n"},
-      {"a wrong secret", "AUTH not-the-secret-at-all-xyz\nADDRESS 1 127.0.0.1:6666\n"},
-      {"the secret but its last bit", "AUTH " + near_miss + "\nHELLO 1\nARRIVE 1 0 5\n"},
-      {"a prefix of the secret", "AUTH " + secret.substr(0, 20) + "\nADDRESS 1 127.0.0.1:6666\n"},
-      {"an empty secret", "AUTH \nADDRESS 1 127.0.0.1:6666\n"},
-      {"AUTH not first", "WHERE 1\nAUTH " + secret + "\nADDRESS 1 127.0.0.1:6666\n"},
-      {"a first line longer than any AUTH line", std::string(4096, 'A')},
+  // An honest client's AUTH line, recorded from a connection of its own, to be replayed.
+  std::string recorded;
+  {
+    const int fd = ConnectRaw(address);
+    ASSERT_GE(fd, 0);
+    const std::string nonce = ReadChallenge(fd);
+    ASSERT_FALSE(nonce.empty());
+    recorded = AuthLine(nonce, Nonce(), address);
+    ASSERT_TRUE(SendRaw(fd, recorded));
+    ASSERT_THAT(ReadLineRaw(fd).value_or(""), ::testing::StartsWith("OK "));
+    close(fd);
+  }
+  // What a hostile process sends, given the hub's challenge nonce.
+  using Forge = std::function<std::string(const std::string& nonce)>;
+  const std::vector<std::pair<const char*, Forge>> hostile = {
+      {"no AUTH line", [](const std::string&) { return "ADDRESS 1 127.0.0.1:6666\n"; }},
+      {"no AUTH line, arriving", [](const std::string&) { return "HELLO 1\nARRIVE 1 0 5\n"; }},
+      {"the secret itself, as protocol 1 sent it",
+       [&](const std::string&) { return "AUTH " + secret + "\nADDRESS 1 127.0.0.1:6666\n"; }},
+      {"a wrong proof",
+       [&](const std::string&) {
+         return absl::StrCat("AUTH ", Hex(Nonce()), " ", Hex(Nonce()),
+                             "\nADDRESS 1 127.0.0.1:6666\n");
+       }},
+      {"a proof under the secret but its last bit",
+       [&](const std::string& nonce) {
+         return AuthLine(nonce, Nonce(), address, near_miss) + "HELLO 1\nARRIVE 1 0 5\n";
+       }},
+      {"a proof for another address (relayed from another port)",
+       [&](const std::string& nonce) {
+         return AuthLine(nonce, Nonce(), "127.0.0.1:1") + "ADDRESS 1 127.0.0.1:6666\n";
+       }},
+      {"the hub's proof reflected as the client's",
+       [&](const std::string& nonce) {
+         return AuthLine(nonce, Nonce(), address, secret, AuthRole::kHub) +
+                "ADDRESS 1 127.0.0.1:6666\n";
+       }},
+      {"the exchange sender's proof, of the other protocol",
+       [&](const std::string& nonce) {
+         return AuthLine(nonce, Nonce(), address, secret, AuthRole::kExchangeSender) +
+                "ADDRESS 1 127.0.0.1:6666\n";
+       }},
+      {"an honest AUTH line replayed from an earlier connection",
+       [&](const std::string&) { return recorded + "ADDRESS 1 127.0.0.1:6666\n"; }},
+      {"an empty AUTH line",
+       [](const std::string&) { return "AUTH \nADDRESS 1 127.0.0.1:6666\n"; }},
+      {"AUTH not first",
+       [&](const std::string& nonce) {
+         return "WHERE 1\n" + AuthLine(nonce, Nonce(), address) + "ADDRESS 1 127.0.0.1:6666\n";
+       }},
+      {"a first line longer than any AUTH line",
+       [](const std::string&) { return std::string(4096, 'A'); }},
   };
   int64_t refused = 0;
   ::testing::internal::CaptureStderr();
-  for (const auto& [what, bytes] : hostile) {
+  for (const auto& [what, forge] : hostile) {
     SCOPED_TRACE(what);
     // EXPECT, not ASSERT, while stderr is captured.
     const int fd = ConnectRaw(address);
     EXPECT_GE(fd, 0);
     if (fd < 0) continue;
+    const std::string nonce = ReadChallenge(fd);
+    EXPECT_FALSE(nonce.empty());
+    const std::string bytes = forge(nonce);
     EXPECT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL),
               static_cast<ssize_t>(bytes.size()));
     EXPECT_EQ(ReadUntilClosed(fd, 10.0), "DENIED\n");
@@ -199,8 +275,8 @@ TEST(StepSyncTest, AConnectionWithoutTheSecretCannotRegisterAnAddressOrArrive) {
     EXPECT_EQ((*hub)->refused_connections(), ++refused);
   }
   const std::string log = ::testing::internal::GetCapturedStderr();
-  EXPECT_THAT(log, HasSubstr("dropped a connection: its first line is not AUTH"));
-  EXPECT_THAT(log, HasSubstr("does not hold the run's secret"));
+  EXPECT_THAT(log, HasSubstr("dropped a connection: its first line is not AUTH <nonce> <proof>"));
+  EXPECT_THAT(log, HasSubstr("does not prove the run's secret"));
   EXPECT_THAT(log, Not(HasSubstr(secret.substr(0, 20))));
 
   // The library refuses another run's secret the same way, with an error that says so.
@@ -237,8 +313,8 @@ TEST(StepSyncTest, AConnectionThatDoesNotAuthenticateInTimeIsDropped) {
   ASSERT_GE(silent, 0);
   ASSERT_GE(unfinished, 0);
   ASSERT_EQ(send(unfinished, "AUTH step", 9, MSG_NOSIGNAL), 9);
-  EXPECT_EQ(ReadUntilClosed(silent, 10.0), "DENIED\n");
-  EXPECT_EQ(ReadUntilClosed(unfinished, 10.0), "DENIED\n");
+  EXPECT_THAT(ReadUntilClosed(silent, 10.0).value_or(""), ::testing::EndsWith("\nDENIED\n"));
+  EXPECT_THAT(ReadUntilClosed(unfinished, 10.0).value_or(""), ::testing::EndsWith("\nDENIED\n"));
   close(silent);
   close(unfinished);
   EXPECT_EQ((*hub)->refused_connections(), 2);
@@ -247,6 +323,193 @@ TEST(StepSyncTest, AConnectionThatDoesNotAuthenticateInTimeIsDropped) {
   std::this_thread::sleep_for(std::chrono::milliseconds(600));
   EXPECT_EQ(rank0->AllReduceMax(1, kPlanPhase, 2.0, 30).value_or(-1), 2.0);
   EXPECT_EQ((*hub)->refused_connections(), 2);
+}
+
+// A process that took over the hub's port (after the hub, or racing it) sent a CHALLENGE, or
+// nothing, and read what the client sent: with protocol 1 the secret itself, at once. Now the
+// client sends a nonce and a proof only, and refuses a listener that cannot prove the secret in
+// turn (a wrong proof, the client's own reflected, a real hub's replayed from an earlier
+// connection) with an error naming the address, before it sends anything else.
+TEST(StepSyncTest, AListenerInTheHubsPlaceLearnsNoSecretAndIsRefused) {
+  RawListener fake;
+  const std::string secret = kSecret;
+  // A listener that sends no challenge at all (as a hub of protocol 1 did not) hears nothing.
+  std::future<std::string> silent = ServeOnce(fake, [](int, std::string*) {});
+  absl::Status status = RegisterRankAddress(fake.address, kSecret, 0, "127.0.0.1:7", 0.5);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_THAT(status.message(), HasSubstr(fake.address));
+  EXPECT_EQ(silent.get(), "");
+
+  const std::string fake_nonce = Nonce();
+  // A real hub's answer, recorded from the connection of the honest fake below.
+  std::string recorded_proof;
+  // What the fake answers the AUTH line `auth` with, given the client's nonce.
+  using Answer = std::function<std::string(const std::vector<std::string>& auth)>;
+  auto script = [&](const Answer& answer) {
+    return [&, answer](int fd, std::string* got) {
+      if (!SendRaw(fd, absl::StrCat("CHALLENGE 2 ", Hex(fake_nonce), "\n"))) return;
+      const std::optional<std::string> line = ReadLineRaw(fd);
+      if (!line) return;
+      *got += *line + "\n";
+      SendRaw(fd, answer(absl::StrSplit(*line, ' ')));
+    };
+  };
+  // First a fake that knows the secret (as the real hub does): the client accepts it, which
+  // shows that the refusals below are for the proof alone.
+  std::future<std::string> honest = ServeOnce(
+      fake, script([&](const auto& auth) {
+        const std::string client_nonce = absl::HexStringToBytes(auth.at(1));
+        recorded_proof =
+            AuthProof(secret, AuthRole::kHub, fake_nonce, client_nonce, fake.address).value();
+        return absl::StrCat("OK ", Hex(recorded_proof), "\n");
+      }));
+  status = StepSyncClient::Connect(fake.address, kSecret, 0, 5).status();
+  EXPECT_THAT(honest.get(), Not(HasSubstr(secret)));
+  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_FALSE(recorded_proof.empty());
+
+  const std::vector<std::pair<const char*, Answer>> forged = {
+      {"a wrong proof", [](const auto&) { return absl::StrCat("OK ", Hex(Nonce()), "\n"); }},
+      {"the client's proof reflected",
+       [](const auto& auth) { return absl::StrCat("OK ", auth.at(2), "\n"); }},
+      {"a real hub's proof replayed from an earlier connection",
+       [&](const auto&) { return absl::StrCat("OK ", Hex(recorded_proof), "\n"); }},
+      {"an OK without a proof (protocol 1)", [](const auto&) { return std::string("OK\n"); }},
+  };
+  for (const auto& [what, answer] : forged) {
+    SCOPED_TRACE(what);
+    for (int call = 0; call < 3; ++call) {
+      std::future<std::string> got = ServeOnce(fake, script(answer));
+      if (call == 0) status = StepSyncClient::Connect(fake.address, kSecret, 0, 5).status();
+      if (call == 1) status = RegisterRankAddress(fake.address, kSecret, 0, "127.0.0.1:7", 5);
+      if (call == 2) status = LookupRankAddress(fake.address, kSecret, 0, 5).status();
+      EXPECT_EQ(status.code(), absl::StatusCode::kUnauthenticated) << status;
+      EXPECT_THAT(status.message(), HasSubstr(fake.address));
+      EXPECT_THAT(status.message(), HasSubstr("not this run's hub"));
+      EXPECT_THAT(status.message(), Not(HasSubstr(secret)));
+      const std::string sent = got.get();
+      EXPECT_THAT(sent, ::testing::StartsWith("AUTH ")) << sent;
+      EXPECT_THAT(sent, Not(HasSubstr(secret)));
+      // Nothing after the AUTH line: no HELLO, ADDRESS or WHERE reached the impostor.
+      EXPECT_EQ(sent.find('\n'), sent.size() - 1) << sent;
+    }
+  }
+}
+
+// A process on another port that relays the handshake between a client and the real hub learns
+// nothing, and gets in nowhere: the proofs name the hub's address, which the two ends see
+// differently through the relay.
+TEST(StepSyncTest, AHandshakeRelayedThroughAnotherPortIsRefused) {
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StartHub(/*ranks=*/1);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  RawListener relay;
+  std::future<std::string> relayed = ServeOnce(relay, [&](int client, std::string* got) {
+    const int upstream = ConnectRaw((*hub)->address());
+    for (int line = 0; line < 3; ++line) {  // CHALLENGE up to down, AUTH down to up, the verdict
+      const int from = line == 1 ? client : upstream;
+      const int to = line == 1 ? upstream : client;
+      const std::optional<std::string> text = ReadLineRaw(from);
+      if (!text) break;
+      if (from == client) *got += *text + "\n";
+      SendRaw(to, *text + "\n");
+    }
+    close(upstream);
+  });
+  ::testing::internal::CaptureStderr();
+  absl::Status status = StepSyncClient::Connect(relay.address, kSecret, 0, 5).status();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(status.ok());
+  EXPECT_EQ((*hub)->refused_connections(), 1);
+  EXPECT_THAT(log, HasSubstr("does not prove the run's secret"));
+  EXPECT_THAT(relayed.get(), Not(HasSubstr(kSecret)));
+  EXPECT_TRUE(StepSyncClient::Connect((*hub)->address(), kSecret, 0, 5).ok());
+}
+
+// Each connection that has not authenticated held a hub slot until the auth timeout, without
+// bound: a local process could open thousands. Now at most kMaxPendingAuthConnections wait; a
+// newer connection drops the oldest at once (refused, counted), so honest ranks, which
+// authenticate within a round trip, still get through while the flood holds the rest.
+TEST(StepSyncTest, IdleConnectionsBeyondTheCapAreDroppedAndRanksStillGetThrough) {
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub =
+      StartHub(/*ranks=*/2, /*auth_timeout_seconds=*/60);  // no deadline ends one here
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  const std::string address = (*hub)->address();
+  constexpr int kExtra = 10;
+  std::vector<int> idle;
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < kMaxPendingAuthConnections + kExtra; ++i) {
+    const int fd = ConnectRaw(address);
+    EXPECT_GE(fd, 0);
+    if (fd < 0) break;
+    EXPECT_FALSE(ReadChallenge(fd).empty());  // admitted, in this order
+    idle.push_back(fd);
+  }
+  // The first kExtra made room for the later ones, at once: answered DENIED and closed.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int denied = 0;
+  for (int i = 0; i < kExtra && i < static_cast<int>(idle.size()); ++i) {
+    const double left =
+        std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+    denied += ReadUntilClosed(idle[i], std::max(left, 0.0)) == "DENIED\n" ? 1 : 0;
+  }
+  EXPECT_EQ(denied, kExtra) << "idle connections beyond the cap are kept";
+  EXPECT_EQ((*hub)->refused_connections(), kExtra);
+  // The others are still held (the hub closes none of them before the deadline).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  int open = 0;
+  for (size_t i = kExtra; i < idle.size(); ++i) {
+    char byte;
+    const ssize_t n = recv(idle[i], &byte, 1, MSG_DONTWAIT);
+    open += n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? 1 : 0;
+  }
+  EXPECT_EQ(open, kMaxPendingAuthConnections);
+  // Honest ranks connect, register, look up and all-reduce while the flood holds the cap; each
+  // of their connections that finds the cap full drops one more idle one (the first does).
+  auto rank1 = std::async(std::launch::async, [&] {
+    return ConnectOrDie(address, 1)->AllReduceMax(1, kPlanPhase, 3.0, 30);
+  });
+  EXPECT_TRUE(RegisterRankAddress(address, kSecret, 0, "127.0.0.1:1234", 10).ok());
+  EXPECT_EQ(LookupRankAddress(address, kSecret, 0, 10).value_or(""), "127.0.0.1:1234");
+  std::unique_ptr<StepSyncClient> rank0 = ConnectOrDie(address, 0);
+  EXPECT_EQ(rank0 ? rank0->AllReduceMax(1, kPlanPhase, 1.0, 30).value_or(-1) : -1, 3.0);
+  EXPECT_EQ(rank1.get().value_or(-1), 3.0);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_GT((*hub)->refused_connections(), kExtra);
+  EXPECT_LE((*hub)->refused_connections(), kExtra + 4) << "4 honest connections";
+  EXPECT_THAT(log, HasSubstr("newer connections waited to"));
+  for (int fd : idle) close(fd);
+}
+
+// An authenticated peer's bytes went into its buffer without bound until a newline came: one
+// endless line could take the hub's memory. Now a line longer than any of the protocol's
+// closes that connection, with a line on stderr, and the hub serves the others on.
+TEST(StepSyncTest, AnAuthenticatedPeerSendingAnEndlessLineIsDisconnected) {
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StartHub(/*ranks=*/2);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  const std::string address = (*hub)->address();
+  const int fd = ConnectRaw(address);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(AuthenticateRaw(fd, address));
+  ASSERT_TRUE(SendRaw(fd, "HELLO 1\nARRIVE 1 0 "));
+  ::testing::internal::CaptureStderr();
+  // Up to 4 MiB of one line's digits, until the hub closes the connection.
+  constexpr int64_t kEndless = int64_t{4} << 20;
+  const std::string chunk(64 << 10, '7');
+  int64_t sent = 0;
+  while (sent < kEndless && SendRaw(fd, chunk)) sent += chunk.size();
+  const std::optional<std::string> rest = ReadUntilClosed(fd, 10.0);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(rest.has_value()) << "the hub keeps reading an endless line";
+  EXPECT_LT(sent, kEndless) << "the hub took 4 MiB of one line";
+  EXPECT_THAT(log, HasSubstr("closed the connection of rank 1: a line runs past"));
+  close(fd);
+  EXPECT_EQ((*hub)->refused_connections(), 0) << "a peer that proved the secret is no refusal";
+  // The hub goes on: both ranks all-reduce (rank 1 on a new connection).
+  auto rank1 = std::async(std::launch::async, [&] {
+    return ConnectOrDie(address, 1)->AllReduceMax(2, kPlanPhase, 2.0, 30);
+  });
+  EXPECT_EQ(ConnectOrDie(address, 0)->AllReduceMax(2, kPlanPhase, 1.0, 30).value_or(-1), 2.0);
+  EXPECT_EQ(rank1.get().value_or(-1), 2.0);
 }
 
 TEST(StepSyncTest, BadAddressesAndRankCountsAreRefusedWithTheirField) {
