@@ -351,7 +351,11 @@ class PlannerServiceImpl::UnaryCall final : public grpc::ServerReadReactor<Pendi
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed without a request, or the call ended
+    if (!ok && context_->IsCancelled()) {  // the call ended before its request came
+      Reply(grpc::Status(grpc::StatusCode::CANCELLED, ""));
+      return;
+    }
+    if (!ok) {  // the client half-closed without a request
       service_->Finish(this, method_, Clock::now(),
                        absl::InvalidArgumentError(
                            absl::StrCat(method_, ": the call ended without a request; send one ",
