@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "openssl/sha.h"
 #include "planner/plan_threads.h"
 #include "planner/planner.h"
 #include "planner/profile_table.h"
@@ -294,7 +295,10 @@ absl::Status JobRegistry::Restore() {
   absl::MutexLock lock(&mu_);
   // A reloaded job's idle time counts from now: the planner did not see it while down.
   for (auto& [id, job] : jobs) job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);
-  for (auto& [id, job] : jobs) jobs_[id] = std::move(job);
+  for (auto& [id, job] : jobs) {
+    AddToken(job->token);
+    jobs_[id] = std::move(job);
+  }
   for (auto& [id, f] : failed) failed_[id] = std::move(f);
   return absl::OkStatus();
 }
@@ -488,17 +492,20 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
   if (options_.store != nullptr) {
     if (absl::Status s = Stored(options_.store->CreateJob(Snapshot(id, *job))); !s.ok()) return s;
   }
+  AddToken(job->token);
   jobs_[id] = job;
   return CreatedJob{id, job->token, settings};
+}
+
+absl::Status JobRegistry::NoTokenError() {
+  return absl::UnauthenticatedError(
+      "no job token: send the token CreateJob returned as \"authorization: Bearer <token>\"");
 }
 
 absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string& token) const {
   // No token: the same answer whether the job exists or not (NOT_FOUND for an absent job told
   // a caller without any token which ids exist).
-  if (token.empty()) {
-    return absl::UnauthenticatedError(
-        "no job token: send the token CreateJob returned as \"authorization: Bearer <token>\"");
-  }
+  if (token.empty()) return NoTokenError();
   std::shared_ptr<Job> job = Find(job_id);
   if (job == nullptr) {
     absl::MutexLock lock(&mu_);
@@ -515,6 +522,40 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
   }
   job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);
   return job->deleted.load(std::memory_order_acquire) ? NotFound(job_id) : absl::OkStatus();
+}
+
+namespace {
+
+// The SHA-256 digest of `token`, 32 bytes.
+std::string TokenDigest(absl::string_view token) {
+  std::string digest(SHA256_DIGEST_LENGTH, '\0');
+  SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(),
+         reinterpret_cast<unsigned char*>(digest.data()));
+  return digest;
+}
+
+}  // namespace
+
+bool JobRegistry::IsSomeJobsToken(absl::string_view token) const {
+  if (token.empty()) return false;
+  const std::string digest = TokenDigest(token);
+  absl::ReaderMutexLock lock(&tokens_mu_);
+  return token_digests_.count(digest) > 0;
+}
+
+void JobRegistry::AddToken(const std::string& token) {
+  const std::string digest = TokenDigest(token);
+  absl::MutexLock lock(&tokens_mu_);
+  token_digests_.insert(digest);
+}
+
+void JobRegistry::RetireToken(const std::string& token) {
+  absl::MutexLock lock(&tokens_mu_);
+  retired_order_.push_back(TokenDigest(token));
+  if (retired_order_.size() > kMaxRetiredTokens) {
+    token_digests_.erase(retired_order_.front());
+    retired_order_.pop_front();
+  }
 }
 
 absl::StatusOr<std::pair<JobSettings, int64_t>> JobRegistry::JoinJob(const std::string& job_id,
@@ -1340,6 +1381,7 @@ absl::Status JobRegistry::DeleteLiveJob(const std::string& job_id, const std::sh
     auto it = jobs_.find(job_id);
     if (it != jobs_.end() && it->second == job) jobs_.erase(it);
   }
+  RetireToken(job->token);
   // Thousands of step files: removed with no lock held, so no other call waits for them.
   if (options_.store != nullptr) options_.store->RemoveRetired(job_id);
   return absl::OkStatus();

@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -49,6 +50,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "planner/latency_model.h"
@@ -201,6 +203,15 @@ class JobRegistry {
   // A job expired by ExpireIdleJobs (recently) is NOT_FOUND saying so. An authorized call
   // counts as the job's activity for the idle TTL.
   absl::Status Authorize(const std::string& job_id, const std::string& token) const;
+  // Authorize's answer to a call without a token (UNAUTHENTICATED, saying what to send).
+  static absl::Status NoTokenError();
+  // Whether `token` is some job's: a live job's, or one of the last kMaxRetiredTokens deleted or
+  // expired jobs' (so that their late callers still get Authorize's NOT_FOUND saying why). The
+  // planner asks it before it reads a request's body, which names the job (Authorize checks
+  // the token against that job after). Tokens are looked up by their SHA-256 digests, so the
+  // lookup's time tells nothing about how close an offered token is to a real one.
+  bool IsSomeJobsToken(absl::string_view token) const;
+  static constexpr size_t kMaxRetiredTokens = 4096;
 
   // Marks `rank` joined; returns the settings and the next step to plan.
   // With `rank_next_step`, also the first kept step this rank has not reported (or the next
@@ -486,6 +497,14 @@ class JobRegistry {
   // their late callers learn why the job is gone.
   std::set<std::string> expired_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> expired_order_ ABSL_GUARDED_BY(mu_);
+  // SHA-256 digests of the live jobs' tokens and of the last kMaxRetiredTokens deleted ones
+  // (retired_order_, oldest first): IsSomeJobsToken. Under their own lock, so that a call's
+  // first check never waits for mu_.
+  void AddToken(const std::string& token);
+  void RetireToken(const std::string& token);
+  mutable absl::Mutex tokens_mu_;
+  std::set<std::string> token_digests_ ABSL_GUARDED_BY(tokens_mu_);
+  std::deque<std::string> retired_order_ ABSL_GUARDED_BY(tokens_mu_);
 };
 
 // Canonical bytes of a batch (ids, lengths, sensitivities, groups, segments): equal batches,

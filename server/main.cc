@@ -100,12 +100,14 @@ ABSL_FLAG(int, max_request_memory_mb, 512,
 ABSL_FLAG(int, max_transport_memory_mb, 512,
           "MiB gRPC may hold, all connections together, for the bytes of requests still "
           "arriving, 16-1048576 and at least --max_message_bytes (a larger request could never "
-          "arrive): gRPC receives a request whole before the planner checks its caller, so "
-          "without a bound calls that send all but the last byte of large requests and stall "
-          "held that much each. Past it gRPC cancels calls (RESOURCE_EXHAUSTED, \"Buffers "
-          "full\") until it is back under it. A soft bound: under a flood of many "
-          "concurrent large calls the planner's memory can still pass it (README, Limits). Keep "
-          "it plus --max_request_memory_mb well under the planner's memory limit");
+          "arrive): the planner refuses a call without a valid token before reading its request, "
+          "but gRPC receives an admitted caller's request whole before the planner checks it "
+          "against its job, so without a bound calls with a job's token that send all but the "
+          "last byte of large requests and stall held that much each. Past it gRPC cancels calls "
+          "(RESOURCE_EXHAUSTED, \"Buffers full\") until it is back under it. A soft bound: under "
+          "a flood of many concurrent large calls the planner's memory can still pass it "
+          "(README, Limits). Keep it plus --max_request_memory_mb well under the planner's "
+          "memory limit");
 ABSL_FLAG(std::string, health_listen, "",
           "also serve grpc.health.v1 alone, in plaintext, on this host:port (as --listen; port 0 "
           "picks a free port): for probes, which need no TLS, and it stays open for the whole "

@@ -17,7 +17,6 @@
 #include "google/protobuf/arena.h"
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/impl/codegen/server_callback_handlers.h"
-#include "grpcpp/support/message_allocator.h"
 #include "planner/planner.h"
 #include "server/request_guard.h"
 #include "tools/secret.h"
@@ -127,9 +126,9 @@ void SummaryToProto(const JobView& view, v1::JobSummary* out) {
 
 // A GetRankPlan (or GetRankPlans) call waiting for its step. Whoever finishes it first (the
 // SubmitBatch that plans the step, or the call's cancellation or deadline) sets `finished`
-// under `mu`, fills the response and calls Finish; everyone after sees `finished` and leaves
-// the reactor alone. The reactor deletes itself in OnDone, which gRPC runs only after Finish,
-// so it is alive whenever `finished` is false.
+// under `mu`, fills the response and calls Reply; everyone after sees `finished` and leaves
+// the call alone. The call (Register's reactor) deletes itself in OnDone, which gRPC runs only
+// after Reply, so it is alive whenever `finished` is false.
 struct PlannerServiceImpl::Wait {
   const PlannerServiceImpl* service = nullptr;
   const char* method = "GetRankPlan";
@@ -141,7 +140,7 @@ struct PlannerServiceImpl::Wait {
   std::vector<int> ranks;
   v1::GetRankPlanResponse* response = nullptr;
   v1::GetRankPlansResponse* many = nullptr;
-  grpc::ServerUnaryReactor* reactor = nullptr;
+  Call* call = nullptr;
   absl::Mutex mu;
   bool finished ABSL_GUARDED_BY(mu) = false;
 
@@ -169,36 +168,9 @@ struct PlannerServiceImpl::Wait {
       }
     }
     service->Record(method, start, status);
-    reactor->Finish(ToGrpcStatus(status));
+    call->Reply(ToGrpcStatus(status));
   }
 };
-
-namespace {
-
-class WaitingReactor : public grpc::ServerUnaryReactor {
- public:
-  WaitingReactor(std::shared_ptr<PlannerServiceImpl::Wait> wait, std::function<void()> on_cancel,
-                 std::function<void()> on_done)
-      : wait_(std::move(wait)), on_cancel_(std::move(on_cancel)), on_done_(std::move(on_done)) {}
-  void OnCancel() override {
-    on_cancel_();
-    wait_->Complete(absl::CancelledError(absl::StrCat(wait_->method,
-                                                      ": cancelled or past its deadline while "
-                                                      "waiting for the step's plan")),
-                    nullptr);
-  }
-  void OnDone() override {
-    on_done_();
-    delete this;
-  }
-
- private:
-  std::shared_ptr<PlannerServiceImpl::Wait> wait_;
-  std::function<void()> on_cancel_;
-  std::function<void()> on_done_;
-};
-
-}  // namespace
 
 std::string BearerToken(const grpc::CallbackServerContext& context) {
   const auto& metadata = context.client_metadata();
@@ -220,13 +192,11 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
   Serve<Caller::kJob>("JoinJob", &PlannerServiceImpl::OnJoinJob);
   Serve<Caller::kJob>("SubmitBatch", &PlannerServiceImpl::OnSubmitBatch);
   Register<Caller::kJob, v1::GetRankPlanRequest, v1::GetRankPlanResponse>(
-      "GetRankPlan", [this](auto* context, auto* request, auto* response) {
-        return OnGetRankPlan(context, request, response);
-      });
+      "GetRankPlan", [this](Call* call, grpc::CallbackServerContext*, auto* request,
+                            auto* response) { OnGetRankPlan(call, request, response); });
   Register<Caller::kJob, v1::GetRankPlansRequest, v1::GetRankPlansResponse>(
-      "GetRankPlans", [this](auto* context, auto* request, auto* response) {
-        return OnGetRankPlans(context, request, response);
-      });
+      "GetRankPlans", [this](Call* call, grpc::CallbackServerContext*, auto* request,
+                             auto* response) { OnGetRankPlans(call, request, response); });
   Serve<Caller::kJob>("ReportStep", &PlannerServiceImpl::OnReportStep);
   Serve<Caller::kJob>("ReportStepBatch", &PlannerServiceImpl::OnReportStepBatch);
   MarkMethodCallback(
@@ -241,13 +211,10 @@ PlannerServiceImpl::PlannerServiceImpl(JobRegistry* registry, Options options)
   Serve<Caller::kAdminOrJob>("DeleteJob", &PlannerServiceImpl::OnDeleteJob);
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::Finish(grpc::CallbackServerContext* context,
-                                                     const char* method, Clock::time_point start,
-                                                     const absl::Status& status) {
+void PlannerServiceImpl::Finish(Call* call, const char* method, Clock::time_point start,
+                                const absl::Status& status) {
   Record(method, start, status);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  call->Reply(ToGrpcStatus(status));
 }
 
 void PlannerServiceImpl::Record(const char* method, Clock::time_point start,
@@ -257,12 +224,12 @@ void PlannerServiceImpl::Record(const char* method, Clock::time_point start,
 }
 
 template <typename Body>
-grpc::ServerUnaryReactor* PlannerServiceImpl::Guarded(grpc::CallbackServerContext* context,
-                                                      const char* method, Body body) {
+void PlannerServiceImpl::Guarded(Call* call, const char* method, Body body) {
   const Clock::time_point start = Clock::now();
   absl::Status failure;
   try {
-    return body(start);
+    body(start);
+    return;
   } catch (const std::bad_alloc&) {
     failure = absl::ResourceExhaustedError(
         absl::StrCat(method, ": the planner ran out of memory for this call"));
@@ -272,7 +239,7 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::Guarded(grpc::CallbackServerContex
     failure = absl::InternalError(absl::StrCat(method, ": an unknown exception"));
   }
   std::cerr << "sb-planner: " << failure.message() << std::endl;
-  return Finish(context, method, start, failure);
+  Finish(call, method, start, failure);  // ignored when the body had answered the call
 }
 
 PlannerServiceImpl::~PlannerServiceImpl() = default;
@@ -318,54 +285,169 @@ absl::Status PlannerServiceImpl::AuthorizeAdminOrJob(grpc::CallbackServerContext
   return own;
 }
 
-namespace {
+template <PlannerServiceImpl::Caller caller>
+absl::Status PlannerServiceImpl::PreAuthorize(grpc::CallbackServerContext* context) const {
+  // The admin check needs nothing from the request: done whole here (OK where no admin token is
+  // set: CreateJob and ListJobs are then open, and their requests are read).
+  if constexpr (caller == Caller::kAdmin) return AuthorizeAdmin(context);
+  const bool has_admin = !options_.admin_token.empty();
+  const std::string token = BearerToken(*context);
+  if (token.empty()) {
+    if (caller == Caller::kAdminOrJob && has_admin) {
+      return absl::UnauthenticatedError(
+          "no token: send \"authorization: Bearer <token>\" with the planner's admin token or "
+          "the job's own token");
+    }
+    return JobRegistry::NoTokenError();
+  }
+  // The admin token passes for a job call too: the check against the job follows the read, as
+  // for every token (AuthorizeJob refuses it there, AuthorizeAdminOrJob takes it).
+  if (has_admin && tools::ConstantTimeEquals(token, options_.admin_token)) return absl::OkStatus();
+  if (registry_->IsSomeJobsToken(token)) return absl::OkStatus();
+  if (caller == Caller::kAdminOrJob && has_admin) {
+    return absl::PermissionDeniedError(
+        "the token is neither this planner's admin token nor any job's token");
+  }
+  // Also the answer to the token of a job deleted before the planner's last restart (the
+  // planner remembers deleted jobs' tokens in memory only).
+  return absl::PermissionDeniedError(
+      "the token is no job's on this planner (a wrong token, or its job was deleted before the "
+      "planner restarted): send the token CreateJob returned as \"authorization: Bearer "
+      "<token>\", or create a new job");
+}
 
-// Each call's request and response on one protobuf arena, which starts in a block inside the
-// holder: a ReportStep request or a GetRankPlan response is some fifty small messages, and
-// allocating and freeing each of them on the heap was a tenth of the call's cost. The holder
-// (and the messages with it) goes when gRPC releases it after the call, as the default
-// allocator's would.
-template <typename Request, typename Response>
-class ArenaMessages final : public grpc::MessageAllocator<PendingRequest<Request>, Response> {
+// One call of a method that Register serves, as gRPC's reactor of a client-streaming call
+// (a unary client's call is one on the wire). Start checks the caller's token before anything
+// is read (PreAuthorize) and finishes the call unread when it fails; else it reads the one
+// request, admits it (Admit) and hands it to the method's handler, which answers by Reply.
+// The request and its parse live on the call's protobuf arena, which starts in a block inside
+// the call: a ReportStep request is some fifty small messages, and allocating and freeing each
+// of them on the heap was a tenth of the call's cost. The reactor deletes itself in OnDone,
+// which gRPC runs after Finish and every reaction.
+template <PlannerServiceImpl::Caller caller, typename Request, typename Response>
+class PlannerServiceImpl::UnaryCall final : public grpc::ServerReadReactor<PendingRequest<Request>>,
+                                            public PlannerServiceImpl::Call {
  public:
-  grpc::MessageHolder<PendingRequest<Request>, Response>* AllocateMessages() override {
-    return new Holder;
+  UnaryCall(PlannerServiceImpl* service, const char* method,
+            const OnCall<Request, Response>* on_call, grpc::CallbackServerContext* context,
+            Response* response)
+      : service_(service),
+        method_(method),
+        on_call_(on_call),
+        context_(context),
+        response_(response),
+        arena_(ArenaOptionsIn(initial_block_)),
+        request_(&arena_, JobIdPath<Request>()) {}
+
+  // Refuses the call unread, or starts reading its request.
+  void Start() {
+    const Clock::time_point start = Clock::now();
+    const absl::Status refusal = service_->PreAuthorize<caller>(context_);
+    if (!refusal.ok()) {
+      service_->Finish(this, method_, start, refusal);
+      return;
+    }
+    this->StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok && context_->IsCancelled()) {  // the call ended before its request came
+      Reply(grpc::Status(grpc::StatusCode::CANCELLED, ""));
+      return;
+    }
+    if (!ok) {  // the client half-closed without a request
+      service_->Finish(this, method_, Clock::now(),
+                       absl::InvalidArgumentError(
+                           absl::StrCat(method_, ": the call ended without a request; send one ",
+                                        Request::descriptor()->full_name(), " message")));
+      return;
+    }
+    {
+      // The request's memory is reserved until the handler returns (one that parks, as
+      // GetRankPlan, holds a small request: it is not counted while parked).
+      ParseBudget::Hold hold;
+      const Request* request = nullptr;
+      service_->Guarded(this, method_, [&](Clock::time_point start) {
+        absl::StatusOr<const Request*> admitted =
+            service_->Admit<caller>(context_, method_, request_, &hold);
+        if (admitted.ok()) {
+          request = *admitted;
+        } else {
+          service_->Finish(this, method_, start, admitted.status());
+        }
+      });
+      if (request != nullptr) (*on_call_)(this, context_, request, response_);
+    }
+    std::function<void()> on_cancel;
+    {
+      absl::MutexLock lock(&mu_);
+      handled_ = true;
+      if (cancelled_) on_cancel = std::move(on_cancel_);
+    }
+    if (on_cancel) on_cancel();  // the cancellation came while the handler ran
+  }
+
+  void OnCancel() override {
+    std::function<void()> on_cancel;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      if (!handled_) return;  // told once the handler returns (OnReadDone)
+      on_cancel = std::move(on_cancel_);
+    }
+    if (on_cancel) on_cancel();
+  }
+
+  void OnDone() override {
+    std::function<void()> on_done;
+    {
+      absl::MutexLock lock(&mu_);
+      on_done = std::move(on_done_);
+    }
+    if (on_done) on_done();
+    delete this;
+  }
+
+  void Reply(const grpc::Status& status) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    this->Finish(status);
+  }
+
+  void OnEnd(std::function<void()> on_cancel, std::function<void()> on_done) override {
+    absl::MutexLock lock(&mu_);
+    on_cancel_ = std::move(on_cancel);
+    on_done_ = std::move(on_done);
   }
 
  private:
-  // The request's bytes as gRPC received them and the message parsed from them once the call
-  // is admitted (PendingRequest, server/request_guard.h), and the response.
-  class Holder final : public grpc::MessageHolder<PendingRequest<Request>, Response> {
-   public:
-    Holder() : arena_(Options(initial_block_)), request_(&arena_, JobIdPath<Request>()) {
-      this->set_request(&request_);
-      this->set_response(google::protobuf::Arena::CreateMessage<Response>(&arena_));
-    }
-    void Release() override { delete this; }
+  static google::protobuf::ArenaOptions ArenaOptionsIn(char* block) {
+    google::protobuf::ArenaOptions options;
+    options.initial_block = block;
+    options.initial_block_size = kInitialBlock;
+    return options;
+  }
 
-   private:
-    static google::protobuf::ArenaOptions Options(char* block) {
-      google::protobuf::ArenaOptions options;
-      options.initial_block = block;
-      options.initial_block_size = kInitialBlock;
-      return options;
-    }
-    // Bytes: a 16-sample rank plan or report fits; larger ones take further blocks.
-    static constexpr size_t kInitialBlock = 4096;
-    alignas(std::max_align_t) char initial_block_[kInitialBlock];
-    google::protobuf::Arena arena_;    // after the block it starts in
-    PendingRequest<Request> request_;  // after the arena its message is on: destroyed first
-  };
+  PlannerServiceImpl* const service_;
+  const char* const method_;
+  const OnCall<Request, Response>* const on_call_;
+  grpc::CallbackServerContext* const context_;
+  Response* const response_;  // gRPC's, sent by a Reply with OK
+  // Bytes: a 16-sample report fits; larger ones take further blocks.
+  static constexpr size_t kInitialBlock = 4096;
+  alignas(std::max_align_t) char initial_block_[kInitialBlock];
+  google::protobuf::Arena arena_;    // after the block it starts in
+  PendingRequest<Request> request_;  // after the arena its message is on: destroyed first
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;   // Reply was called
+  bool handled_ ABSL_GUARDED_BY(mu_) = false;    // the handler returned
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;  // OnCancel came
+  std::function<void()> on_cancel_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> on_done_ ABSL_GUARDED_BY(mu_);
 };
-
-// One allocator per method signature, stateless, for the planner's lifetime.
-template <typename Request, typename Response>
-grpc::MessageAllocator<PendingRequest<Request>, Response>* ArenaAllocator() {
-  static ArenaMessages<Request, Response> allocator;
-  return &allocator;
-}
-
-}  // namespace
 
 template <PlannerServiceImpl::Caller caller, typename Request>
 absl::StatusOr<const Request*> PlannerServiceImpl::Admit(grpc::CallbackServerContext* context,
@@ -390,34 +472,27 @@ absl::StatusOr<const Request*> PlannerServiceImpl::Admit(grpc::CallbackServerCon
 }
 
 template <PlannerServiceImpl::Caller caller, typename Request, typename Response>
-void PlannerServiceImpl::Register(const char* method,
-                                  std::function<grpc::ServerUnaryReactor*(
-                                      grpc::CallbackServerContext*, const Request*, Response*)>
-                                      on_call) {
+void PlannerServiceImpl::Register(const char* method, OnCall<Request, Response> on_call) {
   CheckJobIdPath<Request>(method);
-  auto* handler = new grpc::internal::CallbackUnaryHandler<PendingRequest<Request>, Response>(
-      [this, method, on_call = std::move(on_call)](grpc::CallbackServerContext* context,
-                                                   const PendingRequest<Request>* pending,
-                                                   Response* response) {
-        // The request's memory is reserved until the method returns (one that parks, as
-        // GetRankPlan, holds a small request: it is not counted while parked).
-        ParseBudget::Hold hold;
-        const Request* request = nullptr;
-        grpc::ServerUnaryReactor* refused =
-            Guarded(context, method, [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-              absl::StatusOr<const Request*> admitted =
-                  Admit<caller>(context, method, *pending, &hold);
-              if (admitted.ok()) {
-                request = *admitted;
-                return nullptr;
-              }
-              return Finish(context, method, start, admitted.status());
-            });
-        if (refused != nullptr) return refused;
-        return on_call(context, request, response);
-      });
-  handler->SetMessageAllocator(ArenaAllocator<Request, Response>());
-  MarkMethodCallback(MethodIndex<Request, Response>(method), handler);
+  // Shared by the handler's copies, alive as long as the handler (the service).
+  auto shared = std::make_shared<const OnCall<Request, Response>>(std::move(on_call));
+  const int index = MethodIndex<Request, Response>(method);
+  auto handler = [this, method, shared] {
+    return new grpc::internal::CallbackClientStreamingHandler<PendingRequest<Request>, Response>(
+        [this, method, shared](grpc::CallbackServerContext* context, Response* response) {
+          auto* call = new UnaryCall<caller, Request, Response>(this, method, shared.get(), context,
+                                                                response);
+          call->Start();
+          return call;
+        });
+  };
+  // A unary method's server reads its request before the call starts (gRPC registers it with
+  // the core so); a streaming method's reads nothing until the reactor asks. MarkMethodStreamed
+  // makes the method streaming for the server (what generated "streamed unary" services do:
+  // one read, one write), then MarkMethodCallback serves it on the callback API. Each takes
+  // ownership of a handler (the second replaces and deletes the first): one each.
+  MarkMethodStreamed(index, handler());
+  MarkMethodCallback(index, handler());
 }
 
 template <PlannerServiceImpl::Caller caller, typename Request, typename Response>
@@ -425,10 +500,10 @@ void PlannerServiceImpl::Serve(const char* method,
                                absl::Status (PlannerServiceImpl::*handle)(const Request&,
                                                                           Response*)) {
   Register<caller, Request, Response>(
-      method, [this, method, handle](grpc::CallbackServerContext* context, const Request* request,
-                                     Response* response) {
-        return Guarded(context, method, [&](Clock::time_point start) {
-          return Finish(context, method, start, (this->*handle)(*request, response));
+      method, [this, method, handle](Call* call, grpc::CallbackServerContext*,
+                                     const Request* request, Response* response) {
+        Guarded(call, method, [&](Clock::time_point start) {
+          Finish(call, method, start, (this->*handle)(*request, response));
         });
       });
 }
@@ -537,6 +612,19 @@ void PlannerServiceImpl::Unpark(const std::shared_ptr<Wait>& wait) {
   --waiting_;
   if (--waiting_per_job_[wait->job_id] <= 0) waiting_per_job_.erase(wait->job_id);
   WaitingChanged();
+}
+
+void PlannerServiceImpl::Await(Call* call, const std::shared_ptr<Wait>& wait) {
+  wait->call = call;
+  call->OnEnd(
+      [this, wait] {
+        Unpark(wait);
+        wait->Complete(absl::CancelledError(absl::StrCat(wait->method,
+                                                         ": cancelled or past its deadline while "
+                                                         "waiting for the step's plan")),
+                       nullptr);
+      },
+      [this, wait] { Unpark(wait); });
 }
 
 void PlannerServiceImpl::WakeWaiters(const std::string& job_id, int64_t step) {
@@ -733,8 +821,10 @@ class PlannerServiceImpl::ReportStream final
 grpc::ServerBidiReactor<PendingRequest<v1::ReportStepsRequest>, v1::ReportStepsResponse>*
 PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
   auto* stream = new ReportStream(this, context);
-  absl::Status refusal;
-  {
+  // The token first, before any report is read (Register's UnaryCall does the same); each
+  // report is then checked against its job (ReportStream::OnReadDone).
+  absl::Status refusal = PreAuthorize<Caller::kJob>(context);
+  if (refusal.ok()) {
     absl::MutexLock lock(&streams_mu_);
     if (streams_closed_) {
       refusal = absl::UnavailableError(
@@ -788,10 +878,9 @@ int PlannerServiceImpl::waiting_calls() const {
   return waiting_;
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlan(grpc::CallbackServerContext* context,
-                                                            const v1::GetRankPlanRequest* request,
-                                                            v1::GetRankPlanResponse* response) {
-  return Guarded(context, "GetRankPlan", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
+void PlannerServiceImpl::OnGetRankPlan(Call* call, const v1::GetRankPlanRequest* request,
+                                       v1::GetRankPlanResponse* response) {
+  Guarded(call, "GetRankPlan", [&](Clock::time_point start) {
     auto wait = std::make_shared<Wait>();
     wait->service = this;
     wait->start = start;
@@ -799,83 +888,76 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlan(grpc::CallbackServer
     wait->step = request->step();
     wait->ranks = {request->rank()};
     wait->response = response;
-    auto* reactor = new WaitingReactor(
-        wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
-    wait->reactor = reactor;
+    Await(call, wait);
     int world_size = 0;
-    if (TryComplete(wait, &world_size)) return reactor;
+    if (TryComplete(wait, &world_size)) return;
     if (absl::Status parked = Park(wait, world_size); !parked.ok()) {
       wait->Complete(parked, nullptr);
-      return reactor;
+      return;
     }
     // The step may have been planned (or the job deleted) between the check and parking.
     if (TryComplete(wait)) Unpark(wait);
-    return reactor;
   });
 }
 
-grpc::ServerUnaryReactor* PlannerServiceImpl::OnGetRankPlans(grpc::CallbackServerContext* context,
-                                                             const v1::GetRankPlansRequest* request,
-                                                             v1::GetRankPlansResponse* response) {
-  return Guarded(
-      context, "GetRankPlans", [&](Clock::time_point start) -> grpc::ServerUnaryReactor* {
-        const int count = request->ranks_size();
-        if (count < 1 || count > kMaxBatchRanks) {
-          return Finish(context, "GetRankPlans", start,
-                        absl::InvalidArgumentError(absl::StrCat(
-                            "ranks: ", count, " ranks; a call asks for 1 to ", kMaxBatchRanks)));
-        }
-        auto wait = std::make_shared<Wait>();
-        wait->service = this;
-        wait->method = "GetRankPlans";
-        wait->start = start;
-        wait->job_id = request->job_id();
-        wait->step = request->step();
-        wait->ranks.assign(request->ranks().begin(), request->ranks().end());
-        wait->many = response;
-        auto* reactor = new WaitingReactor(
-            wait, [this, wait] { Unpark(wait); }, [this, wait] { Unpark(wait); });
-        wait->reactor = reactor;
-        // The job, the step and the first rank are checked by the registry's lookup; the other
-        // ranks against the job's here, before anything waits.
-        int world_size = 0;
-        bool ready = false;
-        absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
-            registry_->GetPlan(wait->job_id, wait->step, wait->ranks.front(), &ready, &world_size);
-        if (!plan.ok()) {
-          wait->Complete(plan.status(), nullptr);
-          return reactor;
-        }
-        std::vector<int> seen(wait->ranks);
-        std::sort(seen.begin(), seen.end());
-        for (int k = 0; k < count; ++k) {
-          const int r = wait->ranks[k];
-          absl::Status bad;
-          if (r < 0 || r >= world_size) {
-            bad = absl::InvalidArgumentError(
-                absl::StrCat("ranks[", k, "]: ", r, " is outside [0, ", world_size, ")"));
-          } else if (const auto [lo, hi] = std::equal_range(seen.begin(), seen.end(), r);
-                     hi - lo > 1) {
-            bad = absl::InvalidArgumentError(
-                absl::StrCat("ranks[", k, "]: ", r, " is asked for more than once"));
-          }
-          if (!bad.ok()) {
-            wait->Complete(bad, nullptr);
-            return reactor;
-          }
-        }
-        if (ready) {
-          wait->Complete(absl::OkStatus(), plan->get());
-          return reactor;
-        }
-        if (absl::Status parked = Park(wait, world_size); !parked.ok()) {
-          wait->Complete(parked, nullptr);
-          return reactor;
-        }
-        // The step may have been planned (or the job deleted) between the check and parking.
-        if (TryComplete(wait)) Unpark(wait);
-        return reactor;
-      });
+void PlannerServiceImpl::OnGetRankPlans(Call* call, const v1::GetRankPlansRequest* request,
+                                        v1::GetRankPlansResponse* response) {
+  Guarded(call, "GetRankPlans", [&](Clock::time_point start) {
+    const int count = request->ranks_size();
+    if (count < 1 || count > kMaxBatchRanks) {
+      Finish(call, "GetRankPlans", start,
+             absl::InvalidArgumentError(
+                 absl::StrCat("ranks: ", count, " ranks; a call asks for 1 to ", kMaxBatchRanks)));
+      return;
+    }
+    auto wait = std::make_shared<Wait>();
+    wait->service = this;
+    wait->method = "GetRankPlans";
+    wait->start = start;
+    wait->job_id = request->job_id();
+    wait->step = request->step();
+    wait->ranks.assign(request->ranks().begin(), request->ranks().end());
+    wait->many = response;
+    Await(call, wait);
+    // The job, the step and the first rank are checked by the registry's lookup; the other
+    // ranks against the job's here, before anything waits.
+    int world_size = 0;
+    bool ready = false;
+    absl::StatusOr<std::shared_ptr<const StepPlan>> plan =
+        registry_->GetPlan(wait->job_id, wait->step, wait->ranks.front(), &ready, &world_size);
+    if (!plan.ok()) {
+      wait->Complete(plan.status(), nullptr);
+      return;
+    }
+    std::vector<int> seen(wait->ranks);
+    std::sort(seen.begin(), seen.end());
+    for (int k = 0; k < count; ++k) {
+      const int r = wait->ranks[k];
+      absl::Status bad;
+      if (r < 0 || r >= world_size) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("ranks[", k, "]: ", r, " is outside [0, ", world_size, ")"));
+      } else if (const auto [lo, hi] = std::equal_range(seen.begin(), seen.end(), r); hi - lo > 1) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("ranks[", k, "]: ", r, " is asked for more than once"));
+      }
+      if (!bad.ok()) {
+        wait->Complete(bad, nullptr);
+        return;
+      }
+    }
+    if (ready) {
+      wait->Complete(absl::OkStatus(), plan->get());
+      return;
+    }
+    if (absl::Status parked = Park(wait, world_size); !parked.ok()) {
+      wait->Complete(parked, nullptr);
+      return;
+    }
+    // The step may have been planned (or the job deleted) between the check and parking.
+    if (TryComplete(wait)) Unpark(wait);
+    return;
+  });
 }
 
 absl::Status PlannerServiceImpl::OnReportStep(const v1::ReportStepRequest& request,

@@ -68,21 +68,36 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // server's shutdown does not wait on idle streams; their clients report by ReportStep.
   void CloseReportStreams();
 
+  // Whose token a call must carry: its job's, the planner's admin token, or either. (Public
+  // only so that the .cc can define member templates over it: GCC checks access there.)
+  enum class Caller { kJob, kAdmin, kAdminOrJob };
   // A parked GetRankPlan call and a ReportSteps stream (defined in the .cc).
   struct Wait;
   class ReportStream;
 
+  // A unary call as its method's handler sees it (the reactor of Register, in the .cc): the
+  // handler finishes it with Reply, at once or later (GetRankPlan parks it).
+  class Call {
+   public:
+    virtual ~Call() = default;
+    // Finishes the call with `status` (and the response, when OK); only the first counts.
+    virtual void Reply(const grpc::Status& status) = 0;
+    // `on_cancel` runs when the call is cancelled (or passes its deadline), after the handler
+    // returned; `on_done` when the call is gone, after its Reply. Set by the handler.
+    virtual void OnEnd(std::function<void()> on_cancel, std::function<void()> on_done) = 0;
+  };
+
  private:
   using Clock = std::chrono::steady_clock;
-  // Whose token a call must carry: its job's, the planner's admin token, or either.
-  enum class Caller { kJob, kAdmin, kAdminOrJob };
 
-  // Answers the calls of PlannerService's method `method` (its name in planner.proto) with
-  // `on_call`, which returns the call's reactor: what the generated CallbackService does for
-  // each method, here once for all. It uses the pieces the generated code uses
-  // (MarkMethodCallback, grpc::internal::CallbackUnaryHandler), so it follows the installed
-  // gRPC the way generated code does; a request or response type that does not match the
-  // method's descriptor stops the planner at start-up.
+  // The check of a call's caller made before gRPC reads its request (server/request_guard.h):
+  // the token alone, since the job the request names is not known yet. OK when the `caller`
+  // may be let send its request: a job's token (of some job: live, or deleted lately) or the
+  // admin token where it would be accepted, for kAdmin anyone where no admin token is set.
+  // Else the status the call is finished with, unread: UNAUTHENTICATED without a token,
+  // PERMISSION_DENIED for another.
+  template <Caller caller>
+  absl::Status PreAuthorize(grpc::CallbackServerContext* context) const;
   // Admits a call's request (server/request_guard.h): INVALID_ARGUMENT for bytes that are
   // not a Request, the `caller`'s token checked against the job id read off them, the memory
   // the parse takes reserved into `hold` (RESOURCE_EXHAUSTED naming `method` past
@@ -91,13 +106,27 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   absl::StatusOr<const Request*> Admit(grpc::CallbackServerContext* context, const char* method,
                                        const PendingRequest<Request>& request,
                                        ParseBudget::Hold* hold);
-  // `on_call` sees only requests that Admit let through; refused ones are recorded and
-  // finished with Admit's error.
+  // A handler of unary calls: it answers the call (Call::Reply) now or later.
+  template <typename Request, typename Response>
+  using OnCall =
+      std::function<void(Call*, grpc::CallbackServerContext*, const Request*, Response*)>;
+  // One call of a method Register serves (defined in the .cc).
   template <Caller caller, typename Request, typename Response>
-  void Register(const char* method,
-                std::function<grpc::ServerUnaryReactor*(grpc::CallbackServerContext*,
-                                                        const Request*, Response*)>
-                    on_call);
+  class UnaryCall;
+  // Answers the calls of PlannerService's method `method` (its name in planner.proto) with
+  // `on_call`: what the generated CallbackService does for each method, here once for all. A
+  // unary method is registered as client-streaming (the same on the wire), so that its call
+  // starts before gRPC has read the request: PreAuthorize refuses a caller without a valid
+  // token before any of the request is read, and HTTP/2's flow control then holds such a
+  // caller to the stream's window (gRPC reads a unary request whole, up to
+  // --max_message_bytes, before a unary handler runs). The request read is then admitted
+  // (Admit); `on_call` sees only requests that Admit let through, refused ones are recorded
+  // and finished with its error. It uses the pieces the generated code uses
+  // (MarkMethodCallback, grpc::internal::CallbackClientStreamingHandler), so it follows the
+  // installed gRPC the way generated code does; a request or response type that does not
+  // match the method's descriptor stops the planner at start-up.
+  template <Caller caller, typename Request, typename Response>
+  void Register(const char* method, OnCall<Request, Response> on_call);
   // Registers a method answered at once: the call admitted (its `caller`'s token), then `handle`
   // translates the request, calls the registry and fills the response; the call is recorded
   // and finished with the status it returns.
@@ -108,12 +137,10 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   absl::Status OnCreateJob(const v1::CreateJobRequest&, v1::CreateJobResponse*);
   absl::Status OnJoinJob(const v1::JoinJobRequest&, v1::JoinJobResponse*);
   absl::Status OnSubmitBatch(const v1::SubmitBatchRequest&, v1::SubmitBatchResponse*);
-  grpc::ServerUnaryReactor* OnGetRankPlan(grpc::CallbackServerContext* context,
-                                          const v1::GetRankPlanRequest* request,
-                                          v1::GetRankPlanResponse* response);
-  grpc::ServerUnaryReactor* OnGetRankPlans(grpc::CallbackServerContext* context,
-                                           const v1::GetRankPlansRequest* request,
-                                           v1::GetRankPlansResponse* response);
+  void OnGetRankPlan(Call* call, const v1::GetRankPlanRequest* request,
+                     v1::GetRankPlanResponse* response);
+  void OnGetRankPlans(Call* call, const v1::GetRankPlansRequest* request,
+                      v1::GetRankPlansResponse* response);
   absl::Status OnReportStep(const v1::ReportStepRequest&, v1::ReportStepResponse*);
   absl::Status OnReportStepBatch(const v1::ReportStepBatchRequest&, v1::ReportStepBatchResponse*);
   // A new ReportSteps stream's reactor (one refusing it past the cap or while draining).
@@ -127,8 +154,7 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   absl::Status OnDeleteJob(const v1::DeleteJobRequest&, v1::DeleteJobResponse*);
 
   // Records the call in the metrics and finishes it with `status`.
-  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const char* method,
-                                   Clock::time_point start, const absl::Status& status);
+  void Finish(Call* call, const char* method, Clock::time_point start, const absl::Status& status);
   void Record(const char* method, Clock::time_point start, const absl::Status& status) const;
   absl::Status AuthorizeJob(grpc::CallbackServerContext* context, const std::string& job_id);
   absl::Status AuthorizeAdmin(grpc::CallbackServerContext* context) const;
@@ -145,6 +171,9 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // Parks `wait` unless the caps are reached (RESOURCE_EXHAUSTED, naming the cap).
   absl::Status Park(const std::shared_ptr<Wait>& wait, int world_size);
   void Unpark(const std::shared_ptr<Wait>& wait);
+  // Makes `call` the one `wait` answers: its cancellation (or deadline) unparks it and answers
+  // CANCELLED, and it is unparked when the call is gone.
+  void Await(Call* call, const std::shared_ptr<Wait>& wait);
   // The gauges of parked calls and open streams (PlannerMetrics), after each change.
   void WaitingChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(waiters_mu_);
   void StreamsChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(streams_mu_);
@@ -158,8 +187,7 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // Runs a handler's body; an exception that escapes it (std::bad_alloc above all) is logged
   // and finishes the call with RESOURCE_EXHAUSTED or INTERNAL instead of reaching gRPC.
   template <typename Body>
-  grpc::ServerUnaryReactor* Guarded(grpc::CallbackServerContext* context, const char* method,
-                                    Body body);
+  void Guarded(Call* call, const char* method, Body body);
 
   mutable absl::Mutex waiters_mu_;
   std::map<std::pair<std::string, int64_t>, std::set<std::shared_ptr<Wait>>> waiters_

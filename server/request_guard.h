@@ -4,10 +4,16 @@
 // unauthenticated 40 MiB request took 2 GB of the planner (its pod's 2 GiB limit killed it;
 // a larger one aborted it on std::bad_alloc inside gRPC, where no handler could answer). So the
 // service registers its methods with PendingRequest<T> (the bytes, held as gRPC received them),
-// and each call is admitted in order: bytes that are not a T refused (INVALID_ARGUMENT), the
-// caller's token checked against the job id read off the bytes (ScanRequest), the memory the
-// parse will take reserved from the planner's ParseBudget (RESOURCE_EXHAUSTED when it does not
-// fit), and only then parsed.
+// and each call is admitted in order. First, before a byte of the request is read, the caller's
+// token alone (PlannerServiceImpl::PreAuthorize: some job's token, or the admin token): a call
+// without one is finished unread, so it makes the planner hold no more than HTTP/2's stream
+// window (gRPC reads a unary request whole, up to --max_message_bytes, before a unary handler
+// runs, so the methods are served as client-streaming calls, the same on the wire). Then, once
+// read: bytes that are not a T refused (INVALID_ARGUMENT), the token checked against the job id
+// read off the bytes (ScanRequest), the memory the parse will take reserved from the planner's
+// ParseBudget (RESOURCE_EXHAUSTED when it does not fit), and only then parsed. A caller with a
+// valid token can still send large requests: --max_transport_memory_mb bounds what gRPC holds
+// of them (softly), and the ParseBudget what their parse takes.
 //
 //   const RequestScan scan = ScanRequest(v1::SubmitBatchRequest::descriptor(), bytes, {1});
 //   if (!scan.well_formed) ...;         // the parse would fail

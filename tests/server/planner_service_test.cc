@@ -260,6 +260,32 @@ grpc::Status RawCall(const std::shared_ptr<grpc::Channel>& channel, const std::s
   return status;
 }
 
+// A call of `method` that sends no request: the client half-closes at once (a unary client
+// that has nothing to send could). The call's status.
+grpc::Status CallWithoutARequest(const std::shared_ptr<grpc::Channel>& channel,
+                                 const std::string& method, const std::string& token) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::CompletionQueue queue;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&context, "/sparsebalance.planner.v1.PlannerService/" + method, &queue);
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));
+  EXPECT_TRUE(queue.Next(&tag, &ok));
+  call->WritesDone(reinterpret_cast<void*>(2));
+  EXPECT_TRUE(queue.Next(&tag, &ok));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(3));
+  EXPECT_TRUE(queue.Next(&tag, &ok));
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
 // The most memory this process has held (VmHWM, bytes).
 int64_t PeakResidentBytes() {
   std::ifstream status("/proc/self/status");
@@ -323,6 +349,30 @@ TEST_F(PlannerServiceTest, ARequestIsParsedOnlyOnceItsCallerAndItsSizeAreAdmitte
   // Admin calls: the admin token first.
   status = RawCall(channel_, "ListJobs", std::string("\x1a\x00", 2), "");
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+}
+
+// A call's token is checked before its request is read (PlannerServiceImpl::Register): a token
+// that is no job's is refused whatever job the request names, saying so; a call that ends
+// without a request is INVALID_ARGUMENT; a deleted job's token is still known, so that its
+// callers learn the job is gone.
+TEST_F(PlannerServiceTest, ATokenIsCheckedBeforeTheRequestIsRead) {
+  const v1::CreateJobResponse job = Create(2);
+  const std::string made_up(64, 'a');
+  for (const std::string& id : {job.job_id(), std::string("0123456789abcdef")}) {
+    const grpc::Status status = Submit(Batch(id, 0, 4), made_up);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << id;
+    EXPECT_THAT(status.error_message(), HasSubstr("the token is no job's on this planner"));
+  }
+  grpc::Status status = CallWithoutARequest(channel_, "GetJob", job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("GetJob: the call ended without a request; send one "
+                        "sparsebalance.planner.v1.GetJobRequest message"));
+  status = CallWithoutARequest(channel_, "GetJob", "");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+  ASSERT_TRUE(Delete(job.job_id()).ok());
+  status = Submit(Batch(job.job_id(), 0, 4), job.job_token());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
 }
 
 // A caller's string is quoted in an error at most kMaxQuoted bytes long: a 20 KB job id quoted

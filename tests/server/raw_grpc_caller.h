@@ -1,7 +1,8 @@
 // A gRPC caller written by hand over HTTP/2, for tests that play a hostile client: it opens calls
-// with no token and sends their request's bytes as far as it likes (all but the last ones, then
-// nothing), which grpc's own client never does. It follows the server's flow control and answers
-// SETTINGS and PING as any peer must (so keepalive does not end it). No TLS, loopback only.
+// with no token (or a given one) and sends their request's bytes as far as it likes (all but the
+// last ones, then nothing), which grpc's own client never does. It follows the server's flow
+// control and answers SETTINGS and PING as any peer must (so keepalive does not end it). No TLS,
+// loopback only.
 //
 //   std::unique_ptr<RawGrpcConnection> c = RawGrpcConnection::Connect(port);
 //   const uint32_t stream = c->StartCall("/sparsebalance.planner.v1.PlannerService/SubmitBatch",
@@ -64,17 +65,21 @@ class RawGrpcConnection {
   }
 
   // Opens a call of `path` (e.g. "/sparsebalance.planner.v1.PlannerService/SubmitBatch") with no
-  // authorization and sends the 5-byte gRPC prefix of one uncompressed request message of
-  // `message_bytes` bytes; its stream id (0 when the write failed).
-  uint32_t StartCall(const std::string& path, uint32_t message_bytes) {
+  // authorization (or "authorization: Bearer <token>" when `token` is given) and sends the 5-byte
+  // gRPC prefix of one uncompressed request message of `message_bytes` bytes; its stream id (0
+  // when the write failed).
+  uint32_t StartCall(const std::string& path, uint32_t message_bytes,
+                     const std::string& token = "") {
+    std::vector<std::pair<std::string, std::string>> headers = {
+        {":method", "POST"},
+        {":scheme", "http"},
+        {":path", path},
+        {":authority", "127.0.0.1"},
+        {"content-type", "application/grpc"},
+        {"te", "trailers"}};
+    if (!token.empty()) headers.emplace_back("authorization", "Bearer " + token);
     std::string block;
-    for (const auto& [name, value] :
-         std::vector<std::pair<std::string, std::string>>{{":method", "POST"},
-                                                          {":scheme", "http"},
-                                                          {":path", path},
-                                                          {":authority", "127.0.0.1"},
-                                                          {"content-type", "application/grpc"},
-                                                          {"te", "trailers"}}) {
+    for (const auto& [name, value] : headers) {
       block.push_back('\0');  // HPACK: a literal field, never indexed, with a literal name
       AppendHpackString(name, &block);
       AppendHpackString(value, &block);
@@ -83,12 +88,17 @@ class RawGrpcConnection {
     for (int i = 0; i < 4; ++i) prefix[1 + i] = static_cast<char>(message_bytes >> (24 - 8 * i));
     uint32_t stream = 0;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      stream = next_stream_;
-      next_stream_ += 2;
-      streams_[stream];
+      // HTTP/2 needs a connection's new stream ids in increasing order: a server ignores a
+      // HEADERS frame with a lower id than one it has seen.
+      std::lock_guard<std::mutex> start_lock(start_mu_);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stream = next_stream_;
+        next_stream_ += 2;
+        streams_[stream];
+      }
+      if (!Write(Frame(kHeaders, kEndHeaders, stream, block))) return 0;
     }
-    if (!Write(Frame(kHeaders, kEndHeaders, stream, block))) return 0;
     return SendPayloadBytes(stream, prefix, /*end_stream=*/false, 5.0) == 5 ? stream : 0;
   }
 
@@ -259,6 +269,7 @@ class RawGrpcConnection {
   }
 
   const int fd_;
+  std::mutex start_mu_;  // one new stream at a time (ids in order)
   std::mutex write_mu_;  // one frame at a time on the socket
   std::mutex mu_;
   std::condition_variable changed_;

@@ -771,6 +771,75 @@ TEST(SbPlannerTest, StalledLargeRequestsStayWithinTheTransportQuota) {
   EXPECT_EQ(planner->Stop(), 0);
 }
 
+// Defect: a unary method's request was read whole by gRPC before the planner could look at the
+// call's token, so callers with no token (or a made-up one) could make it hold up to the
+// transport quota, which bounds it only softly (1,024 stalled 4 MiB calls over 8 connections
+// took a planner to 2.1-2.8 GiB, its pod's limit being 2 GiB). Now the token is checked before
+// any of the request is read (PlannerServiceImpl::Register), and such a call is finished at
+// once. Scaled down: 48 calls over 8 connections, half without a token and half with a wrong
+// one, each trying to send all but 1 byte of an 8 MiB request (384 MiB in all, which the
+// planner held before), with a quota too large to bound them. Every call is ended by the
+// planner and its peak grows by little; a job's calls then work as usual.
+TEST(SbPlannerTest, CallsWithoutAValidTokenAreRefusedBeforeTheirRequestIsRead) {
+  constexpr int kCalls = 48;
+  constexpr uint32_t kMessageBytes = 8 << 20;
+  std::unique_ptr<tools::PlannerProcess> planner = StartPlanner(
+      StateDir(),
+      {absl::StrCat("--max_message_bytes=", kMessageBytes), "--max_transport_memory_mb=4096"});
+  ASSERT_NE(planner, nullptr);
+  const int64_t idle_kib = ProcStatusKib(planner->pid(), "VmRSS");
+  ASSERT_GT(idle_kib, 0);
+  const std::string wrong_token(64, 'a');
+  {
+    std::vector<std::unique_ptr<test_support::RawGrpcConnection>> connections;
+    for (int c = 0; c < 8; ++c) {
+      connections.push_back(test_support::RawGrpcConnection::Connect(planner->port()));
+      ASSERT_NE(connections.back(), nullptr);
+    }
+    std::vector<uint32_t> streams(kCalls, 0);
+    std::vector<std::thread> callers;
+    for (int i = 0; i < kCalls; ++i) {
+      callers.emplace_back([&, i] {
+        test_support::RawGrpcConnection& connection = *connections[i % connections.size()];
+        streams[i] =
+            connection.StartCall(i % 4 < 2 ? "/sparsebalance.planner.v1.PlannerService/SubmitBatch"
+                                           : "/sparsebalance.planner.v1.PlannerService/ReportSteps",
+                                 kMessageBytes, i % 2 == 0 ? "" : wrong_token);
+        if (streams[i] != 0)
+          connections[i % connections.size()]->SendPayload(streams[i], kMessageBytes - 1, false,
+                                                           2.0);
+      });
+    }
+    for (std::thread& caller : callers) caller.join();
+    const int64_t grown_mib = (ProcStatusKib(planner->pid(), "VmHWM") - idle_kib) >> 10;
+    EXPECT_LT(grown_mib, 64) << "the planner's peak grew by " << grown_mib << " MiB while "
+                             << kCalls << " calls without a valid token sent 8 MiB each";
+    for (int i = 0; i < kCalls; ++i) {
+      EXPECT_TRUE(streams[i] == 0 || connections[i % connections.size()]->Ended(streams[i]))
+          << "call " << i << " was not ended by the planner";
+    }
+  }
+
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", planner->port());
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->CreateJob("after-the-attack", PlannerConfig{}).ok());
+  ASSERT_TRUE((*client)->JoinJob(0).ok());
+  std::vector<Sample> batch(1024);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].id = 1000 + i;
+    batch[i].length = 100;
+  }
+  ASSERT_TRUE((*client)->SubmitBatch(0, batch).ok());
+  absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(0, 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, FixedTimings(*plan, 0.2), 0.0);
+  ASSERT_TRUE(reported.ok()) << reported.status();
+  client->reset();
+  EXPECT_EQ(planner->Stop(), 0);
+}
+
 // Sets an environment variable for its scope: the processes started meanwhile inherit it.
 class ScopedEnv {
  public:
@@ -906,8 +975,12 @@ TEST(SbPlannerTest, AChangeThatCannotBeMadeDurableEndsThePlannerAndItsRestartSer
   v1::GetJobRequest get;
   get.set_job_id(job.job_id());
   v1::GetJobResponse got;
-  EXPECT_EQ(stub->GetJob(JobContext(job).get(), get, &got).error_code(),
-            grpc::StatusCode::NOT_FOUND);
+  // The restarted planner knows the job's token no more (it remembers deleted jobs' tokens in
+  // memory only): the call is refused before its request is read, saying why it may be so.
+  const grpc::Status gone = stub->GetJob(JobContext(job).get(), get, &got);
+  EXPECT_EQ(gone.error_code(), grpc::StatusCode::PERMISSION_DENIED) << gone.error_message();
+  EXPECT_TRUE(absl::StrContains(gone.error_message(), "its job was deleted"))
+      << gone.error_message();
   EXPECT_EQ(planner->Stop(), 0);
 }
 
