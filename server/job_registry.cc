@@ -11,7 +11,6 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "openssl/sha.h"
 #include "planner/plan_threads.h"
 #include "planner/planner.h"
 #include "planner/profile_table.h"
@@ -524,34 +523,22 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
   return job->deleted.load(std::memory_order_acquire) ? NotFound(job_id) : absl::OkStatus();
 }
 
-namespace {
-
-// The SHA-256 digest of `token`, 32 bytes.
-std::string TokenDigest(absl::string_view token) {
-  std::string digest(SHA256_DIGEST_LENGTH, '\0');
-  SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(),
-         reinterpret_cast<unsigned char*>(digest.data()));
-  return digest;
-}
-
-}  // namespace
-
 bool JobRegistry::IsSomeJobsToken(absl::string_view token) const {
   if (token.empty()) return false;
-  const std::string digest = TokenDigest(token);
+  const std::string digest = tools::Sha256(token);
   absl::ReaderMutexLock lock(&tokens_mu_);
   return token_digests_.count(digest) > 0;
 }
 
 void JobRegistry::AddToken(const std::string& token) {
-  const std::string digest = TokenDigest(token);
+  const std::string digest = tools::Sha256(token);
   absl::MutexLock lock(&tokens_mu_);
   token_digests_.insert(digest);
 }
 
 void JobRegistry::RetireToken(const std::string& token) {
   absl::MutexLock lock(&tokens_mu_);
-  retired_order_.push_back(TokenDigest(token));
+  retired_order_.push_back(tools::Sha256(token));
   if (retired_order_.size() > kMaxRetiredTokens) {
     token_digests_.erase(retired_order_.front());
     retired_order_.pop_front();

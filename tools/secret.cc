@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/sha.h>
 
 #include <climits>
 #include <cstdint>
@@ -42,6 +43,13 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
     diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
   }
   return diff == 0;
+}
+
+std::string Sha256(absl::string_view data) {
+  std::string digest(SHA256_DIGEST_LENGTH, '\0');
+  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(),
+         reinterpret_cast<unsigned char*>(digest.data()));
+  return digest;
 }
 
 absl::StatusOr<std::string> HmacSha256(absl::string_view key, absl::string_view message) {

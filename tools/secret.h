@@ -34,6 +34,10 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
 // Bytes of an HMAC-SHA256 value.
 inline constexpr size_t kHmacSha256Bytes = 32;
 
+// The SHA-256 digest of `data`: 32 raw bytes (the planner keys job tokens by theirs, so that a
+// lookup's time tells nothing about how close an offered token is to a real one).
+std::string Sha256(absl::string_view data);
+
 // HMAC-SHA256 (RFC 2104 over SHA-256) of `message` under `key`: kHmacSha256Bytes raw bytes.
 // INTERNAL when OpenSSL fails (it does not for keys under 2 GiB).
 absl::StatusOr<std::string> HmacSha256(absl::string_view key, absl::string_view message);

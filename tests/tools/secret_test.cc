@@ -1,6 +1,6 @@
 // Random secrets and their comparison (tools/secret.h): bytes and hex of the asked length,
 // different on every draw, a comparison that looks at whole strings, HMAC-SHA256 as RFC 4231
-// computes it, and challenge-response proofs that cover every field.
+// computes it, SHA-256, and challenge-response proofs that cover every field.
 #include "tools/secret.h"
 
 #include <set>
@@ -52,6 +52,17 @@ std::string FromHex(const std::string& hex) { return absl::HexStringToBytes(hex)
 
 // RFC 4231 section 4: test cases 1 (a 20-byte key), 2 (a key shorter than the output), 6 (a key
 // longer than SHA-256's block, hashed first) and 7 (a long key and a long message).
+// FIPS 180-2's examples, and the empty string.
+TEST(SecretTest, Sha256MatchesKnownDigests) {
+  EXPECT_EQ(absl::BytesToHexString(Sha256("")),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(absl::BytesToHexString(Sha256("abc")),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(
+      absl::BytesToHexString(Sha256("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")),
+      "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+}
+
 TEST(SecretTest, HmacSha256MatchesTheRfc4231TestVectors) {
   struct Case {
     std::string key;
