@@ -104,6 +104,29 @@ std::vector<MicroBatchTiming> FixedTimings(const RankStepPlan& plan, double atte
   return timings;
 }
 
+// A job of one rank on the planner at `port` (a fresh client with the job's token): created
+// with `config`, joined, `samples` documents of 100 tokens submitted, planned and reported.
+// What the attack tests ask of a planner once its attackers have gone.
+void ExpectAJobRunsOneStep(int port, const PlannerConfig& config, int samples) {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port);
+  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->CreateJob("after-the-attack", config).ok());
+  ASSERT_TRUE((*client)->JoinJob(0).ok());
+  std::vector<Sample> batch(samples);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].id = 1000000 + i;
+    batch[i].length = 100;
+  }
+  absl::StatusOr<std::vector<uint64_t>> submitted = (*client)->SubmitBatch(0, batch);
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(0, 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, FixedTimings(*plan, 0.2), 0.0);
+  ASSERT_TRUE(reported.ok()) << reported.status();
+}
+
 // sb-planner on free loopback ports with a short drain, once it listens; its log is in the
 // test's temporary folder (never on `state_dir`'s disk, which a test may remount read-only).
 // `extra` flags come last and so win over these.
@@ -748,26 +771,9 @@ TEST(SbPlannerTest, StalledLargeRequestsStayWithinTheTransportQuota) {
         << "the planner's peak grew by " << grown_mib << " MiB while 24 calls sent 32 MiB each";
   }  // the attackers' connections close
 
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", planner->port());
-  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
-  ASSERT_TRUE(client.ok()) << client.status();
   PlannerConfig config;
   config.micro_batches = 64;  // 65,536 samples of 100 tokens in 64 micro-batches of 131,072
-  ASSERT_TRUE((*client)->CreateJob("after-the-attack", config).ok());
-  ASSERT_TRUE((*client)->JoinJob(0).ok());
-  std::vector<Sample> batch(65536);
-  for (size_t i = 0; i < batch.size(); ++i) {
-    batch[i].id = 1000000 + i;
-    batch[i].length = 100;
-  }
-  absl::StatusOr<std::vector<uint64_t>> submitted = (*client)->SubmitBatch(0, batch);
-  ASSERT_TRUE(submitted.ok()) << submitted.status();
-  absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(0, 0);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, FixedTimings(*plan, 0.2), 0.0);
-  ASSERT_TRUE(reported.ok()) << reported.status();
-  client->reset();
+  ExpectAJobRunsOneStep(planner->port(), config, 65536);
   EXPECT_EQ(planner->Stop(), 0);
 }
 
@@ -820,23 +826,7 @@ TEST(SbPlannerTest, CallsWithoutAValidTokenAreRefusedBeforeTheirRequestIsRead) {
     }
   }
 
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", planner->port());
-  absl::StatusOr<std::unique_ptr<PlannerClient>> client = PlannerClient::Connect(options);
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->CreateJob("after-the-attack", PlannerConfig{}).ok());
-  ASSERT_TRUE((*client)->JoinJob(0).ok());
-  std::vector<Sample> batch(1024);
-  for (size_t i = 0; i < batch.size(); ++i) {
-    batch[i].id = 1000 + i;
-    batch[i].length = 100;
-  }
-  ASSERT_TRUE((*client)->SubmitBatch(0, batch).ok());
-  absl::StatusOr<RankStepPlan> plan = (*client)->GetRankPlan(0, 0);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  absl::StatusOr<bool> reported = (*client)->ReportStep(0, 0, FixedTimings(*plan, 0.2), 0.0);
-  ASSERT_TRUE(reported.ok()) << reported.status();
-  client->reset();
+  ExpectAJobRunsOneStep(planner->port(), PlannerConfig{}, 1024);
   EXPECT_EQ(planner->Stop(), 0);
 }
 
