@@ -11,11 +11,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <functional>
 #include <future>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -35,6 +37,17 @@ inline int ConnectRaw(const std::string& address) {
     return -1;
   }
   return fd;
+}
+
+// How many of `fds` are still open from the other end: nothing to read yet, and not closed.
+inline int StillOpen(const std::vector<int>& fds) {
+  int open = 0;
+  for (const int fd : fds) {
+    char byte;
+    const ssize_t n = recv(fd, &byte, 1, MSG_DONTWAIT);
+    open += n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? 1 : 0;
+  }
+  return open;
 }
 
 // Whether all of `bytes` went out on `fd`.

@@ -37,6 +37,7 @@ using test_support::RawListener;
 using test_support::ReadUntilClosed;
 using test_support::SendRaw;
 using test_support::ServeOnce;
+using test_support::StillOpen;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -456,13 +457,8 @@ TEST(StepSyncTest, IdleConnectionsBeyondTheCapAreDroppedAndRanksStillGetThrough)
   EXPECT_EQ((*hub)->refused_connections(), kExtra);
   // The others are still held (the hub closes none of them before the deadline).
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  int open = 0;
-  for (size_t i = kExtra; i < idle.size(); ++i) {
-    char byte;
-    const ssize_t n = recv(idle[i], &byte, 1, MSG_DONTWAIT);
-    open += n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? 1 : 0;
-  }
-  EXPECT_EQ(open, kMaxPendingAuthConnections);
+  EXPECT_EQ(StillOpen(std::vector<int>(idle.begin() + kExtra, idle.end())),
+            kMaxPendingAuthConnections);
   // Honest ranks connect, register, look up and all-reduce while the flood holds the cap; each
   // of their connections that finds the cap full drops one more idle one (the first does).
   auto rank1 = std::async(std::launch::async, [&] {
