@@ -31,21 +31,28 @@
 
 namespace sparsebalance::test_support {
 
+// A TCP connection to 127.0.0.1:`port`; -1 when it cannot connect.
+inline int ConnectLoopback(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 class RawGrpcConnection {
  public:
   // A connection to 127.0.0.1:`port` that has sent HTTP/2's preface and its SETTINGS; null when
   // it cannot connect.
   static std::unique_ptr<RawGrpcConnection> Connect(int port) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    const int fd = ConnectLoopback(port);
     if (fd < 0) return nullptr;
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-      close(fd);
-      return nullptr;
-    }
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     std::unique_ptr<RawGrpcConnection> connection(new RawGrpcConnection(fd));

@@ -50,15 +50,8 @@ using test_support::HealthStatus;
 
 // GET /metrics over a plain socket.
 std::string Scrape(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    close(fd);
-    return "";
-  }
+  const int fd = test_support::ConnectLoopback(port);
+  if (fd < 0) return "";
   const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
   if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
     close(fd);
