@@ -643,6 +643,54 @@ TEST(CudaEmulatorTest, BarriersAndWarpExchangesOrderTheThreads) {
   }
 }
 
+// Every thread's stack and registers survive the switches: each of up to 1,024 threads recurses
+// through barriers, keeping integers, doubles and a local array live across each one, and a
+// second launch of another shape runs on the reused fibers.
+int64_t KeepAcrossBarriers(unsigned t, int depth, double* scaled) {
+  if (depth == 0) return 0;
+  int64_t local[16];
+  for (int i = 0; i < 16; ++i) local[i] = static_cast<int64_t>(t) * 31 + depth * 7 + i;
+  const double factor = 1.0 + depth * 0.25 + t * 1e-3;
+  emu::SyncThreads();  // every thread switches away and back with all of the above live
+  const int64_t below = KeepAcrossBarriers(t, depth - 1, scaled);
+  emu::SyncThreads();
+  *scaled = *scaled * factor + static_cast<double>(local[depth % 16]);
+  int64_t sum = below;
+  for (int64_t v : local) sum += v;
+  return sum;
+}
+
+TEST(CudaEmulatorTest, EachThreadKeepsItsStackAndRegistersAcrossBarriers) {
+  constexpr int kDepth = 12;
+  for (unsigned threads : {1024u, 33u}) {
+    SCOPED_TRACE(::testing::Message() << threads << " threads");
+    emu::LaunchShape shape;
+    shape.grid = {2, 1, 1};
+    shape.block = {threads, 1, 1};
+    std::vector<int64_t> sums(2 * threads, -1);
+    std::vector<double> scaled(2 * threads, 0.0);
+    ASSERT_TRUE(emu::Run("Keep", shape, [&] {
+                  const unsigned t = emu::Current().thread.x;
+                  const unsigned slot = emu::Current().block.x * threads + t;
+                  double value = 1.0;
+                  sums[slot] = KeepAcrossBarriers(t, kDepth, &value);
+                  scaled[slot] = value;
+                }).ok());
+    for (unsigned slot = 0; slot < 2 * threads; ++slot) {
+      const unsigned t = slot % threads;
+      double value = 1.0;
+      int64_t sum = 0;
+      for (int depth = 1; depth <= kDepth; ++depth) {  // the innermost call finishes first
+        value = value * (1.0 + depth * 0.25 + t * 1e-3) +
+                static_cast<double>(int64_t{t} * 31 + depth * 7 + depth % 16);
+        for (int i = 0; i < 16; ++i) sum += int64_t{t} * 31 + depth * 7 + i;
+      }
+      ASSERT_EQ(sums[slot], sum) << "thread " << t;
+      ASSERT_EQ(scaled[slot], value) << "thread " << t;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace sparsebalance
