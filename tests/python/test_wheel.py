@@ -1,16 +1,22 @@
 """The package as a user gets it: `python -m build --wheel` makes a wheel of this checkout
 (scikit-build-core driving the project's CMake build), a fresh virtual environment installs it
-with `pip install "<wheel>[torch]"` (numpy and current torch from PyPI), and a script run there,
+with `pip install "<wheel>[torch]"` (numpy and current torch, see below), and a script run there,
 without the build tree on its path, imports it, makes a round trip with a real sb-planner and
 runs the attention op.
 
-Slow on purpose (it compiles the extension and installs torch): CTest runs it alone. Environment:
-  SB_WHEEL_BUILD_DIR  CMake build directory of the wheel (kept between runs: rebuilds are quick)
-  SB_SOURCE_DIR       the checkout to package (default: this file's)
+Slow on purpose (it compiles the extension): CTest runs it alone. The fresh environment sees
+the torch of the interpreter running this test (the project venv's current torch from PyPI)
+through a .pth file, so pip resolves the `[torch]` extra against that installed torch instead of
+downloading and unpacking about 5 GB again (about 100 s); SB_WHEEL_FRESH_TORCH=1 installs torch
+from PyPI into the fresh environment as a user's first install does. Environment:
+  SB_WHEEL_BUILD_DIR    CMake build directory of the wheel (kept between runs: rebuilds are quick)
+  SB_SOURCE_DIR         the checkout to package (default: this file's)
+  SB_WHEEL_FRESH_TORCH  1: torch from PyPI in the fresh environment, not the running one's
 """
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -56,14 +62,40 @@ class FreshVenv:
         self.python, self.wheel = python, wheel
 
 
+def installed_torch_site():
+    """The site directory that holds the running interpreter's torch, or None to install torch
+    from PyPI (SB_WHEEL_FRESH_TORCH=1, or no torch here)."""
+    if os.environ.get("SB_WHEEL_FRESH_TORCH") == "1":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return pathlib.Path(torch.__file__).resolve().parents[1]
+
+
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory, wheel):
     venv = tmp_path_factory.mktemp("venv")
     run(["/usr/bin/python3", "-m", "venv", str(venv)])
     python = venv / "bin" / "python"
+    torch_site = installed_torch_site()
+    if torch_site is not None:
+        # After the fresh environment's own site-packages on sys.path: what pip installs there
+        # (the wheel) comes first, and pip counts the torch found here as installed.
+        purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
+        (pathlib.Path(purelib.stdout.strip()) / "sb_test_torch.pth").write_text(f"{torch_site}\n")
     start = time.monotonic()
-    run([str(python), "-m", "pip", "install", "--quiet", f"{wheel}[torch]"])
-    print(f"wheel and torch installed in {time.monotonic() - start:.0f} s")
+    installed = run([str(python), "-m", "pip", "install", "--disable-pip-version-check",
+                     f"{wheel}[torch]"])
+    if torch_site is not None:
+        # The extra was resolved against the torch already there, and the wheel installed.
+        assert "Requirement already satisfied: torch" in installed.stdout, installed.stdout
+        done = re.search(r"^Successfully installed (.*)$", installed.stdout, re.MULTILINE)
+        assert done and re.search(r"\bsparsebalance-", done.group(1)), installed.stdout
+        assert not re.search(r"\btorch-", done.group(1)), installed.stdout
+    print(f"wheel {'(torch from ' + str(torch_site) + ') ' if torch_site else 'and torch '}"
+          f"installed in {time.monotonic() - start:.0f} s")
     yield FreshVenv(python, wheel)
     shutil.rmtree(venv, ignore_errors=True)  # about 5 GB (torch): pytest keeps its tmp dirs
 
