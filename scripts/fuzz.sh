@@ -7,6 +7,8 @@
 #                    starts from the seeds in tests/fuzz/corpus/registry/
 #   FUZZ_SECONDS=600 bash scripts/fuzz.sh                 # a longer run
 #   FUZZ_TARGETS=registry_fuzzer bash scripts/fuzz.sh     # one target
+# The targets run side by side, one per core (FUZZ_JOBS, default nproc; 1 runs them in turn),
+# each into $FUZZ_BUILD_DIR/<name>.log, printed when all have finished.
 # A crash leaves its input in $FUZZ_BUILD_DIR/artifacts/; replay it with
 #   REGISTRY_FUZZER_TRACE=1 $FUZZ_BUILD_DIR/tests/fuzz/registry_fuzzer FILE
 set -euo pipefail
@@ -24,14 +26,33 @@ cmake -S . -B "$FUZZ_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 cmake --build "$FUZZ_BUILD_DIR" --target $FUZZ_TARGETS -j "$(nproc)"
 mkdir -p "$FUZZ_BUILD_DIR/artifacts"
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-for target in $FUZZ_TARGETS; do
-  name=${target%_fuzzer}
-  corpus="$FUZZ_BUILD_DIR/corpus/$name"  # new inputs go here, not into the repository
+FUZZ_JOBS=${FUZZ_JOBS:-$(nproc)}
+fuzz_one() {  # target: runs it, its output into $FUZZ_BUILD_DIR/<name>.log
+  local target=$1 name=${1%_fuzzer}
+  local corpus="$FUZZ_BUILD_DIR/corpus/$name"  # new inputs go here, not into the repository
   mkdir -p "$corpus"
-  seeds=()
+  local seeds=()
   if [ -d "tests/fuzz/corpus/$name" ]; then seeds=("tests/fuzz/corpus/$name"); fi
-  echo "fuzz.sh: $target for ${FUZZ_SECONDS}s"
   "$FUZZ_BUILD_DIR/tests/fuzz/$target" -max_total_time="$FUZZ_SECONDS" -max_len=4096 \
     -timeout=10 -print_final_stats=1 -artifact_prefix="$FUZZ_BUILD_DIR/artifacts/$name-" \
-    "$corpus" "${seeds[@]}"
+    "$corpus" "${seeds[@]}" >"$FUZZ_BUILD_DIR/$name.log" 2>&1
+}
+pids=()
+names=()
+status=0
+for target in $FUZZ_TARGETS; do
+  echo "fuzz.sh: $target for ${FUZZ_SECONDS}s"
+  fuzz_one "$target" &
+  pids+=($!)
+  names+=("${target%_fuzzer}")
+  if [ "${#pids[@]}" -ge "$FUZZ_JOBS" ]; then
+    wait "${pids[0]}" || status=1
+    pids=("${pids[@]:1}")
+  fi
 done
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+for name in "${names[@]}"; do cat "$FUZZ_BUILD_DIR/$name.log"; done
+if [ "$status" -ne 0 ]; then
+  echo "fuzz.sh: a target failed; its input is in $FUZZ_BUILD_DIR/artifacts/" >&2
+  exit 1
+fi
