@@ -103,7 +103,8 @@ void Switch(Context* save, const Context& load) { sb_emu_switch(&save->sp, load.
 // address, with the stack pointer 8 bytes past a 16-byte boundary at entry as the ABI wants.
 // entry never returns.
 void PrepareStack(Context* context, char* stack, size_t bytes, void (*entry)()) {
-  auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15};
+  char* top = stack + bytes;
+  top -= reinterpret_cast<uintptr_t>(top) % 16;
   void** sp = reinterpret_cast<void**>(top);
   *--sp = nullptr;
   *--sp = reinterpret_cast<void*>(entry);
