@@ -275,7 +275,10 @@ def main(argv=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(run_rank, args=(args.ranks, port, args), nprocs=args.ranks, join=True)
+        # Forked, not spawned: the ranks start with this process's torch already imported
+        # (spawning imports it again in each); nothing here has started a thread yet.
+        mp.start_processes(run_rank, args=(args.ranks, port, args), nprocs=args.ranks,
+                           join=True, start_method="fork")
 
 
 if __name__ == "__main__":
