@@ -33,7 +33,9 @@ class LocalPlanner:
             state_dir = self._temporary.name
         self.process = subprocess.Popen(
             [binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-             f"--state_dir={os.fspath(state_dir)}", "--drain_seconds=1"],
+             f"--state_dir={os.fspath(state_dir)}", "--drain_seconds=1",
+             # No load balancer watches a local planner's health: no notice before the drain.
+             "--drain_notice_seconds=0"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.address = None
         self.metrics_url = None
