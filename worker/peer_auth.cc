@@ -4,6 +4,9 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <ostream>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "tools/secret.h"
 
@@ -46,6 +49,42 @@ std::string ListenerEndpoint(int fd, bool listening) {
     return "";
   }
   return absl::StrCat(host, ":", ntohs(addr.sin_port));
+}
+
+RefusalLog::RefusalLog(std::ostream& out, int burst, absl::Duration interval,
+                       std::function<absl::Time()> clock)
+    : out_(out), burst_(burst), interval_(interval), clock_(std::move(clock)) {}
+
+void RefusalLog::Write(absl::string_view line) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_();
+  if (written_ >= burst_ && now - last_ < interval_) {
+    ++unwritten_;
+    ++unwritten_since_last_;
+    return;
+  }
+  std::string text(line);
+  if (written_ >= burst_) {
+    if (!text.empty() && text.back() == '\n') text.pop_back();
+    absl::StrAppend(&text, " [", unwritten_since_last_,
+                    unwritten_since_last_ == 1 ? " refusal" : " refusals",
+                    " since the last line not written: at most one line every ",
+                    absl::FormatDuration(interval_), " after the first ", burst_, "]\n");
+  }
+  out_ << text << std::flush;
+  ++written_;
+  unwritten_since_last_ = 0;
+  last_ = now;
+}
+
+int64_t RefusalLog::written() const {
+  absl::MutexLock lock(&mu_);
+  return written_;
+}
+
+int64_t RefusalLog::unwritten() const {
+  absl::MutexLock lock(&mu_);
+  return unwritten_;
 }
 
 }  // namespace sparsebalance

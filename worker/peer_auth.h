@@ -16,10 +16,17 @@
 #define SPARSEBALANCE_WORKER_PEER_AUTH_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <iostream>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace sparsebalance {
 
@@ -52,6 +59,41 @@ absl::StatusOr<std::string> AuthProof(absl::string_view secret, AuthRole role,
 // The listener's "ip:port" of the connected TCP socket `fd`: its own address when `listening`
 // (an accepted socket), its peer's when not (a connected one). Empty when the socket has none.
 std::string ListenerEndpoint(int fd, bool listening);
+
+// The lines a listener writes about the connections it refuses, bounded: a local process that
+// connects in a loop must not fill a worker's log (every refusal wrote one line before). The
+// first `burst` lines are written; after that at most one line every `interval`, which says how
+// many refusals since went unwritten. Every refusal is still counted by its listener
+// (refused_connections()). Thread-safe: each line is one write, whole.
+//
+//   RefusalLog log;  // to std::cerr: 10 lines, then at most one a minute
+//   log.Write("shard exchange: rank 3 dropped an incoming connection: ...\n");
+class RefusalLog {
+ public:
+  static constexpr int kDefaultBurst = 10;
+
+  // `clock` is absl::Now but in tests.
+  explicit RefusalLog(std::ostream& out = std::cerr, int burst = kDefaultBurst,
+                      absl::Duration interval = absl::Minutes(1),
+                      std::function<absl::Time()> clock = absl::Now);
+
+  // Writes `line` (ending in a newline), or counts it when the bound is reached.
+  void Write(absl::string_view line);
+
+  int64_t written() const;
+  int64_t unwritten() const;  // refusals not written so far (also those reported in a later line)
+
+ private:
+  std::ostream& out_;
+  const int burst_;
+  const absl::Duration interval_;
+  const std::function<absl::Time()> clock_;
+  mutable absl::Mutex mu_;
+  int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t unwritten_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t unwritten_since_last_ ABSL_GUARDED_BY(mu_) = 0;  // since the last line written
+  absl::Time last_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
 
 }  // namespace sparsebalance
 

@@ -272,10 +272,9 @@ void ShardExchange::AcceptLoop() {
 void ShardExchange::ReportRefused(int from, const std::string& why) {
   ++refused_connections_;
   // One write, so that the lines of readers refusing at once do not interleave.
-  std::cerr << absl::StrCat("shard exchange: rank ", rank_, " dropped an incoming connection",
-                            from >= 0 ? absl::StrCat(" of rank ", from) : std::string(), ": ", why,
-                            " (a stray or hostile local process?)\n")
-            << std::flush;
+  refusal_log_.Write(absl::StrCat("shard exchange: rank ", rank_, " dropped an incoming connection",
+                                  from >= 0 ? absl::StrCat(" of rank ", from) : std::string(), ": ",
+                                  why, " (a stray or hostile local process?)\n"));
 }
 
 bool ShardExchange::Authenticate(int fd, int64_t reader) {

@@ -28,13 +28,14 @@
 // The port takes any local connection, of any user: one that does not prove the secret
 // (checked in constant time) within auth_timeout_seconds, or then sends a frame whose header
 // names no other rank of the job, no known kind or more payload than the job's shapes allow,
-// is refused: closed, counted (refused_connections()) and reported in one line on stderr that
-// never holds the secret, and nothing it sent reaches Receive; the exchange goes on serving
-// its peers. What the handshake leaves open is the hub's (worker/step_sync.h). Each connection
-// has a reader thread, joined as the next connection comes in once it has ended, so that
-// refused connections leave none behind; at most kMaxPendingAuthConnections of them wait to
-// authenticate (worker/peer_auth.h), a newer connection dropping the oldest (refused the same
-// way), so a flood of idle connections holds a bounded number of threads.
+// is refused: closed, counted (refused_connections()) and reported in one line on stderr (the first
+// ten, then one a minute: RefusalLog) that never holds the secret, and nothing it sent reaches
+// Receive; the exchange goes on serving its peers. What the handshake leaves open is the hub's
+// (worker/step_sync.h). Each connection has a reader thread, joined as the next connection comes in
+// once it has ended, so that refused connections leave none behind; at most
+// kMaxPendingAuthConnections of them wait to authenticate (worker/peer_auth.h), a newer connection
+// dropping the oldest (refused the same way), so a flood of idle connections holds a bounded number
+// of threads.
 //
 //   ShardExchangeOptions options;
 //   options.secret = secret;  // the run's (sb-run's --sync_secret_file)
@@ -63,6 +64,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "worker/peer_auth.h"
 
 namespace sparsebalance {
 
@@ -129,6 +131,8 @@ class ShardExchange {
   // Incoming connections dropped for not proving the secret (in time, or before
   // kMaxPendingAuthConnections newer ones came), or for a frame header no peer of the job sends.
   int64_t refused_connections() const { return refused_connections_.load(); }
+  // The lines written about them (the first few, then one a minute: RefusalLog).
+  const RefusalLog& refusal_log() const { return refusal_log_; }
 
  private:
   ShardExchange(int rank, std::string hub_address, const ShardExchangeOptions& options,
@@ -155,6 +159,7 @@ class ShardExchange {
   std::atomic<int64_t> bytes_sent_{0};
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> refused_connections_{0};
+  RefusalLog refusal_log_;
 
   std::mutex send_mu_;
   std::map<int, int> out_fds_;  // peer -> connected socket

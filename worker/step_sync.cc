@@ -178,9 +178,10 @@ void StepSyncHub::Serve() {
   // before it is told so; the caller closes it.
   auto refuse = [&](int fd, absl::string_view why) {
     ++refused_connections_;
-    std::cerr << absl::StrCat("step sync: the hub at ", address(), " dropped a connection: ", why,
-                              " (a stray or hostile local process, or a worker of another run?)\n")
-              << std::flush;
+    refusal_log_.Write(absl::StrCat("step sync: the hub at ", address(),
+                                    " dropped a connection: ", why,
+                                    " (a stray or hostile local process, or a worker of another "
+                                    "run?)\n"));
     SendAll(fd, "DENIED\n");
   };
   // Checks an AUTH line against the challenge `peer` was sent and, when it proves the secret,

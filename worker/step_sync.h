@@ -32,15 +32,15 @@
 // nothing and is refused: UNAUTHENTICATED naming the address). A connection is acted on only
 // after its AUTH line proves the secret (checked in constant time); a wrong or missing proof,
 // none within auth_timeout_seconds, or a first line longer than any AUTH line, is answered
-// DENIED and closed, counted (refused_connections()) and reported in one line on stderr that
-// never holds the secret. At most kMaxPendingAuthConnections connections wait to authenticate:
-// a newer one drops the oldest (refused the same way). Once authenticated, a line longer than
-// any of the protocol's (512 bytes) closes its connection, with a line on stderr. Left open: a
-// local process can still flood the port fast enough to crowd honest connections out (denial of
-// service, not access), and loopback traffic after the handshake is not encrypted or
-// authenticated frame by frame, which only root (CAP_NET_RAW) could read or alter, and root can
-// read the secret's file anyway. There is no unauthenticated mode: an empty or short secret is
-// refused (CheckSyncSecret), tests included.
+// DENIED and closed, counted (refused_connections()) and reported in one line on stderr (the first
+// ten, then one a minute: RefusalLog) that never holds the secret. At most
+// kMaxPendingAuthConnections connections wait to authenticate: a newer one drops the oldest
+// (refused the same way). Once authenticated, a line longer than any of the protocol's (512 bytes)
+// closes its connection, with a line on stderr. Left open: a local process can still flood the port
+// fast enough to crowd honest connections out (denial of service, not access), and loopback traffic
+// after the handshake is not encrypted or authenticated frame by frame, which only root
+// (CAP_NET_RAW) could read or alter, and root can read the secret's file anyway. There is no
+// unauthenticated mode: an empty or short secret is refused (CheckSyncSecret), tests included.
 //
 //   auto hub = StepSyncHub::Start(/*ranks=*/4, {secret});  // in the launcher
 //   auto sync = StepSyncClient::Connect((*hub)->address(), secret, rank);
@@ -59,6 +59,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "worker/peer_auth.h"
 
 namespace sparsebalance {
 
@@ -91,6 +92,8 @@ class StepSyncHub {
   // Connections dropped for a wrong or missing proof, none in time, or to make room for newer
   // ones (kMaxPendingAuthConnections).
   int64_t refused_connections() const { return refused_connections_.load(); }
+  // The lines written about them (the first few, then one a minute: RefusalLog).
+  const RefusalLog& refusal_log() const { return refusal_log_; }
 
  private:
   StepSyncHub(int ranks, StepSyncHubOptions options, int listen_fd, int port);
@@ -101,6 +104,7 @@ class StepSyncHub {
   const int listen_fd_;
   const int port_;
   std::atomic<int64_t> refused_connections_{0};
+  RefusalLog refusal_log_;
   int wake_fds_[2] = {-1, -1};  // a pipe that ends Serve()
   std::thread thread_;
 };

@@ -588,6 +588,9 @@ TEST(ShardExchangeTest, RefusedConnectionsLeaveNoThreadsBehind) {
   refuse(300);
   EXPECT_EQ(a->refused_connections(), 320);
   EXPECT_LT(CountLines("maps"), mappings + 50) << "the readers of refused connections are kept";
+  // Each was counted; only the first few were written to stderr (RefusalLog).
+  EXPECT_EQ(a->refusal_log().written(), RefusalLog::kDefaultBurst);
+  EXPECT_EQ(a->refusal_log().unwritten(), 320 - RefusalLog::kDefaultBurst);
 
   // 50 connections that send nothing hold 50 readers, until the deadline.
   const int threads = RunningThreads();

@@ -16,6 +16,7 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/worker/raw_socket.h"
@@ -474,6 +476,56 @@ TEST(StepSyncTest, IdleConnectionsBeyondTheCapAreDroppedAndRanksStillGetThrough)
   EXPECT_LE((*hub)->refused_connections(), kExtra + 4) << "4 honest connections";
   EXPECT_THAT(log, HasSubstr("newer connections waited to"));
   for (int fd : idle) close(fd);
+}
+
+// Every refused connection wrote a line to stderr: a local process connecting in a loop could
+// fill a worker's log. The first ten are written, the rest counted.
+TEST(StepSyncTest, RefusalsPastTheFirstTenAreCountedNotEachWritten) {
+  absl::StatusOr<std::unique_ptr<StepSyncHub>> hub = StartHub(/*ranks=*/1);
+  ASSERT_TRUE(hub.ok()) << hub.status();
+  const std::string address = (*hub)->address();
+  constexpr int kRefused = 60;
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < kRefused; ++i) {
+    const int fd = ConnectRaw(address);
+    ASSERT_GE(fd, 0);
+    ASSERT_FALSE(ReadChallenge(fd).empty());
+    ASSERT_TRUE(SendRaw(fd, "AUTH 00 00\n"));  // no proof of anything
+    EXPECT_EQ(ReadUntilClosed(fd, 10), "DENIED\n");
+    close(fd);
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ((*hub)->refused_connections(), kRefused);
+  const std::vector<absl::string_view> lines = absl::StrSplit(log, '\n', absl::SkipEmpty());
+  EXPECT_EQ(lines.size(), static_cast<size_t>(RefusalLog::kDefaultBurst)) << log;
+  EXPECT_EQ((*hub)->refusal_log().unwritten(), kRefused - RefusalLog::kDefaultBurst);
+  // The hub serves on.
+  std::unique_ptr<StepSyncClient> rank0 = ConnectOrDie(address, 0);
+  EXPECT_EQ(rank0 ? rank0->AllReduceMax(1, kPlanPhase, 2.0, 30).value_or(-1) : -1, 2.0);
+}
+
+TEST(RefusalLogTest, WritesTheFirstLinesThenOneAnIntervalSayingHowManyWentUnwritten) {
+  std::ostringstream out;
+  absl::Time now = absl::FromUnixSeconds(1000);
+  RefusalLog log(out, /*burst=*/2, absl::Minutes(1), [&now] { return now; });
+  for (int i = 0; i < 5; ++i) log.Write(absl::StrCat("refused ", i, "\n"));
+  EXPECT_EQ(out.str(), "refused 0\nrefused 1\n");
+  EXPECT_EQ(log.written(), 2);
+  EXPECT_EQ(log.unwritten(), 3);
+  now += absl::Seconds(59);
+  log.Write("refused 5\n");
+  EXPECT_EQ(log.written(), 2);
+  now += absl::Seconds(2);  // a minute after the last line written
+  log.Write("refused 6\n");
+  EXPECT_EQ(log.written(), 3);
+  EXPECT_EQ(log.unwritten(), 4);
+  EXPECT_THAT(out.str(), HasSubstr("refused 6 [4 refusals since the last line not written: at "
+                                   "most one line every 1m after the first 2]\n"));
+  log.Write("refused 7\n");  // the interval starts again
+  EXPECT_EQ(log.written(), 3);
+  now += absl::Minutes(1);
+  log.Write("refused 8\n");
+  EXPECT_THAT(out.str(), HasSubstr("refused 8 [1 refusal since the last line not written"));
 }
 
 // An authenticated peer's bytes went into its buffer without bound until a newline came: one
