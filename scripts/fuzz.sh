@@ -7,6 +7,7 @@
 #                    starts from the seeds in tests/fuzz/corpus/registry/
 #   FUZZ_SECONDS=600 bash scripts/fuzz.sh                 # a longer run
 #   FUZZ_TARGETS=registry_fuzzer bash scripts/fuzz.sh     # one target
+#   FUZZ_BUILD_ONLY=1 bash scripts/fuzz.sh                # build them, run nothing
 # The targets run side by side, one per core (FUZZ_JOBS, default nproc; 1 runs them in turn),
 # each into $FUZZ_BUILD_DIR/<name>.log, printed when all have finished.
 # A crash leaves its input in $FUZZ_BUILD_DIR/artifacts/; replay it with
@@ -25,6 +26,11 @@ cmake -S . -B "$FUZZ_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 # shellcheck disable=SC2086  # FUZZ_TARGETS is a list
 cmake --build "$FUZZ_BUILD_DIR" --target $FUZZ_TARGETS -j "$(nproc)"
 mkdir -p "$FUZZ_BUILD_DIR/artifacts"
+# FUZZ_BUILD_ONLY=1: build, run nothing (scripts/test.sh builds in the background, runs later).
+if [ "${FUZZ_BUILD_ONLY:-0}" = "1" ]; then
+  echo "fuzz.sh: built $FUZZ_TARGETS in $FUZZ_BUILD_DIR"
+  exit 0
+fi
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 FUZZ_JOBS=${FUZZ_JOBS:-$(nproc)}
 fuzz_one() {  # target: runs it, its output into $FUZZ_BUILD_DIR/<name>.log

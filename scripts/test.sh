@@ -5,11 +5,18 @@
 # and command-line tests), builds a project against the installed package, runs both fuzzers
 # briefly, runs the planner's and the registry's threaded tests under ThreadSanitizer
 # (scripts/tsan.sh), and runs the planning benchmark and the service load generator once,
-# briefly.
+# briefly. Each phase's time is printed as it ends, and all of them at the end.
+#
+# Work that needs no CPU of its own runs beside work that leaves CPU idle, at the lowest priority
+# (nice 19), so that it takes only what the foreground leaves: the ThreadSanitizer and fuzzer
+# builds beside the venv's download and the main build, the lint beside CTest (whose tests wait
+# on processes, sockets and timeouts much of the time). Each is waited for, and its log printed
+# if it failed, where its result is needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export BUILD_DIR=${BUILD_DIR:-build-test}
+mkdir -p "$BUILD_DIR"
 # Each phase's wall time, printed as it ends ("test.sh: build took 512 s") and summed at the end:
 # where the 40-minute budget goes.
 phase_start=$SECONDS
@@ -20,7 +27,36 @@ phase_done() {
   phases="$phases $1=${took}s"
   phase_start=$SECONDS
 }
+# Background jobs run in sessions of their own (setsid); one still running when this script
+# ends (a failure, or a signal) is stopped with everything it started.
+background=()
+stop_background() {
+  for pid in "${background[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
+}
+trap stop_background EXIT
+trap 'exit 130' INT TERM
+# Waits for background job $1; on failure prints the last lines of log $2 and fails.
+wait_for() {
+  local pid=$1 log=$2
+  if ! wait "$pid"; then
+    tail -n 60 "$log"
+    echo "test.sh: failed, see $log" >&2
+    exit 1
+  fi
+}
+
+# The planner's and the registry's threaded tests, which make no report at all under TSan.
+tsan_tests="bench/sb-plan-digest tests/planner/plan_threads_test tests/planner/planner_test
+  tests/planner/sample_table_test tests/planner/sample_assigner_test
+  tests/planner/sparsity_tuner_test tests/server/job_registry_test tests/server/plan_store_test
+  tests/server/registry_faults_test"
+
 bash scripts/install-deps.sh
+side_log="$BUILD_DIR/side-builds.log"
+TSAN_BUILD_ONLY=1 TSAN_LOAD=0 TSAN_TESTS="$tsan_tests" FUZZ_BUILD_ONLY=1 \
+  setsid -w nice -n 19 bash -c 'bash scripts/tsan.sh && bash scripts/fuzz.sh' >"$side_log" 2>&1 &
+side_builds=$!
+background+=("$side_builds")
 # The Python tests run on current torch from PyPI, in .venv (a first install: about 2 min).
 SB_PYTHON=$(bash scripts/python-env.sh)
 export SB_PYTHON
@@ -29,11 +65,17 @@ phase_done "install"
 # build takes about a quarter less (pybind11's and gRPC's templates spend that on debug info).
 bash scripts/build.sh -DSB_WERROR=ON "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
 phase_done "build"
-# Format (clang-format) and lint (clang-tidy) checks; scripts/lint.sh says how to fix.
-bash scripts/lint.sh
-phase_done "lint"
+# Format (clang-format) and lint (clang-tidy) checks, beside CTest; scripts/lint.sh says how to
+# fix what they find.
+lint_log="$BUILD_DIR/lint.log"
+setsid -w nice -n 19 bash scripts/lint.sh >"$lint_log" 2>&1 &
+lint=$!
+background+=("$lint")
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 phase_done "ctest"
+wait_for "$lint" "$lint_log"
+cat "$lint_log"
+phase_done "lint-rest"
 
 # The installed package works for a project that uses it the way a trainer would.
 rm -rf "$BUILD_DIR/install" "$BUILD_DIR/consumer"
@@ -64,6 +106,9 @@ phase_done "consumer"
 # libFuzzer (clang, AddressSanitizer and UndefinedBehaviorSanitizer), briefly: 20 s per target in
 # CI, 30 s otherwise; FUZZ_SECONDS overrides, scripts/fuzz.sh alone runs them longer.
 if [ "${CI:-}" = "true" ]; then export FUZZ_SECONDS=${FUZZ_SECONDS:-20}; fi
+wait_for "$side_builds" "$side_log"
+grep -E "^(tsan|fuzz).sh: built" "$side_log"
+phase_done "side-builds-rest"
 fuzz_log="$BUILD_DIR/fuzz.log"
 bash scripts/fuzz.sh >"$fuzz_log" 2>&1 || { tail -n 60 "$fuzz_log"; exit 1; }
 grep -E "^fuzz.sh|stat::number_of_executed_units" "$fuzz_log"
@@ -74,11 +119,8 @@ phase_done "fuzz"
 # nothing at all. About 3 minutes; scripts/tsan.sh alone also runs the service's and the
 # client's tests and sb-load against a real sb-planner.
 tsan_log="$BUILD_DIR/tsan.log"
-TSAN_LOAD=0 TSAN_TESTS="bench/sb-plan-digest tests/planner/plan_threads_test
-  tests/planner/planner_test tests/planner/sample_table_test tests/planner/sample_assigner_test
-  tests/planner/sparsity_tuner_test tests/server/job_registry_test tests/server/plan_store_test
-  tests/server/registry_faults_test" \
-  bash scripts/tsan.sh >"$tsan_log" 2>&1 || { tail -n 60 "$tsan_log"; exit 1; }
+TSAN_LOAD=0 TSAN_TESTS="$tsan_tests" bash scripts/tsan.sh >"$tsan_log" 2>&1 ||
+  { tail -n 60 "$tsan_log"; exit 1; }
 grep "^tsan.sh" "$tsan_log"
 phase_done "tsan"
 

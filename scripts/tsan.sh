@@ -10,6 +10,7 @@
 #   bash scripts/tsan.sh
 #   TSAN_TESTS="tests/server/job_registry_test tests/planner/plan_threads_test" TSAN_LOAD=0 \
 #     bash scripts/tsan.sh
+#   TSAN_BUILD_ONLY=1 bash scripts/tsan.sh    # build what it would run, run nothing
 # It builds into $TSAN_BUILD_DIR (default build-tsan/) with GCC's -fsanitize=thread, and runs
 # each test with tests/tsan/absl_sync_tsan.cc preloaded: Debian's libabsl is built without
 # TSan, so without it absl::Mutex would look like no synchronization at all. gRPC and protobuf
@@ -46,6 +47,11 @@ for t in $TSAN_TESTS; do targets+=("$(basename "$t")"); done
 cmake --build "$TSAN_BUILD_DIR" -j "$(nproc)" --target "${targets[@]}"
 preload="$TSAN_BUILD_DIR/libabsl_sync_tsan.so"
 c++ -std=c++17 -O1 -g -fPIC -shared -fsanitize=thread tests/tsan/absl_sync_tsan.cc -o "$preload" -ldl
+# TSAN_BUILD_ONLY=1: build, run nothing (scripts/test.sh builds in the background, runs later).
+if [ "${TSAN_BUILD_ONLY:-0}" = "1" ]; then
+  echo "tsan.sh: built ${#targets[@]} targets in $TSAN_BUILD_DIR"
+  exit 0
+fi
 
 logs="$TSAN_BUILD_DIR/tsan-logs"
 rm -rf "$logs"
