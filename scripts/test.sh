@@ -7,11 +7,12 @@
 # (scripts/tsan.sh), and runs the planning benchmark and the service load generator once,
 # briefly. Each phase's time is printed as it ends, and all of them at the end.
 #
-# Work that needs no CPU of its own runs beside work that leaves CPU idle, at the lowest priority
-# (nice 19), so that it takes only what the foreground leaves: the ThreadSanitizer and fuzzer
-# builds beside the venv's download and the main build, the lint beside CTest (whose tests wait
-# on processes, sockets and timeouts much of the time). Each is waited for, and its log printed
-# if it failed, where its result is needed.
+# Work whose result is needed only later runs in the background at the lowest priority (nice
+# 19), taking only the CPU the foreground leaves: the ThreadSanitizer and fuzzer builds beside the
+# venv's download and the main build, the lint beside CTest. Each is waited for, and its log
+# printed if it failed, where its result is needed. Measured on a fresh clone (2 cores), this
+# saves about 100 s: the venv's download leaves the CPU idle, but CTest keeps both cores busy
+# and most of the lint still runs after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
