@@ -18,7 +18,8 @@
 //
 // Deferred samples (overflow=defer) are never dropped: the session carries the samples a step
 // deferred into its next step's batch, ahead of the new ones, on every rank alike (the planner's
-// plan and the local plan both name them). Pass only new samples; a carried sample that the
+// plan and the local plan both name them); a batch that overflows defers its latest samples, so
+// the carried ones are placed first. Pass only new samples; a carried sample that the
 // trainer passes again itself is planned once. `carried()` lists what still waits (e.g. after
 // the last step).
 #ifndef SPARSEBALANCE_CLIENT_TRAINER_SESSION_H_

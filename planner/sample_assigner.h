@@ -36,7 +36,9 @@ struct Assignment {
 // Optional; PlanStep does it. A step of more than kKeptScratchSamples samples is freed instead.
 void RecycleAssignment(Assignment&& assignment);
 
-// Places every sample (or defers what does not fit under kDefer) by `config.policy`:
+// Places every sample (or defers what does not fit under kDefer: the balancing policies place
+// the samples that the step's tokens hold in arrival order before the later ones, so that the
+// latest are deferred) by `config.policy`:
 //  - sequential (and dst): contiguous chunks in arrival order, micro-batches filled in order;
 //  - tokens: balance token counts; flops: balance dense cost (the model at density 1);
 //    both ignore rank speed, as those packers do;

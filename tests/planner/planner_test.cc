@@ -347,6 +347,75 @@ TEST(PlanStepTest, DeferOverRandomOverfullBatches) {
   budget.Summarize();
 }
 
+TEST(PlanStepTest, DeferLeavesTheLatestSamplesNotThoseTheWalkReachesLast) {
+  // One micro-batch of 8192 tokens; in arrival order 3000, 3000 and 2000 tokens fit (8000),
+  // the newest 4000 does not. Placed largest first without regard to arrival, 4000 and 3000
+  // went in and the older 3000 and 2000 waited: under a steady overflow a sample that rarely
+  // fits at the walk's end waited for hundreds of steps.
+  const PlannerConfig config = test_util::StepConfig(1, 1, 8192, OverflowPolicy::kDefer);
+  const std::vector<Sample> batch = {
+      {1, 3000, 0.5, 0, {}}, {2, 3000, 0.5, 0, {}}, {3, 2000, 0.5, 0, {}}, {4, 4000, 0.5, 0, {}}};
+  for (const StepPlan& plan : ValidPlansOfEveryPolicy(config, batch)) {
+    EXPECT_EQ(plan.deferred_ids, (std::vector<uint64_t>{4})) << PolicyName(plan.policy);
+  }
+  // A group is one unit in arrival order, where its first member arrives: 5 and 6 (group 9,
+  // 5000 tokens) come before 7; the newest, 7, waits.
+  const std::vector<Sample> grouped = {
+      {5, 1000, 0.5, 9, {}}, {7, 4000, 0.5, 0, {}}, {6, 4000, 0.5, 9, {}}, {8, 3000, 0.5, 0, {}}};
+  for (const StepPlan& plan : ValidPlansOfEveryPolicy(config, grouped)) {
+    EXPECT_EQ(plan.deferred_ids, (std::vector<uint64_t>{7})) << PolicyName(plan.policy);
+  }
+}
+
+TEST(PlanStepTest, DeferredSamplesWaitFewStepsInASteadyOverflow) {
+  // A trainer's loop under overflow=defer, as TrainerSession runs it: each step's batch is what
+  // the last step deferred, in its order, then new samples of about 99% of the step's tokens
+  // (lengths drawn log-normal, so some steps overflow). Every sample must be planned within a
+  // few steps of its arrival. Before the planner deferred the latest arrivals, a sample of 8
+  // ranks' balancing policies waited 128-189 steps here (it is at most 5 now).
+  PlannerConfig config = test_util::StepConfig(8, 2, 16384, OverflowPolicy::kDefer);
+  const int64_t room = int64_t{8} * 2 * 16384;
+  const LatencyModel model = MakeModel(config);
+  for (Policy policy : AllPolicies()) {
+    config.policy = policy;
+    Rng rng(11);
+    std::map<uint64_t, int> arrived;  // samples not yet planned: id -> step of arrival
+    std::vector<Sample> carried;
+    uint64_t next_id = 1;
+    int longest_wait = 0;
+    int overflowing_steps = 0;
+    for (int step = 0; step < 400; ++step) {
+      std::vector<Sample> batch = carried;
+      for (int64_t fresh = 0; fresh < room * 99 / 100;) {
+        Sample s;
+        s.id = next_id++;
+        s.length =
+            std::min<int64_t>(16384, 64 + static_cast<int64_t>(std::exp(7.0 + rng.Normal())));
+        s.sensitivity = rng.Uniform();
+        fresh += s.length;
+        arrived[s.id] = step;
+        batch.push_back(s);
+      }
+      absl::StatusOr<StepPlan> plan = PlanStep(batch, config, model);
+      ASSERT_TRUE(plan.ok()) << PolicyName(policy) << " step " << step << ": " << plan.status();
+      const std::set<uint64_t> deferred(plan->deferred_ids.begin(), plan->deferred_ids.end());
+      if (!deferred.empty()) ++overflowing_steps;
+      carried.clear();
+      for (const Sample& s : batch) {
+        if (deferred.count(s.id) != 0) {
+          carried.push_back(s);
+          continue;
+        }
+        longest_wait = std::max(longest_wait, step - arrived[s.id]);
+        arrived.erase(s.id);
+      }
+    }
+    for (const auto& [id, step] : arrived) longest_wait = std::max(longest_wait, 400 - step);
+    EXPECT_GT(overflowing_steps, 200) << PolicyName(policy) << ": the loop must overflow often";
+    EXPECT_LE(longest_wait, 16) << PolicyName(policy) << " (still waiting included)";
+  }
+}
+
 TEST(PlanStepTest, DstKeepsTheRecallOfThePlacedSamplesWhenSomeAreDeferred) {
   // Rank 0 straggles with a 64K tolerant document, rank 1 holds 8K; four 64K documents of
   // sensitivity 0.25 (lower recall at the default density) do not fit and are deferred. The

@@ -298,8 +298,8 @@ class Balancer:
       config: a PlannerConfig for a new job; or leave it None and pass its fields as keyword
         arguments (micro_batches=, micro_batch_capacity= or capacity=, policy=, ...; shape= or
         the ModelShape's own fields: layers=, heads=, head_dim=, block_size=, local_blocks=).
-        overflow defaults to "defer" here: documents that do not fit a step are trained first
-        in the next one (never dropped).
+        overflow defaults to "defer" here: documents that do not fit a step are carried, never
+        dropped, and placed before the next step's new documents.
         ``ranks`` is the world size. A resumed job (``job=``) uses the job's own config.
         max_shards must be 1: documents run whole here (ValueError otherwise), and a step
         whose plan holds a shard, once the job's max_shards is raised with UpdateJobConfig,
