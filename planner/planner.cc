@@ -485,6 +485,12 @@ absl::Status CheckRankPlan(const SamplesById& batch,
                     ", above micro_batch_capacity ", config.micro_batch_capacity);
       }
     }
+    // The planner's own count, which a trainer may size its buffers by: it must be its samples'
+    // (0: not sent, as by a planner that sends ids and densities alone).
+    if (micro_batches[m].tokens != 0 && micro_batches[m].tokens != tokens) {
+      return fail("tokens: ", micro_batches[m].tokens, " but its samples' query tokens add up to ",
+                  tokens);
+    }
   }
   for (uint64_t id : deferred_ids) {
     if (!batch.contains(id)) {

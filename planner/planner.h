@@ -78,8 +78,9 @@ absl::Status CompletePlannedSamples(const SamplesById& batch,
 // One rank's part of a step plan against the config, after CompletePlannedSamples (every
 // planned id is in `batch`): config.micro_batches micro-batches, each sample id at most once on
 // the rank (a split document's shard too: a rank holds at most one shard of a document), each
-// micro-batch's query tokens within micro_batch_capacity, layer_densities empty or one per
-// layer, and the step's `deferred_ids` in `batch` and not planned on this rank. What a trainer
+// micro-batch's query tokens within micro_batch_capacity and equal to its `tokens` (unless 0),
+// layer_densities empty or one per layer, and the step's `deferred_ids` in `batch` and not
+// planned on this rank. What a trainer
 // checks before it runs a plan that came over the wire (TrainerSession), and CheckPlan of every
 // rank. FAILED_PRECONDITION naming `micro_batches[m]` and the sample id.
 absl::Status CheckRankPlan(const SamplesById& batch,

@@ -682,8 +682,10 @@ TEST_F(ScriptedPlannerTest, APlanThatBreaksTheBatchOrTheConfigIsRefused) {
   // Rank 1 runs shard 1 of sample 6 (tokens [128, 200), shard 0 on rank 0) with samples 1 and 2.
   const std::string shard = sample(6, "shard { begin: 128 end: 200 index: 1 group: 0 group: 1 }");
   {
-    AnswerPlans(
-        plan_text(micro_batch(shard + sample(1)) + micro_batch(sample(2)), "deferred_ids: 5"));
+    // With the micro-batch's query tokens stated (72 of the shard and 100), as a planner does.
+    AnswerPlans(plan_text(absl::StrCat("micro_batches { ", shard, sample(1), " tokens: 172 } ",
+                                       micro_batch(sample(2))),
+                          "deferred_ids: 5"));
     TrainerSession session(client.get(), 1, /*coordinator=*/false, config);
     absl::StatusOr<RankStepPlan> plan = session.Plan(0, batch);
     ASSERT_TRUE(plan.ok()) << plan.status();
@@ -710,6 +712,9 @@ TEST_F(ScriptedPlannerTest, APlanThatBreaksTheBatchOrTheConfigIsRefused) {
        "micro_batch_capacity 250"},
       {plan_text(micro_batch(sample(1, "layer_densities: 0.5")) + micro_batch(sample(2))),
        "micro_batches[0]: sample id 1 has 1 layer densities; the model has 4 layers"},
+      {plan_text(
+           absl::StrCat("micro_batches { ", sample(1), " tokens: 150 } ", micro_batch(sample(2)))),
+       "micro_batches[0]: tokens: 150 but its samples' query tokens add up to 100"},
   };
   for (const auto& [text, why] : refused) {
     AnswerPlans(text);
