@@ -284,7 +284,7 @@ class StateDirHealth {
         probe = health_.NextProbe(absl::Now());
       }
       if (probe.has_value()) {
-        const absl::Status probed = store_->CheckWritable(probe->bytes);
+        const absl::Status probed = store_->CheckWritable(probe->bytes, probe->free_bytes);
         absl::MutexLock lock(&mu_);
         health_.OnProbe(*probe, probed.ok(), absl::Now());
         if (!probed.ok()) last_failure_ = std::string(probed.message());

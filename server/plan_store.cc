@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -615,7 +616,7 @@ absl::StatusOr<std::unique_ptr<PlanStore>> PlanStore::Open(const std::string& di
   return store;
 }
 
-absl::Status PlanStore::CheckWritable(int64_t bytes) {
+absl::Status PlanStore::CheckWritable(int64_t bytes, int64_t free_bytes) {
   // A unique name: concurrent probes must not remove each other's file; a crash leaves a
   // `*.tmp` that the next Open() sweeps.
   std::string path = absl::StrCat(dir_, "/.write-probe-XXXXXX", kTmpSuffix);
@@ -635,6 +636,19 @@ absl::Status PlanStore::CheckWritable(int64_t bytes) {
   if (status.ok() && fsync(fd) != 0) status = IoFailure("cannot fsync", path, errno);
   if (close(fd) != 0 && status.ok()) status = IoFailure("cannot close", path, errno);
   if (unlink(path.c_str()) != 0 && status.ok()) status = IoFailure("cannot remove", path, errno);
+  if (!status.ok() || free_bytes <= 0) return status;
+  struct statvfs fs;
+  if (statvfs(dir_.c_str(), &fs) != 0) return IoFailure("cannot statvfs", dir_, errno);
+  // The blocks free to this process: root may write into the file system's reserve.
+  const uint64_t blocks = geteuid() == 0 ? fs.f_bfree : fs.f_bavail;
+  const unsigned __int128 room =
+      static_cast<unsigned __int128>(blocks) * static_cast<unsigned __int128>(fs.f_frsize);
+  if (room < static_cast<unsigned __int128>(free_bytes)) {
+    return StoreFailure(
+        absl::StatusCode::kResourceExhausted,
+        absl::StrCat(dir_, " has ", static_cast<uint64_t>(room), " bytes free, less than the ",
+                     free_bytes, " of a write that failed"));
+  }
   return status;
 }
 

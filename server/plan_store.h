@@ -235,8 +235,10 @@ class PlanStore {
 
   // Creates, writes, fsyncs and removes a probe file in the directory: a store failure when the
   // disk is read-only, full or failing. The probe holds at least `bytes` bytes (a short text
-  // when 0), so that it can show that a write of that size fits again (StoreHealth).
-  absl::Status CheckWritable(int64_t bytes = 0);
+  // when 0), so that it can show that a write of that size fits again (StoreHealth). With
+  // `free_bytes` > 0 the file system must also report at least that many bytes free to this
+  // process (statvfs): a write larger than any probe should be is shown to fit by that.
+  absl::Status CheckWritable(int64_t bytes = 0, int64_t free_bytes = 0);
   // The size in bytes of the largest write that failed as a store failure since the last call
   // (0: none, or only failures of no known size: a removal, a folder sync), and forgets it.
   // sb-planner's health probes with that many bytes before it turns SERVING again.

@@ -7,7 +7,10 @@
 // full, I/O error, read-only; never a job's quota refusal) or a probe fails. SERVING again only
 // through a probe that writes and fsyncs at least as many bytes as the largest write that failed
 // since health was last SERVING (at most kMaxProbeBytes), started at least kHold after the last
-// failure, and with no failure while it ran. A 23-byte probe succeeded on a disk that refused
+// failure, and with no failure while it ran; where that write was larger than the probe, the
+// file system must also say that it has room for all of it (PlanStore::CheckWritable's
+// `free_bytes`: a 16 MiB probe passed where 40 MB step records failed, and health turned
+// SERVING between each step's failures). A 23-byte probe succeeded on a disk that refused
 // every step record (8 KiB free, or fsync failing on step files alone) and turned health
 // SERVING again between the failures; while the trainers keep writing and failing, each failure
 // restarts the hold, and an idle planner whose disk was freed comes back with its next probe.
@@ -39,6 +42,9 @@ class StoreHealth {
   // A probe to run: PlanStore::CheckWritable(bytes), then OnProbe with it.
   struct Probe {
     int64_t bytes = 0;
+    // The failed write's size where it exceeds `bytes` (else 0): the room the file system must
+    // report free (PlanStore::CheckWritable's free_bytes).
+    int64_t free_bytes = 0;
     int64_t failures = 0;  // failures noted when it was handed out
   };
 
@@ -58,8 +64,9 @@ class StoreHealth {
 
  private:
   bool serving_ = true;
-  int64_t failures_ = 0;     // failures noted, ever
-  int64_t probe_bytes_ = 0;  // the largest failed write since SERVING, at most kMaxProbeBytes
+  int64_t failures_ = 0;      // failures noted, ever
+  int64_t failed_bytes_ = 0;  // the largest failed write since SERVING
+  int64_t probe_bytes_ = 0;   // and at most kMaxProbeBytes of it
   absl::Time last_failure_ = absl::InfinitePast();
 };
 

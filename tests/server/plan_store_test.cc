@@ -1272,6 +1272,31 @@ TEST(PlanStoreTest, ReportsAppendedTogetherLandAllOrNone) {
   EXPECT_EQ(loaded->jobs[0].steps.at(0).skipped_bytes, 0);
 }
 
+// A write larger than any probe (StoreHealth::kMaxProbeBytes) is shown to fit again by the file
+// system's free space: a probe that writes less passes where the write would fail, and health
+// turned SERVING between every step's failures.
+TEST(PlanStoreTest, AProbeAsksTheFileSystemForTheRoomOfALargerWrite) {
+  TmpfsMount disk("8m");
+  if (!disk.mounted()) GTEST_SKIP() << "no tmpfs: " << disk.error();
+  const std::string dir = disk.path() + "/state";
+  absl::StatusOr<std::unique_ptr<PlanStore>> store = PlanStore::Open(dir, true);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const int64_t mib = int64_t{1} << 20;
+  EXPECT_TRUE((*store)->CheckWritable(mib).ok());
+  EXPECT_TRUE((*store)->CheckWritable(mib, 4 * mib).ok());
+  const absl::Status short_of_room = (*store)->CheckWritable(mib, 64 * mib);
+  EXPECT_EQ(short_of_room.code(), absl::StatusCode::kResourceExhausted) << short_of_room;
+  EXPECT_TRUE(IsStoreFailure(short_of_room));
+  EXPECT_TRUE(absl::StrContains(short_of_room.message(),
+                                absl::StrCat("bytes free, less than the ", 64 * mib)))
+      << short_of_room;
+  // The probe's own file (.write-probe-*.tmp) is gone either way.
+  DIR* d = opendir(dir.c_str());
+  ASSERT_NE(d, nullptr) << std::strerror(errno);
+  while (dirent* e = readdir(d)) EXPECT_FALSE(absl::EndsWith(e->d_name, ".tmp")) << e->d_name;
+  closedir(d);
+}
+
 // The incident, for real: a small tmpfs fills up while reports are appended, space comes back,
 // more are appended. Every report acknowledged OK is loaded, none after a torn record.
 TEST(PlanStoreTest, AFullDiskLosesNoAcknowledgedReport) {

@@ -81,6 +81,16 @@ TEST(StoreHealthTest, AFailedProbeAndTheProbeBound) {
   probe = health.NextProbe(kStart + absl::Seconds(7));
   ASSERT_TRUE(probe.has_value());
   EXPECT_EQ(probe->bytes, StoreHealth::kMaxProbeBytes);
+  // The rest of the failed write is asked of the file system's free space.
+  EXPECT_EQ(probe->free_bytes, int64_t{1} << 40);
+  health.OnProbe(*probe, /*ok=*/true, kStart + absl::Seconds(7));
+  EXPECT_TRUE(health.serving());
+  // Forgotten once SERVING: a small failure after it needs no such room.
+  health.OnStoreFailure(kStart + absl::Seconds(8), 4096);
+  probe = health.NextProbe(kStart + absl::Seconds(10));
+  ASSERT_TRUE(probe.has_value());
+  EXPECT_EQ(probe->bytes, 4096);
+  EXPECT_EQ(probe->free_bytes, 0);
 }
 
 }  // namespace
