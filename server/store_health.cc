@@ -8,14 +8,14 @@ void StoreHealth::OnStoreFailure(absl::Time now, int64_t bytes) {
   serving_ = false;
   ++failures_;
   failed_bytes_ = std::max(failed_bytes_, bytes);
-  probe_bytes_ = std::min(kMaxProbeBytes, failed_bytes_);
   last_failure_ = std::max(last_failure_, now);
 }
 
 std::optional<StoreHealth::Probe> StoreHealth::NextProbe(absl::Time now) const {
   if (serving_) return Probe{0, 0, failures_};
   if (now - last_failure_ < kHold) return std::nullopt;
-  return Probe{probe_bytes_, failed_bytes_ > probe_bytes_ ? failed_bytes_ : 0, failures_};
+  const int64_t bytes = probe_bytes();
+  return Probe{bytes, failed_bytes_ > bytes ? failed_bytes_ : 0, failures_};
 }
 
 void StoreHealth::OnProbe(const Probe& probe, bool ok, absl::Time now) {
@@ -26,7 +26,6 @@ void StoreHealth::OnProbe(const Probe& probe, bool ok, absl::Time now) {
   if (serving_ || probe.failures != failures_) return;
   serving_ = true;
   failed_bytes_ = 0;
-  probe_bytes_ = 0;
 }
 
 }  // namespace sparsebalance

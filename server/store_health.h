@@ -23,6 +23,7 @@
 #ifndef SPARSEBALANCE_SERVER_STORE_HEALTH_H_
 #define SPARSEBALANCE_SERVER_STORE_HEALTH_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -50,7 +51,7 @@ class StoreHealth {
 
   bool serving() const { return serving_; }
   // While NOT_SERVING: the bytes of the probe that can turn it SERVING (0: the smallest).
-  int64_t probe_bytes() const { return probe_bytes_; }
+  int64_t probe_bytes() const { return std::min(kMaxProbeBytes, failed_bytes_); }
 
   // A write of `bytes` (0: unknown) to the state directory failed at `now`: NOT_SERVING.
   void OnStoreFailure(absl::Time now, int64_t bytes);
@@ -66,7 +67,6 @@ class StoreHealth {
   bool serving_ = true;
   int64_t failures_ = 0;      // failures noted, ever
   int64_t failed_bytes_ = 0;  // the largest failed write since SERVING
-  int64_t probe_bytes_ = 0;   // and at most kMaxProbeBytes of it
   absl::Time last_failure_ = absl::InfinitePast();
 };
 
