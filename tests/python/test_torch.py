@@ -146,6 +146,39 @@ def test_a_checkpoint_resumes_at_its_step_with_its_carried_documents(planner):
     second.close()
 
 
+def test_a_document_drawn_again_while_carried_is_trained_twice(planner):
+    # Ten documents, more tokens drawn a step than the rank holds: each epoch is about two
+    # steps, and a new epoch draws documents that the step before deferred. The batch plans an
+    # id once, so the new draw waits a step (held) instead of merging with the carried copy:
+    # every draw is trained once, or still waits, across a checkpoint too.
+    lengths = LENGTHS[:10]
+    fields = small(overflow="defer", tokens_per_step=2600, micro_batches=1)
+    first = sbt.Balancer(planner.address, lengths, **fields)
+    before = []
+    while not first.held and len(before) < 30:
+        before += train(first, 1)
+    assert first.held, "no document was drawn again while carried in 30 steps"
+    held = {s.id for s in first.held}
+    assert held <= {s.id for s in first.carried}  # each held back because its copy waits
+    state = first.state_dict()
+    job, token = first.job.job_id, first.job.token
+    assert first.close()
+    second = sbt.Balancer(planner.address, lengths, job=job, token=token, **fields)
+    second.load_state_dict(state)
+    assert sorted(s.id for s in second.held) == sorted(held)
+    after = train(second, 6)
+    steps = len(before) + len(after)
+    assert [s for s, _ in before + after] == list(range(steps))
+    trained = [i for _, ids in before + after for mb in ids for i in mb]
+    waiting = [s.id for s in second.carried] + [s.id for s in second.held]
+    drawn = [s.id for k in range(steps) for s in second.global_batch(k)]
+    assert sorted(trained + waiting) == sorted(drawn)
+    for _, ids in before + after:  # a step trains a document once
+        step_ids = [i for mb in ids for i in mb]
+        assert len(set(step_ids)) == len(step_ids)
+    second.close()
+
+
 def test_bad_input_names_the_field(planner):
     with pytest.raises(ValueError, match="lengths"):
         sbt.Balancer(planner.address, None)

@@ -25,7 +25,8 @@ What it does for the trainer (torchrun or any initialised ``torch.distributed`` 
   step; a warning with the reason at most once a minute; ``stats.local_steps`` counts such steps
   and the planner learns of them once it is back;
 - documents the planner defers (``overflow="defer"``) are carried into the next step, never
-  dropped; ``state_dict``/``load_state_dict`` resume at the right step with them;
+  dropped, and a document drawn again while carried (a new epoch) waits a step (``held``);
+  ``state_dict``/``load_state_dict`` resume at the right step with both;
 - ``mb.loss_weight`` makes a token-mean loss per micro-batch add up, after DDP's average over
   ranks, to the token mean of the whole step (micro-batches hold unequal token counts);
 - times each micro-batch and reports the timings to the planner in the background;
@@ -427,6 +428,7 @@ class Balancer:
                        f"{skipped[:8]}{' ...' if len(skipped) > 8 else ''}); raise capacity or "
                        "split them")
         self._pending = None  # (step number, [(MicroBatch, _Timer)], step start)
+        self._held = {}  # step -> Samples drawn earlier, held back for it (_step_batch)
         self._warned_untimed = False
 
     # -- set-up -----------------------------------------------------------------------------
@@ -516,13 +518,44 @@ class Balancer:
         batch = self.sampler.batch(step)
         return [_C.Sample(id=i, length=n) for i, n in zip(batch.ids, batch.lengths)]
 
+    @property
+    def held(self):
+        """Documents (Samples) drawn while a copy of them was still carried (a new epoch drew a
+        document that a step had deferred), to be planned in ``next_step`` after the carried
+        ones and before its draw: a batch plans a document id once, so the new draw goes a
+        step later rather than merge with the carried copy and be trained once where it was
+        drawn twice."""
+        return list(self._held.get(self.next_step, []))
+
+    def _step_batch(self, step, carried):
+        """The new documents ``step`` plans (the session puts ``carried`` ahead of them): those
+        held back for it, then its draw, less any whose id is carried or already in, which wait
+        for the step after. The same on every rank: the carried ids come from the plan."""
+        taken = {s.id for s in carried}
+        batch, later = [], []
+        for s in self._held.get(step, []) + self.global_batch(step):
+            if s.id in taken:
+                later.append(s)
+            else:
+                batch.append(s)
+                taken.add(s.id)
+        self._held = {k: v for k, v in self._held.items() if k >= step}
+        if later:
+            self._held[step + 1] = later
+        else:
+            self._held.pop(step + 1, None)
+        return batch
+
     def batches(self, dataset, steps=None):
         """This rank's steps, from ``next_step`` on: each a Step (list of MicroBatch) whose
         ``tokens`` hold ``dataset[id]`` concatenated. ``steps``: how many (None: forever).
-        Reports the previous step's timings when the next one is asked for (and at close)."""
+        Reports the previous step's timings when the next one is asked for (and at close).
+        A step plans the documents the step before deferred (``carried``), then its draw
+        (``global_batch``); a drawn document whose copy is still carried waits a step
+        (``held``)."""
         end = None if steps is None else self.next_step + int(steps)
         step = self.next_step
-        batch = self.global_batch(step)
+        batch = self._step_batch(step, self._c.carried)
         while end is None or step < end:
             carried_in = self._c.carried  # deferred by the step before: planned first
             start = time.perf_counter()
@@ -533,7 +566,7 @@ class Balancer:
                 raise RuntimeError(f"plan: for step {plan.step} rank {plan.rank}, expected "
                                    f"step {step} rank {self.rank}")
             if end is None or step + 1 < end:
-                following = self.global_batch(step + 1)
+                following = self._step_batch(step + 1, self._c.carried)
                 self._c.prefetch(step + 1, following)  # planned while this step trains
             micro_batches = self._micro_batches(step, plan, dataset, carried_in + batch)
             if micro_batches:
@@ -674,20 +707,25 @@ class Balancer:
 
     # -- checkpoints and the end --------------------------------------------------------------
     def state_dict(self):
-        """What a checkpoint needs to resume: the next step, the documents carried into it, the
-        job and the data order."""
-        return {"next_step": self.next_step, "job_id": self.job.job_id,
+        """What a checkpoint needs to resume: the next step, the documents carried into it and
+        held back for it, the job and the data order."""
+        step = self.next_step
+        return {"next_step": step, "job_id": self.job.job_id,
                 "carried": [(s.id, s.length) for s in self._c.carried],
+                "held": [(s.id, s.length) for s in self._held.get(step, [])],
                 "seed": self.sampler.seed, "tokens_per_step": self.sampler.tokens_per_step}
 
     def load_state_dict(self, state):
-        """Resumes at ``state["next_step"]`` with the documents it carried (before batches())."""
+        """Resumes at ``state["next_step"]`` with the documents it carried and held back
+        (before batches()). A checkpoint without ``held`` (older versions) holds none."""
         for key in ("seed", "tokens_per_step"):
             if state[key] != getattr(self.sampler, key):
                 raise ValueError(f"state_dict: {key} {state[key]} differs from this Balancer's "
                                  f"{getattr(self.sampler, key)}: the data order would change")
-        self._c.resume(int(state["next_step"]),
-                       [_C.Sample(id=i, length=n) for i, n in state["carried"]])
+        step = int(state["next_step"])
+        self._c.resume(step, [_C.Sample(id=i, length=n) for i, n in state["carried"]])
+        held = [_C.Sample(id=i, length=n) for i, n in state.get("held", [])]
+        self._held = {step: held} if held else {}
 
     def close(self, timeout_seconds=10.0):
         """Reports the last step and delivers what is buffered (waits at most
