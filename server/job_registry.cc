@@ -295,7 +295,12 @@ absl::Status JobRegistry::Restore() {
   // A reloaded job's idle time counts from now: the planner did not see it while down.
   for (auto& [id, job] : jobs) job->last_active_ns.store(NowNanos(), std::memory_order_relaxed);
   for (auto& [id, job] : jobs) {
-    AddToken(job->token);
+    int ranks = 0;
+    {
+      absl::MutexLock job_lock(&job->mu);
+      ranks = job->config.get().ranks;
+    }
+    AddToken(job->token, ranks);
     jobs_[id] = std::move(job);
   }
   for (auto& [id, f] : failed) failed_[id] = std::move(f);
@@ -491,7 +496,7 @@ absl::StatusOr<CreatedJob> JobRegistry::CreateJob(const std::string& name,
   if (options_.store != nullptr) {
     if (absl::Status s = Stored(options_.store->CreateJob(Snapshot(id, *job))); !s.ok()) return s;
   }
-  AddToken(job->token);
+  AddToken(job->token, settings.planner.ranks);
   jobs_[id] = job;
   return CreatedJob{id, job->token, settings};
 }
@@ -524,21 +529,28 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
 }
 
 bool JobRegistry::IsSomeJobsToken(absl::string_view token) const {
-  if (token.empty()) return false;
-  const std::string digest = tools::Sha256(token);
-  absl::ReaderMutexLock lock(&tokens_mu_);
-  return token_digests_.count(digest) > 0;
+  return TokenJobRanks(token) >= 0;
 }
 
-void JobRegistry::AddToken(const std::string& token) {
+int JobRegistry::TokenJobRanks(absl::string_view token) const {
+  if (token.empty()) return -1;
+  const std::string digest = tools::Sha256(token);
+  absl::ReaderMutexLock lock(&tokens_mu_);
+  const auto it = token_digests_.find(digest);
+  return it == token_digests_.end() ? -1 : it->second;
+}
+
+void JobRegistry::AddToken(const std::string& token, int ranks) {
   const std::string digest = tools::Sha256(token);
   absl::MutexLock lock(&tokens_mu_);
-  token_digests_.insert(digest);
+  token_digests_[digest] = ranks;
 }
 
 void JobRegistry::RetireToken(const std::string& token) {
   absl::MutexLock lock(&tokens_mu_);
-  retired_order_.push_back(tools::Sha256(token));
+  const std::string digest = tools::Sha256(token);
+  if (const auto it = token_digests_.find(digest); it != token_digests_.end()) it->second = 0;
+  retired_order_.push_back(digest);
   if (retired_order_.size() > kMaxRetiredTokens) {
     token_digests_.erase(retired_order_.front());
     retired_order_.pop_front();

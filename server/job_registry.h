@@ -211,6 +211,10 @@ class JobRegistry {
   // the token against that job after). Tokens are looked up by their SHA-256 digests, so the
   // lookup's time tells nothing about how close an offered token is to a real one.
   bool IsSomeJobsToken(absl::string_view token) const;
+  // The ranks of the job whose token `token` is (0 for a deleted or expired job's that
+  // IsSomeJobsToken still takes), or -1 when it is no job's: a call's cap per job before its
+  // body, which names the job, is read (the ReportSteps streams a token may hold open).
+  int TokenJobRanks(absl::string_view token) const;
   static constexpr size_t kMaxRetiredTokens = 4096;
 
   // Marks `rank` joined; returns the settings and the next step to plan.
@@ -500,10 +504,11 @@ class JobRegistry {
   // SHA-256 digests of the live jobs' tokens and of the last kMaxRetiredTokens deleted ones
   // (retired_order_, oldest first): IsSomeJobsToken. Under their own lock, so that a call's
   // first check never waits for mu_.
-  void AddToken(const std::string& token);
+  void AddToken(const std::string& token, int ranks);
   void RetireToken(const std::string& token);
   mutable absl::Mutex tokens_mu_;
-  std::set<std::string> token_digests_ ABSL_GUARDED_BY(tokens_mu_);
+  // Digest -> the job's ranks (0 once retired).
+  std::map<std::string, int> token_digests_ ABSL_GUARDED_BY(tokens_mu_);
   std::deque<std::string> retired_order_ ABSL_GUARDED_BY(tokens_mu_);
 };
 

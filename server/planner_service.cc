@@ -825,7 +825,19 @@ PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
   // report is then checked against its job (ReportStream::OnReadDone).
   absl::Status refusal = PreAuthorize<Caller::kJob>(context);
   if (refusal.ok()) {
+    // A job's token holds at most its ranks' streams and a few more; the admin token is not
+    // counted per token. The token is the key: the stream's job is named by its reports.
+    std::string token = BearerToken(*context);
+    int per_token_cap = -1;
+    if (options_.admin_token.empty() || !tools::ConstantTimeEquals(token, options_.admin_token)) {
+      per_token_cap = std::max(0, registry_->TokenJobRanks(token)) +
+                      std::max(0, options_.max_report_streams_per_job_extra);
+    } else {
+      token.clear();
+    }
     absl::MutexLock lock(&streams_mu_);
+    const auto counted = streams_per_token_.find(token);
+    const int held = counted == streams_per_token_.end() ? 0 : counted->second;
     if (streams_closed_) {
       refusal = absl::UnavailableError(
           "ReportSteps: the planner is shutting down; report by ReportStep (to its successor)");
@@ -835,8 +847,16 @@ PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
               "ReportSteps: ", streams_.size(), " report streams are open, the planner's limit ",
               "(--max_report_streams); report by ReportStep")),
           kReasonReportStreamsFull);
+    } else if (per_token_cap >= 0 && held >= per_token_cap) {
+      refusal = WithErrorReason(
+          absl::ResourceExhaustedError(
+              absl::StrCat("ReportSteps: this job's token holds ", held,
+                           " report streams open, its limit (the job's ranks plus ",
+                           options_.max_report_streams_per_job_extra, "); report by ReportStep")),
+          kReasonReportStreamsFull);
     } else {
-      streams_.insert(stream);
+      if (per_token_cap >= 0) ++streams_per_token_[token];
+      streams_.emplace(stream, per_token_cap >= 0 ? std::move(token) : std::string());
       StreamsChanged();
     }
   }
@@ -846,7 +866,13 @@ PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
 
 void PlannerServiceImpl::ForgetReportStream(ReportStream* stream) {
   absl::MutexLock lock(&streams_mu_);
-  streams_.erase(stream);
+  const auto it = streams_.find(stream);
+  if (it == streams_.end()) return;  // refused at its start: never counted
+  if (!it->second.empty()) {
+    const auto held = streams_per_token_.find(it->second);
+    if (held != streams_per_token_.end() && --held->second <= 0) streams_per_token_.erase(held);
+  }
+  streams_.erase(it);
   StreamsChanged();
 }
 
@@ -860,7 +886,7 @@ void PlannerServiceImpl::CloseReportStreams() {
   streams_closed_ = true;
   const absl::Status why = absl::UnavailableError(
       "ReportSteps: the planner is shutting down; report by ReportStep (to its successor)");
-  for (ReportStream* stream : streams_) stream->Close(why);
+  for (const auto& [stream, token] : streams_) stream->Close(why);
 }
 
 void PlannerServiceImpl::WaitingChanged() {

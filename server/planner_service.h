@@ -41,9 +41,12 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
     // rank); one more is RESOURCE_EXHAUSTED. A parked call holds about 16 KiB.
     int max_waiting_calls = 16384;
     int max_waiting_calls_per_job_extra = 64;
-    // ReportSteps streams open at once; one more is refused with RESOURCE_EXHAUSTED (its
-    // client then reports by ReportStep). An open stream holds about 2 KiB.
+    // ReportSteps streams open at once, in all and per job token (per job: its ranks plus
+    // this many, for streams that reconnect before the planner sees the old one end, so that
+    // one job's token cannot take every stream); one more is refused with RESOURCE_EXHAUSTED
+    // (its client then reports by ReportStep). An open stream holds about 2 KiB.
     int max_report_streams = 16384;
+    int max_report_streams_per_job_extra = 16;
     // Memory the requests in hand may take once parsed, all together (estimated from their
     // bytes before any is parsed: server/request_guard.h); a call that would pass it is
     // RESOURCE_EXHAUSTED, before its parse. A full SubmitBatch of 2^20 samples takes about
@@ -197,7 +200,9 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // Open ReportSteps streams; each removes itself in its OnDone, under streams_mu_, so a stream
   // listed here is alive while the mutex is held.
   mutable absl::Mutex streams_mu_;
-  std::set<ReportStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // Each with the job token it was opened with ("" for the admin token).
+  std::map<ReportStream*, std::string> streams_ ABSL_GUARDED_BY(streams_mu_);
+  std::map<std::string, int> streams_per_token_ ABSL_GUARDED_BY(streams_mu_);
   bool streams_closed_ ABSL_GUARDED_BY(streams_mu_) = false;
 };
 

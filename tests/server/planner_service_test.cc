@@ -1231,6 +1231,53 @@ TEST_F(PlannerServiceTest, ReportStreamsAreCappedAndEndedByTheDrain) {
   EXPECT_TRUE(stub_->ReportStep(&unary_context, PlannedReport(job, 0, 1), &reported).ok());
 }
 
+// A job's token holds at most its ranks' streams plus the extra (here 2 + 1): one job cannot
+// take the streams of every job. Another job's token, and the admin token, still open theirs,
+// and a stream that ends gives its job's slot back.
+TEST_F(PlannerServiceTest, AJobsTokenHoldsAtMostItsRanksReportStreams) {
+  PlannerServiceImpl::Options options;
+  options.max_report_streams = 64;
+  options.max_report_streams_per_job_extra = 1;
+  Start(JobRegistry::Options{}, options);
+  const v1::CreateJobResponse job = Create(2);
+  const v1::CreateJobResponse other = Create(1);
+  struct Open {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::ReportStepsRequest, v1::ReportStepsResponse>>
+        stream;
+  };
+  std::vector<std::unique_ptr<Open>> opened;
+  auto open = [&](const std::string& token) {
+    opened.push_back(std::make_unique<Open>());
+    Auth(&opened.back()->context, token);
+    opened.back()->stream = stub_->ReportSteps(&opened.back()->context);
+    return opened.back().get();
+  };
+  for (int k = 0; k < 3; ++k) open(job.job_token());
+  ASSERT_EQ(ReportStreams(3), 3);
+  Open* refused = open(job.job_token());
+  v1::ReportStepsResponse answer;
+  EXPECT_FALSE(refused->stream->Read(&answer));
+  const grpc::Status capped = refused->stream->Finish();
+  EXPECT_EQ(capped.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(capped.error_message(), HasSubstr("this job's token holds 3 report streams"));
+  EXPECT_EQ(ErrorReason(FromGrpcStatus(capped)), kReasonReportStreamsFull);
+  EXPECT_EQ(ReportStreams(3), 3);
+  // The other job's token (1 rank + 1) and the admin token are not held back by it.
+  open(other.job_token());
+  open(other.job_token());
+  open(kAdmin);
+  EXPECT_EQ(ReportStreams(6), 6);
+  // One of the job's streams ends: its token may open one again.
+  opened[0]->stream->WritesDone();
+  opened[0]->context.TryCancel();
+  (void)opened[0]->stream->Finish();
+  ASSERT_EQ(ReportStreams(5), 5);
+  open(job.job_token());
+  EXPECT_EQ(ReportStreams(6), 6);
+  for (auto& o : opened) o->context.TryCancel();
+}
+
 // The client library reports on its stream, gets each report's own error back as a status,
 // and carries on by unary calls when the planner ends its stream.
 TEST_F(PlannerServiceTest, TheClientReportsOnAStreamAndFallsBackWhenItEnds) {
