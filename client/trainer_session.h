@@ -22,8 +22,8 @@
 // the carried ones are placed first. Pass only new samples; a carried sample that the
 // trainer passes again itself is planned once (a batch plans an id once), so a trainer whose
 // ids are dataset indices holds back a document drawn again while its copy is carried (a new
-// epoch) for the step after, as sparsebalance.torch's Balancer does (`held`). `carried()` lists what still waits (e.g. after
-// the last step).
+// epoch) for the step after, as sparsebalance.torch's Balancer does (`held`). `carried()` lists
+// what still waits (e.g. after the last step).
 #ifndef SPARSEBALANCE_CLIENT_TRAINER_SESSION_H_
 #define SPARSEBALANCE_CLIENT_TRAINER_SESSION_H_
 
