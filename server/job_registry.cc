@@ -528,10 +528,6 @@ absl::Status JobRegistry::Authorize(const std::string& job_id, const std::string
   return job->deleted.load(std::memory_order_acquire) ? NotFound(job_id) : absl::OkStatus();
 }
 
-bool JobRegistry::IsSomeJobsToken(absl::string_view token) const {
-  return TokenJobRanks(token) >= 0;
-}
-
 int JobRegistry::TokenJobRanks(absl::string_view token) const {
   if (token.empty()) return -1;
   const std::string digest = tools::Sha256(token);

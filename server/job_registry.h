@@ -205,15 +205,13 @@ class JobRegistry {
   absl::Status Authorize(const std::string& job_id, const std::string& token) const;
   // Authorize's answer to a call without a token (UNAUTHENTICATED, saying what to send).
   static absl::Status NoTokenError();
-  // Whether `token` is some job's: a live job's, or one of the last kMaxRetiredTokens deleted or
-  // expired jobs' (so that their late callers still get Authorize's NOT_FOUND saying why). The
-  // planner asks it before it reads a request's body, which names the job (Authorize checks
-  // the token against that job after). Tokens are looked up by their SHA-256 digests, so the
-  // lookup's time tells nothing about how close an offered token is to a real one.
-  bool IsSomeJobsToken(absl::string_view token) const;
-  // The ranks of the job whose token `token` is (0 for a deleted or expired job's that
-  // IsSomeJobsToken still takes), or -1 when it is no job's: a call's cap per job before its
-  // body, which names the job, is read (the ReportSteps streams a token may hold open).
+  // Whether `token` is some job's, and that job's ranks: -1 when it is no job's, the ranks for
+  // a live job's, 0 for one of the last kMaxRetiredTokens deleted or expired jobs' (so that
+  // their late callers still get Authorize's NOT_FOUND saying why). The planner asks it before
+  // it reads a request's body, which names the job (Authorize checks the token against that
+  // job after), and caps the ReportSteps streams a token holds by the ranks. Tokens are looked
+  // up by their SHA-256 digests, so the lookup's time tells nothing about how close an offered
+  // token is to a real one.
   int TokenJobRanks(absl::string_view token) const;
   static constexpr size_t kMaxRetiredTokens = 4096;
 
@@ -502,7 +500,7 @@ class JobRegistry {
   std::set<std::string> expired_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> expired_order_ ABSL_GUARDED_BY(mu_);
   // SHA-256 digests of the live jobs' tokens and of the last kMaxRetiredTokens deleted ones
-  // (retired_order_, oldest first): IsSomeJobsToken. Under their own lock, so that a call's
+  // (retired_order_, oldest first): TokenJobRanks. Under their own lock, so that a call's
   // first check never waits for mu_.
   void AddToken(const std::string& token, int ranks);
   void RetireToken(const std::string& token);

@@ -286,7 +286,9 @@ absl::Status PlannerServiceImpl::AuthorizeAdminOrJob(grpc::CallbackServerContext
 }
 
 template <PlannerServiceImpl::Caller caller>
-absl::Status PlannerServiceImpl::PreAuthorize(grpc::CallbackServerContext* context) const {
+absl::Status PlannerServiceImpl::PreAuthorize(grpc::CallbackServerContext* context,
+                                              int* job_ranks) const {
+  if (job_ranks != nullptr) *job_ranks = -1;
   // The admin check needs nothing from the request: done whole here (OK where no admin token is
   // set: CreateJob and ListJobs are then open, and their requests are read).
   if constexpr (caller == Caller::kAdmin) return AuthorizeAdmin(context);
@@ -303,7 +305,10 @@ absl::Status PlannerServiceImpl::PreAuthorize(grpc::CallbackServerContext* conte
   // The admin token passes for a job call too: the check against the job follows the read, as
   // for every token (AuthorizeJob refuses it there, AuthorizeAdminOrJob takes it).
   if (has_admin && tools::ConstantTimeEquals(token, options_.admin_token)) return absl::OkStatus();
-  if (registry_->IsSomeJobsToken(token)) return absl::OkStatus();
+  if (const int ranks = registry_->TokenJobRanks(token); ranks >= 0) {
+    if (job_ranks != nullptr) *job_ranks = ranks;
+    return absl::OkStatus();
+  }
   if (caller == Caller::kAdminOrJob && has_admin) {
     return absl::PermissionDeniedError(
         "the token is neither this planner's admin token nor any job's token");
@@ -823,18 +828,15 @@ PlannerServiceImpl::OpenReportStream(grpc::CallbackServerContext* context) {
   auto* stream = new ReportStream(this, context);
   // The token first, before any report is read (Register's UnaryCall does the same); each
   // report is then checked against its job (ReportStream::OnReadDone).
-  absl::Status refusal = PreAuthorize<Caller::kJob>(context);
+  int job_ranks = -1;
+  absl::Status refusal = PreAuthorize<Caller::kJob>(context, &job_ranks);
   if (refusal.ok()) {
-    // A job's token holds at most its ranks' streams and a few more; the admin token is not
-    // counted per token. The token is the key: the stream's job is named by its reports.
-    std::string token = BearerToken(*context);
-    int per_token_cap = -1;
-    if (options_.admin_token.empty() || !tools::ConstantTimeEquals(token, options_.admin_token)) {
-      per_token_cap = std::max(0, registry_->TokenJobRanks(token)) +
-                      std::max(0, options_.max_report_streams_per_job_extra);
-    } else {
-      token.clear();
-    }
+    // A job's token holds at most its ranks' streams and a few more; the admin token (job_ranks
+    // -1) is not counted per token. The token is the key: the stream's job is named by its
+    // reports.
+    const int per_token_cap =
+        job_ranks < 0 ? -1 : job_ranks + std::max(0, options_.max_report_streams_per_job_extra);
+    std::string token = per_token_cap < 0 ? std::string() : BearerToken(*context);
     absl::MutexLock lock(&streams_mu_);
     const auto counted = streams_per_token_.find(token);
     const int held = counted == streams_per_token_.end() ? 0 : counted->second;

@@ -98,9 +98,10 @@ class PlannerServiceImpl final : public v1::PlannerService::Service {
   // may be let send its request: a job's token (of some job: live, or deleted lately) or the
   // admin token where it would be accepted, for kAdmin anyone where no admin token is set.
   // Else the status the call is finished with, unread: UNAUTHENTICATED without a token,
-  // PERMISSION_DENIED for another.
+  // PERMISSION_DENIED for another. When OK and `job_ranks` is given, it is set to the ranks of
+  // the job whose token it is (JobRegistry::TokenJobRanks), or -1 for the admin token.
   template <Caller caller>
-  absl::Status PreAuthorize(grpc::CallbackServerContext* context) const;
+  absl::Status PreAuthorize(grpc::CallbackServerContext* context, int* job_ranks = nullptr) const;
   // Admits a call's request (server/request_guard.h): INVALID_ARGUMENT for bytes that are
   // not a Request, the `caller`'s token checked against the job id read off them, the memory
   // the parse takes reserved into `hold` (RESOURCE_EXHAUSTED naming `method` past
